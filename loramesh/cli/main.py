@@ -1,0 +1,39 @@
+"""The ``loramesh`` command. Each subcommand lives in its own module; this one only dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from loramesh.cli import adapter_commands, mesh_commands
+from loramesh.cli.errors import CommandError
+from loramesh.cli.mesh_file import DEFAULT_STATE_DIR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loramesh", description="Serve many LoRA adapters of one base LLM.")
+    parser.add_argument(
+        "--state-dir", default=str(DEFAULT_STATE_DIR), help="local mesh state (default .loramesh)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    mesh_commands.add_parsers(sub)
+    adapter_commands.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CommandError as error:
+        print(f"loramesh: {error}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as error:
+        print(f"loramesh: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""``loramesh up``, ``down`` and ``status``: a local mesh on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loramesh.cli.errors import CommandError
+from loramesh.cli.mesh_file import MeshFile, ServiceEntry, pid_alive
+from loramesh.cli.table import render_table
+from services.runtime.etcd_server import EtcdServer
+from services.runtime.membership import MembershipConfig, list_members, read_loads
+from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
+from services.runtime.server import check_health
+
+
+def add_parsers(sub) -> None:
+    up = sub.add_parser("up", help="start etcd and every service on loopback (foreground)")
+    up.add_argument(
+        "--model", default="", help="base model: GGUF file or HF directory (default SmolLM2-135M)"
+    )
+    up.add_argument("--detach", action="store_true", help="run in the background; return once ready")
+    up.add_argument("--ram-budget-mib", type=int, default=1024, help="adapter store RAM tier")
+    up.set_defaults(func=cmd_up)
+    down = sub.add_parser("down", help="stop the local mesh started by `loramesh up`")
+    down.set_defaults(func=cmd_down)
+    status = sub.add_parser("status", help="members from etcd with health and load")
+    status.add_argument("--etcd", default="", help="etcd endpoint (default: from mesh.json)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=cmd_status)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _check_not_running(state_dir: Path) -> None:
+    mesh = MeshFile.read(state_dir)
+    if mesh is not None and pid_alive(mesh.up_pid):
+        raise CommandError(f"a mesh is already up (pid {mesh.up_pid}); run `loramesh down` first")
+    MeshFile.remove(state_dir)
+
+
+def cmd_up(args) -> int:
+    state_dir = Path(args.state_dir)
+    _check_not_running(state_dir)
+    if args.detach:
+        return _up_detached(args, state_dir)
+    return asyncio.run(_up_foreground(args, state_dir))
+
+
+def _up_detached(args, state_dir: Path) -> int:
+    log_dir = state_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), "up"]
+    if args.model:
+        argv += ["--model", args.model]
+    argv += ["--ram-budget-mib", str(args.ram_budget_mib)]
+    with open(log_dir / "up.log", "ab") as out:
+        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        mesh = MeshFile.read(state_dir)
+        if mesh is not None and mesh.up_pid == child.pid and mesh.ready:
+            _print_summary(mesh, state_dir)
+            return 0
+        if child.poll() is not None:
+            tail = (log_dir / "up.log").read_text(errors="replace").splitlines()[-20:]
+            raise CommandError("the mesh failed to start:\n" + "\n".join(tail))
+        time.sleep(0.2)
+    child.terminate()
+    raise CommandError("the mesh did not become ready within 180 s; see .loramesh/logs/")
+
+
+def _print_summary(mesh: MeshFile, state_dir: Path) -> None:
+    _log(f"mesh up (pid {mesh.up_pid}); etcd {mesh.etcd_endpoint}")
+    for name, entry in mesh.services.items():
+        _log(f"  {name:<14} grpc {entry.address}  http {entry.http_address}  log {entry.log}")
+    _log(f"state in {MeshFile.path(state_dir)}; stop with `loramesh down`")
+
+
+async def _up_foreground(args, state_dir: Path) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log_dir = state_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    etcd = EtcdServer(data_dir=state_dir / "etcd")
+    etcd.start()
+    processes: dict[str, ServiceProcess] = {}
+    try:
+        store_args = ["--etcd-endpoints", etcd.endpoint, "--data-dir", str(state_dir / "adapter_store"),
+                      "--ram-budget-mib", str(args.ram_budget_mib)]  # fmt: skip
+        if args.model:
+            store_args += ["--model", args.model]
+        processes["adapter_store"] = ServiceProcess(
+            "adapter_store", store_args, log_path=log_dir / "adapter_store.log"
+        ).start()
+        await asyncio.gather(*(p.wait_ready() for p in processes.values()))
+        mesh = MeshFile(
+            up_pid=os.getpid(),
+            etcd_endpoint=etcd.endpoint,
+            etcd_pid=etcd.pid or 0,
+            admin_api_key="lm-admin-" + secrets.token_urlsafe(18),
+            services={
+                name: ServiceEntry(p.address, p.http_address, p.pid or 0, str(p.log_path))
+                for name, p in processes.items()
+            },
+            ready=True,
+        )
+        mesh.write(state_dir)
+        _print_summary(mesh, state_dir)
+        await stop.wait()
+        _log("stopping the mesh")
+    finally:
+        for proc in processes.values():
+            await asyncio.to_thread(proc.terminate)
+        etcd.stop()
+        MeshFile.remove(state_dir)
+    return 0
+
+
+def cmd_down(args) -> int:
+    state_dir = Path(args.state_dir)
+    mesh = MeshFile.read(state_dir)
+    if mesh is None or not pid_alive(mesh.up_pid):
+        MeshFile.remove(state_dir)
+        raise CommandError("no mesh is up (no live `loramesh up` in .loramesh/mesh.json)")
+    os.kill(mesh.up_pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while pid_alive(mesh.up_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in [e.pid for e in mesh.services.values()] + [mesh.etcd_pid, mesh.up_pid]:
+        if pid and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    MeshFile.remove(state_dir)
+    _log("mesh stopped")
+    return 0
+
+
+def _etcd_endpoint(args) -> str:
+    if args.etcd:
+        return args.etcd
+    mesh = MeshFile.read(Path(args.state_dir))
+    if mesh is None:
+        raise CommandError("no mesh is up; start one with `loramesh up` or pass --etcd HOST:PORT")
+    return mesh.etcd_endpoint
+
+
+async def collect_status(etcd_endpoint: str) -> list[dict]:
+    """Every live member with its health (readiness) and latest load report."""
+    config = MembershipConfig(etcd_endpoints=etcd_endpoint)
+    members = await list_members(config)
+    loads = await read_loads(config)
+    healths = await asyncio.gather(
+        *(check_health(m.address, GRPC_SERVICE_NAMES.get(m.service, "")) for m in members)
+    )
+    now = time.time()
+    rows = []
+    for member, health_status in zip(members, healths):
+        load = dict(loads.get(member.instance_id, {}))
+        load.pop("ts", None)
+        rows.append(
+            {
+                "service": member.service,
+                "instance": member.instance_id,
+                "address": member.address,
+                "health": health_status,
+                "uptime_s": round(now - member.started_at, 1),
+                "load": load,
+            }
+        )
+    return sorted(rows, key=lambda r: (r["service"], r["instance"]))
+
+
+def cmd_status(args) -> int:
+    try:
+        rows = asyncio.run(asyncio.wait_for(collect_status(_etcd_endpoint(args)), 15))
+    except (TimeoutError, ConnectionError, OSError) as error:
+        raise CommandError(f"etcd did not answer: {error or 'timeout'}") from None
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no members registered")
+        return 0
+    print(
+        render_table(
+            ["SERVICE", "INSTANCE", "ADDRESS", "HEALTH", "UPTIME", "LOAD"],
+            [
+                [
+                    r["service"],
+                    r["instance"],
+                    r["address"],
+                    r["health"],
+                    f"{r['uptime_s']:.0f}s",
+                    " ".join(f"{k}={v}" for k, v in r["load"].items()),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    return 0

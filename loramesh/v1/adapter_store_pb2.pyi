@@ -1,0 +1,143 @@
+from loramesh.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdapterRef(_message.Message):
+    __slots__ = ("id", "owned_name")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OWNED_NAME_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    owned_name: OwnedName
+    def __init__(self, id: _Optional[str] = ..., owned_name: _Optional[_Union[OwnedName, _Mapping]] = ...) -> None: ...
+
+class OwnedName(_message.Message):
+    __slots__ = ("owner", "name")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    name: str
+    def __init__(self, owner: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RegisterAdapterRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    class Header(_message.Message):
+        __slots__ = ("name", "owner", "visibility", "total_bytes")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        OWNER_FIELD_NUMBER: _ClassVar[int]
+        VISIBILITY_FIELD_NUMBER: _ClassVar[int]
+        TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        owner: str
+        visibility: _types_pb2.Visibility
+        total_bytes: int
+        def __init__(self, name: _Optional[str] = ..., owner: _Optional[str] = ..., visibility: _Optional[_Union[_types_pb2.Visibility, str]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    class FileChunk(_message.Message):
+        __slots__ = ("filename", "data")
+        FILENAME_FIELD_NUMBER: _ClassVar[int]
+        DATA_FIELD_NUMBER: _ClassVar[int]
+        filename: str
+        data: bytes
+        def __init__(self, filename: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: RegisterAdapterRequest.Header
+    chunk: RegisterAdapterRequest.FileChunk
+    def __init__(self, header: _Optional[_Union[RegisterAdapterRequest.Header, _Mapping]] = ..., chunk: _Optional[_Union[RegisterAdapterRequest.FileChunk, _Mapping]] = ...) -> None: ...
+
+class RegisterAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: _types_pb2.AdapterInfo
+    def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class GetAdapterRequest(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: AdapterRef
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ("owner", "include_public", "page_size", "page_token")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    include_public: bool
+    page_size: int
+    page_token: str
+    def __init__(self, owner: _Optional[str] = ..., include_public: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "next_page_token", "total")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[_types_pb2.AdapterInfo]
+    next_page_token: str
+    total: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[_types_pb2.AdapterInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
+
+class DeleteAdapterRequest(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: AdapterRef
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
+
+class DeleteAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: _types_pb2.AdapterInfo
+    def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class FetchAdapterRequest(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: AdapterRef
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
+
+class FetchAdapterResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    class Header(_message.Message):
+        __slots__ = ("adapter", "total_bytes", "sha256")
+        ADAPTER_FIELD_NUMBER: _ClassVar[int]
+        TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+        SHA256_FIELD_NUMBER: _ClassVar[int]
+        adapter: _types_pb2.AdapterInfo
+        total_bytes: int
+        sha256: str
+        def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: FetchAdapterResponse.Header
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[FetchAdapterResponse.Header, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("adapters", "disk_bytes", "ram_bytes", "ram_budget_bytes", "ram_adapters", "ram_hits", "ram_misses", "uploads_in_flight")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RAM_HITS_FIELD_NUMBER: _ClassVar[int]
+    RAM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    UPLOADS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    adapters: int
+    disk_bytes: int
+    ram_bytes: int
+    ram_budget_bytes: int
+    ram_adapters: int
+    ram_hits: int
+    ram_misses: int
+    uploads_in_flight: int
+    def __init__(self, adapters: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget_bytes: _Optional[int] = ..., ram_adapters: _Optional[int] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., uploads_in_flight: _Optional[int] = ...) -> None: ...

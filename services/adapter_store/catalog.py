@@ -1,0 +1,190 @@
+"""The adapter catalog: one SQLite database in WAL mode, the single source of truth.
+
+A row exists only for an adapter whose blob was durably written first, so a crash between the
+two leaves at worst an orphan blob, which start-up removes. ``(owner, name)`` is unique.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS adapters (
+    seq            INTEGER PRIMARY KEY AUTOINCREMENT,
+    id             TEXT NOT NULL UNIQUE,
+    name           TEXT NOT NULL,
+    owner          TEXT NOT NULL,
+    visibility     INTEGER NOT NULL,
+    base_model     TEXT NOT NULL,
+    pet_type       TEXT NOT NULL,
+    rank           INTEGER NOT NULL,
+    max_rank       INTEGER NOT NULL,
+    lora_alpha     REAL NOT NULL,
+    use_rslora     INTEGER NOT NULL,
+    target_modules TEXT NOT NULL,
+    dtype          TEXT NOT NULL,
+    size_bytes     INTEGER NOT NULL,
+    sha256         TEXT NOT NULL,
+    version        INTEGER NOT NULL,
+    created_ms     INTEGER NOT NULL,
+    config_json    TEXT NOT NULL,
+    UNIQUE (owner, name)
+);
+CREATE INDEX IF NOT EXISTS adapters_by_owner ON adapters (owner, seq);
+CREATE TABLE IF NOT EXISTS name_versions (
+    owner        TEXT NOT NULL,
+    name         TEXT NOT NULL,
+    last_version INTEGER NOT NULL,
+    PRIMARY KEY (owner, name)
+);
+"""
+
+PRIVATE = 1
+PUBLIC = 2
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """One registered adapter, as the catalog stores it."""
+
+    id: str
+    """Stable id, also the blob's file name."""
+    name: str
+    """Unique per owner."""
+    owner: str
+    """Owner tenant."""
+    visibility: int
+    """``PRIVATE`` (1) or ``PUBLIC`` (2), the proto enum's values."""
+    base_model: str
+    """Base model tag the adapter was validated against."""
+    pet_type: str
+    """Kind of fine-tune; ``lora``."""
+    rank: int
+    """The config's ``r``."""
+    max_rank: int
+    """Largest rank over ``rank_pattern``."""
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    dtype: str
+    size_bytes: int
+    """Bytes of the safetensors blob."""
+    sha256: str
+    """Hex digest of the safetensors blob."""
+    version: int
+    """1 for the first registration of ``(owner, name)``; +1 each time it is registered again."""
+    created_ms: int
+    config_json: str
+    """``adapter_config.json`` as uploaded."""
+
+
+_COLUMNS = [f for f in AdapterRecord.__dataclass_fields__]
+
+
+def _row_to_record(row: sqlite3.Row) -> AdapterRecord:
+    values = {c: row[c] for c in _COLUMNS}
+    values["use_rslora"] = bool(values["use_rslora"])
+    values["target_modules"] = tuple(json.loads(values["target_modules"]))
+    return AdapterRecord(**values)
+
+
+class DuplicateName(Exception):
+    """``(owner, name)`` is already registered."""
+
+
+class Catalog:
+    """Thread-safe access to the SQLite catalog (one connection, one lock)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def next_version(self, owner: str, name: str) -> int:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT last_version FROM name_versions WHERE owner=? AND name=?", (owner, name)
+            ).fetchone()
+        return (row[0] if row else 0) + 1
+
+    def insert(self, record: AdapterRecord) -> None:
+        """Commit ``record``; raises :class:`DuplicateName` if ``(owner, name)`` is taken."""
+        values = asdict(record)
+        values["use_rslora"] = int(record.use_rslora)
+        values["target_modules"] = json.dumps(list(record.target_modules))
+        placeholders = ", ".join(f":{c}" for c in _COLUMNS)
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(
+                    f"INSERT INTO adapters ({', '.join(_COLUMNS)}) VALUES ({placeholders})", values
+                )
+                self._db.execute(
+                    "INSERT INTO name_versions (owner, name, last_version) VALUES (?, ?, ?) "
+                    "ON CONFLICT (owner, name) DO UPDATE SET last_version = excluded.last_version",
+                    (record.owner, record.name, record.version),
+                )
+                self._db.execute("COMMIT")
+            except sqlite3.IntegrityError as error:
+                self._db.execute("ROLLBACK")
+                raise DuplicateName(f"{record.owner}/{record.name}") from error
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def delete(self, adapter_id: str) -> bool:
+        with self._lock:
+            cursor = self._db.execute("DELETE FROM adapters WHERE id=?", (adapter_id,))
+        return cursor.rowcount > 0
+
+    def get(self, adapter_id: str) -> AdapterRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM adapters WHERE id=?", (adapter_id,)).fetchone()
+        return _row_to_record(row) if row else None
+
+    def get_by_name(self, owner: str, name: str) -> AdapterRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM adapters WHERE owner=? AND name=?", (owner, name)
+            ).fetchone()
+        return _row_to_record(row) if row else None
+
+    def page(
+        self, owner: str | None, include_public: bool, after_seq: int, limit: int
+    ) -> tuple[list[tuple[int, AdapterRecord]], int]:
+        """``(seq, record)`` pairs after ``after_seq`` in registration order, and the total matching."""
+        where, params = "1=1", []
+        if owner:
+            if include_public:
+                where, params = "(owner=? OR visibility=?)", [owner, PUBLIC]
+            else:
+                where, params = "owner=?", [owner]
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM adapters WHERE {where} AND seq > ? ORDER BY seq LIMIT ?",
+                [*params, after_seq, limit],
+            ).fetchall()
+            total = self._db.execute(f"SELECT COUNT(*) FROM adapters WHERE {where}", params).fetchone()[0]
+        return [(r["seq"], _row_to_record(r)) for r in rows], total
+
+    def all(self) -> list[AdapterRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM adapters ORDER BY seq").fetchall()
+        return [_row_to_record(r) for r in rows]
+
+    def count(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM adapters").fetchone()[0]

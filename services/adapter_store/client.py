@@ -1,0 +1,87 @@
+"""Async helpers for talking to the adapter store: upload a PEFT directory, fetch and verify.
+
+Used by the CLI, the workers (which pull adapters) and the tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from loramesh.v1 import adapter_store_pb2 as pb
+from loramesh.v1 import adapter_store_pb2_grpc, types_pb2
+
+UPLOAD_CHUNK_BYTES = 1 << 20
+UPLOAD_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class ChecksumMismatch(Exception):
+    """A fetched adapter's bytes do not match the sha256 the store announced."""
+
+
+def ref_by_name(owner: str, name: str) -> pb.AdapterRef:
+    return pb.AdapterRef(owned_name=pb.OwnedName(owner=owner, name=name))
+
+
+def ref_by_id(adapter_id: str) -> pb.AdapterRef:
+    return pb.AdapterRef(id=adapter_id)
+
+
+def read_adapter_dir(directory: str | Path) -> dict[str, bytes]:
+    """The files of a PEFT adapter directory that the store takes."""
+    directory = Path(directory)
+    files = {name: (directory / name).read_bytes() for name in UPLOAD_FILES if (directory / name).exists()}
+    if (directory / "adapter_model.bin").exists() and "adapter_model.safetensors" not in files:
+        files["adapter_model.bin"] = (directory / "adapter_model.bin").read_bytes()
+    return files
+
+
+def upload_requests(
+    files: dict[str, bytes], name: str, owner: str, visibility: int = types_pb2.VISIBILITY_PRIVATE
+) -> Iterator[pb.RegisterAdapterRequest]:
+    """The RegisterAdapter message stream (a plain iterator: sync and aio stubs both take it)."""
+    yield pb.RegisterAdapterRequest(
+        header=pb.RegisterAdapterRequest.Header(
+            name=name, owner=owner, visibility=visibility, total_bytes=sum(len(d) for d in files.values())
+        )
+    )
+    for filename, data in files.items():
+        for start in range(0, max(len(data), 1), UPLOAD_CHUNK_BYTES):
+            yield pb.RegisterAdapterRequest(
+                chunk=pb.RegisterAdapterRequest.FileChunk(
+                    filename=filename, data=data[start : start + UPLOAD_CHUNK_BYTES]
+                )
+            )
+
+
+async def upload_adapter(
+    stub: adapter_store_pb2_grpc.AdapterStoreStub,
+    files: dict[str, bytes],
+    name: str,
+    owner: str,
+    visibility: int = types_pb2.VISIBILITY_PRIVATE,
+    timeout: float | None = 120,
+    metadata=None,
+) -> types_pb2.AdapterInfo:
+    reply = await stub.RegisterAdapter(
+        upload_requests(files, name, owner, visibility), timeout=timeout, metadata=metadata
+    )
+    return reply.adapter
+
+
+async def fetch_adapter(
+    stub: adapter_store_pb2_grpc.AdapterStoreStub, ref: pb.AdapterRef, timeout: float | None = 120
+) -> tuple[types_pb2.AdapterInfo, bytes]:
+    """Download an adapter's weights and verify them against the announced sha256."""
+    header = None
+    chunks: list[bytes] = []
+    async for message in stub.FetchAdapter(pb.FetchAdapterRequest(ref=ref), timeout=timeout):
+        if message.WhichOneof("item") == "header":
+            header = message.header
+        else:
+            chunks.append(message.chunk)
+    data = b"".join(chunks)
+    if header is None or len(data) != header.total_bytes or hashlib.sha256(data).hexdigest() != header.sha256:
+        raise ChecksumMismatch(f"adapter {ref} arrived corrupted ({len(data)} bytes)")
+    return header.adapter, data

@@ -1,0 +1,25 @@
+"""Settings of the adapter store (flags ``--name``, env ``LORAMESH_NAME``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.runtime.config import ServiceConfig
+
+
+@dataclass
+class AdapterStoreConfig(ServiceConfig):
+    """loramesh adapter store: durable catalog, blobs on disk, hot set in RAM."""
+
+    data_dir: str = ".loramesh/adapter_store"
+    """Directory for the SQLite catalog and the blob files (a PVC in Kubernetes)."""
+    model: str = ""
+    """Base model the adapters must fit: GGUF file or HF directory (default: SmolLM2-135M)."""
+    max_rank: int = 64
+    """Largest LoRA rank accepted at registration."""
+    max_adapter_mib: int = 256
+    """Largest upload accepted, config plus weights, in MiB."""
+    ram_budget_mib: int = 1024
+    """Bytes of adapter weights kept hot in RAM (LRU); the rest is read from disk on demand."""
+    verify_on_start: str = "sha256"
+    """How blobs are checked when the catalog is reopened: ``sha256`` (full) or ``size``."""

@@ -1,0 +1,271 @@
+"""The adapter repository (PetS's parameter repository, S-LoRA's host-memory adapter store).
+
+Combines the catalog (source of truth), the blob files and the RAM tier. Every operation is
+synchronous and may block on disk: the servicer runs them in a worker thread.
+
+Registration order is what makes it crash-safe: validate everything in memory, write the blob
+durably (temp, fsync, rename), then commit the catalog row. A crash before the commit leaves
+an orphan blob that :meth:`AdapterRepository.open` removes; a reader never sees an adapter
+whose bytes are not all on disk.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.adapter_store.blob_store import BlobStore, sha256_hex
+from services.adapter_store.catalog import PRIVATE, PUBLIC, AdapterRecord, Catalog, DuplicateName
+from services.adapter_store.ram_tier import RamTier
+from services.adapter_store.validation import ValidationLimits, validate_adapter
+from services.runtime.base_model import BaseModelSpec
+from services.runtime.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
+
+log = logging.getLogger("loramesh.adapter_store")
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 100
+
+
+@dataclass(frozen=True)
+class AdapterKey:
+    """Names an adapter by ``id``, or by ``owner`` and ``name``."""
+
+    id: str = ""
+    owner: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class OpenReport:
+    """What start-up found on disk."""
+
+    adapters: int
+    verified: int
+    orphan_blobs_removed: int
+    temp_files_removed: int
+    corrupt_quarantined: int
+
+
+@dataclass(frozen=True)
+class RepositoryStats:
+    adapters: int
+    disk_bytes: int
+    ram_bytes: int
+    ram_budget_bytes: int
+    ram_adapters: int
+    ram_hits: int
+    ram_misses: int
+
+
+def check_name(field: str, value: str) -> None:
+    if not _NAME_RE.fullmatch(value or ""):
+        raise InvalidArgument(
+            f"{field} {value!r} is invalid: 1-128 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def encode_page_token(seq: int) -> str:
+    return base64.urlsafe_b64encode(f"seq:{seq}".encode()).decode()
+
+
+def decode_page_token(token: str) -> int:
+    if not token:
+        return 0
+    try:
+        text = base64.urlsafe_b64decode(token.encode()).decode()
+        if not text.startswith("seq:"):
+            raise ValueError(text)
+        return int(text[4:])
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise InvalidArgument(f"page_token {token!r} is not a token this store issued") from None
+
+
+class AdapterRepository:
+    def __init__(
+        self,
+        data_dir: Path,
+        spec: BaseModelSpec,
+        limits: ValidationLimits,
+        ram_budget_bytes: int,
+        verify_on_open: str = "sha256",
+    ):
+        if verify_on_open not in ("sha256", "size"):
+            raise ValueError(f"verify_on_open must be 'sha256' or 'size', not {verify_on_open!r}")
+        self.data_dir = Path(data_dir)
+        self.spec = spec
+        self.limits = limits
+        self.verify_on_open = verify_on_open
+        self.blobs = BlobStore(self.data_dir)
+        self.catalog = Catalog(self.data_dir / "catalog.sqlite3")
+        self.ram = RamTier(ram_budget_bytes)
+        self._quarantine = self.data_dir / "quarantine"
+        self._disk_bytes = 0
+        self._disk_lock = threading.Lock()
+
+    def open(self) -> OpenReport:
+        """Reload the catalog and reconcile it with the blobs on disk."""
+        temp_removed = self.blobs.clean_temp()
+        records = self.catalog.all()
+        on_disk = self.blobs.ids()
+        known = {r.id for r in records}
+        orphans = on_disk - known
+        for blob_id in orphans:
+            self.blobs.delete(blob_id)
+        corrupt = 0
+        disk_bytes = 0
+        for record in records:
+            problem = self._verify_blob(record)
+            if problem:
+                corrupt += 1
+                log.error("adapter %s (%s/%s) %s: quarantined", record.id, record.owner, record.name, problem)
+                self._quarantine_blob(record)
+            else:
+                disk_bytes += record.size_bytes
+        self._disk_bytes = disk_bytes
+        report = OpenReport(
+            adapters=len(records) - corrupt,
+            verified=len(records) - corrupt,
+            orphan_blobs_removed=len(orphans),
+            temp_files_removed=temp_removed,
+            corrupt_quarantined=corrupt,
+        )
+        log.info("catalog opened: %s", report)
+        return report
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    def _verify_blob(self, record: AdapterRecord) -> str | None:
+        path = self.blobs.path(record.id)
+        if not path.exists():
+            return "blob missing"
+        if path.stat().st_size != record.size_bytes:
+            return f"blob has {path.stat().st_size} bytes, catalog says {record.size_bytes}"
+        if self.verify_on_open == "sha256" and sha256_hex(path.read_bytes()) != record.sha256:
+            return "blob sha256 mismatch"
+        return None
+
+    def _quarantine_blob(self, record: AdapterRecord) -> None:
+        self._quarantine.mkdir(exist_ok=True)
+        path = self.blobs.path(record.id)
+        if path.exists():
+            path.rename(self._quarantine / path.name)
+        self.catalog.delete(record.id)
+
+    def register(
+        self, name: str, owner: str, visibility: int, config_bytes: bytes, weights: bytes
+    ) -> AdapterRecord:
+        """Validate, store durably and commit one adapter. Nothing is kept if any step fails."""
+        check_name("name", name)
+        check_name("owner", owner)
+        if visibility not in (PRIVATE, PUBLIC):
+            visibility = PRIVATE
+        if self.catalog.get_by_name(owner, name) is not None:
+            raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}")
+        validated = validate_adapter(config_bytes, weights, self.spec, self.limits)
+        record = AdapterRecord(
+            id=uuid.uuid4().hex,
+            name=name,
+            owner=owner,
+            visibility=visibility,
+            base_model=self.spec.name,
+            pet_type="lora",
+            rank=validated.rank,
+            max_rank=validated.max_rank,
+            lora_alpha=float(validated.lora_alpha),
+            use_rslora=validated.use_rslora,
+            target_modules=tuple(validated.target_modules),
+            dtype=validated.dtype,
+            size_bytes=len(weights),
+            sha256=sha256_hex(weights),
+            version=self.catalog.next_version(owner, name),
+            created_ms=int(time.time() * 1000),
+            config_json=config_bytes.decode("utf-8"),
+        )
+        self.blobs.write(record.id, weights)
+        try:
+            self.catalog.insert(record)
+        except DuplicateName:
+            self.blobs.delete(record.id)
+            raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}") from None
+        except BaseException:
+            self.blobs.delete(record.id)
+            raise
+        with self._disk_lock:
+            self._disk_bytes += record.size_bytes
+        self.ram.put(record.id, weights)
+        return record
+
+    def resolve(self, key: AdapterKey) -> AdapterRecord:
+        if key.id:
+            record = self.catalog.get(key.id)
+            if record is None:
+                raise NotFound(f"adapter id {key.id!r} not found")
+            return record
+        if not key.name:
+            raise InvalidArgument("ref must give an adapter id or an owner and name")
+        record = self.catalog.get_by_name(key.owner, key.name)
+        if record is None:
+            raise NotFound(f"adapter {key.name!r} of owner {key.owner!r} not found")
+        return record
+
+    def list(
+        self, owner: str = "", include_public: bool = False, page_size: int = 0, page_token: str = ""
+    ) -> tuple[list[AdapterRecord], str, int]:
+        """One page: (records, next page token or "", total matching)."""
+        if page_size > MAX_PAGE_SIZE:
+            raise InvalidArgument(f"page_size {page_size} is above the maximum {MAX_PAGE_SIZE}")
+        limit = page_size or DEFAULT_PAGE_SIZE
+        after = decode_page_token(page_token)
+        rows, total = self.catalog.page(owner or None, include_public, after, limit + 1)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        next_token = encode_page_token(rows[-1][0]) if more else ""
+        return [record for _, record in rows], next_token, total
+
+    def delete(self, key: AdapterKey) -> AdapterRecord:
+        """Remove from the catalog first (invisible at once), then the blob and RAM copy."""
+        record = self.resolve(key)
+        if self.catalog.delete(record.id):
+            self.blobs.delete(record.id)
+            self.ram.discard(record.id)
+            with self._disk_lock:
+                self._disk_bytes -= record.size_bytes
+        return record
+
+    def read_weights(self, record: AdapterRecord) -> bytes:
+        """The safetensors bytes: from RAM if hot, else from disk (verified, then cached)."""
+        data = self.ram.get(record.id)
+        if data is not None:
+            return data
+        try:
+            data = self.blobs.read(record.id)
+        except FileNotFoundError:
+            if self.catalog.get(record.id) is None:
+                raise NotFound(f"adapter id {record.id!r} was deleted") from None
+            raise DataLoss(f"adapter {record.id!r}: blob missing on disk") from None
+        if sha256_hex(data) != record.sha256:
+            raise DataLoss(f"adapter {record.id!r}: blob on disk fails its sha256 check")
+        self.ram.put(record.id, data)
+        return data
+
+    def stats(self) -> RepositoryStats:
+        return RepositoryStats(
+            adapters=self.catalog.count(),
+            disk_bytes=self._disk_bytes,
+            ram_bytes=self.ram.bytes_used,
+            ram_budget_bytes=self.ram.budget_bytes,
+            ram_adapters=len(self.ram),
+            ram_hits=self.ram.hits,
+            ram_misses=self.ram.misses,
+        )

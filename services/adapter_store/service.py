@@ -1,0 +1,59 @@
+"""The adapter store as a runtime :class:`~services.runtime.server.Service`."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from grpc import aio
+
+from loramesh.v1 import adapter_store_pb2_grpc
+from services.adapter_store.config import AdapterStoreConfig
+from services.adapter_store.repository import AdapterRepository
+from services.adapter_store.servicer import AdapterStoreServicer
+from services.adapter_store.validation import ValidationLimits
+from services.runtime.base_model import load_base_model_spec
+
+MIB = 2**20
+
+
+class AdapterStoreService:
+    name = "adapter_store"
+    grpc_service_name = "loramesh.v1.AdapterStore"
+
+    def __init__(self, config: AdapterStoreConfig):
+        self.config = config
+        self.repository: AdapterRepository | None = None
+        self.servicer = AdapterStoreServicer()
+
+    def add_to_server(self, server: aio.Server) -> None:
+        adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(self.servicer, server)
+
+    async def start(self) -> None:
+        cfg = self.config
+        spec = await asyncio.to_thread(load_base_model_spec, cfg.model or None)
+        repository = AdapterRepository(
+            Path(cfg.data_dir),
+            spec,
+            ValidationLimits(max_rank=cfg.max_rank, max_adapter_bytes=cfg.max_adapter_mib * MIB),
+            ram_budget_bytes=cfg.ram_budget_mib * MIB,
+            verify_on_open=cfg.verify_on_start,
+        )
+        await asyncio.to_thread(repository.open)
+        self.repository = repository
+        self.servicer.attach(repository)
+
+    async def stop(self) -> None:
+        if self.repository is not None:
+            self.repository.close()
+
+    def load_report(self) -> dict:
+        if self.repository is None:
+            return {"ready": False}
+        stats = self.repository.stats()
+        return {
+            "adapters": stats.adapters,
+            "ram_bytes": stats.ram_bytes,
+            "ram_budget_bytes": stats.ram_budget_bytes,
+            "uploads_in_flight": self.servicer.uploads_in_flight,
+        }

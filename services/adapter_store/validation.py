@@ -1,0 +1,635 @@
+"""Validate an uploaded PEFT LoRA adapter against the base model before it is registered.
+
+An adapter is the two files PEFT's ``save_pretrained`` writes: ``adapter_config.json`` and
+``adapter_model.safetensors``. The store commits nothing it could not serve, so a bad adapter is
+refused at registration, with a message that names the field or tensor at fault, instead of
+failing later inside a worker in the middle of a batch. The checks run cheapest first:
+
+1. **Size**: both files together within ``ValidationLimits.max_adapter_bytes``
+   (``ResourceExhausted``), before anything is parsed.
+2. **Config**: a LoRA (``peft_type`` "LORA") for a causal LM whose targets are only the seven
+   Llama projections (q/k/v/o/gate/up/down), with ``r`` and every ``rank_pattern`` rank within
+   ``ValidationLimits.max_rank``. Features the worker's kernels do not implement (embedding or
+   ``lm_head`` LoRA, ``modules_to_save``, DoRA, LoRA bias, ``fan_in_fan_out``...) are refused by
+   field name. ``target_modules``, ``layers_to_transform``, ``exclude_modules``, ``rank_pattern``
+   and ``alpha_pattern`` follow PEFT's matching rules exactly, so we serve what PEFT would load.
+3. **Safetensors container**: the header is parsed here (no library, no copy of the data) and
+   the tensors' ``data_offsets`` must tile the data section exactly: a truncated, padded or
+   overlapping file is refused before any byte of it is interpreted.
+4. **Dtype**: F16, BF16 or F32, one dtype for the whole adapter.
+5. **Names**: exactly PEFT's saved names,
+   ``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight``, for modules
+   the config targets, each with both A and B.
+6. **Shapes**: ``lora_A`` is ``(r, in_features)`` and ``lora_B`` ``(out_features, r)`` of the base
+   model's projection, ``r`` being that module's rank.
+7. **Values**: no NaN or Inf anywhere, tested on the raw bits of the whole data section at once
+   (an IEEE value is NaN or Inf exactly when its exponent bits are all ones), so a 10 MB adapter
+   is checked in a few milliseconds without converting anything.
+
+This is pure domain code: it raises :mod:`services.runtime.errors` exceptions and needs only the
+standard library and numpy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from re import _parser as regex_parser  # the stdlib's own regex parser, to bound matching cost
+from typing import Any
+
+import numpy as np
+
+from services.runtime.base_model import ATTENTION_PROJECTIONS, LORA_TARGETS, BaseModelSpec
+from services.runtime.errors import InvalidArgument, ResourceExhausted
+
+#: Largest safetensors header we parse; real adapter headers are a few tens of KiB.
+MAX_HEADER_BYTES = 100 * 2**20
+
+#: Most repetitions (``.*``, ``\d+``...) one user-supplied regex may contain. Module names are
+#: matched by backtracking, so each repetition multiplies the worst-case cost by a path's length.
+MAX_REGEX_REPEATS = 3
+
+_REPEAT_OPS = (regex_parser.MAX_REPEAT, regex_parser.MIN_REPEAT, regex_parser.POSSESSIVE_REPEAT)
+_ONE_CHAR_OPS = (regex_parser.LITERAL, regex_parser.NOT_LITERAL, regex_parser.ANY, regex_parser.IN)
+
+#: Bytes per element of every safetensors dtype, so sizes can be checked before dtypes.
+_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+
+#: Dtypes we serve: safetensors name -> (name reported in the catalog, raw-bits view, exponent mask).
+_SERVED_DTYPES = {
+    "F16": ("float16", "<u2", 0x7C00),
+    "BF16": ("bfloat16", "<u2", 0x7F80),
+    "F32": ("float32", "<u4", 0x7F800000),
+}
+
+#: Config fields naming features the worker cannot serve: refused whenever set (truthy).
+_UNSUPPORTED_FIELDS = {
+    "modules_to_save": "full copies of extra modules are not served",
+    "use_dora": "DoRA is not supported",
+    "fan_in_fan_out": "transposed (Conv1D) weights are not supported",
+    "lora_bias": "a bias on lora_B is not supported",
+    "use_qalora": "QA-LoRA is not supported",
+    "use_bdlora": "block-diagonal LoRA is not supported",
+    "alora_invocation_tokens": "activated LoRA is not supported",
+    "trainable_token_indices": "trainable embedding tokens are not supported",
+    "layer_replication": "layer replication is not supported",
+    "target_parameters": "LoRA on parameters (rather than modules) is not supported",
+    "arrow_config": "Arrow routing is not supported",
+}
+
+_TENSOR_PREFIX = "base_model.model."
+_TENSOR_NAME = re.compile(
+    r"base_model\.model\.model\.layers\.(0|[1-9]\d*)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
+)
+
+
+@dataclass(frozen=True)
+class ValidationLimits:
+    """What the deployment is willing to store and serve."""
+
+    max_rank: int = 64
+    """Largest LoRA rank of any module (``r`` and every ``rank_pattern`` value)."""
+    max_adapter_bytes: int = 256 * 2**20
+    """Largest adapter, config and safetensors file together, in bytes."""
+
+
+@dataclass(frozen=True)
+class ValidatedAdapter:
+    """What validation learnt about an adapter: the catalog's facts, read once."""
+
+    rank: int
+    """The config's ``r``, the rank of every module ``rank_pattern`` does not override."""
+    max_rank: int
+    """Largest rank among the modules the adapter carries (what a worker must make room for)."""
+    lora_alpha: float
+    """The config's ``lora_alpha`` (``alpha_pattern`` may override it per module)."""
+    use_rslora: bool
+    """Scale by ``alpha / sqrt(r)`` instead of ``alpha / r``."""
+    target_modules: tuple[str, ...]
+    """Projections that carry LoRA weights in at least one layer, a sorted subset of LORA_TARGETS."""
+    dtype: str
+    """``"float16"``, ``"bfloat16"`` or ``"float32"``: one dtype for every tensor."""
+    num_tensors: int
+    """Number of tensors in the safetensors file (two per adapted module)."""
+    layers: tuple[int, ...]
+    """Sorted indices of the layers that carry LoRA weights."""
+    config: dict
+    """The parsed ``adapter_config.json``."""
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    """One tensor of a safetensors header."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    """Offset of its first byte in the data section."""
+    end: int
+    """Offset one past its last byte in the data section."""
+
+
+def module_path(layer: int, module: str) -> str:
+    """PEFT's name for a projection in a LlamaForCausalLM, e.g. ``model.layers.3.self_attn.q_proj``."""
+    parent = "self_attn" if module in ATTENTION_PROJECTIONS else "mlp"
+    return f"model.layers.{layer}.{parent}.{module}"
+
+
+def tensor_name(layer: int, module: str, factor: str) -> str:
+    """Name PEFT saves a LoRA factor under; ``factor`` is ``"A"`` or ``"B"``."""
+    return f"{_TENSOR_PREFIX}{module_path(layer, module)}.lora_{factor}.weight"
+
+
+def pattern_value(pattern: dict | None, path: str, default: Any) -> Any:
+    """PEFT's ``rank_pattern``/``alpha_pattern`` lookup for the module at ``path``.
+
+    A key matches when ``path`` is the key or ends with ``.`` followed by it (keys are regexes);
+    the first matching key in the dict's order wins, otherwise ``default`` applies.
+    """
+    for key, value in (pattern or {}).items():
+        if _pattern_key_regex(key).fullmatch(path):
+            return value
+    return default
+
+
+@functools.lru_cache(maxsize=4096)
+def _pattern_key_regex(key: str) -> re.Pattern:
+    """A pattern key compiled once (``re``'s own cache holds only 512 patterns)."""
+    return re.compile(rf"(.*\.)?(?:{key})")
+
+
+def validate_adapter(
+    config_bytes: bytes, safetensors_bytes: bytes, spec: BaseModelSpec, limits: ValidationLimits
+) -> ValidatedAdapter:
+    """Check a PEFT LoRA adapter against ``spec`` and ``limits``; raise on the first problem.
+
+    Raises ``ResourceExhausted`` when the adapter is too large and ``InvalidArgument`` for
+    anything else, with a message naming the field or tensor and what was expected.
+    """
+    size = len(config_bytes) + len(safetensors_bytes)
+    if size > limits.max_adapter_bytes:
+        raise ResourceExhausted(
+            f"adapter is {size} bytes, over the limit max_adapter_bytes={limits.max_adapter_bytes}"
+        )
+    config = _parse_config(config_bytes, spec, limits)
+    targets = _targeted_modules(config, spec)
+    ranks = {path: pattern_value(config.get("rank_pattern"), path, config["r"]) for path in targets}
+    data_start, entries = _parse_safetensors(safetensors_bytes)
+    dtype = _check_dtype(entries)
+    _check_names(entries, targets, spec)
+    _check_shapes(entries, targets, ranks, spec)
+    _check_finite(safetensors_bytes, data_start, entries, dtype)
+    return ValidatedAdapter(
+        rank=config["r"],
+        max_rank=max(ranks.values()),
+        lora_alpha=float(config["lora_alpha"]),
+        use_rslora=config.get("use_rslora", False),
+        target_modules=tuple(sorted({module for _, module in targets.values()})),
+        dtype=_SERVED_DTYPES[dtype][0],
+        num_tensors=len(entries),
+        layers=tuple(sorted({layer for layer, _ in targets.values()})),
+        config=config,
+    )
+
+
+# --- adapter_config.json ---------------------------------------------------------------------
+
+
+def _parse_config(config_bytes: bytes, spec: BaseModelSpec, limits: ValidationLimits) -> dict:
+    """Parse ``adapter_config.json`` and check every field that decides what is served."""
+    try:
+        config = json.loads(config_bytes.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"adapter_config.json is not valid UTF-8: {exc}") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidArgument(f"adapter_config.json is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"adapter_config.json must be a JSON object, got {type(config).__name__}")
+    if config.get("peft_type") != "LORA":
+        raise InvalidArgument(
+            f"adapter_config.json peft_type is {config.get('peft_type')!r}; only 'LORA' is supported"
+        )
+    if config.get("task_type") not in (None, "CAUSAL_LM"):
+        raise InvalidArgument(
+            f"adapter_config.json task_type is {config['task_type']!r}; expected 'CAUSAL_LM' or null"
+        )
+    for name in ("r", "lora_alpha", "target_modules"):
+        if config.get(name) is None:
+            raise InvalidArgument(f"adapter_config.json has no {name}")
+    _check_rank("r", config["r"], limits)
+    _check_alpha("lora_alpha", config["lora_alpha"])
+    for key, rank in _pattern(config, "rank_pattern", spec).items():
+        _check_rank(f"rank_pattern[{key!r}]", rank, limits)
+    for key, alpha in _pattern(config, "alpha_pattern", spec).items():
+        _check_alpha(f"alpha_pattern[{key!r}]", alpha)
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise InvalidArgument(
+            f"adapter_config.json use_rslora must be true or false, got {config['use_rslora']!r}"
+        )
+    if config.get("bias", "none") != "none":
+        raise InvalidArgument(
+            f"adapter_config.json bias is {config['bias']!r}; only 'none' is supported "
+            "(trained biases of the base model are not served)"
+        )
+    for field, reason in _UNSUPPORTED_FIELDS.items():
+        if config.get(field):
+            raise InvalidArgument(
+                f"adapter_config.json {field} is {config[field]!r}: {reason}; it must be unset"
+            )
+    return config
+
+
+def _pattern(config: dict, field: str, spec: BaseModelSpec) -> dict:
+    """A ``rank_pattern``/``alpha_pattern`` dict (null: empty) whose keys are valid regexes.
+
+    It may have at most one key per projection of the base model: more could only be redundant,
+    and every key is matched against every module.
+    """
+    pattern = config.get(field) or {}
+    if not isinstance(pattern, dict):
+        raise InvalidArgument(f"adapter_config.json {field} must be an object, got {pattern!r}")
+    modules = spec.num_layers * len(LORA_TARGETS)
+    if len(pattern) > modules:
+        raise InvalidArgument(
+            f"adapter_config.json {field} has {len(pattern)} keys, more than the {modules} projections "
+            f"of {spec.name}"
+        )
+    for key in pattern:
+        _check_regex(f"{field} key", key)
+    return pattern
+
+
+def _check_rank(field: str, value: Any, limits: ValidationLimits) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgument(f"adapter_config.json {field} must be a positive integer, got {value!r}")
+    if value > limits.max_rank:
+        raise InvalidArgument(
+            f"adapter_config.json {field}={value} exceeds the maximum rank {limits.max_rank}"
+        )
+
+
+def _check_alpha(field: str, value: Any) -> None:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidArgument(f"adapter_config.json {field} must be a positive number, got {value!r}")
+
+
+def _check_regex(field: str, pattern: Any) -> None:
+    if not isinstance(pattern, str):
+        raise InvalidArgument(f"adapter_config.json {field} must be a string, got {pattern!r}")
+    try:
+        parsed = regex_parser.parse(pattern)
+    except re.error as exc:
+        raise InvalidArgument(
+            f"adapter_config.json {field} {pattern!r} is not a valid regex: {exc}"
+        ) from None
+    repeats = _count_repeats(parsed, f"adapter_config.json {field} {pattern!r}")
+    if repeats > MAX_REGEX_REPEATS:
+        raise InvalidArgument(
+            f"adapter_config.json {field} {pattern!r} has {repeats} repetitions; at most "
+            f"{MAX_REGEX_REPEATS} (like .* or \\d+) are accepted, to keep matching fast"
+        )
+
+
+def _count_repeats(subpattern: Any, where: str) -> int:
+    """Repetitions in a parsed regex; refuses repeating anything longer than one character.
+
+    A repeated group (``(a|ab)*``, ``(.*)*``) can make backtracking exponential in the length
+    of the module name: a registration must not be able to pin a CPU.
+    """
+    count = 0
+    for op, arg in subpattern:
+        if op in _REPEAT_OPS:
+            _, most, body = arg
+            if most > 1 and not (len(body) == 1 and body[0][0] in _ONE_CHAR_OPS):
+                raise InvalidArgument(
+                    f"{where} repeats a group; only single characters or classes may be repeated "
+                    "(like .* or \\d+), to keep matching fast"
+                )
+            count += (most > 1) + _count_repeats(body, where)
+        elif op is regex_parser.BRANCH:
+            count += sum(_count_repeats(branch, where) for branch in arg[1])
+        elif op is regex_parser.SUBPATTERN:
+            count += _count_repeats(arg[-1], where)
+        elif op in (regex_parser.ASSERT, regex_parser.ASSERT_NOT):
+            count += _count_repeats(arg[1], where)
+        elif op is regex_parser.ATOMIC_GROUP:
+            count += _count_repeats(arg, where)
+        elif op is regex_parser.GROUPREF_EXISTS:
+            count += sum(_count_repeats(branch, where) for branch in arg[1:] if branch)
+    return count
+
+
+def _model_modules(spec: BaseModelSpec) -> list[str]:
+    """Every module path of a LlamaForCausalLM, as ``named_modules()`` lists them (root left out)."""
+    paths = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}"
+        paths += [prefix, f"{prefix}.self_attn", f"{prefix}.mlp", f"{prefix}.mlp.act_fn"]
+        paths += [f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm"]
+        paths += [module_path(layer, module) for module in LORA_TARGETS]
+    return paths
+
+
+def _layer_filter(config: dict, spec: BaseModelSpec) -> set[int] | None:
+    """The layers ``layers_to_transform`` keeps (None: all), checked against the base model."""
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return None
+    wanted = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    if not isinstance(wanted, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < spec.num_layers for i in wanted
+    ):
+        raise InvalidArgument(
+            f"adapter_config.json layers_to_transform must be null or a list of layer indices in "
+            f"[0, {spec.num_layers}), got {layers!r}"
+        )
+    pattern = config.get("layers_pattern")
+    patterns = [pattern] if isinstance(pattern, str) else pattern or []
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise InvalidArgument(
+            f"adapter_config.json layers_pattern must be null, a string or a list of strings, got {pattern!r}"
+        )
+    # PEFT finds a module's layer index with ``layers_pattern`` (a name before the index); our only
+    # indexed container is ``model.layers``, so a pattern other than "layers" matches no module.
+    if patterns and "layers" not in patterns:
+        return set()
+    return set(wanted)
+
+
+def _names_or_regex(field: str, value: Any) -> list[str] | str:
+    """Check ``target_modules``/``exclude_modules``: a list of module names or one regex."""
+    if isinstance(value, str):
+        _check_regex(field, value)
+    elif not (isinstance(value, list) and all(isinstance(name, str) for name in value)):
+        raise InvalidArgument(
+            f"adapter_config.json {field} must be a list of module names or a regex, got {value!r}"
+        )
+    return value
+
+
+def _matches(names_or_regex: list[str] | str, path: str) -> bool:
+    """PEFT's module matching: a regex must match the whole path, a name its last components."""
+    if isinstance(names_or_regex, str):
+        return re.fullmatch(names_or_regex, path) is not None
+    return any(path == name or path.endswith(f".{name}") for name in names_or_regex)
+
+
+def _targeted_modules(config: dict, spec: BaseModelSpec) -> dict[str, tuple[int, str]]:
+    """Resolve ``target_modules`` as PEFT does: module path -> (layer, projection) it adapts.
+
+    Refuses a target that reaches any module other than the seven projections (PEFT would
+    wrap it, or fail), and a list entry that names no module of the base model at all.
+    """
+    targets = config["target_modules"]
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        targets = list(LORA_TARGETS)
+    targets = _names_or_regex("target_modules", targets)
+    exclude = _names_or_regex("exclude_modules", config.get("exclude_modules") or [])
+    paths = _model_modules(spec)
+    if isinstance(targets, str):
+        matched = [p for p in paths if _matches(targets, p)]
+        layers = None  # PEFT applies layers_to_transform only to a list of names
+    else:
+        for name in targets:
+            if not any(_matches([name], p) for p in paths):
+                raise InvalidArgument(
+                    f"adapter_config.json target_modules entry {name!r} is not a module of the base "
+                    f"model; LoRA may target {', '.join(LORA_TARGETS)}"
+                )
+        matched = [p for p in paths if _matches(targets, p)]
+        layers = _layer_filter(config, spec)
+    resolved = {}
+    for path in matched:
+        if _matches(exclude, path):
+            continue
+        parts = path.split(".")
+        if len(parts) != 5 or parts[-1] not in LORA_TARGETS:
+            raise InvalidArgument(
+                f"adapter_config.json target_modules targets {path!r}: LoRA on {parts[-1]} is not "
+                f"supported; LoRA may target {', '.join(LORA_TARGETS)}"
+            )
+        layer = int(parts[2])
+        if layers is None or layer in layers:
+            resolved[path] = (layer, parts[-1])
+    if not resolved:
+        raise InvalidArgument(
+            f"adapter_config.json target_modules {config['target_modules']!r} (after "
+            "layers_to_transform / exclude_modules) selects no module of the base model"
+        )
+    return resolved
+
+
+# --- safetensors -----------------------------------------------------------------------------
+
+
+def _parse_safetensors(data: bytes) -> tuple[int, list[_TensorEntry]]:
+    """Parse and check the container; return where the data section starts and the tensors."""
+    if len(data) < 8:
+        raise InvalidArgument(
+            f"adapter_model.safetensors is truncated: {len(data)} bytes, shorter than the 8-byte header length"
+        )
+    (header_len,) = struct.unpack_from("<Q", data)
+    if header_len == 0 or header_len > MAX_HEADER_BYTES:
+        raise InvalidArgument(
+            f"adapter_model.safetensors header length {header_len} must be in [1, {MAX_HEADER_BYTES}]"
+        )
+    if 8 + header_len > len(data):
+        raise InvalidArgument(
+            f"adapter_model.safetensors is truncated: header length {header_len} larger than the file "
+            f"({len(data)} bytes)"
+        )
+    try:
+        header = json.loads(data[8 : 8 + header_len].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidArgument(f"adapter_model.safetensors header is not UTF-8 JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise InvalidArgument("adapter_model.safetensors header must be a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise InvalidArgument("adapter_model.safetensors __metadata__ must map strings to strings")
+    entries = [_parse_entry(name, info) for name, info in header.items()]
+    _check_layout(entries, len(data) - 8 - header_len)
+    return 8 + header_len, entries
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_entry(name: str, info: Any) -> _TensorEntry:
+    """One header entry, with a consistent dtype, shape and byte size."""
+    where = f"adapter_model.safetensors tensor {name!r}"
+    if not isinstance(info, dict):
+        raise InvalidArgument(f"{where}: header entry must be an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ITEMSIZE:
+        raise InvalidArgument(f"{where} has unknown dtype {dtype!r}; supported: F16, BF16, F32")
+    if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
+        raise InvalidArgument(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_index(o) for o in offsets)):
+        raise InvalidArgument(f"{where}: data_offsets must be [begin, end], got {offsets!r}")
+    begin, end = offsets
+    if end < begin:
+        raise InvalidArgument(f"{where}: data_offsets [{begin}, {end}] end before begin")
+    expected = math.prod(shape) * _ITEMSIZE[dtype]
+    if end - begin != expected:
+        raise InvalidArgument(
+            f"{where}: data_offsets [{begin}, {end}] span {end - begin} bytes but shape {shape} "
+            f"of {dtype} needs {expected}"
+        )
+    return _TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _check_layout(entries: list[_TensorEntry], data_len: int) -> None:
+    """The tensors must lie inside the data section and tile it: no overlap, gap or trailing bytes."""
+    for entry in entries:
+        if entry.end > data_len:
+            raise InvalidArgument(
+                f"adapter_model.safetensors is truncated: tensor {entry.name!r} data_offsets "
+                f"[{entry.begin}, {entry.end}] out of bounds of the {data_len}-byte data section"
+            )
+    position, previous = 0, None
+    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if entry.begin < position:
+            raise InvalidArgument(
+                f"adapter_model.safetensors tensors {previous!r} and {entry.name!r} overlap: "
+                f"{entry.name!r} begins at {entry.begin}, before {previous!r} ends at {position}"
+            )
+        if entry.begin > position:
+            raise InvalidArgument(
+                f"adapter_model.safetensors data_offsets leave a gap of {entry.begin - position} bytes "
+                f"before tensor {entry.name!r} (at {position})"
+            )
+        position, previous = entry.end, entry.name
+    if position != data_len:
+        raise InvalidArgument(
+            f"adapter_model.safetensors has {data_len - position} trailing bytes after the last tensor "
+            f"(data section {data_len} bytes, tensors cover {position})"
+        )
+
+
+def _check_dtype(entries: list[_TensorEntry]) -> str:
+    """All tensors one served floating-point dtype; returns its safetensors name."""
+    for entry in entries:
+        if entry.dtype not in _SERVED_DTYPES:
+            raise InvalidArgument(
+                f"adapter_model.safetensors tensor {entry.name!r} has dtype {entry.dtype}; "
+                "supported: F16, BF16, F32"
+            )
+    dtypes = sorted({entry.dtype for entry in entries})
+    if not dtypes:
+        raise InvalidArgument("adapter_model.safetensors holds no tensors")
+    if len(dtypes) > 1:
+        raise InvalidArgument(
+            f"adapter_model.safetensors mixes dtypes {', '.join(dtypes)}; all tensors must have one dtype"
+        )
+    return dtypes[0]
+
+
+# --- tensors against the config and the base model ------------------------------------------
+
+
+def _unsupported_name(name: str) -> str | None:
+    """Why a tensor that is not a plain projection LoRA factor cannot be served, if we recognise it."""
+    if "lora_embedding_" in name or "embed_tokens" in name:
+        return "LoRA on embed_tokens is not supported"
+    if "lm_head" in name:
+        return "LoRA on lm_head is not supported"
+    if "lora_magnitude_vector" in name:
+        return "it is a DoRA magnitude vector; DoRA is not supported"
+    return None
+
+
+def _check_names(
+    entries: list[_TensorEntry], targets: dict[str, tuple[int, str]], spec: BaseModelSpec
+) -> None:
+    """Each tensor is a LoRA factor of a targeted module; each targeted module has A and B."""
+    factors: dict[str, set[str]] = {}
+    for entry in entries:
+        reason = _unsupported_name(entry.name)
+        if reason:
+            raise InvalidArgument(f"adapter_model.safetensors tensor {entry.name!r}: {reason}")
+        match = _TENSOR_NAME.fullmatch(entry.name)
+        parent = match and ("self_attn" if match[3] in ATTENTION_PROJECTIONS else "mlp")
+        if not match or match[3] not in LORA_TARGETS or match[2] != parent:
+            raise InvalidArgument(
+                f"adapter_model.safetensors has an unknown tensor {entry.name!r}; expected PEFT names "
+                "like base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight"
+            )
+        layer = int(match[1])
+        if layer >= spec.num_layers:
+            raise InvalidArgument(
+                f"adapter_model.safetensors tensor {entry.name!r} is for layer {layer}, but the base "
+                f"model has {spec.num_layers} layers"
+            )
+        path = module_path(layer, match[3])
+        if path not in targets:
+            raise InvalidArgument(
+                f"adapter_model.safetensors tensor {entry.name!r} is for {path}, which the config's "
+                "target_modules (with layers_to_transform / exclude_modules) does not target"
+            )
+        factors.setdefault(path, set()).add(match[4])
+    for path, (layer, module) in targets.items():
+        for factor in ("A", "B"):
+            if factor not in factors.get(path, ()):
+                raise InvalidArgument(
+                    f"adapter_model.safetensors is missing tensor {tensor_name(layer, module, factor)!r} "
+                    f"for targeted module {path}"
+                )
+
+
+def _check_shapes(
+    entries: list[_TensorEntry],
+    targets: dict[str, tuple[int, str]],
+    ranks: dict[str, int],
+    spec: BaseModelSpec,
+) -> None:
+    """``lora_A`` is ``(r, in_features)`` and ``lora_B`` ``(out_features, r)`` of the projection."""
+    for entry in entries:
+        match = _TENSOR_NAME.fullmatch(entry.name)
+        path = module_path(int(match[1]), match[3])
+        in_features, out_features = spec.projection_shape(targets[path][1])
+        rank = ranks[path]
+        expected = (rank, in_features) if match[4] == "A" else (out_features, rank)
+        if entry.shape != expected:
+            raise InvalidArgument(
+                f"adapter_model.safetensors tensor {entry.name!r} has shape {list(entry.shape)}, expected "
+                f"{list(expected)} ({targets[path][1]} of {spec.name}: in_features {in_features}, "
+                f"out_features {out_features}; rank {rank})"
+            )
+
+
+def _check_finite(data: bytes, data_start: int, entries: list[_TensorEntry], dtype: str) -> None:
+    """No NaN or Inf in any tensor: exponent bits all ones, tested on the raw data section at once."""
+    _, view, mask = _SERVED_DTYPES[dtype]
+    itemsize = np.dtype(view).itemsize
+    count = (len(data) - data_start) // itemsize
+    bits = np.frombuffer(data, dtype=view, count=count, offset=data_start)
+    bad = (bits & np.array(mask, dtype=view)) == mask
+    if not bad.any():
+        return
+    first = int(bad.argmax()) * itemsize
+    ordered = sorted(entries, key=lambda e: (e.begin, e.end))
+    entry = ordered[bisect.bisect_right([e.begin for e in ordered], first) - 1]
+    raise InvalidArgument(
+        f"adapter_model.safetensors tensor {entry.name!r} contains NaN or Inf "
+        f"(first at element {(first - entry.begin) // itemsize})"
+    )

@@ -1,0 +1,117 @@
+"""Typed service configuration from flags and environment.
+
+Each service declares a dataclass that extends :class:`ServiceConfig`; every field becomes a
+``--flag-name`` and a ``LORAMESH_FLAG_NAME`` environment variable (flag wins over env, env over
+the default). The attribute docstring under each field is its ``--help`` text, so a field is
+documented exactly once. Nothing is read at import time: :func:`parse_config` reads ``argv``
+and ``environ`` when the service starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import os
+import textwrap
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar, get_type_hints
+
+ENV_PREFIX = "LORAMESH_"
+
+C = TypeVar("C", bound="ServiceConfig")
+
+
+@dataclasses.dataclass
+class ServiceConfig:
+    """Settings every service has."""
+
+    host: str = "127.0.0.1"
+    """Interface the gRPC server and the HTTP side port bind to."""
+    port: int = 0
+    """gRPC port; 0 picks a free one."""
+    http_port: int = 0
+    """HTTP side port for /healthz, /readyz and /metrics; 0 picks a free one."""
+    advertise_host: str = ""
+    """Host other members use to reach this one (default: ``host``)."""
+    etcd_endpoints: str = ""
+    """Comma-separated etcd ``host:port`` list; empty runs without membership (standalone)."""
+    lease_ttl_s: int = 5
+    """TTL of the membership lease; a member that stops refreshing is gone after this."""
+    instance_id: str = ""
+    """Unique id of this instance in etcd (default: ``<service>-<random>``)."""
+    grace_s: float = 10.0
+    """On SIGTERM, how long in-flight RPCs may run before they are cancelled."""
+    log_format: str = "text"
+    """``text`` or ``json``."""
+    log_level: str = "INFO"
+    """Python logging level name."""
+
+    def resolved_instance_id(self, service: str) -> str:
+        return self.instance_id or f"{service}-{uuid.uuid4().hex[:8]}"
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass and its bases (the string literal under a field)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, following in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _converter(kind: Any):
+    if kind is bool:
+        return lambda text: str(text).strip().lower() in ("1", "true", "yes", "on")
+    if kind in (int, float, str):
+        return kind
+    raise TypeError(f"config fields must be str, int, float or bool, not {kind!r}")
+
+
+def parse_config(
+    cls: type[C],
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> C:
+    """Build ``cls`` from command-line flags, then ``LORAMESH_*`` env vars, then defaults."""
+    environ = os.environ if environ is None else environ
+    hints = get_type_hints(cls)
+    docs = field_docs(cls)
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        convert = _converter(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        env_name = ENV_PREFIX + f.name.upper()
+        default = f.default
+        if env_name in environ:
+            default = convert(environ[env_name])
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=convert,
+            default=default,
+            help=f"{docs.get(f.name, '')} [env {env_name}; default {f.default!r}]",
+        )
+    args = parser.parse_args(argv)
+    for f in dataclasses.fields(cls):
+        values[f.name] = getattr(args, f.name)
+    return cls(**values)

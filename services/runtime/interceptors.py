@@ -1,0 +1,147 @@
+"""The one place where domain errors become gRPC status codes, and where request ids are set.
+
+Every service installs :class:`ServiceInterceptor`. It wraps each RPC handler so that
+- the caller's ``x-request-id`` (or a new one) is bound to the logging context and echoed back
+  in trailing metadata;
+- a :class:`~services.runtime.errors.DomainError` aborts the RPC with its status code and
+  message, and anything unexpected becomes ``INTERNAL`` with the request id to find it in logs;
+- each RPC is counted and timed in the service's Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc import aio
+
+from services.runtime.errors import DomainError, ResourceExhausted
+from services.runtime.logs import request_id_var
+from services.runtime.metrics import ServiceMetrics
+
+log = logging.getLogger("loramesh.rpc")
+
+REQUEST_ID_HEADER = "x-request-id"
+RETRY_AFTER_HEADER = "retry-after-s"
+
+
+def status_code_for(error: DomainError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, error.code_name, grpc.StatusCode.UNKNOWN)
+
+
+class _RpcScope:
+    """Bookkeeping for one RPC: request id, timing, error translation."""
+
+    def __init__(self, method: str, metadata, metrics: ServiceMetrics | None):
+        headers = dict(metadata or ())
+        self.request_id = str(headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex[:16])
+        self.method = method.rsplit("/", 1)[-1]
+        self.metrics = metrics
+        self.started = time.perf_counter()
+        self.code = "OK"
+        self._token = None
+
+    def enter(self, context: aio.ServicerContext) -> None:
+        self._token = request_id_var.set(self.request_id)
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, self.request_id),))
+
+    async def fail(self, error: BaseException, context: aio.ServicerContext) -> None:
+        """Abort the RPC with the status that ``error`` stands for (always raises)."""
+        if isinstance(error, DomainError):
+            code = status_code_for(error)
+            self.code = code.name
+            trailing = [(REQUEST_ID_HEADER, self.request_id)]
+            if isinstance(error, ResourceExhausted) and error.retry_after_s is not None:
+                trailing.append((RETRY_AFTER_HEADER, f"{error.retry_after_s:.3f}"))
+            context.set_trailing_metadata(tuple(trailing))
+            log.info("%s -> %s: %s", self.method, code.name, error.message)
+            await context.abort(code, error.message)
+        self.code = "INTERNAL"
+        log.exception("%s failed unexpectedly", self.method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {self.request_id})")
+
+    def exit(self, context: aio.ServicerContext) -> None:
+        if self.code == "OK" and context.cancelled():
+            self.code = "CANCELLED"
+        if self.metrics is not None:
+            self.metrics.observe_rpc(self.method, self.code, time.perf_counter() - self.started)
+        if self._token is not None:
+            request_id_var.reset(self._token)
+
+
+def _is_abort(error: BaseException) -> bool:
+    # context.abort() raises this; it must pass through untouched.
+    return isinstance(error, aio.AbortError)
+
+
+class ServiceInterceptor(aio.ServerInterceptor):
+    def __init__(self, metrics: ServiceMetrics | None = None):
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method, metadata, metrics = details.method, details.invocation_metadata, self._metrics
+
+        def unary_response(behavior):
+            async def wrapped(request_or_iterator, context):
+                scope = _RpcScope(method, metadata, metrics)
+                scope.enter(context)
+                try:
+                    return await behavior(request_or_iterator, context)
+                except BaseException as error:
+                    if _is_abort(error) or not isinstance(error, Exception):
+                        raise
+                    await scope.fail(error, context)
+                finally:
+                    scope.exit(context)
+
+            return wrapped
+
+        def stream_response(behavior):
+            async def wrapped(request_or_iterator, context):
+                scope = _RpcScope(method, metadata, metrics)
+                scope.enter(context)
+                try:
+                    result = behavior(request_or_iterator, context)
+                    if hasattr(result, "__aiter__"):
+                        async for response in result:
+                            yield response
+                    else:  # a handler that writes with context.write() (grpc's health Watch)
+                        await result
+                except BaseException as error:
+                    if _is_abort(error) or not isinstance(error, Exception):
+                        raise
+                    await scope.fail(error, context)
+                finally:
+                    scope.exit(context)
+
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                unary_response(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                unary_response(handler.stream_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                stream_response(handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            stream_response(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+        )

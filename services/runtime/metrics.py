@@ -1,0 +1,92 @@
+"""Prometheus metrics owned by one service instance, and the HTTP side port that serves them.
+
+Each service instance has its own registry (several services can share a process in tests).
+The side port answers ``/healthz`` (process alive), ``/readyz`` (ready to serve) and
+``/metrics`` (Prometheus text format) with a tiny asyncio HTTP/1.1 responder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+log = logging.getLogger("loramesh.http")
+
+
+class ServiceMetrics:
+    """The registry of one service plus the RPC metrics every service has."""
+
+    def __init__(self, service: str):
+        self.service = service
+        self.registry = CollectorRegistry()
+        self.rpc_total = Counter(
+            "loramesh_rpc_total",
+            "RPCs handled, by method and final status code",
+            ["service", "method", "code"],
+            registry=self.registry,
+        )
+        self.rpc_seconds = Histogram(
+            "loramesh_rpc_seconds",
+            "RPC handling time in seconds (streams: until the last message)",
+            ["service", "method"],
+            registry=self.registry,
+        )
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.rpc_total.labels(self.service, method, code).inc()
+        self.rpc_seconds.labels(self.service, method).observe(seconds)
+
+
+class HttpSidePort:
+    """``/healthz``, ``/readyz`` and ``/metrics`` on their own port."""
+
+    def __init__(self, metrics: ServiceMetrics, is_ready: Callable[[], bool]):
+        self._metrics = metrics
+        self._is_ready = is_ready
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._handle, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def _route(self, path: str) -> tuple[int, str, bytes]:
+        if path == "/healthz":
+            return 200, "text/plain", b"ok\n"
+        if path == "/readyz":
+            ready = self._is_ready()
+            return (200 if ready else 503), "text/plain", b"ready\n" if ready else b"not ready\n"
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self._metrics.registry)
+        return 404, "text/plain", b"not found\n"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
+            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = request_line.decode("latin-1").split()
+            if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
+                status, ctype, body = 405, "text/plain", b"method not allowed\n"
+            else:
+                status, ctype, body = self._route(parts[1].split("?", 1)[0])
+            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+            head = (
+                f"HTTP/1.1 {status} {reason[status]}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + (body if parts and parts[0] == "GET" else b""))
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
