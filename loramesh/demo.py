@@ -72,6 +72,7 @@ def main() -> int:
             mesh = MeshFile.read()
             asyncio.run(fetch_all(mesh.services["adapter_store"].address, files))
             step("mesh status")
+            time.sleep(1.2)  # load reports are written every second; show one taken after the uploads
             run("status")
     finally:
         step("stop the mesh")

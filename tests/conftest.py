@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from services.runtime.base_model import load_base_model_spec
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.membership import MembershipConfig
 
@@ -31,3 +32,9 @@ def membership_config(etcd: EtcdServer) -> MembershipConfig:
     """Membership settings for the ``etcd`` fixture, with a short TTL (2 s, the smallest etcd
     grants with its default election timeout) so dead members vanish quickly in tests."""
     return MembershipConfig(etcd_endpoints=etcd.endpoint, ttl_s=2, load_interval_s=0.5)
+
+
+@pytest.fixture(scope="session")
+def base_spec():
+    """Dimensions of the real default model, SmolLM2-135M-Instruct (read from its GGUF header)."""
+    return load_base_model_spec()

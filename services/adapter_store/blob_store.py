@@ -8,12 +8,13 @@ temp files are removed on start.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import uuid
 from pathlib import Path
 
 
-def sha256_hex(data: bytes) -> str:
+def sha256_hex(data) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -54,8 +55,13 @@ class BlobStore:
         _fsync_dir(self.blob_dir)
         return final
 
-    def read(self, blob_id: str) -> bytes:
-        return self.path(blob_id).read_bytes()
+    def read(self, blob_id: str) -> memoryview:
+        """The blob's bytes in an anonymous mapping (off the Python heap, see ``ram_tier``)."""
+        with open(self.path(blob_id), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapping = mmap.mmap(-1, max(size, 1))
+            f.readinto(mapping)
+        return memoryview(mapping)[:size]
 
     def delete(self, blob_id: str) -> None:
         self.path(blob_id).unlink(missing_ok=True)

@@ -151,7 +151,7 @@ class AdapterRepository:
             return "blob missing"
         if path.stat().st_size != record.size_bytes:
             return f"blob has {path.stat().st_size} bytes, catalog says {record.size_bytes}"
-        if self.verify_on_open == "sha256" and sha256_hex(path.read_bytes()) != record.sha256:
+        if self.verify_on_open == "sha256" and sha256_hex(self.blobs.read(record.id)) != record.sha256:
             return "blob sha256 mismatch"
         return None
 
@@ -243,8 +243,8 @@ class AdapterRepository:
                 self._disk_bytes -= record.size_bytes
         return record
 
-    def read_weights(self, record: AdapterRecord) -> bytes:
-        """The safetensors bytes: from RAM if hot, else from disk (verified, then cached)."""
+    def read_weights(self, record: AdapterRecord) -> memoryview:
+        """The safetensors bytes (read-only): from RAM if hot, else from disk (verified, then cached)."""
         data = self.ram.get(record.id)
         if data is not None:
             return data

@@ -15,13 +15,7 @@ from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_pef
 from loramesh.v1 import adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
-from services.runtime.base_model import load_base_model_spec
 from services.runtime.server import ServiceHost, start_service
-
-
-@pytest.fixture(scope="session")
-def base_spec():
-    return load_base_model_spec()
 
 
 @pytest.fixture(scope="session")

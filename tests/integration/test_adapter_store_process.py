@@ -16,7 +16,6 @@ from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_pef
 from loramesh.v1 import adapter_store_pb2 as pb
 from loramesh.v1 import adapter_store_pb2_grpc
 from services.adapter_store.client import fetch_adapter, ref_by_name, upload_adapter, upload_requests
-from services.runtime.base_model import load_base_model_spec
 from services.runtime.membership import MembershipConfig, list_members, read_loads
 from services.runtime.process import ServiceProcess
 
@@ -43,8 +42,7 @@ def store_process(tmp_path, etcd):
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory) -> list[dict[str, bytes]]:
-    base_spec = load_base_model_spec()
+def adapters(base_spec, tmp_path_factory) -> list[dict[str, bytes]]:
     root = tmp_path_factory.mktemp("adapters")
     return [
         adapter_files(

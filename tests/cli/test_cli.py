@@ -1,0 +1,78 @@
+"""The ``loramesh`` command as a user runs it: a real local mesh, real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.runtime.base_model import LORA_TARGETS
+
+pytestmark = pytest.mark.integration
+
+
+def loramesh(state_dir, *argv, check=True) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    state = tmp_path / "state"
+    loramesh(state, "up", "--detach")
+    yield state
+    loramesh(state, "down", check=False)
+
+
+def test_up_adapters_status_down(mesh, tmp_path, base_spec):
+    mesh_file = json.loads((mesh / "mesh.json").read_text())
+    assert mesh_file["ready"] and "adapter_store" in mesh_file["services"] and mesh_file["admin_api_key"]
+
+    directory = write_peft_adapter(
+        tmp_path / "a", base_spec, SampleAdapterSpec(rank=16, target_modules=LORA_TARGETS)
+    )
+    out = loramesh(mesh, "adapters", "upload", str(directory), "--name", "mine").stdout
+    assert "registered admin/mine" in out and "rank=16" in out
+    listing = loramesh(mesh, "adapters", "list").stdout.splitlines()
+    assert listing[0].split()[:3] == ["NAME", "OWNER", "RANK"] and listing[1].split()[:3] == [
+        "mine",
+        "admin",
+        "16",
+    ]
+
+    again = loramesh(mesh, "adapters", "upload", str(directory), "--name", "mine", check=False)
+    assert again.returncode != 0 and "ALREADY_EXISTS" in again.stderr and "mine" in again.stderr
+    (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 999}))
+    bad = loramesh(mesh, "adapters", "upload", str(directory), "--name", "bad", check=False)
+    assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
+
+    status = json.loads(loramesh(mesh, "status", "--json").stdout)
+    assert [(r["service"], r["health"]) for r in status] == [("adapter_store", "SERVING")]
+
+    assert "deleted admin/mine" in loramesh(mesh, "adapters", "delete", "mine").stdout
+    gone = loramesh(mesh, "adapters", "delete", "mine", check=False)
+    assert gone.returncode != 0 and "NOT_FOUND" in gone.stderr
+
+    second_up = loramesh(mesh, "up", "--detach", check=False)
+    assert second_up.returncode != 0 and "already up" in second_up.stderr
+
+    loramesh(mesh, "down")
+    assert not (mesh / "mesh.json").exists()
+    after = loramesh(mesh, "status", check=False)
+    assert after.returncode != 0 and "no mesh is up" in after.stderr
+
+
+def test_commands_without_a_mesh_say_so(tmp_path):
+    for argv in (["down"], ["adapters", "list"]):
+        done = loramesh(tmp_path, *argv, check=False)
+        assert done.returncode == 1 and "no mesh is up" in done.stderr
