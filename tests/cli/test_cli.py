@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 def loramesh(state_dir, *argv, check=True) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), *argv],
+        check=False,
         capture_output=True,
         text=True,
         timeout=240,
