@@ -21,6 +21,7 @@ from services.runtime.server import check_health
 #: Proto service name each service reports readiness under.
 GRPC_SERVICE_NAMES = {
     "adapter_store": "loramesh.v1.AdapterStore",
+    "gpu_worker": "loramesh.v1.Worker",
 }
 
 

@@ -1,0 +1,89 @@
+"""Where a worker gets an adapter's files: the adapter store, or a local directory."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+from grpc import aio
+
+from loramesh.v1 import adapter_store_pb2_grpc
+from services.adapter_store.client import ChecksumMismatch, fetch_adapter, ref_by_id
+from services.runtime.errors import DataLoss, NotFound, Unavailable
+from services.runtime.membership import MembershipConfig, list_members
+
+
+class AdapterSource(Protocol):
+    async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:
+        """``(adapter_config.json, adapter_model.safetensors)`` of ``adapter_id``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class DirectorySource:
+    """Standalone mode: ``<root>/<adapter_id>/`` holds a PEFT adapter."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:
+        directory = self.root / adapter_id
+        if "/" in adapter_id or adapter_id.startswith(".") or not directory.is_dir():
+            raise NotFound(f"adapter {adapter_id!r} is not in {self.root}")
+        config = directory / "adapter_config.json"
+        weights = directory / "adapter_model.safetensors"
+        if not config.exists() or not weights.exists():
+            raise NotFound(f"{directory} lacks adapter_config.json or adapter_model.safetensors")
+        return await asyncio.to_thread(lambda: (config.read_bytes(), weights.read_bytes()))
+
+    async def close(self) -> None:
+        pass
+
+
+class StoreSource:
+    """Pull from the adapter store (address given, or the first one listed in etcd)."""
+
+    def __init__(self, address: str = "", etcd_endpoints: str = ""):
+        self._address = address
+        self._etcd_endpoints = etcd_endpoints
+        self._channel: aio.Channel | None = None
+
+    async def _stub(self) -> adapter_store_pb2_grpc.AdapterStoreStub:
+        if self._channel is None:
+            address = self._address
+            if not address:
+                members = await list_members(
+                    MembershipConfig(etcd_endpoints=self._etcd_endpoints), "adapter_store"
+                )
+                if not members:
+                    raise Unavailable("no adapter store is registered in etcd")
+                address = members[0].address
+            self._channel = aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 64 << 20)]
+            )
+        return adapter_store_pb2_grpc.AdapterStoreStub(self._channel)
+
+    async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:
+        stub = await self._stub()
+        try:
+            info, data = await fetch_adapter(stub, ref_by_id(adapter_id))
+        except ChecksumMismatch as error:
+            raise DataLoss(str(error)) from None
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"adapter {adapter_id!r} not found in the adapter store") from None
+            await self._reset()
+            raise Unavailable(f"adapter store: {error.code().name}: {error.details()}") from None
+        return info.config_json.encode(), data
+
+    async def _reset(self) -> None:
+        if self._channel is not None and not self._address:
+            await self._channel.close()
+            self._channel = None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()

@@ -1,0 +1,35 @@
+"""Settings of a gpu_worker (flags ``--name``, env ``LORAMESH_NAME``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.runtime.config import ServiceConfig
+
+
+@dataclass
+class WorkerConfig(ServiceConfig):
+    """loramesh gpu_worker: base model + unified paged pool + continuous batching over adapters."""
+
+    model: str = ""
+    """Base model: GGUF file or HF safetensors directory (default: SmolLM2-135M-Instruct GGUF)."""
+    dtype: str = "auto"
+    """Compute dtype: float32, bfloat16, float16, or auto (bfloat16 where fast, else float32)."""
+    device: str = "auto"
+    """cuda, cpu, or auto (cuda when available)."""
+    pool_mib: int = 1024
+    """Unified pool for KV cache and adapter weights, allocated once at start."""
+    kv_block_tokens: int = 16
+    """Tokens per KV page."""
+    max_running: int = 64
+    """Requests decoding together at most."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens admitted per step at most."""
+    lora_backend: str = "auto"
+    """LoRA kernels: auto (Triton on CUDA, torch on CPU), torch, padded_bmm, triton."""
+    adapter_store: str = ""
+    """Adapter store address; empty: discovered in etcd, or standalone with --adapter-dir."""
+    adapter_dir: str = ""
+    """Standalone mode: serve adapters from this directory (one PEFT directory per adapter id)."""
+    threads: int = 0
+    """torch CPU threads (0: torch's default)."""

@@ -1,0 +1,1 @@
+"""Iteration-level continuous batching over the unified pool (Orca + S-LoRA)."""

@@ -1,0 +1,370 @@
+"""The engine: continuous batching of many adapters over one unified pool.
+
+Every :meth:`Engine.step` (one model iteration) it
+1. applies cancellations and new requests handed over by other threads;
+2. makes room for the running requests' next token: new KV pages, evicting idle adapters LRU
+   and, when the pool runs dry, preempting the newest request (its pages are freed and it is
+   recomputed later from prompt + output so far);
+3. admits waiting requests (FCFS) whose adapter can be paged in and whose prompt fits;
+4. runs prefills and decodes of every running request in one forward pass;
+5. samples, emits a :class:`TokenEvent` per request, and retires finished requests.
+
+The engine is single-threaded by design: only :meth:`submit`, :meth:`cancel` and
+:meth:`add_adapter` may be called from other threads; they hand work over under a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_worker.engine.request import (
+    EngineRequest,
+    FinishReason,
+    GenerationRequest,
+    RequestState,
+    TokenEvent,
+)
+from services.gpu_worker.engine.sampling import sample_token
+from services.gpu_worker.engine.step_builder import StepBuilder
+from services.gpu_worker.lora.host_adapter import HostAdapter
+from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.kv_cache import KvTable
+from services.gpu_worker.memory.page_allocator import PoolExhausted
+from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.gpu_worker.model.llama import LlamaModel
+from services.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger("loramesh.engine")
+
+EventSink = Callable[[TokenEvent], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits."""
+
+    pool_mib: float = 512
+    """Size of the unified pool (KV pages + adapter pages), allocated once at start."""
+    kv_block_tokens: int = 16
+    """Tokens per KV page (per layer)."""
+    max_running: int = 64
+    """Requests decoding together at most."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens admitted in one step at most (one longer prompt is admitted alone)."""
+    lora_backend: str = "auto"
+    """Kernel backend for LoRA deltas: auto, torch, padded_bmm or triton."""
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: EngineConfig = EngineConfig(),
+        eos_token_ids: tuple[int, ...] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+        on_logits: Callable[[str, torch.Tensor], None] | None = None,
+    ):
+        self.model = model
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
+        self.on_logits = on_logits
+        """Observer of each request's float32 logits before sampling (tests compare them to HF)."""
+        cfg = model.config
+        kv_dim = cfg.num_kv_heads * cfg.head_dim
+        layout = PoolLayout(
+            num_pages=PoolLayout.pages_for_bytes(
+                int(config.pool_mib * 2**20), config.kv_block_tokens, kv_dim, model.dtype
+            ),
+            kv_block_tokens=config.kv_block_tokens,
+            kv_dim=kv_dim,
+            num_layers=cfg.num_layers,
+        )
+        self.pool = UnifiedPool(layout, model.dtype, model.device)
+        self.residency = AdapterResidency(self.pool)
+        self.builder = StepBuilder(model, self.pool)
+        model.lora_backend = config.lora_backend
+        self.host_adapters: dict[str, HostAdapter] = {}
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self._sinks: dict[str, EventSink] = {}
+        self._inbox: list[tuple[EngineRequest, EventSink]] = []
+        self._cancels: set[str] = set()
+        self._preloads: list[str] = []
+        self._active: set[str] = set()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.tokens_generated = 0
+        self._rate_mark = (time.monotonic(), 0)
+        self._tokens_per_s = 0.0
+        self.steps = 0
+        self.preemptions = 0
+
+    # -- called from any thread --------------------------------------------------------------
+
+    def add_adapter(self, adapter: HostAdapter) -> None:
+        """Make an adapter available (host copy); it is paged into the pool when first used."""
+        with self._lock:
+            self.host_adapters[adapter.adapter_id] = adapter
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self.host_adapters
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> None:
+        """Queue a request; ``sink`` receives its events on the engine thread."""
+        request.sampling.validate()
+        if not request.prompt_ids:
+            raise InvalidArgument("prompt is empty: give at least one token")
+        limit = self.model.config.max_position_embeddings
+        if len(request.prompt_ids) >= limit:
+            raise InvalidArgument(
+                f"prompt has {len(request.prompt_ids)} tokens; the model's context is {limit}"
+            )
+        vocab = self.model.config.vocab_size
+        if max(request.prompt_ids) >= vocab or min(request.prompt_ids) < 0:
+            raise InvalidArgument(f"prompt token ids must be within [0, {vocab})")
+        if request.adapter_id is not None and request.adapter_id not in self.host_adapters:
+            raise NotFound(f"adapter {request.adapter_id!r} is not loaded on this worker")
+        kv = KvTable(self.pool)
+        if kv.pages_needed(len(request.prompt_ids) + 1) > self.pool.layout.num_pages:
+            raise ResourceExhausted(
+                f"prompt of {len(request.prompt_ids)} tokens needs more KV pages than the whole pool has"
+            )
+        with self._lock:
+            if request.request_id in self._active:
+                raise AlreadyExists(f"request id {request.request_id!r} is already running on this worker")
+            self._active.add(request.request_id)
+            self._inbox.append((EngineRequest(spec=request, kv=kv), sink))
+        self._wakeup.set()
+
+    def preload(self, adapter_id: str) -> None:
+        """Page a registered adapter into the pool at the next step, if there is room."""
+        with self._lock:
+            self._preloads.append(adapter_id)
+        self._wakeup.set()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; its pages are freed before the next step."""
+        with self._lock:
+            self._cancels.add(request_id)
+        self._wakeup.set()
+
+    def start(self) -> None:
+        """Run steps on a dedicated thread until :meth:`stop`."""
+        self._thread = threading.Thread(target=self._loop, name="loramesh-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.has_work():
+                self._wakeup.wait(0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug must not kill the thread silently: fail the batch, go on
+                log.exception("engine step failed; failing the running requests")
+                for request in list(self.running):
+                    self._finish(request, FinishReason.ERROR, None, "engine step failed")
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._inbox or self._cancels or self._preloads)
+
+    def step(self) -> int:
+        """One iteration; returns the number of tokens generated."""
+        self._take_inbox()
+        self._make_room_for_running()
+        self._admit()
+        if not self.running:
+            return 0
+        batch_requests = list(self.running)
+        batch = self.builder.build(batch_requests, self.residency)
+        logits = self.model.forward(batch, self.pool)
+        now = time.monotonic()
+        for request, row in zip(batch_requests, logits):
+            request.num_computed = request.total_len
+            self._emit_next_token(request, row, now)
+        self.steps += 1
+        return len(batch_requests)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+            preloads, self._preloads = self._preloads, []
+        for adapter_id in preloads:
+            try:
+                self.residency.load(self.host_adapters[adapter_id])
+            except PoolExhausted:
+                log.info("no room to preload adapter %s now; it will be paged in when used", adapter_id)
+        for request, sink in inbox:
+            self._sinks[request.request_id] = sink
+            self.waiting.append(request)
+        if not cancels:
+            return
+        for request in [r for r in self.running if r.request_id in cancels]:
+            self._finish(request, FinishReason.CANCELLED, None)
+        for request in [r for r in self.waiting if r.request_id in cancels]:
+            self.waiting.remove(request)
+            self._finish(request, FinishReason.CANCELLED, None)
+
+    def _reserve(self, request: EngineRequest, tokens: int) -> None:
+        needed = request.kv.pages_needed(tokens)
+        if needed:
+            self.residency.make_room(needed)
+            request.kv.reserve(tokens)
+
+    def _make_room_for_running(self) -> None:
+        for request in list(self.running):
+            if request.state is not RequestState.RUNNING:
+                continue
+            while True:
+                try:
+                    self._reserve(request, request.total_len)
+                    break
+                except PoolExhausted:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is request:
+                        break
+
+    def _preempt(self, request: EngineRequest) -> None:
+        """Free a running request's pages; it goes back to the front of the queue (recompute)."""
+        self.running.remove(request)
+        request.kv.release()
+        self._release_adapter(request)
+        request.num_computed = 0
+        request.state = RequestState.WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+        log.debug("preempted %s (%d tokens)", request.request_id, request.total_len)
+
+    def _admit(self) -> None:
+        budget = self.config.max_prefill_tokens
+        while self.waiting and len(self.running) < self.config.max_running:
+            request = self.waiting[0]
+            if request.total_len > budget and budget < self.config.max_prefill_tokens:
+                break
+            if not self._try_start(request):
+                break
+            self.waiting.popleft()
+            budget -= request.total_len
+
+    def _try_start(self, request: EngineRequest) -> bool:
+        adapter_id = request.spec.adapter_id
+        if adapter_id is not None:
+            try:
+                self.residency.load(self.host_adapters[adapter_id])
+            except PoolExhausted:
+                return False
+            self.residency.acquire(adapter_id)
+            request.holds_adapter = True
+        try:
+            self._reserve(request, request.total_len)
+        except PoolExhausted:
+            self._release_adapter(request)
+            return False
+        request.state = RequestState.RUNNING
+        if request.timings.scheduled is None:
+            request.timings.scheduled = time.monotonic()
+        self.running.append(request)
+        return True
+
+    def _release_adapter(self, request: EngineRequest) -> None:
+        if request.holds_adapter:
+            self.residency.release(request.spec.adapter_id)
+            request.holds_adapter = False
+
+    def _emit_next_token(self, request: EngineRequest, logits: torch.Tensor, now: float) -> None:
+        if self.on_logits is not None:
+            self.on_logits(request.request_id, logits)
+        params = request.spec.sampling
+        seen = (
+            torch.tensor(sorted(set(request.all_ids)), dtype=torch.int64)
+            if params.repetition_penalty != 1.0
+            else torch.empty(0, dtype=torch.int64)
+        )
+        token = sample_token(logits, params, seen, request.generator)
+        request.output_ids.append(token)
+        self.tokens_generated += 1
+        if request.timings.first_token is None:
+            request.timings.first_token = now
+        reason = self._finish_reason(request, token)
+        if reason is None:
+            self._sinks[request.request_id](
+                TokenEvent(request.request_id, token, None, request.timings, len(request.output_ids))
+            )
+        else:
+            self._finish(request, reason, token)
+
+    def _finish_reason(self, request: EngineRequest, token: int) -> FinishReason | None:
+        params = request.spec.sampling
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return FinishReason.STOP
+        if params.stop_strings and self.detokenize is not None:
+            text = self.detokenize(request.output_ids)
+            if any(stop in text for stop in params.stop_strings):
+                return FinishReason.STOP
+        if len(request.output_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.total_len >= self.model.config.max_position_embeddings:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(
+        self, request: EngineRequest, reason: FinishReason, token: int | None, error: str = ""
+    ) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        request.kv.release()
+        self._release_adapter(request)
+        request.state = RequestState.FINISHED
+        request.timings.finished = time.monotonic()
+        with self._lock:
+            self._active.discard(request.request_id)
+        sink = self._sinks.pop(request.request_id, None)
+        if sink is not None:
+            sink(
+                TokenEvent(request.request_id, token, reason, request.timings, len(request.output_ids), error)
+            )
+
+    def tokens_per_s(self) -> float:
+        """Generation rate since the previous reading at least a second ago."""
+        now, tokens = time.monotonic(), self.tokens_generated
+        since, before = self._rate_mark
+        if now - since >= 1.0:
+            self._tokens_per_s = (tokens - before) / (now - since)
+            self._rate_mark = (now, tokens)
+        return self._tokens_per_s
+
+    def stats(self) -> dict:
+        usage = self.pool.usage()
+        return {
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "queue": len(self.waiting) + len(self._inbox),
+            "running": len(self.running),
+            "free_pages": usage.free_pages,
+            "total_pages": usage.total_pages,
+            "kv_pages": usage.kv_pages,
+            "adapter_pages": usage.adapter_pages,
+            "resident_adapters": self.residency.ids(),
+            "preemptions": self.preemptions,
+        }

@@ -1,0 +1,98 @@
+"""One generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from services.gpu_worker.engine.sampling import SamplingParams, make_generator
+from services.gpu_worker.memory.kv_cache import KvTable
+
+
+class FinishReason(Enum):
+    STOP = "stop"
+    """EOS, a stop token or a stop string."""
+    LENGTH = "length"
+    """``max_tokens`` reached, or the model's context is full."""
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RequestState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    """Monotonic timestamps (seconds) of one request's life."""
+
+    arrived: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a caller submits."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter_id: str | None = None
+    """Adapter to apply (must be registered with the engine), or None for the base model."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One engine output: a new token, and/or the end of the request."""
+
+    request_id: str
+    token_id: int | None
+    finish_reason: FinishReason | None
+    timings: Timings
+    output_len: int
+    error: str = ""
+
+
+@dataclass
+class EngineRequest:
+    """Engine-side state of a request: its tokens, its KV pages, its adapter reference."""
+
+    spec: GenerationRequest
+    kv: KvTable
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Tokens whose KV is in the pool; reset to 0 by a preemption (recomputed later)."""
+    state: RequestState = RequestState.WAITING
+    holds_adapter: bool = False
+    preemptions: int = 0
+    timings: Timings = field(default_factory=Timings)
+    generator: torch.Generator | None = None
+    text_tail: str = ""
+    """End of the decoded output, long enough to find stop strings."""
+
+    def __post_init__(self) -> None:
+        self.generator = make_generator(self.spec.sampling)
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def all_ids(self) -> list[int]:
+        return [*self.spec.prompt_ids, *self.output_ids]
+
+    @property
+    def total_len(self) -> int:
+        return len(self.spec.prompt_ids) + len(self.output_ids)
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens to feed this step: the whole prompt (prefill) or the last output (decode)."""
+        return self.total_len - self.num_computed

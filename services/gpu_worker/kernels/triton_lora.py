@@ -1,0 +1,312 @@
+"""MBGMM and MBGMV (S-LoRA §5.3): multi-rank LoRA gathered straight from the unified pool.
+
+Both are a shrink + expand pair (Punica style): shrink ``h[t, :r_s] = x[t] @ A_s^T`` into an fp32
+``[T, max_rank]`` scratch, expand ``out[t] += scale_s * h[t, :r_s] @ B_s^T``. Each program loads
+its segment's row offsets and then the rows themselves with ``pool + offset[:, None] + k[None, :]``,
+so adapters of different ranks share one launch and no weight is ever padded or copied; masks
+cover ranks, tokens and features that do not fill a block.
+
+MBGMM (prefill, many tokens per segment) tiles with ``tl.dot``; MBGMV (decode, one token per
+segment) is memory bound and reduces with ``tl.sum`` in fp32.
+
+Importing this module defines the kernels: ``TRITON_INTERPRET=1`` must be set before the first
+import for them to run on CPU tensors, so nothing imports it at package import time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from services.gpu_worker.kernels.lora_segments import LoraSegments
+
+INTERPRETED = bool(knobs.runtime.interpret)
+"""Whether the kernels below were defined for the CPU interpreter (decided at import, like triton)."""
+
+# Block sizes stay >= 16: tl.dot on GPUs needs it. Rank and token blocks adapt to the batch.
+MBGMM_BLOCK_K = 64
+MBGMM_BLOCK_N = 64
+MBGMV_BLOCK_K = 128
+MBGMV_BLOCK_N = 128
+
+
+@triton.jit
+def _mbgmm_shrink(
+    x_ptr,
+    pool_ptr,
+    h_ptr,
+    seg_starts_ptr,
+    rank_starts_ptr,
+    a_offsets_ptr,
+    in_features,
+    stride_x,
+    stride_h,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Program (segment, token block, rank block): ``h[t, r] = x[t] . A[r]``."""
+    s = tl.program_id(0)
+    t0 = tl.load(seg_starts_ptr + s) + tl.program_id(1) * BLOCK_T
+    seg_end = tl.load(seg_starts_ptr + s + 1)
+    rank_start = tl.load(rank_starts_ptr + s)
+    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
+    r0 = tl.program_id(2) * BLOCK_R
+    if (t0 >= seg_end) | (r0 >= rank):
+        return
+    t = t0 + tl.arange(0, BLOCK_T)
+    r = r0 + tl.arange(0, BLOCK_R)
+    t_mask = t < seg_end
+    r_mask = r < rank
+    a_off = tl.load(a_offsets_ptr + rank_start + r, mask=r_mask, other=0)
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < in_features
+        xt = tl.load(
+            x_ptr + t[:, None] * stride_x + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        # A^T tile [K, R]: column r is A row r, wherever it lives in the pool.
+        at = tl.load(
+            pool_ptr + a_off[None, :] + k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0
+        )
+        if DOT_FP32:
+            acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt.to(at.dtype), at, acc)
+    tl.store(h_ptr + t[:, None] * stride_h + r[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _mbgmm_expand(
+    h_ptr,
+    pool_ptr,
+    out_ptr,
+    seg_starts_ptr,
+    rank_starts_ptr,
+    b_offsets_ptr,
+    scales_ptr,
+    out_features,
+    stride_h,
+    stride_out,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Program (segment, token block, output block): ``out[t, n] += scale * h[t, :r] . B^T[:r, n]``."""
+    s = tl.program_id(0)
+    t0 = tl.load(seg_starts_ptr + s) + tl.program_id(1) * BLOCK_T
+    seg_end = tl.load(seg_starts_ptr + s + 1)
+    rank_start = tl.load(rank_starts_ptr + s)
+    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
+    if (t0 >= seg_end) | (rank == 0):
+        return
+    t = t0 + tl.arange(0, BLOCK_T)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_mask = t < seg_end
+    n_mask = n < out_features
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = r < rank
+        b_off = tl.load(b_offsets_ptr + rank_start + r, mask=r_mask, other=0)
+        ht = tl.load(
+            h_ptr + t[:, None] * stride_h + r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0
+        )
+        bt = tl.load(
+            pool_ptr + b_off[:, None] + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0
+        )
+        if DOT_FP32:
+            acc = tl.dot(ht, bt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(ht.to(bt.dtype), bt, acc)
+    scale = tl.load(scales_ptr + s)
+    o_ptrs = out_ptr + t[:, None] * stride_out + n[None, :]
+    o_mask = t_mask[:, None] & n_mask[None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
+
+
+@triton.jit
+def _mbgmv_shrink(
+    x_ptr,
+    pool_ptr,
+    h_ptr,
+    seg_starts_ptr,
+    rank_starts_ptr,
+    a_offsets_ptr,
+    in_features,
+    stride_x,
+    stride_h,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (segment, rank block): ``h[tok, r] = x[tok] . A[r]`` for the segment's one token."""
+    s = tl.program_id(0)
+    token = tl.load(seg_starts_ptr + s)
+    rank_start = tl.load(rank_starts_ptr + s)
+    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
+    r0 = tl.program_id(1) * BLOCK_R
+    if (token == tl.load(seg_starts_ptr + s + 1)) | (r0 >= rank):
+        return
+    r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    a_off = tl.load(a_offsets_ptr + rank_start + r, mask=r_mask, other=0)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < in_features
+        xk = tl.load(x_ptr + token * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+        a = tl.load(pool_ptr + a_off[:, None] + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
+    tl.store(h_ptr + token * stride_h + r, acc, mask=r_mask)
+
+
+@triton.jit
+def _mbgmv_expand(
+    h_ptr,
+    pool_ptr,
+    out_ptr,
+    seg_starts_ptr,
+    rank_starts_ptr,
+    b_offsets_ptr,
+    scales_ptr,
+    out_features,
+    stride_h,
+    stride_out,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (segment, output block): ``out[tok, n] += scale * h[tok, :r] . B^T[:r, n]``."""
+    s = tl.program_id(0)
+    token = tl.load(seg_starts_ptr + s)
+    rank_start = tl.load(rank_starts_ptr + s)
+    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
+    if (token == tl.load(seg_starts_ptr + s + 1)) | (rank == 0):
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < out_features
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = r < rank
+        b_off = tl.load(b_offsets_ptr + rank_start + r, mask=r_mask, other=0)
+        hr = tl.load(h_ptr + token * stride_h + r, mask=r_mask, other=0.0)
+        b = tl.load(pool_ptr + b_off[:, None] + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.sum(hr[:, None] * b.to(tl.float32), axis=0)
+    scale = tl.load(scales_ptr + s)
+    o_ptrs = out_ptr + token * stride_out + n
+    o = tl.load(o_ptrs, mask=n_mask, other=0.0)
+    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=n_mask)
+
+
+def mbgmm(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> None:
+    """Prefill LoRA delta (any segment lengths), added into ``out`` in place; same contract as
+    :func:`~services.gpu_worker.kernels.torch_reference.lora_delta_torch`."""
+    x = _check(x, pool, seg, out)
+    if seg.max_rank == 0 or seg.max_seg_len == 0:
+        return
+    h = torch.empty((x.shape[0], seg.max_rank), dtype=torch.float32, device=x.device)
+    block_r = _block(seg.max_rank)
+    block_t = _block(seg.max_seg_len)
+    # fp32 dots when the pool is fp32 (exact, not tf32) and always in the interpreter, which
+    # gets bf16 tl.dot wrong; on GPUs half pools use tensor cores with fp32 accumulation.
+    dot_fp32 = INTERPRETED or pool.dtype == torch.float32
+    t_blocks = triton.cdiv(seg.max_seg_len, block_t)
+    _mbgmm_shrink[(seg.num_segments, t_blocks, triton.cdiv(seg.max_rank, block_r))](
+        x,
+        pool,
+        h,
+        seg.seg_starts,
+        seg.rank_starts,
+        seg.a_offsets,
+        seg.in_features,
+        x.stride(0),
+        h.stride(0),
+        BLOCK_T=block_t,
+        BLOCK_R=block_r,
+        BLOCK_K=MBGMM_BLOCK_K,
+        DOT_FP32=dot_fp32,
+    )
+    _mbgmm_expand[(seg.num_segments, t_blocks, triton.cdiv(seg.out_features, MBGMM_BLOCK_N))](
+        h,
+        pool,
+        out,
+        seg.seg_starts,
+        seg.rank_starts,
+        seg.b_offsets,
+        seg.scales,
+        seg.out_features,
+        h.stride(0),
+        out.stride(0),
+        BLOCK_T=block_t,
+        BLOCK_R=block_r,
+        BLOCK_N=MBGMM_BLOCK_N,
+        DOT_FP32=dot_fp32,
+    )
+
+
+def mbgmv(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> None:
+    """Decode LoRA delta (every segment one token), added into ``out`` in place; same contract as
+    :func:`~services.gpu_worker.kernels.torch_reference.lora_delta_torch`."""
+    x = _check(x, pool, seg, out)
+    if seg.max_seg_len > 1:
+        raise ValueError(f"mbgmv: segments must have one token each, the longest has {seg.max_seg_len}")
+    if seg.max_rank == 0 or seg.max_seg_len == 0:
+        return
+    h = torch.empty((x.shape[0], seg.max_rank), dtype=torch.float32, device=x.device)
+    block_r = _block(seg.max_rank)
+    _mbgmv_shrink[(seg.num_segments, triton.cdiv(seg.max_rank, block_r))](
+        x,
+        pool,
+        h,
+        seg.seg_starts,
+        seg.rank_starts,
+        seg.a_offsets,
+        seg.in_features,
+        x.stride(0),
+        h.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_K=MBGMV_BLOCK_K,
+    )
+    _mbgmv_expand[(seg.num_segments, triton.cdiv(seg.out_features, MBGMV_BLOCK_N))](
+        h,
+        pool,
+        out,
+        seg.seg_starts,
+        seg.rank_starts,
+        seg.b_offsets,
+        seg.scales,
+        seg.out_features,
+        h.stride(0),
+        out.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_N=MBGMV_BLOCK_N,
+    )
+
+
+def _block(n: int) -> int:
+    """A power-of-two block covering ``n`` (up to 64), at least 16."""
+    return min(64, max(16, triton.next_power_of_2(n)))
+
+
+def _check(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> torch.Tensor:
+    """Validate shapes and layouts the kernels index by hand; returns ``x`` with unit column stride."""
+    if pool.dim() != 1 or not pool.is_contiguous():
+        raise ValueError(f"pool must be a contiguous 1-D tensor, got shape {tuple(pool.shape)}")
+    if x.shape != (seg.num_tokens, seg.in_features) or out.shape != (seg.num_tokens, seg.out_features):
+        raise ValueError(
+            f"x {tuple(x.shape)} / out {tuple(out.shape)} do not match "
+            f"{seg.num_tokens} tokens x ({seg.in_features} -> {seg.out_features})"
+        )
+    if out.stride(1) != 1:
+        raise ValueError("out must have unit column stride (it is written in place)")
+    if not (x.device == pool.device == out.device == seg.a_offsets.device):
+        raise ValueError(
+            f"x, pool, out and seg must share a device ({x.device}, {pool.device}, {out.device})"
+        )
+    return x if x.stride(1) == 1 else x.contiguous()

@@ -1,0 +1,59 @@
+"""Per-request KV page tables over the unified pool."""
+
+from __future__ import annotations
+
+import torch
+
+from services.gpu_worker.memory.page_allocator import PageUse
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+
+
+class KvTable:
+    """The KV pages of one request: ``blocks[b][layer]`` is the page holding tokens
+    ``b*B .. b*B+B-1`` of that layer (``B`` = the pool's ``kv_block_tokens``)."""
+
+    def __init__(self, pool: UnifiedPool):
+        self.pool = pool
+        self.blocks: list[list[int]] = []
+        self._table: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.pool.layout.kv_block_tokens
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """Pages to allocate so that ``num_tokens`` tokens fit."""
+        block = self.pool.layout.kv_block_tokens
+        missing_blocks = max(0, -(-num_tokens // block) - len(self.blocks))
+        return missing_blocks * self.pool.layout.num_layers
+
+    def reserve(self, num_tokens: int) -> None:
+        """Grow to hold ``num_tokens`` tokens (raises ``PoolExhausted``, allocating nothing)."""
+        needed = self.pages_needed(num_tokens)
+        if needed == 0:
+            return
+        pages = self.pool.allocate(needed, PageUse.KV)
+        layers = self.pool.layout.num_layers
+        self.blocks.extend(pages[i : i + layers] for i in range(0, needed, layers))
+        self._table = None
+
+    def release(self) -> None:
+        for block in self.blocks:
+            self.pool.free(block)
+        self.blocks = []
+        self._table = None
+
+    def table(self) -> torch.Tensor:
+        """``[num_blocks, num_layers]`` int64 page ids on the pool's device."""
+        if self._table is None:
+            self._table = torch.tensor(self.blocks, dtype=torch.int64, device=self.pool.device).reshape(
+                -1, self.pool.layout.num_layers
+            )
+        return self._table
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value row indices ``[len(positions), num_layers]`` for token ``positions``."""
+        block = self.pool.layout.kv_block_tokens
+        pages = self.table()[positions // block]
+        slots = (positions % block).unsqueeze(1)
+        return self.pool.key_rows(pages, slots), self.pool.value_rows(pages, slots)

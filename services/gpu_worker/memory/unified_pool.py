@@ -1,0 +1,83 @@
+"""One preallocated buffer holding KV cache pages and LoRA weight pages (S-LoRA's Unified Paging).
+
+A page is ``page_elems`` elements of the model dtype. Two kinds of data live in pages:
+
+- KV cache: one page holds one layer's keys and values for ``kv_block_tokens`` consecutive
+  tokens of one request: ``[K rows | V rows]``, each row ``kv_dim`` wide. Viewing the buffer as
+  rows of ``kv_dim`` elements, token slot ``s`` of page ``p`` has its key at row
+  ``p * 2B + s`` and its value at row ``p * 2B + B + s`` (``B`` = ``kv_block_tokens``).
+- LoRA weights: an adapter's A rows (length ``in_features``) and Bᵀ rows (length
+  ``out_features``) packed into pages; a row never straddles two pages, so each row is one
+  contiguous run the kernels address by its element offset.
+
+Because both come from the same allocator there is no static split between KV and adapters:
+idle adapters make room for KV and the reverse (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_worker.memory.page_allocator import PageAllocator, PageUse, PoolUsage
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Shape of the pool, derived from the model."""
+
+    num_pages: int
+    """Pages in the pool."""
+    kv_block_tokens: int
+    """Tokens of one layer's KV per page."""
+    kv_dim: int
+    """Width of one token's keys (= values) in one layer: ``num_kv_heads * head_dim``."""
+    num_layers: int
+    """Decoder layers; a block of tokens takes one page per layer."""
+
+    @property
+    def page_elems(self) -> int:
+        return 2 * self.kv_block_tokens * self.kv_dim
+
+    @staticmethod
+    def pages_for_bytes(total_bytes: int, kv_block_tokens: int, kv_dim: int, dtype: torch.dtype) -> int:
+        page_bytes = 2 * kv_block_tokens * kv_dim * torch.empty((), dtype=dtype).element_size()
+        return max(1, total_bytes // page_bytes)
+
+
+class UnifiedPool:
+    """The buffer, its allocator, and the address arithmetic of both kinds of page."""
+
+    def __init__(self, layout: PoolLayout, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.layout = layout
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(layout.num_pages * layout.page_elems, dtype=dtype, device=self.device)
+        self.kv_rows = self.buffer.view(-1, layout.kv_dim)
+        self.allocator = PageAllocator(layout.num_pages)
+
+    @property
+    def page_elems(self) -> int:
+        return self.layout.page_elems
+
+    def allocate(self, count: int, use: PageUse) -> list[int]:
+        return self.allocator.allocate(count, use)
+
+    def free(self, pages: list[int]) -> None:
+        self.allocator.free(pages)
+
+    def usage(self) -> PoolUsage:
+        return self.allocator.usage()
+
+    def key_rows(self, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Row index (in ``kv_rows``) of the key of ``slots`` in KV ``pages`` (same shapes)."""
+        return pages * (2 * self.layout.kv_block_tokens) + slots
+
+    def value_rows(self, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.key_rows(pages, slots) + self.layout.kv_block_tokens
+
+    def write_rows(self, page: int, offset: int, rows: torch.Tensor) -> None:
+        """Copy ``rows`` (2-D, contiguous) into ``page`` starting ``offset`` elements in."""
+        start = page * self.page_elems + offset
+        self.buffer[start : start + rows.numel()].copy_(rows.reshape(-1))

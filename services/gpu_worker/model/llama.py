@@ -1,0 +1,149 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the unified paged pool.
+
+Tokens of all requests are flattened into one ``[T, hidden]`` batch, so the base model's
+matmuls are shared by every request whatever its adapter; each projection then adds its LoRA
+delta through the one kernel dispatch point, gathering each request's adapter rows from the
+pool. Keys and values are written to, and read from, the pool's KV pages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.gpu_worker.kernels.dispatch import add_lora_delta
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model.config import ModelConfig
+from services.gpu_worker.model.rope import RotaryTable
+from services.gpu_worker.model.step_batch import StepBatch
+
+
+class _Layer:
+    """One decoder block's weights, q/k/v and gate/up fused so the base matmuls are few."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, dtype, device):
+        def w(name: str) -> torch.Tensor:
+            return weights[f"{prefix}.{name}"].to(device=device, dtype=dtype)
+
+        self.qkv = torch.cat(
+            [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]
+        )
+        self.qkv_bias = (
+            torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+            if config.attention_bias
+            else None
+        )
+        self.o = w("self_attn.o_proj.weight")
+        self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+        self.down = w("mlp.down_proj.weight")
+        self.input_norm = w("input_layernorm.weight")
+        self.post_norm = w("post_attention_layernorm.weight")
+
+
+class LlamaModel:
+    """Inference-only forward pass; no autograd, no nn.Module state beyond the weights."""
+
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed = weights["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
+        self.lm_head = (
+            self.embed
+            if config.tie_word_embeddings or "lm_head.weight" not in weights
+            else weights["lm_head.weight"].to(device=self.device, dtype=dtype)
+        )
+        self.norm = weights["model.norm.weight"].to(device=self.device, dtype=dtype)
+        self.layers = [
+            _Layer(weights, f"model.layers.{i}", config, dtype, self.device) for i in range(config.num_layers)
+        ]
+        self.rope = RotaryTable(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+            self.device,
+            dtype,
+        )
+        self.q_dim = config.num_heads * config.head_dim
+        self.kv_dim = config.num_kv_heads * config.head_dim
+        self.lora_backend = "auto"
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.config.rms_norm_eps)).to(self.dtype) * weight
+
+    def _lora(
+        self, batch: StepBatch, layer: int, name: str, x: torch.Tensor, out: torch.Tensor, pool
+    ) -> None:
+        if batch.lora is None:
+            return
+        segments = batch.lora[layer].get(name)
+        if segments is not None:
+            add_lora_delta(x, pool.buffer, segments, out, backend=self.lora_backend)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, pool: UnifiedPool) -> torch.Tensor:
+        """Logits ``[R, vocab]`` (float32) of each request's last token; fills the KV cache."""
+        cfg = self.config
+        x = self.embed[batch.token_ids]
+        for index, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            self._lora(batch, index, "q_proj", h, q, pool)
+            self._lora(batch, index, "k_proj", h, k, pool)
+            self._lora(batch, index, "v_proj", h, v, pool)
+            q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), batch.positions)
+            k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), batch.positions)
+            pool.kv_rows[batch.write_key_rows[:, index]] = k.reshape(-1, self.kv_dim)
+            pool.kv_rows[batch.write_value_rows[:, index]] = v
+            attn = self._attention(q, batch, index, pool)
+            o = F.linear(attn, layer.o)
+            self._lora(batch, index, "o_proj", attn, o, pool)
+            x = x + o
+            h = self._rms_norm(x, layer.post_norm)
+            gate_up = F.linear(h, layer.gate_up)
+            gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
+            gate, up = gate.contiguous(), up.contiguous()
+            self._lora(batch, index, "gate_proj", h, gate, pool)
+            self._lora(batch, index, "up_proj", h, up, pool)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer.down)
+            self._lora(batch, index, "down_proj", act, down, pool)
+            x = x + down
+        last = self._rms_norm(x[batch.logits_rows], self.norm)
+        return F.linear(last, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, batch: StepBatch, layer: int, pool: UnifiedPool) -> torch.Tensor:
+        """Attention of every new token over its request's KV pages -> [T, heads * head_dim]."""
+        cfg = self.config
+        out = torch.empty(q.shape[0], self.q_dim, dtype=q.dtype, device=q.device)
+        rows = pool.kv_rows
+        if batch.decode is not None:
+            d = batch.decode
+            keys = rows[d.key_rows[..., layer]].view(*d.key_rows.shape[:2], cfg.num_kv_heads, cfg.head_dim)
+            values = rows[d.value_rows[..., layer]].view(
+                *d.value_rows.shape[:2], cfg.num_kv_heads, cfg.head_dim
+            )
+            query = q[d.token_rows].unsqueeze(2)  # [R, heads, 1, head_dim]
+            attended = F.scaled_dot_product_attention(
+                query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask, enable_gqa=True
+            )
+            out[d.token_rows] = attended.reshape(-1, self.q_dim)
+        for span in batch.prefills:
+            keys = rows[span.key_rows[:, layer]].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            values = rows[span.value_rows[:, layer]].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            query = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
+            attended = F.scaled_dot_product_attention(
+                query,
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=span.mask,
+                enable_gqa=True,
+            )
+            out[span.token_start : span.token_end] = attended[0].transpose(0, 1).reshape(-1, self.q_dim)
+        return out

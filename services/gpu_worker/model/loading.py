@@ -1,0 +1,63 @@
+"""The one way the worker gets its base model: weights, config and tokenizer from a path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader
+
+from services.gpu_worker.model import gguf_loader
+from services.gpu_worker.model.config import ModelConfig
+from services.gpu_worker.model.hf_loader import load_hf_dir
+from services.gpu_worker.model.tokenizer import Tokenizer
+from services.runtime.base_model import default_model_path
+
+
+@dataclass
+class LoadedModel:
+    """A base model ready to be put on a device."""
+
+    config: ModelConfig
+    """Its hyperparameters."""
+    weights: dict[str, torch.Tensor]
+    """HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...); no ``lm_head.weight`` when tied."""
+    tokenizer: Tokenizer
+    """Its tokenizer and chat template."""
+    source: str
+    """What was read: the HF directory, the GGUF file, or the GGUF's converted cache file."""
+
+
+def load_model(
+    path: str | Path | None = None, cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """Load a HF model directory or a GGUF file (``None``: the default SmolLM2-135M-Instruct GGUF).
+
+    A GGUF's conversion is cached in ``cache_dir`` (default
+    :func:`gguf_loader.default_cache_dir`) and reused while the file keeps its size and mtime.
+    """
+    path = Path(path) if path is not None else default_model_path()
+    if path.is_dir():
+        config, weights = load_hf_dir(path, dtype)
+        tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
+        return LoadedModel(config, weights, tokenizer, str(path))
+    if not path.is_file():
+        raise FileNotFoundError(f"no model at {path}")
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is neither a .gguf file nor a HF model directory")
+    cached = gguf_loader.cache_path(path, Path(cache_dir) if cache_dir is not None else None)
+    hit = gguf_loader.read_cached(cached)
+    if hit is not None:
+        config, weights, tokenizer = hit
+        source = str(cached)
+    else:
+        reader = GGUFReader(str(path))
+        config = ModelConfig.from_gguf(reader)
+        weights = gguf_loader.convert_weights(reader, config)
+        tokenizer = Tokenizer.from_gguf(reader)
+        gguf_loader.write_cached(cached, config, weights, tokenizer)
+        source = str(path)
+    if dtype != torch.float32:
+        weights = {name: w.to(dtype) for name, w in weights.items()}
+    return LoadedModel(config, weights, tokenizer, source)

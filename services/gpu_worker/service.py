@@ -1,0 +1,104 @@
+"""The gpu_worker as a runtime :class:`~services.runtime.server.Service`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+from grpc import aio
+
+from loramesh.v1 import worker_pb2_grpc
+from services.gpu_worker.adapter_loader import AdapterLoader
+from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.model.loading import load_model
+from services.gpu_worker.servicer import WorkerServicer
+
+log = logging.getLogger("loramesh.worker")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+class WorkerService:
+    name = "gpu_worker"
+    grpc_service_name = "loramesh.v1.Worker"
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.servicer = WorkerServicer()
+        self.engine: Engine | None = None
+        self.source: AdapterSource | None = None
+
+    def add_to_server(self, server: aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        loaded = await asyncio.to_thread(load_model, cfg.model or None)
+        model = await asyncio.to_thread(LlamaModel, loaded.config, loaded.weights, dtype, device)
+        engine = Engine(
+            model,
+            EngineConfig(
+                pool_mib=cfg.pool_mib,
+                kv_block_tokens=cfg.kv_block_tokens,
+                max_running=cfg.max_running,
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                lora_backend=cfg.lora_backend,
+            ),
+            eos_token_ids=loaded.config.eos_token_ids,
+            detokenize=loaded.tokenizer.decode,
+        )
+        engine.start()
+        self.engine = engine
+        if cfg.adapter_dir:
+            self.source = DirectorySource(cfg.adapter_dir)
+        else:
+            self.source = StoreSource(cfg.adapter_store, cfg.etcd_endpoints)
+        loader = AdapterLoader(self.source, engine, dtype)
+        describe = {"model": loaded.config.name, "dtype": str(dtype).removeprefix("torch.")}
+        self.servicer.attach(engine, loader, describe)
+        log.info(
+            "model %s on %s (%s); pool %d pages of %d elements",
+            loaded.config.name, device, describe["dtype"], engine.pool.layout.num_pages, engine.pool.page_elems,
+        )  # fmt: skip
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if self.source is not None:
+            await self.source.close()
+
+    def load_report(self) -> dict:
+        if self.engine is None:
+            return {"ready": False}
+        return self.engine.stats()

@@ -1,0 +1,133 @@
+"""``loramesh.v1.Worker``: proto <-> engine. The engine runs on its own thread; its events reach
+this event loop through ``call_soon_threadsafe``."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from grpc import aio
+
+from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from services.gpu_worker.adapter_loader import AdapterLoader
+from services.gpu_worker.engine.engine import Engine
+from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
+from services.gpu_worker.engine.sampling import SamplingParams
+from services.runtime.errors import Unavailable
+
+DEFAULT_MAX_TOKENS = 128
+
+FINISH_REASONS = {
+    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: types_pb2.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_proto(p: types_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p or 1.0,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        stop_strings=tuple(p.stop_strings),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def timings_to_proto(event: TokenEvent, prompt_tokens: int, preemptions: int = 0) -> types_pb2.Timings:
+    t = event.timings
+
+    def ms(at: float | None) -> float:
+        return (at - t.arrived) * 1000 if at is not None else 0.0
+
+    return types_pb2.Timings(
+        queued_ms=ms(t.scheduled),
+        first_token_ms=ms(t.first_token),
+        total_ms=ms(t.finished),
+        prompt_tokens=prompt_tokens,
+        output_tokens=event.output_len,
+        preemptions=preemptions,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves RPCs once :meth:`attach` has given it a started engine."""
+
+    def __init__(self) -> None:
+        self._engine: Engine | None = None
+        self.loader: AdapterLoader | None = None
+        self.describe: dict = {}
+
+    def attach(self, engine: Engine, loader: AdapterLoader, describe: dict) -> None:
+        self._engine, self.loader, self.describe = engine, loader, describe
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise Unavailable("the worker is starting: the model is not loaded yet")
+        return self._engine
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: aio.ServicerContext):
+        engine = self.engine
+        sampling = sampling_from_proto(request.sampling)
+        sampling.validate()
+        adapter_id = request.adapter_id or None
+        if adapter_id is not None:
+            await self.loader.ensure(adapter_id)
+        request_id = request.request_id or uuid.uuid4().hex
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        engine.submit(
+            GenerationRequest(request_id, tuple(request.prompt_token_ids), sampling, adapter_id),
+            lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        )
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                reply = worker_pb2.GenerateResponse(request_id=request_id)
+                if event.token_id is not None:
+                    reply.token_ids.append(event.token_id)
+                if event.finish_reason is not None:
+                    finished = True
+                    reply.finish_reason = FINISH_REASONS[event.finish_reason]
+                    reply.timings.CopyFrom(timings_to_proto(event, len(request.prompt_token_ids)))
+                yield reply
+        finally:
+            if not finished:  # the caller went away: free the request's pages now
+                engine.cancel(request_id)
+
+    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context):
+        was_resident = request.adapter_id in self.engine.residency
+        adapter = await self.loader.ensure(request.adapter_id)
+        self.engine.preload(request.adapter_id)
+        return worker_pb2.LoadAdapterResponse(
+            adapter_id=request.adapter_id,
+            rank=adapter.max_rank,
+            bytes=adapter.nbytes,
+            was_resident=was_resident,
+        )
+
+    async def Prefetch(self, request: worker_pb2.PrefetchRequest, context):
+        return worker_pb2.PrefetchResponse(started=self.loader.prefetch(list(request.adapter_ids)))
+
+    async def Stats(self, request, context):
+        stats = self.engine.stats()
+        return worker_pb2.WorkerStatsResponse(
+            queue=stats["queue"],
+            running=stats["running"],
+            free_pages=stats["free_pages"],
+            total_pages=stats["total_pages"],
+            kv_pages=stats["kv_pages"],
+            adapter_pages=stats["adapter_pages"],
+            resident_adapters=stats["resident_adapters"],
+            tokens_per_s=stats["tokens_per_s"],
+            preemptions=stats["preemptions"],
+            model=self.describe["model"],
+            dtype=self.describe["dtype"],
+        )

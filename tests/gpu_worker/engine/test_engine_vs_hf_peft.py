@@ -1,0 +1,143 @@
+"""The engine's output equals HF transformers + peft on the same weights.
+
+SmolLM2-135M in fp32; 12 requests mixing 5 PEFT adapters (ranks 8/16/32/64, attention-only and
+attention+MLP, one rslora, one rank_pattern) and the base model, different prompt lengths,
+arriving while others run. Each request is also run alone in HF + peft. Every step's logits must
+agree within 1e-3 (max abs) and greedy tokens must be identical. HF is fed the engine's token at
+every step (teacher forcing), so should a near-tie (top-2 gap < 1e-4) ever pick a different
+argmax, the comparison of the remaining steps stays meaningful; such a flip is reported, not
+hidden, and any flip that is not a near-tie fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.request import GenerationRequest
+from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.lora.host_adapter import parse_peft_adapter
+from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.model.loading import load_model
+from services.runtime.base_model import LORA_TARGETS
+
+pytestmark = pytest.mark.model
+
+NEW_TOKENS = 48
+ADAPTERS = {
+    "r8-attn": SampleAdapterSpec(rank=8, seed=11),
+    "r16-all": SampleAdapterSpec(rank=16, target_modules=LORA_TARGETS, seed=12),
+    "r32-rslora": SampleAdapterSpec(rank=32, use_rslora=True, lora_alpha=8.0, seed=13),
+    "r64-all": SampleAdapterSpec(rank=64, target_modules=LORA_TARGETS, lora_alpha=32.0, seed=14),
+    "r8-pattern": SampleAdapterSpec(
+        rank=8, target_modules=LORA_TARGETS, rank_pattern={"down_proj": 32, "layers.2.self_attn.q_proj": 16},
+        alpha_pattern={"v_proj": 32.0}, seed=15,
+    ),
+}  # fmt: skip
+PROMPT_LENGTHS = [7, 31, 12, 3, 58, 19, 44, 9, 26, 15, 5, 37]
+REQUEST_ADAPTERS = ["r8-attn", None, "r16-all", "r32-rslora", "r64-all", "r8-pattern",
+                    None, "r16-all", "r64-all", "r8-attn", "r8-pattern", "r32-rslora"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(loaded, base_spec, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: write_peft_adapter(root / name, base_spec, sample) for name, sample in ADAPTERS.items()}
+
+
+def prompts(loaded) -> list[list[int]]:
+    text = (
+        "In the beginning the universe was created. This has made a lot of people very angry and been "
+        "widely regarded as a bad move. Many were increasingly of the opinion that they had all made a "
+        "big mistake in coming down from the trees in the first place."
+    )
+    ids = loaded.tokenizer.encode(text)
+    return [ids[i : i + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def run_engine(loaded, adapter_dirs) -> tuple[dict, dict]:
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32)
+    logits: dict[str, list[torch.Tensor]] = {}
+    engine = Engine(
+        model,
+        EngineConfig(pool_mib=256),
+        on_logits=lambda rid, row: logits.setdefault(rid, []).append(row.clone()),
+    )
+    for name, directory in adapter_dirs.items():
+        files = adapter_files(directory)
+        engine.add_adapter(
+            parse_peft_adapter(
+                name, files["adapter_config.json"], files["adapter_model.safetensors"], torch.float32
+            )
+        )
+    tokens: dict[str, list[int]] = {}
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    all_prompts = prompts(loaded)
+
+    def submit(i: int) -> None:
+        engine.submit(
+            GenerationRequest(f"r{i}", tuple(all_prompts[i]), sampling, REQUEST_ADAPTERS[i]),
+            lambda event: tokens.setdefault(event.request_id, []).append(event.token_id),
+        )
+
+    for i in range(4):
+        submit(i)
+    steps = 0
+    while engine.has_work() or steps == 0:
+        engine.step()
+        steps += 1
+        if steps in (3, 9):  # more requests arrive while the first ones are decoding
+            for i in range(4 if steps == 3 else 8, 8 if steps == 3 else 12):
+                submit(i)
+    assert engine.pool.usage().kv_pages == 0
+    return tokens, logits
+
+
+def hf_reference(loaded, adapter_dirs, prompt: list[int], adapter: str | None, forced: list[int]):
+    """HF + peft logits at each step when fed ``forced`` tokens (the engine's)."""
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = LlamaForCausalLM(LlamaConfig(**loaded.config.to_hf_config()))
+    base.load_state_dict(loaded.weights, strict=False)
+    base.tie_weights()
+    model = base if adapter is None else PeftModel.from_pretrained(base, str(adapter_dirs[adapter]))
+    model.eval()
+    steps = []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        steps.append(out.logits[0, -1].float())
+        past = out.past_key_values
+        for token in forced[:-1]:
+            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            steps.append(out.logits[0, -1].float())
+    return steps
+
+
+def test_engine_matches_transformers_and_peft(loaded, adapter_dirs):
+    tokens, logits = run_engine(loaded, adapter_dirs)
+    all_prompts = prompts(loaded)
+    near_ties = []
+    for i in range(12):
+        rid = f"r{i}"
+        assert len(tokens[rid]) == NEW_TOKENS and len(logits[rid]) == NEW_TOKENS
+        reference = hf_reference(loaded, adapter_dirs, all_prompts[i], REQUEST_ADAPTERS[i], tokens[rid])
+        for step, (ours, theirs) in enumerate(zip(logits[rid], reference)):
+            diff = (ours - theirs).abs().max().item()
+            assert diff <= 1e-3, f"{rid} ({REQUEST_ADAPTERS[i]}) step {step}: logits differ by {diff:.2e}"
+            if int(theirs.argmax()) != tokens[rid][step]:
+                top2 = theirs.topk(2).values
+                gap = (top2[0] - top2[1]).item()
+                assert gap < 1e-4, (
+                    f"{rid} step {step}: token differs from HF and it is no near-tie ({gap:.2e})"
+                )
+                near_ties.append((rid, step, gap))
+    assert not near_ties or print(f"near-tie flips (teacher-forced after): {near_ties}") is None
