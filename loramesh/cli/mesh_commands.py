@@ -26,6 +26,10 @@ def add_parsers(sub) -> None:
     up.add_argument(
         "--model", default="", help="base model: GGUF file or HF directory (default SmolLM2-135M)"
     )
+    up.add_argument("--workers", type=int, default=1, help="gpu_worker processes (default 1)")
+    up.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                    help="worker compute dtype")  # fmt: skip
+    up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
     up.add_argument("--detach", action="store_true", help="run in the background; return once ready")
     up.add_argument("--ram-budget-mib", type=int, default=1024, help="adapter store RAM tier")
     up.set_defaults(func=cmd_up)
@@ -62,7 +66,8 @@ def _up_detached(args, state_dir: Path) -> int:
     argv = [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), "up"]
     if args.model:
         argv += ["--model", args.model]
-    argv += ["--ram-budget-mib", str(args.ram_budget_mib)]
+    argv += ["--ram-budget-mib", str(args.ram_budget_mib), "--workers", str(args.workers)]
+    argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib)]
     with open(log_dir / "up.log", "ab") as out:
         child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
@@ -104,7 +109,18 @@ async def _up_foreground(args, state_dir: Path) -> int:
         processes["adapter_store"] = ServiceProcess(
             "adapter_store", store_args, log_path=log_dir / "adapter_store.log"
         ).start()
-        await asyncio.gather(*(p.wait_ready() for p in processes.values()))
+        await processes["adapter_store"].wait_ready()
+        worker_args = ["--etcd-endpoints", etcd.endpoint, "--adapter-store", processes["adapter_store"].address,
+                       "--dtype", args.dtype, "--pool-mib", str(args.pool_mib)]  # fmt: skip
+        if args.model:
+            worker_args += ["--model", args.model]
+        for i in range(args.workers):
+            processes[f"gpu_worker-{i}"] = ServiceProcess(
+                "gpu_worker",
+                [*worker_args, "--instance-id", f"gpu_worker-{i}"],
+                log_path=log_dir / f"gpu_worker-{i}.log",
+            ).start()
+        await asyncio.gather(*(p.wait_ready(300) for p in processes.values()))
         mesh = MeshFile(
             up_pid=os.getpid(),
             etcd_endpoint=etcd.endpoint,
@@ -202,7 +218,7 @@ def cmd_status(args) -> int:
                     r["address"],
                     r["health"],
                     f"{r['uptime_s']:.0f}s",
-                    " ".join(f"{k}={v}" for k, v in r["load"].items()),
+                    " ".join(f"{k}={len(v) if isinstance(v, list) else v}" for k, v in r["load"].items()),
                 ]
                 for r in rows
             ],

@@ -30,11 +30,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls run on native units (AVX-512 BF16 or AMX); otherwise they are emulated."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "avx512_bf16" in flags or "amx_bf16" in flags or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 
 import pytest
+from grpc import aio
 
 from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.base_model import LORA_TARGETS
 
 pytestmark = pytest.mark.integration
@@ -30,7 +33,7 @@ def loramesh(state_dir, *argv, check=True) -> subprocess.CompletedProcess:
 @pytest.fixture
 def mesh(tmp_path):
     state = tmp_path / "state"
-    loramesh(state, "up", "--detach")
+    loramesh(state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64")
     yield state
     loramesh(state, "down", check=False)
 
@@ -58,7 +61,13 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
 
     status = json.loads(loramesh(mesh, "status", "--json").stdout)
-    assert [(r["service"], r["health"]) for r in status] == [("adapter_store", "SERVING")]
+    assert [(r["service"], r["health"]) for r in status] == [
+        ("adapter_store", "SERVING"),
+        ("gpu_worker", "SERVING"),
+        ("gpu_worker", "SERVING"),
+    ]
+    for name in ("gpu_worker-0", "gpu_worker-1"):
+        assert asyncio.run(generate_two_tokens(mesh_file["services"][name]["address"])) == 2
 
     assert "deleted admin/mine" in loramesh(mesh, "adapters", "delete", "mine").stdout
     gone = loramesh(mesh, "adapters", "delete", "mine", check=False)
@@ -71,6 +80,15 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert not (mesh / "mesh.json").exists()
     after = loramesh(mesh, "status", check=False)
     assert after.returncode != 0 and "no mesh is up" in after.stderr
+
+
+async def generate_two_tokens(address: str) -> int:
+    async with aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        request = worker_pb2.GenerateRequest(
+            prompt_token_ids=[1, 2, 3], sampling=types_pb2.SamplingParams(max_tokens=2)
+        )
+        return sum([len(reply.token_ids) async for reply in stub.Generate(request, timeout=120)])
 
 
 def test_commands_without_a_mesh_say_so(tmp_path):
