@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger("loramesh.http")
 
@@ -38,6 +39,27 @@ class ServiceMetrics:
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_total.labels(self.service, method, code).inc()
         self.rpc_seconds.labels(self.service, method).observe(seconds)
+
+    def export_load_report(self, load_fn: Callable[[], dict]) -> None:
+        """Expose every number of the service's load report as a gauge ``loramesh_<service>_<key>``
+        (lists as their length), read at scrape time: the report etcd gets is what Prometheus gets."""
+        self.registry.register(_LoadReportCollector(self.service, load_fn))
+
+
+class _LoadReportCollector:
+    def __init__(self, service: str, load_fn: Callable[[], dict]):
+        self.service = service
+        self.load_fn = load_fn
+
+    def collect(self):
+        for key, value in self.load_fn().items():
+            if isinstance(value, list):
+                value = len(value)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            yield GaugeMetricFamily(
+                f"loramesh_{self.service}_{key}", f"{self.service} load report: {key}", value
+            )
 
 
 class HttpSidePort:

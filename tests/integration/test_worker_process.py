@@ -166,6 +166,10 @@ async def test_cancelled_stream_frees_its_pages(worker, adapter_root):
             )
         )
         await call.read()
+        for _ in range(100):  # stats are a snapshot taken after each step
+            if (await stub.Stats(worker_pb2.WorkerStatsRequest())).kv_pages > 0:
+                break
+            await asyncio.sleep(0.05)
         assert (await stub.Stats(worker_pb2.WorkerStatsRequest())).kv_pages > 0
         call.cancel()
         for _ in range(100):

@@ -103,11 +103,13 @@ class Engine:
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._snapshot: dict = {}
         self.tokens_generated = 0
         self._rate_mark = (time.monotonic(), 0)
         self._tokens_per_s = 0.0
         self.steps = 0
         self.preemptions = 0
+        self._publish_stats()
 
     # -- called from any thread --------------------------------------------------------------
 
@@ -193,6 +195,7 @@ class Engine:
         self._make_room_for_running()
         self._admit()
         if not self.running:
+            self._publish_stats()
             return 0
         batch_requests = list(self.running)
         batch = self.builder.build(batch_requests, self.residency)
@@ -202,6 +205,7 @@ class Engine:
             request.num_computed = request.total_len
             self._emit_next_token(request, row, now)
         self.steps += 1
+        self._publish_stats()
         return len(batch_requests)
 
     def _take_inbox(self) -> None:
@@ -355,10 +359,30 @@ class Engine:
             self._rate_mark = (now, tokens)
         return self._tokens_per_s
 
-    def stats(self) -> dict:
+    def fragmentation(self) -> float:
+        """Share of allocated pool elements holding no data: KV blocks not yet filled, and page
+        ends adapters could not use. Paging makes external fragmentation zero by construction."""
+        layout = self.pool.layout
+        kv_waste = sum(
+            (r.kv.capacity - r.num_computed) * 2 * layout.kv_dim * layout.num_layers for r in self.running
+        )
+        adapter_waste = 0
+        for adapter_id in self.residency.ids():
+            resident = self.residency.get(adapter_id)
+            used = resident.nbytes // self.pool.buffer.element_size()
+            adapter_waste += len(resident.pages) * layout.page_elems - used
         usage = self.pool.usage()
-        return {
-            "tokens_per_s": round(self.tokens_per_s(), 1),
+        allocated = (usage.kv_pages + usage.adapter_pages) * layout.page_elems
+        return (kv_waste + adapter_waste) / allocated if allocated else 0.0
+
+    def stats(self) -> dict:
+        """The latest snapshot (taken by the engine thread after each step; safe from any thread)."""
+        return {**self._snapshot, "tokens_per_s": round(self.tokens_per_s(), 1)}
+
+    def _publish_stats(self) -> None:
+        usage = self.pool.usage()
+        self._snapshot = {
+            "fragmentation": round(self.fragmentation(), 4),
             "queue": len(self.waiting) + len(self._inbox),
             "running": len(self.running),
             "free_pages": usage.free_pages,

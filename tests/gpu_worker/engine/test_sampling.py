@@ -1,0 +1,113 @@
+"""Sampling: each parameter does what a vLLM user expects, and seeds reproduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.request import FinishReason, GenerationRequest
+from services.gpu_worker.engine.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    make_generator,
+    sample_token,
+)
+from services.gpu_worker.model.llama import LlamaModel
+from services.runtime.errors import InvalidArgument
+
+EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def logits() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(100) * 3
+
+
+def draws(params: SamplingParams, n: int = 200) -> list[int]:
+    generator = make_generator(params)
+    return [sample_token(logits(), params, EMPTY, generator) for _ in range(n)]
+
+
+def test_greedy_picks_the_argmax():
+    assert sample_token(logits(), SamplingParams(), EMPTY, None) == int(logits().argmax())
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    best = int(logits().argmax())
+    assert set(draws(SamplingParams(temperature=1.0, top_k=1, seed=1))) == {best}
+    assert set(draws(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))) == {best}
+
+
+def test_top_k_keeps_only_the_k_best():
+    top5 = set(logits().topk(5).indices.tolist())
+    picked = set(draws(SamplingParams(temperature=5.0, top_k=5, seed=2), 400))
+    assert picked <= top5 and len(picked) > 1
+
+
+def test_top_p_keeps_the_nucleus():
+    probs = torch.softmax(logits(), -1)
+    ordered, order = probs.sort(descending=True)
+    nucleus = set(order[: int((ordered.cumsum(0) < 0.5).sum()) + 1].tolist())
+    assert set(draws(SamplingParams(temperature=1.0, top_p=0.5, seed=3), 400)) <= nucleus
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    params = SamplingParams(temperature=1.0, seed=42)
+    assert draws(params) == draws(params)
+    assert draws(params) != draws(SamplingParams(temperature=1.0, seed=43))
+
+
+def test_repetition_penalty_follows_hf():
+    values = torch.tensor([2.0, -2.0, 1.0])
+    penalised = apply_repetition_penalty(values, torch.tensor([0, 1]), 2.0)
+    assert penalised.tolist() == [1.0, -4.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(temperature=-0.5), "temperature"),
+        (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+    ],
+)
+def test_out_of_range_values_are_refused_by_name(params, field):
+    with pytest.raises(InvalidArgument, match=field):
+        params.validate()
+
+
+def run(engine: Engine, params: SamplingParams, prompt=(5, 6, 7)):
+    events = []
+    engine.submit(GenerationRequest("r", prompt, params), events.append)
+    while engine.has_work():
+        engine.step()
+    return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason
+
+
+def test_stop_tokens_eos_and_stop_strings_end_generation(tiny_llama):
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+    free_run, reason = run(
+        Engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=6, ignore_eos=True)
+    )
+    assert reason is FinishReason.LENGTH and len(free_run) == 6
+    stop_at = free_run[2]
+    first = free_run.index(stop_at)
+
+    tokens, reason = run(
+        Engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=6, stop_token_ids=(stop_at,))
+    )
+    assert reason is FinishReason.STOP and tokens == free_run[: first + 1]
+
+    eos_engine = Engine(model, EngineConfig(pool_mib=4), eos_token_ids=(stop_at,))
+    assert run(eos_engine, SamplingParams(max_tokens=6))[1] is FinishReason.STOP
+    assert run(eos_engine, SamplingParams(max_tokens=6, ignore_eos=True))[1] is FinishReason.LENGTH
+
+    text = {t: f"<{t}>" for t in range(256)}
+    string_engine = Engine(
+        model, EngineConfig(pool_mib=4), detokenize=lambda ids: "".join(text[i] for i in ids)
+    )
+    tokens, reason = run(string_engine, SamplingParams(max_tokens=6, stop_strings=(f"<{stop_at}>",)))
+    assert reason is FinishReason.STOP and tokens == free_run[: first + 1]
