@@ -84,6 +84,30 @@ def machine() -> dict:
     return info
 
 
+class CpuMonitor:
+    """CPU time the rest of the machine used while this process measured (other users' tests
+    running at the same time slow every figure; this says how much they did)."""
+
+    def __init__(self) -> None:
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float, float]:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+            busy = (sum(fields[:8]) - fields[3] - fields[4]) / self._hz  # all but idle and iowait
+        except OSError:
+            busy = float("nan")
+        return time.perf_counter(), busy, time.process_time()
+
+    def others_share(self) -> float:
+        """Share of the machine's CPUs (0..1) used by other processes since construction."""
+        wall0, busy0, own0 = self._start
+        wall1, busy1, own1 = self._read()
+        others = (busy1 - busy0) - (own1 - own0)
+        return max(0.0, others / ((wall1 - wall0) * (os.cpu_count() or 1)))
+
+
 def loadavg() -> float | None:
     """1-minute load average: other processes on the machine disturb every timing here."""
     try:
@@ -239,10 +263,12 @@ def base_decode(loaded, model, dtype, prompts, new_tokens: int, repeats: int, lo
         for i, prompt in enumerate(prompts):
             engine.submit(
                 GenerationRequest(f"base-{i}", prompt, sampling),
-                lambda event: outputs.setdefault(event.request_id, []).append(event.token_id),
+                lambda event, outputs=outputs: outputs.setdefault(event.request_id, []).append(
+                    event.token_id
+                ),
             )
         model.lora_backend = "torch"
-        load = loadavg()
+        monitor = CpuMonitor()
         t = time.perf_counter()
         engine.step()
         prefill_s = time.perf_counter() - t
@@ -259,15 +285,15 @@ def base_decode(loaded, model, dtype, prompts, new_tokens: int, repeats: int, lo
                 "decode_s": sum(steps),
                 "median_step_s": median(steps),
                 "decode_tok_s": decode_tokens / sum(steps),
-                "loadavg": load,
+                "others_cpu_share": monitor.others_share(),
             }
         )
         log(
             f"  engine run {r + 1}: prefill {prefill_s:.1f} s, decode {sum(steps):.1f} s, "
-            f"{decode_tokens / sum(steps):.0f} tok/s"
+            f"{decode_tokens / sum(steps):.0f} tok/s, others' CPU {100 * engine_runs[-1]['others_cpu_share']:.0f}%"
         )
         gc.collect()
-        load = loadavg()
+        monitor = CpuMonitor()
         full_s, hf_tokens = hf_generate(hf, input_ids, new_tokens, pad_id)
         prefill_only_s, _ = hf_generate(hf, input_ids, 1, pad_id)
         hf_runs.append(
@@ -276,12 +302,13 @@ def base_decode(loaded, model, dtype, prompts, new_tokens: int, repeats: int, lo
                 "generate_1_s": prefill_only_s,
                 "decode_s": full_s - prefill_only_s,
                 "decode_tok_s": decode_tokens / (full_s - prefill_only_s),
-                "loadavg": load,
+                "others_cpu_share": monitor.others_share(),
             }
         )
         log(
             f"  HF run {r + 1}: generate({new_tokens}) {full_s:.1f} s, generate(1) {prefill_only_s:.1f} s, "
-            f"{decode_tokens / (full_s - prefill_only_s):.0f} tok/s"
+            f"{decode_tokens / (full_s - prefill_only_s):.0f} tok/s, "
+            f"others' CPU {100 * hf_runs[-1]['others_cpu_share']:.0f}%"
         )
         if first_token_agreement is None:
             # Sanity: both greedy-decode the same model (bf16 rounding may split near-ties later).
@@ -319,14 +346,17 @@ def make_adapters(count: int, dtype: torch.dtype, root: Path) -> list[HostAdapte
         files = adapter_files(write_peft_adapter(root / f"a{i}", spec, sample))
         adapters.append(
             parse_peft_adapter(
-                f"a{i}-r{sample.rank}", files["adapter_config.json"], files["adapter_model.safetensors"], dtype
+                f"a{i}-r{sample.rank}",
+                files["adapter_config.json"],
+                files["adapter_model.safetensors"],
+                dtype,
             )
         )
     return adapters
 
 
 def adapter_rounds(
-    loaded, model, prompts, adapters, ks: list[int], warmup: int, rounds: int, log
+    loaded, model, prompts, adapters, ks: list[int], warmup: int, rounds: int, others: list[float], log
 ) -> dict[str, EngineRun]:
     max_tokens = 2 * (warmup + rounds) + 4
     kv_mib = 64  # 32 requests x ~100 tokens x 30 layers x K+V of 192 bf16 values is ~70 MB
@@ -340,6 +370,7 @@ def adapter_rounds(
     for r in range(warmup + rounds):
         record = r >= warmup
         order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
+        monitor = CpuMonitor()
         t = time.perf_counter()
         for name, run in runs.items():
             if name == "k0":
@@ -350,8 +381,10 @@ def adapter_rounds(
                     run.step(backend, record)
         log(
             f"  round {r + 1}/{warmup + rounds}{'' if record else ' (warm-up)'}: "
-            f"{time.perf_counter() - t:.1f} s, load {loadavg()}"
+            f"{time.perf_counter() - t:.1f} s, other processes used {100 * monitor.others_share():.0f}% CPU"
         )
+        if record:
+            others.append(monitor.others_share())
     return runs
 
 
@@ -444,15 +477,29 @@ def profile_step(run: EngineRun, backend: str) -> dict:
 def markdown(result: dict) -> str:
     base = result["base_decode"]
     bw = result["bandwidth"]
+    m = result["machine"]
+    engine_others = max(r["others_cpu_share"] for r in base["engine_runs"])
+    hf_others = max(r["others_cpu_share"] for r in base["hf_runs"])
+    rounds_others = max(result["rounds_others_cpu_share"], default=0.0)
     lines = [
-        f"Machine: {result['machine']['cpu']}, {result['machine']['logical_cpus']} CPUs, "
-        f"avx512_bf16={result['machine'].get('avx512_bf16')}, torch {result['machine']['torch']} "
-        f"({result['machine']['torch_cpu_capability']}), {result['threads']} threads, {result['dtype']}",
-        f"Memory bandwidth: read {bw['read_gb_s']:.1f} GB/s (sum of {bw['tensor_mib']} MiB), "
-        f"copy {bw['copy_gb_s']:.1f} GB/s (read + write)",
+        (
+            f"Machine: {m['cpu']}, {m['logical_cpus']} CPUs, avx512_bf16={m.get('avx512_bf16')}, "
+            f"torch {m['torch']} ({m['torch_cpu_capability']}), {result['threads']} threads, {result['dtype']}"
+        ),
+        (
+            f"Memory bandwidth: read {bw['read_gb_s']:.1f} GB/s (sum of {bw['tensor_mib']} MiB), "
+            f"copy {bw['copy_gb_s']:.1f} GB/s (read + write)"
+        ),
+        (
+            "CPU used by other processes while measuring (share of all CPUs, max over runs/rounds): "
+            f"bandwidth {100 * bw['others_cpu_share']:.0f}%, engine runs {100 * engine_others:.0f}%, "
+            f"HF runs {100 * hf_others:.0f}%, adapter rounds {100 * rounds_others:.0f}%"
+        ),
         "",
-        f"**1. Base decode, batch {base['batch']}, prompt {base['prompt_len']}, "
-        f"{base['new_tokens']} new tokens, no adapters** (median of {base['repeats']} runs)",
+        (
+            f"**1. Base decode, batch {base['batch']}, prompt {base['prompt_len']}, "
+            f"{base['new_tokens']} new tokens, no adapters** (median of {base['repeats']} runs)"
+        ),
         "",
         "| | decode tok/s | step ms |",
         "|---|---|---|",
@@ -462,8 +509,10 @@ def markdown(result: dict) -> str:
         "",
         f"first generated token equal to HF's for {100 * base['first_token_agreement']:.0f}% of requests",
         "",
-        "**2. Adapter overhead, batch 32 decode, gather path (`torch`)** "
-        f"(median of {result['rounds']} interleaved steps each)",
+        (
+            "**2. Adapter overhead, batch 32 decode, gather path (`torch`)** "
+            f"(median of {result['rounds']} interleaved steps each)"
+        ),
         "",
         "| k adapters | step ms | no-adapter step ms | extra ms | adapter MB | bound ms | extra / bound |",
         "|---|---|---|---|---|---|---|",
@@ -538,7 +587,9 @@ def main(argv: list[str] | None = None) -> None:
         "loadavg_start": loadavg(),
     }
     log(f"machine: {result['machine']}")
+    monitor = CpuMonitor()
     result["bandwidth"] = measure_bandwidth(1024, 5)
+    result["bandwidth"]["others_cpu_share"] = monitor.others_share()
     log(f"bandwidth: {result['bandwidth']}")
 
     loaded = load_model()
@@ -552,7 +603,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(max(ks), dtype, Path(tmp))
     gc.collect()
-    runs = adapter_rounds(loaded, model, prompts, adapters, ks, warmup, rounds, log)
+    others: list[float] = []
+    runs = adapter_rounds(loaded, model, prompts, adapters, ks, warmup, rounds, others, log)
+    result["rounds_others_cpu_share"] = others
     result["rounds"] = rounds
     result["warmup_rounds"] = warmup
     overhead, backends = adapter_figures(runs, adapters, ks, result["bandwidth"]["read_gb_s"])

@@ -1,0 +1,69 @@
+"""loramesh: serve many LoRA adapters of one base LLM from a mesh of gRPC services.
+
+The client SDK (see ``docs/sdk.md``)::
+
+    from loramesh import Client
+
+    with Client("127.0.0.1:50051", api_key="sk-...") as client:
+        print(client.generate("Hello,", max_tokens=16).text)
+
+Importing the package stays light: the clients (and grpc) load on first use of
+:class:`Client` or :class:`AsyncClient`, so the services that import ``loramesh.v1`` pay nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from loramesh.errors import (
+    AlreadyExists,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    LoraMeshError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
+
+if TYPE_CHECKING:
+    from loramesh.async_client import AsyncClient
+    from loramesh.client import Client
+
+__all__ = [
+    "Adapter",
+    "AlreadyExists",
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "DataLoss",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "InternalError",
+    "InvalidArgument",
+    "LoraMeshError",
+    "Model",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "Sampling",
+    "TextDelta",
+    "Unauthenticated",
+    "Unavailable",
+    "Usage",
+]
+
+_LAZY = {"Client": "loramesh.client", "AsyncClient": "loramesh.async_client"}
+
+
+def __getattr__(name: str) -> Any:
+    """Loads :class:`Client` and :class:`AsyncClient` on first access."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'loramesh' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -7,9 +7,10 @@ import sys
 
 import grpc
 
-from loramesh.cli import adapter_commands, mesh_commands
+from loramesh.cli import adapter_commands, generate_commands, mesh_commands
 from loramesh.cli.errors import CommandError
 from loramesh.cli.mesh_file import DEFAULT_STATE_DIR
+from loramesh.errors import LoraMeshError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     mesh_commands.add_parsers(sub)
     adapter_commands.add_parsers(sub)
+    generate_commands.add_parsers(sub)
     return parser
 
 
@@ -32,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except grpc.RpcError as error:
         print(f"loramesh: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except LoraMeshError as error:
+        print(f"loramesh: {error.code}: {error.details}", file=sys.stderr)
         return 1
 
 

@@ -20,6 +20,9 @@ from services.runtime.membership import MembershipConfig, list_members, read_loa
 from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
 from services.runtime.server import check_health
 
+#: Tenant of the local admin key that `loramesh up` writes to mesh.json.
+ADMIN_TENANT = "admin"
+
 
 def add_parsers(sub) -> None:
     up = sub.add_parser("up", help="start etcd and every service on loopback (foreground)")
@@ -30,6 +33,9 @@ def add_parsers(sub) -> None:
     up.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                     help="worker compute dtype")  # fmt: skip
     up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
+    up.add_argument(
+        "--api-keys-file", default="", help="JSON {api key: tenant} for the gateway, besides the admin key"
+    )
     up.add_argument("--detach", action="store_true", help="run in the background; return once ready")
     up.add_argument("--ram-budget-mib", type=int, default=1024, help="adapter store RAM tier")
     up.set_defaults(func=cmd_up)
@@ -68,6 +74,8 @@ def _up_detached(args, state_dir: Path) -> int:
         argv += ["--model", args.model]
     argv += ["--ram-budget-mib", str(args.ram_budget_mib), "--workers", str(args.workers)]
     argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib)]
+    if args.api_keys_file:
+        argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
     with open(log_dir / "up.log", "ab") as out:
         child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
@@ -120,12 +128,27 @@ async def _up_foreground(args, state_dir: Path) -> int:
                 [*worker_args, "--instance-id", f"gpu_worker-{i}"],
                 log_path=log_dir / f"gpu_worker-{i}.log",
             ).start()
+        processes["scheduler"] = ServiceProcess(
+            "scheduler", ["--etcd-endpoints", etcd.endpoint], log_path=log_dir / "scheduler.log"
+        ).start()
+        admin_api_key = "lm-admin-" + secrets.token_urlsafe(18)
+        gateway_args = ["--etcd-endpoints", etcd.endpoint, "--adapter-store", processes["adapter_store"].address,
+                        "--scheduler", processes["scheduler"].address]  # fmt: skip
+        if args.model:
+            gateway_args += ["--model", args.model]
+        if args.api_keys_file:
+            gateway_args += ["--api-keys-file", args.api_keys_file]
+        # The key goes by environment, not argv, so it does not show in `ps`.
+        processes["gateway"] = ServiceProcess(
+            "gateway", gateway_args, log_path=log_dir / "gateway.log",
+            env={"LORAMESH_API_KEYS": f"{admin_api_key}={ADMIN_TENANT}"},
+        ).start()  # fmt: skip
         await asyncio.gather(*(p.wait_ready(300) for p in processes.values()))
         mesh = MeshFile(
             up_pid=os.getpid(),
             etcd_endpoint=etcd.endpoint,
             etcd_pid=etcd.pid or 0,
-            admin_api_key="lm-admin-" + secrets.token_urlsafe(18),
+            admin_api_key=admin_api_key,
             services={
                 name: ServiceEntry(p.address, p.http_address, p.pid or 0, str(p.log_path))
                 for name, p in processes.items()

@@ -31,7 +31,7 @@ class MeshFile:
     etcd_endpoint: str
     etcd_pid: int
     admin_api_key: str
-    """Key of the local admin tenant (used by the gateway once it exists)."""
+    """API key of the local admin tenant (`admin`), accepted by the gateway."""
     services: dict[str, ServiceEntry] = field(default_factory=dict)
     ready: bool = False
 

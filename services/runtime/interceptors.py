@@ -59,6 +59,15 @@ class _RpcScope:
             context.set_trailing_metadata(tuple(trailing))
             log.info("%s -> %s: %s", self.method, code.name, error.message)
             await context.abort(code, error.message)
+        if isinstance(error, aio.AioRpcError):
+            # A call to another service failed with a status of its own (a scheduler's
+            # RESOURCE_EXHAUSTED, a worker's INVALID_ARGUMENT): pass it on as it is.
+            code = error.code()
+            self.code = code.name
+            passed = [(k, v) for k, v in (error.trailing_metadata() or ()) if k == RETRY_AFTER_HEADER]
+            context.set_trailing_metadata(((REQUEST_ID_HEADER, self.request_id), *passed))
+            log.info("%s -> %s from upstream: %s", self.method, code.name, error.details())
+            await context.abort(code, error.details() or code.name)
         self.code = "INTERNAL"
         log.exception("%s failed unexpectedly", self.method)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {self.request_id})")

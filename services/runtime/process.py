@@ -22,6 +22,8 @@ from services.runtime.server import check_health
 GRPC_SERVICE_NAMES = {
     "adapter_store": "loramesh.v1.AdapterStore",
     "gpu_worker": "loramesh.v1.Worker",
+    "gateway": "loramesh.v1.Gateway",
+    "scheduler": "loramesh.v1.Scheduler",
 }
 
 

@@ -1,0 +1,418 @@
+"""The asyncio client of the loramesh gateway: :class:`loramesh.Client`'s API with ``await``.
+
+Request building, retry policy and conversions are :mod:`loramesh.client`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Self
+
+from grpc import aio
+
+from loramesh.client import (
+    DEFAULT_MESH_FILE,
+    LIST_PAGE_SIZE,
+    ChatMessages,
+    _Call,
+    _Policy,
+    adapter_from,
+    chat_request,
+    completion,
+    generate_request,
+    model_from,
+    resolve_target,
+    text_delta,
+    upload_stream,
+)
+from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta
+from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+class AsyncAdapters:
+    """The caller's tenant's adapters, as ``client.adapters`` of an :class:`AsyncClient`.
+
+    Example:
+        >>> adapter = await client.adapters.upload("./my-lora", "support-bot")
+        >>> [a.name for a in await client.adapters.list()]
+        ['support-bot']
+        >>> await client.adapters.delete("support-bot")
+    """
+
+    def __init__(self, client: AsyncClient):
+        """Binds to ``client``'s connection (made by :class:`AsyncClient`, not by hand)."""
+        self._client = client
+
+    async def upload(
+        self, path: str | Path, name: str, *, public: bool = False, timeout: float | None = None
+    ) -> Adapter:
+        """Registers a PEFT LoRA adapter directory under the caller's tenant. Never retried.
+
+        Args:
+            path: Directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
+            name: Name, unique within the tenant.
+            public: Let every tenant use it (as ``"owner/name"``).
+            timeout: Seconds for the whole upload; None for the client's default.
+
+        Returns:
+            The registered adapter.
+
+        Raises:
+            FileNotFoundError: ``path`` is not a directory.
+            AlreadyExists: The tenant already has an adapter of that name.
+            InvalidArgument: The adapter does not fit the base model (the message says why).
+            ResourceExhausted: The adapter is over the size limit.
+        """
+        requests = upload_stream(path, name, public)
+        reply = await self._client._unary(self._client._stub.UploadAdapter, requests, timeout, retry=False)
+        return adapter_from(reply.adapter)
+
+    async def list(self, *, page_size: int = LIST_PAGE_SIZE, timeout: float | None = None) -> list[Adapter]:
+        """The caller's adapters and every tenant's public ones, all pages.
+
+        Args:
+            page_size: Adapters per request (at most 1000).
+            timeout: Seconds for all the pages together; None for the client's default.
+
+        Returns:
+            The adapters, in the store's order.
+        """
+        call = self._client._policy.start(timeout)
+        adapters: list[Adapter] = []
+        token = ""
+        while True:
+            request = adapter_store_pb2.ListAdaptersRequest(page_size=page_size, page_token=token)
+            page = await self._client._unary_with(self._client._stub.ListAdapters, request, call, retry=True)
+            adapters.extend(adapter_from(a) for a in page.adapters)
+            token = page.next_page_token
+            if not token:
+                return adapters
+
+    async def get(self, name: str, *, timeout: float | None = None) -> Adapter:
+        """One adapter.
+
+        Args:
+            name: ``"name"`` (the caller's own) or ``"owner/name"`` (another tenant's public one).
+            timeout: Seconds; None for the client's default.
+
+        Raises:
+            NotFound: No such adapter.
+            PermissionDenied: It is another tenant's private adapter.
+        """
+        request = gateway_pb2.GatewayAdapterRequest(adapter=name)
+        return adapter_from(
+            await self._client._unary(self._client._stub.GetAdapter, request, timeout, retry=True)
+        )
+
+    async def delete(self, name: str, *, timeout: float | None = None) -> Adapter:
+        """Deletes one of the caller's adapters. Never retried.
+
+        Args:
+            name: The adapter's name.
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The deleted adapter.
+
+        Raises:
+            NotFound: No such adapter.
+            PermissionDenied: It belongs to another tenant.
+        """
+        request = gateway_pb2.GatewayAdapterRequest(adapter=name)
+        reply = await self._client._unary(self._client._stub.DeleteAdapter, request, timeout, retry=False)
+        return adapter_from(reply.adapter)
+
+
+class AsyncClient:
+    """An asyncio connection to a loramesh gateway; create it inside the event loop it is used on.
+
+    Same behaviour as :class:`loramesh.Client`: :class:`~loramesh.errors.LoraMeshError`
+    subclasses on failure, ``UNAVAILABLE`` retried with backoff for reads and for generations
+    that have not produced text yet, never for uploads, deletes or streams that already yielded.
+
+    Example:
+        >>> from loramesh import AsyncClient
+        >>> async with AsyncClient("127.0.0.1:50051", api_key="sk-...") as client:
+        ...     print((await client.generate("Hello,", max_tokens=16)).text)
+        ...     async for delta in client.chat_stream([("user", "Hi!")]):
+        ...         print(delta.text, end="")
+
+    Attributes:
+        address: The gateway's ``host:port``.
+        adapters: The tenant's adapters (:class:`AsyncAdapters`).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        mesh_file: str | Path = DEFAULT_MESH_FILE,
+    ):
+        """Opens a channel to the gateway (connecting lazily, on the first call).
+
+        Args:
+            address: ``host:port`` of the gateway; None for the gateway of the local mesh in
+                ``mesh_file``.
+            api_key: The tenant's API key; None for the local mesh's admin key (only when
+                talking to that mesh's gateway).
+            timeout: Default seconds per call (a stream's whole duration included); None for
+                no deadline.
+            retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
+            backoff_s: Wait before the first retry; doubles on each next one (with jitter).
+            mesh_file: The local mesh's file written by ``loramesh up``.
+
+        Raises:
+            ValueError: No address or API key was given and the mesh file has none.
+        """
+        self.address, api_key = resolve_target(address, api_key, mesh_file)
+        self._policy = _Policy(api_key=api_key, timeout=timeout, retries=retries, backoff_s=backoff_s)
+        self._channel = aio.insecure_channel(self.address)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self.adapters = AsyncAdapters(self)
+
+    async def __aenter__(self) -> Self:
+        """Returns the client itself (``async with AsyncClient(...) as client``)."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Closes the client."""
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        adapter: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Completes a raw prompt (no chat template) and waits for the whole text.
+
+        Args:
+            prompt: The text to continue.
+            adapter: ``"name"`` (the caller's adapter), ``"owner/name"`` (another tenant's
+                public one), or None for the base model.
+            max_tokens: Most tokens to generate; None for the server's default (128).
+            temperature: None or 0 for greedy decoding.
+            top_k: Sample among the k likeliest tokens; None for off.
+            top_p: Nucleus sampling mass; None for off.
+            repetition_penalty: None for off.
+            seed: Sampler seed, for reproducible sampling.
+            stop: Strings that end the generation.
+            stop_token_ids: Token ids that end the generation.
+            deadline_ms: Time-to-first-token objective the gateway schedules for; None for its
+                default.
+            timeout: Seconds for the whole call; None for the client's default.
+
+        Returns:
+            The completion.
+
+        Raises:
+            LoraMeshError: A subclass per failure (see :mod:`loramesh.errors`).
+        """
+        sampling = Sampling(
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+        )
+        request = generate_request(prompt, adapter, sampling, deadline_ms)
+        return completion([d async for d in self._stream(self._stub.Generate, request, timeout)])
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        adapter: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[TextDelta]:
+        """Completes a raw prompt, yielding text as it is generated (``async for``, no ``await``).
+
+        The request is sent when iteration starts. A stream that fails after yielding text
+        raises instead of retrying. To cancel the call at once when leaving the loop early,
+        iterate under ``contextlib.aclosing``.
+
+        Args:
+            prompt: The text to continue.
+            adapter: As for :meth:`generate`.
+            max_tokens: As for :meth:`generate`.
+            temperature: As for :meth:`generate`.
+            top_k: As for :meth:`generate`.
+            top_p: As for :meth:`generate`.
+            repetition_penalty: As for :meth:`generate`.
+            seed: As for :meth:`generate`.
+            stop: As for :meth:`generate`.
+            stop_token_ids: As for :meth:`generate`.
+            deadline_ms: As for :meth:`generate`.
+            timeout: Seconds for the whole stream; None for the client's default.
+
+        Yields:
+            Text deltas; the last one carries ``finish_reason`` and ``usage``.
+        """
+        sampling = Sampling(
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+        )
+        return self._stream(
+            self._stub.Generate, generate_request(prompt, adapter, sampling, deadline_ms), timeout
+        )
+
+    async def chat(
+        self,
+        messages: ChatMessages,
+        *,
+        adapter: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Answers a conversation through the model's chat template and waits for the reply.
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` dicts or ``(role, content)`` tuples;
+                roles are ``system``, ``user`` and ``assistant``.
+            adapter: As for :meth:`generate`.
+            max_tokens: As for :meth:`generate`.
+            temperature: As for :meth:`generate`.
+            top_k: As for :meth:`generate`.
+            top_p: As for :meth:`generate`.
+            repetition_penalty: As for :meth:`generate`.
+            seed: As for :meth:`generate`.
+            stop: As for :meth:`generate`.
+            stop_token_ids: As for :meth:`generate` (the model's end-of-turn tokens always stop).
+            deadline_ms: As for :meth:`generate`.
+            timeout: Seconds for the whole call; None for the client's default.
+
+        Returns:
+            The assistant's reply.
+        """
+        sampling = Sampling(
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+        )
+        request = chat_request(messages, adapter, sampling, deadline_ms)
+        return completion([d async for d in self._stream(self._stub.Chat, request, timeout)])
+
+    def chat_stream(
+        self,
+        messages: ChatMessages,
+        *,
+        adapter: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[TextDelta]:
+        """Answers a conversation, yielding the reply as it is generated (see :meth:`stream`).
+
+        Args:
+            messages: As for :meth:`chat`.
+            adapter: As for :meth:`generate`.
+            max_tokens: As for :meth:`generate`.
+            temperature: As for :meth:`generate`.
+            top_k: As for :meth:`generate`.
+            top_p: As for :meth:`generate`.
+            repetition_penalty: As for :meth:`generate`.
+            seed: As for :meth:`generate`.
+            stop: As for :meth:`generate`.
+            stop_token_ids: As for :meth:`chat`.
+            deadline_ms: As for :meth:`generate`.
+            timeout: Seconds for the whole stream; None for the client's default.
+
+        Yields:
+            Text deltas; the last one carries ``finish_reason`` and ``usage``.
+        """
+        sampling = Sampling(
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+        )
+        return self._stream(self._stub.Chat, chat_request(messages, adapter, sampling, deadline_ms), timeout)
+
+    async def models(self, *, timeout: float | None = None) -> list[Model]:
+        """The base model and every adapter the caller may generate with.
+
+        Args:
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The base model first, then the adapters.
+        """
+        reply = await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout, retry=True)
+        return [model_from(m) for m in reply.models]
+
+    async def _unary(
+        self, method: Callable[..., Any], request: Any, timeout: float | None, *, retry: bool
+    ) -> Any:
+        return await self._unary_with(method, request, self._policy.start(timeout), retry=retry)
+
+    async def _unary_with(self, method: Callable[..., Any], request: Any, call: _Call, *, retry: bool) -> Any:
+        """Calls a unary-response RPC, retrying UNAVAILABLE when ``retry``."""
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=call.remaining(), metadata=call.metadata)
+            except aio.AioRpcError as error:
+                failure = call.failure(error)
+                delay = call.retry_delay(attempt, failure) if retry else None
+                if delay is None:
+                    raise failure from error
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _stream(
+        self, method: Callable[..., Any], request: Any, timeout: float | None
+    ) -> AsyncIterator[TextDelta]:
+        """Calls a server-streaming RPC, retrying UNAVAILABLE only until a message arrived."""
+        call = self._policy.start(timeout)
+        attempt = 0
+        while True:
+            responses = method(request, timeout=call.remaining(), metadata=call.metadata)
+            received = False
+            try:
+                async for message in responses:
+                    received = True
+                    yield text_delta(message)
+                return
+            except aio.AioRpcError as error:
+                failure = call.failure(error)
+                delay = None if received else call.retry_delay(attempt, failure)
+                if delay is None:
+                    raise failure from error
+            finally:
+                responses.cancel()
+            await asyncio.sleep(delay)
+            attempt += 1

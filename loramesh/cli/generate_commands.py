@@ -1,0 +1,97 @@
+"""``loramesh generate`` and ``loramesh chat``: text through the gateway, streamed to stdout.
+
+Only generated text goes to stdout (pipe it anywhere); usage and timings go to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from loramesh.cli.mesh_file import MeshFile
+
+
+def add_parsers(sub) -> None:
+    for name, help_text in (("generate", "raw completion of a prompt (no chat template)"),
+                            ("chat", "chat through the model's template; no message = interactive")):  # fmt: skip
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--adapter", default="", help="adapter name, or owner/name of a public one")
+        cmd.add_argument("--max-tokens", type=int, default=None)
+        cmd.add_argument("--temperature", type=float, default=None)
+        cmd.add_argument("--top-p", type=float, default=None)
+        cmd.add_argument("--top-k", type=int, default=None)
+        cmd.add_argument("--seed", type=int, default=None)
+        cmd.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+        cmd.add_argument("--gateway", default="", help="gateway address (default: from mesh.json)")
+        cmd.add_argument("--api-key", default="", help="API key (default: $LORAMESH_API_KEY or mesh.json)")
+        if name == "generate":
+            cmd.add_argument("prompt")
+            cmd.set_defaults(func=cmd_generate)
+        else:
+            cmd.add_argument("--system", default="", help="system message")
+            cmd.add_argument("message", nargs="?", default=None)
+            cmd.set_defaults(func=cmd_chat)
+
+
+def _client(args):
+    from loramesh.client import Client
+
+    return Client(
+        args.gateway or None,
+        args.api_key or os.environ.get("LORAMESH_API_KEY") or None,
+        mesh_file=str(MeshFile.path(Path(args.state_dir))),
+    )
+
+
+def _options(args) -> dict:
+    return {
+        "adapter": args.adapter or None,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+
+
+def _print_stream(deltas) -> str:
+    text, last = [], None
+    for delta in deltas:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        text.append(delta.text)
+        last = delta
+    sys.stdout.write("\n")
+    if last is not None and last.usage is not None:
+        u = last.usage
+        print(
+            f"[{last.finish_reason}] {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens, "
+            f"first token {u.first_token_ms:.0f} ms, total {u.total_ms:.0f} ms",
+            file=sys.stderr,
+        )
+    return "".join(text)
+
+
+def cmd_generate(args) -> int:
+    with _client(args) as client:
+        _print_stream(client.stream(args.prompt, **_options(args)))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    with _client(args) as client:
+        if args.message is not None:
+            messages.append({"role": "user", "content": args.message})
+            _print_stream(client.chat_stream(messages, **_options(args)))
+            return 0
+        print("chat: type a message, empty line or Ctrl-D to end", file=sys.stderr)
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            reply = _print_stream(client.chat_stream(messages, **_options(args)))
+            messages.append({"role": "assistant", "content": reply})
+    return 0

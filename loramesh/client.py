@@ -1,0 +1,639 @@
+"""The synchronous client of the loramesh gateway, and the plumbing the asyncio one shares.
+
+Shared with :mod:`loramesh.async_client`: where to connect, how calls are retried, and the
+conversions between the SDK's dataclasses and the ``loramesh.v1`` messages.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import grpc
+
+from loramesh.errors import REQUEST_ID_HEADER, LoraMeshError, Unavailable, from_rpc_error
+from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
+from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
+
+DEFAULT_MESH_FILE = ".loramesh/mesh.json"
+LIST_PAGE_SIZE = 100
+
+ChatMessages = Iterable[dict[str, str] | tuple[str, str]]
+"""Chat messages: ``{"role": ..., "content": ...}`` dicts or ``(role, content)`` tuples."""
+
+_FINISH_REASONS = {
+    types_pb2.FINISH_REASON_STOP: "stop",
+    types_pb2.FINISH_REASON_LENGTH: "length",
+    types_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    types_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+def resolve_target(address: str | None, api_key: str | None, mesh_file: str | Path) -> tuple[str, str]:
+    """The gateway address and API key, the missing ones taken from a local mesh's file.
+
+    The mesh file's ``admin_api_key`` is only used for the mesh file's own gateway, so a key
+    never goes to a server it was not issued by.
+
+    Args:
+        address: ``host:port`` of the gateway, or None for the mesh file's gateway.
+        api_key: The caller's API key, or None for the mesh file's admin key.
+        mesh_file: The file ``loramesh up`` writes (``{"services": {"gateway": {"address"}},
+            "admin_api_key"}``); ignored when it does not exist.
+
+    Returns:
+        ``(address, api_key)``.
+
+    Raises:
+        ValueError: An address or key is neither given nor in the mesh file.
+    """
+    path = Path(mesh_file)
+    mesh = json.loads(path.read_text()) if path.is_file() else {}
+    mesh_address = mesh.get("services", {}).get("gateway", {}).get("address")
+    address = address or mesh_address
+    if not address:
+        raise ValueError(f"no gateway address: pass address= or start a mesh with `loramesh up` ({path})")
+    if api_key is None and address == mesh_address:
+        api_key = mesh.get("admin_api_key")
+    if not api_key:
+        raise ValueError(f"no API key for the gateway at {address}: pass api_key=")
+    return address, api_key
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """How every call of a client is made: credentials, default timeout, retries."""
+
+    api_key: str
+    timeout: float | None
+    retries: int
+    backoff_s: float
+
+    def start(self, timeout: float | None) -> _Call:
+        """The bookkeeping of one logical call (all its attempts) with a per-call ``timeout``."""
+        budget = self.timeout if timeout is None else timeout
+        request_id = uuid.uuid4().hex[:16]
+        return _Call(
+            metadata=(("authorization", f"Bearer {self.api_key}"), (REQUEST_ID_HEADER, request_id)),
+            request_id=request_id,
+            deadline=None if budget is None else time.monotonic() + budget,
+            policy=self,
+        )
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One logical call: its metadata, its deadline across attempts, and when to retry."""
+
+    metadata: tuple[tuple[str, str], ...]
+    request_id: str
+    deadline: float | None
+    policy: _Policy
+
+    def remaining(self) -> float | None:
+        """Seconds left before the call's deadline (the gRPC timeout of the next attempt)."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def failure(self, error: grpc.RpcError) -> LoraMeshError:
+        """The SDK exception for an attempt's gRPC error."""
+        return from_rpc_error(error, self.request_id)
+
+    def retry_delay(self, attempt: int, failure: LoraMeshError) -> float | None:
+        """Seconds to wait before the next attempt, or None when ``failure`` is final.
+
+        Final: not UNAVAILABLE, retries used up, or the backoff would outlast the deadline.
+        The backoff doubles per attempt, with jitter.
+
+        Args:
+            attempt: The failed attempt's number, from 0.
+            failure: What it failed with.
+        """
+        if not isinstance(failure, Unavailable) or attempt >= self.policy.retries:
+            return None
+        delay = self.policy.backoff_s * 2**attempt * random.uniform(0.5, 1.0)
+        if self.deadline is not None and time.monotonic() + delay >= self.deadline:
+            return None
+        return delay
+
+
+def _sampling_params(sampling: Sampling) -> types_pb2.SamplingParams:
+    params = types_pb2.SamplingParams(
+        max_tokens=sampling.max_tokens or 0,
+        temperature=sampling.temperature or 0.0,
+        top_k=sampling.top_k or 0,
+        top_p=sampling.top_p or 0.0,
+        repetition_penalty=sampling.repetition_penalty or 0.0,
+        stop_token_ids=sampling.stop_token_ids or (),
+        stop_strings=sampling.stop or (),
+    )
+    if sampling.seed is not None:
+        params.seed = sampling.seed
+    return params
+
+
+def generate_request(
+    prompt: str, adapter: str | None, sampling: Sampling, deadline_ms: float | None
+) -> gateway_pb2.GenerateTextRequest:
+    """The ``Generate`` request."""
+    return gateway_pb2.GenerateTextRequest(
+        prompt=prompt,
+        adapter=adapter or "",
+        sampling=_sampling_params(sampling),
+        first_token_deadline_ms=deadline_ms or 0.0,
+    )
+
+
+def chat_request(
+    messages: ChatMessages, adapter: str | None, sampling: Sampling, deadline_ms: float | None
+) -> gateway_pb2.ChatRequest:
+    """The ``Chat`` request.
+
+    Raises:
+        TypeError: A message is neither a dict nor a ``(role, content)`` pair.
+    """
+    return gateway_pb2.ChatRequest(
+        messages=[_chat_message(m) for m in messages],
+        adapter=adapter or "",
+        sampling=_sampling_params(sampling),
+        first_token_deadline_ms=deadline_ms or 0.0,
+    )
+
+
+def _chat_message(message: dict[str, str] | tuple[str, str]) -> gateway_pb2.ChatMessage:
+    if isinstance(message, dict):
+        return gateway_pb2.ChatMessage(role=message["role"], content=message["content"])
+    if isinstance(message, tuple) and len(message) == 2:
+        return gateway_pb2.ChatMessage(role=message[0], content=message[1])
+    raise TypeError(
+        f"a chat message is a {{'role', 'content'}} dict or a (role, content) tuple, got {message!r}"
+    )
+
+
+def text_delta(message: gateway_pb2.GenerateTextResponse) -> TextDelta:
+    """The SDK's view of one streamed message."""
+    usage = None
+    if message.HasField("usage"):
+        u = message.usage
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.first_token_ms, u.total_ms, u.resumes)
+    return TextDelta(
+        text=message.text,
+        token_ids=tuple(message.token_ids),
+        finish_reason=_FINISH_REASONS.get(message.finish_reason),
+        usage=usage,
+        request_id=message.request_id,
+    )
+
+
+def completion(deltas: list[TextDelta]) -> Completion:
+    """A whole stream's deltas joined into one completion."""
+    return Completion(
+        text="".join(d.text for d in deltas),
+        token_ids=tuple(t for d in deltas for t in d.token_ids),
+        finish_reason=next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None),
+        usage=next((d.usage for d in reversed(deltas) if d.usage), None),
+        request_id=next((d.request_id for d in deltas if d.request_id), ""),
+    )
+
+
+def adapter_from(info: types_pb2.AdapterInfo) -> Adapter:
+    """The SDK's view of an ``AdapterInfo``."""
+    return Adapter(
+        id=info.id,
+        name=info.name,
+        owner=info.owner,
+        public=info.visibility == types_pb2.VISIBILITY_PUBLIC,
+        base_model=info.base_model,
+        rank=info.rank,
+        max_rank=info.max_rank,
+        lora_alpha=info.lora_alpha,
+        use_rslora=info.use_rslora,
+        target_modules=tuple(info.target_modules),
+        dtype=info.dtype,
+        size_bytes=info.size_bytes,
+        sha256=info.sha256,
+        version=info.version,
+        created_unix_ms=info.created_unix_ms,
+        config_json=info.config_json,
+    )
+
+
+def model_from(info: gateway_pb2.ModelInfo) -> Model:
+    """The SDK's view of a ``ModelInfo``."""
+    return Model(
+        id=info.id,
+        owner=info.owner,
+        base_model=info.base_model,
+        is_base=info.is_base,
+        rank=info.rank,
+        public=info.visibility == types_pb2.VISIBILITY_PUBLIC,
+    )
+
+
+def upload_stream(
+    path: str | Path, name: str, public: bool
+) -> Iterator[adapter_store_pb2.RegisterAdapterRequest]:
+    """The ``UploadAdapter`` messages for a PEFT adapter directory.
+
+    A header, then ≤ 1 MiB chunks of ``adapter_config.json`` and ``adapter_model.safetensors``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory.
+    """
+    from services.adapter_store.client import read_adapter_dir, upload_requests  # only uploads need it
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"adapter directory {path} does not exist")
+    visibility = types_pb2.VISIBILITY_PUBLIC if public else types_pb2.VISIBILITY_PRIVATE
+    # The owner is left empty: the gateway sets the caller's tenant.
+    return upload_requests(read_adapter_dir(path), name, owner="", visibility=visibility)
+
+
+class Adapters:
+    """The caller's tenant's adapters, as ``client.adapters``.
+
+    Example:
+        >>> adapter = client.adapters.upload("./my-lora", "support-bot", public=False)
+        >>> [a.name for a in client.adapters.list()]
+        ['support-bot']
+        >>> client.adapters.delete("support-bot")
+    """
+
+    def __init__(self, client: Client):
+        """Binds to ``client``'s connection (made by :class:`Client`, not by hand)."""
+        self._client = client
+
+    def upload(
+        self, path: str | Path, name: str, *, public: bool = False, timeout: float | None = None
+    ) -> Adapter:
+        """Registers a PEFT LoRA adapter directory under the caller's tenant.
+
+        Never retried (an upload is not idempotent). Nothing is stored unless the whole adapter
+        validates against the base model.
+
+        Args:
+            path: Directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
+            name: Name, unique within the tenant.
+            public: Let every tenant use it (as ``"owner/name"``).
+            timeout: Seconds for the whole upload; None for the client's default.
+
+        Returns:
+            The registered adapter.
+
+        Raises:
+            FileNotFoundError: ``path`` is not a directory.
+            AlreadyExists: The tenant already has an adapter of that name.
+            InvalidArgument: The adapter does not fit the base model (the message says why).
+            ResourceExhausted: The adapter is over the size limit.
+        """
+        requests = upload_stream(path, name, public)
+        reply = self._client._unary(self._client._stub.UploadAdapter, requests, timeout, retry=False)
+        return adapter_from(reply.adapter)
+
+    def list(self, *, page_size: int = LIST_PAGE_SIZE, timeout: float | None = None) -> list[Adapter]:
+        """The caller's adapters and every tenant's public ones, all pages.
+
+        Args:
+            page_size: Adapters per request (at most 1000).
+            timeout: Seconds for all the pages together; None for the client's default.
+
+        Returns:
+            The adapters, in the store's order.
+        """
+        call = self._client._policy.start(timeout)
+        adapters: list[Adapter] = []
+        token = ""
+        while True:
+            request = adapter_store_pb2.ListAdaptersRequest(page_size=page_size, page_token=token)
+            page = self._client._unary_with(self._client._stub.ListAdapters, request, call, retry=True)
+            adapters.extend(adapter_from(a) for a in page.adapters)
+            token = page.next_page_token
+            if not token:
+                return adapters
+
+    def get(self, name: str, *, timeout: float | None = None) -> Adapter:
+        """One adapter.
+
+        Args:
+            name: ``"name"`` (the caller's own) or ``"owner/name"`` (another tenant's public one).
+            timeout: Seconds; None for the client's default.
+
+        Raises:
+            NotFound: No such adapter.
+            PermissionDenied: It is another tenant's private adapter.
+        """
+        request = gateway_pb2.GatewayAdapterRequest(adapter=name)
+        return adapter_from(self._client._unary(self._client._stub.GetAdapter, request, timeout, retry=True))
+
+    def delete(self, name: str, *, timeout: float | None = None) -> Adapter:
+        """Deletes one of the caller's adapters. Never retried.
+
+        Args:
+            name: The adapter's name.
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The deleted adapter.
+
+        Raises:
+            NotFound: No such adapter.
+            PermissionDenied: It belongs to another tenant.
+        """
+        request = gateway_pb2.GatewayAdapterRequest(adapter=name)
+        reply = self._client._unary(self._client._stub.DeleteAdapter, request, timeout, retry=False)
+        return adapter_from(reply.adapter)
+
+
+class Client:
+    """A synchronous connection to a loramesh gateway (thread-safe).
+
+    Calls fail with :class:`~loramesh.errors.LoraMeshError` subclasses. ``UNAVAILABLE`` is
+    retried ``retries`` times with exponential backoff and jitter for calls that are safe to
+    repeat: reads, and generations that have not produced any text yet. Uploads, deletes and
+    streams that already yielded text are never retried.
+
+    Example:
+        >>> from loramesh import Client
+        >>> with Client("127.0.0.1:50051", api_key="sk-...") as client:
+        ...     print(client.generate("Hello,", max_tokens=16).text)
+        ...     for delta in client.chat_stream([("user", "Hi!")], adapter="support-bot"):
+        ...         print(delta.text, end="")
+
+    Attributes:
+        address: The gateway's ``host:port``.
+        adapters: The tenant's adapters (:class:`Adapters`).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        mesh_file: str | Path = DEFAULT_MESH_FILE,
+    ):
+        """Opens a channel to the gateway (connecting lazily, on the first call).
+
+        Args:
+            address: ``host:port`` of the gateway; None for the gateway of the local mesh in
+                ``mesh_file``.
+            api_key: The tenant's API key; None for the local mesh's admin key (only when
+                talking to that mesh's gateway).
+            timeout: Default seconds per call (a stream's whole duration included); None for
+                no deadline.
+            retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
+            backoff_s: Wait before the first retry; doubles on each next one (with jitter).
+            mesh_file: The local mesh's file written by ``loramesh up``.
+
+        Raises:
+            ValueError: No address or API key was given and the mesh file has none.
+        """
+        self.address, api_key = resolve_target(address, api_key, mesh_file)
+        self._policy = _Policy(api_key=api_key, timeout=timeout, retries=retries, backoff_s=backoff_s)
+        self._channel = grpc.insecure_channel(self.address)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self.adapters = Adapters(self)
+
+    def __enter__(self) -> Self:
+        """Returns the client itself (``with Client(...) as client``)."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Closes the client."""
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        adapter: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Completes a raw prompt (no chat template) and waits for the whole text.
+
+        Args:
+            prompt: The text to continue.
+            adapter: ``"name"`` (the caller's adapter), ``"owner/name"`` (another tenant's
+                public one), or None for the base model.
+            max_tokens: Most tokens to generate; None for the server's default (128).
+            temperature: None or 0 for greedy decoding.
+            top_k: Sample among the k likeliest tokens; None for off.
+            top_p: Nucleus sampling mass; None for off.
+            repetition_penalty: None for off.
+            seed: Sampler seed, for reproducible sampling.
+            stop: Strings that end the generation.
+            stop_token_ids: Token ids that end the generation.
+            deadline_ms: Time-to-first-token objective the gateway schedules for; None for its
+                default.
+            timeout: Seconds for the whole call; None for the client's default.
+
+        Returns:
+            The completion.
+
+        Raises:
+            LoraMeshError: A subclass per failure (see :mod:`loramesh.errors`).
+        """
+        sampling = Sampling(
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+        )
+        request = generate_request(prompt, adapter, sampling, deadline_ms)
+        return completion(list(self._stream(self._stub.Generate, request, timeout)))
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        adapter: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[TextDelta]:
+        """Completes a raw prompt, yielding text as it is generated.
+
+        The request is sent when iteration starts; leaving the loop early cancels it. A stream
+        that fails after yielding text raises instead of retrying (the gateway already moves
+        streams between workers; a retry would repeat text).
+
+        Args:
+            prompt: The text to continue.
+            adapter: As for :meth:`generate`.
+            max_tokens: As for :meth:`generate`.
+            temperature: As for :meth:`generate`.
+            top_k: As for :meth:`generate`.
+            top_p: As for :meth:`generate`.
+            repetition_penalty: As for :meth:`generate`.
+            seed: As for :meth:`generate`.
+            stop: As for :meth:`generate`.
+            stop_token_ids: As for :meth:`generate`.
+            deadline_ms: As for :meth:`generate`.
+            timeout: Seconds for the whole stream; None for the client's default.
+
+        Yields:
+            Text deltas; the last one carries ``finish_reason`` and ``usage``.
+        """
+        sampling = Sampling(
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+        )
+        return self._stream(
+            self._stub.Generate, generate_request(prompt, adapter, sampling, deadline_ms), timeout
+        )
+
+    def chat(
+        self,
+        messages: ChatMessages,
+        *,
+        adapter: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Answers a conversation through the model's chat template and waits for the reply.
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` dicts or ``(role, content)`` tuples;
+                roles are ``system``, ``user`` and ``assistant``.
+            adapter: As for :meth:`generate`.
+            max_tokens: As for :meth:`generate`.
+            temperature: As for :meth:`generate`.
+            top_k: As for :meth:`generate`.
+            top_p: As for :meth:`generate`.
+            repetition_penalty: As for :meth:`generate`.
+            seed: As for :meth:`generate`.
+            stop: As for :meth:`generate`.
+            stop_token_ids: As for :meth:`generate` (the model's end-of-turn tokens always stop).
+            deadline_ms: As for :meth:`generate`.
+            timeout: Seconds for the whole call; None for the client's default.
+
+        Returns:
+            The assistant's reply.
+        """
+        sampling = Sampling(
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+        )
+        request = chat_request(messages, adapter, sampling, deadline_ms)
+        return completion(list(self._stream(self._stub.Chat, request, timeout)))
+
+    def chat_stream(
+        self,
+        messages: ChatMessages,
+        *,
+        adapter: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[TextDelta]:
+        """Answers a conversation, yielding the reply as it is generated (see :meth:`stream`).
+
+        Args:
+            messages: As for :meth:`chat`.
+            adapter: As for :meth:`generate`.
+            max_tokens: As for :meth:`generate`.
+            temperature: As for :meth:`generate`.
+            top_k: As for :meth:`generate`.
+            top_p: As for :meth:`generate`.
+            repetition_penalty: As for :meth:`generate`.
+            seed: As for :meth:`generate`.
+            stop: As for :meth:`generate`.
+            stop_token_ids: As for :meth:`chat`.
+            deadline_ms: As for :meth:`generate`.
+            timeout: Seconds for the whole stream; None for the client's default.
+
+        Yields:
+            Text deltas; the last one carries ``finish_reason`` and ``usage``.
+        """
+        sampling = Sampling(
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+        )
+        return self._stream(self._stub.Chat, chat_request(messages, adapter, sampling, deadline_ms), timeout)
+
+    def models(self, *, timeout: float | None = None) -> list[Model]:
+        """The base model and every adapter the caller may generate with.
+
+        Args:
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The base model first, then the adapters.
+        """
+        reply = self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout, retry=True)
+        return [model_from(m) for m in reply.models]
+
+    def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None, *, retry: bool) -> Any:
+        return self._unary_with(method, request, self._policy.start(timeout), retry=retry)
+
+    def _unary_with(self, method: Callable[..., Any], request: Any, call: _Call, *, retry: bool) -> Any:
+        """Calls a unary-response RPC, retrying UNAVAILABLE when ``retry``."""
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=call.remaining(), metadata=call.metadata)
+            except grpc.RpcError as error:
+                failure = call.failure(error)
+                delay = call.retry_delay(attempt, failure) if retry else None
+                if delay is None:
+                    raise failure from error
+            time.sleep(delay)
+            attempt += 1
+
+    def _stream(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Iterator[TextDelta]:
+        """Calls a server-streaming RPC, retrying UNAVAILABLE only until a message arrived."""
+        call = self._policy.start(timeout)
+        attempt = 0
+        while True:
+            responses = method(request, timeout=call.remaining(), metadata=call.metadata)
+            received = False
+            try:
+                for message in responses:
+                    received = True
+                    yield text_delta(message)
+                return
+            except grpc.RpcError as error:
+                failure = call.failure(error)
+                delay = None if received else call.retry_delay(attempt, failure)
+                if delay is None:
+                    raise failure from error
+            finally:
+                responses.cancel()
+            time.sleep(delay)
+            attempt += 1

@@ -1,0 +1,174 @@
+"""What the SDK returns and takes: plain dataclasses, free of protobuf and grpc.
+
+Example:
+    >>> completion = client.generate("The capital of France is", max_tokens=8)
+    >>> completion.text, completion.finish_reason, completion.usage.completion_tokens
+    (' Paris.', 'stop', 3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick each next token. ``None`` everywhere means the server's default.
+
+    The keyword arguments of ``generate``/``stream``/``chat``/``chat_stream`` are these fields,
+    so a preset can be kept as one value and spread into calls.
+
+    Example:
+        >>> creative = Sampling(temperature=0.9, top_p=0.95, max_tokens=200)
+        >>> client.generate("Once upon a time", **dataclasses.asdict(creative))
+    """
+
+    max_tokens: int | None = None
+    """Most tokens to generate (server default 128)."""
+    temperature: float | None = None
+    """0 or None: greedy decoding."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens; None or 0: off."""
+    top_p: float | None = None
+    """Nucleus sampling mass; None, 0 or 1: off."""
+    repetition_penalty: float | None = None
+    """Penalty on tokens already seen; None, 0 or 1: off."""
+    seed: int | None = None
+    """Seed of the sampler, for reproducible sampling."""
+    stop: tuple[str, ...] | list[str] | None = None
+    """Strings that end the generation when produced."""
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    """Token ids that end the generation when produced."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts and timings of one generation (from the stream's last message).
+
+    Example:
+        >>> usage = client.generate("Hi").usage
+        >>> usage.completion_tokens / (usage.total_ms / 1000)  # tokens per second
+    """
+
+    prompt_tokens: int
+    """Tokens of the prompt (after the chat template, for chat)."""
+    completion_tokens: int
+    """Tokens generated."""
+    first_token_ms: float
+    """Milliseconds from the gateway receiving the request to the first token."""
+    total_ms: float
+    """Milliseconds from the gateway receiving the request to the last token."""
+    resumes: int
+    """Times the gateway moved the generation to another worker mid-stream."""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """One message of a stream: the text generated since the previous one.
+
+    Example:
+        >>> for delta in client.stream("Tell me a joke"):
+        ...     print(delta.text, end="", flush=True)
+    """
+
+    text: str
+    """New text, always whole UTF-8 characters (may be empty while a character is incomplete)."""
+    token_ids: tuple[int, ...]
+    """The tokens this text came from."""
+    finish_reason: str | None
+    """On the last delta only: ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``."""
+    usage: Usage | None
+    """On the last delta only."""
+    request_id: str
+    """The gateway's id of this generation."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation: the stream's deltas joined.
+
+    Example:
+        >>> completion = client.generate("2 + 2 =", max_tokens=4)
+        >>> completion.text, completion.finish_reason
+        (' 4', 'stop')
+    """
+
+    text: str
+    """The generated text (without the prompt)."""
+    token_ids: tuple[int, ...]
+    """The generated tokens."""
+    finish_reason: str | None
+    """``"stop"`` (EOS, a stop token or stop string), ``"length"`` (max_tokens or the context
+    is full), ``"cancelled"`` or ``"error"``; None only if the stream ended without one."""
+    usage: Usage | None
+    """Token counts and timings; None only if the stream ended without them."""
+    request_id: str
+    """The gateway's id of this generation."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter registered in the mesh.
+
+    Example:
+        >>> adapter = client.adapters.get("support-bot")
+        >>> adapter.rank, adapter.public, adapter.target_modules
+        (8, False, ('q_proj', 'v_proj'))
+    """
+
+    id: str
+    """Stable id, assigned at registration."""
+    name: str
+    """Unique per owner."""
+    owner: str
+    """Tenant that uploaded it."""
+    public: bool
+    """Whether every tenant may use it (as ``"owner/name"``); otherwise only its owner."""
+    base_model: str
+    """Base model it was validated against."""
+    rank: int
+    """The config's ``r``."""
+    max_rank: int
+    """Largest rank over the config's ``rank_pattern``."""
+    lora_alpha: float
+    """The config's ``lora_alpha``."""
+    use_rslora: bool
+    """Whether the scale is ``alpha / sqrt(r)`` rather than ``alpha / r``."""
+    target_modules: tuple[str, ...]
+    """Projections it adapts (a subset of q/k/v/o/gate/up/down)."""
+    dtype: str
+    """``float16``, ``bfloat16`` or ``float32``."""
+    size_bytes: int
+    """Size of the weights file."""
+    sha256: str
+    """Checksum of the weights file."""
+    version: int
+    """1 for the first registration of the name, +1 for each re-registration after a delete."""
+    created_unix_ms: int
+    """Registration time, milliseconds since the Unix epoch."""
+    config_json: str
+    """``adapter_config.json`` as uploaded."""
+
+
+@dataclass(frozen=True)
+class Model:
+    """Something a caller can generate with: the base model or an adapter it may use.
+
+    Example:
+        >>> [m.id for m in client.models()]
+        ['', 'support-bot', 'bob/legal-qa']
+    """
+
+    id: str
+    """What to pass as ``adapter=``: ``""`` for the base model, ``"name"`` for the caller's own
+    adapters, ``"owner/name"`` for other tenants' public ones."""
+    owner: str
+    """Tenant owning the adapter; ``""`` for the base model."""
+    base_model: str
+    """The base model's name."""
+    is_base: bool
+    """True for the base model itself."""
+    rank: int
+    """The adapter's (largest) rank; 0 for the base model."""
+    public: bool
+    """Whether the adapter is visible to every tenant."""

@@ -1,0 +1,35 @@
+"""Settings of the gateway (flags ``--name``, env ``LORAMESH_NAME``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.runtime.config import ServiceConfig
+
+
+@dataclass
+class GatewayConfig(ServiceConfig):
+    """loramesh gateway: the public API (auth, tenants, text in/out, streaming, resume)."""
+
+    api_keys: str = ""
+    """Comma-separated ``key=tenant`` pairs (for a local mesh; prefer --api-keys-file)."""
+    api_keys_file: str = ""
+    """JSON object mapping API key -> tenant."""
+    model: str = ""
+    """Base model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)."""
+    scheduler: str = ""
+    """Scheduler address; empty: discovered in etcd."""
+    adapter_store: str = ""
+    """Adapter store address; empty: discovered in etcd."""
+    max_prompt_tokens: int = 4096
+    """Longest prompt accepted, in tokens."""
+    max_tokens_limit: int = 2048
+    """Largest max_tokens a request may ask for."""
+    default_max_tokens: int = 128
+    """max_tokens when the request leaves it 0."""
+    default_first_token_deadline_ms: float = 0.0
+    """First-token SLO when the request gives none (0: no deadline)."""
+    max_resumes: int = 3
+    """How many times one stream may move to another worker after a failure."""
+    adapter_cache_s: float = 2.0
+    """How long an adapter lookup is reused before asking the store again."""

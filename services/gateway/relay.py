@@ -1,0 +1,134 @@
+"""One request's stream from the workers to the client, surviving worker failures.
+
+The gateway asks the scheduler for a worker, streams tokens from it and detokenizes them. When
+the worker stream breaks (worker killed, drained, lease lost), it asks for another placement,
+excluding the failed worker, and continues there with prompt + tokens so far: dLoRA's "move a
+request as tokens, rebuild its state". The client sees one stream; no token is lost or repeated
+because only tokens received are counted and the new worker starts right after them. Greedy
+output is identical to an uninterrupted run; a seeded sampled run restarts its random stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from loramesh.v1 import gateway_pb2, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
+from services.gateway.detokenizer import IncrementalDetokenizer
+from services.runtime.discovery import ChannelPool
+from services.runtime.errors import Unavailable
+
+Place = Callable[[scheduler_pb2.PlaceRequest], Awaitable[scheduler_pb2.PlaceResponse]]
+
+#: Worker failures that mean "this worker is gone", not "this request is bad".
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+                       grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})  # fmt: skip
+
+
+class WorkerFailed(Exception):
+    """The worker ended the stream with FINISH_REASON_ERROR."""
+
+
+@dataclass(frozen=True)
+class RelayRequest:
+    request_id: str
+    prompt_ids: list[int]
+    adapter_id: str
+    sampling: types_pb2.SamplingParams
+    """With ``max_tokens`` already resolved."""
+    first_token_deadline_ms: float
+
+
+class Relay:
+    def __init__(
+        self,
+        place: Place,
+        channels: ChannelPool,
+        token_bytes: Callable[[int], bytes],
+        eos_token_ids: tuple[int, ...],
+        max_resumes: int,
+    ):
+        self._place = place
+        self._channels = channels
+        self._token_bytes = token_bytes
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._max_resumes = max_resumes
+
+    async def stream(self, request: RelayRequest) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
+        started = time.monotonic()
+        detok = IncrementalDetokenizer(self._token_bytes, tuple(request.sampling.stop_strings))
+        # The token that stops generation is reported in token_ids but not as text (as vLLM does).
+        stop_ids = self._eos_token_ids | set(request.sampling.stop_token_ids)
+        generated: list[int] = []
+        excluded: list[str] = []
+        first_token_ms = 0.0
+        resumes = 0
+        while True:
+            placement = await self._place(
+                scheduler_pb2.PlaceRequest(
+                    request_id=request.request_id,
+                    adapter_id=request.adapter_id,
+                    prompt_tokens=len(request.prompt_ids) + len(generated),
+                    max_tokens=request.sampling.max_tokens - len(generated),
+                    first_token_deadline_ms=request.first_token_deadline_ms if not generated else 0.0,
+                    exclude_workers=excluded,
+                )
+            )
+            sampling = types_pb2.SamplingParams()
+            sampling.CopyFrom(request.sampling)
+            sampling.max_tokens = request.sampling.max_tokens - len(generated)
+            stub = worker_pb2_grpc.WorkerStub(self._channels.get(placement.address))
+            call = stub.Generate(
+                worker_pb2.GenerateRequest(
+                    request_id=f"{request.request_id}.{resumes}",
+                    prompt_token_ids=[*request.prompt_ids, *generated],
+                    adapter_id=request.adapter_id,
+                    sampling=sampling,
+                )
+            )
+            try:
+                async for reply in call:
+                    if reply.finish_reason == types_pb2.FINISH_REASON_ERROR:
+                        raise WorkerFailed(placement.worker_id)
+                    ids = list(reply.token_ids)
+                    if ids and not generated:
+                        first_token_ms = (time.monotonic() - started) * 1000
+                    generated += ids
+                    finish = reply.finish_reason
+                    ended_by_token = finish == types_pb2.FINISH_REASON_STOP and ids and ids[-1] in stop_ids
+                    text = detok.add(ids[:-1] if ended_by_token else ids)
+                    if detok.stopped:
+                        call.cancel()
+                        finish = types_pb2.FINISH_REASON_STOP
+                    if finish:
+                        text += detok.flush()
+                        yield gateway_pb2.GenerateTextResponse(
+                            text=text,
+                            token_ids=ids,
+                            finish_reason=finish,
+                            request_id=request.request_id,
+                            usage=gateway_pb2.Usage(
+                                prompt_tokens=len(request.prompt_ids),
+                                completion_tokens=len(generated),
+                                first_token_ms=first_token_ms,
+                                total_ms=(time.monotonic() - started) * 1000,
+                                resumes=resumes,
+                            ),
+                        )
+                        return
+                    if ids:
+                        yield gateway_pb2.GenerateTextResponse(
+                            text=text, token_ids=ids, request_id=request.request_id
+                        )
+            except (grpc.RpcError, WorkerFailed) as error:
+                if isinstance(error, grpc.RpcError) and error.code() not in RESUMABLE:
+                    raise
+                if resumes >= self._max_resumes:
+                    raise Unavailable(
+                        f"request {request.request_id} failed on {resumes + 1} workers; last: {placement.worker_id}"
+                    ) from None
+                resumes += 1
+                excluded.append(placement.worker_id)

@@ -1,0 +1,118 @@
+"""The gateway as a runtime :class:`~services.runtime.server.Service`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc import aio
+
+from loramesh.v1 import (
+    adapter_store_pb2,
+    adapter_store_pb2_grpc,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from services.adapter_store.client import ref_by_name
+from services.gateway.adapter_access import AdapterAccess
+from services.gateway.auth import ApiKeys
+from services.gateway.config import GatewayConfig
+from services.gateway.relay import Relay
+from services.gateway.servicer import GatewayServicer
+from services.gpu_worker.model.loading import load_model
+from services.runtime.discovery import ChannelPool, ServiceLocator
+
+log = logging.getLogger("loramesh.gateway")
+
+
+class _Located:
+    """A stub for a service found by a :class:`ServiceLocator`; re-resolved after UNAVAILABLE."""
+
+    def __init__(self, locator: ServiceLocator, channels: ChannelPool, stub_class):
+        self._locator = locator
+        self._channels = channels
+        self._stub_class = stub_class
+
+    async def call(self, method: str, request, **kwargs):
+        for attempt in range(2):
+            address = await self._locator.address(refresh=attempt > 0)
+            stub = self._stub_class(self._channels.get(address))
+            try:
+                return await getattr(stub, method)(request, **kwargs)
+            except aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt or self._locator.fixed:
+                    raise
+        raise AssertionError("unreachable")
+
+
+class _StoreClient:
+    """The adapter store calls the gateway makes."""
+
+    def __init__(self, located: _Located):
+        self._located = located
+
+    async def RegisterAdapter(self, requests):
+        return await self._located.call("RegisterAdapter", requests, timeout=300)
+
+    async def ListAdapters(self, request):
+        return await self._located.call("ListAdapters", request, timeout=30)
+
+    async def DeleteAdapter(self, request):
+        return await self._located.call("DeleteAdapter", request, timeout=30)
+
+    async def get(self, owner: str, name: str):
+        request = adapter_store_pb2.GetAdapterRequest(ref=ref_by_name(owner, name))
+        return await self._located.call("GetAdapter", request, timeout=30)
+
+
+class GatewayService:
+    name = "gateway"
+    grpc_service_name = "loramesh.v1.Gateway"
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        keys = ApiKeys.from_config(config.api_keys, config.api_keys_file)
+        if not len(keys):
+            log.warning("no API keys configured: every request will be refused (UNAUTHENTICATED)")
+        self.servicer = GatewayServicer(config, keys)
+        self.channels = ChannelPool()
+
+    def add_to_server(self, server: aio.Server) -> None:
+        gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
+
+    async def start(self) -> None:
+        cfg = self.config
+        loaded = await asyncio.to_thread(load_model, cfg.model or None)
+        scheduler = _Located(
+            ServiceLocator("scheduler", cfg.scheduler, cfg.etcd_endpoints),
+            self.channels,
+            scheduler_pb2_grpc.SchedulerStub,
+        )
+        store = _StoreClient(
+            _Located(
+                ServiceLocator("adapter_store", cfg.adapter_store, cfg.etcd_endpoints),
+                self.channels,
+                adapter_store_pb2_grpc.AdapterStoreStub,
+            )
+        )
+
+        async def place(request: scheduler_pb2.PlaceRequest) -> scheduler_pb2.PlaceResponse:
+            return await scheduler.call("Place", request, timeout=10)
+
+        relay = Relay(
+            place,
+            self.channels,
+            loaded.tokenizer.id_to_bytes,
+            loaded.tokenizer.eos_token_ids,
+            cfg.max_resumes,
+        )
+        access = AdapterAccess(store.get, cfg.adapter_cache_s)
+        self.servicer.attach(loaded.tokenizer, relay, access, store, loaded.config.name)
+
+    async def stop(self) -> None:
+        await self.channels.close()
+
+    def load_report(self) -> dict:
+        return {}

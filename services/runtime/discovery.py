@@ -1,0 +1,57 @@
+"""Find another service's address: a fixed one from config, or a live member from etcd.
+Channels are kept per address and reused."""
+
+from __future__ import annotations
+
+import random
+
+from grpc import aio
+
+from services.runtime.errors import Unavailable
+from services.runtime.membership import MembershipConfig, list_members
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+class ChannelPool:
+    """One ``grpc.aio`` channel per address, created on first use."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, aio.Channel] = {}
+
+    def get(self, address: str) -> aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+class ServiceLocator:
+    """The address of ``service``: ``fixed`` if given, else a random live member in etcd."""
+
+    def __init__(self, service: str, fixed: str = "", etcd_endpoints: str = ""):
+        self.service = service
+        self.fixed = fixed
+        self.etcd_endpoints = etcd_endpoints
+        self._cached = ""
+
+    async def address(self, refresh: bool = False) -> str:
+        if self.fixed:
+            return self.fixed
+        if self._cached and not refresh:
+            return self._cached
+        if not self.etcd_endpoints:
+            raise Unavailable(f"no {self.service} address configured and no etcd to discover one")
+        members = await list_members(MembershipConfig(etcd_endpoints=self.etcd_endpoints), self.service)
+        if not members:
+            raise Unavailable(f"no {self.service} is registered in etcd")
+        self._cached = random.choice(members).address
+        return self._cached

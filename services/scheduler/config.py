@@ -1,0 +1,29 @@
+"""Settings of the scheduler (flags ``--name``, env ``LORAMESH_NAME``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.runtime.config import ServiceConfig
+
+
+@dataclass
+class SchedulerConfig(ServiceConfig):
+    """loramesh scheduler: places each request on the gpu_worker with the least estimated wait."""
+
+    adapter_load_ms: float = 50.0
+    """Estimated time to load an adapter on a worker that does not hold it (fetch + copy)."""
+    mean_output_tokens: float = 128.0
+    """Average tokens per request, for the time between completions (tokens / worker tokens_per_s)."""
+    default_service_ms: float = 1000.0
+    """Time between request completions assumed for a worker that reports no throughput yet."""
+    min_tokens_per_s: float = 1.0
+    """Floor on a worker's reported tokens_per_s in the wait estimate."""
+    max_running_hint: int = 64
+    """Requests a worker runs together (its --max-running); beyond it a new request waits."""
+    max_queue_per_worker: int = 64
+    """Refuse (RESOURCE_EXHAUSTED) when every worker has this many requests queued."""
+    default_deadline_ms: float = 0.0
+    """First-token deadline for requests that carry none; 0: none."""
+    start_timeout_s: float = 10.0
+    """How long start-up waits for the first listing of workers from etcd before failing."""

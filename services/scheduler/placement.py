@@ -1,0 +1,207 @@
+"""Placement policies: which worker gets a request. Pure objects over a :class:`ClusterSnapshot`.
+
+:class:`LeastEstimatedWait` is dLoRA's proactive dispatch (inter-replica): send the request to
+the replica whose estimated wait — queueing time there plus the time to load the request's
+adapter if the replica does not hold it — is the least (DESIGN §7). :class:`WaitModel` holds the
+estimate, shared with admission (``admission.py``) so both reason about the same numbers.
+
+No gRPC here; errors are domain errors from ``services.runtime.errors``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.runtime.errors import InvalidArgument, Unavailable
+from services.scheduler.cluster_view import ClusterSnapshot, WorkerState
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What the scheduler is asked to place (``loramesh.v1.PlaceRequest`` without the proto)."""
+
+    request_id: str = ""
+    """Caller's id of the request (logs only)."""
+    adapter_id: str = ""
+    """Adapter the request uses; empty: the base model (nothing to load)."""
+    prompt_tokens: int = 0
+    """Prompt length in tokens."""
+    max_tokens: int = 0
+    """Largest number of tokens the request may generate (0: unknown)."""
+    first_token_deadline_ms: float = 0.0
+    """The first token must come within this many ms of now; 0: no deadline."""
+    exclude_workers: frozenset[str] = frozenset()
+    """Worker ids not to place on (e.g. one that just failed this request)."""
+    adapter_bytes: int = 0
+    """Size of the adapter's weights when the caller knows it (0: unknown)."""
+
+    def __post_init__(self) -> None:
+        deadline = self.first_token_deadline_ms
+        if not math.isfinite(deadline) or deadline < 0:
+            raise InvalidArgument(f"first_token_deadline_ms must be >= 0 (0: none), got {deadline}")
+        if self.adapter_bytes < 0:
+            raise InvalidArgument(f"adapter_bytes must be >= 0, got {self.adapter_bytes}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The decision: where the request goes and what the policy expects there."""
+
+    worker_id: str
+    """Chosen worker's instance id."""
+    address: str
+    """Chosen worker's gRPC address."""
+    estimated_wait_ms: float
+    """Estimated time until the request can start there: ``queue_wait_ms + adapter_load_ms``."""
+    adapter_resident: bool
+    """The adapter is resident there (or on its way, placed since the report), or base model."""
+    queue_wait_ms: float = 0.0
+    """The queueing part of the estimate."""
+    adapter_load_ms: float = 0.0
+    """The adapter-loading part of the estimate (0 when resident)."""
+    ahead: int = 0
+    """Requests estimated to finish before this one gets a slot."""
+
+
+class PlacementPolicy(Protocol):
+    """Picks a worker for one request over a snapshot; raises
+    :class:`~services.runtime.errors.Unavailable` when the snapshot has no eligible worker."""
+
+    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement: ...
+
+
+@dataclass(frozen=True)
+class WaitModel:
+    """How long a request would wait on a worker before it starts.
+
+    The worker is modelled as a throughput-bound server: it completes requests at
+    ``tokens_per_s / mean_output_tokens`` per second, so one request finishes every
+    *service interval* ::
+
+        interval = mean_output_tokens / max(tokens_per_s, min_tokens_per_s)   (tokens_per_s > 0)
+                 = default_service_ms                                          (tokens_per_s == 0)
+
+    Our request gets a slot once the requests ahead of it have finished::
+
+        ahead = queue + placed_since_report + max(0, running + 1 - max_running_hint)
+
+    ``queue`` and our own un-reported placements wait before us (FIFO); the running batch only
+    delays us once it is full (``running`` at the hint: one more request must finish to free a
+    slot for ours). Then::
+
+        queue_wait  = ahead * interval
+        adapter_load = 0                                  adapter resident / placed there / base
+                     = adapter_bytes / load_bandwidth     both known
+                     = adapter_load_ms                    otherwise
+        wait = queue_wait + adapter_load
+
+    Loading overlaps nothing in this model (the worker fetches the adapter while the request
+    queues, so this over-estimates loaded-while-queued adapters; dLoRA makes the same choice).
+    """
+
+    adapter_load_ms: float = 50.0
+    """Time to bring a non-resident adapter into a worker's pool (fetch + copy)."""
+    load_bandwidth_bytes_per_s: float = 0.0
+    """When > 0 and the request carries its adapter's size, load time = bytes / bandwidth."""
+    mean_output_tokens: float = 128.0
+    """Average tokens a request generates (for the service interval)."""
+    min_tokens_per_s: float = 1.0
+    """Floor on a worker's reported throughput (a crawling worker is not infinitely slow)."""
+    default_service_ms: float = 1000.0
+    """Service interval of a worker that reports no throughput yet (tokens_per_s 0)."""
+    max_running_hint: int = 64
+    """Requests a worker runs together before a new one must wait for a slot (its --max-running)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "adapter_load_ms",
+            "load_bandwidth_bytes_per_s",
+            "min_tokens_per_s",
+            "default_service_ms",
+        ):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"WaitModel.{name} must be a finite number >= 0, got {value}")
+        if not math.isfinite(self.mean_output_tokens) or self.mean_output_tokens <= 0:
+            raise ValueError(f"WaitModel.mean_output_tokens must be > 0, got {self.mean_output_tokens}")
+        if self.min_tokens_per_s <= 0:
+            raise ValueError(f"WaitModel.min_tokens_per_s must be > 0, got {self.min_tokens_per_s}")
+        if self.max_running_hint < 1:
+            raise ValueError(f"WaitModel.max_running_hint must be >= 1, got {self.max_running_hint}")
+
+    def service_interval_ms(self, worker: WorkerState) -> float:
+        """Estimated ms between two request completions on ``worker``."""
+        if worker.tokens_per_s <= 0:
+            return self.default_service_ms
+        return 1000.0 * self.mean_output_tokens / max(worker.tokens_per_s, self.min_tokens_per_s)
+
+    def ahead(self, snapshot: ClusterSnapshot, worker: WorkerState) -> int:
+        """Requests that finish before a new one gets a slot on ``worker``."""
+        queued = worker.queue + snapshot.placed(worker.worker_id)
+        return queued + max(0, worker.running + 1 - self.max_running_hint)
+
+    def load_ms(self, request: PlacementRequest) -> float:
+        """Time to load the request's adapter on a worker that does not hold it."""
+        if not request.adapter_id:
+            return 0.0
+        if request.adapter_bytes and self.load_bandwidth_bytes_per_s > 0:
+            return 1000.0 * request.adapter_bytes / self.load_bandwidth_bytes_per_s
+        return self.adapter_load_ms
+
+    def estimate(
+        self, snapshot: ClusterSnapshot, worker: WorkerState, request: PlacementRequest
+    ) -> Placement:
+        """The wait on ``worker`` for ``request``, as the :class:`Placement` it would be."""
+        resident = not request.adapter_id or snapshot.will_have(worker.worker_id, request.adapter_id)
+        ahead = self.ahead(snapshot, worker)
+        queue_ms = ahead * self.service_interval_ms(worker)
+        load_ms = 0.0 if resident else self.load_ms(request)
+        return Placement(
+            worker_id=worker.worker_id,
+            address=worker.address,
+            estimated_wait_ms=queue_ms + load_ms,
+            adapter_resident=resident,
+            queue_wait_ms=queue_ms,
+            adapter_load_ms=load_ms,
+            ahead=ahead,
+        )
+
+
+def eligible(snapshot: ClusterSnapshot, request: PlacementRequest) -> list[WorkerState]:
+    """Live workers the request may go to (not excluded); Unavailable when there are none."""
+    if not snapshot.workers:
+        raise Unavailable("no gpu_worker is live: none is registered in etcd")
+    workers = [w for w in snapshot.workers if w.worker_id not in request.exclude_workers]
+    if not workers:
+        ids = ", ".join(w.worker_id for w in snapshot.workers)
+        raise Unavailable(
+            f"every live gpu_worker is excluded by the request ({len(snapshot.workers)} live: {ids})"
+        )
+    return workers
+
+
+class LeastEstimatedWait:
+    """dLoRA proactive dispatch: the worker with the least :meth:`WaitModel.estimate`.
+
+    Ties (equal estimates, e.g. an idle cluster) go to the worker with the fewest requests
+    running or placed there since its report, then to the smallest worker id, so decisions are
+    deterministic and a burst spreads over idle workers instead of piling on the first.
+    """
+
+    def __init__(self, model: WaitModel | None = None):
+        self.model = model or WaitModel()
+
+    def estimates(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]:
+        """Every eligible worker's estimate, best first."""
+        workers = {w.worker_id: w for w in eligible(snapshot, request)}
+
+        def key(p: Placement) -> tuple[float, int, str]:
+            w = workers[p.worker_id]
+            return (round(p.estimated_wait_ms, 6), w.running + snapshot.placed(w.worker_id), w.worker_id)
+
+        return sorted((self.model.estimate(snapshot, w, request) for w in workers.values()), key=key)
+
+    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement:
+        return self.estimates(snapshot, request)[0]

@@ -1,0 +1,120 @@
+"""The scheduler as a runtime :class:`~services.runtime.server.Service`.
+
+``start()`` follows two etcd watches — gpu_worker members and load reports — into the
+:class:`~services.scheduler.cluster_view.ClusterView` and returns once both have delivered their
+first listing, so a ready scheduler always places on the workers that are live at that moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from grpc import aio
+
+from loramesh.v1 import scheduler_pb2_grpc
+from services.runtime.errors import Unavailable
+from services.runtime.membership import MembershipConfig, watch_loads, watch_members
+from services.scheduler.admission import Admission, AdmissionConfig
+from services.scheduler.cluster_view import ClusterView
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.placement import LeastEstimatedWait, WaitModel
+from services.scheduler.servicer import SchedulerServicer
+
+log = logging.getLogger("loramesh.scheduler")
+
+WORKER_SERVICE = "gpu_worker"
+"""Member service name whose instances the scheduler places on."""
+
+
+class SchedulerService:
+    name = "scheduler"
+    grpc_service_name = "loramesh.v1.Scheduler"
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        model = WaitModel(
+            adapter_load_ms=config.adapter_load_ms,
+            mean_output_tokens=config.mean_output_tokens,
+            min_tokens_per_s=config.min_tokens_per_s,
+            default_service_ms=config.default_service_ms,
+            max_running_hint=config.max_running_hint,
+        )
+        self.view = ClusterView()
+        self.policy = LeastEstimatedWait(model)
+        self.admission = Admission(
+            AdmissionConfig(
+                max_queue_per_worker=config.max_queue_per_worker,
+                default_deadline_ms=config.default_deadline_ms,
+            ),
+            model,
+        )
+        self.servicer = SchedulerServicer(self.view, self.policy, self.admission)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def add_to_server(self, server: aio.Server) -> None:
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)
+
+    async def start(self) -> None:
+        cfg = self.config
+        if not cfg.etcd_endpoints:
+            raise ValueError(
+                "the scheduler needs --etcd-endpoints (env LORAMESH_ETCD_ENDPOINTS): "
+                "it places requests on the gpu_workers it finds registered there"
+            )
+        membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints, ttl_s=cfg.lease_ttl_s)
+        members_listed, loads_listed = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(
+                self._follow(
+                    watch_members(membership, WORKER_SERVICE),
+                    lambda members: self.view.update_members({k: m.address for k, m in members.items()}),
+                    members_listed,
+                ),
+                name="scheduler:watch-members",
+            ),
+            loop.create_task(
+                self._follow(watch_loads(membership), self.view.update_loads, loads_listed),
+                name="scheduler:watch-loads",
+            ),
+        ]
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(members_listed.wait(), loads_listed.wait()), cfg.start_timeout_s
+            )
+        except TimeoutError:
+            await self.stop()
+            raise Unavailable(
+                f"etcd at {cfg.etcd_endpoints} did not list the workers within {cfg.start_timeout_s:.1f}s"
+            ) from None
+        log.info("following %d gpu_worker(s) from etcd at %s", len(self.view), cfg.etcd_endpoints)
+
+    @staticmethod
+    async def _follow(
+        updates: AsyncIterator[Any], apply: Callable[[Any], None], listed: asyncio.Event
+    ) -> None:
+        """Apply every update of a watch to the view; ``listed`` is set after the first one."""
+        try:
+            async for update in updates:
+                try:
+                    apply(update)
+                except Exception:  # a bad report must not stop the watch
+                    log.exception("could not apply an etcd update to the cluster view")
+                listed.set()
+        finally:
+            await updates.aclose()  # type: ignore[attr-defined]
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def load_report(self) -> dict:
+        return {"workers": len(self.view), "placements": self.view.placements_total}

@@ -1,0 +1,80 @@
+"""``loramesh.v1.Scheduler``: proto <-> placement domain, nothing more.
+
+Everything here is a few dict lookups and a sort over the workers: it runs on the event loop
+without blocking it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from loramesh.v1 import scheduler_pb2 as pb
+from loramesh.v1 import scheduler_pb2_grpc
+from services.scheduler.admission import Admission
+from services.scheduler.cluster_view import ClusterSnapshot, ClusterView
+from services.scheduler.placement import Placement, PlacementPolicy, PlacementRequest
+
+log = logging.getLogger("loramesh.scheduler")
+
+
+def request_from_proto(request: pb.PlaceRequest) -> PlacementRequest:
+    return PlacementRequest(
+        request_id=request.request_id,
+        adapter_id=request.adapter_id,
+        prompt_tokens=request.prompt_tokens,
+        max_tokens=request.max_tokens,
+        first_token_deadline_ms=request.first_token_deadline_ms,
+        exclude_workers=frozenset(request.exclude_workers),
+    )
+
+
+def placement_to_proto(placement: Placement) -> pb.PlaceResponse:
+    return pb.PlaceResponse(
+        worker_id=placement.worker_id,
+        address=placement.address,
+        estimated_wait_ms=placement.estimated_wait_ms,
+        adapter_resident=placement.adapter_resident,
+    )
+
+
+def snapshot_to_proto(snapshot: ClusterSnapshot) -> pb.ClusterViewResponse:
+    return pb.ClusterViewResponse(
+        workers=[
+            pb.WorkerView(
+                worker_id=w.worker_id,
+                address=w.address,
+                queue=w.queue,
+                running=w.running,
+                free_pages=w.free_pages,
+                total_pages=w.total_pages,
+                resident_adapters=sorted(w.resident_adapters),
+                tokens_per_s=w.tokens_per_s,
+                placed_since_report=snapshot.placed(w.worker_id),
+                report_age_ms=max(0.0, (snapshot.taken_at - w.report_ts) * 1000) if w.report_ts else 0.0,
+            )
+            for w in snapshot.workers
+        ]
+    )
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """Places requests over the view the service keeps up to date from etcd."""
+
+    def __init__(self, view: ClusterView, policy: PlacementPolicy, admission: Admission):
+        self.view = view
+        self.policy = policy
+        self.admission = admission
+
+    async def Place(self, request: pb.PlaceRequest, context) -> pb.PlaceResponse:
+        wanted = request_from_proto(request)
+        placement = self.admission.place(self.policy, self.view.snapshot(), wanted)
+        self.view.record_placement(placement.worker_id, wanted.adapter_id)
+        log.debug(
+            "placed %s (adapter %r) on %s: wait %.1f ms, resident %s",
+            wanted.request_id, wanted.adapter_id, placement.worker_id,
+            placement.estimated_wait_ms, placement.adapter_resident,
+        )  # fmt: skip
+        return placement_to_proto(placement)
+
+    async def ClusterView(self, request: pb.ClusterViewRequest, context) -> pb.ClusterViewResponse:
+        return snapshot_to_proto(self.view.snapshot())

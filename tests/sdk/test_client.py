@@ -1,0 +1,518 @@
+"""The SDK against a real grpc.aio server on loopback serving a small fake ``loramesh.v1.Gateway``.
+
+The fake checks the API key, streams canned deltas, fails with any status on demand (a prompt
+``status:<CODE>``), fails the first N calls with UNAVAILABLE, breaks a stream after its first
+delta (prompt ``break``) or stalls (prompt ``slow``). The real gateway is tested elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+
+import loramesh
+from loramesh import (
+    AlreadyExists,
+    AsyncClient,
+    Client,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    LoraMeshError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
+
+API_KEY = "sk-test"
+TENANT = "acme"
+DELTAS = ("Hello", ", ", "world")
+GENERATION_ID = "gen-1"
+
+
+@dataclass
+class Received:
+    """One call as the fake gateway saw it."""
+
+    method: str
+    request: object
+    metadata: dict[str, str]
+
+
+@dataclass
+class Upload:
+    header: adapter_store_pb2.RegisterAdapterRequest.Header
+    files: dict[str, bytes]
+    chunks: int
+
+
+class FakeGateway(gateway_pb2_grpc.GatewayServicer):
+    """A scriptable gateway; tests set ``unavailable_first`` and read ``received``/``uploads``."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.unavailable_first = 0
+        """Calls still to fail with UNAVAILABLE."""
+        self.received: list[Received] = []
+        self.uploads: list[Upload] = []
+        self.adapters = [
+            types_pb2.AdapterInfo(id=f"id-{i}", name=f"a{i}", owner=TENANT, rank=8) for i in range(5)
+        ]
+
+    def calls(self, method: str) -> list[Received]:
+        return [r for r in self.received if r.method == method]
+
+    async def _admit(self, method: str, request, context: aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata())
+        self.received.append(Received(method, request, metadata))
+        context.set_trailing_metadata((("x-request-id", metadata.get("x-request-id", "")),))
+        if metadata.get("authorization") != f"Bearer {API_KEY}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+        if self.unavailable_first > 0:
+            self.unavailable_first -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is starting")
+
+    async def _deltas(self, prompt: str, context: aio.ServicerContext):
+        if prompt.startswith("status:"):
+            code = grpc.StatusCode[prompt.removeprefix("status:")]
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                request_id = dict(context.invocation_metadata())["x-request-id"]
+                context.set_trailing_metadata((("x-request-id", request_id), ("retry-after-s", "1.500")))
+            await context.abort(code, f"scripted {code.name}")
+        if prompt == "slow":
+            await asyncio.sleep(5)
+        for i, text in enumerate(DELTAS):
+            last = i == len(DELTAS) - 1
+            yield gateway_pb2.GenerateTextResponse(
+                text=text,
+                token_ids=[10 + i],
+                request_id=GENERATION_ID,
+                finish_reason=types_pb2.FINISH_REASON_STOP if last else types_pb2.FINISH_REASON_UNSPECIFIED,
+                usage=gateway_pb2.Usage(
+                    prompt_tokens=4, completion_tokens=3, first_token_ms=1.5, total_ms=3.0
+                )
+                if last
+                else None,
+            )
+            if prompt == "break":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost")
+
+    async def Generate(self, request, context):
+        await self._admit("Generate", request, context)
+        async for message in self._deltas(request.prompt, context):
+            yield message
+
+    async def Chat(self, request, context):
+        await self._admit("Chat", request, context)
+        async for message in self._deltas(request.messages[-1].content, context):
+            yield message
+
+    async def UploadAdapter(self, request_iterator, context):
+        await self._admit("UploadAdapter", None, context)
+        header, files, chunks = None, {}, 0
+        async for message in request_iterator:
+            if message.WhichOneof("item") == "header":
+                header = message.header
+            else:
+                files[message.chunk.filename] = files.get(message.chunk.filename, b"") + message.chunk.data
+                chunks += 1
+        self.uploads.append(Upload(header, files, chunks))
+        weights = files.get("adapter_model.safetensors", b"")
+        return adapter_store_pb2.RegisterAdapterResponse(
+            adapter=types_pb2.AdapterInfo(
+                id="id-new",
+                name=header.name,
+                owner=TENANT,
+                visibility=header.visibility,
+                size_bytes=len(weights),
+                sha256=hashlib.sha256(weights).hexdigest(),
+            )
+        )
+
+    async def ListAdapters(self, request, context):
+        await self._admit("ListAdapters", request, context)
+        start = int(request.page_token or 0)
+        end = start + (request.page_size or 100)
+        return adapter_store_pb2.ListAdaptersResponse(
+            adapters=self.adapters[start:end],
+            next_page_token=str(end) if end < len(self.adapters) else "",
+            total=len(self.adapters),
+        )
+
+    async def GetAdapter(self, request, context):
+        await self._admit("GetAdapter", request, context)
+        for adapter in self.adapters:
+            if adapter.name == request.adapter:
+                return adapter
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no adapter {request.adapter!r}")
+
+    async def DeleteAdapter(self, request, context):
+        await self._admit("DeleteAdapter", request, context)
+        return adapter_store_pb2.DeleteAdapterResponse(adapter=self.adapters[0])
+
+    async def ListModels(self, request, context):
+        await self._admit("ListModels", request, context)
+        return gateway_pb2.ListModelsResponse(
+            models=[
+                gateway_pb2.ModelInfo(id="", base_model="smollm2", is_base=True),
+                gateway_pb2.ModelInfo(
+                    id="bob/pub",
+                    owner="bob",
+                    base_model="smollm2",
+                    rank=16,
+                    visibility=types_pb2.VISIBILITY_PUBLIC,
+                ),
+            ]
+        )
+
+
+class ServerThread:
+    """The fake gateway served by grpc.aio on its own event loop thread (sync tests can call it)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.gateway = FakeGateway()
+        self.server, port = self._run(self._start())
+        self.address = f"127.0.0.1:{port}"
+
+    async def _start(self):
+        server = aio.server()
+        gateway_pb2_grpc.add_GatewayServicer_to_server(self.gateway, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def stop(self) -> None:
+        self._run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = ServerThread()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def gateway(server) -> FakeGateway:
+    """The fake gateway, its script and records reset for the test."""
+    server.gateway.reset()
+    return server.gateway
+
+
+@pytest.fixture
+def no_mesh(tmp_path) -> Path:
+    return tmp_path / "no-mesh.json"
+
+
+@pytest.fixture
+def client(server, gateway, no_mesh):
+    with Client(server.address, API_KEY, retries=3, backoff_s=0.01, mesh_file=no_mesh) as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(server, gateway, no_mesh):
+    async with AsyncClient(server.address, API_KEY, retries=3, backoff_s=0.01, mesh_file=no_mesh) as c:
+        yield c
+
+
+SAMPLING = {
+    "max_tokens": 32,
+    "temperature": 0.7,
+    "top_k": 40,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+    "seed": 1234,
+    "stop": ["\n\n"],
+    "stop_token_ids": [2, 3],
+    "deadline_ms": 250.0,
+}
+
+STATUSES = [
+    ("INVALID_ARGUMENT", InvalidArgument),
+    ("NOT_FOUND", NotFound),
+    ("ALREADY_EXISTS", AlreadyExists),
+    ("PERMISSION_DENIED", PermissionDenied),
+    ("UNAUTHENTICATED", Unauthenticated),
+    ("RESOURCE_EXHAUSTED", ResourceExhausted),
+    ("UNAVAILABLE", Unavailable),
+    ("DEADLINE_EXCEEDED", DeadlineExceeded),
+    ("FAILED_PRECONDITION", FailedPrecondition),
+    ("DATA_LOSS", DataLoss),
+    ("INTERNAL", InternalError),
+    ("CANCELLED", LoraMeshError),
+]
+
+
+def check_sampling_sent(received: Received, adapter: str) -> None:
+    request = received.request
+    assert request.adapter == adapter
+    s = request.sampling
+    assert (s.max_tokens, s.top_k, s.seed) == (32, 40, 1234)
+    assert (s.temperature, s.top_p, s.repetition_penalty) == pytest.approx((0.7, 0.9, 1.1))
+    assert list(s.stop_strings) == ["\n\n"] and list(s.stop_token_ids) == [2, 3]
+    assert request.first_token_deadline_ms == 250.0
+    assert received.metadata["authorization"] == f"Bearer {API_KEY}"
+    assert len(received.metadata["x-request-id"]) == 16
+
+
+def check_completion(result: loramesh.Completion) -> None:
+    assert result.text == "Hello, world"
+    assert result.token_ids == (10, 11, 12)
+    assert result.finish_reason == "stop"
+    assert result.usage == loramesh.Usage(
+        prompt_tokens=4, completion_tokens=3, first_token_ms=1.5, total_ms=3.0, resumes=0
+    )
+    assert result.request_id == GENERATION_ID
+
+
+def check_deltas(deltas: list[loramesh.TextDelta]) -> None:
+    assert tuple(d.text for d in deltas) == DELTAS
+    assert [d.finish_reason for d in deltas] == [None, None, "stop"]
+    assert deltas[0].usage is None and deltas[-1].usage.completion_tokens == 3
+
+
+def check_status(
+    error: LoraMeshError, code: str, expected: type[LoraMeshError], gateway: FakeGateway
+) -> None:
+    assert type(error) is expected
+    assert error.code == code
+    assert error.details == f"scripted {code}"
+    assert error.request_id == gateway.received[0].metadata["x-request-id"]
+    if expected is ResourceExhausted:
+        assert error.retry_after_s == 1.5
+
+
+def write_adapter(directory: Path) -> dict[str, bytes]:
+    """A fake PEFT directory whose weights span three 1 MiB chunks (the fake does not validate)."""
+    directory.mkdir()
+    files = {
+        "adapter_config.json": json.dumps({"peft_type": "LORA", "r": 8}).encode(),
+        "adapter_model.safetensors": bytes(range(256)) * (10 * 1024 + 7),
+    }
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return files
+
+
+def check_upload(gateway: FakeGateway, files: dict[str, bytes], adapter: loramesh.Adapter) -> None:
+    (upload,) = gateway.uploads
+    assert upload.header.name == "mine" and upload.header.owner == ""
+    assert upload.header.visibility == types_pb2.VISIBILITY_PUBLIC
+    assert upload.header.total_bytes == sum(len(d) for d in files.values())
+    assert upload.files == files
+    assert upload.chunks == 4  # the config, then the 2.5 MiB weights in 1 MiB chunks
+    assert adapter.name == "mine" and adapter.public and adapter.owner == TENANT
+    assert adapter.sha256 == hashlib.sha256(files["adapter_model.safetensors"]).hexdigest()
+
+
+# --- the sync client ----------------------------------------------------------------------
+
+
+def test_generate_sends_the_request_and_joins_the_stream(client, gateway):
+    check_completion(client.generate("Once upon", adapter="bob/pub", **SAMPLING))
+    (received,) = gateway.calls("Generate")
+    assert received.request.prompt == "Once upon"
+    check_sampling_sent(received, "bob/pub")
+
+
+def test_defaults_leave_sampling_to_the_server(client, gateway):
+    client.generate("Hi")
+    request = gateway.calls("Generate")[0].request
+    assert request.adapter == "" and not request.sampling.HasField("seed")
+    assert request.sampling == types_pb2.SamplingParams()
+
+
+def test_stream_yields_each_delta(client):
+    check_deltas(list(client.stream("Hi", max_tokens=3)))
+
+
+def test_chat_takes_dicts_and_tuples(client, gateway):
+    messages = [{"role": "system", "content": "Be brief."}, ("user", "Hi")]
+    check_completion(client.chat(messages, adapter="a1", **SAMPLING))
+    check_deltas(list(client.chat_stream(messages)))
+    request = gateway.calls("Chat")[0].request
+    assert [(m.role, m.content) for m in request.messages] == [("system", "Be brief."), ("user", "Hi")]
+    check_sampling_sent(gateway.calls("Chat")[0], "a1")
+    with pytest.raises(TypeError):
+        client.chat(["Hi"])
+
+
+@pytest.mark.parametrize("code, expected", STATUSES)
+def test_each_status_maps_to_its_exception(server, gateway, no_mesh, code, expected):
+    with (
+        Client(server.address, API_KEY, retries=0, mesh_file=no_mesh) as client,
+        pytest.raises(LoraMeshError) as raised,
+    ):
+        client.generate(f"status:{code}")
+    check_status(raised.value, code, expected, gateway)
+
+
+def test_wrong_api_key_is_unauthenticated(server, gateway, no_mesh):
+    with Client(server.address, "sk-wrong", mesh_file=no_mesh) as client, pytest.raises(Unauthenticated):
+        client.models()
+
+
+def test_unavailable_is_retried_with_the_same_request_id(client, gateway):
+    gateway.unavailable_first = 2
+    check_completion(client.generate("Hi"))
+    calls = gateway.calls("Generate")
+    assert len(calls) == 3
+    assert len({c.metadata["x-request-id"] for c in calls}) == 1
+    gateway.unavailable_first = 1
+    assert client.models()[0].is_base
+    assert len(gateway.calls("ListModels")) == 2
+
+
+def test_unavailable_forever_raises_after_the_retries(client, gateway):
+    gateway.unavailable_first = 100
+    with pytest.raises(Unavailable):
+        client.generate("Hi")
+    assert len(gateway.calls("Generate")) == 1 + 3
+
+
+def test_a_stream_broken_after_data_is_not_retried(client, gateway):
+    deltas = []
+    with pytest.raises(Unavailable):
+        for delta in client.stream("break"):
+            deltas.append(delta.text)
+    assert deltas == ["Hello"]
+    assert len(gateway.calls("Generate")) == 1
+
+
+def test_upload_and_delete_are_not_retried(client, gateway, tmp_path):
+    write_adapter(tmp_path / "lora")
+    gateway.unavailable_first = 2
+    with pytest.raises(Unavailable):
+        client.adapters.upload(tmp_path / "lora", "mine")
+    with pytest.raises(Unavailable):
+        client.adapters.delete("a0")
+    assert len(gateway.calls("UploadAdapter")) == len(gateway.calls("DeleteAdapter")) == 1
+
+
+def test_timeout_is_the_deadline(client):
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        client.generate("slow", timeout=0.2)
+    assert time.monotonic() - started < 2
+
+
+def test_adapters_upload_list_get_delete(client, gateway, tmp_path):
+    files = write_adapter(tmp_path / "lora")
+    check_upload(gateway, files, client.adapters.upload(tmp_path / "lora", "mine", public=True))
+    assert [a.name for a in client.adapters.list(page_size=2)] == ["a0", "a1", "a2", "a3", "a4"]
+    assert [c.request.page_token for c in gateway.calls("ListAdapters")] == ["", "2", "4"]
+    assert client.adapters.get("a3").id == "id-3"
+    with pytest.raises(NotFound):
+        client.adapters.get("nope")
+    assert client.adapters.delete("a0").name == "a0"
+    assert gateway.calls("DeleteAdapter")[0].request.adapter == "a0"
+    with pytest.raises(FileNotFoundError):
+        client.adapters.upload(tmp_path / "missing", "x")
+
+
+def test_models(client):
+    base, shared = client.models()
+    assert base.is_base and base.id == "" and base.base_model == "smollm2"
+    assert (shared.id, shared.owner, shared.rank, shared.public) == ("bob/pub", "bob", 16, True)
+
+
+def test_mesh_file_gives_the_address_and_admin_key(server, gateway, tmp_path):
+    mesh = tmp_path / "mesh.json"
+    mesh.write_text(
+        json.dumps({"services": {"gateway": {"address": server.address}}, "admin_api_key": API_KEY})
+    )
+    with Client(mesh_file=mesh) as client:
+        assert client.address == server.address
+        assert client.generate("Hi").text == "Hello, world"
+    with pytest.raises(ValueError, match="no API key"):
+        Client("elsewhere:1", mesh_file=mesh)  # the admin key only goes to the mesh's gateway
+    with pytest.raises(ValueError, match="no gateway address"):
+        Client(mesh_file=tmp_path / "absent.json")
+
+
+# --- the asyncio client -------------------------------------------------------------------
+
+
+async def test_async_generate_stream_chat(aclient, gateway):
+    check_completion(await aclient.generate("Once upon", adapter="bob/pub", **SAMPLING))
+    check_sampling_sent(gateway.calls("Generate")[0], "bob/pub")
+    check_deltas([d async for d in aclient.stream("Hi")])
+    check_completion(await aclient.chat([("user", "Hi")], adapter="a1", **SAMPLING))
+    check_sampling_sent(gateway.calls("Chat")[0], "a1")
+    check_deltas([d async for d in aclient.chat_stream([{"role": "user", "content": "Hi"}])])
+
+
+@pytest.mark.parametrize("code, expected", STATUSES)
+async def test_async_each_status_maps_to_its_exception(server, gateway, no_mesh, code, expected):
+    async with AsyncClient(server.address, API_KEY, retries=0, mesh_file=no_mesh) as client:
+        with pytest.raises(LoraMeshError) as raised:
+            await client.generate(f"status:{code}")
+    check_status(raised.value, code, expected, gateway)
+
+
+async def test_async_retries(aclient, gateway):
+    gateway.unavailable_first = 2
+    check_completion(await aclient.generate("Hi"))
+    assert len(gateway.calls("Generate")) == 3
+    gateway.unavailable_first = 100
+    with pytest.raises(Unavailable):
+        await aclient.models()
+    assert len(gateway.calls("ListModels")) == 1 + 3
+
+
+async def test_async_broken_stream_and_writes_are_not_retried(aclient, gateway, tmp_path):
+    deltas = []
+    with pytest.raises(Unavailable):
+        async for delta in aclient.stream("break"):
+            deltas.append(delta.text)
+    assert deltas == ["Hello"] and len(gateway.calls("Generate")) == 1
+    write_adapter(tmp_path / "lora")
+    gateway.unavailable_first = 2
+    with pytest.raises(Unavailable):
+        await aclient.adapters.upload(tmp_path / "lora", "mine")
+    with pytest.raises(Unavailable):
+        await aclient.adapters.delete("a0")
+    assert len(gateway.calls("UploadAdapter")) == len(gateway.calls("DeleteAdapter")) == 1
+
+
+async def test_async_timeout_is_the_deadline(aclient):
+    with pytest.raises(DeadlineExceeded):
+        await aclient.generate("slow", timeout=0.2)
+
+
+async def test_async_adapters_and_models(aclient, gateway, tmp_path):
+    files = write_adapter(tmp_path / "lora")
+    check_upload(gateway, files, await aclient.adapters.upload(tmp_path / "lora", "mine", public=True))
+    assert [a.name for a in await aclient.adapters.list(page_size=2)] == ["a0", "a1", "a2", "a3", "a4"]
+    assert [c.request.page_token for c in gateway.calls("ListAdapters")] == ["", "2", "4"]
+    assert (await aclient.adapters.get("a3")).id == "id-3"
+    with pytest.raises(NotFound):
+        await aclient.adapters.get("nope")
+    assert (await aclient.adapters.delete("a0")).name == "a0"
+    assert [m.id for m in await aclient.models()] == ["", "bob/pub"]
