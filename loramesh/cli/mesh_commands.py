@@ -118,8 +118,10 @@ async def _up_foreground(args, state_dir: Path) -> int:
             "adapter_store", store_args, log_path=log_dir / "adapter_store.log"
         ).start()
         await processes["adapter_store"].wait_ready()
+        # Workers sharing one machine's cores split them rather than oversubscribe (CPU serving).
+        threads = max(1, (os.cpu_count() or 1) // max(1, args.workers))
         worker_args = ["--etcd-endpoints", etcd.endpoint, "--adapter-store", processes["adapter_store"].address,
-                       "--dtype", args.dtype, "--pool-mib", str(args.pool_mib)]  # fmt: skip
+                       "--dtype", args.dtype, "--pool-mib", str(args.pool_mib), "--threads", str(threads)]  # fmt: skip
         if args.model:
             worker_args += ["--model", args.model]
         for i in range(args.workers):

@@ -11,6 +11,8 @@ from services.runtime.config import ServiceConfig
 class SchedulerConfig(ServiceConfig):
     """loramesh scheduler: places each request on the gpu_worker with the least estimated wait."""
 
+    per_request_step_ms: float = 10.0
+    """How much each request already in a worker's batch delays a new one's first token."""
     adapter_load_ms: float = 50.0
     """Estimated time to load an adapter on a worker that does not hold it (fetch + copy)."""
     mean_output_tokens: float = 128.0

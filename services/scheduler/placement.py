@@ -89,9 +89,10 @@ class WaitModel:
 
     ``queue`` and our own un-reported placements wait before us (FIFO); the running batch only
     delays us once it is full (``running`` at the hint: one more request must finish to free a
-    slot for ours). Then::
+    slot for ours). Below that, a batch still slows us down: every step, hence our prefill and
+    first token, takes longer the more requests share it. Then::
 
-        queue_wait  = ahead * interval
+        queue_wait  = ahead * interval + (running + placed_since_report) * per_request_step_ms
         adapter_load = 0                                  adapter resident / placed there / base
                      = adapter_bytes / load_bandwidth     both known
                      = adapter_load_ms                    otherwise
@@ -113,6 +114,10 @@ class WaitModel:
     """Service interval of a worker that reports no throughput yet (tokens_per_s 0)."""
     max_running_hint: int = 64
     """Requests a worker runs together before a new one must wait for a slot (its --max-running)."""
+    per_request_step_ms: float = 10.0
+    """How much one more request in the running batch lengthens a step (so the first token).
+    Without it, two workers with free slots tie whatever their batch sizes and adapter affinity
+    alone would pile a burst onto one worker."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -156,7 +161,8 @@ class WaitModel:
         """The wait on ``worker`` for ``request``, as the :class:`Placement` it would be."""
         resident = not request.adapter_id or snapshot.will_have(worker.worker_id, request.adapter_id)
         ahead = self.ahead(snapshot, worker)
-        queue_ms = ahead * self.service_interval_ms(worker)
+        batch = worker.running + snapshot.placed(worker.worker_id)
+        queue_ms = ahead * self.service_interval_ms(worker) + batch * self.per_request_step_ms
         load_ms = 0.0 if resident else self.load_ms(request)
         return Placement(
             worker_id=worker.worker_id,

@@ -38,6 +38,7 @@ class SchedulerService:
         self.config = config
         model = WaitModel(
             adapter_load_ms=config.adapter_load_ms,
+            per_request_step_ms=config.per_request_step_ms,
             mean_output_tokens=config.mean_output_tokens,
             min_tokens_per_s=config.min_tokens_per_s,
             default_service_ms=config.default_service_ms,

@@ -10,7 +10,14 @@ from services.scheduler.cluster_view import ClusterSnapshot, ClusterView, Worker
 from services.scheduler.placement import LeastEstimatedWait, Placement, PlacementRequest, WaitModel
 
 # 128 tokens per request at 128 tokens/s: one completion per second on a busy worker.
-MODEL = WaitModel(adapter_load_ms=50, mean_output_tokens=128, default_service_ms=1000, max_running_hint=4)
+# The batch term is tested on its own below; without it the queue arithmetic reads plainly.
+MODEL = WaitModel(
+    adapter_load_ms=50,
+    mean_output_tokens=128,
+    default_service_ms=1000,
+    max_running_hint=4,
+    per_request_step_ms=0,
+)
 
 
 def worker(worker_id: str, queue=0, running=0, resident=(), tokens_per_s=128.0, ts=1.0) -> WorkerState:
@@ -103,6 +110,16 @@ def test_full_batch_makes_a_new_request_wait_for_one_completion():
     assert chosen.worker_id == "w2" and chosen.estimated_wait_ms == 0
     full = MODEL.estimate(snap, snap.workers[0], PlacementRequest())
     assert full.ahead == 1 and full.queue_wait_ms == pytest.approx(1000)
+
+
+def test_a_busier_batch_outweighs_adapter_affinity():
+    model = WaitModel(adapter_load_ms=50, per_request_step_ms=10)
+    snap = ClusterSnapshot.of([worker("w1", running=8, resident={"sql"}), worker("w2", running=0)])
+    chosen = LeastEstimatedWait(model).place(snap, PlacementRequest(adapter_id="sql"))
+    assert (chosen.worker_id, chosen.estimated_wait_ms) == ("w2", pytest.approx(50))  # 80 ms > 50 ms
+    snap = ClusterSnapshot.of([worker("w1", running=3, resident={"sql"}), worker("w2", running=0)])
+    chosen = LeastEstimatedWait(model).place(snap, PlacementRequest(adapter_id="sql"))
+    assert (chosen.worker_id, chosen.estimated_wait_ms) == ("w1", pytest.approx(30))  # 30 ms < 50 ms
 
 
 def test_ties_go_to_fewest_running_then_smallest_id():
