@@ -25,9 +25,8 @@ this one run; no timing is asserted anywhere. Results: a markdown table on stdou
 For 2 and 3 one engine per k (and one without adapters) is prefilled, then the engines are
 stepped in rounds: each round steps every engine twice, the adapter engines once per backend
 (the order alternating between rounds), so every figure compared comes from interleaved steps
-at the same context length. The backend is switched between steps through
-``LlamaModel.lora_backend``, the attribute ``Engine`` sets from ``EngineConfig.lora_backend``;
-the engines share one ``LlamaModel``, so it is set right before every step. Finally decode
+at the same context length. The backend is switched between steps through the engine's step
+builder (``engine.builder.lora_backend``, set from ``EngineConfig.lora_backend``). Finally decode
 steps without adapters and with the largest k are profiled (torch.profiler).
 
 The machine may be shared: every timed step records the share of the CPUs other processes used
@@ -236,7 +235,6 @@ class EngineRun:
             adapter_id = adapters[i % len(adapters)].adapter_id if adapters else None
             request = GenerationRequest(f"{name}-{i}", prompt, sampling, adapter_id)
             engine.submit(request, sink or (lambda event: None))
-        model.lora_backend = "torch"
         t = time.perf_counter()
         produced = engine.step()
         prefill_s = time.perf_counter() - t
@@ -246,7 +244,7 @@ class EngineRun:
 
     def step(self, backend: str, record: bool = True) -> float:
         """One decode step of the whole batch with ``backend``; returns its wall time."""
-        self.engine.model.lora_backend = backend
+        self.engine.builder.lora_backend = backend
         batch = len(self.engine.running)
         self.monitor.tick()
         t = time.perf_counter()
@@ -502,7 +500,7 @@ def profile_step(run: EngineRun, backend: str) -> dict:
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     base_dims = {cfg.hidden_size, cfg.intermediate_size, 2 * cfg.intermediate_size, cfg.vocab_size}
     base_dims |= {q_dim, q_dim + 2 * kv_dim}
-    run.engine.model.lora_backend = backend
+    run.engine.builder.lora_backend = backend
     monitor = CpuMonitor()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         t = time.perf_counter()

@@ -89,8 +89,7 @@ class Engine:
         )
         self.pool = UnifiedPool(layout, model.dtype, model.device)
         self.residency = AdapterResidency(self.pool)
-        self.builder = StepBuilder(model, self.pool)
-        model.lora_backend = config.lora_backend
+        self.builder = StepBuilder(model, self.pool, config.lora_backend)
         self.host_adapters: dict[str, HostAdapter] = {}
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []

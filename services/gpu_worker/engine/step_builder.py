@@ -15,9 +15,10 @@ from services.runtime.base_model import LORA_TARGETS
 
 
 class StepBuilder:
-    def __init__(self, model: LlamaModel, pool: UnifiedPool):
+    def __init__(self, model: LlamaModel, pool: UnifiedPool, lora_backend: str = "auto"):
         self.model = model
         self.pool = pool
+        self.lora_backend = lora_backend
         cfg = model.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -71,6 +72,7 @@ class StepBuilder:
             prefills=prefills,
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
             lora=self._lora_segments(requests, residency),
+            lora_backend=self.lora_backend,
         )
 
     def _decode_group(self, rows, keys, values) -> DecodeGroup | None:

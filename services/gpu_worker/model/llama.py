@@ -69,7 +69,6 @@ class LlamaModel:
         )
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
-        self.lora_backend = "auto"
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.float().pow(2).mean(-1, keepdim=True)
@@ -82,7 +81,7 @@ class LlamaModel:
             return
         segments = batch.lora[layer].get(name)
         if segments is not None:
-            add_lora_delta(x, pool.buffer, segments, out, backend=self.lora_backend)
+            add_lora_delta(x, pool.buffer, segments, out, backend=batch.lora_backend)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, pool: UnifiedPool) -> torch.Tensor:

@@ -52,3 +52,5 @@ class StepBatch:
     """int64 [R]: the row of each request's last token (the one whose logits are sampled)."""
     lora: list[dict[str, LoraSegments]] | None
     """Per layer, per projection name; None when no request in the step uses an adapter."""
+    lora_backend: str = "auto"
+    """Kernel backend for the LoRA deltas (see ``kernels.dispatch``)."""
