@@ -63,11 +63,20 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     status = json.loads(loramesh(mesh, "status", "--json").stdout)
     assert [(r["service"], r["health"]) for r in status] == [
         ("adapter_store", "SERVING"),
+        ("gateway", "SERVING"),
         ("gpu_worker", "SERVING"),
         ("gpu_worker", "SERVING"),
+        ("scheduler", "SERVING"),
     ]
     for name in ("gpu_worker-0", "gpu_worker-1"):
         assert asyncio.run(generate_two_tokens(mesh_file["services"][name]["address"])) == 2
+
+    done = loramesh(mesh, "generate", "--max-tokens", "6", "The capital of France is")
+    assert " Paris" in done.stdout and "prompt" in done.stderr and "generated tokens" in done.stderr
+    done = loramesh(mesh, "chat", "--max-tokens", "8", "--adapter", "mine", "Say hello.")
+    assert done.stdout.strip() and "[" in done.stderr
+    refused = loramesh(mesh, "generate", "--adapter", "nobody/none", "hi", check=False)
+    assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr and not refused.stdout
 
     assert "deleted admin/mine" in loramesh(mesh, "adapters", "delete", "mine").stdout
     gone = loramesh(mesh, "adapters", "delete", "mine", check=False)
