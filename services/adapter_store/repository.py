@@ -49,7 +49,7 @@ class OpenReport:
     """What start-up found on disk."""
 
     adapters: int
-    verified: int
+    """Adapters in the catalog whose blobs passed verification."""
     orphan_blobs_removed: int
     temp_files_removed: int
     corrupt_quarantined: int
@@ -134,7 +134,6 @@ class AdapterRepository:
         self._disk_bytes = disk_bytes
         report = OpenReport(
             adapters=len(records) - corrupt,
-            verified=len(records) - corrupt,
             orphan_blobs_removed=len(orphans),
             temp_files_removed=temp_removed,
             corrupt_quarantined=corrupt,

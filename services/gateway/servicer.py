@@ -14,6 +14,7 @@ from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.relay import Relay, RelayRequest
 from services.gpu_worker.model.tokenizer import Tokenizer
+from services.gpu_worker.sampling_proto import sampling_from_proto
 from services.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
 
 ROLES = ("system", "user", "assistant")
@@ -48,14 +49,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidArgument(
                 f"sampling.max_tokens {sampling.max_tokens} is above the limit {self.config.max_tokens_limit}"
             )
-        if not 0.0 <= sampling.temperature <= 100.0:
-            raise InvalidArgument(f"sampling.temperature must be within [0, 100], got {sampling.temperature}")
-        if not 0.0 <= sampling.top_p <= 1.0:
-            raise InvalidArgument(f"sampling.top_p must be within [0, 1], got {sampling.top_p}")
-        if sampling.repetition_penalty < 0 or sampling.repetition_penalty > 10:
-            raise InvalidArgument(
-                f"sampling.repetition_penalty must be within [0, 10], got {sampling.repetition_penalty}"
-            )
+        sampling_from_proto(sampling).validate()  # the worker's own ranges, checked before placing
         if any(t >= self.tokenizer.vocab_size for t in sampling.stop_token_ids):
             raise InvalidArgument("sampling.stop_token_ids must be token ids of the model's vocabulary")
         return sampling

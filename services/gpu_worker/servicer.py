@@ -12,10 +12,8 @@ from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
-from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.sampling_proto import sampling_from_proto
 from services.runtime.errors import Unavailable
-
-DEFAULT_MAX_TOKENS = 128
 
 FINISH_REASONS = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
@@ -23,20 +21,6 @@ FINISH_REASONS = {
     FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: types_pb2.FINISH_REASON_ERROR,
 }
-
-
-def sampling_from_proto(p: types_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p or 1.0,
-        repetition_penalty=p.repetition_penalty or 1.0,
-        seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=tuple(p.stop_token_ids),
-        stop_strings=tuple(p.stop_strings),
-        ignore_eos=p.ignore_eos,
-    )
 
 
 def timings_to_proto(event: TokenEvent, prompt_tokens: int, preemptions: int = 0) -> types_pb2.Timings:

@@ -16,9 +16,10 @@ import inspect
 import itertools
 import os
 import textwrap
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, get_type_hints
+
+from services.runtime.membership import new_instance_id
 
 ENV_PREFIX = "LORAMESH_"
 
@@ -51,7 +52,7 @@ class ServiceConfig:
     """Python logging level name."""
 
     def resolved_instance_id(self, service: str) -> str:
-        return self.instance_id or f"{service}-{uuid.uuid4().hex[:8]}"
+        return self.instance_id or new_instance_id(service)
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -706,89 +706,10 @@ def watch_loads(config: MembershipConfig) -> AsyncIterator[dict[str, dict[str, A
     return _watch_prefix_map(config, loads_prefix(config), _parse_loads, "loads")
 
 
-class MemberWatcher:
-    """Background task that keeps :attr:`members` equal to the live member set.
-
-    ``await start()`` returns once the first listing arrived (or raises
-    :class:`~services.runtime.errors.Unavailable` after ``timeout_s``); ``on_change`` (optional)
-    is called with each new set. ``await wait_for(predicate)`` waits until the set satisfies it.
-    """
-
-    def __init__(
-        self,
-        config: MembershipConfig,
-        service: str | None = None,
-        on_change: Callable[[dict[str, MemberInfo]], Any] | None = None,
-    ):
-        self.config = config
-        self.service = service
-        self.on_change = on_change
-        self.members: dict[str, MemberInfo] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Condition()
-        self._first = asyncio.Event()
-
-    async def start(self, timeout_s: float | None = None) -> Self:
-        if self._task is not None:
-            raise RuntimeError("MemberWatcher already started")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"member-watch:{self.service}")
-        timeout = self.config.call_timeout_s * 2 if timeout_s is None else timeout_s
-        try:
-            await asyncio.wait_for(self._first.wait(), timeout)
-        except TimeoutError:
-            await self.stop()
-            raise Unavailable(f"etcd at {self.config.etcd_endpoints} did not answer within {timeout:.1f}s")
-        return self
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def __aenter__(self) -> Self:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def _run(self) -> None:
-        gen = watch_members(self.config, self.service)
-        try:
-            async for members in gen:
-                self.members = members
-                self._first.set()
-                if self.on_change is not None:
-                    try:
-                        result = self.on_change(dict(members))
-                        if inspect.isawaitable(result):
-                            await result
-                    except Exception:
-                        log.exception("MemberWatcher on_change callback failed")
-                async with self._changed:
-                    self._changed.notify_all()
-        finally:
-            await gen.aclose()  # type: ignore[attr-defined]
-
-    async def wait_for(
-        self, predicate: Callable[[dict[str, MemberInfo]], bool], timeout_s: float
-    ) -> dict[str, MemberInfo]:
-        """Wait until ``predicate(members)`` holds; ``asyncio.TimeoutError`` after ``timeout_s``."""
-
-        async def _wait() -> dict[str, MemberInfo]:
-            async with self._changed:
-                await self._changed.wait_for(lambda: predicate(self.members))
-                return dict(self.members)
-
-        return await asyncio.wait_for(_wait(), timeout_s)
-
-
 __all__ = [
     "LeaseLost",
     "LoadFn",
     "MemberInfo",
-    "MemberWatcher",
     "MembershipConfig",
     "Registration",
     "list_members",

@@ -15,12 +15,12 @@ from support.mesh import start_mesh, wait_for_workers
 
 from loramesh import AsyncClient
 from loramesh import errors as sdk_errors
-from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import parse_peft_adapter
+from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.runtime.base_model import LORA_TARGETS
@@ -62,12 +62,7 @@ def in_process(loaded, adapter_dirs, jobs: list[tuple[str, str | None]], max_tok
         eos_token_ids=loaded.config.eos_token_ids,
     )
     for name, directory in adapter_dirs.items():
-        files = adapter_files(directory)
-        engine.add_adapter(
-            parse_peft_adapter(
-                name, files["adapter_config.json"], files["adapter_model.safetensors"], torch.float32
-            )
-        )
+        engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     outputs: dict[str, list[int]] = {}
     for i, (prompt, adapter) in enumerate(jobs):
         engine.submit(

@@ -16,7 +16,7 @@ from services.adapter_store.client import upload_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import parse_peft_adapter
+from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.runtime.base_model import LORA_TARGETS
@@ -62,12 +62,7 @@ def worker(tmp_path, adapter_root):
 def in_process_tokens(loaded, adapter_root, prompt, adapter, max_tokens) -> list[int]:
     engine = Engine(LlamaModel(loaded.config, loaded.weights, torch.float32), EngineConfig(pool_mib=128))
     if adapter:
-        files = adapter_files(adapter_root / adapter)
-        engine.add_adapter(
-            parse_peft_adapter(
-                adapter, files["adapter_config.json"], files["adapter_model.safetensors"], torch.float32
-            )
-        )
+        engine.add_adapter(read_peft_directory(adapter, adapter_root / adapter, torch.float32))
     tokens: list[int] = []
     engine.submit(
         GenerationRequest(

@@ -26,7 +26,6 @@ from services.runtime.etcd_server import EtcdServer, free_port
 from services.runtime.membership import (
     MemberInfo,
     MembershipConfig,
-    MemberWatcher,
     Registration,
     list_members,
     load_key,
@@ -281,26 +280,33 @@ async def test_watch_members_yields_join_and_leave(membership_config: Membership
                 await reg.stop()
 
 
+async def until(members, predicate) -> dict[str, MemberInfo]:
+    """The first member set from ``members`` (a ``watch_members`` stream) that satisfies ``predicate``."""
+    async with asyncio.timeout(HANG_GUARD_S):
+        async for current in members:
+            if predicate(current):
+                return current
+    raise AssertionError("the watch ended")
+
+
 @pytest.mark.integration
-async def test_member_watcher_survives_etcd_restart(
-    etcd: EtcdServer, membership_config: MembershipConfig
-) -> None:
+async def test_watch_survives_etcd_restart(etcd: EtcdServer, membership_config: MembershipConfig) -> None:
     cfg = membership_config
     a, b = member(instance_id="w-a"), member(instance_id="w-b", port=6000)
-    seen: list[set[str]] = []
-    async with (
-        Registration(cfg, a) as reg_a,
-        MemberWatcher(cfg, "worker", on_change=lambda ms: seen.append(set(ms))) as watcher,
-    ):
-        await watcher.wait_for(lambda ms: "w-a" in ms, HANG_GUARD_S)
-        await asyncio.to_thread(etcd.restart, wipe=True)
-        # A member joining after the restart is seen: the watch was re-established.
-        async with Registration(cfg, b):
-            got = await watcher.wait_for(lambda ms: set(ms) == {"w-a", "w-b"}, HANG_GUARD_S)
-            assert got == {"w-a": a, "w-b": b}
-        await watcher.wait_for(lambda ms: set(ms) == {"w-a"}, HANG_GUARD_S)
-        assert reg_a.registered
-    assert seen and seen[0] == {"w-a"}
+    members = watch_members(cfg, "worker")
+    try:
+        async with Registration(cfg, a) as reg_a:
+            first = await until(members, lambda ms: "w-a" in ms)
+            assert set(first) == {"w-a"}
+            await asyncio.to_thread(etcd.restart, wipe=True)
+            # A member joining after the restart is seen: the watch was re-established.
+            async with Registration(cfg, b):
+                got = await until(members, lambda ms: set(ms) == {"w-a", "w-b"})
+                assert got == {"w-a": a, "w-b": b}
+            await until(members, lambda ms: set(ms) == {"w-a"})
+            assert reg_a.registered
+    finally:
+        await members.aclose()
 
 
 CHILD = """

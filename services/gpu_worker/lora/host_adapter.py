@@ -12,6 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -85,3 +86,11 @@ def parse_peft_adapter(
             scale=float(scale),
         )
     return HostAdapter(adapter_id=adapter_id, modules=modules)
+
+
+def read_peft_directory(adapter_id: str, directory: str | Path, dtype: torch.dtype) -> HostAdapter:
+    """Parse the PEFT adapter saved in ``directory`` (``save_pretrained`` output)."""
+    directory = Path(directory)
+    config = (directory / "adapter_config.json").read_bytes()
+    weights = (directory / "adapter_model.safetensors").read_bytes()
+    return parse_peft_adapter(adapter_id, config, weights, dtype)

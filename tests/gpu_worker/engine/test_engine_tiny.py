@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import parse_peft_adapter
+from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.base_model import LORA_TARGETS
@@ -39,12 +39,7 @@ def make_engine(tiny_llama, adapter_dirs, pool_mib: float = 4, **kwargs) -> Engi
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     engine = Engine(model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, **kwargs))
     for name, directory in adapter_dirs.items():
-        files = adapter_files(directory)
-        engine.add_adapter(
-            parse_peft_adapter(
-                name, files["adapter_config.json"], files["adapter_model.safetensors"], torch.float32
-            )
-        )
+        engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     return engine
 
 

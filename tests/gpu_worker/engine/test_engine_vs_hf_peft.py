@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import parse_peft_adapter
+from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.runtime.base_model import LORA_TARGETS
@@ -71,12 +71,7 @@ def run_engine(loaded, adapter_dirs) -> tuple[dict, dict]:
         on_logits=lambda rid, row: logits.setdefault(rid, []).append(row.clone()),
     )
     for name, directory in adapter_dirs.items():
-        files = adapter_files(directory)
-        engine.add_adapter(
-            parse_peft_adapter(
-                name, files["adapter_config.json"], files["adapter_model.safetensors"], torch.float32
-            )
-        )
+        engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     tokens: dict[str, list[int]] = {}
     sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     all_prompts = prompts(loaded)
