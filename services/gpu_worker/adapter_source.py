@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Protocol
 
 import grpc
-from grpc import aio
 
 from loramesh.v1 import adapter_store_pb2_grpc
 from services.adapter_store.client import ChecksumMismatch, fetch_adapter, ref_by_id
+from services.runtime.discovery import ChannelPool, ServiceLocator
 from services.runtime.errors import DataLoss, NotFound, Unavailable
-from services.runtime.membership import MembershipConfig, list_members
 
 
 class AdapterSource(Protocol):
@@ -44,30 +43,15 @@ class DirectorySource:
 
 
 class StoreSource:
-    """Pull from the adapter store (address given, or the first one listed in etcd)."""
+    """Pull from the adapter store (address given, or a member listed in etcd)."""
 
     def __init__(self, address: str = "", etcd_endpoints: str = ""):
-        self._address = address
-        self._etcd_endpoints = etcd_endpoints
-        self._channel: aio.Channel | None = None
-
-    async def _stub(self) -> adapter_store_pb2_grpc.AdapterStoreStub:
-        if self._channel is None:
-            address = self._address
-            if not address:
-                members = await list_members(
-                    MembershipConfig(etcd_endpoints=self._etcd_endpoints), "adapter_store"
-                )
-                if not members:
-                    raise Unavailable("no adapter store is registered in etcd")
-                address = members[0].address
-            self._channel = aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 << 20)]
-            )
-        return adapter_store_pb2_grpc.AdapterStoreStub(self._channel)
+        self._locator = ServiceLocator("adapter_store", address, etcd_endpoints)
+        self._channels = ChannelPool()
 
     async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:
-        stub = await self._stub()
+        address = await self._locator.address()
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(self._channels.get(address))
         try:
             info, data = await fetch_adapter(stub, ref_by_id(adapter_id))
         except ChecksumMismatch as error:
@@ -75,15 +59,9 @@ class StoreSource:
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.NOT_FOUND:
                 raise NotFound(f"adapter {adapter_id!r} not found in the adapter store") from None
-            await self._reset()
+            await self._locator.address(refresh=True)  # the next pull may find another store
             raise Unavailable(f"adapter store: {error.code().name}: {error.details()}") from None
         return info.config_json.encode(), data
 
-    async def _reset(self) -> None:
-        if self._channel is not None and not self._address:
-            await self._channel.close()
-            self._channel = None
-
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        await self._channels.close()
