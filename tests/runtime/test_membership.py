@@ -280,33 +280,39 @@ async def test_watch_members_yields_join_and_leave(membership_config: Membership
                 await reg.stop()
 
 
-async def until(members, predicate) -> dict[str, MemberInfo]:
-    """The first member set from ``members`` (a ``watch_members`` stream) that satisfies ``predicate``."""
+async def until(latest: list[dict[str, MemberInfo]], predicate) -> dict[str, MemberInfo]:
+    """Poll the newest set a background consumer saw until ``predicate`` holds."""
     async with asyncio.timeout(HANG_GUARD_S):
-        async for current in members:
-            if predicate(current):
-                return current
-    raise AssertionError("the watch ended")
+        while not (latest and predicate(latest[-1])):
+            await asyncio.sleep(0.05)
+    return latest[-1]
 
 
 @pytest.mark.integration
 async def test_watch_survives_etcd_restart(etcd: EtcdServer, membership_config: MembershipConfig) -> None:
     cfg = membership_config
     a, b = member(instance_id="w-a"), member(instance_id="w-b", port=6000)
-    members = watch_members(cfg, "worker")
+    seen: list[dict[str, MemberInfo]] = []
+
+    async def consume() -> None:  # as the scheduler does: the stream is read all the time
+        async for members in watch_members(cfg, "worker"):
+            seen.append(members)
+
+    consumer = asyncio.create_task(consume())
     try:
         async with Registration(cfg, a) as reg_a:
-            first = await until(members, lambda ms: "w-a" in ms)
-            assert set(first) == {"w-a"}
+            assert set(await until(seen, lambda ms: "w-a" in ms)) == {"w-a"}
             await asyncio.to_thread(etcd.restart, wipe=True)
             # A member joining after the restart is seen: the watch was re-established.
             async with Registration(cfg, b):
-                got = await until(members, lambda ms: set(ms) == {"w-a", "w-b"})
+                got = await until(seen, lambda ms: set(ms) == {"w-a", "w-b"})
                 assert got == {"w-a": a, "w-b": b}
-            await until(members, lambda ms: set(ms) == {"w-a"})
+            await until(seen, lambda ms: set(ms) == {"w-a"})
             assert reg_a.registered
     finally:
-        await members.aclose()
+        consumer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
 
 
 CHILD = """
