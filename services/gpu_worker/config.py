@@ -31,5 +31,8 @@ class WorkerConfig(ServiceConfig):
     """Adapter store address; empty: discovered in etcd, or standalone with --adapter-dir."""
     adapter_dir: str = ""
     """Standalone mode: serve adapters from this directory (one PEFT directory per adapter id)."""
+    host_cache_mib: int = 4096
+    """Host RAM for adapter copies; beyond it, adapters no request uses are dropped least
+    recently used first and fetched again when asked for (0: unbounded)."""
     threads: int = 0
     """torch CPU threads (0: torch's default)."""

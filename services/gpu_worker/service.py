@@ -85,7 +85,9 @@ class WorkerService:
             self.source = DirectorySource(cfg.adapter_dir)
         else:
             self.source = StoreSource(cfg.adapter_store, cfg.etcd_endpoints)
-        loader = AdapterLoader(self.source, engine, dtype)
+        loader = AdapterLoader(
+            self.source, engine, dtype, cfg.host_cache_mib * 2**20 if cfg.host_cache_mib else None
+        )
         describe = {"model": loaded.config.name, "dtype": str(dtype).removeprefix("torch.")}
         self.servicer.attach(engine, loader, describe)
         log.info(

@@ -62,7 +62,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         sampling.validate()
         adapter_id = request.adapter_id or None
         if adapter_id is not None:
-            await self.loader.ensure(adapter_id)
+            await self.loader.acquire(adapter_id)
+        try:
+            async for reply in self._generate(engine, request, sampling, adapter_id):
+                yield reply
+        finally:
+            if adapter_id is not None:
+                self.loader.release(adapter_id)
+
+    async def _generate(self, engine: Engine, request: worker_pb2.GenerateRequest, sampling, adapter_id):
         request_id = request.request_id or uuid.uuid4().hex
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()

@@ -9,8 +9,9 @@ Every :meth:`Engine.step` (one model iteration) it
 4. runs prefills and decodes of every running request in one forward pass;
 5. samples, emits a :class:`TokenEvent` per request, and retires finished requests.
 
-The engine is single-threaded by design: only :meth:`submit`, :meth:`cancel` and
-:meth:`add_adapter` may be called from other threads; they hand work over under a lock.
+The engine is single-threaded by design: only :meth:`submit`, :meth:`cancel`, :meth:`preload`,
+:meth:`add_adapter` and :meth:`remove_adapter` may be called from other threads; they hand work
+over under a lock.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
-from services.gpu_worker.memory.page_allocator import PoolExhausted
+from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
@@ -60,6 +61,10 @@ class EngineConfig:
     """Prompt tokens admitted in one step at most (one longer prompt is admitted alone)."""
     lora_backend: str = "auto"
     """Kernel backend for LoRA deltas: auto, torch, padded_bmm or triton."""
+    adapter_region_share: float | None = None
+    """None: one unified pool (KV and adapter pages from one free list). A share in (0, 1): a
+    fixed region of the pool for adapter weights and the rest for KV, for the S-LoRA
+    "no unified memory" ablation only."""
 
 
 class Engine:
@@ -87,7 +92,12 @@ class Engine:
             kv_dim=kv_dim,
             num_layers=cfg.num_layers,
         )
-        self.pool = UnifiedPool(layout, model.dtype, model.device)
+        adapter_region = (
+            None
+            if config.adapter_region_share is None
+            else max(1, round(layout.num_pages * config.adapter_region_share))
+        )
+        self.pool = UnifiedPool(layout, model.dtype, model.device, adapter_region)
         self.residency = AdapterResidency(self.pool)
         self.builder = StepBuilder(model, self.pool, config.lora_backend)
         self.host_adapters: dict[str, HostAdapter] = {}
@@ -116,6 +126,12 @@ class Engine:
         """Make an adapter available (host copy); it is paged into the pool when first used."""
         with self._lock:
             self.host_adapters[adapter.adapter_id] = adapter
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        """Drop the host copy of an adapter no queued or running request uses (the caller
+        counts its requests); its pages, if resident, are left to LRU eviction."""
+        with self._lock:
+            self.host_adapters.pop(adapter_id, None)
 
     def has_adapter(self, adapter_id: str) -> bool:
         return adapter_id in self.host_adapters
@@ -213,8 +229,11 @@ class Engine:
             cancels, self._cancels = self._cancels, set()
             preloads, self._preloads = self._preloads, []
         for adapter_id in preloads:
+            adapter = self.host_adapters.get(adapter_id)
+            if adapter is None:  # removed from the host since the preload was asked for
+                continue
             try:
-                self.residency.load(self.host_adapters[adapter_id])
+                self.residency.load(adapter)
             except PoolExhausted:
                 log.info("no room to preload adapter %s now; it will be paged in when used", adapter_id)
         for request, sink in inbox:
@@ -231,7 +250,7 @@ class Engine:
     def _reserve(self, request: EngineRequest, tokens: int) -> None:
         needed = request.kv.pages_needed(tokens)
         if needed:
-            self.residency.make_room(needed)
+            self.residency.make_room(needed, PageUse.KV)
             request.kv.reserve(tokens)
 
     def _make_room_for_running(self) -> None:
@@ -264,6 +283,13 @@ class Engine:
         budget = self.config.max_prefill_tokens
         while self.waiting and len(self.running) < self.config.max_running:
             request = self.waiting[0]
+            adapter_id = request.spec.adapter_id
+            if adapter_id is not None and adapter_id not in self.host_adapters:
+                # Only a request being cancelled loses its adapter's host copy (its caller
+                # released it); finish it rather than fail the batch.
+                self.waiting.popleft()
+                self._finish(request, FinishReason.CANCELLED, None)
+                continue
             if request.total_len > budget and budget < self.config.max_prefill_tokens:
                 break
             if not self._try_start(request):

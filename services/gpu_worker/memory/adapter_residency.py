@@ -163,14 +163,20 @@ class AdapterResidency:
     def idle_pages(self) -> int:
         return sum(len(r.pages) for r in self._resident.values() if r.refcount == 0)
 
-    def make_room(self, pages: int) -> None:
-        """Evict idle adapters, least recently used first, until ``pages`` are free."""
-        if self.pool.allocator.free_pages >= pages:
+    def make_room(self, pages: int, use: PageUse = PageUse.ADAPTER) -> None:
+        """Evict idle adapters, least recently used first, until ``pages`` are free for ``use``.
+
+        In a split pool evicting adapters frees nothing for KV, so a KV shortfall raises at once.
+        """
+        allocator = self.pool.allocator
+        if allocator.free_pages_for(use) >= pages:
             return
-        if self.pool.allocator.free_pages + self.idle_pages() < pages:
-            raise PoolExhausted(pages, self.pool.allocator.free_pages)
+        if use is PageUse.KV and not allocator.unified:
+            raise PoolExhausted(pages, allocator.free_pages_for(use))
+        if allocator.free_pages_for(use) + self.idle_pages() < pages:
+            raise PoolExhausted(pages, allocator.free_pages_for(use))
         for adapter_id in list(self._resident):
-            if self.pool.allocator.free_pages >= pages:
+            if allocator.free_pages_for(use) >= pages:
                 break
             if self._resident[adapter_id].refcount == 0:
                 self.evict(adapter_id)

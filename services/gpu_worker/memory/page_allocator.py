@@ -32,26 +32,51 @@ class PoolUsage:
 
 
 class PageAllocator:
-    """A free list over ``num_pages`` page ids, with the use each allocated page is put to."""
+    """A free list over ``num_pages`` page ids, with the use each allocated page is put to.
 
-    def __init__(self, num_pages: int):
+    Unified (the default): any free page serves either use. With ``adapter_region_pages`` the
+    pool is split into two fixed regions, the last ``adapter_region_pages`` pages for adapters and
+    the rest for KV, each with its own free list: the "no unified memory" ablation of S-LoRA §7.
+    """
+
+    def __init__(self, num_pages: int, adapter_region_pages: int | None = None):
         if num_pages <= 0:
             raise ValueError("the pool needs at least one page")
+        if adapter_region_pages is not None and not 0 < adapter_region_pages < num_pages:
+            raise ValueError(
+                f"adapter_region_pages must be within (0, {num_pages}), got {adapter_region_pages}"
+            )
         self.num_pages = num_pages
+        self.unified = adapter_region_pages is None
         # Lowest ids first keeps a lightly used pool compact (and page tables short-ranged).
-        self._free = list(range(num_pages - 1, -1, -1))
+        if self.unified:
+            shared = list(range(num_pages - 1, -1, -1))
+            self._free = {PageUse.KV: shared, PageUse.ADAPTER: shared}
+        else:
+            split = num_pages - adapter_region_pages
+            self._free = {
+                PageUse.KV: list(range(split - 1, -1, -1)),
+                PageUse.ADAPTER: list(range(num_pages - 1, split - 1, -1)),
+            }
         self._use: dict[int, PageUse] = {}
         self._counts = {PageUse.KV: 0, PageUse.ADAPTER: 0}
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        if self.unified:
+            return len(self._free[PageUse.KV])
+        return len(self._free[PageUse.KV]) + len(self._free[PageUse.ADAPTER])
+
+    def free_pages_for(self, use: PageUse) -> int:
+        """Pages an allocation for ``use`` can draw from now."""
+        return len(self._free[use])
 
     def allocate(self, count: int, use: PageUse) -> list[int]:
         """``count`` pages for ``use``, all or none (raises :class:`PoolExhausted`)."""
-        if count > len(self._free):
-            raise PoolExhausted(count, len(self._free))
-        pages = [self._free.pop() for _ in range(count)]
+        free = self._free[use]
+        if count > len(free):
+            raise PoolExhausted(count, len(free))
+        pages = [free.pop() for _ in range(count)]
         for page in pages:
             self._use[page] = use
         self._counts[use] += count
@@ -63,12 +88,12 @@ class PageAllocator:
             if use is None:
                 raise ValueError(f"page {page} is not allocated")
             self._counts[use] -= 1
-            self._free.append(page)
+            self._free[use].append(page)
 
     def usage(self) -> PoolUsage:
         return PoolUsage(
             total_pages=self.num_pages,
-            free_pages=len(self._free),
+            free_pages=self.free_pages,
             kv_pages=self._counts[PageUse.KV],
             adapter_pages=self._counts[PageUse.ADAPTER],
         )

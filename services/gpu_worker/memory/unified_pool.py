@@ -49,13 +49,21 @@ class PoolLayout:
 class UnifiedPool:
     """The buffer, its allocator, and the address arithmetic of both kinds of page."""
 
-    def __init__(self, layout: PoolLayout, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        layout: PoolLayout,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        adapter_region_pages: int | None = None,
+    ):
+        """``adapter_region_pages``: None (unified) or the size of a fixed adapter-only region
+        (see :class:`PageAllocator`; only the no-unified-memory ablation sets it)."""
         self.layout = layout
         self.dtype = dtype
         self.device = torch.device(device)
         self.buffer = torch.zeros(layout.num_pages * layout.page_elems, dtype=dtype, device=self.device)
         self.kv_rows = self.buffer.view(-1, layout.kv_dim)
-        self.allocator = PageAllocator(layout.num_pages)
+        self.allocator = PageAllocator(layout.num_pages, adapter_region_pages)
 
     @property
     def page_elems(self) -> int:

@@ -140,3 +140,28 @@ def test_thousand_requests_with_random_cancellations_free_every_page(tiny_llama,
     assert all(engine.residency.get(a).refcount == 0 for a in engine.residency.ids())
     engine.residency.make_room(usage.total_pages)
     assert engine.pool.usage().free_pages == usage.total_pages
+
+
+def test_split_pool_gives_the_same_output_as_the_unified_pool(tiny_llama, adapter_dirs):
+    requests = [greedy(i, ["a8", "a16", None, "a4-rs"][i % 4], 4 + (i * 5) % 19, 10) for i in range(12)]
+    unified = make_engine(tiny_llama, adapter_dirs, pool_mib=1)
+    expected = {rid: [e.token_id for e in evs] for rid, evs in run_all(unified, requests).items()}
+    split = make_engine(tiny_llama, adapter_dirs, pool_mib=1, adapter_region_share=0.5)
+    got = run_all(split, requests)
+    assert {rid: [e.token_id for e in evs] for rid, evs in got.items()} == expected
+    usage = split.pool.usage()
+    kv_region = usage.total_pages - round(usage.total_pages * 0.5)
+    assert usage.kv_pages == 0 and split.pool.allocator.free_pages_for(PageUse.KV) == kv_region
+
+
+def test_a_waiting_request_whose_adapter_was_removed_ends_cancelled(tiny_llama, adapter_dirs):
+    engine = make_engine(tiny_llama, adapter_dirs, pool_mib=4)
+    events: list = []
+    engine.submit(greedy(0, "a8", 5, 3), events.append)
+    engine.remove_adapter("a8")
+    engine.submit(greedy(1, None, 5, 3), events.append)
+    while engine.has_work():
+        engine.step()
+    finished = {e.request_id: e.finish_reason for e in events if e.finish_reason is not None}
+    assert finished == {"r0": FinishReason.CANCELLED, "r1": FinishReason.LENGTH}
+    assert not engine.has_adapter("a8")

@@ -107,3 +107,33 @@ def test_only_idle_adapters_are_evicted_lru():
     residency.release("a")
     residency.evict("a")
     assert residency.ids() == ["c"]
+
+
+def test_split_allocator_keeps_kv_and_adapter_regions_apart():
+    allocator = PageAllocator(10, adapter_region_pages=4)
+    assert not allocator.unified
+    assert (allocator.free_pages_for(PageUse.KV), allocator.free_pages_for(PageUse.ADAPTER)) == (6, 4)
+    adapter_pages = allocator.allocate(4, PageUse.ADAPTER)
+    assert sorted(adapter_pages) == [6, 7, 8, 9]
+    with pytest.raises(PoolExhausted):
+        allocator.allocate(1, PageUse.ADAPTER)  # 6 KV pages are free, but not for adapters
+    kv = allocator.allocate(6, PageUse.KV)
+    assert max(kv) < 6 and allocator.free_pages == 0
+    allocator.free(adapter_pages)
+    with pytest.raises(PoolExhausted):
+        allocator.allocate(1, PageUse.KV)
+    assert allocator.usage().free_pages == 4
+    with pytest.raises(ValueError, match="adapter_region_pages"):
+        PageAllocator(10, adapter_region_pages=10)
+
+
+def test_split_pool_does_not_evict_adapters_for_kv():
+    pool = UnifiedPool(LAYOUT, torch.float32, adapter_region_pages=32)
+    residency = AdapterResidency(pool)
+    residency.load(adapter("idle", rank=4))
+    pool.allocate(pool.allocator.free_pages_for(PageUse.KV), PageUse.KV)
+    with pytest.raises(PoolExhausted):
+        residency.make_room(1, PageUse.KV)
+    assert "idle" in residency  # evicting it would not have freed a KV page
+    residency.make_room(pool.allocator.free_pages_for(PageUse.ADAPTER) + 1)
+    assert "idle" not in residency  # but it makes room for another adapter

@@ -1,0 +1,1 @@
+"""The serving systems the S-LoRA reproduction drives with the same trace and clock."""
