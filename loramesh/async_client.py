@@ -201,6 +201,7 @@ class AsyncClient:
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
@@ -218,6 +219,8 @@ class AsyncClient:
             seed: Sampler seed, for reproducible sampling.
             stop: Strings that end the generation.
             stop_token_ids: Token ids that end the generation.
+            ignore_eos: Keep generating past the model's end-of-sequence token (to
+                ``max_tokens``), as benchmarks do.
             deadline_ms: Time-to-first-token objective the gateway schedules for; None for its
                 default.
             timeout: Seconds for the whole call; None for the client's default.
@@ -229,7 +232,7 @@ class AsyncClient:
             LoraMeshError: A subclass per failure (see :mod:`loramesh.errors`).
         """
         sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
         return completion([d async for d in self._stream(self._stub.Generate, request, timeout)])
@@ -247,6 +250,7 @@ class AsyncClient:
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[TextDelta]:
@@ -274,7 +278,7 @@ class AsyncClient:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
         sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         return self._stream(
             self._stub.Generate, generate_request(prompt, adapter, sampling, deadline_ms), timeout
@@ -293,6 +297,7 @@ class AsyncClient:
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
@@ -317,7 +322,7 @@ class AsyncClient:
             The assistant's reply.
         """
         sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = chat_request(messages, adapter, sampling, deadline_ms)
         return completion([d async for d in self._stream(self._stub.Chat, request, timeout)])
@@ -335,6 +340,7 @@ class AsyncClient:
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[TextDelta]:
@@ -358,7 +364,7 @@ class AsyncClient:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
         sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         return self._stream(self._stub.Chat, chat_request(messages, adapter, sampling, deadline_ms), timeout)
 

@@ -131,6 +131,7 @@ def _sampling_params(sampling: Sampling) -> types_pb2.SamplingParams:
         repetition_penalty=sampling.repetition_penalty or 0.0,
         stop_token_ids=sampling.stop_token_ids or (),
         stop_strings=sampling.stop or (),
+        ignore_eos=bool(sampling.ignore_eos),
     )
     if sampling.seed is not None:
         params.seed = sampling.seed
@@ -426,6 +427,7 @@ class Client:
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
@@ -443,6 +445,8 @@ class Client:
             seed: Sampler seed, for reproducible sampling.
             stop: Strings that end the generation.
             stop_token_ids: Token ids that end the generation.
+            ignore_eos: Keep generating past the model's end-of-sequence token (to
+                ``max_tokens``), as benchmarks do.
             deadline_ms: Time-to-first-token objective the gateway schedules for; None for its
                 default.
             timeout: Seconds for the whole call; None for the client's default.
@@ -454,7 +458,7 @@ class Client:
             LoraMeshError: A subclass per failure (see :mod:`loramesh.errors`).
         """
         sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
         return completion(list(self._stream(self._stub.Generate, request, timeout)))
@@ -472,6 +476,7 @@ class Client:
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> Iterator[TextDelta]:
@@ -499,7 +504,7 @@ class Client:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
         sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         return self._stream(
             self._stub.Generate, generate_request(prompt, adapter, sampling, deadline_ms), timeout
@@ -518,6 +523,7 @@ class Client:
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
@@ -542,7 +548,7 @@ class Client:
             The assistant's reply.
         """
         sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = chat_request(messages, adapter, sampling, deadline_ms)
         return completion(list(self._stream(self._stub.Chat, request, timeout)))
@@ -560,6 +566,7 @@ class Client:
         seed: int | None = None,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        ignore_eos: bool | None = None,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> Iterator[TextDelta]:
@@ -583,7 +590,7 @@ class Client:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
         sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids
+            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         return self._stream(self._stub.Chat, chat_request(messages, adapter, sampling, deadline_ms), timeout)
 

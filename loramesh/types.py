@@ -39,6 +39,8 @@ class Sampling:
     """Strings that end the generation when produced."""
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     """Token ids that end the generation when produced."""
+    ignore_eos: bool | None = None
+    """Keep generating past the model's end-of-sequence token, up to ``max_tokens``."""
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         sampling = types_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
-        sampling.stop_token_ids.extend(
-            t for t in self.tokenizer.eos_token_ids if t not in sampling.stop_token_ids
-        )
+        if not sampling.ignore_eos:  # the template's end-of-turn tokens end a chat reply
+            sampling.stop_token_ids.extend(
+                t for t in self.tokenizer.eos_token_ids if t not in sampling.stop_token_ids
+            )
         async for reply in self._relay(
             tenant, self.tokenizer.encode(text), request.adapter, sampling, request.first_token_deadline_ms
         ):

@@ -348,6 +348,13 @@ def test_defaults_leave_sampling_to_the_server(client, gateway):
     assert request.sampling == types_pb2.SamplingParams()
 
 
+def test_ignore_eos_is_sent_only_when_asked(client, gateway):
+    client.generate("Hi", max_tokens=4, ignore_eos=True)
+    client.generate("Hi", max_tokens=4)
+    first, second = (call.request.sampling for call in gateway.calls("Generate"))
+    assert first.ignore_eos and not second.ignore_eos
+
+
 def test_stream_yields_each_delta(client):
     check_deltas(list(client.stream("Hi", max_tokens=3)))
 
