@@ -7,7 +7,7 @@ import sys
 
 import grpc
 
-from loramesh.cli import adapter_commands, generate_commands, mesh_commands
+from loramesh.cli import adapter_commands, bench_commands, generate_commands, mesh_commands
 from loramesh.cli.errors import CommandError
 from loramesh.cli.mesh_file import DEFAULT_STATE_DIR
 from loramesh.errors import LoraMeshError
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     mesh_commands.add_parsers(sub)
     adapter_commands.add_parsers(sub)
     generate_commands.add_parsers(sub)
+    bench_commands.add_parsers(sub)
     return parser
 
 

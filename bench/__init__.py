@@ -1,0 +1,1 @@
+"""Benchmarks: the S-LoRA reproduction (`loramesh bench`) and component benches."""

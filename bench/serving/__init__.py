@@ -1,0 +1,1 @@
+"""The S-LoRA reproduction: adapters, metrics, experiments, reports (``loramesh bench``)."""

@@ -1,0 +1,147 @@
+"""The experiments of ``loramesh bench``: S-LoRA §7's, scaled to a CPU machine.
+
+Every experiment is a (system, workload) pair. Three sweeps vary one workload parameter each
+(number of adapters, total rate, coefficient of variation) around one default workload, as S-LoRA
+Table 2 does; the comparisons with the baselines and the ablations run on the default workload
+with ``comparison_adapters`` adapters. Runs that are the same (system, workload) pair are done once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from bench.workload import WorkloadSpec
+
+LORAMESH = "loramesh"
+"""The engine in-process (b)."""
+GATEWAY = "loramesh-gateway"
+"""The whole mesh through the gateway (a)."""
+PEFT = "peft"
+"""HF transformers + peft, same-adapter batches, swap between batches (c)."""
+MERGED = "merged-swap"
+"""dLoRA's merged-only: merge one adapter, serve its queue, unmerge (d)."""
+PADDED_BMM = "loramesh-bmm"
+"""Padded bmm instead of the gather kernels (e)."""
+NO_UNIFIED_POOL = "loramesh-no-unified-pool"
+"""Fixed separate KV and adapter regions of the same total size (f)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One benchmark profile."""
+
+    name: str
+    """``quick`` or ``full``."""
+    workload: WorkloadSpec
+    """The default workload (S-LoRA Table 2's role); its rate saturates loramesh."""
+    adapter_counts: tuple[int, ...]
+    """n of the adapters sweep (loramesh)."""
+    baseline_adapter_counts: tuple[int, ...]
+    """n of the adapters sweep for the PEFT baseline."""
+    ablation_adapter_counts: tuple[int, ...]
+    """n of the adapters sweep for the ablations (e), (f) and (d)."""
+    comparison_adapters: int
+    """n of the rate and cv sweeps and of the gateway run."""
+    rates: tuple[float, ...]
+    """Total rates R (req/s) of the rate sweep (loramesh and PEFT)."""
+    cvs: tuple[float, ...]
+    """cv of the burstiness sweep (loramesh)."""
+    cv_rate: float
+    """R of the cv sweep: below saturation, where burstiness decides the SLO attainment."""
+    drain_s: float
+    """The measurement window is the trace's duration plus this."""
+    slo_s: float
+    """First-token SLO for attainment and user satisfaction."""
+    pool_mib: float
+    """The engine's unified pool (KV + adapter pages)."""
+    host_cache_mib: float
+    """Host RAM budget for adapters; the rest are read from disk when needed."""
+    max_batch: int
+    """Requests run together at most, in every system."""
+    with_gateway: bool = True
+    """Also run loramesh through the gateway (a) at ``comparison_adapters``."""
+
+
+QUICK = Profile(
+    name="quick",
+    workload=WorkloadSpec(
+        adapters=100,
+        alpha=1.0,
+        rate=6.0,
+        cv=1.0,
+        input_range=(8, 64),
+        output_range=(8, 32),
+        ranks=(8, 16),
+        duration_s=15.0,
+        seed=0,
+    ),
+    adapter_counts=(10, 100, 2000),
+    baseline_adapter_counts=(100,),
+    ablation_adapter_counts=(100,),
+    comparison_adapters=100,
+    rates=(1.5, 3.0, 6.0),
+    cvs=(1.0, 4.0),
+    cv_rate=2.0,
+    drain_s=8.0,
+    slo_s=6.0,
+    pool_mib=96,
+    host_cache_mib=48,
+    max_batch=32,
+)
+
+FULL = Profile(
+    name="full",
+    workload=replace(QUICK.workload, duration_s=60.0),
+    adapter_counts=(1, 10, 100, 500, 1000, 2000),
+    baseline_adapter_counts=(1, 10, 100),
+    ablation_adapter_counts=(1, 10, 100, 1000),
+    comparison_adapters=100,
+    rates=(1.0, 2.0, 3.0, 4.5, 6.0),
+    cvs=(1.0, 2.0, 4.0, 8.0),
+    cv_rate=2.0,
+    drain_s=20.0,
+    slo_s=6.0,
+    pool_mib=96,
+    host_cache_mib=48,
+    max_batch=32,
+)
+
+PROFILES = {p.name: p for p in (QUICK, FULL)}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One run: a system on a workload, and the sweeps it belongs to."""
+
+    system: str
+    workload: WorkloadSpec
+    sweeps: tuple[str, ...]
+    """Which plots/tables use it: ``adapters``, ``rate``, ``cv``, ``comparison``, ``ablation``."""
+
+    @property
+    def key(self) -> str:
+        w = self.workload
+        return f"{self.system} n={w.adapters} R={w.rate:g} cv={w.cv:g}"
+
+
+def experiments(profile: Profile) -> list[Experiment]:
+    """The profile's runs, each (system, workload) once, sweeps merged."""
+    base = profile.workload
+    planned: list[tuple[str, WorkloadSpec, str]] = []
+    planned += [(LORAMESH, replace(base, adapters=n), "adapters") for n in profile.adapter_counts]
+    planned += [(PEFT, replace(base, adapters=n), "adapters") for n in profile.baseline_adapter_counts]
+    for system in (PADDED_BMM, NO_UNIFIED_POOL, MERGED):
+        planned += [(system, replace(base, adapters=n), "ablation") for n in profile.ablation_adapter_counts]
+    comparison = replace(base, adapters=profile.comparison_adapters)
+    planned += [(system, comparison, "comparison") for system in (LORAMESH, PEFT)]
+    if profile.with_gateway:
+        planned.append((GATEWAY, comparison, "comparison"))
+    for system in (LORAMESH, PEFT):
+        planned += [(system, replace(comparison, rate=r), "rate") for r in profile.rates]
+    planned += [(LORAMESH, replace(comparison, rate=profile.cv_rate, cv=cv), "cv") for cv in profile.cvs]
+    merged: dict[tuple[str, WorkloadSpec], list[str]] = {}
+    for system, workload, sweep in planned:
+        sweeps = merged.setdefault((system, workload), [])
+        if sweep not in sweeps:
+            sweeps.append(sweep)
+    return [Experiment(system, workload, tuple(sweeps)) for (system, workload), sweeps in merged.items()]

@@ -1,0 +1,179 @@
+"""Runs a profile's experiments one after the other and writes the results.
+
+    loramesh bench --profile quick            # or: make bench
+    loramesh bench --profile full --out DIR
+
+Each run replays its trace against the wall clock on an otherwise idle machine (the runs never
+overlap). Results go to ``<out>/results.json`` (configuration, machine, per-run metrics, pool
+occupancy), ``<out>/results.md`` and PNG plots (see :mod:`bench.serving.report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench.serving import report
+from bench.serving.adapters import adapter_bytes, ensure_adapter_set, evict_from_page_cache
+from bench.serving.metrics import summarize
+from bench.serving.profiles import (
+    GATEWAY,
+    LORAMESH,
+    MERGED,
+    NO_UNIFIED_POOL,
+    PADDED_BMM,
+    PEFT,
+    Experiment,
+    Profile,
+    experiments,
+)
+from bench.systems.base import RunContext, ServingSystem
+from bench.workload import generate
+from services.runtime.base_model import load_base_model_spec
+
+DEFAULT_ADAPTER_CACHE = Path.home() / ".cache" / "loramesh" / "bench-adapters"
+NO_UNIFIED_POOL_ADAPTER_SHARE = 0.5
+"""Share of the pool the no-unified-pool ablation reserves for adapter weights."""
+
+
+def make_system(name: str) -> ServingSystem:
+    """The system behind a profile's system name (imported on demand: the baselines need
+    transformers and peft)."""
+    if name in (LORAMESH, PADDED_BMM, NO_UNIFIED_POOL):
+        from bench.systems.engine_system import EngineSystem, EngineSystemOptions
+
+        options = {
+            LORAMESH: EngineSystemOptions(name=LORAMESH),
+            PADDED_BMM: EngineSystemOptions(name=PADDED_BMM, lora_backend="padded_bmm"),
+            NO_UNIFIED_POOL: EngineSystemOptions(
+                name=NO_UNIFIED_POOL, adapter_region_share=NO_UNIFIED_POOL_ADAPTER_SHARE
+            ),
+        }[name]
+        return EngineSystem(options)
+    if name == GATEWAY:
+        from bench.systems.gateway_system import GatewaySystem
+
+        return GatewaySystem()
+    if name == PEFT:
+        from bench.systems.peft_baseline import PeftBaselineSystem
+
+        return PeftBaselineSystem()
+    if name == MERGED:
+        from bench.systems.merged_swap import MergedSwapSystem
+
+        return MergedSwapSystem()
+    raise ValueError(f"unknown system {name!r}")
+
+
+def machine_info() -> dict:
+    return {
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_profile(
+    profile: Profile,
+    out: Path,
+    model_path: str | None = None,
+    adapter_cache: Path = DEFAULT_ADAPTER_CACHE,
+    only: Callable[[Experiment], bool] = lambda e: True,
+) -> dict:
+    """Run every experiment of ``profile`` (those ``only`` keeps) and write the results to ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    planned = [e for e in experiments(profile) if only(e)]
+    spec = load_base_model_spec(model_path)
+    largest = max(e.workload.adapters for e in planned)
+    print(f"preparing {largest} adapters in {adapter_cache} (written once, reused)", flush=True)
+    ensure_adapter_set(adapter_cache, spec, largest, profile.workload.ranks)
+    traces = {e.key: generate(e.workload) for e in planned}
+    results = {
+        "profile": asdict(profile),
+        "machine": machine_info(),
+        "model": spec.name,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "runs": [],
+    }
+    total = sum(len(t) for t in traces.values())
+    started = time.monotonic()
+    with tqdm(total=total, unit="req", desc="bench", dynamic_ncols=True) as bar:
+        for experiment in planned:
+            bar.set_postfix_str(experiment.key)
+            run = _run_one(profile, experiment, traces[experiment.key], model_path, adapter_cache, spec, bar)
+            results["runs"].append(run)
+            m = run["metrics"]
+            tqdm.write(
+                f"{experiment.key}: {m['throughput_rps']:.2f} req/s, {m['throughput_tps']:.1f} tok/s, "
+                f"first token {_fmt(m['avg_first_token_s'])} s, SLO {100 * m['slo_attainment']:.0f}%, "
+                f"{m['completed']}/{m['requests']} done"
+            )
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["elapsed_s"] = time.monotonic() - started
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    report.write(results, out)
+    return results
+
+
+def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, bar) -> dict:
+    adapters = ensure_adapter_set(adapter_cache, spec, experiment.workload.adapters, profile.workload.ranks)
+    evict_from_page_cache(adapters)
+    samples: list[dict] = []
+    window = experiment.workload.duration_s + profile.drain_s
+    context = RunContext(
+        trace=trace,
+        adapters=adapters,
+        window_s=window,
+        model_path=model_path,
+        max_batch=profile.max_batch,
+        pool_mib=profile.pool_mib,
+        host_cache_mib=profile.host_cache_mib,
+        on_progress=bar.update,
+        on_sample=lambda t, stats: samples.append(
+            {
+                "t": round(t, 3),
+                **{
+                    k: stats[k] for k in ("kv_pages", "adapter_pages", "free_pages", "total_pages", "running")
+                },
+            }
+        ),
+    )
+    system = make_system(experiment.system)
+    began = time.monotonic()
+    records = system.run(context)
+    metrics = summarize(records, window, profile.slo_s)
+    return {
+        "system": experiment.system,
+        "key": experiment.key,
+        "sweeps": list(experiment.sweeps),
+        "workload": asdict(experiment.workload),
+        "adapter_bytes": adapter_bytes(adapters),
+        "wall_s": round(time.monotonic() - began, 2),
+        "metrics": metrics.to_dict(),
+        "pool_samples": samples,
+        "system_stats": getattr(system, "stats", dict)(),
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

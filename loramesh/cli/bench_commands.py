@@ -1,0 +1,49 @@
+"""``loramesh bench``: S-LoRA's evaluation reproduced on this machine (see bench/serving)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loramesh.cli.errors import CommandError
+
+
+def add_parsers(sub) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="reproduce S-LoRA's evaluation here: loramesh vs PEFT and merged baselines, ablations, plots",
+    )
+    bench.add_argument("--profile", default="quick", choices=["quick", "full"],
+                       help="quick: ≈10 min on 2 cores; full: longer traces and every sweep point")  # fmt: skip
+    bench.add_argument("--out", default="", help="results folder (default bench/results/<profile>)")
+    bench.add_argument(
+        "--model", default="", help="base model: GGUF file or HF directory (default SmolLM2-135M)"
+    )
+    bench.add_argument("--systems", nargs="+", default=None,
+                       help="run only these systems (e.g. loramesh peft merged-swap)")  # fmt: skip
+    bench.add_argument("--adapter-cache", default="", help="where the benchmark adapters are written once")
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    try:
+        from bench.serving.profiles import PROFILES
+        from bench.serving.runner import DEFAULT_ADAPTER_CACHE, run_profile
+    except ImportError as error:
+        raise CommandError(
+            f"the benchmark needs the repository's bench/ package and the bench extra "
+            f"(pip install -e '.[bench,reference]'): {error}"
+        ) from None
+    profile = PROFILES[args.profile]
+    out = Path(args.out or f"bench/results/{profile.name}")
+    systems = set(args.systems) if args.systems else None
+    results = run_profile(
+        profile,
+        out,
+        model_path=args.model or None,
+        adapter_cache=Path(args.adapter_cache) if args.adapter_cache else DEFAULT_ADAPTER_CACHE,
+        only=lambda experiment: systems is None or experiment.system in systems,
+    )
+    print(
+        f"\n{len(results['runs'])} runs in {results['elapsed_s'] / 60:.1f} min; report: {out / 'results.md'}"
+    )
+    return 0
