@@ -120,6 +120,9 @@ class LoraSegments:
     """``rank_starts`` as Python ints."""
     groups: tuple[SegmentGroup, ...]
     """Segments with an adapter, grouped by (adapter, scale), in order of first appearance."""
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
+    """Data a backend derives from this batch once and reuses while the engine reuses the batch
+    (e.g. the native kernel's plan), keyed by the backend's own name."""
 
     @property
     def num_segments(self) -> int:

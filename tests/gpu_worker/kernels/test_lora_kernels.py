@@ -20,6 +20,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from services.gpu_worker.kernels.cpu_native import lora_delta_cpu_native
 from services.gpu_worker.kernels.dispatch import BACKENDS, add_lora_delta, available_backends
 from services.gpu_worker.kernels.lora_segments import AdapterRows, LoraSegments, SegmentGroup
 from services.gpu_worker.kernels.padded_bmm import lora_delta_padded_bmm
@@ -166,10 +167,13 @@ def triton_lora() -> ModuleType:
 
 
 def kernel_fn(triton_lora: ModuleType, name: str) -> Kernel:
-    """A backend by name: the torch reference, padded bmm, or a Triton wrapper."""
-    return {"torch": lora_delta_torch, "padded_bmm": lora_delta_padded_bmm}.get(name) or getattr(
-        triton_lora, name
-    )
+    """A backend by name: the torch reference, padded bmm, the native CPU kernel, or a Triton wrapper."""
+    cpu = {
+        "torch": lora_delta_torch,
+        "padded_bmm": lora_delta_padded_bmm,
+        "cpu_native": lora_delta_cpu_native,
+    }
+    return cpu.get(name) or getattr(triton_lora, name)
 
 
 @pytest.mark.parametrize("in_f,out_f", FEATURES)
@@ -188,6 +192,8 @@ def test_reference_equals_dense_per_token_math(make, in_f: int, out_f: int) -> N
     [
         ("padded_bmm", prefill),
         ("padded_bmm", decode),
+        ("cpu_native", prefill),
+        ("cpu_native", decode),
         ("mbgmm", prefill),
         ("mbgmm", decode),
         ("mbgmv", decode),
@@ -199,7 +205,7 @@ def test_backend_matches_reference(triton_lora, kernel: str, make, in_f: int, ou
     assert_matches(case.run(fn), case, case.run(lora_delta_torch))
 
 
-@pytest.mark.parametrize("kernel", ["torch", "padded_bmm", "mbgmm", "mbgmv"])
+@pytest.mark.parametrize("kernel", ["torch", "padded_bmm", "cpu_native", "mbgmm", "mbgmv"])
 def test_out_is_accumulated_in_place_and_x_may_be_another_dtype(triton_lora, kernel: str) -> None:
     # x in fp32 while pool/out are fp16 (the model may keep activations wider than the pool).
     case = decode(96, 80, torch.float16, x_dtype=torch.float32)
@@ -212,20 +218,20 @@ def test_out_is_accumulated_in_place_and_x_may_be_another_dtype(triton_lora, ker
     assert_matches(twice, case, 2 * dense_expected(case) - case.out0.float())
 
 
-@pytest.mark.parametrize("kernel", ["mbgmm", "mbgmv"])
-def test_triton_reads_strided_views(triton_lora, kernel: str) -> None:
+@pytest.mark.parametrize("kernel", ["cpu_native", "mbgmm", "mbgmv"])
+def test_kernels_read_strided_views(triton_lora, kernel: str) -> None:
     # x and out as column slices of fused buffers (e.g. one qkv output): row strides != widths.
     case = decode(64, 80, torch.float32)
     wide_x = torch.randn(case.x.shape[0], 200)
     wide_x[:, 40:104] = case.x
     wide_out = torch.zeros(case.out0.shape[0], 300)
     wide_out[:, 100:180] = case.out0
-    getattr(triton_lora, kernel)(wide_x[:, 40:104], case.pool, case.seg, wide_out[:, 100:180])
+    kernel_fn(triton_lora, kernel)(wide_x[:, 40:104], case.pool, case.seg, wide_out[:, 100:180])
     assert_matches(wide_out[:, 100:180], case, case.run(lora_delta_torch))
     assert not wide_out[:, :100].any() and not wide_out[:, 180:].any()
 
 
-@pytest.mark.parametrize("kernel", ["torch", "padded_bmm", "mbgmm", "mbgmv"])
+@pytest.mark.parametrize("kernel", ["torch", "padded_bmm", "cpu_native", "mbgmm", "mbgmv"])
 def test_batch_without_adapters_is_a_no_op(triton_lora, kernel: str) -> None:
     case = make_case((1, 1, 1), (None, None, None), 64, 64, torch.float32)
     fn = kernel_fn(triton_lora, kernel)
