@@ -1,7 +1,9 @@
 """Serving metrics of one run, as S-LoRA §7.1 reports them, plus user satisfaction.
 
-- Throughput: completed requests (and their output tokens) per second of the run, the run
-  lasting until the last completion or the end of the window, whichever is first.
+- Throughput: completed requests per second, and output tokens per second (every token produced
+  within the window, also by requests still running at its end: on a short saturated run the
+  batch in flight holds a large share of the work), the run lasting until the last completion
+  or the end of the window, whichever is first.
 - Latency: arrival to last token of completed requests (average and p99).
 - First-token latency: arrival to first token, averaged over requests that produced one.
 - SLO attainment: share of *all* requests whose first token came within the SLO (a request
@@ -31,7 +33,7 @@ class RunMetrics:
     """Seconds the throughput is taken over."""
     throughput_rps: float
     throughput_tps: float
-    """Output tokens of completed requests per second."""
+    """Output tokens produced per second, by completed requests and by those cut by the window."""
     avg_latency_s: float | None
     p99_latency_s: float | None
     avg_first_token_s: float | None
@@ -48,7 +50,8 @@ class RunMetrics:
 
 def summarize(records: list[RequestRecord], window_s: float, slo_s: float) -> RunMetrics:
     completed = [r for r in records if r.completed]
-    last = max((r.finish_s for r in completed), default=window_s)
+    finished_all = len(completed) == len(records)
+    last = max((r.finish_s for r in completed), default=window_s) if finished_all else window_s
     duration = max(1e-9, min(window_s, last))
     latencies = np.array([r.finish_s - r.arrival_s for r in completed])
     first = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
@@ -59,7 +62,7 @@ def summarize(records: list[RequestRecord], window_s: float, slo_s: float) -> Ru
         completed=len(completed),
         duration_s=duration,
         throughput_rps=len(completed) / duration,
-        throughput_tps=sum(r.output_len for r in completed) / duration,
+        throughput_tps=sum(r.output_tokens for r in records) / duration,
         avg_latency_s=float(latencies.mean()) if len(latencies) else None,
         p99_latency_s=float(np.percentile(latencies, 99)) if len(latencies) else None,
         avg_first_token_s=float(first_all.mean()) if len(first) else None,

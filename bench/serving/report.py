@@ -36,9 +36,9 @@ STYLE = {
 
 
 def write(results: dict, out: Path) -> None:
-    _plot_sweep(results, "adapters", "adapters", "throughput_rps", out / PLOTS["throughput_vs_adapters"],
+    _plot_sweep(results, "adapters", "adapters", "throughput_tps", out / PLOTS["throughput_vs_adapters"],
                 title="Throughput vs number of adapters", xlabel="number of adapters n (log scale)",
-                ylabel="throughput (requests/s)", logx=True, sweeps=("adapters", "ablation", "comparison"))  # fmt: skip
+                ylabel="throughput (output tokens/s)", logx=True, sweeps=("adapters", "ablation", "comparison"))  # fmt: skip
     _plot_sweep(results, "rate", "rate", "avg_first_token_s", out / PLOTS["first_token_vs_rate"],
                 title="Average first-token latency vs request rate", xlabel="total request rate R (requests/s)",
                 ylabel="average first-token latency (s)")  # fmt: skip
@@ -139,10 +139,10 @@ def headline(results) -> list[str]:
     lines = []
     ours, peft = runs.get((LORAMESH, n, w["rate"], w["cv"])), runs.get((PEFT, n, w["rate"], w["cv"]))
     if ours and peft:
-        ratio = ours["throughput_rps"] / max(peft["throughput_rps"], 1e-9)
         lines.append(
-            f"loramesh vs PEFT at n={n}, R={w['rate']:g}: throughput {ours['throughput_rps']:.2f} vs "
-            f"{peft['throughput_rps']:.2f} req/s = **{ratio:.1f}×**; average first-token latency "
+            f"loramesh vs PEFT at n={n}, R={w['rate']:g}: throughput {ours['throughput_tps']:.1f} vs "
+            f"{peft['throughput_tps']:.1f} tok/s = **{_ratio(ours, peft)}×** ({ours['throughput_rps']:.2f} vs "
+            f"{peft['throughput_rps']:.2f} completed req/s); average first-token latency "
             f"{_fmt(ours['avg_first_token_s'])} vs {_fmt(peft['avg_first_token_s'])} s."
         )
     largest = max(p["adapter_counts"])
@@ -152,16 +152,15 @@ def headline(results) -> list[str]:
     )
     if at_n and at_largest and largest != n:
         lines.append(
-            f"loramesh throughput at n={largest} vs n={n}: {at_largest['throughput_rps']:.2f} vs "
-            f"{at_n['throughput_rps']:.2f} req/s = **{at_largest['throughput_rps'] / max(at_n['throughput_rps'], 1e-9):.2f}×**."
+            f"loramesh throughput at n={largest} vs n={n}: {at_largest['throughput_tps']:.1f} vs "
+            f"{at_n['throughput_tps']:.1f} tok/s = **{_ratio(at_largest, at_n)}×**."
         )
     for system in (PADDED_BMM, NO_UNIFIED_POOL, MERGED, GATEWAY):
         other = runs.get((system, n, w["rate"], w["cv"]))
         if at_n and other:
             lines.append(
-                f"{system} at n={n}: {other['throughput_rps']:.2f} req/s = "
-                f"{other['throughput_rps'] / max(at_n['throughput_rps'], 1e-9):.2f}× loramesh; first token "
-                f"{_fmt(other['avg_first_token_s'])} s (loramesh {_fmt(at_n['avg_first_token_s'])} s)."
+                f"{system} at n={n}: {other['throughput_tps']:.1f} tok/s = {_ratio(other, at_n)}× loramesh; "
+                f"first token {_fmt(other['avg_first_token_s'])} s (loramesh {_fmt(at_n['avg_first_token_s'])} s)."
             )
     return lines
 
@@ -201,6 +200,10 @@ def markdown(results) -> str:
         )
     out += ["", *(f"![{name}]({file})" for name, file in PLOTS.items()), ""]
     return "\n".join(out)
+
+
+def _ratio(a: dict, b: dict) -> str:
+    return f"{a['throughput_tps'] / max(b['throughput_tps'], 1e-9):.2f}"
 
 
 def _fmt(value: float | None) -> str:

@@ -82,6 +82,6 @@ def test_report_writes_markdown_with_the_headline_and_plots(tmp_path):
     }  # fmt: skip
     report.write(results, tmp_path)
     text = (tmp_path / "results.md").read_text()
-    assert "**8.0×**" in text and "**0.95×**" in text
+    assert "**8.00×**" in text and "**0.95×**" in text
     for name in ("throughput_vs_adapters", "first_token_vs_rate", "pool_occupancy"):
         assert (tmp_path / report.PLOTS[name]).stat().st_size > 10_000

@@ -21,17 +21,18 @@ def test_throughput_latency_slo_and_satisfaction():
     ]
     m = summarize(records, window_s=20.0, slo_s=6.0)
     assert (m.requests, m.completed) == (4, 2)
-    assert m.duration_s == 6.0  # the last completion, before the end of the window
-    assert m.throughput_rps == pytest.approx(2 / 6) and m.throughput_tps == pytest.approx(20 / 6)
+    assert m.duration_s == 20.0  # some were cut by the window: the whole window counts
+    # Tokens of unfinished requests (3 each) count: they are work done within the window.
+    assert m.throughput_rps == pytest.approx(2 / 20) and m.throughput_tps == pytest.approx(26 / 20)
     assert m.avg_latency_s == pytest.approx((2 + 5) / 2)
     assert m.avg_first_token_s == pytest.approx((1 + 3 + 7) / 3)
     assert m.slo_attainment == pytest.approx(2 / 4)  # requests without a first token count as misses
     assert m.user_satisfaction == pytest.approx(((1 - 1 / 6) + (1 - 3 / 6) + 0 + 0) / 4)
 
 
-def test_a_saturated_run_is_measured_over_the_whole_window():
-    m = summarize([record(0, 0.0, 1.0, 2.0), record(1, 0.5, 3.0, None)], window_s=10.0, slo_s=6.0)
-    assert m.duration_s == 2.0
+def test_a_run_that_keeps_up_is_measured_until_its_last_completion():
+    m = summarize([record(0, 0.0, 1.0, 2.0), record(1, 0.5, 3.0, 4.0)], window_s=10.0, slo_s=6.0)
+    assert m.duration_s == 4.0 and m.throughput_rps == pytest.approx(0.5)
     m = summarize([record(1, 0.5, 3.0, None)], window_s=10.0, slo_s=6.0)
     assert m.duration_s == 10.0 and m.throughput_rps == 0.0 and m.avg_latency_s is None
 
