@@ -32,7 +32,7 @@ from services.gpu_worker.engine.request import (
     RequestState,
     TokenEvent,
 )
-from services.gpu_worker.engine.sampling import sample_token
+from services.gpu_worker.engine.sampling import sample_batch
 from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
@@ -216,9 +216,18 @@ class Engine:
         batch = self.builder.build(batch_requests, self.residency)
         logits = self.model.forward(batch, self.pool)
         now = time.monotonic()
-        for request, row in zip(batch_requests, logits):
+        if self.on_logits is not None:
+            for request, row in zip(batch_requests, logits):
+                self.on_logits(request.request_id, row)
+        tokens = sample_batch(
+            logits,
+            [r.spec.sampling for r in batch_requests],
+            lambda i: torch.tensor(sorted(set(batch_requests[i].all_ids)), dtype=torch.int64),
+            [r.generator for r in batch_requests],
+        )
+        for request, token in zip(batch_requests, tokens):
             request.num_computed = request.total_len
-            self._emit_next_token(request, row, now)
+            self._emit_next_token(request, token, now)
         self.steps += 1
         self._publish_stats()
         return len(batch_requests)
@@ -322,16 +331,7 @@ class Engine:
             self.residency.release(request.spec.adapter_id)
             request.holds_adapter = False
 
-    def _emit_next_token(self, request: EngineRequest, logits: torch.Tensor, now: float) -> None:
-        if self.on_logits is not None:
-            self.on_logits(request.request_id, logits)
-        params = request.spec.sampling
-        seen = (
-            torch.tensor(sorted(set(request.all_ids)), dtype=torch.int64)
-            if params.repetition_penalty != 1.0
-            else torch.empty(0, dtype=torch.int64)
-        )
-        token = sample_token(logits, params, seen, request.generator)
+    def _emit_next_token(self, request: EngineRequest, token: int, now: float) -> None:
         request.output_ids.append(token)
         self.tokens_generated += 1
         if request.timings.first_token is None:

@@ -3,6 +3,8 @@ write and to attend over, and per-layer LoRA segments gathered from resident ada
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from services.gpu_worker.engine.request import EngineRequest
@@ -36,59 +38,84 @@ class StepBuilder:
         self._lora: list[dict[str, LoraSegments]] | None = None
 
     def build(self, requests: list[EngineRequest], residency: AdapterResidency) -> StepBatch:
+        """The step's inputs for ``requests`` (each adds its ``new_tokens``; KV pages reserved).
+
+        Tensor work is batched over requests: one gather from the requests' padded page tables
+        gives every new token's KV rows, one more every decoding request's context blocks; only
+        prefilling requests (a few per step) get tensors of their own.
+        """
         device = self.pool.device
+        block = self.pool.layout.kv_block_tokens
         token_ids: list[int] = []
-        position_ranges: list[torch.Tensor] = []
-        write_keys, write_values = [], []
-        decode_rows, decode_keys, decode_values = [], [], []
-        prefills: list[PrefillSpan] = []
-        logits_rows: list[int] = []
-        row = 0
-        for request in requests:
+        positions: list[int] = []
+        counts: list[int] = []
+        ends: list[int] = []
+        decoding: list[int] = []
+        for index, request in enumerate(requests):
             start, end = request.num_computed, request.total_len
-            token_ids.extend(request.all_ids[start:end])
-            positions = torch.arange(start, end, device=device)
-            position_ranges.append(positions)
-            keys, values = request.kv.rows(positions)
-            write_keys.append(keys)
-            write_values.append(values)
-            context_keys, context_values = request.kv.rows(torch.arange(end, device=device))
-            n = end - start
-            if n == 1:
-                decode_rows.append(row)
-                decode_keys.append(context_keys)
-                decode_values.append(context_values)
+            if end - start == 1:
+                # The one new token is the last of prompt + output; no need to build that list.
+                spec = request.spec
+                token_ids.append(request.output_ids[-1] if request.output_ids else spec.prompt_ids[-1])
+                positions.append(start)
+                decoding.append(index)
             else:
-                mask = torch.arange(end, device=device)[None, :] <= positions[:, None]
-                prefills.append(PrefillSpan(row, row + n, context_keys, context_values, mask))
-            row += n
-            logits_rows.append(row - 1)
+                token_ids.extend(request.all_ids[start:end])
+                positions.extend(range(start, end))
+            counts.append(end - start)
+            ends.append(end)
+        tables = [request.kv.table() for request in requests]  # each cached until its pages change
+        padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # [R, blocks, L]
+        position = torch.tensor(positions, dtype=torch.int64, device=device)
+        count = torch.tensor(counts, dtype=torch.int64, device=device)
+        owner = torch.repeat_interleave(torch.arange(len(requests), device=device), count)
+        pages = padded[owner, position // block]  # [T, L]
+        write_keys = (pages * (2 * block) + (position % block)[:, None]).T.contiguous()
+        first_rows = list(itertools.accumulate(counts, initial=0))
+        prefills = [
+            self._prefill_span(first_rows[i], first_rows[i + 1], tables[i], ends[i], position)
+            for i in range(len(requests))
+            if counts[i] > 1
+        ]
         return StepBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=torch.cat(position_ranges),
-            write_key_rows=torch.cat(write_keys),
-            write_value_rows=torch.cat(write_values),
-            decode=self._decode_group(decode_rows, decode_keys, decode_values),
+            positions=position,
+            write_key_rows=write_keys,
+            write_value_rows=write_keys + block,
+            decode=self._decode_group(decoding, padded, ends, first_rows) if decoding else None,
             prefills=prefills,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            logits_rows=torch.tensor(first_rows[1:], dtype=torch.int64, device=device) - 1,
             lora=self._lora_segments(requests, residency),
             lora_backend=self.lora_backend,
         )
 
-    def _decode_group(self, rows, keys, values) -> DecodeGroup | None:
-        if not rows:
-            return None
+    def _decode_group(
+        self, decoding: list[int], padded: torch.Tensor, ends: list[int], first_rows: list[int]
+    ) -> DecodeGroup:
         device = self.pool.device
-        lengths = torch.tensor([k.shape[0] for k in keys], device=device)
-        padded_keys = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)
-        padded_values = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
-        mask = torch.arange(padded_keys.shape[1], device=device)[None, :] < lengths[:, None]
+        block = self.pool.layout.kv_block_tokens
+        lengths = torch.tensor([ends[i] for i in decoding], dtype=torch.int64, device=device)
+        num_blocks = -(-max(ends[i] for i in decoding) // block)
+        # Padded table rows past a request's own blocks hold page 0: real memory, masked below.
+        pages = padded[torch.tensor(decoding, device=device), :num_blocks]  # [R, N, L]
+        key_blocks = (2 * pages).permute(2, 0, 1).reshape(pages.shape[2], -1)
+        mask = torch.arange(num_blocks * block, device=device)[None, :] < lengths[:, None]
         return DecodeGroup(
-            token_rows=torch.tensor(rows, dtype=torch.int64, device=device),
-            key_rows=padded_keys,
-            value_rows=padded_values,
+            token_rows=torch.tensor([first_rows[i] for i in decoding], dtype=torch.int64, device=device),
+            key_blocks=key_blocks,
+            value_blocks=key_blocks + 1,
             mask=mask[:, None, None, :],
         )
+
+    def _prefill_span(
+        self, row_start: int, row_end: int, table: torch.Tensor, end: int, position: torch.Tensor
+    ) -> PrefillSpan:
+        block = self.pool.layout.kv_block_tokens
+        num_blocks = -(-end // block)
+        key_blocks = (2 * table[:num_blocks]).T.contiguous()  # [L, N]
+        context = torch.arange(num_blocks * block, device=self.pool.device)
+        mask = context[None, :] <= position[row_start:row_end, None]
+        return PrefillSpan(row_start, row_end, key_blocks, key_blocks + 1, mask)
 
     def _lora_segments(
         self, requests: list[EngineRequest], residency: AdapterResidency

@@ -4,6 +4,9 @@ Tokens of all requests are flattened into one ``[T, hidden]`` batch, so the base
 matmuls are shared by every request whatever its adapter; each projection then adds its LoRA
 delta through the one kernel dispatch point, gathering each request's adapter rows from the
 pool. Keys and values are written to, and read from, the pool's KV pages.
+
+Weights, KV cache and adapter pages are stored in ``dtype``; activations and matmuls use
+``compute_dtype`` (see ``compute_dtype``: fp32 for bf16 weights on CPUs without bf16 GEMMs).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch.nn.functional as F
 
 from services.gpu_worker.kernels.dispatch import add_lora_delta
 from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model.base_matmul import BaseMatmul
+from services.gpu_worker.model.compute_dtype import resolve_compute_dtype
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.rope import RotaryTable
 from services.gpu_worker.model.step_batch import StepBatch
@@ -41,14 +46,25 @@ class _Layer:
 
 
 class LlamaModel:
-    """Inference-only forward pass; no autograd, no nn.Module state beyond the weights."""
+    """Inference-only forward pass; no autograd, no nn.Module state beyond the weights.
+
+    ``dtype`` is the storage dtype of weights, KV cache and adapter pages; ``compute_dtype``
+    (default: resolved from the device, see :func:`resolve_compute_dtype`) that of activations
+    and matmuls.
+    """
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device="cpu",
+        compute_dtype: torch.dtype | None = None,
     ):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.compute_dtype = compute_dtype or resolve_compute_dtype(dtype, self.device)
         self.embed = weights["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
         self.lm_head = (
             self.embed
@@ -65,14 +81,21 @@ class LlamaModel:
             config.rope_scaling,
             config.max_position_embeddings,
             self.device,
-            dtype,
+            self.compute_dtype,
         )
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
+        widest = max(
+            w.numel() for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        self.matmul = BaseMatmul(
+            self.compute_dtype, widest if self.compute_dtype != dtype else 0, self.device
+        )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(variance + self.config.rms_norm_eps)).to(self.dtype) * weight
+        normed = (x.float() * torch.rsqrt(variance + self.config.rms_norm_eps)).to(self.compute_dtype)
+        return normed * weight.to(self.compute_dtype)
 
     def _lora(
         self, batch: StepBatch, layer: int, name: str, x: torch.Tensor, out: torch.Tensor, pool
@@ -87,10 +110,11 @@ class LlamaModel:
     def forward(self, batch: StepBatch, pool: UnifiedPool) -> torch.Tensor:
         """Logits ``[R, vocab]`` (float32) of each request's last token; fills the KV cache."""
         cfg = self.config
-        x = self.embed[batch.token_ids]
+        x = self.embed[batch.token_ids].to(self.compute_dtype)
+        linear = self.matmul.linear
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             self._lora(batch, index, "q_proj", h, q, pool)
@@ -98,44 +122,48 @@ class LlamaModel:
             self._lora(batch, index, "v_proj", h, v, pool)
             q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), batch.positions)
             k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), batch.positions)
-            pool.kv_rows[batch.write_key_rows[:, index]] = k.reshape(-1, self.kv_dim)
-            pool.kv_rows[batch.write_value_rows[:, index]] = v
+            pool.kv_rows.index_copy_(
+                0, batch.write_key_rows[index], k.reshape(-1, self.kv_dim).to(self.dtype)
+            )
+            pool.kv_rows.index_copy_(0, batch.write_value_rows[index], v.to(self.dtype))
             attn = self._attention(q, batch, index, pool)
-            o = F.linear(attn, layer.o)
+            o = linear(attn, layer.o)
             self._lora(batch, index, "o_proj", attn, o, pool)
             x = x + o
             h = self._rms_norm(x, layer.post_norm)
-            gate_up = F.linear(h, layer.gate_up)
+            gate_up = linear(h, layer.gate_up)
             gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
             gate, up = gate.contiguous(), up.contiguous()
             self._lora(batch, index, "gate_proj", h, gate, pool)
             self._lora(batch, index, "up_proj", h, up, pool)
             act = F.silu(gate) * up
-            down = F.linear(act, layer.down)
+            down = linear(act, layer.down)
             self._lora(batch, index, "down_proj", act, down, pool)
             x = x + down
         last = self._rms_norm(x[batch.logits_rows], self.norm)
-        return F.linear(last, self.lm_head).float()
+        return linear(last, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, batch: StepBatch, layer: int, pool: UnifiedPool) -> torch.Tensor:
-        """Attention of every new token over its request's KV pages -> [T, heads * head_dim]."""
+        """Attention of every new token over its request's KV blocks -> [T, heads * head_dim]."""
         cfg = self.config
         out = torch.empty(q.shape[0], self.q_dim, dtype=q.dtype, device=q.device)
-        rows = pool.kv_rows
+        # The pool as KV blocks of kv_block_tokens rows: page p = key block 2p, value block 2p + 1.
+        blocks = pool.buffer.view(-1, pool.layout.kv_block_tokens * self.kv_dim)
         if batch.decode is not None:
             d = batch.decode
-            keys = rows[d.key_rows[..., layer]].view(*d.key_rows.shape[:2], cfg.num_kv_heads, cfg.head_dim)
-            values = rows[d.value_rows[..., layer]].view(
-                *d.value_rows.shape[:2], cfg.num_kv_heads, cfg.head_dim
-            )
+            requests = d.token_rows.numel()
+            shape = (requests, -1, cfg.num_kv_heads, cfg.head_dim)
+            keys = blocks.index_select(0, d.key_blocks[layer]).view(shape).to(q.dtype)
+            values = blocks.index_select(0, d.value_blocks[layer]).view(shape).to(q.dtype)
             query = q[d.token_rows].unsqueeze(2)  # [R, heads, 1, head_dim]
             attended = F.scaled_dot_product_attention(
                 query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask, enable_gqa=True
             )
             out[d.token_rows] = attended.reshape(-1, self.q_dim)
         for span in batch.prefills:
-            keys = rows[span.key_rows[:, layer]].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            values = rows[span.value_rows[:, layer]].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            shape = (-1, cfg.num_kv_heads, cfg.head_dim)
+            keys = blocks.index_select(0, span.key_blocks[layer]).view(shape).to(q.dtype)
+            values = blocks.index_select(0, span.value_blocks[layer]).view(shape).to(q.dtype)
             query = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
             attended = F.scaled_dot_product_attention(
                 query,

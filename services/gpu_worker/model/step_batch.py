@@ -1,5 +1,11 @@
 """What the model needs to run one engine step: tokens, where their KV goes, what each request
-attends to, and the LoRA segments. Built by the engine from its requests' page tables."""
+attends to, and the LoRA segments. Built by the engine from its requests' page tables.
+
+Context is addressed by KV block: viewing the pool as blocks of ``kv_block_tokens`` rows of
+``kv_dim`` elements, page ``p`` holds one layer's key block ``2p`` and value block ``2p + 1``
+(see ``UnifiedPool``). Gathering a request's context one block at a time moves 16 rows per index
+instead of one.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +22,13 @@ class DecodeGroup:
 
     token_rows: torch.Tensor
     """int64 [R]: the request's token row in the step's flattened tokens."""
-    key_rows: torch.Tensor
-    """int64 [R, C, L]: pool rows of the keys of each request's context (padded to C)."""
-    value_rows: torch.Tensor
-    """int64 [R, C, L]."""
+    key_blocks: torch.Tensor
+    """int64 [L, R * N]: per layer, the key blocks of each request's context, request after
+    request, each padded to N blocks (padding points at a real block and is masked)."""
+    value_blocks: torch.Tensor
+    """int64 [L, R * N]: the matching value blocks."""
     mask: torch.Tensor
-    """bool [R, 1, 1, C]: True where the key is part of the request's context."""
+    """bool [R, 1, 1, N * kv_block_tokens]: True where the key is part of the request's context."""
 
 
 @dataclass(frozen=True)
@@ -29,25 +36,33 @@ class PrefillSpan:
     """One request adding several tokens (prompt, or prompt + output after a preemption)."""
 
     token_start: int
+    """First row of its tokens in the step's flattened tokens."""
     token_end: int
-    key_rows: torch.Tensor
-    """int64 [C, L]: pool rows of the keys of its whole context (earlier tokens + these)."""
-    value_rows: torch.Tensor
+    """End (exclusive) of its token rows."""
+    key_blocks: torch.Tensor
+    """int64 [L, N]: per layer, the key blocks of its whole context (earlier tokens + these)."""
+    value_blocks: torch.Tensor
+    """int64 [L, N]: the matching value blocks."""
     mask: torch.Tensor
-    """bool [n, C]: causal: new token i sees context positions ≤ its own."""
+    """bool [n, N * kv_block_tokens]: causal: new token i sees context positions ≤ its own."""
 
 
 @dataclass(frozen=True)
 class StepBatch:
+    """One step's inputs, all tensors on the pool's device."""
+
     token_ids: torch.Tensor
     """int64 [T]: the new tokens of every request, request after request."""
     positions: torch.Tensor
     """int64 [T]."""
     write_key_rows: torch.Tensor
-    """int64 [T, L]: pool rows receiving each new token's key, per layer."""
+    """int64 [L, T]: per layer, the pool row (in ``kv_rows``) receiving each new token's key."""
     write_value_rows: torch.Tensor
+    """int64 [L, T]: the same for values."""
     decode: DecodeGroup | None
+    """The requests adding one token, or None when there are none."""
     prefills: list[PrefillSpan]
+    """The requests adding several tokens."""
     logits_rows: torch.Tensor
     """int64 [R]: the row of each request's last token (the one whose logits are sampled)."""
     lora: list[dict[str, LoraSegments]] | None
