@@ -15,6 +15,16 @@ from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 RANKS = (8, 16, 8)  # adapters 0 and 2 share a configuration, so one swaps the other's weights in
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matmuls are too small to split: on a busy 2-CPU machine a second
+    OpenMP thread makes these tests 3× slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_hf_model(tmp_path_factory.mktemp("tiny-llama"))
