@@ -183,6 +183,7 @@ def markdown(results) -> str:
         ),
         "",
         *[f"- {line}" for line in headline(results)],
+        *_ceiling(results),
         "",
         (
             "| system | n | R (req/s) | cv | done | req/s | tok/s | avg latency (s) | p99 latency (s) "
@@ -200,6 +201,21 @@ def markdown(results) -> str:
         )
     out += ["", *(f"![{name}]({file})" for name, file in PLOTS.items()), ""]
     return "\n".join(out)
+
+
+def _ceiling(results) -> list[str]:
+    ceiling = results.get("batching_ceiling")
+    if not ceiling:
+        return []
+    full = next(v for k, v in ceiling.items() if k.startswith("batch_") and k != "batch_1_tok_s")
+    return [
+        (
+            f"- Batching ceiling on this machine (engine, base model, decode): {ceiling['batch_1_tok_s']:.1f} "
+            f"tok/s at batch 1, {full:.1f} tok/s at batch {results['profile']['max_batch']}: "
+            f"**{ceiling['ratio']:.1f}×**. No system batching across adapters can beat one that serves one "
+            "request at a time by more."
+        )
+    ]
 
 
 def _ratio(a: dict, b: dict) -> str:

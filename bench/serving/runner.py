@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from bench.serving import report
 from bench.serving.adapters import adapter_bytes, ensure_adapter_set, evict_from_page_cache
+from bench.serving.calibration import batching_ceiling
 from bench.serving.metrics import summarize
 from bench.serving.profiles import (
     GATEWAY,
@@ -108,11 +109,13 @@ def run_profile(
     print(f"preparing {largest} adapters in {adapter_cache} (written once, reused)", flush=True)
     ensure_adapter_set(adapter_cache, spec, largest, profile.workload.ranks)
     traces = {e.key: generate(e.workload) for e in planned}
+    print("measuring the batching ceiling (decode at batch 1 vs full batch)", flush=True)
     results = {
         "profile": asdict(profile),
         "machine": machine_info(),
         "model": spec.name,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "batching_ceiling": batching_ceiling(model_path, profile.max_batch),
         "runs": [],
     }
     total = sum(len(t) for t in traces.values())
