@@ -5,7 +5,9 @@ against the memory-bandwidth bound, and the gather path against padded bmm (issu
     PYTHONPATH=. .venv/bin/python bench/worker_bench.py --quick    # short run (~3 min)
 
 Everything runs in one process, on the default base model (SmolLM2-135M-Instruct), in bf16
-(``--dtype``) with ``--threads`` torch threads (2). Figures are ratios measured side by side in
+(``--dtype``) with ``--threads`` torch threads (2). The engine stores weights, KV cache and
+adapters in that dtype and computes in the model's resolved compute dtype (fp32 on a CPU without
+bf16 GEMM units, see ``model/compute_dtype.py``); HF computes in ``--dtype``. Figures are ratios measured side by side in
 this one run; no timing is asserted anywhere. Results: a markdown table on stdout and
 ``bench/results/worker_bench.json``.
 
@@ -19,7 +21,8 @@ this one run; no timing is asserted anywhere. Results: a markdown table on stdou
    round-robin, all seven projections, bf16), requests spread round-robin over the k adapters.
    The extra step time over the no-adapter step time is set against a bound: the bytes of the k
    adapters' weights (each read once per decode step) / the read bandwidth measured here.
-3. The same batches with ``lora_backend="torch"`` (gather by runs) and ``"padded_bmm"``
+3. The same batches with each LoRA backend side by side: ``cpu_native`` (the C kernel, the
+   engine's CPU default), ``torch`` (the torch gather path, by runs of rows) and ``padded_bmm``
    (S-LoRA's bmm ablation baseline).
 
 For 2 and 3 one engine per k (and one without adapters) is prefilled, then the engines are
@@ -55,13 +58,21 @@ from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_pef
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.kernels import dispatch
 from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import LoadedModel, load_model
 from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
 
 RANKS = (8, 16, 32, 64)
-BACKENDS = ("torch", "padded_bmm")
+BACKENDS = ("cpu_native", "torch", "padded_bmm")
+"""LoRA backends stepped side by side; the first is the engine's default on this CPU (part 2)."""
+GATHER = ("cpu_native", "torch")
+"""The gather backends compared with padded bmm in part 3."""
+NATIVE_LABEL = "loramesh::lora_cpu_native"
+"""Profiler range around each native kernel call (its self time is the kernel's)."""
+NO_ADAPTER = "auto"
+"""Backend name the no-adapter engines step with (there is no LoRA work to dispatch)."""
 DEFAULT_OUT = Path(__file__).parent / "results" / "worker_bench.json"
 QUIET = 0.10
 """A step is quiet when other processes used at most this share of the machine's CPUs during it."""
@@ -225,7 +236,7 @@ class EngineRun:
     ) -> EngineRun:
         engine = Engine(
             model,
-            EngineConfig(pool_mib=pool_mib, max_running=len(prompts), lora_backend="torch"),
+            EngineConfig(pool_mib=pool_mib, max_running=len(prompts)),
             eos_token_ids=loaded.config.eos_token_ids,
         )
         for adapter in adapters:
@@ -343,8 +354,8 @@ def base_decode(loaded, model, dtype, prompts, new_tokens: int, repeats: int, bu
         )
         monitor = CpuMonitor()
         while run.engine.has_work():
-            run.step("torch")
-        steps = run.steps["torch"]
+            run.step(NO_ADAPTER)
+        steps = run.steps[NO_ADAPTER]
         if len(steps.seconds) != new_tokens - 1:
             raise RuntimeError(f"engine ran {len(steps.seconds)} decode steps, expected {new_tokens - 1}")
         engine_steps.seconds += steps.seconds
@@ -423,7 +434,8 @@ def make_adapters(count: int, dtype: torch.dtype, root: Path) -> list[HostAdapte
 def adapter_rounds(
     loaded, model, prompts, adapters, ks: list[int], warmup: int, rounds: int, budget: dict, log
 ) -> dict[str, EngineRun]:
-    max_tokens = 2 * (warmup + rounds) + 4  # never finished while measured; room to profile
+    # Never finished while measured: one step per backend per round, then one per profile.
+    max_tokens = len(BACKENDS) * (warmup + rounds) + len(BACKENDS) + 4
     kv_mib = 128  # 32 requests x ~100 tokens x 30 layers x K+V of 192 bf16 values is ~70 MB
     runs = {"k0": EngineRun.start("k0", model, loaded, prompts, max_tokens, [], kv_mib)}
     log(f"  prefilled k0 in {runs['k0'].prefill_s:.1f} s")
@@ -440,7 +452,7 @@ def adapter_rounds(
         monitor = CpuMonitor()
         t = time.perf_counter()
         for name, run in runs.items():
-            for backend in ("torch", "torch") if name == "k0" else order:
+            for backend in (NO_ADAPTER, NO_ADAPTER) if name == "k0" else order:
                 run.step(backend, record)
         log(
             f"  round {r + 1}/{warmup + rounds}{'' if record else ' (warm-up)'}: "
@@ -450,35 +462,35 @@ def adapter_rounds(
 
 
 def adapter_figures(runs: dict[str, EngineRun], adapters, ks, bandwidth_gb_s: float) -> tuple[list, list]:
-    base_ms = 1e3 * runs["k0"].steps["torch"].median()
+    """Part 2 (every backend's extra step time against the bound) and part 3 (gather backends
+    against padded bmm)."""
+    base_ms = 1e3 * runs["k0"].steps[NO_ADAPTER].median()
     overhead, backends = [], []
     for k in ks:
         run = runs[f"k{k}"]
-        gather_ms = 1e3 * run.steps["torch"].median()
-        bmm_ms = 1e3 * run.steps["padded_bmm"].median()
+        step_ms = {backend: 1e3 * run.steps[backend].median() for backend in BACKENDS}
         nbytes = sum(a.nbytes for a in adapters[:k])
         bound_ms = 1e3 * nbytes / (bandwidth_gb_s * 1e9)
-        extra_ms = gather_ms - base_ms
-        overhead.append(
-            {
-                "k": k,
-                "ranks": sorted({a.max_rank for a in adapters[:k]}),
-                "base_step_ms": base_ms,
-                "step_ms": gather_ms,
-                "extra_ms": extra_ms,
-                "adapter_mb": nbytes / 1e6,
-                "bound_ms": bound_ms,
-                "extra_over_bound": extra_ms / bound_ms,
-            }
-        )
+        for backend in BACKENDS:
+            overhead.append(
+                {
+                    "k": k,
+                    "backend": backend,
+                    "ranks": sorted({a.max_rank for a in adapters[:k]}),
+                    "base_step_ms": base_ms,
+                    "step_ms": step_ms[backend],
+                    "extra_ms": step_ms[backend] - base_ms,
+                    "adapter_mb": nbytes / 1e6,
+                    "bound_ms": bound_ms,
+                    "extra_over_bound": (step_ms[backend] - base_ms) / bound_ms,
+                }
+            )
         backends.append(
             {
                 "k": k,
-                "gather_step_ms": gather_ms,
-                "padded_bmm_step_ms": bmm_ms,
-                "gather_extra_ms": extra_ms,
-                "padded_bmm_extra_ms": bmm_ms - base_ms,
-                "bmm_over_gather": bmm_ms / gather_ms,
+                **{f"{backend}_step_ms": step_ms[backend] for backend in BACKENDS},
+                **{f"{backend}_extra_ms": step_ms[backend] - base_ms for backend in BACKENDS},
+                **{f"bmm_over_{backend}": step_ms["padded_bmm"] / step_ms[backend] for backend in GATHER},
             }
         )
     return overhead, backends
@@ -494,7 +506,7 @@ def _is_base_matmul(shapes, base_dims: set[int]) -> bool:
 
 def profile_step(run: EngineRun, backend: str) -> dict:
     """Profile one decode step and split its wall time by kind of work (self CPU time)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     cfg = run.engine.model.config
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -502,18 +514,32 @@ def profile_step(run: EngineRun, backend: str) -> dict:
     base_dims |= {q_dim, q_dim + 2 * kv_dim}
     run.engine.builder.lora_backend = backend
     monitor = CpuMonitor()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        t = time.perf_counter()
-        run.engine.step()
-        wall = time.perf_counter() - t
+    native = dispatch.lora_delta_cpu_native
+
+    def labelled_native(*args) -> None:
+        # The C kernel is no aten op: a profiler range makes its time visible as LoRA work.
+        with record_function(NATIVE_LABEL):
+            native(*args)
+
+    dispatch.lora_delta_cpu_native = labelled_native
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            t = time.perf_counter()
+            run.engine.step()
+            wall = time.perf_counter() - t
+    finally:
+        dispatch.lora_delta_cpu_native = native
     others = monitor.total()
     buckets = {"base_matmul": 0.0, "lora_matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
     calls = 0
     for event in prof.events():
+        self_s = event.self_cpu_time_total / 1e6
+        if event.name == NATIVE_LABEL:
+            buckets["lora_matmul"] += self_s
+            continue
         if not event.name.startswith("aten::"):
             continue
         calls += 1
-        self_s = event.self_cpu_time_total / 1e6
         if event.name in ("aten::mm", "aten::addmm"):
             base = _is_base_matmul(event.input_shapes, base_dims)
             buckets["base_matmul" if base else "lora_matmul"] += self_s
@@ -550,7 +576,8 @@ def markdown(result: dict) -> str:
         (
             f"Machine: {m['cpu']}, {m['logical_cpus']} CPUs, avx512_bf16={m.get('avx512_bf16')}, "
             f"torch {m['torch']} ({m['torch_cpu_capability']}), {result['threads']} threads, "
-            f"{result['dtype']}; run took {result['elapsed_s'] / 60:.1f} min"
+            f"weights/KV/adapters in {result['dtype']}, engine computes in {result['compute_dtype']} "
+            f"(HF in {result['dtype']}); run took {result['elapsed_s'] / 60:.1f} min"
         ),
         (
             f"Memory bandwidth: read {bw['read_gb_s']:.1f} GB/s (sum of {bw['tensor_mib']} MiB), "
@@ -586,31 +613,31 @@ def markdown(result: dict) -> str:
         f"First generated token equal to HF's for {100 * base['first_token_agreement']:.0f}% of requests.",
         "",
         (
-            f"**2. Adapter overhead, batch {base['batch']} decode, gather path (`torch`)** "
-            f"({result['rounds']} interleaved steps per figure)"
+            f"**2. Adapter overhead, batch {base['batch']} decode, per LoRA backend** "
+            f"({result['rounds']} interleaved steps per figure; `{BACKENDS[0]}` is the engine's default)"
         ),
         "",
-        "| k adapters | step ms | no-adapter step ms | extra ms | adapter MB | bound ms | extra / bound |",
-        "|---|---|---|---|---|---|---|",
+        "| k adapters | backend | step ms | no-adapter step ms | extra ms | adapter MB | bound ms | extra / bound |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["adapter_overhead"]:
-        target = " (target ≤ 2)" if row["k"] >= 8 else ""
+        target = " (target ≤ 2)" if row["k"] >= 8 and row["backend"] == BACKENDS[0] else ""
         lines.append(
-            f"| {row['k']} | {row['step_ms']:.0f} | {row['base_step_ms']:.0f} | {row['extra_ms']:.1f} | "
-            f"{row['adapter_mb']:.1f} | {row['bound_ms']:.2f} | {row['extra_over_bound']:.1f}{target} |"
+            f"| {row['k']} | {row['backend']} | {row['step_ms']:.0f} | {row['base_step_ms']:.0f} | "
+            f"{row['extra_ms']:.1f} | {row['adapter_mb']:.1f} | {row['bound_ms']:.2f} | "
+            f"{row['extra_over_bound']:.1f}{target} |"
         )
     lines += [
         "",
-        "**3. Gather path vs padded bmm, same mixed-rank batch**",
+        "**3. Gather backends vs padded bmm, same mixed-rank batch** (step ms; extra ms in brackets)",
         "",
-        "| k adapters | gather step ms | padded bmm step ms | gather extra ms | bmm extra ms | bmm / gather |",
-        "|---|---|---|---|---|---|",
+        "| k adapters | " + " | ".join(BACKENDS) + " | " + " | ".join(f"bmm / {b}" for b in GATHER) + " |",
+        "|---|" + "---|" * (len(BACKENDS) + len(GATHER)),
     ]
     for row in result["backends"]:
-        lines.append(
-            f"| {row['k']} | {row['gather_step_ms']:.0f} | {row['padded_bmm_step_ms']:.0f} | "
-            f"{row['gather_extra_ms']:.1f} | {row['padded_bmm_extra_ms']:.1f} | {row['bmm_over_gather']:.2f} |"
-        )
+        steps = " | ".join(f"{row[f'{b}_step_ms']:.0f} ({row[f'{b}_extra_ms']:.1f})" for b in BACKENDS)
+        ratios = " | ".join(f"{row[f'bmm_over_{b}']:.2f}" for b in GATHER)
+        lines.append(f"| {row['k']} | {steps} | {ratios} |")
     quiet = ", ".join(
         f"{name}/{backend} {_steps_note(summary)}"
         for name, per_backend in result["adapter_steps"].items()
@@ -682,6 +709,8 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model()
     model = LlamaModel(loaded.config, loaded.weights, dtype)
+    result["compute_dtype"] = str(model.compute_dtype).removeprefix("torch.")
+    log(f"model stored in {args.dtype}, computing in {result['compute_dtype']}")
     prompts = make_prompts(loaded, args.batch, prompt_len)
 
     log(f"1. base decode: engine vs HF generate, {new_tokens} new tokens, {repeats} run(s)")
@@ -705,9 +734,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_profile:
         log("profiling decode steps")
         biggest = f"k{max(ks)}"
-        targets = [("no adapter", "k0", "torch"), (f"{biggest} gather", biggest, "torch")]
+        targets = [("no adapter", "k0", NO_ADAPTER), (f"{biggest} cpu_native", biggest, "cpu_native")]
         if not args.quick:
-            targets.append((f"{biggest} padded bmm", biggest, "padded_bmm"))
+            targets += [
+                (f"{biggest} torch", biggest, "torch"),
+                (f"{biggest} padded bmm", biggest, "padded_bmm"),
+            ]
         result["profiles"] = {}
         for label, name, backend in targets:
             wait_quiet(budget, log)
