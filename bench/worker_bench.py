@@ -1,8 +1,8 @@
 """gpu_worker engine speed on CPU: base decode against HF ``generate``, LoRA adapter overhead
 against the memory-bandwidth bound, and the gather path against padded bmm (issue 3).
 
-    PYTHONPATH=. .venv/bin/python bench/worker_bench.py            # full run (~10 min)
-    PYTHONPATH=. .venv/bin/python bench/worker_bench.py --quick    # short run (~3 min)
+    PYTHONPATH=. .venv/bin/python bench/worker_bench.py            # full run (~5 min)
+    PYTHONPATH=. .venv/bin/python bench/worker_bench.py --quick    # short run (~1.5 min)
 
 Everything runs in one process, on the default base model (SmolLM2-135M-Instruct), in bf16
 (``--dtype``) with ``--threads`` torch threads (2). The engine stores weights, KV cache and
@@ -664,7 +664,9 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter prompts, fewer tokens/rounds (~3 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="shorter prompts, fewer tokens/rounds (~1.5 min)"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=32)
