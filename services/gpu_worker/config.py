@@ -26,7 +26,7 @@ class WorkerConfig(ServiceConfig):
     max_prefill_tokens: int = 2048
     """Prompt tokens admitted per step at most."""
     lora_backend: str = "auto"
-    """LoRA kernels: auto (Triton on CUDA, torch on CPU), torch, padded_bmm, triton."""
+    """LoRA kernels: auto (Triton on CUDA, else the native CPU kernel), cpu_native, torch, padded_bmm, triton."""
     adapter_store: str = ""
     """Adapter store address; empty: discovered in etcd, or standalone with --adapter-dir."""
     adapter_dir: str = ""

@@ -74,11 +74,12 @@ def test_report_writes_markdown_with_the_headline_and_plots(tmp_path):
         }  # fmt: skip
 
     profile = json.loads(json.dumps(QUICK.__dict__, default=lambda o: o.__dict__))
+    rate = QUICK.workload.rate
     results = {
         "profile": profile, "model": "m", "started": "now",
         "machine": {"cpu": "cpu", "cpus": 2, "torch": "2", "torch_threads": 2},
-        "runs": [run("loramesh", 100, 6.0, 4.0, ["adapters", "comparison"]), run("loramesh", 2000, 6.0, 3.8, ["adapters"]),
-                 run("peft", 100, 6.0, 0.5, ["adapters", "comparison"]), run("loramesh", 100, 3.0, 3.0, ["rate"])],
+        "runs": [run("loramesh", 100, rate, 4.0, ["adapters", "comparison"]), run("loramesh", 2000, rate, 3.8, ["adapters"]),
+                 run("peft", 100, rate, 0.5, ["adapters", "comparison"]), run("loramesh", 100, rate / 2, 3.0, ["rate"])],
     }  # fmt: skip
     report.write(results, tmp_path)
     text = (tmp_path / "results.md").read_text()

@@ -60,7 +60,8 @@ class EngineConfig:
     max_prefill_tokens: int = 2048
     """Prompt tokens admitted in one step at most (one longer prompt is admitted alone)."""
     lora_backend: str = "auto"
-    """Kernel backend for LoRA deltas: auto, torch, padded_bmm or triton."""
+    """Kernel backend for LoRA deltas: auto (triton on CUDA, else cpu_native, else torch), cpu_native,
+    torch, padded_bmm or triton."""
     adapter_region_share: float | None = None
     """None: one unified pool (KV and adapter pages from one free list). A share in (0, 1): a
     fixed region of the pool for adapter weights and the rest for KV, for the S-LoRA
