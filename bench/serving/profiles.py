@@ -58,6 +58,9 @@ class Profile:
     """Host RAM budget for adapters; the rest are read from disk when needed."""
     max_batch: int
     """Requests run together at most, in every system."""
+    pressure_pool_mib: float | None = None
+    """Also run loramesh and the no-unified-pool ablation with this smaller pool, where KV and
+    adapters compete for memory (the unified pool's case); None: skip."""
     with_gateway: bool = True
     """Also run loramesh through the gateway (a) at ``comparison_adapters``."""
 
@@ -81,12 +84,13 @@ QUICK = Profile(
     comparison_adapters=100,
     rates=(1.0, 2.0, 4.0),
     cvs=(1.0, 4.0),
-    cv_rate=1.5,
+    cv_rate=2.0,
     drain_s=10.0,
     slo_s=6.0,
     pool_mib=256,
     host_cache_mib=48,
     max_batch=32,
+    pressure_pool_mib=128,
 )
 
 FULL = Profile(
@@ -98,12 +102,13 @@ FULL = Profile(
     comparison_adapters=100,
     rates=(0.5, 1.0, 2.0, 3.0, 4.0),
     cvs=(1.0, 2.0, 4.0, 8.0),
-    cv_rate=1.5,
+    cv_rate=2.0,
     drain_s=20.0,
     slo_s=6.0,
     pool_mib=256,
     host_cache_mib=48,
     max_batch=32,
+    pressure_pool_mib=128,
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL)}
@@ -116,32 +121,47 @@ class Experiment:
     system: str
     workload: WorkloadSpec
     sweeps: tuple[str, ...]
-    """Which plots/tables use it: ``adapters``, ``rate``, ``cv``, ``comparison``, ``ablation``."""
+    """Which plots/tables use it: ``adapters``, ``rate``, ``cv``, ``comparison``, ``ablation``,
+    ``pressure``."""
+    pool_mib: float | None = None
+    """The engine's pool for this run; None: the profile's."""
 
     @property
     def key(self) -> str:
         w = self.workload
-        return f"{self.system} n={w.adapters} R={w.rate:g} cv={w.cv:g}"
+        pool = f" pool={self.pool_mib:g}MiB" if self.pool_mib is not None else ""
+        return f"{self.system} n={w.adapters} R={w.rate:g} cv={w.cv:g}{pool}"
 
 
 def experiments(profile: Profile) -> list[Experiment]:
     """The profile's runs, each (system, workload) once, sweeps merged."""
     base = profile.workload
-    planned: list[tuple[str, WorkloadSpec, str]] = []
-    planned += [(LORAMESH, replace(base, adapters=n), "adapters") for n in profile.adapter_counts]
-    planned += [(PEFT, replace(base, adapters=n), "adapters") for n in profile.baseline_adapter_counts]
+    planned: list[tuple[str, WorkloadSpec, str, float | None]] = []
+    planned += [(LORAMESH, replace(base, adapters=n), "adapters", None) for n in profile.adapter_counts]
+    planned += [(PEFT, replace(base, adapters=n), "adapters", None) for n in profile.baseline_adapter_counts]
     for system in (PADDED_BMM, NO_UNIFIED_POOL, MERGED):
-        planned += [(system, replace(base, adapters=n), "ablation") for n in profile.ablation_adapter_counts]
+        planned += [
+            (system, replace(base, adapters=n), "ablation", None) for n in profile.ablation_adapter_counts
+        ]
     comparison = replace(base, adapters=profile.comparison_adapters)
-    planned += [(system, comparison, "comparison") for system in (LORAMESH, PEFT)]
+    planned += [(system, comparison, "comparison", None) for system in (LORAMESH, PEFT)]
     if profile.with_gateway:
-        planned.append((GATEWAY, comparison, "comparison"))
+        planned.append((GATEWAY, comparison, "comparison", None))
+    if profile.pressure_pool_mib is not None:
+        planned += [
+            (s, comparison, "pressure", profile.pressure_pool_mib) for s in (LORAMESH, NO_UNIFIED_POOL)
+        ]
     for system in (LORAMESH, PEFT):
-        planned += [(system, replace(comparison, rate=r), "rate") for r in profile.rates]
-    planned += [(LORAMESH, replace(comparison, rate=profile.cv_rate, cv=cv), "cv") for cv in profile.cvs]
-    merged: dict[tuple[str, WorkloadSpec], list[str]] = {}
-    for system, workload, sweep in planned:
-        sweeps = merged.setdefault((system, workload), [])
+        planned += [(system, replace(comparison, rate=r), "rate", None) for r in profile.rates]
+    planned += [
+        (LORAMESH, replace(comparison, rate=profile.cv_rate, cv=cv), "cv", None) for cv in profile.cvs
+    ]
+    merged: dict[tuple[str, WorkloadSpec, float | None], list[str]] = {}
+    for system, workload, sweep, pool in planned:
+        sweeps = merged.setdefault((system, workload, pool), [])
         if sweep not in sweeps:
             sweeps.append(sweep)
-    return [Experiment(system, workload, tuple(sweeps)) for (system, workload), sweeps in merged.items()]
+    return [
+        Experiment(system, workload, tuple(sweeps), pool)
+        for (system, workload, pool), sweeps in merged.items()
+    ]

@@ -124,9 +124,12 @@ def _caption(results) -> str:
 
 
 def _by_key(results) -> dict[tuple[str, int, float, float], dict]:
+    """Runs with the profile's pool, by (system, n, R, cv)."""
+    pool = results["profile"]["pool_mib"]
     return {
         (r["system"], r["workload"]["adapters"], r["workload"]["rate"], r["workload"]["cv"]): r["metrics"]
         for r in results["runs"]
+        if r.get("pool_mib", pool) == pool
     }
 
 
@@ -162,6 +165,14 @@ def headline(results) -> list[str]:
                 f"{system} at n={n}: {other['throughput_tps']:.1f} tok/s = {_ratio(other, at_n)}× loramesh; "
                 f"first token {_fmt(other['avg_first_token_s'])} s (loramesh {_fmt(at_n['avg_first_token_s'])} s)."
             )
+    pressure = {r["system"]: r for r in results["runs"] if "pressure" in r["sweeps"]}
+    if LORAMESH in pressure and NO_UNIFIED_POOL in pressure:
+        ours, split = pressure[LORAMESH]["metrics"], pressure[NO_UNIFIED_POOL]["metrics"]
+        lines.append(
+            f"With a {pressure[LORAMESH]['pool_mib']:g} MiB pool (KV and adapters compete): unified "
+            f"{ours['throughput_tps']:.1f} tok/s, split {split['throughput_tps']:.1f} tok/s = {_ratio(split, ours)}× "
+            f"(first token {_fmt(ours['avg_first_token_s'])} vs {_fmt(split['avg_first_token_s'])} s)."
+        )
     return lines
 
 
@@ -186,15 +197,16 @@ def markdown(results) -> str:
         *_ceiling(results),
         "",
         (
-            "| system | n | R (req/s) | cv | done | req/s | tok/s | avg latency (s) | p99 latency (s) "
+            "| system | n | R (req/s) | cv | pool (MiB) | done | req/s | tok/s | avg latency (s) | p99 latency (s) "
             "| avg first token (s) | SLO attainment | user satisfaction |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in results["runs"]:
         r, wl = run["metrics"], run["workload"]
         out.append(
-            f"| {run['system']} | {wl['adapters']} | {wl['rate']:g} | {wl['cv']:g} | {r['completed']}/{r['requests']} "
+            f"| {run['system']} | {wl['adapters']} | {wl['rate']:g} | {wl['cv']:g} "
+            f"| {run.get('pool_mib', p['pool_mib']):g} | {r['completed']}/{r['requests']} "
             f"| {r['throughput_rps']:.2f} | {r['throughput_tps']:.1f} | {_fmt(r['avg_latency_s'])} "
             f"| {_fmt(r['p99_latency_s'])} | {_fmt(r['avg_first_token_s'])} | {100 * r['slo_attainment']:.0f}% "
             f"| {r['user_satisfaction']:.2f} |"

@@ -149,7 +149,7 @@ def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, bar) -
         window_s=window,
         model_path=model_path,
         max_batch=profile.max_batch,
-        pool_mib=profile.pool_mib,
+        pool_mib=experiment.pool_mib or profile.pool_mib,
         host_cache_mib=profile.host_cache_mib,
         on_progress=bar.update,
         on_sample=lambda t, stats: samples.append(
@@ -170,6 +170,7 @@ def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, bar) -
         "key": experiment.key,
         "sweeps": list(experiment.sweeps),
         "workload": asdict(experiment.workload),
+        "pool_mib": experiment.pool_mib or profile.pool_mib,
         "adapter_bytes": adapter_bytes(adapters),
         "wall_s": round(time.monotonic() - began, 2),
         "metrics": metrics.to_dict(),
