@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.tiny_hf_model import SPEC, write_tiny_hf_model
+from support.tiny_hf_model import SPEC
 
 from bench.systems.base import AdapterSet, RunContext
 from bench.systems.merged_swap import MergedSwapOptions, MergedSwapSystem, MergedWeights
@@ -28,19 +28,7 @@ ADAPTERS = [
 FUSED = ("qkv", "o", "gate_up", "down")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's matmuls are too small to split: on a busy 2-CPU machine a second
-    OpenMP thread makes these tests 3× slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny-llama"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.tiny_hf_model import SPEC, write_tiny_hf_model
+from support.tiny_hf_model import SPEC
 
 from bench.systems.base import AdapterSet, RunContext
 from bench.systems.peft_baseline import PeftBaselineSystem
@@ -15,19 +15,7 @@ from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 RANKS = (8, 16, 8)  # adapters 0 and 2 share a configuration, so one swaps the other's weights in
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's matmuls are too small to split: on a busy 2-CPU machine a second
-    OpenMP thread makes these tests 3× slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny-llama"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
