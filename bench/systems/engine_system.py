@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.systems.base import RequestRecord, RunContext
+from bench.workload import TraceRequest
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import DirectorySource
 from services.gpu_worker.engine.engine import Engine, EngineConfig
@@ -74,81 +75,89 @@ class EngineSystem:
         )
         engine.start()
         try:
-            records = asyncio.run(_replay(context, engine, loader))
+            records = asyncio.run(_Replay(context, engine, loader).run())
         finally:
             engine.stop()
         self.adapter_fetches = loader.fetches
         return records
 
 
-async def _replay(context: RunContext, engine: Engine, loader: AdapterLoader) -> list[RequestRecord]:
-    records = [
-        RequestRecord(r.request_id, r.adapter, r.time_s, r.input_len, r.output_len) for r in context.trace
-    ]
-    start = time.monotonic()
-    deadline = start + context.window_s
-    tasks = [
-        asyncio.create_task(_serve(context, engine, loader, request, record, start, deadline))
-        for request, record in zip(context.trace, records)
-    ]
-    sampler = asyncio.create_task(_sample_pool(context, engine, start))
-    await asyncio.wait(tasks)
-    sampler.cancel()
-    return records
+class _Replay:
+    """One run's replay: a task per trace request, sleeping until its arrival time."""
 
+    def __init__(self, context: RunContext, engine: Engine, loader: AdapterLoader):
+        self.context = context
+        self.engine = engine
+        self.loader = loader
+        self.start = 0.0
+        self.deadline = 0.0
 
-async def _serve(context, engine, loader, request, record: RequestRecord, start, deadline) -> None:
-    await asyncio.sleep(max(0.0, start + request.time_s - time.monotonic()))
-    try:
-        await _generate(context, engine, loader, request, record, start, deadline)
-    finally:
-        context.on_progress(1)
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
 
+    async def run(self) -> list[RequestRecord]:
+        records = [
+            RequestRecord(r.request_id, r.adapter, r.time_s, r.input_len, r.output_len)
+            for r in self.context.trace
+        ]
+        self.start = time.monotonic()
+        self.deadline = self.start + self.context.window_s
+        tasks = [asyncio.create_task(self._serve(r, rec)) for r, rec in zip(self.context.trace, records)]
+        sampler = asyncio.create_task(self._sample_pool())
+        await asyncio.wait(tasks)
+        sampler.cancel()
+        return records
 
-async def _generate(context, engine, loader, request, record: RequestRecord, start, deadline) -> None:
-    adapter_id = context.adapters.name(request.adapter)
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def on_event(event: TokenEvent) -> None:  # engine thread
-        now = time.monotonic() - start
-        if event.token_id is not None:
-            record.output_tokens += 1
-            if record.first_token_s is None:
-                record.first_token_s = now
-        if event.finish_reason is FinishReason.ERROR:
-            record.error = event.error or "engine error"
-        elif event.finish_reason is not None and record.output_tokens == record.output_len:
-            record.finish_s = now
-        if event.finish_reason is not None:
-            loop.call_soon_threadsafe(done.set_result, None)
-
-    try:
-        await asyncio.wait_for(loader.acquire(adapter_id), timeout=max(0.0, deadline - time.monotonic()))
-    except TimeoutError:
-        return
-    try:
-        engine.submit(
-            GenerationRequest(
-                request.request_id,
-                context.prompt(request),
-                SamplingParams(max_tokens=request.output_len, ignore_eos=True),
-                adapter_id,
-            ),
-            on_event,
-        )
+    async def _serve(self, request: TraceRequest, record: RequestRecord) -> None:
+        await asyncio.sleep(max(0.0, self.start + request.time_s - time.monotonic()))
         try:
-            await asyncio.wait_for(asyncio.shield(done), timeout=max(0.0, deadline - time.monotonic()))
+            await self._generate(request, record)
+        finally:
+            self.context.on_progress(1)
+
+    async def _generate(self, request: TraceRequest, record: RequestRecord) -> None:
+        adapter_id = self.context.adapters.name(request.adapter)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def on_event(event: TokenEvent) -> None:  # engine thread
+            now = time.monotonic() - self.start
+            if event.token_id is not None:
+                record.output_tokens += 1
+                if record.first_token_s is None:
+                    record.first_token_s = now
+            if event.finish_reason is FinishReason.ERROR:
+                record.error = event.error or "engine error"
+            elif event.finish_reason is not None and record.output_tokens == record.output_len:
+                record.finish_s = now
+            if event.finish_reason is not None:
+                loop.call_soon_threadsafe(done.set_result, None)
+
+        try:
+            await asyncio.wait_for(self.loader.acquire(adapter_id), timeout=self.remaining_s())
         except TimeoutError:
-            engine.cancel(request.request_id)
-            await done
-    finally:
-        loader.release(adapter_id)
+            return
+        try:
+            self.engine.submit(
+                GenerationRequest(
+                    request.request_id,
+                    self.context.prompt(request),
+                    SamplingParams(max_tokens=request.output_len, ignore_eos=True),
+                    adapter_id,
+                ),
+                on_event,
+            )
+            try:
+                await asyncio.wait_for(asyncio.shield(done), timeout=self.remaining_s())
+            except TimeoutError:
+                self.engine.cancel(request.request_id)
+                await done
+        finally:
+            self.loader.release(adapter_id)
 
-
-async def _sample_pool(context: RunContext, engine: Engine, start: float) -> None:
-    if context.on_sample is None:
-        return
-    while True:
-        context.on_sample(time.monotonic() - start, engine.stats())
-        await asyncio.sleep(SAMPLE_PERIOD_S)
+    async def _sample_pool(self) -> None:
+        if self.context.on_sample is None:
+            return
+        while True:
+            self.context.on_sample(time.monotonic() - self.start, self.engine.stats())
+            await asyncio.sleep(SAMPLE_PERIOD_S)
