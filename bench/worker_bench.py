@@ -514,21 +514,21 @@ def profile_step(run: EngineRun, backend: str) -> dict:
     base_dims |= {q_dim, q_dim + 2 * kv_dim}
     run.engine.builder.lora_backend = backend
     monitor = CpuMonitor()
-    native = dispatch.lora_delta_cpu_native
+    native = dispatch.lora_deltas_cpu_native
 
     def labelled_native(*args) -> None:
         # The C kernel is no aten op: a profiler range makes its time visible as LoRA work.
         with record_function(NATIVE_LABEL):
             native(*args)
 
-    dispatch.lora_delta_cpu_native = labelled_native
+    dispatch.lora_deltas_cpu_native = labelled_native
     try:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             t = time.perf_counter()
             run.engine.step()
             wall = time.perf_counter() - t
     finally:
-        dispatch.lora_delta_cpu_native = native
+        dispatch.lora_deltas_cpu_native = native
     others = monitor.total()
     buckets = {"base_matmul": 0.0, "lora_matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
     calls = 0

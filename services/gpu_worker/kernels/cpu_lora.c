@@ -1,30 +1,33 @@
 /* Multi-adapter LoRA delta on the CPU (S-LoRA's MBGMM/MBGMV, gathering rows from the unified pool).
  *
- * out[t] += scale_g * (x[t] @ A_g^T) @ B_g^T for every token t of every group g, where a group is
- * the tokens of one batch that share one adapter and scale (cpu_native.py builds the plan from
- * LoraSegments.groups). A_g row j is pool[a_off[j] : a_off[j] + in] and B_g^T row j is
- * pool[b_off[j] : b_off[j] + out].
+ * One call serves several problems that share x (q, k and v read the same normed hidden state):
+ * out_p[t] += scale_g * (x[t] @ A_g^T) @ B_g^T for every token t of every group g of every problem
+ * p, where a group is the tokens of one batch that share one adapter and scale (cpu_native.py
+ * builds each problem's plan from LoraSegments.groups). A_g row j is pool[a_off[j] : a_off[j] + in]
+ * and B_g^T row j is pool[b_off[j] : b_off[j] + out]. One call per shared x instead of one per
+ * projection halves the calls of a step (each costs a ctypes call and an OpenMP fork and join) and
+ * gives the threads more groups to balance.
  *
  * Decode batches with many adapters (at least two groups of <= STREAM_TOKENS tokens per thread):
- * each such group is one work item, biggest first, that streams its A rows straight from the pool
- * (widened in registers, each row read once for all its tokens) and then its B^T rows as the
- * expand below does, with no barrier in between; the next rows are software-prefetched, since
- * rows of 1-3 KiB end before the hardware prefetcher ramps up (a k = 32 bf16 decode step: 46 ms
- * of kernel time with adapters out of cache, 12.7 GB/s, became 34 ms, 17 GB/s).
+ * each such group is one work item, biggest first, that runs its shrink and then its expand with
+ * no barrier in between. Two kinds, by the group's token count:
+ *   - 1-2 tokens (memory-bound: each weight feeds one or two FMAs): the A rows and then the B^T
+ *     rows are streamed straight from the pool, four rows at a time, widened in registers, each
+ *     read once, the next rows software-prefetched (rows of 1-3 KiB end before the hardware
+ *     prefetcher ramps up). The B^T rows are read in runs of up to 512 columns into fp32 sums
+ *     kept in L1.
+ *   - 3-16 tokens (compute-bound: a k = 8 adapter step at batch 32 has 4 tokens per adapter):
+ *     register tiles (decode_tiles below) that keep R rows x 4 tokens (shrink) or 4 tokens x 16
+ *     columns (expand) of sums in registers.
  *
  * Other groups go through two phases in the same OpenMP region:
  *   shrink: work items (group, token tile, chunk of rank rows). Each A row of a chunk is widened to
- *           fp32 once and dotted with every token of the tile, so in a decode step (tiles hold all
- *           of a group's tokens) every A row is read from memory once.
- *   expand: groups of few tokens (decode) stream their B^T rows: work items (group, chunk of up
- *           to 512 columns) read each row's chunk as one contiguous run, four rows at a time
- *           widened in registers, into fp32 sums per token kept in L1 (64-column stripes of
- *           every row, the prefill layout below, made a k = 32 decode step's kernel time 1.5x
- *           longer: each stripe is only two cache lines of a row).
- *           Groups of many tokens (prefill) are compute-bound instead: work items (group, block
- *           of 64 columns) widen the block of every B^T row once into a small buffer and keep
- *           each token's sums in registers. Either way out gets one rounding, as the torch
- *           reference does.
+ *           fp32 once and dotted with every token of the tile.
+ *   expand: groups of few tokens stream their B^T rows as above, in work items of up to 512
+ *           columns; groups of many tokens (prefill) are compute-bound instead: work items (group,
+ *           block of 64 columns) widen the block of every B^T row once into a small buffer and
+ *           keep each token's sums in registers.
+ * Either way out gets one rounding, as the torch reference does.
  *
  * The math is fp32 whatever the storage dtype: CPUs without bf16/fp16 arithmetic would emulate it.
  * GCC vector extensions give one source for AVX2 (8 floats per vector) and narrower targets; with
@@ -51,7 +54,8 @@ typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
 #define TOKEN_TILE 64   /* tokens per shrink tile: A rows are re-read once per tile */
 #define CHUNK_ROWS 16   /* rank rows per shrink work item (parallelism across a group) */
 #define COL_BLOCK 64    /* output columns per prefill expand work item: 8 vectors of accumulators */
-#define STREAM_TOKENS 16 /* groups with at most this many tokens stream their B^T rows */
+#define STREAM_TOKENS 16 /* decode groups: at most this many tokens */
+#define TILE_MIN_TOKENS 3 /* decode groups with at least this many tokens use register tiles */
 #define STREAM_COLS 512  /* output columns per streaming expand work item (1 KiB of a bf16 row) */
 /* Below this many multiply-adds one thread finishes in tens of microseconds, less than waking a
  * second thread and meeting it at three barriers costs on a busy 2-core machine. */
@@ -289,116 +293,353 @@ static void stream_expand(const void *pool, int pool_dtype, const int64_t *b_off
         add_into((char *)out + ((size_t)toks[t] * out_stride + c0) * out_esize, out_dtype, sums + t * cw, cw);
 }
 
+
+/* ---- decode tiles: register tiles over 16-element chunks -----------------------------------------
+ * A chunk is 16 elements of a row widened into two fp32 vectors. For bf16 they are the even and the
+ * odd elements (one 32-byte load and three shifts, instead of two widening loads and two shifts);
+ * a dot product does not mind the order of its terms as long as x is in the same order, so x is put
+ * in chunk order once per token, and the expand puts its sums back in natural order in registers.
+ * The shrink keeps TILE_ROWS rows x up to TILE_TOKENS tokens of sums in registers, the expand up to
+ * TILE_TOKENS tokens x 16 columns. Tile shapes are compile-time constants and the arrays below have
+ * fixed sizes, so the compiler keeps them in registers (variable-length arrays put them on the
+ * stack: 2.4x slower). */
+
+#define TILE_TOKENS 4 /* tokens per register tile */
+#define TILE_ROWS 2   /* A rows per shrink tile: 2 x 4 sums, 2 widened chunks, x from L1 */
+#define LINE 64       /* cache line bytes */
+
+typedef uint32_t v8u32_u __attribute__((vector_size(32), aligned(2)));
+
+static inline __attribute__((always_inline)) void load16(const void *row, int64_t k, int dtype, v8f *lo,
+                                                         v8f *hi) {
+    if (dtype == DT_BF16) {
+        v8u32 w = *(const v8u32_u *)((const uint16_t *)row + k);
+        v8u32 even = w << 16, odd = (w >> 16) << 16;
+        memcpy(lo, &even, sizeof *lo);
+        memcpy(hi, &odd, sizeof *hi);
+    } else {
+        *lo = load8(row, k, dtype);
+        *hi = load8(row, k + 8, dtype);
+    }
+}
+
+/* x (n fp32 values) in the chunk order of `dtype` rows: full chunks permuted, the tail as is. */
+static const float *to_chunk_order(const float *x, int64_t n, int dtype, float *buf) {
+    if (dtype != DT_BF16) return x;
+    int64_t n16 = n - n % 16;
+    for (int64_t k = 0; k < n16; k += 16) {
+        v8f a = *(const v8f_u *)(x + k), b = *(const v8f_u *)(x + k + 8);
+        *(v8f_u *)(buf + k) = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+        *(v8f_u *)(buf + k + 8) = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+    }
+    for (int64_t k = n16; k < n; k++) buf[k] = x[k];
+    return buf;
+}
+
+/* d[i * NT + t] = dot(a[i], x[t]) for TILE_ROWS rows and NT tokens (x in chunk order), while the
+ * TILE_ROWS rows `next` are prefetched line by line at the same pace. */
+static inline __attribute__((always_inline)) void shrink_tile_t(const void *const *a, const float *const *x,
+                                                                int64_t in, float *d, const void *const *next,
+                                                                int dtype, const int NT) {
+    const int64_t es = dtype == DT_F32 ? 4 : 2, per_line = LINE / es;
+    const int64_t n16 = in - in % 16, lines_end = in - in % per_line;
+    v8f acc[TILE_ROWS][TILE_TOKENS];
+    for (int i = 0; i < TILE_ROWS; i++)
+        for (int t = 0; t < NT; t++) acc[i][t] = (v8f){0};
+    for (int64_t k = 0; k < n16; k += 16) {
+        if (k % per_line == 0 && k < lines_end)
+            for (int i = 0; i < TILE_ROWS; i++) __builtin_prefetch((const char *)next[i] + k * es);
+        v8f lo[TILE_ROWS], hi[TILE_ROWS];
+        for (int i = 0; i < TILE_ROWS; i++) load16(a[i], k, dtype, &lo[i], &hi[i]);
+        for (int t = 0; t < NT; t++) {
+            v8f xv = *(const v8f_u *)(x[t] + k);
+            for (int i = 0; i < TILE_ROWS; i++) acc[i][t] += lo[i] * xv;
+        }
+        for (int t = 0; t < NT; t++) {
+            v8f xv = *(const v8f_u *)(x[t] + k + 8);
+            for (int i = 0; i < TILE_ROWS; i++) acc[i][t] += hi[i] * xv;
+        }
+    }
+    for (int i = 0; i < TILE_ROWS; i++)
+        for (int t = 0; t < NT; t++) {
+            float s = hsum(acc[i][t]);
+            for (int64_t k = n16; k < in; k++) s += x[t][k] * load1(a[i], k, dtype);
+            d[i * NT + t] = s;
+        }
+}
+
+#define SHRINK_TILE(NT)                                                                             \
+    do {                                                                                            \
+        if (dtype == DT_F32) shrink_tile_t(a, x, in, d, next, DT_F32, NT);                          \
+        else if (dtype == DT_BF16) shrink_tile_t(a, x, in, d, next, DT_BF16, NT);                   \
+        else shrink_tile_t(a, x, in, d, next, DT_F16, NT);                                          \
+    } while (0)
+
+static void shrink_tile(const void *const *a, const float *const *x, int nt, int64_t in, float *d,
+                        const void *const *next, int dtype) {
+    if (nt == 4) SHRINK_TILE(4);
+    else if (nt == 3) SHRINK_TILE(3);
+    else if (nt == 2) SHRINK_TILE(2);
+    else SHRINK_TILE(1);
+}
+
+/* o[t][c0 .. c0 + 16) += sum over the r rows j of h[t * hs + j] * b[j][c0 ..] for NT tokens whose
+ * fp32 out rows are o[t]. With `ahead`, each row is also prefetched `ahead` bytes on. */
+static inline __attribute__((always_inline)) void expand_tile_t(const char *const *b, int64_t r, int64_t c0,
+                                                                const float *h, int64_t hs, float *const *o,
+                                                                int64_t ahead, int dtype, const int NT) {
+    const int64_t off = c0 * (dtype == DT_F32 ? 4 : 2);
+    v8f acc[TILE_TOKENS][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = (v8f){0};
+    for (int64_t j = 0; j < r; j++) {
+        const char *row = b[j] + off;
+        if (ahead) __builtin_prefetch(row + ahead);
+        v8f lo, hi;
+        load16(row, 0, dtype, &lo, &hi);
+        for (int t = 0; t < NT; t++) {
+            float hv = h[t * hs + j];
+            v8f hb = {hv, hv, hv, hv, hv, hv, hv, hv};
+            acc[t][0] += hb * lo;
+            acc[t][1] += hb * hi;
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        v8f first = acc[t][0], second = acc[t][1];
+        if (dtype == DT_BF16) {
+            first = __builtin_shufflevector(acc[t][0], acc[t][1], 0, 8, 1, 9, 2, 10, 3, 11);
+            second = __builtin_shufflevector(acc[t][0], acc[t][1], 4, 12, 5, 13, 6, 14, 7, 15);
+        }
+        *(v8f_u *)(o[t] + c0) += first;
+        *(v8f_u *)(o[t] + c0 + 8) += second;
+    }
+}
+
+#define EXPAND_TILE(NT)                                                                             \
+    do {                                                                                            \
+        if (dtype == DT_F32) expand_tile_t(b, r, c0, h, hs, o, ahead, DT_F32, NT);                  \
+        else if (dtype == DT_BF16) expand_tile_t(b, r, c0, h, hs, o, ahead, DT_BF16, NT);           \
+        else expand_tile_t(b, r, c0, h, hs, o, ahead, DT_F16, NT);                                  \
+    } while (0)
+
+static void expand_tile(const char *const *b, int64_t r, int64_t c0, const float *h, int64_t hs, int nt,
+                        float *const *o, int64_t ahead, int dtype) {
+    if (nt == 4) EXPAND_TILE(4);
+    else if (nt == 3) EXPAND_TILE(3);
+    else if (nt == 2) EXPAND_TILE(2);
+    else EXPAND_TILE(1);
+}
+
+/* Scratch of one thread for tile_group. */
 typedef struct {
-    int64_t work, group;
-} fused_item;
+    float *x;          /* STREAM_TOKENS rows of `in`: the tokens in chunk order */
+    float *h;          /* STREAM_TOKENS * max rank: scale * x @ A^T */
+    float *sums;       /* STREAM_TOKENS * max out: the delta in fp32 when out is not fp32 */
+    const char **rows; /* max rank: the group's B^T rows */
+} tile_scratch;
+
+/* One decode group of n (TILE_MIN_TOKENS..STREAM_TOKENS) tokens: h = scale * x @ A^T, then
+ * out += h @ B^T, with one rounding into out. */
+static void tile_group(const void *pool, int pool_dtype, const int64_t *a_off, const int64_t *b_off, int64_t r,
+                       float scale, const float *const *xs, int64_t n, const int64_t *toks, int64_t in,
+                       int64_t out_f, void *out, int out_dtype, int64_t out_stride, tile_scratch *s) {
+    const size_t es = pool_dtype == DT_F32 ? 4 : 2, out_es = out_dtype == DT_F32 ? 4 : 2;
+    const float *x[STREAM_TOKENS];
+    float *o[STREAM_TOKENS];
+    for (int64_t t = 0; t < n; t++) {
+        x[t] = to_chunk_order(xs[t], in, pool_dtype, s->x + t * in);
+        if (out_dtype == DT_F32) o[t] = (float *)out + toks[t] * out_stride;
+        else memset(o[t] = s->sums + t * out_f, 0, sizeof(float) * out_f);
+    }
+    for (int64_t j = 0; j < r; j++) s->rows[j] = (const char *)pool + b_off[j] * es;
+
+    for (int64_t j = 0; j < r; j += TILE_ROWS) {
+        int nr = (int)(r - j < TILE_ROWS ? r - j : TILE_ROWS);
+        /* Rows past nr repeat row j. Next: the following A rows, else the first B^T rows. */
+        const void *a[TILE_ROWS], *next[TILE_ROWS];
+        for (int i = 0; i < TILE_ROWS; i++) {
+            int64_t nj = j + nr + i;
+            a[i] = (const char *)pool + a_off[j + (i < nr ? i : 0)] * es;
+            next[i] = nj < r ? (const void *)((const char *)pool + a_off[nj] * es) : s->rows[(nj - r) % r];
+        }
+        for (int64_t t0 = 0; t0 < n; t0 += TILE_TOKENS) {
+            int nt = (int)(n - t0 < TILE_TOKENS ? n - t0 : TILE_TOKENS);
+            float d[TILE_ROWS * TILE_TOKENS];
+            shrink_tile(a, x + t0, nt, in, d, next, pool_dtype);
+            for (int i = 0; i < nr; i++)
+                for (int t = 0; t < nt; t++) s->h[(t0 + t) * r + j + i] = scale * d[i * nt + t];
+        }
+    }
+
+    /* Each B^T row is prefetched about 64 lines in all ahead of the expand, once per line. */
+    const int64_t ahead = LINE * (r < 64 ? 64 / r : 1);
+    int64_t c0 = 0;
+    for (; c0 + 16 <= out_f; c0 += 16)
+        for (int64_t t0 = 0; t0 < n; t0 += TILE_TOKENS) {
+            int nt = (int)(n - t0 < TILE_TOKENS ? n - t0 : TILE_TOKENS);
+            int first_on_line = t0 == 0 && (c0 * es) % LINE == 0;
+            expand_tile(s->rows, r, c0, s->h + t0 * r, r, nt, o + t0, first_on_line ? ahead : 0, pool_dtype);
+        }
+    for (; c0 < out_f; c0++) /* the last out_f % 16 columns */
+        for (int64_t t = 0; t < n; t++) {
+            float v = 0.0f;
+            for (int64_t j = 0; j < r; j++) v += s->h[t * r + j] * load1(s->rows[j], c0, pool_dtype);
+            o[t][c0] += v;
+        }
+    if (out_dtype != DT_F32)
+        for (int64_t t = 0; t < n; t++)
+            add_into((char *)out + (size_t)toks[t] * out_stride * out_es, out_dtype, o[t], (int)out_f);
+}
+
+/* One decode group of 1..TILE_MIN_TOKENS-1 tokens, streamed: its A rows straight from the pool
+ * (each read once for all its tokens, so widening it into a buffer first would only add a pass),
+ * then its B^T rows in runs of STREAM_COLS columns. h: room for n * r, sums: for
+ * STREAM_TOKENS * STREAM_COLS. */
+static void stream_group(const void *pool, int pool_dtype, const int64_t *a_off, const int64_t *b_off, int64_t r,
+                         float scale, const float *const *xs, int64_t n, const int64_t *toks, int64_t in,
+                         int64_t out_f, void *out, int out_dtype, int64_t out_stride, float *h, float *sums) {
+    const size_t es = pool_dtype == DT_F32 ? 4 : 2;
+    for (int64_t j = 0; j < r; j += SHRINK_ROWS) {
+        int nr = (int)(r - j < SHRINK_ROWS ? r - j : SHRINK_ROWS);
+        const void *a[SHRINK_ROWS] = {0}, *next[SHRINK_ROWS] = {0};
+        for (int i = 0; i < nr; i++) a[i] = (const char *)pool + a_off[j + i] * es;
+        /* Next: the following A rows, else the first B^T rows the expand reads. */
+        int64_t nj = j + nr < r ? j + nr : 0;
+        const int64_t *next_off = j + nr < r ? a_off : b_off;
+        int n_next = (int)(r - nj < SHRINK_ROWS ? r - nj : SHRINK_ROWS);
+        for (int i = 0; i < n_next; i++) next[i] = (const char *)pool + next_off[nj + i] * es;
+        shrink_rows(a, nr, xs, (int)n, in, scale, h, (int)r, (int)j, next, n_next, pool_dtype);
+    }
+    for (int64_t c0 = 0; c0 < out_f; c0 += STREAM_COLS)
+        stream_expand(pool, pool_dtype, b_off, r, h, n, toks, c0,
+                      (int)(out_f - c0 < STREAM_COLS ? out_f - c0 : STREAM_COLS), out_f, sums, out, out_dtype,
+                      out_stride);
+}
+
+/* One problem of a call: where its delta goes and its groups (see lora_delta). Every field is 8
+ * bytes, so the ctypes mirror in cpu_native.py has no padding to get wrong. */
+typedef struct {
+    void *out;                  /* rows of out_features elements of out_dtype, out_stride apart */
+    int64_t out_dtype;
+    int64_t out_stride;
+    int64_t out_features;
+    const int64_t *a_offsets;   /* pool offset of each A row */
+    const int64_t *b_offsets;   /* pool offset of each B^T row */
+    int64_t num_groups;         /* G */
+    const int64_t *plan;        /* [3G + 1]: rank-row starts, rank-row ends, token-list starts */
+    const int64_t *tokens;      /* rows of x (and out) of group 0, then of group 1, ... */
+    const float *scales;        /* [G] */
+} lora_problem;
+
+/* A group of one problem, with what the work lists need. */
+typedef struct {
+    const lora_problem *p;
+    int64_t group, rank, num_tokens;
+    int64_t h_start; /* its block of the two-phase h buffer ([tokens, rank] fp32) */
+    int64_t work;    /* multiply-adds */
+} group_ref;
 
 static int by_work_desc(const void *p, const void *q) {
-    int64_t a = ((const fused_item *)p)->work, b = ((const fused_item *)q)->work;
+    int64_t a = (*(const group_ref *const *)p)->work, b = (*(const group_ref *const *)q)->work;
     return (a < b) - (a > b);
 }
 
-/* Per group g: rank rows plan[0*G + g] .. plan[1*G + g] (indices into a_off/b_off), tokens
- * tok_idx[plan[2*G + g] .. plan[2*G + g + 1]]; scales[g]. Returns 0, or -1 when out of memory. */
-int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, const void *pool,
-               int pool_dtype, void *out, int out_dtype, int64_t out_stride, int64_t in, int64_t out_f,
-               const int64_t *a_off, const int64_t *b_off, int64_t num_groups, const int64_t *plan,
-               const int64_t *tok_idx, const float *scales, int num_threads) {
-    const int64_t G = num_groups;
-    const int64_t *rank_start = plan, *rank_end = plan + G, *tok_start = plan + 2 * G;
+/* The delta of every problem, for x rows of `in` elements (x_stride apart). Returns 0, or -1 when
+ * out of memory. */
+int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, int64_t in, const void *pool,
+               int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads) {
+    int64_t G = 0;
+    for (int p = 0; p < num_problems; p++) G += problems[p]->num_groups;
     if (G == 0) return 0;
+    group_ref *refs = malloc(sizeof(group_ref) * G);
+    if (!refs) return -1;
 
-    int64_t max_rank = 0, work = 0, n_stream = 0;
-    for (int64_t g = 0; g < G; g++) {
-        int64_t r = rank_end[g] - rank_start[g], n = tok_start[g + 1] - tok_start[g];
-        if (r > max_rank) max_rank = r;
-        work += r * n * (in + out_f);
-        n_stream += n <= STREAM_TOKENS;
+    int64_t max_rank = 0, max_out = 0, work = 0, n_decode = 0, k = 0;
+    for (int p = 0; p < num_problems; p++) {
+        const lora_problem *pr = problems[p];
+        const int64_t *plan = pr->plan, Gp = pr->num_groups;
+        if (pr->out_features > max_out) max_out = pr->out_features;
+        for (int64_t g = 0; g < Gp; g++, k++) {
+            int64_t r = plan[Gp + g] - plan[g], n = plan[2 * Gp + g + 1] - plan[2 * Gp + g];
+            refs[k] = (group_ref){pr, g, r, n, 0, r * n * (in + pr->out_features)};
+            if (r > max_rank) max_rank = r;
+            work += refs[k].work;
+            n_decode += n <= STREAM_TOKENS;
+        }
     }
     if (work < PARALLEL_MIN_WORK) num_threads = 1;
     /* With enough few-token groups to share out, each is one work item that runs its shrink and
-     * then its expand: a thread streams the group's A rows and then its B^T rows with no barrier
-     * in between, and the groups, biggest first, balance the threads. With fewer, a group's rows
-     * are split over the threads in the two phases below. */
-    int fuse = n_stream >= 2 * num_threads;
+     * then its expand with no barrier in between, and the groups, biggest first, balance the
+     * threads. With fewer, a group's rows are split over the threads in the two phases below. */
+    int fuse = n_decode >= 2 * num_threads;
 
-    /* Offsets of each group's h block ([tokens, rank], fp32) and the two-phase work lists. */
-    int64_t *h_start = malloc(sizeof(int64_t) * (G + 1));
-    int64_t n_shrink = 0, n_expand = 0, n_fused = 0;
-    if (!h_start) return -1;
-    h_start[0] = 0;
-    for (int64_t g = 0; g < G; g++) {
-        int64_t r = rank_end[g] - rank_start[g], n = tok_start[g + 1] - tok_start[g];
+    int64_t n_shrink = 0, n_expand = 0, n_fused = 0, h_size = 0;
+    for (int64_t i = 0; i < G; i++) {
+        group_ref *ref = &refs[i];
+        int64_t r = ref->rank, n = ref->num_tokens, out_f = ref->p->out_features;
         int stream = n <= STREAM_TOKENS;
-        h_start[g + 1] = h_start[g];
         if (fuse && stream) {
             n_fused++;
             continue;
         }
-        h_start[g + 1] += r * n;
+        ref->h_start = h_size;
+        h_size += r * n;
         n_shrink += ((n + TOKEN_TILE - 1) / TOKEN_TILE) * ((r + CHUNK_ROWS - 1) / CHUNK_ROWS);
         n_expand += (out_f + (stream ? STREAM_COLS : COL_BLOCK) - 1) / (stream ? STREAM_COLS : COL_BLOCK);
     }
-    int64_t *shrink_items = malloc(sizeof(int64_t) * 3 * (n_shrink ? n_shrink : 1));
-    int64_t *expand_items = malloc(sizeof(int64_t) * 3 * (n_expand ? n_expand : 1));
-    fused_item *fused_items = malloc(sizeof(fused_item) * (n_fused ? n_fused : 1));
-    float *h = malloc(sizeof(float) * (h_start[G] ? h_start[G] : 1));
-    /* x rows as fp32: pointers into x itself, or into a widened copy of the tokens used. */
+    /* Work items: shrink (group, first token, first rank row), expand (group, first column, width). */
+    typedef struct {
+        const group_ref *ref;
+        int64_t start, extent;
+    } item;
+    item *shrink_items = malloc(sizeof(item) * (n_shrink ? n_shrink : 1));
+    item *expand_items = malloc(sizeof(item) * (n_expand ? n_expand : 1));
+    const group_ref **fused = malloc(sizeof(group_ref *) * (n_fused ? n_fused : 1));
+    float *h = malloc(sizeof(float) * (h_size ? h_size : 1));
+    /* x rows as fp32: pointers into x itself, or into a widened copy. */
     const float **x_rows = malloc(sizeof(float *) * (num_tokens ? num_tokens : 1));
     float *x_wide = NULL;
-    int ok = shrink_items && expand_items && fused_items && h && x_rows;
+    int ok = shrink_items && expand_items && fused && h && x_rows;
     if (ok && x_dtype != DT_F32) {
         x_wide = malloc(sizeof(float) * (num_tokens ? num_tokens : 1) * in);
         ok = x_wide != NULL;
     }
     if (!ok) {
-        free(h_start), free(shrink_items), free(expand_items), free(fused_items), free(h), free(x_rows),
-            free(x_wide);
+        free(refs), free(shrink_items), free(expand_items), free(fused), free(h), free(x_rows), free(x_wide);
         return -1;
     }
-    int64_t item = 0, e_item = 0, f_item = 0;
-    for (int64_t g = 0; g < G; g++) {
-        int64_t r = rank_end[g] - rank_start[g], n = tok_start[g + 1] - tok_start[g];
+    int64_t s_item = 0, e_item = 0, f_item = 0;
+    for (int64_t i = 0; i < G; i++) {
+        const group_ref *ref = &refs[i];
+        int64_t r = ref->rank, n = ref->num_tokens, out_f = ref->p->out_features;
         if (fuse && n <= STREAM_TOKENS) {
-            fused_items[f_item].work = r * n * (in + out_f);
-            fused_items[f_item++].group = g;
+            fused[f_item++] = ref;
             continue;
         }
         for (int64_t t0 = 0; t0 < n; t0 += TOKEN_TILE)
-            for (int64_t j0 = 0; j0 < r; j0 += CHUNK_ROWS) {
-                shrink_items[3 * item] = g;
-                shrink_items[3 * item + 1] = t0;
-                shrink_items[3 * item + 2] = j0;
-                item++;
-            }
+            for (int64_t j0 = 0; j0 < r; j0 += CHUNK_ROWS) shrink_items[s_item++] = (item){ref, t0, j0};
         int64_t width = n <= STREAM_TOKENS ? STREAM_COLS : COL_BLOCK;
-        for (int64_t c0 = 0; c0 < out_f; c0 += width) {
-            expand_items[3 * e_item] = g;
-            expand_items[3 * e_item + 1] = c0;
-            expand_items[3 * e_item + 2] = out_f - c0 < width ? out_f - c0 : width;
-            e_item++;
-        }
+        for (int64_t c0 = 0; c0 < out_f; c0 += width)
+            expand_items[e_item++] = (item){ref, c0, out_f - c0 < width ? out_f - c0 : width};
     }
-    qsort(fused_items, n_fused, sizeof(fused_item), by_work_desc);
-    int64_t used_tokens = tok_start[G];
+    qsort(fused, n_fused, sizeof(group_ref *), by_work_desc);
     int failed = 0;
     const size_t esize = x_dtype == DT_F32 ? 4 : 2;
-    const size_t pool_esize = pool_dtype == DT_F32 ? 4 : 2;
-    const size_t out_esize = out_dtype == DT_F32 ? 4 : 2;
     /* fp32 x needs no widening: its row pointers are set here rather than behind a barrier. */
     if (x_dtype == DT_F32)
-        for (int64_t i = 0; i < used_tokens; i++)
-            x_rows[tok_idx[i]] = (const float *)((const char *)x + (size_t)tok_idx[i] * x_stride * esize);
+        for (int64_t t = 0; t < num_tokens; t++) x_rows[t] = (const float *)((const char *)x + t * x_stride * esize);
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
+        const int64_t rank_room = max_rank ? max_rank : 1;
         float *a_buf = malloc(sizeof(float) * SHRINK_ROWS * in);
-        float *b_buf = malloc(sizeof(float) * (max_rank ? max_rank : 1) * COL_BLOCK);
+        float *b_buf = malloc(sizeof(float) * rank_room * COL_BLOCK);
         float *sums = malloc(sizeof(float) * STREAM_TOKENS * STREAM_COLS);
-        float *h_fused = malloc(sizeof(float) * STREAM_TOKENS * (max_rank ? max_rank : 1));
+        float *h_fused = malloc(sizeof(float) * STREAM_TOKENS * rank_room);
         const float **xs = malloc(sizeof(float *) * TOKEN_TILE);
+        tile_scratch tiles = {malloc(sizeof(float) * STREAM_TOKENS * in), h_fused,
+                              malloc(sizeof(float) * STREAM_TOKENS * max_out), malloc(sizeof(char *) * rank_room)};
         float acc_out[COL_BLOCK];
-        int mine_ok = a_buf && b_buf && sums && h_fused && xs;
+        int mine_ok = a_buf && b_buf && sums && h_fused && xs && tiles.x && tiles.sums && tiles.rows;
         if (!mine_ok) {
 #pragma omp atomic write
             failed = 1;
@@ -406,8 +647,7 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
 
         if (x_dtype != DT_F32) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < used_tokens; i++) {
-                int64_t t = tok_idx[i];
+            for (int64_t t = 0; t < num_tokens; t++) {
                 const void *src = (const char *)x + (size_t)t * x_stride * esize;
                 x_rows[t] = row_f32(src, 0, x_dtype, in, x_wide + t * in);
             }
@@ -417,49 +657,42 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t it = 0; it < n_fused; it++) {
             if (!mine_ok) continue;
-            int64_t g = fused_items[it].group;
-            int64_t r = rank_end[g] - rank_start[g], n = tok_start[g + 1] - tok_start[g];
-            const int64_t *toks = tok_idx + tok_start[g];
-            for (int64_t t = 0; t < n; t++) xs[t] = x_rows[toks[t]];
-            /* A rows straight from the pool: each is read once for all n tokens, so widening it
-             * into a buffer first would only add a pass. */
-            for (int64_t j = 0; j < r; j += SHRINK_ROWS) {
-                int nr = (int)(r - j < SHRINK_ROWS ? r - j : SHRINK_ROWS);
-                const void *a[SHRINK_ROWS] = {0}, *next[SHRINK_ROWS] = {0};
-                for (int i = 0; i < nr; i++)
-                    a[i] = (const char *)pool + a_off[rank_start[g] + j + i] * pool_esize;
-                /* Next: the following A rows, else the first B^T rows the expand reads. */
-                int64_t nj = j + nr < r ? j + nr : 0;
-                const int64_t *next_off = j + nr < r ? a_off : b_off;
-                int n_next = (int)(r - nj < SHRINK_ROWS ? r - nj : SHRINK_ROWS);
-                for (int i = 0; i < n_next; i++)
-                    next[i] = (const char *)pool + next_off[rank_start[g] + nj + i] * pool_esize;
-                shrink_rows(a, nr, xs, (int)n, in, scales[g], h_fused, (int)r, (int)j, next, n_next,
-                            pool_dtype);
-            }
-            for (int64_t c0 = 0; c0 < out_f; c0 += STREAM_COLS)
-                stream_expand(pool, pool_dtype, b_off + rank_start[g], r, h_fused, n, toks, c0,
-                              (int)(out_f - c0 < STREAM_COLS ? out_f - c0 : STREAM_COLS), out_f, sums, out,
-                              out_dtype, out_stride);
+            const group_ref *ref = fused[it];
+            const lora_problem *pr = ref->p;
+            int64_t g = ref->group, r = ref->rank, n = ref->num_tokens, rank_start = pr->plan[g];
+            const int64_t *toks = pr->tokens + pr->plan[2 * pr->num_groups + g];
+            const float *gx[STREAM_TOKENS];
+            for (int64_t t = 0; t < n; t++) gx[t] = x_rows[toks[t]];
+            if (n >= TILE_MIN_TOKENS)
+                tile_group(pool, pool_dtype, pr->a_offsets + rank_start, pr->b_offsets + rank_start, r,
+                           pr->scales[g], gx, n, toks, in, pr->out_features, pr->out, (int)pr->out_dtype,
+                           pr->out_stride, &tiles);
+            else
+                stream_group(pool, pool_dtype, pr->a_offsets + rank_start, pr->b_offsets + rank_start, r,
+                             pr->scales[g], gx, n, toks, in, pr->out_features, pr->out, (int)pr->out_dtype,
+                             pr->out_stride, h_fused, sums);
         }
 
         if (n_shrink) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < n_shrink; it++) {
                 if (!mine_ok) continue;
-                int64_t g = shrink_items[3 * it], t0 = shrink_items[3 * it + 1], j0 = shrink_items[3 * it + 2];
-                int64_t r = rank_end[g] - rank_start[g], n = tok_start[g + 1] - tok_start[g];
+                const group_ref *ref = shrink_items[it].ref;
+                const lora_problem *pr = ref->p;
+                int64_t g = ref->group, r = ref->rank, n = ref->num_tokens;
+                int64_t t0 = shrink_items[it].start, j0 = shrink_items[it].extent;
+                int64_t rank_start = pr->plan[g], tok_start = pr->plan[2 * pr->num_groups + g];
                 int ntok = (int)(n - t0 < TOKEN_TILE ? n - t0 : TOKEN_TILE);
                 int64_t j_end = j0 + CHUNK_ROWS < r ? j0 + CHUNK_ROWS : r;
-                for (int t = 0; t < ntok; t++) xs[t] = x_rows[tok_idx[tok_start[g] + t0 + t]];
+                for (int t = 0; t < ntok; t++) xs[t] = x_rows[pr->tokens[tok_start + t0 + t]];
                 for (int64_t j = j0; j < j_end; j += SHRINK_ROWS) {
                     int nr = (int)(j_end - j < SHRINK_ROWS ? j_end - j : SHRINK_ROWS);
-                    float *hg = h + h_start[g] + t0 * r;
+                    float *hg = h + ref->h_start + t0 * r;
                     const void *a[SHRINK_ROWS] = {0};
                     /* Widened once into a_buf: a tile re-reads each row for up to 64 tokens. */
                     for (int i = 0; i < nr; i++)
-                        a[i] = row_f32(pool, a_off[rank_start[g] + j + i], pool_dtype, in, a_buf + i * in);
-                    shrink_rows(a, nr, xs, ntok, in, scales[g], hg, (int)r, (int)j, NULL, 0, DT_F32);
+                        a[i] = row_f32(pool, pr->a_offsets[rank_start + j + i], pool_dtype, in, a_buf + i * in);
+                    shrink_rows(a, nr, xs, ntok, in, pr->scales[g], hg, (int)r, (int)j, NULL, 0, DT_F32);
                 }
             }
         }
@@ -468,22 +701,27 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < n_expand; it++) {
                 if (!mine_ok) continue;
-                int64_t g = expand_items[3 * it], c0 = expand_items[3 * it + 1];
-                int cw = (int)expand_items[3 * it + 2];
-                int64_t r = rank_end[g] - rank_start[g], n = tok_start[g + 1] - tok_start[g];
+                const group_ref *ref = expand_items[it].ref;
+                const lora_problem *pr = ref->p;
+                int64_t g = ref->group, r = ref->rank, n = ref->num_tokens, c0 = expand_items[it].start;
+                int cw = (int)expand_items[it].extent;
+                int64_t rank_start = pr->plan[g];
+                const int64_t *toks = pr->tokens + pr->plan[2 * pr->num_groups + g];
+                const int64_t *b_off = pr->b_offsets + rank_start;
+                int out_dtype = (int)pr->out_dtype;
                 if (n <= STREAM_TOKENS) {
-                    stream_expand(pool, pool_dtype, b_off + rank_start[g], r, h + h_start[g], n,
-                                  tok_idx + tok_start[g], c0, cw, out_f, sums, out, out_dtype, out_stride);
+                    stream_expand(pool, pool_dtype, b_off, r, h + ref->h_start, n, toks, c0, cw,
+                                  pr->out_features, sums, pr->out, out_dtype, pr->out_stride);
                     continue;
                 }
                 /* B^T block [r, COL_BLOCK] in fp32, zero-padded past the last column. */
                 for (int64_t j = 0; j < r; j++) {
                     float *dst = b_buf + j * COL_BLOCK;
-                    const float *row = row_f32(pool, b_off[rank_start[g] + j] + c0, pool_dtype, cw, dst);
+                    const float *row = row_f32(pool, b_off[j] + c0, pool_dtype, cw, dst);
                     if (row != dst) memcpy(dst, row, sizeof(float) * cw);
                     for (int c = cw; c < COL_BLOCK; c++) dst[c] = 0.0f;
                 }
-                const float *hg = h + h_start[g];
+                const float *hg = h + ref->h_start;
                 for (int64_t t = 0; t < n; t++) {
                     v8f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0}, s5 = {0}, s6 = {0}, s7 = {0};
                     for (int64_t j = 0; j < r; j++) {
@@ -503,14 +741,15 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
                     *(v8f_u *)(acc_out + 16) = s2, *(v8f_u *)(acc_out + 24) = s3;
                     *(v8f_u *)(acc_out + 32) = s4, *(v8f_u *)(acc_out + 40) = s5;
                     *(v8f_u *)(acc_out + 48) = s6, *(v8f_u *)(acc_out + 56) = s7;
-                    int64_t row = tok_idx[tok_start[g] + t];
-                    char *dst = (char *)out + ((size_t)row * out_stride + c0) * out_esize;
+                    const size_t out_esize = out_dtype == DT_F32 ? 4 : 2;
+                    char *dst = (char *)pr->out + ((size_t)toks[t] * pr->out_stride + c0) * out_esize;
                     add_into(dst, out_dtype, acc_out, cw);
                 }
             }
         }
-        free(a_buf), free(b_buf), free(sums), free(h_fused), free(xs);
+        free(a_buf), free(b_buf), free(sums), free(h_fused), free(xs), free(tiles.x), free(tiles.sums),
+            free(tiles.rows);
     }
-    free(h_start), free(shrink_items), free(expand_items), free(fused_items), free(h), free(x_rows), free(x_wide);
+    free(refs), free(shrink_items), free(expand_items), free(fused), free(h), free(x_rows), free(x_wide);
     return failed ? -1 : 0;
 }

@@ -23,6 +23,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,13 +112,9 @@ def _build(compiler: str = "cc") -> _Library:
             continue
         function.restype = ctypes.c_int
         function.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,  # x, dtype, row stride, rows
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # x, dtype, stride, rows, in
             ctypes.c_void_p, ctypes.c_int,  # pool, dtype
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,  # out, dtype, row stride
-            ctypes.c_int64, ctypes.c_int64,  # in_features, out_features
-            ctypes.c_void_p, ctypes.c_void_p,  # a_offsets, b_offsets
-            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # groups, plan, tokens, scales
-            ctypes.c_int,  # threads
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # problems (lora_problem *[]), count, threads
         ]  # fmt: skip
         return _Library(function, "", path)
     return _Library(None, "; ".join(errors), None)
@@ -146,6 +143,23 @@ def native_error() -> str:
     return _load().error
 
 
+class _Problem(ctypes.Structure):
+    """Mirror of ``lora_problem`` in ``cpu_lora.c``: one (segments, out) pair of a call."""
+
+    _fields_ = [
+        ("out", ctypes.c_void_p),
+        ("out_dtype", ctypes.c_int64),
+        ("out_stride", ctypes.c_int64),
+        ("out_features", ctypes.c_int64),
+        ("a_offsets", ctypes.c_void_p),
+        ("b_offsets", ctypes.c_void_p),
+        ("num_groups", ctypes.c_int64),
+        ("plan", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+    ]
+
+
 @dataclass(frozen=True)
 class NativePlan:
     """A batch's groups as the flat arrays ``cpu_lora.c`` reads; built once per LoraSegments."""
@@ -156,6 +170,8 @@ class NativePlan:
     """int64: token rows of group 0, then of group 1, ... (a group's segments need not be adjacent)."""
     scales: torch.Tensor
     """float32 [G]: the scale of each group."""
+    problem: _Problem
+    """The C view of these arrays and of the segments' offsets; a call fills in its ``out``."""
 
     @property
     def num_groups(self) -> int:
@@ -170,44 +186,76 @@ class NativePlan:
             token_starts = [0]
             for g in groups:
                 token_starts.append(token_starts[-1] + sum(end - start for start, end in g.token_ranges))
-            plan = [g.rank_start for g in groups] + [g.rank_end for g in groups] + token_starts
-            cached = seg.derived["native_plan"] = cls(
-                plan=torch.tensor(plan, dtype=torch.int64),
-                tokens=torch.tensor(tokens, dtype=torch.int64),
-                scales=torch.tensor([g.scale for g in groups], dtype=torch.float32),
+            plan = torch.tensor(
+                [g.rank_start for g in groups] + [g.rank_end for g in groups] + token_starts,
+                dtype=torch.int64,
             )
+            token_tensor = torch.tensor(tokens, dtype=torch.int64)
+            scales = torch.tensor([g.scale for g in groups], dtype=torch.float32)
+            problem = _Problem(
+                out_features=seg.out_features,
+                a_offsets=seg.a_offsets.data_ptr(),
+                b_offsets=seg.b_offsets.data_ptr(),
+                num_groups=len(groups),
+                plan=plan.data_ptr(),
+                tokens=token_tensor.data_ptr(),
+                scales=scales.data_ptr(),
+            )
+            cached = seg.derived["native_plan"] = cls(plan, token_tensor, scales, problem)
         return cached
+
+
+def _check_cpu_float(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cpu" or t.dtype not in DTYPE_CODES:
+        raise ValueError(f"cpu_native: {name} must be a CPU float32/bfloat16/float16 tensor, got {t.dtype}")
+
+
+def lora_deltas_cpu_native(
+    x: torch.Tensor, pool: torch.Tensor, problems: Sequence[tuple[LoraSegments, torch.Tensor]]
+) -> None:
+    """:func:`lora_delta_cpu_native` for several (segments, out) pairs that share ``x`` (q, k and
+    v of one layer), in one call: one ctypes call and one OpenMP region instead of one each."""
+    library = _load()
+    if library.function is None:
+        raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {library.error}")
+    problems = [(seg, out) for seg, out in problems if seg.groups]
+    if not problems:
+        return
+    _check_cpu_float("x", x)
+    _check_cpu_float("pool", pool)
+    if not pool.is_contiguous():
+        raise ValueError("cpu_native: the pool must be one contiguous CPU buffer")
+    in_features = problems[0][0].in_features
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"cpu_native: x must be [tokens, {in_features}], got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    pointers = (ctypes.c_void_p * len(problems))()
+    copies = []
+    for i, (seg, out) in enumerate(problems):
+        _check_cpu_float("out", out)
+        if seg.in_features != in_features or seg.a_offsets.device.type != "cpu":
+            raise ValueError("cpu_native: every problem of one call reads the same x, with CPU offsets")
+        target = out if out.stride(-1) == 1 else out.contiguous()
+        if target is not out:
+            copies.append((out, target))
+        problem = NativePlan.of(seg).problem
+        problem.out = target.data_ptr()
+        problem.out_dtype = DTYPE_CODES[target.dtype]
+        problem.out_stride = target.stride(0)
+        pointers[i] = ctypes.addressof(problem)
+    status = library.function(
+        x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), x.shape[0], in_features,
+        pool.data_ptr(), DTYPE_CODES[pool.dtype],
+        pointers, len(problems), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("cpu_native: the kernel could not allocate its scratch buffers")
+    for out, target in copies:
+        out.copy_(target)
 
 
 def lora_delta_cpu_native(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> None:
     """Same contract as :func:`~services.gpu_worker.kernels.torch_reference.lora_delta_torch`, on
     CPU tensors of float32/bfloat16/float16; raises RuntimeError when the kernel is unavailable."""
-    library = _load()
-    if library.function is None:
-        raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {library.error}")
-    if not seg.groups:
-        return
-    for name, t in (("x", x), ("pool", pool), ("out", out)):
-        if t.device.type != "cpu" or t.dtype not in DTYPE_CODES:
-            raise ValueError(
-                f"cpu_native: {name} must be a CPU float32/bfloat16/float16 tensor, got {t.dtype}"
-            )
-    if not pool.is_contiguous() or seg.a_offsets.device.type != "cpu":
-        raise ValueError("cpu_native: the pool must be one contiguous CPU buffer with CPU offsets")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    target = out if out.stride(-1) == 1 else out.contiguous()
-    plan = NativePlan.of(seg)
-    status = library.function(
-        x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), x.shape[0],
-        pool.data_ptr(), DTYPE_CODES[pool.dtype],
-        target.data_ptr(), DTYPE_CODES[out.dtype], target.stride(0),
-        seg.in_features, seg.out_features,
-        seg.a_offsets.data_ptr(), seg.b_offsets.data_ptr(),
-        plan.num_groups, plan.plan.data_ptr(), plan.tokens.data_ptr(), plan.scales.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError("cpu_native: the kernel could not allocate its scratch buffers")
-    if target is not out:
-        out.copy_(target)
+    lora_deltas_cpu_native(x, pool, ((seg, out),))

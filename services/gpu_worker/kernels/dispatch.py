@@ -9,10 +9,15 @@ test before that first use still applies to its kernels.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 
-from services.gpu_worker.kernels.cpu_native import lora_delta_cpu_native, native_available
+from services.gpu_worker.kernels.cpu_native import (
+    lora_delta_cpu_native,
+    lora_deltas_cpu_native,
+    native_available,
+)
 from services.gpu_worker.kernels.lora_segments import LoraSegments
 from services.gpu_worker.kernels.padded_bmm import lora_delta_padded_bmm
 from services.gpu_worker.kernels.torch_reference import lora_delta_torch
@@ -36,13 +41,34 @@ def available_backends() -> tuple[str, ...]:
     return tuple(found)
 
 
+def _resolve(backend: str, pool: torch.Tensor) -> str:
+    if backend == "auto":
+        return "triton" if pool.is_cuda else "cpu_native" if native_available() else "torch"
+    return backend
+
+
+def add_lora_deltas(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    problems: Sequence[tuple[LoraSegments, torch.Tensor]],
+    backend: str = "auto",
+) -> None:
+    """:func:`add_lora_delta` for several (segments, out) pairs that read the same ``x`` (q, k and v
+    of one layer): the native CPU kernel serves them in one call, other backends one by one."""
+    backend = _resolve(backend, pool)
+    if backend == "cpu_native":
+        lora_deltas_cpu_native(x, pool, problems)
+    else:
+        for seg, out in problems:
+            add_lora_delta(x, pool, seg, out, backend)
+
+
 def add_lora_delta(
     x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor, backend: str = "auto"
 ) -> None:
     """``out[t] += scales[s] * (x[t] @ A_s^T) @ B_s^T`` for every token of every segment with an
     adapter, in place, with ``backend`` (``auto`` or one of :data:`BACKENDS`)."""
-    if backend == "auto":
-        backend = "triton" if pool.is_cuda else "cpu_native" if native_available() else "torch"
+    backend = _resolve(backend, pool)
     if backend == "torch":
         lora_delta_torch(x, pool, seg, out)
     elif backend == "cpu_native":

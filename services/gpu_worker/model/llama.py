@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.kernels.dispatch import add_lora_delta
+from services.gpu_worker.kernels.dispatch import add_lora_deltas
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.base_matmul import BaseMatmul
 from services.gpu_worker.model.compute_dtype import resolve_compute_dtype
@@ -97,14 +97,14 @@ class LlamaModel:
         normed = (x.float() * torch.rsqrt(variance + self.config.rms_norm_eps)).to(self.compute_dtype)
         return normed * weight.to(self.compute_dtype)
 
-    def _lora(
-        self, batch: StepBatch, layer: int, name: str, x: torch.Tensor, out: torch.Tensor, pool
-    ) -> None:
+    def _lora(self, batch: StepBatch, layer: int, x: torch.Tensor, pool, **outs: torch.Tensor) -> None:
+        """Add the LoRA delta of each named projection (``q_proj=q, ...``) that reads ``x``."""
         if batch.lora is None:
             return
-        segments = batch.lora[layer].get(name)
-        if segments is not None:
-            add_lora_delta(x, pool.buffer, segments, out, backend=batch.lora_backend)
+        per_module = batch.lora[layer]
+        problems = [(per_module[name], out) for name, out in outs.items() if name in per_module]
+        if problems:
+            add_lora_deltas(x, pool.buffer, problems, backend=batch.lora_backend)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, pool: UnifiedPool) -> torch.Tensor:
@@ -117,9 +117,7 @@ class LlamaModel:
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            self._lora(batch, index, "q_proj", h, q, pool)
-            self._lora(batch, index, "k_proj", h, k, pool)
-            self._lora(batch, index, "v_proj", h, v, pool)
+            self._lora(batch, index, h, pool, q_proj=q, k_proj=k, v_proj=v)
             q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), batch.positions)
             k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), batch.positions)
             pool.kv_rows.index_copy_(
@@ -128,17 +126,16 @@ class LlamaModel:
             pool.kv_rows.index_copy_(0, batch.write_value_rows[index], v.to(self.dtype))
             attn = self._attention(q, batch, index, pool)
             o = linear(attn, layer.o)
-            self._lora(batch, index, "o_proj", attn, o, pool)
+            self._lora(batch, index, attn, pool, o_proj=o)
             x = x + o
             h = self._rms_norm(x, layer.post_norm)
             gate_up = linear(h, layer.gate_up)
             gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
             gate, up = gate.contiguous(), up.contiguous()
-            self._lora(batch, index, "gate_proj", h, gate, pool)
-            self._lora(batch, index, "up_proj", h, up, pool)
+            self._lora(batch, index, h, pool, gate_proj=gate, up_proj=up)
             act = F.silu(gate) * up
             down = linear(act, layer.down)
-            self._lora(batch, index, "down_proj", act, down, pool)
+            self._lora(batch, index, act, pool, down_proj=down)
             x = x + down
         last = self._rms_norm(x[batch.logits_rows], self.norm)
         return linear(last, self.lm_head).float()

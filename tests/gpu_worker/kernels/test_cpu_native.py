@@ -14,6 +14,7 @@ import torch
 from test_lora_kernels import ADAPTER_RANKS, Case, make_case
 
 from services.gpu_worker.kernels import cpu_native, dispatch
+from services.gpu_worker.kernels.lora_segments import AdapterRows, LoraSegments
 from services.gpu_worker.kernels.torch_reference import lora_delta_torch
 
 SMOLLM2_FEATURES = ((576, 576), (576, 192), (576, 1536), (1536, 576))
@@ -88,3 +89,88 @@ def test_failed_build_names_the_compiler_error_and_auto_falls_back_to_torch(
     close_to_reference(got, case, case.run(lora_delta_torch))
     with pytest.raises(RuntimeError, match="unavailable"):
         case.run(cpu_native.lora_delta_cpu_native)
+
+
+def decode_round_robin(tokens_per_adapter: int, in_f: int, out_f: int, dtype: torch.dtype, **kw) -> Case:
+    """A decode batch where every test adapter has ``tokens_per_adapter`` tokens, interleaved, and
+    every sixth token has no adapter."""
+    n = tokens_per_adapter * len(ADAPTER_RANKS)
+    ids = [i % len(ADAPTER_RANKS) for i in range(n)]
+    ids[5::6] = [None] * len(ids[5::6])
+    return make_case((1,) * n, tuple(ids), in_f, out_f, dtype, **kw)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens_per_adapter", [2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("in_f,out_f", [(576, 1536), (100, 37), (48, 200)])
+def test_decode_groups_of_every_size_match_reference(
+    tokens_per_adapter: int, in_f: int, out_f: int, pool_dtype
+):
+    # Groups of 1-2 tokens stream their rows; 3-16 use register tiles of 4 tokens (5 and 7 leave
+    # partial tiles); 100, 37 and 200 are not multiples of the tiles' 16-element chunks.
+    case = decode_round_robin(tokens_per_adapter, in_f, out_f, pool_dtype, x_dtype=torch.float32)
+    case.out0 = case.out0.float()
+    close_to_reference(case.run(cpu_native.lora_delta_cpu_native), case, case.run(lora_delta_torch))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_register_tiles_round_half_outputs_once(out_dtype) -> None:
+    case = decode_round_robin(4, 192, 80, out_dtype, x_dtype=torch.float32)
+    close_to_reference(case.run(cpu_native.lora_delta_cpu_native), case, case.run(lora_delta_torch))
+
+
+def scattered_segments(
+    in_f: int, out_features: tuple[int, ...], ranks: tuple[int, ...], tokens_per_adapter: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, list[LoraSegments]]:
+    """One pool holding adapters of ``ranks`` for each output width (rows in random order), x, and
+    one decode batch per width in which every adapter has ``tokens_per_adapter`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(len(out_features) * sum(ranks) * (in_f + max(out_features)) + 7, generator=g)
+    order = [i % len(ranks) for i in range(tokens_per_adapter * len(ranks))]
+    offset, segments = 7, []
+    for out_f in out_features:
+        adapters = []
+        for r in ranks:
+            a_off = offset + in_f * torch.randperm(r, generator=g)
+            offset += r * in_f
+            b_off = offset + out_f * torch.randperm(r, generator=g)
+            offset += r * out_f
+            adapters.append(AdapterRows(a_off.long(), b_off.long()))
+        scales = [0.5 + i / 8 for i in order]
+        segments.append(
+            LoraSegments.build([1] * len(order), [adapters[i] for i in order], scales, in_f, out_f, "cpu")
+        )
+    return pool, torch.randn(len(order), in_f, generator=g), segments
+
+
+def test_odd_ranks_in_register_tiles() -> None:
+    # Tiles take A rows two at a time: ranks 3, 5, 1 and 7 leave a row over.
+    pool, x, (seg,) = scattered_segments(64, (48,), (3, 5, 1, 7), tokens_per_adapter=4, seed=3)
+    expected, got = torch.zeros(x.shape[0], 48), torch.zeros(x.shape[0], 48)
+    lora_delta_torch(x, pool, seg, expected)
+    cpu_native.lora_delta_cpu_native(x, pool, seg, got)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_one_call_serves_several_projections_of_one_input(pool_dtype) -> None:
+    # q, k and v read the same x: one call with three (segments, out) pairs, as the model makes it.
+    pool, x, segments = scattered_segments(576, (576, 192, 37), (8, 16, 32, 64), tokens_per_adapter=4, seed=1)
+    pool = pool.to(pool_dtype)
+    outs = [torch.randn(x.shape[0], seg.out_features) for seg in segments]
+    expected = [out.clone() for out in outs]
+    cpu_native.lora_deltas_cpu_native(x, pool, list(zip(segments, outs)))
+    for seg, out, before in zip(segments, outs, expected):
+        reference = before.clone()
+        lora_delta_torch(x, pool, seg, reference)
+        # Both sum in fp32 and differ only in order: within 1e-5 of the largest delta.
+        delta = (reference - before).abs().max().item()
+        torch.testing.assert_close(out, reference, atol=1e-5 * delta, rtol=0)
+
+
+def test_problems_of_one_call_must_share_the_input_width() -> None:
+    pool, x, (wide,) = scattered_segments(96, (64,), (8, 16), tokens_per_adapter=3, seed=2)
+    _, _, (narrow,) = scattered_segments(64, (64,), (8, 16), tokens_per_adapter=3, seed=2)
+    out = torch.zeros(x.shape[0], 64)
+    with pytest.raises(ValueError, match="same x"):
+        cpu_native.lora_deltas_cpu_native(x, pool, [(wide, out), (narrow, out.clone())])
