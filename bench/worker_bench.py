@@ -25,10 +25,12 @@ this one run; no timing is asserted anywhere. Results: a markdown table on stdou
    engine's CPU default), ``torch`` (the torch gather path, by runs of rows) and ``padded_bmm``
    (S-LoRA's bmm ablation baseline).
 
-For 2 and 3 one engine per k (and one without adapters) is prefilled, then the engines are
-stepped in rounds: each round steps every engine twice, the adapter engines once per backend
-(the order alternating between rounds), so every figure compared comes from interleaved steps
-at the same context length. The backend is switched between steps through the engine's step
+For 2 and 3 one engine per k and a twin without adapters are prefilled, then stepped in rounds:
+each round steps every adapter engine once per backend (the order alternating between rounds),
+each step right after a step of its twin at the same context length. The extra time is the
+median over rounds of (adapter step - twin step): the host drifts between a fast and a slow
+regime on a scale of tens of seconds, which medians of separately taken steps would mix. The
+backend is switched between steps through the engine's step
 builder (``engine.builder.lora_backend``, set from ``EngineConfig.lora_backend``). Finally decode
 steps without adapters and with the largest k are profiled (torch.profiler).
 
@@ -220,6 +222,8 @@ class EngineRun:
     engine: Engine
     prefill_s: float
     steps: dict[str, Steps] = field(default_factory=dict)
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    """Per backend: each step's time minus that of the no-adapter twin's step just before it."""
     monitor: CpuMonitor = field(default_factory=CpuMonitor)
 
     @classmethod
@@ -431,19 +435,30 @@ def make_adapters(count: int, dtype: torch.dtype, root: Path) -> list[HostAdapte
     return adapters
 
 
+def twin(name: str) -> str:
+    """Name of the no-adapter engine stepped right before engine ``name`` (same context length)."""
+    return f"{name}-base"
+
+
 def adapter_rounds(
     loaded, model, prompts, adapters, ks: list[int], warmup: int, rounds: int, budget: dict, log
 ) -> dict[str, EngineRun]:
+    """One engine per k with adapters, each with a twin without adapters. Every adapter step is
+    taken right after a step of its twin, so each extra time is a difference of two steps a
+    fraction of a second apart at the same context length: this host drifts between a fast and
+    a slow regime (the same no-adapter step 130 vs 200 ms) on a scale of tens of seconds, and
+    medians of separately taken steps mixed the regimes (a k = 8 extra of 73 ms when the paired
+    steps differ by 18 ms)."""
     # Never finished while measured: one step per backend per round, then one per profile.
     max_tokens = len(BACKENDS) * (warmup + rounds) + len(BACKENDS) + 4
     kv_mib = 128  # 32 requests x ~100 tokens x 30 layers x K+V of 192 bf16 values is ~70 MB
-    runs = {"k0": EngineRun.start("k0", model, loaded, prompts, max_tokens, [], kv_mib)}
-    log(f"  prefilled k0 in {runs['k0'].prefill_s:.1f} s")
+    runs: dict[str, EngineRun] = {}
     for k in ks:
-        chosen = adapters[:k]
+        name, chosen = f"k{k}", adapters[:k]
+        runs[twin(name)] = EngineRun.start(twin(name), model, loaded, prompts, max_tokens, [], kv_mib)
         mib = kv_mib + 1.3 * sum(a.nbytes for a in chosen) / 2**20
-        runs[f"k{k}"] = EngineRun.start(f"k{k}", model, loaded, prompts, max_tokens, chosen, mib)
-        log(f"  prefilled k{k} in {runs[f'k{k}'].prefill_s:.1f} s")
+        runs[name] = EngineRun.start(name, model, loaded, prompts, max_tokens, chosen, mib)
+        log(f"  prefilled {name} and its twin in {runs[name].prefill_s + runs[twin(name)].prefill_s:.1f} s")
     for r in range(warmup + rounds):
         record = r >= warmup
         if record:
@@ -451,9 +466,13 @@ def adapter_rounds(
         order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
         monitor = CpuMonitor()
         t = time.perf_counter()
-        for name, run in runs.items():
-            for backend in (NO_ADAPTER, NO_ADAPTER) if name == "k0" else order:
-                run.step(backend, record)
+        for k in ks:
+            run, base = runs[f"k{k}"], runs[twin(f"k{k}")]
+            for backend in order:
+                base_s = base.step(NO_ADAPTER, record)
+                step_s = run.step(backend, record)
+                if record:
+                    run.extra.setdefault(backend, []).append(step_s - base_s)
         log(
             f"  round {r + 1}/{warmup + rounds}{'' if record else ' (warm-up)'}: "
             f"{time.perf_counter() - t:.1f} s, other processes used {100 * monitor.total():.0f}% CPU"
@@ -464,11 +483,12 @@ def adapter_rounds(
 def adapter_figures(runs: dict[str, EngineRun], adapters, ks, bandwidth_gb_s: float) -> tuple[list, list]:
     """Part 2 (every backend's extra step time against the bound) and part 3 (gather backends
     against padded bmm)."""
-    base_ms = 1e3 * runs["k0"].steps[NO_ADAPTER].median()
     overhead, backends = [], []
     for k in ks:
-        run = runs[f"k{k}"]
+        run, base = runs[f"k{k}"], runs[twin(f"k{k}")]
+        base_ms = 1e3 * base.steps[NO_ADAPTER].median()
         step_ms = {backend: 1e3 * run.steps[backend].median() for backend in BACKENDS}
+        extra_ms = {backend: 1e3 * statistics.median(run.extra[backend]) for backend in BACKENDS}
         nbytes = sum(a.nbytes for a in adapters[:k])
         bound_ms = 1e3 * nbytes / (bandwidth_gb_s * 1e9)
         for backend in BACKENDS:
@@ -479,17 +499,17 @@ def adapter_figures(runs: dict[str, EngineRun], adapters, ks, bandwidth_gb_s: fl
                     "ranks": sorted({a.max_rank for a in adapters[:k]}),
                     "base_step_ms": base_ms,
                     "step_ms": step_ms[backend],
-                    "extra_ms": step_ms[backend] - base_ms,
+                    "extra_ms": extra_ms[backend],
                     "adapter_mb": nbytes / 1e6,
                     "bound_ms": bound_ms,
-                    "extra_over_bound": (step_ms[backend] - base_ms) / bound_ms,
+                    "extra_over_bound": extra_ms[backend] / bound_ms,
                 }
             )
         backends.append(
             {
                 "k": k,
                 **{f"{backend}_step_ms": step_ms[backend] for backend in BACKENDS},
-                **{f"{backend}_extra_ms": step_ms[backend] - base_ms for backend in BACKENDS},
+                **{f"{backend}_extra_ms": extra_ms[backend] for backend in BACKENDS},
                 **{f"bmm_over_{backend}": step_ms["padded_bmm"] / step_ms[backend] for backend in GATHER},
             }
         )
@@ -617,7 +637,10 @@ def markdown(result: dict) -> str:
             f"({result['rounds']} interleaved steps per figure; `{BACKENDS[0]}` is the engine's default)"
         ),
         "",
-        "| k adapters | backend | step ms | no-adapter step ms | extra ms | adapter MB | bound ms | extra / bound |",
+        (
+            "| k adapters | backend | step ms | no-adapter step ms | extra ms (median of paired steps) "
+            "| adapter MB | bound ms | extra / bound |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["adapter_overhead"]:
@@ -736,7 +759,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_profile:
         log("profiling decode steps")
         biggest = f"k{max(ks)}"
-        targets = [("no adapter", "k0", NO_ADAPTER), (f"{biggest} cpu_native", biggest, "cpu_native")]
+        targets = [
+            ("no adapter", twin(biggest), NO_ADAPTER),
+            (f"{biggest} cpu_native", biggest, "cpu_native"),
+        ]
         if not args.quick:
             targets += [
                 (f"{biggest} torch", biggest, "torch"),

@@ -181,6 +181,8 @@ class NativePlan:
     def of(cls, seg: LoraSegments) -> NativePlan:
         cached = seg.derived.get("native_plan")
         if cached is None:
+            if seg.a_offsets.device.type != "cpu":
+                raise ValueError("cpu_native: the segments' row offsets must be CPU tensors")
             groups = seg.groups
             tokens = [t for g in groups for start, end in g.token_ranges for t in range(start, end)]
             token_starts = [0]
@@ -205,49 +207,53 @@ class NativePlan:
         return cached
 
 
-def _check_cpu_float(name: str, t: torch.Tensor) -> None:
-    if t.device.type != "cpu" or t.dtype not in DTYPE_CODES:
+def _dtype_code(name: str, t: torch.Tensor) -> int:
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None or not t.is_cpu:
         raise ValueError(f"cpu_native: {name} must be a CPU float32/bfloat16/float16 tensor, got {t.dtype}")
+    return code
 
 
 def lora_deltas_cpu_native(
     x: torch.Tensor, pool: torch.Tensor, problems: Sequence[tuple[LoraSegments, torch.Tensor]]
 ) -> None:
     """:func:`lora_delta_cpu_native` for several (segments, out) pairs that share ``x`` (q, k and
-    v of one layer), in one call: one ctypes call and one OpenMP region instead of one each."""
-    library = _load()
-    if library.function is None:
-        raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {library.error}")
-    problems = [(seg, out) for seg, out in problems if seg.groups]
-    if not problems:
-        return
-    _check_cpu_float("x", x)
-    _check_cpu_float("pool", pool)
+    v of one layer), in one call: one ctypes call and one OpenMP region instead of one each.
+
+    It runs once per layer and projection group of every step, so it is kept lean: checks that
+    depend only on the segments are made once, in :meth:`NativePlan.of`. Not for concurrent calls
+    with the same segments: a call writes its ``out`` into the segments' cached C struct."""
+    function = _load().function
+    if function is None:
+        raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {native_error()}")
+    x_code, pool_code = _dtype_code("x", x), _dtype_code("pool", pool)
     if not pool.is_contiguous():
         raise ValueError("cpu_native: the pool must be one contiguous CPU buffer")
-    in_features = problems[0][0].in_features
+    in_features = problems[0][0].in_features if problems else 0
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"cpu_native: x must be [tokens, {in_features}], got {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     pointers = (ctypes.c_void_p * len(problems))()
-    copies = []
-    for i, (seg, out) in enumerate(problems):
-        _check_cpu_float("out", out)
-        if seg.in_features != in_features or seg.a_offsets.device.type != "cpu":
-            raise ValueError("cpu_native: every problem of one call reads the same x, with CPU offsets")
+    count, copies = 0, []
+    for seg, out in problems:
+        if seg.in_features != in_features:
+            raise ValueError("cpu_native: every problem of one call must read the same x")
+        if not seg.groups:
+            continue
+        out_code = _dtype_code("out", out)
         target = out if out.stride(-1) == 1 else out.contiguous()
         if target is not out:
             copies.append((out, target))
         problem = NativePlan.of(seg).problem
-        problem.out = target.data_ptr()
-        problem.out_dtype = DTYPE_CODES[target.dtype]
-        problem.out_stride = target.stride(0)
-        pointers[i] = ctypes.addressof(problem)
-    status = library.function(
-        x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), x.shape[0], in_features,
-        pool.data_ptr(), DTYPE_CODES[pool.dtype],
-        pointers, len(problems), torch.get_num_threads(),
+        problem.out, problem.out_dtype, problem.out_stride = target.data_ptr(), out_code, target.stride(0)
+        pointers[count] = ctypes.addressof(problem)
+        count += 1
+    if count == 0:
+        return
+    status = function(
+        x.data_ptr(), x_code, x.stride(0), x.shape[0], in_features,
+        pool.data_ptr(), pool_code, pointers, count, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("cpu_native: the kernel could not allocate its scratch buffers")
