@@ -538,32 +538,94 @@ typedef struct {
     int64_t work;    /* multiply-adds */
 } group_ref;
 
+/* A two-phase work item: shrink (group, first token, first rank row) or expand (group, first
+ * column, width). */
+typedef struct {
+    const group_ref *ref;
+    int64_t start, extent;
+} item;
+
 static int by_work_desc(const void *p, const void *q) {
     int64_t a = (*(const group_ref *const *)p)->work, b = (*(const group_ref *const *)q)->work;
     return (a < b) - (a > b);
+}
+
+/* ---- scratch memory ------------------------------------------------------------------------------
+ * Each thread keeps grow-only arenas across calls: a decode step makes ~120 calls, and buffers of
+ * ~100 KB malloc'd and freed in every call went back to the OS and were faulted in again. An
+ * arena is never freed: it is as big as the largest call needed, and OpenMP threads live as long
+ * as the process. */
+typedef struct {
+    char *base;
+    size_t size, used;
+} arena;
+
+static __thread arena plan_arena, work_arena;
+
+#define ARENA_ALIGN 64
+#define ARENA_BYTES(n, type) ((((size_t)(n) * sizeof(type)) + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN)
+
+/* Empty the arena and make room for `bytes`; -1 when out of memory. */
+static int arena_reset(arena *a, size_t bytes) {
+    a->used = 0;
+    if (a->size >= bytes) return 0;
+    free(a->base);
+    a->base = aligned_alloc(ARENA_ALIGN, bytes);
+    a->size = a->base ? bytes : 0;
+    return a->base ? 0 : -1;
+}
+
+/* The next ARENA_BYTES(n, type) of an arena reset for at least that much more. */
+#define ARENA_TAKE(a, n, type) ((type *)arena_take((a), ARENA_BYTES(n, type)))
+static void *arena_take(arena *a, size_t bytes) {
+    void *p = a->base + a->used;
+    a->used += bytes;
+    return p;
 }
 
 /* The delta of every problem, for x rows of `in` elements (x_stride apart). Returns 0, or -1 when
  * out of memory. */
 int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, int64_t in, const void *pool,
                int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads) {
-    int64_t G = 0;
-    for (int p = 0; p < num_problems; p++) G += problems[p]->num_groups;
-    if (G == 0) return 0;
-    group_ref *refs = malloc(sizeof(group_ref) * G);
-    if (!refs) return -1;
-
-    int64_t max_rank = 0, max_out = 0, work = 0, n_decode = 0, k = 0;
+    /* Sizes first (work lists at their largest, as if nothing were fused), then one arena. */
+    int64_t G = 0, max_rank = 0, max_out = 0, work = 0, n_decode = 0, max_shrink = 0, max_expand = 0, max_h = 0;
     for (int p = 0; p < num_problems; p++) {
         const lora_problem *pr = problems[p];
         const int64_t *plan = pr->plan, Gp = pr->num_groups;
         if (pr->out_features > max_out) max_out = pr->out_features;
+        for (int64_t g = 0; g < Gp; g++) {
+            int64_t r = plan[Gp + g] - plan[g], n = plan[2 * Gp + g + 1] - plan[2 * Gp + g];
+            G++;
+            if (r > max_rank) max_rank = r;
+            work += r * n * (in + pr->out_features);
+            n_decode += n <= STREAM_TOKENS;
+            max_shrink += ((n + TOKEN_TILE - 1) / TOKEN_TILE) * ((r + CHUNK_ROWS - 1) / CHUNK_ROWS);
+            max_expand += (pr->out_features + COL_BLOCK - 1) / COL_BLOCK;
+            max_h += r * n;
+        }
+    }
+    if (G == 0) return 0;
+    size_t plan_bytes = ARENA_BYTES(G, group_ref) + ARENA_BYTES(max_shrink, item) + ARENA_BYTES(max_expand, item) +
+                        ARENA_BYTES(G, group_ref *) + ARENA_BYTES(max_h, float) +
+                        ARENA_BYTES(num_tokens, float *) +
+                        (x_dtype == DT_F32 ? 0 : ARENA_BYTES(num_tokens * in, float));
+    if (arena_reset(&plan_arena, plan_bytes)) return -1;
+    group_ref *refs = ARENA_TAKE(&plan_arena, G, group_ref);
+    item *shrink_items = ARENA_TAKE(&plan_arena, max_shrink, item);
+    item *expand_items = ARENA_TAKE(&plan_arena, max_expand, item);
+    const group_ref **fused = ARENA_TAKE(&plan_arena, G, const group_ref *);
+    float *h = ARENA_TAKE(&plan_arena, max_h, float);
+    /* x rows as fp32: pointers into x itself, or into a widened copy. */
+    const float **x_rows = ARENA_TAKE(&plan_arena, num_tokens, const float *);
+    float *x_wide = x_dtype == DT_F32 ? NULL : ARENA_TAKE(&plan_arena, num_tokens * in, float);
+
+    int64_t k = 0;
+    for (int p = 0; p < num_problems; p++) {
+        const lora_problem *pr = problems[p];
+        const int64_t *plan = pr->plan, Gp = pr->num_groups;
         for (int64_t g = 0; g < Gp; g++, k++) {
             int64_t r = plan[Gp + g] - plan[g], n = plan[2 * Gp + g + 1] - plan[2 * Gp + g];
             refs[k] = (group_ref){pr, g, r, n, 0, r * n * (in + pr->out_features)};
-            if (r > max_rank) max_rank = r;
-            work += refs[k].work;
-            n_decode += n <= STREAM_TOKENS;
         }
     }
     if (work < PARALLEL_MIN_WORK) num_threads = 1;
@@ -585,27 +647,6 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
         h_size += r * n;
         n_shrink += ((n + TOKEN_TILE - 1) / TOKEN_TILE) * ((r + CHUNK_ROWS - 1) / CHUNK_ROWS);
         n_expand += (out_f + (stream ? STREAM_COLS : COL_BLOCK) - 1) / (stream ? STREAM_COLS : COL_BLOCK);
-    }
-    /* Work items: shrink (group, first token, first rank row), expand (group, first column, width). */
-    typedef struct {
-        const group_ref *ref;
-        int64_t start, extent;
-    } item;
-    item *shrink_items = malloc(sizeof(item) * (n_shrink ? n_shrink : 1));
-    item *expand_items = malloc(sizeof(item) * (n_expand ? n_expand : 1));
-    const group_ref **fused = malloc(sizeof(group_ref *) * (n_fused ? n_fused : 1));
-    float *h = malloc(sizeof(float) * (h_size ? h_size : 1));
-    /* x rows as fp32: pointers into x itself, or into a widened copy. */
-    const float **x_rows = malloc(sizeof(float *) * (num_tokens ? num_tokens : 1));
-    float *x_wide = NULL;
-    int ok = shrink_items && expand_items && fused && h && x_rows;
-    if (ok && x_dtype != DT_F32) {
-        x_wide = malloc(sizeof(float) * (num_tokens ? num_tokens : 1) * in);
-        ok = x_wide != NULL;
-    }
-    if (!ok) {
-        free(refs), free(shrink_items), free(expand_items), free(fused), free(h), free(x_rows), free(x_wide);
-        return -1;
     }
     int64_t s_item = 0, e_item = 0, f_item = 0;
     for (int64_t i = 0; i < G; i++) {
@@ -631,19 +672,29 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         const int64_t rank_room = max_rank ? max_rank : 1;
-        float *a_buf = malloc(sizeof(float) * SHRINK_ROWS * in);
-        float *b_buf = malloc(sizeof(float) * rank_room * COL_BLOCK);
-        float *sums = malloc(sizeof(float) * STREAM_TOKENS * STREAM_COLS);
-        float *h_fused = malloc(sizeof(float) * STREAM_TOKENS * rank_room);
-        const float **xs = malloc(sizeof(float *) * TOKEN_TILE);
-        tile_scratch tiles = {malloc(sizeof(float) * STREAM_TOKENS * in), h_fused,
-                              malloc(sizeof(float) * STREAM_TOKENS * max_out), malloc(sizeof(char *) * rank_room)};
-        float acc_out[COL_BLOCK];
-        int mine_ok = a_buf && b_buf && sums && h_fused && xs && tiles.x && tiles.sums && tiles.rows;
-        if (!mine_ok) {
+        size_t work_bytes = ARENA_BYTES(SHRINK_ROWS * in, float) + ARENA_BYTES(rank_room * COL_BLOCK, float) +
+                            ARENA_BYTES(STREAM_TOKENS * STREAM_COLS, float) +
+                            ARENA_BYTES(STREAM_TOKENS * rank_room, float) + ARENA_BYTES(TOKEN_TILE, float *) +
+                            ARENA_BYTES(STREAM_TOKENS * in, float) + ARENA_BYTES(STREAM_TOKENS * max_out, float) +
+                            ARENA_BYTES(rank_room, char *);
+        int mine_ok = arena_reset(&work_arena, work_bytes) == 0;
+        float *a_buf = NULL, *b_buf = NULL, *sums = NULL, *h_fused = NULL;
+        const float **xs = NULL;
+        tile_scratch tiles = {0};
+        if (mine_ok) {
+            a_buf = ARENA_TAKE(&work_arena, SHRINK_ROWS * in, float);
+            b_buf = ARENA_TAKE(&work_arena, rank_room * COL_BLOCK, float);
+            sums = ARENA_TAKE(&work_arena, STREAM_TOKENS * STREAM_COLS, float);
+            h_fused = ARENA_TAKE(&work_arena, STREAM_TOKENS * rank_room, float);
+            xs = ARENA_TAKE(&work_arena, TOKEN_TILE, const float *);
+            tiles = (tile_scratch){ARENA_TAKE(&work_arena, STREAM_TOKENS * in, float), h_fused,
+                                   ARENA_TAKE(&work_arena, STREAM_TOKENS * max_out, float),
+                                   ARENA_TAKE(&work_arena, rank_room, const char *)};
+        } else {
 #pragma omp atomic write
             failed = 1;
         }
+        float acc_out[COL_BLOCK];
 
         if (x_dtype != DT_F32) {
 #pragma omp for schedule(static)
@@ -747,9 +798,6 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
                 }
             }
         }
-        free(a_buf), free(b_buf), free(sums), free(h_fused), free(xs), free(tiles.x), free(tiles.sums),
-            free(tiles.rows);
     }
-    free(refs), free(shrink_items), free(expand_items), free(fused), free(h), free(x_rows), free(x_wide);
     return failed ? -1 : 0;
 }
