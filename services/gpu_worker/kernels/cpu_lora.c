@@ -312,6 +312,7 @@ static void stream_expand(const void *pool, int pool_dtype, const int64_t *b_off
 #define TILE_TOKENS 4 /* tokens per register tile */
 #define TILE_ROWS 2   /* A rows per shrink tile: 2 x 4 sums, 2 widened chunks, x from L1 */
 #define LINE 64       /* cache line bytes */
+#define EXPAND_HEAD_LINES 2 /* lines of each B^T row prefetched while the shrink runs */
 
 typedef uint32_t v8u32_u __attribute__((vector_size(32), aligned(2)));
 
@@ -466,6 +467,10 @@ static void tile_group(const void *pool, int pool_dtype, const int64_t *a_off, c
             a[i] = (const char *)pool + a_off[j + (i < nr ? i : 0)] * es;
             next[i] = nj < r ? (const void *)((const char *)pool + a_off[nj] * es) : s->rows[(nj - r) % r];
         }
+        /* The first lines of the expand's rows, spread over the shrink: the expand starts on all
+         * r rows at once (k = 8 bf16 step in C: 7.9 -> 7.6 ms). */
+        for (int64_t b = j; b < r && b < j + TILE_ROWS; b++)
+            for (int l = 0; l < EXPAND_HEAD_LINES; l++) __builtin_prefetch(s->rows[b] + l * LINE);
         for (int64_t t0 = 0; t0 < n; t0 += TILE_TOKENS) {
             int nt = (int)(n - t0 < TILE_TOKENS ? n - t0 : TILE_TOKENS);
             float d[TILE_ROWS * TILE_TOKENS];
