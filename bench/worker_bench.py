@@ -20,7 +20,9 @@ this one run; no timing is asserted anywhere. Results: a markdown table on stdou
 2. Adapter overhead: batch 32 decode with k = 1, 8, 32 distinct adapters (ranks 8/16/32/64
    round-robin, all seven projections, bf16), requests spread round-robin over the k adapters.
    The extra step time over the no-adapter step time is set against a bound: the bytes of the k
-   adapters' weights (each read once per decode step) / the read bandwidth measured here.
+   adapters' weights (each read once per decode step) / the read bandwidth measured at the start.
+   A second ratio takes each round's extra against the bandwidth read in that round (a 256 MiB
+   ``sum`` right before the engine's steps), since the host's speed drifts during the run.
 3. The same batches with each LoRA backend side by side: ``cpu_native`` (the C kernel, the
    engine's CPU default), ``torch`` (the torch gather path, by runs of rows) and ``padded_bmm``
    (S-LoRA's bmm ablation baseline).
@@ -74,6 +76,8 @@ GATHER = ("cpu_native", "torch")
 NATIVE_LABEL = "loramesh::lora_cpu_native"
 """Profiler range around each native kernel call (its self time is the kernel's)."""
 NO_ADAPTER = "auto"
+ROUND_PROBE_MIB = 256
+"""A read of this many MiB before each engine's steps of a round measures that round's bandwidth."""
 """Backend name the no-adapter engines step with (there is no LoRA work to dispatch)."""
 DEFAULT_OUT = Path(__file__).parent / "results" / "worker_bench.json"
 QUIET = 0.10
@@ -224,6 +228,8 @@ class EngineRun:
     steps: dict[str, Steps] = field(default_factory=dict)
     extra: dict[str, list[float]] = field(default_factory=dict)
     """Per backend: each step's time minus that of the no-adapter twin's step just before it."""
+    round_bandwidth: list[float] = field(default_factory=list)
+    """Read bandwidth (GB/s) measured right before this engine's steps of each recorded round."""
     monitor: CpuMonitor = field(default_factory=CpuMonitor)
 
     @classmethod
@@ -459,6 +465,8 @@ def adapter_rounds(
         mib = kv_mib + 1.3 * sum(a.nbytes for a in chosen) / 2**20
         runs[name] = EngineRun.start(name, model, loaded, prompts, max_tokens, chosen, mib)
         log(f"  prefilled {name} and its twin in {runs[name].prefill_s + runs[twin(name)].prefill_s:.1f} s")
+    probe = torch.ones(ROUND_PROBE_MIB * 2**20 // 4)
+    probe.sum()
     for r in range(warmup + rounds):
         record = r >= warmup
         if record:
@@ -468,6 +476,10 @@ def adapter_rounds(
         t = time.perf_counter()
         for k in ks:
             run, base = runs[f"k{k}"], runs[twin(f"k{k}")]
+            if record:
+                start = time.perf_counter()
+                probe.sum()
+                run.round_bandwidth.append(probe.numel() * 4 / (time.perf_counter() - start) / 1e9)
             for backend in order:
                 base_s = base.step(NO_ADAPTER, record)
                 step_s = run.step(backend, record)
@@ -491,6 +503,13 @@ def adapter_figures(runs: dict[str, EngineRun], adapters, ks, bandwidth_gb_s: fl
         extra_ms = {backend: 1e3 * statistics.median(run.extra[backend]) for backend in BACKENDS}
         nbytes = sum(a.nbytes for a in adapters[:k])
         bound_ms = 1e3 * nbytes / (bandwidth_gb_s * 1e9)
+        # The same ratio with each round's extra against a bound from that round's bandwidth.
+        same_round = {
+            backend: statistics.median(
+                extra * gb_s * 1e9 / nbytes for extra, gb_s in zip(run.extra[backend], run.round_bandwidth)
+            )
+            for backend in BACKENDS
+        }
         for backend in BACKENDS:
             overhead.append(
                 {
@@ -503,6 +522,8 @@ def adapter_figures(runs: dict[str, EngineRun], adapters, ks, bandwidth_gb_s: fl
                     "adapter_mb": nbytes / 1e6,
                     "bound_ms": bound_ms,
                     "extra_over_bound": extra_ms[backend] / bound_ms,
+                    "round_bandwidth_gb_s": statistics.median(run.round_bandwidth),
+                    "extra_over_same_round_bound": same_round[backend],
                 }
             )
         backends.append(
@@ -639,16 +660,17 @@ def markdown(result: dict) -> str:
         "",
         (
             "| k adapters | backend | step ms | no-adapter step ms | extra ms (median of paired steps) "
-            "| adapter MB | bound ms | extra / bound |"
+            "| adapter MB | bound ms | extra / bound | extra / bound of the same round (GB/s) |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["adapter_overhead"]:
         target = " (target ≤ 2)" if row["k"] >= 8 and row["backend"] == BACKENDS[0] else ""
         lines.append(
             f"| {row['k']} | {row['backend']} | {row['step_ms']:.0f} | {row['base_step_ms']:.0f} | "
             f"{row['extra_ms']:.1f} | {row['adapter_mb']:.1f} | {row['bound_ms']:.2f} | "
-            f"{row['extra_over_bound']:.1f}{target} |"
+            f"{row['extra_over_bound']:.2f}{target} | {row['extra_over_same_round_bound']:.2f} "
+            f"({row['round_bandwidth_gb_s']:.1f}) |"
         )
     lines += [
         "",
