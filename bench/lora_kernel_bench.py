@@ -1,13 +1,13 @@
 """The native CPU LoRA kernel alone, on one decode step's worth of calls (issue 3).
 
     PYTHONPATH=. .venv/bin/python bench/lora_kernel_bench.py                  # k = 8 and 32, bf16
-    PYTHONPATH=. .venv/bin/python bench/lora_kernel_bench.py --k 8 --tokens-per-adapter 4 --dtype float32
+    PYTHONPATH=. .venv/bin/python bench/lora_kernel_bench.py --k 8 --batch 64 --dtype float32
 
-SmolLM2-135M's shapes: 30 layers of the seven projections, issued as the model issues them (one
-call for q/k/v, one for o, one for gate/up, one for down: 120 calls). k adapters of ranks
-8/16/32/64 round-robin, each with ``--tokens-per-adapter`` decode tokens (batch 32 by default:
-4 tokens at k = 8, 1 at k = 32), their rows laid out one (layer, projection) after another as the
-unified pool places them. Before every timed step a 64 MiB buffer is rewritten, so the adapters
+The default base model's shapes (SmolLM2-135M: 30 layers of seven projections), issued as the
+model issues them (one call for q/k/v, one for o, one for gate/up, one for down: 120 calls).
+k adapters of ranks 8/16/32/64 round-robin share ``--batch`` decode tokens (32: 4 tokens each at
+k = 8, 1 at k = 32), their rows laid out one (layer, projection) after another as the unified
+pool places them. Before every timed step a 64 MiB buffer is rewritten, so the adapters
 (147-586 MB in bf16) come from memory, as in a decode step where the base model's weights pass
 through the caches in between. Prints the median step time, the bytes read per second and the
 arithmetic rate. No engine, so this isolates the kernel and its Python call from the rest of a step.
@@ -23,37 +23,30 @@ import torch
 
 from services.gpu_worker.kernels.cpu_native import lora_deltas_cpu_native, native_available, native_error
 from services.gpu_worker.kernels.lora_segments import AdapterRows, LoraSegments
+from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
 
-HIDDEN, INTERMEDIATE, KV = 576, 1536, 192
-PROJECTIONS = {
-    "q_proj": (HIDDEN, HIDDEN),
-    "k_proj": (HIDDEN, KV),
-    "v_proj": (HIDDEN, KV),
-    "o_proj": (HIDDEN, HIDDEN),
-    "gate_proj": (HIDDEN, INTERMEDIATE),
-    "up_proj": (HIDDEN, INTERMEDIATE),
-    "down_proj": (INTERMEDIATE, HIDDEN),
-}
 CALLS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 """The projections the model serves in one call each: those that read the same input."""
-LAYERS = 30
 RANKS = (8, 16, 32, 64)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def decode_step(k: int, tokens_per_adapter: int, dtype: torch.dtype) -> tuple[torch.Tensor, list, int]:
-    """The pool, the calls of one decode step ``(x, [(segments, out), ...])`` and the multiply-adds."""
+    """The pool, the calls of one decode step ``(x, [(segments, out), ...])`` and the multiply-adds,
+    at the default base model's shapes."""
+    spec = load_base_model_spec()
+    projections = {module: spec.projection_shape(module) for module in LORA_TARGETS}
     ranks = [RANKS[i % len(RANKS)] for i in range(k)]
-    total = LAYERS * sum(r * (i + o) for r in ranks for i, o in PROJECTIONS.values())
+    total = spec.num_layers * sum(r * (i + o) for r in ranks for i, o in projections.values())
     pool = (torch.randn(total) * 0.02).to(dtype)
     batch = k * tokens_per_adapter
     order = [t % k for t in range(batch)]  # requests spread round-robin over the adapters
-    inputs = {width: torch.randn(batch, width) for width in (HIDDEN, INTERMEDIATE)}
-    outs = {name: torch.zeros(batch, o) for name, (_, o) in PROJECTIONS.items()}
+    inputs = {in_f: torch.randn(batch, in_f) for in_f, _ in projections.values()}
+    outs = {name: torch.zeros(batch, o) for name, (_, o) in projections.items()}
     offset, calls = 0, []
-    for _ in range(LAYERS):
+    for _ in range(spec.num_layers):
         segments = {}
-        for name, (in_f, out_f) in PROJECTIONS.items():
+        for name, (in_f, out_f) in projections.items():
             rows = []
             for r in ranks:
                 a = offset + in_f * torch.arange(r)
@@ -65,7 +58,7 @@ def decode_step(k: int, tokens_per_adapter: int, dtype: torch.dtype) -> tuple[to
                 [1] * batch, [rows[i] for i in order], [0.5] * batch, in_f, out_f, "cpu"
             )
         for names in CALLS:
-            x = inputs[PROJECTIONS[names[0]][0]]
+            x = inputs[projections[names[0]][0]]
             calls.append((x, [(segments[n], outs[n]) for n in names]))
     return pool, calls, total * tokens_per_adapter
 
