@@ -226,10 +226,12 @@ def lora_deltas_cpu_native(
     function = _load().function
     if function is None:
         raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {native_error()}")
+    if not problems:
+        return
     x_code, pool_code = _dtype_code("x", x), _dtype_code("pool", pool)
     if not pool.is_contiguous():
         raise ValueError("cpu_native: the pool must be one contiguous CPU buffer")
-    in_features = problems[0][0].in_features if problems else 0
+    in_features = problems[0][0].in_features
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"cpu_native: x must be [tokens, {in_features}], got {tuple(x.shape)}")
     if x.stride(-1) != 1:

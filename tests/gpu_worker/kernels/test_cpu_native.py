@@ -174,3 +174,13 @@ def test_problems_of_one_call_must_share_the_input_width() -> None:
     out = torch.zeros(x.shape[0], 64)
     with pytest.raises(ValueError, match="same x"):
         cpu_native.lora_deltas_cpu_native(x, pool, [(wide, out), (narrow, out.clone())])
+
+
+def test_a_call_without_problems_or_groups_changes_nothing() -> None:
+    pool, x, _ = scattered_segments(64, (48,), (8,), tokens_per_adapter=3, seed=4)
+    cpu_native.lora_deltas_cpu_native(x, pool, [])
+    base_only = LoraSegments.build([1] * x.shape[0], [None] * x.shape[0], [1.0] * x.shape[0], 64, 48, "cpu")
+    out = torch.randn(x.shape[0], 48)
+    before = out.clone()
+    cpu_native.lora_deltas_cpu_native(x, pool, [(base_only, out)])
+    assert torch.equal(out, before)
