@@ -540,10 +540,13 @@ typedef struct {
     const float *scales;        /* [G] */
 } lora_problem;
 
-/* A group of one problem, with what the work lists need. */
+/* A group of one problem, resolved once from the problem's plan for every work item to use. */
 typedef struct {
     const lora_problem *p;
-    int64_t group, rank, num_tokens;
+    const int64_t *a_off, *b_off; /* its rank rows' pool offsets (rank of each) */
+    const int64_t *tokens;        /* its rows of x and out (num_tokens of them) */
+    int64_t rank, num_tokens;
+    float scale;
     int64_t h_start; /* its block of the two-phase h buffer ([tokens, rank] fp32) */
     int64_t work;    /* multiply-adds */
 } group_ref;
@@ -635,7 +638,15 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
         const int64_t *plan = pr->plan, Gp = pr->num_groups;
         for (int64_t g = 0; g < Gp; g++, k++) {
             int64_t r = plan[Gp + g] - plan[g], n = plan[2 * Gp + g + 1] - plan[2 * Gp + g];
-            refs[k] = (group_ref){pr, g, r, n, 0, r * n * (in + pr->out_features)};
+            refs[k] = (group_ref){pr,
+                                  pr->a_offsets + plan[g],
+                                  pr->b_offsets + plan[g],
+                                  pr->tokens + plan[2 * Gp + g],
+                                  r,
+                                  n,
+                                  pr->scales[g],
+                                  0,
+                                  r * n * (in + pr->out_features)};
         }
     }
     if (work < PARALLEL_MIN_WORK) num_threads = 1;
@@ -720,18 +731,15 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
             if (!mine_ok) continue;
             const group_ref *ref = fused[it];
             const lora_problem *pr = ref->p;
-            int64_t g = ref->group, r = ref->rank, n = ref->num_tokens, rank_start = pr->plan[g];
-            const int64_t *toks = pr->tokens + pr->plan[2 * pr->num_groups + g];
+            int64_t n = ref->num_tokens;
             const float *gx[STREAM_TOKENS];
-            for (int64_t t = 0; t < n; t++) gx[t] = x_rows[toks[t]];
+            for (int64_t t = 0; t < n; t++) gx[t] = x_rows[ref->tokens[t]];
             if (n >= TILE_MIN_TOKENS)
-                tile_group(pool, pool_dtype, pr->a_offsets + rank_start, pr->b_offsets + rank_start, r,
-                           pr->scales[g], gx, n, toks, in, pr->out_features, pr->out, (int)pr->out_dtype,
-                           pr->out_stride, &tiles);
+                tile_group(pool, pool_dtype, ref->a_off, ref->b_off, ref->rank, ref->scale, gx, n, ref->tokens, in,
+                           pr->out_features, pr->out, (int)pr->out_dtype, pr->out_stride, &tiles);
             else
-                stream_group(pool, pool_dtype, pr->a_offsets + rank_start, pr->b_offsets + rank_start, r,
-                             pr->scales[g], gx, n, toks, in, pr->out_features, pr->out, (int)pr->out_dtype,
-                             pr->out_stride, h_fused, sums);
+                stream_group(pool, pool_dtype, ref->a_off, ref->b_off, ref->rank, ref->scale, gx, n, ref->tokens,
+                             in, pr->out_features, pr->out, (int)pr->out_dtype, pr->out_stride, h_fused, sums);
         }
 
         if (n_shrink) {
@@ -739,21 +747,19 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
             for (int64_t it = 0; it < n_shrink; it++) {
                 if (!mine_ok) continue;
                 const group_ref *ref = shrink_items[it].ref;
-                const lora_problem *pr = ref->p;
-                int64_t g = ref->group, r = ref->rank, n = ref->num_tokens;
+                int64_t r = ref->rank, n = ref->num_tokens;
                 int64_t t0 = shrink_items[it].start, j0 = shrink_items[it].extent;
-                int64_t rank_start = pr->plan[g], tok_start = pr->plan[2 * pr->num_groups + g];
                 int ntok = (int)(n - t0 < TOKEN_TILE ? n - t0 : TOKEN_TILE);
                 int64_t j_end = j0 + CHUNK_ROWS < r ? j0 + CHUNK_ROWS : r;
-                for (int t = 0; t < ntok; t++) xs[t] = x_rows[pr->tokens[tok_start + t0 + t]];
+                for (int t = 0; t < ntok; t++) xs[t] = x_rows[ref->tokens[t0 + t]];
                 for (int64_t j = j0; j < j_end; j += SHRINK_ROWS) {
                     int nr = (int)(j_end - j < SHRINK_ROWS ? j_end - j : SHRINK_ROWS);
                     float *hg = h + ref->h_start + t0 * r;
                     const void *a[SHRINK_ROWS] = {0};
                     /* Widened once into a_buf: a tile re-reads each row for up to 64 tokens. */
                     for (int i = 0; i < nr; i++)
-                        a[i] = row_f32(pool, pr->a_offsets[rank_start + j + i], pool_dtype, in, a_buf + i * in);
-                    shrink_rows(a, nr, xs, ntok, in, pr->scales[g], hg, (int)r, (int)j, NULL, 0, DT_F32);
+                        a[i] = row_f32(pool, ref->a_off[j + i], pool_dtype, in, a_buf + i * in);
+                    shrink_rows(a, nr, xs, ntok, in, ref->scale, hg, (int)r, (int)j, NULL, 0, DT_F32);
                 }
             }
         }
@@ -764,11 +770,9 @@ int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens,
                 if (!mine_ok) continue;
                 const group_ref *ref = expand_items[it].ref;
                 const lora_problem *pr = ref->p;
-                int64_t g = ref->group, r = ref->rank, n = ref->num_tokens, c0 = expand_items[it].start;
+                int64_t r = ref->rank, n = ref->num_tokens, c0 = expand_items[it].start;
                 int cw = (int)expand_items[it].extent;
-                int64_t rank_start = pr->plan[g];
-                const int64_t *toks = pr->tokens + pr->plan[2 * pr->num_groups + g];
-                const int64_t *b_off = pr->b_offsets + rank_start;
+                const int64_t *toks = ref->tokens, *b_off = ref->b_off;
                 int out_dtype = (int)pr->out_dtype;
                 if (n <= STREAM_TOKENS) {
                     stream_expand(pool, pool_dtype, b_off, r, h + ref->h_start, n, toks, c0, cw,
