@@ -7,6 +7,7 @@ evicted, least recently used first, when the pool needs pages (S-LoRA §5.1).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ class ResidentAdapter:
     pages: list[int]
     modules: dict[ModuleKey, PlacedModule]
     nbytes: int
+    placement: int
+    """Unique to this load: an adapter paged out and in again gets a new one, so (adapter,
+    placement) names where its rows are without comparing page lists."""
     refcount: int = 0
     """Running requests using it; evictable only at 0."""
 
@@ -68,6 +72,7 @@ class AdapterResidency:
     def __init__(self, pool: UnifiedPool):
         self.pool = pool
         self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
+        self._placements = itertools.count()
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._resident
@@ -131,7 +136,9 @@ class AdapterResidency:
                 scale=factors.scale,
             )
         self.pool.free([p for p in pages if p not in touched])  # the upper bound's unused pages
-        resident = ResidentAdapter(adapter.adapter_id, sorted(touched), modules, adapter.nbytes)
+        resident = ResidentAdapter(
+            adapter.adapter_id, sorted(touched), modules, adapter.nbytes, placement=next(self._placements)
+        )
         self._resident[adapter.adapter_id] = resident
         return resident
 

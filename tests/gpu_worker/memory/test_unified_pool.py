@@ -137,3 +137,16 @@ def test_split_pool_does_not_evict_adapters_for_kv():
     assert "idle" in residency  # evicting it would not have freed a KV page
     residency.make_room(pool.allocator.free_pages_for(PageUse.ADAPTER) + 1)
     assert "idle" not in residency  # but it makes room for another adapter
+
+
+def test_a_reloaded_adapter_gets_a_new_placement_even_on_the_same_pages():
+    # The step builder reuses a step's LoRA segments while every (adapter, placement) is unchanged;
+    # a reload must look different even when the allocator hands back the very same pages.
+    pool = UnifiedPool(LAYOUT, torch.float32)
+    residency = AdapterResidency(pool)
+    first = residency.load(adapter("a", rank=4))
+    assert residency.load(adapter("a", rank=4)) is first  # resident: the same placement
+    residency.evict("a")
+    second = residency.load(adapter("a", rank=4))
+    assert second.pages == first.pages
+    assert second.placement != first.placement
