@@ -317,7 +317,6 @@ static void stream_expand(const void *pool, int pool_dtype, const int64_t *b_off
 #define TILE_TOKENS 4 /* tokens per register tile */
 #define TILE_ROWS 2   /* A rows per shrink tile: 2 x 4 sums, 2 widened chunks, x from L1 */
 #define LINE 64       /* cache line bytes */
-#define EXPAND_HEAD_LINES 2 /* lines of each B^T row prefetched while the shrink runs */
 
 typedef uint32_t v8u32_u __attribute__((vector_size(32), aligned(2)));
 
@@ -459,6 +458,9 @@ static void tile_group(const void *pool, int pool_dtype, const int64_t *a_off, c
         else memset(o[t] = s->sums + t * out_f, 0, sizeof(float) * out_f);
     }
     for (int64_t j = 0; j < r; j++) s->rows[j] = (const char *)pool + b_off[j] * es;
+    /* The expand prefetches each B^T row `ahead` bytes on, about 64 lines in all, once per line;
+     * the lines before that are prefetched while the shrink runs, spread over its tiles. */
+    const int64_t ahead = LINE * (r < 64 ? 64 / r : 1);
 
     for (int64_t j = 0; j < r; j += TILE_ROWS) {
         int nr = (int)(r - j < TILE_ROWS ? r - j : TILE_ROWS);
@@ -469,10 +471,9 @@ static void tile_group(const void *pool, int pool_dtype, const int64_t *a_off, c
             a[i] = (const char *)pool + a_off[j + (i < nr ? i : 0)] * es;
             next[i] = nj < r ? (const void *)((const char *)pool + a_off[nj] * es) : s->rows[(nj - r) % r];
         }
-        /* The first lines of the expand's rows, spread over the shrink: the expand starts on all
-         * r rows at once (k = 8 bf16 step in C: 7.9 -> 7.6 ms). */
+        /* The expand starts on all r rows at once (k = 8 bf16 step in C: 7.9 -> 7.6 ms). */
         for (int64_t b = j; b < r && b < j + TILE_ROWS; b++)
-            for (int l = 0; l < EXPAND_HEAD_LINES; l++) prefetch_once(s->rows[b] + l * LINE);
+            for (int64_t l = 0; l < ahead; l += LINE) prefetch_once(s->rows[b] + l);
         for (int64_t t0 = 0; t0 < n; t0 += TILE_TOKENS) {
             int nt = (int)(n - t0 < TILE_TOKENS ? n - t0 : TILE_TOKENS);
             float d[TILE_ROWS * TILE_TOKENS];
@@ -482,8 +483,6 @@ static void tile_group(const void *pool, int pool_dtype, const int64_t *a_off, c
         }
     }
 
-    /* Each B^T row is prefetched about 64 lines in all ahead of the expand, once per line. */
-    const int64_t ahead = LINE * (r < 64 ? 64 / r : 1);
     int64_t c0 = 0;
     for (; c0 + 16 <= out_f; c0 += 16)
         for (int64_t t0 = 0; t0 < n; t0 += TILE_TOKENS) {
@@ -598,10 +597,33 @@ static void *arena_take(arena *a, size_t bytes) {
     return p;
 }
 
-/* The delta of every problem, for x rows of `in` elements (x_stride apart). Returns 0, or -1 when
- * out of memory. */
-int lora_delta(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, int64_t in, const void *pool,
-               int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads) {
+/* The arguments of one call, in one struct: the ctypes caller prepares it once per set of problems
+ * and then sets only x and the outs, instead of converting ten arguments on every call. Every field
+ * is 8 bytes, as in lora_problem. */
+typedef struct {
+    const void *x;      /* num_tokens rows of `in` elements of x_dtype, x_stride apart */
+    int64_t x_dtype;
+    int64_t x_stride;
+    int64_t num_tokens;
+    int64_t in;
+    const void *pool;   /* the unified pool, of pool_dtype */
+    int64_t pool_dtype;
+    const lora_problem *const *problems;
+    int64_t num_problems;
+    int64_t num_threads;
+} lora_call;
+
+static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, int64_t in, const void *pool,
+                    int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads);
+
+/* The delta of every problem of the call. Returns 0, or -1 when out of memory. */
+int lora_delta(const lora_call *c) {
+    return run_call(c->x, (int)c->x_dtype, c->x_stride, c->num_tokens, c->in, c->pool, (int)c->pool_dtype,
+                    c->problems, (int)c->num_problems, (int)c->num_threads);
+}
+
+static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, int64_t in, const void *pool,
+                    int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads) {
     /* Sizes first (work lists at their largest, as if nothing were fused), then one arena. */
     int64_t G = 0, max_rank = 0, max_out = 0, work = 0, n_decode = 0, n_tile = 0, max_shrink = 0, max_expand = 0,
             max_h = 0;

@@ -25,6 +25,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import is_
 from pathlib import Path
 
 import torch
@@ -111,11 +112,7 @@ def _build(compiler: str = "cc") -> _Library:
             errors.append(f"loading {path}: {exc}")
             continue
         function.restype = ctypes.c_int
-        function.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # x, dtype, stride, rows, in
-            ctypes.c_void_p, ctypes.c_int,  # pool, dtype
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int,  # problems (lora_problem *[]), count, threads
-        ]  # fmt: skip
+        function.argtypes = [ctypes.c_void_p]  # const lora_call *
         return _Library(function, "", path)
     return _Library(None, "; ".join(errors), None)
 
@@ -207,6 +204,23 @@ class NativePlan:
         return cached
 
 
+class _Call(ctypes.Structure):
+    """Mirror of ``lora_call`` in ``cpu_lora.c``: the arguments of one kernel call."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("x_dtype", ctypes.c_int64),
+        ("x_stride", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+        ("pool", ctypes.c_void_p),
+        ("pool_dtype", ctypes.c_int64),
+        ("problems", ctypes.c_void_p),
+        ("num_problems", ctypes.c_int64),
+        ("num_threads", ctypes.c_int64),
+    ]
+
+
 def _dtype_code(name: str, t: torch.Tensor) -> int:
     code = DTYPE_CODES.get(t.dtype)
     if code is None or not t.is_cpu:
@@ -214,53 +228,100 @@ def _dtype_code(name: str, t: torch.Tensor) -> int:
     return code
 
 
+class NativeCall:
+    """The C arguments of one call for a fixed tuple of segments, prepared once and reused by every
+    call with those segments (the model makes the same 4 calls per layer in each step of a batch).
+
+    Inside the engine a call's Python side cost ~30 µs, as much as a small kernel call: the
+    interpreter runs cold between torch ops. So a call only checks x and the outs and writes their
+    pointers into the prepared struct. Not for concurrent calls with the same segments."""
+
+    def __init__(self, segments: tuple[LoraSegments, ...]):
+        self.segments = segments
+        in_features = segments[0].in_features
+        if any(seg.in_features != in_features for seg in segments):
+            raise ValueError("cpu_native: every problem of one call must read the same x")
+        num_tokens = segments[0].num_tokens
+        if any(seg.num_tokens != num_tokens for seg in segments):
+            raise ValueError("cpu_native: every problem of one call must cover the same tokens")
+        self.x_shape = (num_tokens, in_features)
+        self.active = tuple(i for i, seg in enumerate(segments) if seg.groups)
+        """Indices of the segments with adapter work; the others add nothing."""
+        self.problems = tuple(NativePlan.of(segments[i]).problem for i in self.active)
+        self.out_shapes = tuple((num_tokens, segments[i].out_features) for i in self.active)
+        self._pointers = (ctypes.c_void_p * max(len(self.problems), 1))(
+            *(ctypes.addressof(problem) for problem in self.problems)
+        )
+        self.call = _Call(
+            in_features=in_features,
+            x_stride=in_features,
+            num_tokens=num_tokens,
+            problems=ctypes.addressof(self._pointers),
+            num_problems=len(self.problems),
+        )
+        self.address = ctypes.addressof(self.call)
+        self._pool: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, segments: tuple[LoraSegments, ...]) -> NativeCall:
+        """The call for ``segments``, cached on the first of them."""
+        cached = segments[0].derived.get("native_call")
+        if (
+            cached is None
+            or len(cached.segments) != len(segments)
+            or not all(map(is_, cached.segments, segments))
+        ):
+            cached = segments[0].derived["native_call"] = cls(segments)
+        return cached
+
+    def _set_pool(self, pool: torch.Tensor) -> None:
+        code = _dtype_code("pool", pool)
+        if not pool.is_contiguous():
+            raise ValueError("cpu_native: the pool must be one contiguous CPU buffer")
+        self.call.pool, self.call.pool_dtype = pool.data_ptr(), code
+        self._pool = pool
+
+    def run(self, function, x: torch.Tensor, pool: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Add the deltas into ``outs`` (one per segment, in order)."""
+        if not self.problems:
+            return
+        if pool is not self._pool:
+            self._set_pool(pool)
+        x_code = _dtype_code("x", x)
+        if x.shape != self.x_shape:
+            raise ValueError(f"cpu_native: x must be {list(self.x_shape)}, got {list(x.shape)}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        copies = []
+        for i, problem, shape in zip(self.active, self.problems, self.out_shapes):
+            out = outs[i]
+            out_code = _dtype_code("out", out)
+            if out.shape != shape:
+                raise ValueError(f"cpu_native: out must be {list(shape)}, got {list(out.shape)}")
+            target = out if out.is_contiguous() else out.contiguous()
+            if target is not out:
+                copies.append((out, target))
+            problem.out, problem.out_dtype, problem.out_stride = target.data_ptr(), out_code, shape[1]
+        call = self.call
+        call.x, call.x_dtype = x.data_ptr(), x_code
+        call.num_threads = torch.get_num_threads()
+        if function(self.address) != 0:
+            raise MemoryError("cpu_native: the kernel could not allocate its scratch buffers")
+        for out, target in copies:
+            out.copy_(target)
+
+
 def lora_deltas_cpu_native(
     x: torch.Tensor, pool: torch.Tensor, problems: Sequence[tuple[LoraSegments, torch.Tensor]]
 ) -> None:
     """:func:`lora_delta_cpu_native` for several (segments, out) pairs that share ``x`` (q, k and
-    v of one layer), in one call: one ctypes call and one OpenMP region instead of one each.
-
-    It runs once per layer and projection group of every step, so it is kept lean: checks that
-    depend only on the segments are made once, in :meth:`NativePlan.of`. Not for concurrent calls
-    with the same segments: a call writes its ``out`` into the segments' cached C struct."""
+    v of one layer), in one call: one ctypes call and one OpenMP region instead of one each."""
     function = _load().function
     if function is None:
         raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {native_error()}")
     if not problems:
         return
-    x_code, pool_code = _dtype_code("x", x), _dtype_code("pool", pool)
-    if not pool.is_contiguous():
-        raise ValueError("cpu_native: the pool must be one contiguous CPU buffer")
-    in_features = problems[0][0].in_features
-    if x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"cpu_native: x must be [tokens, {in_features}], got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    pointers = (ctypes.c_void_p * len(problems))()
-    count, copies = 0, []
-    for seg, out in problems:
-        if seg.in_features != in_features:
-            raise ValueError("cpu_native: every problem of one call must read the same x")
-        if not seg.groups:
-            continue
-        out_code = _dtype_code("out", out)
-        target = out if out.stride(-1) == 1 else out.contiguous()
-        if target is not out:
-            copies.append((out, target))
-        problem = NativePlan.of(seg).problem
-        problem.out, problem.out_dtype, problem.out_stride = target.data_ptr(), out_code, target.stride(0)
-        pointers[count] = ctypes.addressof(problem)
-        count += 1
-    if count == 0:
-        return
-    status = function(
-        x.data_ptr(), x_code, x.stride(0), x.shape[0], in_features,
-        pool.data_ptr(), pool_code, pointers, count, torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError("cpu_native: the kernel could not allocate its scratch buffers")
-    for out, target in copies:
-        out.copy_(target)
+    NativeCall.of(tuple([seg for seg, _ in problems])).run(function, x, pool, [out for _, out in problems])
 
 
 def lora_delta_cpu_native(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> None:

@@ -184,3 +184,29 @@ def test_a_call_without_problems_or_groups_changes_nothing() -> None:
     before = out.clone()
     cpu_native.lora_deltas_cpu_native(x, pool, [(base_only, out)])
     assert torch.equal(out, before)
+
+
+def test_inputs_of_the_wrong_shape_are_refused_and_later_calls_still_work() -> None:
+    # A call's C arguments are prepared once per segments and reused: a refused call must leave
+    # them usable, and a shape the segments do not describe must never reach the kernel.
+    pool, x, (seg,) = scattered_segments(96, (64,), (8, 16), tokens_per_adapter=3, seed=5)
+    out = torch.zeros(x.shape[0], 64)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_native.lora_deltas_cpu_native(x[:-1], pool, [(seg, out)])
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_native.lora_deltas_cpu_native(x, pool, [(seg, out[:, :32])])
+    assert not out.any()
+    expected = out.clone()
+    lora_delta_torch(x, pool, seg, expected)
+    cpu_native.lora_deltas_cpu_native(x, pool, [(seg, out)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_strided_out_gets_the_delta_through_a_copy() -> None:
+    pool, x, (seg,) = scattered_segments(96, (64,), (8, 16), tokens_per_adapter=3, seed=6)
+    fused = torch.randn(x.shape[0], 128)
+    out = fused[:, 32:96]  # a view into a wider row, as a split fused projection would give
+    expected = out.clone()
+    lora_delta_torch(x, pool, seg, expected)
+    cpu_native.lora_deltas_cpu_native(x, pool, [(seg, out)])
+    torch.testing.assert_close(fused[:, 32:96], expected, atol=1e-5, rtol=1e-5)
