@@ -62,7 +62,7 @@ from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_pef
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.kernels import dispatch
+from services.gpu_worker.kernels.cpu_native import NativeCall
 from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import LoadedModel, load_model
@@ -555,21 +555,21 @@ def profile_step(run: EngineRun, backend: str) -> dict:
     base_dims |= {q_dim, q_dim + 2 * kv_dim}
     run.engine.builder.lora_backend = backend
     monitor = CpuMonitor()
-    native = dispatch.lora_deltas_cpu_native
+    native = NativeCall.run
 
     def labelled_native(*args) -> None:
         # The C kernel is no aten op: a profiler range makes its time visible as LoRA work.
         with record_function(NATIVE_LABEL):
             native(*args)
 
-    dispatch.lora_deltas_cpu_native = labelled_native
+    NativeCall.run = labelled_native
     try:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             t = time.perf_counter()
             run.engine.step()
             wall = time.perf_counter() - t
     finally:
-        dispatch.lora_deltas_cpu_native = native
+        NativeCall.run = native
     others = monitor.total()
     buckets = {"base_matmul": 0.0, "lora_matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
     calls = 0

@@ -8,6 +8,7 @@ import itertools
 import torch
 
 from services.gpu_worker.engine.request import EngineRequest
+from services.gpu_worker.kernels.dispatch import StepLora
 from services.gpu_worker.kernels.lora_segments import LoraSegments
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.unified_pool import UnifiedPool
@@ -35,7 +36,7 @@ class StepBuilder:
         }
         # Decode steps with an unchanged batch reuse the LoRA segments of the previous step.
         self._lora_key: tuple | None = None
-        self._lora: list[dict[str, LoraSegments]] | None = None
+        self._lora: StepLora | None = None
 
     def build(self, requests: list[EngineRequest], residency: AdapterResidency) -> StepBatch:
         """The step's inputs for ``requests`` (each adds its ``new_tokens``; KV pages reserved).
@@ -117,9 +118,7 @@ class StepBuilder:
         mask = context[None, :] <= position[row_start:row_end, None]
         return PrefillSpan(row_start, row_end, key_blocks, key_blocks + 1, mask)
 
-    def _lora_segments(
-        self, requests: list[EngineRequest], residency: AdapterResidency
-    ) -> list[dict[str, LoraSegments]] | None:
+    def _lora_segments(self, requests: list[EngineRequest], residency: AdapterResidency) -> StepLora | None:
         adapter_ids = [r.spec.adapter_id for r in requests]
         if all(a is None for a in adapter_ids):
             return None
@@ -147,5 +146,5 @@ class StepBuilder:
                     self.pool.device,
                 )
             layers.append(per_module)
-        self._lora_key, self._lora = key, layers
-        return layers
+        self._lora_key, self._lora = key, StepLora(layers)
+        return self._lora

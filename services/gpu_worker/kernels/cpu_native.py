@@ -25,7 +25,6 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import is_
 from pathlib import Path
 
 import torch
@@ -236,16 +235,25 @@ class NativeCall:
     interpreter runs cold between torch ops. So a call only checks x and the outs and writes their
     pointers into the prepared struct. Not for concurrent calls with the same segments."""
 
-    def __init__(self, segments: tuple[LoraSegments, ...]):
+    def __init__(self, segments: tuple[LoraSegments | None, ...]):
+        """``segments[i]`` adds into the i-th out of each call; None adds nothing (no adapter
+        targets that projection). Raises RuntimeError when the kernel is unavailable."""
+        function = _load().function
+        if function is None:
+            raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {native_error()}")
+        self.function = function
         self.segments = segments
-        in_features = segments[0].in_features
-        if any(seg.in_features != in_features for seg in segments):
+        present = [seg for seg in segments if seg is not None]
+        if not present:
+            raise ValueError("cpu_native: a call needs at least one LoraSegments")
+        in_features = present[0].in_features
+        if any(seg.in_features != in_features for seg in present):
             raise ValueError("cpu_native: every problem of one call must read the same x")
-        num_tokens = segments[0].num_tokens
-        if any(seg.num_tokens != num_tokens for seg in segments):
+        num_tokens = present[0].num_tokens
+        if any(seg.num_tokens != num_tokens for seg in present):
             raise ValueError("cpu_native: every problem of one call must cover the same tokens")
         self.x_shape = (num_tokens, in_features)
-        self.active = tuple(i for i, seg in enumerate(segments) if seg.groups)
+        self.active = tuple(i for i, seg in enumerate(segments) if seg is not None and seg.groups)
         """Indices of the segments with adapter work; the others add nothing."""
         self.problems = tuple(NativePlan.of(segments[i]).problem for i in self.active)
         self.out_shapes = tuple((num_tokens, segments[i].out_features) for i in self.active)
@@ -262,18 +270,6 @@ class NativeCall:
         self.address = ctypes.addressof(self.call)
         self._pool: torch.Tensor | None = None
 
-    @classmethod
-    def of(cls, segments: tuple[LoraSegments, ...]) -> NativeCall:
-        """The call for ``segments``, cached on the first of them."""
-        cached = segments[0].derived.get("native_call")
-        if (
-            cached is None
-            or len(cached.segments) != len(segments)
-            or not all(map(is_, cached.segments, segments))
-        ):
-            cached = segments[0].derived["native_call"] = cls(segments)
-        return cached
-
     def _set_pool(self, pool: torch.Tensor) -> None:
         code = _dtype_code("pool", pool)
         if not pool.is_contiguous():
@@ -281,7 +277,7 @@ class NativeCall:
         self.call.pool, self.call.pool_dtype = pool.data_ptr(), code
         self._pool = pool
 
-    def run(self, function, x: torch.Tensor, pool: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    def run(self, x: torch.Tensor, outs: Sequence[torch.Tensor], pool: torch.Tensor) -> None:
         """Add the deltas into ``outs`` (one per segment, in order)."""
         if not self.problems:
             return
@@ -305,7 +301,7 @@ class NativeCall:
         call = self.call
         call.x, call.x_dtype = x.data_ptr(), x_code
         call.num_threads = torch.get_num_threads()
-        if function(self.address) != 0:
+        if self.function(self.address) != 0:
             raise MemoryError("cpu_native: the kernel could not allocate its scratch buffers")
         for out, target in copies:
             out.copy_(target)
@@ -315,13 +311,10 @@ def lora_deltas_cpu_native(
     x: torch.Tensor, pool: torch.Tensor, problems: Sequence[tuple[LoraSegments, torch.Tensor]]
 ) -> None:
     """:func:`lora_delta_cpu_native` for several (segments, out) pairs that share ``x`` (q, k and
-    v of one layer), in one call: one ctypes call and one OpenMP region instead of one each."""
-    function = _load().function
-    if function is None:
-        raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {native_error()}")
-    if not problems:
-        return
-    NativeCall.of(tuple([seg for seg, _ in problems])).run(function, x, pool, [out for _, out in problems])
+    v of one layer), in one call: one ctypes call and one OpenMP region instead of one each. The
+    model's calls reuse a :class:`NativeCall` prepared once per batch instead."""
+    if problems:
+        NativeCall(tuple(seg for seg, _ in problems)).run(x, [out for _, out in problems], pool)
 
 
 def lora_delta_cpu_native(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> None:

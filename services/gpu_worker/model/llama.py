@@ -14,13 +14,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.kernels.dispatch import add_lora_deltas
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.base_matmul import BaseMatmul
 from services.gpu_worker.model.compute_dtype import resolve_compute_dtype
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.rope import RotaryTable
 from services.gpu_worker.model.step_batch import StepBatch
+
+# The model's LoRA calls, each on the projections that read one input.
+_QKV = ("q_proj", "k_proj", "v_proj")
+_O = ("o_proj",)
+_GATE_UP = ("gate_proj", "up_proj")
+_DOWN = ("down_proj",)
 
 
 class _Layer:
@@ -97,14 +102,11 @@ class LlamaModel:
         normed = (x.float() * torch.rsqrt(variance + self.config.rms_norm_eps)).to(self.compute_dtype)
         return normed * weight.to(self.compute_dtype)
 
-    def _lora(self, batch: StepBatch, layer: int, x: torch.Tensor, pool, **outs: torch.Tensor) -> None:
-        """Add the LoRA delta of each named projection (``q_proj=q, ...``) that reads ``x``."""
-        if batch.lora is None:
-            return
-        per_module = batch.lora[layer]
-        problems = [(per_module[name], out) for name, out in outs.items() if name in per_module]
-        if problems:
-            add_lora_deltas(x, pool.buffer, problems, backend=batch.lora_backend)
+    @staticmethod
+    def _lora(batch: StepBatch, layer: int, names: tuple[str, ...], x: torch.Tensor, pool, *outs) -> None:
+        """Add the LoRA delta of projection ``names[i]``, which reads ``x``, into ``outs[i]``."""
+        if batch.lora is not None:
+            batch.lora.add_deltas(layer, names, x, outs, pool.buffer, batch.lora_backend)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, pool: UnifiedPool) -> torch.Tensor:
@@ -117,7 +119,7 @@ class LlamaModel:
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            self._lora(batch, index, h, pool, q_proj=q, k_proj=k, v_proj=v)
+            self._lora(batch, index, _QKV, h, pool, q, k, v)
             q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), batch.positions)
             k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), batch.positions)
             pool.kv_rows.index_copy_(
@@ -126,16 +128,16 @@ class LlamaModel:
             pool.kv_rows.index_copy_(0, batch.write_value_rows[index], v.to(self.dtype))
             attn = self._attention(q, batch, index, pool)
             o = linear(attn, layer.o)
-            self._lora(batch, index, attn, pool, o_proj=o)
+            self._lora(batch, index, _O, attn, pool, o)
             x = x + o
             h = self._rms_norm(x, layer.post_norm)
             gate_up = linear(h, layer.gate_up)
             gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
             gate, up = gate.contiguous(), up.contiguous()
-            self._lora(batch, index, h, pool, gate_proj=gate, up_proj=up)
+            self._lora(batch, index, _GATE_UP, h, pool, gate, up)
             act = F.silu(gate) * up
             down = linear(act, layer.down)
-            self._lora(batch, index, act, pool, down_proj=down)
+            self._lora(batch, index, _DOWN, act, pool, down)
             x = x + down
         last = self._rms_norm(x[batch.logits_rows], self.norm)
         return linear(last, self.lm_head).float()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.kernels.lora_segments import LoraSegments
+from services.gpu_worker.kernels.dispatch import StepLora
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class StepBatch:
     """The requests adding several tokens."""
     logits_rows: torch.Tensor
     """int64 [R]: the row of each request's last token (the one whose logits are sampled)."""
-    lora: list[dict[str, LoraSegments]] | None
-    """Per layer, per projection name; None when no request in the step uses an adapter."""
+    lora: StepLora | None
+    """Per layer, per projection name, the LoRA segments; None when no request uses an adapter."""
     lora_backend: str = "auto"
     """Kernel backend for the LoRA deltas (see ``kernels.dispatch``)."""

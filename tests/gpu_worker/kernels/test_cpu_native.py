@@ -210,3 +210,23 @@ def test_a_strided_out_gets_the_delta_through_a_copy() -> None:
     lora_delta_torch(x, pool, seg, expected)
     cpu_native.lora_deltas_cpu_native(x, pool, [(seg, out)])
     torch.testing.assert_close(fused[:, 32:96], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu_native", "torch"])
+def test_step_lora_prepares_each_call_once_and_skips_untargeted_projections(backend) -> None:
+    # The model's q/k/v call when the adapters target q and v only: k gets nothing, and the second
+    # step reuses the prepared call with new tensors (the engine allocates x and outs every step).
+    pool, x, (q_seg, v_seg) = scattered_segments(96, (64, 32), (8, 16), tokens_per_adapter=3, seed=7)
+    step_lora = dispatch.StepLora([{"q_proj": q_seg, "v_proj": v_seg}])
+    names = ("q_proj", "k_proj", "v_proj")
+    for step in range(2):
+        xs = x + step
+        outs = (torch.randn(x.shape[0], 64), torch.randn(x.shape[0], 48), torch.randn(x.shape[0], 32))
+        before = [out.clone() for out in outs]
+        step_lora.add_deltas(0, names, xs, outs, pool, backend)
+        for seg, out, old in ((q_seg, outs[0], before[0]), (v_seg, outs[2], before[2])):
+            expected = old.clone()
+            lora_delta_torch(xs, pool, seg, expected)
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+        assert torch.equal(outs[1], before[1])
+    assert len(step_lora._prepared) == 1
