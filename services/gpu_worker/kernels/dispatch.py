@@ -4,6 +4,9 @@
 the native kernel (``cpu_native``) when it compiled, else the torch reference. The Triton module
 is imported on first use, never at import of this module, so ``TRITON_INTERPRET=1`` set by a
 test before that first use still applies to its kernels.
+
+The model goes through :class:`StepLora`, one per batch, which resolves the backend and prepares
+each of its calls once and reuses them step after step.
 """
 
 from __future__ import annotations
