@@ -87,7 +87,9 @@ class _PreparedCall:
     def __init__(self, segments: tuple[LoraSegments | None, ...], backend: str):
         self.segments = segments
         self.backend = backend
-        self.native = NativeCall(segments) if backend == "cpu_native" and any(segments) else None
+        self.native = None
+        if backend == "cpu_native" and any(seg is not None for seg in segments):
+            self.native = NativeCall(segments)
 
     def run(self, x: torch.Tensor, outs: tuple[torch.Tensor, ...], pool: torch.Tensor) -> None:
         if self.native is not None:
