@@ -597,31 +597,8 @@ static void *arena_take(arena *a, size_t bytes) {
     return p;
 }
 
-/* The arguments of one call, in one struct: the ctypes caller prepares it once per set of problems
- * and then sets only x and the outs, instead of converting ten arguments on every call. Every field
- * is 8 bytes, as in lora_problem. */
-typedef struct {
-    const void *x;      /* num_tokens rows of `in` elements of x_dtype, x_stride apart */
-    int64_t x_dtype;
-    int64_t x_stride;
-    int64_t num_tokens;
-    int64_t in;
-    const void *pool;   /* the unified pool, of pool_dtype */
-    int64_t pool_dtype;
-    const lora_problem *const *problems;
-    int64_t num_problems;
-    int64_t num_threads;
-} lora_call;
-
-static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, int64_t in, const void *pool,
-                    int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads);
-
-/* The delta of every problem of the call. Returns 0, or -1 when out of memory. */
-int lora_delta(const lora_call *c) {
-    return run_call(c->x, (int)c->x_dtype, c->x_stride, c->num_tokens, c->in, c->pool, (int)c->pool_dtype,
-                    c->problems, (int)c->num_problems, (int)c->num_threads);
-}
-
+/* The delta of every problem, for x rows of `in` elements (x_stride apart). Returns 0, or -1 when
+ * out of memory. */
 static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, int64_t in, const void *pool,
                     int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads) {
     /* Sizes first (work lists at their largest, as if nothing were fused), then one arena. */
@@ -852,4 +829,26 @@ static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_to
         }
     }
     return failed ? -1 : 0;
+}
+
+/* The arguments of one call, in one struct: the ctypes caller prepares it once per set of problems
+ * and then sets only x and the outs, instead of converting ten arguments on every call. Every field
+ * is 8 bytes, as in lora_problem. */
+typedef struct {
+    const void *x;      /* num_tokens rows of `in` elements of x_dtype, x_stride apart */
+    int64_t x_dtype;
+    int64_t x_stride;
+    int64_t num_tokens;
+    int64_t in;
+    const void *pool;   /* the unified pool, of pool_dtype */
+    int64_t pool_dtype;
+    const lora_problem *const *problems;
+    int64_t num_problems;
+    int64_t num_threads;
+} lora_call;
+
+/* The delta of every problem of the call. Returns 0, or -1 when out of memory. */
+int lora_delta(const lora_call *c) {
+    return run_call(c->x, (int)c->x_dtype, c->x_stride, c->num_tokens, c->in, c->pool, (int)c->pool_dtype,
+                    c->problems, (int)c->num_problems, (int)c->num_threads);
 }

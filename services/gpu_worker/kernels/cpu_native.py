@@ -242,7 +242,6 @@ class NativeCall:
         if function is None:
             raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {native_error()}")
         self.function = function
-        self.segments = segments
         present = [seg for seg in segments if seg is not None]
         if not present:
             raise ValueError("cpu_native: a call needs at least one LoraSegments")
