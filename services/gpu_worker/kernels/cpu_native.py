@@ -254,6 +254,9 @@ class NativeCall:
         self.x_shape = (num_tokens, in_features)
         self.active = tuple(i for i, seg in enumerate(segments) if seg is not None and seg.groups)
         """Indices of the segments with adapter work; the others add nothing."""
+        self._segments = segments
+        """Held because the C structs point into their tensors (row offsets, plans): a call must
+        not outlive them, whoever else still refers to the segments."""
         self.problems = tuple(NativePlan.of(segments[i]).problem for i in self.active)
         self.out_shapes = tuple((num_tokens, segments[i].out_features) for i in self.active)
         self._pointers = (ctypes.c_void_p * max(len(self.problems), 1))(

@@ -7,6 +7,7 @@ segments longer than the kernel's 64-token tile and batches of 32 decode tokens.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -199,6 +200,24 @@ def test_inputs_of_the_wrong_shape_are_refused_and_later_calls_still_work() -> N
     expected = out.clone()
     lora_delta_torch(x, pool, seg, expected)
     cpu_native.lora_deltas_cpu_native(x, pool, [(seg, out)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prepared_call_keeps_what_its_pointers_point_into() -> None:
+    # The C structs hold raw pointers into the segments' tensors (row offsets, plan, tokens): a
+    # call prepared and kept by itself, with every other reference to its segments gone, must
+    # still read them, not freed memory.
+    pool, x, (seg,) = scattered_segments(96, (64,), (8, 16), tokens_per_adapter=3, seed=7)
+    expected = torch.zeros(x.shape[0], 64)
+    lora_delta_torch(x, pool, seg, expected)
+    call = cpu_native.NativeCall((seg,))
+    del seg
+    gc.collect()
+    # New tensors of the same sizes would take the freed blocks; fill them with garbage offsets.
+    litter = [torch.full((n,), 1 << 40, dtype=torch.int64) for n in (8, 16, 24, 7, 9) for _ in range(8)]
+    out = torch.zeros(x.shape[0], 64)
+    call.run(x, [out], pool)
+    del litter
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
