@@ -1,7 +1,7 @@
 """What every benchmarked serving system receives and returns.
 
 A system is handed a :class:`RunContext` (the trace, the adapters on disk, the prompts, the
-measurement window) and replays the trace against the wall clock: request ``r`` is submitted at
+measurement window, the clock) and replays the trace against that clock: request ``r`` is submitted at
 ``start + r.time_s``; at ``start + window_s`` whatever has not finished is cancelled. It returns
 one :class:`RequestRecord` per trace request. Setup (loading the model, registering adapters) is
 done before the clock starts and is not measured.
@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from bench.systems.clock import Clock, WallClock
 from bench.workload import TraceRequest
 
 PROMPT_TOKEN_RANGE = (100, 30000)
@@ -77,7 +78,8 @@ class RunContext:
     adapters: AdapterSet
     window_s: float
     """Measurement window: requests still running at ``window_s`` are cancelled and count as not
-    completed. Longer than the trace so a system that keeps up can finish its last requests."""
+    completed. Longer than the trace so a system that keeps up can finish its last requests.
+    ``math.inf``: no window, every request runs to its end (tests that check outputs)."""
     model_path: str | None = None
     """Base model (GGUF file or HF directory); None: the default SmolLM2-135M-Instruct."""
     max_batch: int = 32
@@ -91,6 +93,10 @@ class RunContext:
     """Called with the number of requests that just ended (completed or not)."""
     on_sample: Callable[[float, dict], None] | None = None
     """Receives ``(time_s, engine stats)`` about every 0.25 s from systems that have a pool."""
+    clock: Clock = field(default_factory=WallClock)
+    """Time source of the synchronous replays (PEFT, merged-swap): the wall clock, or a
+    :class:`~bench.systems.clock.TickClock` in tests so what happens at the window does not
+    depend on the machine's speed. The asyncio systems run on the event loop's clock."""
 
     def prompt(self, request: TraceRequest) -> tuple[int, ...]:
         """The request's prompt token ids: deterministic from the seed and the request id."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.systems.base import RequestRecord, RunContext
+from bench.systems.clock import time_left
 from bench.workload import TraceRequest
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import DirectorySource
@@ -92,8 +93,8 @@ class _Replay:
         self.start = 0.0
         self.deadline = 0.0
 
-    def remaining_s(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
+    def remaining_s(self) -> float | None:
+        return time_left(self.deadline, time.monotonic())
 
     async def run(self) -> list[RequestRecord]:
         records = [

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.systems.base import RequestRecord, RunContext
+from bench.systems.clock import time_left
 from loramesh.async_client import AsyncClient
 from loramesh.errors import LoraMeshError
 from services.gpu_worker.model.loading import load_model
@@ -113,7 +114,7 @@ async def _replay(client: AsyncClient, context: RunContext, tokenizer) -> list[R
     async def serve(request, record: RequestRecord) -> None:
         await asyncio.sleep(max(0.0, start + request.time_s - time.monotonic()))
         try:
-            await asyncio.wait_for(stream(request, record), timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait_for(stream(request, record), timeout=time_left(deadline, time.monotonic()))
         except TimeoutError:
             pass
         except LoraMeshError as error:  # a refused or failed request is recorded, the run goes on

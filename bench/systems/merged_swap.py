@@ -26,7 +26,6 @@ unmerging and reading adapters.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -172,6 +171,7 @@ class _Replay:
     def __init__(self, system: MergedSwapSystem, context: RunContext, engine: Engine):
         self.system = system
         self.context = context
+        self.clock = context.clock
         self.engine = engine
         self.weights = MergedWeights(engine.model)
         self.cache = _HostCache(context.adapters, int(context.host_cache_mib * 2**20))
@@ -194,9 +194,9 @@ class _Replay:
 
     def run(self) -> None:
         context, engine, trace = self.context, self.engine, self.context.trace
-        self.start = time.monotonic()
+        self.start = self.clock.now()
         next_sample = 0.0
-        while (now := time.monotonic() - self.start) < context.window_s:
+        while (now := self.clock.now() - self.start) < context.window_s:
             if context.on_sample is not None and now >= next_sample:
                 context.on_sample(now, engine.stats())
                 next_sample = now + SAMPLE_PERIOD_S
@@ -217,7 +217,7 @@ class _Replay:
             if self.arrived == len(trace):
                 return
             wake = min(trace[self.arrived].time_s, next_sample, context.window_s)
-            time.sleep(max(0.0, wake - now))
+            self.clock.sleep(max(0.0, wake - now))
 
     def _longest_other_wait(self, now: float) -> float:
         """How long the oldest waiting request of another adapter has waited (0 if none)."""
@@ -230,14 +230,14 @@ class _Replay:
     def _switch(self, adapter: int) -> None:
         """Make ``adapter`` current (merging it unless it already is) and admit its requests."""
         if adapter != self.current:
-            loading = time.monotonic()
+            loading = self.clock.now()
             host, fetched = self.cache.get(adapter)
             if fetched:
-                self.system.load_s += time.monotonic() - loading
-            switching = time.monotonic()
+                self.system.load_s += self.clock.now() - loading
+            switching = self.clock.now()
             self.weights.unmerge()
             self.weights.merge(host)
-            self.system.switch_s += time.monotonic() - switching
+            self.system.switch_s += self.clock.now() - switching
             self.system.switches += 1
             self.current = adapter
         self.admitting = True
@@ -261,7 +261,7 @@ class _Replay:
         tokens = self.system.outputs.setdefault(request.request_id, [])
 
         def on_event(event: TokenEvent) -> None:
-            now = time.monotonic() - self.start
+            now = self.clock.now() - self.start
             if event.token_id is not None:
                 tokens.append(event.token_id)
                 record.output_tokens = len(tokens)

@@ -41,7 +41,6 @@ Generous to the baseline, on purpose:
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,24 +86,24 @@ class PeftBaselineSystem:
         trace = context.trace
         model = _PeftServer(context.model_path, context.adapters, sorted({r.adapter for r in trace}))
         records = [RequestRecord(r.request_id, r.adapter, r.time_s, r.input_len, r.output_len) for r in trace]
-        start = time.monotonic()
+        start = context.clock.now()
         arrived, queue = 0, []
-        while (now := time.monotonic() - start) < context.window_s:
+        while (now := context.clock.now() - start) < context.window_s:
             while arrived < len(trace) and trace[arrived].time_s <= now:
                 queue.append(arrived)
                 arrived += 1
             if not queue:
                 if arrived == len(trace):
                     break
-                time.sleep(min(trace[arrived].time_s, context.window_s) - now)
+                context.clock.sleep(min(trace[arrived].time_s, context.window_s) - now)
                 continue
             adapter = trace[queue[0]].adapter
             batch = [i for i in queue if trace[i].adapter == adapter][: context.max_batch]
             chosen = set(batch)
             queue = [i for i in queue if i not in chosen]
-            swap_start = time.monotonic()
+            swap_start = context.clock.now()
             self.switches += model.activate(adapter)
-            self.switch_s += time.monotonic() - swap_start
+            self.switch_s += context.clock.now() - swap_start
             self._generate(model, context, batch, records, start)
         unfinished = sum(not record.completed for record in records)
         if unfinished:
@@ -124,7 +123,7 @@ class PeftBaselineSystem:
         rows = [records[i] for i in batch]
 
         def on_step(step: int) -> bool:
-            now = time.monotonic() - start
+            now = context.clock.now() - start
             for record in rows:
                 if step == 1:
                     record.first_token_s = now

@@ -17,6 +17,7 @@ from loramesh.cli.mesh_file import MeshFile, ServiceEntry, pid_alive
 from loramesh.cli.table import render_table
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.membership import MembershipConfig, list_members, read_loads
+from services.runtime.private_files import private_dir
 from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
 from services.runtime.server import check_health
 
@@ -67,8 +68,8 @@ def cmd_up(args) -> int:
 
 
 def _up_detached(args, state_dir: Path) -> int:
-    log_dir = state_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    # The state directory holds the admin key, etcd's data and the tenants' adapters: owner only.
+    log_dir = private_dir(private_dir(state_dir) / "logs")
     argv = [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), "up"]
     if args.model:
         argv += ["--model", args.model]
@@ -104,8 +105,8 @@ async def _up_foreground(args, state_dir: Path) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log_dir = state_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    # The state directory holds the admin key, etcd's data and the tenants' adapters: owner only.
+    log_dir = private_dir(private_dir(state_dir) / "logs")
     etcd = EtcdServer(data_dir=state_dir / "etcd")
     etcd.start()
     processes: dict[str, ServiceProcess] = {}

@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from services.runtime.private_files import private_dir, write_private_text
+
 DEFAULT_STATE_DIR = Path(".loramesh")
 
 
@@ -40,11 +42,11 @@ class MeshFile:
         return Path(state_dir) / "mesh.json"
 
     def write(self, state_dir: Path = DEFAULT_STATE_DIR) -> None:
+        """Replace the file atomically; it holds the admin API key, so only its owner may read it
+        (0600, in a 0700 state directory)."""
         path = self.path(state_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
+        private_dir(path.parent)
+        write_private_text(path, json.dumps(asdict(self), indent=2))
 
     @classmethod
     def read(cls, state_dir: Path = DEFAULT_STATE_DIR) -> MeshFile | None:
@@ -61,10 +63,22 @@ class MeshFile:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process. A zombie (exited, not yet reaped by its parent)
+    still answers ``kill(pid, 0)`` but runs nothing: it counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """Linux: the state field of ``/proc/<pid>/stat`` is ``Z``. Elsewhere (no /proc): unknown, False."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The command name (field 2) is in parentheses and may contain spaces; the state follows it.
+    return stat[stat.rindex(")") + 2 :].startswith("Z")

@@ -13,6 +13,8 @@ import os
 import uuid
 from pathlib import Path
 
+from services.runtime.private_files import private_dir
+
 
 def sha256_hex(data) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -34,8 +36,8 @@ class BlobStore:
     def __init__(self, root: Path):
         self.blob_dir = root / "blobs"
         self.tmp_dir = root / "tmp"
-        self.blob_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        for directory in (root, self.blob_dir, self.tmp_dir):
+            private_dir(directory)
 
     def path(self, blob_id: str) -> Path:
         return self.blob_dir / f"{blob_id}{self.SUFFIX}"

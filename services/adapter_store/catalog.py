@@ -12,6 +12,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from services.runtime.private_files import private_dir
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS adapters (
     seq            INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -100,7 +102,7 @@ class Catalog:
     """Thread-safe access to the SQLite catalog (one connection, one lock)."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()

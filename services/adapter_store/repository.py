@@ -27,6 +27,7 @@ from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.runtime.base_model import BaseModelSpec
 from services.runtime.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
+from services.runtime.private_files import private_dir
 
 log = logging.getLogger("loramesh.adapter_store")
 
@@ -155,7 +156,7 @@ class AdapterRepository:
         return None
 
     def _quarantine_blob(self, record: AdapterRecord) -> None:
-        self._quarantine.mkdir(exist_ok=True)
+        private_dir(self._quarantine)
         path = self.blobs.path(record.id)
         if path.exists():
             path.rename(self._quarantine / path.name)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Self
 
+from services.runtime.private_files import private_dir
+
 log = logging.getLogger("loramesh.etcd_server")
 
 LOG_NAME = "etcd.log"
@@ -159,7 +161,7 @@ class EtcdServer:
         raise AssertionError("unreachable")
 
     def _launch(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)  # etcd itself asks for 0700
         self._close_log()
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open while etcd runs
         self._proc = subprocess.Popen(

@@ -8,6 +8,7 @@ import torch
 from support.tiny_hf_model import SPEC
 
 from bench.systems.base import AdapterSet, RunContext
+from bench.systems.clock import TickClock
 from bench.systems.merged_swap import MergedSwapOptions, MergedSwapSystem, MergedWeights
 from bench.workload import TraceRequest
 from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
@@ -27,6 +28,9 @@ ADAPTERS = [
 ]
 FUSED = ("qkv", "o", "gate_up", "down")
 
+# Virtual time (bench/systems/clock.py): 10 ms per clock read, so whether a request finishes
+# inside the window depends on the replay's code path, never on this machine's speed.
+TICK_S = 0.01
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,7 +83,7 @@ def test_outputs_equal_the_engine_s_lora_path_and_base_weights_come_back_bit_ide
     progress, samples = [], []
     context = RunContext(
         trace, adapters, window_s=60, model_path=str(model_dir), pool_mib=8,
-        on_progress=progress.append, on_sample=lambda t, stats: samples.append(stats),
+        on_progress=progress.append, on_sample=lambda t, stats: samples.append(stats), clock=TickClock(TICK_S),
     )  # fmt: skip
     system = MergedSwapSystem()
     records = system.run(context)
@@ -122,7 +126,9 @@ def test_the_current_adapter_keeps_admitting_until_another_request_waited_too_lo
     # request 3 takes a freed slot, then adapter 1: 2 merges. Impatient (request 1 has already
     # waited > 0 s): adapter 0 stops admitting, adapter 1 runs, then adapter 0 again: 3 merges.
     trace = [request(0, 0), request(1, 1), request(2, 0, output_len=3), request(3, 0)]
-    context = RunContext(trace, adapters, window_s=60, model_path=str(model_dir), max_batch=2, pool_mib=8)
+    context = RunContext(
+        trace, adapters, window_s=60, model_path=str(model_dir), max_batch=2, pool_mib=8, clock=TickClock(TICK_S)
+    )
     system = MergedSwapSystem(MergedSwapOptions(switch_after_s=switch_after_s))
     records = system.run(context)
     assert all(r.completed for r in records) and system.switches == switches
@@ -134,7 +140,8 @@ def test_requests_unfinished_at_the_window_have_no_finish_time(model_dir, adapte
     trace = [request(0, 0, output_len=400), request(1, 1, time_s=0.1)]
     progress = []
     context = RunContext(
-        trace, adapters, window_s=0.5, model_path=str(model_dir), pool_mib=8, on_progress=progress.append
+        trace, adapters, window_s=0.5, model_path=str(model_dir), pool_mib=8, on_progress=progress.append,
+        clock=TickClock(TICK_S),
     )
     system = MergedSwapSystem()
     records = system.run(context)

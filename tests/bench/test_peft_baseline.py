@@ -8,12 +8,16 @@ import torch
 from support.tiny_hf_model import SPEC
 
 from bench.systems.base import AdapterSet, RunContext
+from bench.systems.clock import TickClock
 from bench.systems.peft_baseline import PeftBaselineSystem
 from bench.workload import TraceRequest
 from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 
 RANKS = (8, 16, 8)  # adapters 0 and 2 share a configuration, so one swaps the other's weights in
 
+# Virtual time (bench/systems/clock.py): 10 ms per clock read, so whether a request finishes
+# inside the window depends on the replay's code path, never on this machine's speed.
+TICK_S = 0.01
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,7 +63,9 @@ def test_every_request_completes_with_peft_s_own_greedy_tokens(model_dir, adapte
         request(3, 0, 0.03, 9, 3), request(4, 1, 0.25, 15, 8), request(5, 2, 0.30, 7, 5),
     ]  # fmt: skip
     progress = []
-    context = RunContext(trace, adapters, window_s=60, model_path=str(model_dir), on_progress=progress.append)
+    context = RunContext(
+        trace, adapters, window_s=60, model_path=str(model_dir), on_progress=progress.append, clock=TickClock(TICK_S)
+    )
     system = PeftBaselineSystem()
     records = system.run(context)
 
@@ -77,7 +83,9 @@ def test_every_request_completes_with_peft_s_own_greedy_tokens(model_dir, adapte
 def test_fcfs_batches_take_the_oldest_request_s_adapter_up_to_max_batch(model_dir, adapters):
     # All waiting at once: [0, 2] (adapter 0, max_batch 2), then [1] (adapter 1, now the oldest), then [3].
     trace = [request(0, 0), request(1, 1), request(2, 0), request(3, 0)]
-    context = RunContext(trace, adapters, window_s=60, model_path=str(model_dir), max_batch=2)
+    context = RunContext(
+        trace, adapters, window_s=60, model_path=str(model_dir), max_batch=2, clock=TickClock(TICK_S)
+    )
     first = [r.first_token_s for r in PeftBaselineSystem().run(context)]
     assert first[0] == first[2] < first[1] < first[3]
 
@@ -86,7 +94,8 @@ def test_requests_unfinished_at_the_window_have_no_finish_time(model_dir, adapte
     trace = [request(0, 0, output_len=400), request(1, 1, time_s=0.1)]
     progress = []
     context = RunContext(
-        trace, adapters, window_s=0.5, model_path=str(model_dir), on_progress=progress.append
+        trace, adapters, window_s=0.5, model_path=str(model_dir), on_progress=progress.append,
+        clock=TickClock(TICK_S),
     )
     records = PeftBaselineSystem().run(context)
     assert records[0].finish_s is None and 0 < records[0].output_tokens < 400

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 import subprocess
 import sys
+import time
 
 import pytest
 from grpc import aio
 
+from loramesh.cli.mesh_file import pid_alive
 from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.base_model import LORA_TARGETS
@@ -104,3 +108,52 @@ def test_commands_without_a_mesh_say_so(tmp_path):
     for argv in (["down"], ["adapters", "list"]):
         done = loramesh(tmp_path, *argv, check=False)
         assert done.returncode == 1 and "no mesh is up" in done.stderr
+
+
+def test_a_zombie_counts_as_gone():
+    child = subprocess.Popen(["true"])
+    # Wait for the exit without reaping it: the child stays a zombie, as under a parent that never waits.
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    try:
+        assert not pid_alive(child.pid)
+        assert pid_alive(os.getpid())
+    finally:
+        child.wait()
+    assert not pid_alive(child.pid)
+
+
+def test_down_returns_when_up_exited_but_was_never_reaped_and_state_is_owner_only(tmp_path):
+    """The issue's reproduction: `up` in the foreground from a parent that never calls wait()."""
+    state = tmp_path / "state"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state),
+         "up", "--workers", "1", "--dtype", "float32", "--pool-mib", "64"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        mesh_json = state / "mesh.json"
+        while not (mesh_json.exists() and json.loads(mesh_json.read_text())["ready"]):
+            # waitid with WNOHANG|WNOWAIT looks without reaping: `up` must stay this test's unreaped child.
+            assert os.waitid(os.P_PID, up.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None, "up exited"
+            time.sleep(0.2)
+
+        def mode(path):
+            return stat.S_IMODE(path.stat().st_mode)
+
+        assert mode(mesh_json) == 0o600  # it holds the admin API key
+        for directory in (state, state / "logs", state / "etcd", state / "adapter_store"):
+            assert mode(directory) == 0o700, directory
+
+        started = time.monotonic()
+        down = subprocess.run(
+            [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state), "down"],
+            check=False, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        print(f"`loramesh down` returned in {time.monotonic() - started:.2f} s")
+        assert down.returncode == 0 and "mesh stopped" in down.stderr, down.stderr
+        assert not mesh_json.exists()
+        assert os.waitid(os.P_PID, up.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None  # a zombie now
+    finally:
+        if up.poll() is None:
+            up.kill()
+        up.wait()
