@@ -706,12 +706,30 @@ def watch_loads(config: MembershipConfig) -> AsyncIterator[dict[str, dict[str, A
     return _watch_prefix_map(config, loads_prefix(config), _parse_loads, "loads")
 
 
+async def follow(
+    updates: AsyncIterator[T], apply: Callable[[T], None], listed: asyncio.Event | None = None
+) -> None:
+    """Apply every update of a watch (:func:`watch_members`, :func:`watch_loads`) until cancelled;
+    ``listed`` is set after the first one. A failing ``apply`` is logged and the watch goes on."""
+    try:
+        async for update in updates:
+            try:
+                apply(update)
+            except Exception:  # a bad report must not stop the watch
+                log.exception("could not apply an etcd update")
+            if listed is not None:
+                listed.set()
+    finally:
+        await updates.aclose()  # type: ignore[attr-defined]
+
+
 __all__ = [
     "LeaseLost",
     "LoadFn",
     "MemberInfo",
     "MembershipConfig",
     "Registration",
+    "follow",
     "list_members",
     "load_key",
     "loads_prefix",

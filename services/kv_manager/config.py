@@ -1,0 +1,23 @@
+"""Settings of the kv_manager (flags ``--min-swap-blocks``, env ``LORAMESH_MIN_SWAP_BLOCKS``...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.runtime.config import ServiceConfig
+
+
+@dataclass
+class KVManagerConfig(ServiceConfig):
+    """loramesh kv_manager: the global KV-block debt ledger, creditor suggestions and DGFM."""
+
+    max_candidates: int = 3
+    """Most creditors one SuggestCreditors answer names."""
+    resort_interval_s: float = 0.1
+    """Shortest time between two sorts of the workers by lendable blocks."""
+    min_swap_blocks: int = 4
+    """DGFM: smallest debt (in KV blocks) on a cycle worth swapping."""
+    retry_after_s: float = 1.0
+    """Hint sent with RESOURCE_EXHAUSTED when no worker can lend (about one heartbeat)."""
+    start_timeout_s: float = 10.0
+    """How long start-up waits for etcd to list the workers and tell who leads."""

@@ -1,0 +1,143 @@
+"""``loramesh.v1.KVManager``: proto <-> ledger, creditor and DGFM domain, nothing more.
+
+Every call is dict lookups and a sort or a DFS over at most a few hundred workers: it runs on
+the event loop without blocking it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from loramesh.v1 import kv_manager_pb2 as pb
+from loramesh.v1 import kv_manager_pb2_grpc
+from services.kv_manager.creditors import CreditorCandidate, CreditorIndex
+from services.kv_manager.dgfm import DefragPlan, DgfmConfig, plan_defragmentation
+from services.kv_manager.ledger import DebtLedger
+from services.runtime.errors import InvalidArgument, NotFound
+
+log = logging.getLogger("loramesh.kv_manager")
+
+
+def candidate_to_proto(candidate: CreditorCandidate) -> pb.CreditorCandidate:
+    return pb.CreditorCandidate(
+        worker_id=candidate.worker_id,
+        address=candidate.address,
+        lendable_blocks=candidate.lendable_blocks,
+        topology=candidate.topology,
+        same_topology=candidate.same_topology,
+    )
+
+
+def ledger_to_proto(ledger: DebtLedger, now: float) -> list[pb.LedgerEntry]:
+    return [
+        pb.LedgerEntry(
+            worker_id=row.worker_id,
+            address=row.address,
+            topology=row.topology,
+            free_blocks=row.free_blocks,
+            total_blocks=row.total_blocks,
+            lent_blocks=dict(row.lent),
+            lendable_blocks=ledger.lendable(row.worker_id),
+            refused=ledger.refused(row.worker_id),
+            report_age_ms=max(0.0, (now - row.reported_at) * 1000) if row.reported_at else 0.0,
+        )
+        for row in ledger.rows()
+    ]
+
+
+def plan_to_proto(plan: DefragPlan) -> pb.PlanDefragmentationResponse:
+    return pb.PlanDefragmentationResponse(
+        swaps=[
+            pb.CycleSwap(
+                cycle=list(swap.cycle),
+                blocks=swap.blocks,
+                recalls=[
+                    pb.BlockRecall(owner_id=r.owner_id, holder_id=r.holder_id, blocks=r.blocks)
+                    for r in swap.recalls
+                ],
+            )
+            for swap in plan.swaps
+        ],
+        frozen_workers=sorted(plan.frozen_workers),
+        blocks_moved=plan.blocks_moved,
+        remote_blocks_before=plan.remote_blocks_before,
+        remote_blocks_after=plan.remote_blocks_after,
+    )
+
+
+class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
+    """Answers from the ledger the service keeps up to date from etcd.
+
+    ``require_leader(what)`` raises when this replica is a standby (only the leader suggests,
+    records refusals and plans); ``leader_id()`` names the leader for the Ledger answer.
+    """
+
+    def __init__(
+        self,
+        ledger: DebtLedger,
+        index: CreditorIndex,
+        dgfm: DgfmConfig,
+        instance_id: str,
+        leader_id: Callable[[], str],
+        require_leader: Callable[[str], None],
+        clock: Callable[[], float] = time.time,
+    ):
+        self.ledger = ledger
+        self.index = index
+        self.dgfm = dgfm
+        self.instance_id = instance_id
+        self.leader_id = leader_id
+        self.require_leader = require_leader
+        self.clock = clock
+        self.suggestions = 0
+        """SuggestCreditors answers given (with at least one candidate)."""
+        self.swaps_planned = 0
+        """DGFM cycle swaps planned over all PlanDefragmentation calls."""
+
+    async def SuggestCreditors(
+        self, request: pb.SuggestCreditorsRequest, context
+    ) -> pb.SuggestCreditorsResponse:
+        self.require_leader("SuggestCreditors")
+        candidates = self.index.suggest(self.ledger, request.debtor_id, request.blocks, self.clock())
+        self.suggestions += 1
+        log.debug(
+            "suggested %s to %s for %d blocks",
+            [c.worker_id for c in candidates],
+            request.debtor_id,
+            request.blocks,
+        )
+        return pb.SuggestCreditorsResponse(candidates=[candidate_to_proto(c) for c in candidates])
+
+    async def ReportRefusal(self, request: pb.ReportRefusalRequest, context) -> pb.ReportRefusalResponse:
+        self.require_leader("ReportRefusal")
+        if not request.creditor_id:
+            raise InvalidArgument("ReportRefusal needs creditor_id: the worker that refused")
+        if not self.ledger.mark_refused(request.creditor_id):
+            raise NotFound(f"creditor {request.creditor_id!r} is not in the ledger")
+        log.info(
+            "%s refused %r: not suggested until its next heartbeat", request.creditor_id, request.debtor_id
+        )
+        return pb.ReportRefusalResponse()
+
+    async def Ledger(self, request: pb.LedgerRequest, context) -> pb.LedgerResponse:
+        return pb.LedgerResponse(
+            workers=ledger_to_proto(self.ledger, self.clock()),
+            instance_id=self.instance_id,
+            leader_id=self.leader_id(),
+        )
+
+    async def PlanDefragmentation(
+        self, request: pb.PlanDefragmentationRequest, context
+    ) -> pb.PlanDefragmentationResponse:
+        self.require_leader("PlanDefragmentation")
+        config = DgfmConfig(request.min_swap_blocks) if request.min_swap_blocks else self.dgfm
+        plan = plan_defragmentation(self.ledger.debts(), config)
+        self.swaps_planned += plan.swap_count
+        if plan.swaps:
+            log.info(
+                "DGFM: %d swap(s), %d blocks moved, remote blocks %d -> %d",
+                plan.swap_count, plan.blocks_moved, plan.remote_blocks_before, plan.remote_blocks_after,
+            )  # fmt: skip
+        return plan_to_proto(plan)

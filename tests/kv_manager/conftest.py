@@ -1,0 +1,68 @@
+"""Fixtures of the kv_manager tests: gpu_workers as etcd shows them, and a hang-guarded poll."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+
+from loramesh.v1.types_pb2 import WorkerLoad
+from services.runtime.membership import MemberInfo, MembershipConfig, Registration
+from services.runtime.worker_load import worker_load_to_report
+
+T = TypeVar("T")
+TTL_S = 2
+HANG_GUARD_S = 15.0  # not a timing claim: only keeps a broken build from hanging the suite
+
+
+async def poll_until(fetch: Callable[[], Awaitable[T]], predicate: Callable[[T], bool], what: str) -> T:
+    """Call ``fetch`` until ``predicate`` holds; fail after the hang guard with the last value."""
+    end = time.monotonic() + HANG_GUARD_S
+    while True:
+        value = await fetch()
+        if predicate(value):
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not true after {HANG_GUARD_S:.0f}s; last value {value!r}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def poll():
+    return poll_until
+
+
+class SimulatedWorker:
+    """A gpu_worker as etcd shows it: a member key and its WorkerLoad heartbeat.
+
+    ``load`` is the heartbeat; change it and the next write (every ``load_interval_s``) shows it.
+    """
+
+    def __init__(self, etcd_endpoint: str, worker_id: str, load: WorkerLoad, load_interval_s: float):
+        self.worker_id = worker_id
+        self.address = f"127.0.0.1:{50000 + sum(map(ord, worker_id))}"
+        self.load = load
+        self.registration = Registration(
+            MembershipConfig(etcd_endpoints=etcd_endpoint, ttl_s=TTL_S, load_interval_s=load_interval_s),
+            MemberInfo.create("gpu_worker", self.address, instance_id=worker_id),
+            load_fn=lambda: worker_load_to_report(self.load),
+        )
+
+
+@pytest.fixture
+async def workers(etcd):
+    """``await workers("w1", free_blocks=8, ...)`` registers a simulated worker until the test ends."""
+    started: list[SimulatedWorker] = []
+
+    async def start(worker_id: str, load_interval_s: float = 0.2, **load) -> SimulatedWorker:
+        worker = SimulatedWorker(etcd.endpoint, worker_id, WorkerLoad(**load), load_interval_s)
+        await worker.registration.start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        await worker.registration.stop()
