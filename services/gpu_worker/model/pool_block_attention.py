@@ -1,0 +1,45 @@
+"""Micro-attention over KV blocks held in this worker's unified pool.
+
+This is what a creditor runs on a query a debtor sent it (over the blocks it holds for that
+debtor), and what a worker runs over its own local blocks: the same function, because a lent
+block is an ordinary KV page of the creditor's pool. It reads only the pages it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model.dist_attention import PartialAttention, micro_attention
+
+
+def attend_pool_blocks(
+    pool: UnifiedPool,
+    pages: Sequence[int],
+    block_first_positions: Sequence[int],
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+) -> PartialAttention:
+    """Partial attention of ``queries`` [n, num_heads, head_dim] at ``query_positions`` [n] over
+    the KV pages ``pages`` of one layer, page ``i`` holding the tokens at positions
+    ``block_first_positions[i] ..`` ``+ kv_block_tokens − 1``.
+
+    Slots of a page not yet written hold positions after every query (the caller attends a block
+    only up to the queries' own positions), so the causal mask hides them.
+    """
+    if len(pages) != len(block_first_positions):
+        raise ValueError(f"{len(pages)} pages but {len(block_first_positions)} block positions")
+    block = pool.layout.kv_block_tokens
+    head_dim = queries.shape[-1]
+    num_kv_heads = pool.layout.kv_dim // head_dim
+    device = pool.device
+    page_ids = torch.as_tensor(list(pages), dtype=torch.int64, device=device)
+    # The pool as blocks of kv_block_tokens rows: page p holds key block 2p and value block 2p + 1.
+    blocks = pool.buffer.view(-1, block * pool.layout.kv_dim)
+    keys = blocks.index_select(0, 2 * page_ids).view(-1, num_kv_heads, head_dim)
+    values = blocks.index_select(0, 2 * page_ids + 1).view(-1, num_kv_heads, head_dim)
+    firsts = torch.as_tensor(list(block_first_positions), dtype=torch.int64, device=device)
+    key_positions = (firsts[:, None] + torch.arange(block, device=device)[None, :]).reshape(-1)
+    return micro_attention(queries, keys, values, query_positions.to(device), key_positions)
