@@ -26,6 +26,18 @@ from services.runtime.process import ServiceProcess
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 WORKER_FLAGS = ["--dtype", "float32", "--pool-mib", "128", "--grace-s", "30"]
+HANG_GUARD_S = 120.0  # not a timing claim: only keeps a broken build from hanging the suite
+
+
+async def until(fetch, predicate, what: str):
+    """Poll ``fetch`` until ``predicate`` holds of its value; returns that value."""
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            while not predicate(value := await fetch()):
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not true after {HANG_GUARD_S:.0f} s") from None
+    return value
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +88,9 @@ def in_process_tokens(loaded, adapter_root, prompt, adapter, max_tokens) -> list
 
 
 async def generate(
-    stub, prompt, adapter="", max_tokens=8, **sampling
+    stub, prompt, adapter="", max_tokens=8, first_token: asyncio.Event | None = None, **sampling
 ) -> tuple[list[int], worker_pb2.GenerateResponse]:
+    """Stream one request to the end; ``first_token`` is set once its first token arrived."""
     tokens, last = [], None
     request = worker_pb2.GenerateRequest(
         prompt_token_ids=prompt,
@@ -87,6 +100,8 @@ async def generate(
     async for reply in stub.Generate(request, timeout=120):
         tokens += reply.token_ids
         last = reply
+        if first_token is not None and tokens:
+            first_token.set()
     return tokens, last
 
 
@@ -161,18 +176,14 @@ async def test_cancelled_stream_frees_its_pages(worker, adapter_root):
             )
         )
         await call.read()
-        for _ in range(100):  # stats are a snapshot taken after each step
-            if (await stub.Stats(worker_pb2.WorkerStatsRequest())).kv_pages > 0:
-                break
-            await asyncio.sleep(0.05)
-        assert (await stub.Stats(worker_pb2.WorkerStatsRequest())).kv_pages > 0
+
+        def stats():
+            return stub.Stats(worker_pb2.WorkerStatsRequest())
+
+        # Stats are a snapshot taken after each step: wait for one that shows the request.
+        await until(stats, lambda s: s.kv_pages > 0, "the request holds pages")
         call.cancel()
-        for _ in range(100):
-            if (await stub.Stats(worker_pb2.WorkerStatsRequest())).kv_pages == 0:
-                break
-            await asyncio.sleep(0.05)
-        stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
-        assert stats.kv_pages == 0 and stats.running == 0
+        await until(stats, lambda s: s.kv_pages == 0 and s.running == 0, "the cancelled request freed its pages")
 
 
 async def test_sigterm_finishes_in_flight_requests_then_exits_0(worker, adapter_root):
@@ -180,11 +191,13 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_0(worker, adapter_
     await proc.wait_ready(120)
     async with aio.insecure_channel(proc.address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
+        started = [asyncio.Event() for _ in range(4)]
         streams = [
-            asyncio.create_task(generate(stub, [1 + i, 2, 3], "sql" if i % 2 else "", 16)) for i in range(4)
+            asyncio.create_task(generate(stub, [1 + i, 2, 3], "sql" if i % 2 else "", 16, started[i]))
+            for i in range(4)
         ]
-        while (await stub.Stats(worker_pb2.WorkerStatsRequest())).running < 4:
-            await asyncio.sleep(0.05)
+        # Every stream is in flight (it has its first token and 15 to go) when the signal lands.
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), HANG_GUARD_S)
         proc.signal(signal.SIGTERM)
         results = await asyncio.gather(*streams)
     assert all(
@@ -218,11 +231,12 @@ async def test_worker_in_the_mesh_pulls_adapters_from_the_store_and_reports_load
         config = MembershipConfig(etcd_endpoints=etcd.endpoint)
         members = await list_members(config, "gpu_worker")
         assert [m.address for m in members] == [proc.address]
-        for _ in range(30):
-            load = (await read_loads(config)).get(members[0].instance_id, {})
-            if info.id in load.get("resident_adapters", []):
-                break
-            await asyncio.sleep(0.2)
+        loads = await until(
+            lambda: read_loads(config),
+            lambda ls: info.id in ls.get(members[0].instance_id, {}).get("resident_adapters", []),
+            "the load report lists the adapter as resident",
+        )
+        load = loads[members[0].instance_id]
         assert load["total_pages"] > 0 and "free_pages" in load and "queue" in load and "tokens_per_s" in load
         assert info.id in load["resident_adapters"]
     finally:

@@ -11,7 +11,6 @@ import asyncio
 import hashlib
 import json
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +95,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
                 context.set_trailing_metadata((("x-request-id", request_id), ("retry-after-s", "1.500")))
             await context.abort(code, f"scripted {code.name}")
         if prompt == "slow":
-            await asyncio.sleep(5)
+            await asyncio.Event().wait()  # never answers: only the caller's deadline ends the call
         for i, text in enumerate(DELTAS):
             last = i == len(DELTAS) - 1
             yield gateway_pb2.GenerateTextResponse(
@@ -423,10 +422,8 @@ def test_upload_and_delete_are_not_retried(client, gateway, tmp_path):
 
 
 def test_timeout_is_the_deadline(client):
-    started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         client.generate("slow", timeout=0.2)
-    assert time.monotonic() - started < 2
 
 
 def test_adapters_upload_list_get_delete(client, gateway, tmp_path):

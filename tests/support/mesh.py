@@ -76,8 +76,9 @@ async def start_mesh(
     return mesh
 
 
-async def wait_for_workers(mesh: Mesh, count: int, timeout_s: float = 30) -> None:
-    """Until the scheduler's view holds ``count`` workers with load reports."""
+async def wait_for_workers(mesh: Mesh, count: int, timeout_s: float = 120) -> None:
+    """Until the scheduler's view holds ``count`` workers with load reports. ``timeout_s`` only
+    guards against a hang: workers loading the model on a busy 2-core machine can take a while."""
     from grpc import aio
 
     from loramesh.v1 import scheduler_pb2, scheduler_pb2_grpc
