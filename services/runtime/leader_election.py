@@ -67,11 +67,7 @@ class LeaderElection:
     async def stop(self) -> None:
         """Stop campaigning and revoke the lease: if this instance led, the key goes at once
         (bounded; when etcd is gone the key expires after the TTL)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._cancel_task()
         lease_id, self._lease_id = self._lease_id, None
         self._set_leader("")
         if lease_id is not None:
@@ -80,6 +76,21 @@ class LeaderElection:
             except Exception as e:  # noqa: BLE001 - the lease expires by itself
                 log.warning("could not revoke the %s election lease: %s", self.key, _describe(e))
         await self._conn.close()
+
+    async def abandon(self) -> None:
+        """Stop campaigning *without* revoking: a key this instance holds stays until its lease
+        expires, as if the process had crashed."""
+        await self._cancel_task()
+        self._lease_id = None
+        self._set_leader("")
+        await self._conn.close()
+
+    async def _cancel_task(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def _set_leader(self, leader_id: str) -> None:
         if leader_id == self.leader_id:
