@@ -8,6 +8,7 @@ import sys
 import grpc
 import pytest
 from grpc import aio
+from prometheus_client import generate_latest
 
 from loramesh.v1 import kv_manager_pb2 as pb
 from loramesh.v1 import kv_manager_pb2_grpc
@@ -107,7 +108,7 @@ async def test_a_refusal_holds_until_the_creditors_next_heartbeat(kv_managers, w
     assert "no worker other than 'debtor'" in error.details()
     assert any(k == "retry-after-s" for k, _ in error.trailing_metadata())
 
-    await lender.registration._write_load()  # the creditor's next heartbeat
+    await lender.registration._write_load()  # the creditor's next heartbeat, now rather than in an hour
     await poll(kv.workers, lambda w: not w["lender"].refused, "refusal cleared")
     assert await kv.suggest("debtor", 4) == ["lender"]
 
@@ -153,7 +154,9 @@ async def test_dgfm_plans_the_swaps_of_a_three_cycle(kv_managers, workers, poll)
     # Above the smallest debt nothing is worth swapping.
     plan = await kv.stub.PlanDefragmentation(pb.PlanDefragmentationRequest(min_swap_blocks=7))
     assert not plan.swaps and plan.remote_blocks_after == 24
-    assert kv.host.service.load_report()["dgfm_swaps_planned"] == 1
+    metrics = generate_latest(kv.host.metrics.registry).decode()
+    assert "loramesh_kv_manager_dgfm_swaps_planned 1.0" in metrics
+    assert "loramesh_kv_manager_lent_blocks 27.0" in metrics
 
 
 async def test_one_replica_leads_and_the_standby_takes_over(kv_managers, workers, poll):
