@@ -35,7 +35,11 @@ def reference_attention(q, k, v, q_pos, k_pos) -> torch.Tensor:
     """Single-place causal attention with SDPA: [n, heads, head_dim]."""
     mask = k_pos[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        enable_gqa=True,
     )
     return out[0].transpose(0, 1)
 
@@ -72,7 +76,9 @@ def test_split_over_workers_equals_single_place_attention(workers: int, decode: 
     assert combined.output.dtype == torch.float32
     assert torch.allclose(combined.output, expected, atol=ATOL)
     # The combined log-sum-exp is that of the whole context.
-    scores = torch.einsum("nhd,mhd->nhm", q, k.repeat_interleave(HEADS // KV_HEADS, dim=1)) / math.sqrt(HEAD_DIM)
+    scores = torch.einsum("nhd,mhd->nhm", q, k.repeat_interleave(HEADS // KV_HEADS, dim=1)) / math.sqrt(
+        HEAD_DIM
+    )
     scores = scores.masked_fill(~(torch.arange(context)[None, None, :] <= q_pos[:, None, None]), -math.inf)
     assert torch.allclose(combined.lse, torch.logsumexp(scores, dim=-1), atol=ATOL)
 
@@ -102,7 +108,9 @@ def test_a_block_entirely_in_the_future_contributes_nothing_and_no_nan():
     # Partly visible: query 3 sees only keys 0..3 of the first block, query 0 only key 0.
     past = micro_attention(q, k[:16], v[:16], q_pos, torch.arange(16))
     combined = scale_reduce([future, past])
-    assert torch.allclose(combined.output, reference_attention(q, k[:10], v[:10], q_pos, torch.arange(10)), atol=ATOL)
+    assert torch.allclose(
+        combined.output, reference_attention(q, k[:10], v[:10], q_pos, torch.arange(10)), atol=ATOL
+    )
     assert torch.equal(combined.output, scale_reduce([past, future]).output)
 
 
@@ -130,7 +138,9 @@ def test_reduce_is_closed_under_grouping():
     generator = torch.Generator().manual_seed(4)
     k, v = random_kv(48, generator)
     q, q_pos = torch.randn(2, HEADS, HEAD_DIM, generator=generator), torch.tensor([30, 47])
-    a, b, c = (micro_attention(q, k[s : s + 16], v[s : s + 16], q_pos, torch.arange(s, s + 16)) for s in (0, 16, 32))
+    a, b, c = (
+        micro_attention(q, k[s : s + 16], v[s : s + 16], q_pos, torch.arange(s, s + 16)) for s in (0, 16, 32)
+    )
     flat = scale_reduce([a, b, c])
     for grouped in (scale_reduce([scale_reduce([a, b]), c]), scale_reduce([a, scale_reduce([b, c])])):
         assert torch.allclose(grouped.output, flat.output, atol=ATOL)
@@ -145,14 +155,18 @@ def test_reduce_is_closed_under_grouping():
     decode=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_any_split_equals_single_place_attention(context: int, block: int, workers: int, decode: bool, seed: int):
+def test_any_split_equals_single_place_attention(
+    context: int, block: int, workers: int, decode: bool, seed: int
+):
     generator = torch.Generator().manual_seed(seed)
     k, v = random_kv(context, generator)
     q_pos = torch.tensor([context - 1]) if decode else torch.arange(context)
     q = torch.randn(q_pos.numel(), HEADS, HEAD_DIM, generator=generator)
     owners = torch.randint(0, workers, (-(-context // block),), generator=generator).tolist()
     combined = split_attention(q, k, v, q_pos, block, owners, workers)
-    assert torch.allclose(combined.output, reference_attention(q, k, v, q_pos, torch.arange(context)), atol=ATOL)
+    assert torch.allclose(
+        combined.output, reference_attention(q, k, v, q_pos, torch.arange(context)), atol=ATOL
+    )
 
 
 # -- against the engine's paged attention (llama.py) ------------------------------------------

@@ -1,0 +1,177 @@
+"""The creditor side of the rManager (DistKV-LLM §4.3–4.4): lends KV blocks of this worker's
+pool to other workers (debtors), stores the KV they write there, frees them, and answers their
+queries with partial attention over exactly the blocks each debtor owns.
+
+Remote callers are untrusted input: every call is checked before anything changes, and a bad one
+raises a :mod:`services.runtime.errors` domain error naming what is wrong (the servicer maps it
+to a status) while the blocks of every other debtor stay as they were. Lent block ids are never
+reused, so a stale id can only name a freed block, never someone else's.
+
+Not thread-safe: like the pool it draws from, it belongs to the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_worker.memory.block_table import LocalBlock
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
+from services.gpu_worker.memory.page_allocator import PoolExhausted
+from services.gpu_worker.model.dist_attention import PartialAttention
+from services.runtime.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
+
+
+@dataclass(frozen=True)
+class LendingConfig:
+    """How much of this worker's pool other workers may borrow."""
+
+    max_lent_blocks: int
+    """Cap on blocks lent out to all debtors together (the paper's hyperparameter); 0 lends
+    nothing. Allocations past it are refused, so local requests keep room of their own."""
+
+
+@dataclass(frozen=True)
+class _Loan:
+    debtor: str
+    block: LocalBlock
+
+
+class BlockLender:
+    """Blocks of ``local`` lent to debtors, by lent block id."""
+
+    def __init__(self, local: LocalBlockAllocator, config: LendingConfig):
+        if config.max_lent_blocks < 0:
+            raise ValueError(f"max_lent_blocks must be ≥ 0, got {config.max_lent_blocks}")
+        self.local = local
+        self.config = config
+        self._loans: dict[int, _Loan] = {}
+        self._by_debtor: dict[str, set[int]] = {}
+        self._next_id = 0
+
+    @property
+    def lent_blocks(self) -> int:
+        return len(self._loans)
+
+    def lent_to(self) -> dict[str, int]:
+        """Blocks lent, per debtor (for heartbeats and metrics)."""
+        return {debtor: len(ids) for debtor, ids in self._by_debtor.items()}
+
+    def blocks_of(self, debtor: str) -> list[int]:
+        return sorted(self._by_debtor.get(debtor, ()))
+
+    def allocate(self, debtor: str, count: int) -> list[int]:
+        """Lend ``count`` blocks to ``debtor`` (first free pages), all or none; their ids."""
+        if count <= 0:
+            raise InvalidArgument(f"a remote allocation must ask for at least one block, got {count}")
+        cap = self.config.max_lent_blocks
+        if self.lent_blocks + count > cap:
+            raise ResourceExhausted(
+                f"lending {count} more blocks would exceed the cap of {cap} blocks lent out "
+                f"({self.lent_blocks} lent now)"
+            )
+        try:
+            blocks = self.local.allocate(count)
+        except PoolExhausted as exhausted:
+            # A creditor never borrows on behalf of a remote request (§4.4): it refuses.
+            raise ResourceExhausted(
+                f"no room for {count} blocks in this worker's pool ({exhausted})"
+            ) from exhausted
+        ids = list(range(self._next_id, self._next_id + count))
+        self._next_id += count
+        for block_id, block in zip(ids, blocks):
+            self._loans[block_id] = _Loan(debtor, block)
+        self._by_debtor.setdefault(debtor, set()).update(ids)
+        return ids
+
+    def write(
+        self,
+        debtor: str,
+        layer: int,
+        block_ids: Sequence[int],
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Store ``debtor``'s KV: token ``i`` goes to slot ``slots[i]`` of block ``block_ids[i]``."""
+        blocks = self._owned(debtor, block_ids)
+        self._check_layer(layer)
+        n, kv_dim = len(block_ids), self.local.pool.layout.kv_dim
+        for name, rows in (("keys", keys), ("values", values)):
+            if tuple(rows.shape) != (n, kv_dim):
+                raise InvalidArgument(f"{name} must be [{n}, {kv_dim}], got {list(rows.shape)}")
+        if slots.shape != (n,) or (
+            n and not (0 <= int(slots.min()) and int(slots.max()) < self.local.block_tokens)
+        ):
+            raise InvalidArgument(f"slots must be {n} values in [0, {self.local.block_tokens})")
+        self.local.write(layer, blocks, slots, keys, values)
+
+    def free(self, debtor: str, block_ids: Sequence[int]) -> None:
+        """Take back ``debtor``'s ``block_ids``, all or none."""
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidArgument("the same block id appears twice in one free")
+        blocks = self._owned(debtor, block_ids)
+        for block_id in block_ids:
+            del self._loans[block_id]
+            self._by_debtor[debtor].discard(block_id)
+        if not self._by_debtor[debtor]:
+            del self._by_debtor[debtor]
+        self.local.free(blocks)
+
+    def reclaim(self, debtor: str) -> int:
+        """Free every block lent to ``debtor`` (it died: its etcd lease expired); how many."""
+        ids = self.blocks_of(debtor)
+        if ids:
+            self.free(debtor, ids)
+        return len(ids)
+
+    def attend(
+        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
+    ) -> list[PartialAttention]:
+        """Partial attention of each segment's queries over its blocks, all owned by ``debtor``."""
+        self._check_layer(layer)
+        kv_dim = self.local.pool.layout.kv_dim
+        local_segments = []
+        for segment in segments:
+            blocks = self._owned(debtor, segment.blocks)
+            queries, positions = segment.queries, segment.query_positions
+            if (
+                queries.dim() != 3
+                or kv_dim % queries.shape[2]
+                or queries.shape[1] % (kv_dim // queries.shape[2])
+            ):
+                raise InvalidArgument(
+                    f"queries must be [n, heads, head_dim] with head_dim dividing {kv_dim} and heads a "
+                    f"multiple of the kv heads, got {list(queries.shape)}"
+                )
+            if positions.shape != (queries.shape[0],):
+                raise InvalidArgument(
+                    f"query_positions must be [{queries.shape[0]}], got {list(positions.shape)}"
+                )
+            if len(segment.block_first_positions) != len(blocks):
+                raise InvalidArgument(
+                    f"{len(blocks)} blocks but {len(segment.block_first_positions)} block positions"
+                )
+            local_segments.append(AttendSegment(queries, positions, blocks, segment.block_first_positions))
+        return self.local.attend(layer, local_segments)
+
+    def _owned(self, debtor: str, block_ids: Sequence[int]) -> list[LocalBlock]:
+        """The blocks behind ``block_ids``, each checked to be lent to ``debtor``."""
+        blocks = []
+        for block_id in block_ids:
+            loan = self._loans.get(block_id)
+            if loan is None:
+                if 0 <= block_id < self._next_id:
+                    raise FailedPrecondition(f"block {block_id} was freed; it is no longer lent to {debtor}")
+                raise InvalidArgument(f"block {block_id} was never lent by this worker")
+            if loan.debtor != debtor:
+                raise PermissionDenied(f"block {block_id} is not lent to {debtor}")
+            blocks.append(loan.block)
+        return blocks
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.local.num_layers:
+            raise InvalidArgument(f"layer {layer} is out of range [0, {self.local.num_layers})")

@@ -1,0 +1,55 @@
+"""A :class:`CreditorTransport` that calls a creditor's ``BlockLender`` in the same process.
+
+Used by tests and single-process simulations of several workers. ``kill`` stands for the
+creditor's process dying: every later call fails as an unreachable creditor does over gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.gpu_worker.memory.block_lender import BlockLender
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.model.dist_attention import PartialAttention
+from services.runtime.errors import Unavailable
+
+
+class InProcessTransport:
+    """The lending API of ``lender``, the creditor named ``creditor``."""
+
+    def __init__(self, creditor: str, lender: BlockLender):
+        self.creditor = creditor
+        self.lender = lender
+        self.alive = True
+
+    def kill(self) -> None:
+        self.alive = False
+
+    def allocate(self, debtor: str, count: int) -> list[int]:
+        return self._reachable().allocate(debtor, count)
+
+    def write(
+        self,
+        debtor: str,
+        layer: int,
+        block_ids: Sequence[int],
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        self._reachable().write(debtor, layer, block_ids, slots, keys, values)
+
+    def free(self, debtor: str, block_ids: Sequence[int]) -> None:
+        self._reachable().free(debtor, block_ids)
+
+    def attend(
+        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
+    ) -> list[PartialAttention]:
+        return self._reachable().attend(debtor, layer, segments)
+
+    def _reachable(self) -> BlockLender:
+        if not self.alive:
+            raise Unavailable(f"creditor {self.creditor} is unreachable")
+        return self.lender

@@ -1,0 +1,96 @@
+"""KV blocks in this worker's unified pool: the local implementation of ``KvBlockAllocator``.
+
+A block is one KV page per layer. Blocks lent to debtors come from here too (the lender
+allocates through this allocator), so every KV page this allocator hands out is either used by
+this worker's own requests or lent to exactly one debtor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.gpu_worker.memory.block_table import LocalBlock
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.page_allocator import PageUse
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model.dist_attention import PartialAttention
+from services.gpu_worker.model.pool_block_attention import attend_pool_blocks
+from services.runtime.errors import FailedPrecondition, InvalidArgument
+
+
+class LocalBlockAllocator:
+    """Allocates, writes, frees and attends over blocks of ``pool``'s KV pages."""
+
+    def __init__(self, pool: UnifiedPool):
+        self.pool = pool
+        self._allocated: set[LocalBlock] = set()
+
+    @property
+    def block_tokens(self) -> int:
+        return self.pool.layout.kv_block_tokens
+
+    @property
+    def num_layers(self) -> int:
+        return self.pool.layout.num_layers
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation could take now (adapters share these pages and may take them)."""
+        return self.pool.allocator.free_pages_for(PageUse.KV) // self.num_layers
+
+    @property
+    def allocated_blocks(self) -> int:
+        return len(self._allocated)
+
+    def allocate(self, count: int) -> list[LocalBlock]:
+        """``count`` blocks, all or none (raises ``PoolExhausted``, allocating nothing)."""
+        if count < 0:
+            raise InvalidArgument(f"cannot allocate {count} blocks")
+        layers = self.num_layers
+        pages = self.pool.allocate(count * layers, PageUse.KV)
+        blocks = [LocalBlock(tuple(pages[i : i + layers])) for i in range(0, len(pages), layers)]
+        self._allocated.update(blocks)
+        return blocks
+
+    def write(
+        self,
+        layer: int,
+        blocks: Sequence[LocalBlock],
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        self._check_held(blocks)
+        device = self.pool.device
+        pages = torch.tensor([block.pages[layer] for block in blocks], dtype=torch.int64, device=device)
+        slots = slots.to(device=device, dtype=torch.int64)
+        dtype = self.pool.dtype
+        self.pool.kv_rows.index_copy_(0, self.pool.key_rows(pages, slots), keys.to(device, dtype))
+        self.pool.kv_rows.index_copy_(0, self.pool.value_rows(pages, slots), values.to(device, dtype))
+
+    def free(self, blocks: Sequence[LocalBlock]) -> None:
+        self._check_held(blocks)
+        if len(set(blocks)) != len(blocks):
+            raise FailedPrecondition("the same block is freed twice in one call")
+        self._allocated.difference_update(blocks)
+        self.pool.free([page for block in blocks for page in block.pages])
+
+    def attend(self, layer: int, segments: Sequence[AttendSegment[LocalBlock]]) -> list[PartialAttention]:
+        self._check_held([block for segment in segments for block in segment.blocks])
+        return [
+            attend_pool_blocks(
+                self.pool,
+                [block.pages[layer] for block in segment.blocks],
+                segment.block_first_positions,
+                segment.queries,
+                segment.query_positions,
+            )
+            for segment in segments
+        ]
+
+    def _check_held(self, blocks: Sequence[LocalBlock]) -> None:
+        for block in blocks:
+            if block not in self._allocated:
+                raise FailedPrecondition(f"local block {block.pages} is not allocated (freed already?)")

@@ -1,0 +1,108 @@
+"""The debtor side of borrowing: KV blocks on one creditor, behind ``KvBlockAllocator``.
+
+Calls go through a :class:`CreditorTransport`, the creditor's :class:`BlockLender` API as seen
+from another worker: a gRPC client in production, an in-process one in tests. The allocator
+remembers which blocks it holds there, so a free can be checked here first and, when the
+creditor dies, the blocks it held are known (and forgotten: there is nothing left to free).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from services.gpu_worker.memory.block_table import RemoteBlock
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.model.dist_attention import PartialAttention
+from services.runtime.errors import FailedPrecondition, InvalidArgument
+
+
+class CreditorTransport(Protocol):
+    """One creditor's lending API (see ``BlockLender``), called on behalf of ``debtor``.
+
+    Errors arrive as the creditor raised them (domain errors; a gRPC transport maps statuses
+    back), and ``Unavailable`` when the creditor cannot be reached.
+    """
+
+    def allocate(self, debtor: str, count: int) -> list[int]: ...
+
+    def write(
+        self,
+        debtor: str,
+        layer: int,
+        block_ids: Sequence[int],
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None: ...
+
+    def free(self, debtor: str, block_ids: Sequence[int]) -> None: ...
+
+    def attend(
+        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
+    ) -> list[PartialAttention]: ...
+
+
+class RemoteBlockAllocator:
+    """Blocks this worker (``debtor``) borrowed from ``creditor``."""
+
+    def __init__(self, debtor: str, creditor: str, transport: CreditorTransport):
+        if debtor == creditor:
+            raise ValueError(f"worker {debtor} cannot borrow from itself")
+        self.debtor = debtor
+        self.creditor = creditor
+        self.transport = transport
+        self._held: set[int] = set()
+
+    @property
+    def held_blocks(self) -> int:
+        return len(self._held)
+
+    def allocate(self, count: int) -> list[RemoteBlock]:
+        """Borrow ``count`` blocks (the creditor's refusal propagates: ``ResourceExhausted``)."""
+        ids = self.transport.allocate(self.debtor, count)
+        self._held.update(ids)
+        return [RemoteBlock(self.creditor, block_id) for block_id in ids]
+
+    def write(
+        self,
+        layer: int,
+        blocks: Sequence[RemoteBlock],
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        self.transport.write(self.debtor, layer, self._ids(blocks), slots, keys, values)
+
+    def free(self, blocks: Sequence[RemoteBlock]) -> None:
+        ids = self._ids(blocks)
+        if len(set(ids)) != len(ids):
+            raise FailedPrecondition("the same remote block is freed twice in one call")
+        self.transport.free(self.debtor, ids)
+        self._held.difference_update(ids)
+
+    def attend(self, layer: int, segments: Sequence[AttendSegment[RemoteBlock]]) -> list[PartialAttention]:
+        wire = [
+            AttendSegment(s.queries, s.query_positions, self._ids(s.blocks), s.block_first_positions)
+            for s in segments
+        ]
+        return self.transport.attend(self.debtor, layer, wire)
+
+    def creditor_lost(self) -> list[int]:
+        """The creditor died: forget (and return) the ids of every block held there."""
+        lost, self._held = sorted(self._held), set()
+        return lost
+
+    def _ids(self, blocks: Sequence[RemoteBlock]) -> list[int]:
+        ids = []
+        for block in blocks:
+            if block.creditor != self.creditor:
+                raise InvalidArgument(f"block {block} is not on creditor {self.creditor}")
+            if block.block_id not in self._held:
+                raise FailedPrecondition(
+                    f"block {block.block_id} on {self.creditor} is not held (freed already?)"
+                )
+            ids.append(block.block_id)
+        return ids
