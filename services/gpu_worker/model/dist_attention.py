@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+_SCORE_ELEMENTS = 1 << 24
+"""Most float32 scores micro-attention materialises at once (64 MiB)."""
+
 
 @dataclass(frozen=True)
 class PartialAttention:
@@ -64,22 +67,47 @@ def micro_attention(
     ``1/√head_dim``.
     """
     n, num_heads, head_dim = queries.shape
-    num_kv_heads = keys.shape[1]
+    num_kv_heads, m = keys.shape[1], keys.shape[0]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-    if keys.shape[0] == 0 or n == 0:
+    if m == 0 or n == 0:
         return empty_partial(n, num_heads, head_dim, queries.device)
-    group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    keys, values = keys.float(), values.float()
+    # Queries in chunks so the [heads, rows, m] score matrix stays bounded (a long prefill).
+    rows = max(1, _SCORE_ELEMENTS // (num_heads * m))
+    parts = [
+        _attend_rows(queries[i : i + rows], keys, values, query_positions[i : i + rows], key_positions, scale)
+        for i in range(0, n, rows)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return PartialAttention(
+        output=torch.cat([p.output for p in parts]), lse=torch.cat([p.lse for p in parts])
+    )
+
+
+def _attend_rows(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+) -> PartialAttention:
+    """:func:`micro_attention` of a few queries over float32 ``keys``/``values`` (m > 0)."""
+    n, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
     q = queries.float().view(n, num_kv_heads, group, head_dim)
-    scores = torch.einsum("nhgd,mhd->hgnm", q, keys.float()) * scale  # [kv_heads, group, n, m]
+    scores = torch.einsum("nhgd,mhd->hgnm", q, keys) * scale  # [kv_heads, group, n, m]
     visible = key_positions[None, :] <= query_positions[:, None]  # [n, m]
     scores = scores.masked_fill(~visible, -math.inf)
     row_max = scores.amax(dim=-1)  # −inf where the query sees no key of this subset
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - shift[..., None])  # exactly 0 where masked
     total = weights.sum(dim=-1)  # e_j: ≥ 1 when any key is visible (its max term is exp(0)), else 0
-    attended = torch.einsum("hgnm,mhd->nhgd", weights, values.float())
+    attended = torch.einsum("hgnm,mhd->nhgd", weights, values)
     # clamp_min(1) leaves every non-empty total as it is and turns 0/0 into 0/1 = 0.
     output = attended / total.clamp_min(1.0).permute(2, 0, 1)[..., None]
     lse = (shift + torch.log(total)).permute(2, 0, 1)  # log 0 = −inf for empty rows

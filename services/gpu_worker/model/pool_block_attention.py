@@ -26,8 +26,8 @@ def attend_pool_blocks(
     the KV pages ``pages`` of one layer, page ``i`` holding the tokens at positions
     ``block_first_positions[i] ..`` ``+ kv_block_tokens − 1``.
 
-    Slots of a page not yet written hold positions after every query (the caller attends a block
-    only up to the queries' own positions), so the causal mask hides them.
+    Slots not yet written sit at positions past the request's last token, hence past every
+    query, so the causal mask hides them: no fill count is needed.
     """
     if len(pages) != len(block_first_positions):
         raise ValueError(f"{len(pages)} pages but {len(block_first_positions)} block positions")

@@ -18,9 +18,9 @@ BLOCK, KV_HEADS, HEAD_DIM, HEADS, LAYERS = 4, 2, 8, 4, 2
 LAYOUT = PoolLayout(num_pages=20, kv_block_tokens=BLOCK, kv_dim=KV_HEADS * HEAD_DIM, num_layers=LAYERS)
 
 
-def lender(cap: int = 6) -> BlockLender:
+def lender(cap: int = 6, dtype: torch.dtype = torch.float32) -> BlockLender:
     return BlockLender(
-        LocalBlockAllocator(UnifiedPool(LAYOUT, torch.float32)), LendingConfig(max_lent_blocks=cap)
+        LocalBlockAllocator(UnifiedPool(LAYOUT, dtype)), LendingConfig(max_lent_blocks=cap)
     )
 
 
@@ -137,6 +137,19 @@ def test_attention_over_a_debtors_blocks_only():
     assert torch.allclose(partial.lse, expected.lse, atol=1e-6)
     with pytest.raises(InvalidArgument, match="queries must be"):
         creditor.attend("a", 0, [AttendSegment(torch.randn(3, 5, HEAD_DIM), positions, ids, firsts)])
+
+
+def test_a_bf16_pool_stores_bf16_and_attends_in_fp32():
+    creditor = lender(dtype=torch.bfloat16)
+    ids = creditor.allocate("a", 1)
+    keys, values = kv_rows(BLOCK, seed=3)
+    creditor.write("a", 0, ids * BLOCK, torch.arange(BLOCK), keys, values)
+    queries, positions = torch.randn(2, HEADS, HEAD_DIM), torch.tensor([1, 3])
+    (partial,) = creditor.attend("a", 0, [AttendSegment(queries, positions, ids, [0])])
+    stored = [rows.to(torch.bfloat16).float().view(BLOCK, KV_HEADS, HEAD_DIM) for rows in (keys, values)]
+    expected = micro_attention(queries, *stored, positions, torch.arange(BLOCK))
+    assert partial.output.dtype == torch.float32
+    assert torch.allclose(partial.output, expected.output, atol=1e-6)
 
 
 def test_local_allocator_frees_all_or_nothing():

@@ -16,6 +16,7 @@ from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.gpu_worker.model import dist_attention
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.dist_attention import (
     PartialAttention,
@@ -131,6 +132,18 @@ def test_empty_block_sets():
     assert torch.equal(scale_reduce([some, none]).output, some.output)
     with pytest.raises(ValueError):
         scale_reduce([])
+
+
+def test_long_prefills_attend_in_query_chunks_exactly(monkeypatch):
+    generator = torch.Generator().manual_seed(6)
+    k, v = random_kv(40, generator)
+    q, q_pos = torch.randn(40, HEADS, HEAD_DIM, generator=generator), torch.arange(40)
+    whole = micro_attention(q, k, v, q_pos, q_pos)
+    monkeypatch.setattr(dist_attention, "_SCORE_ELEMENTS", 3 * HEADS * 40)  # chunks of 3 queries
+    chunked = micro_attention(q, k, v, q_pos, q_pos)
+    assert torch.allclose(chunked.output, whole.output, atol=1e-6)
+    assert torch.allclose(chunked.lse, whole.lse, atol=1e-6)
+    assert torch.allclose(chunked.output, reference_attention(q, k, v, q_pos, q_pos), atol=ATOL)
 
 
 def test_reduce_is_closed_under_grouping():
