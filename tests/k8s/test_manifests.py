@@ -23,6 +23,7 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
 from services.runtime.config import ENV_PREFIX, ServiceConfig, parse_config
+from services.runtime.process import GRPC_SERVICE_NAMES
 from services.scheduler.config import SchedulerConfig
 
 K8S = Path(__file__).resolve().parents[2] / "k8s"
@@ -61,6 +62,11 @@ SERVICES = {
 FIELD_REF_SAMPLES = {"LORAMESH_ADVERTISE_HOST": "10.1.2.3", "LORAMESH_INSTANCE_ID": "gpu-worker-5d8f7-x2x9k"}
 #: LORAMESH_* variables read outside the config classes, with the module that reads them.
 EXTRA_ENV = {"LORAMESH_CACHE_DIR": "services/gpu_worker/model/gguf_loader.py"}
+
+
+def test_readiness_names_are_the_ones_the_services_report():
+    reported = {f"services.{module}": name for module, name in GRPC_SERVICE_NAMES.items()}
+    assert {m: SERVICES[m].health_name for m in reported} == reported
 
 
 def render(directory: Path) -> list[dict]:
