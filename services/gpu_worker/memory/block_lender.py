@@ -158,6 +158,10 @@ class BlockLender:
             local_segments.append(AttendSegment(queries, positions, blocks, segment.block_first_positions))
         return self.local.attend(layer, local_segments)
 
+    def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV of ``debtor``'s ``block_ids`` in every layer, for the debtor to move them."""
+        return self.local.read(self._owned(debtor, block_ids))
+
     def _owned(self, debtor: str, block_ids: Sequence[int]) -> list[LocalBlock]:
         """The blocks behind ``block_ids``, each checked to be lent to ``debtor``."""
         blocks = []

@@ -86,6 +86,17 @@ class BlockTable:
             raise FailedPrecondition(f"block {index} is {self._entries[index]}, not lost: free it first")
         self._entries[index] = block
 
+    def relocate(self, index: int, block: BlockRef) -> BlockRef:
+        """Point block ``index`` at ``block``, which holds a copy of its KV; returns the old block
+        (for the caller to free)."""
+        old = self._entries[index]
+        if isinstance(old, LostBlock):
+            raise FailedPrecondition(
+                f"block {index} was lost with {old.creditor}: recompute it, it cannot move"
+            )
+        self._entries[index] = block
+        return old
+
     def mark_lost(self, creditor: str) -> list[int]:
         """Mark every block held by ``creditor`` lost; returns their logical indices."""
         lost = []

@@ -49,6 +49,9 @@ class InProcessTransport:
     ) -> list[PartialAttention]:
         return self._reachable().attend(debtor, layer, segments)
 
+    def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._reachable().read(debtor, block_ids)
+
     def _reachable(self) -> BlockLender:
         if not self.alive:
             raise Unavailable(f"creditor {self.creditor} is unreachable")

@@ -1,8 +1,9 @@
 """The one interface through which KV blocks are allocated, written, freed and attended over,
 whether they live in this worker's pool or on a creditor (DistKV-LLM's rManager API, §4.3).
 
-Attention is part of the interface because a remote block is never read back: the query goes
-to where the block is and a :class:`PartialAttention` comes back (DistAttention, §4.2).
+Attention is part of the interface because a remote block is not read back to attend over it:
+the query goes to where the block is and a :class:`PartialAttention` comes back (DistAttention,
+§4.2). Blocks are read whole only to move them elsewhere (DGFM, §4.5).
 """
 
 from __future__ import annotations
@@ -57,4 +58,9 @@ class KvBlockAllocator(Protocol[BlockT]):
 
     def attend(self, layer: int, segments: Sequence[AttendSegment[BlockT]]) -> list[PartialAttention]:
         """Per segment, the partial attention of its queries over its blocks in ``layer``."""
+        ...
+
+    def read(self, blocks: Sequence[BlockT]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole of ``blocks`` in every layer, to move them (DGFM's recall and swap): keys and
+        values [num_layers, len(blocks) * kv_block_tokens, kv_dim] in the storage dtype."""
         ...

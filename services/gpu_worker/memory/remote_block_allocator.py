@@ -44,6 +44,8 @@ class CreditorTransport(Protocol):
         self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
     ) -> list[PartialAttention]: ...
 
+    def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 class RemoteBlockAllocator:
     """Blocks this worker (``debtor``) borrowed from ``creditor``."""
@@ -89,6 +91,9 @@ class RemoteBlockAllocator:
             for s in segments
         ]
         return self.transport.attend(self.debtor, layer, wire)
+
+    def read(self, blocks: Sequence[RemoteBlock]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.transport.read(self.debtor, self._ids(blocks))
 
     def creditor_lost(self) -> list[int]:
         """The creditor died: forget (and return) the ids of every block held there."""

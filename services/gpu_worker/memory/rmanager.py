@@ -11,6 +11,7 @@ exactly one debtor, and every borrowed block is held from exactly one creditor
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from services.gpu_worker.memory.prefill_plan import PrefillPlan
 from services.gpu_worker.memory.remote_block_allocator import CreditorTransport, RemoteBlockAllocator
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.dist_attention import empty_partial, scale_reduce
-from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.runtime.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,34 @@ class RManager:
         for holder, held in by_holder.items():
             self._allocator(holder).free(held)
 
+    def move(self, table: BlockTable, indices: Sequence[int], to: str | None) -> int:
+        """Move blocks ``indices`` of ``table`` to holder ``to`` (None: this worker's pool, else a
+        creditor), their KV copied bit for bit and the old blocks freed: DGFM's recall and swap
+        (§4.5). All or none: if ``to`` refuses or a copy fails, the table is as it was. Returns
+        how many blocks moved (those already at ``to`` stay)."""
+        moving = [i for i in dict.fromkeys(indices) if self._holder(self._live(table, i)) != to]
+        if not moving:
+            return 0
+        destination = self._allocator(to)
+        fresh = dict(zip(moving, destination.allocate(len(moving))))
+        by_holder: dict[str | None, list[int]] = {}
+        for index in moving:
+            by_holder.setdefault(self._holder(self._live(table, index)), []).append(index)
+        try:
+            for holder, held in by_holder.items():
+                keys, values = self._allocator(holder).read([table[i] for i in held])
+                targets = [fresh[i] for i in held for _ in range(self.block_tokens)]
+                slots = torch.arange(self.block_tokens, device=keys.device).repeat(len(held))
+                for layer in range(keys.shape[0]):
+                    destination.write(layer, targets, slots, keys[layer], values[layer])
+        except DomainError:
+            # An unreachable destination frees its blocks when its death is processed.
+            with contextlib.suppress(Unavailable):
+                destination.free(list(fresh.values()))
+            raise
+        self.free([table.relocate(i, fresh[i]) for i in moving])
+        return len(moving)
+
     def creditor_died(self, creditor: str, tables: Sequence[BlockTable]) -> dict[int, list[int]]:
         """``creditor`` is gone: mark its blocks lost in ``tables`` and stop borrowing from it.
         Returns, per affected table (by position in ``tables``), the logical blocks lost."""
@@ -180,6 +209,11 @@ class RManager:
         index = position // self.block_tokens
         if not 0 <= index < len(table):
             raise InvalidArgument(f"position {position} is outside the request's {table.capacity} tokens")
+        return self._live(table, index)
+
+    @staticmethod
+    def _live(table: BlockTable, index: int) -> BlockRef:
+        """Block ``index`` of ``table``, which must not be lost."""
         block = table[index]
         if isinstance(block, LostBlock):
             raise FailedPrecondition(

@@ -65,6 +65,8 @@ def test_bad_requests_get_clear_errors_and_change_nothing():
     query = AttendSegment(torch.randn(1, HEADS, HEAD_DIM), torch.tensor([0]), theirs, [0])
     with pytest.raises(PermissionDenied):
         creditor.attend("a", 0, [query])
+    with pytest.raises(PermissionDenied):
+        creditor.read("a", theirs)
     with pytest.raises(InvalidArgument, match="never lent"):
         creditor.write("a", 0, [99], slots, keys, values)
     with pytest.raises(InvalidArgument, match="layer 2"):

@@ -174,6 +174,68 @@ def test_a_worker_lends_and_borrows_at_once():
     mesh.assert_empty()
 
 
+def test_moving_blocks_between_holders_keeps_their_kv_and_the_attention():
+    """DGFM's recall and swap primitive: blocks move home, out and between creditors; their KV is
+    copied bit for bit, attention is unchanged, and the old blocks are freed."""
+    mesh = Mesh()
+    rm = mesh.workers["w0"]
+    keys, values, queries = random_context(28, seed=3)
+    table = spread_request(mesh, 28, local=3, grants={"w1": 2, "w2": 2})
+    write_context(rm, table, keys, values)
+
+    def stored(index: int):
+        block = table[index]
+        if isinstance(block, LocalBlock):
+            return rm.local.read([block])
+        return mesh.workers[block.creditor].lender.read("w0", [block.block_id])
+
+    def holder(block):
+        return None if isinstance(block, LocalBlock) else block.creditor
+
+    before = [stored(i) for i in range(len(table))]
+    assert rm.move(table, [3, 4], to=None) == 2  # recall from w1: local now
+    assert rm.move(table, [0, 5], to="w1") == 2  # a local block out, w2's block to w1
+    assert rm.move(table, [0], to="w1") == 0  # already there
+    assert [holder(b) for b in table] == ["w1", None, None, None, None, "w1", "w2"]
+    for index, (k, v) in enumerate(before):
+        after_k, after_v = stored(index)
+        assert torch.equal(after_k, k) and torch.equal(after_v, v)
+    assert rm.accounting().borrowed_blocks == {"w1": 2, "w2": 1}
+    mesh.assert_balanced()
+    assert_exact_attention(rm, table, keys, values, queries, torch.arange(28))
+    rm.release(table)
+    mesh.assert_empty()
+
+
+def test_a_refused_or_failed_move_leaves_the_table_as_it_was(monkeypatch):
+    mesh = Mesh(cap=3)
+    rm = mesh.workers["w0"]
+    table = spread_request(mesh, 20, local=2, grants={"w1": 3})
+    entries = list(table)
+    with pytest.raises(ResourceExhausted, match="cap of 3"):
+        rm.move(table, [0, 1], to="w1")
+    # The destination lends, then a copy fails: the blocks it lent are given back.
+    with monkeypatch.context() as patch:
+        patch.setattr(mesh.workers["w2"].lender, "write", _unreachable)
+        with pytest.raises(Unavailable):
+            rm.move(table, [0, 2], to="w2")
+    assert mesh.workers["w2"].accounting().lent_blocks == {}
+    mesh.transports["w2"].kill()
+    with pytest.raises(Unavailable):
+        rm.move(table, [2], to="w2")
+    assert list(table) == entries
+    mesh.assert_balanced(alive=("w0", "w1"))
+    rm.creditor_died("w1", [table])
+    with pytest.raises(FailedPrecondition, match="lost"):
+        rm.move(table, [2], to=None)
+    rm.release(table)
+    mesh.assert_empty(alive=("w0",))
+
+
+def _unreachable(*args, **kwargs):
+    raise Unavailable("connection reset")
+
+
 def test_a_refused_borrow_borrows_nothing():
     mesh = Mesh(cap=2)
     rm = mesh.workers["w0"]
