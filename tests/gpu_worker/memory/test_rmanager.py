@@ -300,6 +300,28 @@ def test_stale_and_foreign_blocks_are_refused_on_the_debtor_side_too():
     mesh.assert_empty()
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    tokens=st.integers(1, 6 * BLOCK),
+    holders=st.lists(st.sampled_from(WORKERS), min_size=6, max_size=6),
+    decode=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_any_placement_over_three_workers_attends_exactly(tokens, holders, decode, seed):
+    mesh = Mesh()
+    rm = mesh.workers["w0"]
+    table = rm.new_table()
+    for holder in holders[: table.blocks_needed(tokens)]:
+        table.append(rm.local.allocate(1) if holder == "w0" else rm.borrow(holder, 1))
+    keys, values, queries = random_context(tokens, seed)
+    write_context(rm, table, keys, values)
+    positions = torch.tensor([tokens - 1]) if decode else torch.arange(tokens)
+    assert_exact_attention(rm, table, keys, values, queries, positions)
+    mesh.assert_balanced()
+    rm.release(table)
+    mesh.assert_empty()
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["request", "release", "dies"]),
