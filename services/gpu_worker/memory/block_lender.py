@@ -37,7 +37,9 @@ class LendingConfig:
 @dataclass(frozen=True)
 class _Loan:
     debtor: str
+    """The worker the block is lent to: the only one that may write, attend over or free it."""
     block: LocalBlock
+    """Its pages in this worker's pool."""
 
 
 class BlockLender:
@@ -133,24 +135,11 @@ class BlockLender:
     ) -> list[PartialAttention]:
         """Partial attention of each segment's queries over its blocks, all owned by ``debtor``."""
         self._check_layer(layer)
-        kv_dim = self.local.pool.layout.kv_dim
         local_segments = []
         for segment in segments:
             blocks = self._owned(debtor, segment.blocks)
             queries, positions = segment.queries, segment.query_positions
-            if (
-                queries.dim() != 3
-                or kv_dim % queries.shape[2]
-                or queries.shape[1] % (kv_dim // queries.shape[2])
-            ):
-                raise InvalidArgument(
-                    f"queries must be [n, heads, head_dim] with head_dim dividing {kv_dim} and heads a "
-                    f"multiple of the kv heads, got {list(queries.shape)}"
-                )
-            if positions.shape != (queries.shape[0],):
-                raise InvalidArgument(
-                    f"query_positions must be [{queries.shape[0]}], got {list(positions.shape)}"
-                )
+            self._check_queries(queries, positions)
             if len(segment.block_first_positions) != len(blocks):
                 raise InvalidArgument(
                     f"{len(blocks)} blocks but {len(segment.block_first_positions)} block positions"
@@ -175,6 +164,18 @@ class BlockLender:
                 raise PermissionDenied(f"block {block_id} is not lent to {debtor}")
             blocks.append(loan.block)
         return blocks
+
+    def _check_queries(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        """Queries must be [n, heads, head_dim] in this pool's kv heads' groups, one position each."""
+        kv_dim = self.local.pool.layout.kv_dim
+        shape = list(queries.shape)
+        if len(shape) != 3 or not shape[2] or kv_dim % shape[2] or shape[1] % (kv_dim // shape[2]):
+            raise InvalidArgument(
+                f"queries must be [n, heads, head_dim] with head_dim dividing {kv_dim} and heads a "
+                f"multiple of the kv heads, got {shape}"
+            )
+        if positions.shape != (shape[0],):
+            raise InvalidArgument(f"query_positions must be [{shape[0]}], got {list(positions.shape)}")
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.local.num_layers:
