@@ -134,6 +134,10 @@ async def _up_foreground(args, state_dir: Path) -> int:
         processes["scheduler"] = ServiceProcess(
             "scheduler", ["--etcd-endpoints", etcd.endpoint], log_path=log_dir / "scheduler.log"
         ).start()
+        # DistKV-LLM's gManager: the workers' KV-block debt ledger, fed by their heartbeats in etcd.
+        processes["kv_manager"] = ServiceProcess(
+            "kv_manager", ["--etcd-endpoints", etcd.endpoint], log_path=log_dir / "kv_manager.log"
+        ).start()
         admin_api_key = "lm-admin-" + secrets.token_urlsafe(18)
         gateway_args = ["--etcd-endpoints", etcd.endpoint, "--adapter-store", processes["adapter_store"].address,
                         "--scheduler", processes["scheduler"].address]  # fmt: skip

@@ -23,6 +23,7 @@ GRPC_SERVICE_NAMES = {
     "adapter_store": "loramesh.v1.AdapterStore",
     "gpu_worker": "loramesh.v1.Worker",
     "gateway": "loramesh.v1.Gateway",
+    "kv_manager": "loramesh.v1.KVManager",
     "scheduler": "loramesh.v1.Scheduler",
 }
 

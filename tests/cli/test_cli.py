@@ -70,6 +70,7 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
         ("gateway", "SERVING"),
         ("gpu_worker", "SERVING"),
         ("gpu_worker", "SERVING"),
+        ("kv_manager", "SERVING"),
         ("scheduler", "SERVING"),
     ]
     for name in ("gpu_worker-0", "gpu_worker-1"):
