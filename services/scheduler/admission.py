@@ -6,7 +6,7 @@ A request is refused with :class:`~services.runtime.errors.ResourceExhausted` (a
 - every eligible worker's queue — reported queue plus what this scheduler placed there since the
   report — is at ``max_queue_per_worker``; or
 - the chosen worker cannot start it before its first-token deadline (the estimated wait is over
-  the deadline; with :class:`~services.scheduler.placement.LeastEstimatedWait` that means no
+  the deadline; with :class:`~services.scheduler.policies.least_estimated_wait.LeastEstimatedWait` that means no
   worker can).
 
 With no live worker (or every live one excluded) the answer is
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from services.runtime.errors import ResourceExhausted
 from services.scheduler.cluster_view import ClusterSnapshot
-from services.scheduler.placement import Placement, PlacementPolicy, PlacementRequest, WaitModel, eligible
+from services.scheduler.placement import Placement, PlacementRequest, WaitModel, eligible
+from services.scheduler.policies.interface import PlacementPolicy
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,12 @@ from services.runtime.config import ServiceConfig
 
 @dataclass
 class SchedulerConfig(ServiceConfig):
-    """loramesh scheduler: places each request on the gpu_worker with the least estimated wait."""
+    """loramesh scheduler: places each request on a gpu_worker (by default the one with the least
+    estimated wait)."""
+
+    placement: str = "least-estimated-wait"
+    """Placement policy: ``least-estimated-wait`` (dLoRA proactive dispatch: queue + adapter load),
+    ``least-loaded`` (fewest queued + running requests) or ``round-robin``."""
 
     per_request_step_ms: float = 10.0
     """How much each request already in a worker's batch delays a new one's first token."""

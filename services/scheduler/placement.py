@@ -1,9 +1,9 @@
-"""Placement policies: which worker gets a request. Pure objects over a :class:`ClusterSnapshot`.
+"""What placement works with: the request, the decision, the wait model, the eligible workers.
 
-:class:`LeastEstimatedWait` is dLoRA's proactive dispatch (inter-replica): send the request to
-the replica whose estimated wait — queueing time there plus the time to load the request's
-adapter if the replica does not hold it — is the least (DESIGN §7). :class:`WaitModel` holds the
-estimate, shared with admission (``admission.py``) so both reason about the same numbers.
+:class:`WaitModel` is the estimate of how long a request waits on a worker — queueing time there
+plus the time to load the request's adapter if the worker does not hold it (dLoRA's proactive
+dispatch, DESIGN §7) — shared by the policies in ``policies/`` and by admission
+(``admission.py``) so they reason about the same numbers.
 
 No gRPC here; errors are domain errors from ``services.runtime.errors``.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 from services.runtime.errors import InvalidArgument, Unavailable
 from services.scheduler.cluster_view import ClusterSnapshot, WorkerState
@@ -63,13 +62,6 @@ class Placement:
     """The adapter-loading part of the estimate (0 when resident)."""
     ahead: int = 0
     """Requests estimated to finish before this one gets a slot."""
-
-
-class PlacementPolicy(Protocol):
-    """Picks a worker for one request over a snapshot; raises
-    :class:`~services.runtime.errors.Unavailable` when the snapshot has no eligible worker."""
-
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement: ...
 
 
 @dataclass(frozen=True)
@@ -186,28 +178,3 @@ def eligible(snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Worke
             f"every live gpu_worker is excluded by the request ({len(snapshot.workers)} live: {ids})"
         )
     return workers
-
-
-class LeastEstimatedWait:
-    """dLoRA proactive dispatch: the worker with the least :meth:`WaitModel.estimate`.
-
-    Ties (equal estimates, e.g. an idle cluster) go to the worker with the fewest requests
-    running or placed there since its report, then to the smallest worker id, so decisions are
-    deterministic and a burst spreads over idle workers instead of piling on the first.
-    """
-
-    def __init__(self, model: WaitModel | None = None):
-        self.model = model or WaitModel()
-
-    def estimates(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]:
-        """Every eligible worker's estimate, best first."""
-        workers = {w.worker_id: w for w in eligible(snapshot, request)}
-
-        def key(p: Placement) -> tuple[float, int, str]:
-            w = workers[p.worker_id]
-            return (round(p.estimated_wait_ms, 6), w.running + snapshot.placed(w.worker_id), w.worker_id)
-
-        return sorted((self.model.estimate(snapshot, w, request) for w in workers.values()), key=key)
-
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement:
-        return self.estimates(snapshot, request)[0]

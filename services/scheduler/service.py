@@ -21,7 +21,8 @@ from services.runtime.membership import MembershipConfig, watch_loads, watch_mem
 from services.scheduler.admission import Admission, AdmissionConfig
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.placement import LeastEstimatedWait, WaitModel
+from services.scheduler.placement import WaitModel
+from services.scheduler.policies import make_placement
 from services.scheduler.servicer import SchedulerServicer
 
 log = logging.getLogger("loramesh.scheduler")
@@ -45,7 +46,7 @@ class SchedulerService:
             max_running_hint=config.max_running_hint,
         )
         self.view = ClusterView()
-        self.policy = LeastEstimatedWait(model)
+        self.policy = make_placement(config.placement, model)
         self.admission = Admission(
             AdmissionConfig(
                 max_queue_per_worker=config.max_queue_per_worker,

@@ -12,7 +12,8 @@ from loramesh.v1 import scheduler_pb2 as pb
 from loramesh.v1 import scheduler_pb2_grpc
 from services.scheduler.admission import Admission
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView
-from services.scheduler.placement import Placement, PlacementPolicy, PlacementRequest
+from services.scheduler.placement import Placement, PlacementRequest
+from services.scheduler.policies.interface import PlacementPolicy
 
 log = logging.getLogger("loramesh.scheduler")
 

@@ -7,7 +7,8 @@ import pytest
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.scheduler.admission import Admission, AdmissionConfig
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView, WorkerState, worker_state
-from services.scheduler.placement import LeastEstimatedWait, Placement, PlacementRequest, WaitModel
+from services.scheduler.placement import Placement, PlacementRequest, WaitModel
+from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
 
 # 128 tokens per request at 128 tokens/s: one completion per second on a busy worker.
 # The batch term is tested on its own below; without it the queue arithmetic reads plainly.
