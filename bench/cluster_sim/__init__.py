@@ -1,0 +1,1 @@
+"""Discrete-event cluster simulator driving the scheduler's real policies (issue 16)."""

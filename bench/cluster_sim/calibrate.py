@@ -1,0 +1,162 @@
+"""Fit the simulator's step-cost model on the real engine (SmolLM2-135M) and measure adapter loads.
+
+For a grid of batch shapes (requests, prompt length, distinct adapters, rank) it submits the
+requests to a real :class:`~services.gpu_worker.engine.engine.Engine`, times the prefill step
+and a few decode steps with ``perf_counter``, records each step's :class:`StepShape`, and fits
+:class:`StepCostModel` by least squares (``numpy.linalg.lstsq``; a coefficient that comes out
+negative is dropped and the rest refitted, so the model never predicts cheaper work as slower).
+Adapter load time is the median of reading a PEFT adapter from disk (page cache dropped first),
+parsing it and paging it into the pool: what a worker does after the store's bytes arrive, minus
+the network.
+
+    .venv/bin/python -m bench.cluster_sim.calibrate --out bench/results/cluster_sim_calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.cluster_sim.cost_model import (
+    FEATURES,
+    Calibration,
+    StepCostModel,
+    StepShape,
+    feature_row,
+    shape_of,
+)
+from bench.serving.adapters import ensure_adapter_set, evict_from_page_cache
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.request import GenerationRequest
+from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.lora.host_adapter import read_peft_directory
+from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.model.loading import load_model
+from services.gpu_worker.service import resolve_dtype
+from services.runtime.base_model import load_base_model_spec
+
+DECODE_STEPS = 4
+"""Decode steps timed after each prefill."""
+RANKS = (8, 64)
+
+
+def cpu_model() -> str:
+    """``model name`` from /proc/cpuinfo, with the bf16 flag when the CPU has it."""
+    text = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    extra = "avx512_bf16" if "avx512_bf16" in flags else ("avx2" if "avx2" in flags else "")
+    cores = torch.get_num_threads()
+    return f"{name} ({extra}, {cores} threads)"
+
+
+def time_batch(
+    engine: Engine, tag: str, requests: int, prompt: int, adapters: list[str], ranks: dict[str, int]
+) -> list[tuple[StepShape, float]]:
+    """Prefill ``requests`` prompts of ``prompt`` tokens (adapters round-robin), then decode."""
+    params = SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True)
+    chosen = [adapters[i % len(adapters)] if adapters else "" for i in range(requests)]
+    for i, adapter in enumerate(chosen):
+        ids = tuple(100 + (i * 7 + j * 13) % 20000 for j in range(prompt))
+        engine.submit(GenerationRequest(f"{tag}-{i}", ids, params, adapter or None), lambda event: None)
+    samples = []
+    began = time.perf_counter()
+    engine.step()
+    parts = [(prompt, 0, ranks.get(a, 0), a) for a in chosen]
+    samples.append((shape_of(parts), 1000 * (time.perf_counter() - began)))
+    for step in range(DECODE_STEPS):
+        began = time.perf_counter()
+        engine.step()
+        parts = [(1, prompt + step + 1, ranks.get(a, 0), a) for a in chosen]
+        samples.append((shape_of(parts), 1000 * (time.perf_counter() - began)))
+    while engine.has_work():
+        engine.step()
+    return samples
+
+
+def fit(samples: list[tuple[StepShape, float]]) -> tuple[StepCostModel, float]:
+    """Least squares over the samples, dropping negative coefficients; and the mean |error| %."""
+    x = np.array([feature_row(shape) for shape, _ in samples])
+    y = np.array([ms for _, ms in samples])
+    active = list(range(len(FEATURES)))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        negative = [i for i, c in zip(active, coef, strict=True) if c < 0]
+        if not negative:
+            break
+        active.remove(negative[0])
+    values = dict.fromkeys(FEATURES, 0.0) | {FEATURES[i]: float(c) for i, c in zip(active, coef, strict=True)}
+    model = StepCostModel(**values)
+    errors = [abs(model.step_ms(shape) - ms) / ms for shape, ms in samples]
+    return model, 100.0 * float(np.mean(errors))
+
+
+def adapter_load_ms(engine: Engine, root: Path, repeats: int) -> float:
+    """Median ms to read + parse + page in one adapter (page cache dropped before each read)."""
+    spec = load_base_model_spec()
+    adapters = ensure_adapter_set(root, spec, repeats, RANKS)
+    times = []
+    for index in range(adapters.count):
+        evict_from_page_cache(adapters)
+        adapter_id = f"load-{index}"
+        began = time.perf_counter()
+        host = read_peft_directory(adapter_id, adapters.directory(index), engine.model.dtype)
+        engine.add_adapter(host)
+        engine.submit(GenerationRequest(adapter_id, (1, 2, 3), SamplingParams(max_tokens=1), adapter_id),
+                      lambda event: None)  # fmt: skip
+        engine.step()  # pages the adapter in and prefills 3 tokens (a few ms of it is the step)
+        times.append(1000 * (time.perf_counter() - began))
+        while engine.has_work():
+            engine.step()
+    return statistics.median(times)
+
+
+def calibrate(adapter_root: Path, quick: bool) -> Calibration:
+    loaded = load_model(None)
+    dtype = resolve_dtype("auto", torch.device("cpu"))
+    model = LlamaModel(loaded.config, loaded.weights, dtype)
+    engine = Engine(model, EngineConfig(pool_mib=512, max_running=64, max_prefill_tokens=4096))
+    spec = load_base_model_spec()
+    disk = ensure_adapter_set(adapter_root, spec, 32, RANKS)
+    ranks: dict[str, int] = {}
+    for index in range(disk.count):
+        host = read_peft_directory(f"a{index}", disk.directory(index), dtype)
+        engine.add_adapter(host)
+        ranks[host.adapter_id] = host.max_rank
+    by_rank = {r: [a for a, ar in ranks.items() if ar == r] for r in RANKS}
+    time_batch(engine, "warmup", 4, 32, by_rank[8][:2], ranks)
+    samples: list[tuple[StepShape, float]] = []
+    sizes = (1, 8, 32) if quick else (1, 4, 16, 32)
+    for requests in sizes:
+        for prompt in (16, 64):
+            for rank in RANKS:
+                for distinct in sorted({1, requests}):
+                    adapters = by_rank[rank][:distinct]
+                    tag = f"n{requests}-p{prompt}-r{rank}-a{distinct}"
+                    samples += time_batch(engine, tag, requests, prompt, adapters, ranks)
+            samples += time_batch(engine, f"n{requests}-p{prompt}-base", requests, prompt, [], ranks)
+    cost, error = fit(samples)
+    load_ms = adapter_load_ms(engine, adapter_root / "load", 6 if quick else 12)
+    return Calibration(cost, load_ms, cpu_model(), len(samples), error)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results/cluster_sim_calibration.json")
+    parser.add_argument("--adapters", default="", help="adapter directory (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="a smaller grid")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        calibration = calibrate(Path(args.adapters or tmp), args.quick)
+    calibration.save(args.out)
+    print(calibration)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The simulated worker's step time: a linear model of one continuous-batching step's shape.
+
+    step_ms = base_ms + per_token_ms · tokens + per_adapter_ms · adapters
+              + per_rank_token_ms · rank_tokens + per_attention_ms · attention_units / 1000
+
+``tokens`` are the tokens computed in the step (whole prompts being prefilled plus one per
+decoding request), ``adapters`` the distinct adapters in it, ``rank_tokens`` Σ tokens × rank of
+their adapter (the LoRA FLOPs), ``attention_units`` Σ new tokens × their mean context length (the
+attention FLOPs). The coefficients are fitted on the real engine by ``bench.cluster_sim.calibrate``
+and stored with the CPU model in a JSON file under ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one engine step computes."""
+
+    tokens: int
+    """Tokens computed: prompt tokens prefilled plus one per decoding request."""
+    adapters: int
+    """Distinct adapters among the step's requests."""
+    rank_tokens: int
+    """Σ over the step's tokens of their adapter's rank (0 for the base model)."""
+    attention_units: float
+    """Σ over requests of new tokens × mean context they attend over."""
+
+
+def shape_of(parts: list[tuple[int, int, int, str]]) -> StepShape:
+    """The shape of a step over ``(new_tokens, context_before, rank, adapter)`` per request."""
+    return StepShape(
+        tokens=sum(n for n, _, _, _ in parts),
+        adapters=len({a for _, _, _, a in parts if a}),
+        rank_tokens=sum(n * r for n, _, r, _ in parts),
+        attention_units=sum(n * (c + n / 2) for n, c, _, _ in parts),
+    )
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Coefficients of the step-time model, ms."""
+
+    base_ms: float = 0.0
+    """Fixed cost of a step (weights read, Python, sampling)."""
+    per_token_ms: float = 0.0
+    """Base-model cost of each computed token."""
+    per_adapter_ms: float = 0.0
+    """Cost of each distinct adapter in the step (gathering its pages, one kernel segment)."""
+    per_rank_token_ms: float = 0.0
+    """LoRA cost per token per unit of rank."""
+    per_attention_ms: float = 0.0
+    """Attention cost per 1,000 attention units (token × context)."""
+
+    def step_ms(self, shape: StepShape) -> float:
+        """Predicted duration of a step of this shape (never below zero)."""
+        return max(
+            0.0,
+            self.base_ms
+            + self.per_token_ms * shape.tokens
+            + self.per_adapter_ms * shape.adapters
+            + self.per_rank_token_ms * shape.rank_tokens
+            + self.per_attention_ms * shape.attention_units / 1000.0,
+        )
+
+
+FEATURES = ("base_ms", "per_token_ms", "per_adapter_ms", "per_rank_token_ms", "per_attention_ms")
+"""Model coefficients in the order of :func:`feature_row`."""
+
+
+def feature_row(shape: StepShape) -> list[float]:
+    """The regressors of one step, in the order of :data:`FEATURES`."""
+    return [1.0, shape.tokens, shape.adapters, shape.rank_tokens, shape.attention_units / 1000.0]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted cost model and where it was measured."""
+
+    model: StepCostModel
+    adapter_load_ms: float
+    """Measured time to fetch an adapter and page it in (median)."""
+    cpu_model: str
+    """The CPU the engine ran on (``/proc/cpuinfo`` model name and flags of note)."""
+    samples: int
+    """Timed steps the fit used."""
+    mean_abs_error_pct: float
+    """Mean |predicted − measured| / measured over those steps, %."""
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        raw = json.loads(Path(path).read_text())
+        return cls(**{**raw, "model": StepCostModel(**raw["model"])})
