@@ -15,6 +15,13 @@ class SchedulerConfig(ServiceConfig):
     placement: str = "least-estimated-wait"
     """Placement policy: ``least-estimated-wait`` (dLoRA proactive dispatch: queue + adapter load),
     ``least-loaded`` (fewest queued + running requests) or ``round-robin``."""
+    migration: str = "none"
+    """Migration policy: ``none``, ``co-migration`` (dLoRA's relaxed LP over the top-K replicas) or
+    ``pets`` (PetS greedy balancing, adaptive interval). Planned in bench/cluster_sim; the live
+    mesh does not execute migrations yet (it validates and reports the choice)."""
+    prefetch: str = "none"
+    """Prefetch policy: ``none`` or ``burst-tolerance`` (dLoRA: replicate the adapters whose holders
+    absorb the least burst). Planned in bench/cluster_sim; not executed by the live mesh yet."""
 
     per_request_step_ms: float = 10.0
     """How much each request already in a worker's batch delays a new one's first token."""

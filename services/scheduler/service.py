@@ -22,7 +22,7 @@ from services.scheduler.admission import Admission, AdmissionConfig
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.placement import WaitModel
-from services.scheduler.policies import make_placement
+from services.scheduler.policies import make_migration, make_placement, make_prefetch
 from services.scheduler.servicer import SchedulerServicer
 
 log = logging.getLogger("loramesh.scheduler")
@@ -47,6 +47,10 @@ class SchedulerService:
         )
         self.view = ClusterView()
         self.policy = make_placement(config.placement, model)
+        # Built to validate the choice; their plans need per-request state and a move RPC that
+        # the live mesh does not have yet (issue 16), so only bench/cluster_sim runs them.
+        self.migration = make_migration(config.migration)
+        self.prefetch = make_prefetch(config.prefetch)
         self.admission = Admission(
             AdmissionConfig(
                 max_queue_per_worker=config.max_queue_per_worker,
@@ -94,6 +98,13 @@ class SchedulerService:
                 f"etcd at {cfg.etcd_endpoints} did not list the workers within {cfg.start_timeout_s:.1f}s"
             ) from None
         log.info("following %d gpu_worker(s) from etcd at %s", len(self.view), cfg.etcd_endpoints)
+        if self.migration is not None or self.prefetch is not None:
+            log.warning(
+                "--migration %s / --prefetch %s: planned by the cluster simulator only; "
+                "this scheduler places requests but does not move them or prefetch adapters yet",
+                cfg.migration,
+                cfg.prefetch,
+            )
 
     @staticmethod
     async def _follow(

@@ -1,14 +1,20 @@
 """Cluster policies of the scheduler, one file per policy behind one small interface.
 
-:data:`PLACEMENT_POLICIES` maps the names accepted by ``--placement`` to their classes.
+:data:`PLACEMENT_POLICIES` maps the names accepted by ``--placement`` to their classes;
+:func:`make_migration` and :func:`make_prefetch` build the ``--migration`` and ``--prefetch``
+policies (each with its default knobs; "none" is no policy).
 """
 
 from __future__ import annotations
 
 from services.scheduler.placement import WaitModel
+from services.scheduler.policies.burst_tolerance_prefetch import BurstTolerancePrefetch
+from services.scheduler.policies.co_migration import CoMigration
 from services.scheduler.policies.interface import PlacementPolicy
 from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
 from services.scheduler.policies.least_loaded import LeastLoaded
+from services.scheduler.policies.pets_balancing import PetsBalancing
+from services.scheduler.policies.replica_load import MigrationPolicy, PrefetchPolicy
 from services.scheduler.policies.round_robin import RoundRobin
 
 PLACEMENT_POLICIES: dict[str, type[LeastEstimatedWait | LeastLoaded | RoundRobin]] = {
@@ -25,3 +31,32 @@ def make_placement(name: str, model: WaitModel | None = None) -> PlacementPolicy
         known = ", ".join(sorted(PLACEMENT_POLICIES))
         raise ValueError(f"unknown placement policy {name!r}; known: {known}") from None
     return cls(model)
+
+
+MIGRATION_POLICIES: dict[str, type[CoMigration | PetsBalancing]] = {
+    cls.name: cls for cls in (CoMigration, PetsBalancing)
+}
+"""``--migration`` name -> policy class."""
+
+PREFETCH_POLICIES: dict[str, type[BurstTolerancePrefetch]] = {
+    BurstTolerancePrefetch.name: BurstTolerancePrefetch
+}
+"""``--prefetch`` name -> policy class."""
+
+
+def make_migration(name: str) -> MigrationPolicy | None:
+    """A migration policy by name with its default knobs; None for "none"."""
+    return None if name == "none" else _lookup(MIGRATION_POLICIES, name, "migration")()
+
+
+def make_prefetch(name: str) -> PrefetchPolicy | None:
+    """A prefetch policy by name with its default knobs; None for "none"."""
+    return None if name == "none" else _lookup(PREFETCH_POLICIES, name, "prefetch")()
+
+
+def _lookup(registry: dict, name: str, kind: str):
+    try:
+        return registry[name]
+    except KeyError:
+        known = ", ".join(["none", *sorted(registry)])
+        raise ValueError(f"unknown {kind} policy {name!r}; known: {known}") from None
