@@ -31,10 +31,10 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def tenant_for(self, metadata) -> str:
-        """The tenant of the ``authorization: Bearer <key>`` header, or :class:`Unauthenticated`."""
-        header = dict(metadata or ()).get("authorization", "")
-        scheme, _, key = header.partition(" ")
+    def tenant_for(self, authorization: str) -> str:
+        """The tenant of an ``authorization`` value ``Bearer <key>`` (gRPC metadata or HTTP
+        header alike), or :class:`Unauthenticated`."""
+        scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise Unauthenticated("missing API key: send `authorization: Bearer <key>`")
         for known, tenant in self._keys.items():

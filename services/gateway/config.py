@@ -33,3 +33,8 @@ class GatewayConfig(ServiceConfig):
     """How many times one stream may move to another worker after a failure."""
     adapter_cache_s: float = 2.0
     """How long an adapter lookup is reused before asking the store again."""
+    openai_port: int = 0
+    """Port of the OpenAI-compatible HTTP API (on ``--host``); 0 picks a free one."""
+    adapter_load_dirs: str = ""
+    """Comma-separated directories under which ``POST /v1/load_lora_adapter`` may read a
+    ``lora_path`` on the gateway's machine; empty: loading by path is refused."""

@@ -132,3 +132,7 @@ class Relay:
                     ) from None
                 resumes += 1
                 excluded.append(placement.worker_id)
+            finally:
+                # A client that goes away (cancellation, a closed generator) cancels the worker's
+                # request too, which frees its pages there at once.
+                call.cancel()

@@ -19,6 +19,9 @@ from services.adapter_store.client import ref_by_name
 from services.gateway.adapter_access import AdapterAccess
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
+from services.gateway.core import GatewayCore
+from services.gateway.openai.routes import build_app
+from services.gateway.openai.server import OpenAIHttpServer
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.gpu_worker.model.loading import load_model
@@ -76,7 +79,9 @@ class GatewayService:
         keys = ApiKeys.from_config(config.api_keys, config.api_keys_file)
         if not len(keys):
             log.warning("no API keys configured: every request will be refused (UNAUTHENTICATED)")
-        self.servicer = GatewayServicer(config, keys)
+        self.core = GatewayCore(config, keys)
+        self.servicer = GatewayServicer(self.core)
+        self.openai = OpenAIHttpServer(build_app(self.core), config.grace_s)
         self.channels = ChannelPool()
 
     def add_to_server(self, server: aio.Server) -> None:
@@ -109,9 +114,11 @@ class GatewayService:
             cfg.max_resumes,
         )
         access = AdapterAccess(store.get, cfg.adapter_cache_s)
-        self.servicer.attach(loaded.tokenizer, relay, access, store, loaded.config.name)
+        self.core.attach(loaded.tokenizer, relay, access, store, loaded.config.name)
+        await self.openai.start(cfg.host, cfg.openai_port)
 
     async def stop(self) -> None:
+        await self.openai.stop()
         await self.channels.close()
 
     def load_report(self) -> dict:

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.runtime.etcd_server import EtcdServer
+from services.runtime.etcd_server import EtcdServer, free_port
 from services.runtime.process import ServiceProcess
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -21,6 +21,12 @@ class Mesh:
     scheduler: ServiceProcess
     gateway: ServiceProcess
     processes: list[ServiceProcess] = field(default_factory=list)
+    openai_port: int = 0
+    """The gateway's OpenAI-compatible HTTP API."""
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"http://127.0.0.1:{self.openai_port}/v1"
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
@@ -29,7 +35,11 @@ class Mesh:
 
 
 async def start_mesh(
-    root: Path, workers: int = 2, scheduler_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = ()
+    root: Path,
+    workers: int = 2,
+    scheduler_flags: tuple[str, ...] = (),
+    worker_flags: tuple[str, ...] = (),
+    gateway_flags: tuple[str, ...] = (),
 ) -> Mesh:
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -61,11 +71,14 @@ async def start_mesh(
         for i in range(workers)
     ]
     scheduler = ServiceProcess("scheduler", [*common, *scheduler_flags], log_path=logs / "scheduler.log")
+    openai_port = free_port("127.0.0.1")
     gateway = ServiceProcess(
-        "gateway", [*common, "--api-keys-file", str(keys_file)], log_path=logs / "gateway.log"
+        "gateway",
+        [*common, "--api-keys-file", str(keys_file), "--openai-port", str(openai_port), *gateway_flags],
+        log_path=logs / "gateway.log",
     )
     processes = [store, *worker_procs, scheduler, gateway]
-    mesh = Mesh(etcd, store, worker_procs, scheduler, gateway, processes)
+    mesh = Mesh(etcd, store, worker_procs, scheduler, gateway, processes, openai_port)
     try:
         for proc in processes:
             proc.start()

@@ -1,0 +1,225 @@
+"""The gateway's one core, shared by its front ends (the gRPC servicer and the OpenAI HTTP API).
+
+API key → tenant, adapter access, chat template, tokenization, request limits, sampling
+validation, placement + relay with resume (which also detokenizes and honours stop strings),
+and adapter management passed to the adapter store with the caller's tenant as owner. A front
+end only translates its wire format to these calls and their results back; nothing here knows
+about a server context or an HTTP request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from loramesh.v1 import adapter_store_pb2, gateway_pb2, types_pb2
+from services.adapter_store.client import read_adapter_dir, ref_by_name, upload_requests
+from services.gateway.adapter_access import AdapterAccess, split_reference
+from services.gateway.auth import ApiKeys
+from services.gateway.config import GatewayConfig
+from services.gateway.relay import Relay, RelayRequest
+from services.gpu_worker.model.tokenizer import Tokenizer
+from services.gpu_worker.sampling_proto import sampling_from_proto
+from services.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
+
+ROLES = ("system", "user", "assistant")
+
+
+class GatewayCore:
+    """Serves requests once :meth:`attach` has given it the tokenizer and its clients."""
+
+    def __init__(self, config: GatewayConfig, keys: ApiKeys):
+        self.config = config
+        self.keys = keys
+        self._ready = False
+
+    def attach(
+        self, tokenizer: Tokenizer, relay: Relay, access: AdapterAccess, store, base_model: str
+    ) -> None:
+        self.tokenizer, self.relay, self.access, self.store, self.base_model = (
+            tokenizer, relay, access, store, base_model,
+        )  # fmt: skip
+        self._ready = True
+
+    # -- who is asking ------------------------------------------------------------------------
+
+    def tenant(self, authorization: str) -> str:
+        """The tenant of an ``Authorization: Bearer <key>`` header value."""
+        if not self._ready:
+            raise Unavailable("the gateway is starting")
+        return self.keys.tenant_for(authorization)
+
+    # -- prompts ------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def check_token_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+        """A prompt given as token ids, checked against the vocabulary."""
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidArgument(f"prompt token ids must be within [0, {vocab})")
+        return list(prompt_ids)
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """``(role, content)`` messages through the model's chat template, tokenized."""
+        if not messages:
+            raise InvalidArgument("messages is empty")
+        for i, (role, _) in enumerate(messages):
+            if role not in ROLES:
+                raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        text = self.tokenizer.apply_chat_template(
+            [{"role": role, "content": content} for role, content in messages], add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text)
+
+    def chat_sampling(self, requested: types_pb2.SamplingParams) -> types_pb2.SamplingParams:
+        """``requested`` plus the template's end-of-turn tokens, which end a chat reply."""
+        sampling = types_pb2.SamplingParams()
+        sampling.CopyFrom(requested)
+        if not sampling.ignore_eos:
+            sampling.stop_token_ids.extend(
+                t for t in self.tokenizer.eos_token_ids if t not in sampling.stop_token_ids
+            )
+        return sampling
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _sampling(self, requested: types_pb2.SamplingParams) -> types_pb2.SamplingParams:
+        sampling = types_pb2.SamplingParams()
+        sampling.CopyFrom(requested)
+        sampling.max_tokens = requested.max_tokens or self.config.default_max_tokens
+        if sampling.max_tokens > self.config.max_tokens_limit:
+            raise InvalidArgument(
+                f"sampling.max_tokens {sampling.max_tokens} is above the limit {self.config.max_tokens_limit}"
+            )
+        sampling_from_proto(sampling).validate()  # the worker's own ranges, checked before placing
+        if any(t >= self.tokenizer.vocab_size for t in sampling.stop_token_ids):
+            raise InvalidArgument("sampling.stop_token_ids must be token ids of the model's vocabulary")
+        return sampling
+
+    async def resolve_adapter(self, tenant: str, adapter: str) -> str:
+        """The store id of the adapter ``adapter`` names for ``tenant`` ("" for the base model)."""
+        return (await self.access.resolve(tenant, adapter)).id if adapter else ""
+
+    async def generate(
+        self,
+        tenant: str,
+        prompt_ids: list[int],
+        adapter: str,
+        sampling: types_pb2.SamplingParams,
+        first_token_deadline_ms: float = 0.0,
+    ) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
+        """Text deltas of one generation; the last one carries the finish reason and usage.
+
+        Every refusal (limits, sampling ranges, adapter access, placement) is raised before the
+        first delta, so a front end that reads one delta before answering answers with the
+        right status.
+        """
+        if not prompt_ids:
+            raise InvalidArgument("prompt is empty")
+        if len(prompt_ids) > self.config.max_prompt_tokens:
+            raise InvalidArgument(
+                f"prompt has {len(prompt_ids)} tokens; the limit is {self.config.max_prompt_tokens}"
+            )
+        request = RelayRequest(
+            request_id=uuid.uuid4().hex[:16],
+            prompt_ids=prompt_ids,
+            adapter_id=await self.resolve_adapter(tenant, adapter),
+            sampling=self._sampling(sampling),
+            first_token_deadline_ms=first_token_deadline_ms or self.config.default_first_token_deadline_ms,
+        )
+        # Closed explicitly, so a front end that stops reading cancels the worker's request now.
+        async with contextlib.aclosing(self.relay.stream(request)) as replies:
+            async for reply in replies:
+                yield reply
+
+    # -- adapters and models ------------------------------------------------------------------
+
+    async def upload_adapter(
+        self, tenant: str, messages: AsyncIterator[adapter_store_pb2.RegisterAdapterRequest]
+    ) -> adapter_store_pb2.RegisterAdapterResponse:
+        """Register an adapter streamed by the caller; the caller's tenant owns it."""
+
+        async def as_tenant():
+            first = True
+            async for message in messages:
+                if first and message.WhichOneof("item") == "header":
+                    message.header.owner = tenant
+                first = False
+                yield message
+
+        reply = await self.store.RegisterAdapter(as_tenant())
+        self.access.forget(tenant, reply.adapter.name)
+        return reply
+
+    async def register_adapter_dir(self, tenant: str, name: str, path: str) -> types_pb2.AdapterInfo:
+        """Register the PEFT directory ``path`` on the gateway's machine as ``tenant``'s ``name``.
+
+        Only directories under ``--adapter-load-dirs`` may be read: a tenant must not make the
+        gateway read arbitrary files.
+        """
+        roots = [Path(d).resolve() for d in self.config.adapter_load_dirs.split(",") if d.strip()]
+        directory = Path(path).resolve()
+        if not roots:
+            raise PermissionDenied("loading adapters from a path is off (gateway flag --adapter-load-dirs)")
+        if not any(directory.is_relative_to(root) for root in roots):
+            raise PermissionDenied(f"{path!r} is not under a directory the gateway may load adapters from")
+        if not directory.is_dir():
+            raise InvalidArgument(f"adapter directory {path!r} does not exist")
+        files = await asyncio.to_thread(read_adapter_dir, directory)
+
+        async def messages():
+            for message in upload_requests(files, name, owner=tenant):
+                yield message
+
+        reply = await self.store.RegisterAdapter(messages())
+        self.access.forget(tenant, name)
+        return reply.adapter
+
+    async def list_adapters(
+        self, tenant: str, request: adapter_store_pb2.ListAdaptersRequest
+    ) -> adapter_store_pb2.ListAdaptersResponse:
+        if request.owner and request.owner != tenant:
+            raise PermissionDenied("a tenant may list only its own adapters (and public ones)")
+        forwarded = adapter_store_pb2.ListAdaptersRequest()
+        forwarded.CopyFrom(request)
+        forwarded.owner, forwarded.include_public = tenant, True
+        return await self.store.ListAdapters(forwarded)
+
+    async def get_adapter(self, tenant: str, adapter: str) -> types_pb2.AdapterInfo:
+        return await self.access.resolve(tenant, adapter)
+
+    async def delete_adapter(self, tenant: str, adapter: str) -> adapter_store_pb2.DeleteAdapterResponse:
+        """Delete one of the caller's own adapters."""
+        owner, name = split_reference(tenant, adapter)
+        if owner != tenant:
+            raise PermissionDenied(f"adapter {adapter!r} belongs to tenant {owner!r}")
+        reply = await self.store.DeleteAdapter(
+            adapter_store_pb2.DeleteAdapterRequest(ref=ref_by_name(owner, name))
+        )
+        self.access.forget(owner, name)
+        return reply
+
+    async def usable_adapters(self, tenant: str) -> list[types_pb2.AdapterInfo]:
+        """Every adapter ``tenant`` may use: its own and every public one, all pages."""
+        adapters: list[types_pb2.AdapterInfo] = []
+        token = ""
+        while True:
+            page = await self.store.ListAdapters(
+                adapter_store_pb2.ListAdaptersRequest(
+                    owner=tenant, include_public=True, page_size=1000, page_token=token
+                )
+            )
+            adapters += page.adapters
+            token = page.next_page_token
+            if not token:
+                return adapters
+
+
+def model_id(tenant: str, info: types_pb2.AdapterInfo) -> str:
+    """What ``tenant`` passes to name ``info``: ``name`` if it is its own, else ``owner/name``."""
+    return info.name if info.owner == tenant else f"{info.owner}/{info.name}"

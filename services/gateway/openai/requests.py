@@ -1,0 +1,230 @@
+"""OpenAI request bodies: parsed and checked here, before anything is placed.
+
+Fields the engine cannot honour are refused with a 400 that names the field (``logprobs``,
+``presence_penalty``...), never silently ignored; fields OpenAI's clients send that change
+nothing here (``user``, ``stream_options`` without ``include_usage``) are accepted. vLLM's
+extra fields ``top_k``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (each
+choice, each chunk, carries its generated token ids) are accepted too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from loramesh.v1 import types_pb2
+from services.gateway.openai.errors import OpenAIError
+
+#: Most choices one request may ask for (``n`` × prompts).
+MAX_CHOICES = 16
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as vLLM does: clients add fields faster than servers.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationBody(_Body):
+    """The fields completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        """``(field, set, why)`` for every field the engine cannot do."""
+        return [
+            ("presence_penalty", bool(self.presence_penalty), "use repetition_penalty"),
+            ("frequency_penalty", bool(self.frequency_penalty), "use repetition_penalty"),
+            ("logit_bias", bool(self.logit_bias), "the engine has no logit bias"),
+        ]
+
+    def check(self) -> None:
+        """Refuse what the engine cannot do, naming the field."""
+        for field, is_set, why in self._unsupported():
+            if is_set:
+                raise OpenAIError(
+                    400, f"{field} is not supported by loramesh ({why})", field, "unsupported_parameter"
+                )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise OpenAIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise OpenAIError(400, f"n must be within [1, {MAX_CHOICES}], got {self.n}", "n")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise OpenAIError(400, f"seed must be within [0, 2^64), got {self.seed}", "seed")
+        if self.top_k is not None and self.top_k < 0:
+            raise OpenAIError(400, f"top_k must be ≥ 0, got {self.top_k}", "top_k")
+        for field in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, field)
+            if value is not None and value < 0:
+                raise OpenAIError(400, f"{field} must be ≥ 0, got {value}", field)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stops if s]
+
+    def sampling(self) -> types_pb2.SamplingParams:
+        """The engine's sampling parameters. OpenAI's defaults: temperature 1, top_p 1."""
+        sampling = types_pb2.SamplingParams(
+            max_tokens=self.max_tokens or 0,  # 0: the gateway's default
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            repetition_penalty=self.repetition_penalty or 0.0,
+            stop_strings=self.stop_strings(),
+            ignore_eos=self.ignore_eos,
+        )
+        if self.seed is not None:
+            sampling.seed = self.seed
+        return sampling
+
+
+class CompletionBody(_GenerationBody):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        return [
+            *super()._unsupported(),
+            ("logprobs", self.logprobs is not None, "the workers do not return log-probabilities"),
+            ("echo", self.echo, "the prompt is not returned"),
+            ("suffix", bool(self.suffix), "no fill-in-the-middle"),
+            ("best_of", (self.best_of or 1) > 1, "use n"),
+        ]
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise OpenAIError(400, "prompt is empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def check(self) -> None:
+        super().check()
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise OpenAIError(400, f"prompts × n must be at most {MAX_CHOICES}", "n")
+
+
+class TextPart(_Body):
+    type: str
+    text: str = ""
+
+
+class ChatMessageBody(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None
+
+    def text(self, index: int) -> str:
+        if self.tool_calls:
+            raise OpenAIError(400, "tool calls are not supported", f"messages[{index}].tool_calls")
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for j, part in enumerate(self.content):
+            if part.type != "text":
+                raise OpenAIError(
+                    400,
+                    f"content parts of type {part.type!r} are not supported (text only)",
+                    f"messages[{index}].content[{j}].type",
+                )
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionBody(_GenerationBody):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessageBody]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        response_type = (self.response_format or {}).get("type", "text")
+        return [
+            *super()._unsupported(),
+            ("logprobs", bool(self.logprobs), "the workers do not return log-probabilities"),
+            ("top_logprobs", bool(self.top_logprobs), "the workers do not return log-probabilities"),
+            ("tools", bool(self.tools), "no tool calling"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "no tool calling"),
+            ("response_format", response_type != "text", "no constrained decoding"),
+        ]
+
+    def check(self) -> None:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise OpenAIError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+            self.max_tokens = self.max_completion_tokens
+        super().check()
+
+    def role_contents(self) -> list[tuple[str, str]]:
+        """``(role, text)`` per message; OpenAI's ``developer`` role is a system message."""
+        return [
+            ("system" if m.role == "developer" else m.role, m.text(i)) for i, m in enumerate(self.messages)
+        ]
+
+
+B = TypeVar("B", bound=_Body)
+
+
+class LoadLoraAdapterBody(_Body):
+    """vLLM's ``POST /v1/load_lora_adapter``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterBody(_Body):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+
+
+def parse_body(raw: bytes, model: type[B]) -> B:
+    """``raw`` as ``model``, or a 400 naming the first bad field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise OpenAIError(400, f"the request body is not valid JSON: {error}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", None, "invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise OpenAIError(400, f"{param}: {first['msg']}", param) from None

@@ -1,0 +1,121 @@
+"""OpenAI response objects and their server-sent-event framing.
+
+One :class:`ResponseShape` per endpoint (completions, chat completions) builds the whole
+response, each stream chunk, and the usage; :func:`sse` frames a chunk, and :data:`SSE_DONE`
+ends every stream as OpenAI's does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from loramesh.v1 import types_pb2
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def finish_reason(reason: int) -> str | None:
+    """OpenAI's name for a finish reason; None while the choice is still generating."""
+    if reason == types_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return _FINISH_REASONS.get(reason, "stop")
+
+
+def sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class ChoiceText:
+    """What one choice has produced so far (non-streaming responses accumulate it here)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """How one endpoint's objects look; ``chat`` picks chat completions over completions."""
+
+    model: str
+    chat: bool
+    return_token_ids: bool = False
+    """vLLM's extension: each choice (each chunk) also carries its generated ``token_ids``."""
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, object_name: str) -> dict:
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        return {
+            "id": f"{prefix}-{self.id}",
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def _with_token_ids(self, choice: dict, token_ids) -> dict:
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def response(self, choices: list[ChoiceText], usage_: dict) -> dict:
+        """The whole non-streaming response."""
+        if self.chat:
+            body = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(choices)
+            ]
+        else:
+            body = [
+                {"index": i, "text": "".join(c.text), "logprobs": None, "finish_reason": c.finish_reason}
+                for i, c in enumerate(choices)
+            ]
+        body = [self._with_token_ids(b, c.token_ids) for b, c in zip(body, choices)]
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": body,
+                "usage": usage_}  # fmt: skip
+
+    def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
+        chunk = {
+            **self._head("chat.completion.chunk" if self.chat else "text_completion"),
+            "choices": choices,
+        }
+        if include_usage:
+            chunk["usage"] = None  # OpenAI: null on every chunk but the last, when usage is asked for
+        return chunk
+
+    def role_chunk(self, index: int, include_usage: bool) -> dict:
+        """Chat streams open each choice with the assistant role."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}  # fmt: skip
+        return self._chunk([self._with_token_ids(choice, ())], include_usage)
+
+    def delta_chunk(self, index: int, text: str, token_ids, finish: str | None, include_usage: bool) -> dict:
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                      "finish_reason": finish}  # fmt: skip
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._chunk([self._with_token_ids(choice, token_ids)], include_usage)
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        """The last chunk of a stream that asked for usage: no choices, the usage."""
+        return {**self._chunk([], False), "usage": usage_}

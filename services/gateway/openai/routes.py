@@ -1,0 +1,210 @@
+"""The OpenAI-compatible routes: HTTP <-> the gateway's core, nothing more.
+
+``model`` is the base model's id or an adapter (``name`` or ``owner/name``). A request's
+choices are ``n`` generations per prompt; with a ``seed``, choice ``j`` of a prompt uses
+``seed + j`` so the choices differ but the request stays reproducible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from grpc import aio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from loramesh.v1 import types_pb2
+from services.gateway.core import GatewayCore, model_id
+from services.gateway.openai.choices import StartedChoice, merged, start_choices
+from services.gateway.openai.disconnect import ClientDisconnected, EventStreamResponse, unless_disconnected
+from services.gateway.openai.errors import OpenAIError, error_body, handle_error
+from services.gateway.openai.requests import (
+    ChatCompletionBody,
+    CompletionBody,
+    LoadLoraAdapterBody,
+    UnloadLoraAdapterBody,
+    parse_body,
+)
+from services.gateway.openai.responses import (
+    SSE_DONE,
+    ChoiceText,
+    ResponseShape,
+    finish_reason,
+    sse,
+    usage,
+)
+from services.runtime.errors import DomainError
+
+
+def _seeded(sampling: types_pb2.SamplingParams, choice: int) -> types_pb2.SamplingParams:
+    if choice == 0 or not sampling.HasField("seed"):
+        return sampling
+    seeded = types_pb2.SamplingParams()
+    seeded.CopyFrom(sampling)
+    seeded.seed = (sampling.seed + choice) % 2**64
+    return seeded
+
+
+class OpenAIRoutes:
+    """Handlers bound to one core."""
+
+    def __init__(self, core: GatewayCore):
+        self.core = core
+        self.started = int(time.time())
+
+    def _tenant(self, request: Request) -> str:
+        return self.core.tenant(request.headers.get("authorization", ""))
+
+    async def _adapter(self, tenant: str, model: str) -> str:
+        """The adapter ``model`` names ("" for the base model); 404 when there is none."""
+        if model == self.core.base_model:
+            return ""
+        try:
+            await self.core.resolve_adapter(tenant, model)
+        except (DomainError, aio.AioRpcError) as error:
+            if error_body(error).status != 404:
+                raise
+            raise OpenAIError(
+                404,
+                f"the model {model!r} does not exist or you do not have access to it",
+                "model",
+                "model_not_found",
+            ) from None
+        return model
+
+    async def completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        body = parse_body(await request.body(), CompletionBody)
+        body.check()
+        adapter = await self._adapter(tenant, body.model)
+        prompts = [
+            self.core.encode(p) if isinstance(p, str) else self.core.check_token_ids(p)
+            for p in body.prompts()
+        ]
+        sampling = body.sampling()
+        jobs = [(ids, _seeded(sampling, j)) for ids in prompts for j in range(body.n)]
+        shape = ResponseShape(body.model, chat=False, return_token_ids=body.return_token_ids)
+        return await self._answer(request, tenant, adapter, jobs, shape, body.stream, body.include_usage)
+
+    async def chat_completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        body = parse_body(await request.body(), ChatCompletionBody)
+        body.check()
+        adapter = await self._adapter(tenant, body.model)
+        prompt_ids = self.core.chat_prompt(body.role_contents())
+        sampling = self.core.chat_sampling(body.sampling())
+        jobs = [(prompt_ids, _seeded(sampling, j)) for j in range(body.n)]
+        shape = ResponseShape(body.model, chat=True, return_token_ids=body.return_token_ids)
+        return await self._answer(request, tenant, adapter, jobs, shape, body.stream, body.include_usage)
+
+    async def _answer(
+        self, request, tenant, adapter, jobs, shape, stream: bool, include_usage: bool
+    ) -> Response:
+        generations = [self.core.generate(tenant, ids, adapter, sampling) for ids, sampling in jobs]
+        # A prompt shared by n choices is counted once, as OpenAI does.
+        prompt_tokens = sum(len(ids) for ids in {id(ids): ids for ids, _ in jobs}.values())
+        choices = await unless_disconnected(
+            request.receive, start_choices(generations, [len(ids) for ids, _ in jobs])
+        )
+        if stream:
+            return EventStreamResponse(self._events(choices, shape, prompt_tokens, include_usage))
+        return JSONResponse(
+            await unless_disconnected(request.receive, self._collect(choices, shape, prompt_tokens))
+        )
+
+    async def _collect(self, choices: list[StartedChoice], shape: ResponseShape, prompt_tokens: int) -> dict:
+        texts = [ChoiceText() for _ in choices]
+        completion_tokens = 0
+        async with contextlib.aclosing(merged(choices)) as replies:
+            async for index, reply in replies:
+                texts[index].text.append(reply.text)
+                texts[index].token_ids += reply.token_ids
+                if reply.finish_reason:
+                    texts[index].finish_reason = finish_reason(reply.finish_reason)
+                    completion_tokens += reply.usage.completion_tokens
+        return shape.response(texts, usage(prompt_tokens, completion_tokens))
+
+    async def _events(self, choices: list[StartedChoice], shape: ResponseShape, prompt_tokens: int,
+                      include_usage: bool):  # fmt: skip
+        if shape.chat:
+            for choice in choices:
+                yield sse(shape.role_chunk(choice.index, include_usage))
+        completion_tokens = 0
+        try:
+            async with contextlib.aclosing(merged(choices)) as replies:
+                async for index, reply in replies:
+                    finish = finish_reason(reply.finish_reason)
+                    if reply.text or finish or shape.return_token_ids:
+                        yield sse(
+                            shape.delta_chunk(index, reply.text, reply.token_ids, finish, include_usage)
+                        )
+                    if finish:
+                        completion_tokens += reply.usage.completion_tokens
+        except (DomainError, aio.AioRpcError) as error:  # after the headers: an error event ends it
+            yield error_body(error).sse_event()
+        else:
+            if include_usage:
+                yield sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens)))
+        yield SSE_DONE
+
+    async def _models(self, tenant: str) -> list[dict]:
+        base = self.core.base_model
+        models = [{"id": base, "object": "model", "created": self.started, "owned_by": "loramesh",
+                   "root": base, "parent": None}]  # fmt: skip
+        for a in await self.core.usable_adapters(tenant):
+            name = model_id(tenant, a)
+            models.append({"id": name, "object": "model", "created": a.created_unix_ms // 1000,
+                           "owned_by": a.owner, "root": name, "parent": base})  # fmt: skip
+        return models
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": await self._models(self._tenant(request))})
+
+    async def get_model(self, request: Request) -> Response:
+        wanted = request.path_params["model"]
+        for model in await self._models(self._tenant(request)):
+            if model["id"] == wanted:
+                return JSONResponse(model)
+        raise OpenAIError(404, f"the model {wanted!r} does not exist or you do not have access to it",
+                          "model", "model_not_found")  # fmt: skip
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        body = parse_body(await request.body(), LoadLoraAdapterBody)
+        await self.core.register_adapter_dir(tenant, body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        body = parse_body(await request.body(), UnloadLoraAdapterBody)
+        await self.core.delete_adapter(tenant, body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+async def _client_gone(request: Request, error: Exception) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+def build_app(core: GatewayCore) -> Starlette:
+    routes = OpenAIRoutes(core)
+    return Starlette(
+        routes=[
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/models", routes.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", routes.get_model, methods=["GET"]),
+            Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
+        ],
+        exception_handlers={
+            OpenAIError: handle_error,
+            DomainError: handle_error,
+            aio.AioRpcError: handle_error,
+            HTTPException: handle_error,
+            ClientDisconnected: _client_gone,
+        },
+    )

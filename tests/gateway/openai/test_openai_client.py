@@ -1,0 +1,182 @@
+"""The official ``openai`` package against the gateway's OpenAI API on a real mesh: sync and
+async, streaming and not, chat and completion, adapters as ``model``; greedy tokens equal the
+gRPC path's; n, seeds, stop strings and usage; vLLM's adapter loading; a disconnect cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from grpc import aio
+
+from loramesh import Client
+from loramesh.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = [pytest.mark.integration, pytest.mark.model]
+
+BASE_MODEL = "SmolLM2-135M-Instruct"
+
+HANG_GUARD_S = 120.0
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+TOKEN_IDS = {"return_token_ids": True}  # vLLM's extension: each choice carries its token ids
+
+
+def sync_client(mesh, key: str = "key-alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.openai_base_url, api_key=key, max_retries=0, timeout=HANG_GUARD_S)
+
+
+def async_client(mesh, key: str = "key-alice") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=mesh.openai_base_url, api_key=key, max_retries=0, timeout=HANG_GUARD_S)
+
+
+def test_streamed_chat_from_an_adapter_equals_the_grpc_path(mesh):
+    with sync_client(mesh) as client:
+        stream = client.chat.completions.create(
+            model="pirate",
+            messages=QUESTION,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=TOKEN_IDS,
+        )
+        chunks = list(stream)
+    with Client(mesh.gateway.address, "key-alice") as grpc_client:
+        expected = grpc_client.chat(QUESTION, adapter="pirate", max_tokens=16, temperature=0.0)
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert choices[0].delta.role == "assistant"
+    assert [t for c in choices for t in c.token_ids] == list(expected.token_ids)
+    assert "".join(c.delta.content or "" for c in choices) == expected.text
+    assert choices[-1].finish_reason == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_async_completions_streamed_and_not_equal_the_grpc_path(mesh):
+    prompt = "The three primary colours are"
+    async with async_client(mesh) as client:
+        whole = await client.completions.create(
+            model="french", prompt=prompt, max_tokens=12, temperature=0, extra_body=TOKEN_IDS
+        )
+        stream = await client.completions.create(
+            model="french", prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body=TOKEN_IDS
+        )
+        chunks = [chunk async for chunk in stream]
+    with Client(mesh.gateway.address, "key-alice") as grpc_client:
+        expected = grpc_client.generate(prompt, adapter="french", max_tokens=12, temperature=0.0)
+    assert whole.choices[0].token_ids == list(expected.token_ids)
+    assert whole.choices[0].text == expected.text
+    assert whole.choices[0].finish_reason == expected.finish_reason
+    assert whole.usage.completion_tokens == len(expected.token_ids)
+    assert whole.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert [t for c in chunks for t in c.choices[0].token_ids] == list(expected.token_ids)
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+
+
+async def test_concurrent_chats_for_base_and_adapters_are_each_their_own(mesh):
+    async with async_client(mesh) as client:
+        replies = await asyncio.gather(
+            *(
+                client.chat.completions.create(model=model, messages=QUESTION, max_tokens=10, temperature=0)
+                for model in (BASE_MODEL, "pirate", "french", BASE_MODEL)
+            )
+        )
+    texts = [r.choices[0].message.content for r in replies]
+    assert texts[0] == texts[3]  # greedy: the same model gives the same answer in any batch
+    assert len({texts[0], texts[1], texts[2]}) == 3, texts  # each adapter changes the answer
+    assert all(r.object == "chat.completion" and r.usage.total_tokens > 0 for r in replies)
+
+
+def test_models_lists_the_base_and_the_adapters_the_key_may_use(mesh):
+    with sync_client(mesh) as alice, sync_client(mesh, "key-bob") as bob:
+        alice_models = {m.id: m for m in alice.models.list()}
+        bob_ids = {m.id for m in bob.models.list()}
+        assert alice.models.retrieve("pirate").owned_by == "alice"
+    assert set(alice_models) == {BASE_MODEL, "pirate", "french"}
+    assert alice_models["pirate"].parent == BASE_MODEL  # type: ignore[attr-defined]
+    assert bob_ids == {BASE_MODEL, "secret"}
+
+
+def test_n_seed_and_stop(mesh):
+    with sync_client(mesh) as client:
+
+        def sample():
+            return client.completions.create(
+                model=BASE_MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=7, n=3
+            )
+
+        first, again = sample(), sample()
+        stopped = client.completions.create(
+            model=BASE_MODEL, prompt="Count: 1, 2, 3,", max_tokens=16, temperature=0, stop=[" 5"]
+        )
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    assert len({c.text for c in first.choices}) > 1  # choice j samples with seed + j
+    assert first.usage.prompt_tokens == 4 and 3 <= first.usage.completion_tokens <= 24
+    assert stopped.choices[0].finish_reason == "stop" and " 5" not in stopped.choices[0].text
+    assert " 4" in stopped.choices[0].text
+
+
+def test_vllm_load_and_unload_lora_adapter(mesh, adapter_dirs):
+    auth = {"Authorization": "Bearer key-alice"}
+    with httpx.Client(base_url=mesh.openai_base_url, headers=auth, timeout=HANG_GUARD_S) as http:
+        loaded = http.post(
+            "/load_lora_adapter", json={"lora_name": "loaded", "lora_path": str(adapter_dirs["secret"])}
+        )
+        assert loaded.status_code == 200, loaded.text
+        assert "loaded" in loaded.text
+        with sync_client(mesh) as client:
+            assert "loaded" in {m.id for m in client.models.list()}
+            reply = client.completions.create(model="loaded", prompt="Hello", max_tokens=4, temperature=0)
+            assert reply.usage.completion_tokens >= 1
+        outside = http.post("/load_lora_adapter", json={"lora_name": "etc", "lora_path": "/etc"})
+        assert outside.status_code == 403 and "may load adapters from" in outside.json()["error"]["message"]
+        unloaded = http.post("/unload_lora_adapter", json={"lora_name": "loaded"})
+        assert unloaded.status_code == 200, unloaded.text
+        gone = http.post("/completions", json={"model": "loaded", "prompt": "Hello", "max_tokens": 2})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+async def first_event(lines) -> str:
+    async for line in lines:
+        if line.startswith("data: "):
+            return line
+    raise AssertionError("the stream ended before its first event")
+
+
+async def test_a_client_disconnect_cancels_the_request_and_frees_its_pages(mesh):
+    """Two equal long streams start together; one client hangs up. The worker must drop to one
+    running request while the other stream goes on: equal requests would end together, so only
+    the cancellation can end the first one early."""
+    body = {"model": "pirate", "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True, "temperature": 0}  # fmt: skip
+    auth = {"Authorization": "Bearer key-alice"}
+    worker = mesh.workers[0].address
+    async with (
+        httpx.AsyncClient(base_url=mesh.openai_base_url, timeout=HANG_GUARD_S) as http,
+        http.stream("POST", "/completions", json=body, headers=auth) as kept,
+    ):
+        kept_lines = kept.aiter_lines()
+        async with http.stream("POST", "/completions", json=body, headers=auth) as dropped:
+            await asyncio.gather(first_event(kept_lines), first_event(dropped.aiter_lines()))
+            await wait_for_stats(worker, lambda s: s.running == 2)
+        stats = await wait_for_stats(worker, lambda s: s.running == 1)  # the dropped one is gone
+        assert stats.kv_pages > 0
+        assert (await first_event(kept_lines)).startswith("data: {")  # the kept one still streams
+    await wait_for_stats(worker, lambda s: s.running == 0 and s.queue == 0 and s.kv_pages == 0)
+
+
+async def wait_for_stats(address: str, condition) -> worker_pb2.WorkerStatsResponse:
+    """The worker's stats once ``condition`` holds (``HANG_GUARD_S`` only turns a hang into a failure)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    async with aio.insecure_channel(address) as channel:
+        worker = worker_pb2_grpc.WorkerStub(channel)
+        while True:
+            stats = await worker.Stats(worker_pb2.WorkerStatsRequest())
+            if condition(stats):
+                return stats
+            assert time.monotonic() < deadline, f"worker stats never met the condition: {stats}"
+            await asyncio.sleep(0.1)

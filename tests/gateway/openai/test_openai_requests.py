@@ -1,0 +1,108 @@
+"""OpenAI request bodies: parsed into the engine's sampling, refused with a 400 naming the field
+when the engine cannot do what they ask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.openai.errors import OpenAIError
+from services.gateway.openai.requests import ChatCompletionBody, CompletionBody, parse_body
+
+
+def parse(model, **fields):
+    body = parse_body(json.dumps({"model": "m", **fields}).encode(), model)
+    body.check()
+    return body
+
+
+def refusal(model, **fields) -> OpenAIError:
+    with pytest.raises(OpenAIError) as caught:
+        parse(model, **fields)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_openai_defaults_and_vllm_extras_become_sampling():
+    sampling = parse(CompletionBody, prompt="x").sampling()
+    assert (sampling.temperature, sampling.top_p, sampling.max_tokens) == (1.0, 1.0, 0)  # 0: gateway default
+    assert not sampling.HasField("seed")
+    sampling = parse(
+        CompletionBody, prompt="x", temperature=0, seed=3, stop=["END", ""], top_k=5, repetition_penalty=1.1
+    ).sampling()
+    assert (sampling.temperature, sampling.seed, list(sampling.stop_strings), sampling.top_k) == (
+        0,
+        3,
+        ["END"],
+        5,
+    )
+    assert sampling.repetition_penalty == pytest.approx(1.1)
+    assert list(parse(CompletionBody, prompt="x", stop="\n").sampling().stop_strings) == ["\n"]
+
+
+def test_prompts_text_token_ids_or_several():
+    assert parse(CompletionBody, prompt="hi").prompts() == ["hi"]
+    assert parse(CompletionBody, prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert parse(CompletionBody, prompt=["a", "b"], n=2).prompts() == ["a", "b"]
+    assert refusal(CompletionBody, prompt=["a"] * 9, n=2).param == "n"
+
+
+@pytest.mark.parametrize(
+    ("model", "fields", "param"),
+    [
+        (CompletionBody, {"prompt": "x", "logprobs": 0}, "logprobs"),
+        (CompletionBody, {"prompt": "x", "echo": True}, "echo"),
+        (CompletionBody, {"prompt": "x", "best_of": 3}, "best_of"),
+        (CompletionBody, {"prompt": "x", "frequency_penalty": 0.2}, "frequency_penalty"),
+        (CompletionBody, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (CompletionBody, {"prompt": "x", "n": 0}, "n"),
+        (CompletionBody, {"prompt": "x", "seed": -1}, "seed"),
+        (CompletionBody, {"prompt": "x", "top_p": -0.5}, "top_p"),
+        (ChatCompletionBody, {"messages": [], "top_logprobs": 2}, "top_logprobs"),
+        (ChatCompletionBody, {"messages": [], "tools": [{"type": "function"}]}, "tools"),
+        (ChatCompletionBody, {"messages": [], "response_format": {"type": "json_object"}}, "response_format"),
+        (ChatCompletionBody, {"messages": [], "logit_bias": {"50": 5}}, "logit_bias"),
+        (ChatCompletionBody, {"messages": "hello"}, "messages"),
+        (CompletionBody, {"prompt": {"text": "x"}}, "prompt"),
+    ],
+)
+def test_what_cannot_be_done_is_refused_naming_the_field(model, fields, param):
+    error = refusal(model, **fields)
+    assert error.param is not None and error.param.startswith(param)
+    assert param in error.message
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted():
+    parse(ChatCompletionBody, messages=[], presence_penalty=0, logprobs=False, tool_choice="none", user="u")
+    parse(
+        ChatCompletionBody,
+        messages=[],
+        response_format={"type": "text"},
+        stream_options={"include_usage": True},
+    )
+
+
+def test_chat_messages():
+    body = parse(
+        ChatCompletionBody,
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": None},
+        ],
+        max_completion_tokens=7,
+    )
+    assert body.role_contents() == [("system", "Be brief."), ("user", "Hi there"), ("assistant", "")]
+    assert body.sampling().max_tokens == 7
+    image = parse(ChatCompletionBody, messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(OpenAIError, match="image_url") as caught:
+        image.role_contents()
+    assert caught.value.param == "messages[0].content[0].type"
+
+
+def test_bad_json():
+    with pytest.raises(OpenAIError, match="not valid JSON"):
+        parse_body(b"{", CompletionBody)
+    with pytest.raises(OpenAIError, match="JSON object"):
+        parse_body(b"[]", CompletionBody)
