@@ -49,7 +49,9 @@ RANKS = (8, 64)
 def cpu_model() -> str:
     """``model name`` from /proc/cpuinfo, with the bf16 flag when the CPU has it."""
     text = Path("/proc/cpuinfo").read_text()
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    name = next(
+        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?"
+    )
     flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
     extra = "avx512_bf16" if "avx512_bf16" in flags else ("avx2" if "avx2" in flags else "")
     cores = torch.get_num_threads()

@@ -83,8 +83,9 @@ class ClusterSimulator:
         self._seq = itertools.count()
         self._pending = 0
         self._recent: deque[tuple[float, str, str]] = deque()
-        """(time, adapter, worker) of placements within the demand window."""
+        """(time, adapter, request id) of placements within the demand window."""
         self._ranks: dict[str, int] = {}
+        self._by_id: dict[str, SimRequest] = {}
         self.result = SimResult(requests=[])
 
     # -- the event loop ------------------------------------------------------------------------
@@ -98,6 +99,7 @@ class ClusterSimulator:
                                  item.output_len, item.time_s)  # fmt: skip
             self._ranks[request.adapter] = item.rank
             self.result.requests.append(request)
+            self._by_id[request.request_id] = request
             self.at(item.time_s, lambda r=request: self._arrive(r))
         self._pending = len(trace)
         self._report()
@@ -123,7 +125,7 @@ class ClusterSimulator:
                                   prompt_tokens=request.input_len, max_tokens=request.output_len)  # fmt: skip
         chosen = self.placement.place(self.view.snapshot(), wanted)
         self.view.record_placement(chosen.worker_id, request.adapter)
-        self._recent.append((self.now, request.adapter, chosen.worker_id))
+        self._recent.append((self.now, request.adapter, request.request_id))
         self._send(request, self.workers[chosen.worker_id])
 
     def _send(self, request: SimRequest, worker: SimWorker) -> None:
@@ -180,9 +182,10 @@ class ClusterSimulator:
             self._recent.popleft()
         span = max(min(window, self.now), 1e-9)
         rates = Counter(adapter for _, adapter, _ in self._recent)
+        # A request counts where it is now: a migrated request's invocation moved with it.
         invocations: dict[str, Counter[str]] = {w: Counter() for w in self.workers}
-        for _, adapter, worker_id in self._recent:
-            invocations[worker_id][adapter] += 1
+        for _, adapter, request_id in self._recent:
+            invocations[self._by_id[request_id].worker][adapter] += 1
         per_rank = self.config.worker.adapter_tokens_per_rank
         sizes = MappingProxyType({a: r * per_rank for a, r in self._ranks.items()})
         requests = [r for r in self.result.requests if r.finish_s is None and r.worker]
@@ -198,7 +201,9 @@ class ClusterSimulator:
 
     def _replica(self, worker: SimWorker, invocations: Counter[str], sizes: Mapping[str, int]) -> ReplicaLoad:
         def load(r: SimRequest, running: bool) -> RequestLoad:
-            return RequestLoad(r.request_id, r.adapter, r.output_len - r.generated, r.reserved_tokens, running)
+            return RequestLoad(
+                r.request_id, r.adapter, r.output_len - r.generated, r.reserved_tokens, running
+            )
 
         queued = worker.queue
         delay = sum(self.now - r.enqueued_s for r in queued) / len(queued) if queued else 0.0

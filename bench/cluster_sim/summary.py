@@ -28,7 +28,9 @@ class RunSummary:
 def summarize(result: SimResult, slo_s: float) -> RunSummary:
     done = [r for r in result.requests if r.finish_s is not None]
     latency = np.array([r.finish_s - r.arrival_s for r in done]) if done else np.array([np.nan])
-    met = sum(1 for r in result.requests if r.first_token_s is not None and r.first_token_s - r.arrival_s <= slo_s)
+    met = sum(
+        1 for r in result.requests if r.first_token_s is not None and r.first_token_s - r.arrival_s <= slo_s
+    )
     start = min((r.arrival_s for r in result.requests), default=0.0)
     span = max((r.finish_s for r in done), default=start) - start
     minutes = max(span, 1e-9) / 60.0

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -66,12 +67,14 @@ class ClusterSnapshot:
     taken_at: float = 0.0
     """Unix time (s) the snapshot was taken (for report ages)."""
 
+    @cached_property
+    def _by_id(self) -> dict[str, WorkerState]:
+        # Built on first use: policies look workers up once per worker per placement.
+        return {w.worker_id: w for w in self.workers}
+
     def worker(self, worker_id: str) -> WorkerState | None:
         """The worker with this id, or None."""
-        for w in self.workers:
-            if w.worker_id == worker_id:
-                return w
-        return None
+        return self._by_id.get(worker_id)
 
     def placed(self, worker_id: str) -> int:
         """Requests placed on ``worker_id`` since its latest report."""
@@ -162,6 +165,8 @@ class ClusterView:
         self._report_ts: dict[str, float] = {}
         self._placed: dict[str, int] = {}
         self._placed_adapters: dict[str, set[str]] = {}
+        self._states: dict[str, WorkerState] = {}
+        """Parsed reports, rebuilt only when members or reports change (snapshots are per request)."""
         self.placements_total = 0
         """Requests placed by this scheduler since it started."""
 
@@ -178,6 +183,7 @@ class ClusterView:
         for worker_id in addresses.keys() - self._addresses.keys():
             log.info("worker %s joined at %s", worker_id, addresses[worker_id])
         self._addresses = dict(addresses)
+        self._states = {}
 
     def update_loads(self, reports: Mapping[str, Mapping[str, Any]]) -> None:
         """Replace the load reports: ``{worker_id: report}`` (reports of non-members are kept
@@ -192,6 +198,7 @@ class ClusterView:
         for worker_id in self._reports.keys() - reports.keys():
             self._report_ts.pop(worker_id, None)
         self._reports = dict(reports)
+        self._states = {}
 
     def record_placement(self, worker_id: str, adapter_id: str = "") -> None:
         """Count one request placed on ``worker_id`` (for ``adapter_id``; empty: base model)."""
@@ -204,10 +211,12 @@ class ClusterView:
 
     def snapshot(self) -> ClusterSnapshot:
         """An immutable copy of the current state."""
-        workers = tuple(
-            worker_state(worker_id, self._addresses[worker_id], self._reports.get(worker_id))
-            for worker_id in sorted(self._addresses)
-        )
+        if not self._states:
+            self._states = {
+                worker_id: worker_state(worker_id, self._addresses[worker_id], self._reports.get(worker_id))
+                for worker_id in sorted(self._addresses)
+            }
+        workers = tuple(self._states.values())
         return ClusterSnapshot(
             workers=workers,
             placed_since_report=MappingProxyType(dict(self._placed)),

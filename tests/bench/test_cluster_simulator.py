@@ -67,7 +67,9 @@ def times(result) -> dict[str, tuple[float, float]]:
 
 def test_step_shape_counts_tokens_adapters_rank_tokens_and_attention():
     shape = shape_of([(5, 0, 8, "a"), (1, 20, 16, "b"), (1, 30, 8, "a")])
-    assert shape == StepShape(tokens=7, adapters=2, rank_tokens=5 * 8 + 16 + 8, attention_units=12.5 + 20.5 + 30.5)
+    assert shape == StepShape(
+        tokens=7, adapters=2, rank_tokens=5 * 8 + 16 + 8, attention_units=12.5 + 20.5 + 30.5
+    )
     assert COST.step_ms(shape) == 17.0
 
 
@@ -89,7 +91,9 @@ def test_a_request_arriving_mid_step_joins_the_batch_at_the_next_step():
 
 def test_a_full_batch_makes_the_next_request_queue_and_memory_bounds_admission():
     spec = WorkerSpec(max_running=1, memory_tokens=10_000, adapter_load_ms=100.0)
-    got = times(simulate([request(0.0, 10, 2, rid="a"), request(0.0, 10, 2, rid="b")], Always("w000"), spec=spec))
+    got = times(
+        simulate([request(0.0, 10, 2, rid="a"), request(0.0, 10, 2, rid="b")], Always("w000"), spec=spec)
+    )
     # a: 0.100 + 20 ms = 0.120, + 11 ms = 0.131; then b: 0.151, 0.162.
     assert got["a"] == (pytest.approx(0.120), pytest.approx(0.131))
     assert got["b"] == (pytest.approx(0.151), pytest.approx(0.162))

@@ -1,0 +1,153 @@
+"""Issue 16's comparison: placement, prefetch and migration policies on 16 and 64 simulated workers.
+
+Every run replays one trace through :class:`ClusterSimulator` with the step-cost model and adapter
+load time fitted on the real engine (``calibrate.py``'s JSON). Load is set relative to the
+cluster's estimated capacity (``--load``), so the figures mean the same thing on any machine's
+calibration. Writes ``results.json``, ``results.md`` and ``p99.png`` to ``--out``.
+
+    .venv/bin/python -m bench.cluster_sim.experiment --out bench/results/cluster_sim
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.cluster_sim.cost_model import Calibration, StepCostModel, shape_of
+from bench.cluster_sim.report import write_report
+from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
+from bench.cluster_sim.summary import summarize
+from bench.cluster_sim.traces import shifted
+from bench.cluster_sim.worker import WorkerSpec
+from bench.workload import TraceRequest, WorkloadSpec, generate
+from services.scheduler.placement import WaitModel
+from services.scheduler.policies import make_placement
+from services.scheduler.policies.burst_tolerance_prefetch import BurstTolerancePrefetch
+from services.scheduler.policies.co_migration import CoMigration, CoMigrationConfig
+from services.scheduler.policies.pets_balancing import PetsBalancing
+
+INPUT_RANGE = (8, 256)
+OUTPUT_RANGE = (8, 512)
+RANKS = (8, 16, 32, 64)
+WORKER = WorkerSpec(max_running=32, memory_tokens=16384, adapter_tokens_per_rank=10)
+
+
+@dataclass(frozen=True)
+class PolicySet:
+    name: str
+    placement: str
+    prefetch: bool = False
+    migration: str = "none"
+
+
+POLICY_SETS = (
+    PolicySet("round-robin", "round-robin"),
+    PolicySet("least-loaded", "least-loaded"),
+    PolicySet("LEW", "least-estimated-wait"),
+    PolicySet("LEW+prefetch", "least-estimated-wait", prefetch=True),
+    PolicySet("LEW+co-migration", "least-estimated-wait", migration="co-migration"),
+    PolicySet("LEW+PetS", "least-estimated-wait", migration="pets"),
+    PolicySet("LEW+prefetch+co-migration", "least-estimated-wait", prefetch=True, migration="co-migration"),
+)
+
+
+def capacity_rps(cost: StepCostModel, spec: WorkerSpec) -> float:
+    """Requests per second one worker finishes with a full batch of mean-sized requests, each
+    of its own adapter (every step decodes ``max_running`` requests and prefills its share)."""
+    batch = spec.max_running
+    mean_in = sum(INPUT_RANGE) / 2
+    mean_out = sum(OUTPUT_RANGE) / 2
+    rank = sum(RANKS) / len(RANKS)
+    prefills = batch / mean_out  # prompts per step in steady state
+    parts = [(1, int(mean_in + mean_out / 2), int(rank), f"a{i}") for i in range(batch)]
+    decode = shape_of(parts)
+    step_ms = cost.step_ms(decode) + prefills * mean_in * (cost.per_token_ms + cost.per_rank_token_ms * rank)
+    return prefills / (step_ms / 1000.0)
+
+
+def traces(rate: float, duration_s: float, adapters: int, seed: int) -> dict[str, list[TraceRequest]]:
+    def spec(alpha: float, cv: float) -> WorkloadSpec:
+        return WorkloadSpec(adapters=adapters, alpha=alpha, rate=rate, cv=cv, input_range=INPUT_RANGE,
+                            output_range=OUTPUT_RANGE, ranks=RANKS, duration_s=duration_s, seed=seed)  # fmt: skip
+
+    return {
+        "steady (cv 1, α 1)": generate(spec(1.0, 1.0)),
+        "bursty (cv 2, α 1)": generate(spec(1.0, 2.0)),
+        "bursty (cv 8, α 1)": generate(spec(1.0, 8.0)),
+        "bursty skewed (cv 4, α 2)": generate(spec(2.0, 4.0)),
+        "popularity shift (cv 2, α 1.5)": shifted(spec(1.5, 2.0)),
+    }
+
+
+def simulator_factory(
+    policies: PolicySet, workers: int, calibration: Calibration, model: WaitModel
+) -> Callable[[], ClusterSimulator]:
+    def build() -> ClusterSimulator:
+        spec = WorkerSpec(**{**asdict(WORKER), "adapter_load_ms": calibration.adapter_load_ms})
+        migration = {
+            "none": None,
+            "co-migration": CoMigration(CoMigrationConfig(top_k=max(2, workers // 8))),
+            "pets": PetsBalancing(),
+        }[policies.migration]
+        return ClusterSimulator(
+            SimConfig(workers=workers, worker=spec),
+            calibration.model,
+            make_placement(policies.placement, model),
+            migration,
+            BurstTolerancePrefetch() if policies.prefetch else None,
+        )
+
+    return build
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calibration", default="bench/results/cluster_sim_calibration.json")
+    parser.add_argument("--workers", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--adapters", type=int, default=1000)
+    parser.add_argument("--load", type=float, default=0.7, help="offered load / estimated capacity")
+    parser.add_argument("--duration", type=float, default=240.0)
+    parser.add_argument("--slo-s", type=float, default=0.0, help="first-token SLO (0: 10 x an idle prefill)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench/results/cluster_sim")
+    args = parser.parse_args()
+    calibration = Calibration.load(args.calibration)
+    per_worker = capacity_rps(calibration.model, WORKER)
+    mean_rank = sum(RANKS) / len(RANKS)
+    idle_prefill = shape_of([(int(sum(INPUT_RANGE) / 2), 0, int(mean_rank), "a")])
+    slo_s = args.slo_s or 10 * (calibration.model.step_ms(idle_prefill) + calibration.adapter_load_ms) / 1000
+    model = WaitModel(
+        adapter_load_ms=calibration.adapter_load_ms,
+        mean_output_tokens=sum(OUTPUT_RANGE) / 2,
+        max_running_hint=WORKER.max_running,
+        per_request_step_ms=calibration.model.per_token_ms + calibration.model.per_rank_token_ms * mean_rank,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for workers in args.workers:
+        rate = args.load * per_worker * workers
+        for trace_name, trace in traces(rate, args.duration, args.adapters, args.seed).items():
+            for policies in POLICY_SETS:
+                began = time.perf_counter()
+                result = simulator_factory(policies, workers, calibration, model)().run(trace)
+                summary = summarize(result, slo_s)
+                rows.append({"workers": workers, "trace": trace_name, "policy": policies.name,
+                             "rate_rps": rate, **asdict(summary)})  # fmt: skip
+                print(f"{workers:3d} {trace_name:32s} {policies.name:28s} p50 {summary.p50_latency_s:7.2f} "
+                      f"p99 {summary.p99_latency_s:7.2f} slo {summary.slo_attainment:5.1%} "
+                      f"thr {summary.throughput_rps:6.2f} mig/min {summary.migrations_per_min:7.1f} "
+                      f"({time.perf_counter() - began:.0f} s)", flush=True)  # fmt: skip
+    meta = {"cpu_model": calibration.cpu_model, "capacity_rps_per_worker": per_worker, "slo_s": slo_s,
+            "load": args.load, "duration_s": args.duration, "adapters": args.adapters,
+            "adapter_load_ms": calibration.adapter_load_ms, "cost_model": asdict(calibration.model)}  # fmt: skip
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    write_report(out, meta, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The experiment's table (markdown) and plot (p99 latency per policy and trace)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| workers | trace | policy | p50 s | p99 s | first-token SLO | req/s | tok/s | migrations/min "
+            "| prefetches |\n|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+    lines = [
+        f"| {r['workers']} | {r['trace']} | {r['policy']} | {r['p50_latency_s']:.2f} | {r['p99_latency_s']:.2f} "
+        f"| {r['slo_attainment']:.1%} | {r['throughput_rps']:.2f} | {r['tokens_per_s']:.0f} "
+        f"| {r['migrations_per_min']:.1f} | {r['prefetches']} |"
+        for r in rows
+    ]
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    sizes = sorted({r["workers"] for r in rows})
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(12, 4 * len(sizes)), squeeze=False)
+    width = 0.8 / len(policies)
+    for ax, workers in zip(axes[:, 0], sizes, strict=True):
+        for k, policy in enumerate(policies):
+            values = [
+                next((r["p99_latency_s"] for r in rows
+                      if r["workers"] == workers and r["trace"] == t and r["policy"] == policy), 0.0)
+                for t in traces
+            ]  # fmt: skip
+            ax.bar([i + k * width for i in range(len(traces))], values, width, label=policy)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(traces))], traces, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("p99 latency (s, log)")
+        ax.set_title(f"{workers} simulated workers")
+    axes[0, 0].legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path, meta: dict, rows: list[dict]) -> None:
+    header = (
+        f"CPU of the calibration: {meta['cpu_model']}; capacity {meta['capacity_rps_per_worker']:.2f} req/s "
+        f"per worker (estimated), load {meta['load']:.0%}, first-token SLO {meta['slo_s']:.2f} s, "
+        f"{meta['adapters']} adapters, {meta['duration_s']:.0f} s per trace.\n\n"
+    )
+    (out / "results.md").write_text(header + table(rows))
+    plot(rows, out / "p99.png")
