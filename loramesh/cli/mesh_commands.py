@@ -15,7 +15,7 @@ from pathlib import Path
 from loramesh.cli.errors import CommandError
 from loramesh.cli.mesh_file import MeshFile, ServiceEntry, pid_alive
 from loramesh.cli.table import render_table
-from services.runtime.etcd_server import EtcdServer
+from services.runtime.etcd_server import EtcdServer, free_port
 from services.runtime.membership import MembershipConfig, list_members, read_loads
 from services.runtime.private_files import private_dir
 from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
@@ -97,6 +97,8 @@ def _print_summary(mesh: MeshFile, state_dir: Path) -> None:
     _log(f"mesh up (pid {mesh.up_pid}); etcd {mesh.etcd_endpoint}")
     for name, entry in mesh.services.items():
         _log(f"  {name:<14} grpc {entry.address}  http {entry.http_address}  log {entry.log}")
+        if entry.openai_address:
+            _log(f"  {'':<14} OpenAI API http://{entry.openai_address}/v1")
     _log(f"state in {MeshFile.path(state_dir)}; stop with `loramesh down`")
 
 
@@ -145,6 +147,8 @@ async def _up_foreground(args, state_dir: Path) -> int:
             gateway_args += ["--model", args.model]
         if args.api_keys_file:
             gateway_args += ["--api-keys-file", args.api_keys_file]
+        openai_address = f"127.0.0.1:{free_port()}"
+        gateway_args += ["--openai-port", openai_address.rsplit(":", 1)[1]]
         # The key goes by environment, not argv, so it does not show in `ps`.
         processes["gateway"] = ServiceProcess(
             "gateway", gateway_args, log_path=log_dir / "gateway.log",
@@ -157,7 +161,13 @@ async def _up_foreground(args, state_dir: Path) -> int:
             etcd_pid=etcd.pid or 0,
             admin_api_key=admin_api_key,
             services={
-                name: ServiceEntry(p.address, p.http_address, p.pid or 0, str(p.log_path))
+                name: ServiceEntry(
+                    p.address,
+                    p.http_address,
+                    p.pid or 0,
+                    str(p.log_path),
+                    openai_address=openai_address if name == "gateway" else "",
+                )
                 for name, p in processes.items()
             },
             ready=True,

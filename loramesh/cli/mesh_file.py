@@ -22,6 +22,8 @@ class ServiceEntry:
     http_address: str
     pid: int
     log: str
+    openai_address: str = ""
+    """The gateway's OpenAI-compatible HTTP API (``host:port``; base URL ``http://<it>/v1``)."""
 
 
 @dataclass

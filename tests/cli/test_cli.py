@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from grpc import aio
 
@@ -57,6 +58,11 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
         "admin",
         "16",
     ]
+
+    # The gateway's OpenAI API is in mesh.json beside its other addresses, for the same admin key.
+    openai_url = f"http://{mesh_file['services']['gateway']['openai_address']}/v1/models"
+    auth = {"Authorization": f"Bearer {mesh_file['admin_api_key']}"}
+    assert "mine" in {m["id"] for m in httpx.get(openai_url, headers=auth, timeout=60).json()["data"]}
 
     again = loramesh(mesh, "adapters", "upload", str(directory), "--name", "mine", check=False)
     assert again.returncode != 0 and "ALREADY_EXISTS" in again.stderr and "mine" in again.stderr
