@@ -27,7 +27,7 @@ def finish_reason(reason: int) -> str | None:
 
 
 def sse(payload: dict) -> bytes:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
