@@ -10,6 +10,7 @@ choice, each chunk, carries its generated token ids) are accepted too.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -19,6 +20,8 @@ from services.gateway.openai.errors import OpenAIError
 
 #: Most choices one request may ask for (``n`` × prompts).
 MAX_CHOICES = 16
+#: Largest request body read; prompts are limited to a few thousand tokens, so this is generous.
+MAX_BODY_BYTES = 8 * 2**20
 
 
 class _Body(BaseModel):
@@ -212,6 +215,16 @@ class UnloadLoraAdapterBody(_Body):
     """vLLM's ``POST /v1/unload_lora_adapter``."""
 
     lora_name: str
+
+
+async def read_body(chunks: AsyncIterator[bytes], max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused (413) past ``max_bytes`` without reading the rest into memory."""
+    body = bytearray()
+    async for chunk in chunks:
+        body += chunk
+        if len(body) > max_bytes:
+            raise OpenAIError(413, f"the request body is over {max_bytes} bytes", None, "request_too_large")
+    return bytes(body)
 
 
 def parse_body(raw: bytes, model: type[B]) -> B:

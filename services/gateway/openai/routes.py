@@ -28,6 +28,7 @@ from services.gateway.openai.requests import (
     LoadLoraAdapterBody,
     UnloadLoraAdapterBody,
     parse_body,
+    read_body,
 )
 from services.gateway.openai.responses import (
     SSE_DONE,
@@ -78,7 +79,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = parse_body(await request.body(), CompletionBody)
+        body = parse_body(await read_body(request.stream()), CompletionBody)
         body.check()
         adapter = await self._adapter(tenant, body.model)
         prompts = [
@@ -92,7 +93,7 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = parse_body(await request.body(), ChatCompletionBody)
+        body = parse_body(await read_body(request.stream()), ChatCompletionBody)
         body.check()
         adapter = await self._adapter(tenant, body.model)
         prompt_ids = self.core.chat_prompt(body.role_contents())
@@ -174,13 +175,13 @@ class OpenAIRoutes:
 
     async def load_lora_adapter(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = parse_body(await request.body(), LoadLoraAdapterBody)
+        body = parse_body(await read_body(request.stream()), LoadLoraAdapterBody)
         await self.core.register_adapter_dir(tenant, body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = parse_body(await request.body(), UnloadLoraAdapterBody)
+        body = parse_body(await read_body(request.stream()), UnloadLoraAdapterBody)
         await self.core.delete_adapter(tenant, body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

@@ -62,6 +62,7 @@ CASES = {
         "/chat/completions", 400, "messages[0].role", json=chat(messages=[{"role": "wizard", "content": "x"}])
     ),
     "unknown route": BadRequest("/embeddings", 404, "Not Found", json={}),
+    "body too large": BadRequest("/completions", 413, "request body is over", content=b" " * (9 * 2**20)),
 }  # fmt: skip
 
 

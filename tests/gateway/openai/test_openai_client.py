@@ -5,6 +5,7 @@ gRPC path's; n, seeds, stop strings and usage; vLLM's adapter loading; a disconn
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -165,6 +166,32 @@ async def test_a_client_disconnect_cancels_the_request_and_frees_its_pages(mesh)
             await wait_for_stats(worker, lambda s: s.running == 2)
         stats = await wait_for_stats(worker, lambda s: s.running == 1)  # the dropped one is gone
         assert stats.kv_pages > 0
+        assert (await first_event(kept_lines)).startswith("data: {")  # the kept one still streams
+    await wait_for_stats(worker, lambda s: s.running == 0 and s.queue == 0 and s.kv_pages == 0)
+
+
+async def test_a_client_disconnect_before_a_whole_response_cancels_it_too(mesh):
+    """Non-streaming: the client hangs up while its answer is being generated."""
+    body = {"model": BASE_MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True, "temperature": 0}  # fmt: skip
+    worker = mesh.workers[0].address
+    whole = json.dumps({**body, "stream": False}).encode()
+    async with (
+        httpx.AsyncClient(base_url=mesh.openai_base_url, timeout=HANG_GUARD_S) as http,
+        http.stream("POST", "/completions", json=body, headers={"Authorization": "Bearer key-alice"}) as kept,
+    ):
+        kept_lines = kept.aiter_lines()
+        await first_event(kept_lines)
+        _, writer = await asyncio.open_connection("127.0.0.1", mesh.openai_port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer key-alice\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(whole), whole)
+        )
+        await writer.drain()
+        await wait_for_stats(worker, lambda s: s.running == 2)
+        writer.close()  # hang up before the answer
+        await writer.wait_closed()
+        await wait_for_stats(worker, lambda s: s.running == 1)
         assert (await first_event(kept_lines)).startswith("data: {")  # the kept one still streams
     await wait_for_stats(worker, lambda s: s.running == 0 and s.queue == 0 and s.kv_pages == 0)
 

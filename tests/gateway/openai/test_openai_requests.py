@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.gateway.openai.errors import OpenAIError
-from services.gateway.openai.requests import ChatCompletionBody, CompletionBody, parse_body
+from services.gateway.openai.requests import ChatCompletionBody, CompletionBody, parse_body, read_body
 
 
 def parse(model, **fields):
@@ -106,3 +106,17 @@ def test_bad_json():
         parse_body(b"{", CompletionBody)
     with pytest.raises(OpenAIError, match="JSON object"):
         parse_body(b"[]", CompletionBody)
+
+
+async def test_a_body_over_the_limit_is_refused_before_it_is_all_read():
+    read = []
+
+    async def chunks():
+        for _ in range(100):
+            read.append(1)
+            yield b"x" * 1024
+
+    with pytest.raises(OpenAIError) as caught:
+        await read_body(chunks(), max_bytes=4096)
+    assert caught.value.status == 413 and len(read) == 5
+    assert await read_body(chunks(), max_bytes=10**6) == b"x" * 102400
