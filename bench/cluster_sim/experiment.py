@@ -26,14 +26,17 @@ from bench.cluster_sim.worker import WorkerSpec
 from bench.workload import TraceRequest, WorkloadSpec, generate
 from services.scheduler.placement import WaitModel
 from services.scheduler.policies import make_placement
-from services.scheduler.policies.burst_tolerance_prefetch import BurstTolerancePrefetch
+from services.scheduler.policies.burst_tolerance_prefetch import BurstToleranceConfig, BurstTolerancePrefetch
 from services.scheduler.policies.co_migration import CoMigration, CoMigrationConfig
 from services.scheduler.policies.pets_balancing import PetsBalancing
 
 INPUT_RANGE = (8, 256)
-OUTPUT_RANGE = (8, 512)
+OUTPUT_RANGE = (8, 256)
 RANKS = (8, 16, 32, 64)
-WORKER = WorkerSpec(max_running=32, memory_tokens=16384, adapter_tokens_per_rank=10)
+WORKER = WorkerSpec(max_running=32, memory_tokens=8192, adapter_tokens_per_rank=10)
+PREFETCH = BurstToleranceConfig(max_tolerance_s=30.0)
+"""Prefetch below 30 s of burst tolerance: with a pool of 8k tokens a holder absorbs ~30 requests,
+so the default 4 s would prefetch only adapters held nowhere."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,19 @@ POLICY_SETS = (
 )
 
 
-def capacity_rps(cost: StepCostModel, spec: WorkerSpec) -> float:
+def capacity_rps(
+    cost: StepCostModel,
+    spec: WorkerSpec,
+    input_range: tuple[int, int] = INPUT_RANGE,
+    output_range: tuple[int, int] = OUTPUT_RANGE,
+    ranks: tuple[int, ...] = RANKS,
+) -> float:
     """Requests per second one worker finishes with a full batch of mean-sized requests, each
     of its own adapter (every step decodes ``max_running`` requests and prefills its share)."""
     batch = spec.max_running
-    mean_in = sum(INPUT_RANGE) / 2
-    mean_out = sum(OUTPUT_RANGE) / 2
-    rank = sum(RANKS) / len(RANKS)
+    mean_in = sum(input_range) / 2
+    mean_out = sum(output_range) / 2
+    rank = sum(ranks) / len(ranks)
     prefills = batch / mean_out  # prompts per step in steady state
     parts = [(1, int(mean_in + mean_out / 2), int(rank), f"a{i}") for i in range(batch)]
     decode = shape_of(parts)
@@ -98,7 +107,7 @@ def simulator_factory(
             calibration.model,
             make_placement(policies.placement, model),
             migration,
-            BurstTolerancePrefetch() if policies.prefetch else None,
+            BurstTolerancePrefetch(PREFETCH) if policies.prefetch else None,
         )
 
     return build
@@ -109,8 +118,8 @@ def main() -> None:
     parser.add_argument("--calibration", default="bench/results/cluster_sim_calibration.json")
     parser.add_argument("--workers", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--adapters", type=int, default=1000)
-    parser.add_argument("--load", type=float, default=0.7, help="offered load / estimated capacity")
-    parser.add_argument("--duration", type=float, default=240.0)
+    parser.add_argument("--load", type=float, default=0.85, help="offered load / estimated capacity")
+    parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--slo-s", type=float, default=0.0, help="first-token SLO (0: 10 x an idle prefill)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/cluster_sim")
