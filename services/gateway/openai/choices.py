@@ -25,7 +25,6 @@ class StartedChoice:
     index: int
     first: Reply
     rest: AsyncIterator[Reply]
-    prompt_tokens: int
 
     async def replies(self) -> AsyncIterator[Reply]:
         yield self.first
@@ -40,9 +39,12 @@ async def _close_all(generations: list[AsyncIterator[Reply]]) -> None:
             await generation.aclose()  # type: ignore[attr-defined]
 
 
-async def start_choices(
-    generations: list[AsyncIterator[Reply]], prompt_tokens: list[int]
-) -> list[StartedChoice]:
+async def close_choices(choices: list[StartedChoice]) -> None:
+    """Cancel every choice's generation (a no-op for those that ended)."""
+    await _close_all([c.rest for c in choices])
+
+
+async def start_choices(generations: list[AsyncIterator[Reply]]) -> list[StartedChoice]:
     """Each generation's first delta; the first refusal is raised after closing all of them."""
     firsts = [asyncio.ensure_future(anext(g)) for g in generations]
     started = False
@@ -53,8 +55,8 @@ async def start_choices(
                 raise task.exception()  # type: ignore[misc]
         started = True
         return [
-            StartedChoice(i, task.result(), generation, tokens)
-            for i, (task, generation, tokens) in enumerate(zip(firsts, generations, prompt_tokens))
+            StartedChoice(i, task.result(), generation)
+            for i, (task, generation) in enumerate(zip(firsts, generations))
         ]
     finally:
         if not started:  # refused, or the client left: stop the others too
@@ -71,7 +73,7 @@ async def merged(choices: list[StartedChoice]) -> AsyncIterator[tuple[int, Reply
             async for reply in choices[0].replies():
                 yield 0, reply
         finally:
-            await _close_all([choices[0].rest])
+            await close_choices(choices)
         return
     queue: asyncio.Queue[tuple[int, Reply | None, BaseException | None]] = asyncio.Queue()
 
@@ -99,4 +101,4 @@ async def merged(choices: list[StartedChoice]) -> AsyncIterator[tuple[int, Reply
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await _close_all([c.rest for c in choices])
+        await close_choices(choices)

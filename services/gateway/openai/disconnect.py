@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from starlette.responses import StreamingResponse
@@ -44,12 +44,17 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 
 
 class EventStreamResponse(StreamingResponse):
-    """Server-sent events, stopped and closed the moment the client disconnects."""
+    """Server-sent events, stopped and closed the moment the client disconnects.
+
+    ``on_close`` runs however the response ends, even if the stream never started: it releases
+    what the events would have been read from.
+    """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content) -> None:
+    def __init__(self, content, on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(content, headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.create_task(self.stream_response(send))
@@ -62,6 +67,7 @@ class EventStreamResponse(StreamingResponse):
             await asyncio.gather(stream, watch, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._on_close()
         if not stream.cancelled() and isinstance(stream.exception(), Exception):
             error = stream.exception()
             if not isinstance(error, OSError):  # OSError: the client went away mid-write

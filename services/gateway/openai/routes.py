@@ -8,6 +8,7 @@ choices are ``n`` generations per prompt; with a ``seed``, choice ``j`` of a pro
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 from grpc import aio
@@ -19,7 +20,7 @@ from starlette.routing import Route
 
 from loramesh.v1 import types_pb2
 from services.gateway.core import GatewayCore, model_id
-from services.gateway.openai.choices import StartedChoice, merged, start_choices
+from services.gateway.openai.choices import StartedChoice, close_choices, merged, start_choices
 from services.gateway.openai.disconnect import ClientDisconnected, EventStreamResponse, unless_disconnected
 from services.gateway.openai.errors import OpenAIError, error_body, handle_error
 from services.gateway.openai.requests import (
@@ -89,7 +90,8 @@ class OpenAIRoutes:
         sampling = body.sampling()
         jobs = [(ids, _seeded(sampling, j)) for ids in prompts for j in range(body.n)]
         shape = ResponseShape(body.model, chat=False, return_token_ids=body.return_token_ids)
-        return await self._answer(request, tenant, adapter, jobs, shape, body.stream, body.include_usage)
+        prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt however many choices, as OpenAI
+        return await self._answer(request, tenant, adapter, jobs, prompt_tokens, shape, body)
 
     async def chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -100,22 +102,29 @@ class OpenAIRoutes:
         sampling = self.core.chat_sampling(body.sampling())
         jobs = [(prompt_ids, _seeded(sampling, j)) for j in range(body.n)]
         shape = ResponseShape(body.model, chat=True, return_token_ids=body.return_token_ids)
-        return await self._answer(request, tenant, adapter, jobs, shape, body.stream, body.include_usage)
+        return await self._answer(request, tenant, adapter, jobs, len(prompt_ids), shape, body)
 
     async def _answer(
-        self, request, tenant, adapter, jobs, shape, stream: bool, include_usage: bool
+        self,
+        request: Request,
+        tenant: str,
+        adapter: str,
+        jobs: list[tuple[list[int], types_pb2.SamplingParams]],
+        prompt_tokens: int,
+        shape: ResponseShape,
+        body: CompletionBody | ChatCompletionBody,
     ) -> Response:
+        """Start every choice (refusals surface here, before any byte is sent), then answer."""
         generations = [self.core.generate(tenant, ids, adapter, sampling) for ids, sampling in jobs]
-        # A prompt shared by n choices is counted once, as OpenAI does.
-        prompt_tokens = sum(len(ids) for ids in {id(ids): ids for ids, _ in jobs}.values())
-        choices = await unless_disconnected(
-            request.receive, start_choices(generations, [len(ids) for ids, _ in jobs])
-        )
-        if stream:
-            return EventStreamResponse(self._events(choices, shape, prompt_tokens, include_usage))
-        return JSONResponse(
-            await unless_disconnected(request.receive, self._collect(choices, shape, prompt_tokens))
-        )
+        choices = await unless_disconnected(request.receive, start_choices(generations))
+        if body.stream:
+            events = self._events(choices, shape, prompt_tokens, body.include_usage)
+            return EventStreamResponse(events, on_close=functools.partial(close_choices, choices))
+        try:
+            whole = await unless_disconnected(request.receive, self._collect(choices, shape, prompt_tokens))
+        finally:
+            await close_choices(choices)
+        return JSONResponse(whole)
 
     async def _collect(self, choices: list[StartedChoice], shape: ResponseShape, prompt_tokens: int) -> dict:
         texts = [ChoiceText() for _ in choices]
