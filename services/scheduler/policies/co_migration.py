@@ -36,6 +36,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix
 
 from services.scheduler.policies.replica_load import ClusterLoad, Migration, ReplicaLoad, RequestLoad
 
@@ -154,10 +156,6 @@ class CoMigration:
         self, replicas: list[ReplicaLoad], sources: list[ReplicaLoad], sizes: dict[str, int]
     ) -> list[Migration]:
         """The relaxed LP over ``replicas`` moving requests of ``sources``, rounded and repaired."""
-        # scipy (the bench extra) is needed only when this policy runs, not to start a scheduler.
-        from scipy.optimize import linprog
-        from scipy.sparse import coo_matrix
-
         cfg = self.config
         movable = sorted(
             ((src.worker_id, q) for src in sources for q in src.requests),
