@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from loramesh.v1 import types_pb2 as loramesh_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18loramesh/v1/worker.proto\x12\x0bloramesh.v1\x1a\x17loramesh/v1/types.proto\"\x82\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nadapter_id\x18\x03 \x01(\t\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.loramesh.v1.SamplingParams\"\x92\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.loramesh.v1.FinishReason\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.loramesh.v1.Timings\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"(\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"\\\n\x13LoadAdapterResponse\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x14\n\x0cwas_resident\x18\x04 \x01(\x08\"&\n\x0fPrefetchRequest\x12\x13\n\x0b\x61\x64\x61pter_ids\x18\x01 \x03(\t\"#\n\x10PrefetchResponse\x12\x0f\n\x07started\x18\x01 \x03(\t\"\x14\n\x12WorkerStatsRequest\"\xeb\x01\n\x13WorkerStatsResponse\x12\r\n\x05queue\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x10\n\x08kv_pages\x18\x05 \x01(\r\x12\x15\n\radapter_pages\x18\x06 \x01(\r\x12\x19\n\x11resident_adapters\x18\x07 \x03(\t\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x13\n\x0bpreemptions\x18\t \x01(\x04\x12\r\n\x05model\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t2\xba\x02\n\x06Worker\x12I\n\x08Generate\x12\x1c.loramesh.v1.GenerateRequest\x1a\x1d.loramesh.v1.GenerateResponse0\x01\x12P\n\x0bLoadAdapter\x12\x1f.loramesh.v1.LoadAdapterRequest\x1a .loramesh.v1.LoadAdapterResponse\x12G\n\x08Prefetch\x12\x1c.loramesh.v1.PrefetchRequest\x1a\x1d.loramesh.v1.PrefetchResponse\x12J\n\x05Stats\x12\x1f.loramesh.v1.WorkerStatsRequest\x1a .loramesh.v1.WorkerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18loramesh/v1/worker.proto\x12\x0bloramesh.v1\x1a\x17loramesh/v1/types.proto\"\x82\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nadapter_id\x18\x03 \x01(\t\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.loramesh.v1.SamplingParams\"\x92\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.loramesh.v1.FinishReason\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.loramesh.v1.Timings\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"(\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"\\\n\x13LoadAdapterResponse\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x14\n\x0cwas_resident\x18\x04 \x01(\x08\"&\n\x0fPrefetchRequest\x12\x13\n\x0b\x61\x64\x61pter_ids\x18\x01 \x03(\t\"#\n\x10PrefetchResponse\x12\x0f\n\x07started\x18\x01 \x03(\t\"\x14\n\x12WorkerStatsRequest\"\xeb\x01\n\x13WorkerStatsResponse\x12\r\n\x05queue\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x10\n\x08kv_pages\x18\x05 \x01(\r\x12\x15\n\radapter_pages\x18\x06 \x01(\r\x12\x19\n\x11resident_adapters\x18\x07 \x03(\t\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x13\n\x0bpreemptions\x18\t \x01(\x04\x12\r\n\x05model\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\"L\n\rKvBlockLayout\x12\x17\n\x0fkv_block_tokens\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x0e\n\x06kv_dim\x18\x03 \x01(\r\"b\n\x15\x41llocateBlocksRequest\x12\x0e\n\x06\x64\x65\x62tor\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.loramesh.v1.KvBlockLayout\"W\n\x16\x41llocateBlocksResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x04\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.loramesh.v1.KvBlockLayout\"\xae\x01\n\x0eWriteKvRequest\x12\x0e\n\x06\x64\x65\x62tor\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\x04\x12\"\n\x05slots\x18\x04 \x01(\x0b\x32\x13.loramesh.v1.Tensor\x12!\n\x04keys\x18\x05 \x01(\x0b\x32\x13.loramesh.v1.Tensor\x12#\n\x06values\x18\x06 \x01(\x0b\x32\x13.loramesh.v1.Tensor\"\x11\n\x0fWriteKvResponse\"6\n\x11\x46reeBlocksRequest\x12\x0e\n\x06\x64\x65\x62tor\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x04\"\x14\n\x12\x46reeBlocksResponse\"\x9b\x01\n\x13RemoteAttendSegment\x12$\n\x07queries\x18\x01 \x01(\x0b\x32\x13.loramesh.v1.Tensor\x12,\n\x0fquery_positions\x18\x02 \x01(\x0b\x32\x13.loramesh.v1.Tensor\x12\x11\n\tblock_ids\x18\x03 \x03(\x04\x12\x1d\n\x15\x62lock_first_positions\x18\x04 \x03(\x04\"h\n\x13\x41ttendRemoteRequest\x12\x0e\n\x06\x64\x65\x62tor\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x32\n\x08segments\x18\x03 \x03(\x0b\x32 .loramesh.v1.RemoteAttendSegment\"_\n\x16RemotePartialAttention\x12#\n\x06output\x18\x01 \x01(\x0b\x32\x13.loramesh.v1.Tensor\x12 \n\x03lse\x18\x02 \x01(\x0b\x32\x13.loramesh.v1.Tensor\"M\n\x14\x41ttendRemoteResponse\x12\x35\n\x08partials\x18\x01 \x03(\x0b\x32#.loramesh.v1.RemotePartialAttention\"6\n\x11ReadBlocksRequest\x12\x0e\n\x06\x64\x65\x62tor\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x04\"\\\n\x12ReadBlocksResponse\x12!\n\x04keys\x18\x01 \x01(\x0b\x32\x13.loramesh.v1.Tensor\x12#\n\x06values\x18\x02 \x01(\x0b\x32\x13.loramesh.v1.Tensor2\xce\x05\n\x06Worker\x12I\n\x08Generate\x12\x1c.loramesh.v1.GenerateRequest\x1a\x1d.loramesh.v1.GenerateResponse0\x01\x12P\n\x0bLoadAdapter\x12\x1f.loramesh.v1.LoadAdapterRequest\x1a .loramesh.v1.LoadAdapterResponse\x12G\n\x08Prefetch\x12\x1c.loramesh.v1.PrefetchRequest\x1a\x1d.loramesh.v1.PrefetchResponse\x12J\n\x05Stats\x12\x1f.loramesh.v1.WorkerStatsRequest\x1a .loramesh.v1.WorkerStatsResponse\x12Y\n\x0e\x41llocateBlocks\x12\".loramesh.v1.AllocateBlocksRequest\x1a#.loramesh.v1.AllocateBlocksResponse\x12\x44\n\x07WriteKv\x12\x1b.loramesh.v1.WriteKvRequest\x1a\x1c.loramesh.v1.WriteKvResponse\x12M\n\nFreeBlocks\x12\x1e.loramesh.v1.FreeBlocksRequest\x1a\x1f.loramesh.v1.FreeBlocksResponse\x12S\n\x0c\x41ttendRemote\x12 .loramesh.v1.AttendRemoteRequest\x1a!.loramesh.v1.AttendRemoteResponse\x12M\n\nReadBlocks\x12\x1e.loramesh.v1.ReadBlocksRequest\x1a\x1f.loramesh.v1.ReadBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,6 +48,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATSREQUEST']._serialized_end=581
   _globals['_WORKERSTATSRESPONSE']._serialized_start=584
   _globals['_WORKERSTATSRESPONSE']._serialized_end=819
-  _globals['_WORKER']._serialized_start=822
-  _globals['_WORKER']._serialized_end=1136
+  _globals['_TENSOR']._serialized_start=821
+  _globals['_TENSOR']._serialized_end=873
+  _globals['_KVBLOCKLAYOUT']._serialized_start=875
+  _globals['_KVBLOCKLAYOUT']._serialized_end=951
+  _globals['_ALLOCATEBLOCKSREQUEST']._serialized_start=953
+  _globals['_ALLOCATEBLOCKSREQUEST']._serialized_end=1051
+  _globals['_ALLOCATEBLOCKSRESPONSE']._serialized_start=1053
+  _globals['_ALLOCATEBLOCKSRESPONSE']._serialized_end=1140
+  _globals['_WRITEKVREQUEST']._serialized_start=1143
+  _globals['_WRITEKVREQUEST']._serialized_end=1317
+  _globals['_WRITEKVRESPONSE']._serialized_start=1319
+  _globals['_WRITEKVRESPONSE']._serialized_end=1336
+  _globals['_FREEBLOCKSREQUEST']._serialized_start=1338
+  _globals['_FREEBLOCKSREQUEST']._serialized_end=1392
+  _globals['_FREEBLOCKSRESPONSE']._serialized_start=1394
+  _globals['_FREEBLOCKSRESPONSE']._serialized_end=1414
+  _globals['_REMOTEATTENDSEGMENT']._serialized_start=1417
+  _globals['_REMOTEATTENDSEGMENT']._serialized_end=1572
+  _globals['_ATTENDREMOTEREQUEST']._serialized_start=1574
+  _globals['_ATTENDREMOTEREQUEST']._serialized_end=1678
+  _globals['_REMOTEPARTIALATTENTION']._serialized_start=1680
+  _globals['_REMOTEPARTIALATTENTION']._serialized_end=1775
+  _globals['_ATTENDREMOTERESPONSE']._serialized_start=1777
+  _globals['_ATTENDREMOTERESPONSE']._serialized_end=1854
+  _globals['_READBLOCKSREQUEST']._serialized_start=1856
+  _globals['_READBLOCKSREQUEST']._serialized_end=1910
+  _globals['_READBLOCKSRESPONSE']._serialized_start=1912
+  _globals['_READBLOCKSRESPONSE']._serialized_end=2004
+  _globals['_WORKER']._serialized_start=2007
+  _globals['_WORKER']._serialized_end=2725
 # @@protoc_insertion_point(module_scope)

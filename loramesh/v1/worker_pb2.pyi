@@ -90,3 +90,125 @@ class WorkerStatsResponse(_message.Message):
     model: str
     dtype: str
     def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvBlockLayout(_message.Message):
+    __slots__ = ("kv_block_tokens", "num_layers", "kv_dim")
+    KV_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_DIM_FIELD_NUMBER: _ClassVar[int]
+    kv_block_tokens: int
+    num_layers: int
+    kv_dim: int
+    def __init__(self, kv_block_tokens: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_dim: _Optional[int] = ...) -> None: ...
+
+class AllocateBlocksRequest(_message.Message):
+    __slots__ = ("debtor", "count", "layout")
+    DEBTOR_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    debtor: str
+    count: int
+    layout: KvBlockLayout
+    def __init__(self, debtor: _Optional[str] = ..., count: _Optional[int] = ..., layout: _Optional[_Union[KvBlockLayout, _Mapping]] = ...) -> None: ...
+
+class AllocateBlocksResponse(_message.Message):
+    __slots__ = ("block_ids", "layout")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    layout: KvBlockLayout
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KvBlockLayout, _Mapping]] = ...) -> None: ...
+
+class WriteKvRequest(_message.Message):
+    __slots__ = ("debtor", "layer", "block_ids", "slots", "keys", "values")
+    DEBTOR_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    debtor: str
+    layer: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slots: Tensor
+    keys: Tensor
+    values: Tensor
+    def __init__(self, debtor: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class WriteKvResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FreeBlocksRequest(_message.Message):
+    __slots__ = ("debtor", "block_ids")
+    DEBTOR_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    debtor: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, debtor: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoteAttendSegment(_message.Message):
+    __slots__ = ("queries", "query_positions", "block_ids", "block_first_positions")
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIRST_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    queries: Tensor
+    query_positions: Tensor
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_first_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, queries: _Optional[_Union[Tensor, _Mapping]] = ..., query_positions: _Optional[_Union[Tensor, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_first_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AttendRemoteRequest(_message.Message):
+    __slots__ = ("debtor", "layer", "segments")
+    DEBTOR_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    debtor: str
+    layer: int
+    segments: _containers.RepeatedCompositeFieldContainer[RemoteAttendSegment]
+    def __init__(self, debtor: _Optional[str] = ..., layer: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[RemoteAttendSegment, _Mapping]]] = ...) -> None: ...
+
+class RemotePartialAttention(_message.Message):
+    __slots__ = ("output", "lse")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    lse: Tensor
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AttendRemoteResponse(_message.Message):
+    __slots__ = ("partials",)
+    PARTIALS_FIELD_NUMBER: _ClassVar[int]
+    partials: _containers.RepeatedCompositeFieldContainer[RemotePartialAttention]
+    def __init__(self, partials: _Optional[_Iterable[_Union[RemotePartialAttention, _Mapping]]] = ...) -> None: ...
+
+class ReadBlocksRequest(_message.Message):
+    __slots__ = ("debtor", "block_ids")
+    DEBTOR_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    debtor: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, debtor: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReadBlocksResponse(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: Tensor
+    values: Tensor
+    def __init__(self, keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

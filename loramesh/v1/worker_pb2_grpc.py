@@ -54,6 +54,31 @@ class WorkerStub:
                 request_serializer=loramesh_dot_v1_dot_worker__pb2.WorkerStatsRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_worker__pb2.WorkerStatsResponse.FromString,
                 _registered_method=True)
+        self.AllocateBlocks = channel.unary_unary(
+                '/loramesh.v1.Worker/AllocateBlocks',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.AllocateBlocksRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.AllocateBlocksResponse.FromString,
+                _registered_method=True)
+        self.WriteKv = channel.unary_unary(
+                '/loramesh.v1.Worker/WriteKv',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.WriteKvRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.WriteKvResponse.FromString,
+                _registered_method=True)
+        self.FreeBlocks = channel.unary_unary(
+                '/loramesh.v1.Worker/FreeBlocks',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.FreeBlocksRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.FreeBlocksResponse.FromString,
+                _registered_method=True)
+        self.AttendRemote = channel.unary_unary(
+                '/loramesh.v1.Worker/AttendRemote',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.AttendRemoteRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.AttendRemoteResponse.FromString,
+                _registered_method=True)
+        self.ReadBlocks = channel.unary_unary(
+                '/loramesh.v1.Worker/ReadBlocks',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -87,6 +112,46 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AllocateBlocks(self, request, context):
+        """DistKV-LLM lending (issue 13). Another worker, the debtor, borrows KV blocks of this pool,
+        writes its KV there and sends its queries here instead of pulling the KV back. Only the
+        debtor a block was lent to may write, attend over, read or free it. The debtor names itself
+        in `debtor`; mTLS (issue 14) will bind that name to the caller's certificate.
+        Lend `count` blocks, all or none; RESOURCE_EXHAUSTED past the lending cap or a full pool,
+        FAILED_PRECONDITION when the debtor's KV blocks are shaped differently.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteKv(self, request, context):
+        """Store one layer's keys and values of some tokens in lent blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeBlocks(self, request, context):
+        """Give lent blocks back, all or none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttendRemote(self, request, context):
+        """Partial attention (output + log-sum-exp) of the debtor's queries over lent blocks, per layer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBlocks(self, request, context):
+        """The whole KV of lent blocks in every layer, to move them (DGFM recall and swap).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +174,31 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=loramesh_dot_v1_dot_worker__pb2.WorkerStatsRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_worker__pb2.WorkerStatsResponse.SerializeToString,
+            ),
+            'AllocateBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllocateBlocks,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.AllocateBlocksRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.AllocateBlocksResponse.SerializeToString,
+            ),
+            'WriteKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteKv,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.WriteKvRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.WriteKvResponse.SerializeToString,
+            ),
+            'FreeBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeBlocks,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.FreeBlocksRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.FreeBlocksResponse.SerializeToString,
+            ),
+            'AttendRemote': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttendRemote,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.AttendRemoteRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.AttendRemoteResponse.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +309,141 @@ class Worker:
             '/loramesh.v1.Worker/Stats',
             loramesh_dot_v1_dot_worker__pb2.WorkerStatsRequest.SerializeToString,
             loramesh_dot_v1_dot_worker__pb2.WorkerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllocateBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/AllocateBlocks',
+            loramesh_dot_v1_dot_worker__pb2.AllocateBlocksRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.AllocateBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/WriteKv',
+            loramesh_dot_v1_dot_worker__pb2.WriteKvRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.WriteKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/FreeBlocks',
+            loramesh_dot_v1_dot_worker__pb2.FreeBlocksRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.FreeBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttendRemote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/AttendRemote',
+            loramesh_dot_v1_dot_worker__pb2.AttendRemoteRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.AttendRemoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/ReadBlocks',
+            loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

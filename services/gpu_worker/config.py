@@ -36,3 +36,13 @@ class WorkerConfig(ServiceConfig):
     recently used first and fetched again when asked for (0: unbounded)."""
     threads: int = 0
     """torch CPU threads (0: torch's default)."""
+    lend_cap_blocks: int = 0
+    """KV blocks (one page per layer each) other workers may borrow from this pool at most, all
+    together (DistKV-LLM's lending cap); 0 lends nothing."""
+    topology: str = ""
+    """Locality label (node, rack, zone): the kv_manager suggests creditors with the same label first."""
+    kv_overflow: str = "preempt"
+    """When the pool cannot hold a request's next KV block: preempt (recompute it later) or
+    borrow (DistKV-LLM: borrow blocks from other workers, suggested by the kv_manager)."""
+    kv_manager: str = ""
+    """kv_manager address for --kv-overflow borrow; empty: its replicas are discovered in etcd."""

@@ -10,13 +10,18 @@ import torch
 from grpc import aio
 
 from loramesh.v1 import worker_pb2_grpc
+from loramesh.v1.types_pb2 import WorkerLoad
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
+from services.gpu_worker.kv_manager_directory import KvManagerDirectory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.servicer import WorkerServicer
+from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_members
+from services.runtime.worker_load import worker_load_to_report
 
 log = logging.getLogger("loramesh.worker")
 
@@ -51,10 +56,15 @@ class WorkerService:
     grpc_service_name = "loramesh.v1.Worker"
 
     def __init__(self, config: WorkerConfig):
+        # Resolved here so the engine lends and borrows under the id the mesh knows it by.
+        config.instance_id = config.resolved_instance_id(self.name)
         self.config = config
         self.servicer = WorkerServicer()
         self.engine: Engine | None = None
         self.source: AdapterSource | None = None
+        self.directory = KvManagerDirectory((config.kv_manager,) if config.kv_manager else ())
+        self._watches: list[asyncio.Task] = []
+        self._workers: set[str] = set()
 
     def add_to_server(self, server: aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
@@ -67,6 +77,10 @@ class WorkerService:
         dtype = resolve_dtype(cfg.dtype, device)
         loaded = await asyncio.to_thread(load_model, cfg.model or None)
         model = await asyncio.to_thread(LlamaModel, loaded.config, loaded.weights, dtype, device)
+
+        def connect(creditor: str, address: str) -> GrpcCreditorTransport:
+            return GrpcCreditorTransport(creditor, address, engine.pool.layout)
+
         engine = Engine(
             model,
             EngineConfig(
@@ -75,12 +89,23 @@ class WorkerService:
                 max_running=cfg.max_running,
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 lora_backend=cfg.lora_backend,
+                worker_id=cfg.instance_id,
+                max_lent_blocks=cfg.lend_cap_blocks,
+                kv_overflow=cfg.kv_overflow,
             ),
             eos_token_ids=loaded.config.eos_token_ids,
             detokenize=loaded.tokenizer.decode,
+            creditors=self.directory,
+            connect=connect,
         )
         engine.start()
         self.engine = engine
+        if cfg.etcd_endpoints:
+            membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints)
+            self._watches = [
+                asyncio.create_task(follow(watch_members(membership, self.name), self._set_workers)),
+                asyncio.create_task(follow(watch_members(membership, "kv_manager"), self._set_kv_managers)),
+            ]
         if cfg.adapter_dir:
             self.source = DirectorySource(cfg.adapter_dir)
         else:
@@ -95,13 +120,52 @@ class WorkerService:
             loaded.config.name, device, describe["dtype"], engine.pool.layout.num_pages, engine.pool.page_elems,
         )  # fmt: skip
 
+    def _set_workers(self, members: dict[str, MemberInfo]) -> None:
+        """A worker whose lease expired is gone: reclaim what we lent it, recompute what we
+        borrowed from it."""
+        gone, self._workers = self._workers - set(members), set(members)
+        for worker_id in gone:
+            reclaimed = self.engine.lending.reclaim(worker_id)
+            if reclaimed:
+                log.info("worker %s is gone: reclaimed %d blocks lent to it", worker_id, reclaimed)
+            self.engine.worker_gone(worker_id)
+
+    def _set_kv_managers(self, members: dict[str, MemberInfo]) -> None:
+        if not self.config.kv_manager:
+            self.directory.addresses = tuple(m.address for m in members.values())
+
     async def stop(self) -> None:
+        for watch in self._watches:
+            watch.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
+        self.directory.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self.source is not None:
             await self.source.close()
 
     def load_report(self) -> dict:
+        """The heartbeat: a ``WorkerLoad`` as JSON (DESIGN §4 keys plus the KV block ledger's)."""
         if self.engine is None:
             return {"ready": False}
-        return self.engine.stats()
+        stats = self.engine.stats()
+        return worker_load_to_report(
+            WorkerLoad(
+                queue=stats["queue"],
+                running=stats["running"],
+                free_pages=stats["free_pages"],
+                total_pages=stats["total_pages"],
+                kv_pages=stats["kv_pages"],
+                adapter_pages=stats["adapter_pages"],
+                resident_adapters=stats["resident_adapters"],
+                tokens_per_s=stats["tokens_per_s"],
+                preemptions=stats["preemptions"],
+                fragmentation=stats["fragmentation"],
+                free_blocks=stats["free_blocks"],
+                total_blocks=stats["total_blocks"],
+                lent_blocks=self.engine.lending.lent_to(),
+                borrowed_blocks=stats["borrowed_blocks"],
+                lend_cap_blocks=self.config.lend_cap_blocks,
+                topology=self.config.topology,
+            )
+        )

@@ -12,8 +12,17 @@ from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
+from services.gpu_worker.lending_proto import (
+    layout_from_proto,
+    layout_to_proto,
+    partials_to_proto,
+    segment_from_proto,
+    tensor_from_proto,
+    tensor_to_proto,
+)
+from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.sampling_proto import sampling_from_proto
-from services.runtime.errors import Unavailable
+from services.runtime.errors import InvalidArgument, Unavailable
 
 FINISH_REASONS = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
@@ -123,3 +132,47 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model=self.describe["model"],
             dtype=self.describe["dtype"],
         )
+
+    # -- lending (DistKV-LLM creditor side) ---------------------------------------------------
+    # Each call runs on a thread of its own while the engine steps (never on the engine thread:
+    # two workers borrowing from each other would wait for each other's step). Domain errors
+    # become statuses in the runtime's interceptor; a bad call changes nothing for other debtors.
+
+    def _lending(self, debtor: str) -> SharedLender:
+        if not debtor:
+            raise InvalidArgument("debtor is empty: name the borrowing worker's instance id")
+        return self.engine.lending
+
+    async def AllocateBlocks(self, request: worker_pb2.AllocateBlocksRequest, context):
+        lending = self._lending(request.debtor)
+        layout = layout_from_proto(request.layout)
+        ids = await asyncio.to_thread(lending.allocate, request.debtor, request.count, layout)
+        return worker_pb2.AllocateBlocksResponse(block_ids=ids, layout=layout_to_proto(lending.layout))
+
+    async def WriteKv(self, request: worker_pb2.WriteKvRequest, context):
+        lending = self._lending(request.debtor)
+        device = self.engine.pool.device
+        slots = tensor_from_proto(request.slots, "slots", device)
+        keys = tensor_from_proto(request.keys, "keys", device)
+        values = tensor_from_proto(request.values, "values", device)
+        await asyncio.to_thread(
+            lending.write, request.debtor, request.layer, list(request.block_ids), slots, keys, values
+        )
+        return worker_pb2.WriteKvResponse()
+
+    async def FreeBlocks(self, request: worker_pb2.FreeBlocksRequest, context):
+        lending = self._lending(request.debtor)
+        await asyncio.to_thread(lending.free, request.debtor, list(request.block_ids))
+        return worker_pb2.FreeBlocksResponse()
+
+    async def AttendRemote(self, request: worker_pb2.AttendRemoteRequest, context):
+        lending = self._lending(request.debtor)
+        device = self.engine.pool.device
+        segments = [segment_from_proto(segment, device) for segment in request.segments]
+        partials = await asyncio.to_thread(lending.attend, request.debtor, request.layer, segments)
+        return partials_to_proto(partials)
+
+    async def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context):
+        lending = self._lending(request.debtor)
+        keys, values = await asyncio.to_thread(lending.read, request.debtor, list(request.block_ids))
+        return worker_pb2.ReadBlocksResponse(keys=tensor_to_proto(keys), values=tensor_to_proto(values))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.gpu_worker.engine.borrower import Borrower, CreditorDirectory, TransportFactory
 from services.gpu_worker.engine.request import (
     EngineRequest,
     FinishReason,
@@ -36,8 +37,12 @@ from services.gpu_worker.engine.sampling import sample_batch
 from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.block_lender import LendingConfig
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
+from services.gpu_worker.memory.remote_block_allocator import CreditorUnavailable
+from services.gpu_worker.memory.rmanager import RManager
+from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
@@ -45,6 +50,7 @@ from services.runtime.errors import AlreadyExists, InvalidArgument, NotFound, Re
 log = logging.getLogger("loramesh.engine")
 
 EventSink = Callable[[TokenEvent], None]
+KV_OVERFLOW_POLICIES = ("preempt", "borrow")
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,18 @@ class EngineConfig:
     """None: one unified pool (KV and adapter pages from one free list). A share in (0, 1): a
     fixed region of the pool for adapter weights and the rest for KV, for the S-LoRA
     "no unified memory" ablation only."""
+    worker_id: str = "local"
+    """This worker's instance id: the debtor name its borrowed blocks are lent under."""
+    max_lent_blocks: int = 0
+    """KV blocks other workers may borrow from this pool at most, all together (0: none)."""
+    kv_overflow: str = "preempt"
+    """When the pool cannot hold a request's next KV block: ``preempt`` (free the newest
+    request's pages and recompute it later) or ``borrow`` (DistKV-LLM: borrow blocks from other
+    workers, and preempt only when none lends)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_overflow not in KV_OVERFLOW_POLICIES:
+            raise ValueError(f"kv_overflow must be one of {KV_OVERFLOW_POLICIES}, got {self.kv_overflow!r}")
 
 
 class Engine:
@@ -76,7 +94,11 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         on_logits: Callable[[str, torch.Tensor], None] | None = None,
+        creditors: CreditorDirectory | None = None,
+        connect: TransportFactory | None = None,
     ):
+        """``creditors`` and ``connect``: where to borrow KV blocks and how to reach a creditor;
+        required with ``kv_overflow="borrow"``."""
         self.model = model
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -100,7 +122,15 @@ class Engine:
         )
         self.pool = UnifiedPool(layout, model.dtype, model.device, adapter_region)
         self.residency = AdapterResidency(self.pool)
-        self.builder = StepBuilder(model, self.pool, config.lora_backend)
+        self.rm = RManager(config.worker_id, self.pool, LendingConfig(config.max_lent_blocks))
+        self.lending = SharedLender(self.rm.lender, layout)
+        """The lender as the lending RPCs reach it, from their own threads."""
+        self.borrower: Borrower | None = None
+        if config.kv_overflow == "borrow":
+            if creditors is None or connect is None:
+                raise ValueError("kv_overflow='borrow' needs a creditor directory and a transport factory")
+            self.borrower = Borrower(self.rm, creditors, connect)
+        self.builder = StepBuilder(model, self.pool, config.lora_backend, self.rm)
         self.host_adapters: dict[str, HostAdapter] = {}
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -108,6 +138,7 @@ class Engine:
         self._inbox: list[tuple[EngineRequest, EventSink]] = []
         self._cancels: set[str] = set()
         self._preloads: list[str] = []
+        self._gone_workers: list[str] = []
         self._active: set[str] = set()
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -153,7 +184,10 @@ class Engine:
         if request.adapter_id is not None and request.adapter_id not in self.host_adapters:
             raise NotFound(f"adapter {request.adapter_id!r} is not loaded on this worker")
         kv = KvTable(self.pool)
-        if kv.pages_needed(len(request.prompt_ids) + 1) > self.pool.layout.num_pages:
+        if (
+            self.borrower is None
+            and kv.pages_needed(len(request.prompt_ids) + 1) > self.pool.layout.num_pages
+        ):
             raise ResourceExhausted(
                 f"prompt of {len(request.prompt_ids)} tokens needs more KV pages than the whole pool has"
             )
@@ -168,6 +202,13 @@ class Engine:
         """Page a registered adapter into the pool at the next step, if there is room."""
         with self._lock:
             self._preloads.append(adapter_id)
+        self._wakeup.set()
+
+    def worker_gone(self, worker_id: str) -> None:
+        """Another worker left the mesh (its etcd lease expired): if this worker borrowed from it,
+        the requests with blocks there are recomputed, before the next step."""
+        with self._lock:
+            self._gone_workers.append(worker_id)
         self._wakeup.set()
 
     def cancel(self, request_id: str) -> None:
@@ -203,7 +244,14 @@ class Engine:
     # -- engine thread -----------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._inbox or self._cancels or self._preloads)
+        return bool(
+            self.running
+            or self.waiting
+            or self._inbox
+            or self._cancels
+            or self._preloads
+            or self._gone_workers
+        )
 
     def step(self) -> int:
         """One iteration; returns the number of tokens generated."""
@@ -215,7 +263,15 @@ class Engine:
             return 0
         batch_requests = list(self.running)
         batch = self.builder.build(batch_requests, self.residency)
-        logits = self.model.forward(batch, self.pool)
+        try:
+            logits = self.model.forward(batch, self.pool)
+        except CreditorUnavailable as gone:
+            # Nothing of this step is kept (no token emitted, nothing counted as computed): the
+            # requests that had blocks there are recomputed, the others redo the step.
+            log.warning("creditor %s is unreachable: %s", gone.creditor, gone.message)
+            self._creditor_lost(gone.creditor)
+            self._publish_stats()
+            return 0
         now = time.monotonic()
         if self.on_logits is not None:
             for request, row in zip(batch_requests, logits):
@@ -238,6 +294,9 @@ class Engine:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
             preloads, self._preloads = self._preloads, []
+            gone, self._gone_workers = self._gone_workers, []
+        for worker_id in gone:
+            self._creditor_lost(worker_id)
         for adapter_id in preloads:
             adapter = self.host_adapters.get(adapter_id)
             if adapter is None:  # removed from the host since the preload was asked for
@@ -258,10 +317,56 @@ class Engine:
             self._finish(request, FinishReason.CANCELLED, None)
 
     def _reserve(self, request: EngineRequest, tokens: int) -> None:
+        """Make ``request``'s KV hold ``tokens`` tokens (``PoolExhausted``: it could not)."""
+        if request.table is not None:
+            self._grow_borrowing(request, tokens)
+            return
         needed = request.kv.pages_needed(tokens)
-        if needed:
+        if not needed:
+            return
+        try:
             self.residency.make_room(needed, PageUse.KV)
             request.kv.reserve(tokens)
+        except PoolExhausted:
+            if self.borrower is None:
+                raise
+            # From now on its blocks are in a block table, local ones where they were.
+            request.table = self.rm.new_table()
+            request.table.append(self.rm.local.adopt(request.kv.hand_over()))
+            self._grow_borrowing(request, tokens)
+
+    def _grow_borrowing(self, request: EngineRequest, tokens: int) -> None:
+        """Grow a borrowing request's table: local blocks while the pool has them, then borrowed."""
+        table = request.table
+        missing = table.blocks_needed(tokens)
+        if not missing:
+            return
+        local = min(missing, self.rm.local.free_blocks)
+        if local:
+            try:
+                self.rm.reserve_local(table, table.capacity + local * table.block_tokens)
+            except PoolExhausted:  # a lending call took the pages meanwhile
+                local = 0
+        try:
+            table.append(self.borrower.borrow(missing - local))
+        except ResourceExhausted as no_lender:
+            raise PoolExhausted(missing - local, 0) from no_lender
+
+    def _release_kv(self, request: EngineRequest) -> None:
+        request.kv.release()
+        if request.table is None:
+            return
+        table, request.table = request.table, None
+        for creditor in self.rm.release(table):
+            self._creditor_lost(creditor)
+
+    def _creditor_lost(self, creditor: str) -> None:
+        """``creditor`` is gone with the blocks it held: recompute the requests that had some."""
+        borrowing = [r for r in self.running if r.table is not None]
+        lost = self.rm.creditor_died(creditor, [r.table for r in borrowing])
+        for index in lost:
+            log.info("recomputing %s: its KV blocks on %s are lost", borrowing[index].request_id, creditor)
+            self._preempt(borrowing[index])
 
     def _make_room_for_running(self) -> None:
         for request in list(self.running):
@@ -280,7 +385,7 @@ class Engine:
     def _preempt(self, request: EngineRequest) -> None:
         """Free a running request's pages; it goes back to the front of the queue (recompute)."""
         self.running.remove(request)
-        request.kv.release()
+        self._release_kv(request)
         self._release_adapter(request)
         request.num_computed = 0
         request.state = RequestState.WAITING
@@ -319,6 +424,7 @@ class Engine:
         try:
             self._reserve(request, request.total_len)
         except PoolExhausted:
+            self._release_kv(request)  # what a partly grown block table holds
             self._release_adapter(request)
             return False
         request.state = RequestState.RUNNING
@@ -364,7 +470,7 @@ class Engine:
     ) -> None:
         if request in self.running:
             self.running.remove(request)
-        request.kv.release()
+        self._release_kv(request)
         self._release_adapter(request)
         request.state = RequestState.FINISHED
         request.timings.finished = time.monotonic()
@@ -390,7 +496,9 @@ class Engine:
         ends adapters could not use. Paging makes external fragmentation zero by construction."""
         layout = self.pool.layout
         kv_waste = sum(
-            (r.kv.capacity - r.num_computed) * 2 * layout.kv_dim * layout.num_layers for r in self.running
+            (r.kv.capacity - r.num_computed) * 2 * layout.kv_dim * layout.num_layers
+            for r in self.running
+            if r.table is None
         )
         adapter_waste = 0
         for adapter_id in self.residency.ids():
@@ -402,19 +510,28 @@ class Engine:
         return (kv_waste + adapter_waste) / allocated if allocated else 0.0
 
     def stats(self) -> dict:
-        """The latest snapshot (taken by the engine thread after each step; safe from any thread)."""
-        return {**self._snapshot, "tokens_per_s": round(self.tokens_per_s(), 1)}
+        """The latest snapshot (taken by the engine thread after each step; safe from any thread),
+        with the pool's pages as they are now: blocks lent to other workers change between steps."""
+        return {**self._snapshot, **self._pool_now(), "tokens_per_s": round(self.tokens_per_s(), 1)}
 
-    def _publish_stats(self) -> None:
+    def _pool_now(self) -> dict:
         usage = self.pool.usage()
-        self._snapshot = {
-            "fragmentation": round(self.fragmentation(), 4),
-            "queue": len(self.waiting) + len(self._inbox),
-            "running": len(self.running),
+        return {
             "free_pages": usage.free_pages,
             "total_pages": usage.total_pages,
             "kv_pages": usage.kv_pages,
             "adapter_pages": usage.adapter_pages,
+            "free_blocks": self.rm.local.free_blocks,
+            "total_blocks": self.pool.layout.num_pages // self.pool.layout.num_layers,
+        }
+
+    def _publish_stats(self) -> None:
+        self._snapshot = {
+            "fragmentation": round(self.fragmentation(), 4),
+            "queue": len(self.waiting) + len(self._inbox),
+            "running": len(self.running),
+            **self._pool_now(),
             "resident_adapters": self.residency.ids(),
             "preemptions": self.preemptions,
+            "borrowed_blocks": self.rm.borrowed(),
         }

@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from services.gpu_worker.engine.sampling import SamplingParams, make_generator
+from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.kv_cache import KvTable
 
 
@@ -76,6 +77,9 @@ class EngineRequest:
     generator: torch.Generator | None = None
     text_tail: str = ""
     """End of the decoded output, long enough to find stop strings."""
+    table: BlockTable | None = None
+    """Set once the request borrows KV blocks (``kv_overflow: borrow``): its blocks, local and
+    remote, and ``kv`` is empty; None while all its KV is in ``kv`` (the fast path)."""
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.spec.sampling)

@@ -7,10 +7,12 @@ import itertools
 
 import torch
 
+from services.gpu_worker.engine.distributed_kv import DistributedKv, DistributedSpan
 from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.kernels.dispatch import StepLora
 from services.gpu_worker.kernels.lora_segments import LoraSegments
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.step_batch import DecodeGroup, PrefillSpan, StepBatch
@@ -18,9 +20,13 @@ from services.runtime.base_model import LORA_TARGETS
 
 
 class StepBuilder:
-    def __init__(self, model: LlamaModel, pool: UnifiedPool, lora_backend: str = "auto"):
+    def __init__(
+        self, model: LlamaModel, pool: UnifiedPool, lora_backend: str = "auto", rm: RManager | None = None
+    ):
+        """``rm``: the rManager the requests with borrowed blocks go through."""
         self.model = model
         self.pool = pool
+        self.rm = rm
         self.lora_backend = lora_backend
         cfg = model.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -54,7 +60,7 @@ class StepBuilder:
         decoding: list[int] = []
         for index, request in enumerate(requests):
             start, end = request.num_computed, request.total_len
-            if end - start == 1:
+            if end - start == 1 and request.table is None:
                 # The one new token is the last of prompt + output; no need to build that list.
                 spec = request.spec
                 token_ids.append(request.output_ids[-1] if request.output_ids else spec.prompt_ids[-1])
@@ -65,7 +71,16 @@ class StepBuilder:
                 positions.extend(range(start, end))
             counts.append(end - start)
             ends.append(end)
-        tables = [request.kv.table() for request in requests]  # each cached until its pages change
+        # Each cached until its pages change; a request with remote blocks gets a placeholder of
+        # page 0 rows, never written (its rows are left out of the writes below) nor attended.
+        tables = [
+            request.kv.table()
+            if request.table is None
+            else torch.zeros(
+                -(-request.total_len // block), self.pool.layout.num_layers, dtype=torch.int64, device=device
+            )
+            for request in requests
+        ]
         padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # [R, blocks, L]
         position = torch.tensor(positions, dtype=torch.int64, device=device)
         count = torch.tensor(counts, dtype=torch.int64, device=device)
@@ -76,13 +91,29 @@ class StepBuilder:
         prefills = [
             self._prefill_span(first_rows[i], first_rows[i + 1], tables[i], ends[i], position)
             for i in range(len(requests))
-            if counts[i] > 1
+            if counts[i] > 1 and requests[i].table is None
         ]
+        distributed = [
+            DistributedSpan(
+                first_rows[i], first_rows[i + 1], r.table, position[first_rows[i] : first_rows[i + 1]]
+            )
+            for i, r in enumerate(requests)
+            if r.table is not None
+        ]
+        local_rows = None
+        if distributed:
+            local = torch.ones(len(token_ids), dtype=torch.bool, device=device)
+            for span in distributed:
+                local[span.token_start : span.token_end] = False
+            local_rows = local.nonzero().squeeze(1)
+            write_keys = write_keys[:, local_rows]
         return StepBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
             positions=position,
             write_key_rows=write_keys,
             write_value_rows=write_keys + block,
+            local_token_rows=local_rows,
+            remote=DistributedKv(self.rm, distributed) if distributed else None,
             decode=self._decode_group(decoding, padded, ends, first_rows) if decoding else None,
             prefills=prefills,
             logits_rows=torch.tensor(first_rows[1:], dtype=torch.int64, device=device) - 1,

@@ -43,6 +43,12 @@ class KvTable:
         self.blocks = []
         self._table = None
 
+    def hand_over(self) -> list[list[int]]:
+        """Empty the table without freeing its pages; returns them (per block, one page per layer)
+        for a new owner (the rManager, when the request starts to borrow)."""
+        blocks, self.blocks, self._table = self.blocks, [], None
+        return blocks
+
     def table(self) -> torch.Tensor:
         """``[num_blocks, num_layers]`` int64 page ids on the pool's device."""
         if self._table is None:

@@ -54,6 +54,16 @@ class LocalBlockAllocator:
         self._allocated.update(blocks)
         return blocks
 
+    def adopt(self, pages: Sequence[Sequence[int]]) -> list[LocalBlock]:
+        """Take over KV blocks whose pages (one per layer each) were allocated from the pool
+        directly, by an engine request's page table: its KV stays where it is when the request
+        starts to borrow."""
+        blocks = [LocalBlock(tuple(block)) for block in pages]
+        if any(len(block.pages) != self.num_layers or block in self._allocated for block in blocks):
+            raise FailedPrecondition("adopted blocks must be new and have one page per layer")
+        self._allocated.update(blocks)
+        return blocks
+
     def write(
         self,
         layer: int,

@@ -16,7 +16,15 @@ import torch
 from services.gpu_worker.memory.block_table import RemoteBlock
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment
 from services.gpu_worker.model.dist_attention import PartialAttention
-from services.runtime.errors import FailedPrecondition, InvalidArgument
+from services.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+
+class CreditorUnavailable(Unavailable):
+    """A creditor could not be reached: the debtor treats it as dead (its blocks are lost)."""
+
+    def __init__(self, creditor: str, message: str):
+        super().__init__(message)
+        self.creditor = creditor
 
 
 class CreditorTransport(Protocol):
@@ -64,7 +72,7 @@ class RemoteBlockAllocator:
 
     def allocate(self, count: int) -> list[RemoteBlock]:
         """Borrow ``count`` blocks (the creditor's refusal propagates: ``ResourceExhausted``)."""
-        ids = self.transport.allocate(self.debtor, count)
+        ids = self._reach(self.transport.allocate, self.debtor, count)
         self._held.update(ids)
         return [RemoteBlock(self.creditor, block_id) for block_id in ids]
 
@@ -76,13 +84,13 @@ class RemoteBlockAllocator:
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> None:
-        self.transport.write(self.debtor, layer, self._ids(blocks), slots, keys, values)
+        self._reach(self.transport.write, self.debtor, layer, self._ids(blocks), slots, keys, values)
 
     def free(self, blocks: Sequence[RemoteBlock]) -> None:
         ids = self._ids(blocks)
         if len(set(ids)) != len(ids):
             raise FailedPrecondition("the same remote block is freed twice in one call")
-        self.transport.free(self.debtor, ids)
+        self._reach(self.transport.free, self.debtor, ids)
         self._held.difference_update(ids)
 
     def attend(self, layer: int, segments: Sequence[AttendSegment[RemoteBlock]]) -> list[PartialAttention]:
@@ -90,15 +98,24 @@ class RemoteBlockAllocator:
             AttendSegment(s.queries, s.query_positions, self._ids(s.blocks), s.block_first_positions)
             for s in segments
         ]
-        return self.transport.attend(self.debtor, layer, wire)
+        return self._reach(self.transport.attend, self.debtor, layer, wire)
 
     def read(self, blocks: Sequence[RemoteBlock]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.transport.read(self.debtor, self._ids(blocks))
+        return self._reach(self.transport.read, self.debtor, self._ids(blocks))
 
     def creditor_lost(self) -> list[int]:
         """The creditor died: forget (and return) the ids of every block held there."""
         lost, self._held = sorted(self._held), set()
         return lost
+
+    def _reach(self, call, *args):
+        """``call(*args)``; the creditor's unreachability names the creditor."""
+        try:
+            return call(*args)
+        except CreditorUnavailable:
+            raise
+        except Unavailable as unreachable:
+            raise CreditorUnavailable(self.creditor, unreachable.message) from unreachable
 
     def _ids(self, blocks: Sequence[RemoteBlock]) -> list[int]:
         ids = []

@@ -143,9 +143,21 @@ class RManager:
             )
         return outputs
 
-    def release(self, table: BlockTable) -> None:
-        """Free every block of ``table`` where it lives (lost blocks have nothing left to free)."""
-        self.free([block for block in table.take_all() if not isinstance(block, LostBlock)])
+    def release(self, table: BlockTable) -> list[str]:
+        """Free every block of ``table`` where it lives (lost blocks have nothing left to free).
+        A creditor that cannot be reached does not stop the others being freed; returns those
+        creditors (their blocks went with them: the caller processes their death)."""
+        by_holder: dict[str | None, list[BlockRef]] = {}
+        for block in table.take_all():
+            if not isinstance(block, LostBlock):
+                by_holder.setdefault(self._holder(block), []).append(block)
+        unreachable = []
+        for holder, held in by_holder.items():
+            try:
+                self._allocator(holder).free(held)
+            except Unavailable:
+                unreachable.append(holder)
+        return unreachable
 
     def free(self, blocks: Sequence[BlockRef]) -> None:
         """Free ``blocks`` where they live, one call per holder."""
@@ -202,8 +214,12 @@ class RManager:
             free_blocks=self.local.free_blocks,
             local_blocks=self.local.allocated_blocks - sum(lent.values()),
             lent_blocks=lent,
-            borrowed_blocks={c: a.held_blocks for c, a in self._creditors.items() if a.held_blocks},
+            borrowed_blocks=self.borrowed(),
         )
+
+    def borrowed(self) -> dict[str, int]:
+        """Blocks held on other workers, per creditor (creditors with none left out)."""
+        return {c: a.held_blocks for c, a in self._creditors.items() if a.held_blocks}
 
     def _block_at(self, table: BlockTable, position: int) -> BlockRef:
         index = position // self.block_tokens

@@ -16,6 +16,7 @@ idle adapters make room for KV and the reverse (DESIGN §5).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,15 @@ class PoolLayout:
     @property
     def page_elems(self) -> int:
         return 2 * self.kv_block_tokens * self.kv_dim
+
+    def same_blocks(self, other: PoolLayout) -> bool:
+        """KV blocks of ``other`` mean the same as ours (tokens, layers, width): the same base
+        model, so one worker may lend its blocks to the other."""
+        return (self.kv_block_tokens, self.num_layers, self.kv_dim) == (
+            other.kv_block_tokens,
+            other.num_layers,
+            other.kv_dim,
+        )
 
     @staticmethod
     def pages_for_bytes(total_bytes: int, kv_block_tokens: int, kv_dim: int, dtype: torch.dtype) -> int:
@@ -64,19 +74,25 @@ class UnifiedPool:
         self.buffer = torch.zeros(layout.num_pages * layout.page_elems, dtype=dtype, device=self.device)
         self.kv_rows = self.buffer.view(-1, layout.kv_dim)
         self.allocator = PageAllocator(layout.num_pages, adapter_region_pages)
+        # The engine thread and the lending RPCs (blocks lent to other workers) both take and
+        # give back pages; PageAllocator itself is not thread-safe.
+        self._lock = threading.Lock()
 
     @property
     def page_elems(self) -> int:
         return self.layout.page_elems
 
     def allocate(self, count: int, use: PageUse) -> list[int]:
-        return self.allocator.allocate(count, use)
+        with self._lock:
+            return self.allocator.allocate(count, use)
 
     def free(self, pages: list[int]) -> None:
-        self.allocator.free(pages)
+        with self._lock:
+            self.allocator.free(pages)
 
     def usage(self) -> PoolUsage:
-        return self.allocator.usage()
+        with self._lock:
+            return self.allocator.usage()
 
     def key_rows(self, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Row index (in ``kv_rows``) of the key of ``slots`` in KV ``pages`` (same shapes)."""

@@ -122,11 +122,14 @@ class LlamaModel:
             self._lora(batch, index, _QKV, h, pool, q, k, v)
             q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), batch.positions)
             k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), batch.positions)
-            pool.kv_rows.index_copy_(
-                0, batch.write_key_rows[index], k.reshape(-1, self.kv_dim).to(self.dtype)
-            )
-            pool.kv_rows.index_copy_(0, batch.write_value_rows[index], v.to(self.dtype))
+            local_k, local_v = k.reshape(-1, self.kv_dim), v
+            if batch.local_token_rows is not None:
+                local_k, local_v = local_k[batch.local_token_rows], v[batch.local_token_rows]
+            pool.kv_rows.index_copy_(0, batch.write_key_rows[index], local_k.to(self.dtype))
+            pool.kv_rows.index_copy_(0, batch.write_value_rows[index], local_v.to(self.dtype))
             attn = self._attention(q, batch, index, pool)
+            if batch.remote is not None:
+                batch.remote.attend(index, q, k, v, attn)
             o = linear(attn, layer.o)
             self._lora(batch, index, _O, attn, pool, o)
             x = x + o

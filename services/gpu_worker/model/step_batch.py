@@ -10,6 +10,7 @@ instead of one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -47,6 +48,18 @@ class PrefillSpan:
     """bool [n, N * kv_block_tokens]: causal: new token i sees context positions ≤ its own."""
 
 
+class RemoteAttention(Protocol):
+    """Attention for the requests whose KV blocks are not all in this pool (DistKV-LLM)."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Store ``layer``'s KV of its requests' rows (``k`` [T, kv_heads, head_dim], ``v``
+        [T, kv_dim]) where their blocks are, then fill those rows of ``out`` with attention of
+        ``q`` [T, heads, head_dim] over each request's whole context."""
+        ...
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """One step's inputs, all tensors on the pool's device."""
@@ -69,3 +82,8 @@ class StepBatch:
     """Per layer, per projection name, the LoRA segments; None when no request uses an adapter."""
     lora_backend: str = "auto"
     """Kernel backend for the LoRA deltas (see ``kernels.dispatch``)."""
+    local_token_rows: torch.Tensor | None = None
+    """int64 [T_local]: the rows whose KV goes to the pool (``write_*_rows`` are then [L, T_local]);
+    None: every row's."""
+    remote: RemoteAttention | None = None
+    """The requests with remote KV blocks, outside ``decode`` and ``prefills``; None when none."""

@@ -1,0 +1,108 @@
+"""Proto <-> torch for the lending RPCs (``Worker/AllocateBlocks`` ... ``Worker/ReadBlocks``):
+tensors as raw bytes + dtype + shape, block layouts, attention segments and partials.
+
+Both sides use it: the lender's servicer decodes what a debtor sent (untrusted: a tensor whose
+bytes do not match its dtype and shape is ``InvalidArgument``), the debtor's
+``GrpcCreditorTransport`` encodes its calls and decodes the answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from loramesh.v1 import worker_pb2
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.unified_pool import PoolLayout
+from services.gpu_worker.model.dist_attention import PartialAttention
+from services.runtime.errors import InvalidArgument
+
+WIRE_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "int64", "int32")}
+"""The dtypes a tensor may have on the wire: KV and queries in any model dtype, indices."""
+
+
+def tensor_to_proto(tensor: torch.Tensor) -> worker_pb2.Tensor:
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in WIRE_DTYPES:
+        raise InvalidArgument(f"cannot send a {name} tensor; wire dtypes are {sorted(WIRE_DTYPES)}")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return worker_pb2.Tensor(
+        data=flat.view(torch.uint8).numpy().tobytes(), dtype=name, shape=list(tensor.shape)
+    )
+
+
+def tensor_from_proto(
+    message: worker_pb2.Tensor, what: str, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The tensor ``message`` carries (``what`` names it in errors)."""
+    dtype = WIRE_DTYPES.get(message.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"{what}: dtype {message.dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+    shape = list(message.shape)
+    count = 1
+    for size in shape:
+        count *= size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(message.data) != count * itemsize:
+        raise InvalidArgument(
+            f"{what}: {len(message.data)} bytes do not hold a {message.dtype} tensor of shape {shape}"
+        )
+    if count == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    flat = torch.frombuffer(bytearray(message.data), dtype=torch.uint8).view(dtype)
+    return flat.reshape(shape).to(device)
+
+
+def layout_to_proto(layout: PoolLayout) -> worker_pb2.KvBlockLayout:
+    return worker_pb2.KvBlockLayout(
+        kv_block_tokens=layout.kv_block_tokens, num_layers=layout.num_layers, kv_dim=layout.kv_dim
+    )
+
+
+def layout_from_proto(message: worker_pb2.KvBlockLayout) -> PoolLayout:
+    """A layout to compare blocks by (``num_pages`` does not travel: it is 0)."""
+    return PoolLayout(
+        num_pages=0,
+        kv_block_tokens=message.kv_block_tokens,
+        kv_dim=message.kv_dim,
+        num_layers=message.num_layers,
+    )
+
+
+def segment_to_proto(segment: AttendSegment[int]) -> worker_pb2.RemoteAttendSegment:
+    return worker_pb2.RemoteAttendSegment(
+        queries=tensor_to_proto(segment.queries),
+        query_positions=tensor_to_proto(segment.query_positions.to(torch.int64)),
+        block_ids=list(segment.blocks),
+        block_first_positions=list(segment.block_first_positions),
+    )
+
+
+def segment_from_proto(message: worker_pb2.RemoteAttendSegment, device: torch.device) -> AttendSegment[int]:
+    return AttendSegment(
+        queries=tensor_from_proto(message.queries, "queries", device),
+        query_positions=tensor_from_proto(message.query_positions, "query_positions", device),
+        blocks=list(message.block_ids),
+        block_first_positions=list(message.block_first_positions),
+    )
+
+
+def partials_to_proto(partials: Sequence[PartialAttention]) -> worker_pb2.AttendRemoteResponse:
+    return worker_pb2.AttendRemoteResponse(
+        partials=[
+            worker_pb2.RemotePartialAttention(output=tensor_to_proto(p.output), lse=tensor_to_proto(p.lse))
+            for p in partials
+        ]
+    )
+
+
+def partials_from_proto(
+    message: worker_pb2.AttendRemoteResponse, device: torch.device | str = "cpu"
+) -> list[PartialAttention]:
+    return [
+        PartialAttention(
+            output=tensor_from_proto(p.output, "output", device), lse=tensor_from_proto(p.lse, "lse", device)
+        )
+        for p in message.partials
+    ]
