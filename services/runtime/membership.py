@@ -67,12 +67,18 @@ class MembershipConfig:
     """Root of every key this module reads or writes."""
     call_timeout_s: float = 2.0
     """Upper bound on any single etcd call (also capped at TTL/3 for the refresh loop)."""
+    register_timeout_s: float = 20.0
+    """How long :meth:`Registration.start` keeps trying every endpoint (with a short backoff)
+    before it gives up: one call can miss ``call_timeout_s`` on a busy machine or while etcd
+    elects a leader, and a service should not die of that. 0: one try per endpoint."""
 
     def __post_init__(self) -> None:
         if not self.endpoints():
             raise ValueError(f"MembershipConfig.etcd_endpoints is empty: {self.etcd_endpoints!r}")
         if self.ttl_s < 1:
             raise ValueError(f"MembershipConfig.ttl_s must be >= 1, got {self.ttl_s}")
+        if self.register_timeout_s < 0:
+            raise ValueError(f"MembershipConfig.register_timeout_s must be >= 0, got {self.register_timeout_s}")
         if self.load_interval_s <= 0:
             raise ValueError(f"MembershipConfig.load_interval_s must be > 0, got {self.load_interval_s}")
         if not self.key_prefix.startswith("/") or self.key_prefix.endswith("/"):
@@ -339,30 +345,25 @@ class Registration:
     async def start(self) -> Self:
         """Register now and start keeping the registration alive.
 
-        Each configured endpoint is tried once. Raises
-        :class:`~services.runtime.errors.Unavailable` when none of them lets the member register
-        (nothing is left running then).
+        Every configured endpoint is tried in turn, round after round, until one lets the member
+        register or ``register_timeout_s`` has passed. Raises
+        :class:`~services.runtime.errors.Unavailable` then, naming each endpoint's last error
+        (nothing is left running).
         """
         if self._task is not None:
             raise RuntimeError(f"{self!r} already started")
-        errors: list[str] = []
-        for _ in self.config.endpoints():
-            try:
-                await self._register(self.config.call_timeout_s)
-                break
-            except asyncio.CancelledError:
-                await self._conn.close()
-                raise
-            except Exception as e:  # noqa: BLE001 - reported in the Unavailable below
-                errors.append(f"{self._conn.endpoint}: {_describe(e)}")
-                self._registered = False
-                await self._conn.reset()
-        else:
-            await self.stop()  # revokes a lease that a partial attempt may have left behind
-            raise Unavailable(
-                f"cannot register {self.member.service}/{self.member.instance_id} in etcd "
-                f"({'; '.join(errors)})"
-            )
+        deadline = time.monotonic() + self.config.register_timeout_s
+        backoff = 0.1
+        while (errors := await self._register_once_per_endpoint()) is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                await self.stop()  # revokes a lease that a partial attempt may have left behind
+                raise Unavailable(
+                    f"cannot register {self.member.service}/{self.member.instance_id} in etcd "
+                    f"within {self.config.register_timeout_s:g} s ({'; '.join(errors)})"
+                )
+            await asyncio.sleep(min(backoff, left))
+            backoff = min(2 * backoff, _MAX_BACKOFF_S)
         log.info(
             "registered %s at %s (lease %x, ttl %ss)",
             self.member_key,
@@ -374,6 +375,22 @@ class Registration:
             self._run(), name=f"membership:{self.member.service}/{self.member.instance_id}"
         )
         return self
+
+    async def _register_once_per_endpoint(self) -> list[str] | None:
+        """Try each endpoint once; None when registered, else each endpoint's error."""
+        errors: list[str] = []
+        for _ in self.config.endpoints():
+            try:
+                await self._register(self.config.call_timeout_s)
+                return None
+            except asyncio.CancelledError:
+                await self._conn.close()
+                raise
+            except Exception as e:  # noqa: BLE001 - reported in start()'s Unavailable
+                errors.append(f"{self._conn.endpoint}: {_describe(e)}")
+                self._registered = False
+                await self._conn.reset()
+        return errors
 
     async def stop(self, timeout_s: float | None = None) -> None:
         """Stop refreshing, revoke the lease (the member disappears at once) and close the client.

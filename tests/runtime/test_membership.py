@@ -121,7 +121,7 @@ def test_member_info_json_roundtrip_and_keys() -> None:
 
 
 async def test_start_without_etcd_raises_unavailable() -> None:
-    cfg = MembershipConfig(etcd_endpoints=f"127.0.0.1:{free_port()}", call_timeout_s=1.0)
+    cfg = MembershipConfig(etcd_endpoints=f"127.0.0.1:{free_port()}", call_timeout_s=1.0, register_timeout_s=0)
     reg = Registration(cfg, member())
     with pytest.raises(Unavailable, match="cannot register"):
         await asyncio.wait_for(reg.start(), HANG_GUARD_S)
@@ -177,6 +177,24 @@ async def test_register_list_load_and_stop(membership_config: MembershipConfig) 
     assert await list_members(cfg) == []
     assert m.instance_id not in await read_loads(cfg)
     assert not reg.registered and reg.task is None
+
+
+@pytest.mark.integration
+async def test_start_keeps_trying_until_etcd_answers(tmp_path: Path) -> None:
+    """A service started before etcd is up (or while a busy etcd misses one call) still registers."""
+    server = EtcdServer(tmp_path / "late-etcd", client_port=free_port(), peer_port=free_port())
+    cfg = MembershipConfig(etcd_endpoints=server.endpoint, ttl_s=2, register_timeout_s=HANG_GUARD_S)
+    m = member()
+    reg = Registration(cfg, m)
+    starting = asyncio.create_task(reg.start())  # its first tries meet a closed port
+    try:
+        await asyncio.to_thread(server.start)
+        await asyncio.wait_for(starting, HANG_GUARD_S)
+        assert reg.registered and await list_members(cfg) == [m]
+        await reg.stop()
+    finally:
+        starting.cancel()
+        server.stop()
 
 
 @pytest.mark.integration
