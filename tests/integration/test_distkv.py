@@ -1,7 +1,7 @@
-"""DistKV-LLM across real processes (issue 13's first acceptance test): three gpu_workers with
-small pools and ``--kv-overflow borrow``, a kv_manager and a real etcd. A prompt longer than
-any one pool completes with its KV on all three workers, and its greedy tokens are those of one
-engine with a large pool.
+"""DistKV-LLM across real processes (issue 13's acceptance tests): gpu_workers with small pools
+and ``--kv-overflow borrow``, a kv_manager and a real etcd. A prompt longer than any one pool
+completes with its KV on all three workers, and its greedy tokens are those of one engine with a
+large pool; kill -9 of the creditor mid-generation costs a recompute, not the output.
 
 Scaled down from the issue's figures so the suite stays within a couple of minutes on 2 CPU
 cores: pools of 400 tokens of KV (not ~1,000) and a 1,000-token prompt + 32 new tokens (not
@@ -15,6 +15,8 @@ test_engine_borrow.py), greedy tokens here.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import torch
@@ -63,6 +65,26 @@ def one_big_pool_tokens(loaded, prompt: list[int]) -> list[int]:
     return tokens
 
 
+def start_mesh(etcd, tmp_path, workers: dict[str, tuple[int, int]]) -> list[ServiceProcess]:
+    """A kv_manager, then one borrowing worker per ``{instance id: (pool MiB, lend cap)}``."""
+    adapters = tmp_path / "adapters"
+    adapters.mkdir(exist_ok=True)
+    processes = [
+        ServiceProcess(
+            "kv_manager", ["--etcd-endpoints", etcd.endpoint], log_path=tmp_path / "kv_manager.log"
+        ).start()
+    ]
+    for worker_id, (pool_mib, cap) in workers.items():
+        flags = [
+            "--dtype", "float32", "--pool-mib", str(pool_mib), "--kv-overflow", "borrow",
+            "--lend-cap-blocks", str(cap), "--adapter-dir", str(adapters),
+            "--etcd-endpoints", etcd.endpoint, "--instance-id", worker_id, "--grace-s", "5",
+            "--lease-ttl-s", "15",  # outlives a SIGSTOP of the debtor under a loaded machine
+        ]  # fmt: skip
+        processes.append(ServiceProcess("gpu_worker", flags, log_path=tmp_path / f"{worker_id}.log").start())
+    return processes
+
+
 async def until(fetch, predicate, what: str):
     try:
         async with asyncio.timeout(HANG_GUARD_S):
@@ -77,24 +99,9 @@ async def test_a_prompt_longer_than_any_pool_spreads_over_three_workers_and_matc
     etcd, tmp_path, loaded
 ):
     prompt = long_prompt(loaded)
-    adapters = tmp_path / "adapters"
-    adapters.mkdir()
-    processes = [
-        ServiceProcess(
-            "kv_manager", ["--etcd-endpoints", etcd.endpoint], log_path=tmp_path / "kv_manager.log"
-        ).start()
-    ]
     worker_ids = [f"gpu_worker-w{i}" for i in range(3)]
+    processes = start_mesh(etcd, tmp_path, {w: (POOL_MIB, LEND_CAP_BLOCKS) for w in worker_ids})
     try:
-        for worker_id in worker_ids:
-            flags = [
-                "--dtype", "float32", "--pool-mib", str(POOL_MIB), "--kv-overflow", "borrow",
-                "--lend-cap-blocks", str(LEND_CAP_BLOCKS), "--adapter-dir", str(adapters),
-                "--etcd-endpoints", etcd.endpoint, "--instance-id", worker_id, "--grace-s", "5",
-            ]  # fmt: skip
-            processes.append(
-                ServiceProcess("gpu_worker", flags, log_path=tmp_path / f"{worker_id}.log").start()
-            )
         for proc in processes:
             await proc.wait_ready(HANG_GUARD_S)
         config = MembershipConfig(etcd_endpoints=etcd.endpoint)
@@ -104,32 +111,34 @@ async def test_a_prompt_longer_than_any_pool_spreads_over_three_workers_and_matc
             "every worker's heartbeat carries its KV blocks",
         )
         debtor = processes[1]
-        creditors_seen: set[str] = set()
-
-        async def watch_spread():
-            while True:
-                loads = await read_loads(config)
-                creditors_seen.update(loads.get(worker_ids[0], {}).get("borrowed_blocks", {}))
-                await asyncio.sleep(0.2)
-
-        watcher = asyncio.create_task(watch_spread())
-        try:
-            async with aio.insecure_channel(debtor.address) as channel:
-                stub = worker_pb2_grpc.WorkerStub(channel)
-                request = worker_pb2.GenerateRequest(
-                    prompt_token_ids=prompt,
-                    sampling=types_pb2.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
-                )
-                tokens, last = [], None
-                async for reply in stub.Generate(request):  # pytest-timeout guards a hang
-                    tokens += reply.token_ids
-                    last = reply
-        finally:
-            watcher.cancel()
+        async with aio.insecure_channel(debtor.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            request = worker_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                sampling=types_pb2.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+            )
+            tokens, last = [], None
+            async for reply in stub.Generate(request):  # pytest-timeout guards a hang
+                if not tokens and reply.token_ids:
+                    # Hold the debtor still (its KV stays where it is) until both creditors'
+                    # heartbeats show its blocks: the KV is on all three workers.
+                    os.kill(debtor.pid, signal.SIGSTOP)
+                    try:
+                        await until(
+                            lambda: read_loads(config),
+                            lambda loads: all(
+                                loads[w]["lent_blocks"].get(worker_ids[0]) for w in worker_ids[1:]
+                            ),
+                            "both creditors hold blocks of the debtor",
+                        )
+                    finally:
+                        os.kill(debtor.pid, signal.SIGCONT)
+                tokens += reply.token_ids
+                last = reply
+            stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
         assert last.finish_reason == types_pb2.FINISH_REASON_LENGTH
-        assert last.timings.preemptions == 0
+        assert stats.preemptions == 0
         assert tokens == one_big_pool_tokens(loaded, prompt)
-        assert creditors_seen == set(worker_ids[1:]), "the KV was not on all three workers"
         # Every block comes back: nothing lent, nothing borrowed, every pool whole again.
         await until(
             lambda: read_loads(config),
@@ -140,6 +149,61 @@ async def test_a_prompt_longer_than_any_pool_spreads_over_three_workers_and_matc
                 for w in worker_ids
             ),
             "every block is back with its worker",
+        )
+    finally:
+        for proc in processes:
+            proc.kill()
+
+
+async def test_kill_9_of_the_creditor_mid_generation_recomputes_and_loses_nothing(etcd, tmp_path, loaded):
+    """The debtor's pool holds 25 blocks and the prompt needs 65: both creditors could lend the
+    other 40, w1 (the larger cap) is suggested first. It is killed once the first token is out
+    (its blocks hold the prompt's KV by then); the debtor is stopped (SIGSTOP) around the kill
+    so that the kill lands before its next step, not racing the remaining decode steps."""
+    prompt = long_prompt(loaded)
+    workers = {"gpu_worker-w0": (POOL_MIB, 0), "gpu_worker-w1": (36, 45), "gpu_worker-w2": (36, 44)}
+    processes = start_mesh(etcd, tmp_path, workers)
+    debtor, creditor = processes[1:3]
+    try:
+        for proc in processes:
+            await proc.wait_ready(HANG_GUARD_S)
+        config = MembershipConfig(etcd_endpoints=etcd.endpoint)
+        await until(
+            lambda: read_loads(config),
+            lambda loads: all(loads.get(w, {}).get("total_blocks") for w in workers),
+            "every worker's heartbeat carries its KV blocks",
+        )
+        async with aio.insecure_channel(debtor.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            request = worker_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                sampling=types_pb2.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+            )
+            tokens, last = [], None
+            async for reply in stub.Generate(request):  # pytest-timeout guards a hang
+                if not tokens and reply.token_ids:
+                    os.kill(debtor.pid, signal.SIGSTOP)
+                    creditor.kill()
+                    os.kill(debtor.pid, signal.SIGCONT)
+                tokens += reply.token_ids
+                last = reply
+            stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
+        assert last.finish_reason == types_pb2.FINISH_REASON_LENGTH
+        assert stats.preemptions == 1, "the request was not recomputed after the creditor died"
+        assert tokens == one_big_pool_tokens(loaded, prompt)
+        # The dead creditor leaves the ledger with its lease; the others account for every block.
+        await until(
+            lambda: read_loads(config),
+            lambda loads: (
+                "gpu_worker-w1" not in loads
+                and all(
+                    not loads[w]["lent_blocks"]
+                    and not loads[w]["borrowed_blocks"]
+                    and loads[w]["free_blocks"] == loads[w]["total_blocks"]
+                    for w in ("gpu_worker-w0", "gpu_worker-w2")
+                )
+            ),
+            "the dead creditor is gone and every other block is back with its worker",
         )
     finally:
         for proc in processes:
