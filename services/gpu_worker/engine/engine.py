@@ -236,6 +236,11 @@ class Engine:
                 continue
             try:
                 self.step()
+                if not self.running and self.waiting and self.borrower is not None:
+                    # Nothing runs and the head of the queue found no lender: ask again after a
+                    # pause (or at the next submit/cancel), not in a tight loop of suggestions.
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
             except Exception:  # a bug must not kill the thread silently: fail the batch, go on
                 log.exception("engine step failed; failing the running requests")
                 for request in list(self.running):
