@@ -14,13 +14,14 @@ test_engine_borrow.py), greedy tokens here.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
 import pytest
 import torch
 from grpc import aio
+from support.polling import HANG_GUARD_S
+from support.polling import poll_until as until
 
 from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
@@ -39,7 +40,6 @@ POOL_MIB = 18
 400 tokens; the prompt needs 65 blocks, 40 of them borrowed."""
 LEND_CAP_BLOCKS = 24
 """Each creditor lends at most 24 blocks, so the 40 borrowed blocks need both other workers."""
-HANG_GUARD_S = 120.0  # not a timing claim: only keeps a broken build from hanging the suite
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +85,6 @@ def start_mesh(etcd, tmp_path, workers: dict[str, tuple[int, int]]) -> list[Serv
     return processes
 
 
-async def until(fetch, predicate, what: str):
-    try:
-        async with asyncio.timeout(HANG_GUARD_S):
-            while not predicate(value := await fetch()):
-                await asyncio.sleep(0.1)
-    except TimeoutError:
-        raise AssertionError(f"{what}: not true after {HANG_GUARD_S:.0f} s") from None
-    return value
 
 
 async def test_a_prompt_longer_than_any_pool_spreads_over_three_workers_and_matches_one_big_pool(

@@ -9,6 +9,8 @@ import grpc
 import pytest
 import torch
 from grpc import aio
+from support.polling import HANG_GUARD_S
+from support.polling import poll_until as until
 
 from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from loramesh.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
@@ -26,18 +28,6 @@ from services.runtime.process import ServiceProcess
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 WORKER_FLAGS = ["--dtype", "float32", "--pool-mib", "128", "--grace-s", "30"]
-HANG_GUARD_S = 120.0  # not a timing claim: only keeps a broken build from hanging the suite
-
-
-async def until(fetch, predicate, what: str):
-    """Poll ``fetch`` until ``predicate`` holds of its value; returns that value."""
-    try:
-        async with asyncio.timeout(HANG_GUARD_S):
-            while not predicate(value := await fetch()):
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"{what}: not true after {HANG_GUARD_S:.0f} s") from None
-    return value
 
 
 @pytest.fixture(scope="module")

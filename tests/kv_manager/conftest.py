@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
 import pytest
+from support.polling import poll_until
 
 from loramesh.v1.types_pb2 import WorkerLoad
 from services.runtime.membership import MemberInfo, MembershipConfig, Registration
 from services.runtime.worker_load import worker_load_to_report
 
-T = TypeVar("T")
 TTL_S = 2
-HANG_GUARD_S = 15.0  # not a timing claim: only keeps a broken build from hanging the suite
-
-
-async def poll_until(fetch: Callable[[], Awaitable[T]], predicate: Callable[[T], bool], what: str) -> T:
-    """Call ``fetch`` until ``predicate`` holds; fail after the hang guard with the last value."""
-    end = time.monotonic() + HANG_GUARD_S
-    while True:
-        value = await fetch()
-        if predicate(value):
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not true after {HANG_GUARD_S:.0f}s; last value {value!r}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

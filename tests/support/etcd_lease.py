@@ -18,7 +18,7 @@ class KeyLease:
 async def key_lease(endpoint: str, key: str) -> KeyLease | None:
     """The lease of ``key`` on the etcd at ``host:port``; None when the key does not exist."""
     host, port = endpoint.removeprefix("http://").rsplit(":", 1)
-    async with aetcd.Client(host=host, port=int(port), timeout=5) as client:
+    async with aetcd.Client(host=host, port=int(port), timeout=30) as client:
         got = await client.get(key.encode())
         if got is None:
             return None
@@ -31,5 +31,5 @@ async def key_lease(endpoint: str, key: str) -> KeyLease | None:
 async def lease_alive(endpoint: str, lease_id: int) -> bool:
     """Whether etcd still holds ``lease_id`` (an expired or revoked lease reports TTL -1)."""
     host, port = endpoint.removeprefix("http://").rsplit(":", 1)
-    async with aetcd.Client(host=host, port=int(port), timeout=5) as client:
+    async with aetcd.Client(host=host, port=int(port), timeout=30) as client:
         return (await client.get_lease_info(lease_id, keys=False)).TTL >= 0
