@@ -10,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from grpc import aio
 
 from loramesh.v1 import scheduler_pb2_grpc
 from services.runtime.errors import Unavailable
-from services.runtime.membership import MembershipConfig, watch_loads, watch_members
+from services.runtime.membership import MembershipConfig, follow, watch_loads, watch_members
 from services.scheduler.admission import Admission, AdmissionConfig
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig
@@ -76,7 +74,7 @@ class SchedulerService:
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(
-                self._follow(
+                follow(
                     watch_members(membership, WORKER_SERVICE),
                     lambda members: self.view.update_members({k: m.address for k, m in members.items()}),
                     members_listed,
@@ -84,7 +82,7 @@ class SchedulerService:
                 name="scheduler:watch-members",
             ),
             loop.create_task(
-                self._follow(watch_loads(membership), self.view.update_loads, loads_listed),
+                follow(watch_loads(membership), self.view.update_loads, loads_listed),
                 name="scheduler:watch-loads",
             ),
         ]
@@ -105,21 +103,6 @@ class SchedulerService:
                 cfg.migration,
                 cfg.prefetch,
             )
-
-    @staticmethod
-    async def _follow(
-        updates: AsyncIterator[Any], apply: Callable[[Any], None], listed: asyncio.Event
-    ) -> None:
-        """Apply every update of a watch to the view; ``listed`` is set after the first one."""
-        try:
-            async for update in updates:
-                try:
-                    apply(update)
-                except Exception:  # a bad report must not stop the watch
-                    log.exception("could not apply an etcd update to the cluster view")
-                listed.set()
-        finally:
-            await updates.aclose()  # type: ignore[attr-defined]
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
