@@ -1,0 +1,27 @@
+"""Batch policies of the engine, one file per policy behind :class:`BatchPolicy`.
+
+:func:`make_batch_policy` builds the policy ``--batch-policy`` names, with its default knobs.
+"""
+
+from __future__ import annotations
+
+from services.gpu_worker.engine.policies.adapter_clustering import AdapterClustering
+from services.gpu_worker.engine.policies.batch_policy import BatchPolicy
+from services.gpu_worker.engine.policies.dlora import DynamicBatching
+from services.gpu_worker.engine.policies.early_abort import EarlyAbort
+from services.gpu_worker.engine.policies.fcfs import Fcfs
+from services.gpu_worker.engine.policies.lcfs import Lcfs
+
+BATCH_POLICIES: dict[str, type] = {
+    cls.name: cls for cls in (Fcfs, Lcfs, EarlyAbort, AdapterClustering, DynamicBatching)
+}
+"""``--batch-policy`` name -> policy class (each builds with its default configuration)."""
+
+
+def make_batch_policy(name: str) -> BatchPolicy:
+    """A fresh batch policy by name; ValueError naming the known ones otherwise."""
+    try:
+        return BATCH_POLICIES[name]()
+    except KeyError:
+        known = ", ".join(sorted(BATCH_POLICIES))
+        raise ValueError(f"unknown batch policy {name!r}; known: {known}") from None

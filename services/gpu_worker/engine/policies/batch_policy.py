@@ -1,0 +1,134 @@
+"""The engine's batch-policy interface: which requests run this step, in which LoRA mode.
+
+The engine keeps the mechanics (pages, adapters, the forward pass); a policy decides over a
+read-only :class:`BatchView` of the queue and the running batch and answers a :class:`BatchPlan`.
+Policies never touch engine objects, so each is a pure object, unit-tested without a model.
+
+After each step the engine reports a :class:`StepOutcome`, from which policies that learn online
+(dLoRA's threshold tuning, the step cost model) update themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Unmerged:
+    """Every adapter's delta computed beside the shared base GEMM (x·W + x·A·B per segment)."""
+
+
+@dataclass(frozen=True)
+class Merged:
+    """``adapter_id``'s delta folded into the base weights: only its requests run, at base speed."""
+
+    adapter_id: str
+
+
+LoraMode = Unmerged | Merged
+UNMERGED = Unmerged()
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """A request that waits for its prefill (never started, or preempted and to be recomputed)."""
+
+    request_id: str
+    adapter_id: str | None
+    """None: the base model."""
+    arrived_s: float
+    """When the engine received it (the view's clock)."""
+    prefill_tokens: int
+    """Tokens its prefill computes (prompt plus output so far after a preemption)."""
+    started: bool = False
+    """It produced a token before (a preempted request): its first-token deadline is behind it."""
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A request in the running batch: its KV is in the pool."""
+
+    request_id: str
+    adapter_id: str | None
+    arrived_s: float
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What a policy sees of the engine at the start of a step."""
+
+    now_s: float
+    """The engine's clock (monotonic seconds), the same clock as the requests' ``arrived_s``."""
+    waiting: tuple[QueuedRequest, ...]
+    """The queue in arrival order (preempted requests first: they arrived earliest)."""
+    running: tuple[RunningRequest, ...]
+    """The running batch, in admission order."""
+    max_running: int
+    """Requests that may run in one step at most."""
+    mode: LoraMode
+    """The LoRA mode the base weights are in now."""
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A waiting request the policy gives up on, and why (the caller sees the reason)."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A policy's decision for one step."""
+
+    run: tuple[str, ...]
+    """Request ids to run, in priority order: running requests keep their KV and step; waiting
+    ones are admitted in this order while the pool and ``max_running`` allow. A running request
+    left out pauses this step (its KV stays)."""
+    mode: LoraMode = UNMERGED
+    """The LoRA mode of this step; every request in ``run`` must be servable in it."""
+    aborts: tuple[Abort, ...] = ()
+    """Waiting requests to finish now without running."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did, as the engine measured it."""
+
+    mode: LoraMode
+    requests: int
+    """Requests that ran."""
+    prefill_tokens: int
+    """Prompt tokens computed."""
+    decode_tokens: int
+    """Decode tokens computed (one per decoding request)."""
+    adapters: int
+    """Distinct adapters in the step (the base model counts as none)."""
+    seconds: float
+    """Forward pass and sampling time."""
+    switch_seconds: float = 0.0
+    """Time spent merging or unmerging before the step (0 when the mode did not change)."""
+
+
+class BatchPolicy(Protocol):
+    """One batch policy: ``plan`` each step, ``observe`` what it cost."""
+
+    name: str
+    """The name ``--batch-policy`` selects it by."""
+
+    def plan(self, view: BatchView) -> BatchPlan: ...
+
+    def observe(self, outcome: StepOutcome) -> None: ...
+
+
+def fcfs_ids(view: BatchView) -> tuple[str, ...]:
+    """The running batch, then the queue in arrival order: what FCFS runs."""
+    return tuple(r.request_id for r in view.running) + tuple(r.request_id for r in view.waiting)
+
+
+def fcfs_batch(view: BatchView) -> list[QueuedRequest | RunningRequest]:
+    """The requests FCFS would run this step (``B_fcfs`` in dLoRA): running first, then the
+    oldest waiting ones, up to ``max_running`` (ignoring the pool, which the engine checks)."""
+    batch: list[QueuedRequest | RunningRequest] = [*view.running, *view.waiting]
+    return batch[: view.max_running]

@@ -1,0 +1,45 @@
+"""The online step cost model recovers the coefficients of the steps it sees."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.gpu_worker.engine.policies.batch_policy import UNMERGED, Merged, StepOutcome
+from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostConfig, StepCostModel
+
+TRUE = StepCost(fixed=0.03, per_prefill_token=0.0004, per_decode_token=0.003, per_adapter=0.002)
+
+
+def outcome(prefill: int, decode: int, adapters: int, mode=UNMERGED) -> StepOutcome:
+    return StepOutcome(mode, decode + 1, prefill, decode, adapters, TRUE.seconds(prefill, decode, adapters))
+
+
+def test_the_fit_recovers_a_linear_cost():
+    model = StepCostModel(StepCostConfig(window=64, min_steps=16, refit_every=1))
+    rng = random.Random(0)
+    for _ in range(64):
+        model.observe(outcome(rng.randrange(0, 400), rng.randrange(1, 16), rng.randrange(0, 5)))
+    for got, want in zip(vars(model.cost).values(), vars(TRUE).values()):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+def test_the_prior_answers_until_enough_steps_and_merged_steps_are_not_fitted():
+    prior = StepCost(1.0, 0.0, 0.0, 0.0)
+    model = StepCostModel(StepCostConfig(min_steps=16, refit_every=1), prior)
+    for i in range(15):
+        model.observe(outcome(10 * i, i + 1, i % 3))
+    for i in range(40):
+        model.observe(outcome(10 * i, i + 1, i % 3, mode=Merged("a")))
+    assert model.cost == prior
+
+
+def test_a_term_the_steps_do_not_vary_keeps_its_prior():
+    prior = StepCost(0.5, 0.25, 0.0, 0.125)
+    model = StepCostModel(StepCostConfig(min_steps=4, refit_every=1), prior)
+    for decode in range(1, 9):  # decode steps only: no prefill, one adapter throughout
+        model.observe(outcome(0, decode, 1))
+    assert model.cost.per_prefill_token == 0.25 and model.cost.per_adapter == 0.125
+    for decode in (1, 5, 30):  # what it predicts for such steps is still right
+        assert model.cost.seconds(0, decode, 1) == pytest.approx(TRUE.seconds(0, decode, 1))
