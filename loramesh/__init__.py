@@ -27,6 +27,7 @@ from loramesh.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    StreamInterrupted,
     Unauthenticated,
     Unavailable,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "PermissionDenied",
     "ResourceExhausted",
     "Sampling",
+    "StreamInterrupted",
     "TextDelta",
     "Unauthenticated",
     "Unavailable",

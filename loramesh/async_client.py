@@ -6,7 +6,7 @@ Request building, retry policy and conversions are :mod:`loramesh.client`'s.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -16,6 +16,7 @@ from loramesh.client import (
     DEFAULT_MESH_FILE,
     LIST_PAGE_SIZE,
     ChatMessages,
+    GatewayRotation,
     _Call,
     _Policy,
     adapter_from,
@@ -23,10 +24,11 @@ from loramesh.client import (
     completion,
     generate_request,
     model_from,
-    resolve_target,
+    resolve_targets,
     text_delta,
     upload_stream,
 )
+from loramesh.stream_resume import StreamReplay, replayable
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta
 from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -66,7 +68,7 @@ class AsyncAdapters:
             ResourceExhausted: The adapter is over the size limit.
         """
         requests = upload_stream(path, name, public)
-        reply = await self._client._unary(self._client._stub.UploadAdapter, requests, timeout, retry=False)
+        reply = await self._client._unary("UploadAdapter", requests, timeout, retry=False)
         return adapter_from(reply.adapter)
 
     async def list(self, *, page_size: int = LIST_PAGE_SIZE, timeout: float | None = None) -> list[Adapter]:
@@ -84,7 +86,7 @@ class AsyncAdapters:
         token = ""
         while True:
             request = adapter_store_pb2.ListAdaptersRequest(page_size=page_size, page_token=token)
-            page = await self._client._unary_with(self._client._stub.ListAdapters, request, call, retry=True)
+            page = await self._client._unary_with("ListAdapters", request, call, retry=True)
             adapters.extend(adapter_from(a) for a in page.adapters)
             token = page.next_page_token
             if not token:
@@ -102,9 +104,7 @@ class AsyncAdapters:
             PermissionDenied: It is another tenant's private adapter.
         """
         request = gateway_pb2.GatewayAdapterRequest(adapter=name)
-        return adapter_from(
-            await self._client._unary(self._client._stub.GetAdapter, request, timeout, retry=True)
-        )
+        return adapter_from(await self._client._unary("GetAdapter", request, timeout, retry=True))
 
     async def delete(self, name: str, *, timeout: float | None = None) -> Adapter:
         """Deletes one of the caller's adapters. Never retried.
@@ -121,32 +121,36 @@ class AsyncAdapters:
             PermissionDenied: It belongs to another tenant.
         """
         request = gateway_pb2.GatewayAdapterRequest(adapter=name)
-        reply = await self._client._unary(self._client._stub.DeleteAdapter, request, timeout, retry=False)
+        reply = await self._client._unary("DeleteAdapter", request, timeout, retry=False)
         return adapter_from(reply.adapter)
 
 
 class AsyncClient:
-    """An asyncio connection to a loramesh gateway; create it inside the event loop it is used on.
+    """An asyncio connection to one or several loramesh gateways; create it inside the event loop
+    it is used on.
 
     Same behaviour as :class:`loramesh.Client`: :class:`~loramesh.errors.LoraMeshError`
-    subclasses on failure, ``UNAVAILABLE`` retried with backoff for reads and for generations
-    that have not produced text yet, never for uploads, deletes or streams that already yielded.
+    subclasses on failure, ``UNAVAILABLE`` retried with backoff on the next gateway for reads,
+    generations that have not produced text yet and reproducible streams that broke mid-way
+    (replayed, continuing where they broke); never for uploads, deletes or unseeded sampled
+    streams that already yielded.
 
     Example:
         >>> from loramesh import AsyncClient
-        >>> async with AsyncClient("127.0.0.1:50051", api_key="sk-...") as client:
+        >>> async with AsyncClient(["10.0.0.1:50051", "10.0.0.2:50051"], api_key="sk-...") as client:
         ...     print((await client.generate("Hello,", max_tokens=16)).text)
         ...     async for delta in client.chat_stream([("user", "Hi!")]):
         ...         print(delta.text, end="")
 
     Attributes:
-        address: The gateway's ``host:port``.
+        address: The first gateway's ``host:port``.
+        addresses: Every gateway, in the order they are tried.
         adapters: The tenant's adapters (:class:`AsyncAdapters`).
     """
 
     def __init__(
         self,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         api_key: str | None = None,
         *,
         timeout: float | None = 60.0,
@@ -154,15 +158,16 @@ class AsyncClient:
         backoff_s: float = 0.2,
         mesh_file: str | Path = DEFAULT_MESH_FILE,
     ):
-        """Opens a channel to the gateway (connecting lazily, on the first call).
+        """Opens a channel per gateway (connecting lazily, on the first call).
 
         Args:
-            address: ``host:port`` of the gateway; None for the gateway of the local mesh in
+            address: ``host:port`` of the gateway, or several (a list, or one string with
+                commas) to fail over between; None for the gateways of the local mesh in
                 ``mesh_file``.
             api_key: The tenant's API key; None for the local mesh's admin key (only when
-                talking to that mesh's gateway).
-            timeout: Default seconds per call (a stream's whole duration included); None for
-                no deadline.
+                talking to that mesh's gateways).
+            timeout: Default seconds per call (a stream's whole duration included, across its
+                retries); None for no deadline.
             retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
             mesh_file: The local mesh's file written by ``loramesh up``.
@@ -170,10 +175,12 @@ class AsyncClient:
         Raises:
             ValueError: No address or API key was given and the mesh file has none.
         """
-        self.address, api_key = resolve_target(address, api_key, mesh_file)
+        self.addresses, api_key = resolve_targets(address, api_key, mesh_file)
+        self.address = self.addresses[0]
         self._policy = _Policy(api_key=api_key, timeout=timeout, retries=retries, backoff_s=backoff_s)
-        self._channel = aio.insecure_channel(self.address)
-        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._gateways = GatewayRotation(self.addresses)
+        self._channels = [aio.insecure_channel(a) for a in self.addresses]
+        self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
         self.adapters = AsyncAdapters(self)
 
     async def __aenter__(self) -> Self:
@@ -185,8 +192,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
-        await self._channel.close()
+        """Closes the channels; calls in flight are cancelled."""
+        for channel in self._channels:
+            await channel.close()
 
     async def generate(
         self,
@@ -235,7 +243,8 @@ class AsyncClient:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
-        return completion([d async for d in self._stream(self._stub.Generate, request, timeout)])
+        deltas = self._stream("Generate", request, timeout, replayable(temperature, seed))
+        return completion([d async for d in deltas])
 
     def stream(
         self,
@@ -256,9 +265,11 @@ class AsyncClient:
     ) -> AsyncIterator[TextDelta]:
         """Completes a raw prompt, yielding text as it is generated (``async for``, no ``await``).
 
-        The request is sent when iteration starts. A stream that fails after yielding text
-        raises instead of retrying. To cancel the call at once when leaving the loop early,
-        iterate under ``contextlib.aclosing``.
+        The request is sent when iteration starts. A stream that breaks after yielding text is
+        replayed on the next gateway when the generation is reproducible (greedy or seeded) and
+        continues exactly where it broke; otherwise it raises
+        :class:`~loramesh.errors.StreamInterrupted`. To cancel the call at once when leaving the
+        loop early, iterate under ``contextlib.aclosing``.
 
         Args:
             prompt: The text to continue.
@@ -280,9 +291,8 @@ class AsyncClient:
         sampling = Sampling(
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
-        return self._stream(
-            self._stub.Generate, generate_request(prompt, adapter, sampling, deadline_ms), timeout
-        )
+        request = generate_request(prompt, adapter, sampling, deadline_ms)
+        return self._stream("Generate", request, timeout, replayable(temperature, seed))
 
     async def chat(
         self,
@@ -325,7 +335,8 @@ class AsyncClient:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = chat_request(messages, adapter, sampling, deadline_ms)
-        return completion([d async for d in self._stream(self._stub.Chat, request, timeout)])
+        deltas = self._stream("Chat", request, timeout, replayable(temperature, seed))
+        return completion([d async for d in deltas])
 
     def chat_stream(
         self,
@@ -366,7 +377,8 @@ class AsyncClient:
         sampling = Sampling(
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
-        return self._stream(self._stub.Chat, chat_request(messages, adapter, sampling, deadline_ms), timeout)
+        request = chat_request(messages, adapter, sampling, deadline_ms)
+        return self._stream("Chat", request, timeout, replayable(temperature, seed))
 
     async def models(self, *, timeout: float | None = None) -> list[Model]:
         """The base model and every adapter the caller may generate with.
@@ -377,47 +389,56 @@ class AsyncClient:
         Returns:
             The base model first, then the adapters.
         """
-        reply = await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout, retry=True)
+        reply = await self._unary("ListModels", gateway_pb2.ListModelsRequest(), timeout, retry=True)
         return [model_from(m) for m in reply.models]
 
-    async def _unary(
-        self, method: Callable[..., Any], request: Any, timeout: float | None, *, retry: bool
-    ) -> Any:
+    async def _unary(self, method: str, request: Any, timeout: float | None, *, retry: bool) -> Any:
         return await self._unary_with(method, request, self._policy.start(timeout), retry=retry)
 
-    async def _unary_with(self, method: Callable[..., Any], request: Any, call: _Call, *, retry: bool) -> Any:
-        """Calls a unary-response RPC, retrying UNAVAILABLE when ``retry``."""
+    async def _unary_with(self, method: str, request: Any, call: _Call, *, retry: bool) -> Any:
+        """Calls a unary-response RPC on the current gateway; when ``retry``, an UNAVAILABLE
+        one is retried on the next gateway."""
         attempt = 0
         while True:
+            address = self._gateways.current()
             try:
-                return await method(request, timeout=call.remaining(), metadata=call.metadata)
+                return await getattr(self._stubs[address], method)(
+                    request, timeout=call.remaining(), metadata=call.metadata
+                )
             except aio.AioRpcError as error:
                 failure = call.failure(error)
                 delay = call.retry_delay(attempt, failure) if retry else None
                 if delay is None:
                     raise failure from error
+                self._gateways.failed(address)
             await asyncio.sleep(delay)
             attempt += 1
 
     async def _stream(
-        self, method: Callable[..., Any], request: Any, timeout: float | None
+        self, method: str, request: Any, timeout: float | None, can_replay: bool
     ) -> AsyncIterator[TextDelta]:
-        """Calls a server-streaming RPC, retrying UNAVAILABLE only until a message arrived."""
+        """Calls a server-streaming RPC; retries and replays as :meth:`loramesh.Client._stream`."""
         call = self._policy.start(timeout)
+        replay = StreamReplay()
         attempt = 0
         while True:
-            responses = method(request, timeout=call.remaining(), metadata=call.metadata)
-            received = False
+            address = self._gateways.current()
+            replay.new_attempt()
+            responses = getattr(self._stubs[address], method)(
+                request, timeout=call.remaining(), metadata=call.metadata
+            )
             try:
                 async for message in responses:
-                    received = True
-                    yield text_delta(message)
+                    delta = replay.accept(text_delta(message))
+                    if delta is not None:
+                        yield delta
                 return
             except aio.AioRpcError as error:
                 failure = call.failure(error)
-                delay = None if received else call.retry_delay(attempt, failure)
+                delay = call.stream_retry_delay(attempt, failure, replay, can_replay)
                 if delay is None:
-                    raise failure from error
+                    raise call.stream_failure(failure, replay) from error
+                self._gateways.failed(address)
             finally:
                 responses.cancel()
             await asyncio.sleep(delay)

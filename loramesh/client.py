@@ -10,14 +10,15 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 import grpc
 
-from loramesh.errors import REQUEST_ID_HEADER, LoraMeshError, Unavailable, from_rpc_error
+from loramesh.errors import REQUEST_ID_HEADER, LoraMeshError, StreamInterrupted, Unavailable, from_rpc_error
+from loramesh.stream_resume import StreamReplay, replayable
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
 from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
@@ -35,35 +36,60 @@ _FINISH_REASONS = {
 }
 
 
-def resolve_target(address: str | None, api_key: str | None, mesh_file: str | Path) -> tuple[str, str]:
-    """The gateway address and API key, the missing ones taken from a local mesh's file.
+def resolve_targets(
+    address: str | Sequence[str] | None, api_key: str | None, mesh_file: str | Path
+) -> tuple[tuple[str, ...], str]:
+    """The gateway addresses and API key, the missing ones taken from a local mesh's file.
 
-    The mesh file's ``admin_api_key`` is only used for the mesh file's own gateway, so a key
-    never goes to a server it was not issued by.
+    The mesh file's ``admin_api_key`` is only used when every address is one of the mesh file's
+    gateways, so a key never goes to a server it was not issued by.
 
     Args:
-        address: ``host:port`` of the gateway, or None for the mesh file's gateway.
+        address: ``host:port`` of a gateway, several of them (a sequence, or one string with
+            commas), or None for the mesh file's gateways.
         api_key: The caller's API key, or None for the mesh file's admin key.
-        mesh_file: The file ``loramesh up`` writes (``{"services": {"gateway": {"address"}},
-            "admin_api_key"}``); ignored when it does not exist.
+        mesh_file: The file ``loramesh up`` writes (``{"gateway_addresses", "services":
+            {"gateway": {"address"}}, "admin_api_key"}``); ignored when it does not exist.
 
     Returns:
-        ``(address, api_key)``.
+        ``(addresses, api_key)``.
 
     Raises:
         ValueError: An address or key is neither given nor in the mesh file.
     """
     path = Path(mesh_file)
     mesh = json.loads(path.read_text()) if path.is_file() else {}
-    mesh_address = mesh.get("services", {}).get("gateway", {}).get("address")
-    address = address or mesh_address
-    if not address:
+    first = mesh.get("services", {}).get("gateway", {}).get("address")
+    mesh_addresses = tuple(mesh.get("gateway_addresses") or ([first] if first else []))
+    if isinstance(address, str):
+        address = address.split(",")
+    addresses = tuple(a.strip() for a in address or () if a.strip()) or mesh_addresses
+    if not addresses:
         raise ValueError(f"no gateway address: pass address= or start a mesh with `loramesh up` ({path})")
-    if api_key is None and address == mesh_address:
+    if api_key is None and set(addresses) <= set(mesh_addresses):
         api_key = mesh.get("admin_api_key")
     if not api_key:
-        raise ValueError(f"no API key for the gateway at {address}: pass api_key=")
-    return address, api_key
+        raise ValueError(f"no API key for the gateway at {', '.join(addresses)}: pass api_key=")
+    return addresses, api_key
+
+
+class GatewayRotation:
+    """Which of several gateways a client calls now. Every call starts on the current one; a
+    retryable failure there moves the client on to the next (round robin), for every later
+    call too, so a dead gateway is left after one failure."""
+
+    def __init__(self, addresses: Sequence[str]):
+        self.addresses = tuple(addresses)
+        self._index = 0
+
+    def current(self) -> str:
+        return self.addresses[self._index]
+
+    def failed(self, address: str) -> None:
+        """A call to ``address`` failed with a retryable status: move past it (unless another
+        call already did)."""
+        if self.addresses[self._index] == address:
+            self._index = (self._index + 1) % len(self.addresses)
 
 
 @dataclass(frozen=True)
@@ -120,6 +146,30 @@ class _Call:
         if self.deadline is not None and time.monotonic() + delay >= self.deadline:
             return None
         return delay
+
+    def stream_retry_delay(
+        self, attempt: int, failure: LoraMeshError, replay: StreamReplay, can_replay: bool
+    ) -> float | None:
+        """:meth:`retry_delay` for a stream: once it has yielded text, only a reproducible
+        generation is retried (replayed, see :mod:`loramesh.stream_resume`)."""
+        if replay.delivered and not can_replay:
+            return None
+        return self.retry_delay(attempt, failure)
+
+    def stream_failure(self, failure: LoraMeshError, replay: StreamReplay) -> LoraMeshError:
+        """What a stream that is not retried raises: UNAVAILABLE after it yielded text becomes
+        :class:`StreamInterrupted` (the caller has part of an answer)."""
+        if (
+            not replay.delivered
+            or not isinstance(failure, Unavailable)
+            or isinstance(failure, StreamInterrupted)
+        ):
+            return failure
+        return StreamInterrupted(
+            f"{failure.details}; the stream broke after {len(replay.delivered_tokens)} tokens and "
+            f"was not continued (sampling without a seed cannot be replayed, or the retries ran out)",
+            request_id=failure.request_id,
+        )
 
 
 def _sampling_params(sampling: Sampling) -> types_pb2.SamplingParams:
@@ -293,7 +343,7 @@ class Adapters:
             ResourceExhausted: The adapter is over the size limit.
         """
         requests = upload_stream(path, name, public)
-        reply = self._client._unary(self._client._stub.UploadAdapter, requests, timeout, retry=False)
+        reply = self._client._unary("UploadAdapter", requests, timeout, retry=False)
         return adapter_from(reply.adapter)
 
     def list(self, *, page_size: int = LIST_PAGE_SIZE, timeout: float | None = None) -> list[Adapter]:
@@ -311,7 +361,7 @@ class Adapters:
         token = ""
         while True:
             request = adapter_store_pb2.ListAdaptersRequest(page_size=page_size, page_token=token)
-            page = self._client._unary_with(self._client._stub.ListAdapters, request, call, retry=True)
+            page = self._client._unary_with("ListAdapters", request, call, retry=True)
             adapters.extend(adapter_from(a) for a in page.adapters)
             token = page.next_page_token
             if not token:
@@ -329,7 +379,7 @@ class Adapters:
             PermissionDenied: It is another tenant's private adapter.
         """
         request = gateway_pb2.GatewayAdapterRequest(adapter=name)
-        return adapter_from(self._client._unary(self._client._stub.GetAdapter, request, timeout, retry=True))
+        return adapter_from(self._client._unary("GetAdapter", request, timeout, retry=True))
 
     def delete(self, name: str, *, timeout: float | None = None) -> Adapter:
         """Deletes one of the caller's adapters. Never retried.
@@ -346,33 +396,36 @@ class Adapters:
             PermissionDenied: It belongs to another tenant.
         """
         request = gateway_pb2.GatewayAdapterRequest(adapter=name)
-        reply = self._client._unary(self._client._stub.DeleteAdapter, request, timeout, retry=False)
+        reply = self._client._unary("DeleteAdapter", request, timeout, retry=False)
         return adapter_from(reply.adapter)
 
 
 class Client:
-    """A synchronous connection to a loramesh gateway (thread-safe).
+    """A synchronous connection to one or several loramesh gateways (thread-safe).
 
     Calls fail with :class:`~loramesh.errors.LoraMeshError` subclasses. ``UNAVAILABLE`` is
-    retried ``retries`` times with exponential backoff and jitter for calls that are safe to
-    repeat: reads, and generations that have not produced any text yet. Uploads, deletes and
-    streams that already yielded text are never retried.
+    retried ``retries`` times with exponential backoff and jitter, each time on the next gateway,
+    for calls that are safe to repeat: reads, generations that have not produced any text yet,
+    and streams of a reproducible generation (greedy, or seeded) that broke mid-way: these are
+    replayed and continue exactly where they broke (:mod:`loramesh.stream_resume`). Uploads,
+    deletes and unseeded sampled streams that already yielded text are never retried.
 
     Example:
         >>> from loramesh import Client
-        >>> with Client("127.0.0.1:50051", api_key="sk-...") as client:
+        >>> with Client(["10.0.0.1:50051", "10.0.0.2:50051"], api_key="sk-...") as client:
         ...     print(client.generate("Hello,", max_tokens=16).text)
         ...     for delta in client.chat_stream([("user", "Hi!")], adapter="support-bot"):
         ...         print(delta.text, end="")
 
     Attributes:
-        address: The gateway's ``host:port``.
+        address: The first gateway's ``host:port``.
+        addresses: Every gateway, in the order they are tried.
         adapters: The tenant's adapters (:class:`Adapters`).
     """
 
     def __init__(
         self,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         api_key: str | None = None,
         *,
         timeout: float | None = 60.0,
@@ -380,15 +433,16 @@ class Client:
         backoff_s: float = 0.2,
         mesh_file: str | Path = DEFAULT_MESH_FILE,
     ):
-        """Opens a channel to the gateway (connecting lazily, on the first call).
+        """Opens a channel per gateway (connecting lazily, on the first call).
 
         Args:
-            address: ``host:port`` of the gateway; None for the gateway of the local mesh in
+            address: ``host:port`` of the gateway, or several (a list, or one string with
+                commas) to fail over between; None for the gateways of the local mesh in
                 ``mesh_file``.
             api_key: The tenant's API key; None for the local mesh's admin key (only when
-                talking to that mesh's gateway).
-            timeout: Default seconds per call (a stream's whole duration included); None for
-                no deadline.
+                talking to that mesh's gateways).
+            timeout: Default seconds per call (a stream's whole duration included, across its
+                retries); None for no deadline.
             retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
             mesh_file: The local mesh's file written by ``loramesh up``.
@@ -396,10 +450,12 @@ class Client:
         Raises:
             ValueError: No address or API key was given and the mesh file has none.
         """
-        self.address, api_key = resolve_target(address, api_key, mesh_file)
+        self.addresses, api_key = resolve_targets(address, api_key, mesh_file)
+        self.address = self.addresses[0]
         self._policy = _Policy(api_key=api_key, timeout=timeout, retries=retries, backoff_s=backoff_s)
-        self._channel = grpc.insecure_channel(self.address)
-        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._gateways = GatewayRotation(self.addresses)
+        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
+        self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
         self.adapters = Adapters(self)
 
     def __enter__(self) -> Self:
@@ -411,8 +467,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
-        self._channel.close()
+        """Closes the channels; calls in flight are cancelled."""
+        for channel in self._channels:
+            channel.close()
 
     def generate(
         self,
@@ -461,7 +518,7 @@ class Client:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
-        return completion(list(self._stream(self._stub.Generate, request, timeout)))
+        return completion(list(self._stream("Generate", request, timeout, replayable(temperature, seed))))
 
     def stream(
         self,
@@ -483,8 +540,9 @@ class Client:
         """Completes a raw prompt, yielding text as it is generated.
 
         The request is sent when iteration starts; leaving the loop early cancels it. A stream
-        that fails after yielding text raises instead of retrying (the gateway already moves
-        streams between workers; a retry would repeat text).
+        that breaks after yielding text is replayed on the next gateway when the generation is
+        reproducible (greedy or seeded) and continues exactly where it broke; otherwise it
+        raises :class:`~loramesh.errors.StreamInterrupted` (never repeating text).
 
         Args:
             prompt: The text to continue.
@@ -506,9 +564,8 @@ class Client:
         sampling = Sampling(
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
-        return self._stream(
-            self._stub.Generate, generate_request(prompt, adapter, sampling, deadline_ms), timeout
-        )
+        request = generate_request(prompt, adapter, sampling, deadline_ms)
+        return self._stream("Generate", request, timeout, replayable(temperature, seed))
 
     def chat(
         self,
@@ -551,7 +608,7 @@ class Client:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = chat_request(messages, adapter, sampling, deadline_ms)
-        return completion(list(self._stream(self._stub.Chat, request, timeout)))
+        return completion(list(self._stream("Chat", request, timeout, replayable(temperature, seed))))
 
     def chat_stream(
         self,
@@ -592,7 +649,8 @@ class Client:
         sampling = Sampling(
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
-        return self._stream(self._stub.Chat, chat_request(messages, adapter, sampling, deadline_ms), timeout)
+        request = chat_request(messages, adapter, sampling, deadline_ms)
+        return self._stream("Chat", request, timeout, replayable(temperature, seed))
 
     def models(self, *, timeout: float | None = None) -> list[Model]:
         """The base model and every adapter the caller may generate with.
@@ -603,43 +661,58 @@ class Client:
         Returns:
             The base model first, then the adapters.
         """
-        reply = self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout, retry=True)
+        reply = self._unary("ListModels", gateway_pb2.ListModelsRequest(), timeout, retry=True)
         return [model_from(m) for m in reply.models]
 
-    def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None, *, retry: bool) -> Any:
+    def _unary(self, method: str, request: Any, timeout: float | None, *, retry: bool) -> Any:
         return self._unary_with(method, request, self._policy.start(timeout), retry=retry)
 
-    def _unary_with(self, method: Callable[..., Any], request: Any, call: _Call, *, retry: bool) -> Any:
-        """Calls a unary-response RPC, retrying UNAVAILABLE when ``retry``."""
+    def _unary_with(self, method: str, request: Any, call: _Call, *, retry: bool) -> Any:
+        """Calls a unary-response RPC on the current gateway; when ``retry``, an UNAVAILABLE
+        one is retried on the next gateway."""
         attempt = 0
         while True:
+            address = self._gateways.current()
             try:
-                return method(request, timeout=call.remaining(), metadata=call.metadata)
+                return getattr(self._stubs[address], method)(
+                    request, timeout=call.remaining(), metadata=call.metadata
+                )
             except grpc.RpcError as error:
                 failure = call.failure(error)
                 delay = call.retry_delay(attempt, failure) if retry else None
                 if delay is None:
                     raise failure from error
+                self._gateways.failed(address)
             time.sleep(delay)
             attempt += 1
 
-    def _stream(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Iterator[TextDelta]:
-        """Calls a server-streaming RPC, retrying UNAVAILABLE only until a message arrived."""
+    def _stream(
+        self, method: str, request: Any, timeout: float | None, can_replay: bool
+    ) -> Iterator[TextDelta]:
+        """Calls a server-streaming RPC. UNAVAILABLE is retried on the next gateway: before any
+        text always, after it only when ``can_replay`` (the replay's prefix is checked and
+        skipped, so nothing is yielded twice)."""
         call = self._policy.start(timeout)
+        replay = StreamReplay()
         attempt = 0
         while True:
-            responses = method(request, timeout=call.remaining(), metadata=call.metadata)
-            received = False
+            address = self._gateways.current()
+            replay.new_attempt()
+            responses = getattr(self._stubs[address], method)(
+                request, timeout=call.remaining(), metadata=call.metadata
+            )
             try:
                 for message in responses:
-                    received = True
-                    yield text_delta(message)
+                    delta = replay.accept(text_delta(message))
+                    if delta is not None:
+                        yield delta
                 return
             except grpc.RpcError as error:
                 failure = call.failure(error)
-                delay = None if received else call.retry_delay(attempt, failure)
+                delay = call.stream_retry_delay(attempt, failure, replay, can_replay)
                 if delay is None:
-                    raise failure from error
+                    raise call.stream_failure(failure, replay) from error
+                self._gateways.failed(address)
             finally:
                 responses.cancel()
             time.sleep(delay)

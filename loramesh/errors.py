@@ -124,6 +124,12 @@ class Unavailable(LoraMeshError):
     code = "UNAVAILABLE"
 
 
+class StreamInterrupted(Unavailable):
+    """A stream broke after yielding text and could not be continued on another gateway: its
+    sampling is not reproducible (temperature without a seed), the retries ran out, or the replay
+    differed from what was already yielded. Nothing was yielded twice."""
+
+
 class DeadlineExceeded(LoraMeshError):
     """The call's ``timeout`` ran out before it finished."""
 

@@ -23,7 +23,9 @@ def add_parsers(sub) -> None:
         cmd.add_argument("--top-k", type=int, default=None)
         cmd.add_argument("--seed", type=int, default=None)
         cmd.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-        cmd.add_argument("--gateway", default="", help="gateway address (default: from mesh.json)")
+        cmd.add_argument("--gateway", default="",
+                         help="gateway address, or several separated by commas to fail over between "
+                              "(default: every gateway in mesh.json)")  # fmt: skip
         cmd.add_argument("--api-key", default="", help="API key (default: $LORAMESH_API_KEY or mesh.json)")
         if name == "generate":
             cmd.add_argument("prompt")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from loramesh.cli.errors import CommandError
 from loramesh.cli.mesh_file import MeshFile, ServiceEntry, pid_alive
+from loramesh.cli.restart_policy import RestartPolicy
+from loramesh.cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
 from loramesh.cli.table import render_table
 from services.runtime.etcd_server import EtcdServer, free_port
 from services.runtime.membership import MembershipConfig, list_members, read_loads
@@ -23,6 +25,9 @@ from services.runtime.server import check_health
 
 #: Tenant of the local admin key that `loramesh up` writes to mesh.json.
 ADMIN_TENANT = "admin"
+
+#: The supervisor's name for etcd's process.
+ETCD_UNIT = "etcd"
 
 
 def add_parsers(sub) -> None:
@@ -39,6 +44,18 @@ def add_parsers(sub) -> None:
     )
     up.add_argument("--detach", action="store_true", help="run in the background; return once ready")
     up.add_argument("--ram-budget-mib", type=int, default=1024, help="adapter store RAM tier")
+    up.add_argument("--gateways", type=int, default=2,
+                    help="gateway processes (default 2: one can die while the other serves)")  # fmt: skip
+    up.add_argument("--schedulers", type=int, default=2, help="scheduler replicas (default 2)")
+    up.add_argument("--kv-managers", type=int, default=2,
+                    help="kv_manager replicas, one active (default 2)")  # fmt: skip
+    defaults = RestartPolicy()
+    up.add_argument("--restart-backoff-s", type=float, default=defaults.initial_backoff_s,
+                    help="wait before restarting a process that died")  # fmt: skip
+    up.add_argument("--restart-backoff-max-s", type=float, default=defaults.max_backoff_s,
+                    help="cap of the restart wait, which doubles per crash in a row")  # fmt: skip
+    up.add_argument("--restart-healthy-s", type=float, default=defaults.healthy_after_s,
+                    help="a run this long resets the restart wait")  # fmt: skip
     up.set_defaults(func=cmd_up)
     down = sub.add_parser("down", help="stop the local mesh started by `loramesh up`")
     down.set_defaults(func=cmd_down)
@@ -61,6 +78,13 @@ def _check_not_running(state_dir: Path) -> None:
 
 def cmd_up(args) -> int:
     state_dir = Path(args.state_dir)
+    for flag in ("workers", "gateways", "schedulers", "kv_managers"):
+        if getattr(args, flag) < 1:
+            raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    try:
+        _restart_policy(args)
+    except ValueError as error:
+        raise CommandError(f"restart backoff: {error}") from None
     _check_not_running(state_dir)
     if args.detach:
         return _up_detached(args, state_dir)
@@ -75,6 +99,10 @@ def _up_detached(args, state_dir: Path) -> int:
         argv += ["--model", args.model]
     argv += ["--ram-budget-mib", str(args.ram_budget_mib), "--workers", str(args.workers)]
     argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib)]
+    argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers)]
+    argv += ["--kv-managers", str(args.kv_managers), "--restart-backoff-s", str(args.restart_backoff_s)]
+    argv += ["--restart-backoff-max-s", str(args.restart_backoff_max_s)]
+    argv += ["--restart-healthy-s", str(args.restart_healthy_s)]
     if args.api_keys_file:
         argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
     with open(log_dir / "up.log", "ab") as out:
@@ -102,6 +130,123 @@ def _print_summary(mesh: MeshFile, state_dir: Path) -> None:
     _log(f"state in {MeshFile.path(state_dir)}; stop with `loramesh down`")
 
 
+def _restart_policy(args) -> RestartPolicy:
+    return RestartPolicy(
+        initial_backoff_s=args.restart_backoff_s,
+        max_backoff_s=args.restart_backoff_max_s,
+        healthy_after_s=args.restart_healthy_s,
+    )
+
+
+def replica_name(kind: str, index: int) -> str:
+    """The first replica keeps the kind's name (what single-instance readers of mesh.json look
+    up); the others are ``<kind>-<index>``."""
+    return kind if index == 0 else f"{kind}-{index}"
+
+
+def _service_processes(
+    args, state_dir: Path, log_dir: Path, etcd_endpoint: str, admin_api_key: str
+) -> dict[str, ServiceProcess]:
+    """Every service of the mesh, by name (also its instance id), the adapter store first. Ports
+    are picked now and kept, so a restarted process comes back at the same address."""
+
+    def service(kind: str, name: str, flags: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
+        return ServiceProcess(
+            kind, [*flags, "--instance-id", name], log_path=log_dir / f"{name}.log", env=env
+        )
+
+    etcd_flags = ["--etcd-endpoints", etcd_endpoint]
+    model_flags = ["--model", args.model] if args.model else []
+    processes = {
+        "adapter_store": service(
+            "adapter_store", "adapter_store",
+            [*etcd_flags, "--data-dir", str(state_dir / "adapter_store"),
+             "--ram-budget-mib", str(args.ram_budget_mib), *model_flags],
+        )
+    }  # fmt: skip
+    store_flags = ["--adapter-store", processes["adapter_store"].address]
+    # Workers sharing one machine's cores split them rather than oversubscribe (CPU serving).
+    threads = max(1, (os.cpu_count() or 1) // max(1, args.workers))
+    for i in range(args.workers):
+        processes[f"gpu_worker-{i}"] = service(
+            "gpu_worker", f"gpu_worker-{i}",
+            [*etcd_flags, *store_flags, "--dtype", args.dtype, "--pool-mib", str(args.pool_mib),
+             "--threads", str(threads), *model_flags],
+        )  # fmt: skip
+    # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
+    for i in range(args.schedulers):
+        name = replica_name("scheduler", i)
+        processes[name] = service("scheduler", name, etcd_flags)
+    # DistKV-LLM's gManager: the workers' KV-block debt ledger; the replicas elect one leader.
+    for i in range(args.kv_managers):
+        name = replica_name("kv_manager", i)
+        processes[name] = service("kv_manager", name, etcd_flags)
+    gateway_flags = [*etcd_flags, *store_flags, *model_flags]
+    if args.api_keys_file:
+        gateway_flags += ["--api-keys-file", args.api_keys_file]
+    for i in range(args.gateways):
+        name = replica_name("gateway", i)
+        # The key goes by environment, not argv, so it does not show in `ps`.
+        processes[name] = service(
+            "gateway", name, [*gateway_flags, "--openai-port", str(free_port())],
+            env={"LORAMESH_API_KEYS": f"{admin_api_key}={ADMIN_TENANT}"},
+        )  # fmt: skip
+    return processes
+
+
+def _openai_address(process: ServiceProcess) -> str:
+    if process.module != "gateway":
+        return ""
+    return f"{process.host}:{process.args[process.args.index('--openai-port') + 1]}"
+
+
+def _entry(
+    name: str,
+    supervisor: Supervisor,
+    pid: int,
+    address: str,
+    http_address: str,
+    log: str,
+    openai_address: str = "",
+) -> ServiceEntry:
+    tracker = supervisor.trackers[name]
+    return ServiceEntry(
+        address,
+        http_address,
+        pid,
+        log,
+        openai_address=openai_address,
+        restarts=tracker.restarts,
+        last_exit=describe_exit(tracker.last_exit_code),
+        last_exit_unix=supervisor.last_exit_unix.get(name, 0.0),
+    )
+
+
+def _mesh_file(
+    etcd: EtcdServer,
+    processes: dict[str, ServiceProcess],
+    supervisor: Supervisor,
+    admin_api_key: str,
+    ready: bool,
+) -> MeshFile:
+    """mesh.json as of now: addresses, the current pids, restarts and last exits."""
+    return MeshFile(
+        up_pid=os.getpid(),
+        etcd_endpoint=etcd.endpoint,
+        etcd_pid=etcd.pid or 0,
+        admin_api_key=admin_api_key,
+        services={
+            name: _entry(
+                name, supervisor, p.pid or 0, p.address, p.http_address, str(p.log_path), _openai_address(p)
+            )
+            for name, p in processes.items()
+        },
+        ready=ready,
+        gateway_addresses=[p.address for p in processes.values() if p.module == "gateway"],
+        etcd=_entry(ETCD_UNIT, supervisor, etcd.pid or 0, etcd.endpoint, "", str(etcd.log_path)),
+    )
+
+
 async def _up_foreground(args, state_dir: Path) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -110,75 +255,32 @@ async def _up_foreground(args, state_dir: Path) -> int:
     # The state directory holds the admin key, etcd's data and the tenants' adapters: owner only.
     log_dir = private_dir(private_dir(state_dir) / "logs")
     etcd = EtcdServer(data_dir=state_dir / "etcd")
-    etcd.start()
-    processes: dict[str, ServiceProcess] = {}
+    admin_api_key = "lm-admin-" + secrets.token_urlsafe(18)
+    await asyncio.to_thread(etcd.start)
+    processes = _service_processes(args, state_dir, log_dir, etcd.endpoint, admin_api_key)
+    units = [EtcdUnit(ETCD_UNIT, etcd), *(ServiceUnit(name, p) for name, p in processes.items())]
+    ready = False
+
+    def write_mesh_file() -> None:
+        _mesh_file(etcd, processes, supervisor, admin_api_key, ready).write(state_dir)
+
+    supervisor = Supervisor(units, _restart_policy(args), on_change=write_mesh_file)
     try:
-        store_args = ["--etcd-endpoints", etcd.endpoint, "--data-dir", str(state_dir / "adapter_store"),
-                      "--ram-budget-mib", str(args.ram_budget_mib)]  # fmt: skip
-        if args.model:
-            store_args += ["--model", args.model]
-        processes["adapter_store"] = ServiceProcess(
-            "adapter_store", store_args, log_path=log_dir / "adapter_store.log"
-        ).start()
-        await processes["adapter_store"].wait_ready()
-        # Workers sharing one machine's cores split them rather than oversubscribe (CPU serving).
-        threads = max(1, (os.cpu_count() or 1) // max(1, args.workers))
-        worker_args = ["--etcd-endpoints", etcd.endpoint, "--adapter-store", processes["adapter_store"].address,
-                       "--dtype", args.dtype, "--pool-mib", str(args.pool_mib), "--threads", str(threads)]  # fmt: skip
-        if args.model:
-            worker_args += ["--model", args.model]
-        for i in range(args.workers):
-            processes[f"gpu_worker-{i}"] = ServiceProcess(
-                "gpu_worker",
-                [*worker_args, "--instance-id", f"gpu_worker-{i}"],
-                log_path=log_dir / f"gpu_worker-{i}.log",
-            ).start()
-        processes["scheduler"] = ServiceProcess(
-            "scheduler", ["--etcd-endpoints", etcd.endpoint], log_path=log_dir / "scheduler.log"
-        ).start()
-        # DistKV-LLM's gManager: the workers' KV-block debt ledger, fed by their heartbeats in etcd.
-        processes["kv_manager"] = ServiceProcess(
-            "kv_manager", ["--etcd-endpoints", etcd.endpoint], log_path=log_dir / "kv_manager.log"
-        ).start()
-        admin_api_key = "lm-admin-" + secrets.token_urlsafe(18)
-        gateway_args = ["--etcd-endpoints", etcd.endpoint, "--adapter-store", processes["adapter_store"].address,
-                        "--scheduler", processes["scheduler"].address]  # fmt: skip
-        if args.model:
-            gateway_args += ["--model", args.model]
-        if args.api_keys_file:
-            gateway_args += ["--api-keys-file", args.api_keys_file]
-        openai_address = f"127.0.0.1:{free_port()}"
-        gateway_args += ["--openai-port", openai_address.rsplit(":", 1)[1]]
-        # The key goes by environment, not argv, so it does not show in `ps`.
-        processes["gateway"] = ServiceProcess(
-            "gateway", gateway_args, log_path=log_dir / "gateway.log",
-            env={"LORAMESH_API_KEYS": f"{admin_api_key}={ADMIN_TENANT}"},
-        ).start()  # fmt: skip
+        for unit in units:
+            if unit.name != ETCD_UNIT:
+                unit.launch()
+            supervisor.launched(unit)
+            if unit.name == "adapter_store":
+                await processes["adapter_store"].wait_ready()
         await asyncio.gather(*(p.wait_ready(300) for p in processes.values()))
-        mesh = MeshFile(
-            up_pid=os.getpid(),
-            etcd_endpoint=etcd.endpoint,
-            etcd_pid=etcd.pid or 0,
-            admin_api_key=admin_api_key,
-            services={
-                name: ServiceEntry(
-                    p.address,
-                    p.http_address,
-                    p.pid or 0,
-                    str(p.log_path),
-                    openai_address=openai_address if name == "gateway" else "",
-                )
-                for name, p in processes.items()
-            },
-            ready=True,
-        )
-        mesh.write(state_dir)
-        _print_summary(mesh, state_dir)
-        await stop.wait()
+        ready = True
+        write_mesh_file()
+        _print_summary(MeshFile.read(state_dir), state_dir)
+        await supervisor.run(stop)
         _log("stopping the mesh")
     finally:
-        for proc in processes.values():
-            await asyncio.to_thread(proc.terminate)
+        # The supervisor has stopped: nothing is restarted while the services go down.
+        await asyncio.gather(*(asyncio.to_thread(p.terminate) for p in processes.values()))
         etcd.stop()
         MeshFile.remove(state_dir)
     return 0
@@ -242,9 +344,15 @@ def cmd_status(args) -> int:
         rows = asyncio.run(asyncio.wait_for(collect_status(_etcd_endpoint(args)), 15))
     except (TimeoutError, ConnectionError, OSError) as error:
         raise CommandError(f"etcd did not answer: {error or 'timeout'}") from None
+    processes = _supervised_processes(args)
+    for row in rows:
+        if (entry := processes.get(row["instance"])) is not None:
+            row["restarts"], row["last_exit"] = entry.restarts, entry.last_exit
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    if processes:
+        print(_process_table(processes) + "\n")
     if not rows:
         print("no members registered")
         return 0
@@ -265,3 +373,24 @@ def cmd_status(args) -> int:
         )
     )
     return 0
+
+
+def _supervised_processes(args) -> dict[str, ServiceEntry]:
+    """The local mesh's processes by name, etcd included, as its supervisor last wrote them to
+    mesh.json; none for a mesh named by ``--etcd``."""
+    mesh = None if args.etcd else MeshFile.read(Path(args.state_dir))
+    if mesh is None:
+        return {}
+    return {**({ETCD_UNIT: mesh.etcd} if mesh.etcd else {}), **mesh.services}
+
+
+def _process_table(processes: dict[str, ServiceEntry]) -> str:
+    def last_exit(entry: ServiceEntry) -> str:
+        if not entry.last_exit:
+            return "-"
+        return f"{entry.last_exit} at {time.strftime('%H:%M:%S', time.localtime(entry.last_exit_unix))}"
+
+    return render_table(
+        ["PROCESS", "PID", "RESTARTS", "LAST EXIT"],
+        [[name, str(e.pid or "-"), str(e.restarts), last_exit(e)] for name, e in processes.items()],
+    )

@@ -24,6 +24,12 @@ class ServiceEntry:
     log: str
     openai_address: str = ""
     """The gateway's OpenAI-compatible HTTP API (``host:port``; base URL ``http://<it>/v1``)."""
+    restarts: int = 0
+    """Times the supervisor of ``loramesh up`` started the process again after it died."""
+    last_exit: str = ""
+    """How its last run ended (``killed by signal 9``, ``exit code 1``); empty if it never died."""
+    last_exit_unix: float = 0.0
+    """When its last run ended (Unix time); 0 if it never died."""
 
 
 @dataclass
@@ -37,7 +43,13 @@ class MeshFile:
     admin_api_key: str
     """API key of the local admin tenant (`admin`), accepted by the gateway."""
     services: dict[str, ServiceEntry] = field(default_factory=dict)
+    """Every service process by name, which is also its instance id in etcd. The first replica of
+    a kind has the kind's plain name (``gateway``, ``scheduler``), further ones ``<kind>-<i>``."""
     ready: bool = False
+    gateway_addresses: list[str] = field(default_factory=list)
+    """Every gateway's gRPC address; ``services["gateway"].address`` is the first of them."""
+    etcd: ServiceEntry | None = None
+    """etcd's process as supervised (``address`` is its client endpoint)."""
 
     @staticmethod
     def path(state_dir: Path = DEFAULT_STATE_DIR) -> Path:
@@ -57,6 +69,8 @@ class MeshFile:
             return None
         raw = json.loads(path.read_text())
         raw["services"] = {k: ServiceEntry(**v) for k, v in raw.get("services", {}).items()}
+        if raw.get("etcd"):
+            raw["etcd"] = ServiceEntry(**raw["etcd"])
         return cls(**raw)
 
     @classmethod

@@ -98,6 +98,12 @@ class EtcdServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """Exit status of an etcd that ended by itself (negative: killed by that signal); None
+        while it runs, and after :meth:`stop` or :meth:`kill` (those forget the process)."""
+        return self._proc.poll() if self._proc is not None else None
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def command(self) -> list[str]:

@@ -71,14 +71,23 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
 
     status = json.loads(loramesh(mesh, "status", "--json").stdout)
-    assert [(r["service"], r["health"]) for r in status] == [
-        ("adapter_store", "SERVING"),
-        ("gateway", "SERVING"),
-        ("gpu_worker", "SERVING"),
-        ("gpu_worker", "SERVING"),
-        ("kv_manager", "SERVING"),
-        ("scheduler", "SERVING"),
+    assert [(r["service"], r["instance"], r["health"], r["restarts"]) for r in status] == [
+        ("adapter_store", "adapter_store", "SERVING", 0),
+        ("gateway", "gateway", "SERVING", 0),
+        ("gateway", "gateway-1", "SERVING", 0),
+        ("gpu_worker", "gpu_worker-0", "SERVING", 0),
+        ("gpu_worker", "gpu_worker-1", "SERVING", 0),
+        ("kv_manager", "kv_manager", "SERVING", 0),
+        ("kv_manager", "kv_manager-1", "SERVING", 0),
+        ("scheduler", "scheduler", "SERVING", 0),
+        ("scheduler", "scheduler-1", "SERVING", 0),
     ]
+    assert mesh_file["gateway_addresses"] == [
+        mesh_file["services"][name]["address"] for name in ("gateway", "gateway-1")
+    ]
+    table = loramesh(mesh, "status").stdout
+    assert table.splitlines()[0].split() == ["PROCESS", "PID", "RESTARTS", "LAST", "EXIT"]
+    assert "etcd" in table and "gateway-1" in table
     for name in ("gpu_worker-0", "gpu_worker-1"):
         assert asyncio.run(generate_two_tokens(mesh_file["services"][name]["address"])) == 2
 

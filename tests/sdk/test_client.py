@@ -32,6 +32,7 @@ from loramesh import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    StreamInterrupted,
     Unauthenticated,
     Unavailable,
 )
@@ -68,6 +69,10 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     def reset(self) -> None:
         self.unavailable_first = 0
         """Calls still to fail with UNAVAILABLE."""
+        self.break_streams = False
+        """Every stream fails with UNAVAILABLE after its first delta (a gateway that dies)."""
+        self.token_offset = 0
+        """Added to every token id: a gateway whose replay differs from another's."""
         self.received: list[Received] = []
         self.uploads: list[Upload] = []
         self.adapters = [
@@ -100,7 +105,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
             last = i == len(DELTAS) - 1
             yield gateway_pb2.GenerateTextResponse(
                 text=text,
-                token_ids=[10 + i],
+                token_ids=[10 + i + self.token_offset],
                 request_id=GENERATION_ID,
                 finish_reason=types_pb2.FINISH_REASON_STOP if last else types_pb2.FINISH_REASON_UNSPECIFIED,
                 usage=gateway_pb2.Usage(
@@ -109,7 +114,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
                 if last
                 else None,
             )
-            if prompt == "break":
+            if prompt == "break" or self.break_streams:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost")
 
     async def Generate(self, request, context):
@@ -214,6 +219,20 @@ def server():
     running = ServerThread()
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def server_b():
+    """A second gateway, for failover."""
+    running = ServerThread()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def gateway_b(server_b) -> FakeGateway:
+    server_b.gateway.reset()
+    return server_b.gateway
 
 
 @pytest.fixture
@@ -402,13 +421,69 @@ def test_unavailable_forever_raises_after_the_retries(client, gateway):
     assert len(gateway.calls("Generate")) == 1 + 3
 
 
-def test_a_stream_broken_after_data_is_not_retried(client, gateway):
+def test_a_sampled_stream_broken_after_data_is_not_retried(client, gateway):
     deltas = []
-    with pytest.raises(Unavailable):
-        for delta in client.stream("break"):
+    with pytest.raises(StreamInterrupted, match="after 1 tokens"):
+        for delta in client.stream("break", temperature=0.7):
             deltas.append(delta.text)
     assert deltas == ["Hello"]
     assert len(gateway.calls("Generate")) == 1
+
+
+def test_a_greedy_stream_broken_every_time_is_replayed_until_the_retries_run_out(client, gateway):
+    deltas = []
+    with pytest.raises(StreamInterrupted):
+        for delta in client.stream("break"):
+            deltas.append(delta.text)
+    assert deltas == ["Hello"]  # each replay's "Hello" was checked and skipped
+    assert len(gateway.calls("Generate")) == 1 + 3
+
+
+def failover_client(server, server_b, no_mesh) -> Client:
+    return Client([server.address, server_b.address], API_KEY, retries=3, backoff_s=0.01, mesh_file=no_mesh)
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_a_broken_reproducible_stream_continues_on_the_next_gateway(
+    server, server_b, gateway, gateway_b, no_mesh, seed
+):
+    gateway.break_streams = True
+    with failover_client(server, server_b, no_mesh) as client:
+        deltas = list(client.stream("Hi", temperature=0.5 if seed else None, seed=seed))
+        assert [(d.text, d.token_ids) for d in deltas] == [(t, (10 + i,)) for i, t in enumerate(DELTAS)]
+        assert deltas[-1].finish_reason == "stop" and deltas[-1].usage.completion_tokens == 3
+        (first,), (second,) = gateway.calls("Generate"), gateway_b.calls("Generate")
+        assert first.metadata["x-request-id"] == second.metadata["x-request-id"]
+        assert first.request == second.request
+        # The client stays on the live gateway.
+        check_completion(client.generate("Hi"))
+    assert len(gateway.calls("Generate")) == 1 and len(gateway_b.calls("Generate")) == 2
+
+
+def test_a_replay_that_differs_is_not_continued(server, server_b, gateway, gateway_b, no_mesh):
+    gateway.break_streams = True
+    gateway_b.token_offset = 100
+    deltas = []
+    with (
+        failover_client(server, server_b, no_mesh) as client,
+        pytest.raises(StreamInterrupted, match="position 0"),
+    ):
+        for delta in client.stream("Hi"):
+            deltas.append(delta.text)
+    assert deltas == ["Hello"]
+
+
+def test_unary_calls_fail_over_and_writes_do_not(server, server_b, gateway, gateway_b, no_mesh, tmp_path):
+    gateway.unavailable_first = 100
+    with failover_client(server, server_b, no_mesh) as client:
+        assert client.models()[0].is_base
+        assert [a.name for a in client.adapters.list()] == ["a0", "a1", "a2", "a3", "a4"]
+        assert len(gateway.calls("ListModels")) == 1 and len(gateway.calls("ListAdapters")) == 0
+    write_adapter(tmp_path / "lora")
+    gateway.unavailable_first = 100
+    with failover_client(server, server_b, no_mesh) as client, pytest.raises(Unavailable):
+        client.adapters.upload(tmp_path / "lora", "mine")
+    assert len(gateway_b.calls("UploadAdapter")) == 0
 
 
 def test_upload_and_delete_are_not_retried(client, gateway, tmp_path):
@@ -460,6 +535,27 @@ def test_mesh_file_gives_the_address_and_admin_key(server, gateway, tmp_path):
         Client(mesh_file=tmp_path / "absent.json")
 
 
+def test_mesh_file_lists_every_gateway(server, server_b, gateway, gateway_b, tmp_path):
+    mesh = tmp_path / "mesh.json"
+    mesh.write_text(
+        json.dumps(
+            {
+                "services": {"gateway": {"address": server.address}},
+                "gateway_addresses": [server.address, server_b.address],
+                "admin_api_key": API_KEY,
+            }
+        )
+    )
+    gateway.unavailable_first = 100
+    with Client(mesh_file=mesh) as client:
+        assert client.addresses == (server.address, server_b.address)
+        assert client.generate("Hi").text == "Hello, world"
+    with Client(f"{server_b.address},{server.address}", mesh_file=mesh) as client:
+        assert client.addresses == (server_b.address, server.address)
+    with pytest.raises(ValueError, match="no API key"):
+        Client([server.address, "elsewhere:1"], mesh_file=mesh)
+
+
 # --- the asyncio client -------------------------------------------------------------------
 
 
@@ -492,8 +588,8 @@ async def test_async_retries(aclient, gateway):
 
 async def test_async_broken_stream_and_writes_are_not_retried(aclient, gateway, tmp_path):
     deltas = []
-    with pytest.raises(Unavailable):
-        async for delta in aclient.stream("break"):
+    with pytest.raises(StreamInterrupted):
+        async for delta in aclient.stream("break", temperature=0.7):
             deltas.append(delta.text)
     assert deltas == ["Hello"] and len(gateway.calls("Generate")) == 1
     write_adapter(tmp_path / "lora")
@@ -503,6 +599,19 @@ async def test_async_broken_stream_and_writes_are_not_retried(aclient, gateway, 
     with pytest.raises(Unavailable):
         await aclient.adapters.delete("a0")
     assert len(gateway.calls("UploadAdapter")) == len(gateway.calls("DeleteAdapter")) == 1
+
+
+async def test_async_failover(server, server_b, gateway, gateway_b, no_mesh):
+    gateway.break_streams = True
+    addresses = [server.address, server_b.address]
+    async with AsyncClient(addresses, API_KEY, retries=3, backoff_s=0.01, mesh_file=no_mesh) as client:
+        deltas = [d async for d in client.chat_stream([("user", "Hi")])]
+        assert [(d.text, d.token_ids) for d in deltas] == [(t, (10 + i,)) for i, t in enumerate(DELTAS)]
+        gateway_b.unavailable_first = 1  # the client is on b now; a fails too: back to a for models
+        gateway.break_streams = False
+        assert (await client.models())[0].is_base
+    assert len(gateway.calls("Chat")) == len(gateway_b.calls("Chat")) == 1
+    assert len(gateway_b.calls("ListModels")) == len(gateway.calls("ListModels")) == 1
 
 
 async def test_async_timeout_is_the_deadline(aclient):
