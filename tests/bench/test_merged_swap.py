@@ -9,13 +9,14 @@ from support.tiny_hf_model import SPEC
 
 from bench.systems.base import AdapterSet, RunContext
 from bench.systems.clock import TickClock
-from bench.systems.merged_swap import MergedSwapOptions, MergedSwapSystem, MergedWeights
+from bench.systems.merged_swap import MergedSwapOptions, MergedSwapSystem
 from bench.workload import TraceRequest
 from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
+from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.runtime.base_model import LORA_TARGETS
@@ -127,7 +128,13 @@ def test_the_current_adapter_keeps_admitting_until_another_request_waited_too_lo
     # waited > 0 s): adapter 0 stops admitting, adapter 1 runs, then adapter 0 again: 3 merges.
     trace = [request(0, 0), request(1, 1), request(2, 0, output_len=3), request(3, 0)]
     context = RunContext(
-        trace, adapters, window_s=60, model_path=str(model_dir), max_batch=2, pool_mib=8, clock=TickClock(TICK_S)
+        trace,
+        adapters,
+        window_s=60,
+        model_path=str(model_dir),
+        max_batch=2,
+        pool_mib=8,
+        clock=TickClock(TICK_S),
     )
     system = MergedSwapSystem(MergedSwapOptions(switch_after_s=switch_after_s))
     records = system.run(context)
@@ -140,7 +147,12 @@ def test_requests_unfinished_at_the_window_have_no_finish_time(model_dir, adapte
     trace = [request(0, 0, output_len=400), request(1, 1, time_s=0.1)]
     progress = []
     context = RunContext(
-        trace, adapters, window_s=0.5, model_path=str(model_dir), pool_mib=8, on_progress=progress.append,
+        trace,
+        adapters,
+        window_s=0.5,
+        model_path=str(model_dir),
+        pool_mib=8,
+        on_progress=progress.append,
         clock=TickClock(TICK_S),
     )
     system = MergedSwapSystem()
