@@ -10,6 +10,7 @@ Every service installs :class:`ServiceInterceptor`. It wraps each RPC handler so
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -72,8 +73,10 @@ class _RpcScope:
         log.exception("%s failed unexpectedly", self.method)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {self.request_id})")
 
-    def exit(self, context: aio.ServicerContext) -> None:
-        if self.code == "OK" and context.cancelled():
+    def exit(self, context: aio.ServicerContext, error: BaseException | None = None) -> None:
+        # A caller that goes away cancels the handler's task: the handler sees CancelledError,
+        # and context.cancelled() is not yet true when it unwinds.
+        if self.code == "OK" and (isinstance(error, asyncio.CancelledError) or context.cancelled()):
             self.code = "CANCELLED"
         if self.metrics is not None:
             self.metrics.observe_rpc(self.method, self.code, time.perf_counter() - self.started)
@@ -104,14 +107,16 @@ class ServiceInterceptor(aio.ServerInterceptor):
             async def wrapped(request_or_iterator, context):
                 scope = _RpcScope(method, metadata, metrics)
                 scope.enter(context)
+                ended: BaseException | None = None
                 try:
                     return await behavior(request_or_iterator, context)
                 except BaseException as error:
+                    ended = error
                     if _is_abort(error) or not isinstance(error, Exception):
                         raise
                     await scope.fail(error, context)
                 finally:
-                    scope.exit(context)
+                    scope.exit(context, ended)
 
             return wrapped
 
@@ -119,6 +124,7 @@ class ServiceInterceptor(aio.ServerInterceptor):
             async def wrapped(request_or_iterator, context):
                 scope = _RpcScope(method, metadata, metrics)
                 scope.enter(context)
+                ended: BaseException | None = None
                 try:
                     result = behavior(request_or_iterator, context)
                     if hasattr(result, "__aiter__"):
@@ -127,11 +133,12 @@ class ServiceInterceptor(aio.ServerInterceptor):
                     else:  # a handler that writes with context.write() (grpc's health Watch)
                         await result
                 except BaseException as error:
+                    ended = error
                     if _is_abort(error) or not isinstance(error, Exception):
                         raise
                     await scope.fail(error, context)
                 finally:
-                    scope.exit(context)
+                    scope.exit(context, ended)
 
             return wrapped
 
