@@ -21,10 +21,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
+from services.gpu_worker.engine.block_recall import BlockRecalls
 from services.gpu_worker.engine.borrower import Borrower, CreditorDirectory, TransportFactory
 from services.gpu_worker.engine.request import (
     EngineRequest,
@@ -38,6 +41,7 @@ from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.block_lender import LendingConfig
+from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.remote_block_allocator import CreditorUnavailable
@@ -50,6 +54,7 @@ from services.runtime.errors import AlreadyExists, InvalidArgument, NotFound, Re
 log = logging.getLogger("loramesh.engine")
 
 EventSink = Callable[[TokenEvent], None]
+T = TypeVar("T")
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
 
 
@@ -130,6 +135,14 @@ class Engine:
             if creditors is None or connect is None:
                 raise ValueError("kv_overflow='borrow' needs a creditor directory and a transport factory")
             self.borrower = Borrower(self.rm, creditors, connect)
+        self.recalls = BlockRecalls(
+            self.rm,
+            self.borrower,
+            lambda: [r.table for r in self.running if r.table is not None],
+            self._recompute_table,
+        )
+        """DGFM recalls of this worker's blocks, applied through :meth:`between_steps`."""
+        self._between_steps: list[tuple[Callable[[], object], Future]] = []
         self.builder = StepBuilder(model, self.pool, config.lora_backend, self.rm)
         self.host_adapters: dict[str, HostAdapter] = {}
         self.waiting: deque[EngineRequest] = deque()
@@ -211,6 +224,15 @@ class Engine:
             self._gone_workers.append(worker_id)
         self._wakeup.set()
 
+    def between_steps(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the engine thread before the next step, so that no request's KV changes
+        while it runs (DGFM's freeze); the future gets its result or its error."""
+        future: Future[T] = Future()
+        with self._lock:
+            self._between_steps.append((fn, future))
+        self._wakeup.set()
+        return future
+
     def cancel(self, request_id: str) -> None:
         """Stop a request; its pages are freed before the next step."""
         with self._lock:
@@ -236,9 +258,10 @@ class Engine:
                 continue
             try:
                 self.step()
-                if not self.running and self.waiting and self.borrower is not None:
-                    # Nothing runs and the head of the queue found no lender: ask again after a
-                    # pause (or at the next submit/cancel), not in a tight loop of suggestions.
+                if self.recalls.frozen or not self.running and self.waiting and self.borrower is not None:
+                    # Frozen by DGFM until its stage closes, or nothing runs and the head of the
+                    # queue found no lender: look again after a pause (or at the next hand-over),
+                    # not in a tight loop.
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
             except Exception:  # a bug must not kill the thread silently: fail the batch, go on
@@ -256,11 +279,16 @@ class Engine:
             or self._cancels
             or self._preloads
             or self._gone_workers
+            or self._between_steps
+            or self.recalls.frozen
         )
 
     def step(self) -> int:
         """One iteration; returns the number of tokens generated."""
         self._take_inbox()
+        if self._apply_between_steps():
+            self._publish_stats()
+            return 0
         self._make_room_for_running()
         self._admit()
         if not self.running:
@@ -320,6 +348,26 @@ class Engine:
         for request in [r for r in self.waiting if r.request_id in cancels]:
             self.waiting.remove(request)
             self._finish(request, FinishReason.CANCELLED, None)
+
+    def _apply_between_steps(self) -> bool:
+        """Run the calls handed to :meth:`between_steps`; True while DGFM holds KV out of every
+        pool (a stage is open), when no request may step."""
+        with self._lock:
+            calls, self._between_steps = self._between_steps, []
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as error:  # noqa: BLE001 - the caller gets it; the engine goes on
+                future.set_exception(error)
+        self.recalls.close_expired()
+        return self.recalls.frozen
+
+    def _recompute_table(self, table: BlockTable) -> None:
+        """Recompute the running request whose KV blocks are ``table`` (DGFM found them no home)."""
+        for request in self.running:
+            if request.table is table:
+                self._preempt(request)
+                return
 
     def _reserve(self, request: EngineRequest, tokens: int) -> None:
         """Make ``request``'s KV hold ``tokens`` tokens (``PoolExhausted``: it could not)."""

@@ -195,6 +195,13 @@ class RManager:
         self.free([table.relocate(i, fresh[i]) for i in moving])
         return len(moving)
 
+    def read(self, blocks: Sequence[BlockRef]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole KV of ``blocks``, all on one holder, in every layer (DGFM's staged recall)."""
+        holders = {self._holder(block) for block in blocks}
+        if len(holders) != 1:
+            raise InvalidArgument(f"read takes the blocks of one holder, got {len(holders)} holders")
+        return self._allocator(holders.pop()).read(list(blocks))
+
     def creditor_died(self, creditor: str, tables: Sequence[BlockTable]) -> dict[int, list[int]]:
         """``creditor`` is gone: mark its blocks lost in ``tables`` and stop borrowing from it.
         Returns, per affected table (by position in ``tables``), the logical blocks lost."""
