@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -39,6 +41,8 @@ class AdapterLoader:
         """Host copies this loader added, least recently used first, with their sizes."""
         self.fetches = 0
         """Adapters pulled from the source so far (re-fetches after a drop included)."""
+        self.on_loaded: Callable[[float], None] | None = None
+        """Told the seconds each pull took, from asking the source to the host copy ready."""
 
     @property
     def host_bytes(self) -> int:
@@ -67,6 +71,11 @@ class AdapterLoader:
             self.release(adapter_id)
             raise
 
+    def fetch_waiters(self) -> dict[str, int]:
+        """Requests waiting for their adapter's host copy, per adapter being pulled: queued on
+        this worker, though not yet handed to the engine."""
+        return {a: self._refs[a] for a in self._inflight if self._refs.get(a)}
+
     def release(self, adapter_id: str) -> None:
         count = self._refs.get(adapter_id, 0)
         if count <= 0:
@@ -88,9 +97,12 @@ class AdapterLoader:
         return started
 
     async def _pull(self, adapter_id: str) -> HostAdapter:
+        started = time.perf_counter()
         config, weights = await self.source.fetch(adapter_id)
         adapter = await asyncio.to_thread(parse_peft_adapter, adapter_id, config, weights, self.dtype)
         self.engine.add_adapter(adapter)
+        if self.on_loaded is not None:
+            self.on_loaded(time.perf_counter() - started)
         self.fetches += 1
         self._lru[adapter_id] = adapter.nbytes
         self._shrink()

@@ -20,6 +20,7 @@ from services.gpu_worker.kv_manager_directory import KvManagerDirectory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.servicer import WorkerServicer
+from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
 from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_members
 from services.runtime.worker_load import worker_load_to_report
 
@@ -65,6 +66,12 @@ class WorkerService:
         self.directory = KvManagerDirectory((config.kv_manager,) if config.kv_manager else ())
         self._watches: list[asyncio.Task] = []
         self._workers: set[str] = set()
+        self._parts: WorkerParts | None = None
+        self.metrics = WorkerMetrics(lambda: self._parts)
+
+    def metric_collectors(self) -> tuple[WorkerMetrics, ...]:
+        """Per-adapter, router-facing and DistKV series beside the load report's gauges."""
+        return (self.metrics,)
 
     def add_to_server(self, server: aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
@@ -79,7 +86,7 @@ class WorkerService:
         model = await asyncio.to_thread(LlamaModel, loaded.config, loaded.weights, dtype, device)
 
         def connect(creditor: str, address: str) -> GrpcCreditorTransport:
-            return GrpcCreditorTransport(creditor, address, engine.pool.layout)
+            return GrpcCreditorTransport(creditor, address, engine.pool.layout, engine.distkv)
 
         engine = Engine(
             model,
@@ -113,6 +120,8 @@ class WorkerService:
         loader = AdapterLoader(
             self.source, engine, dtype, cfg.host_cache_mib * 2**20 if cfg.host_cache_mib else None
         )
+        self.metrics.attach(engine, loader)
+        self._parts = WorkerParts(engine, loader, loaded.config.name)
         describe = {"model": loaded.config.name, "dtype": str(dtype).removeprefix("torch.")}
         self.servicer.attach(engine, loader, describe)
         log.info(
@@ -149,6 +158,7 @@ class WorkerService:
         if self.engine is None:
             return {"ready": False}
         stats = self.engine.stats()
+        distkv = self.engine.distkv.totals()
         return worker_load_to_report(
             WorkerLoad(
                 queue=stats["queue"],
@@ -167,5 +177,11 @@ class WorkerService:
                 borrowed_blocks=stats["borrowed_blocks"],
                 lend_cap_blocks=self.config.lend_cap_blocks,
                 topology=self.config.topology,
+                remote_attention_s=distkv.remote_attention_s,
+                remote_attention_calls=distkv.remote_attention_calls,
+                remote_bytes_sent=distkv.remote_bytes_sent,
+                remote_bytes_received=distkv.remote_bytes_received,
+                lent_attention_s=distkv.lent_attention_s,
+                decode_steps=stats["decode_steps"],
             )
         )

@@ -45,6 +45,13 @@ class ServiceMetrics:
         (lists as their length), read at scrape time: the report etcd gets is what Prometheus gets."""
         self.registry.register(_LoadReportCollector(self.service, load_fn))
 
+    def export_service(self, service: object) -> None:
+        """Expose ``service``'s load report and, when it has them (``metric_collectors()``), its
+        own collectors: series richer than a load report's numbers (labels, histograms)."""
+        self.export_load_report(service.load_report)
+        for collector in getattr(service, "metric_collectors", tuple)():
+            self.registry.register(collector)
+
 
 class _LoadReportCollector:
     def __init__(self, service: str, load_fn: Callable[[], dict]):

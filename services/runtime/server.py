@@ -74,7 +74,7 @@ class ServiceHost:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        self.metrics.export_load_report(service.load_report)
+        self.metrics.export_service(service)
         self.registration: Registration | None = None
         self.address = ""
         self.http_address = ""

@@ -11,16 +11,31 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from google.protobuf import json_format
+from google.protobuf import descriptor, json_format
 
 from loramesh.v1.types_pb2 import WorkerLoad
 
+_INT64_FIELDS = tuple(
+    field.name
+    for field in WorkerLoad.DESCRIPTOR.fields
+    if field.type in (descriptor.FieldDescriptor.TYPE_UINT64, descriptor.FieldDescriptor.TYPE_INT64)
+    and not field.is_repeated
+)
+"""Fields protobuf's JSON mapping writes as strings (64-bit integers)."""
+
 
 def worker_load_to_report(load: WorkerLoad) -> dict[str, Any]:
-    """The JSON-able load report of ``load`` (every field, zero ones included)."""
-    return json_format.MessageToDict(
+    """The JSON-able load report of ``load`` (every field, zero ones included).
+
+    64-bit integers stay numbers (JSON and Python have no 53-bit limit here, and parsing
+    accepts them), so every number of the report is one for its readers and its gauges."""
+    report = json_format.MessageToDict(
         load, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    for name in _INT64_FIELDS:
+        if name in report:
+            report[name] = int(report[name])
+    return report
 
 
 def worker_load_from_report(report: Mapping[str, Any]) -> WorkerLoad:

@@ -42,11 +42,11 @@ from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.block_lender import LendingConfig
 from services.gpu_worker.memory.block_table import BlockTable
+from services.gpu_worker.memory.distkv_meter import DistKvMeter, MeteredLender, metered_connect
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.remote_block_allocator import CreditorUnavailable
 from services.gpu_worker.memory.rmanager import RManager
-from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
@@ -128,13 +128,15 @@ class Engine:
         self.pool = UnifiedPool(layout, model.dtype, model.device, adapter_region)
         self.residency = AdapterResidency(self.pool)
         self.rm = RManager(config.worker_id, self.pool, LendingConfig(config.max_lent_blocks))
-        self.lending = SharedLender(self.rm.lender, layout)
+        self.distkv = DistKvMeter()
+        """This worker's lending traffic, as debtor and as creditor (heartbeat and metrics)."""
+        self.lending = MeteredLender(self.rm.lender, layout, self.distkv)
         """The lender as the lending RPCs reach it, from their own threads."""
         self.borrower: Borrower | None = None
         if config.kv_overflow == "borrow":
             if creditors is None or connect is None:
                 raise ValueError("kv_overflow='borrow' needs a creditor directory and a transport factory")
-            self.borrower = Borrower(self.rm, creditors, connect)
+            self.borrower = Borrower(self.rm, creditors, metered_connect(connect, self.distkv))
         self.recalls = BlockRecalls(
             self.rm,
             self.borrower,
@@ -163,6 +165,10 @@ class Engine:
         self._tokens_per_s = 0.0
         self.steps = 0
         self.preemptions = 0
+        self.tokens_by_adapter: dict[str, int] = {}
+        """Tokens generated per adapter id since start (engine thread; read via :meth:`stats`)."""
+        self.on_adapter_paged_in: Callable[[float], None] | None = None
+        """Told the seconds each adapter took to be paged into the pool (engine thread)."""
         self._publish_stats()
 
     # -- called from any thread --------------------------------------------------------------
@@ -180,6 +186,17 @@ class Engine:
 
     def has_adapter(self, adapter_id: str) -> bool:
         return adapter_id in self.host_adapters
+
+    def host_adapter_ids(self) -> list[str]:
+        """Adapters with a host copy on this worker (any thread)."""
+        with self._lock:
+            return list(self.host_adapters)
+
+    def handed_over_adapters(self) -> list[str | None]:
+        """The adapter of each request submitted and not yet taken up by the engine thread
+        (None: the base model): queued too, but in no snapshot yet."""
+        with self._lock:
+            return [request.spec.adapter_id for request, _ in self._inbox]
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Queue a request; ``sink`` receives its events on the engine thread."""
@@ -291,8 +308,8 @@ class Engine:
             return 0
         self._make_room_for_running()
         self._admit()
+        self._publish_stats()  # who runs and waits, seen by scrapes during a long forward pass
         if not self.running:
-            self._publish_stats()
             return 0
         batch_requests = list(self.running)
         batch = self.builder.build(batch_requests, self.residency)
@@ -319,6 +336,7 @@ class Engine:
             request.num_computed = request.total_len
             self._emit_next_token(request, token, now)
         self.steps += 1
+        self.distkv.end_step()
         self._publish_stats()
         return len(batch_requests)
 
@@ -335,7 +353,7 @@ class Engine:
             if adapter is None:  # removed from the host since the preload was asked for
                 continue
             try:
-                self.residency.load(adapter)
+                self._page_in(adapter)
             except PoolExhausted:
                 log.info("no room to preload adapter %s now; it will be paged in when used", adapter_id)
         for request, sink in inbox:
@@ -469,7 +487,7 @@ class Engine:
         adapter_id = request.spec.adapter_id
         if adapter_id is not None:
             try:
-                self.residency.load(self.host_adapters[adapter_id])
+                self._page_in(self.host_adapters[adapter_id])
             except PoolExhausted:
                 return False
             self.residency.acquire(adapter_id)
@@ -486,6 +504,16 @@ class Engine:
         self.running.append(request)
         return True
 
+    def _page_in(self, adapter: HostAdapter) -> None:
+        """Page ``adapter`` into the pool (a no-op when resident), timing a real page-in."""
+        if adapter.adapter_id in self.residency:
+            self.residency.load(adapter)  # marks it recently used
+            return
+        started = time.perf_counter()
+        self.residency.load(adapter)
+        if self.on_adapter_paged_in is not None:
+            self.on_adapter_paged_in(time.perf_counter() - started)
+
     def _release_adapter(self, request: EngineRequest) -> None:
         if request.holds_adapter:
             self.residency.release(request.spec.adapter_id)
@@ -494,6 +522,9 @@ class Engine:
     def _emit_next_token(self, request: EngineRequest, token: int, now: float) -> None:
         request.output_ids.append(token)
         self.tokens_generated += 1
+        adapter_id = request.spec.adapter_id
+        if adapter_id is not None:
+            self.tokens_by_adapter[adapter_id] = self.tokens_by_adapter.get(adapter_id, 0) + 1
         if request.timings.first_token is None:
             request.timings.first_token = now
         reason = self._finish_reason(request, token)
@@ -587,4 +618,15 @@ class Engine:
             "resident_adapters": self.residency.ids(),
             "preemptions": self.preemptions,
             "borrowed_blocks": self.rm.borrowed(),
+            **self._adapter_stats(),
+        }
+
+    def _adapter_stats(self) -> dict:
+        """Per-adapter state for ``/metrics`` (adapter id None: the base model)."""
+        return {
+            "running_adapters": [r.spec.adapter_id for r in self.running],
+            "waiting_adapters": [r.spec.adapter_id for r in self.waiting],
+            "idle_adapter_pages": self.residency.idle_pages(),
+            "tokens_by_adapter": dict(self.tokens_by_adapter),
+            "decode_steps": self.steps,
         }

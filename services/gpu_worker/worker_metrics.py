@@ -1,0 +1,183 @@
+"""The gpu_worker's own series on ``/metrics``: per adapter, the four the Kubernetes LoRA routers
+read (vLLM's names and labels), adapter residency, and DistKV-LLM lending (docs/metrics.md).
+
+Everything is read at scrape time from what is safe to read from another thread: the snapshot
+the engine thread publishes after scheduling and after each step (``Engine.stats``), the
+hand-over inbox and host copies (under the engine's lock), the lender (its own lock), and the
+adapter loader (the event loop's, where scrapes run). Series of adapters or peers that are gone
+are simply not yielded, so nothing lingers (a custom collector, not labelled Gauges).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from services.gpu_worker.adapter_loader import AdapterLoader
+from services.gpu_worker.engine.engine import Engine
+
+LOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+STEP_WAIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+ENGINE_INDEX = "0"
+"""vLLM's ``engine`` label: a worker runs one engine."""
+GPU, CPU = "gpu", "cpu"
+"""vLLM's residency levels: in the engine's device pool (paged in, serves at once), or only a
+host copy (paged in at its next request). The pool is on the compute device, CPU or GPU alike."""
+
+
+@dataclass(frozen=True)
+class WorkerParts:
+    """What the collector reads, once the worker has started."""
+
+    engine: Engine
+    loader: AdapterLoader | None
+    """None where no adapter is fetched (a worker lending only, in tests)."""
+    model_name: str
+    """The base model's name: vLLM's ``model_name`` label."""
+
+
+class WorkerMetrics:
+    """The collector of the worker's series, and the histograms it observes into."""
+
+    def __init__(self, parts: Callable[[], WorkerParts | None]):
+        """``parts``: the started worker's parts, None before it has started."""
+        self._parts = parts
+        self.adapter_load_seconds = Histogram(
+            "loramesh_gpu_worker_adapter_load_seconds",
+            "Adapter loads by level reached: cpu = pulled from the source and parsed into host RAM, "
+            "gpu = paged into the unified pool",
+            ["level"],
+            buckets=LOAD_BUCKETS_S,
+            registry=None,
+        )
+        self.remote_attention_step_seconds = Histogram(
+            "loramesh_gpu_worker_remote_attention_step_seconds",
+            "Per engine step with KV on other workers: seconds it waited on their AttendRemote",
+            buckets=STEP_WAIT_BUCKETS_S,
+            registry=None,
+        )
+
+    def attach(self, engine: Engine, loader: AdapterLoader | None) -> None:
+        """Observe ``engine``'s page-ins and remote-attention waits and ``loader``'s pulls."""
+        engine.on_adapter_paged_in = self.adapter_load_seconds.labels(GPU).observe
+        engine.distkv.on_step_wait = self.remote_attention_step_seconds.observe
+        if loader is not None:
+            loader.on_loaded = self.adapter_load_seconds.labels(CPU).observe
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.adapter_load_seconds.collect()
+        yield from self.remote_attention_step_seconds.collect()
+        parts = self._parts()
+        if parts is None:
+            return
+        stats = parts.engine.stats()
+        running = stats["running_adapters"]
+        waiting = stats["waiting_adapters"] + parts.engine.handed_over_adapters()
+        if parts.loader is not None:
+            waiting += [a for a, count in parts.loader.fetch_waiters().items() for _ in range(count)]
+        yield from _router_series(parts, stats, running, waiting)
+        yield from _adapter_series(running, waiting, stats["tokens_by_adapter"])
+        yield from _lending_series(parts.engine.lending.lent_to(), stats["borrowed_blocks"])
+
+
+def _router_series(parts: WorkerParts, stats: dict, running: list, waiting: list) -> Iterator[Metric]:
+    """The series the Gateway API Inference Extension's endpoint picker and llm-d read, with
+    vLLM's names, help and labels."""
+    engine_labels = ["model_name", "engine"]
+    engine_values = [parts.model_name, ENGINE_INDEX]
+    for name, documentation, value in (
+        ("vllm:num_requests_running", "Number of requests in model execution batches.", len(running)),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(waiting)),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage(stats)),
+    ):
+        family = GaugeMetricFamily(name, documentation, labels=engine_labels)
+        family.add_metric(engine_values, value)
+        yield family
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    info.add_metric([str(parts.engine.config.max_running), _names(waiting), _names(running)], time.time())
+    yield info
+    host = parts.engine.host_adapter_ids()
+    on_device = set(stats["resident_adapters"])
+    loaded = GaugeMetricFamily(
+        "vllm:lora_adapter_loaded",
+        "One series per loaded adapter: level gpu = in the device pool, cpu = host copy only.",
+        labels=[*engine_labels, "adapter_name", "level", "pinned"],
+    )
+    # An adapter's pages left in the pool after its host copy was dropped are not "loaded": a
+    # request for it pulls it again (they are only reused, and otherwise evicted LRU).
+    for adapter_id in sorted(host):
+        loaded.add_metric([*engine_values, adapter_id, GPU if adapter_id in on_device else CPU, "false"], 1)
+    yield loaded
+    for level, count in ((GPU, len(on_device.intersection(host))), (CPU, len(host))):
+        family = GaugeMetricFamily(
+            f"vllm:num_{level}_loaded_lora_adapters",
+            f"Number of adapters loaded in {'the device pool' if level == GPU else 'host RAM'}.",
+            labels=engine_labels,
+        )
+        family.add_metric(engine_values, count)
+        yield family
+
+
+def kv_cache_usage(stats: dict) -> float:
+    """Share of the unified pool that new KV cannot have: KV pages (lent ones included) and the
+    pages of adapters running requests use. Idle adapters' pages count as free, as vLLM counts
+    cached but unreferenced blocks: they are evicted the moment KV needs them."""
+    total = stats["total_pages"]
+    if not total:
+        return 0.0
+    used = total - stats["free_pages"] - stats["idle_adapter_pages"]
+    return min(1.0, max(0.0, used / total))
+
+
+def _names(adapters: Iterable[str | None]) -> str:
+    """vLLM's label value: the distinct adapter names, comma-separated (no base-model requests)."""
+    return ",".join(sorted({a for a in adapters if a is not None}))
+
+
+def _adapter_series(running: list, waiting: list, tokens: dict[str, int]) -> Iterator[Metric]:
+    for name, documentation, counts in (
+        (
+            "loramesh_gpu_worker_adapter_requests_running",
+            "Requests in the running batch, per adapter",
+            running,
+        ),
+        (
+            "loramesh_gpu_worker_adapter_requests_waiting",
+            "Requests queued on this worker, per adapter",
+            waiting,
+        ),
+    ):
+        family = GaugeMetricFamily(name, documentation, labels=["adapter"])
+        for adapter_id, count in sorted(Counter(a for a in counts if a is not None).items()):
+            family.add_metric([adapter_id], count)
+        yield family
+    generated = CounterMetricFamily(
+        "loramesh_gpu_worker_adapter_generated_tokens", "Tokens generated per adapter", labels=["adapter"]
+    )
+    for adapter_id, count in sorted(tokens.items()):
+        generated.add_metric([adapter_id], count)
+    yield generated
+
+
+def _lending_series(lent: dict[str, int], borrowed: dict[str, int]) -> Iterator[Metric]:
+    for name, documentation, blocks in (
+        ("loramesh_gpu_worker_kv_blocks_lent", "KV blocks of this pool lent to a peer (its debtor)", lent),
+        (
+            "loramesh_gpu_worker_kv_blocks_borrowed",
+            "KV blocks this worker holds on a peer (its creditor)",
+            borrowed,
+        ),
+    ):
+        family = GaugeMetricFamily(name, documentation, labels=["peer"])
+        for peer, count in sorted(blocks.items()):
+            family.add_metric([peer], count)
+        yield family
