@@ -80,14 +80,18 @@ class LedgerEntry(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., topology: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., lent_blocks: _Optional[_Mapping[str, int]] = ..., lendable_blocks: _Optional[int] = ..., refused: _Optional[bool] = ..., report_age_ms: _Optional[float] = ...) -> None: ...
 
 class LedgerResponse(_message.Message):
-    __slots__ = ("workers", "instance_id", "leader_id")
+    __slots__ = ("workers", "instance_id", "leader_id", "dgfm_swaps_total", "dgfm_blocks_moved_total")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    DGFM_SWAPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DGFM_BLOCKS_MOVED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     instance_id: str
     leader_id: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., instance_id: _Optional[str] = ..., leader_id: _Optional[str] = ...) -> None: ...
+    dgfm_swaps_total: int
+    dgfm_blocks_moved_total: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., instance_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., dgfm_swaps_total: _Optional[int] = ..., dgfm_blocks_moved_total: _Optional[int] = ...) -> None: ...
 
 class PlanDefragmentationRequest(_message.Message):
     __slots__ = ("min_swap_blocks",)
@@ -128,3 +132,25 @@ class PlanDefragmentationResponse(_message.Message):
     remote_blocks_before: int
     remote_blocks_after: int
     def __init__(self, swaps: _Optional[_Iterable[_Union[CycleSwap, _Mapping]]] = ..., frozen_workers: _Optional[_Iterable[str]] = ..., blocks_moved: _Optional[int] = ..., remote_blocks_before: _Optional[int] = ..., remote_blocks_after: _Optional[int] = ...) -> None: ...
+
+class DefragmentRequest(_message.Message):
+    __slots__ = ("min_swap_blocks",)
+    MIN_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    min_swap_blocks: int
+    def __init__(self, min_swap_blocks: _Optional[int] = ...) -> None: ...
+
+class DefragmentResponse(_message.Message):
+    __slots__ = ("plan", "swaps_done", "blocks_moved", "failed_worker", "error_code", "error")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    SWAPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_WORKER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    plan: PlanDefragmentationResponse
+    swaps_done: int
+    blocks_moved: int
+    failed_worker: str
+    error_code: str
+    error: str
+    def __init__(self, plan: _Optional[_Union[PlanDefragmentationResponse, _Mapping]] = ..., swaps_done: _Optional[int] = ..., blocks_moved: _Optional[int] = ..., failed_worker: _Optional[str] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...

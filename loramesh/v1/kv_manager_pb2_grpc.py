@@ -54,6 +54,11 @@ class KVManagerStub:
                 request_serializer=loramesh_dot_v1_dot_kv__manager__pb2.PlanDefragmentationRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.PlanDefragmentationResponse.FromString,
                 _registered_method=True)
+        self.Defragment = channel.unary_unary(
+                '/loramesh.v1.KVManager/Defragment',
+                request_serializer=loramesh_dot_v1_dot_kv__manager__pb2.DefragmentRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.DefragmentResponse.FromString,
+                _registered_method=True)
 
 
 class KVManagerServicer:
@@ -92,6 +97,17 @@ class KVManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Defragment(self, request, context):
+        """DGFM now: plan over the current ledger and have the workers apply each swap's recalls
+        (Worker/RecallBlocks, staged with StageOutBlocks/StageInBlocks when no pool on a cycle has
+        room). The leader also runs it every --dgfm-interval-s. Swaps are applied in plan order and
+        the first that fails stops the run; its recalls made so far stay made (each is all or
+        none), and the worker's status is reported in the response.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +130,11 @@ def add_KVManagerServicer_to_server(servicer, server):
                     servicer.PlanDefragmentation,
                     request_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.PlanDefragmentationRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_kv__manager__pb2.PlanDefragmentationResponse.SerializeToString,
+            ),
+            'Defragment': grpc.unary_unary_rpc_method_handler(
+                    servicer.Defragment,
+                    request_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.DefragmentRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_kv__manager__pb2.DefragmentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +245,33 @@ class KVManager:
             '/loramesh.v1.KVManager/PlanDefragmentation',
             loramesh_dot_v1_dot_kv__manager__pb2.PlanDefragmentationRequest.SerializeToString,
             loramesh_dot_v1_dot_kv__manager__pb2.PlanDefragmentationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Defragment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.KVManager/Defragment',
+            loramesh_dot_v1_dot_kv__manager__pb2.DefragmentRequest.SerializeToString,
+            loramesh_dot_v1_dot_kv__manager__pb2.DefragmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

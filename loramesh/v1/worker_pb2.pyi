@@ -66,7 +66,7 @@ class WorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatsResponse(_message.Message):
-    __slots__ = ("queue", "running", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "tokens_per_s", "preemptions", "model", "dtype")
+    __slots__ = ("queue", "running", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "tokens_per_s", "preemptions", "model", "dtype", "dgfm_recalls", "dgfm_blocks_recalled")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class WorkerStatsResponse(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DGFM_RECALLS_FIELD_NUMBER: _ClassVar[int]
+    DGFM_BLOCKS_RECALLED_FIELD_NUMBER: _ClassVar[int]
     queue: int
     running: int
     free_pages: int
@@ -89,7 +91,9 @@ class WorkerStatsResponse(_message.Message):
     preemptions: int
     model: str
     dtype: str
-    def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    dgfm_recalls: int
+    dgfm_blocks_recalled: int
+    def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., dgfm_recalls: _Optional[int] = ..., dgfm_blocks_recalled: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("data", "dtype", "shape")
@@ -212,3 +216,43 @@ class ReadBlocksResponse(_message.Message):
     keys: Tensor
     values: Tensor
     def __init__(self, keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RecallBlocksRequest(_message.Message):
+    __slots__ = ("holder", "blocks")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    blocks: int
+    def __init__(self, holder: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class RecallBlocksResponse(_message.Message):
+    __slots__ = ("blocks_moved",)
+    BLOCKS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    blocks_moved: int
+    def __init__(self, blocks_moved: _Optional[int] = ...) -> None: ...
+
+class StageOutBlocksRequest(_message.Message):
+    __slots__ = ("holder", "blocks")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    blocks: int
+    def __init__(self, holder: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class StageOutBlocksResponse(_message.Message):
+    __slots__ = ("stage_id",)
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    stage_id: int
+    def __init__(self, stage_id: _Optional[int] = ...) -> None: ...
+
+class StageInBlocksRequest(_message.Message):
+    __slots__ = ("stage_id",)
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    stage_id: int
+    def __init__(self, stage_id: _Optional[int] = ...) -> None: ...
+
+class StageInBlocksResponse(_message.Message):
+    __slots__ = ("blocks_home",)
+    BLOCKS_HOME_FIELD_NUMBER: _ClassVar[int]
+    blocks_home: int
+    def __init__(self, blocks_home: _Optional[int] = ...) -> None: ...

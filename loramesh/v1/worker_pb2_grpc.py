@@ -79,6 +79,21 @@ class WorkerStub:
                 request_serializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.FromString,
                 _registered_method=True)
+        self.RecallBlocks = channel.unary_unary(
+                '/loramesh.v1.Worker/RecallBlocks',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.RecallBlocksRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.RecallBlocksResponse.FromString,
+                _registered_method=True)
+        self.StageOutBlocks = channel.unary_unary(
+                '/loramesh.v1.Worker/StageOutBlocks',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.StageOutBlocksRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.StageOutBlocksResponse.FromString,
+                _registered_method=True)
+        self.StageInBlocks = channel.unary_unary(
+                '/loramesh.v1.Worker/StageInBlocks',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.StageInBlocksRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.StageInBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -152,6 +167,35 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecallBlocks(self, request, context):
+        """DGFM (issue 13), called by the kv_manager leader to cancel a debt cycle. Each call runs on
+        the engine thread between two steps, so no request's KV changes meanwhile. Blocks are this
+        worker's running requests' blocks on `holder`, in request order then logical order.
+        Bring `blocks` of them home into this pool, all or none: FAILED_PRECONDITION when fewer are
+        held there, RESOURCE_EXHAUSTED when this pool has no room, the holder's status when it fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageOutBlocks(self, request, context):
+        """First half of a recall when no pool on the cycle has room: read `blocks` of them into host
+        memory and free them at `holder`, all or none. The engine does not step until the stage is
+        closed by StageInBlocks (or by itself after a timeout, should the kv_manager vanish).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageInBlocks(self, request, context):
+        """Close a stage: write its blocks into this pool (slots freed meanwhile by the cycle), else
+        borrow room for them, else recompute the requests they belong to. NOT_FOUND for a stage
+        that is not open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +243,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReadBlocks,
                     request_deserializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.SerializeToString,
+            ),
+            'RecallBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecallBlocks,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.RecallBlocksRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.RecallBlocksResponse.SerializeToString,
+            ),
+            'StageOutBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageOutBlocks,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.StageOutBlocksRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.StageOutBlocksResponse.SerializeToString,
+            ),
+            'StageInBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageInBlocks,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.StageInBlocksRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.StageInBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +503,87 @@ class Worker:
             '/loramesh.v1.Worker/ReadBlocks',
             loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
             loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecallBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/RecallBlocks',
+            loramesh_dot_v1_dot_worker__pb2.RecallBlocksRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.RecallBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageOutBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/StageOutBlocks',
+            loramesh_dot_v1_dot_worker__pb2.StageOutBlocksRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.StageOutBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageInBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/StageInBlocks',
+            loramesh_dot_v1_dot_worker__pb2.StageInBlocksRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.StageInBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -131,6 +131,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             preemptions=stats["preemptions"],
             model=self.describe["model"],
             dtype=self.describe["dtype"],
+            dgfm_recalls=self.engine.recalls.recalls,
+            dgfm_blocks_recalled=self.engine.recalls.blocks_recalled,
         )
 
     # -- lending (DistKV-LLM creditor side) ---------------------------------------------------
@@ -176,3 +178,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         lending = self._lending(request.debtor)
         keys, values = await asyncio.to_thread(lending.read, request.debtor, list(request.block_ids))
         return worker_pb2.ReadBlocksResponse(keys=tensor_to_proto(keys), values=tensor_to_proto(values))
+
+    # -- DGFM (issue 13): the kv_manager leader has this worker bring its blocks home ----------
+    # Each call is applied by the engine thread between two steps (the freeze), awaited here.
+
+    async def _between_steps(self, holder: str, apply):
+        if not holder:
+            raise InvalidArgument("holder is empty: name the worker that holds the blocks")
+        return await asyncio.wrap_future(self.engine.between_steps(apply))
+
+    async def RecallBlocks(self, request: worker_pb2.RecallBlocksRequest, context):
+        recalls = self.engine.recalls
+        moved = await self._between_steps(
+            request.holder, lambda: recalls.recall(request.holder, request.blocks)
+        )
+        return worker_pb2.RecallBlocksResponse(blocks_moved=moved)
+
+    async def StageOutBlocks(self, request: worker_pb2.StageOutBlocksRequest, context):
+        recalls = self.engine.recalls
+        stage_id = await self._between_steps(
+            request.holder, lambda: recalls.stage_out(request.holder, request.blocks)
+        )
+        return worker_pb2.StageOutBlocksResponse(stage_id=stage_id)
+
+    async def StageInBlocks(self, request: worker_pb2.StageInBlocksRequest, context):
+        recalls = self.engine.recalls
+        home = await asyncio.wrap_future(
+            self.engine.between_steps(lambda: recalls.stage_in(request.stage_id))
+        )
+        return worker_pb2.StageInBlocksResponse(blocks_home=home)

@@ -17,6 +17,11 @@ class KVManagerConfig(ServiceConfig):
     """Shortest time between two sorts of the workers by lendable blocks."""
     min_swap_blocks: int = 4
     """DGFM: smallest debt (in KV blocks) on a cycle worth swapping."""
+    dgfm_interval_s: float = 10.0
+    """DGFM: how often the leader plans and has the workers apply swaps (0: only on demand,
+    through the Defragment RPC). A run waits for the heartbeats that follow the previous one."""
+    dgfm_call_timeout_s: float = 60.0
+    """DGFM: deadline of one worker's recall call (it waits for the worker's current step)."""
     retry_after_s: float = 1.0
     """Hint sent with RESOURCE_EXHAUSTED when no worker can lend (about one heartbeat)."""
     start_timeout_s: float = 10.0

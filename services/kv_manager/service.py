@@ -7,7 +7,9 @@ told who leads, so a ready replica always answers from a fed ledger.
 
 Every replica keeps its own ledger from the same heartbeats (a standby can take over at once),
 but only the leader suggests creditors, records refusals and plans DGFM: the refusal marks, the
-periodic sort and the freezes of a plan must live in one place.
+periodic sort and the freezes of a plan must live in one place. The leader also has the workers
+apply DGFM plans (:class:`~services.kv_manager.defragmenter.Defragmenter`), every
+``dgfm_interval_s`` and on ``Defragment``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from grpc import aio
 from loramesh.v1 import kv_manager_pb2_grpc
 from services.kv_manager.config import KVManagerConfig
 from services.kv_manager.creditors import CreditorConfig, CreditorIndex
+from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import DgfmConfig
 from services.kv_manager.heartbeats import ledger_rows
 from services.kv_manager.ledger import DebtLedger
 from services.kv_manager.servicer import KVManagerServicer
+from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import Unavailable
 from services.runtime.leader_election import LeaderElection
 from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_loads, watch_members
@@ -54,10 +58,15 @@ class KVManagerService:
             )
         )
         self.election: LeaderElection | None = None
+        dgfm = DgfmConfig(min_swap_blocks=config.min_swap_blocks)
+        self.defragmenter = Defragmenter(
+            dgfm, lambda addresses: GrpcRecallWorkers(addresses, config.dgfm_call_timeout_s)
+        )
         self.servicer = KVManagerServicer(
             self.ledger,
             self.index,
-            DgfmConfig(min_swap_blocks=config.min_swap_blocks),
+            dgfm,
+            self.defragmenter,
             config.instance_id,
             leader_id=lambda: self.election.leader_id if self.election else "",
             require_leader=self.require_leader,
@@ -108,6 +117,15 @@ class KVManagerService:
                 name="kv_manager:watch-replicas",
             ),
         ]
+        if cfg.dgfm_interval_s > 0:
+            self._tasks.append(
+                loop.create_task(
+                    self.defragmenter.run_periodically(
+                        self.ledger, cfg.dgfm_interval_s, lambda: self.election.is_leader
+                    ),
+                    name="kv_manager:dgfm",
+                )
+            )
         await self.election.start()
         try:
             await asyncio.wait_for(
@@ -156,4 +174,7 @@ class KVManagerService:
             "lent_blocks": sum(row.lent_total for row in rows),
             "suggestions": self.servicer.suggestions,
             "dgfm_swaps_planned": self.servicer.swaps_planned,
+            "dgfm_swaps_total": self.defragmenter.swaps_total,
+            "dgfm_blocks_moved_total": self.defragmenter.blocks_moved_total,
+            "dgfm_runs_failed_total": self.defragmenter.runs_failed,
         }

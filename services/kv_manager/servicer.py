@@ -13,7 +13,9 @@ from collections.abc import Callable
 from loramesh.v1 import kv_manager_pb2 as pb
 from loramesh.v1 import kv_manager_pb2_grpc
 from services.kv_manager.creditors import CreditorCandidate, CreditorIndex
+from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import DefragPlan, DgfmConfig, plan_defragmentation
+from services.kv_manager.dgfm_execution import DefragOutcome
 from services.kv_manager.ledger import DebtLedger
 from services.runtime.errors import InvalidArgument, NotFound
 
@@ -67,6 +69,18 @@ def plan_to_proto(plan: DefragPlan) -> pb.PlanDefragmentationResponse:
     )
 
 
+def outcome_to_proto(outcome: DefragOutcome) -> pb.DefragmentResponse:
+    reply = pb.DefragmentResponse(
+        plan=plan_to_proto(outcome.plan), swaps_done=outcome.swaps_done, blocks_moved=outcome.blocks_moved
+    )
+    failure = outcome.failure
+    if failure is not None:
+        reply.failed_worker = failure.failed_step.owner_id
+        reply.error_code = failure.error.code_name
+        reply.error = failure.error.message
+    return reply
+
+
 class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
     """Answers from the ledger the service keeps up to date from etcd.
 
@@ -79,6 +93,7 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         ledger: DebtLedger,
         index: CreditorIndex,
         dgfm: DgfmConfig,
+        defragmenter: Defragmenter,
         instance_id: str,
         leader_id: Callable[[], str],
         require_leader: Callable[[str], None],
@@ -87,6 +102,7 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         self.ledger = ledger
         self.index = index
         self.dgfm = dgfm
+        self.defragmenter = defragmenter
         self.instance_id = instance_id
         self.leader_id = leader_id
         self.require_leader = require_leader
@@ -126,6 +142,8 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
             workers=ledger_to_proto(self.ledger, self.clock()),
             instance_id=self.instance_id,
             leader_id=self.leader_id(),
+            dgfm_swaps_total=self.defragmenter.swaps_total,
+            dgfm_blocks_moved_total=self.defragmenter.blocks_moved_total,
         )
 
     async def PlanDefragmentation(
@@ -141,3 +159,8 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
                 plan.swap_count, plan.blocks_moved, plan.remote_blocks_before, plan.remote_blocks_after,
             )  # fmt: skip
         return plan_to_proto(plan)
+
+    async def Defragment(self, request: pb.DefragmentRequest, context) -> pb.DefragmentResponse:
+        self.require_leader("Defragment")
+        config = DgfmConfig(request.min_swap_blocks) if request.min_swap_blocks else None
+        return outcome_to_proto(await self.defragmenter.run(self.ledger, config))

@@ -1,7 +1,8 @@
 """DistKV-LLM across real processes (issue 13's acceptance tests): gpu_workers with small pools
 and ``--kv-overflow borrow``, a kv_manager and a real etcd. A prompt longer than any one pool
 completes with its KV on all three workers, and its greedy tokens are those of one engine with a
-large pool; kill -9 of the creditor mid-generation costs a recompute, not the output.
+large pool; a prompt that fits the debtor's pool but whose decoding crosses its end borrows
+then and matches too; kill -9 of the creditor mid-generation costs a recompute, not the output.
 
 Scaled down from the issue's figures so the suite stays within a couple of minutes on 2 CPU
 cores: pools of 400 tokens of KV (not ~1,000) and a 1,000-token prompt + 32 new tokens (not
@@ -54,11 +55,11 @@ def long_prompt(loaded) -> list[int]:
     return ids[:PROMPT_TOKENS]
 
 
-def one_big_pool_tokens(loaded, prompt: list[int]) -> list[int]:
+def one_big_pool_tokens(loaded, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     model = LlamaModel(loaded.config, loaded.weights, torch.float32)
     engine = Engine(model, EngineConfig(pool_mib=256))
     tokens: list[int] = []
-    request = GenerationRequest("ref", tuple(prompt), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    request = GenerationRequest("ref", tuple(prompt), SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     engine.submit(request, lambda e: tokens.append(e.token_id) if e.token_id is not None else None)
     while engine.has_work():
         engine.step()
@@ -83,8 +84,6 @@ def start_mesh(etcd, tmp_path, workers: dict[str, tuple[int, int]]) -> list[Serv
         ]  # fmt: skip
         processes.append(ServiceProcess("gpu_worker", flags, log_path=tmp_path / f"{worker_id}.log").start())
     return processes
-
-
 
 
 async def test_a_prompt_longer_than_any_pool_spreads_over_three_workers_and_matches_one_big_pool(
@@ -139,6 +138,64 @@ async def test_a_prompt_longer_than_any_pool_spreads_over_three_workers_and_matc
                 and not loads[w]["borrowed_blocks"]
                 and loads[w]["free_blocks"] == loads[w]["total_blocks"]
                 for w in worker_ids
+            ),
+            "every block is back with its worker",
+        )
+    finally:
+        for proc in processes:
+            proc.kill()
+
+
+async def test_a_request_that_starts_local_borrows_when_decoding_crosses_the_pool_end(etcd, tmp_path, loaded):
+    """The debtor's pool holds 400 tokens (25 blocks); a 390-token prompt fits it. The step that
+    holds token 401 borrows the 26th block from the other worker: the debtor is held still
+    (SIGSTOP) once that token is out until the creditor's heartbeat shows exactly that block.
+    Two workers, not three: one creditor is enough for one block."""
+    prompt_tokens, new_tokens = 390, 16
+    # Token k comes out of the step that holds prompt + k - 1 tokens: token 12 of the one with 401.
+    crossed_at = 400 - prompt_tokens + 2
+    prompt = long_prompt(loaded)[:prompt_tokens]
+    workers = {"gpu_worker-w0": (POOL_MIB, 0), "gpu_worker-w1": (POOL_MIB, LEND_CAP_BLOCKS)}
+    processes = start_mesh(etcd, tmp_path, workers)
+    debtor = processes[1]
+    try:
+        for proc in processes:
+            await proc.wait_ready(HANG_GUARD_S)
+        config = MembershipConfig(etcd_endpoints=etcd.endpoint)
+        await until(
+            lambda: read_loads(config),
+            lambda loads: all(loads.get(w, {}).get("total_blocks") == 25 for w in workers),
+            "every worker's heartbeat carries its 25 KV blocks",
+        )
+        async with aio.insecure_channel(debtor.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            request = worker_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                sampling=types_pb2.SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+            )
+            tokens, last = [], None
+            async for reply in stub.Generate(request):  # pytest-timeout guards a hang
+                tokens += reply.token_ids
+                last = reply
+                if len(tokens) == crossed_at:
+                    os.kill(debtor.pid, signal.SIGSTOP)
+                    try:
+                        await until(
+                            lambda: read_loads(config),
+                            lambda loads: loads["gpu_worker-w1"]["lent_blocks"] == {"gpu_worker-w0": 1},
+                            "the creditor holds the one block the debtor crossed into",
+                        )
+                    finally:
+                        os.kill(debtor.pid, signal.SIGCONT)
+            stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
+        assert last.finish_reason == types_pb2.FINISH_REASON_LENGTH
+        assert stats.preemptions == 0  # its local KV stayed where it was
+        assert tokens == one_big_pool_tokens(loaded, prompt, new_tokens)
+        await until(
+            lambda: read_loads(config),
+            lambda loads: all(
+                not loads[w]["lent_blocks"] and loads[w]["free_blocks"] == loads[w]["total_blocks"]
+                for w in workers
             ),
             "every block is back with its worker",
         )

@@ -57,6 +57,7 @@ async def kv_managers(etcd):
             grace_s=0.5,
             instance_id=instance_id,
             resort_interval_s=0,
+            dgfm_interval_s=0,  # DGFM only when a test asks (Defragment)
         )
         replica = Replica(await start_service(KVManagerService(config), config))
         started.append(replica)
@@ -159,6 +160,29 @@ async def test_dgfm_plans_the_swaps_of_a_three_cycle(kv_managers, workers, poll)
     assert "loramesh_kv_manager_lent_blocks 27.0" in metrics
 
 
+async def test_defragment_stops_at_a_worker_it_cannot_reach_and_says_which(kv_managers, workers, poll):
+    """The simulated workers have no Worker server: the first recall of the cycle (a's stage-out,
+    no pool having room) cannot reach a, so the run stops there, reported, nothing counted."""
+    kv = await kv_managers("kv-a")
+    await workers("a", free_blocks=1, lent_blocks={"c": 8})
+    await workers("b", free_blocks=1, lent_blocks={"a": 10})
+    await workers("c", free_blocks=1, lent_blocks={"b": 6})
+    await poll(kv.workers, lambda w: len(w) == 3, "three workers in the ledger")
+    reply = await kv.stub.Defragment(pb.DefragmentRequest(), timeout=RPC_TIMEOUT_S)
+    assert [(list(s.cycle), s.blocks) for s in reply.plan.swaps] == [(["a", "b", "c"], 6)]
+    assert (reply.swaps_done, reply.blocks_moved) == (0, 0)
+    assert (reply.failed_worker, reply.error_code) == ("a", "UNAVAILABLE")
+    assert "worker a (127.0.0.1:" in reply.error and "StageOutBlocks" in reply.error
+    ledger = await kv.ledger()
+    assert (ledger.dgfm_swaps_total, ledger.dgfm_blocks_moved_total) == (0, 0)
+    metrics = generate_latest(kv.host.metrics.registry).decode()
+    assert "loramesh_kv_manager_dgfm_swaps_total 0.0" in metrics
+    assert "loramesh_kv_manager_dgfm_runs_failed_total 1.0" in metrics
+    # Below the threshold there is nothing to do, and nothing fails.
+    reply = await kv.stub.Defragment(pb.DefragmentRequest(min_swap_blocks=7), timeout=RPC_TIMEOUT_S)
+    assert not reply.plan.swaps and not reply.failed_worker and reply.swaps_done == 0
+
+
 async def test_one_replica_leads_and_the_standby_takes_over(kv_managers, workers, poll):
     a = await kv_managers("kv-a")
     b = await kv_managers("kv-b")
@@ -169,9 +193,10 @@ async def test_one_replica_leads_and_the_standby_takes_over(kv_managers, workers
         assert (await replica.ledger()).leader_id == "kv-a"
     assert await a.suggest("debtor", 2) == ["lender"]
 
-    error = await b.refused(b.suggest("debtor", 2))
-    assert error.code() == grpc.StatusCode.UNAVAILABLE
-    assert "kv_manager kv-b is a standby; the leader is kv-a at " + a.host.address in error.details()
+    for call in (b.suggest("debtor", 2), b.stub.Defragment(pb.DefragmentRequest(), timeout=RPC_TIMEOUT_S)):
+        error = await b.refused(call)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "kv_manager kv-b is a standby; the leader is kv-a at " + a.host.address in error.details()
 
     await a.host.shutdown()
     await poll(b.ledger, lambda r: r.leader_id == "kv-b", "kv-b leads")

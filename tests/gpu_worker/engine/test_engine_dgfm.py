@@ -2,22 +2,32 @@
 with every pool full (w0's request has blocks on w1, w1's on w2, w2's on w0) is planned from the
 engines' own accounting and applied through each engine's ``between_steps`` (w0 stages, since no
 pool has room). Remote blocks drop by the planned amount, every block is accounted for, and each
-request's greedy tokens and logits equal an undisturbed run on one big pool."""
+request's greedy tokens and logits equal an undisturbed run on one big pool. The same cycle is
+then cancelled over gRPC: the kv_manager's Defragmenter against three Worker servers."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from grpc import aio
 
+from loramesh.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.memory.in_process_transport import InProcessTransport
 from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.servicer import WorkerServicer
+from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import CycleSwap, DgfmConfig, plan_defragmentation
 from services.kv_manager.dgfm_execution import StepKind, apply_plan, apply_swap
+from services.kv_manager.ledger import DebtLedger, WorkerBlocks
+from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import FailedPrecondition, ResourceExhausted
+from services.runtime.interceptors import ServiceInterceptor
 
 BLOCK = 8
 POOL_MIB = 1 / 32
@@ -268,3 +278,90 @@ def test_a_recall_needs_the_blocks_and_the_room_and_changes_nothing_when_refused
     with pytest.raises(FailedPrecondition, match="holds 0 of its blocks on w2"):
         recalls.stage_out("w2", 1)
     assert mesh.debts() == before and not recalls.frozen and recalls.recalls == 0
+
+
+class SteppedOnCall:
+    """Steps ``engine`` once (on a thread of its own) for each call handed to ``between_steps``,
+    as the engine thread would, without letting it decode on its own in between."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._hand_over = engine.between_steps
+        engine.between_steps = self.between_steps
+
+    def between_steps(self, fn):
+        future = self._hand_over(fn)
+        threading.Thread(target=self._step, daemon=True).start()
+        return future
+
+    def _step(self) -> None:
+        with self._lock:
+            self.engine.step()
+
+
+async def serve(engine: Engine) -> tuple[aio.Server, str]:
+    servicer = WorkerServicer()
+    servicer.attach(engine, None, {"model": "tiny-llama", "dtype": "float32"})
+    server = aio.server(interceptors=[ServiceInterceptor()])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_defragment_over_grpc_drives_real_worker_servers_through_the_staged_cycle(tiny_llama):
+    """The kv_manager's Defragmenter and GrpcRecallWorkers against three Worker gRPC servers:
+    the plan comes from a ledger of the workers' reports, the recalls travel as RPCs, and bad
+    DGFM calls get a clear status while the worker keeps serving."""
+    expected = {w: undisturbed(tiny_llama, request(w)) for w in CREDITOR_OF}
+    mesh = CycleMesh(tiny_llama)
+    build_full_cycle(mesh)
+    servers, addresses = [], {}
+    for name, engine in mesh.engines.items():
+        SteppedOnCall(engine)
+        server, addresses[name] = await serve(engine)
+        servers.append(server)
+    try:
+        ledger = DebtLedger()
+        ledger.replace(
+            WorkerBlocks(
+                name,
+                addresses[name],
+                free_blocks=engine.rm.local.free_blocks,
+                total_blocks=POOL_BLOCKS,
+                lent=engine.rm.accounting().lent_blocks,
+                reported_at=1.0,
+            )
+            for name, engine in mesh.engines.items()
+        )
+        defragmenter = Defragmenter(DgfmConfig(min_swap_blocks=2), lambda a: GrpcRecallWorkers(a, 60.0))
+        outcome = await defragmenter.run(ledger)
+        assert outcome.failure is None and outcome.swaps_done == 1 and outcome.blocks_moved == 6
+        assert (defragmenter.swaps_total, defragmenter.blocks_moved_total) == (1, 6)
+        assert not defragmenter.settled(ledger)  # until the workers' next heartbeats
+        assert mesh.remote_blocks() == 0 and mesh.debts() == {}
+        assert_every_block_accounted_for(mesh, {w: POOL_BLOCKS for w in CREDITOR_OF})
+
+        async with aio.insecure_channel(addresses["w0"]) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
+            assert (stats.dgfm_recalls, stats.dgfm_blocks_recalled) == (1, 2)
+            cases = [
+                (stub.RecallBlocks(worker_pb2.RecallBlocksRequest(holder="", blocks=1)), "INVALID_ARGUMENT", "holder is empty"),
+                (stub.RecallBlocks(worker_pb2.RecallBlocksRequest(holder="w1", blocks=0)), "INVALID_ARGUMENT", "at least one block"),
+                (stub.StageOutBlocks(worker_pb2.StageOutBlocksRequest(holder="w2", blocks=1)), "FAILED_PRECONDITION", "holds 0 of its blocks on w2"),
+                (stub.StageInBlocks(worker_pb2.StageInBlocksRequest(stage_id=7)), "NOT_FOUND", "stage 7 is not open"),
+            ]  # fmt: skip
+            for call, code, message in cases:
+                with pytest.raises(aio.AioRpcError) as error:
+                    await call
+                assert (error.value.code().name, message in error.value.details()) == (code, True)
+            assert (await stub.Stats(worker_pb2.WorkerStatsRequest())).dgfm_recalls == 1
+    finally:
+        for server in servers:
+            await server.stop(None)
+    mesh.run_to_end()
+    for worker, (tokens, _) in expected.items():
+        assert mesh.tokens[f"r-{worker}"] == tokens, worker
+    assert_every_block_accounted_for(mesh, {w: 0 for w in CREDITOR_OF})

@@ -1,0 +1,60 @@
+"""The gpu_workers' DGFM RPCs (``Worker/RecallBlocks``, ``StageOutBlocks``, ``StageInBlocks``) as
+the kv_manager's :class:`~services.kv_manager.dgfm_execution.RecallWorkers`.
+
+A worker's status comes back as the domain error it raised (``RESOURCE_EXHAUSTED`` ->
+``ResourceExhausted``...); a worker that cannot be reached, misses the deadline or fails
+internally is ``Unavailable``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+from grpc import aio
+
+from loramesh.v1 import worker_pb2, worker_pb2_grpc
+from services.runtime.errors import DomainError, NotFound, Unavailable
+
+_STATUS_ERRORS = {getattr(grpc.StatusCode, cls.code_name): cls for cls in DomainError.__subclasses__()}
+"""A status a worker's domain raised on purpose -> its error class."""
+
+
+class GrpcRecallWorkers:
+    """The workers at ``addresses`` (``{worker id: host:port}``, from the ledger)."""
+
+    def __init__(self, addresses: Mapping[str, str], deadline_s: float):
+        """``deadline_s`` bounds each call: a recall waits for the worker's current step."""
+        self.addresses = dict(addresses)
+        self.deadline_s = deadline_s
+        self._channels: dict[str, aio.Channel] = {}
+
+    async def recall(self, owner_id: str, holder_id: str, blocks: int) -> int:
+        request = worker_pb2.RecallBlocksRequest(holder=holder_id, blocks=blocks)
+        return (await self._call(owner_id, "RecallBlocks", request)).blocks_moved
+
+    async def stage_out(self, owner_id: str, holder_id: str, blocks: int) -> int:
+        request = worker_pb2.StageOutBlocksRequest(holder=holder_id, blocks=blocks)
+        return (await self._call(owner_id, "StageOutBlocks", request)).stage_id
+
+    async def stage_in(self, owner_id: str, stage_id: int) -> int:
+        request = worker_pb2.StageInBlocksRequest(stage_id=stage_id)
+        return (await self._call(owner_id, "StageInBlocks", request)).blocks_home
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels = {}
+
+    async def _call(self, worker_id: str, method: str, request):
+        address = self.addresses.get(worker_id)
+        if address is None:
+            raise NotFound(f"worker {worker_id!r} is not in the ledger: it left before its recall")
+        if worker_id not in self._channels:
+            self._channels[worker_id] = aio.insecure_channel(address)
+        stub = worker_pb2_grpc.WorkerStub(self._channels[worker_id])
+        try:
+            return await getattr(stub, method)(request, timeout=self.deadline_s)
+        except aio.AioRpcError as error:
+            message = f"worker {worker_id} ({address}) {method}: {error.details() or error.code().name}"
+            raise _STATUS_ERRORS.get(error.code(), Unavailable)(message) from error
