@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from loramesh.cli.distkv_status import DISTKV_KEYS, distkv_table
 from loramesh.cli.errors import CommandError
 from loramesh.cli.mesh_file import MeshFile, ServiceEntry, pid_alive
 from loramesh.cli.restart_policy import RestartPolicy
@@ -366,12 +367,18 @@ def cmd_status(args) -> int:
                     r["address"],
                     r["health"],
                     f"{r['uptime_s']:.0f}s",
-                    " ".join(f"{k}={len(v) if isinstance(v, list) else v}" for k, v in r["load"].items()),
+                    " ".join(
+                        f"{k}={len(v) if isinstance(v, list) else v}"
+                        for k, v in r["load"].items()
+                        if k not in DISTKV_KEYS
+                    ),
                 ]
                 for r in rows
             ],
         )
     )
+    if (distkv := distkv_table(rows)) is not None:
+        print("\nDistKV-LLM (blocks per peer; remote attention and bytes per engine step)\n" + distkv)
     return 0
 
 

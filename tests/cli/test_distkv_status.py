@@ -1,0 +1,43 @@
+"""``loramesh status``'s DistKV table, from heartbeats as etcd holds them (WorkerLoad JSON)."""
+
+from __future__ import annotations
+
+from loramesh.cli.distkv_status import DISTKV_KEYS, distkv_table
+from loramesh.v1.types_pb2 import WorkerLoad
+from services.runtime.worker_load import worker_load_to_report
+
+
+def row(service: str, instance: str, load: dict) -> dict:
+    return {"service": service, "instance": instance, "load": load}
+
+
+def test_workers_show_blocks_per_peer_and_lending_costs_per_step():
+    debtor = worker_load_to_report(
+        WorkerLoad(
+            borrowed_blocks={"w1": 3, "w2": 5}, remote_attention_s=0.5, remote_attention_calls=40,
+            remote_bytes_sent=4096 * 20, remote_bytes_received=2048 * 20, decode_steps=20,
+        )
+    )  # fmt: skip
+    creditor = worker_load_to_report(WorkerLoad(lent_blocks={"w0": 3}, lent_attention_s=0.25))
+    table = distkv_table(
+        [row("gpu_worker", "w0", debtor), row("gpu_worker", "w1", creditor), row("kv_manager", "k", {"x": 1})]
+    )
+    header, first, second = table.splitlines()
+    assert header.split()[:4] == ["WORKER", "LENT", "TO", "BORROWED"]
+    assert first.split() == [
+        "w0",
+        "-",
+        "w1:3,w2:5",
+        "0.500s/40",
+        "calls",
+        "25.00ms",
+        "4.0KiB/2.0KiB",
+        "0.000s",
+    ]
+    assert second.split() == ["w1", "w0:3", "-", "0.000s/0", "calls", "-", "-", "0.250s"]
+    assert DISTKV_KEYS <= debtor.keys()  # every key it takes out of the LOAD column is a heartbeat's
+
+
+def test_no_table_without_workers():
+    assert distkv_table([row("gateway", "g", {"queue": 0})]) is None
+    assert distkv_table([row("gpu_worker", "starting", {})]) is None
