@@ -11,6 +11,8 @@ pages and 512 KiB of host RAM; the pool has 256 pages and the host budget is 1 M
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -28,6 +30,7 @@ from services.gpu_worker.service import WorkerService
 from services.runtime.base_model import LORA_TARGETS
 from services.runtime.server import ServiceHost
 
+DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "loramesh-dashboard.json"
 MAX_TOKENS = 6
 
 
@@ -155,3 +158,24 @@ async def test_scrape_during_a_run_shows_per_adapter_router_and_residency_series
             assert last.value("vllm:num_cpu_loaded_lora_adapters") == 2
     finally:
         release.set()  # a failed assertion must not leave the engine thread waiting
+
+
+def dashboard_series(expression: str) -> set[str]:
+    """The series names a PromQL expression reads (identifiers followed by ``{``, ``[`` or an
+    end, minus functions and keywords)."""
+    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*(?=\s*[{\[)\s,]|$)", expression))
+    return {n for n in names if n.startswith(("vllm:", "loramesh_"))}
+
+
+async def test_the_dashboard_reads_only_series_a_worker_serves(worker):
+    _, host = worker
+    served = (await scrape(host.http_address)).family_names
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    read = {
+        re.sub(r"_(bucket|sum|count|total)$", "", name)
+        for p in panels
+        for t in p.get("targets", [])
+        for name in dashboard_series(t["expr"])
+    }
+    assert read, "the dashboard queries nothing"
+    assert sorted(read - served) == []
