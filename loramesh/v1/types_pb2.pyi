@@ -113,7 +113,7 @@ class Timings(_message.Message):
     def __init__(self, queued_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queue", "running", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "tokens_per_s", "preemptions", "fragmentation", "ts", "free_blocks", "total_blocks", "lent_blocks", "borrowed_blocks", "lend_cap_blocks", "topology", "remote_attention_s", "remote_attention_calls", "remote_bytes_sent", "remote_bytes_received", "lent_attention_s", "decode_steps")
+    __slots__ = ("queue", "running", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "tokens_per_s", "preemptions", "fragmentation", "ts", "free_blocks", "total_blocks", "lent_blocks", "borrowed_blocks", "lend_cap_blocks", "topology", "remote_attention_s", "remote_attention_calls", "remote_bytes_sent", "remote_bytes_received", "lent_attention_s", "decode_steps", "dgfm_recalls", "dgfm_blocks_recalled")
     class LentBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,8 @@ class WorkerLoad(_message.Message):
     REMOTE_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     LENT_ATTENTION_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DGFM_RECALLS_FIELD_NUMBER: _ClassVar[int]
+    DGFM_BLOCKS_RECALLED_FIELD_NUMBER: _ClassVar[int]
     queue: int
     running: int
     free_pages: int
@@ -174,4 +176,6 @@ class WorkerLoad(_message.Message):
     remote_bytes_received: int
     lent_attention_s: float
     decode_steps: int
-    def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., fragmentation: _Optional[float] = ..., ts: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., lent_blocks: _Optional[_Mapping[str, int]] = ..., borrowed_blocks: _Optional[_Mapping[str, int]] = ..., lend_cap_blocks: _Optional[int] = ..., topology: _Optional[str] = ..., remote_attention_s: _Optional[float] = ..., remote_attention_calls: _Optional[int] = ..., remote_bytes_sent: _Optional[int] = ..., remote_bytes_received: _Optional[int] = ..., lent_attention_s: _Optional[float] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    dgfm_recalls: int
+    dgfm_blocks_recalled: int
+    def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., fragmentation: _Optional[float] = ..., ts: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., lent_blocks: _Optional[_Mapping[str, int]] = ..., borrowed_blocks: _Optional[_Mapping[str, int]] = ..., lend_cap_blocks: _Optional[int] = ..., topology: _Optional[str] = ..., remote_attention_s: _Optional[float] = ..., remote_attention_calls: _Optional[int] = ..., remote_bytes_sent: _Optional[int] = ..., remote_bytes_received: _Optional[int] = ..., lent_attention_s: _Optional[float] = ..., decode_steps: _Optional[int] = ..., dgfm_recalls: _Optional[int] = ..., dgfm_blocks_recalled: _Optional[int] = ...) -> None: ...

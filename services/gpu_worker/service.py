@@ -183,5 +183,7 @@ class WorkerService:
                 remote_bytes_received=distkv.remote_bytes_received,
                 lent_attention_s=distkv.lent_attention_s,
                 decode_steps=stats["decode_steps"],
+                dgfm_recalls=self.engine.recalls.recalls,
+                dgfm_blocks_recalled=self.engine.recalls.blocks_recalled,
             )
         )
