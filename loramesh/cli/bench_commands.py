@@ -1,4 +1,5 @@
-"""``loramesh bench``: S-LoRA's evaluation reproduced on this machine (see bench/serving)."""
+"""``loramesh bench``: S-LoRA's evaluation reproduced on this machine (see bench/serving);
+``loramesh bench-distkv``: issue 13's DistKV-LLM long-context benchmark (see bench/distkv)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ def add_parsers(sub) -> None:
                        help="run only these systems (e.g. loramesh peft merged-swap)")  # fmt: skip
     bench.add_argument("--adapter-cache", default="", help="where the benchmark adapters are written once")
     bench.set_defaults(func=cmd_bench)
+
+    distkv = sub.add_parser(
+        "bench-distkv",
+        help="DistKV-LLM long context: 3 workers borrowing KV vs preempt, each alone, all KV local",
+    )
+    distkv.add_argument("--profile", default="quick", choices=["quick", "full"],
+                        help="quick: a smoke run; full: the figures of docs/benchmarks.md")  # fmt: skip
+    distkv.add_argument("--out", default="", help="results folder (default bench/results/distkv[-quick])")
+    distkv.set_defaults(func=cmd_bench_distkv)
 
 
 def cmd_bench(args) -> int:
@@ -47,3 +57,14 @@ def cmd_bench(args) -> int:
         f"\n{len(results['runs'])} runs in {results['elapsed_s'] / 60:.1f} min; report: {out / 'results.md'}"
     )
     return 0
+
+
+def cmd_bench_distkv(args) -> int:
+    try:
+        from bench.distkv.experiment import main as run_distkv
+    except ImportError as error:
+        raise CommandError(
+            f"the benchmark needs the repository's bench/ package and the bench extra "
+            f"(pip install -e '.[bench]'): {error}"
+        ) from None
+    return run_distkv(["--profile", args.profile, *(["--out", args.out] if args.out else [])])
