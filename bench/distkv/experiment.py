@@ -66,9 +66,10 @@ def load_average() -> list[float]:
 class Benchmark:
     """Runs the sections in order, saving ``results`` after each."""
 
-    def __init__(self, profile: Profile, out: Path, commit: str):
+    def __init__(self, profile: Profile, out: Path, log_dir: Path, commit: str):
         self.profile = profile
         self.out = out
+        self.log_dir = log_dir
         self.shape = ModelShape(dtype=profile.mesh.dtype)
         self.results: dict = {
             "profile": profile.name,
@@ -89,14 +90,13 @@ class Benchmark:
 
     async def run(self) -> dict:
         started = time.monotonic()
-        logs = self.out / "logs"
         for configuration, sections in (
             (ALONE, (self.longest_context, self.workloads)),
             (BORROW, (self.longest_context, self.workloads, self.same_batch, self.decode_overhead)),
             (PREEMPT, (self.workloads,)),
             (ALL_LOCAL, (self.same_batch, self.decode_overhead)),
         ):
-            async with Mesh(configuration, self.profile.mesh, logs) as mesh:
+            async with Mesh(configuration, self.profile.mesh, self.log_dir) as mesh:
                 clients = [WorkerClient(w.address) for w in mesh.workers]
                 try:
                     for section in sections:
@@ -267,13 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.distkv", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
     parser.add_argument("--out", default="", help="results folder (default bench/results/distkv[-quick])")
+    parser.add_argument(
+        "--log-dir", default=".loramesh/bench-distkv", help="the services' logs, one folder per configuration"
+    )
     parser.add_argument("--commit", default="", help="source commit to record (default: git HEAD)")
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
     out = Path(
         args.out or ("bench/results/distkv" if profile.name == "full" else "bench/results/distkv-quick")
     )
-    benchmark = Benchmark(profile, out, args.commit or source_commit())
+    benchmark = Benchmark(profile, out, Path(args.log_dir), args.commit or source_commit())
     results = asyncio.run(benchmark.run())
     write_report(results, out)
     print(f"done in {results['elapsed_s'] / 60:.1f} min; report: {out / 'results.md'}")
