@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import time
 from dataclasses import asdict
@@ -91,10 +92,11 @@ class Benchmark:
     async def run(self) -> dict:
         started = time.monotonic()
         for configuration, sections in (
+            # The baselines first: a run cut short still has them; borrowing needs alone's context.
             (ALONE, (self.longest_context, self.workloads)),
-            (BORROW, (self.longest_context, self.workloads, self.same_batch, self.decode_overhead)),
             (PREEMPT, (self.workloads,)),
             (ALL_LOCAL, (self.same_batch, self.decode_overhead)),
+            (BORROW, (self.longest_context, self.workloads, self.same_batch, self.decode_overhead)),
         ):
             async with Mesh(configuration, self.profile.mesh, self.log_dir) as mesh:
                 clients = [WorkerClient(w.address) for w in mesh.workers]
@@ -263,6 +265,10 @@ def _outcome_record(outcome: RequestOutcome) -> dict:
     return record
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.distkv", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
@@ -277,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out or ("bench/results/distkv" if profile.name == "full" else "bench/results/distkv-quick")
     )
     benchmark = Benchmark(profile, out, Path(args.log_dir), args.commit or source_commit())
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the services too, not only this process
     results = asyncio.run(benchmark.run())
     write_report(results, out)
     print(f"done in {results['elapsed_s'] / 60:.1f} min; report: {out / 'results.md'}")
