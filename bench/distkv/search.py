@@ -55,27 +55,24 @@ async def longest_servable(
     if resolution < 1 or max_probes < 1:
         raise ValueError(f"resolution and max_probes must be >= 1, got {resolution} and {max_probes}")
     result = SearchResult(longest_served=None, shortest_refused=unservable)
-    first = await probe(low)
-    result.probes.append(first)
-    if not first.served:
-        result.shortest_refused = low
-        return result
-    served = low
-    if first_split is not None and low < first_split < unservable and max_probes > 1:
-        outcome = await probe(first_split)
-        result.probes.append(outcome)
-        if outcome.served:
-            served = first_split
-        else:
-            result.shortest_refused = first_split
-    while len(result.probes) < max_probes and result.shortest_refused - served > resolution:
-        steps = (result.shortest_refused - served) // resolution
-        length = served + max(1, steps // 2) * resolution
+    served: int | None = None
+
+    async def split_at(length: int) -> None:
+        nonlocal served
         outcome = await probe(length)
         result.probes.append(outcome)
         if outcome.served:
             served = length
         else:
             result.shortest_refused = length
+
+    await split_at(low)
+    if served is None:
+        return result
+    if first_split is not None and low < first_split < unservable and max_probes > 1:
+        await split_at(first_split)
+    while len(result.probes) < max_probes and result.shortest_refused - served > resolution:
+        steps = (result.shortest_refused - served) // resolution
+        await split_at(served + max(1, steps // 2) * resolution)
     result.longest_served = served
     return result
