@@ -156,6 +156,7 @@ class AsyncClient:
         timeout: float | None = 60.0,
         retries: int = 3,
         backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
         mesh_file: str | Path = DEFAULT_MESH_FILE,
     ):
         """Opens a channel per gateway (connecting lazily, on the first call).
@@ -170,6 +171,7 @@ class AsyncClient:
                 retries); None for no deadline.
             retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
+            max_backoff_s: The wait between retries never grows beyond this.
             mesh_file: The local mesh's file written by ``loramesh up``.
 
         Raises:
@@ -177,7 +179,7 @@ class AsyncClient:
         """
         self.addresses, api_key = resolve_targets(address, api_key, mesh_file)
         self.address = self.addresses[0]
-        self._policy = _Policy(api_key=api_key, timeout=timeout, retries=retries, backoff_s=backoff_s)
+        self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s)
         self._gateways = GatewayRotation(self.addresses)
         self._channels = [aio.insecure_channel(a) for a in self.addresses]
         self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}

@@ -100,6 +100,7 @@ class _Policy:
     timeout: float | None
     retries: int
     backoff_s: float
+    max_backoff_s: float
 
     def start(self, timeout: float | None) -> _Call:
         """The bookkeeping of one logical call (all its attempts) with a per-call ``timeout``."""
@@ -142,7 +143,7 @@ class _Call:
         """
         if not isinstance(failure, Unavailable) or attempt >= self.policy.retries:
             return None
-        delay = self.policy.backoff_s * 2**attempt * random.uniform(0.5, 1.0)
+        delay = min(self.policy.backoff_s * 2**attempt, self.policy.max_backoff_s) * random.uniform(0.5, 1.0)
         if self.deadline is not None and time.monotonic() + delay >= self.deadline:
             return None
         return delay
@@ -431,6 +432,7 @@ class Client:
         timeout: float | None = 60.0,
         retries: int = 3,
         backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
         mesh_file: str | Path = DEFAULT_MESH_FILE,
     ):
         """Opens a channel per gateway (connecting lazily, on the first call).
@@ -445,6 +447,7 @@ class Client:
                 retries); None for no deadline.
             retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
+            max_backoff_s: The wait between retries never grows beyond this.
             mesh_file: The local mesh's file written by ``loramesh up``.
 
         Raises:
@@ -452,7 +455,7 @@ class Client:
         """
         self.addresses, api_key = resolve_targets(address, api_key, mesh_file)
         self.address = self.addresses[0]
-        self._policy = _Policy(api_key=api_key, timeout=timeout, retries=retries, backoff_s=backoff_s)
+        self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s)
         self._gateways = GatewayRotation(self.addresses)
         self._channels = [grpc.insecure_channel(a) for a in self.addresses]
         self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}

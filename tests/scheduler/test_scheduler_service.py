@@ -202,3 +202,24 @@ async def test_scheduler_without_etcd_fails_clearly(tmp_path):
         assert proc.proc.returncode != 0
     finally:
         proc.kill()
+
+
+async def test_replicas_rebuild_the_same_view_from_etcd_and_place_alike(scheduler, workers):
+    """Why the scheduler runs as stateless replicas (docs/operations.md): everything it decides
+    on comes from etcd, so a replica started at any time decides as the others do."""
+    first = await scheduler()
+    await workers("w1", resident_adapters=["sql"], queue=1)
+    await workers("w2", queue=3)
+    second = await scheduler()
+    for stub in (first, second):
+        await poll(
+            lambda stub=stub: view(stub),
+            lambda v: (
+                v.keys() == {"w1", "w2"} and v["w2"].queue == 3 and list(v["w1"].resident_adapters) == ["sql"]
+            ),
+            "both workers and their reports listed",
+        )
+    placed = [
+        await place(stub, adapter_id=adapter) for adapter in ("sql", "chat") for stub in (first, second)
+    ]
+    assert [(p.worker_id, p.adapter_resident) for p in placed] == [("w1", True)] * 2 + [("w1", False)] * 2

@@ -36,6 +36,7 @@ from loramesh import (
     Unauthenticated,
     Unavailable,
 )
+from loramesh.client import _Policy
 from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
 API_KEY = "sk-test"
@@ -484,6 +485,15 @@ def test_unary_calls_fail_over_and_writes_do_not(server, server_b, gateway, gate
     with failover_client(server, server_b, no_mesh) as client, pytest.raises(Unavailable):
         client.adapters.upload(tmp_path / "lora", "mine")
     assert len(gateway_b.calls("UploadAdapter")) == 0
+
+
+def test_the_backoff_doubles_up_to_its_cap():
+    policy = _Policy("key", timeout=None, retries=10, backoff_s=0.1, max_backoff_s=1.0)
+    call = policy.start(None)
+    failure = Unavailable("down")
+    delays = [call.retry_delay(attempt, failure) for attempt in range(11)]
+    assert all(0.05 * 2**i <= delays[i] <= 0.1 * 2**i for i in range(4))
+    assert all(0.5 <= d <= 1.0 for d in delays[4:10]) and delays[10] is None
 
 
 def test_upload_and_delete_are_not_retried(client, gateway, tmp_path):
