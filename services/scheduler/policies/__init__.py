@@ -7,9 +7,10 @@ policies (each with its default knobs; "none" is no policy).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from services.scheduler.placement import WaitModel
 from services.scheduler.policies.burst_tolerance_prefetch import BurstTolerancePrefetch
-from services.scheduler.policies.co_migration import CoMigration
 from services.scheduler.policies.interface import PlacementPolicy
 from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
 from services.scheduler.policies.least_loaded import LeastLoaded
@@ -33,10 +34,19 @@ def make_placement(name: str, model: WaitModel | None = None) -> PlacementPolicy
     return cls(model)
 
 
-MIGRATION_POLICIES: dict[str, type[CoMigration | PetsBalancing]] = {
-    cls.name: cls for cls in (CoMigration, PetsBalancing)
+def _co_migration() -> MigrationPolicy:
+    # Imported when chosen: its LP solver (scipy) would add seconds to every scheduler start,
+    # and a restarted replica should be back quickly (docs/operations.md).
+    from services.scheduler.policies.co_migration import CoMigration
+
+    return CoMigration()
+
+
+MIGRATION_POLICIES: dict[str, Callable[[], MigrationPolicy]] = {
+    "co-migration": _co_migration,
+    PetsBalancing.name: PetsBalancing,
 }
-"""``--migration`` name -> policy class."""
+"""``--migration`` name -> a function (or class) making the policy with its default knobs."""
 
 PREFETCH_POLICIES: dict[str, type[BurstTolerancePrefetch]] = {
     BurstTolerancePrefetch.name: BurstTolerancePrefetch
