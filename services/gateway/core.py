@@ -1,7 +1,8 @@
 """The gateway's one core, shared by its front ends (the gRPC servicer and the OpenAI HTTP API).
 
-API key → tenant, adapter access, chat template, tokenization, request limits, sampling
-validation, placement + relay with resume (which also detokenizes and honours stop strings),
+API key → tenant, adapter access, chat template, tokenization, request limits, prompt and
+sampling validation (:mod:`services.runtime.request_validation`, the checks the workers make
+too), placement + relay with resume (which also detokenizes and honours stop strings),
 and adapter management passed to the adapter store with the caller's tenant as owner. A front
 end only translates its wire format to these calls and their results back; nothing here knows
 about a server context or an HTTP request.
@@ -21,9 +22,10 @@ from services.gateway.adapter_access import AdapterAccess, split_reference
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.relay import Relay, RelayRequest
-from services.gpu_worker.model.tokenizer import Tokenizer
-from services.gpu_worker.sampling_proto import sampling_from_proto
+from services.gpu_worker.model.tokenizer_loading import TokenizerBundle
 from services.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
+from services.runtime.request_validation import check_request
+from services.runtime.sampling_proto import sampling_from_proto
 
 ROLES = ("system", "user", "assistant")
 
@@ -36,12 +38,12 @@ class GatewayCore:
         self.keys = keys
         self._ready = False
 
-    def attach(
-        self, tokenizer: Tokenizer, relay: Relay, access: AdapterAccess, store, base_model: str
-    ) -> None:
-        self.tokenizer, self.relay, self.access, self.store, self.base_model = (
-            tokenizer, relay, access, store, base_model,
+    def attach(self, text: TokenizerBundle, relay: Relay, access: AdapterAccess, store) -> None:
+        """``text``: the base model's tokenizer and limits, loaded without its weights."""
+        self.tokenizer, self.base_model, self.context_length = (
+            text.tokenizer, text.model_name, text.context_length,
         )  # fmt: skip
+        self.relay, self.access, self.store = relay, access, store
         self._ready = True
 
     # -- who is asking ------------------------------------------------------------------------
@@ -56,13 +58,6 @@ class GatewayCore:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
-
-    def check_token_ids(self, prompt_ids: Sequence[int]) -> list[int]:
-        """A prompt given as token ids, checked against the vocabulary."""
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidArgument(f"prompt token ids must be within [0, {vocab})")
-        return list(prompt_ids)
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """``(role, content)`` messages through the model's chat template, tokenized."""
@@ -89,6 +84,7 @@ class GatewayCore:
     # -- generation ---------------------------------------------------------------------------
 
     def _sampling(self, requested: types_pb2.SamplingParams) -> types_pb2.SamplingParams:
+        """``requested`` with the gateway's default ``max_tokens``, within the gateway's limit."""
         sampling = types_pb2.SamplingParams()
         sampling.CopyFrom(requested)
         sampling.max_tokens = requested.max_tokens or self.config.default_max_tokens
@@ -96,9 +92,6 @@ class GatewayCore:
             raise InvalidArgument(
                 f"sampling.max_tokens {sampling.max_tokens} is above the limit {self.config.max_tokens_limit}"
             )
-        sampling_from_proto(sampling).validate()  # the worker's own ranges, checked before placing
-        if any(t >= self.tokenizer.vocab_size for t in sampling.stop_token_ids):
-            raise InvalidArgument("sampling.stop_token_ids must be token ids of the model's vocabulary")
         return sampling
 
     async def resolve_adapter(self, tenant: str, adapter: str) -> str:
@@ -119,17 +112,19 @@ class GatewayCore:
         first delta, so a front end that reads one delta before answering answers with the
         right status.
         """
-        if not prompt_ids:
-            raise InvalidArgument("prompt is empty")
         if len(prompt_ids) > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 f"prompt has {len(prompt_ids)} tokens; the limit is {self.config.max_prompt_tokens}"
             )
+        sampling = self._sampling(sampling)
+        check_request(
+            prompt_ids, sampling_from_proto(sampling), self.tokenizer.vocab_size, self.context_length
+        )
         request = RelayRequest(
             request_id=uuid.uuid4().hex[:16],
-            prompt_ids=prompt_ids,
+            prompt_ids=list(prompt_ids),
             adapter_id=await self.resolve_adapter(tenant, adapter),
-            sampling=self._sampling(sampling),
+            sampling=sampling,
             first_token_deadline_ms=first_token_deadline_ms or self.config.default_first_token_deadline_ms,
         )
         # Closed explicitly, so a front end that stops reading cancels the worker's request now.

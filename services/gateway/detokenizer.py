@@ -4,6 +4,11 @@ and stop strings honoured across token boundaries.
 Byte-level BPE tokens are byte strings; one character may span several tokens. Bytes are held
 back until they form complete UTF-8, and text that could still become the start of a stop
 string is held back until it cannot — so a client never sees text past a stop string.
+
+Each token costs the same however long the output is: only the new bytes are decoded, and the
+stop strings are looked for in the new text plus what is held back, which is never more than
+the longest stop string less one character (a stop string found in earlier text would have
+ended the stream then).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from services.gateway.openai.routes import build_app
 from services.gateway.openai.server import OpenAIHttpServer
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
-from services.gpu_worker.model.loading import load_model
+from services.gpu_worker.model.tokenizer_loading import load_tokenizer
 from services.runtime.discovery import ChannelPool, ServiceLocator
 
 log = logging.getLogger("loramesh.gateway")
@@ -89,7 +89,8 @@ class GatewayService:
 
     async def start(self) -> None:
         cfg = self.config
-        loaded = await asyncio.to_thread(load_model, cfg.model or None)
+        # The tokenizer alone: the gateway never reads a weight (about 140 GB for a 70B base).
+        text = await asyncio.to_thread(load_tokenizer, cfg.model or None)
         scheduler = _Located(
             ServiceLocator("scheduler", cfg.scheduler, cfg.etcd_endpoints),
             self.channels,
@@ -109,12 +110,12 @@ class GatewayService:
         relay = Relay(
             place,
             self.channels,
-            loaded.tokenizer.id_to_bytes,
-            loaded.tokenizer.eos_token_ids,
+            text.tokenizer.id_to_bytes,
+            text.tokenizer.eos_token_ids,
             cfg.max_resumes,
         )
         access = AdapterAccess(store.get, cfg.adapter_cache_s)
-        self.core.attach(loaded.tokenizer, relay, access, store, loaded.config.name)
+        self.core.attach(text, relay, access, store)
         await self.openai.start(cfg.host, cfg.openai_port)
 
     async def stop(self) -> None:

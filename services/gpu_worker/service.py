@@ -22,6 +22,7 @@ from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.servicer import WorkerServicer
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
 from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_members
+from services.runtime.stop_window import StopStringTail
 from services.runtime.worker_load import worker_load_to_report
 
 log = logging.getLogger("loramesh.worker")
@@ -101,7 +102,8 @@ class WorkerService:
                 kv_overflow=cfg.kv_overflow,
             ),
             eos_token_ids=loaded.config.eos_token_ids,
-            detokenize=loaded.tokenizer.decode,
+            # The engine only looks for stop strings in this text: a bounded tail, not the whole output.
+            detokenize=StopStringTail(loaded.tokenizer.id_to_bytes),
             creditors=self.directory,
             connect=connect,
         )

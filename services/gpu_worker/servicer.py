@@ -21,8 +21,9 @@ from services.gpu_worker.lending_proto import (
     tensor_to_proto,
 )
 from services.gpu_worker.memory.shared_lender import SharedLender
-from services.gpu_worker.sampling_proto import sampling_from_proto
 from services.runtime.errors import InvalidArgument, Unavailable
+from services.runtime.request_validation import check_request
+from services.runtime.sampling_proto import sampling_from_proto
 
 FINISH_REASONS = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
@@ -68,7 +69,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request: worker_pb2.GenerateRequest, context: aio.ServicerContext):
         engine = self.engine
         sampling = sampling_from_proto(request.sampling)
-        sampling.validate()
+        config = engine.model.config
+        check_request(request.prompt_token_ids, sampling, config.vocab_size, config.max_position_embeddings)
         adapter_id = request.adapter_id or None
         if adapter_id is not None:
             await self.loader.acquire(adapter_id)

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 
 from services.runtime.errors import DomainError, ResourceExhausted
 from services.runtime.interceptors import RETRY_AFTER_HEADER
+from services.runtime.request_validation import InvalidField
 
 log = logging.getLogger("loramesh.gateway.openai")
 
@@ -84,7 +85,12 @@ def error_body(error: BaseException) -> ErrorBody:
         kind = KINDS.get(error.code_name, SERVER_ERROR)
         retry = error.retry_after_s if isinstance(error, ResourceExhausted) else None
         return ErrorBody(
-            kind.status, error.message, kind.type, code=error.code_name.lower(), retry_after_s=retry
+            kind.status,
+            error.message,
+            kind.type,
+            param=error.field if isinstance(error, InvalidField) else None,
+            code=error.code_name.lower(),
+            retry_after_s=retry,
         )
     if isinstance(error, aio.AioRpcError):
         # Another service's refusal (the store's NOT_FOUND, the scheduler's RESOURCE_EXHAUSTED).

@@ -17,9 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from loramesh.v1 import types_pb2
 from services.gateway.openai.errors import OpenAIError
+from services.runtime.request_validation import MAX_CHOICES, InvalidField, check_choices, check_sampling
 
-#: Most choices one request may ask for (``n`` × prompts).
-MAX_CHOICES = 16
 #: Largest request body read; prompts are limited to a few thousand tokens, so this is generous.
 MAX_BODY_BYTES = 8 * 2**20
 
@@ -68,18 +67,21 @@ class _GenerationBody(_Body):
                 raise OpenAIError(
                     400, f"{field} is not supported by loramesh ({why})", field, "unsupported_parameter"
                 )
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise OpenAIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if not 1 <= self.n <= MAX_CHOICES:
-            raise OpenAIError(400, f"n must be within [1, {MAX_CHOICES}], got {self.n}", "n")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise OpenAIError(400, f"seed must be within [0, 2^64), got {self.seed}", "seed")
-        if self.top_k is not None and self.top_k < 0:
-            raise OpenAIError(400, f"top_k must be ≥ 0, got {self.top_k}", "top_k")
-        for field in ("temperature", "top_p", "repetition_penalty"):
-            value = getattr(self, field)
-            if value is not None and value < 0:
-                raise OpenAIError(400, f"{field} must be ≥ 0, got {value}", field)
+        try:
+            check_choices(self.n)
+            check_sampling(max_tokens=self.max_tokens, seed=self.seed, **self._sampling_values())
+        except InvalidField as error:  # the checks the gateway and workers share, as a 400 here
+            raise OpenAIError(400, error.message, error.field) from None
+
+    def _sampling_values(self) -> dict[str, Any]:
+        """Sampling fields with OpenAI's defaults (temperature 1, top_p 1) filled in."""
+        return {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": self.top_k or 0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "stop_strings": self.stop_strings(),
+        }
 
     @property
     def include_usage(self) -> bool:
@@ -90,15 +92,11 @@ class _GenerationBody(_Body):
         return [s for s in stops if s]
 
     def sampling(self) -> types_pb2.SamplingParams:
-        """The engine's sampling parameters. OpenAI's defaults: temperature 1, top_p 1."""
+        """The engine's sampling parameters (after :meth:`check`)."""
         sampling = types_pb2.SamplingParams(
             max_tokens=self.max_tokens or 0,  # 0: the gateway's default
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            repetition_penalty=self.repetition_penalty or 0.0,
-            stop_strings=self.stop_strings(),
             ignore_eos=self.ignore_eos,
+            **self._sampling_values(),
         )
         if self.seed is not None:
             sampling.seed = self.seed

@@ -83,10 +83,7 @@ class OpenAIRoutes:
         body = parse_body(await read_body(request.stream()), CompletionBody)
         body.check()
         adapter = await self._adapter(tenant, body.model)
-        prompts = [
-            self.core.encode(p) if isinstance(p, str) else self.core.check_token_ids(p)
-            for p in body.prompts()
-        ]
+        prompts = [self.core.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         sampling = body.sampling()
         jobs = [(ids, _seeded(sampling, j)) for ids in prompts for j in range(body.n)]
         shape = ResponseShape(body.model, chat=False, return_token_ids=body.return_token_ids)

@@ -1,54 +1,12 @@
-"""Sampling parameters and the per-request sampler (pure torch, no engine state)."""
+"""The per-request sampler (pure torch, no engine state) over :class:`SamplingParams`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from services.runtime.errors import InvalidArgument
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token; the defaults are greedy decoding of up to 128 tokens."""
-
-    max_tokens: int = 128
-    """Tokens to generate at most (finish reason ``length``)."""
-    temperature: float = 0.0
-    """0 = greedy; otherwise logits are divided by it before sampling."""
-    top_k: int = 0
-    """Keep only the k most likely tokens (0 = off)."""
-    top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability adds up to p (1 = off)."""
-    repetition_penalty: float = 1.0
-    """CTRL-style penalty on tokens already in the prompt or output (1 = off)."""
-    seed: int | None = None
-    """Makes sampling reproducible for this request."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Extra tokens that end generation (the model's EOS always does unless ``ignore_eos``)."""
-    stop_strings: tuple[str, ...] = field(default_factory=tuple)
-    """Generation ends when the output text contains one of these."""
-    ignore_eos: bool = False
-    """Keep generating past EOS (benchmarks)."""
-
-    def validate(self) -> None:
-        """Raise ``InvalidArgument`` naming the first field out of range."""
-        if self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidArgument(f"temperature must be within [0, 100], got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be ≥ 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be within (0, 1], got {self.top_p}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise InvalidArgument(f"repetition_penalty must be within (0, 10], got {self.repetition_penalty}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from services.runtime.sampling_params import SamplingParams
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

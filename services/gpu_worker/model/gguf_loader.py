@@ -28,13 +28,11 @@ from gguf.quants import dequantize
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from services.gpu_worker.model.cache_dir import default_cache_dir
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-#: Environment variable naming loramesh's cache root; converted models go in its ``converted/``.
-CACHE_ENV = "LORAMESH_CACHE_DIR"
 
 # Bump when the conversion changes, so caches written by older code are not trusted.
 _CACHE_FORMAT = "1"
@@ -95,12 +93,6 @@ def convert_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.
         weights[hf_name(tensor.name)] = torch.from_numpy(np.array(w, copy=not w.flags.writeable))
     config.check_weights(weights)
     return weights
-
-
-def default_cache_dir() -> Path:
-    """``$LORAMESH_CACHE_DIR/converted``, else ``~/.cache/loramesh/converted`` (read at call time)."""
-    root = os.environ.get(CACHE_ENV)
-    return (Path(root) if root else Path.home() / ".cache" / "loramesh") / "converted"
 
 
 def cache_path(gguf_path: Path, cache_dir: Path | None = None) -> Path:

@@ -8,20 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from services.gpu_worker.model.config import ModelConfig
-
-
-def read_hf_config(path: Path) -> ModelConfig:
-    """``config.json``, with the stop tokens of ``generation_config.json`` added when present
-    (Llama 3 instruct stops at ``<|eot_id|>``, which only the generation config lists)."""
-    cfg = json.loads((path / "config.json").read_text())
-    generation = path / "generation_config.json"
-    if generation.exists():
-        extra = json.loads(generation.read_text()).get("eos_token_id")
-        ids = [cfg.get("eos_token_id"), extra]
-        flat = [i for x in ids if x is not None for i in (x if isinstance(x, list) else [x])]
-        cfg = {**cfg, "eos_token_id": list(dict.fromkeys(flat)) or None}
-    return ModelConfig.from_hf_config(cfg, default_name=path.name)
+from services.gpu_worker.model.config import ModelConfig, read_hf_config
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -15,6 +15,7 @@ from services.gpu_worker.engine.sampling import (
 )
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import InvalidArgument
+from services.runtime.stop_window import StopStringTail
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -111,3 +112,18 @@ def test_stop_tokens_eos_and_stop_strings_end_generation(tiny_llama):
     )
     tokens, reason = run(string_engine, SamplingParams(max_tokens=6, stop_strings=(f"<{stop_at}>",)))
     assert reason is FinishReason.STOP and tokens == free_run[: first + 1]
+
+
+def test_stop_string_across_tokens_found_in_the_bounded_tail_as_in_the_whole_text(tiny_llama):
+    """The worker's stop check reads only the output's tail (StopStringTail): a stop string that
+    starts inside one token and ends inside a later one stops at the token a whole decode does."""
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+    free_run, _ = run(Engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=40, ignore_eos=True))
+    piece = {t: f"<{t}>".encode() for t in range(256)}
+    whole = b"".join(piece[t] for t in free_run).decode()
+    stop = f"{free_run[30]}><{free_run[31]}"  # from inside token 30 to inside token 31
+    expected = next(n for n in range(1, 41) if stop in b"".join(piece[t] for t in free_run[:n]).decode())
+    assert stop in whole and expected <= 32
+    tail_engine = Engine(model, EngineConfig(pool_mib=4), detokenize=StopStringTail(piece.__getitem__))
+    tokens, reason = run(tail_engine, SamplingParams(max_tokens=40, ignore_eos=True, stop_strings=(stop,)))
+    assert reason is FinishReason.STOP and tokens == free_run[:expected]

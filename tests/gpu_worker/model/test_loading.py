@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from services.gpu_worker.model import cache_dir as cache_dir_module
 from services.gpu_worker.model import gguf_loader
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.hf_loader import load_hf_dir
@@ -196,10 +197,10 @@ def test_changed_source_gets_a_new_key_and_stale_conversions_go(gguf_path, tmp_p
 
 
 def test_cache_dir_env_is_read_at_call_time(monkeypatch, tmp_path):
-    monkeypatch.setenv(gguf_loader.CACHE_ENV, str(tmp_path))
-    assert gguf_loader.default_cache_dir() == tmp_path / "converted"
-    monkeypatch.delenv(gguf_loader.CACHE_ENV)
-    assert gguf_loader.default_cache_dir() == Path.home() / ".cache" / "loramesh" / "converted"
+    monkeypatch.setenv(cache_dir_module.CACHE_ENV, str(tmp_path))
+    assert cache_dir_module.default_cache_dir() == tmp_path / "converted"
+    monkeypatch.delenv(cache_dir_module.CACHE_ENV)
+    assert cache_dir_module.default_cache_dir() == Path.home() / ".cache" / "loramesh" / "converted"
 
 
 # --- HF directories -----------------------------------------------------------------------------

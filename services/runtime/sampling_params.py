@@ -1,0 +1,51 @@
+"""How a request wants its tokens picked: the engine's sampling parameters, as plain values.
+
+Torch-free, so the gateway reads and checks them exactly as the worker does
+(:mod:`services.runtime.sampling_proto` translates the wire message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.runtime.request_validation import check_sampling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token; the defaults are greedy decoding of up to 128 tokens."""
+
+    max_tokens: int = 128
+    """Tokens to generate at most (finish reason ``length``)."""
+    temperature: float = 0.0
+    """0 = greedy; otherwise logits are divided by it before sampling."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability adds up to p (1 = off)."""
+    repetition_penalty: float = 1.0
+    """CTRL-style penalty on tokens already in the prompt or output (1 = off)."""
+    seed: int | None = None
+    """Makes sampling reproducible for this request."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra tokens that end generation (the model's EOS always does unless ``ignore_eos``)."""
+    stop_strings: tuple[str, ...] = field(default_factory=tuple)
+    """Generation ends when the output text contains one of these."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+
+    def validate(self) -> None:
+        """Raise ``InvalidArgument`` naming the first field out of range."""
+        check_sampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            stop_strings=self.stop_strings,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
