@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -86,60 +87,83 @@ def start_mesh(etcd, tmp_path, workers: dict[str, tuple[int, int]]) -> list[Serv
     return processes
 
 
+async def mesh_ready(processes: list[ServiceProcess], config: MembershipConfig, worker_ids) -> None:
+    """Every process ready, and every worker's heartbeat carries its KV blocks."""
+    for proc in processes:
+        await proc.wait_ready(HANG_GUARD_S)
+    await until(
+        lambda: read_loads(config),
+        lambda loads: all(loads.get(w, {}).get("total_blocks") for w in worker_ids),
+        "every worker's heartbeat carries its KV blocks",
+    )
+
+
+async def generate(
+    worker: ServiceProcess, prompt: list[int], new_tokens: int, after_token: Callable[[int], Awaitable[None]]
+) -> tuple[list[int], worker_pb2.GenerateResponse, worker_pb2.WorkerStatsResponse]:
+    """A greedy request on ``worker``, ``after_token(n)`` awaited once its n-th token is out;
+    its tokens, its last reply and the worker's stats afterwards."""
+    async with aio.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        request = worker_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=types_pb2.SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+        )
+        tokens, last = [], None
+        async for reply in stub.Generate(request):  # pytest-timeout guards a hang
+            for token in reply.token_ids:
+                tokens.append(token)
+                await after_token(len(tokens))
+            last = reply
+        return tokens, last, await stub.Stats(worker_pb2.WorkerStatsRequest())
+
+
+async def held_until(worker: ServiceProcess, config: MembershipConfig, loads_show, what: str) -> None:
+    """Hold ``worker`` still (SIGSTOP: its KV stays where it is) until the heartbeats in etcd
+    satisfy ``loads_show``."""
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        await until(lambda: read_loads(config), loads_show, what)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+
+
+def every_block_back(worker_ids):
+    """Nothing lent, nothing borrowed, every pool whole again."""
+    return lambda loads: all(
+        not loads[w]["lent_blocks"]
+        and not loads[w]["borrowed_blocks"]
+        and loads[w]["free_blocks"] == loads[w]["total_blocks"]
+        for w in worker_ids
+    )
+
+
 async def test_a_prompt_longer_than_any_pool_spreads_over_three_workers_and_matches_one_big_pool(
     etcd, tmp_path, loaded
 ):
     prompt = long_prompt(loaded)
     worker_ids = [f"gpu_worker-w{i}" for i in range(3)]
     processes = start_mesh(etcd, tmp_path, {w: (POOL_MIB, LEND_CAP_BLOCKS) for w in worker_ids})
+    debtor = processes[1]
+    config = MembershipConfig(etcd_endpoints=etcd.endpoint)
     try:
-        for proc in processes:
-            await proc.wait_ready(HANG_GUARD_S)
-        config = MembershipConfig(etcd_endpoints=etcd.endpoint)
-        await until(
-            lambda: read_loads(config),
-            lambda loads: all(loads.get(w, {}).get("total_blocks") for w in worker_ids),
-            "every worker's heartbeat carries its KV blocks",
-        )
-        debtor = processes[1]
-        async with aio.insecure_channel(debtor.address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            request = worker_pb2.GenerateRequest(
-                prompt_token_ids=prompt,
-                sampling=types_pb2.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
-            )
-            tokens, last = [], None
-            async for reply in stub.Generate(request):  # pytest-timeout guards a hang
-                if not tokens and reply.token_ids:
-                    # Hold the debtor still (its KV stays where it is) until both creditors'
-                    # heartbeats show its blocks: the KV is on all three workers.
-                    os.kill(debtor.pid, signal.SIGSTOP)
-                    try:
-                        await until(
-                            lambda: read_loads(config),
-                            lambda loads: all(
-                                loads[w]["lent_blocks"].get(worker_ids[0]) for w in worker_ids[1:]
-                            ),
-                            "both creditors hold blocks of the debtor",
-                        )
-                    finally:
-                        os.kill(debtor.pid, signal.SIGCONT)
-                tokens += reply.token_ids
-                last = reply
-            stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
+        await mesh_ready(processes, config, worker_ids)
+
+        async def after_token(n: int) -> None:
+            if n == 1:  # the prompt's KV is placed: it must be on all three workers
+                await held_until(
+                    debtor,
+                    config,
+                    lambda loads: all(loads[w]["lent_blocks"].get(worker_ids[0]) for w in worker_ids[1:]),
+                    "both creditors hold blocks of the debtor",
+                )
+
+        tokens, last, stats = await generate(debtor, prompt, NEW_TOKENS, after_token)
         assert last.finish_reason == types_pb2.FINISH_REASON_LENGTH
         assert stats.preemptions == 0
         assert tokens == one_big_pool_tokens(loaded, prompt)
-        # Every block comes back: nothing lent, nothing borrowed, every pool whole again.
         await until(
-            lambda: read_loads(config),
-            lambda loads: all(
-                not loads[w]["lent_blocks"]
-                and not loads[w]["borrowed_blocks"]
-                and loads[w]["free_blocks"] == loads[w]["total_blocks"]
-                for w in worker_ids
-            ),
-            "every block is back with its worker",
+            lambda: read_loads(config), every_block_back(worker_ids), "every block is back with its worker"
         )
     finally:
         for proc in processes:
@@ -148,9 +172,9 @@ async def test_a_prompt_longer_than_any_pool_spreads_over_three_workers_and_matc
 
 async def test_a_request_that_starts_local_borrows_when_decoding_crosses_the_pool_end(etcd, tmp_path, loaded):
     """The debtor's pool holds 400 tokens (25 blocks); a 390-token prompt fits it. The step that
-    holds token 401 borrows the 26th block from the other worker: the debtor is held still
-    (SIGSTOP) once that token is out until the creditor's heartbeat shows exactly that block.
-    Two workers, not three: one creditor is enough for one block."""
+    holds token 401 borrows the 26th block from the other worker: the debtor is held still once
+    that token is out until the creditor's heartbeat shows exactly that block. Two workers, not
+    three: one creditor is enough for one block."""
     prompt_tokens, new_tokens = 390, 16
     # Token k comes out of the step that holds prompt + k - 1 tokens: token 12 of the one with 401.
     crossed_at = 400 - prompt_tokens + 2
@@ -158,46 +182,27 @@ async def test_a_request_that_starts_local_borrows_when_decoding_crosses_the_poo
     workers = {"gpu_worker-w0": (POOL_MIB, 0), "gpu_worker-w1": (POOL_MIB, LEND_CAP_BLOCKS)}
     processes = start_mesh(etcd, tmp_path, workers)
     debtor = processes[1]
+    config = MembershipConfig(etcd_endpoints=etcd.endpoint)
     try:
-        for proc in processes:
-            await proc.wait_ready(HANG_GUARD_S)
-        config = MembershipConfig(etcd_endpoints=etcd.endpoint)
-        await until(
-            lambda: read_loads(config),
-            lambda loads: all(loads.get(w, {}).get("total_blocks") == 25 for w in workers),
-            "every worker's heartbeat carries its 25 KV blocks",
-        )
-        async with aio.insecure_channel(debtor.address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            request = worker_pb2.GenerateRequest(
-                prompt_token_ids=prompt,
-                sampling=types_pb2.SamplingParams(max_tokens=new_tokens, ignore_eos=True),
-            )
-            tokens, last = [], None
-            async for reply in stub.Generate(request):  # pytest-timeout guards a hang
-                tokens += reply.token_ids
-                last = reply
-                if len(tokens) == crossed_at:
-                    os.kill(debtor.pid, signal.SIGSTOP)
-                    try:
-                        await until(
-                            lambda: read_loads(config),
-                            lambda loads: loads["gpu_worker-w1"]["lent_blocks"] == {"gpu_worker-w0": 1},
-                            "the creditor holds the one block the debtor crossed into",
-                        )
-                    finally:
-                        os.kill(debtor.pid, signal.SIGCONT)
-            stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
+        await mesh_ready(processes, config, workers)
+        loads = await read_loads(config)
+        assert [loads[w]["total_blocks"] for w in workers] == [25, 25]  # 400 tokens each
+
+        async def after_token(n: int) -> None:
+            if n == crossed_at:
+                await held_until(
+                    debtor,
+                    config,
+                    lambda loads: loads["gpu_worker-w1"]["lent_blocks"] == {"gpu_worker-w0": 1},
+                    "the creditor holds the one block the debtor crossed into",
+                )
+
+        tokens, last, stats = await generate(debtor, prompt, new_tokens, after_token)
         assert last.finish_reason == types_pb2.FINISH_REASON_LENGTH
         assert stats.preemptions == 0  # its local KV stayed where it was
         assert tokens == one_big_pool_tokens(loaded, prompt, new_tokens)
         await until(
-            lambda: read_loads(config),
-            lambda loads: all(
-                not loads[w]["lent_blocks"] and loads[w]["free_blocks"] == loads[w]["total_blocks"]
-                for w in workers
-            ),
-            "every block is back with its worker",
+            lambda: read_loads(config), every_block_back(workers), "every block is back with its worker"
         )
     finally:
         for proc in processes:
@@ -213,45 +218,25 @@ async def test_kill_9_of_the_creditor_mid_generation_recomputes_and_loses_nothin
     workers = {"gpu_worker-w0": (POOL_MIB, 0), "gpu_worker-w1": (36, 45), "gpu_worker-w2": (36, 44)}
     processes = start_mesh(etcd, tmp_path, workers)
     debtor, creditor = processes[1:3]
+    config = MembershipConfig(etcd_endpoints=etcd.endpoint)
     try:
-        for proc in processes:
-            await proc.wait_ready(HANG_GUARD_S)
-        config = MembershipConfig(etcd_endpoints=etcd.endpoint)
-        await until(
-            lambda: read_loads(config),
-            lambda loads: all(loads.get(w, {}).get("total_blocks") for w in workers),
-            "every worker's heartbeat carries its KV blocks",
-        )
-        async with aio.insecure_channel(debtor.address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            request = worker_pb2.GenerateRequest(
-                prompt_token_ids=prompt,
-                sampling=types_pb2.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
-            )
-            tokens, last = [], None
-            async for reply in stub.Generate(request):  # pytest-timeout guards a hang
-                if not tokens and reply.token_ids:
-                    os.kill(debtor.pid, signal.SIGSTOP)
-                    creditor.kill()
-                    os.kill(debtor.pid, signal.SIGCONT)
-                tokens += reply.token_ids
-                last = reply
-            stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
+        await mesh_ready(processes, config, workers)
+
+        async def after_token(n: int) -> None:
+            if n == 1:
+                os.kill(debtor.pid, signal.SIGSTOP)
+                creditor.kill()
+                os.kill(debtor.pid, signal.SIGCONT)
+
+        tokens, last, stats = await generate(debtor, prompt, NEW_TOKENS, after_token)
         assert last.finish_reason == types_pb2.FINISH_REASON_LENGTH
         assert stats.preemptions == 1, "the request was not recomputed after the creditor died"
         assert tokens == one_big_pool_tokens(loaded, prompt)
         # The dead creditor leaves the ledger with its lease; the others account for every block.
+        survivors = every_block_back(["gpu_worker-w0", "gpu_worker-w2"])
         await until(
             lambda: read_loads(config),
-            lambda loads: (
-                "gpu_worker-w1" not in loads
-                and all(
-                    not loads[w]["lent_blocks"]
-                    and not loads[w]["borrowed_blocks"]
-                    and loads[w]["free_blocks"] == loads[w]["total_blocks"]
-                    for w in ("gpu_worker-w0", "gpu_worker-w2")
-                )
-            ),
+            lambda loads: "gpu_worker-w1" not in loads and survivors(loads),
             "the dead creditor is gone and every other block is back with its worker",
         )
     finally:

@@ -50,14 +50,14 @@ class Replica:
 async def kv_managers(etcd):
     started: list[Replica] = []
 
-    async def start(instance_id: str) -> Replica:
+    async def start(instance_id: str, dgfm_interval_s: float = 0) -> Replica:
         config = KVManagerConfig(
             etcd_endpoints=etcd.endpoint,
             lease_ttl_s=2,
             grace_s=0.5,
             instance_id=instance_id,
             resort_interval_s=0,
-            dgfm_interval_s=0,  # DGFM only when a test asks (Defragment)
+            dgfm_interval_s=dgfm_interval_s,  # 0: DGFM only when a test asks (Defragment)
         )
         replica = Replica(await start_service(KVManagerService(config), config))
         started.append(replica)
@@ -181,6 +181,27 @@ async def test_defragment_stops_at_a_worker_it_cannot_reach_and_says_which(kv_ma
     # Below the threshold there is nothing to do, and nothing fails.
     reply = await kv.stub.Defragment(pb.DefragmentRequest(min_swap_blocks=7), timeout=RPC_TIMEOUT_S)
     assert not reply.plan.swaps and not reply.failed_worker and reply.swaps_done == 0
+
+
+async def test_the_leader_runs_dgfm_periodically_once_the_heartbeats_follow_the_last_run(
+    kv_managers, workers, poll
+):
+    """Each periodic run fails (the simulated workers have no Worker server) and is counted; the
+    next one starts once the cycle's workers have sent heartbeats since (every 0.2 s here)."""
+    kv = await kv_managers("kv-a", dgfm_interval_s=0.05)
+    await workers("a", free_blocks=0, lent_blocks={"c": 8})
+    await workers("b", free_blocks=0, lent_blocks={"a": 10})
+    await workers("c", free_blocks=0, lent_blocks={"b": 6})
+    await poll(
+        lambda: _async(kv.host.service.load_report),
+        lambda report: report["dgfm_runs_failed_total"] >= 2,
+        "two periodic DGFM runs",
+    )
+    assert kv.host.service.defragmenter.swaps_total == 0
+
+
+async def _async(fn):
+    return fn()
 
 
 async def test_one_replica_leads_and_the_standby_takes_over(kv_managers, workers, poll):

@@ -10,8 +10,8 @@ Every :meth:`Engine.step` (one model iteration) it
 5. samples, emits a :class:`TokenEvent` per request, and retires finished requests.
 
 The engine is single-threaded by design: only :meth:`submit`, :meth:`cancel`, :meth:`preload`,
-:meth:`add_adapter` and :meth:`remove_adapter` may be called from other threads; they hand work
-over under a lock.
+:meth:`add_adapter`, :meth:`remove_adapter` and :meth:`between_steps` (DGFM's recalls) may be
+called from other threads; they hand work over under a lock.
 """
 
 from __future__ import annotations

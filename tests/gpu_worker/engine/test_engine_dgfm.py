@@ -7,7 +7,9 @@ then cancelled over gRPC: the kv_manager's Defragmenter against three Worker ser
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -340,6 +342,8 @@ async def test_defragment_over_grpc_drives_real_worker_servers_through_the_stage
         assert outcome.failure is None and outcome.swaps_done == 1 and outcome.blocks_moved == 6
         assert (defragmenter.swaps_total, defragmenter.blocks_moved_total) == (1, 6)
         assert not defragmenter.settled(ledger)  # until the workers' next heartbeats
+        ledger.replace(dataclasses.replace(row, reported_at=time.time() + 1) for row in ledger.rows())
+        assert defragmenter.settled(ledger)
         assert mesh.remote_blocks() == 0 and mesh.debts() == {}
         assert_every_block_accounted_for(mesh, {w: POOL_BLOCKS for w in CREDITOR_OF})
 
@@ -364,4 +368,28 @@ async def test_defragment_over_grpc_drives_real_worker_servers_through_the_stage
     mesh.run_to_end()
     for worker, (tokens, _) in expected.items():
         assert mesh.tokens[f"r-{worker}"] == tokens, worker
+    assert_every_block_accounted_for(mesh, {w: 0 for w in CREDITOR_OF})
+
+
+def test_a_stage_its_kv_manager_never_closes_is_closed_by_the_engine(tiny_llama):
+    """w0 stages its 2 blocks out of w1 and nobody calls stage_in: w0 does not step (its KV is
+    in no pool) until the stage times out on its clock; then it closes the stage itself. Its
+    pool is still full, so the blocks are borrowed back from w1, where room was freed."""
+    expected_tokens, _ = undisturbed(tiny_llama, request("w0"))
+    mesh = CycleMesh(tiny_llama)
+    build_full_cycle(mesh)
+    w0 = mesh.engines["w0"]
+    now = [0.0]
+    w0.recalls.clock = lambda: now[0]
+    w0.recalls.stage_out("w1", 2)
+    assert w0.recalls.frozen and mesh.debts() == {("w1", "w2"): 2, ("w2", "w0"): 2}
+    tokens_so_far = len(mesh.tokens["r-w0"])
+    w0.step()
+    assert w0.recalls.frozen and len(mesh.tokens["r-w0"]) == tokens_so_far  # frozen: no decode
+    now[0] = w0.recalls.stage_timeout_s
+    w0.step()
+    assert not w0.recalls.frozen and len(mesh.tokens["r-w0"]) == tokens_so_far + 1
+    assert mesh.debts() == {("w0", "w1"): 2, ("w1", "w2"): 2, ("w2", "w0"): 2} and w0.recalls.recalls == 0
+    mesh.run_to_end()
+    assert mesh.tokens["r-w0"] == expected_tokens and w0.preemptions == 0
     assert_every_block_accounted_for(mesh, {w: 0 for w in CREDITOR_OF})
