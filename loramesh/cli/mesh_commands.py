@@ -30,6 +30,10 @@ ADMIN_TENANT = "admin"
 #: The supervisor's name for etcd's process.
 ETCD_UNIT = "etcd"
 
+#: How long `up` waits for every service to be ready: a guard against a hang, large because
+#: nine processes loading on a busy 2-core machine take minutes.
+READY_TIMEOUT_S = 300
+
 
 def add_parsers(sub) -> None:
     up = sub.add_parser("up", help="start etcd and every service on loopback (foreground)")
@@ -108,7 +112,7 @@ def _up_detached(args, state_dir: Path) -> int:
         argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
     with open(log_dir / "up.log", "ab") as out:
         child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + READY_TIMEOUT_S + 60
     while time.monotonic() < deadline:
         mesh = MeshFile.read(state_dir)
         if mesh is not None and mesh.up_pid == child.pid and mesh.ready:
@@ -119,7 +123,7 @@ def _up_detached(args, state_dir: Path) -> int:
             raise CommandError("the mesh failed to start:\n" + "\n".join(tail))
         time.sleep(0.2)
     child.terminate()
-    raise CommandError("the mesh did not become ready within 180 s; see .loramesh/logs/")
+    raise CommandError(f"the mesh did not become ready within {READY_TIMEOUT_S + 60} s; see .loramesh/logs/")
 
 
 def _print_summary(mesh: MeshFile, state_dir: Path) -> None:
@@ -147,9 +151,10 @@ def replica_name(kind: str, index: int) -> str:
 
 def _service_processes(
     args, state_dir: Path, log_dir: Path, etcd_endpoint: str, admin_api_key: str
-) -> dict[str, ServiceProcess]:
-    """Every service of the mesh, by name (also its instance id), the adapter store first. Ports
-    are picked now and kept, so a restarted process comes back at the same address."""
+) -> tuple[dict[str, ServiceProcess], dict[str, str]]:
+    """Every service of the mesh, by name (also its instance id), the adapter store first, and
+    each gateway's OpenAI API address. Ports are picked now and kept, so a restarted process
+    comes back at the same address."""
 
     def service(kind: str, name: str, flags: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
         return ServiceProcess(
@@ -185,20 +190,17 @@ def _service_processes(
     gateway_flags = [*etcd_flags, *store_flags, *model_flags]
     if args.api_keys_file:
         gateway_flags += ["--api-keys-file", args.api_keys_file]
+    openai_addresses = {}
     for i in range(args.gateways):
         name = replica_name("gateway", i)
+        openai_port = free_port()
         # The key goes by environment, not argv, so it does not show in `ps`.
         processes[name] = service(
-            "gateway", name, [*gateway_flags, "--openai-port", str(free_port())],
+            "gateway", name, [*gateway_flags, "--openai-port", str(openai_port)],
             env={"LORAMESH_API_KEYS": f"{admin_api_key}={ADMIN_TENANT}"},
         )  # fmt: skip
-    return processes
-
-
-def _openai_address(process: ServiceProcess) -> str:
-    if process.module != "gateway":
-        return ""
-    return f"{process.host}:{process.args[process.args.index('--openai-port') + 1]}"
+        openai_addresses[name] = f"{processes[name].host}:{openai_port}"
+    return processes, openai_addresses
 
 
 def _entry(
@@ -226,6 +228,7 @@ def _entry(
 def _mesh_file(
     etcd: EtcdServer,
     processes: dict[str, ServiceProcess],
+    openai_addresses: dict[str, str],
     supervisor: Supervisor,
     admin_api_key: str,
     ready: bool,
@@ -238,7 +241,13 @@ def _mesh_file(
         admin_api_key=admin_api_key,
         services={
             name: _entry(
-                name, supervisor, p.pid or 0, p.address, p.http_address, str(p.log_path), _openai_address(p)
+                name,
+                supervisor,
+                p.pid or 0,
+                p.address,
+                p.http_address,
+                str(p.log_path),
+                openai_addresses.get(name, ""),
             )
             for name, p in processes.items()
         },
@@ -258,12 +267,12 @@ async def _up_foreground(args, state_dir: Path) -> int:
     etcd = EtcdServer(data_dir=state_dir / "etcd")
     admin_api_key = "lm-admin-" + secrets.token_urlsafe(18)
     await asyncio.to_thread(etcd.start)
-    processes = _service_processes(args, state_dir, log_dir, etcd.endpoint, admin_api_key)
+    processes, openai_addresses = _service_processes(args, state_dir, log_dir, etcd.endpoint, admin_api_key)
     units = [EtcdUnit(ETCD_UNIT, etcd), *(ServiceUnit(name, p) for name, p in processes.items())]
     ready = False
 
     def write_mesh_file() -> None:
-        _mesh_file(etcd, processes, supervisor, admin_api_key, ready).write(state_dir)
+        _mesh_file(etcd, processes, openai_addresses, supervisor, admin_api_key, ready).write(state_dir)
 
     supervisor = Supervisor(units, _restart_policy(args), on_change=write_mesh_file)
     try:
@@ -272,8 +281,8 @@ async def _up_foreground(args, state_dir: Path) -> int:
                 unit.launch()
             supervisor.launched(unit)
             if unit.name == "adapter_store":
-                await processes["adapter_store"].wait_ready()
-        await asyncio.gather(*(p.wait_ready(300) for p in processes.values()))
+                await processes["adapter_store"].wait_ready(READY_TIMEOUT_S)
+        await asyncio.gather(*(p.wait_ready(READY_TIMEOUT_S) for p in processes.values()))
         ready = True
         write_mesh_file()
         _print_summary(MeshFile.read(state_dir), state_dir)

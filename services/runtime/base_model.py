@@ -7,11 +7,16 @@ HF ``config.json`` is cheap, so this never dequantizes anything.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+#: Environment variable naming loramesh's cache root (default ``~/.cache/loramesh``).
+CACHE_ENV = "LORAMESH_CACHE_DIR"
 
 #: Projections a LoRA adapter may target, as PEFT names them in Llama-family models.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -85,7 +90,32 @@ def _load_spec(path: Path) -> BaseModelSpec:
         return _spec_from_hf_config(path / "config.json")
     if path.suffix == ".json":
         return _spec_from_hf_config(path)
-    return _spec_from_gguf(path)
+    return _spec_from_gguf_cached(path)
+
+
+def spec_cache_path(gguf_path: Path) -> Path:
+    """Where the spec read from ``gguf_path`` is kept: ``<cache root>/converted/<stem>-<size>-
+    <mtime ns>.spec.json``, so a changed file is read again."""
+    root = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else Path.home() / ".cache" / "loramesh"
+    stat = gguf_path.stat()
+    return root / "converted" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}.spec.json"
+
+
+def _spec_from_gguf_cached(gguf_path: Path) -> BaseModelSpec:
+    """The GGUF spec, from its cache file when there is a good one. Parsing the header (the whole
+    vocabulary with it) takes seconds, and tens of seconds on a busy machine: every adapter store
+    start, and so every restart by a supervisor, paid for it."""
+    cache = spec_cache_path(gguf_path)
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return BaseModelSpec(**json.loads(cache.read_text()))
+    spec = _spec_from_gguf(gguf_path)
+    # A read-only or full cache directory only costs the next start the parse again.
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(asdict(spec)))
+        os.replace(partial, cache)
+    return spec
 
 
 def _spec_from_hf_config(config_path: Path) -> BaseModelSpec:

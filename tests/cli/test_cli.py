@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from grpc import aio
+from support.cli import loramesh
 
 from loramesh.cli.mesh_file import pid_alive
 from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
@@ -20,19 +21,6 @@ from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.base_model import LORA_TARGETS
 
 pytestmark = pytest.mark.integration
-
-
-def loramesh(state_dir, *argv, check=True) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), *argv],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    if check:
-        assert done.returncode == 0, done.stderr
-    return done
 
 
 @pytest.fixture

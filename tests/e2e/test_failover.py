@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aetcd
 import pytest
+from support.cli import loramesh
 from support.polling import poll_until
 
 from loramesh import AsyncClient, LoraMeshError
@@ -49,18 +48,6 @@ JOBS = [
 RETRIES = 30
 
 
-def loramesh(state_dir: Path, *argv: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), *argv],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stderr
-    return done
-
-
 @pytest.fixture(scope="module")
 def supervised_mesh(tmp_path_factory, base_spec):
     state = tmp_path_factory.mktemp("failover") / "state"
@@ -79,12 +66,7 @@ def supervised_mesh(tmp_path_factory, base_spec):
             loramesh(state, "adapters", "upload", str(directory), "--name", name)
         yield state
     finally:
-        subprocess.run(
-            [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state), "down"],
-            check=False,
-            capture_output=True,
-            timeout=120,
-        )
+        loramesh(state, "down", check=False)
 
 
 @dataclass
@@ -179,6 +161,22 @@ async def kill_during_streams(state: Path, undisturbed, kind: str) -> None:
     target = await target_of(kind, mesh_file)
     entry = mesh_file.etcd if kind == "etcd" else mesh_file.services[target]
     members_before = await registered_members(mesh_file)
+
+    def back_and_registered(members: dict[str, float]) -> bool:
+        if kind == "etcd":
+            return bool(members) and members.keys() == members_before.keys()
+        return members.get(target, 0.0) > killed_unix
+
+    async def back_after_s() -> float:
+        await poll_until(
+            lambda: registered_members(mesh_file),
+            back_and_registered,
+            f"{target} registered again",
+            guard_s=180,
+            interval_s=0.2,
+        )
+        return time.monotonic() - killed_at
+
     async with client(state) as sdk:
         first = start_wave(sdk)
         await poll_until(
@@ -196,22 +194,14 @@ async def kill_during_streams(state: Path, undisturbed, kind: str) -> None:
             )
         finally:
             signal_workers(mesh_file, signal.SIGCONT)
+        comeback = asyncio.create_task(back_after_s())
         second = start_wave(sdk)
         results = outputs(await finish_wave(first)) + outputs(await finish_wave(second))
+        back_s = await comeback
 
     errors = [str(s.error) for s, _ in first + second if s.error is not None]
     assert not errors, f"lost {len(errors)} of {2 * STREAMS} requests: {errors[:3]}"
     assert results == undisturbed + undisturbed
-
-    def back_and_registered(members: dict[str, float]) -> bool:
-        if kind == "etcd":
-            return bool(members) and members.keys() == members_before.keys()
-        return members.get(target, 0.0) > killed_unix
-
-    await poll_until(
-        lambda: registered_members(mesh_file), back_and_registered, f"{target} registered again", guard_s=180
-    )
-    back_after_s = time.monotonic() - killed_at
     restarted = MeshFile.read(state).etcd if kind == "etcd" else MeshFile.read(state).services[target]
     assert restarted.restarts == entry.restarts + 1 and restarted.last_exit == "killed by signal 9"
     assert pid_alive(restarted.pid) and restarted.pid != entry.pid
@@ -227,5 +217,5 @@ async def kill_during_streams(state: Path, undisturbed, kind: str) -> None:
         leads = f"; {leads} leads now"
     print(
         f"\nkill -9 {target}: {in_flight} of {STREAMS} streams in flight, {2 * STREAMS} requests, "
-        f"0 lost; back and registered in etcd {back_after_s:.1f} s after the kill{leads}"
+        f"0 lost; back and registered in etcd {back_s:.1f} s after the kill{leads}"
     )
