@@ -71,6 +71,10 @@ class AdapterLoader:
             self.release(adapter_id)
             raise
 
+    def public_name(self, adapter_id: str) -> str:
+        """The name users know ``adapter_id`` by (the store's ``owner/name``, a directory's name)."""
+        return self.source.public_name(adapter_id)
+
     def fetch_waiters(self) -> dict[str, int]:
         """Requests waiting for their adapter's host copy, per adapter being pulled: queued on
         this worker, though not yet handed to the engine."""

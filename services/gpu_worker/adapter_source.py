@@ -19,6 +19,10 @@ class AdapterSource(Protocol):
         """``(adapter_config.json, adapter_model.safetensors)`` of ``adapter_id``."""
         ...
 
+    def public_name(self, adapter_id: str) -> str:
+        """The name users call a fetched adapter by (in metrics labels); its id if unknown."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -38,6 +42,9 @@ class DirectorySource:
             raise NotFound(f"{directory} lacks adapter_config.json or adapter_model.safetensors")
         return await asyncio.to_thread(lambda: (config.read_bytes(), weights.read_bytes()))
 
+    def public_name(self, adapter_id: str) -> str:
+        return adapter_id  # its directory's name
+
     async def close(self) -> None:
         pass
 
@@ -48,6 +55,7 @@ class StoreSource:
     def __init__(self, address: str = "", etcd_endpoints: str = ""):
         self._locator = ServiceLocator("adapter_store", address, etcd_endpoints)
         self._channels = ChannelPool()
+        self._names: dict[str, str] = {}
 
     async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:
         address = await self._locator.address()
@@ -61,7 +69,12 @@ class StoreSource:
                 raise NotFound(f"adapter {adapter_id!r} not found in the adapter store") from None
             await self._locator.address(refresh=True)  # the next pull may find another store
             raise Unavailable(f"adapter store: {error.code().name}: {error.details()}") from None
+        self._names[adapter_id] = f"{info.owner}/{info.name}"
         return info.config_json.encode(), data
+
+    def public_name(self, adapter_id: str) -> str:
+        """``owner/name``: the OpenAI ``model`` that names it for every tenant allowed to use it."""
+        return self._names.get(adapter_id, adapter_id)
 
     async def close(self) -> None:
         await self._channels.close()

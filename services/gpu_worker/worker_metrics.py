@@ -80,14 +80,24 @@ class WorkerMetrics:
         waiting = stats["waiting_adapters"] + parts.engine.handed_over_adapters()
         if parts.loader is not None:
             waiting += [a for a, count in parts.loader.fetch_waiters().items() for _ in range(count)]
-        yield from _router_series(parts, stats, running, waiting)
-        yield from _adapter_series(running, waiting, stats["tokens_by_adapter"])
+        # Labels name adapters as users do (the store's owner/name), not by their ids.
+        named = parts.loader.public_name if parts.loader is not None else str
+        running = [None if a is None else named(a) for a in running]
+        waiting = [None if a is None else named(a) for a in waiting]
+        resident = set(stats["resident_adapters"])
+        host = {named(a): a in resident for a in parts.engine.host_adapter_ids()}
+        tokens = {named(a): count for a, count in stats["tokens_by_adapter"].items()}
+        yield from _router_series(parts, stats, running, waiting, host)
+        yield from _adapter_series(running, waiting, tokens)
         yield from _lending_series(parts.engine.lending.lent_to(), stats["borrowed_blocks"])
 
 
-def _router_series(parts: WorkerParts, stats: dict, running: list, waiting: list) -> Iterator[Metric]:
+def _router_series(
+    parts: WorkerParts, stats: dict, running: list, waiting: list, host: dict[str, bool]
+) -> Iterator[Metric]:
     """The series the Gateway API Inference Extension's endpoint picker and llm-d read, with
-    vLLM's names, help and labels."""
+    vLLM's names, help and labels. ``host``: each adapter with a host copy, and whether it is
+    also in the device pool."""
     engine_labels = ["model_name", "engine"]
     engine_values = [parts.model_name, ENGINE_INDEX]
     for name, documentation, value in (
@@ -105,8 +115,6 @@ def _router_series(parts: WorkerParts, stats: dict, running: list, waiting: list
     )
     info.add_metric([str(parts.engine.config.max_running), _names(waiting), _names(running)], time.time())
     yield info
-    host = parts.engine.host_adapter_ids()
-    on_device = set(stats["resident_adapters"])
     loaded = GaugeMetricFamily(
         "vllm:lora_adapter_loaded",
         "One series per loaded adapter: level gpu = in the device pool, cpu = host copy only.",
@@ -114,10 +122,10 @@ def _router_series(parts: WorkerParts, stats: dict, running: list, waiting: list
     )
     # An adapter's pages left in the pool after its host copy was dropped are not "loaded": a
     # request for it pulls it again (they are only reused, and otherwise evicted LRU).
-    for adapter_id in sorted(host):
-        loaded.add_metric([*engine_values, adapter_id, GPU if adapter_id in on_device else CPU, "false"], 1)
+    for name, on_device in sorted(host.items()):
+        loaded.add_metric([*engine_values, name, GPU if on_device else CPU, "false"], 1)
     yield loaded
-    for level, count in ((GPU, len(on_device.intersection(host))), (CPU, len(host))):
+    for level, count in ((GPU, sum(host.values())), (CPU, len(host))):
         family = GaugeMetricFamily(
             f"vllm:num_{level}_loaded_lora_adapters",
             f"Number of adapters loaded in {'the device pool' if level == GPU else 'host RAM'}.",

@@ -112,8 +112,12 @@ async def test_scrape_during_a_run_shows_per_adapter_router_and_residency_series
             )
             second = asyncio.create_task(generate(stub, "b", [9, 10, 11]))
             before = time.time()
+            # b's request counts as waiting from the moment it asks for b's host copy; wait for
+            # that copy too (the engine is held, so nothing else can change meanwhile).
             during = await poll_until(
-                metrics, lambda m: lora_info(m)["waiting_lora_adapters"] == "b", "b's request waits"
+                metrics,
+                lambda m: lora_info(m)["waiting_lora_adapters"] == "b" and "b" in loaded_levels(m),
+                "b's request waits with b in host RAM",
             )
             # max_running=1: the held engine has a's request in its batch; b's waits for it.
             assert lora_info(during) == {

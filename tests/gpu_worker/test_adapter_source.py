@@ -1,0 +1,37 @@
+"""Where a worker gets adapters, and the names it shows them by: a real adapter store served on
+loopback (in process), and a directory."""
+
+from __future__ import annotations
+
+from grpc import aio
+
+from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from loramesh.v1 import adapter_store_pb2_grpc
+from services.adapter_store.client import upload_adapter
+from services.adapter_store.config import AdapterStoreConfig
+from services.adapter_store.service import AdapterStoreService
+from services.gpu_worker.adapter_source import DirectorySource, StoreSource
+from services.runtime.server import start_service
+
+
+async def test_a_store_adapter_is_named_owner_slash_name_once_fetched(base_spec, tmp_path):
+    files = adapter_files(write_peft_adapter(tmp_path / "sql", base_spec, SampleAdapterSpec(rank=8)))
+    config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), host="127.0.0.1", grace_s=1)
+    store = await start_service(AdapterStoreService(config), config)
+    source = StoreSource(store.address)
+    try:
+        async with aio.insecure_channel(store.address) as channel:
+            info = await upload_adapter(
+                adapter_store_pb2_grpc.AdapterStoreStub(channel), files, "sql", "alice"
+            )
+        assert source.public_name(info.id) == info.id  # not fetched yet: nothing better is known
+        _, weights = await source.fetch(info.id)
+        assert weights == files["adapter_model.safetensors"]
+        assert source.public_name(info.id) == "alice/sql" != info.id
+    finally:
+        await source.close()
+        await store.shutdown()
+
+
+def test_a_directory_adapter_is_named_by_its_directory(tmp_path):
+    assert DirectorySource(tmp_path).public_name("sql") == "sql"
