@@ -216,7 +216,7 @@ def _entry(
     return ServiceEntry(
         address,
         http_address,
-        pid,
+        pid if tracker.started_at is not None else 0,  # 0: down, waiting for its restart
         log,
         openai_address=openai_address,
         restarts=tracker.restarts,

@@ -18,10 +18,16 @@ DEFAULT_STATE_DIR = Path(".loramesh")
 
 @dataclass
 class ServiceEntry:
+    """One process of the local mesh, as its supervisor last saw it."""
+
     address: str
+    """gRPC ``host:port`` (for etcd: its client endpoint)."""
     http_address: str
+    """``host:port`` of ``/healthz``, ``/readyz`` and ``/metrics``; empty for etcd."""
     pid: int
+    """Its process id; 0 while it is down, waiting for its restart."""
     log: str
+    """Its log file."""
     openai_address: str = ""
     """The gateway's OpenAI-compatible HTTP API (``host:port``; base URL ``http://<it>/v1``)."""
     restarts: int = 0
