@@ -430,7 +430,7 @@ class Client:
         api_key: str | None = None,
         *,
         timeout: float | None = 60.0,
-        retries: int = 3,
+        retries: int = 6,
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         mesh_file: str | Path = DEFAULT_MESH_FILE,
