@@ -16,6 +16,12 @@ from starlette.applications import Starlette
 
 log = logging.getLogger("loramesh.gateway.openai")
 
+#: How long an idle keep-alive connection stays open. Longer than clients keep idle pooled
+#: connections (httpx, hence the ``openai`` package: 5 s), so the client, not the server, closes
+#: them: with uvicorn's default of 5 s too, a request sent on a pooled connection as the server
+#: drops it fails with a read error (seen in bench/openai_throughput.py with retries off).
+KEEP_ALIVE_S = 75
+
 
 class OpenAIHttpServer:
     def __init__(self, app: Starlette, grace_s: float):
@@ -41,6 +47,7 @@ class OpenAIHttpServer:
             access_log=False,
             log_config=None,  # the service's logging configuration stays in charge
             timeout_graceful_shutdown=max(1, round(self._grace_s)),
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         self._server = uvicorn.Server(config)
         config.load()
