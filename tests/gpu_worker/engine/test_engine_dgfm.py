@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from grpc import aio
+from support.worker_server import serve_worker
 
 from loramesh.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.borrower import Candidate
@@ -22,14 +23,12 @@ from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.memory.in_process_transport import InProcessTransport
 from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.servicer import WorkerServicer
 from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import CycleSwap, DgfmConfig, plan_defragmentation
 from services.kv_manager.dgfm_execution import StepKind, apply_plan, apply_swap
 from services.kv_manager.ledger import DebtLedger, WorkerBlocks
 from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import FailedPrecondition, ResourceExhausted
-from services.runtime.interceptors import ServiceInterceptor
 
 BLOCK = 8
 POOL_MIB = 1 / 32
@@ -302,16 +301,6 @@ class SteppedOnCall:
             self.engine.step()
 
 
-async def serve(engine: Engine) -> tuple[aio.Server, str]:
-    servicer = WorkerServicer()
-    servicer.attach(engine, None, {"model": "tiny-llama", "dtype": "float32"})
-    server = aio.server(interceptors=[ServiceInterceptor()])
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
-
-
 async def test_defragment_over_grpc_drives_real_worker_servers_through_the_staged_cycle(tiny_llama):
     """The kv_manager's Defragmenter and GrpcRecallWorkers against three Worker gRPC servers:
     the plan comes from a ledger of the workers' reports, the recalls travel as RPCs, and bad
@@ -322,7 +311,7 @@ async def test_defragment_over_grpc_drives_real_worker_servers_through_the_stage
     servers, addresses = [], {}
     for name, engine in mesh.engines.items():
         SteppedOnCall(engine)
-        server, addresses[name] = await serve(engine)
+        server, addresses[name] = await serve_worker(engine)
         servers.append(server)
     try:
         ledger = DebtLedger()
