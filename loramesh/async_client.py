@@ -193,6 +193,12 @@ class AsyncClient:
         """Closes the client."""
         await self.close()
 
+    @property
+    def failovers(self) -> int:
+        """Attempts of this client's calls that failed with ``UNAVAILABLE`` and were retried on
+        the next gateway (a stream replayed counts once per break)."""
+        return self._gateways.failovers
+
     async def close(self) -> None:
         """Closes the channels; calls in flight are cancelled."""
         for channel in self._channels:

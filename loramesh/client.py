@@ -81,6 +81,8 @@ class GatewayRotation:
     def __init__(self, addresses: Sequence[str]):
         self.addresses = tuple(addresses)
         self._index = 0
+        self.failovers = 0
+        """Attempts that failed with a retryable status and were retried, over the client's life."""
 
     def current(self) -> str:
         return self.addresses[self._index]
@@ -88,6 +90,7 @@ class GatewayRotation:
     def failed(self, address: str) -> None:
         """A call to ``address`` failed with a retryable status: move past it (unless another
         call already did)."""
+        self.failovers += 1
         if self.addresses[self._index] == address:
             self._index = (self._index + 1) % len(self.addresses)
 
@@ -468,6 +471,12 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         """Closes the client."""
         self.close()
+
+    @property
+    def failovers(self) -> int:
+        """Attempts of this client's calls that failed with ``UNAVAILABLE`` and were retried on
+        the next gateway (a stream replayed counts once per break)."""
+        return self._gateways.failovers
 
     def close(self) -> None:
         """Closes the channels; calls in flight are cancelled."""

@@ -7,7 +7,7 @@ import sys
 
 import grpc
 
-from loramesh.cli import adapter_commands, bench_commands, generate_commands, mesh_commands
+from loramesh.cli import adapter_commands, bench_commands, chaos_commands, generate_commands, mesh_commands
 from loramesh.cli.errors import CommandError
 from loramesh.cli.mesh_file import DEFAULT_STATE_DIR
 from loramesh.errors import LoraMeshError
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     adapter_commands.add_parsers(sub)
     generate_commands.add_parsers(sub)
     bench_commands.add_parsers(sub)
+    chaos_commands.add_parsers(sub)
     return parser
 
 
