@@ -420,6 +420,7 @@ def test_unavailable_forever_raises_after_the_retries(client, gateway):
     with pytest.raises(Unavailable):
         client.generate("Hi")
     assert len(gateway.calls("Generate")) == 1 + 3
+    assert client.failovers == 3  # the last failure was not retried
 
 
 def test_a_sampled_stream_broken_after_data_is_not_retried(client, gateway):
@@ -456,8 +457,10 @@ def test_a_broken_reproducible_stream_continues_on_the_next_gateway(
         (first,), (second,) = gateway.calls("Generate"), gateway_b.calls("Generate")
         assert first.metadata["x-request-id"] == second.metadata["x-request-id"]
         assert first.request == second.request
+        assert client.failovers == 1
         # The client stays on the live gateway.
         check_completion(client.generate("Hi"))
+        assert client.failovers == 1
     assert len(gateway.calls("Generate")) == 1 and len(gateway_b.calls("Generate")) == 2
 
 
@@ -590,6 +593,7 @@ async def test_async_retries(aclient, gateway):
     gateway.unavailable_first = 2
     check_completion(await aclient.generate("Hi"))
     assert len(gateway.calls("Generate")) == 3
+    assert aclient.failovers == 2
     gateway.unavailable_first = 100
     with pytest.raises(Unavailable):
         await aclient.models()
