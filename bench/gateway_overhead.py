@@ -12,22 +12,16 @@ rounds) and their ratio.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 from grpc import aio
 
+from bench.side_by_side import alternating_rounds, load_arguments, local_mesh, medians, rounded
 from loramesh.async_client import AsyncClient
 from loramesh.cli.mesh_file import MeshFile
 from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.gpu_worker.model.loading import load_model
+from services.gpu_worker.model.tokenizer_loading import load_tokenizer
 
 PROMPTS = [f"Write a short story about a {thing}." for thing in ("cat", "ship", "tree", "robot")]
 
@@ -60,46 +54,32 @@ async def direct(mesh: MeshFile, prompts: list[list[int]], requests: int, max_to
 
 
 async def measure(mesh: MeshFile, args) -> dict:
-    tokenizer = load_model().tokenizer
+    tokenizer = load_tokenizer().tokenizer
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     await through_gateway(mesh, 4, 4)  # warm-up: adapters none, models loaded, channels open
-    rates: dict[str, list[float]] = {"gateway": [], "direct": []}
-    for round_index in range(args.rounds):
-        order = ["gateway", "direct"] if round_index % 2 == 0 else ["direct", "gateway"]
-        for path in order:
-            started = time.perf_counter()
-            if path == "gateway":
-                tokens = await through_gateway(mesh, args.requests, args.max_tokens)
-            else:
-                tokens = await direct(mesh, prompts, args.requests, args.max_tokens)
-            rates[path].append(tokens / (time.perf_counter() - started))
-    gateway, direct_rate = statistics.median(rates["gateway"]), statistics.median(rates["direct"])
+    rates, _ = await alternating_rounds(
+        {
+            "gateway": lambda: through_gateway(mesh, args.requests, args.max_tokens),
+            "direct": lambda: direct(mesh, prompts, args.requests, args.max_tokens),
+        },
+        args.rounds,
+    )
+    median = medians(rates)
     return {
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "gateway_tokens_per_s": round(gateway, 1),
-        "direct_tokens_per_s": round(direct_rate, 1),
-        "ratio": round(gateway / direct_rate, 3),
-        "all_rates": {k: [round(v, 1) for v in vs] for k, vs in rates.items()},
+        "gateway_tokens_per_s": round(median["gateway"], 1),
+        "direct_tokens_per_s": round(median["direct"], 1),
+        "ratio": round(median["gateway"] / median["direct"], 3),
+        "all_rates": rounded(rates),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    state = Path(tempfile.mkdtemp(prefix="lm-gw-bench-"))
-    cli = [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state)]
-    subprocess.run(
-        [*cli, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "256"], check=True
-    )
-    try:
-        result = asyncio.run(measure(MeshFile.read(state), args))
-    finally:
-        subprocess.run([*cli, "down"], check=False)
+    args = load_arguments(__doc__.split("\n\n")[0]).parse_args()
+    with local_mesh() as mesh:
+        result = asyncio.run(measure(mesh, args))
     print(json.dumps(result, indent=2))
 
 
