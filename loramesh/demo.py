@@ -1,35 +1,33 @@
-"""``make demo``: a local mesh with 2 workers, three sample adapters, 16 concurrent requests across
-them and the base model, their outputs and a latency table, then a clean stop.
+"""``make demo``: three small real LoRA adapters that visibly do something (answer in French, talk
+like a pirate, end with a SQL query), served by a local mesh next to the base model.
 
-Everything goes through what a user touches: the ``loramesh`` CLI and the ``AsyncClient`` SDK.
+Steps: train the adapters with peft on CPU (once; then cached, see ``demo_adapters``), start a
+mesh with 2 workers, upload them, ask the base model and each adapter the same questions through
+the ``openai`` client (streaming chat completions) and through the SDK (concurrently, with a
+latency table), print a curl + SSE example with the mesh's real address and key and run it
+exactly as printed, then stop the mesh (``--keep-up`` leaves it running to try the example).
+
+Everything goes through what a user touches: the ``loramesh`` CLI, the ``openai`` package, the
+SDK and curl. Training (torch, peft), the CLI and ``openai`` are imported only when their step
+runs, so importing this module stays light.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import shlex
+import shutil
+import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from loramesh.async_client import AsyncClient
-from loramesh.cli.main import main as loramesh
-from loramesh.cli.mesh_file import MeshFile
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
-
-SAMPLES = {
-    "sql-r8": SampleAdapterSpec(rank=8, seed=1),
-    "chat-r16-mlp": SampleAdapterSpec(rank=16, target_modules=LORA_TARGETS, seed=2),
-    "code-r32-rslora": SampleAdapterSpec(rank=32, use_rslora=True, rank_pattern={"o_proj": 8}, seed=3),
-}
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three colours of the rainbow.",
-    "What do bees make?",
-    "Give me a synonym for happy.",
-]
-MAX_TOKENS = 24
+BASE = "(base)"
+MAX_TOKENS = 48
+CURL_MAX_TOKENS = 12
+CHECK_MARK = {True: "same as via openai", False: "differs from openai"}
 
 
 def step(title: str) -> None:
@@ -37,76 +35,179 @@ def step(title: str) -> None:
 
 
 def run(*argv: str) -> None:
+    from loramesh.cli.main import main as loramesh
+
     print("$ loramesh " + " ".join(argv), flush=True)
     if loramesh(list(argv)) != 0:
         raise SystemExit(f"demo failed at: loramesh {' '.join(argv)}")
 
 
-async def one_request(client: AsyncClient, question: str, adapter: str | None) -> dict:
+def demo_adapters() -> tuple[dict[str, Path], tuple[str, ...]]:
+    """The trained adapters' folders (trained now or found cached) and the demo's questions."""
+    try:
+        from demo_adapters.cache import ensure_adapters
+        from demo_adapters.data import DEMO_QUESTIONS
+    except ImportError as error:
+        raise SystemExit(f"the demo adapters are trained by demo_adapters/ in the repository: "
+                         f"run `make demo` from its root ({error})") from error  # fmt: skip
+    return ensure_adapters(log=lambda line: print(line, flush=True)), DEMO_QUESTIONS
+
+
+def mesh_endpoints() -> tuple[str, str, str]:
+    """``(OpenAI base URL, admin API key, base model id)`` of the mesh ``loramesh up`` started."""
+    from loramesh.cli.mesh_file import MeshFile
+
+    mesh = MeshFile.read()
+    if mesh is None:
+        raise SystemExit("no .loramesh/mesh.json: the mesh did not start")
+    openai_address = next((s.openai_address for s in mesh.services.values() if s.openai_address), "")
+    if not openai_address:
+        raise SystemExit("the mesh serves no OpenAI API (no openai_address in .loramesh/mesh.json)")
+    from openai import OpenAI
+
+    base_url = f"http://{openai_address}/v1"
+    with OpenAI(base_url=base_url, api_key=mesh.admin_api_key) as client:
+        # GET /v1/models lists the base model (no parent) and the adapters (the base as parent).
+        base_model = next(m.id for m in client.models.list() if getattr(m, "parent", None) is None)
+    return base_url, mesh.admin_api_key, base_model
+
+
+def ask_through_openai(
+    base_url: str, api_key: str, base_model: str, question: str, models: list[str]
+) -> dict:
+    """Stream ``question`` to each model (greedy) through the ``openai`` client, printing as it
+    comes; returns model -> answer."""
+    from openai import OpenAI
+
+    answers = {}
+    with OpenAI(base_url=base_url, api_key=api_key) as client:
+        print(f"\nQ: {question}")
+        for model in models:
+            print(f"  {model:>8} → ", end="", flush=True)
+            stream = client.chat.completions.create(
+                model=base_model if model == BASE else model,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+            )
+            parts = []
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+                    print(indent(chunk.choices[0].delta.content), end="", flush=True)
+            answers[model] = "".join(parts)
+            print(flush=True)
+    return answers
+
+
+def indent(text: str) -> str:
+    """Continuation lines of a multi-line answer start under its first line."""
+    return text.replace("\n", "\n" + " " * 13)
+
+
+async def one_sdk_request(client, question: str, model: str) -> dict:
     started = time.perf_counter()
     first = None
     text, usage = [], None
-    async for delta in client.chat_stream([{"role": "user", "content": question}], adapter=adapter,
-                                          max_tokens=MAX_TOKENS):  # fmt: skip
+    adapter = None if model == BASE else model
+    messages = [{"role": "user", "content": question}]
+    async for delta in client.chat_stream(messages, adapter=adapter, max_tokens=MAX_TOKENS, temperature=0):
         if first is None and delta.token_ids:
             first = time.perf_counter() - started
         text.append(delta.text)
         usage = delta.usage or usage
     total = time.perf_counter() - started
-    tokens = usage.completion_tokens if usage else 0
-    return {"adapter": adapter or "(base)", "question": question, "answer": "".join(text).strip(),
-            "first_token_s": first or total, "total_s": total, "tokens": tokens}  # fmt: skip
+    return {"model": model, "question": question, "answer": "".join(text), "first_token_s": first or total,
+            "total_s": total, "tokens": usage.completion_tokens if usage else 0}  # fmt: skip
 
 
-async def traffic(mesh: MeshFile) -> list[dict]:
-    async with AsyncClient(mesh.services["gateway"].address, mesh.admin_api_key) as client:
-        adapters = [*SAMPLES, None]
-        jobs = [(QUESTIONS[i % len(QUESTIONS)], adapters[i % len(adapters)]) for i in range(16)]
-        return await asyncio.gather(*(one_request(client, q, a) for q, a in jobs))
+async def ask_through_sdk(questions: tuple[str, ...], models: list[str]) -> list[dict]:
+    """Every question to every model at once through the SDK's ``AsyncClient``."""
+    from loramesh.async_client import AsyncClient
+
+    async with AsyncClient() as client:
+        return await asyncio.gather(*(one_sdk_request(client, q, m) for q in questions for m in models))
 
 
-def report(results: list[dict], wall_s: float) -> None:
-    for r in results:
-        print(f"[{r['adapter']:>15}] {r['question']}\n{'':>18}→ {r['answer'][:90]!r}")
-    print(f"\n{'adapter':>15}  {'first token':>11}  {'total':>7}  {'tokens':>6}  {'tok/s':>6}")
+def print_sdk_answers(results: list[dict], via_openai: dict[str, dict[str, str]], wall_s: float) -> None:
+    for question in dict.fromkeys(r["question"] for r in results):
+        print(f"\nQ: {question}")
+        for r in (r for r in results if r["question"] == question):
+            checked = via_openai.get(question, {}).get(r["model"])
+            mark = f"   [{CHECK_MARK[checked == r['answer']]}]" if checked is not None else ""
+            print(f"  {r['model']:>8} → {indent(r['answer'])}{mark}")
+    print(f"\n{'model':>8}  {'first token':>11}  {'total':>7}  {'tokens':>6}  {'tok/s':>6}  question")
     for r in results:
         rate = r["tokens"] / r["total_s"] if r["total_s"] else 0.0
-        print(f"{r['adapter']:>15}  {r['first_token_s'] * 1000:>8.0f} ms  {r['total_s']:>5.2f} s  "
-              f"{r['tokens']:>6}  {rate:>6.1f}")  # fmt: skip
+        print(f"{r['model']:>8}  {r['first_token_s'] * 1000:>8.0f} ms  {r['total_s']:>5.2f} s  "
+              f"{r['tokens']:>6}  {rate:>6.1f}  {r['question']}")  # fmt: skip
     generated = sum(r["tokens"] for r in results)
-    print(
-        f"\n16 concurrent requests, {generated} tokens in {wall_s:.1f} s: {generated / wall_s:.1f} tokens/s overall"
+    print(f"\n{len(results)} concurrent requests, {generated} tokens in {wall_s:.1f} s: "
+          f"{generated / wall_s:.1f} tokens/s overall")  # fmt: skip
+
+
+def curl_example(base_url: str, api_key: str, model: str, question: str) -> str:
+    """A curl command streaming one chat completion as server-sent events."""
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": CURL_MAX_TOKENS,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    return (
+        f"curl -sN {base_url}/chat/completions \\\n"
+        f"  -H 'Authorization: Bearer {api_key}' -H 'Content-Type: application/json' \\\n"
+        f"  -d {shlex.quote(json.dumps(body))}"
     )
 
 
-def main() -> int:
-    spec = load_base_model_spec()
+def run_as_printed(command: str) -> None:
+    """Print ``command``, then run exactly that text in a shell and show what it prints."""
+    print(command)
+    if shutil.which("curl") is None:
+        print("(curl is not installed here, so the demo does not run it)")
+        return
+    print("\nwhich prints:")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, check=False)
+    print(result.stdout.rstrip())
+    if result.returncode != 0:
+        raise SystemExit(f"the curl example failed ({result.returncode}): {result.stderr.strip()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loramesh.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--keep-up", action="store_true", help="leave the mesh running (`loramesh down` stops it)"
+    )
+    args = parser.parse_args(argv)
+
+    step("demo adapters: french, pirate, sql (LoRA r=8 on SmolLM2-135M-Instruct, trained with peft on CPU)")
+    adapters, questions = demo_adapters()
+    models = [BASE, *adapters]
     step("start the mesh: etcd, adapter store, 2 workers, scheduler, gateway")
     run("up", "--detach", "--workers", "2", "--pool-mib", "256")
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            step(f"register {len(SAMPLES)} sample PEFT adapters for {spec.name}")
-            for name, sample in SAMPLES.items():
-                run(
-                    "adapters",
-                    "upload",
-                    str(write_peft_adapter(Path(tmp) / name, spec, sample)),
-                    "--name",
-                    name,
-                )
-            run("adapters", "list")
-            step("one streamed completion through the CLI")
-            run("generate", "--max-tokens", "16", "The three primary colours are")
-            step("16 concurrent chat requests across the 3 adapters and the base model")
-            started = time.perf_counter()
-            results = asyncio.run(traffic(MeshFile.read()))
-            report(results, time.perf_counter() - started)
-            step("mesh status")
-            time.sleep(1.2)  # load reports are written every second; show one taken after the traffic
-            run("status")
+        step(f"upload the {len(adapters)} adapters")
+        for name, directory in adapters.items():
+            run("adapters", "upload", str(directory), "--name", name)
+        run("adapters", "list")
+        step("one streamed completion through the CLI")
+        run("chat", "--adapter", "pirate", "--max-tokens", "32", questions[-1])
+        base_url, api_key, base_model = mesh_endpoints()
+        step(f"the same question to the base model and each adapter: openai client, streaming ({base_url})")
+        via_openai = {questions[0]: ask_through_openai(base_url, api_key, base_model, questions[0], models)}
+        step(f"{len(questions)} questions x {len(models)} models at once through the SDK (AsyncClient)")
+        started = time.perf_counter()
+        results = asyncio.run(ask_through_sdk(questions, models))
+        print_sdk_answers(results, via_openai, time.perf_counter() - started)
+        step("curl + server-sent events, exactly as printed (while the mesh is up)")
+        run_as_printed(curl_example(base_url, api_key, "pirate", questions[1]))
+        step("mesh status")
+        time.sleep(1.2)  # load reports are written every second; show one taken after the traffic
+        run("status")
     finally:
-        step("stop the mesh")
-        run("down")
+        if args.keep_up:
+            step("the mesh stays up: try the curl above, then `loramesh down`")
+        else:
+            step("stop the mesh")
+            run("down")
     return 0
 
 
