@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-#: Environment variable naming loramesh's cache root; converted models go in its ``converted/``.
-CACHE_ENV = "LORAMESH_CACHE_DIR"
+from services.runtime.base_model import CACHE_ENV
 
 
 def default_cache_dir() -> Path:
