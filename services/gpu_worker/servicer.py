@@ -12,6 +12,7 @@ from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
+from services.gpu_worker.engine.sampling import TokenLogprobs
 from services.gpu_worker.lending_proto import (
     layout_from_proto,
     layout_to_proto,
@@ -31,6 +32,14 @@ FINISH_REASONS = {
     FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: types_pb2.FINISH_REASON_ERROR,
 }
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> types_pb2.TokenLogprobs:
+    return types_pb2.TokenLogprobs(
+        logprob=logprobs.logprob,
+        top_token_ids=[token for token, _ in logprobs.top],
+        top_logprobs=[value for _, value in logprobs.top],
+    )
 
 
 def timings_to_proto(event: TokenEvent, prompt_tokens: int, preemptions: int = 0) -> types_pb2.Timings:
@@ -96,6 +105,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 reply = worker_pb2.GenerateResponse(request_id=request_id)
                 if event.token_id is not None:
                     reply.token_ids.append(event.token_id)
+                if event.logprobs is not None:
+                    reply.logprobs.append(logprobs_to_proto(event.logprobs))
                 if event.finish_reason is not None:
                     finished = True
                     reply.finish_reason = FINISH_REASONS[event.finish_reason]

@@ -28,6 +28,8 @@ SEED_LIMIT = 2**64
 """Seeds are in ``[0, SEED_LIMIT)`` (the wire's ``uint64``)."""
 MAX_STOP_STRINGS = 16
 """Most stop strings one request may give."""
+MAX_TOP_LOGPROBS = 20
+"""Alternatives a request may ask for per token (OpenAI's limit)."""
 MAX_STOP_STRING_BYTES = 256
 """Longest stop string, in UTF-8 bytes. Bounds the text the worker rescans per token
 (:mod:`services.runtime.stop_window`)."""
@@ -60,6 +62,7 @@ def check_sampling(
     repetition_penalty: float,
     seed: int | None,
     stop_strings: Sequence[str],
+    top_logprobs: int | None = None,
 ) -> None:
     """Raise :class:`InvalidField` for the first value out of range. Values are as the engine
     reads them (defaults filled in), except ``max_tokens``: ``None`` when the server's default
@@ -82,6 +85,10 @@ def check_sampling(
     if seed is not None and not 0 <= seed < SEED_LIMIT:
         raise InvalidField("seed", f"seed must be within [0, 2^64), got {seed}")
     check_stop_strings(stop_strings)
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidField(
+            "top_logprobs", f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}"
+        )
 
 
 def check_stop_strings(stop_strings: Sequence[str]) -> None:

@@ -33,6 +33,8 @@ class SamplingParams:
     """Generation ends when the output text contains one of these."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    top_logprobs: int | None = None
+    """Set: report each token's log-probability and this many most likely alternatives."""
 
     def validate(self) -> None:
         """Raise ``InvalidArgument`` naming the first field out of range."""
@@ -44,6 +46,7 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             stop_strings=self.stop_strings,
+            top_logprobs=self.top_logprobs,
         )
 
     @property

@@ -24,4 +24,5 @@ def sampling_from_proto(p: types_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         stop_strings=tuple(p.stop_strings),
         ignore_eos=p.ignore_eos,
+        top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None,
     )

@@ -96,3 +96,10 @@ def test_a_whole_request_checks_prompt_sampling_and_stop_token_ids():
         check_request([1, 2], SamplingParams(stop_token_ids=(100,)), vocab_size=100, context_length=8)
     with pytest.raises(InvalidField, match="top_p"):
         check_request([1, 2], SamplingParams(top_p=2.0), vocab_size=100, context_length=8)
+
+
+@pytest.mark.parametrize("top_logprobs", [-1, 21])
+def test_top_logprobs_is_bounded(top_logprobs):
+    with pytest.raises(InvalidField, match=r"top_logprobs must be within \[0, 20\]"):
+        SamplingParams(top_logprobs=top_logprobs).validate()
+    SamplingParams(top_logprobs=20).validate()

@@ -36,7 +36,7 @@ from services.gpu_worker.engine.request import (
     RequestState,
     TokenEvent,
 )
-from services.gpu_worker.engine.sampling import sample_batch
+from services.gpu_worker.engine.sampling import sample_batch, token_logprobs
 from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
@@ -332,8 +332,10 @@ class Engine:
             lambda i: torch.tensor(sorted(set(batch_requests[i].all_ids)), dtype=torch.int64),
             [r.generator for r in batch_requests],
         )
-        for request, token in zip(batch_requests, tokens):
+        for request, token, row in zip(batch_requests, tokens, logits):
             request.num_computed = request.total_len
+            top = request.spec.sampling.top_logprobs
+            request.last_logprobs = None if top is None else token_logprobs(row, token, top)
             self._emit_next_token(request, token, now)
         self.steps += 1
         self.distkv.end_step()
@@ -530,7 +532,14 @@ class Engine:
         reason = self._finish_reason(request, token)
         if reason is None:
             self._sinks[request.request_id](
-                TokenEvent(request.request_id, token, None, request.timings, len(request.output_ids))
+                TokenEvent(
+                    request.request_id,
+                    token,
+                    None,
+                    request.timings,
+                    len(request.output_ids),
+                    logprobs=request.last_logprobs,
+                )
             )
         else:
             self._finish(request, reason, token)
@@ -563,7 +572,15 @@ class Engine:
         sink = self._sinks.pop(request.request_id, None)
         if sink is not None:
             sink(
-                TokenEvent(request.request_id, token, reason, request.timings, len(request.output_ids), error)
+                TokenEvent(
+                    request.request_id,
+                    token,
+                    reason,
+                    request.timings,
+                    len(request.output_ids),
+                    error,
+                    logprobs=request.last_logprobs if token is not None else None,
+                )
             )
 
     def tokens_per_s(self) -> float:

@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from services.gpu_worker.engine.sampling import SamplingParams, make_generator
+from services.gpu_worker.engine.sampling import SamplingParams, TokenLogprobs, make_generator
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.kv_cache import KvTable
 
@@ -59,6 +59,8 @@ class TokenEvent:
     timings: Timings
     output_len: int
     error: str = ""
+    logprobs: TokenLogprobs | None = None
+    """With ``token_id``, when the request's sampling params ask for log-probabilities."""
 
 
 @dataclass
@@ -77,6 +79,8 @@ class EngineRequest:
     generator: torch.Generator | None = None
     text_tail: str = ""
     """End of the decoded output, long enough to find stop strings."""
+    last_logprobs: TokenLogprobs | None = None
+    """Log-probabilities of the token sampled last, until its event is sent."""
     table: BlockTable | None = None
     """Set once the request borrows KV blocks (``kv_overflow: borrow``): its blocks, local and
     remote, and ``kv`` is empty; None while all its KV is in ``kv`` (the fast path)."""

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from services.runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the most likely tokens at its step."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    """(token id, log-probability), most likely first."""
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -69,3 +79,12 @@ def sample_batch(
         history = seen(i) if params[i].repetition_penalty != 1.0 else no_history
         tokens[i] = sample_token(logits[i], params[i], history, generators[i])
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability under ``logits`` (one row, the model's raw output: before
+    temperature, top-k/p and penalties, as OpenAI reports them) and the ``top`` most likely."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprobs(float(logprobs[token]), alternatives)

@@ -12,6 +12,7 @@ from services.gpu_worker.engine.sampling import (
     apply_repetition_penalty,
     make_generator,
     sample_token,
+    token_logprobs,
 )
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import InvalidArgument
@@ -127,3 +128,30 @@ def test_stop_string_across_tokens_found_in_the_bounded_tail_as_in_the_whole_tex
     tail_engine = Engine(model, EngineConfig(pool_mib=4), detokenize=StopStringTail(piece.__getitem__))
     tokens, reason = run(tail_engine, SamplingParams(max_tokens=40, ignore_eos=True, stop_strings=(stop,)))
     assert reason is FinishReason.STOP and tokens == free_run[:expected]
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits_with_the_most_likely_first():
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    expected = torch.log_softmax(logits, dim=-1)
+    result = token_logprobs(logits, token=2, top=3)
+    assert result.logprob == pytest.approx(float(expected[2]))
+    assert [t for t, _ in result.top] == [1, 2, 0]
+    assert [v for _, v in result.top] == pytest.approx([float(expected[i]) for i in (1, 2, 0)])
+    assert token_logprobs(logits, token=0, top=0).top == ()
+
+
+def test_a_request_asking_for_logprobs_gets_them_with_every_token(tiny_llama):
+    engine = Engine(
+        LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), EngineConfig(pool_mib=4)
+    )
+    events, rows = [], []
+    engine.on_logits = lambda _, row: rows.append(row.float().clone())
+    params = SamplingParams(max_tokens=4, ignore_eos=True, top_logprobs=2)
+    engine.submit(GenerationRequest("r", (3, 4, 5), params), events.append)
+    while engine.has_work():
+        engine.step()
+    steps = [e for e in events if e.token_id is not None]
+    assert len(steps) == 4 and all(len(e.logprobs.top) == 2 for e in steps)
+    for event, row in zip(steps, rows, strict=True):
+        assert event.logprobs.top[0][0] == event.token_id  # greedy: the chosen one is the likeliest
+        assert event.logprobs.logprob == pytest.approx(float(torch.log_softmax(row, -1)[event.token_id]))
