@@ -22,7 +22,7 @@ from services.gpu_worker.lending_proto import (
     tensor_to_proto,
 )
 from services.gpu_worker.memory.shared_lender import SharedLender
-from services.runtime.errors import InvalidArgument, Unavailable
+from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.runtime.request_validation import check_request
 from services.runtime.sampling_proto import sampling_from_proto
 
@@ -102,6 +102,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             while not finished:
                 event = await events.get()
+                if event.finish_reason is FinishReason.ABORTED:
+                    finished = True
+                    raise DeadlineExceeded(event.error)
                 reply = worker_pb2.GenerateResponse(request_id=request_id)
                 if event.token_id is not None:
                     reply.token_ids.append(event.token_id)

@@ -59,6 +59,12 @@ class Unavailable(DomainError):
     code_name = "UNAVAILABLE"
 
 
+class DeadlineExceeded(DomainError):
+    """The request's deadline or SLO can no longer be met (e.g. an early abort)."""
+
+    code_name = "DEADLINE_EXCEEDED"
+
+
 class DataLoss(DomainError):
     """Stored data failed verification (checksum mismatch, missing blob)."""
 

@@ -5,9 +5,14 @@ Every :meth:`Engine.step` (one model iteration) it
 2. makes room for the running requests' next token: new KV pages, evicting idle adapters LRU
    and, when the pool runs dry, preempting the newest request (its pages are freed and it is
    recomputed later from prompt + output so far);
-3. admits waiting requests (FCFS) whose adapter can be paged in and whose prompt fits;
-4. runs prefills and decodes of every running request in one forward pass;
-5. samples, emits a :class:`TokenEvent` per request, and retires finished requests.
+3. asks its batch policy (``services/gpu_worker/engine/policies``) which requests run this step
+   and in which LoRA mode, aborts the requests the policy gives up on, and merges or unmerges an
+   adapter when the mode changes;
+4. admits waiting requests in the policy's order while their adapter can be paged in and their
+   prompt fits, and runs prefills and decodes of the chosen requests in one forward pass (a
+   running request the policy leaves out pauses, its KV kept);
+5. samples, emits a :class:`TokenEvent` per request, retires finished requests, and tells the
+   policy what the step cost.
 
 The engine is single-threaded by design: only :meth:`submit`, :meth:`cancel`, :meth:`preload`,
 :meth:`add_adapter`, :meth:`remove_adapter` and :meth:`between_steps` (DGFM's recalls) may be
@@ -29,6 +34,18 @@ import torch
 
 from services.gpu_worker.engine.block_recall import BlockRecalls
 from services.gpu_worker.engine.borrower import Borrower, CreditorDirectory, TransportFactory
+from services.gpu_worker.engine.policies import BATCH_POLICIES, make_batch_policy
+from services.gpu_worker.engine.policies.batch_policy import (
+    UNMERGED,
+    Abort,
+    BatchPolicy,
+    BatchView,
+    LoraMode,
+    Merged,
+    QueuedRequest,
+    RunningRequest,
+    StepOutcome,
+)
 from services.gpu_worker.engine.request import (
     EngineRequest,
     FinishReason,
@@ -39,6 +56,7 @@ from services.gpu_worker.engine.request import (
 from services.gpu_worker.engine.sampling import sample_batch, token_logprobs
 from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.lora.host_adapter import HostAdapter
+from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.block_lender import LendingConfig
 from services.gpu_worker.memory.block_table import BlockTable
@@ -86,7 +104,15 @@ class EngineConfig:
     request's pages and recompute it later) or ``borrow`` (DistKV-LLM: borrow blocks from other
     workers, and preempt only when none lends)."""
 
+    batch_policy: str = "fcfs"
+    """Which requests run each step and in which LoRA mode (``--batch-policy``): fcfs, lcfs,
+    early_abort (S-LoRA), adapter_clustering (S-LoRA), dlora (merged/unmerged switching) or pets
+    (coordinated prefill batching); see services/gpu_worker/engine/policies."""
+
     def __post_init__(self) -> None:
+        if self.batch_policy not in BATCH_POLICIES:
+            known = ", ".join(sorted(BATCH_POLICIES))
+            raise ValueError(f"batch_policy must be one of {known}, got {self.batch_policy!r}")
         if self.kv_overflow not in KV_OVERFLOW_POLICIES:
             raise ValueError(f"kv_overflow must be one of {KV_OVERFLOW_POLICIES}, got {self.kv_overflow!r}")
 
@@ -101,9 +127,11 @@ class Engine:
         on_logits: Callable[[str, torch.Tensor], None] | None = None,
         creditors: CreditorDirectory | None = None,
         connect: TransportFactory | None = None,
+        batch_policy: BatchPolicy | None = None,
     ):
         """``creditors`` and ``connect``: where to borrow KV blocks and how to reach a creditor;
-        required with ``kv_overflow="borrow"``."""
+        required with ``kv_overflow="borrow"``. ``batch_policy``: a configured policy instead of
+        ``config.batch_policy`` with its defaults (benchmarks and tests tune its knobs)."""
         self.model = model
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -146,6 +174,11 @@ class Engine:
         """DGFM recalls of this worker's blocks, applied through :meth:`between_steps`."""
         self._between_steps: list[tuple[Callable[[], object], Future]] = []
         self.builder = StepBuilder(model, self.pool, config.lora_backend, self.rm)
+        self.policy = batch_policy or make_batch_policy(config.batch_policy)
+        self.merged = MergedWeights(model)
+        """The adapter folded into the base weights in merged mode (dLoRA), if any."""
+        self.mode_switches = 0
+        self.aborted = 0
         self.host_adapters: dict[str, HostAdapter] = {}
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -306,13 +339,25 @@ class Engine:
         if self._apply_between_steps():
             self._publish_stats()
             return 0
+        plan = self.policy.plan(self._batch_view())
+        self._abort(plan.aborts)
+        switch_s = self._switch_mode(plan.mode)
         self._make_room_for_running()
-        self._admit()
+        self._admit(plan.run)
         self._publish_stats()  # who runs and waits, seen by scrapes during a long forward pass
-        if not self.running:
+        chosen = set(plan.run)
+        batch_requests = [r for r in self.running if r.request_id in chosen and self._runs_in_mode(r)]
+        if not batch_requests and self.running:
+            # The plan left nothing runnable (e.g. the merged adapter's requests found no room
+            # beside paused ones): unmerge and step the running batch rather than stall.
+            switch_s += self._switch_mode(UNMERGED)
+            batch_requests = list(self.running)
+        if not batch_requests:
             return 0
-        batch_requests = list(self.running)
-        batch = self.builder.build(batch_requests, self.residency)
+        started = time.monotonic()
+        prefill_tokens = sum(r.new_tokens for r in batch_requests if r.new_tokens > 1)
+        decode_tokens = sum(1 for r in batch_requests if r.new_tokens == 1)
+        batch = self.builder.build(batch_requests, self.residency, self._merged_adapter())
         try:
             logits = self.model.forward(batch, self.pool)
         except CreditorUnavailable as gone:
@@ -339,6 +384,18 @@ class Engine:
             self._emit_next_token(request, token, now)
         self.steps += 1
         self.distkv.end_step()
+        merged = self._merged_adapter()
+        self.policy.observe(  # what the step cost: dLoRA tunes its thresholds, the cost model fits
+            StepOutcome(
+                mode=self.mode,
+                requests=len(batch_requests),
+                prefill_tokens=prefill_tokens,
+                decode_tokens=decode_tokens,
+                adapters=len({r.spec.adapter_id for r in batch_requests} - {None, merged}),
+                seconds=now - started,
+                switch_seconds=switch_s,
+            )
+        )
         self._publish_stats()
         return len(batch_requests)
 
@@ -467,23 +524,94 @@ class Engine:
         self.waiting.appendleft(request)
         log.debug("preempted %s (%d tokens)", request.request_id, request.total_len)
 
-    def _admit(self) -> None:
+    def _admit(self, order: tuple[str, ...]) -> None:
+        """Admit waiting requests in the policy's ``order`` (ids of running requests are skipped)
+        until one does not fit: a later one never overtakes it."""
         budget = self.config.max_prefill_tokens
-        while self.waiting and len(self.running) < self.config.max_running:
-            request = self.waiting[0]
+        waiting = {r.request_id: r for r in self.waiting}
+        for request_id in order:
+            if len(self.running) >= self.config.max_running:
+                break
+            request = waiting.get(request_id)
+            if request is None:
+                continue
             adapter_id = request.spec.adapter_id
             if adapter_id is not None and adapter_id not in self.host_adapters:
                 # Only a request being cancelled loses its adapter's host copy (its caller
                 # released it); finish it rather than fail the batch.
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 self._finish(request, FinishReason.CANCELLED, None)
+                continue
+            if not self._runs_in_mode(request):
                 continue
             if request.total_len > budget and budget < self.config.max_prefill_tokens:
                 break
             if not self._try_start(request):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             budget -= request.total_len
+
+    # -- batch policy ------------------------------------------------------------------------
+
+    def _batch_view(self) -> BatchView:
+        return BatchView(
+            now_s=time.monotonic(),
+            waiting=tuple(
+                QueuedRequest(
+                    r.request_id,
+                    r.spec.adapter_id,
+                    r.timings.arrived,
+                    r.total_len,
+                    started=r.timings.first_token is not None,
+                )
+                for r in self.waiting
+            ),
+            running=tuple(
+                RunningRequest(r.request_id, r.spec.adapter_id, r.timings.arrived) for r in self.running
+            ),
+            max_running=self.config.max_running,
+            mode=self.mode,
+        )
+
+    @property
+    def mode(self) -> LoraMode:
+        """The LoRA mode the base weights are in."""
+        merged = self._merged_adapter()
+        return UNMERGED if merged is None else Merged(merged)
+
+    def _merged_adapter(self) -> str | None:
+        return None if self.merged.merged is None else self.merged.merged.adapter_id
+
+    def _runs_in_mode(self, request: EngineRequest) -> bool:
+        """In merged mode only the merged adapter's requests can run (the base is changed)."""
+        merged = self._merged_adapter()
+        return merged is None or request.spec.adapter_id == merged
+
+    def _switch_mode(self, mode: LoraMode) -> float:
+        """Merge or unmerge so the base weights are in ``mode``; the seconds it took."""
+        if mode == self.mode:
+            return 0.0
+        if isinstance(mode, Merged) and mode.adapter_id not in self.host_adapters:
+            mode = UNMERGED  # removed from the host meanwhile: nothing to merge
+            if mode == self.mode:
+                return 0.0
+        started = time.monotonic()
+        self.merged.unmerge()
+        if isinstance(mode, Merged):
+            self.merged.merge(self.host_adapters[mode.adapter_id])
+        self.mode_switches += 1
+        log.debug("LoRA mode -> %s", mode)
+        return time.monotonic() - started
+
+    def _abort(self, aborts: tuple[Abort, ...]) -> None:
+        waiting = {r.request_id: r for r in self.waiting}
+        for abort in aborts:
+            request = waiting.get(abort.request_id)
+            if request is None:
+                continue
+            self.waiting.remove(request)
+            self.aborted += 1
+            self._finish(request, FinishReason.ABORTED, None, abort.reason)
 
     def _try_start(self, request: EngineRequest) -> bool:
         adapter_id = request.spec.adapter_id
@@ -636,6 +764,7 @@ class Engine:
             "preemptions": self.preemptions,
             "borrowed_blocks": self.rm.borrowed(),
             **self._adapter_stats(),
+            **self._policy_stats(),
         }
 
     def _adapter_stats(self) -> dict:
@@ -646,4 +775,13 @@ class Engine:
             "idle_adapter_pages": self.residency.idle_pages(),
             "tokens_by_adapter": dict(self.tokens_by_adapter),
             "decode_steps": self.steps,
+        }
+
+    def _policy_stats(self) -> dict:
+        """The batch policy's decisions, as ``batch_policy_<name>`` numbers beside the engine's."""
+        return {
+            "lora_mode_merged": int(self._merged_adapter() is not None),
+            "lora_mode_switches": self.mode_switches,
+            "aborted_requests": self.aborted,
+            **{f"batch_policy_{k}": v for k, v in self.policy.decisions().items()},
         }

@@ -19,6 +19,8 @@ class FinishReason(Enum):
     LENGTH = "length"
     """``max_tokens`` reached, or the model's context is full."""
     CANCELLED = "cancelled"
+    ABORTED = "aborted"
+    """The batch policy gave up on it (its first-token SLO was lost); the event says why."""
     ERROR = "error"
 
 

@@ -44,8 +44,11 @@ class StepBuilder:
         self._lora_key: tuple | None = None
         self._lora: StepLora | None = None
 
-    def build(self, requests: list[EngineRequest], residency: AdapterResidency) -> StepBatch:
+    def build(
+        self, requests: list[EngineRequest], residency: AdapterResidency, merged_adapter: str | None = None
+    ) -> StepBatch:
         """The step's inputs for ``requests`` (each adds its ``new_tokens``; KV pages reserved).
+        Requests of ``merged_adapter`` (folded into the base weights) get no LoRA segments.
 
         Tensor work is batched over requests: one gather from the requests' padded page tables
         gives every new token's KV rows, one more every decoding request's context blocks; only
@@ -117,7 +120,7 @@ class StepBuilder:
             decode=self._decode_group(decoding, padded, ends, first_rows) if decoding else None,
             prefills=prefills,
             logits_rows=torch.tensor(first_rows[1:], dtype=torch.int64, device=device) - 1,
-            lora=self._lora_segments(requests, residency),
+            lora=self._lora_segments(requests, residency, merged_adapter),
             lora_backend=self.lora_backend,
         )
 
@@ -149,8 +152,10 @@ class StepBuilder:
         mask = context[None, :] <= position[row_start:row_end, None]
         return PrefillSpan(row_start, row_end, key_blocks, key_blocks + 1, mask)
 
-    def _lora_segments(self, requests: list[EngineRequest], residency: AdapterResidency) -> StepLora | None:
-        adapter_ids = [r.spec.adapter_id for r in requests]
+    def _lora_segments(
+        self, requests: list[EngineRequest], residency: AdapterResidency, merged_adapter: str | None
+    ) -> StepLora | None:
+        adapter_ids = [None if r.spec.adapter_id == merged_adapter else r.spec.adapter_id for r in requests]
         if all(a is None for a in adapter_ids):
             return None
         counts = [r.new_tokens for r in requests]

@@ -58,3 +58,6 @@ class AdapterClustering:
 
     def observe(self, outcome: StepOutcome) -> None:
         """The cap is fixed; nothing to learn."""
+
+    def decisions(self) -> dict[str, float]:
+        return {"skipped_by_cap": self.skipped}

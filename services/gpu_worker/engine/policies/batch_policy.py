@@ -121,6 +121,10 @@ class BatchPolicy(Protocol):
 
     def observe(self, outcome: StepOutcome) -> None: ...
 
+    def decisions(self) -> dict[str, float]:
+        """The policy's counters and knobs as they are now, for metrics (name -> value)."""
+        ...
+
 
 def fcfs_ids(view: BatchView) -> tuple[str, ...]:
     """The running batch, then the queue in arrival order: what FCFS runs."""

@@ -100,6 +100,7 @@ class DynamicBatching:
         self._period: list[_PeriodStep] = []
 
     def plan(self, view: BatchView) -> BatchPlan:
+        self.mode = view.mode  # the engine's weights are the truth (it may have unmerged)
         requests: list[Request] = [*view.running, *view.waiting]
         fcfs = fcfs_batch(view)
         starving = self._starving(requests)
@@ -136,6 +137,15 @@ class DynamicBatching:
         if len(self._period) >= self.config.period_steps:
             self._tune(merged_now=isinstance(outcome.mode, Merged))
             self._period = []
+
+    def decisions(self) -> dict[str, float]:
+        return {
+            "mode_switches": self.switches,
+            "merged_share": self.merged_steps / self.steps if self.steps else 0.0,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "max_credits": max(self.credits.values(), default=0),
+        }
 
     # -- Algorithm 1 ------------------------------------------------------------------------
 

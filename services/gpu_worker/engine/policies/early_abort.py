@@ -63,6 +63,9 @@ class EarlyAbort:
     def observe(self, outcome: StepOutcome) -> None:
         self.cost.observe(outcome)
 
+    def decisions(self) -> dict[str, float]:
+        return {"aborted": self.aborted}
+
     def _first_token_s(self, request: QueuedRequest, decodes: int) -> float:
         adapters = 0 if request.adapter_id is None else 1
         return self.cost.cost.seconds(request.prefill_tokens, decodes, adapters)

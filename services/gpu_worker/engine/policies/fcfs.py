@@ -15,3 +15,6 @@ class Fcfs:
 
     def observe(self, outcome: StepOutcome) -> None:
         """FCFS learns nothing."""
+
+    def decisions(self) -> dict[str, float]:
+        return {}

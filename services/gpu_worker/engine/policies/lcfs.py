@@ -19,3 +19,6 @@ class Lcfs:
 
     def observe(self, outcome: StepOutcome) -> None:
         """LCFS learns nothing."""
+
+    def decisions(self) -> dict[str, float]:
+        return {}

@@ -121,3 +121,6 @@ class PetsPrefill:
 
     def observe(self, outcome: StepOutcome) -> None:
         self.cost.observe(outcome)
+
+    def decisions(self) -> dict[str, float]:
+        return {}
