@@ -46,3 +46,6 @@ class WorkerConfig(ServiceConfig):
     borrow (DistKV-LLM: borrow blocks from other workers, suggested by the kv_manager)."""
     kv_manager: str = ""
     """kv_manager address for --kv-overflow borrow; empty: its replicas are discovered in etcd."""
+    batch_policy: str = "fcfs"
+    """Which requests run each step and in which LoRA mode: fcfs, lcfs, early_abort,
+    adapter_clustering, dlora or pets (docs/batch-policies.md)."""

@@ -100,6 +100,7 @@ class WorkerService:
                 worker_id=cfg.instance_id,
                 max_lent_blocks=cfg.lend_cap_blocks,
                 kv_overflow=cfg.kv_overflow,
+                batch_policy=cfg.batch_policy,
             ),
             eos_token_ids=loaded.config.eos_token_ids,
             # The engine only looks for stop strings in this text: a bounded tail, not the whole output.
