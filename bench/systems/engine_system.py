@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from bench.workload import TraceRequest
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import DirectorySource
 from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.policies.batch_policy import BatchPolicy
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
@@ -44,6 +46,9 @@ class EngineSystemOptions:
     ablation (f), S-LoRA's "no unified memory"."""
     dtype: str = "auto"
     """Model dtype, as the worker's ``--dtype``."""
+    batch_policy: Callable[[], BatchPolicy] | None = None
+    """Builds a fresh, configured batch policy for each run (policies keep state); None: the
+    engine's default (FCFS)."""
 
 
 class EngineSystem:
@@ -52,10 +57,12 @@ class EngineSystem:
         self.name = options.name
         self.adapter_fetches = 0
         """Adapters read from disk during the last run (re-reads after a drop included)."""
+        self.engine_stats: dict = {}
+        """The engine's stats at the end of the last run (policy decisions included)."""
 
     def stats(self) -> dict:
         """What the last run did besides serving, for the results file."""
-        return {"adapter_fetches": self.adapter_fetches}
+        return {"adapter_fetches": self.adapter_fetches, **_policy_stats(self.engine_stats)}
 
     def run(self, context: RunContext) -> list[RequestRecord]:
         loaded = load_model(context.model_path)
@@ -70,6 +77,7 @@ class EngineSystem:
                 adapter_region_share=self.options.adapter_region_share,
             ),
             eos_token_ids=loaded.config.eos_token_ids,
+            batch_policy=self.options.batch_policy() if self.options.batch_policy else None,
         )
         loader = AdapterLoader(
             DirectorySource(context.adapters.root), engine, dtype, int(context.host_cache_mib * 2**20)
@@ -80,7 +88,14 @@ class EngineSystem:
         finally:
             engine.stop()
         self.adapter_fetches = loader.fetches
+        self.engine_stats = engine.stats()
         return records
+
+
+def _policy_stats(stats: dict) -> dict:
+    """The engine stats a batch policy's results are read from."""
+    keys = ("lora_mode_switches", "aborted_requests", "decode_steps", "preemptions")
+    return {k: v for k, v in stats.items() if k in keys or k.startswith("batch_policy_")}
 
 
 class _Replay:
@@ -129,6 +144,8 @@ class _Replay:
                     record.first_token_s = now
             if event.finish_reason is FinishReason.ERROR:
                 record.error = event.error or "engine error"
+            elif event.finish_reason is FinishReason.ABORTED:
+                record.error = "aborted"
             elif event.finish_reason is not None and record.output_tokens == record.output_len:
                 record.finish_s = now
             if event.finish_reason is not None:

@@ -1,5 +1,6 @@
 """``loramesh bench``: S-LoRA's evaluation reproduced on this machine (see bench/serving);
-``loramesh bench-distkv``: issue 13's DistKV-LLM long-context benchmark (see bench/distkv)."""
+``loramesh bench-distkv``: issue 13's DistKV-LLM long-context benchmark (see bench/distkv);
+``loramesh bench-policies``: issue 15's batch policies against their seeds (see bench/policies)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ def add_parsers(sub) -> None:
                         help="quick: a smoke run; full: the figures of docs/benchmarks.md")  # fmt: skip
     distkv.add_argument("--out", default="", help="results folder (default bench/results/distkv[-quick])")
     distkv.set_defaults(func=cmd_bench_distkv)
+
+    policies = sub.add_parser(
+        "bench-policies",
+        help="batch policies: dLoRA skew sweep, S-LoRA abort vs FCFS/LCFS, clustering, PetS prefill",
+    )
+    policies.add_argument("--profile", default="quick", choices=["quick", "full"],
+                          help="quick: a smoke run; full: the figures of docs/benchmarks.md")  # fmt: skip
+    policies.add_argument("--out", default="", help="results folder (default bench/results/policies[-quick])")
+    policies.add_argument("--only", nargs="+", default=None, choices=["skew", "abort", "clustering", "pets"],
+                          help="run only these experiments")  # fmt: skip
+    policies.set_defaults(func=cmd_bench_policies)
 
 
 def cmd_bench(args) -> int:
@@ -68,3 +80,15 @@ def cmd_bench_distkv(args) -> int:
             f"(pip install -e '.[bench]'): {error}"
         ) from None
     return run_distkv(["--profile", args.profile, *(["--out", args.out] if args.out else [])])
+
+
+def cmd_bench_policies(args) -> int:
+    try:
+        from bench.policies.runner import main as run_policies
+    except ImportError as error:
+        raise CommandError(
+            f"the benchmark needs the repository's bench/ package and the bench extra "
+            f"(pip install -e '.[bench]'): {error}"
+        ) from None
+    argv = ["--profile", args.profile, *(["--out", args.out] if args.out else [])]
+    return run_policies([*argv, *(["--only", *args.only] if args.only else [])])
