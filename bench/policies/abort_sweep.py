@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from bench.policies.capacity import DTYPE
-from bench.policies.harness import RunSetting, run_trace, summary
+from bench.policies.harness import RunSetting, run_trace, summary, trace_seconds, window_s
 from bench.policies.profiles import PolicyBenchProfile
 from bench.policies.satisfaction import first_token_scores
 from bench.policies.traces import zipf_gamma_trace
@@ -28,22 +28,34 @@ def make_system(name: str, slo_s: float) -> EngineSystem:
     return EngineSystem(EngineSystemOptions(name=name, dtype=DTYPE, batch_policy=factories[name]))
 
 
-def run(profile: PolicyBenchProfile, setting: RunSetting, capacity_rps: float, slo_s: float, log) -> list[dict]:
+def run(
+    profile: PolicyBenchProfile, setting: RunSetting, capacity_rps: float, slo_s: float, log
+) -> list[dict]:
     rate = profile.abort_load * capacity_rps
     setting = replace(
-        setting, window_s=profile.abort_duration_s + profile.drain_s, max_batch=profile.max_batch, slo_s=slo_s
+        setting,
+        window_s=window_s(profile.abort_requests, rate, capacity_rps, profile.drain_s),
+        max_batch=profile.max_batch,
+        slo_s=slo_s,
     )
     rows = []
     for cv in profile.abort_cvs:
         trace = zipf_gamma_trace(
-            profile.abort_adapters, 1.0, rate, cv, profile.abort_duration_s,
+            profile.abort_adapters, 1.0, rate, cv, trace_seconds(profile.abort_requests, rate),
             profile.input_range, profile.output_range, profile.seed,
         )  # fmt: skip
         for name in POLICIES:
             system = make_system(name, slo_s)
             records = run_trace(system, trace, setting)
             scores = first_token_scores(records, slo_s)
-            row = {"cv": cv, "rate_rps": round(rate, 4), **summary(system, records, setting), **scores.to_dict()}
-            log(f"abort cv {cv:g} {name}: attainment {scores.attainment:.3f}, quadratic {scores.quadratic_satisfaction:.3f}, {len(trace)} requests")
+            row = {
+                "cv": cv,
+                "rate_rps": round(rate, 4),
+                **summary(system, records, setting),
+                **scores.to_dict(),
+            }
+            log(
+                f"abort cv {cv:g} {name}: attainment {scores.attainment:.3f}, quadratic {scores.quadratic_satisfaction:.3f}, {len(trace)} requests"
+            )
             rows.append(row)
     return rows

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from bench.policies.capacity import DTYPE
-from bench.policies.harness import RunSetting, run_trace, summary
+from bench.policies.harness import RunSetting, run_trace, summary, trace_seconds, window_s
 from bench.policies.profiles import PolicyBenchProfile
 from bench.policies.satisfaction import jain_index, per_adapter_mean_latency
 from bench.policies.traces import zipf_gamma_trace
@@ -33,12 +33,12 @@ def run(profile: PolicyBenchProfile, setting: RunSetting, capacity_rps: float, l
     rate = profile.cluster_load * capacity_rps
     setting = replace(
         setting,
-        window_s=profile.cluster_duration_s + profile.drain_s,
+        window_s=window_s(profile.cluster_requests, rate, capacity_rps, profile.drain_s),
         max_batch=profile.cluster_max_batch,
         pool_mib=profile.cluster_pool_mib,
     )
     trace = zipf_gamma_trace(
-        profile.cluster_adapters, profile.cluster_alpha, rate, 1.0, profile.cluster_duration_s,
+        profile.cluster_adapters, profile.cluster_alpha, rate, 1.0, trace_seconds(profile.cluster_requests, rate),
         profile.input_range, profile.output_range, profile.seed,
     )  # fmt: skip
     rows = []
@@ -53,6 +53,8 @@ def run(profile: PolicyBenchProfile, setting: RunSetting, capacity_rps: float, l
             "jain_fairness": round(jain_index(list(per_adapter.values())), 4),
             "adapters_served": len(per_adapter),
         }
-        log(f"clustering {system.name}: {row['throughput_tps']} tok/s, avg latency {row['avg_latency_s']} s, Jain {row['jain_fairness']}")
+        log(
+            f"clustering {system.name}: {row['throughput_tps']} tok/s, avg latency {row['avg_latency_s']} s, Jain {row['jain_fairness']}"
+        )
         rows.append(row)
     return rows

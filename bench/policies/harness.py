@@ -24,6 +24,17 @@ class RunSetting:
     scores its own SLO with :mod:`bench.policies.satisfaction`)."""
 
 
+def trace_seconds(requests: int, rate: float) -> float:
+    """How long a trace of ``requests`` expected requests at ``rate`` per second lasts."""
+    return requests / rate
+
+
+def window_s(requests: int, rate: float, capacity_rps: float, drain_s: float) -> float:
+    """A run's window: the trace, then as long as its requests take as one backlog at the
+    measured capacity, plus ``drain_s``."""
+    return trace_seconds(requests, rate) + requests / capacity_rps + drain_s
+
+
 def run_trace(system: ServingSystem, trace: list[TraceRequest], setting: RunSetting) -> list[RequestRecord]:
     context = RunContext(
         trace=trace,

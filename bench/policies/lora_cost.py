@@ -52,7 +52,9 @@ def measure(adapters: AdapterSet, batch: int, rounds: int) -> dict:
     loaded = load_model(None)
     model = LlamaModel(loaded.config, loaded.weights, torch.float32)
     engine = Engine(model, EngineConfig(pool_mib=256, max_running=batch))
-    hosts = [read_peft_directory(adapters.name(i), adapters.directory(i), torch.float32) for i in range(batch)]
+    hosts = [
+        read_peft_directory(adapters.name(i), adapters.directory(i), torch.float32) for i in range(batch)
+    ]
     for host in hosts:
         engine.add_adapter(host)
     variants = {
@@ -67,6 +69,8 @@ def measure(adapters: AdapterSet, batch: int, rounds: int) -> dict:
             steps[name].append(_decode_step_s(engine, ids, f"{name}-{round_index}"))
     medians = {name: statistics.median(values) for name, values in steps.items()}
     merged = MergedWeights(model)
+    merged.merge(hosts[0])  # untimed: the first merge also copies the pristine base rows
+    merged.unmerge()
     merge_times = []
     for _ in range(rounds):
         began = time.perf_counter()

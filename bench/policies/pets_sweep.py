@@ -25,7 +25,9 @@ def run(profile: PolicyBenchProfile, setting: RunSetting, log) -> list[dict]:
     setting = replace(setting, window_s=120.0 + profile.drain_s, max_batch=profile.pets_max_batch)
     rows = []
     for sigma in profile.pets_sigmas:
-        trace = prefill_queue(profile.pets_tasks, profile.pets_prompts, profile.pets_mean_len, sigma, profile.seed)
+        trace = prefill_queue(
+            profile.pets_tasks, profile.pets_prompts, profile.pets_mean_len, sigma, profile.seed
+        )
         for name in POLICIES:
             system = make_system(name)
             records = run_trace(system, trace, setting)

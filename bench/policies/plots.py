@@ -29,7 +29,9 @@ def write(results: dict, out: Path) -> list[Path]:
     if results.get("skew"):
         fig, ax = plt.subplots(figsize=SIZE)
         _lines(ax, results["skew"], "top_share", "avg_latency_s")
-        ax.set(xlabel="top adapter's share of requests", ylabel="average latency (s)", title="dLoRA skew sweep")
+        ax.set(
+            xlabel="top adapter's share of requests", ylabel="average latency (s)", title="dLoRA skew sweep"
+        )
         written.append(_save(fig, out / "skew_latency.png"))
     if results.get("abort"):
         fig, axes = plt.subplots(1, 2, figsize=(SIZE[0] * 1.8, SIZE[1]))

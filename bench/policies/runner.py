@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.policies import abort_sweep, clustering_sweep, lora_cost, pets_sweep, plots, skew_sweep, tables
 from bench.policies.capacity import DTYPE, measure_capacity, median_first_token_s
-from bench.policies.harness import RunSetting, run_trace
+from bench.policies.harness import RunSetting, run_trace, trace_seconds, window_s
 from bench.policies.profiles import PROFILES, PolicyBenchProfile
 from bench.policies.traces import RANK, skewed_trace
 from bench.serving.adapters import ensure_adapter_set
@@ -53,18 +53,28 @@ def run_suite(profile: PolicyBenchProfile, out: Path, adapter_cache: Path, only:
         print(f"[{time.monotonic() - started:6.0f} s] {line}", flush=True)
 
     setting = RunSetting(
-        adapters=adapters, window_s=0.0, max_batch=profile.max_batch, pool_mib=profile.pool_mib, seed=profile.seed
+        adapters=adapters,
+        window_s=0.0,
+        max_batch=profile.max_batch,
+        pool_mib=profile.pool_mib,
+        seed=profile.seed,
     )
     results["lora_cost"] = lora_cost.measure(adapters, profile.max_batch, profile.probe_rounds)
     log(f"LoRA cost: {results['lora_cost']}")
     capacity = measure_capacity(
-        replace(setting, window_s=600.0), profile.calibration_requests, profile.input_range, profile.output_range
+        replace(setting, window_s=600.0),
+        profile.calibration_requests,
+        profile.input_range,
+        profile.output_range,
     )
+    low_rate = profile.low_load * capacity
     low_load = skewed_trace(
-        profile.skew_adapters, 1 / profile.skew_adapters, profile.low_load * capacity,
-        profile.low_load_duration_s, profile.input_range, profile.output_range, profile.seed,
+        profile.skew_adapters, 1 / profile.skew_adapters, low_rate,
+        trace_seconds(profile.low_load_requests, low_rate), profile.input_range, profile.output_range, profile.seed,
     )  # fmt: skip
-    low_setting = replace(setting, window_s=profile.low_load_duration_s + profile.drain_s)
+    low_setting = replace(
+        setting, window_s=window_s(profile.low_load_requests, low_rate, capacity, profile.drain_s)
+    )
     median_first = median_first_token_s(
         run_trace(EngineSystem(EngineSystemOptions(name="fcfs", dtype=DTYPE)), low_load, low_setting)
     )
@@ -76,17 +86,19 @@ def run_suite(profile: PolicyBenchProfile, out: Path, adapter_cache: Path, only:
     }
     log(f"calibration: {results['calibration']}")
     save()
-    if "skew" in only:
-        results["skew"] = skew_sweep.run(profile, setting, capacity, log)
-        save()
-    if "abort" in only:
-        results["abort"] = abort_sweep.run(profile, setting, capacity, slo_s, log)
-        save()
-    if "clustering" in only:
-        results["clustering"] = clustering_sweep.run(profile, setting, capacity, log)
-        save()
-    if "pets" in only:
-        results["pets"] = pets_sweep.run(profile, setting, log)
+    experiments = {
+        "skew": lambda: skew_sweep.run(profile, setting, capacity, log),
+        "abort": lambda: abort_sweep.run(profile, setting, capacity, slo_s, log),
+        "clustering": lambda: clustering_sweep.run(profile, setting, capacity, log),
+        "pets": lambda: pets_sweep.run(profile, setting, log),
+    }
+    for name in (e for e in EXPERIMENTS if e in only):
+        # One experiment failing must not cost the others' (long) runs: its error is recorded.
+        try:
+            results[name] = experiments[name]()
+        except Exception as error:  # noqa: BLE001
+            results.setdefault("errors", {})[name] = f"{type(error).__name__}: {error}"
+            log(f"{name} failed: {error!r}")
         save()
     results["loadavg_end"] = _loadavg()
     results["elapsed_s"] = round(time.monotonic() - started, 1)
@@ -108,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter-cache", default=str(DEFAULT_ADAPTER_CACHE))
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
-    out = Path(args.out or ("bench/results/policies" if profile.name == "full" else "bench/results/policies-quick"))
+    out = Path(
+        args.out or ("bench/results/policies" if profile.name == "full" else "bench/results/policies-quick")
+    )
     results = run_suite(profile, out, Path(args.adapter_cache), tuple(args.only))
     print(f"\nsuite done in {results['elapsed_s'] / 60:.1f} min; report: {out / 'results.md'}")
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from bench.policies.capacity import DTYPE
-from bench.policies.harness import RunSetting, run_trace, summary
+from bench.policies.harness import RunSetting, run_trace, summary, trace_seconds, window_s
 from bench.policies.profiles import PolicyBenchProfile
 from bench.policies.traces import skewed_trace
 from bench.systems.engine_system import EngineSystem, EngineSystemOptions
@@ -31,17 +31,27 @@ def make_system(name: str):
 
 def run(profile: PolicyBenchProfile, setting: RunSetting, capacity_rps: float, log) -> list[dict]:
     rate = profile.skew_load * capacity_rps
-    setting = replace(setting, window_s=profile.skew_duration_s + profile.drain_s, max_batch=profile.max_batch)
+    setting = replace(
+        setting,
+        window_s=window_s(profile.skew_requests, rate, capacity_rps, profile.drain_s),
+        max_batch=profile.max_batch,
+    )
     rows = []
     for share in profile.skew_top_shares:
         trace = skewed_trace(
-            profile.skew_adapters, share, rate, profile.skew_duration_s,
+            profile.skew_adapters, share, rate, trace_seconds(profile.skew_requests, rate),
             profile.input_range, profile.output_range, profile.seed,
         )  # fmt: skip
         for name in SYSTEMS:
             system = make_system(name)
-            row = {"top_share": share, "rate_rps": round(rate, 4), **summary(system, run_trace(system, trace, setting), setting)}
+            row = {
+                "top_share": share,
+                "rate_rps": round(rate, 4),
+                **summary(system, run_trace(system, trace, setting), setting),
+            }
             row["system"] = name
-            log(f"skew {share:.3f} {name}: avg latency {row['avg_latency_s']} s, {row['completed']}/{row['requests']} done")
+            log(
+                f"skew {share:.3f} {name}: avg latency {row['avg_latency_s']} s, {row['completed']}/{row['requests']} done"
+            )
             rows.append(row)
     return rows

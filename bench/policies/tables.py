@@ -38,7 +38,9 @@ def skew_table(rows: list[dict]) -> str:
     for line, point in zip(table, sorted({r["top_share"] for r in rows})):
         latency = {r["system"]: r["avg_latency_s"] for r in rows if r["top_share"] == point}
         line.append(_dynamic_verdict(latency, systems))
-    return _table(["top share", *(f"{s} avg latency (s)" for s in systems), "dynamic ≤ better of the two"], table)
+    return _table(
+        ["top share", *(f"{s} avg latency (s)" for s in systems), "dynamic ≤ better of the two"], table
+    )
 
 
 def _dynamic_verdict(latency: dict, systems: list[str]) -> str:
@@ -87,7 +89,8 @@ def clustering_table(rows: list[dict]) -> str:
         for r in rows
     ]  # fmt: skip
     return _table(
-        ["C", "tokens/s", "requests/s", "avg latency (s)", "p99 latency (s)", "Jain fairness", "completed"], body
+        ["C", "tokens/s", "requests/s", "avg latency (s)", "p99 latency (s)", "Jain fairness", "completed"],
+        body,
     )
 
 
@@ -119,9 +122,11 @@ def report(results: dict) -> str:
     calibration = results.get("calibration", {})
     if calibration:
         parts += [
-            f"Capacity {calibration['capacity_rps']:.3f} req/s; low-load median first token "
-            f"{calibration['low_load_median_first_token_s']:.3f} s; first-token SLO {calibration['slo_s']:.2f} s; "
-            f"load average {results.get('loadavg', '?')}.",
+            (
+                f"Capacity {calibration['capacity_rps']:.3f} req/s; low-load median first token "
+                f"{calibration['low_load_median_first_token_s']:.3f} s; first-token SLO {calibration['slo_s']:.2f} s; "
+                f"load average {results.get('loadavg', '?')}."
+            ),
             "",
         ]
     sections = [

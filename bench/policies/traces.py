@@ -70,7 +70,9 @@ def zipf_gamma_trace(
 def prefill_queue(tasks: int, prompts: int, mean_len: int, sigma: float, seed: int) -> list[TraceRequest]:
     """``prompts`` requests at time 0, task ``i % tasks``, lengths ~ N(mean_len, sigma)."""
     if tasks < 1 or prompts < 1 or mean_len < 1 or sigma < 0:
-        raise ValueError(f"need tasks, prompts, mean_len >= 1 and sigma >= 0: {tasks}, {prompts}, {mean_len}, {sigma}")
+        raise ValueError(
+            f"need tasks, prompts, mean_len >= 1 and sigma >= 0: {tasks}, {prompts}, {mean_len}, {sigma}"
+        )
     rng = np.random.default_rng(seed)
     lengths = np.maximum(1, np.rint(rng.normal(mean_len, sigma, size=prompts))).astype(int)
     return [

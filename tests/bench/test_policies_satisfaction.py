@@ -8,7 +8,9 @@ from bench.policies.satisfaction import first_token_scores, jain_index, per_adap
 from bench.systems.base import RequestRecord
 
 
-def record(arrival: float, first: float | None, adapter: int = 0, finish: float | None = None, error: str = ""):
+def record(
+    arrival: float, first: float | None, adapter: int = 0, finish: float | None = None, error: str = ""
+):
     r = RequestRecord(f"r{arrival}-{first}", adapter, arrival, 4, 2, first_token_s=first, finish_s=finish)
     r.error = error
     return r

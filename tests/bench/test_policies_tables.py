@@ -79,19 +79,33 @@ def test_report_and_plots_from_results(tmp_path):
         "calibration": {"capacity_rps": 1.0, "low_load_median_first_token_s": 0.1, "slo_s": 1.0},
         "loadavg": [1.0, 1.0, 1.0],
         "lora_cost": {
-            "batch": 8, "decode_step_s": {"base": 0.1, "one_adapter": 0.11, "distinct_adapters": 0.12},
-            "bax_over_wx_one_adapter": 0.1, "bax_over_wx_distinct_adapters": 0.2, "merge_unmerge_s": 0.02,
-        },  # fmt: skip
+            "batch": 8,
+            "decode_step_s": {"base": 0.1, "one_adapter": 0.11, "distinct_adapters": 0.12},
+            "bax_over_wx_one_adapter": 0.1,
+            "bax_over_wx_distinct_adapters": 0.2,
+            "merge_unmerge_s": 0.02,
+        },
         "skew": SKEW,
         "abort": ABORT,
         "clustering": clustering,
         "pets": pets,
     }
     report = tables.report(results)
-    for title in ("LoRA cost", "dLoRA skew sweep", "S-LoRA early abort", "Adapter clustering", "PetS prefill"):
+    for title in (
+        "LoRA cost",
+        "dLoRA skew sweep",
+        "S-LoRA early abort",
+        "Adapter clustering",
+        "PetS prefill",
+    ):
         assert f"## {title}" in report
     assert "| BAx/Wx, 8 adapters | 20.0% |" in report
     assert "| 4 | pets | 48 | 1536 | 4.00 | 12.0 |" in report
     written = plots.write(results, tmp_path)
-    assert sorted(p.name for p in written) == ["abort_slo.png", "clustering.png", "pets_prefill.png", "skew_latency.png"]
+    assert sorted(p.name for p in written) == [
+        "abort_slo.png",
+        "clustering.png",
+        "pets_prefill.png",
+        "skew_latency.png",
+    ]
     assert all(p.stat().st_size > 1000 for p in written)

@@ -23,10 +23,14 @@ def test_skewed_trace_gives_the_top_adapter_its_share():
 
 
 def test_skewed_trace_is_uniform_at_one_over_n_and_deterministic():
-    trace = skewed_trace(8, 1 / 8, rate=200.0, duration_s=20.0, input_range=(4, 4), output_range=(3, 3), seed=2)
+    trace = skewed_trace(
+        8, 1 / 8, rate=200.0, duration_s=20.0, input_range=(4, 4), output_range=(3, 3), seed=2
+    )
     shares = np.bincount([r.adapter for r in trace], minlength=8) / len(trace)
     assert np.allclose(shares, 1 / 8, atol=0.02)
-    again = skewed_trace(8, 1 / 8, rate=200.0, duration_s=20.0, input_range=(4, 4), output_range=(3, 3), seed=2)
+    again = skewed_trace(
+        8, 1 / 8, rate=200.0, duration_s=20.0, input_range=(4, 4), output_range=(3, 3), seed=2
+    )
     assert trace == again
     assert len({r.request_id for r in trace}) == len(trace)
 
