@@ -547,9 +547,36 @@ class Engine:
             if request.total_len > budget and budget < self.config.max_prefill_tokens:
                 break
             if not self._try_start(request):
+                if self._pool_can_never_hold_it():
+                    self.waiting.remove(request)
+                    self._finish_unservable(request)
+                    continue
                 break
             self.waiting.remove(request)
             budget -= request.total_len
+
+    def _pool_can_never_hold_it(self) -> bool:
+        """A request that does not fit now never will: nothing runs, nothing is lent out (idle
+        adapters were evicted to make room) and no other worker lends to this one."""
+        return not self.running and self.borrower is None and not self.rm.lender.lent_blocks
+
+    def _finish_unservable(self, request: EngineRequest) -> None:
+        """Its prompt and output outgrew the whole pool: the pool is its context limit, so it ends
+        like one whose context is full; one that never started gets an error saying why."""
+        if request.output_ids:
+            log.info(
+                "%s ends at %d tokens: the pool holds no more of its KV",
+                request.request_id,
+                request.total_len,
+            )
+            self._finish(request, FinishReason.LENGTH, None)
+        else:
+            self._finish(
+                request,
+                FinishReason.ERROR,
+                None,
+                f"its {request.total_len} prompt tokens and adapter do not fit in this worker's pool",
+            )
 
     # -- batch policy ------------------------------------------------------------------------
 

@@ -33,9 +33,9 @@ def adapter_dirs(tiny_llama, tmp_path_factory):
     return {name: write_peft_adapter(root / name, tiny_llama.spec, spec) for name, spec in ADAPTERS.items()}
 
 
-def make_engine(tiny_llama, adapter_dirs, policy=None, **config) -> Engine:
+def make_engine(tiny_llama, adapter_dirs, policy=None, pool_mib: float = 4, **config) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, **config), batch_policy=policy)
+    engine = Engine(model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, **config), batch_policy=policy)
     for name, directory in adapter_dirs.items():
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     return engine
@@ -46,16 +46,21 @@ def request(i: int, adapter: str | None, max_tokens: int = 10) -> GenerationRequ
     return GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), adapter)
 
 
-def run(engine: Engine, requests: list[GenerationRequest], logits: dict | None = None) -> dict[str, list]:
-    """Every event per request; with ``logits``, each step's logits per request too."""
+def run(
+    engine: Engine, requests: list[GenerationRequest], logits: dict | None = None, max_steps: int = 10_000
+) -> dict[str, list]:
+    """Every event per request; with ``logits``, each step's logits per request too. Fails past
+    ``max_steps`` steps (a request the engine never finishes)."""
     if logits is not None:
         engine.on_logits = lambda rid, row: logits.setdefault(rid, []).append(row.float().clone())
     events: dict[str, list] = {r.request_id: [] for r in requests}
     for r in requests:
         engine.submit(r, lambda e: events[e.request_id].append(e))
-    while engine.has_work():
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return events
         engine.step()
-    return events
+    raise AssertionError(f"the engine still has work after {max_steps} steps")
 
 
 def tokens(events: dict[str, list]) -> dict[str, list[int]]:
@@ -135,3 +140,15 @@ def test_an_early_abort_finishes_the_request_with_the_reason(tiny_llama, adapter
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="batch_policy must be one of"):
         EngineConfig(batch_policy="sjf")
+
+
+def test_a_lone_request_that_outgrows_the_whole_pool_ends_at_its_limit_instead_of_waiting(
+    tiny_llama, adapter_dirs
+):
+    # 4 KiB pool: 1 KiB pages of 4 tokens for the tiny model's 2 layers -> 2 blocks = 8 tokens.
+    engine = make_engine(tiny_llama, adapter_dirs, pool_mib=1 / 256)
+    long_output = GenerationRequest("r", (5, 6, 7), SamplingParams(max_tokens=50, ignore_eos=True), None)
+    events = run(engine, [long_output], max_steps=200)
+    final = events["r"][-1]
+    assert final.finish_reason is FinishReason.LENGTH
+    assert 0 < final.output_len < 50 and not engine.waiting and not engine.running
