@@ -36,6 +36,10 @@ def window_s(requests: int, rate: float, capacity_rps: float, drain_s: float) ->
 
 
 def run_trace(system: ServingSystem, trace: list[TraceRequest], setting: RunSetting) -> list[RequestRecord]:
+    """The system's records of ``trace`` (none for an empty trace: a short bursty trace may hold
+    no request at all)."""
+    if not trace:
+        return []
     context = RunContext(
         trace=trace,
         adapters=setting.adapters,

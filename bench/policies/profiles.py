@@ -39,7 +39,7 @@ class PolicyBenchProfile:
     abort_adapters: int = 8
     abort_load: float = 1.5
     """Offered load of the abort experiment, above capacity (S-LoRA's setting)."""
-    abort_requests: int = 12
+    abort_requests: int = 32
     abort_slo_factor: float = 10.0
     """First-token SLO = this × the median first-token latency at low load."""
     low_load: float = 0.3
