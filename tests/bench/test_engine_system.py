@@ -87,3 +87,37 @@ def test_report_writes_markdown_with_the_headline_and_plots(tmp_path):
     assert "**8.00×**" in text and "**0.95×**" in text
     for name in ("throughput_vs_adapters", "first_token_vs_rate", "pool_occupancy"):
         assert (tmp_path / report.PLOTS[name]).stat().st_size > 10_000
+
+
+def test_a_configured_batch_policy_runs_and_its_decisions_come_back(adapters):
+    from services.gpu_worker.engine.policies.dlora import DloraConfig, DynamicBatching
+
+    trace = generate(WorkloadSpec(adapters=2, alpha=3, rate=4, duration_s=1.0, input_range=(4, 8), output_range=(2, 4),
+                                  ranks=(8, 16), seed=5))  # fmt: skip
+    context = RunContext(trace=trace, adapters=adapters, window_s=math.inf, pool_mib=64)
+    system = EngineSystem(
+        EngineSystemOptions(
+            name="dlora", batch_policy=lambda: DynamicBatching(DloraConfig(alpha=0.1, beta=0.05))
+        )
+    )
+    records = system.run(context)
+    assert all(r.completed and r.output_tokens == r.output_len for r in records)
+    stats = system.stats()
+    assert stats["lora_mode_switches"] >= 1 and stats["batch_policy_mode_switches"] >= 1
+
+
+def test_requests_an_early_abort_gives_up_on_are_recorded_as_aborted(adapters):
+    from services.gpu_worker.engine.policies.early_abort import EarlyAbort, EarlyAbortConfig
+
+    trace = generate(WorkloadSpec(adapters=2, rate=4, duration_s=1.0, input_range=(4, 8), output_range=(2, 4),
+                                  ranks=(8, 16), seed=6))  # fmt: skip
+    context = RunContext(trace=trace, adapters=adapters, window_s=math.inf, pool_mib=64)
+    # No first token can come within a microsecond: every request is aborted before it runs.
+    system = EngineSystem(
+        EngineSystemOptions(
+            name="abort", batch_policy=lambda: EarlyAbort(EarlyAbortConfig(first_token_slo_s=1e-6))
+        )
+    )
+    records = system.run(context)
+    assert records and all(r.error == "aborted" and r.first_token_s is None for r in records)
+    assert system.stats()["aborted_requests"] == len(trace)
