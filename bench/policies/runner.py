@@ -1,6 +1,6 @@
 """Runs the batch-policy suite (issue 15) on the real model, in process, and writes the results.
 
-    loramesh bench-policies --profile quick      # smoke run, ≈3 min
+    loramesh bench-policies --profile quick      # smoke run
     loramesh bench-policies --profile full       # the figures of docs/benchmarks.md
 
 Order: the LoRA cost probe (BAx/Wx, t_M), the capacity of this machine now (a closed FCFS
