@@ -90,6 +90,7 @@ class WorkerMetrics:
         yield from _router_series(parts, stats, running, waiting, host)
         yield from _adapter_series(running, waiting, tokens)
         yield from _lending_series(parts.engine.lending.lent_to(), stats["borrowed_blocks"])
+        yield from _policy_series(parts.engine.config.batch_policy, stats)
 
 
 def _router_series(
@@ -174,6 +175,36 @@ def _adapter_series(running: list, waiting: list, tokens: dict[str, int]) -> Ite
     for adapter_id, count in sorted(tokens.items()):
         generated.add_metric([adapter_id], count)
     yield generated
+
+
+def _policy_series(policy: str, stats: dict) -> Iterator[Metric]:
+    """What the batch policy decided (docs/batch-policies.md): the LoRA mode, switches, aborts,
+    and the policy's own counters and knobs."""
+    yield GaugeMetricFamily(
+        "loramesh_gpu_worker_lora_mode_merged",
+        "1 while an adapter is merged into the base weights (dLoRA)",
+        value=stats["lora_mode_merged"],
+    )
+    yield CounterMetricFamily(
+        "loramesh_gpu_worker_lora_mode_switches",
+        "Merges and unmerges of adapters into the base weights",
+        value=stats["lora_mode_switches"],
+    )
+    yield CounterMetricFamily(
+        "loramesh_gpu_worker_aborted_requests",
+        "Requests the batch policy aborted (first-token SLO lost)",
+        value=stats["aborted_requests"],
+    )
+    decisions = GaugeMetricFamily(
+        "loramesh_gpu_worker_batch_policy_decision",
+        "The batch policy's counters and knobs (e.g. dlora's alpha, beta, max_credits, merged_share)",
+        labels=["policy", "decision"],
+    )
+    prefix = "batch_policy_"
+    for key, value in sorted(stats.items()):
+        if key.startswith(prefix):
+            decisions.add_metric([policy, key.removeprefix(prefix)], value)
+    yield decisions
 
 
 def _lending_series(lent: dict[str, int], borrowed: dict[str, int]) -> Iterator[Metric]:

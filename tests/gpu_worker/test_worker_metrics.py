@@ -134,6 +134,8 @@ async def test_scrape_during_a_run_shows_per_adapter_router_and_residency_series
             assert loaded_levels(during) == {"a": "gpu", "b": "cpu"}
             assert during.value("vllm:num_gpu_loaded_lora_adapters", **labels) == 1
             assert during.value("vllm:num_cpu_loaded_lora_adapters", **labels) == 2
+            assert during.value("loramesh_gpu_worker_lora_mode_merged") == 0  # fcfs never merges
+            assert during.value("loramesh_gpu_worker_aborted_requests_total") == 0
 
             release.set()
             await asyncio.gather(first, second)
