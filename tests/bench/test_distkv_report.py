@@ -65,7 +65,7 @@ def test_context_table_gives_the_ratio_to_one_worker_alone_and_marks_an_unprobed
 
 def test_workload_rows_come_in_long_share_order_borrow_first():
     lines = render(RESULTS).splitlines()
-    rows = [line for line in lines if line.startswith("| 1%") or line.startswith("| 50%")]
+    rows = [line for line in lines if line.startswith(("| 1%", "| 50%"))]
     assert [row.split(" | ")[:2] for row in rows] == [
         ["| 1%", "borrow"], ["| 1%", "alone"], ["| 50%", "borrow"], ["| 50%", "alone"]
     ]  # fmt: skip
