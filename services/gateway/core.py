@@ -59,6 +59,10 @@ class GatewayCore:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (names tokens in OpenAI's ``logprobs``)."""
+        return self.tokenizer.id_to_bytes(token_id)
+
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """``(role, content)`` messages through the model's chat template, tokenized."""
         if not messages:

@@ -108,6 +108,7 @@ class Relay:
                         yield gateway_pb2.GenerateTextResponse(
                             text=text,
                             token_ids=ids,
+                            logprobs=reply.logprobs,
                             finish_reason=finish,
                             request_id=request.request_id,
                             usage=gateway_pb2.Usage(
@@ -121,7 +122,7 @@ class Relay:
                         return
                     if ids:
                         yield gateway_pb2.GenerateTextResponse(
-                            text=text, token_ids=ids, request_id=request.request_id
+                            text=text, token_ids=ids, logprobs=reply.logprobs, request_id=request.request_id
                         )
             except (grpc.RpcError, WorkerFailed) as error:
                 if isinstance(error, grpc.RpcError) and error.code() not in RESUMABLE:

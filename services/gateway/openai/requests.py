@@ -1,7 +1,7 @@
 """OpenAI request bodies: parsed and checked here, before anything is placed.
 
-Fields the engine cannot honour are refused with a 400 that names the field (``logprobs``,
-``presence_penalty``...), never silently ignored; fields OpenAI's clients send that change
+Fields the engine cannot honour are refused with a 400 that names the field
+(``presence_penalty``...), never silently ignored; fields OpenAI's clients send that change
 nothing here (``user``, ``stream_options`` without ``include_usage``) are accepted. vLLM's
 extra fields ``top_k``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (each
 choice, each chunk, carries its generated token ids) are accepted too.
@@ -17,9 +17,17 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from loramesh.v1 import types_pb2
 from services.gateway.openai.errors import OpenAIError
-from services.runtime.request_validation import MAX_CHOICES, InvalidField, check_choices, check_sampling
+from services.runtime.request_validation import (
+    MAX_CHOICES,
+    MAX_TOP_LOGPROBS,
+    InvalidField,
+    check_choices,
+    check_sampling,
+)
 
 #: Largest request body read; prompts are limited to a few thousand tokens, so this is generous.
+MAX_COMPLETION_LOGPROBS = 5
+"""The legacy completions API's ``logprobs`` limit (OpenAI's)."""
 MAX_BODY_BYTES = 8 * 2**20
 
 
@@ -115,7 +123,6 @@ class CompletionBody(_GenerationBody):
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return [
             *super()._unsupported(),
-            ("logprobs", self.logprobs is not None, "the workers do not return log-probabilities"),
             ("echo", self.echo, "the prompt is not returned"),
             ("suffix", bool(self.suffix), "no fill-in-the-middle"),
             ("best_of", (self.best_of or 1) > 1, "use n"),
@@ -132,8 +139,16 @@ class CompletionBody(_GenerationBody):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 
+    def sampling(self) -> types_pb2.SamplingParams:
+        sampling = super().sampling()
+        if self.logprobs is not None:
+            sampling.top_logprobs = self.logprobs
+        return sampling
+
     def check(self) -> None:
         super().check()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise OpenAIError(400, f"logprobs must be within [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise OpenAIError(400, f"prompts × n must be at most {MAX_CHOICES}", "n")
 
@@ -178,8 +193,6 @@ class ChatCompletionBody(_GenerationBody):
         response_type = (self.response_format or {}).get("type", "text")
         return [
             *super()._unsupported(),
-            ("logprobs", bool(self.logprobs), "the workers do not return log-probabilities"),
-            ("top_logprobs", bool(self.top_logprobs), "the workers do not return log-probabilities"),
             ("tools", bool(self.tools), "no tool calling"),
             ("tool_choice", self.tool_choice not in (None, "none", "auto"), "no tool calling"),
             ("response_format", response_type != "text", "no constrained decoding"),
@@ -190,7 +203,18 @@ class ChatCompletionBody(_GenerationBody):
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise OpenAIError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise OpenAIError(400, f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         super().check()
+
+    def sampling(self) -> types_pb2.SamplingParams:
+        sampling = super().sampling()
+        if self.logprobs:
+            sampling.top_logprobs = self.top_logprobs or 0
+        return sampling
 
     def role_contents(self) -> list[tuple[str, str]]:
         """``(role, text)`` per message; OpenAI's ``developer`` role is a system message."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from loramesh.v1 import types_pb2
@@ -44,6 +45,7 @@ class ChoiceText:
 
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[types_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -57,6 +59,41 @@ class ResponseShape:
     """vLLM's extension: each choice (each chunk) also carries its generated ``token_ids``."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
+    token_bytes: Callable[[int], bytes] = bytes
+    """A token id's bytes (the tokenizer's), to name tokens in ``logprobs``."""
+
+    def logprobs(self, token_ids: Sequence[int], logprobs: Sequence[types_pb2.TokenLogprobs]) -> dict | None:
+        """OpenAI's ``logprobs`` object for these tokens; None when none were asked for. Chat:
+        ``{"content": [{token, logprob, bytes, top_logprobs}]}``; completions: the legacy
+        ``{tokens, token_logprobs, top_logprobs}``."""
+        if not logprobs:
+            return None
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        **self._token(token, lp.logprob),
+                        "top_logprobs": [
+                            self._token(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)
+                        ],
+                    }
+                    for token, lp in zip(token_ids, logprobs)
+                ]
+            }
+        return {
+            "tokens": [self._text(token) for token in token_ids],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [
+                {self._text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} for lp in logprobs
+            ],
+        }
+
+    def _text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def _token(self, token: int, logprob: float) -> dict:
+        raw = self.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
     def _head(self, object_name: str) -> dict:
         prefix = "chatcmpl" if self.chat else "cmpl"
@@ -79,14 +116,19 @@ class ResponseShape:
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": "".join(c.text)},
-                    "logprobs": None,
+                    "logprobs": self.logprobs(c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason,
                 }
                 for i, c in enumerate(choices)
             ]
         else:
             body = [
-                {"index": i, "text": "".join(c.text), "logprobs": None, "finish_reason": c.finish_reason}
+                {
+                    "index": i,
+                    "text": "".join(c.text),
+                    "logprobs": self.logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }
                 for i, c in enumerate(choices)
             ]
         body = [self._with_token_ids(b, c.token_ids) for b, c in zip(body, choices)]
@@ -108,12 +150,15 @@ class ResponseShape:
                   "finish_reason": None}  # fmt: skip
         return self._chunk([self._with_token_ids(choice, ())], include_usage)
 
-    def delta_chunk(self, index: int, text: str, token_ids, finish: str | None, include_usage: bool) -> dict:
+    def delta_chunk(
+        self, index: int, text: str, token_ids, finish: str | None, include_usage: bool, logprobs=()
+    ) -> dict:
+        lp = self.logprobs(token_ids, logprobs)
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp,
                       "finish_reason": finish}  # fmt: skip
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         return self._chunk([self._with_token_ids(choice, token_ids)], include_usage)
 
     def usage_chunk(self, usage_: dict) -> dict:

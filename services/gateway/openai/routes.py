@@ -86,7 +86,9 @@ class OpenAIRoutes:
         prompts = [self.core.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         sampling = body.sampling()
         jobs = [(ids, _seeded(sampling, j)) for ids in prompts for j in range(body.n)]
-        shape = ResponseShape(body.model, chat=False, return_token_ids=body.return_token_ids)
+        shape = ResponseShape(
+            body.model, chat=False, return_token_ids=body.return_token_ids, token_bytes=self.core.token_bytes
+        )
         prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt however many choices, as OpenAI
         return await self._answer(request, tenant, adapter, jobs, prompt_tokens, shape, body)
 
@@ -98,7 +100,9 @@ class OpenAIRoutes:
         prompt_ids = self.core.chat_prompt(body.role_contents())
         sampling = self.core.chat_sampling(body.sampling())
         jobs = [(prompt_ids, _seeded(sampling, j)) for j in range(body.n)]
-        shape = ResponseShape(body.model, chat=True, return_token_ids=body.return_token_ids)
+        shape = ResponseShape(
+            body.model, chat=True, return_token_ids=body.return_token_ids, token_bytes=self.core.token_bytes
+        )
         return await self._answer(request, tenant, adapter, jobs, len(prompt_ids), shape, body)
 
     async def _answer(
@@ -130,6 +134,7 @@ class OpenAIRoutes:
             async for index, reply in replies:
                 texts[index].text.append(reply.text)
                 texts[index].token_ids += reply.token_ids
+                texts[index].logprobs += reply.logprobs
                 if reply.finish_reason:
                     texts[index].finish_reason = finish_reason(reply.finish_reason)
                     completion_tokens += reply.usage.completion_tokens
@@ -145,9 +150,11 @@ class OpenAIRoutes:
             async with contextlib.aclosing(merged(choices)) as replies:
                 async for index, reply in replies:
                     finish = finish_reason(reply.finish_reason)
-                    if reply.text or finish or shape.return_token_ids:
+                    if reply.text or finish or shape.return_token_ids or reply.logprobs:
                         yield sse(
-                            shape.delta_chunk(index, reply.text, reply.token_ids, finish, include_usage)
+                            shape.delta_chunk(
+                                index, reply.text, reply.token_ids, finish, include_usage, reply.logprobs
+                            )
                         )
                     if finish:
                         completion_tokens += reply.usage.completion_tokens

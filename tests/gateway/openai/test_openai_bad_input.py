@@ -55,8 +55,15 @@ CASES = {
         "/chat/completions", 400, "presence_penalty is not supported", json=chat(presence_penalty=0.5),
         param="presence_penalty",
     ),
-    "logprobs": BadRequest(
-        "/chat/completions", 400, "logprobs is not supported", json=chat(logprobs=True), param="logprobs"
+    "top_logprobs without logprobs": BadRequest(
+        "/chat/completions", 400, "top_logprobs needs logprobs: true", json=chat(top_logprobs=2), param="top_logprobs"
+    ),
+    "top_logprobs over 20": BadRequest(
+        "/chat/completions", 400, "top_logprobs must be within [0, 20]", json=chat(logprobs=True, top_logprobs=21),
+        param="top_logprobs",
+    ),
+    "completion logprobs over 5": BadRequest(
+        "/completions", 400, "logprobs must be within [0, 5]", json=completion(logprobs=6), param="logprobs"
     ),
     "bad role": BadRequest(
         "/chat/completions", 400, "messages[0].role", json=chat(messages=[{"role": "wizard", "content": "x"}])

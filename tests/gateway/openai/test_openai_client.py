@@ -56,6 +56,45 @@ def test_streamed_chat_from_an_adapter_equals_the_grpc_path(mesh):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_logprobs_streamed_and_not_name_each_token_with_its_top_alternatives(mesh):
+    with sync_client(mesh) as client:
+        ask = {
+            "model": "pirate",
+            "messages": QUESTION,
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        }
+        stream = client.chat.completions.create(**ask, stream=True, extra_body=TOKEN_IDS)
+        choices = [c.choices[0] for c in stream if c.choices]
+        whole = client.chat.completions.create(**ask, extra_body=TOKEN_IDS).choices[0]
+        legacy = client.completions.create(
+            model="pirate",
+            prompt="The rainbow has",
+            max_tokens=5,
+            temperature=0,
+            logprobs=2,
+            extra_body=TOKEN_IDS,
+        ).choices[0]
+    streamed = [entry for c in choices if c.logprobs for entry in c.logprobs.content]
+    token_ids = [t for c in choices for t in c.token_ids]
+    assert len(streamed) == len(token_ids) == len(whole.logprobs.content) == len(whole.token_ids)
+    for entry, same in zip(streamed, whole.logprobs.content, strict=True):
+        assert entry.token == same.token and abs(entry.logprob - same.logprob) < 1e-5
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # Greedy: the chosen token is the most likely one, and the alternatives come best first.
+        assert entry.top_logprobs[0].token == entry.token
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6
+        assert [a.logprob for a in entry.top_logprobs] == sorted(
+            (a.logprob for a in entry.top_logprobs), reverse=True
+        )
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    lp = legacy.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(legacy.token_ids) == 5
+    assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+
+
 async def test_async_completions_streamed_and_not_equal_the_grpc_path(mesh):
     prompt = "The three primary colours are"
     async with async_client(mesh) as client:

@@ -51,7 +51,7 @@ def test_prompts_text_token_ids_or_several():
 @pytest.mark.parametrize(
     ("model", "fields", "param"),
     [
-        (CompletionBody, {"prompt": "x", "logprobs": 0}, "logprobs"),
+        (CompletionBody, {"prompt": "x", "logprobs": 6}, "logprobs"),
         (CompletionBody, {"prompt": "x", "echo": True}, "echo"),
         (CompletionBody, {"prompt": "x", "best_of": 3}, "best_of"),
         (CompletionBody, {"prompt": "x", "frequency_penalty": 0.2}, "frequency_penalty"),
