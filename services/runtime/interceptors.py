@@ -11,6 +11,7 @@ Every service installs :class:`ServiceInterceptor`. It wraps each RPC handler so
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -81,7 +82,10 @@ class _RpcScope:
         if self.metrics is not None:
             self.metrics.observe_rpc(self.method, self.code, time.perf_counter() - self.started)
         if self._token is not None:
-            request_id_var.reset(self._token)
+            # A stream its caller abandoned is closed by asyncio in another context, where the
+            # token does not apply (ValueError); that context's request id is not ours to reset.
+            with contextlib.suppress(ValueError):
+                request_id_var.reset(self._token)
 
 
 def _is_abort(error: BaseException) -> bool:
