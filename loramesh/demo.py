@@ -53,6 +53,14 @@ def demo_adapters() -> tuple[dict[str, Path], tuple[str, ...]]:
     return ensure_adapters(log=lambda line: print(line, flush=True)), DEMO_QUESTIONS
 
 
+def already_registered(names: list[str]) -> list[str]:
+    """Which of ``names`` the mesh's adapter store already holds for the admin tenant."""
+    from loramesh.client import Client
+
+    with Client() as client:
+        return [a.name for a in client.adapters.list() if a.name in names]
+
+
 def mesh_endpoints() -> tuple[str, str, str]:
     """``(OpenAI base URL, admin API key, base model id)`` of the mesh ``loramesh up`` started."""
     from loramesh.cli.mesh_file import MeshFile
@@ -185,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     run("up", "--detach", "--workers", "2", "--pool-mib", "256")
     try:
         step(f"upload the {len(adapters)} adapters")
+        for name in already_registered(list(adapters)):  # a previous demo's, kept by the store
+            run("adapters", "delete", name)
         for name, directory in adapters.items():
             run("adapters", "upload", str(directory), "--name", name)
         run("adapters", "list")
