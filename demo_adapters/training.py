@@ -124,7 +124,8 @@ def train_adapter(
             optimizer.zero_grad(set_to_none=True)
             on_step(step, loss.item())
         model.eval()
-        model.save_pretrained(str(directory))
+        # No embedding LoRA is trained; "auto" would look the base model up on the Hugging Face Hub.
+        model.save_pretrained(str(directory), save_embedding_layers=False)
     finally:
         model.unload()
     return directory
