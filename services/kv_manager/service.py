@@ -15,7 +15,6 @@ apply DGFM plans (:class:`~services.kv_manager.defragmenter.Defragmenter`), ever
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +33,7 @@ from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import Unavailable
 from services.runtime.leader_election import LeaderElection
 from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_loads, watch_members
+from services.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("loramesh.kv_manager")
 
@@ -159,11 +159,7 @@ class KVManagerService:
         if self.election is not None:
             await self.election.stop()
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
 
     def load_report(self) -> dict:
         rows = self.ledger.rows()

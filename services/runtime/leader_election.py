@@ -13,10 +13,10 @@ This module only talks to etcd; it has no gRPC-server code.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from services.runtime.membership import MembershipConfig, _Connection, _describe
+from services.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("loramesh.leader")
 
@@ -87,10 +87,7 @@ class LeaderElection:
 
     async def _cancel_task(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([task])
 
     def _set_leader(self, leader_id: str) -> None:
         if leader_id == self.leader_id:

@@ -29,6 +29,7 @@ from typing import Any, Self, TypeVar
 import aetcd
 
 from services.runtime.errors import Unavailable
+from services.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("loramesh.membership")
 
@@ -434,11 +435,7 @@ class Registration:
 
     async def _cancel_task(self) -> None:
         task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait([task])
 
     # -- etcd operations --
 

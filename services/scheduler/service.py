@@ -8,7 +8,6 @@ first listing, so a ready scheduler always places on the workers that are live a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from grpc import aio
@@ -16,6 +15,7 @@ from grpc import aio
 from loramesh.v1 import scheduler_pb2_grpc
 from services.runtime.errors import Unavailable
 from services.runtime.membership import MembershipConfig, follow, watch_loads, watch_members
+from services.runtime.tasks import cancel_and_wait
 from services.scheduler.admission import Admission, AdmissionConfig
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig
@@ -106,11 +106,7 @@ class SchedulerService:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
 
     def load_report(self) -> dict:
         return {"workers": len(self.view), "placements": self.view.placements_total}
