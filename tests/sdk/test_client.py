@@ -129,7 +129,8 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
             yield message
 
     async def UploadAdapter(self, request_iterator, context):
-        await self._admit("UploadAdapter", None, context)
+        # Read the whole stream before answering: a status sent while the client is still
+        # writing races its writes, and grpc then reports INTERNAL to the client instead.
         header, files, chunks = None, {}, 0
         async for message in request_iterator:
             if message.WhichOneof("item") == "header":
@@ -137,6 +138,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
             else:
                 files[message.chunk.filename] = files.get(message.chunk.filename, b"") + message.chunk.data
                 chunks += 1
+        await self._admit("UploadAdapter", None, context)
         self.uploads.append(Upload(header, files, chunks))
         weights = files.get("adapter_model.safetensors", b"")
         return adapter_store_pb2.RegisterAdapterResponse(
