@@ -136,7 +136,9 @@ def mesh_with(pids: dict[str, int], up_pid: int = 1) -> MeshFile:
 def test_live_processes_skip_the_down_the_dead_and_the_supervisor():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sibling = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )  # alive until killed
     try:
         mesh = mesh_with({"gateway": sibling.pid, "scheduler": 0, "kv_manager": dead.pid}, up_pid=os.getpid())
         # etcd runs as this test's own pid, which is also up_pid: never a victim.
