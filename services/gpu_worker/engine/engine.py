@@ -591,15 +591,31 @@ class Engine:
                     r.total_len,
                     started=r.timings.first_token is not None,
                     predicted_output_tokens=r.spec.predicted_output_tokens,
+                    max_new_tokens=self._tokens_left(r),
                 )
                 for r in self.waiting
             ),
             running=tuple(
-                RunningRequest(r.request_id, r.spec.adapter_id, r.timings.arrived) for r in self.running
+                RunningRequest(
+                    r.request_id,
+                    r.spec.adapter_id,
+                    r.timings.arrived,
+                    remaining_tokens=self._tokens_left(r),
+                    context_tokens=r.total_len,
+                )
+                for r in self.running
             ),
             max_running=self.config.max_running,
             mode=self.mode,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            kv_room_tokens=self.rm.local.free_blocks * self.config.kv_block_tokens,
         )
+
+    def _tokens_left(self, request: EngineRequest) -> int:
+        """Tokens ``request`` may still generate (``max_tokens`` or the context ends it first)."""
+        by_max_tokens = request.spec.sampling.max_tokens - len(request.output_ids)
+        by_context = self.model.config.max_position_embeddings - request.total_len
+        return max(1, min(by_max_tokens, by_context))
 
     @property
     def mode(self) -> LoraMode:

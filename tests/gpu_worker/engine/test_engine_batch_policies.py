@@ -123,11 +123,13 @@ def test_every_policy_serves_a_mixed_load_to_the_fcfs_tokens(tiny_llama, adapter
 
 
 def test_an_early_abort_finishes_the_request_with_the_reason(tiny_llama, adapter_dirs):
-    # Each first token is modelled to take 40 s against a 50 s SLO: of three requests queued at
-    # once only one can make it, so the two older ones are aborted before running (the 10 s of
-    # slack only has to cover handing the requests to the engine).
+    # Each step is modelled to take 40 s against a 50 s SLO, and one request runs at a time (its
+    # 10 tokens hold the slot for 10 steps): of three requests queued at once only one can make
+    # it, so the two older ones are aborted before running (the 10 s of slack only has to cover
+    # handing the requests to the engine).
     cost = StepCostModel(StepCostConfig(min_steps=10**9), StepCost(40.0, 0.0, 0.0, 0.0))
-    engine = make_engine(tiny_llama, adapter_dirs, EarlyAbort(EarlyAbortConfig(first_token_slo_s=50.0), cost))
+    policy = EarlyAbort(EarlyAbortConfig(first_token_slo_s=50.0), cost)
+    engine = make_engine(tiny_llama, adapter_dirs, policy, max_running=1)
     events = run(engine, [request(i, "a") for i in range(3)])
     finals = {rid: next(e for e in evs if e.finish_reason is not None) for rid, evs in events.items()}
     assert finals["r2"].finish_reason is FinishReason.LENGTH

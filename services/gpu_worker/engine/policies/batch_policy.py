@@ -46,6 +46,9 @@ class QueuedRequest:
     predicted_output_tokens: int | None = None
     """Tokens it is predicted to generate (Magnus' G′, set by whoever submitted it); None: no
     prediction."""
+    max_new_tokens: int = 1
+    """Tokens it may still generate (``max_tokens`` less its output so far): how long it will hold
+    a running slot and how much KV it may grow to, for policies that look ahead."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class RunningRequest:
     request_id: str
     adapter_id: str | None
     arrived_s: float
+    remaining_tokens: int = 1
+    """Tokens it may still generate: at most this many steps until its slot frees (fewer if it
+    stops early)."""
+    context_tokens: int = 0
+    """Tokens whose KV it holds now (prompt plus output so far): pool room it frees when it ends."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,10 @@ class BatchView:
     """Requests that may run in one step at most."""
     mode: LoraMode
     """The LoRA mode the base weights are in now."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens one step prefills at most (the engine's admission budget)."""
+    kv_room_tokens: int | None = None
+    """Tokens of KV the pool can take now without evicting (None: not limited)."""
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ Every step (Algorithm 1), with R every request in the engine and B_fcfs the batc
 - unmerged: when the adapter with the most requests in R has more than α·|B_fcfs| of them,
   merge it into the base weights and run only its requests (at base speed);
 - merged: when the merged adapter's requests fall below β·|B_fcfs|, unmerge and run B_fcfs.
+An adapter's requests are counted up to the batch size (what a merged step can run), so the
+share is at most 1 and α = 1 turns merging off.
 Every ``period_steps`` steps (Algorithm 2) it compares the throughput the period had with the
 throughput the other mode would have had (the step cost model estimates the mode not taken;
 switching time is charged to merged mode) and lowers the threshold of the mode it is in when
@@ -49,9 +51,10 @@ class DloraConfig:
     """Multiplies the threshold when it did not."""
     min_threshold: float = 0.05
     """Floor of α and β, so a mode is never entered or kept unconditionally."""
-    period_steps: int = 50
-    """N_I: steps between two tunings."""
-    credit_threshold: int = 100
+    period_steps: int = 16
+    """N_I: steps between two tunings. A CPU step takes 0.2–1 s here (a GPU's tens of ms), so a
+    period of 50 outlasted a whole benchmark run and Algorithm 2 never acted."""
+    credit_threshold: int = 32
     """Credits (steps left out) after which an adapter's requests go first: 2·N_I."""
     switch_s_prior: float = 0.05
     """Seconds one merge or unmerge is assumed to take until one is measured."""
@@ -157,14 +160,14 @@ class DynamicBatching:
         if isinstance(self.mode, Merged):
             if starving - {self.mode.adapter_id}:
                 return UNMERGED
-            share = sum(r.adapter_id == self.mode.adapter_id for r in requests) / len(fcfs)
+            share = _batch_share(requests, self.mode.adapter_id, view.max_running, fcfs)
             return UNMERGED if share < self.beta else self.mode
         if starving:
             return UNMERGED
         candidate = self._merge_candidate(requests)
         if candidate is None:
             return UNMERGED
-        share = sum(r.adapter_id == candidate for r in requests) / len(fcfs)
+        share = _batch_share(requests, candidate, view.max_running, fcfs)
         return Merged(candidate) if share > self.alpha else UNMERGED
 
     @staticmethod
@@ -229,6 +232,13 @@ class DynamicBatching:
         else:
             alpha = self.alpha - self.config.gamma_dec if merge_paid else self.alpha * self.config.gamma_mul
             self.alpha = min(max(self.beta, alpha), 1.0)
+
+
+def _batch_share(requests: list[Request], adapter_id: str, max_running: int, fcfs: list[Request]) -> float:
+    """|R_merge| / |B_fcfs|, with R_merge counted as the batch merged mode would run (at most
+    ``max_running``). Counting the whole queue instead lets the share pass 1 under a backlog, and
+    then no α ≤ 1 that Algorithm 2 tunes to could ever stop merging when it does not pay."""
+    return min(sum(r.adapter_id == adapter_id for r in requests), max_running) / len(fcfs)
 
 
 def _rate(tokens: int, seconds: float) -> float:

@@ -2,11 +2,18 @@
 the first-token SLO allows, serve the newest requests that can still make it, in arrival order,
 and abort the older ones at once instead of letting them occupy the batch after their SLO is lost.
 
-With the not-yet-started queue q_1..q_n (oldest first) and δ_j the estimated time to q_j's first
-token once it is next, the policy keeps the smallest k such that every q_i with i ≥ k meets
-``now + δ_k + ... + δ_i − arrived_i ≤ slo`` and aborts q_1..q_{k−1}. δ_j comes from the online
-step cost model: a step that prefills q_j beside the running batch's decodes. Preempted requests
-(they had their first token) are never aborted; they go first and their recompute counts.
+With the not-yet-started queue q_1..q_n (oldest first), the policy keeps the smallest k such that
+every q_i with i ≥ k gets its first token within the SLO when q_k..q_n are served in arrival order,
+and aborts q_1..q_{k−1}. The first-token times come from replaying what the engine will do
+(:func:`first_token_times`): each step admits queued prompts in order while a running slot is
+free, the step's prefill-token budget allows and the pool has room for the prompt and its output;
+the step's duration is the online step cost model's for its prefill tokens, decodes and adapters;
+running requests free their slot and KV after their remaining tokens. So several prefills share
+a step, and a full batch admits no one until a slot frees. Preempted requests (they had their
+first token) are never aborted; they go first and their recompute counts.
+
+The estimate is an upper bound on occupancy (a request is assumed to run to ``max_tokens``; one
+that stops at EOS frees its slot sooner) and counts KV in tokens, not pages.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from services.gpu_worker.engine.policies.batch_policy import (
     QueuedRequest,
     StepOutcome,
 )
-from services.gpu_worker.engine.policies.step_cost_model import StepCostModel
+from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostModel
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,60 @@ class EarlyAbortConfig:
     def __post_init__(self) -> None:
         if self.first_token_slo_s <= 0:
             raise ValueError(f"first_token_slo_s must be > 0, got {self.first_token_slo_s}")
+
+
+@dataclass
+class _Slot:
+    """A request holding a running slot in the replay."""
+
+    adapter_id: str | None
+    steps_left: int
+    frees_tokens: int
+    """KV room it gives back when it ends (what it holds plus what it was granted to grow)."""
+
+
+def first_token_times(
+    view: BatchView, queue: list[QueuedRequest], cost: StepCost, deadline_s: float | None = None
+) -> list[float]:
+    """When each request of ``queue`` (served in this order after the running batch) gets its
+    first token, replaying the engine's steps from ``view``. With ``deadline_s`` the replay stops
+    at the first not-yet-started request whose token would come after its ``arrived_s +
+    deadline_s`` and returns the times found so far (shorter than ``queue``)."""
+    now = view.now_s
+    room = float("inf") if view.kv_room_tokens is None else float(view.kv_room_tokens)
+    running = [
+        _Slot(r.adapter_id, r.remaining_tokens, r.context_tokens + r.remaining_tokens) for r in view.running
+    ]
+    room -= sum(r.remaining_tokens for r in view.running)  # the running batch's growth comes first
+    times: list[float] = []
+    while len(times) < len(queue):
+        budget = view.max_prefill_tokens
+        admitted: list[QueuedRequest] = []
+        for request in queue[len(times) :]:
+            if len(running) + len(admitted) >= view.max_running:
+                break
+            if request.prefill_tokens > budget and budget < view.max_prefill_tokens:
+                break
+            needs = request.prefill_tokens + request.max_new_tokens
+            if needs > room and (running or admitted):
+                break  # it waits for a running request to end and free room
+            room -= needs
+            budget -= request.prefill_tokens
+            admitted.append(request)
+        adapters = {s.adapter_id for s in running} | {r.adapter_id for r in admitted}
+        now += cost.seconds(view.max_prefill_tokens - budget, len(running), len(adapters - {None}))
+        for request in admitted:
+            if deadline_s is not None and not request.started and now - request.arrived_s > deadline_s:
+                return times
+            times.append(now)
+        for slot in running:
+            slot.steps_left -= 1
+        running.extend(
+            _Slot(r.adapter_id, r.max_new_tokens - 1, r.prefill_tokens + r.max_new_tokens) for r in admitted
+        )
+        room += sum(s.frees_tokens for s in running if s.steps_left <= 0)
+        running = [s for s in running if s.steps_left > 0]
+    return times
 
 
 class EarlyAbort:
@@ -49,9 +110,7 @@ class EarlyAbort:
     def plan(self, view: BatchView) -> BatchPlan:
         started = [r for r in view.waiting if r.started]
         fresh = [r for r in view.waiting if not r.started]
-        decodes = len(view.running)
-        ahead = sum(self._first_token_s(r, decodes) for r in started)
-        keep_from = self._oldest_servable(view.now_s + ahead, fresh, decodes)
+        keep_from = self._oldest_servable(view, started, fresh)
         aborts = tuple(Abort(r.request_id, self._reason(view.now_s, r)) for r in fresh[:keep_from])
         self.aborted += len(aborts)
         kept = [*started, *fresh[keep_from:]]
@@ -66,26 +125,30 @@ class EarlyAbort:
     def decisions(self) -> dict[str, float]:
         return {"aborted": self.aborted}
 
-    def _first_token_s(self, request: QueuedRequest, decodes: int) -> float:
-        adapters = 0 if request.adapter_id is None else 1
-        return self.cost.cost.seconds(request.prefill_tokens, decodes, adapters)
+    def _oldest_servable(
+        self, view: BatchView, started: list[QueuedRequest], fresh: list[QueuedRequest]
+    ) -> int:
+        """The smallest k such that fresh[k:], served in order after ``started``, all meet the SLO.
 
-    def _oldest_servable(self, start_s: float, fresh: list[QueuedRequest], decodes: int) -> int:
-        """The smallest k such that fresh[k:], served in order from ``start_s``, all meet the SLO.
-
-        Scanning k upwards, the finish times of fresh[k:] only move earlier, so the first k that
-        works is the answer; an O(n) pass per k keeps it simple for queues of a few hundred."""
-        slo = self.config.first_token_slo_s
-        deltas = [self._first_token_s(r, decodes) for r in fresh]
-        for k in range(len(fresh)):
-            t = start_s
-            for request, delta in zip(fresh[k:], deltas[k:]):
-                t += delta
-                if t - request.arrived_s > slo:
-                    break
+        Dropping older requests only brings the newer ones' first tokens earlier, so "fresh[k:]
+        all meet it" holds from some k on: a binary search over k, each probe a replay that stops
+        at the first miss (so it never looks further ahead than one SLO)."""
+        low, high = 0, len(fresh)  # fresh[high:] (nothing) always meets it
+        while low < high:
+            k = (low + high) // 2
+            if self._all_meet(view, started, fresh[k:]):
+                high = k
             else:
-                return k
-        return len(fresh)
+                low = k + 1
+        return low
+
+    def _all_meet(
+        self, view: BatchView, started: list[QueuedRequest], candidates: list[QueuedRequest]
+    ) -> bool:
+        queue = [*started, *candidates]
+        return len(first_token_times(view, queue, self.cost.cost, self.config.first_token_slo_s)) == len(
+            queue
+        )
 
     def _reason(self, now_s: float, request: QueuedRequest) -> str:
         return (
