@@ -18,6 +18,7 @@ from loramesh.cli.mesh_file import MeshFile, ServiceEntry, pid_alive
 from loramesh.cli.restart_policy import RestartPolicy
 from loramesh.cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
 from loramesh.cli.table import render_table
+from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.runtime.etcd_server import EtcdServer, free_port
 from services.runtime.membership import MembershipConfig, list_members, read_loads
 from services.runtime.private_files import private_dir
@@ -44,6 +45,8 @@ def add_parsers(sub) -> None:
     up.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                     help="worker compute dtype")  # fmt: skip
     up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
+    up.add_argument("--batch-policy", default="", choices=["", *sorted(BATCH_POLICIES)],
+                    help="each worker's batch policy (docs/batch-policies.md; default: the worker's)")  # fmt: skip
     up.add_argument(
         "--api-keys-file", default="", help="JSON {api key: tenant} for the gateway, besides the admin key"
     )
@@ -103,7 +106,7 @@ def _up_detached(args, state_dir: Path) -> int:
     if args.model:
         argv += ["--model", args.model]
     argv += ["--ram-budget-mib", str(args.ram_budget_mib), "--workers", str(args.workers)]
-    argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib)]
+    argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib), *_batch_policy_flags(args)]
     argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers)]
     argv += ["--kv-managers", str(args.kv_managers), "--restart-backoff-s", str(args.restart_backoff_s)]
     argv += ["--restart-backoff-max-s", str(args.restart_backoff_max_s)]
@@ -143,6 +146,11 @@ def _restart_policy(args) -> RestartPolicy:
     )
 
 
+def _batch_policy_flags(args) -> list[str]:
+    """``--batch-policy NAME`` when `up` was given one; none leaves the workers' default."""
+    return ["--batch-policy", args.batch_policy] if args.batch_policy else []
+
+
 def replica_name(kind: str, index: int) -> str:
     """The first replica keeps the kind's name (what single-instance readers of mesh.json look
     up); the others are ``<kind>-<index>``."""
@@ -177,7 +185,7 @@ def _service_processes(
         processes[f"gpu_worker-{i}"] = service(
             "gpu_worker", f"gpu_worker-{i}",
             [*etcd_flags, *store_flags, "--dtype", args.dtype, "--pool-mib", str(args.pool_mib),
-             "--threads", str(threads), *model_flags],
+             "--threads", str(threads), *_batch_policy_flags(args), *model_flags],
         )  # fmt: skip
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
     for i in range(args.schedulers):
