@@ -106,6 +106,19 @@ def test_a_dominant_adapter_is_merged_and_unmerged_once_its_share_falls():
     assert engine.policy.switches == 2
 
 
+def test_alpha_at_one_stops_merging_even_under_a_backlog():
+    # 20 queued requests of one adapter against a batch of 8: its share counts the 8 a merged
+    # step could run, so it is 1 and never exceeds α = 1 (Algorithm 2's ceiling turns merging off).
+    engine = SimEngine(DynamicBatching(DloraConfig(alpha=1.0, beta=0.5), fixed_cost()))
+    for i in range(20):
+        engine.add(f"hot{i}", "hot")
+    assert all(engine.step().mode == UNMERGED for _ in range(5))
+    merging = SimEngine(DynamicBatching(DloraConfig(alpha=0.95, beta=0.5), fixed_cost()))
+    for i in range(20):
+        merging.add(f"hot{i}", "hot")
+    assert merging.step().mode == Merged("hot")
+
+
 def test_a_merged_step_pauses_the_running_requests_of_other_adapters():
     policy = DynamicBatching(DloraConfig(alpha=0.5, beta=0.3), fixed_cost())
     view = BatchView(
