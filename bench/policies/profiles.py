@@ -32,8 +32,11 @@ class PolicyBenchProfile:
     """dLoRA sweep: share of requests for the top adapter (0.125 = uniform over 8)."""
     skew_adapters: int = 8
     skew_load: float = 0.7
-    """Offered load as a share of the measured capacity."""
-    skew_requests: int = 12
+    """Offered load as a share of the measured capacity (scaled by the output lengths' ratio)."""
+    skew_output_range: tuple[int, int] = (16, 24)
+    """Output lengths of the skew sweep, longer than the others': a merged run must last long
+    enough to pay for its switch, and Algorithm 2 needs whole periods within a run."""
+    skew_requests: int = 10
     """Requests per run (expected: the trace lasts this many over the offered rate)."""
     abort_cvs: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     abort_adapters: int = 8
@@ -75,6 +78,7 @@ PROFILES = {
         calibration_requests=8,
         skew_top_shares=(0.125, 0.9),
         skew_requests=8,
+        skew_output_range=(8, 12),
         abort_cvs=(4.0,),
         abort_requests=12,
         low_load_requests=4,
