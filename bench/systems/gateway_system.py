@@ -23,7 +23,7 @@ from bench.systems.base import RequestRecord, RunContext
 from bench.systems.clock import time_left
 from loramesh.async_client import AsyncClient
 from loramesh.errors import LoraMeshError
-from services.gpu_worker.model.loading import load_model
+from services.gpu_worker.model.tokenizer_loading import load_tokenizer
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.process import ServiceProcess
 
@@ -44,7 +44,7 @@ class GatewaySystem:
         self.name = options.name
 
     def run(self, context: RunContext) -> list[RequestRecord]:
-        tokenizer = load_model(context.model_path).tokenizer
+        tokenizer = load_tokenizer(context.model_path).tokenizer
         with tempfile.TemporaryDirectory(prefix="loramesh-bench-mesh-") as root:
             return asyncio.run(self._run(context, Path(root), tokenizer))
 

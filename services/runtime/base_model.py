@@ -93,12 +93,17 @@ def _load_spec(path: Path) -> BaseModelSpec:
     return _spec_from_gguf_cached(path)
 
 
+def cache_root() -> Path:
+    """``$LORAMESH_CACHE_DIR``, else ``~/.cache/loramesh``: read at call time, not import time."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root) if root else Path.home() / ".cache" / "loramesh"
+
+
 def spec_cache_path(gguf_path: Path) -> Path:
     """Where the spec read from ``gguf_path`` is kept: ``<cache root>/converted/<stem>-<size>-
     <mtime ns>.spec.json``, so a changed file is read again."""
-    root = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else Path.home() / ".cache" / "loramesh"
     stat = gguf_path.stat()
-    return root / "converted" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}.spec.json"
+    return cache_root() / "converted" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}.spec.json"
 
 
 def _spec_from_gguf_cached(gguf_path: Path) -> BaseModelSpec:

@@ -3,13 +3,13 @@ so a restart reads the result instead of converting again. No torch here: the ga
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from services.runtime.base_model import CACHE_ENV
+from services.runtime.base_model import CACHE_ENV, cache_root
+
+__all__ = ["CACHE_ENV", "default_cache_dir"]
 
 
 def default_cache_dir() -> Path:
     """``$LORAMESH_CACHE_DIR/converted``, else ``~/.cache/loramesh/converted`` (read at call time)."""
-    root = os.environ.get(CACHE_ENV)
-    return (Path(root) if root else Path.home() / ".cache" / "loramesh") / "converted"
+    return cache_root() / "converted"
