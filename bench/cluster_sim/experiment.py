@@ -45,6 +45,8 @@ class PolicySet:
     placement: str
     prefetch: bool = False
     migration: str = "none"
+    keep_place: bool = False
+    """Migrated requests keep their arrival order in the target's queue (see ``SimConfig``)."""
 
 
 POLICY_SETS = (
@@ -55,6 +57,13 @@ POLICY_SETS = (
     PolicySet("LEW+co-migration", "least-estimated-wait", migration="co-migration"),
     PolicySet("LEW+PetS", "least-estimated-wait", migration="pets"),
     PolicySet("LEW+prefetch+co-migration", "least-estimated-wait", prefetch=True, migration="co-migration"),
+    PolicySet(
+        "combination, arrival-order resume",
+        "least-estimated-wait",
+        prefetch=True,
+        migration="co-migration",
+        keep_place=True,
+    ),
 )
 
 
@@ -92,6 +101,23 @@ def traces(rate: float, duration_s: float, adapters: int, seed: int) -> dict[str
     }
 
 
+def co_migration_config(calibration: Calibration, workers: int) -> CoMigrationConfig:
+    """Co-migration's runtime model from the same calibration as the simulated workers: a step of
+    a full batch of requests of distinct adapters of the mean rank."""
+    model = calibration.model
+    rank_ms = model.per_rank_token_ms * sum(RANKS) / len(RANKS)
+    return CoMigrationConfig(
+        top_k=max(2, workers // 8),
+        step_base_ms=model.base_ms,
+        step_per_request_ms=model.per_token_ms + model.per_adapter_ms + rank_ms,
+        prefill_token_ms=model.per_token_ms + rank_ms,
+        adapter_load_s=calibration.adapter_load_ms / 1000.0,
+        max_running=WORKER.max_running,
+        mean_remaining_tokens=sum(OUTPUT_RANGE) / 2,
+        slot_memory_tokens=(sum(INPUT_RANGE) + sum(OUTPUT_RANGE)) / 2,
+    )
+
+
 def simulator_factory(
     policies: PolicySet, workers: int, calibration: Calibration, model: WaitModel
 ) -> Callable[[], ClusterSimulator]:
@@ -99,11 +125,11 @@ def simulator_factory(
         spec = WorkerSpec(**{**asdict(WORKER), "adapter_load_ms": calibration.adapter_load_ms})
         migration = {
             "none": None,
-            "co-migration": CoMigration(CoMigrationConfig(top_k=max(2, workers // 8))),
+            "co-migration": CoMigration(co_migration_config(calibration, workers)),
             "pets": PetsBalancing(),
         }[policies.migration]
         return ClusterSimulator(
-            SimConfig(workers=workers, worker=spec),
+            SimConfig(workers=workers, worker=spec, migrated_keep_place=policies.keep_place),
             calibration.model,
             make_placement(policies.placement, model),
             migration,
@@ -121,7 +147,12 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.85, help="offered load / estimated capacity")
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--slo-s", type=float, default=0.0, help="first-token SLO (0: 10 x an idle prefill)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="trace seeds (the table shows the first)"
+    )
+    parser.add_argument(
+        "--traces", nargs="*", default=[], help="only the traces whose names start with these"
+    )
     parser.add_argument("--out", default="bench/results/cluster_sim")
     args = parser.parse_args()
     calibration = Calibration.load(args.calibration)
@@ -138,21 +169,25 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for workers in args.workers:
-        rate = args.load * per_worker * workers
-        for trace_name, trace in traces(rate, args.duration, args.adapters, args.seed).items():
-            for policies in POLICY_SETS:
-                began = time.perf_counter()
-                result = simulator_factory(policies, workers, calibration, model)().run(trace)
-                summary = summarize(result, slo_s)
-                rows.append({"workers": workers, "trace": trace_name, "policy": policies.name,
-                             "rate_rps": rate, **asdict(summary)})  # fmt: skip
-                print(f"{workers:3d} {trace_name:32s} {policies.name:28s} p50 {summary.p50_latency_s:7.2f} "
-                      f"p99 {summary.p99_latency_s:7.2f} slo {summary.slo_attainment:5.1%} "
-                      f"thr {summary.throughput_rps:6.2f} mig/min {summary.migrations_per_min:7.1f} "
-                      f"({time.perf_counter() - began:.0f} s)", flush=True)  # fmt: skip
+    for seed in args.seeds:
+        for workers in args.workers:
+            rate = args.load * per_worker * workers
+            for trace_name, trace in traces(rate, args.duration, args.adapters, seed).items():
+                if args.traces and not trace_name.startswith(tuple(args.traces)):
+                    continue
+                for policies in POLICY_SETS:
+                    began = time.perf_counter()
+                    result = simulator_factory(policies, workers, calibration, model)().run(trace)
+                    summary = summarize(result, slo_s)
+                    rows.append({"seed": seed, "workers": workers, "trace": trace_name,
+                                 "policy": policies.name, "rate_rps": rate, **asdict(summary)})  # fmt: skip
+                    print(f"s{seed} {workers:3d} {trace_name:32s} {policies.name:28s} "
+                          f"p50 {summary.p50_latency_s:7.2f} p99 {summary.p99_latency_s:7.2f} "
+                          f"slo {summary.slo_attainment:5.1%} thr {summary.throughput_rps:6.2f} "
+                          f"mig/min {summary.migrations_per_min:7.1f} ({time.perf_counter() - began:.0f} s)",
+                          flush=True)  # fmt: skip
     meta = {"cpu_model": calibration.cpu_model, "capacity_rps_per_worker": per_worker, "slo_s": slo_s,
-            "load": args.load, "duration_s": args.duration, "adapters": args.adapters,
+            "load": args.load, "duration_s": args.duration, "adapters": args.adapters, "seeds": args.seeds,
             "adapter_load_ms": calibration.adapter_load_ms, "cost_model": asdict(calibration.model)}  # fmt: skip
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     write_report(out, meta, rows)

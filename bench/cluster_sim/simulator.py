@@ -10,7 +10,9 @@ as the real scheduler does, plus its own placements since), any placement policy
 ``services.scheduler.policies``, and optionally a migration and a prefetch policy over a
 :class:`~services.scheduler.policies.replica_load.ClusterLoad` built from the workers.
 A migrated request moves as its tokens: it leaves its worker (its KV is dropped), joins the
-target's queue with prompt + tokens so far to prefill again, and its adapter is loaded there.
+back of the target's queue with prompt + tokens so far to prefill again (as the resume path
+submits it; ``migrated_keep_place`` puts it by its arrival time instead), and its adapter is
+fetched there unless the target holds it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class SimConfig:
     """How often workers publish load reports to the scheduler's view."""
     demand_window_s: float = 10.0
     """Window of the per-adapter request rates and per-replica invocations given to policies."""
+    migrated_keep_place: bool = False
+    """A migrated request joins the target's queue by its arrival time instead of at the back
+    (the resume path resubmits it, so today it goes to the back)."""
 
 
 @dataclass
@@ -56,6 +61,7 @@ class SimResult:
     requests: list[SimRequest]
     migrations: int = 0
     prefetches: int = 0
+    preemptions: int = 0
     end_s: float = 0.0
     """Virtual time of the last event (a periodic report may come after the last completion)."""
 
@@ -111,6 +117,7 @@ class ClusterSimulator:
             self.now, _, action = heapq.heappop(self._events)
             action()
         self.result.end_s = self.now
+        self.result.preemptions = sum(w.preemptions for w in self.workers.values())
         return self.result
 
     def _periodic(self, interval_s: float, action: Callable[[], None]) -> None:
@@ -135,7 +142,7 @@ class ClusterSimulator:
         self._kick(worker)
 
     def _adapter_ready(self, worker: SimWorker, adapter: str) -> None:
-        worker.adapter_ready(adapter)
+        worker.adapter_ready(adapter, self._ranks.get(adapter, 8))
         self._kick(worker)
 
     def _kick(self, worker: SimWorker) -> None:
@@ -159,6 +166,7 @@ class ClusterSimulator:
             if request is None:
                 continue
             request.migrations += 1
+            request.keeps_place = self.config.migrated_keep_place
             self.result.migrations += 1
             self._send(request, target)
             self._kick(source)
@@ -205,15 +213,16 @@ class ClusterSimulator:
                 r.request_id, r.adapter, r.output_len - r.generated, r.reserved_tokens, running
             )
 
-        queued = worker.queue
+        queued = worker.waiting()
         delay = sum(self.now - r.enqueued_s for r in queued) / len(queued) if queued else 0.0
         return ReplicaLoad(
             worker_id=worker.worker_id,
             requests=tuple(load(r, True) for r in worker.running) + tuple(load(r, False) for r in queued),
-            resident_adapters=frozenset(worker.resident) | frozenset(worker.loading),
+            resident_adapters=frozenset(worker.holds()),
             memory_tokens=worker.spec.memory_tokens,
             free_tokens=worker.free_tokens(),
             adapter_tokens=sizes,
             invocations=MappingProxyType(dict(invocations)),
             queue_delay_s=delay,
+            max_running=worker.spec.max_running,
         )

@@ -23,6 +23,12 @@ class RunSummary:
     tokens_per_s: float
     migrations_per_min: float
     prefetches: int
+    preemptions: int
+    """Running requests a full pool sent back to the queue (their context recomputed)."""
+    decode_bound_p99_s: float
+    """p99 of the time from first token to last: what the latency would be if no request
+    waited for a slot, a fetch or its prefill (the floor for migration and prefetch, which only
+    shorten waits)."""
 
 
 def summarize(result: SimResult, slo_s: float) -> RunSummary:
@@ -45,4 +51,6 @@ def summarize(result: SimResult, slo_s: float) -> RunSummary:
         tokens_per_s=sum(r.output_len for r in done) / max(span, 1e-9),
         migrations_per_min=result.migrations / minutes,
         prefetches=result.prefetches,
+        preemptions=result.preemptions,
+        decode_bound_p99_s=float(np.percentile([r.finish_s - r.first_token_s for r in done] or [np.nan], 99)),
     )

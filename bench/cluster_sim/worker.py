@@ -1,12 +1,22 @@
 """One simulated gpu_worker: a continuous-batching server in virtual time.
 
-It mirrors the engine's behaviour at the level the scheduler can see: requests queue FIFO; a
-request is admitted to the running batch once its adapter is resident, a slot is free
-(``max_running``) and its whole context (prompt + output) fits in the unified pool; each step
-prefills the admitted prompts (the prefill emits the first token) and decodes one token for every
-running request; its duration is the cost model's. Adapters share the pool with the KV (S-LoRA's
-unified paging) and are evicted LRU when no queued or running request uses them. A request that
-arrives for a non-resident adapter starts its load at once (the worker's prefetch on enqueue).
+It mirrors the engine (``services/gpu_worker/engine/engine.py``) and its adapter loader at the
+level that shapes latency under load:
+
+- A request whose adapter has no host copy waits for the fetch (``adapter_load_ms``: read,
+  parse) before it joins the engine's queue, as the worker submits it only once its loader holds
+  the adapter; host copies are kept LRU within ``host_cache_tokens`` (unbounded when 0), and one
+  no request references may be dropped, so a later request fetches it again.
+- The queue is FIFO and admission stops at the first request that cannot start (a later one
+  never overtakes it), after ``max_running`` requests, or when the step's prefill budget
+  (``max_prefill_tokens``) is spent. Starting pages the adapter into the unified pool (evicting
+  idle adapters LRU) and reserves the request's context (prompt + tokens so far), not its whole
+  output.
+- Every step each running request's KV grows by a token; when the pool runs dry, idle adapters
+  are evicted and then the newest running request is preempted (its KV freed, back to the front
+  of the queue, its context recomputed when it starts again).
+- A step prefills the admitted contexts (the prefill emits the first token) and decodes one
+  token for every running request; its duration is the cost model's.
 """
 
 from __future__ import annotations
@@ -28,9 +38,11 @@ class WorkerSpec:
     adapter_tokens_per_rank: int = 10
     """Pool footprint of an adapter per unit of rank, in KV tokens (SmolLM2 q/k/v/o: ≈ 10)."""
     max_prefill_tokens: int = 2048
-    """Prompt tokens admitted in one step at most (one longer prompt is admitted alone)."""
+    """Context tokens admitted in one step at most (one longer context is admitted alone)."""
     adapter_load_ms: float = 50.0
-    """Time to fetch an adapter and page it in."""
+    """Time to fetch an adapter's host copy (read and parse); paging it into the pool is free."""
+    host_cache_tokens: int = 0
+    """Host RAM for adapter copies, in the pool's token units (0: unbounded)."""
     rate_window_s: float = 2.0
     """Window of the reported tokens_per_s."""
 
@@ -50,17 +62,22 @@ class SimRequest:
     finish_s: float | None = None
     worker: str = ""
     migrations: int = 0
+    preemptions: int = 0
     enqueued_s: float = 0.0
-    """When it joined its current worker's queue."""
+    """When it reached its current worker."""
+    keeps_place: bool = False
+    """Joins a queue by its arrival time, not at the back (a migrated request, when the
+    simulated resume path carries its arrival time)."""
 
     @property
     def context_tokens(self) -> int:
-        """KV it holds once prefilled: prompt and tokens so far (a migration recomputes them)."""
+        """KV it holds once prefilled: prompt and tokens so far (a migration or a preemption
+        recomputes them)."""
         return self.input_len + self.generated
 
     @property
     def reserved_tokens(self) -> int:
-        """Pool tokens it occupies while running: its whole context up to its last token."""
+        """Pool tokens it will occupy by its last token: its whole context."""
         return self.input_len + self.output_len
 
 
@@ -79,13 +96,18 @@ class SimWorker:
     worker_id: str
     spec: WorkerSpec
     cost: StepCostModel
+    fetching: dict[str, list[SimRequest]] = field(default_factory=dict)
+    """Adapters being fetched -> the requests waiting for them (not in the engine yet)."""
     queue: list[SimRequest] = field(default_factory=list)
     running: list[SimRequest] = field(default_factory=list)
+    host: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    """Host copies of adapters -> their pool tokens, least recently used first."""
     resident: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    """Ready adapters -> their pool tokens, least recently used first."""
-    loading: dict[str, int] = field(default_factory=dict)
-    """Adapters being loaded -> their pool tokens (reserved from the start of the load)."""
+    """Adapters paged into the pool -> their pool tokens, least recently used first."""
+    prefetched: set[str] = field(default_factory=set)
+    """Adapters being fetched to be paged in ahead of demand."""
     step: Step | None = None
+    preemptions: int = 0
     tokens_log: deque[tuple[float, int]] = field(default_factory=deque)
     """(step end, tokens generated) within the rate window."""
 
@@ -95,46 +117,90 @@ class SimWorker:
         return rank * self.spec.adapter_tokens_per_rank
 
     def has_adapter(self, adapter: str) -> bool:
-        """Resident or on its way."""
-        return not adapter or adapter in self.resident or adapter in self.loading
+        """A host copy is here or on its way: a request for it needs no new fetch."""
+        return not adapter or adapter in self.host or adapter in self.fetching
+
+    def holds(self) -> set[str]:
+        """Adapters in the pool, in host memory or being fetched."""
+        return set(self.resident) | set(self.host) | set(self.fetching)
+
+    def _fetch(self, adapter: str, now: float) -> float | None:
+        """Start fetching ``adapter``'s host copy unless it is here or coming; when it lands."""
+        if self.has_adapter(adapter):
+            if adapter in self.host:
+                self.host.move_to_end(adapter)
+            return None
+        self.fetching[adapter] = []
+        return now + self.spec.adapter_load_ms / 1000.0
 
     def ensure_adapter(self, adapter: str, rank: int, now: float) -> float | None:
-        """Start loading ``adapter`` unless it is here or coming; returns when it will be ready
-        (None: nothing to do)."""
-        if self.has_adapter(adapter):
+        """Prefetch: fetch ``adapter`` and page it into the pool when it lands (if idle adapters
+        make room for it); returns when it will be ready (None: nothing to do)."""
+        if adapter in self.resident:
             return None
-        self._make_room(self.adapter_tokens(rank))
-        ready = now + self.spec.adapter_load_ms / 1000.0
-        self.loading[adapter] = self.adapter_tokens(rank)
+        ready = self._fetch(adapter, now)
+        if adapter in self.host:
+            self._page_in(adapter, self.adapter_tokens(rank))
+        else:
+            self.prefetched.add(adapter)
         return ready
 
-    def adapter_ready(self, adapter: str) -> None:
-        if adapter in self.loading:
-            self.resident[adapter] = self.loading.pop(adapter)
+    def adapter_ready(self, adapter: str, rank: int) -> None:
+        """The fetch of ``adapter`` landed: its waiting requests join the queue."""
+        waiting = self.fetching.pop(adapter, None)
+        if waiting is None:
+            return
+        self.host[adapter] = self.adapter_tokens(rank)
+        for request in waiting:
+            self._join_queue(request)
+        if adapter in self.prefetched:
+            self.prefetched.discard(adapter)
+            self._page_in(adapter, self.adapter_tokens(rank))
+        self._trim_host()
 
     def _in_use(self) -> set[str]:
         return {r.adapter for r in self.queue} | {r.adapter for r in self.running}
 
-    def _make_room(self, tokens: int) -> None:
-        """Evict LRU adapters no request here uses until ``tokens`` fit (or none is left)."""
+    def _trim_host(self) -> None:
+        """Drop unreferenced host copies (and their idle pool pages) LRU beyond the budget."""
+        budget = self.spec.host_cache_tokens
+        if budget <= 0:
+            return
         in_use = self._in_use()
-        for adapter in list(self.resident):
-            if self.free_tokens() >= tokens:
+        for adapter in list(self.host):
+            if sum(self.host.values()) <= budget:
                 return
             if adapter not in in_use:
-                del self.resident[adapter]
+                del self.host[adapter]
+                self.resident.pop(adapter, None)
+
+    def _make_room(self, tokens: int) -> bool:
+        """Evict idle adapters LRU until ``tokens`` are free; False if they cannot be."""
+        while self.free_tokens() < tokens:
+            if not self._evict_one_idle():
+                return False
+        return True
+
+    def _page_in(self, adapter: str, tokens: int) -> bool:
+        if adapter in self.resident:
+            self.resident.move_to_end(adapter)
+            return True
+        if not self._make_room(tokens):
+            return False
+        self.resident[adapter] = tokens
+        return True
 
     # -- memory and load -----------------------------------------------------------------------
 
     def used_tokens(self) -> int:
-        return (
-            sum(r.reserved_tokens for r in self.running)
-            + sum(self.resident.values())
-            + sum(self.loading.values())
-        )
+        return sum(r.context_tokens for r in self.running) + sum(self.resident.values())
 
     def free_tokens(self) -> int:
         return max(0, self.spec.memory_tokens - self.used_tokens())
+
+    def waiting(self) -> list[SimRequest]:
+        """Requests here not running: queued, then those waiting for their adapter's fetch."""
+        return self.queue + [r for rs in self.fetching.values() for r in rs]
 
     def tokens_per_s(self, now: float) -> float:
         window = self.spec.rate_window_s
@@ -145,7 +211,7 @@ class SimWorker:
     def report(self, now: float) -> dict:
         """A load report in the gpu_worker's format (pages = 16 tokens)."""
         return {
-            "queue": len(self.queue),
+            "queue": len(self.queue) + sum(len(rs) for rs in self.fetching.values()),
             "running": len(self.running),
             "free_pages": self.free_tokens() // 16,
             "total_pages": self.spec.memory_tokens // 16,
@@ -157,48 +223,86 @@ class SimWorker:
     # -- requests ------------------------------------------------------------------------------
 
     def enqueue(self, request: SimRequest, now: float) -> float | None:
-        """Queue a request; returns when its adapter will be ready if a load started."""
+        """Take a request; returns when its adapter's fetch lands if one started."""
         request.worker = self.worker_id
         request.enqueued_s = now
-        self.queue.append(request)
-        return self.ensure_adapter(request.adapter, request.rank, now)
+        ready = self._fetch(request.adapter, now)
+        if request.adapter in self.fetching:
+            self.fetching[request.adapter].append(request)
+        else:
+            self._join_queue(request)
+        return ready
+
+    def _join_queue(self, request: SimRequest) -> None:
+        if not request.keeps_place:
+            self.queue.append(request)
+            return
+        later = next(
+            (i for i, r in enumerate(self.queue) if r.arrival_s > request.arrival_s), len(self.queue)
+        )
+        self.queue.insert(later, request)
 
     def remove(self, request_id: str) -> SimRequest | None:
-        """Take a queued or running request off this worker (its KV, if any, is dropped)."""
-        for pool in (self.queue, self.running):
+        """Take a request off this worker (its KV, if any, is dropped)."""
+        for pool in (self.queue, self.running, *self.fetching.values()):
             for i, request in enumerate(pool):
                 if request.request_id == request_id:
                     return pool.pop(i)
         return None
 
+    def _evict_one_idle(self) -> bool:
+        """Evict the least recently used adapter no running request uses; False if none."""
+        busy = {r.adapter for r in self.running}
+        for adapter in self.resident:
+            if adapter not in busy:
+                del self.resident[adapter]
+                return True
+        return False
+
+    def _preempt_until_it_fits(self) -> None:
+        """Make room for the running requests' KV: idle adapters go first, then the newest
+        requests (back to the front of the queue)."""
+        while self.running and self.used_tokens() > self.spec.memory_tokens:
+            if self._evict_one_idle():
+                continue
+            victim = self.running.pop()
+            victim.preemptions += 1
+            self.preemptions += 1
+            self.queue.insert(0, victim)
+
+    def _admit(self) -> list[SimRequest]:
+        """Start queued requests in order until one does not fit (engine ``_admit``)."""
+        admitted: list[SimRequest] = []
+        budget = self.spec.max_prefill_tokens
+        while self.queue and len(self.running) < self.spec.max_running:
+            request = self.queue[0]
+            if request.context_tokens > budget and budget < self.spec.max_prefill_tokens:
+                break
+            tokens = self.host.get(request.adapter) or self.adapter_tokens(request.rank)
+            if request.adapter and not self._page_in(request.adapter, tokens):
+                break
+            if not self._make_room(request.context_tokens):
+                break
+            self.queue.pop(0)
+            self.running.append(request)
+            admitted.append(request)
+            budget -= request.context_tokens
+        return admitted
+
     def start_step(self, now: float) -> Step | None:
         """Admit what fits and start the next step; None when there is nothing to run."""
         if self.step is not None:
             return None
-        admitted: list[SimRequest] = []
-        prefill_tokens = 0
-        free = self.free_tokens()
-        for request in self.queue:
-            if len(self.running) + len(admitted) >= self.spec.max_running:
-                break
-            if request.adapter and request.adapter not in self.resident:
-                continue  # its adapter is loading: later requests may go first
-            if request.reserved_tokens > free and (self.running or admitted):
-                continue
-            if admitted and prefill_tokens + request.context_tokens > self.spec.max_prefill_tokens:
-                break
-            admitted.append(request)
-            prefill_tokens += request.context_tokens
-            free -= request.reserved_tokens
-        if not admitted and not self.running:
-            return None
-        for request in admitted:
-            self.queue.remove(request)
+        self._preempt_until_it_fits()
         decode = list(self.running)
-        self.running.extend(admitted)
+        admitted = self._admit()
+        if not self.running:
+            return None
         for request in self.running:
-            if request.adapter:
+            if request.adapter in self.resident:
                 self.resident.move_to_end(request.adapter)
+            if request.adapter in self.host:
+                self.host.move_to_end(request.adapter)
         parts = [(r.context_tokens, 0, r.rank, r.adapter) for r in admitted]
         parts += [(1, r.context_tokens, r.rank, r.adapter) for r in decode]
         shape = shape_of(parts)
@@ -206,8 +310,8 @@ class SimWorker:
         return self.step
 
     def finish_step(self) -> list[SimRequest]:
-        """End the step in flight: one token for each of its requests still here; returns the
-        requests that finished."""
+        """End the step in flight: one token for each of its requests still running here;
+        returns the requests that finished."""
         step, self.step = self.step, None
         assert step is not None
         here = {id(r) for r in self.running}

@@ -97,10 +97,24 @@ def test_a_full_batch_makes_the_next_request_queue_and_memory_bounds_admission()
     # a: 0.100 + 20 ms = 0.120, + 11 ms = 0.131; then b: 0.151, 0.162.
     assert got["a"] == (pytest.approx(0.120), pytest.approx(0.131))
     assert got["b"] == (pytest.approx(0.151), pytest.approx(0.162))
-    # A pool that holds the adapter (80 tokens) and one request's context (12) but not two.
-    tight = WorkerSpec(max_running=8, memory_tokens=100, adapter_load_ms=100.0)
+    # A pool that holds the adapter (80 tokens) and one prompt (10) but not two: b waits.
+    tight = WorkerSpec(max_running=8, memory_tokens=95, adapter_load_ms=100.0)
     assert times(simulate([request(0.0, 10, 2, rid="a"), request(0.0, 10, 2, rid="b")], Always("w000"),
                           spec=tight)) == got  # fmt: skip
+
+
+def test_a_pool_that_runs_dry_preempts_the_newest_request_which_recomputes_its_context():
+    # 100 tokens: the adapter (80) and both prompts (10 + 10) fit, so both start; their next
+    # token does not (80 + 11 + 11), so b is preempted and recomputes 11 tokens after a ends.
+    tight = WorkerSpec(max_running=8, memory_tokens=100, adapter_load_ms=100.0)
+    result = simulate(
+        [request(0.0, 10, 2, rid="a"), request(0.0, 10, 2, rid="b")], Always("w000"), spec=tight
+    )
+    # Prefill of 20 tokens 30 ms -> 0.130 (both first tokens); a decodes alone 11 ms -> 0.141;
+    # b prefills its 11 tokens 21 ms -> 0.162, its last token.
+    assert times(result) == {"a": (pytest.approx(0.130), pytest.approx(0.141)),
+                             "b": (pytest.approx(0.130), pytest.approx(0.162))}  # fmt: skip
+    assert [r.preemptions for r in result.requests] == [0, 1]
 
 
 def test_migration_moves_a_queued_request_with_its_adapter_and_is_counted():
@@ -146,3 +160,41 @@ def test_same_trace_same_policies_same_result_and_a_summary():
     summary = summarize(runs[0], slo_s=1.0)
     assert summary.finished == summary.requests == len(trace) > 100
     assert 0 < summary.p50_latency_s <= summary.p99_latency_s and 0 <= summary.slo_attainment <= 1
+
+
+def test_a_host_cache_too_small_for_two_adapters_fetches_one_again():
+    # Host RAM for one rank-8 adapter (80 tokens): b's copy replaces a's once a is done, so
+    # the second request for a waits for a new fetch. Unbounded, it would not.
+    trace = [request(0.0, 5, 1, adapter=0, rid="a1"), request(0.2, 5, 1, adapter=1, rid="b"),
+             request(0.4, 5, 1, adapter=0, rid="a2")]  # fmt: skip
+    small = WorkerSpec(max_running=8, memory_tokens=10_000, adapter_load_ms=100.0, host_cache_tokens=80)
+    # a2 arrives at 0.4, its adapter lands at 0.5, prefill 15 ms.
+    assert times(simulate(trace, Always("w000"), spec=small))["a2"] == (pytest.approx(0.515),) * 2
+    assert times(simulate(trace, Always("w000")))["a2"] == (pytest.approx(0.415),) * 2
+
+
+def test_a_migrated_request_joins_the_back_of_the_queue_or_keeps_its_arrival_order():
+    # w001 runs one request at a time and has "late" (arrived at 0.01) queued behind "busy";
+    # "early" (arrived at 0.0 on w000) moves there at 0.05.
+    spec = WorkerSpec(max_running=1, memory_tokens=10_000, adapter_load_ms=100.0)
+    trace = [
+        request(0.0, 10, 10, rid="early"),
+        request(0.0, 10, 10, rid="busy"),
+        request(0.01, 10, 2, rid="late"),
+    ]
+
+    class Split:
+        name = "split"
+
+        def place(self, snapshot: ClusterSnapshot, wanted: PlacementRequest) -> Placement:
+            return Placement("w000" if wanted.request_id == "early" else "w001", "", 0.0, True)
+
+    def finish_order(keep_place: bool) -> list[str]:
+        config = SimConfig(workers=2, worker=spec, migrated_keep_place=keep_place)
+        mover = MoveOnce(Migration("early", "a0", "w000", "w001"))
+        sim = ClusterSimulator(config, COST, Split(), mover)
+        done = [r for r in sim.run(trace).requests if r.worker == "w001"]
+        return [r.request_id for r in sorted(done, key=lambda r: r.finish_s)]
+
+    assert finish_order(keep_place=False) == ["busy", "late", "early"]
+    assert finish_order(keep_place=True) == ["busy", "early", "late"]

@@ -11,7 +11,7 @@ from services.scheduler.policies.burst_tolerance_prefetch import (
     BurstTolerancePrefetch,
     burst_tolerances,
 )
-from services.scheduler.policies.replica_load import ClusterLoad, Prefetch, ReplicaLoad
+from services.scheduler.policies.replica_load import ClusterLoad, Prefetch, ReplicaLoad, RequestLoad
 
 
 def replica(worker_id: str, resident=(), free=1000) -> ReplicaLoad:
@@ -34,6 +34,17 @@ def test_tolerance_is_the_holders_free_requests_over_the_rate():
     )
     # hot: (1000 + 500) / 100 = 15 requests / 5 per s = 3 s; cold: 10 / 0.5 = 20 s; nowhere: 0.
     assert burst_tolerances(state) == {"hot": pytest.approx(3.0), "cold": pytest.approx(20.0), "nowhere": 0.0}
+
+
+def test_the_kv_running_requests_will_still_grow_into_is_no_headroom():
+    # w3's 3,000 free tokens are spoken for by its running request's 2,950 tokens to come.
+    growing = RequestLoad("r", "x", remaining_tokens=2950, context_tokens=50, running=True)
+    busy = ReplicaLoad("w3", (growing,), memory_tokens=4000, free_tokens=3000)
+    state = cluster(
+        [replica("w1", {"hot"}, free=1000), busy, replica("w4", free=300)], {"hot": 5.0}, {"hot": 80}
+    )
+    assert burst_tolerances(state) == {"hot": pytest.approx(2.0)}
+    assert BurstTolerancePrefetch().plan(state) == [Prefetch("hot", "w4")]
 
 
 def test_lowest_tolerance_first_onto_the_lacking_replica_with_most_free_memory():

@@ -5,29 +5,43 @@ to minimise the overall runtime across replicas, a request only where its adapte
 memory, each request on one replica; solve it only when a replica crosses a memory or queueing
 threshold, only over the top-K overloaded and top-K underloaded replicas, with the 0/1 variables
 relaxed to [0, 1], each request then going to the column of its largest value (L193).
-Reconstruction (SEED-SPECS §2), over the chosen replicas J and the requests R of the overloaded
-ones (the underloaded ones' requests stay: their load is ``fixed_j``)::
 
-    min z + ε·Σ_{r, j≠src(r)} x_rj
-    z ≥ fixed_j + Σ_r cost_rj·x_rj + Σ_{l ∉ res_j} load_l·y_lj          ∀ j ∈ J
+Runtime model (SEED-SPECS §2 leaves it to us). A continuous-batching replica's step costs
+``s(b) = step_base_ms + step_per_request_ms·b`` for a batch of ``b``: a batch of 16 and one of 32
+finish their requests at nearly the same rate, so a request costs a replica little while a slot
+is free (it rides the batch) and a queued request costs the replica's full-batch throughput,
+``rate_j = s(B_j)/B_j`` seconds per token, once the slots are taken. The runtime that migration can
+shorten is therefore the replica's *queue wait*: the time to work off the queued tokens its free
+slots do not absorb, plus the fetches of the adapters that come with moved requests::
+
+    wait_j = max(0, rate_j·(queued_tokens_j − slots_j·mean_remaining_tokens) + load_s·fetches_j)
+
+where ``slots_j`` is the requests it can start now: ``B_j − running_j``, fewer if its free pool
+holds fewer requests of ``slot_memory_tokens``. A queued request moves without recompute; a running one (only
+with ``move_running``) adds its context's prefill to the target's wait and leaves its slot at the
+source unused by the model (conservative). Over the chosen replicas J and the requests R of the
+overloaded ones (the rest's requests stay: ``fixed_j``)::
+
+    min z + δ·Σ_j q_j + ε·Σ_{r, j≠src(r)} x_rj
+    q_j ≥ rate_j·(fixed_j + Σ_r tokens_r·x_rj − slots_j·m) + Σ_r pre_rj·x_rj + Σ_{l ∉ res_j} load_s·y_lj
+    z ≥ q_j ≥ 0                                                         ∀ j ∈ J
     Σ_j x_rj = 1                                                        ∀ r
     x_rj ≤ y_{l(r)j}                                                    ∀ r, j with l(r) ∉ res_j
-    Σ_{l ∉ res_j} size_l·y_lj + Σ_{r: src(r)≠j} kv_r·x_rj ≤ free_j       ∀ j ∈ J
+    Σ_{l ∉ res_j} size_l·y_lj + Σ_{r running, src(r)≠j} kv_r·x_rj ≤ free_j ∀ j ∈ J
     0 ≤ x, y ≤ 1
 
-Costs are in token-steps, the model's unit of runtime: a request costs its remaining tokens, plus
-``prefill_weight``·context for the prefill still ahead of it (a queued request anywhere; a running
-one only where it moves, since a move recomputes its KV); an adapter load costs
-``adapter_load_tokens``. ``ε`` keeps requests home when moving gains nothing.
+``ε`` keeps requests home when moving gains nothing, ``δ`` prefers lower waits on the replicas
+that do not set the maximum. The memory rows hold what lands in the target's pool at once (the
+adapters, a running request's KV); a moved queued request waits for its slot and its memory in
+the target's queue like every other, which the slots term prices.
 
 Rounding. dLoRA sends each request to the column of its largest value. With the adapter
-variables relaxed the LP likes to split requests almost evenly (x = 0.503 home, 0.497 away, so
-that y = 0.497 pays half an adapter load) and the argmax then moves nothing; so we round the
-LP's *flows* instead: ``round(Σ_r x_rj)`` requests go from each source to each target, those with
-the largest ``x_rj`` (for an integral solution this is exactly the argmax). A repair pass then
-keeps a move only if the target still has the memory for it (and its adapter) — so the plan
-always satisfies the memory constraint — and is left less loaded than its source; the plan is
-dropped unless it lowers the model's makespan below that of no migration.
+variables relaxed the LP likes to split requests almost evenly (so that y pays half a fetch) and
+the argmax then moves nothing; so we round the LP's *flows* instead: ``round(Σ_r x_rj)`` requests
+go from each source to each target, those with the largest ``x_rj`` (for an integral solution this
+is exactly the argmax). A repair pass then keeps a move only if the target still has the memory
+for it (and its adapter) and is left with a shorter wait than its source; the plan is dropped
+unless it lowers the model's largest wait below that of no migration.
 """
 
 from __future__ import annotations
@@ -42,12 +56,15 @@ from scipy.sparse import coo_matrix
 from services.scheduler.policies.replica_load import ClusterLoad, Migration, ReplicaLoad, RequestLoad
 
 EPSILON = 1e-3
-"""Weight of the stay-home tie-break, per moved request (tokens)."""
+"""Weight of the stay-home tie-break, per moved request (seconds)."""
+DELTA = 1e-2
+"""Weight of the sum of waits beside their maximum."""
 
 
 @dataclass(frozen=True)
 class CoMigrationConfig:
-    """Knobs of co-migration ([our choice]: the seed gives no values)."""
+    """Knobs of co-migration ([our choice]: the seed gives no values). The step-time figures
+    come from the worker's calibration (``bench/cluster_sim/calibrate.py``)."""
 
     interval_s: float = 1.0
     """Seconds between checks of the triggers."""
@@ -55,20 +72,37 @@ class CoMigrationConfig:
     """Overloaded and underloaded replicas considered (K of each)."""
     queue_delay_trigger_s: float = 1.0
     """Compute threshold: a replica whose queued requests have waited this long on average."""
-    free_memory_trigger: float = 0.05
-    """Memory threshold: a replica with less than this share of its pool free."""
-    prefill_weight: float = 0.05
-    """Cost of prefilling one context token relative to one decode step of one request."""
-    adapter_load_tokens: float = 5.0
-    """Cost of loading an adapter on a replica, in the same token-step units."""
+    free_memory_trigger: float = 0.0
+    """Memory threshold: a replica with less than this share of its pool free (0: off; a
+    continuous-batching pool fills with KV by design, so a full pool alone says little)."""
+    step_base_ms: float = 220.0
+    """Fixed cost of one engine step."""
+    step_per_request_ms: float = 26.0
+    """What each request in the batch adds to a step (its token, its adapter's share)."""
+    prefill_token_ms: float = 8.0
+    """What each prefilled context token adds to a step (a moved running request's recompute)."""
+    adapter_load_s: float = 0.65
+    """Time to fetch an adapter a replica does not hold."""
+    max_running: int = 32
+    """Batch size of a replica that does not report its own."""
+    mean_remaining_tokens: float = 128.0
+    """Tokens a free slot is taken for, on average (the workload's mean output)."""
+    slot_memory_tokens: float = 256.0
+    """Pool a started request comes to occupy, on average (the workload's prompt + output)."""
+    move_running: bool = False
+    """Also move running requests (their KV is recomputed at the target)."""
     max_requests: int = 256
-    """Requests of the overloaded replicas given to the LP at most (the costliest)."""
+    """Requests of the overloaded replicas given to the LP at most (the largest)."""
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.max_requests < 1:
-            raise ValueError(f"top_k and max_requests must be >= 1, got {self.top_k}, {self.max_requests}")
-        for name in ("interval_s", "queue_delay_trigger_s", "free_memory_trigger", "prefill_weight",
-                     "adapter_load_tokens"):  # fmt: skip
+        if self.top_k < 1 or self.max_requests < 1 or self.max_running < 1:
+            raise ValueError(
+                f"top_k, max_requests and max_running must be >= 1, got {self.top_k}, "
+                f"{self.max_requests}, {self.max_running}"
+            )
+        for name in ("interval_s", "queue_delay_trigger_s", "free_memory_trigger", "step_base_ms",
+                     "step_per_request_ms", "prefill_token_ms", "adapter_load_s",
+                     "mean_remaining_tokens", "slot_memory_tokens"):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -76,33 +110,57 @@ class CoMigrationConfig:
             raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
 
 
-def request_cost(request: RequestLoad, moved: bool, config: CoMigrationConfig) -> float:
-    """Token-steps the request adds to a replica's runtime (see the module docstring)."""
-    prefill = config.prefill_weight * request.context_tokens if (moved or not request.running) else 0.0
-    return request.remaining_tokens + prefill
+def batch_size(replica: ReplicaLoad, config: CoMigrationConfig) -> int:
+    return replica.max_running or config.max_running
+
+
+def seconds_per_token(replica: ReplicaLoad, config: CoMigrationConfig) -> float:
+    """``rate_j``: a full batch's step time over its size."""
+    b = batch_size(replica, config)
+    return (config.step_base_ms + config.step_per_request_ms * b) / b / 1000.0
+
+
+def slack_s(replica: ReplicaLoad, config: CoMigrationConfig) -> float:
+    """The queued work its free slots absorb, in seconds of full-batch throughput."""
+    free_slots = batch_size(replica, config) - sum(1 for q in replica.requests if q.running)
+    slots = max(0, min(free_slots, int(replica.free_tokens // max(1.0, config.slot_memory_tokens))))
+    return seconds_per_token(replica, config) * slots * config.mean_remaining_tokens
+
+
+def request_cost(request: RequestLoad, moved: bool, replica: ReplicaLoad, config: CoMigrationConfig) -> float:
+    """Seconds ``request`` adds to ``replica``'s queued work (before the slack): its tokens if it
+    queues there, its recompute if it is a running request moved there, nothing if it runs there."""
+    if request.running and not moved:
+        return 0.0
+    cost = seconds_per_token(replica, config) * request.remaining_tokens
+    if request.running:
+        cost += config.prefill_token_ms * request.context_tokens / 1000.0
+    return cost
 
 
 def replica_cost(replica: ReplicaLoad, config: CoMigrationConfig) -> float:
-    """The model's runtime of a replica with no migration."""
-    return sum(request_cost(r, False, config) for r in replica.requests)
+    """The model's queue wait of a replica with no migration."""
+    work = sum(request_cost(r, False, replica, config) for r in replica.requests)
+    return max(0.0, work - slack_s(replica, config))
 
 
 def makespan(
     replicas: tuple[ReplicaLoad, ...] | list[ReplicaLoad], moves: list[Migration], config: CoMigrationConfig,
     adapter_sizes: dict[str, int] | None = None,
 ) -> tuple[float, bool]:  # fmt: skip
-    """The model's objective after ``moves``: max runtime over ``replicas``, and whether every
-    replica's incoming requests and adapters fit its free memory."""
+    """The model's objective after ``moves``: the largest wait over ``replicas``, and whether
+    every replica's incoming requests and adapters fit its free memory."""
     by_id = {r.worker_id: r for r in replicas}
-    cost = {w: replica_cost(r, config) for w, r in by_id.items()}
+    work = {w: sum(request_cost(q, False, r, config) for q in r.requests) for w, r in by_id.items()}
+    fetch = dict.fromkeys(by_id, 0.0)
     incoming = dict.fromkeys(by_id, 0)
     loaded: set[tuple[str, str]] = set()
     requests = {(m.source, q.request_id): q for m in moves for q in by_id[m.source].requests}
     for move in moves:
         request = requests[(move.source, move.request_id)]
-        cost[move.source] -= request_cost(request, False, config)
-        cost[move.target] += request_cost(request, True, config)
-        incoming[move.target] += request.context_tokens
+        work[move.source] -= request_cost(request, False, by_id[move.source], config)
+        work[move.target] += request_cost(request, True, by_id[move.target], config)
+        incoming[move.target] += request.context_tokens if request.running else 0
         key = (move.target, request.adapter_id)
         if (
             request.adapter_id
@@ -110,11 +168,12 @@ def makespan(
             and key not in loaded
         ):
             loaded.add(key)
-            cost[move.target] += config.adapter_load_tokens
+            fetch[move.target] += config.adapter_load_s
             sizes = adapter_sizes or by_id[move.target].adapter_tokens
             incoming[move.target] += sizes.get(request.adapter_id, 0)
+    waits = [max(0.0, work[w] - slack_s(r, config) + fetch[w]) for w, r in by_id.items()]
     fits = all(incoming[w] <= by_id[w].free_tokens for w in by_id)
-    return max(cost.values(), default=0.0), fits
+    return max(waits, default=0.0), fits
 
 
 class CoMigration:
@@ -136,12 +195,16 @@ class CoMigration:
         )
 
     def select(self, cluster: ClusterLoad) -> tuple[list[ReplicaLoad], list[ReplicaLoad]]:
-        """Top-K overloaded (above the mean cost) and top-K underloaded (below it) replicas."""
-        cost = {r.worker_id: replica_cost(r, self.config) for r in cluster.replicas}
-        mean = sum(cost.values()) / max(1, len(cost))
-        ranked = sorted(cluster.replicas, key=lambda r: (-cost[r.worker_id], r.worker_id))
-        over = [r for r in ranked if cost[r.worker_id] > mean][: self.config.top_k]
-        under = [r for r in reversed(ranked) if cost[r.worker_id] < mean][: self.config.top_k]
+        """Top-K overloaded (the longest waits) and top-K underloaded (the shortest waits, then
+        the most free slots) replicas."""
+        cfg = self.config
+        cost = {r.worker_id: replica_cost(r, cfg) for r in cluster.replicas}
+        slack = {r.worker_id: slack_s(r, cfg) for r in cluster.replicas}
+        over = sorted((r for r in cluster.replicas if cost[r.worker_id] > 0),
+                      key=lambda r: (-cost[r.worker_id], r.worker_id))[: cfg.top_k]  # fmt: skip
+        taken = {r.worker_id for r in over}
+        under = sorted((r for r in cluster.replicas if r.worker_id not in taken),
+                       key=lambda r: (cost[r.worker_id], -slack[r.worker_id], r.worker_id))[: cfg.top_k]  # fmt: skip
         return over, under
 
     def plan(self, cluster: ClusterLoad) -> list[Migration]:
@@ -158,8 +221,13 @@ class CoMigration:
         """The relaxed LP over ``replicas`` moving requests of ``sources``, rounded and repaired."""
         cfg = self.config
         movable = sorted(
-            ((src.worker_id, q) for src in sources for q in src.requests),
-            key=lambda item: (-request_cost(item[1], False, cfg), item[0], item[1].request_id),
+            (
+                (src.worker_id, q)
+                for src in sources
+                for q in src.requests
+                if cfg.move_running or not q.running
+            ),
+            key=lambda item: (-item[1].remaining_tokens, item[0], item[1].request_id),
         )[: cfg.max_requests]
         if not movable:
             return []
@@ -169,12 +237,15 @@ class CoMigration:
         needs = sorted({(w, q.adapter_id) for _, q in movable for w in cols
                         if q.adapter_id and q.adapter_id not in by_id[w].resident_adapters})  # fmt: skip
         y_index = {key: n_x + i for i, key in enumerate(needs)}
-        z = n_x + len(needs)
+        q_var = {w: n_x + len(needs) + j for j, w in enumerate(cols)}
+        z = n_x + len(needs) + len(cols)
         c = np.zeros(z + 1)
         c[z] = 1.0
-        fixed = {w: replica_cost(by_id[w], cfg) for w in cols}
+        for var in q_var.values():
+            c[var] = DELTA
+        fixed = {w: sum(request_cost(q, False, by_id[w], cfg) for q in by_id[w].requests) for w in cols}
         for w, q in movable:
-            fixed[w] -= request_cost(q, False, cfg)
+            fixed[w] -= request_cost(q, False, by_id[w], cfg)
         rows, data, cells, bounds_ub = [], [], [], []
 
         def add(row: int, var: int, value: float) -> None:
@@ -182,22 +253,26 @@ class CoMigration:
             cells.append(var)
             data.append(value)
 
-        # Runtime rows: Σ cost x + Σ load y − z ≤ −fixed_j.
+        row = 0
+        # Wait rows: Σ cost x + Σ load y − q_j ≤ slack_j − fixed_j, and q_j − z ≤ 0.
         for j, w in enumerate(cols):
             for i, (src, q) in enumerate(movable):
-                add(j, i * len(cols) + j, request_cost(q, src != w, cfg))
+                add(row, i * len(cols) + j, request_cost(q, src != w, by_id[w], cfg))
                 if src != w:
                     c[i * len(cols) + j] = EPSILON
             for (target, _), var in y_index.items():
                 if target == w:
-                    add(j, var, cfg.adapter_load_tokens)
-            add(j, z, -1.0)
-            bounds_ub.append(-fixed[w])
-        row = len(cols)
-        # Memory rows: incoming adapters and requests fit the free pool.
+                    add(row, var, cfg.adapter_load_s)
+            add(row, q_var[w], -1.0)
+            bounds_ub.append(slack_s(by_id[w], cfg) - fixed[w])
+            add(row + 1, q_var[w], 1.0)
+            add(row + 1, z, -1.0)
+            bounds_ub.append(0.0)
+            row += 2
+        # Memory rows: incoming adapters and running requests' KV fit the free pool.
         for j, w in enumerate(cols):
             for i, (src, q) in enumerate(movable):
-                if src != w:
+                if src != w and q.running:
                     add(row, i * len(cols) + j, q.context_tokens)
             for (target, adapter), var in y_index.items():
                 if target == w:
@@ -218,7 +293,7 @@ class CoMigration:
             (np.ones(n_x), ([i for i in range(len(movable)) for _ in cols], list(range(n_x)))),
             shape=(len(movable), z + 1),
         )
-        bounds = [(0.0, 1.0)] * (z) + [(0.0, None)]
+        bounds = [(0.0, 1.0)] * (n_x + len(needs)) + [(0.0, None)] * (len(cols) + 1)
         solved = linprog(c, A_ub=a_ub, b_ub=bounds_ub, A_eq=a_eq, b_eq=np.ones(len(movable)),
                          bounds=bounds, method="highs")  # fmt: skip
         if solved.status != 0:
@@ -250,7 +325,12 @@ class CoMigration:
                 taken.add(i)
                 chosen.append((i, j))
         free = {w: by_id[w].free_tokens for w in cols}
-        cost = {w: replica_cost(by_id[w], cfg) for w in cols}
+        work = {w: sum(request_cost(q, False, by_id[w], cfg) for q in by_id[w].requests) for w in cols}
+        fetch = dict.fromkeys(cols, 0.0)
+
+        def wait(w: str) -> float:
+            return max(0.0, work[w] - slack_s(by_id[w], cfg) + fetch[w])
+
         arriving: set[tuple[str, str]] = set()
         moves = []
         for i, j in chosen:
@@ -261,13 +341,19 @@ class CoMigration:
                 and q.adapter_id not in by_id[target].resident_adapters
                 and (target, q.adapter_id) not in arriving
             )
-            need = q.context_tokens + (sizes.get(q.adapter_id, 0) if adapter_new else 0)
-            added = request_cost(q, True, cfg) + (cfg.adapter_load_tokens if adapter_new else 0.0)
-            if need > free[target] or cost[target] + added >= cost[src]:
+            need = (q.context_tokens if q.running else 0) + (sizes.get(q.adapter_id, 0) if adapter_new else 0)
+            added = request_cost(q, True, by_id[target], cfg)
+            load = cfg.adapter_load_s if adapter_new else 0.0
+            if need > free[target]:
+                continue
+            if max(0.0, work[target] + added - slack_s(by_id[target], cfg) + fetch[target] + load) >= wait(
+                src
+            ):
                 continue
             free[target] -= need
-            cost[src] -= request_cost(q, False, cfg)
-            cost[target] += added
+            work[src] -= request_cost(q, False, by_id[src], cfg)
+            work[target] += added
+            fetch[target] += load
             if adapter_new:
                 arriving.add((target, q.adapter_id))
             moves.append(Migration(q.request_id, q.adapter_id, src, target))

@@ -41,7 +41,8 @@ class ReplicaLoad:
     worker_id: str
     requests: tuple[RequestLoad, ...] = ()
     resident_adapters: frozenset[str] = frozenset()
-    """Adapters in the replica's pool (or loading into it)."""
+    """Adapters the replica holds (in its pool or its host cache) or is fetching: a request for
+    one of them needs no new fetch there."""
     memory_tokens: int = 0
     """Capacity of the unified pool, in KV tokens."""
     free_tokens: int = 0
@@ -52,6 +53,9 @@ class ReplicaLoad:
     """adapter -> requests the replica received in the policy's window (PetS's task load)."""
     queue_delay_s: float = 0.0
     """Mean time its queued requests have waited so far (dLoRA's compute trigger)."""
+    max_running: int = 0
+    """Requests it runs together at most (its ``--max-running``; 0: unknown, the policy's own
+    default applies)."""
 
 
 @dataclass(frozen=True)
