@@ -36,12 +36,14 @@ from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usag
 if TYPE_CHECKING:
     from loramesh.async_client import AsyncClient
     from loramesh.client import Client
+    from loramesh.tls import ClientTLS
 
 __all__ = [
     "Adapter",
     "AlreadyExists",
     "AsyncClient",
     "Client",
+    "ClientTLS",
     "Completion",
     "DataLoss",
     "DeadlineExceeded",
@@ -61,11 +63,11 @@ __all__ = [
     "Usage",
 ]
 
-_LAZY = {"Client": "loramesh.client", "AsyncClient": "loramesh.async_client"}
+_LAZY = {"Client": "loramesh.client", "AsyncClient": "loramesh.async_client", "ClientTLS": "loramesh.tls"}
 
 
 def __getattr__(name: str) -> Any:
-    """Loads :class:`Client` and :class:`AsyncClient` on first access."""
+    """Loads :class:`Client`, :class:`AsyncClient` and :class:`ClientTLS` on first access."""
     if name not in _LAZY:
         raise AttributeError(f"module 'loramesh' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)

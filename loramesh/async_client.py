@@ -29,6 +29,7 @@ from loramesh.client import (
     upload_stream,
 )
 from loramesh.stream_resume import StreamReplay, replayable
+from loramesh.tls import ClientTLS, aio_channel
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta
 from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -158,6 +159,7 @@ class AsyncClient:
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         mesh_file: str | Path = DEFAULT_MESH_FILE,
+        tls: ClientTLS | None = None,
     ):
         """Opens a channel per gateway (connecting lazily, on the first call).
 
@@ -173,15 +175,17 @@ class AsyncClient:
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
             max_backoff_s: The wait between retries never grows beyond this.
             mesh_file: The local mesh's file written by ``loramesh up``.
+            tls: Mutual TLS files for a mesh that requires them; None for the mesh file's
+                (``loramesh up --tls``), else plaintext.
 
         Raises:
             ValueError: No address or API key was given and the mesh file has none.
         """
-        self.addresses, api_key = resolve_targets(address, api_key, mesh_file)
+        self.addresses, api_key, tls = resolve_targets(address, api_key, mesh_file, tls)
         self.address = self.addresses[0]
         self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s)
         self._gateways = GatewayRotation(self.addresses)
-        self._channels = [aio.insecure_channel(a) for a in self.addresses]
+        self._channels = [aio_channel(a, tls) for a in self.addresses]
         self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
         self.adapters = AsyncAdapters(self)
 

@@ -19,6 +19,7 @@ import grpc
 
 from loramesh.errors import REQUEST_ID_HEADER, LoraMeshError, StreamInterrupted, Unavailable, from_rpc_error
 from loramesh.stream_resume import StreamReplay, replayable
+from loramesh.tls import ClientTLS, sync_channel
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
 from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
@@ -37,22 +38,27 @@ _FINISH_REASONS = {
 
 
 def resolve_targets(
-    address: str | Sequence[str] | None, api_key: str | None, mesh_file: str | Path
-) -> tuple[tuple[str, ...], str]:
-    """The gateway addresses and API key, the missing ones taken from a local mesh's file.
+    address: str | Sequence[str] | None,
+    api_key: str | None,
+    mesh_file: str | Path,
+    tls: ClientTLS | None = None,
+) -> tuple[tuple[str, ...], str, ClientTLS | None]:
+    """The gateway addresses, API key and TLS files, the missing ones taken from a local mesh's
+    file.
 
-    The mesh file's ``admin_api_key`` is only used when every address is one of the mesh file's
-    gateways, so a key never goes to a server it was not issued by.
+    The mesh file's ``admin_api_key`` and ``tls`` are only used when every address is one of the
+    mesh file's gateways, so a key never goes to a server it was not issued by.
 
     Args:
         address: ``host:port`` of a gateway, several of them (a sequence, or one string with
             commas), or None for the mesh file's gateways.
         api_key: The caller's API key, or None for the mesh file's admin key.
         mesh_file: The file ``loramesh up`` writes (``{"gateway_addresses", "services":
-            {"gateway": {"address"}}, "admin_api_key"}``); ignored when it does not exist.
+            {"gateway": {"address"}}, "admin_api_key", "tls"}``); ignored when it does not exist.
+        tls: The client's mutual TLS files, or None for the mesh file's (if it has any).
 
     Returns:
-        ``(addresses, api_key)``.
+        ``(addresses, api_key, tls)``; ``tls`` None: plaintext.
 
     Raises:
         ValueError: An address or key is neither given nor in the mesh file.
@@ -66,11 +72,14 @@ def resolve_targets(
     addresses = tuple(a.strip() for a in address or () if a.strip()) or mesh_addresses
     if not addresses:
         raise ValueError(f"no gateway address: pass address= or start a mesh with `loramesh up` ({path})")
-    if api_key is None and set(addresses) <= set(mesh_addresses):
+    own_mesh = set(addresses) <= set(mesh_addresses)
+    if api_key is None and own_mesh:
         api_key = mesh.get("admin_api_key")
     if not api_key:
         raise ValueError(f"no API key for the gateway at {', '.join(addresses)}: pass api_key=")
-    return addresses, api_key
+    if tls is None and own_mesh and mesh.get("tls"):
+        tls = ClientTLS.from_mapping(mesh["tls"])
+    return addresses, api_key, tls
 
 
 class GatewayRotation:
@@ -437,6 +446,7 @@ class Client:
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         mesh_file: str | Path = DEFAULT_MESH_FILE,
+        tls: ClientTLS | None = None,
     ):
         """Opens a channel per gateway (connecting lazily, on the first call).
 
@@ -452,15 +462,17 @@ class Client:
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
             max_backoff_s: The wait between retries never grows beyond this.
             mesh_file: The local mesh's file written by ``loramesh up``.
+            tls: Mutual TLS files for a mesh that requires them; None for the mesh file's
+                (``loramesh up --tls``), else plaintext.
 
         Raises:
             ValueError: No address or API key was given and the mesh file has none.
         """
-        self.addresses, api_key = resolve_targets(address, api_key, mesh_file)
+        self.addresses, api_key, tls = resolve_targets(address, api_key, mesh_file, tls)
         self.address = self.addresses[0]
         self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s)
         self._gateways = GatewayRotation(self.addresses)
-        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
+        self._channels = [sync_channel(a, tls) for a in self.addresses]
         self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
         self.adapters = Adapters(self)
 

@@ -5,7 +5,7 @@ else is in pyproject.toml."""
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-SDK_MODULES = frozenset({"__init__", "client", "async_client", "errors", "stream_resume", "types"})
+SDK_MODULES = frozenset({"__init__", "client", "async_client", "errors", "stream_resume", "tls", "types"})
 """What ``from loramesh import Client, AsyncClient`` and the SDK's exceptions and types load."""
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from grpc import aio
-
 from loramesh.cli.errors import CommandError
 from loramesh.cli.mesh_file import MeshFile
 from loramesh.cli.table import render_table
+from loramesh.cli.tls_options import cli_tls
 from loramesh.v1 import adapter_store_pb2 as pb
 from loramesh.v1 import adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.client import read_adapter_dir, ref_by_name, upload_adapter
+from services.runtime.tls import aio_channel
 
 DEFAULT_OWNER = "admin"
 
@@ -45,7 +45,7 @@ def _store_address(args) -> str:
 
 
 async def _with_stub(args, call):
-    async with aio.insecure_channel(_store_address(args)) as channel:
+    async with aio_channel(_store_address(args), cli_tls(args)) as channel:
         return await call(adapter_store_pb2_grpc.AdapterStoreStub(channel))
 
 

@@ -253,7 +253,9 @@ async def registered_since(mesh: MeshFile, name: str, since_unix: float) -> bool
     from services.runtime.membership import MembershipConfig, list_members
 
     try:
-        members = await list_members(MembershipConfig(etcd_endpoints=mesh.etcd_endpoint))
+        members = await list_members(
+            MembershipConfig(etcd_endpoints=mesh.etcd_endpoint, tls=mesh.tls_config())
+        )
     except Exception:  # noqa: BLE001 - etcd itself may be the one coming back
         return False
     if name == ETCD_PROCESS:

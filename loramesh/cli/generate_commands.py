@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from loramesh.cli.mesh_file import MeshFile
+from loramesh.cli.tls_options import sdk_tls
 
 
 def add_parsers(sub) -> None:
@@ -43,6 +44,7 @@ def _client(args):
         args.gateway or None,
         args.api_key or os.environ.get("LORAMESH_API_KEY") or None,
         mesh_file=str(MeshFile.path(Path(args.state_dir))),
+        tls=sdk_tls(args),
     )
 
 

@@ -7,9 +7,17 @@ import sys
 
 import grpc
 
-from loramesh.cli import adapter_commands, bench_commands, chaos_commands, generate_commands, mesh_commands
+from loramesh.cli import (
+    adapter_commands,
+    bench_commands,
+    cert_commands,
+    chaos_commands,
+    generate_commands,
+    mesh_commands,
+)
 from loramesh.cli.errors import CommandError
 from loramesh.cli.mesh_file import DEFAULT_STATE_DIR
+from loramesh.cli.tls_options import add_tls_flags
 from loramesh.errors import LoraMeshError
 
 
@@ -18,12 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--state-dir", default=str(DEFAULT_STATE_DIR), help="local mesh state (default .loramesh)"
     )
+    add_tls_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     mesh_commands.add_parsers(sub)
     adapter_commands.add_parsers(sub)
     generate_commands.add_parsers(sub)
     bench_commands.add_parsers(sub)
     chaos_commands.add_parsers(sub)
+    cert_commands.add_parsers(sub)
     return parser
 
 

@@ -18,15 +18,23 @@ from loramesh.cli.mesh_file import MeshFile, ServiceEntry, pid_alive
 from loramesh.cli.restart_policy import RestartPolicy
 from loramesh.cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
 from loramesh.cli.table import render_table
+from loramesh.cli.tls_options import cli_tls
+from services.gateway.auth import ApiKeys, hashed_keys
 from services.gpu_worker.engine.policies import BATCH_POLICIES
+from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
+from services.runtime.errors import InvalidArgument
 from services.runtime.etcd_server import EtcdServer, free_port
 from services.runtime.membership import MembershipConfig, list_members, read_loads
-from services.runtime.private_files import private_dir
+from services.runtime.private_files import private_dir, write_private_text
 from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
 from services.runtime.server import check_health
+from services.runtime.tls import NO_TLS, TLSConfig
 
 #: Tenant of the local admin key that `loramesh up` writes to mesh.json.
 ADMIN_TENANT = "admin"
+
+#: The certificate identity `loramesh` (CLI and SDK) presents to a `--tls` mesh.
+ADMIN_IDENTITY = "admin"
 
 #: The supervisor's name for etcd's process.
 ETCD_UNIT = "etcd"
@@ -51,6 +59,9 @@ def add_parsers(sub) -> None:
         "--api-keys-file", default="", help="JSON {api key: tenant} for the gateway, besides the admin key"
     )
     up.add_argument("--detach", action="store_true", help="run in the background; return once ready")
+    up.add_argument("--tls", action="store_true",
+                    help="mutual TLS between every service, to etcd and from clients; certificates "
+                         "in <state dir>/certs, made if absent (`loramesh certs`)")  # fmt: skip
     up.add_argument("--ram-budget-mib", type=int, default=1024, help="adapter store RAM tier")
     up.add_argument("--gateways", type=int, default=2,
                     help="gateway processes (default 2: one can die while the other serves)")  # fmt: skip
@@ -113,6 +124,8 @@ def _up_detached(args, state_dir: Path) -> int:
     argv += ["--restart-healthy-s", str(args.restart_healthy_s)]
     if args.api_keys_file:
         argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
+    if args.tls:
+        argv += ["--tls"]
     with open(log_dir / "up.log", "ab") as out:
         child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + READY_TIMEOUT_S + 60
@@ -158,15 +171,24 @@ def replica_name(kind: str, index: int) -> str:
 
 
 def _service_processes(
-    args, state_dir: Path, log_dir: Path, etcd_endpoint: str, admin_api_key: str
+    args,
+    state_dir: Path,
+    log_dir: Path,
+    etcd_endpoint: str,
+    keys_file: Path,
+    certs: CertificateDirectory | None,
 ) -> tuple[dict[str, ServiceProcess], dict[str, str]]:
     """Every service of the mesh, by name (also its instance id), the adapter store first, and
     each gateway's OpenAI API address. Ports are picked now and kept, so a restarted process
-    comes back at the same address."""
+    comes back at the same address. With ``certs``, each runs with mutual TLS as its kind."""
 
     def service(kind: str, name: str, flags: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
         return ServiceProcess(
-            kind, [*flags, "--instance-id", name], log_path=log_dir / f"{name}.log", env=env
+            kind,
+            [*flags, "--instance-id", name],
+            log_path=log_dir / f"{name}.log",
+            env=env,
+            tls=certs.tls_for(kind) if certs is not None else NO_TLS,
         )
 
     etcd_flags = ["--etcd-endpoints", etcd_endpoint]
@@ -195,20 +217,28 @@ def _service_processes(
     for i in range(args.kv_managers):
         name = replica_name("kv_manager", i)
         processes[name] = service("kv_manager", name, etcd_flags)
-    gateway_flags = [*etcd_flags, *store_flags, *model_flags]
-    if args.api_keys_file:
-        gateway_flags += ["--api-keys-file", args.api_keys_file]
+    gateway_flags = [*etcd_flags, *store_flags, *model_flags, "--api-keys-file", str(keys_file)]
     openai_addresses = {}
     for i in range(args.gateways):
         name = replica_name("gateway", i)
         openai_port = free_port()
-        # The key goes by environment, not argv, so it does not show in `ps`.
-        processes[name] = service(
-            "gateway", name, [*gateway_flags, "--openai-port", str(openai_port)],
-            env={"LORAMESH_API_KEYS": f"{admin_api_key}={ADMIN_TENANT}"},
-        )  # fmt: skip
+        processes[name] = service("gateway", name, [*gateway_flags, "--openai-port", str(openai_port)])
         openai_addresses[name] = f"{processes[name].host}:{openai_port}"
     return processes, openai_addresses
+
+
+def _gateway_keys_file(args, state_dir: Path, admin_api_key: str) -> Path:
+    """The gateways' API keys, hashed (services/gateway/auth.py), in a 0600 file: the admin key and
+    those of ``--api-keys-file``. No plain key reaches a gateway's argv, environment or disk."""
+    keys = {admin_api_key: ADMIN_TENANT}
+    if args.api_keys_file:
+        try:
+            keys.update(ApiKeys.read_file(args.api_keys_file))
+        except (OSError, ValueError, InvalidArgument) as error:
+            raise CommandError(f"--api-keys-file: {error}") from None
+    path = state_dir / "gateway-api-keys.json"
+    write_private_text(path, json.dumps(hashed_keys(keys), indent=2))
+    return path.resolve()
 
 
 def _entry(
@@ -240,6 +270,7 @@ def _mesh_file(
     supervisor: Supervisor,
     admin_api_key: str,
     ready: bool,
+    certs: CertificateDirectory | None,
 ) -> MeshFile:
     """mesh.json as of now: addresses, the current pids, restarts and last exits."""
     return MeshFile(
@@ -262,7 +293,27 @@ def _mesh_file(
         ready=ready,
         gateway_addresses=[p.address for p in processes.values() if p.module == "gateway"],
         etcd=_entry(ETCD_UNIT, supervisor, etcd.pid or 0, etcd.endpoint, "", str(etcd.log_path)),
+        tls=_client_tls_entry(certs),
     )
+
+
+def _client_tls_entry(certs: CertificateDirectory | None) -> dict[str, str]:
+    """What a client of a ``--tls`` mesh presents: the ``admin`` identity (mesh.json's ``tls``)."""
+    if certs is None:
+        return {}
+    tls = certs.tls_for(ADMIN_IDENTITY)
+    return {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
+
+
+def _mesh_certificates(args, state_dir: Path) -> CertificateDirectory | None:
+    """With ``--tls``: the state directory's certificates, made now if any is missing."""
+    if not args.tls:
+        return None
+    certs = CertificateDirectory((state_dir / "certs").resolve())
+    if not certs.complete():
+        _log(f"creating the mesh CA and certificates in {certs.path}")
+        create_mesh_certificates(certs.path)
+    return certs
 
 
 async def _up_foreground(args, state_dir: Path) -> int:
@@ -272,15 +323,21 @@ async def _up_foreground(args, state_dir: Path) -> int:
         loop.add_signal_handler(sig, stop.set)
     # The state directory holds the admin key, etcd's data and the tenants' adapters: owner only.
     log_dir = private_dir(private_dir(state_dir) / "logs")
-    etcd = EtcdServer(data_dir=state_dir / "etcd")
+    certs = await asyncio.to_thread(_mesh_certificates, args, state_dir)
+    etcd = EtcdServer(data_dir=state_dir / "etcd", tls=certs.tls_for("etcd") if certs is not None else NO_TLS)
     admin_api_key = "lm-admin-" + secrets.token_urlsafe(18)
+    keys_file = _gateway_keys_file(args, state_dir, admin_api_key)
     await asyncio.to_thread(etcd.start)
-    processes, openai_addresses = _service_processes(args, state_dir, log_dir, etcd.endpoint, admin_api_key)
+    processes, openai_addresses = _service_processes(
+        args, state_dir, log_dir, etcd.endpoint, keys_file, certs
+    )
     units = [EtcdUnit(ETCD_UNIT, etcd), *(ServiceUnit(name, p) for name, p in processes.items())]
     ready = False
 
     def write_mesh_file() -> None:
-        _mesh_file(etcd, processes, openai_addresses, supervisor, admin_api_key, ready).write(state_dir)
+        _mesh_file(etcd, processes, openai_addresses, supervisor, admin_api_key, ready, certs).write(
+            state_dir
+        )
 
     supervisor = Supervisor(units, _restart_policy(args), on_change=write_mesh_file)
     try:
@@ -331,13 +388,13 @@ def _etcd_endpoint(args) -> str:
     return mesh.etcd_endpoint
 
 
-async def collect_status(etcd_endpoint: str) -> list[dict]:
+async def collect_status(etcd_endpoint: str, tls: TLSConfig = NO_TLS) -> list[dict]:
     """Every live member with its health (readiness) and latest load report."""
-    config = MembershipConfig(etcd_endpoints=etcd_endpoint)
+    config = MembershipConfig(etcd_endpoints=etcd_endpoint, tls=tls)
     members = await list_members(config)
     loads = await read_loads(config)
     healths = await asyncio.gather(
-        *(check_health(m.address, GRPC_SERVICE_NAMES.get(m.service, "")) for m in members)
+        *(check_health(m.address, GRPC_SERVICE_NAMES.get(m.service, ""), tls=tls) for m in members)
     )
     now = time.time()
     rows = []
@@ -359,7 +416,7 @@ async def collect_status(etcd_endpoint: str) -> list[dict]:
 
 def cmd_status(args) -> int:
     try:
-        rows = asyncio.run(asyncio.wait_for(collect_status(_etcd_endpoint(args)), 15))
+        rows = asyncio.run(asyncio.wait_for(collect_status(_etcd_endpoint(args), cli_tls(args)), 15))
     except (TimeoutError, ConnectionError, OSError) as error:
         raise CommandError(f"etcd did not answer: {error or 'timeout'}") from None
     processes = _supervised_processes(args)

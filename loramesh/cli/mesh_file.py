@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.runtime.private_files import private_dir, write_private_text
+from services.runtime.tls import NO_TLS, TLSConfig
 
 DEFAULT_STATE_DIR = Path(".loramesh")
 
@@ -56,6 +57,15 @@ class MeshFile:
     """Every gateway's gRPC address; ``services["gateway"].address`` is the first of them."""
     etcd: ServiceEntry | None = None
     """etcd's process as supervised (``address`` is its client endpoint)."""
+    tls: dict[str, str] = field(default_factory=dict)
+    """With ``loramesh up --tls``: the files a client of this mesh presents (``ca_file``,
+    ``cert_file``, ``key_file`` of the ``admin`` identity); empty: the mesh runs in plaintext."""
+
+    def tls_config(self) -> TLSConfig:
+        """:attr:`tls` as the settings the CLI's channels and etcd client take."""
+        if not self.tls:
+            return NO_TLS
+        return TLSConfig(self.tls["ca_file"], self.tls["cert_file"], self.tls["key_file"])
 
     @staticmethod
     def path(state_dir: Path = DEFAULT_STATE_DIR) -> Path:

@@ -14,8 +14,10 @@ from grpc import aio
 from loramesh.v1 import adapter_store_pb2 as pb
 from loramesh.v1 import adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.catalog import AdapterRecord
+from services.adapter_store.owner_rule import check_owner_setter
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.runtime.tls import peer_identity_var
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -113,6 +115,9 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         self.uploads_in_flight += 1
         try:
             header, files = await receive_upload(request_iterator, self.repository.limits.max_adapter_bytes)
+            # Checked once the (size-bounded) stream is read: a status sent while the client still
+            # writes can reach it as INTERNAL instead of the refusal.
+            check_owner_setter(peer_identity_var.get(), "register an adapter for an owner")
             record = await asyncio.to_thread(
                 self.repository.register,
                 header.name,
@@ -138,6 +143,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         )
 
     async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context):
+        check_owner_setter(peer_identity_var.get(), "delete an owner's adapter")
         record = await asyncio.to_thread(self.repository.delete, key_from_proto(request.ref))
         return pb.DeleteAdapterResponse(adapter=record_to_proto(record))
 

@@ -12,9 +12,10 @@ class GatewayConfig(ServiceConfig):
     """loramesh gateway: the public API (auth, tenants, text in/out, streaming, resume)."""
 
     api_keys: str = ""
-    """Comma-separated ``key=tenant`` pairs (for a local mesh; prefer --api-keys-file)."""
+    """Comma-separated ``key=tenant`` pairs (for a test mesh; prefer --api-keys-file)."""
     api_keys_file: str = ""
-    """JSON object mapping API key -> tenant."""
+    """JSON object mapping API key -> tenant; a key may be given as its hash
+    (``sha256:<salt>:<digest>``, what ``loramesh up`` writes), so the file holds no key."""
     model: str = ""
     """Base model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)."""
     scheduler: str = ""

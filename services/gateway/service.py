@@ -82,7 +82,7 @@ class GatewayService:
         self.core = GatewayCore(config, keys)
         self.servicer = GatewayServicer(self.core)
         self.openai = OpenAIHttpServer(build_app(self.core), config.grace_s)
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(config.tls())
 
     def add_to_server(self, server: aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
@@ -92,13 +92,13 @@ class GatewayService:
         # The tokenizer alone: the gateway never reads a weight (about 140 GB for a 70B base).
         text = await asyncio.to_thread(load_tokenizer, cfg.model or None)
         scheduler = _Located(
-            ServiceLocator("scheduler", cfg.scheduler, cfg.etcd_endpoints),
+            ServiceLocator("scheduler", cfg.scheduler, cfg.etcd_endpoints, cfg.tls()),
             self.channels,
             scheduler_pb2_grpc.SchedulerStub,
         )
         store = _StoreClient(
             _Located(
-                ServiceLocator("adapter_store", cfg.adapter_store, cfg.etcd_endpoints),
+                ServiceLocator("adapter_store", cfg.adapter_store, cfg.etcd_endpoints, cfg.tls()),
                 self.channels,
                 adapter_store_pb2_grpc.AdapterStoreStub,
             )

@@ -12,6 +12,7 @@ from loramesh.v1 import adapter_store_pb2_grpc
 from services.adapter_store.client import ChecksumMismatch, fetch_adapter, ref_by_id
 from services.runtime.discovery import ChannelPool, ServiceLocator
 from services.runtime.errors import DataLoss, NotFound, Unavailable
+from services.runtime.tls import NO_TLS, TLSConfig
 
 
 class AdapterSource(Protocol):
@@ -52,9 +53,9 @@ class DirectorySource:
 class StoreSource:
     """Pull from the adapter store (address given, or a member listed in etcd)."""
 
-    def __init__(self, address: str = "", etcd_endpoints: str = ""):
-        self._locator = ServiceLocator("adapter_store", address, etcd_endpoints)
-        self._channels = ChannelPool()
+    def __init__(self, address: str = "", etcd_endpoints: str = "", tls: TLSConfig = NO_TLS):
+        self._locator = ServiceLocator("adapter_store", address, etcd_endpoints, tls)
+        self._channels = ChannelPool(tls)
         self._names: dict[str, str] = {}
 
     async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:

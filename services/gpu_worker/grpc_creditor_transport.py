@@ -46,6 +46,7 @@ from services.runtime.errors import (
     Unavailable,
 )
 from services.runtime.server import MAX_MESSAGE_BYTES
+from services.runtime.tls import NO_TLS, TLSConfig, sync_channel
 
 _ERRORS: dict[grpc.StatusCode, type[DomainError]] = {
     getattr(grpc.StatusCode, cls.code_name): cls
@@ -83,18 +84,20 @@ class GrpcCreditorTransport:
         layout: PoolLayout,
         meter: DistKvMeter | None = None,
         deadline_s: float = 60.0,
+        tls: TLSConfig = NO_TLS,
     ):
         """``meter``: where the bytes sent and received are counted (the debtor's; None: one of
         its own). ``deadline_s`` bounds each call: a creditor that hangs is treated as dead, not
-        waited on."""
+        waited on. ``tls``: the worker's mutual TLS settings."""
         self.creditor = creditor
         self.address = address
         self.layout = layout
         self.meter = meter if meter is not None else DistKvMeter()
         self.deadline_s = deadline_s
-        self._channel = grpc.insecure_channel(
+        self._channel = sync_channel(
             address,
-            options=[
+            tls,
+            [
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],

@@ -14,6 +14,7 @@ import grpc
 from loramesh.v1 import kv_manager_pb2, kv_manager_pb2_grpc
 from services.gpu_worker.engine.borrower import Candidate
 from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.runtime.tls import NO_TLS, TLSConfig, sync_channel
 
 log = logging.getLogger("loramesh.worker")
 
@@ -21,11 +22,12 @@ log = logging.getLogger("loramesh.worker")
 class KvManagerDirectory:
     """Creditor suggestions from the kv_manager replicas at ``addresses``."""
 
-    def __init__(self, addresses: tuple[str, ...] = (), deadline_s: float = 10.0):
+    def __init__(self, addresses: tuple[str, ...] = (), deadline_s: float = 10.0, tls: TLSConfig = NO_TLS):
         """``deadline_s`` bounds each call (a hung kv_manager means: no creditor now)."""
         self.addresses = addresses
         """Replaced whole by the etcd watch; read by the engine thread."""
         self.deadline_s = deadline_s
+        self.tls = tls
         self._channels: dict[str, grpc.Channel] = {}
 
     def suggest(self, debtor: str, blocks: int) -> list[Candidate]:
@@ -66,5 +68,5 @@ class KvManagerDirectory:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address)
+            self._channels[address] = sync_channel(address, self.tls)
         return self._channels[address]

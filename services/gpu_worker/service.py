@@ -64,7 +64,9 @@ class WorkerService:
         self.servicer = WorkerServicer()
         self.engine: Engine | None = None
         self.source: AdapterSource | None = None
-        self.directory = KvManagerDirectory((config.kv_manager,) if config.kv_manager else ())
+        self.directory = KvManagerDirectory(
+            (config.kv_manager,) if config.kv_manager else (), tls=config.tls()
+        )
         self._watches: list[asyncio.Task] = []
         self._workers: set[str] = set()
         self._parts: WorkerParts | None = None
@@ -87,7 +89,7 @@ class WorkerService:
         model = await asyncio.to_thread(LlamaModel, loaded.config, loaded.weights, dtype, device)
 
         def connect(creditor: str, address: str) -> GrpcCreditorTransport:
-            return GrpcCreditorTransport(creditor, address, engine.pool.layout, engine.distkv)
+            return GrpcCreditorTransport(creditor, address, engine.pool.layout, engine.distkv, tls=cfg.tls())
 
         engine = Engine(
             model,
@@ -111,7 +113,7 @@ class WorkerService:
         engine.start()
         self.engine = engine
         if cfg.etcd_endpoints:
-            membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints)
+            membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints, tls=cfg.tls())
             self._watches = [
                 asyncio.create_task(follow(watch_members(membership, self.name), self._set_workers)),
                 asyncio.create_task(follow(watch_members(membership, "kv_manager"), self._set_kv_managers)),
@@ -119,7 +121,7 @@ class WorkerService:
         if cfg.adapter_dir:
             self.source = DirectorySource(cfg.adapter_dir)
         else:
-            self.source = StoreSource(cfg.adapter_store, cfg.etcd_endpoints)
+            self.source = StoreSource(cfg.adapter_store, cfg.etcd_endpoints, cfg.tls())
         loader = AdapterLoader(
             self.source, engine, dtype, cfg.host_cache_mib * 2**20 if cfg.host_cache_mib else None
         )

@@ -60,7 +60,7 @@ class KVManagerService:
         self.election: LeaderElection | None = None
         dgfm = DgfmConfig(min_swap_blocks=config.min_swap_blocks)
         self.defragmenter = Defragmenter(
-            dgfm, lambda addresses: GrpcRecallWorkers(addresses, config.dgfm_call_timeout_s)
+            dgfm, lambda addresses: GrpcRecallWorkers(addresses, config.dgfm_call_timeout_s, config.tls())
         )
         self.servicer = KVManagerServicer(
             self.ledger,
@@ -99,7 +99,7 @@ class KVManagerService:
                 "the kv_manager needs --etcd-endpoints (env LORAMESH_ETCD_ENDPOINTS): its ledger is fed "
                 "by the gpu_workers' heartbeats there and its replicas elect a leader there"
             )
-        membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints, ttl_s=cfg.lease_ttl_s)
+        membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints, ttl_s=cfg.lease_ttl_s, tls=cfg.tls())
         self.election = LeaderElection(membership, self.name, cfg.instance_id)
         workers_listed, loads_listed = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()

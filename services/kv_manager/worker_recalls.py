@@ -15,6 +15,7 @@ from grpc import aio
 
 from loramesh.v1 import worker_pb2, worker_pb2_grpc
 from services.runtime.errors import DomainError, NotFound, Unavailable
+from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
 
 _STATUS_ERRORS = {getattr(grpc.StatusCode, cls.code_name): cls for cls in DomainError.__subclasses__()}
 """A status a worker's domain raised on purpose -> its error class."""
@@ -23,10 +24,11 @@ _STATUS_ERRORS = {getattr(grpc.StatusCode, cls.code_name): cls for cls in Domain
 class GrpcRecallWorkers:
     """The workers at ``addresses`` (``{worker id: host:port}``, from the ledger)."""
 
-    def __init__(self, addresses: Mapping[str, str], deadline_s: float):
+    def __init__(self, addresses: Mapping[str, str], deadline_s: float, tls: TLSConfig = NO_TLS):
         """``deadline_s`` bounds each call: a recall waits for the worker's current step."""
         self.addresses = dict(addresses)
         self.deadline_s = deadline_s
+        self.tls = tls
         self._channels: dict[str, aio.Channel] = {}
 
     async def recall(self, owner_id: str, holder_id: str, blocks: int) -> int:
@@ -51,7 +53,7 @@ class GrpcRecallWorkers:
         if address is None:
             raise NotFound(f"worker {worker_id!r} is not in the ledger: it left before its recall")
         if worker_id not in self._channels:
-            self._channels[worker_id] = aio.insecure_channel(address)
+            self._channels[worker_id] = aio_channel(address, self.tls)
         stub = worker_pb2_grpc.WorkerStub(self._channels[worker_id])
         try:
             return await getattr(stub, method)(request, timeout=self.deadline_s)

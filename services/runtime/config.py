@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, get_type_hints
 
 from services.runtime.membership import new_instance_id
+from services.runtime.tls import TLSConfig
 
 ENV_PREFIX = "LORAMESH_"
 
@@ -50,9 +51,23 @@ class ServiceConfig:
     """``text`` or ``json``."""
     log_level: str = "INFO"
     """Python logging level name."""
+    tls_ca: str = ""
+    """PEM of the mesh CA (``loramesh certs``); with ``tls_cert`` and ``tls_key`` turns on mutual
+    TLS for this service's server, its channels to other services and to etcd. Empty: plaintext."""
+    tls_cert: str = ""
+    """PEM certificate of this service's identity (e.g. ``certs/gateway.pem``)."""
+    tls_key: str = ""
+    """PEM private key of ``tls_cert``."""
+    tls_server_name: str = ""
+    """Name peers' certificates are checked against instead of the dialled host (``mesh.loramesh``
+    where members are dialled by IP, as in Kubernetes); empty: the dialled host."""
 
     def resolved_instance_id(self, service: str) -> str:
         return self.instance_id or new_instance_id(service)
+
+    def tls(self) -> TLSConfig:
+        """The mutual TLS settings every server, channel and etcd client of the service uses."""
+        return TLSConfig(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
 
 def field_docs(cls: type) -> dict[str, str]:

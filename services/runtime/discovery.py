@@ -9,6 +9,7 @@ from grpc import aio
 
 from services.runtime.errors import Unavailable
 from services.runtime.membership import MembershipConfig, list_members
+from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -17,15 +18,16 @@ CHANNEL_OPTIONS = [
 
 
 class ChannelPool:
-    """One ``grpc.aio`` channel per address, created on first use."""
+    """One ``grpc.aio`` channel per address, created on first use (mutual TLS when ``tls`` is on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSConfig = NO_TLS) -> None:
+        self.tls = tls
         self._channels: dict[str, aio.Channel] = {}
 
     def get(self, address: str) -> aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = aio_channel(address, self.tls, CHANNEL_OPTIONS)
         return channel
 
     async def close(self) -> None:
@@ -37,10 +39,11 @@ class ChannelPool:
 class ServiceLocator:
     """The address of ``service``: ``fixed`` if given, else a random live member in etcd."""
 
-    def __init__(self, service: str, fixed: str = "", etcd_endpoints: str = ""):
+    def __init__(self, service: str, fixed: str = "", etcd_endpoints: str = "", tls: TLSConfig = NO_TLS):
         self.service = service
         self.fixed = fixed
         self.etcd_endpoints = etcd_endpoints
+        self.tls = tls
         self._cached = ""
 
     async def address(self, refresh: bool = False) -> str:
@@ -50,7 +53,9 @@ class ServiceLocator:
             return self._cached
         if not self.etcd_endpoints:
             raise Unavailable(f"no {self.service} address configured and no etcd to discover one")
-        members = await list_members(MembershipConfig(etcd_endpoints=self.etcd_endpoints), self.service)
+        members = await list_members(
+            MembershipConfig(etcd_endpoints=self.etcd_endpoints, tls=self.tls), self.service
+        )
         if not members:
             raise Unavailable(f"no {self.service} is registered in etcd")
         self._cached = random.choice(members).address

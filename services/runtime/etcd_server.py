@@ -13,6 +13,7 @@ import logging
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import IO, Self
 
 from services.runtime.private_files import private_dir
+from services.runtime.tls import NO_TLS, TLSConfig
 
 log = logging.getLogger("loramesh.etcd_server")
 
@@ -63,6 +65,10 @@ class EtcdServer:
     """How long :meth:`start` waits for ``/health`` to answer before giving up."""
     extra_args: tuple[str, ...] = ()
     """Further command-line flags passed to etcd as they are."""
+    tls: TLSConfig = NO_TLS
+    """Mutual TLS for clients: etcd serves ``https`` with this certificate and key and, with
+    ``--client-cert-auth``, accepts only clients whose certificate the CA signed (the health
+    check presents the same certificate). Off: plaintext. Peers (one member here) stay on http."""
 
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
@@ -79,7 +85,8 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls.enabled else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -130,8 +137,19 @@ class EtcdServer:
             "zap",
             "--log-outputs",
             "stderr",
+            *self._tls_args(),
             *self.extra_args,
         ]
+
+    def _tls_args(self) -> list[str]:
+        if not self.tls.enabled:
+            return []
+        return [
+            "--client-cert-auth",
+            "--trusted-ca-file", self.tls.ca_file,
+            "--cert-file", self.tls.cert_file,
+            "--key-file", self.tls.key_file,
+        ]  # fmt: skip
 
     def start(self) -> Self:
         """Launch etcd and wait until ``/health`` reports healthy. Returns ``self``.
@@ -197,8 +215,14 @@ class EtcdServer:
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """True when ``GET /health`` answers ``{"health": "true"}`` (the member has a leader)."""
+        context = None
+        if self.tls.enabled:
+            context = ssl.create_default_context(cafile=self.tls.ca_file)
+            context.load_cert_chain(self.tls.cert_file, self.tls.key_file)
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout_s) as resp:
+            with urllib.request.urlopen(
+                f"{self.client_url}/health", timeout=timeout_s, context=context
+            ) as resp:
                 body = json.loads(resp.read() or b"{}")
         except (OSError, ValueError, urllib.error.URLError):
             return False

@@ -5,7 +5,9 @@ Every service installs :class:`ServiceInterceptor`. It wraps each RPC handler so
   in trailing metadata;
 - a :class:`~services.runtime.errors.DomainError` aborts the RPC with its status code and
   message, and anything unexpected becomes ``INTERNAL`` with the request id to find it in logs;
-- each RPC is counted and timed in the service's Prometheus metrics.
+- each RPC is counted and timed in the service's Prometheus metrics;
+- the caller's verified mesh identity (mutual TLS) is bound to
+  :data:`~services.runtime.tls.peer_identity_var` for the servicer (None over plaintext).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from grpc import aio
 from services.runtime.errors import DomainError, ResourceExhausted
 from services.runtime.logs import request_id_var
 from services.runtime.metrics import ServiceMetrics
+from services.runtime.tls import peer_identity, peer_identity_var
 
 log = logging.getLogger("loramesh.rpc")
 
@@ -45,9 +48,11 @@ class _RpcScope:
         self.started = time.perf_counter()
         self.code = "OK"
         self._token = None
+        self._peer_token = None
 
     def enter(self, context: aio.ServicerContext) -> None:
         self._token = request_id_var.set(self.request_id)
+        self._peer_token = peer_identity_var.set(peer_identity(context))
         context.set_trailing_metadata(((REQUEST_ID_HEADER, self.request_id),))
 
     async def fail(self, error: BaseException, context: aio.ServicerContext) -> None:
@@ -86,6 +91,7 @@ class _RpcScope:
             # token does not apply (ValueError); that context's request id is not ours to reset.
             with contextlib.suppress(ValueError):
                 request_id_var.reset(self._token)
+                peer_identity_var.reset(self._peer_token)
 
 
 def _is_abort(error: BaseException) -> bool:

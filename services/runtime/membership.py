@@ -30,6 +30,7 @@ import aetcd
 
 from services.runtime.errors import Unavailable
 from services.runtime.tasks import cancel_and_wait
+from services.runtime.tls import NO_TLS, TLSConfig, etcd_client
 
 log = logging.getLogger("loramesh.membership")
 
@@ -72,6 +73,8 @@ class MembershipConfig:
     """How long :meth:`Registration.start` keeps trying every endpoint (with a short backoff)
     before it gives up: one call can miss ``call_timeout_s`` on a busy machine or while etcd
     elects a leader, and a service should not die of that. 0: one try per endpoint."""
+    tls: TLSConfig = NO_TLS
+    """Mutual TLS to etcd (its ``--client-cert-auth``); off: plaintext."""
 
     def __post_init__(self) -> None:
         if not self.endpoints():
@@ -79,7 +82,9 @@ class MembershipConfig:
         if self.ttl_s < 1:
             raise ValueError(f"MembershipConfig.ttl_s must be >= 1, got {self.ttl_s}")
         if self.register_timeout_s < 0:
-            raise ValueError(f"MembershipConfig.register_timeout_s must be >= 0, got {self.register_timeout_s}")
+            raise ValueError(
+                f"MembershipConfig.register_timeout_s must be >= 0, got {self.register_timeout_s}"
+            )
         if self.load_interval_s <= 0:
             raise ValueError(f"MembershipConfig.load_interval_s must be > 0, got {self.load_interval_s}")
         if not self.key_prefix.startswith("/") or self.key_prefix.endswith("/"):
@@ -249,9 +254,10 @@ class _Connection:
     def client(self) -> aetcd.Client:
         if self._client is None:
             host, port = self._endpoints[self._index]
-            self._client = aetcd.Client(
-                host=host,
-                port=port,
+            self._client = etcd_client(
+                host,
+                port,
+                self.config.tls,
                 timeout=self.config.call_timeout_s,
                 options=dict(_CHANNEL_OPTIONS),
                 connect_wait_timeout=max(1, int(self.config.call_timeout_s)),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from services.runtime.etcd_server import free_port
 from services.runtime.server import check_health
+from services.runtime.tls import NO_TLS, TLSConfig
 
 #: Proto service name each service reports readiness under.
 GRPC_SERVICE_NAMES = {
@@ -46,6 +47,8 @@ class ServiceProcess:
     port: int = 0
     http_port: int = 0
     env: dict[str, str] | None = None
+    tls: TLSConfig = NO_TLS
+    """Its mutual TLS settings (passed as ``--tls-*`` flags; the readiness probe uses them too)."""
     proc: subprocess.Popen | None = None
 
     def __post_init__(self) -> None:
@@ -68,7 +71,7 @@ class ServiceProcess:
         return [
             sys.executable, "-m", f"services.{self.module}",
             "--host", self.host, "--port", str(self.port), "--http-port", str(self.http_port),
-            *self.args,
+            *self.tls.flags(), *self.args,
         ]  # fmt: skip
 
     def start(self) -> ServiceProcess:
@@ -91,7 +94,7 @@ class ServiceProcess:
                 raise ServiceStartError(
                     f"{self.module} exited with code {self.proc.returncode}{self._log_hint()}"
                 )
-            if await check_health(self.address, name, timeout=1.0) == "SERVING":
+            if await check_health(self.address, name, timeout=1.0, tls=self.tls) == "SERVING":
                 return
             await asyncio.sleep(0.1)
         raise ServiceStartError(f"{self.module} not ready after {timeout_s:.0f}s{self._log_hint()}")

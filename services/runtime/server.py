@@ -31,6 +31,7 @@ from services.runtime.interceptors import ServiceInterceptor
 from services.runtime.logs import configure_logging
 from services.runtime.membership import MemberInfo, MembershipConfig, Registration
 from services.runtime.metrics import HttpSidePort, ServiceMetrics
+from services.runtime.tls import NO_TLS, TLSConfig, add_server_port, aio_channel
 
 log = logging.getLogger("loramesh.server")
 
@@ -90,7 +91,7 @@ class ServiceHost:
         reflection.enable_server_reflection(
             (service.grpc_service_name, health_name, reflection.SERVICE_NAME), self.server
         )
-        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        port = add_server_port(self.server, f"{config.host}:{config.port}", config.tls())
         if port == 0:
             raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -109,7 +110,11 @@ class ServiceHost:
         await self.health.set(self.service.grpc_service_name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.etcd_endpoints:
             self.registration = Registration(
-                MembershipConfig(etcd_endpoints=self.config.etcd_endpoints, ttl_s=self.config.lease_ttl_s),
+                MembershipConfig(
+                    etcd_endpoints=self.config.etcd_endpoints,
+                    ttl_s=self.config.lease_ttl_s,
+                    tls=self.config.tls(),
+                ),
                 MemberInfo(
                     service=self.service.name,
                     instance_id=self.instance_id,
@@ -181,9 +186,9 @@ def health_status_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
-async def check_health(address: str, service: str = "", timeout: float = 2.0) -> str:
+async def check_health(address: str, service: str = "", timeout: float = 2.0, tls: TLSConfig = NO_TLS) -> str:
     """Ask ``address`` for its grpc.health.v1 status; ``UNREACHABLE`` when it does not answer."""
-    async with aio.insecure_channel(address) as channel:
+    async with aio_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

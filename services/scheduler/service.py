@@ -69,7 +69,7 @@ class SchedulerService:
                 "the scheduler needs --etcd-endpoints (env LORAMESH_ETCD_ENDPOINTS): "
                 "it places requests on the gpu_workers it finds registered there"
             )
-        membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints, ttl_s=cfg.lease_ttl_s)
+        membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints, ttl_s=cfg.lease_ttl_s, tls=cfg.tls())
         members_listed, loads_listed = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         self._tasks = [

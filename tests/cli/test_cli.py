@@ -34,6 +34,11 @@ def mesh(tmp_path):
 def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     mesh_file = json.loads((mesh / "mesh.json").read_text())
     assert mesh_file["ready"] and "adapter_store" in mesh_file["services"] and mesh_file["admin_api_key"]
+    # The gateways get the keys hashed, in an owner-only file: the admin key is only in mesh.json.
+    keys_file = mesh / "gateway-api-keys.json"
+    assert stat.S_IMODE(keys_file.stat().st_mode) == 0o600
+    assert mesh_file["admin_api_key"] not in keys_file.read_text() and "sha256:" in keys_file.read_text()
+    assert mesh_file["tls"] == {}  # plaintext unless `up --tls`
 
     directory = write_peft_adapter(
         tmp_path / "a", base_spec, SampleAdapterSpec(rank=16, target_modules=LORA_TARGETS)

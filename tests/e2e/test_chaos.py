@@ -49,7 +49,7 @@ def supervised_mesh(tmp_path_factory):
     state = tmp_path_factory.mktemp("chaos") / "state"
     loramesh(
         state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
-        "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2",
+        "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2", "--tls",
     )  # fmt: skip
     try:
         yield state

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aetcd
 import pytest
 from support.cli import loramesh
 from support.polling import poll_until
@@ -29,6 +28,7 @@ from loramesh.cli.mesh_file import MeshFile, pid_alive
 from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.runtime.base_model import LORA_TARGETS
 from services.runtime.membership import MembershipConfig, list_members
+from services.runtime.tls import etcd_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
@@ -53,7 +53,7 @@ def supervised_mesh(tmp_path_factory, base_spec):
     state = tmp_path_factory.mktemp("failover") / "state"
     loramesh(
         state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
-        "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2",
+        "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2", "--tls",
     )  # fmt: skip
     try:
         adapters = tmp_path_factory.mktemp("failover-adapters")
@@ -118,9 +118,9 @@ def undisturbed(supervised_mesh) -> list[tuple[tuple[int, ...], str, str | None]
     return reference
 
 
-async def etcd_get(endpoint: str, key: str) -> str:
-    host, port = endpoint.rsplit(":", 1)
-    async with aetcd.Client(host=host, port=int(port), timeout=30) as etcd:
+async def etcd_get(mesh_file: MeshFile, key: str) -> str:
+    host, port = mesh_file.etcd_endpoint.rsplit(":", 1)
+    async with etcd_client(host, int(port), mesh_file.tls_config(), timeout=30) as etcd:
         found = await etcd.get(key.encode())
         return found.value.decode() if found else ""
 
@@ -128,7 +128,7 @@ async def etcd_get(endpoint: str, key: str) -> str:
 async def target_of(kind: str, mesh_file: MeshFile) -> str:
     """The process to kill: the gateway every client starts on, the kv_manager leader, etc."""
     if kind == "kv_manager":
-        return await etcd_get(mesh_file.etcd_endpoint, LEADER_KEY)
+        return await etcd_get(mesh_file, LEADER_KEY)
     return kind
 
 
@@ -141,7 +141,9 @@ def signal_workers(mesh_file: MeshFile, sig: int) -> None:
 async def registered_members(mesh_file: MeshFile) -> dict[str, float]:
     """instance id -> started_at of every member in etcd ({} while etcd does not answer)."""
     try:
-        members = await list_members(MembershipConfig(etcd_endpoints=mesh_file.etcd_endpoint))
+        members = await list_members(
+            MembershipConfig(etcd_endpoints=mesh_file.etcd_endpoint, tls=mesh_file.tls_config())
+        )
     except Exception:  # noqa: BLE001 - etcd itself may be the one coming back
         return {}
     return {m.instance_id: m.started_at for m in members}
@@ -210,7 +212,7 @@ async def kill_during_streams(state: Path, undisturbed, kind: str) -> None:
         # The restarted replica keeps its instance id, so it may take its own key back before
         # the standby sees it expire: either way one registered replica leads.
         leads = await poll_until(
-            lambda: etcd_get(mesh_file.etcd_endpoint, LEADER_KEY),
+            lambda: etcd_get(mesh_file, LEADER_KEY),
             lambda holder: holder.startswith("kv_manager"),
             "a kv_manager leads",
         )

@@ -10,7 +10,6 @@ import time
 import grpc
 import pytest
 import torch
-from grpc import aio
 from support.mesh import start_mesh, wait_for_workers
 
 from loramesh import AsyncClient
@@ -24,6 +23,7 @@ from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.runtime.base_model import LORA_TARGETS
+from services.runtime.tls import aio_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
@@ -85,7 +85,7 @@ async def test_32_concurrent_streams_over_8_adapters_match_the_engine(mesh, load
     jobs = [
         (f"Write one sentence about {TOPICS[i % 8]}.", (ADAPTER_NAMES + [None])[i % 9]) for i in range(32)
     ]
-    async with AsyncClient(mesh.gateway.address, "key-alice") as client:
+    async with AsyncClient(mesh.gateway.address, "key-alice", tls=mesh.client_tls) as client:
         await upload_all(client, adapter_dirs)
         results = await asyncio.gather(*(client.generate(p, adapter=a, max_tokens=10) for p, a in jobs))
     expected = in_process(loaded, adapter_dirs, jobs, 10)
@@ -111,7 +111,7 @@ async def test_kill_9_of_a_worker_mid_stream_loses_and_repeats_nothing(mesh, loa
                 resumes = delta.usage.resumes
         return tokens, resumes
 
-    async with AsyncClient(mesh.gateway.address, "key-alice") as client:
+    async with AsyncClient(mesh.gateway.address, "key-alice", tls=mesh.client_tls) as client:
         await upload_all(client, {k: adapter_dirs[k] for k in ADAPTER_NAMES[:3]})
         streams = [asyncio.create_task(run(client, p, a)) for p, a in jobs]
         await first_tokens.wait()
@@ -124,8 +124,8 @@ async def test_kill_9_of_a_worker_mid_stream_loses_and_repeats_nothing(mesh, loa
 
 async def test_tenants_keys_and_bad_input(mesh, adapter_dirs):
     async with (
-        AsyncClient(mesh.gateway.address, "key-alice") as alice,
-        AsyncClient(mesh.gateway.address, "key-bob") as bob,
+        AsyncClient(mesh.gateway.address, "key-alice", tls=mesh.client_tls) as alice,
+        AsyncClient(mesh.gateway.address, "key-bob", tls=mesh.client_tls) as bob,
     ):
         await alice.adapters.upload(adapter_dirs["ad0"], "secret")
         await alice.adapters.upload(adapter_dirs["ad1"], "shared", public=True)
@@ -145,10 +145,10 @@ async def test_tenants_keys_and_bad_input(mesh, adapter_dirs):
             await alice.generate("hi", temperature=-1.0)
         with pytest.raises(sdk_errors.InvalidArgument, match="prompt"):
             await alice.generate("word " * 5000, max_tokens=2)
-    async with AsyncClient(mesh.gateway.address, "wrong-key") as stranger:
+    async with AsyncClient(mesh.gateway.address, "wrong-key", tls=mesh.client_tls) as stranger:
         with pytest.raises(sdk_errors.Unauthenticated):
             await stranger.generate("hi", max_tokens=2)
-    async with aio.insecure_channel(mesh.gateway.address) as channel:  # no key at all
+    async with aio_channel(mesh.gateway.address, mesh.admin_tls) as channel:  # a mesh certificate, no key
         with pytest.raises(grpc.RpcError) as err:
             async for _ in gateway_pb2_grpc.GatewayStub(channel).Generate(
                 gateway_pb2.GenerateTextRequest(prompt="hi")
@@ -158,6 +158,7 @@ async def test_tenants_keys_and_bad_input(mesh, adapter_dirs):
 
 
 async def test_overload_is_refused_quickly_while_admitted_requests_complete(tmp_path):
+    # The one e2e mesh in plaintext (mutual TLS off, the default): that mode keeps working too.
     mesh = await start_mesh(
         tmp_path, scheduler_flags=("--max-queue-per-worker", "2"), worker_flags=("--max-running", "2")
     )

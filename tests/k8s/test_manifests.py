@@ -161,15 +161,22 @@ def test_etcd_is_three_members_with_volumes_and_matching_peer_urls(rendered, ove
     assert etcd["spec"]["podManagementPolicy"] == "Parallel"
     claims = etcd["spec"]["volumeClaimTemplates"]
     (container,) = etcd["spec"]["template"]["spec"]["containers"]
-    assert {m["name"] for m in container["volumeMounts"]} == {c["metadata"]["name"] for c in claims}
+    mounts = {m["name"] for m in container["volumeMounts"]}
+    assert mounts == {c["metadata"]["name"] for c in claims} | {"tls"}
     headless = by_kind(objects, "Service")[etcd["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["publishNotReadyAddresses"] is True
     members = [f"etcd-{i}" for i in range(3)]
     args = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
-    assert args["initial-cluster"] == ",".join(f"{m}=http://{m}.etcd:2380" for m in members)
+    assert args["initial-cluster"] == ",".join(f"{m}=https://{m}.etcd:2380" for m in members)
     assert args["name"] == "$(POD_NAME)"
-    assert args["initial-advertise-peer-urls"] == "http://$(POD_NAME).etcd:2380"
+    assert args["initial-advertise-peer-urls"] == "https://$(POD_NAME).etcd:2380"
+    # Mutual TLS for clients and peers, from the Secret mounted where the flags point.
+    assert args["client-cert-auth"] == args["peer-client-cert-auth"] == "true"
+    assert args["listen-client-urls"].startswith("https://")
+    (tls_mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    for flag in ("trusted-ca-file", "cert-file", "key-file", "peer-trusted-ca-file", "peer-cert-file"):
+        assert args[flag].startswith(tls_mount["mountPath"] + "/"), flag
     common = by_kind(objects, "ConfigMap")
     (loramesh_common,) = [c for n, c in common.items() if n.startswith("loramesh-common")]
     assert loramesh_common["data"]["LORAMESH_ETCD_ENDPOINTS"] == ",".join(f"{m}.etcd:2379" for m in members)
@@ -232,10 +239,15 @@ def test_every_container_has_health_probes_and_resources(rendered, overlay):
         assert int(env["LORAMESH_PORT"]) == ports["grpc"], workload
         assert int(env["LORAMESH_HTTP_PORT"]) == ports["http"], workload
         assert env["LORAMESH_HOST"] == "0.0.0.0", workload
-        liveness = container["livenessProbe"]["grpc"]
-        readiness = container["readinessProbe"]["grpc"]
-        assert liveness == {"port": ports["grpc"], "service": ""}, workload
-        assert readiness == {"port": ports["grpc"], "service": service.health_name}, workload
+        # HTTP on the side port: the gRPC port wants a mesh client certificate (mutual TLS),
+        # which the kubelet's gRPC probe cannot present.
+        for probe, path in (
+            ("startupProbe", "/healthz"),
+            ("livenessProbe", "/healthz"),
+            ("readinessProbe", "/readyz"),
+        ):
+            assert container[probe]["httpGet"] == {"path": path, "port": "http"}, (workload, probe)
+        assert {"LORAMESH_TLS_CA", "LORAMESH_TLS_CERT", "LORAMESH_TLS_KEY"} <= env.keys(), workload
     assert seen == set(SERVICES)
 
 
@@ -304,7 +316,7 @@ def test_network_policies_open_only_the_gateway_to_the_outside(rendered, overlay
         rules = ingress_rules(policies, labels)
         open_ports = [p["port"] for rule in rules if not rule.get("from") for p in rule["ports"]]
         assert all(rule.get("ports") for rule in rules if not rule.get("from")), f"{name}: fully open"
-        assert open_ports == (["grpc"] if name == "gateway" else []), name
+        assert open_ports == (["grpc", "openai"] if name == "gateway" else []), name
         # The mesh reaches every port; other peers are the monitoring namespace on metrics ports.
         assert any(rule.get("from") == [mesh_peer] and "ports" not in rule for rule in rules), name
         for rule in rules:
@@ -340,8 +352,42 @@ def test_gateway_reads_the_api_keys_secret_the_template_defines(rendered, overla
     gateway = by_kind(objects, "Deployment")["gateway"]["spec"]["template"]["spec"]
     (container,) = gateway["containers"]
     volumes = {v["name"]: v for v in gateway["volumes"]}
-    (mount,) = [m for m in container["volumeMounts"] if "secret" in volumes[m["name"]]]
+    keys_file = env_of(container, objects)["LORAMESH_API_KEYS_FILE"]
+    (mount,) = [m for m in container["volumeMounts"] if keys_file.startswith(m["mountPath"] + "/")]
     secret_name = volumes[mount["name"]]["secret"]["secretName"]
     template = by_kind(render(K8S / "secrets"), "Secret")[secret_name]
-    keys_file = env_of(container, objects)["LORAMESH_API_KEYS_FILE"]
     assert keys_file.removeprefix(mount["mountPath"] + "/") in template["stringData"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_mounts_its_own_tls_secret_where_its_settings_point(rendered, overlay):
+    objects = rendered[overlay]
+    templates = by_kind(render(K8S / "secrets"), "Secret")
+    for name, workload in workloads(objects).items():
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        if loramesh_service(container) is None:
+            continue
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        env = env_of(container, objects)
+        for setting, key in (("CA", "ca.crt"), ("CERT", "tls.crt"), ("KEY", "tls.key")):
+            path = env[f"LORAMESH_TLS_{setting}"]
+            (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+            secret = volumes[mount["name"]]["secret"]["secretName"]
+            assert secret == f"loramesh-tls-{name}" and key in templates[secret]["stringData"], (
+                name,
+                setting,
+            )
+            assert path.removeprefix(mount["mountPath"] + "/") == key
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_service_publishes_the_openai_port(rendered, overlay):
+    objects = rendered[overlay]
+    gateway = by_kind(objects, "Deployment")["gateway"]["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert int(env_of(gateway, objects)["LORAMESH_OPENAI_PORT"]) == ports["openai"]
+    service_ports = {
+        p["name"]: p["targetPort"] for p in by_kind(objects, "Service")["gateway"]["spec"]["ports"]
+    }
+    assert service_ports == {"grpc": "grpc", "openai": "openai"}

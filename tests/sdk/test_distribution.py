@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SDK_FILES = {
     f"loramesh/{name}.py"
-    for name in ("__init__", "client", "async_client", "errors", "stream_resume", "types")
+    for name in ("__init__", "client", "async_client", "errors", "stream_resume", "tls", "types")
 }
 
 

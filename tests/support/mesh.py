@@ -7,8 +7,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loramesh.tls import ClientTLS
+from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.etcd_server import EtcdServer, free_port
 from services.runtime.process import ServiceProcess
+from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 
@@ -23,6 +26,19 @@ class Mesh:
     processes: list[ServiceProcess] = field(default_factory=list)
     openai_port: int = 0
     """The gateway's OpenAI-compatible HTTP API."""
+    certs: CertificateDirectory | None = None
+    """With mutual TLS: the mesh's certificates (None: plaintext)."""
+
+    @property
+    def admin_tls(self) -> TLSConfig:
+        """What a test presents to the mesh's services: the ``admin`` identity (or plaintext)."""
+        return self.certs.tls_for("admin") if self.certs is not None else NO_TLS
+
+    @property
+    def client_tls(self) -> ClientTLS | None:
+        """The SDK's TLS option for this mesh (None: plaintext)."""
+        tls = self.admin_tls
+        return ClientTLS(tls.ca_file, tls.cert_file, tls.key_file) if tls.enabled else None
 
     @property
     def openai_base_url(self) -> str:
@@ -40,16 +56,27 @@ async def start_mesh(
     scheduler_flags: tuple[str, ...] = (),
     worker_flags: tuple[str, ...] = (),
     gateway_flags: tuple[str, ...] = (),
+    tls: bool = False,
 ) -> Mesh:
+    """Start every process; with ``tls`` all of them (etcd with client-cert auth included) run
+    with mutual TLS on certificates made in ``root/certs``."""
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    etcd = EtcdServer(root / "etcd")
+    certs = create_mesh_certificates(root / "certs") if tls else None
+
+    def tls_for(identity: str) -> TLSConfig:
+        return certs.tls_for(identity) if certs is not None else NO_TLS
+
+    etcd = EtcdServer(root / "etcd", tls=tls_for("etcd"))
     etcd.start()
     keys_file = root / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
     common = ["--etcd-endpoints", etcd.endpoint]
     store = ServiceProcess(
-        "adapter_store", [*common, "--data-dir", str(root / "store")], log_path=logs / "store.log"
+        "adapter_store",
+        [*common, "--data-dir", str(root / "store")],
+        log_path=logs / "store.log",
+        tls=tls_for("adapter_store"),
     )
     worker_procs = [
         ServiceProcess(
@@ -67,18 +94,22 @@ async def start_mesh(
                 *worker_flags,
             ],
             log_path=logs / f"worker-{i}.log",
+            tls=tls_for("gpu_worker"),
         )
         for i in range(workers)
     ]
-    scheduler = ServiceProcess("scheduler", [*common, *scheduler_flags], log_path=logs / "scheduler.log")
+    scheduler = ServiceProcess(
+        "scheduler", [*common, *scheduler_flags], log_path=logs / "scheduler.log", tls=tls_for("scheduler")
+    )
     openai_port = free_port("127.0.0.1")
     gateway = ServiceProcess(
         "gateway",
         [*common, "--api-keys-file", str(keys_file), "--openai-port", str(openai_port), *gateway_flags],
         log_path=logs / "gateway.log",
+        tls=tls_for("gateway"),
     )
     processes = [store, *worker_procs, scheduler, gateway]
-    mesh = Mesh(etcd, store, worker_procs, scheduler, gateway, processes, openai_port)
+    mesh = Mesh(etcd, store, worker_procs, scheduler, gateway, processes, openai_port, certs)
     try:
         for proc in processes:
             proc.start()
@@ -92,11 +123,9 @@ async def start_mesh(
 async def wait_for_workers(mesh: Mesh, count: int, timeout_s: float = 120) -> None:
     """Until the scheduler's view holds ``count`` workers with load reports. ``timeout_s`` only
     guards against a hang: workers loading the model on a busy 2-core machine can take a while."""
-    from grpc import aio
-
     from loramesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    async with aio.insecure_channel(mesh.scheduler.address) as channel:
+    async with aio_channel(mesh.scheduler.address, mesh.admin_tls) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         for _ in range(int(timeout_s * 10)):
             view = await stub.ClusterView(scheduler_pb2.ClusterViewRequest())

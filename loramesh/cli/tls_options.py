@@ -1,0 +1,37 @@
+"""``--tls-ca/--tls-cert/--tls-key``: the mutual TLS files the CLI presents to a mesh that runs
+with mTLS (its gateways, its adapter store, its etcd). Without them, the local mesh's files from
+mesh.json (``loramesh up --tls`` writes the ``admin`` identity's there); without those, plaintext."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loramesh.cli.errors import CommandError
+from loramesh.cli.mesh_file import MeshFile
+from loramesh.tls import ClientTLS
+from services.runtime.tls import NO_TLS, TLSConfig
+
+
+def add_tls_flags(parser) -> None:
+    parser.add_argument("--tls-ca", default="", help="mesh CA certificate (default: from mesh.json)")
+    parser.add_argument("--tls-cert", default="", help="client certificate, e.g. certs/admin.pem")
+    parser.add_argument("--tls-key", default="", help="its private key, e.g. certs/admin-key.pem")
+
+
+def cli_tls(args) -> TLSConfig:
+    """The TLS settings of this command: the flags, else mesh.json's, else none (plaintext)."""
+    try:
+        if args.tls_ca or args.tls_cert or args.tls_key:
+            return TLSConfig(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as error:
+        raise CommandError(f"--tls-ca, --tls-cert and --tls-key go together: {error}") from None
+    mesh = MeshFile.read(Path(args.state_dir))
+    return mesh.tls_config() if mesh is not None else NO_TLS
+
+
+def sdk_tls(args) -> ClientTLS | None:
+    """The flags as the SDK's TLS option; None leaves the SDK to read mesh.json itself."""
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    tls = cli_tls(args)
+    return ClientTLS(tls.ca_file, tls.cert_file, tls.key_file)

@@ -1,0 +1,59 @@
+"""Mutual TLS for the SDK's channels to a mesh that runs with it (``loramesh up --tls``).
+
+A mesh with mutual TLS refuses a caller without a certificate signed by its CA, so a client
+presents one: the ``admin`` identity that ``loramesh certs`` makes, or any other the operator
+issued. The local mesh's file names the files, so a client of that mesh needs no arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """The files a client presents and trusts (PEM)."""
+
+    ca_file: str
+    """The mesh CA certificate: the gateway's certificate must be signed by it."""
+    cert_file: str
+    """The client's certificate, signed by the same CA."""
+    key_file: str
+    """The client certificate's private key."""
+    server_name: str = ""
+    """Name the gateway's certificate is checked against instead of the dialled host; empty: the
+    host."""
+
+    @classmethod
+    def from_mapping(cls, entry: Mapping[str, str]) -> ClientTLS:
+        """From the ``tls`` entry of a mesh file (``{"ca_file", "cert_file", "key_file"}``)."""
+        return cls(entry["ca_file"], entry["cert_file"], entry["key_file"], entry.get("server_name", ""))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca_file).read_bytes(),
+            private_key=Path(self.key_file).read_bytes(),
+            certificate_chain=Path(self.cert_file).read_bytes(),
+        )
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def sync_channel(address: str, tls: ClientTLS | None) -> grpc.Channel:
+    """A blocking channel to ``address``: mutual TLS with ``tls``, plaintext without."""
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.credentials(), options=tls.options())
+
+
+def aio_channel(address: str, tls: ClientTLS | None) -> aio.Channel:
+    """An asyncio channel to ``address``: mutual TLS with ``tls``, plaintext without."""
+    if tls is None:
+        return aio.insecure_channel(address)
+    return aio.secure_channel(address, tls.credentials(), options=tls.options())
