@@ -91,6 +91,7 @@ class _RpcScope:
             # token does not apply (ValueError); that context's request id is not ours to reset.
             with contextlib.suppress(ValueError):
                 request_id_var.reset(self._token)
+            with contextlib.suppress(ValueError):
                 peer_identity_var.reset(self._peer_token)
 
 
