@@ -28,7 +28,7 @@ from services.scheduler.config import SchedulerConfig
 
 K8S = Path(__file__).resolve().parents[2] / "k8s"
 OVERLAYS = ("cpu", "gpu")
-#: 1.27: native gRPC probes are GA; 1.37: the newest schemas kubernetes-validate ships.
+#: 1.27: the oldest we support; 1.37: the newest schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.27", "1.37")
 #: Custom resources, validated against the schemas pinned in k8s/schemas/ (kubeconform layout).
 SERVICE_MONITOR_SCHEMA = K8S / "schemas" / "monitoring.coreos.com" / "servicemonitor_v1.json"
