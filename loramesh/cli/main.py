@@ -22,7 +22,11 @@ from loramesh.errors import LoraMeshError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loramesh", description="Serve many LoRA adapters of one base LLM.")
+    # No abbreviations: argparse would read a subcommand's `--tls` as an ambiguous prefix of these
+    # global `--tls-*` flags.
+    parser = argparse.ArgumentParser(
+        prog="loramesh", description="Serve many LoRA adapters of one base LLM.", allow_abbrev=False
+    )
     parser.add_argument(
         "--state-dir", default=str(DEFAULT_STATE_DIR), help="local mesh state (default .loramesh)"
     )
