@@ -106,8 +106,8 @@ class EngineConfig:
 
     batch_policy: str = "fcfs"
     """Which requests run each step and in which LoRA mode (``--batch-policy``): fcfs, lcfs,
-    early_abort (S-LoRA), adapter_clustering (S-LoRA), dlora (merged/unmerged switching) or pets
-    (coordinated prefill batching); see services/gpu_worker/engine/policies."""
+    early_abort (S-LoRA), adapter_clustering (S-LoRA), dlora (merged/unmerged switching), pets
+    (coordinated prefill batching) or hrrn (Magnus); see services/gpu_worker/engine/policies."""
 
     def __post_init__(self) -> None:
         if self.batch_policy not in BATCH_POLICIES:
