@@ -168,20 +168,14 @@ class LengthPredictor:
             self._rows.append((prediction.features, float(generated_tokens)))
             del self._rows[: max(0, len(self._rows) - self.config.max_training_rows)]
             self._pending += 1
-            if self._pending >= self.config.retrain_after and self._refit is None:
-                self._pending = 0
-                self._refit = threading.Thread(
-                    target=self._refit_in_background, args=(list(self._rows),), daemon=True
-                )
-                self._refit.start()
+            self._start_refit_if_due()
         return True
 
-    def wait_for_refit(self, timeout_s: float | None = None) -> None:
-        """Block until the refit under way (if any) is installed: for offline evaluation only,
-        never from an event loop."""
-        refit = self._refit
-        if refit is not None:
-            refit.join(timeout_s)
+    def wait_for_refit(self) -> None:
+        """Block until no refit is under way (those due after it included): for offline
+        evaluation only, never from an event loop."""
+        while (refit := self._refit) is not None:
+            refit.join()
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics: observed completions, their MAE, mispredictions, refits."""
@@ -213,6 +207,15 @@ class LengthPredictor:
         forest.fit(np.array([r[0] for r in rows]), np.array([r[1] for r in rows]))
         return forest
 
+    def _start_refit_if_due(self) -> None:
+        """Under the lock: a refit on a snapshot of the rows, if enough were added and none runs."""
+        if self._pending >= self.config.retrain_after and self._refit is None:
+            self._pending = 0
+            self._refit = threading.Thread(
+                target=self._refit_in_background, args=(list(self._rows),), daemon=True
+            )
+            self._refit.start()
+
     def _refit_in_background(self, rows: list[tuple[tuple[float, ...], float]]) -> None:
         try:
             self._forest = self._train(rows)
@@ -221,3 +224,6 @@ class LengthPredictor:
         finally:
             with self._lock:
                 self._refit = None
+                # Mispredictions that came during this refit start the next one now rather
+                # than waiting for one more to arrive.
+                self._start_refit_if_due()

@@ -80,7 +80,7 @@ def test_enough_mispredictions_refit_in_the_background_and_fix_the_prediction():
     assert abs(before.tokens - 60) > 10
     for _ in range(8):
         assert model.observe(model.predict([translate])[0], 60)
-    model.wait_for_refit(timeout_s=120)
+    model.wait_for_refit()
     assert model.stats()["retrains"] == 1
     assert model.predict([translate])[0].tokens == pytest.approx(60, abs=10)
 
@@ -94,3 +94,13 @@ def test_the_real_minilm_embedding_separates_short_and_long_tasks():
         [PromptInput("answer in one word", 4, "a"), PromptInput("write an essay number 7", 5, "b")]
     )
     assert word.tokens < 50 and essay.tokens > 150
+
+
+def test_mispredictions_that_come_during_a_refit_are_learned_by_the_next_one():
+    model = predictor(retrain_after=4)
+    model.fit(*prompts_and_lengths())
+    guess = LengthPrediction(1.0, model.predict([PromptInput("translate this", 3, "c")])[0].features)
+    for _ in range(8):
+        assert model.observe(guess, 60)
+    model.wait_for_refit()
+    assert model.stats()["retrains"] == 2 and model.stats()["training_rows"] == 60 + 8
