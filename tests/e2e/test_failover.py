@@ -13,6 +13,7 @@ How long that took is printed (not asserted: docs/testing.md).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -64,6 +65,9 @@ def supervised_mesh(tmp_path_factory, base_spec):
                 SampleAdapterSpec(rank=8, target_modules=LORA_TARGETS, seed=40 + i),
             )
             loramesh(state, "adapters", "upload", str(directory), "--name", name)
+        # The CLI reaches etcd and every member over mutual TLS with mesh.json's admin identity.
+        status = json.loads(loramesh(state, "status", "--json").stdout)
+        assert len(status) == 9 and {row["health"] for row in status} == {"SERVING"}
         yield state
     finally:
         loramesh(state, "down", check=False)

@@ -122,7 +122,7 @@ async def test_kill_9_of_a_worker_mid_stream_loses_and_repeats_nothing(mesh, loa
     assert sum(resumes for _, resumes in results) > 0, "no stream was on the killed worker"
 
 
-async def test_tenants_keys_and_bad_input(mesh, adapter_dirs):
+async def test_tenants_keys_and_bad_input(mesh, adapter_dirs, tmp_path):
     async with (
         AsyncClient(mesh.gateway.address, "key-alice", tls=mesh.client_tls) as alice,
         AsyncClient(mesh.gateway.address, "key-bob", tls=mesh.client_tls) as bob,
@@ -148,6 +148,11 @@ async def test_tenants_keys_and_bad_input(mesh, adapter_dirs):
     async with AsyncClient(mesh.gateway.address, "wrong-key", tls=mesh.client_tls) as stranger:
         with pytest.raises(sdk_errors.Unauthenticated):
             await stranger.generate("hi", max_tokens=2)
+    # A right key without a mesh certificate: refused at the TLS handshake.
+    no_mesh_file = tmp_path / "absent.json"
+    async with AsyncClient(mesh.gateway.address, "key-alice", retries=0, mesh_file=no_mesh_file) as plain:
+        with pytest.raises(sdk_errors.Unavailable):
+            await plain.generate("hi", max_tokens=2)
     async with aio_channel(mesh.gateway.address, mesh.admin_tls) as channel:  # a mesh certificate, no key
         with pytest.raises(grpc.RpcError) as err:
             async for _ in gateway_pb2_grpc.GatewayStub(channel).Generate(
