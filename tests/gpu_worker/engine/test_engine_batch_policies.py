@@ -68,7 +68,7 @@ def tokens(events: dict[str, list]) -> dict[str, list[int]]:
 
 
 def always_merge() -> DynamicBatching:
-    return DynamicBatching(DloraConfig(alpha=0.05, beta=0.05, min_threshold=0.05))
+    return DynamicBatching(DloraConfig(alpha=0.05, beta=0.05, min_threshold=0.05, merge_must_pay=False))
 
 
 def fixed_weights(engine: Engine) -> list[torch.Tensor]:
@@ -102,7 +102,9 @@ def test_a_merged_step_gives_the_unmerged_tokens_and_logits_and_unmerging_restor
 def test_switching_under_load_never_loses_or_duplicates_a_token(tiny_llama, adapter_dirs):
     load = [request(i, ("a", "b", None, "a", "a")[i % 5], max_tokens=6 + i % 4) for i in range(15)]
     want = tokens(run(make_engine(tiny_llama, adapter_dirs), load))
-    policy = DynamicBatching(DloraConfig(alpha=0.3, beta=0.25, period_steps=5, credit_threshold=4))
+    policy = DynamicBatching(
+        DloraConfig(alpha=0.3, beta=0.25, period_steps=5, credit_threshold=4, merge_must_pay=False)
+    )
     engine = make_engine(tiny_llama, adapter_dirs, policy, max_running=4)
     events = run(engine, load)
     assert tokens(events) == want

@@ -58,6 +58,12 @@ class DloraConfig:
     """Credits (steps left out) after which an adapter's requests go first: 2·N_I."""
     switch_s_prior: float = 0.05
     """Seconds one merge or unmerge is assumed to take until one is measured."""
+    merge_must_pay: bool = True
+    """Merge only when the step cost model expects the merged batch, decoding its requests'
+    remaining tokens with a merge and an unmerge charged, to out-run the FCFS batch unmerged:
+    Algorithm 2's comparison made before a switch instead of N_I steps after it (our addition).
+    Without it, where a merged step is no faster (this CPU) every merge costs t_M and holds the
+    other adapters' requests back until Algorithm 2 catches up. False: Algorithm 1 as published."""
 
     def __post_init__(self) -> None:
         if not 0 < self.min_threshold <= self.beta <= self.alpha <= 1:
@@ -167,8 +173,11 @@ class DynamicBatching:
         candidate = self._merge_candidate(requests)
         if candidate is None:
             return UNMERGED
-        share = _batch_share(requests, candidate, view.max_running, fcfs)
-        return Merged(candidate) if share > self.alpha else UNMERGED
+        if _batch_share(requests, candidate, view.max_running, fcfs) <= self.alpha:
+            return UNMERGED
+        if self.config.merge_must_pay and not self._merge_pays(requests, candidate, view.max_running, fcfs):
+            return UNMERGED
+        return Merged(candidate)
 
     @staticmethod
     def _merge_candidate(requests: list[Request]) -> str | None:
@@ -180,6 +189,18 @@ class DynamicBatching:
         for r in sorted(requests, key=lambda r: r.arrived_s):
             first_seen.setdefault(r.adapter_id, r.arrived_s)
         return min(counts, key=lambda a: (-counts[a], first_seen[a], a))
+
+    def _merge_pays(
+        self, requests: list[Request], candidate: str, max_running: int, fcfs: list[Request]
+    ) -> bool:
+        """Decode throughput, from the step cost model: the merged batch over the mean of its
+        requests' remaining tokens with a merge and an unmerge, against the FCFS batch unmerged."""
+        batch = [r for r in requests if r.adapter_id == candidate][:max_running]
+        steps = sum(_tokens_left(r) for r in batch) / len(batch)
+        cost = self.cost.cost
+        merged = _rate(len(batch) * steps, steps * cost.seconds(0, len(batch), 0) + 2 * self.switch_s)
+        adapters = len({r.adapter_id for r in fcfs} - {None})
+        return merged > _rate(len(fcfs), cost.seconds(0, len(fcfs), adapters))
 
     # -- starvation prevention --------------------------------------------------------------
 
@@ -241,5 +262,9 @@ def _batch_share(requests: list[Request], adapter_id: str, max_running: int, fcf
     return min(sum(r.adapter_id == adapter_id for r in requests), max_running) / len(fcfs)
 
 
-def _rate(tokens: int, seconds: float) -> float:
+def _tokens_left(request: Request) -> int:
+    return request.max_new_tokens if isinstance(request, QueuedRequest) else request.remaining_tokens
+
+
+def _rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0

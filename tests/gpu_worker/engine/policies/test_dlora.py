@@ -54,10 +54,12 @@ class SimEngine:
 
     def step(self) -> BatchPlan:
         running = tuple(
-            RunningRequest(r.request_id, r.adapter_id, r.arrived) for r in self.requests.values() if r.started
+            RunningRequest(r.request_id, r.adapter_id, r.arrived, remaining_tokens=r.tokens_left)
+            for r in self.requests.values()
+            if r.started
         )
         waiting = tuple(
-            QueuedRequest(r.request_id, r.adapter_id, r.arrived, 16)
+            QueuedRequest(r.request_id, r.adapter_id, r.arrived, 16, max_new_tokens=r.tokens_left)
             for r in self.requests.values()
             if not r.started
         )
@@ -90,8 +92,13 @@ class SimEngine:
         return plan
 
 
+def algorithm_1(**knobs) -> DloraConfig:
+    """dLoRA's Algorithm 1 as published: the share alone decides (no cost gate)."""
+    return DloraConfig(merge_must_pay=False, **knobs)
+
+
 def test_a_dominant_adapter_is_merged_and_unmerged_once_its_share_falls():
-    engine = SimEngine(DynamicBatching(DloraConfig(alpha=0.8, beta=0.5), fixed_cost()))
+    engine = SimEngine(DynamicBatching(algorithm_1(alpha=0.8, beta=0.5), fixed_cost()))
     for i in range(7):
         engine.add(f"hot{i}", "hot", tokens=3)
     engine.add("cold", "cold", tokens=3)
@@ -109,18 +116,40 @@ def test_a_dominant_adapter_is_merged_and_unmerged_once_its_share_falls():
 def test_alpha_at_one_stops_merging_even_under_a_backlog():
     # 20 queued requests of one adapter against a batch of 8: its share counts the 8 a merged
     # step could run, so it is 1 and never exceeds α = 1 (Algorithm 2's ceiling turns merging off).
-    engine = SimEngine(DynamicBatching(DloraConfig(alpha=1.0, beta=0.5), fixed_cost()))
+    engine = SimEngine(DynamicBatching(algorithm_1(alpha=1.0, beta=0.5), fixed_cost()))
     for i in range(20):
         engine.add(f"hot{i}", "hot")
     assert all(engine.step().mode == UNMERGED for _ in range(5))
-    merging = SimEngine(DynamicBatching(DloraConfig(alpha=0.95, beta=0.5), fixed_cost()))
+    merging = SimEngine(DynamicBatching(algorithm_1(alpha=0.95, beta=0.5), fixed_cost()))
     for i in range(20):
         merging.add(f"hot{i}", "hot")
     assert merging.step().mode == Merged("hot")
 
 
+def test_a_merge_waits_until_the_cost_model_says_it_pays_for_its_switches():
+    # Fixed cost: 0.01 s a decode, 0.005 s an adapter unmerged, a switch assumed 0.05 s. Eight
+    # requests of one adapter unmerged: 8 / 0.085 s = 94 requests/s. Merged over 50 tokens each:
+    # 400 / (50 · 0.08 + 2 · 0.05) = 98/s, so it merges; over 3 tokens: 24 / 0.34 = 71/s, it does not.
+    long_run = SimEngine(DynamicBatching(DloraConfig(), fixed_cost()))
+    short_run = SimEngine(DynamicBatching(DloraConfig(), fixed_cost()))
+    for i in range(8):
+        long_run.add(f"hot{i}", "hot", tokens=50)
+        short_run.add(f"hot{i}", "hot", tokens=3)
+    assert long_run.step().mode == Merged("hot")
+    assert short_run.step().mode == UNMERGED
+
+
+def test_where_a_merged_step_is_no_faster_it_never_merges():
+    free_lora = StepCostModel(StepCostConfig(min_steps=10**9), StepCost(0.0, 0.0, MERGED_S, 0.0))
+    engine = SimEngine(DynamicBatching(DloraConfig(), free_lora))
+    for i in range(16):
+        engine.add(f"hot{i}", "hot", tokens=10**6)
+    assert all(engine.step().mode == UNMERGED for _ in range(20))
+    assert engine.policy.switches == 0
+
+
 def test_a_merged_step_pauses_the_running_requests_of_other_adapters():
-    policy = DynamicBatching(DloraConfig(alpha=0.5, beta=0.3), fixed_cost())
+    policy = DynamicBatching(algorithm_1(alpha=0.5, beta=0.3), fixed_cost())
     view = BatchView(
         5.0,
         tuple(QueuedRequest(f"w{i}", "hot", 1.0 + i, 16) for i in range(4)),
