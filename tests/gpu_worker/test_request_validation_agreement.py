@@ -13,6 +13,8 @@ from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.request import GenerationRequest
+from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.tokenizer_loading import TokenizerBundle, load_tokenizer
 from services.gpu_worker.servicer import WorkerServicer
@@ -95,3 +97,24 @@ async def test_ids_outside_each_side_s_vocabulary_are_named_with_its_size(worker
     assert (await worker_refusal(worker, [1], sampling)).message == (
         f"stop_token_ids must be within [0, {worker_vocab})"
     )
+
+
+def test_the_engine_itself_refuses_with_the_same_checks(tiny_llama):
+    """Engine.submit (in-process callers, no servicer in front) runs the shared checks too."""
+    engine = Engine(
+        LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), EngineConfig(pool_mib=1)
+    )
+    vocab, context = tiny_llama.config.vocab_size, tiny_llama.config.max_position_embeddings
+    cases = {
+        (): "prompt is empty: give at least one token",
+        (1,) * context: f"prompt has {context} tokens; the model's context is {context}",
+        (vocab,): f"prompt token ids must be within [0, {vocab})",
+    }
+    for prompt, message in cases.items():
+        with pytest.raises(InvalidField) as caught:
+            engine.submit(GenerationRequest("r", prompt, SamplingParams(max_tokens=4)), lambda _: None)
+        assert caught.value.message == message
+    with pytest.raises(InvalidField, match="stop_token_ids must be within"):
+        engine.submit(
+            GenerationRequest("r", (1,), SamplingParams(max_tokens=4, stop_token_ids=(vocab,))), print
+        )

@@ -67,7 +67,8 @@ from services.gpu_worker.memory.remote_block_allocator import CreditorUnavailabl
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from services.runtime.errors import AlreadyExists, NotFound, ResourceExhausted
+from services.runtime.request_validation import check_request
 
 log = logging.getLogger("loramesh.engine")
 
@@ -233,17 +234,8 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Queue a request; ``sink`` receives its events on the engine thread."""
-        request.sampling.validate()
-        if not request.prompt_ids:
-            raise InvalidArgument("prompt is empty: give at least one token")
-        limit = self.model.config.max_position_embeddings
-        if len(request.prompt_ids) >= limit:
-            raise InvalidArgument(
-                f"prompt has {len(request.prompt_ids)} tokens; the model's context is {limit}"
-            )
-        vocab = self.model.config.vocab_size
-        if max(request.prompt_ids) >= vocab or min(request.prompt_ids) < 0:
-            raise InvalidArgument(f"prompt token ids must be within [0, {vocab})")
+        config = self.model.config
+        check_request(request.prompt_ids, request.sampling, config.vocab_size, config.max_position_embeddings)
         if request.adapter_id is not None and request.adapter_id not in self.host_adapters:
             raise NotFound(f"adapter {request.adapter_id!r} is not loaded on this worker")
         kv = KvTable(self.pool)
