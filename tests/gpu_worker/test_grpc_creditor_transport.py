@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 import torch
-from grpc import aio
+from support.worker_server import serve_worker
 
-from loramesh.v1 import worker_pb2, worker_pb2_grpc
+from loramesh.v1 import worker_pb2
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig
@@ -27,9 +27,7 @@ from services.gpu_worker.lending_proto import (
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.service import WorkerService
-from services.gpu_worker.servicer import WorkerServicer
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
-from services.runtime.interceptors import ServiceInterceptor
 
 BLOCK = 4
 SMALL_POOL_MIB = 1 / 64  # tiny Llama: 16 pages of 4 tokens = 8 blocks of 2 layers = 32 tokens
@@ -45,14 +43,9 @@ async def creditor(tiny_llama):
     lender = engine(
         tiny_llama, EngineConfig(pool_mib=1, kv_block_tokens=BLOCK, worker_id="creditor", max_lent_blocks=16)
     )
-    servicer = WorkerServicer()
-    servicer.attach(lender, None, {"model": "tiny", "dtype": "float32"})
-    server = aio.server(interceptors=[ServiceInterceptor()])
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, address = await serve_worker(lender, "tiny")
     try:
-        yield lender, f"127.0.0.1:{port}"
+        yield lender, address
     finally:
         await server.stop(None)
 

@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 from grpc import aio
+from support.worker_server import serve_worker
 
 from loramesh.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
@@ -20,7 +21,6 @@ from services.gpu_worker.lending_proto import tensor_from_proto, tensor_to_proto
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment
 from services.gpu_worker.memory.unified_pool import PoolLayout
 from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.servicer import WorkerServicer
 from services.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -28,7 +28,6 @@ from services.runtime.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.runtime.interceptors import ServiceInterceptor
 
 CAP = 6
 
@@ -38,14 +37,9 @@ async def creditor(tiny_llama):
     """(engine, address) of a worker lending up to CAP blocks, serving on loopback."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     engine = Engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=CAP))
-    servicer = WorkerServicer()
-    servicer.attach(engine, None, {"model": "tiny", "dtype": "float32"})
-    server = aio.server(interceptors=[ServiceInterceptor()])
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, address = await serve_worker(engine, "tiny")
     try:
-        yield engine, f"127.0.0.1:{port}"
+        yield engine, address
     finally:
         await server.stop(None)
 
