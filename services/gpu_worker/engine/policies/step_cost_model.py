@@ -81,9 +81,29 @@ class StepCostModel:
         # the fixed cost: it keeps its prior value, and the fixed cost (the intercept, which may
         # go negative to absorb it) and the other terms are fitted. Slopes are never negative.
         varied = np.array([True, *(np.ptp(terms[:, i]) > 0 for i in range(1, 4))])
+        # Nor can the adapter term be told from the token terms when the adapter count moves with
+        # them (every request a different adapter: adapters = decodes in every step); a fit would
+        # split the per-request cost between them at random. Then it counts 0 and the token terms
+        # take its cost, which predicts such steps right and claims no adapter cost unseen.
+        if varied[3] and _explained(terms[:, 3], terms[:, varied[:3].nonzero()[0]]):
+            varied[3], prior[3] = False, 0.0
         target = rows[:, 3] - terms[:, ~varied] @ prior[~varied]
         coef, *_ = np.linalg.lstsq(terms[:, varied], target, rcond=None)
         fitted = prior.copy()
         fitted[varied] = coef
         fitted[1:] = np.maximum(fitted[1:], 0.0)
         self.cost = StepCost(*(float(c) for c in fitted))
+
+
+COLLINEAR_R2 = 0.95
+"""A column this well explained (R²) by the others' least-squares combination is not fitted."""
+
+
+def _explained(column: np.ndarray, others: np.ndarray) -> bool:
+    """Whether ``column`` is (nearly) a linear combination of the ``others`` columns."""
+    spread = np.sum((column - column.mean()) ** 2)
+    if spread == 0:
+        return True
+    coef, *_ = np.linalg.lstsq(others, column, rcond=None)
+    residual = np.sum((column - others @ coef) ** 2)
+    return 1 - residual / spread >= COLLINEAR_R2

@@ -43,3 +43,19 @@ def test_a_term_the_steps_do_not_vary_keeps_its_prior():
     assert model.cost.per_prefill_token == 0.25 and model.cost.per_adapter == 0.125
     for decode in (1, 5, 30):  # what it predicts for such steps is still right
         assert model.cost.seconds(0, decode, 1) == pytest.approx(TRUE.seconds(0, decode, 1))
+
+
+def test_an_adapter_count_that_moves_with_the_decodes_is_not_fitted():
+    # Every request a different adapter: adapters = decodes in every step, so no fit can tell the
+    # per-adapter cost from the per-decode one; the adapter term counts 0 and the decode term
+    # takes both.
+    prior = StepCost(0.5, 0.25, 0.0, 0.125)
+    model = StepCostModel(StepCostConfig(min_steps=4, refit_every=1), prior)
+    rng = random.Random(1)
+    for _ in range(32):
+        decode = rng.randrange(1, 9)
+        model.observe(outcome(rng.randrange(0, 200), decode, decode))
+    assert model.cost.per_adapter == 0.0
+    assert model.cost.per_decode_token == pytest.approx(TRUE.per_decode_token + TRUE.per_adapter)
+    for decode in (1, 4, 8):
+        assert model.cost.seconds(100, decode, decode) == pytest.approx(TRUE.seconds(100, decode, decode))
