@@ -1,7 +1,14 @@
-"""The experiment's table (markdown) and plot (p99 latency per policy and trace)."""
+"""The experiment's table (markdown) and plot (p99 latency per policy and trace).
+
+Rebuild them from one or more ``results.json`` (e.g. runs of different seeds or sizes)::
+
+    .venv/bin/python -m bench.cluster_sim.report --inputs a/results.json b/results.json --out bench/results/cluster_sim
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import matplotlib
@@ -11,12 +18,13 @@ import matplotlib.pyplot as plt
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| workers | trace | policy | p50 s | p99 s | first-token SLO | req/s | tok/s | migrations/min "
-            "| prefetches |\n|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+    head = ("| workers | seed | trace | policy | p50 s | p99 s | p99 first→last token s | first-token SLO | req/s "
+            "| tok/s | migrations/min | prefetches | preemptions |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
     lines = [
-        f"| {r['workers']} | {r['trace']} | {r['policy']} | {r['p50_latency_s']:.2f} | {r['p99_latency_s']:.2f} "
-        f"| {r['slo_attainment']:.1%} | {r['throughput_rps']:.2f} | {r['tokens_per_s']:.0f} "
-        f"| {r['migrations_per_min']:.1f} | {r['prefetches']} |"
+        f"| {r['workers']} | {r.get('seed', 0)} | {r['trace']} | {r['policy']} | {r['p50_latency_s']:.2f} | {r['p99_latency_s']:.2f} "
+        f"| {r['decode_bound_p99_s']:.2f} | {r['slo_attainment']:.1%} | {r['throughput_rps']:.2f} "
+        f"| {r['tokens_per_s']:.0f} | {r['migrations_per_min']:.1f} | {r['prefetches']} | {r['preemptions']} |"
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"
@@ -39,7 +47,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(traces))], traces, fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("p99 latency (s, log)")
-        ax.set_title(f"{workers} simulated workers")
+        seeds = sorted({r.get("seed", 0) for r in rows if r["workers"] == workers})
+        ax.set_title(f"{workers} simulated workers, trace seed {', '.join(map(str, seeds))}")
     axes[0, 0].legend(fontsize=7, ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -64,13 +73,36 @@ def ratio_table(rows: list[dict], baseline: str = "LEW", contender: str = "LEW+p
     return head + "\n".join(lines) + "\n"
 
 
-def write_report(out: Path, meta: dict, rows: list[dict]) -> None:
+def write_report(out: Path, meta: dict, rows: list[dict], table_seeds: list[int] | None = None) -> None:
+    """``results.md`` (the table of ``table_seeds``' rows, default the first seed's, and the
+    ratio table of every seed) and ``p99.png`` (the table's rows)."""
     header = (
         f"CPU of the calibration: {meta['cpu_model']}; capacity {meta['capacity_rps_per_worker']:.2f} req/s "
         f"per worker (estimated), load {meta['load']:.0%}, first-token SLO {meta['slo_s']:.2f} s, "
         f"{meta['adapters']} adapters, {meta['duration_s']:.0f} s per trace.\n\n"
     )
-    first = [r for r in rows if r.get("seed", 0) == rows[0].get("seed", 0)]
+    shown = table_seeds if table_seeds is not None else [rows[0].get("seed", 0)]
+    first = [r for r in rows if r.get("seed", 0) in shown]
     ratios = "\nLEW's p99 over the combination's, per seed:\n\n" + ratio_table(rows)
     (out / "results.md").write_text(header + table(first) + ratios)
     plot(first, out / "p99.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--inputs", nargs="+", required=True, help="results.json files of experiment runs")
+    parser.add_argument("--out", default="bench/results/cluster_sim")
+    parser.add_argument("--table-seeds", type=int, nargs="*", help="seeds whose rows the table shows")
+    args = parser.parse_args()
+    runs = [json.loads(Path(path).read_text()) for path in args.inputs]
+    rows = [row for run in runs for row in run["rows"]]
+    seeds = list(dict.fromkeys(row.get("seed", 0) for row in rows))
+    meta = {**runs[0]["meta"], "seeds": seeds}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    write_report(out, meta, rows, args.table_seeds)
+
+
+if __name__ == "__main__":
+    main()
