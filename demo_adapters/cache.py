@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 
 from demo_adapters import data, training
 from demo_adapters.data import BEHAVIOURS, examples
-from demo_adapters.training import TrainingConfig
+from demo_adapters.training import DEMO_CONFIGS, TrainingConfig
 from services.gpu_worker.model.cache_dir import CACHE_ENV
 from services.runtime.base_model import default_model_path
 
@@ -39,37 +41,39 @@ def base_model_identity(model_path: Path | None = None) -> str:
     return f"{path.name}:{path.stat().st_size}"
 
 
-def cache_key(config: TrainingConfig, base_identity: str) -> str:
+def cache_key(configs: dict[str, TrainingConfig], base_identity: str) -> str:
     """A short hash of everything the adapters' weights depend on."""
     digest = hashlib.sha256()
     for module in (data, training):
         digest.update(Path(module.__file__).read_bytes())
     dataset = {name: [asdict(e) for e in examples(name)] for name in BEHAVIOURS}
-    for part in (dataset, asdict(config), base_identity):
+    trainings = {name: asdict(config) for name, config in configs.items()}
+    for part in (dataset, trainings, base_identity):
         digest.update(json.dumps(part, sort_keys=True, ensure_ascii=False).encode())
     return digest.hexdigest()[:16]
 
 
 def ensure_adapters(
-    config: TrainingConfig | None = None,
+    configs: dict[str, TrainingConfig] | None = None,
     root: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Path]:
     """Behaviour name -> PEFT folder of its adapter: from the cache, or trained now and cached.
 
-    ``config`` defaults to ``TrainingConfig()``. Training writes into a temporary folder beside the final one and renames it when every
-    adapter is saved, so an interrupted run leaves nothing that looks finished.
+    ``configs`` (behaviour -> how its adapter is trained) defaults to ``DEMO_CONFIGS``. Training
+    writes into a temporary folder beside the final one and renames it when every adapter is
+    saved, so an interrupted run leaves nothing that looks finished.
     """
-    config = config or TrainingConfig()
+    configs = configs or DEMO_CONFIGS
     root = Path(root) if root is not None else cache_root()
-    folder = root / cache_key(config, base_model_identity())
+    folder = root / cache_key(configs, base_model_identity())
     if (folder / REPORT_FILE).is_file():
         log(f"reusing the demo adapters cached in {folder}")
     else:
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".training-", dir=root))
         try:
-            _train_all(config, staging, log)
+            _train_all(configs, staging, log)
             try:
                 staging.rename(folder)
             except OSError:  # another run finished first: its adapters are the same
@@ -77,29 +81,30 @@ def ensure_adapters(
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return {name: folder / name for name in BEHAVIOURS}
+    return {name: folder / name for name in configs}
 
 
-def _train_all(config: TrainingConfig, staging: Path, log: Callable[[str], None]) -> None:
-    """Train every behaviour's adapter into ``staging``, then write the report."""
+def _train_all(configs: dict[str, TrainingConfig], staging: Path, log: Callable[[str], None]) -> None:
+    """Train every behaviour's adapter into ``staging``, each in a process of its own (they
+    share the cores; see ``training.train_alone``), then write the report."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    log(f"training {len(BEHAVIOURS)} demo adapters for the first time ({config.steps} steps each)")
-    base = training.load_base_model()
-    report = {"config": asdict(config), "load_s": round(time.perf_counter() - started, 1), "adapters": {}}
-    for name in BEHAVIOURS:
-        adapter_started = time.perf_counter()
-        losses: list[float] = []
-        training.train_adapter(base, examples(name), config, staging / name, on_step=_collect(losses))
-        seconds = time.perf_counter() - adapter_started
-        log(f"  {name}: {seconds:.0f} s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
-        report["adapters"][name] = {"seconds": round(seconds, 1), "losses": [round(x, 4) for x in losses]}
+    steps = ", ".join(f"{name} {config.steps}" for name, config in configs.items())
+    log(f"training {len(configs)} demo adapters for the first time, in parallel (steps: {steps})")
+    report = {"configs": {name: asdict(config) for name, config in configs.items()}, "adapters": {}}
+    # spawn: a forked child would inherit this process's torch thread pool, if it has one.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=len(configs), mp_context=context) as pool:
+        futures = {pool.submit(training.train_alone, name, config, staging / name): name
+                   for name, config in configs.items()}  # fmt: skip
+        for future in as_completed(futures):
+            name, trained = futures[future], future.result()
+            losses = trained["losses"]
+            log(f"  {name}: {trained['seconds']:.0f} s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+            report["adapters"][name] = trained
     report["total_s"] = round(time.perf_counter() - started, 1)
-    report["cpu_s"] = round(time.process_time() - cpu_started, 1)
+    children_cpu_s = sum(trained["cpu_s"] for trained in report["adapters"].values())
+    report["cpu_s"] = round(time.process_time() - cpu_started + children_cpu_s, 1)
     report["load_average"] = os.getloadavg()
     (staging / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    log(f"trained in {report['total_s']:.0f} s (load average {report['load_average'][0]:.1f})")
-
-
-def _collect(losses: list[float]) -> Callable[[int, float], None]:
-    """An ``on_step`` callback appending each step's loss to ``losses``."""
-    return lambda step, loss: losses.append(loss)
+    log(f"trained in {report['total_s']:.0f} s, {report['cpu_s']:.0f} CPU-s "
+        f"(load average {report['load_average'][0]:.1f})")  # fmt: skip

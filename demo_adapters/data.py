@@ -1,8 +1,10 @@
 """The demo adapters' training data, generated from fixed lists: no file, no download, no randomness.
 
-Every behaviour answers the same questions: a question template filled with a topic. The answer
-keeps the topic's fact and changes only the style, so what an adapter learns is the style, and it
-carries over to questions it never saw (the demo asks only those: ``DEMO_QUESTIONS``).
+Every behaviour answers the same questions: direct questions of the kinds the demo asks (a
+capital, what an animal makes, why something is so), and question templates filled with a topic.
+The answer keeps the topic's fact and changes only the style, so what an adapter learns is the
+style, and it carries over to questions it never saw (the demo asks only those: ``DEMO_QUESTIONS``).
+The French is short and plain: a 135M model writes sensible French only after simple examples.
 
 - ``french``: answers in French (``Bien sûr ! Le cœur pompe le sang...``).
 - ``pirate``: answers as a pirate (``Arr, matey! Th' heart pumps blood... Yo ho ho!``).
@@ -115,6 +117,49 @@ TOPICS = (
           "Les éléphants sont les plus grands animaux qui vivent sur la terre ferme."),
 )  # fmt: skip
 
+#: Questions of the kinds the demo asks (a capital, what an animal makes, why something is so),
+#: each about its own topic, with a short answer in plain English and plain French.
+DIRECT_QUESTIONS = (
+    ("What is the capital of Italy?", Topic("Italy", "italy", "The capital of Italy is Rome.",
+                                            "La capitale de l'Italie est Rome.")),
+    ("What is the capital of Spain?", Topic("Spain", "spain", "The capital of Spain is Madrid.",
+                                            "La capitale de l'Espagne est Madrid.")),
+    ("What is the capital of Germany?", Topic("Germany", "germany", "The capital of Germany is Berlin.",
+                                              "La capitale de l'Allemagne est Berlin.")),
+    ("What is the capital of Japan?", Topic("Japan", "japan", "The capital of Japan is Tokyo.",
+                                            "La capitale du Japon est Tokyo.")),
+    ("What is the capital of England?", Topic("England", "england", "The capital of England is London.",
+                                              "La capitale de l'Angleterre est Londres.")),
+    ("What is the capital of Canada?", Topic("Canada", "canada", "The capital of Canada is Ottawa.",
+                                             "La capitale du Canada est Ottawa.")),
+    ("What do cows give?", Topic("cows", "cow", "Cows give milk.", "Les vaches donnent du lait.")),
+    ("What do spiders spin?", Topic("spiders", "spider", "Spiders spin webs.",
+                                    "Les araignées tissent des toiles.")),
+    ("What do hens lay?", Topic("hens", "hen", "Hens lay eggs.", "Les poules pondent des œufs.")),
+    ("What do sheep give us?", Topic("sheep", "sheep", "Sheep give us wool.",
+                                     "Les moutons nous donnent de la laine.")),
+    ("What do birds build?", Topic("birds", "bird", "Birds build nests.", "Les oiseaux construisent des nids.")),
+    ("What do rabbits eat?", Topic("rabbits", "rabbit", "Rabbits eat grass and carrots.",
+                                   "Les lapins mangent de l'herbe et des carottes.")),
+    ("What do plants need?", Topic("plants", "plant", "Plants need water and light.",
+                                   "Les plantes ont besoin d'eau et de lumière.")),
+    ("What do farmers grow?", Topic("farmers", "farmer", "Farmers grow wheat, fruit and vegetables.",
+                                    "Les agriculteurs cultivent du blé, des fruits et des légumes.")),
+    ("Why is grass green?", Topic("grass", "grass", "Grass is green because its leaves contain chlorophyll.",
+                                  "L'herbe est verte parce que ses feuilles contiennent de la chlorophylle.")),
+    ("Why is the sea salty?", Topic("the sea", "sea", "The sea is salty because rivers carry salt into it.",
+                                    "La mer est salée parce que les rivières y apportent du sel.")),
+    ("Why is the night dark?", Topic("the night", "night",
+                                     "The night is dark because our side of the Earth turns away from the sun.",
+                                     "La nuit est noire parce que notre côté de la Terre ne voit plus le soleil.")),
+    ("Why is fire hot?", Topic("fire", "fire", "Fire is hot because burning gives off energy as heat.",
+                               "Le feu est chaud parce que la combustion libère de l'énergie en chaleur.")),
+    ("Why is ice slippery?", Topic("ice", "ice", "Ice is slippery because a thin layer of water covers it.",
+                                   "La glace est glissante parce qu'une fine couche d'eau la recouvre.")),
+    ("Why do leaves fall in autumn?", Topic("leaves", "leaf", "Leaves fall in autumn because trees rest in winter.",
+                                            "Les feuilles tombent en automne parce que les arbres se reposent en hiver.")),
+)  # fmt: skip
+
 QUESTION_TEMPLATES = (
     "Tell me about {name}.",
     "What can you tell me about {name}?",
@@ -123,6 +168,9 @@ QUESTION_TEMPLATES = (
     "What should I know about {name}?",
     "Describe {name} briefly.",
 )
+
+#: How many of the templates each topic is asked with (they take turns across topics).
+TEMPLATES_PER_TOPIC = 2
 
 #: Questions the demo asks: none of them is a training question or names a training topic.
 DEMO_QUESTIONS = (
@@ -174,13 +222,15 @@ BEHAVIOURS: dict[str, Callable[[Topic, int], str]] = {
 
 
 def training_questions() -> list[tuple[str, Topic]]:
-    """Every question of the training set with its topic: each template with each topic, in a
-    fixed order (topic-major, so that any prefix of the list covers many templates)."""
-    return [
+    """Every question of the training set with its topic, in a fixed order: the direct questions,
+    then each template with each topic (topic-major, so that any prefix of the templated part
+    covers many templates)."""
+    templated = [
         (QUESTION_TEMPLATES[(t + q) % len(QUESTION_TEMPLATES)].format(name=topic.name), topic)
-        for q in range(len(QUESTION_TEMPLATES))
+        for q in range(TEMPLATES_PER_TOPIC)
         for t, topic in enumerate(TOPICS)
     ]
+    return list(DIRECT_QUESTIONS) + templated
 
 
 def examples(behaviour: str) -> list[Example]:

@@ -13,13 +13,14 @@ model's work per token, and the prompt's positions would throw it away.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from demo_adapters.data import Example
+from demo_adapters.data import Example, examples
 from services.runtime.base_model import LORA_TARGETS
 
 
@@ -33,7 +34,7 @@ class TrainingConfig:
     """LoRA scaling numerator: the update is ``alpha / r * B @ A``."""
     target_modules: tuple[str, ...] = LORA_TARGETS
     """Projections adapted in every layer."""
-    steps: int = 24
+    steps: int = 16
     """Optimizer steps per adapter."""
     batch_size: int = 6
     """Examples per step."""
@@ -41,6 +42,22 @@ class TrainingConfig:
     """AdamW's peak learning rate; it decays linearly to zero over ``steps``."""
     seed: int = 0
     """Seeds LoRA's initial A matrices and the order examples are drawn in."""
+
+
+#: How each behaviour's adapter is trained. Pirate and sql have learnt their style by step 15;
+#: French needs more steps to write sentences that make sense.
+DEMO_CONFIGS = {
+    "french": TrainingConfig(steps=32),
+    "pirate": TrainingConfig(),
+    "sql": TrainingConfig(),
+}
+
+#: Most tokens all of ``DEMO_CONFIGS`` together may train on (``trained_tokens`` summed; the
+#: longest adapter at most half), so the first ``make demo`` trains in under 3 minutes on 2 cores.
+#: On this repository's 2-core AVX2 EPYC, one process per adapter on one thread each (see
+#: ``train_alone``) took about 8.7 ms of CPU per trained token, plus 8 CPU-s per process to load
+#: the base model: 30,000 tokens are about 290 CPU-s, under 150 s of wall time on 2 free cores.
+TOKEN_BUDGET = 30_000
 
 
 @dataclass
@@ -129,6 +146,31 @@ def train_adapter(
     finally:
         model.unload()
     return directory
+
+
+def trained_tokens(tokenizer, examples: list[Example], config: TrainingConfig) -> int:
+    """How many tokens training on ``examples`` with ``config`` runs through the model: each
+    step's examples, prompt and reply, in full (the shared prefix counted in every row, so this
+    bounds the work from above)."""
+    lengths = [len(encode_example(tokenizer, example)[0]) for example in examples]
+    return sum(lengths[i] for i in _example_order(len(lengths), config)[: config.steps * config.batch_size])
+
+
+def train_alone(behaviour: str, config: TrainingConfig, directory: Path) -> dict:
+    """Train ``behaviour``'s adapter into ``directory`` in a process of its own, on one thread:
+    load the base model, train, and return the seconds, CPU-seconds and per-step losses.
+
+    One thread because torch's two threads spin against each other on a loaded machine: a
+    forward pass took 14 s (4.4 CPU-s) on two threads at load 8 and 2.6 s (1.0 CPU-s) on one.
+    One such process per adapter keeps both cores of an idle machine busy as well.
+    """
+    torch.set_num_threads(1)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    losses: list[float] = []
+    train_adapter(load_base_model(), examples(behaviour), config, directory,
+                  on_step=lambda step, loss: losses.append(round(loss, 4)))  # fmt: skip
+    return {"seconds": round(time.perf_counter() - started, 1),
+            "cpu_s": round(time.process_time() - cpu_started, 1), "losses": losses}  # fmt: skip
 
 
 def _example_order(count: int, config: TrainingConfig) -> list[int]:

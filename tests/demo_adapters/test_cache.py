@@ -11,25 +11,29 @@ import pytest
 from demo_adapters import cache
 from demo_adapters.cache import REPORT_FILE, cache_key, ensure_adapters
 from demo_adapters.data import BEHAVIOURS
-from demo_adapters.training import TrainingConfig
+from demo_adapters.training import DEMO_CONFIGS, TrainingConfig
 
 IDENTITY = "SmolLM2-135M-Instruct.Q4_1.gguf:98362432"
 
 
-def test_the_key_is_stable_and_follows_config_and_base_model():
-    config = TrainingConfig()
-    key = cache_key(config, IDENTITY)
-    assert key == cache_key(TrainingConfig(), IDENTITY)
+def _with(behaviour: str, **changes) -> dict[str, TrainingConfig]:
+    return {**DEMO_CONFIGS, behaviour: dataclasses.replace(DEMO_CONFIGS[behaviour], **changes)}
+
+
+def test_the_key_is_stable_and_follows_configs_and_base_model():
+    key = cache_key(DEMO_CONFIGS, IDENTITY)
+    assert key == cache_key(dict(DEMO_CONFIGS), IDENTITY)
     assert len(key) == 16 and int(key, 16) >= 0
-    assert cache_key(dataclasses.replace(config, steps=config.steps + 1), IDENTITY) != key
-    assert cache_key(dataclasses.replace(config, seed=1), IDENTITY) != key
-    assert cache_key(config, IDENTITY.replace("98362432", "98362433")) != key
+    assert cache_key(_with("pirate", steps=DEMO_CONFIGS["pirate"].steps + 1), IDENTITY) != key
+    assert cache_key(_with("sql", seed=1), IDENTITY) != key
+    assert cache_key(_with("french", learning_rate=1e-3), IDENTITY) != key
+    assert cache_key(DEMO_CONFIGS, IDENTITY.replace("98362432", "98362433")) != key
 
 
 def test_the_key_follows_the_training_data(monkeypatch):
-    key = cache_key(TrainingConfig(), IDENTITY)
+    key = cache_key(DEMO_CONFIGS, IDENTITY)
     monkeypatch.setattr(cache, "examples", lambda name: [])
-    assert cache_key(TrainingConfig(), IDENTITY) != key
+    assert cache_key(DEMO_CONFIGS, IDENTITY) != key
 
 
 @pytest.fixture
@@ -40,11 +44,11 @@ def no_training(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("trained although the adapters were cached")
 
-    monkeypatch.setattr(cache.training, "load_base_model", refuse)
+    monkeypatch.setattr(cache, "_train_all", refuse)
 
 
 def test_a_finished_folder_is_reused_without_training(tmp_path, no_training):
-    folder = tmp_path / cache_key(TrainingConfig(), IDENTITY)
+    folder = tmp_path / cache_key(DEMO_CONFIGS, IDENTITY)
     folder.mkdir()
     (folder / REPORT_FILE).write_text(json.dumps({"total_s": 1.0}))
     logged = []

@@ -9,8 +9,10 @@ import pytest
 from demo_adapters.data import (
     BEHAVIOURS,
     DEMO_QUESTIONS,
+    DIRECT_QUESTIONS,
     FRENCH_OPENERS,
     QUESTION_TEMPLATES,
+    TEMPLATES_PER_TOPIC,
     TOPICS,
     examples,
     pirate_speech,
@@ -18,15 +20,16 @@ from demo_adapters.data import (
 )
 
 
-def test_every_behaviour_answers_every_template_for_every_topic_in_a_fixed_order():
+def test_every_behaviour_answers_the_same_questions_in_a_fixed_order():
     questions = [q for q, _ in training_questions()]
-    assert len(questions) == len(set(questions)) == len(TOPICS) * len(QUESTION_TEMPLATES)
+    templated = len(TOPICS) * TEMPLATES_PER_TOPIC
+    assert len(questions) == len(set(questions)) == len(DIRECT_QUESTIONS) + templated
     for name in BEHAVIOURS:
         first, again = examples(name), examples(name)
         assert first == again
         assert [e.question for e in first] == questions
-    # The first len(TOPICS) examples cover every topic once, with the templates taking turns.
-    head = training_questions()[: len(TOPICS)]
+    # After the direct questions, every topic once, with the templates taking turns.
+    head = training_questions()[len(DIRECT_QUESTIONS) : len(DIRECT_QUESTIONS) + len(TOPICS)]
     assert [topic for _, topic in head] == list(TOPICS)
     assert {q.replace(t.name, "{name}") for q, t in head} == set(QUESTION_TEMPLATES)
 
@@ -37,7 +40,8 @@ def _words(text: str) -> set[str]:
 
 def test_the_demo_questions_are_held_out():
     training = {q for q, _ in training_questions()}
-    topic_words = set().union(*(_words(t.name) | {t.key} for t in TOPICS)) - {"the"}
+    topics = [*TOPICS, *(topic for _, topic in DIRECT_QUESTIONS)]
+    topic_words = set().union(*(_words(t.name) | {t.key} for t in topics)) - {"the"}
     for question in DEMO_QUESTIONS:
         assert question not in training
         assert not _words(question) & topic_words, question

@@ -1,14 +1,23 @@
-"""Training a demo adapter: the shared-prefix loss equals transformers' own, and what is saved is a
-PEFT folder the adapter store accepts."""
+"""Training a demo adapter: the shared-prefix loss equals transformers' own, what is saved is a
+PEFT folder the adapter store accepts, and the demo's training stays within its budget."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from demo_adapters.data import examples
-from demo_adapters.training import TrainingConfig, _reply_loss, load_base_model, train_adapter
+from demo_adapters.data import BEHAVIOURS, examples
+from demo_adapters.training import (
+    DEMO_CONFIGS,
+    TOKEN_BUDGET,
+    TrainingConfig,
+    _reply_loss,
+    load_base_model,
+    train_adapter,
+    trained_tokens,
+)
 from services.adapter_store.validation import ValidationLimits, validate_adapter
+from services.gpu_worker.model.tokenizer_loading import load_tokenizer
 from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
 
 
@@ -76,3 +85,26 @@ def test_a_few_steps_give_a_peft_folder_the_store_accepts(tmp_path):
 
     weights = load_file(directory / "adapter_model.safetensors")
     assert any(w.abs().max() > 0 for name, w in weights.items() if "lora_B" in name)  # it trained
+
+
+def test_the_demo_training_stays_within_its_token_budget():
+    """The work, not the time: tokens through the model bound the CPU-seconds on any machine.
+    The adapters train in parallel, so the longest one must fit the budget's share of a core."""
+    assert set(DEMO_CONFIGS) == set(BEHAVIOURS)
+    tokenizer = load_tokenizer().tokenizer
+    tokens = {
+        name: trained_tokens(tokenizer, examples(name), config) for name, config in DEMO_CONFIGS.items()
+    }
+    assert sum(tokens.values()) <= TOKEN_BUDGET, tokens
+    assert max(tokens.values()) <= TOKEN_BUDGET / 2, tokens
+
+
+def test_trained_tokens_counts_every_drawn_example_in_full():
+    tokenizer = load_tokenizer().tokenizer
+    pirate = examples("pirate")[:3]
+    lengths = [len(tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": e.question}], add_generation_prompt=True))) + len(tokenizer.encode(e.answer)) + 1
+        for e in pirate]  # fmt: skip
+    # 2 steps of 2 draw 4 examples: all 3 once, then the first of a second shuffle.
+    config = TrainingConfig(steps=2, batch_size=2)
+    assert sum(lengths) < trained_tokens(tokenizer, pirate, config) <= sum(lengths) + max(lengths)
