@@ -3,9 +3,10 @@
 Every run replays one trace through :class:`ClusterSimulator` with the step-cost model and adapter
 load time fitted on the real engine (``calibrate.py``'s JSON). Load is set relative to the
 cluster's estimated capacity (``--load``), so the figures mean the same thing on any machine's
-calibration. Writes ``results.json``, ``results.md`` and ``p99.png`` to ``--out``.
+calibration. Writes ``results.json`` (after every run) and, at the end, ``results.md`` and
+``p99.png`` to ``--out``; ``report.py`` rebuilds the last two from several runs' JSON.
 
-    .venv/bin/python -m bench.cluster_sim.experiment --out bench/results/cluster_sim
+    .venv/bin/python -m bench.cluster_sim.experiment --seeds 0 1 2 --out bench/results/cluster_sim
 """
 
 from __future__ import annotations
@@ -168,6 +169,9 @@ def main() -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"cpu_model": calibration.cpu_model, "capacity_rps_per_worker": per_worker, "slo_s": slo_s,
+            "load": args.load, "duration_s": args.duration, "adapters": args.adapters, "seeds": args.seeds,
+            "adapter_load_ms": calibration.adapter_load_ms, "cost_model": asdict(calibration.model)}  # fmt: skip
     rows = []
     for seed in args.seeds:
         for workers in args.workers:
@@ -186,10 +190,10 @@ def main() -> None:
                           f"slo {summary.slo_attainment:5.1%} thr {summary.throughput_rps:6.2f} "
                           f"mig/min {summary.migrations_per_min:7.1f} ({time.perf_counter() - began:.0f} s)",
                           flush=True)  # fmt: skip
-    meta = {"cpu_model": calibration.cpu_model, "capacity_rps_per_worker": per_worker, "slo_s": slo_s,
-            "load": args.load, "duration_s": args.duration, "adapters": args.adapters, "seeds": args.seeds,
-            "adapter_load_ms": calibration.adapter_load_ms, "cost_model": asdict(calibration.model)}  # fmt: skip
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+                    # After every run: a long sweep cut short keeps what it measured.
+                    (out / "results.json").write_text(
+                        json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
+                    )
     write_report(out, meta, rows)
 
 
