@@ -10,6 +10,7 @@ import pytest
 from bench.cluster_sim.cost_model import StepCostModel, StepShape, shape_of
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
 from bench.cluster_sim.summary import summarize
+from bench.cluster_sim.validate import fit_steps, step_model_ratio, step_shape
 from bench.cluster_sim.worker import WorkerSpec
 from bench.workload import TraceRequest, WorkloadSpec, generate
 from services.scheduler.cluster_view import ClusterSnapshot
@@ -198,3 +199,12 @@ def test_a_migrated_request_joins_the_back_of_the_queue_or_keeps_its_arrival_ord
 
     assert finish_order(keep_place=False) == ["busy", "late", "early"]
     assert finish_order(keep_place=True) == ["busy", "early", "late"]
+
+
+def test_a_step_model_fitted_on_recorded_steps_predicts_them():
+    truth = StepCostModel(base_ms=200.0, per_token_ms=5.0, per_adapter_ms=20.0)
+    steps = [[t, a, truth.step_ms(step_shape(t, a)) / 1000.0] for t in (1, 8, 16, 64) for a in (1, 4, 8)]
+    model, error_pct = fit_steps(steps)
+    assert error_pct == pytest.approx(0.0, abs=1e-6)
+    assert step_model_ratio(model, steps) == pytest.approx(1.0)
+    assert step_model_ratio(truth, [[t, a, 2 * s] for t, a, s in steps]) == pytest.approx(2.0)
