@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument(
         "--traces", nargs="*", default=[], help="only the traces whose names start with these"
     )
+    parser.add_argument("--policies", nargs="*", default=[], help="only these policy sets (by name)")
     parser.add_argument("--out", default="bench/results/cluster_sim")
     args = parser.parse_args()
     calibration = Calibration.load(args.calibration)
@@ -179,7 +180,7 @@ def main() -> None:
             for trace_name, trace in traces(rate, args.duration, args.adapters, seed).items():
                 if args.traces and not trace_name.startswith(tuple(args.traces)):
                     continue
-                for policies in POLICY_SETS:
+                for policies in [p for p in POLICY_SETS if not args.policies or p.name in args.policies]:
                     began = time.perf_counter()
                     result = simulator_factory(policies, workers, calibration, model)().run(trace)
                     summary = summarize(result, slo_s)
