@@ -3,12 +3,14 @@
     .venv/bin/python bench/openai_throughput.py [--requests 16] [--max-tokens 32] [--rounds 3]
 
 A local mesh (2 workers, float32) is started with ``loramesh up``. Each round sends the same
-batch of concurrent streamed completions twice, alternating which path goes first: (a) through
-the gateway's ``POST /v1/completions`` with ``stream: true``, read by the official ``openai``
-async client (SSE, one chunk per token), (b) through ``loramesh.v1.Gateway/Generate`` with the
-SDK's ``AsyncClient.stream``. Both ask for greedy decoding of exactly ``--max-tokens`` tokens
-(``ignore_eos``), so both paths do the same work on the workers. Reported: generated tokens per
-second of each path (median over rounds) and their ratio, through-HTTP ÷ through-gRPC.
+batch of concurrent streamed completions once per path, the order reversed every other round:
+(a) through the gateway's ``POST /v1/completions`` with ``stream: true``, read by the official
+``openai`` async client (SSE, one chunk per token), (b) through ``loramesh.v1.Gateway/Generate``
+with the SDK's ``AsyncClient.stream``, and (c) the requests of (a) read as plain SSE lines with
+httpx, which separates the server's HTTP path from the openai client's own CPU. All ask for
+greedy decoding of exactly ``--max-tokens`` tokens (``ignore_eos``), so every path does the same
+work on the workers. Reported: generated tokens per
+second of each path (median over rounds) and the ratios through-HTTP ÷ through-gRPC.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import httpx
 from openai import AsyncOpenAI
 
 from bench.side_by_side import alternating_rounds, load_arguments, local_mesh, medians, rounded
@@ -46,6 +49,33 @@ async def through_http(client: AsyncOpenAI, model: str, requests: int, max_token
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
         return tokens
+
+    return sum(await asyncio.gather(*(one(i) for i in range(requests))))
+
+
+async def through_raw_sse(http: httpx.AsyncClient, model: str, requests: int, max_tokens: int) -> int:
+    """The same HTTP requests read as plain SSE lines, only the final usage chunk parsed: the
+    server's HTTP path without the openai client's per-chunk parsing, which costs this process
+    about twice the SDK's CPU per token and so, on 2 shared cores, slows the server it measures."""
+
+    async def one(i: int) -> int:
+        body = {
+            "model": model,
+            "prompt": PROMPTS[i % len(PROMPTS)],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+        last_chunk = ""
+        async with http.stream("POST", "/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    last_chunk = line
+        # With include_usage the last chunk before [DONE] carries the usage.
+        return json.loads(last_chunk[len("data: ") :])["usage"]["completion_tokens"]
 
     return sum(await asyncio.gather(*(one(i) for i in range(requests))))
 
@@ -99,16 +129,27 @@ async def measure(mesh: MeshFile, args) -> dict:
         max_retries=0,
         timeout=CALL_TIMEOUT_S,
     )
+    raw = httpx.AsyncClient(
+        base_url=f"http://{gateway.openai_address}/v1",
+        headers={"Authorization": f"Bearer {mesh.admin_api_key}"},
+        timeout=CALL_TIMEOUT_S,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
     async with AsyncClient(gateway.address, mesh.admin_api_key, timeout=CALL_TIMEOUT_S) as grpc_client:
         model = (await http.models.list()).data[0].id  # the base model comes first
         # Warm-up: models loaded, channels and HTTP connections open on both paths.
         await through_http(http, model, 4, 4)
+        await through_raw_sse(raw, model, 4, 4)
         await through_grpc(grpc_client, 4, 4)
         cpu = CpuMeter(gateway.pid)
         rates, tokens = await alternating_rounds(
             {
                 "http": cpu.metered(
                     "http", lambda: through_http(http, model, args.requests, args.max_tokens)
+                ),
+                "http_raw_sse": cpu.metered(
+                    "http_raw_sse",
+                    lambda: through_raw_sse(raw, model, args.requests, args.max_tokens),
                 ),
                 "grpc": cpu.metered(
                     "grpc", lambda: through_grpc(grpc_client, args.requests, args.max_tokens)
@@ -117,6 +158,7 @@ async def measure(mesh: MeshFile, args) -> dict:
             args.rounds,
         )
     await http.close()
+    await raw.aclose()
     expected = args.requests * args.max_tokens
     if any(count != expected for counts in tokens.values() for count in counts):
         raise SystemExit(f"a path generated other than {expected} tokens: {tokens}")
@@ -128,6 +170,8 @@ async def measure(mesh: MeshFile, args) -> dict:
         "http_tokens_per_s": round(median["http"], 1),
         "grpc_tokens_per_s": round(median["grpc"], 1),
         "ratio_http_over_grpc": round(median["http"] / median["grpc"], 3),
+        "http_raw_sse_tokens_per_s": round(median["http_raw_sse"], 1),
+        "ratio_http_raw_sse_over_grpc": round(median["http_raw_sse"] / median["grpc"], 3),
         "all_rates": rounded(rates),
         "cpu_ms_per_token": cpu.per_token(tokens),
     }
