@@ -67,6 +67,19 @@ def calibrate(
     return estimator, float(np.mean(errors))
 
 
+def continuous_reference(loaded, trace: list[StaticRequest], memory_limit: int, max_batch: int) -> dict:
+    """Our engine, FCFS, its pool holding Θ of KV."""
+    pool_mib = memory_limit * kv_bytes_per_token(loaded) / 2**20
+    reference = EngineRunner(loaded, EngineConfig(pool_mib=pool_mib, max_running=max_batch))
+    try:
+        return {
+            "pool_mib": round(pool_mib, 1),
+            **summary(replay_continuous(reference, trace, predicted=False)),
+        }
+    finally:
+        reference.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=60)
@@ -75,6 +88,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="Magnus' and the engine's largest batch")
     parser.add_argument("--wma-limit", type=float, default=1500.0, help="Φ, in token-steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--magnus-only", action="store_true", help="skip VS and the continuous reference")
     args = parser.parse_args()
 
     rows = length_dataset.load(RESULTS / "length_dataset.json")
@@ -98,10 +112,8 @@ def main() -> None:
         estimator, error = calibrate(runner, trace, args.seed)
         result["batch_time_estimator_mean_rel_error"] = round(error, 3)
         print(f"batch-time estimator: mean relative error {error:.1%} on {len(VALIDATION)} held-out batches")
-        schedulers = (
-            FcfsStatic(args.vs_batch),
-            MagnusStatic(MagnusStaticConfig(args.max_batch, memory_limit, args.wma_limit), estimator),
-        )
+        magnus = MagnusStatic(MagnusStaticConfig(args.max_batch, memory_limit, args.wma_limit), estimator)
+        schedulers = (magnus,) if args.magnus_only else (FcfsStatic(args.vs_batch), magnus)
         for scheduler in schedulers:
             started = time.monotonic()
             completions, stats = replay_static(runner, scheduler, trace, memory_limit)
@@ -115,17 +127,13 @@ def main() -> None:
             print(scheduler.name, result[scheduler.name], flush=True)
     finally:
         runner.close()
-    pool_mib = memory_limit * kv_bytes_per_token(loaded) / 2**20
-    reference = EngineRunner(loaded, EngineConfig(pool_mib=pool_mib, max_running=args.max_batch))
-    try:
-        result["continuous FCFS (loramesh engine)"] = {"pool_mib": round(pool_mib, 1), **summary(
-            replay_continuous(reference, trace, predicted=False)
-        )}  # fmt: skip
-    finally:
-        reference.close()
-    print("continuous", result["continuous FCFS (loramesh engine)"])
+    if not args.magnus_only:
+        result["continuous FCFS (loramesh engine)"] = continuous_reference(
+            loaded, trace, memory_limit, args.max_batch
+        )
     result["load_average_end"] = os.getloadavg()
-    (RESULTS / "static_harness.json").write_text(json.dumps(result, indent=2))
+    name = f"static_harness_magnus_wma{args.wma_limit:g}.json" if args.magnus_only else "static_harness.json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 
