@@ -97,7 +97,9 @@ def test_a_configured_batch_policy_runs_and_its_decisions_come_back(adapters):
     context = RunContext(trace=trace, adapters=adapters, window_s=math.inf, pool_mib=64)
     system = EngineSystem(
         EngineSystemOptions(
-            name="dlora", batch_policy=lambda: DynamicBatching(DloraConfig(alpha=0.1, beta=0.05))
+            name="dlora",
+            # Algorithm 1 as published: the merge gate would make switching depend on measured step times.
+            batch_policy=lambda: DynamicBatching(DloraConfig(alpha=0.1, beta=0.05, merge_must_pay=False)),
         )
     )
     records = system.run(context)
