@@ -244,7 +244,9 @@ def text_delta(message: gateway_pb2.GenerateTextResponse) -> TextDelta:
     usage = None
     if message.HasField("usage"):
         u = message.usage
-        usage = Usage(u.prompt_tokens, u.completion_tokens, u.first_token_ms, u.total_ms, u.resumes)
+        usage = Usage(
+            u.prompt_tokens, u.completion_tokens, u.first_token_ms, u.total_ms, u.resumes, u.migrations
+        )
     return TextDelta(
         text=message.text,
         token_ids=tuple(message.token_ids),

@@ -61,7 +61,9 @@ class Usage:
     total_ms: float
     """Milliseconds from the gateway receiving the request to the last token."""
     resumes: int
-    """Times the gateway moved the generation to another worker mid-stream."""
+    """Times the gateway moved the generation to another worker mid-stream after a failure."""
+    migrations: int = 0
+    """Times the scheduler moved it to another worker to balance load (output is unchanged)."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,16 @@ class SchedulerStub:
                 request_serializer=loramesh_dot_v1_dot_scheduler__pb2.ClusterViewRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_scheduler__pb2.ClusterViewResponse.FromString,
                 _registered_method=True)
+        self.ReportCompletion = channel.unary_unary(
+                '/loramesh.v1.Scheduler/ReportCompletion',
+                request_serializer=loramesh_dot_v1_dot_scheduler__pb2.ReportCompletionRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_scheduler__pb2.ReportCompletionResponse.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/loramesh.v1.Scheduler/Migrate',
+                request_serializer=loramesh_dot_v1_dot_scheduler__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_scheduler__pb2.MigrateResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -65,6 +75,22 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCompletion(self, request, context):
+        """A request finished (its gateway tells): its real length teaches the length predictor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """Move a request to another worker now (operators and tests; the migration policies use the
+        same path): the target loads its adapter, then the source hands the request off and its
+        gateway resumes it there as prompt + tokens so far. NOT_FOUND when no worker runs it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +103,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ClusterView,
                     request_deserializer=loramesh_dot_v1_dot_scheduler__pb2.ClusterViewRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_scheduler__pb2.ClusterViewResponse.SerializeToString,
+            ),
+            'ReportCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCompletion,
+                    request_deserializer=loramesh_dot_v1_dot_scheduler__pb2.ReportCompletionRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_scheduler__pb2.ReportCompletionResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=loramesh_dot_v1_dot_scheduler__pb2.MigrateRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_scheduler__pb2.MigrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +169,60 @@ class Scheduler:
             '/loramesh.v1.Scheduler/ClusterView',
             loramesh_dot_v1_dot_scheduler__pb2.ClusterViewRequest.SerializeToString,
             loramesh_dot_v1_dot_scheduler__pb2.ClusterViewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Scheduler/ReportCompletion',
+            loramesh_dot_v1_dot_scheduler__pb2.ReportCompletionRequest.SerializeToString,
+            loramesh_dot_v1_dot_scheduler__pb2.ReportCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Scheduler/Migrate',
+            loramesh_dot_v1_dot_scheduler__pb2.MigrateRequest.SerializeToString,
+            loramesh_dot_v1_dot_scheduler__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_MIGRATED: _ClassVar[FinishReason]
 VISIBILITY_UNSPECIFIED: Visibility
 VISIBILITY_PRIVATE: Visibility
 VISIBILITY_PUBLIC: Visibility
@@ -35,6 +36,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_MIGRATED: FinishReason
 
 class AdapterInfo(_message.Message):
     __slots__ = ("id", "name", "owner", "visibility", "base_model", "pet_type", "rank", "max_rank", "lora_alpha", "use_rslora", "target_modules", "dtype", "size_bytes", "sha256", "version", "created_unix_ms", "config_json")

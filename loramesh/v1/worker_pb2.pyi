@@ -8,30 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "adapter_id", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "adapter_id", "sampling", "predicted_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter_id: str
     sampling: _types_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    predicted_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., predicted_output_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "timings", "request_id", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "timings", "request_id", "logprobs", "migrated_to")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_TO_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _types_pb2.FinishReason
     timings: _types_pb2.Timings
     request_id: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_types_pb2.Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    migrated_to: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_types_pb2.Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprobs, _Mapping]]] = ..., migrated_to: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter_id",)
@@ -96,6 +100,63 @@ class WorkerStatsResponse(_message.Message):
     dgfm_recalls: int
     dgfm_blocks_recalled: int
     def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., dgfm_recalls: _Optional[int] = ..., dgfm_blocks_recalled: _Optional[int] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RequestLoad(_message.Message):
+    __slots__ = ("request_id", "adapter_id", "context_tokens", "remaining_tokens", "running", "waited_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    adapter_id: str
+    context_tokens: int
+    remaining_tokens: int
+    running: bool
+    waited_s: float
+    def __init__(self, request_id: _Optional[str] = ..., adapter_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ..., running: _Optional[bool] = ..., waited_s: _Optional[float] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests", "memory_tokens", "free_tokens", "max_running", "held_adapters", "adapter_tokens")
+    class AdapterTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    HELD_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestLoad]
+    memory_tokens: int
+    free_tokens: int
+    max_running: int
+    held_adapters: _containers.RepeatedScalarFieldContainer[str]
+    adapter_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., memory_tokens: _Optional[int] = ..., free_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., held_adapters: _Optional[_Iterable[str]] = ..., adapter_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class HandOffRequest(_message.Message):
+    __slots__ = ("request_id", "target_worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target_worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., target_worker_id: _Optional[str] = ...) -> None: ...
+
+class HandOffResponse(_message.Message):
+    __slots__ = ("generated_tokens",)
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    generated_tokens: int
+    def __init__(self, generated_tokens: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("data", "dtype", "shape")

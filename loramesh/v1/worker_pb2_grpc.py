@@ -54,6 +54,16 @@ class WorkerStub:
                 request_serializer=loramesh_dot_v1_dot_worker__pb2.WorkerStatsRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_worker__pb2.WorkerStatsResponse.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/loramesh.v1.Worker/ListRequests',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
+        self.HandOff = channel.unary_unary(
+                '/loramesh.v1.Worker/HandOff',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.HandOffRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.HandOffResponse.FromString,
+                _registered_method=True)
         self.AllocateBlocks = channel.unary_unary(
                 '/loramesh.v1.Worker/AllocateBlocks',
                 request_serializer=loramesh_dot_v1_dot_worker__pb2.AllocateBlocksRequest.SerializeToString,
@@ -123,6 +133,23 @@ class WorkerServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRequests(self, request, context):
+        """Migration (issue 16), called by the scheduler. The requests queued and running here, with
+        what the migration and prefetch policies decide on; read between two steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandOff(self, request, context):
+        """End a request's stream here with FINISH_REASON_MIGRATED and `migrated_to` = target, after the
+        tokens already generated: its gateway resumes it on the target as prompt + tokens so far.
+        Applied between two steps; NOT_FOUND when the request is not (or no longer) here.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -218,6 +245,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=loramesh_dot_v1_dot_worker__pb2.WorkerStatsRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_worker__pb2.WorkerStatsResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.ListRequestsRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'HandOff': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOff,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.HandOffRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.HandOffResponse.SerializeToString,
             ),
             'AllocateBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.AllocateBlocks,
@@ -368,6 +405,60 @@ class Worker:
             '/loramesh.v1.Worker/Stats',
             loramesh_dot_v1_dot_worker__pb2.WorkerStatsRequest.SerializeToString,
             loramesh_dot_v1_dot_worker__pb2.WorkerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/ListRequests',
+            loramesh_dot_v1_dot_worker__pb2.ListRequestsRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/HandOff',
+            loramesh_dot_v1_dot_worker__pb2.HandOffRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.HandOffResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -130,6 +130,7 @@ class GatewayCore:
             adapter_id=await self.resolve_adapter(tenant, adapter),
             sampling=sampling,
             first_token_deadline_ms=first_token_deadline_ms or self.config.default_first_token_deadline_ms,
+            prompt_text=self.tokenizer.decode(list(prompt_ids)),
         )
         # Closed explicitly, so a front end that stops reading cancels the worker's request now.
         async with contextlib.aclosing(self.relay.stream(request)) as replies:

@@ -6,10 +6,20 @@ excluding the failed worker, and continues there with prompt + tokens so far: dL
 request as tokens, rebuild its state". The client sees one stream; no token is lost or repeated
 because only tokens received are counted and the new worker starts right after them. Greedy
 output is identical to an uninterrupted run; a seeded sampled run restarts its random stream.
+
+A migration (issue 16) takes the same path: the scheduler has the worker end the stream with
+FINISH_REASON_MIGRATED naming the target, and the relay places the rest there (not as a
+failure: the source is not excluded and ``max_resumes`` is not spent).
+
+The first placement carries the prompt text, from which the scheduler may predict the output
+length (Magnus); the prediction goes to the worker (HRRN orders its queue by it) and the real
+length goes back to the scheduler when the request ends, for the predictor to learn from.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -21,7 +31,10 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.runtime.discovery import ChannelPool
 from services.runtime.errors import Unavailable
 
+log = logging.getLogger("loramesh.gateway")
+
 Place = Callable[[scheduler_pb2.PlaceRequest], Awaitable[scheduler_pb2.PlaceResponse]]
+ReportCompletion = Callable[[scheduler_pb2.ReportCompletionRequest], Awaitable[object]]
 
 #: Worker failures that mean "this worker is gone", not "this request is bad".
 RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
@@ -40,6 +53,8 @@ class RelayRequest:
     sampling: types_pb2.SamplingParams
     """With ``max_tokens`` already resolved."""
     first_token_deadline_ms: float
+    prompt_text: str = ""
+    """The prompt as text, for the scheduler's length predictor ("": none)."""
 
 
 class Relay:
@@ -50,8 +65,11 @@ class Relay:
         token_bytes: Callable[[int], bytes],
         eos_token_ids: tuple[int, ...],
         max_resumes: int,
+        report_completion: ReportCompletion | None = None,
     ):
         self._place = place
+        self._report_completion = report_completion
+        self._reports: set[asyncio.Task] = set()
         self._channels = channels
         self._token_bytes = token_bytes
         self._eos_token_ids = frozenset(eos_token_ids)
@@ -65,8 +83,11 @@ class Relay:
         generated: list[int] = []
         excluded: list[str] = []
         first_token_ms = 0.0
-        resumes = 0
+        resumes = migrations = 0
+        predicted = 0
+        prefer = ""
         while True:
+            placements = resumes + migrations
             placement = await self._place(
                 scheduler_pb2.PlaceRequest(
                     request_id=request.request_id,
@@ -75,24 +96,33 @@ class Relay:
                     max_tokens=request.sampling.max_tokens - len(generated),
                     first_token_deadline_ms=request.first_token_deadline_ms if not generated else 0.0,
                     exclude_workers=excluded,
+                    prompt_text=request.prompt_text if not placements else "",
+                    prefer_worker=prefer,
                 )
             )
+            if not placements:
+                predicted = placement.predicted_output_tokens
             sampling = types_pb2.SamplingParams()
             sampling.CopyFrom(request.sampling)
             sampling.max_tokens = request.sampling.max_tokens - len(generated)
             stub = worker_pb2_grpc.WorkerStub(self._channels.get(placement.address))
             call = stub.Generate(
                 worker_pb2.GenerateRequest(
-                    request_id=f"{request.request_id}.{resumes}",
+                    request_id=f"{request.request_id}.{placements}",
                     prompt_token_ids=[*request.prompt_ids, *generated],
                     adapter_id=request.adapter_id,
                     sampling=sampling,
+                    predicted_output_tokens=max(1, predicted - len(generated)) if predicted else 0,
                 )
             )
             try:
                 async for reply in call:
                     if reply.finish_reason == types_pb2.FINISH_REASON_ERROR:
                         raise WorkerFailed(placement.worker_id)
+                    if reply.finish_reason == types_pb2.FINISH_REASON_MIGRATED:
+                        migrations += 1
+                        prefer = reply.migrated_to
+                        break
                     ids = list(reply.token_ids)
                     if ids and not generated:
                         first_token_ms = (time.monotonic() - started) * 1000
@@ -105,6 +135,7 @@ class Relay:
                         finish = types_pb2.FINISH_REASON_STOP
                     if finish:
                         text += detok.flush()
+                        self._report(request.request_id, len(generated))
                         yield gateway_pb2.GenerateTextResponse(
                             text=text,
                             token_ids=ids,
@@ -117,6 +148,7 @@ class Relay:
                                 first_token_ms=first_token_ms,
                                 total_ms=(time.monotonic() - started) * 1000,
                                 resumes=resumes,
+                                migrations=migrations,
                             ),
                         )
                         return
@@ -132,8 +164,26 @@ class Relay:
                         f"request {request.request_id} failed on {resumes + 1} workers; last: {placement.worker_id}"
                     ) from None
                 resumes += 1
+                prefer = ""
                 excluded.append(placement.worker_id)
             finally:
                 # A client that goes away (cancellation, a closed generator) cancels the worker's
                 # request too, which frees its pages there at once.
                 call.cancel()
+
+    def _report(self, request_id: str, generated_tokens: int) -> None:
+        """Tell the scheduler the request's real length, without delaying its last reply."""
+        if self._report_completion is None:
+            return
+        message = scheduler_pb2.ReportCompletionRequest(
+            request_id=request_id, generated_tokens=generated_tokens
+        )
+        task = asyncio.get_running_loop().create_task(self._send_report(message))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _send_report(self, message: scheduler_pb2.ReportCompletionRequest) -> None:
+        try:
+            await self._report_completion(message)
+        except Exception as error:  # noqa: BLE001 - only the predictor's learning is lost
+            log.info("could not report completion of %s: %s", message.request_id, error)

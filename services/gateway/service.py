@@ -107,12 +107,16 @@ class GatewayService:
         async def place(request: scheduler_pb2.PlaceRequest) -> scheduler_pb2.PlaceResponse:
             return await scheduler.call("Place", request, timeout=10)
 
+        async def report_completion(request: scheduler_pb2.ReportCompletionRequest):
+            return await scheduler.call("ReportCompletion", request, timeout=10)
+
         relay = Relay(
             place,
             self.channels,
             text.tokenizer.id_to_bytes,
             text.tokenizer.eos_token_ids,
             cfg.max_resumes,
+            report_completion,
         )
         access = AdapterAccess(store.get, cfg.adapter_cache_s)
         self.core.attach(text, relay, access, store)

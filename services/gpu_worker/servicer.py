@@ -31,6 +31,7 @@ FINISH_REASONS = {
     FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: types_pb2.FINISH_REASON_ERROR,
+    FinishReason.MIGRATED: types_pb2.FINISH_REASON_MIGRATED,
 }
 
 
@@ -65,6 +66,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._engine: Engine | None = None
         self.loader: AdapterLoader | None = None
         self.describe: dict = {}
+        self._hand_off_targets: dict[str, str] = {}
+        """request id -> worker it is being handed off to, until its stream has said so."""
 
     def attach(self, engine: Engine, loader: AdapterLoader, describe: dict) -> None:
         self._engine, self.loader, self.describe = engine, loader, describe
@@ -95,7 +98,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         engine.submit(
-            GenerationRequest(request_id, tuple(request.prompt_token_ids), sampling, adapter_id),
+            GenerationRequest(
+                request_id,
+                tuple(request.prompt_token_ids),
+                sampling,
+                adapter_id,
+                predicted_output_tokens=request.predicted_output_tokens or None,
+            ),
             lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         )
         finished = False
@@ -113,6 +122,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if event.finish_reason is not None:
                     finished = True
                     reply.finish_reason = FINISH_REASONS[event.finish_reason]
+                    if event.finish_reason is FinishReason.MIGRATED:
+                        reply.migrated_to = self._hand_off_targets.pop(request_id, "")
                     reply.timings.CopyFrom(timings_to_proto(event, len(request.prompt_token_ids)))
                 yield reply
         finally:
@@ -132,6 +143,45 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Prefetch(self, request: worker_pb2.PrefetchRequest, context):
         return worker_pb2.PrefetchResponse(started=self.loader.prefetch(list(request.adapter_ids)))
+
+    async def ListRequests(self, request: worker_pb2.ListRequestsRequest, context):
+        engine = self.engine
+        summaries = await asyncio.wrap_future(engine.between_steps(engine.list_requests))
+        memory = engine.memory_tokens()
+        return worker_pb2.ListRequestsResponse(
+            requests=[
+                worker_pb2.RequestLoad(
+                    request_id=s.request_id,
+                    adapter_id=s.adapter_id or "",
+                    context_tokens=s.context_tokens,
+                    remaining_tokens=s.remaining_tokens,
+                    running=s.running,
+                    waited_s=s.waited_s,
+                )
+                for s in summaries
+            ],
+            memory_tokens=memory.total,
+            free_tokens=memory.free,
+            max_running=engine.config.max_running,
+            held_adapters=sorted(memory.adapter_tokens),
+            adapter_tokens=memory.adapter_tokens,
+        )
+
+    async def HandOff(self, request: worker_pb2.HandOffRequest, context):
+        if not request.request_id:
+            raise InvalidArgument("request_id is empty: name the request to hand off (ListRequests)")
+        if not request.target_worker_id:
+            raise InvalidArgument("target_worker_id is empty: name the worker the request moves to")
+        engine = self.engine
+        self._hand_off_targets[request.request_id] = request.target_worker_id
+        try:
+            generated = await asyncio.wrap_future(
+                engine.between_steps(lambda: engine.hand_off(request.request_id))
+            )
+        except BaseException:
+            self._hand_off_targets.pop(request.request_id, None)
+            raise
+        return worker_pb2.HandOffResponse(generated_tokens=generated)
 
     async def Stats(self, request, context):
         stats = self.engine.stats()

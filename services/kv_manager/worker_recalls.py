@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import grpc
 from grpc import aio
 
 from loramesh.v1 import worker_pb2, worker_pb2_grpc
-from services.runtime.errors import DomainError, NotFound, Unavailable
+from services.runtime.errors import NotFound
+from services.runtime.interceptors import error_from_status
 from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
-
-_STATUS_ERRORS = {getattr(grpc.StatusCode, cls.code_name): cls for cls in DomainError.__subclasses__()}
-"""A status a worker's domain raised on purpose -> its error class."""
 
 
 class GrpcRecallWorkers:
@@ -58,5 +55,4 @@ class GrpcRecallWorkers:
         try:
             return await getattr(stub, method)(request, timeout=self.deadline_s)
         except aio.AioRpcError as error:
-            message = f"worker {worker_id} ({address}) {method}: {error.details() or error.code().name}"
-            raise _STATUS_ERRORS.get(error.code(), Unavailable)(message) from error
+            raise error_from_status(error, f"worker {worker_id} ({address}) {method}") from error

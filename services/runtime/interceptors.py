@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc import aio
 
-from services.runtime.errors import DomainError, ResourceExhausted
+from services.runtime.errors import DomainError, ResourceExhausted, Unavailable
 from services.runtime.logs import request_id_var
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.tls import peer_identity, peer_identity_var
@@ -35,6 +35,16 @@ RETRY_AFTER_HEADER = "retry-after-s"
 
 def status_code_for(error: DomainError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.code_name, grpc.StatusCode.UNKNOWN)
+
+
+_STATUS_ERRORS = {getattr(grpc.StatusCode, cls.code_name): cls for cls in DomainError.__subclasses__()}
+"""A status another service's domain raised on purpose -> its error class."""
+
+
+def error_from_status(error: grpc.RpcError, message: str) -> DomainError:
+    """What another service's status means here: the domain error it raised (``NOT_FOUND`` ->
+    ``NotFound``...), or ``Unavailable`` when it could not be reached, timed out or failed."""
+    return _STATUS_ERRORS.get(error.code(), Unavailable)(f"{message}: {error.details() or error.code().name}")
 
 
 class _RpcScope:

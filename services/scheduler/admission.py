@@ -96,8 +96,14 @@ class Admission:
     def place(
         self, policy: PlacementPolicy, snapshot: ClusterSnapshot, request: PlacementRequest
     ) -> Placement:
-        """Admit and place: open workers only, the policy's pick, then the deadline check."""
-        placement = policy.place(self.open_snapshot(snapshot, request), request)
+        """Admit and place: open workers only, the policy's pick (or the migration target the
+        request prefers, while it is open), then the deadline check."""
+        open_workers = self.open_snapshot(snapshot, request)
+        preferred = open_workers.worker(request.prefer_worker) if request.prefer_worker else None
+        if preferred is not None:
+            placement = self.model.estimate(open_workers, preferred, request)
+        else:
+            placement = policy.place(open_workers, request)
         self.check_deadline(request, placement)
         return placement
 

@@ -17,11 +17,16 @@ class SchedulerConfig(ServiceConfig):
     ``least-loaded`` (fewest queued + running requests) or ``round-robin``."""
     migration: str = "none"
     """Migration policy: ``none``, ``co-migration`` (dLoRA's relaxed LP over the top-K replicas) or
-    ``pets`` (PetS greedy balancing, adaptive interval). Planned in bench/cluster_sim; the live
-    mesh does not execute migrations yet (it validates and reports the choice)."""
+    ``pets`` (PetS greedy balancing, adaptive interval). Each round lists the workers' requests and
+    hands the planned ones off to their targets, adapter first (docs/architecture.md)."""
     prefetch: str = "none"
-    """Prefetch policy: ``none`` or ``burst-tolerance`` (dLoRA: replicate the adapters whose holders
-    absorb the least burst). Planned in bench/cluster_sim; not executed by the live mesh yet."""
+    """Prefetch policy: ``none`` or ``burst-tolerance`` (dLoRA: load the adapters whose holders
+    absorb the least burst onto workers that lack them)."""
+    demand_window_s: float = 30.0
+    """Window of the per-adapter request rates and per-worker invocations the policies see."""
+    worker_call_deadline_s: float = 30.0
+    """Deadline of each call migration and prefetch make to a worker (a listing or a hand-off
+    waits for the worker's current step; a load for the adapter's fetch)."""
 
     per_request_step_ms: float = 10.0
     """How much each request already in a worker's batch delays a new one's first token."""

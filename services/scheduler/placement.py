@@ -35,6 +35,8 @@ class PlacementRequest:
     """Worker ids not to place on (e.g. one that just failed this request)."""
     adapter_bytes: int = 0
     """Size of the adapter's weights when the caller knows it (0: unknown)."""
+    prefer_worker: str = ""
+    """A migration's target: placed there when it is eligible and open, whatever the policy."""
 
     def __post_init__(self) -> None:
         deadline = self.first_token_deadline_ms

@@ -13,6 +13,7 @@ import logging
 from grpc import aio
 
 from loramesh.v1 import scheduler_pb2_grpc
+from services.runtime.discovery import ChannelPool
 from services.runtime.errors import Unavailable
 from services.runtime.membership import MembershipConfig, follow, watch_loads, watch_members
 from services.runtime.tasks import cancel_and_wait
@@ -21,7 +22,9 @@ from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.placement import WaitModel
 from services.scheduler.policies import make_migration, make_placement, make_prefetch
+from services.scheduler.rebalancing import DemandWindow, Rebalancer
 from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.worker_control import GrpcWorkerControl
 
 log = logging.getLogger("loramesh.scheduler")
 
@@ -45,10 +48,13 @@ class SchedulerService:
         )
         self.view = ClusterView()
         self.policy = make_placement(config.placement, model)
-        # Built to validate the choice; their plans need per-request state and a move RPC that
-        # the live mesh does not have yet (issue 16), so only bench/cluster_sim runs them.
-        self.migration = make_migration(config.migration)
-        self.prefetch = make_prefetch(config.prefetch)
+        self.channels = ChannelPool(config.tls())
+        self.rebalancer = Rebalancer(
+            GrpcWorkerControl(self.channels, config.worker_call_deadline_s),
+            make_migration(config.migration),
+            make_prefetch(config.prefetch),
+            DemandWindow(config.demand_window_s),
+        )
         self.admission = Admission(
             AdmissionConfig(
                 max_queue_per_worker=config.max_queue_per_worker,
@@ -56,7 +62,7 @@ class SchedulerService:
             ),
             model,
         )
-        self.servicer = SchedulerServicer(self.view, self.policy, self.admission)
+        self.servicer = SchedulerServicer(self.view, self.policy, self.admission, self.rebalancer)
         self._tasks: list[asyncio.Task[None]] = []
 
     def add_to_server(self, server: aio.Server) -> None:
@@ -96,17 +102,47 @@ class SchedulerService:
                 f"etcd at {cfg.etcd_endpoints} did not list the workers within {cfg.start_timeout_s:.1f}s"
             ) from None
         log.info("following %d gpu_worker(s) from etcd at %s", len(self.view), cfg.etcd_endpoints)
-        if self.migration is not None or self.prefetch is not None:
-            log.warning(
-                "--migration %s / --prefetch %s: planned by the cluster simulator only; "
-                "this scheduler places requests but does not move them or prefetch adapters yet",
-                cfg.migration,
-                cfg.prefetch,
+        rebalancer = self.rebalancer
+        if rebalancer.migration is not None:
+            migration = rebalancer.migration
+            self._tasks.append(
+                loop.create_task(
+                    self._every(migration.interval_s, rebalancer.migration_round), name="scheduler:migration"
+                )
             )
+        if rebalancer.prefetch is not None:
+            prefetch = rebalancer.prefetch
+            self._tasks.append(
+                loop.create_task(
+                    self._every(lambda: prefetch.interval_s, rebalancer.prefetch_round),
+                    name="scheduler:prefetch",
+                )
+            )
+
+    async def _every(self, interval_s, round_) -> None:
+        """Run a rebalancing round, then wait the policy's interval (PetS adapts it), until stopped."""
+        while True:
+            await asyncio.sleep(interval_s())
+            if not len(self.view):
+                continue
+            try:
+                await round_(self.view.snapshot())
+            except Exception:  # a bug in one round must not end rebalancing
+                log.exception("rebalancing round failed")
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(tasks)
+        await self.channels.close()
 
     def load_report(self) -> dict:
-        return {"workers": len(self.view), "placements": self.view.placements_total}
+        done = self.rebalancer.activity
+        return {
+            "workers": len(self.view),
+            "placements": self.view.placements_total,
+            "migrations": done.migrations,
+            "migration_failures": done.migration_failures,
+            "prefetches": done.prefetches,
+            "prefetch_failures": done.prefetch_failures,
+            "rebalance_rounds": done.rounds,
+        }

@@ -10,10 +10,12 @@ import logging
 
 from loramesh.v1 import scheduler_pb2 as pb
 from loramesh.v1 import scheduler_pb2_grpc
+from services.runtime.errors import InvalidArgument
 from services.scheduler.admission import Admission
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView
 from services.scheduler.placement import Placement, PlacementRequest
 from services.scheduler.policies.interface import PlacementPolicy
+from services.scheduler.rebalancing import Rebalancer
 
 log = logging.getLogger("loramesh.scheduler")
 
@@ -26,6 +28,7 @@ def request_from_proto(request: pb.PlaceRequest) -> PlacementRequest:
         max_tokens=request.max_tokens,
         first_token_deadline_ms=request.first_token_deadline_ms,
         exclude_workers=frozenset(request.exclude_workers),
+        prefer_worker=request.prefer_worker,
     )
 
 
@@ -38,8 +41,9 @@ def placement_to_proto(placement: Placement) -> pb.PlaceResponse:
     )
 
 
-def snapshot_to_proto(snapshot: ClusterSnapshot) -> pb.ClusterViewResponse:
+def snapshot_to_proto(snapshot: ClusterSnapshot, activity: pb.SchedulerActivity) -> pb.ClusterViewResponse:
     return pb.ClusterViewResponse(
+        activity=activity,
         workers=[
             pb.WorkerView(
                 worker_id=w.worker_id,
@@ -54,22 +58,26 @@ def snapshot_to_proto(snapshot: ClusterSnapshot) -> pb.ClusterViewResponse:
                 report_age_ms=max(0.0, (snapshot.taken_at - w.report_ts) * 1000) if w.report_ts else 0.0,
             )
             for w in snapshot.workers
-        ]
+        ],
     )
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Places requests over the view the service keeps up to date from etcd."""
 
-    def __init__(self, view: ClusterView, policy: PlacementPolicy, admission: Admission):
+    def __init__(
+        self, view: ClusterView, policy: PlacementPolicy, admission: Admission, rebalancer: Rebalancer
+    ):
         self.view = view
         self.policy = policy
         self.admission = admission
+        self.rebalancer = rebalancer
 
     async def Place(self, request: pb.PlaceRequest, context) -> pb.PlaceResponse:
         wanted = request_from_proto(request)
         placement = self.admission.place(self.policy, self.view.snapshot(), wanted)
         self.view.record_placement(placement.worker_id, wanted.adapter_id)
+        self.rebalancer.demand.record(placement.worker_id, wanted.adapter_id)
         log.debug(
             "placed %s (adapter %r) on %s: wait %.1f ms, resident %s",
             wanted.request_id, wanted.adapter_id, placement.worker_id,
@@ -78,4 +86,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return placement_to_proto(placement)
 
     async def ClusterView(self, request: pb.ClusterViewRequest, context) -> pb.ClusterViewResponse:
-        return snapshot_to_proto(self.view.snapshot())
+        return snapshot_to_proto(self.view.snapshot(), self.activity())
+
+    def activity(self) -> pb.SchedulerActivity:
+        rebalancer = self.rebalancer
+        done = rebalancer.activity
+        return pb.SchedulerActivity(
+            migration_policy=rebalancer.migration.name if rebalancer.migration else "none",
+            prefetch_policy=rebalancer.prefetch.name if rebalancer.prefetch else "none",
+            migrations=done.migrations,
+            migration_failures=done.migration_failures,
+            prefetches=done.prefetches,
+            prefetch_failures=done.prefetch_failures,
+            rebalance_rounds=done.rounds,
+        )
+
+    async def Migrate(self, request: pb.MigrateRequest, context) -> pb.MigrateResponse:
+        if not request.request_id:
+            raise InvalidArgument("request_id is empty: name the request to migrate")
+        snapshot = self.view.snapshot()
+
+        def least_wait_elsewhere(adapter_id: str, source: str) -> str:
+            wanted = PlacementRequest(adapter_id=adapter_id, exclude_workers=frozenset({source}))
+            return self.policy.place(snapshot, wanted).worker_id
+
+        move, generated = await self.rebalancer.migrate(
+            snapshot, request.request_id, request.target_worker_id, least_wait_elsewhere
+        )
+        log.info(
+            "migrated %s from %s to %s after %d tokens (asked for %s)",
+            move.request_id, move.source, move.target, generated, request.request_id,
+        )  # fmt: skip
+        return pb.MigrateResponse(
+            source_worker_id=move.source, target_worker_id=move.target, worker_request_id=move.request_id
+        )

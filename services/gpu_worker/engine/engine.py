@@ -51,6 +51,7 @@ from services.gpu_worker.engine.request import (
     FinishReason,
     GenerationRequest,
     RequestState,
+    RequestSummary,
     TokenEvent,
 )
 from services.gpu_worker.engine.sampling import sample_batch, token_logprobs
@@ -75,6 +76,16 @@ log = logging.getLogger("loramesh.engine")
 EventSink = Callable[[TokenEvent], None]
 T = TypeVar("T")
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
+
+
+@dataclass(frozen=True)
+class PoolTokens:
+    """The unified pool in KV-token units."""
+
+    total: int
+    free: int
+    adapter_tokens: dict[str, int]
+    """Footprint of each adapter with a host copy here, were it paged in."""
 
 
 @dataclass(frozen=True)
@@ -280,6 +291,51 @@ class Engine:
         with self._lock:
             self._cancels.add(request_id)
         self._wakeup.set()
+
+    def hand_off(self, request_id: str) -> int:
+        """Engine thread (through :meth:`between_steps`): end a request here with ``MIGRATED``,
+        after the tokens it has emitted, and free its pages; returns how many it generated.
+        NotFound when it is not queued or running (finished, cancelled, never here)."""
+        for request in [*self.running, *self.waiting]:
+            if request.request_id == request_id:
+                if request in self.waiting:
+                    self.waiting.remove(request)
+                generated = len(request.output_ids)
+                self._finish(request, FinishReason.MIGRATED, None)
+                return generated
+        raise NotFound(f"request {request_id!r} is not queued or running on this worker")
+
+    def list_requests(self) -> list[RequestSummary]:
+        """Engine thread (through :meth:`between_steps`): every request queued or running."""
+        now = time.monotonic()
+        return [
+            RequestSummary(
+                request_id=r.request_id,
+                adapter_id=r.spec.adapter_id,
+                context_tokens=r.total_len,
+                remaining_tokens=max(0, r.spec.sampling.max_tokens - len(r.output_ids)),
+                running=r.state is RequestState.RUNNING,
+                waited_s=now - r.timings.arrived,
+            )
+            for r in [*self.running, *self.waiting]
+        ]
+
+    def memory_tokens(self) -> PoolTokens:
+        """The pool in KV-token units, as the scheduler's migration and prefetch policies count
+        it (any thread): one token of KV is ``num_layers / kv_block_tokens`` pages."""
+        layout = self.pool.layout
+        usage = self.pool.usage()
+
+        def tokens(pages: int) -> int:
+            return pages * layout.kv_block_tokens // layout.num_layers
+
+        with self._lock:
+            adapters = list(self.host_adapters.values())
+        return PoolTokens(
+            total=tokens(usage.total_pages),
+            free=tokens(usage.free_pages),
+            adapter_tokens={a.adapter_id: tokens(self.residency.pages_needed(a)) for a in adapters},
+        )
 
     def start(self) -> None:
         """Run steps on a dedicated thread until :meth:`stop`."""

@@ -22,6 +22,8 @@ class FinishReason(Enum):
     ABORTED = "aborted"
     """The batch policy gave up on it (its first-token SLO was lost); the event says why."""
     ERROR = "error"
+    MIGRATED = "migrated"
+    """Handed off to another worker (the scheduler's migration); its gateway resumes it there."""
 
 
 class RequestState(Enum):
@@ -52,6 +54,21 @@ class GenerationRequest:
     predicted_output_tokens: int | None = None
     """Tokens a length predictor expects it to generate (orders the queue under ``hrrn``);
     None: no prediction."""
+
+
+@dataclass(frozen=True)
+class RequestSummary:
+    """A request queued or running on the engine, as migration decides on it."""
+
+    request_id: str
+    adapter_id: str | None
+    context_tokens: int
+    """Prompt plus the tokens generated so far: what a move recomputes at the target."""
+    remaining_tokens: int
+    """``max_tokens`` not generated yet."""
+    running: bool
+    waited_s: float
+    """Since it arrived on this engine."""
 
 
 @dataclass(frozen=True)
