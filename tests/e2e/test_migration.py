@@ -1,0 +1,76 @@
+"""Migration between real processes (issue 16): a request moved mid-generation from one worker to
+another by the scheduler finishes with the greedy output of a run that never moved; the adapter
+moves with it."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from loramesh import AsyncClient
+from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.runtime.base_model import LORA_TARGETS
+from services.runtime.tls import aio_channel
+
+pytestmark = [pytest.mark.integration, pytest.mark.model]
+
+PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
+MAX_TOKENS = 160
+"""Long enough that the move (a listing, an adapter load and a hand-off, each a step or so)
+lands mid-generation: the request cannot end before it on any machine, fast or slow."""
+
+
+async def adapters_held_at(mesh, address: str) -> list[str]:
+    async with aio_channel(address, mesh.admin_tls) as channel:
+        listed = await worker_pb2_grpc.WorkerStub(channel).ListRequests(worker_pb2.ListRequestsRequest())
+    return list(listed.held_adapters)
+
+
+async def test_a_request_migrated_mid_generation_finishes_as_if_it_never_moved(mesh, base_spec, tmp_path):
+    directory = write_peft_adapter(
+        tmp_path / "storyteller",
+        base_spec,
+        SampleAdapterSpec(rank=16, target_modules=LORA_TARGETS, scale=0.04, seed=7),
+    )
+    async with (
+        AsyncClient(mesh.gateway.address, "key-alice", tls=mesh.client_tls) as client,
+        aio_channel(mesh.scheduler.address, mesh.admin_tls) as channel,
+    ):
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        adapter = await client.adapters.upload(directory, "storyteller")
+        unmoved = await client.generate(PROMPT, adapter="storyteller", max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert unmoved.usage.migrations == 0
+
+        tokens, usage, moved = [], None, None
+        async for delta in client.stream(
+            PROMPT, adapter="storyteller", max_tokens=MAX_TOKENS, ignore_eos=True
+        ):
+            tokens += delta.token_ids
+            if moved is None and len(tokens) >= 4:
+                moved = await scheduler.Migrate(scheduler_pb2.MigrateRequest(request_id=delta.request_id))
+            usage = delta.usage or usage
+        view = await scheduler.ClusterView(scheduler_pb2.ClusterViewRequest())
+
+    assert tokens == list(unmoved.token_ids)
+    assert len(tokens) == MAX_TOKENS
+    assert (usage.migrations, usage.resumes) == (1, 0)
+    assert moved.source_worker_id != moved.target_worker_id
+    assert moved.worker_request_id.startswith(delta.request_id)
+    assert view.activity.migrations == 1
+    target = next(w.address for w in view.workers if w.worker_id == moved.target_worker_id)
+    assert adapter.id in await adapters_held_at(mesh, target)  # the adapter moved with the request
+
+
+async def test_migrating_an_unknown_request_is_not_found_and_changes_nothing(mesh):
+    async with aio_channel(mesh.scheduler.address, mesh.admin_tls) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await scheduler.Migrate(scheduler_pb2.MigrateRequest(request_id="no-such-request"))
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "no-such-request" in raised.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await scheduler.Migrate(scheduler_pb2.MigrateRequest())
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        view = await scheduler.ClusterView(scheduler_pb2.ClusterViewRequest())
+    assert view.activity.migrations == 0 and view.activity.migration_failures == 0
