@@ -1,15 +1,19 @@
 """Migration between real processes (issue 16): a request moved mid-generation from one worker to
 another by the scheduler finishes with the greedy output of a run that never moved; the adapter
-moves with it."""
+moves with it; and a scheduler with ``--migration co-migration`` moves queued requests off an
+overloaded worker by itself."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
+from support.mesh import start_mesh, wait_for_workers
 
 from loramesh import AsyncClient
 from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from loramesh.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from loramesh.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.base_model import LORA_TARGETS
 from services.runtime.tls import aio_channel
 
@@ -74,3 +78,52 @@ async def test_migrating_an_unknown_request_is_not_found_and_changes_nothing(mes
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         view = await scheduler.ClusterView(scheduler_pb2.ClusterViewRequest())
     assert view.activity.migrations == 0 and view.activity.migration_failures == 0
+
+
+async def test_co_migration_moves_queued_requests_off_an_overloaded_worker(base_spec, tmp_path):
+    """worker-0 runs one request at a time and gets six that never end on their own; worker-1 is
+    idle. The queued ones wait there until the scheduler's co-migration round (queue delay over
+    its 1 s trigger) loads their adapter on worker-1 and hands them off: nothing here races the
+    clock, the requests would wait forever otherwise."""
+    mesh = await start_mesh(
+        tmp_path, scheduler_flags=("--migration", "co-migration"), worker_flags=("--max-running", "1")
+    )
+    try:
+        await wait_for_workers(mesh, 2)
+        directory = write_peft_adapter(
+            tmp_path / "busy", base_spec, SampleAdapterSpec(rank=8, target_modules=LORA_TARGETS, seed=3)
+        )
+        async with AsyncClient(mesh.gateway.address, "key-alice") as client:
+            adapter = await client.adapters.upload(directory, "busy")
+        ended: asyncio.Queue[worker_pb2.GenerateResponse] = asyncio.Queue()
+
+        async def generate(worker, i: int) -> None:
+            request = worker_pb2.GenerateRequest(
+                request_id=f"direct-{i}",
+                prompt_token_ids=[1, 504, 3458, 314, 2365 + i],
+                adapter_id=adapter.id,
+                sampling=types_pb2.SamplingParams(max_tokens=4000, ignore_eos=True),
+            )
+            async for reply in worker.Generate(request):
+                if reply.finish_reason:
+                    await ended.put(reply)
+
+        async with (
+            aio_channel(mesh.workers[0].address, mesh.admin_tls) as channel,
+            aio_channel(mesh.scheduler.address, mesh.admin_tls) as scheduler_channel,
+        ):
+            worker = worker_pb2_grpc.WorkerStub(channel)
+            streams = [asyncio.create_task(generate(worker, i)) for i in range(6)]
+            first = await asyncio.wait_for(ended.get(), timeout=300)  # hang guard only
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            view = await scheduler_pb2_grpc.SchedulerStub(scheduler_channel).ClusterView(
+                scheduler_pb2.ClusterViewRequest()
+            )
+    finally:
+        mesh.stop()
+    assert first.finish_reason == types_pb2.FINISH_REASON_MIGRATED
+    assert first.migrated_to == "worker-1"
+    assert view.activity.migration_policy == "co-migration"
+    assert view.activity.migrations >= 1 and view.activity.rebalance_rounds >= 1
