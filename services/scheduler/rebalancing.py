@@ -193,13 +193,17 @@ class Rebalancer:
             listed[worker.worker_id] = answer
         return listed
 
+    async def _round(self, snapshot: ClusterSnapshot) -> ClusterLoad:
+        """The cluster a round's policy decides on, counting the round."""
+        self.activity.rounds += 1
+        return cluster_load(await self.list_workers(snapshot), self.demand, self._clock())
+
     async def migration_round(self, snapshot: ClusterSnapshot) -> list[Migration]:
         """Plan with the migration policy and execute the plan; returns the moves that happened."""
         if self.migration is None:
             return []
-        cluster = cluster_load(await self.list_workers(snapshot), self.demand, self._clock())
-        self.activity.rounds += 1
-        plan = self.migration.plan(cluster)
+        # Off the event loop: co-migration solves an LP, and Place must not wait for it.
+        plan = await asyncio.to_thread(self.migration.plan, await self._round(snapshot))
         done = []
         for move in plan:
             if await self._execute(snapshot, move):
@@ -210,10 +214,8 @@ class Rebalancer:
         """Plan with the prefetch policy and load the adapters; returns the loads that happened."""
         if self.prefetch is None:
             return []
-        cluster = cluster_load(await self.list_workers(snapshot), self.demand, self._clock())
-        self.activity.rounds += 1
         done = []
-        for order in self.prefetch.plan(cluster):
+        for order in await asyncio.to_thread(self.prefetch.plan, await self._round(snapshot)):
             target = snapshot.worker(order.target)
             try:
                 if target is None:
