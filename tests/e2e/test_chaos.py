@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.cli import loramesh
+from support.cli import supervised_mesh_up
 from support.polling import poll_until
 
 from loramesh import AsyncClient
@@ -46,15 +46,8 @@ COMEBACK_GUARD_S = 300
 
 @pytest.fixture(scope="module")
 def supervised_mesh(tmp_path_factory):
-    state = tmp_path_factory.mktemp("chaos") / "state"
-    loramesh(
-        state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
-        "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2", "--tls",
-    )  # fmt: skip
-    try:
+    with supervised_mesh_up(tmp_path_factory.mktemp("chaos") / "state") as state:
         yield state
-    finally:
-        loramesh(state, "down", check=False)
 
 
 def test_four_kills_lose_nothing_and_change_no_answer(supervised_mesh):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from support.cli import loramesh
+from support.cli import loramesh, supervised_mesh_up
 from support.polling import poll_until
 
 from loramesh import AsyncClient, LoraMeshError
@@ -51,12 +51,7 @@ RETRIES = 30
 
 @pytest.fixture(scope="module")
 def supervised_mesh(tmp_path_factory, base_spec):
-    state = tmp_path_factory.mktemp("failover") / "state"
-    loramesh(
-        state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
-        "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2", "--tls",
-    )  # fmt: skip
-    try:
+    with supervised_mesh_up(tmp_path_factory.mktemp("failover") / "state") as state:
         adapters = tmp_path_factory.mktemp("failover-adapters")
         for i, name in enumerate(ADAPTERS):
             directory = write_peft_adapter(
@@ -69,8 +64,6 @@ def supervised_mesh(tmp_path_factory, base_spec):
         status = json.loads(loramesh(state, "status", "--json").stdout)
         assert len(status) == 9 and {row["health"] for row in status} == {"SERVING"}
         yield state
-    finally:
-        loramesh(state, "down", check=False)
 
 
 @dataclass

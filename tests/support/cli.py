@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 COMMAND_TIMEOUT_S = 400
@@ -24,3 +26,18 @@ def loramesh(state_dir: Path | str, *argv: str, check: bool = True) -> subproces
     if check:
         assert done.returncode == 0, done.stderr
     return done
+
+
+@contextlib.contextmanager
+def supervised_mesh_up(state_dir: Path) -> Iterator[Path]:
+    """``loramesh up --detach`` of the whole mesh with every service replicated (two workers,
+    gateways, schedulers and kv_managers, mutual TLS, fast restarts), taken down on exit: what
+    the failover and chaos suites kill processes in."""
+    loramesh(
+        state_dir, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
+        "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2", "--tls",
+    )  # fmt: skip
+    try:
+        yield state_dir
+    finally:
+        loramesh(state_dir, "down", check=False)
