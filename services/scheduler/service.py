@@ -15,6 +15,7 @@ from grpc import aio
 from loramesh.v1 import scheduler_pb2_grpc
 from services.runtime.discovery import ChannelPool
 from services.runtime.errors import Unavailable
+from services.runtime.leader_election import LeaderElection
 from services.runtime.membership import MembershipConfig, follow, watch_loads, watch_members
 from services.runtime.tasks import cancel_and_wait
 from services.scheduler.admission import Admission, AdmissionConfig
@@ -30,6 +31,9 @@ log = logging.getLogger("loramesh.scheduler")
 
 WORKER_SERVICE = "gpu_worker"
 """Member service name whose instances the scheduler places on."""
+REBALANCER_ELECTION = "scheduler-rebalancer"
+"""Election (``/loramesh/leader/scheduler-rebalancer``) of the replica that runs migration and
+prefetch rounds; every replica places requests."""
 
 
 class SchedulerService:
@@ -37,6 +41,7 @@ class SchedulerService:
     grpc_service_name = "loramesh.v1.Scheduler"
 
     def __init__(self, config: SchedulerConfig):
+        config.instance_id = config.resolved_instance_id(self.name)  # its rebalancing candidacy
         self.config = config
         model = WaitModel(
             adapter_load_ms=config.adapter_load_ms,
@@ -64,6 +69,8 @@ class SchedulerService:
         )
         self.servicer = SchedulerServicer(self.view, self.policy, self.admission, self.rebalancer)
         self._tasks: list[asyncio.Task[None]] = []
+        self.election: LeaderElection | None = None
+        """With --migration or --prefetch: the replicas' election of the one that rebalances."""
 
     def add_to_server(self, server: aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)
@@ -103,6 +110,11 @@ class SchedulerService:
             ) from None
         log.info("following %d gpu_worker(s) from etcd at %s", len(self.view), cfg.etcd_endpoints)
         rebalancer = self.rebalancer
+        if rebalancer.migration is None and rebalancer.prefetch is None:
+            return
+        # Replicas would plan on the same workers and move the same requests: one leads.
+        self.election = LeaderElection(membership, REBALANCER_ELECTION, cfg.instance_id)
+        await self.election.start()
         if rebalancer.migration is not None:
             migration = rebalancer.migration
             self._tasks.append(
@@ -123,7 +135,7 @@ class SchedulerService:
         """Run a rebalancing round, then wait the policy's interval (PetS adapts it), until stopped."""
         while True:
             await asyncio.sleep(interval_s())
-            if not len(self.view):
+            if not len(self.view) or not self.election.is_leader:
                 continue
             try:
                 await round_(self.view.snapshot())
@@ -133,6 +145,8 @@ class SchedulerService:
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(tasks)
+        if self.election is not None:
+            await self.election.stop()
         await self.channels.close()
 
     def load_report(self) -> dict:
@@ -145,4 +159,5 @@ class SchedulerService:
             "prefetches": done.prefetches,
             "prefetch_failures": done.prefetch_failures,
             "rebalance_rounds": done.rounds,
+            "rebalance_leader": int(self.election is not None and self.election.is_leader),
         }
