@@ -29,6 +29,7 @@ from services.runtime.private_files import private_dir, write_private_text
 from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
 from services.runtime.server import check_health
 from services.runtime.tls import NO_TLS, TLSConfig
+from services.scheduler.policies import MIGRATION_POLICIES, PREFETCH_POLICIES
 
 #: Tenant of the local admin key that `loramesh up` writes to mesh.json.
 ADMIN_TENANT = "admin"
@@ -55,6 +56,10 @@ def add_parsers(sub) -> None:
     up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
     up.add_argument("--batch-policy", default="", choices=["", *sorted(BATCH_POLICIES)],
                     help="each worker's batch policy (docs/batch-policies.md; default: the worker's)")  # fmt: skip
+    up.add_argument("--migration", default="none", choices=["none", *sorted(MIGRATION_POLICIES)],
+                    help="the schedulers' migration policy (docs/operations.md; default none)")  # fmt: skip
+    up.add_argument("--prefetch", default="none", choices=["none", *sorted(PREFETCH_POLICIES)],
+                    help="the schedulers' adapter prefetch policy (default none)")  # fmt: skip
     up.add_argument(
         "--api-keys-file", default="", help="JSON {api key: tenant} for the gateway, besides the admin key"
     )
@@ -212,7 +217,9 @@ def _service_processes(
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
     for i in range(args.schedulers):
         name = replica_name("scheduler", i)
-        processes[name] = service("scheduler", name, etcd_flags)
+        processes[name] = service(
+            "scheduler", name, [*etcd_flags, "--migration", args.migration, "--prefetch", args.prefetch]
+        )
     # DistKV-LLM's gManager: the workers' KV-block debt ledger; the replicas elect one leader.
     for i in range(args.kv_managers):
         name = replica_name("kv_manager", i)
