@@ -29,6 +29,7 @@ from services.runtime.private_files import private_dir, write_private_text
 from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
 from services.runtime.server import check_health
 from services.runtime.tls import NO_TLS, TLSConfig
+from services.scheduler.live_prediction import LivePredictions
 from services.scheduler.policies import MIGRATION_POLICIES, PREFETCH_POLICIES
 
 #: Tenant of the local admin key that `loramesh up` writes to mesh.json.
@@ -60,6 +61,8 @@ def add_parsers(sub) -> None:
                     help="the schedulers' migration policy (docs/operations.md; default none)")  # fmt: skip
     up.add_argument("--prefetch", default="none", choices=["none", *sorted(PREFETCH_POLICIES)],
                     help="the schedulers' adapter prefetch policy (default none)")  # fmt: skip
+    up.add_argument("--length-predictor", default="none", choices=["none", LivePredictions.name],
+                    help="the schedulers' output-length predictor (Magnus; needs loramesh[predictor])")  # fmt: skip
     up.add_argument(
         "--api-keys-file", default="", help="JSON {api key: tenant} for the gateway, besides the admin key"
     )
@@ -123,7 +126,7 @@ def _up_detached(args, state_dir: Path) -> int:
         argv += ["--model", args.model]
     argv += ["--ram-budget-mib", str(args.ram_budget_mib), "--workers", str(args.workers)]
     argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib), *_batch_policy_flags(args)]
-    argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers)]
+    argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers), *_scheduler_flags(args)]
     argv += ["--kv-managers", str(args.kv_managers), "--restart-backoff-s", str(args.restart_backoff_s)]
     argv += ["--restart-backoff-max-s", str(args.restart_backoff_max_s)]
     argv += ["--restart-healthy-s", str(args.restart_healthy_s)]
@@ -167,6 +170,18 @@ def _restart_policy(args) -> RestartPolicy:
 def _batch_policy_flags(args) -> list[str]:
     """``--batch-policy NAME`` when `up` was given one; none leaves the workers' default."""
     return ["--batch-policy", args.batch_policy] if args.batch_policy else []
+
+
+def _scheduler_flags(args) -> list[str]:
+    """The schedulers' migration, prefetch and length-prediction policies, as `up` was given them."""
+    return [
+        "--migration",
+        args.migration,
+        "--prefetch",
+        args.prefetch,
+        "--length-predictor",
+        args.length_predictor,
+    ]
 
 
 def replica_name(kind: str, index: int) -> str:
@@ -217,9 +232,7 @@ def _service_processes(
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
     for i in range(args.schedulers):
         name = replica_name("scheduler", i)
-        processes[name] = service(
-            "scheduler", name, [*etcd_flags, "--migration", args.migration, "--prefetch", args.prefetch]
-        )
+        processes[name] = service("scheduler", name, [*etcd_flags, *_scheduler_flags(args)])
     # DistKV-LLM's gManager: the workers' KV-block debt ledger; the replicas elect one leader.
     for i in range(args.kv_managers):
         name = replica_name("kv_manager", i)

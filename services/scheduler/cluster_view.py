@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any
@@ -66,6 +66,9 @@ class ClusterSnapshot:
     """worker id -> adapters of those placements."""
     taken_at: float = 0.0
     """Unix time (s) the snapshot was taken (for report ages)."""
+    predicted_output_tokens: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    """worker id -> mean predicted length of its unfinished requests, where a length predictor
+    runs (``--length-predictor``); absent: the wait model's ``mean_output_tokens``."""
 
     @cached_property
     def _by_id(self) -> dict[str, WorkerState]:
@@ -91,12 +94,11 @@ class ClusterSnapshot:
         """The same snapshot restricted to the workers not in ``worker_ids``."""
         if not worker_ids:
             return self
-        return ClusterSnapshot(
-            workers=tuple(w for w in self.workers if w.worker_id not in worker_ids),
-            placed_since_report=self.placed_since_report,
-            placed_adapters=self.placed_adapters,
-            taken_at=self.taken_at,
-        )
+        return replace(self, workers=tuple(w for w in self.workers if w.worker_id not in worker_ids))
+
+    def with_predicted_lengths(self, means: Mapping[str, float]) -> ClusterSnapshot:
+        """The same snapshot with the predictor's per-worker mean lengths."""
+        return replace(self, predicted_output_tokens=MappingProxyType(dict(means)))
 
     @classmethod
     def of(

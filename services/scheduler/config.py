@@ -22,6 +22,12 @@ class SchedulerConfig(ServiceConfig):
     prefetch: str = "none"
     """Prefetch policy: ``none`` or ``burst-tolerance`` (dLoRA: load the adapters whose holders
     absorb the least burst onto workers that lack them)."""
+    length_predictor: str = "none"
+    """Output-length predictor: ``none`` or ``magnus`` (prompt embedding + random forest, learning
+    from completions; needs ``pip install 'loramesh[predictor]'``). Its predictions feed the wait
+    estimate and the workers' ``hrrn`` batch policy."""
+    predictor_bootstrap_completions: int = 32
+    """With ``magnus``: completions collected before the first forest is fitted."""
     demand_window_s: float = 30.0
     """Window of the per-adapter request rates and per-worker invocations the policies see."""
     worker_call_deadline_s: float = 30.0

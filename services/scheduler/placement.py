@@ -92,6 +92,11 @@ class WaitModel:
                      = adapter_load_ms                    otherwise
         wait = queue_wait + adapter_load
 
+    With a length predictor (``--length-predictor magnus``), ``mean_output_tokens`` of a worker is
+    the mean predicted length of the requests placed there and not finished yet
+    (``ClusterSnapshot.predicted_output_tokens``): a worker busy with long answers frees its
+    slots more slowly than one busy with short ones.
+
     Loading overlaps nothing in this model (the worker fetches the adapter while the request
     queues, so this over-estimates loaded-while-queued adapters; dLoRA makes the same choice).
     """
@@ -130,11 +135,13 @@ class WaitModel:
         if self.max_running_hint < 1:
             raise ValueError(f"WaitModel.max_running_hint must be >= 1, got {self.max_running_hint}")
 
-    def service_interval_ms(self, worker: WorkerState) -> float:
-        """Estimated ms between two request completions on ``worker``."""
+    def service_interval_ms(self, worker: WorkerState, output_tokens: float | None = None) -> float:
+        """Estimated ms between two request completions on ``worker`` whose requests generate
+        ``output_tokens`` on average (None: ``mean_output_tokens``)."""
         if worker.tokens_per_s <= 0:
             return self.default_service_ms
-        return 1000.0 * self.mean_output_tokens / max(worker.tokens_per_s, self.min_tokens_per_s)
+        tokens = self.mean_output_tokens if output_tokens is None else output_tokens
+        return 1000.0 * tokens / max(worker.tokens_per_s, self.min_tokens_per_s)
 
     def ahead(self, snapshot: ClusterSnapshot, worker: WorkerState) -> int:
         """Requests that finish before a new one gets a slot on ``worker``."""
@@ -156,7 +163,8 @@ class WaitModel:
         resident = not request.adapter_id or snapshot.will_have(worker.worker_id, request.adapter_id)
         ahead = self.ahead(snapshot, worker)
         batch = worker.running + snapshot.placed(worker.worker_id)
-        queue_ms = ahead * self.service_interval_ms(worker) + batch * self.per_request_step_ms
+        interval = self.service_interval_ms(worker, snapshot.predicted_output_tokens.get(worker.worker_id))
+        queue_ms = ahead * interval + batch * self.per_request_step_ms
         load_ms = 0.0 if resident else self.load_ms(request)
         return Placement(
             worker_id=worker.worker_id,

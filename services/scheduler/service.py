@@ -21,6 +21,7 @@ from services.runtime.tasks import cancel_and_wait
 from services.scheduler.admission import Admission, AdmissionConfig
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.live_prediction import make_length_predictions, prediction_report
 from services.scheduler.placement import WaitModel
 from services.scheduler.policies import make_migration, make_placement, make_prefetch
 from services.scheduler.rebalancing import DemandWindow, Rebalancer
@@ -67,7 +68,12 @@ class SchedulerService:
             ),
             model,
         )
-        self.servicer = SchedulerServicer(self.view, self.policy, self.admission, self.rebalancer)
+        self.predictions = make_length_predictions(
+            config.length_predictor, config.predictor_bootstrap_completions
+        )
+        self.servicer = SchedulerServicer(
+            self.view, self.policy, self.admission, self.rebalancer, self.predictions
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self.election: LeaderElection | None = None
         """With --migration or --prefetch: the replicas' election of the one that rebalances."""
@@ -160,4 +166,5 @@ class SchedulerService:
             "prefetch_failures": done.prefetch_failures,
             "rebalance_rounds": done.rounds,
             "rebalance_leader": int(self.election is not None and self.election.is_leader),
+            **({} if self.predictions is None else prediction_report(self.predictions)),
         }

@@ -6,6 +6,7 @@ without blocking it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from loramesh.v1 import scheduler_pb2 as pb
@@ -13,6 +14,7 @@ from loramesh.v1 import scheduler_pb2_grpc
 from services.runtime.errors import InvalidArgument
 from services.scheduler.admission import Admission
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView
+from services.scheduler.live_prediction import LivePredictions
 from services.scheduler.placement import Placement, PlacementRequest
 from services.scheduler.policies.interface import PlacementPolicy
 from services.scheduler.rebalancing import Rebalancer
@@ -66,24 +68,52 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Places requests over the view the service keeps up to date from etcd."""
 
     def __init__(
-        self, view: ClusterView, policy: PlacementPolicy, admission: Admission, rebalancer: Rebalancer
+        self,
+        view: ClusterView,
+        policy: PlacementPolicy,
+        admission: Admission,
+        rebalancer: Rebalancer,
+        predictions: LivePredictions | None = None,
     ):
         self.view = view
         self.policy = policy
         self.admission = admission
         self.rebalancer = rebalancer
+        self.predictions = predictions
 
     async def Place(self, request: pb.PlaceRequest, context) -> pb.PlaceResponse:
         wanted = request_from_proto(request)
-        placement = self.admission.place(self.policy, self.view.snapshot(), wanted)
+        snapshot, predicted = self.view.snapshot(), 0
+        if self.predictions is not None:
+            if request.prompt_text:  # a first placement (resumes and migrations carry none)
+                predicted = await asyncio.to_thread(
+                    self.predictions.predict,
+                    request.request_id,
+                    request.prompt_text,
+                    request.prompt_tokens,
+                    request.adapter_id,
+                )
+            snapshot = snapshot.with_predicted_lengths(self.predictions.outstanding_means())
+        placement = self.admission.place(self.policy, snapshot, wanted)
         self.view.record_placement(placement.worker_id, wanted.adapter_id)
         self.rebalancer.demand.record(placement.worker_id, wanted.adapter_id)
+        if self.predictions is not None:
+            self.predictions.placed(request.request_id, placement.worker_id)
         log.debug(
             "placed %s (adapter %r) on %s: wait %.1f ms, resident %s",
             wanted.request_id, wanted.adapter_id, placement.worker_id,
             placement.estimated_wait_ms, placement.adapter_resident,
         )  # fmt: skip
-        return placement_to_proto(placement)
+        reply = placement_to_proto(placement)
+        reply.predicted_output_tokens = predicted
+        return reply
+
+    async def ReportCompletion(
+        self, request: pb.ReportCompletionRequest, context
+    ) -> pb.ReportCompletionResponse:
+        if self.predictions is not None:
+            self.predictions.observe(request.request_id, request.generated_tokens)
+        return pb.ReportCompletionResponse()
 
     async def ClusterView(self, request: pb.ClusterViewRequest, context) -> pb.ClusterViewResponse:
         return snapshot_to_proto(self.view.snapshot(), self.activity())
@@ -99,7 +129,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             prefetches=done.prefetches,
             prefetch_failures=done.prefetch_failures,
             rebalance_rounds=done.rounds,
+            **self._predictor_activity(),
         )
+
+    def _predictor_activity(self) -> dict:
+        if self.predictions is None:
+            return {"length_predictor": "none"}
+        stats = self.predictions.stats()
+        return {
+            "length_predictor": self.predictions.name,
+            "predictions": stats["predictions"],
+            "completions_observed": stats["observed"],
+            "predictor_mae_tokens": stats["mean_abs_error_tokens"],
+            "predictor_refits": stats["retrains"],
+        }
 
     async def Migrate(self, request: pb.MigrateRequest, context) -> pb.MigrateResponse:
         if not request.request_id:

@@ -26,7 +26,10 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def mesh(tmp_path):
     state = tmp_path / "state"
-    loramesh(state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64")
+    loramesh(
+        state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
+        "--migration", "pets", "--prefetch", "burst-tolerance", "--length-predictor", "magnus",
+    )  # fmt: skip
     yield state
     loramesh(state, "down", check=False)
 
@@ -75,6 +78,10 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
         ("scheduler", "scheduler", "SERVING", 0),
         ("scheduler", "scheduler-1", "SERVING", 0),
     ]
+    # What the schedulers did beyond placing: migrations, prefetches, the predictor's error.
+    for row in (r for r in status if r["service"] == "scheduler"):
+        assert {"migrations", "prefetches", "rebalance_rounds", "predictor_mae_tokens"} <= set(row["load"])
+    assert "predictor_mae_tokens=" in loramesh(mesh, "status").stdout
     assert mesh_file["gateway_addresses"] == [
         mesh_file["services"][name]["address"] for name in ("gateway", "gateway-1")
     ]
