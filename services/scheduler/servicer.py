@@ -1,7 +1,8 @@
-"""``loramesh.v1.Scheduler``: proto <-> placement domain, nothing more.
+"""``loramesh.v1.Scheduler``: proto <-> the placement, rebalancing and length-prediction domain.
 
-Everything here is a few dict lookups and a sort over the workers: it runs on the event loop
-without blocking it.
+Placing is a few dict lookups and a sort over the workers, on the event loop; what costs more
+runs elsewhere: a prompt's embedding for the length predictor on a thread, a migration's worker
+calls awaited (``rebalancing.py``).
 """
 
 from __future__ import annotations
