@@ -1,10 +1,25 @@
-"""Simulator vs the real engine on one worker: the same trace, throughput and mean latency.
+"""Simulator vs real engines on one or two workers: the same trace, throughput and mean latency.
 
 The real side is the in-process engine replay of ``bench/systems/engine_system.py`` (the worker's
 request path without gRPC: adapters read from disk on demand, wall clock); the simulated side is
-:class:`ClusterSimulator` with one worker and the calibration's cost model and adapter load time.
-Error = (simulated − measured) / measured. The real side's figures move with whatever else runs
-on the machine; record the load next to them.
+:class:`ClusterSimulator` with as many workers and the calibration's cost model and adapter load
+time. Error = (simulated − measured) / measured. The real side's figures move with whatever else
+runs on the machine; record the load next to them.
+
+With ``--workers 2`` each real worker is its own process (spawned; one torch thread, as
+calibrated and as a gpu_worker started with ``--threads 1``), so the two engines run in parallel
+on the machine's two cores with no shared interpreter lock between them, as two gpu_workers on
+one host would; they do share the caches and memory bandwidth, and the cores with whatever else
+runs there. Each process replays its share of the trace with its own engine, adapter loader and
+64 MiB host cache, reading the same adapter directory. The shares come from replaying the
+placement policy — the simulator's own class, a fresh :class:`RoundRobin` on each side — over a
+cluster view with the simulator's worker ids; round-robin ignores load, so the placement does not
+depend on timing and both sides put every request on the same worker (checked). The processes
+meet at a barrier, then each loads its model and starts its clock; each reports its clock's
+start (``time.monotonic`` is system-wide; read from the replay's first pool sample, so the engine's
+stats are also read every 0.25 s, as a worker's load reports do) so the two runs go on one
+timeline, and the skew between the starts is reported. Load-aware placement (least-estimated-wait) would need the
+requests to go through one scheduler at run time: that is the mesh, not this replay.
 
 The calibration keeps each step's *fastest* of three runs (the engine's own cost), while a replay
 on a shared machine meets the typical, contended step; near saturation that gap decides the
@@ -12,11 +27,14 @@ queueing. So the run also records every real step (tokens, adapters, seconds fro
 the next plan: the forward pass, sampling, emitting), reports measured over calibrated step time, and ``--step-fit`` simulates with a model
 fitted on another run's recorded steps (e.g. the 60% run's, to predict the 90% run: the same
 machine under the same kind of load, fitted out of sample); ``--measured`` reuses an earlier
-run's real side instead of replaying again.
+run's real side instead of replaying again. With two workers each one's steps are kept apart
+(``real_steps`` maps a worker id to its steps) and the ratio is given per worker; ``--step-fit``
+fits one model on all of them pooled, since the simulator gives every worker the same model.
 
     .venv/bin/python -m bench.cluster_sim.validate --out bench/results/cluster_sim/validation.json
     .venv/bin/python -m bench.cluster_sim.validate --load 0.9 --duration 90 \
         --step-fit bench/results/cluster_sim/validation.json --out bench/results/cluster_sim/validation_load90.json
+    .venv/bin/python -m bench.cluster_sim.validate --workers 2 --duration 90 --out bench/results/cluster_sim/validation_2w.json
 """
 
 from __future__ import annotations
@@ -24,10 +42,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import tempfile
 import time
-from dataclasses import asdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing.managers import BarrierProxy
 from pathlib import Path
 
 import numpy as np
@@ -39,12 +60,15 @@ from bench.cluster_sim.experiment import capacity_rps
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
 from bench.cluster_sim.worker import WorkerSpec
 from bench.serving.adapters import ensure_adapter_set
-from bench.systems.base import RunContext
+from bench.systems.base import AdapterSet, RequestRecord, RunContext
 from bench.systems.engine_system import EngineSystem, EngineSystemOptions
-from bench.workload import WorkloadSpec, generate
+from bench.workload import TraceRequest, WorkloadSpec, generate
 from services.gpu_worker.engine.policies.batch_policy import BatchPlan, BatchView, StepOutcome
 from services.gpu_worker.engine.policies.fcfs import Fcfs
 from services.runtime.base_model import load_base_model_spec
+from services.scheduler.cluster_view import ClusterView
+from services.scheduler.placement import PlacementRequest
+from services.scheduler.policies.interface import PlacementPolicy
 from services.scheduler.policies.round_robin import RoundRobin
 
 INPUT_RANGE = (8, 64)
@@ -110,9 +134,95 @@ def step_model_ratio(model: StepCostModel, steps: list[list[float]]) -> float:
     return float(np.mean([1000.0 * s / model.step_ms(step_shape(int(t), int(a))) for t, a, s in steps]))
 
 
+def steps_by_worker(result: dict) -> dict[str, list[list[float]]]:
+    """A result's recorded steps per worker id; a one-worker result from before two-worker runs
+    keeps a plain list, the simulator's only worker's."""
+    steps = result["real_steps"]
+    return steps if isinstance(steps, dict) else {worker_ids(1)[0]: steps}
+
+
+def pooled(steps: dict[str, list[list[float]]]) -> list[list[float]]:
+    return [step for worker in sorted(steps) for step in steps[worker]]
+
+
+def worker_ids(workers: int) -> list[str]:
+    """The simulated workers' ids, as :class:`ClusterSimulator` names them."""
+    return list(ClusterSimulator(SimConfig(workers=workers), StepCostModel(), RoundRobin()).workers)
+
+
+def place(trace: list[TraceRequest], workers: int, policy: PlacementPolicy) -> list[str]:
+    """The worker ``policy`` puts each request on, placing them in trace order over a view of
+    the simulator's workers with no load reports (a load-blind policy decides as in the
+    simulator)."""
+    view = ClusterView(clock=lambda: 0.0)
+    view.update_members({w: f"real:{w}" for w in worker_ids(workers)})
+    chosen = []
+    for r in trace:
+        wanted = PlacementRequest(request_id=r.request_id, adapter_id=f"a{r.adapter}",
+                                  prompt_tokens=r.input_len, max_tokens=r.output_len)  # fmt: skip
+        worker = policy.place(view.snapshot(), wanted).worker_id
+        view.record_placement(worker, wanted.adapter_id)
+        chosen.append(worker)
+    return chosen
+
+
+@dataclass
+class Share:
+    """One real worker's replay of its share of the trace."""
+
+    records: list[RequestRecord]
+    steps: list[tuple[int, int, float]]
+    start: float
+    """``time.monotonic()`` when its clock started (system-wide, comparable across processes)."""
+
+    def timeline(self, origin: float) -> tuple[list[float], list[float | None]]:
+        """Arrivals and finishes on a timeline starting at ``origin``."""
+        shift = self.start - origin
+        return ([r.arrival_s + shift for r in self.records],
+                [None if r.finish_s is None else r.finish_s + shift for r in self.records])  # fmt: skip
+
+
+def replay_share(
+    trace: list[TraceRequest], adapters: AdapterSet, barrier: BarrierProxy | None = None
+) -> Share:
+    """Replay ``trace`` on one real engine (one torch thread, as calibrated), after ``barrier``."""
+    torch.set_num_threads(1)
+    recorder = RecordingFcfs()
+    starts: list[float] = []
+
+    def first_sample(since_start_s: float, _stats: dict) -> None:
+        if not starts:
+            starts.append(time.monotonic() - since_start_s)
+
+    context = RunContext(trace=trace, adapters=adapters, window_s=math.inf, max_batch=MAX_BATCH,
+                         pool_mib=POOL_MIB, host_cache_mib=HOST_CACHE_MIB, on_sample=first_sample)  # fmt: skip
+    if barrier is not None:
+        barrier.wait()
+    records = EngineSystem(EngineSystemOptions(batch_policy=lambda: recorder)).run(context)
+    return Share(records, recorder.steps, starts[0])
+
+
+def replay(trace: list[TraceRequest], placement: list[str], adapters: AdapterSet) -> dict[str, Share]:
+    """Every worker's share replayed at once, one process per worker when there are several."""
+    shares = {w: [r for r, p in zip(trace, placement, strict=True) if p == w] for w in sorted(set(placement))}
+    if len(shares) == 1:
+        return {w: replay_share(t, adapters) for w, t in shares.items()}
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Manager() as manager, ProcessPoolExecutor(len(shares), mp_context=spawn) as pool:
+        barrier = manager.Barrier(len(shares))
+        futures = {w: pool.submit(replay_share, t, adapters, barrier) for w, t in shares.items()}
+        return {w: f.result() for w, f in futures.items()}
+
+
+def cpu_model() -> str:
+    return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name"))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibration", default="bench/results/cluster_sim_calibration.json")
+    parser.add_argument("--workers", type=int, default=1, choices=(1, 2))
     parser.add_argument("--load", type=float, default=0.6, help="offered load / estimated capacity")
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--out", default="bench/results/cluster_sim/validation.json")
@@ -129,32 +239,47 @@ def main() -> None:
         adapter_load_ms=calibration.adapter_load_ms,
         host_cache_tokens=HOST_CACHE_MIB * 2**20 // KV_TOKEN_BYTES,
     )
-    rate = args.load * capacity_rps(calibration.model, spec, INPUT_RANGE, OUTPUT_RANGE, RANKS)
+    capacity = args.workers * capacity_rps(calibration.model, spec, INPUT_RANGE, OUTPUT_RANGE, RANKS)
+    rate = args.load * capacity
     trace = generate(WorkloadSpec(adapters=8, alpha=1.0, rate=rate, cv=1.0, input_range=INPUT_RANGE,
                                   output_range=OUTPUT_RANGE, ranks=RANKS, duration_s=args.duration))  # fmt: skip
     model, fitted_on = calibration.model, args.calibration
     if args.step_fit:
-        model, fit_error = fit_steps(json.loads(Path(args.step_fit).read_text())["real_steps"])
+        model, fit_error = fit_steps(pooled(steps_by_worker(json.loads(Path(args.step_fit).read_text()))))
         fitted_on = f"{args.step_fit} (fit error {fit_error:.0f}%)"
-    simulated = ClusterSimulator(SimConfig(workers=1, worker=spec), model, RoundRobin()).run(trace)
+    simulator = ClusterSimulator(SimConfig(workers=args.workers, worker=spec), model, RoundRobin())
+    simulated = simulator.run(trace)
+    placement = place(trace, args.workers, RoundRobin())
+    assert placement == [r.worker for r in simulated.requests], "the two sides placed differently"
+    sim_by_worker = {w: figures(*zip(*[(r.arrival_s, r.finish_s) for r in simulated.requests if r.worker == w]))
+                     for w in sorted(set(placement))}  # fmt: skip
     sim = figures([r.arrival_s for r in simulated.requests], [r.finish_s for r in simulated.requests])
     if args.measured:
         earlier = json.loads(Path(args.measured).read_text())
-        real, steps, load = earlier["measured"], earlier["real_steps"], earlier["load_average"]
+        real, real_by_worker = earlier["measured"], earlier.get("measured_by_worker")
+        steps, skew = steps_by_worker(earlier), earlier.get("start_skew_s")
+        load = [earlier.get("load_average_start"), earlier["load_average"]]
     else:
+        load_start = os.getloadavg()
         with tempfile.TemporaryDirectory() as tmp:
             adapters = ensure_adapter_set(Path(tmp), load_base_model_spec(), 8, RANKS)
-            context = RunContext(trace=trace, adapters=adapters, window_s=math.inf, max_batch=MAX_BATCH,
-                                 pool_mib=POOL_MIB, host_cache_mib=HOST_CACHE_MIB)  # fmt: skip
-            recorder = RecordingFcfs()
-            records = EngineSystem(EngineSystemOptions(batch_policy=lambda: recorder)).run(context)
-        real = figures([r.arrival_s for r in records], [r.finish_s for r in records])
-        steps, load = recorder.steps, os.getloadavg()
+            shares = replay(trace, placement, adapters)
+        load = [load_start, os.getloadavg()]
+        origin = min(s.start for s in shares.values())
+        timelines = {w: s.timeline(origin) for w, s in shares.items()}
+        real = figures(*[[t for w in timelines for t in timelines[w][side]] for side in (0, 1)])
+        real_by_worker = {w: figures(*t) for w, t in timelines.items()}
+        steps, skew = {w: s.steps for w, s in shares.items()}, max(s.start for s in shares.values()) - origin
     error = {k: (sim[k] - real[k]) / real[k] for k in ("throughput_rps", "mean_latency_s")}
-    result = {"requests": len(trace), "rate_rps": rate, "measured": real, "simulated": sim, "error": error,
+    result = {"workers": args.workers, "requests": len(trace), "rate_rps": rate, "measured": real,
+              "simulated": sim, "error": error, "measured_by_worker": real_by_worker,
+              "simulated_by_worker": sim_by_worker, "start_skew_s": skew,
               "step_model": asdict(model), "step_model_from": fitted_on,
-              "measured_over_calibrated_step": step_model_ratio(calibration.model, steps),
-              "cpu_model": calibration.cpu_model, "load_average": load, "real_steps": steps}  # fmt: skip
+              "measured_over_calibrated_step": step_model_ratio(calibration.model, pooled(steps)),
+              "measured_over_calibrated_step_by_worker":
+                  {w: step_model_ratio(calibration.model, s) for w, s in steps.items()},
+              "calibration_cpu_model": calibration.cpu_model, "cpu_model": cpu_model(),
+              "load_average_start": load[0], "load_average": load[1], "real_steps": steps}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "real_steps"}, indent=1))
