@@ -27,6 +27,7 @@ from bench.cluster_sim.worker import WorkerSpec
 from bench.workload import TraceRequest, WorkloadSpec, generate
 from services.scheduler.placement import WaitModel
 from services.scheduler.policies import make_placement
+from services.scheduler.policies.batch_balancing import BatchBalancing, BatchBalancingConfig
 from services.scheduler.policies.burst_tolerance_prefetch import BurstToleranceConfig, BurstTolerancePrefetch
 from services.scheduler.policies.co_migration import CoMigration, CoMigrationConfig
 from services.scheduler.policies.pets_balancing import PetsBalancing
@@ -57,7 +58,11 @@ POLICY_SETS = (
     PolicySet("LEW+prefetch", "least-estimated-wait", prefetch=True),
     PolicySet("LEW+co-migration", "least-estimated-wait", migration="co-migration"),
     PolicySet("LEW+PetS", "least-estimated-wait", migration="pets"),
+    PolicySet("LEW+batch-balancing", "least-estimated-wait", migration="batch-balancing"),
     PolicySet("LEW+prefetch+co-migration", "least-estimated-wait", prefetch=True, migration="co-migration"),
+    PolicySet(
+        "LEW+prefetch+batch-balancing", "least-estimated-wait", prefetch=True, migration="batch-balancing"
+    ),
     PolicySet(
         "combination, arrival-order resume",
         "least-estimated-wait",
@@ -119,6 +124,19 @@ def co_migration_config(calibration: Calibration, workers: int) -> CoMigrationCo
     )
 
 
+def batch_balancing_config(calibration: Calibration) -> BatchBalancingConfig:
+    """Batch balancing's step model from the same calibration as the simulated workers."""
+    model = calibration.model
+    rank_ms = model.per_rank_token_ms * sum(RANKS) / len(RANKS)
+    return BatchBalancingConfig(
+        step_token_ms=model.per_token_ms + rank_ms,
+        step_adapter_ms=model.per_adapter_ms,
+        prefill_token_ms=model.per_token_ms + rank_ms,
+        adapter_load_s=calibration.adapter_load_ms / 1000.0,
+        default_max_running=WORKER.max_running,
+    )
+
+
 def simulator_factory(
     policies: PolicySet, workers: int, calibration: Calibration, model: WaitModel
 ) -> Callable[[], ClusterSimulator]:
@@ -128,6 +146,7 @@ def simulator_factory(
             "none": None,
             "co-migration": CoMigration(co_migration_config(calibration, workers)),
             "pets": PetsBalancing(),
+            "batch-balancing": BatchBalancing(batch_balancing_config(calibration)),
         }[policies.migration]
         return ClusterSimulator(
             SimConfig(workers=workers, worker=spec, migrated_keep_place=policies.keep_place),

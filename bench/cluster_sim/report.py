@@ -73,17 +73,30 @@ def ratio_table(rows: list[dict], baseline: str = "LEW", contender: str = "LEW+p
     return head + "\n".join(lines) + "\n"
 
 
-def write_report(out: Path, meta: dict, rows: list[dict], table_seeds: list[int] | None = None) -> None:
-    """``results.md`` (the table of ``table_seeds``' rows, default the first seed's, and the
-    ratio table of every seed) and ``p99.png`` (the table's rows)."""
+COMBINATIONS = ("LEW+prefetch+co-migration", "LEW+batch-balancing", "LEW+prefetch+batch-balancing")
+"""Policy sets compared with LEW in the ratio tables (those the rows have)."""
+
+
+def write_report(
+    out: Path, meta: dict, rows: list[dict], table_runs: list[tuple[int, int]] | None = None
+) -> None:
+    """``results.md`` (the table of the ``(workers, seed)`` runs in ``table_runs``, default each
+    size's first seed, and for each of :data:`COMBINATIONS` in the rows the ratio table of every
+    seed) and ``p99.png`` (the table's rows)."""
     header = (
         f"CPU of the calibration: {meta['cpu_model']}; capacity {meta['capacity_rps_per_worker']:.2f} req/s "
         f"per worker (estimated), load {meta['load']:.0%}, first-token SLO {meta['slo_s']:.2f} s, "
         f"{meta['adapters']} adapters, {meta['duration_s']:.0f} s per trace.\n\n"
     )
-    shown = table_seeds if table_seeds is not None else [rows[0].get("seed", 0)]
-    first = [r for r in rows if r.get("seed", 0) in shown]
-    ratios = "\nLEW's p99 over the combination's, per seed:\n\n" + ratio_table(rows)
+    if table_runs is None:
+        table_runs = list({r["workers"]: (r["workers"], r.get("seed", 0)) for r in reversed(rows)}.values())
+    first = [r for r in rows if (r["workers"], r.get("seed", 0)) in table_runs]
+    present = {r["policy"] for r in rows}
+    ratios = "".join(
+        f"\nLEW's p99 over {name}'s, per seed:\n\n" + ratio_table(rows, contender=name)
+        for name in COMBINATIONS
+        if name in present
+    )
     (out / "results.md").write_text(header + table(first) + ratios)
     plot(first, out / "p99.png")
 
@@ -92,16 +105,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", nargs="+", required=True, help="results.json files of experiment runs")
     parser.add_argument("--out", default="bench/results/cluster_sim")
-    parser.add_argument("--table-seeds", type=int, nargs="*", help="seeds whose rows the table shows")
+    parser.add_argument(
+        "--table", nargs="*", metavar="WORKERS:SEED", help="runs whose rows the table shows (e.g. 16:1 64:0)"
+    )
     args = parser.parse_args()
     runs = [json.loads(Path(path).read_text()) for path in args.inputs]
-    rows = [row for run in runs for row in run["rows"]]
+    # A run given twice (the simulator is deterministic) counts once: the last one's row stays.
+    unique = {
+        (r.get("seed", 0), r["workers"], r["trace"], r["policy"]): r for run in runs for r in run["rows"]
+    }
+    # Grouped as one run writes them: by size, seed, trace, then policy (traces and policies in
+    # first-seen order).
+    seen = [list(dict.fromkeys(key[i] for key in unique)) for i in (2, 3)]
+    keys = sorted(unique, key=lambda k: (k[1], k[0], seen[0].index(k[2]), seen[1].index(k[3])))
+    rows = [unique[k] for k in keys]
     seeds = list(dict.fromkeys(row.get("seed", 0) for row in rows))
     meta = {**runs[0]["meta"], "seeds": seeds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    write_report(out, meta, rows, args.table_seeds)
+    runs_shown = [tuple(int(x) for x in item.split(":")) for item in args.table] if args.table else None
+    write_report(out, meta, rows, runs_shown)
 
 
 if __name__ == "__main__":

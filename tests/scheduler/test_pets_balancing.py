@@ -61,7 +61,7 @@ def test_registries_build_policies_by_name():
     assert make_migration("none") is None and make_prefetch("none") is None
     assert make_migration("pets").name == "pets" and make_migration("co-migration").name == "co-migration"
     assert make_prefetch("burst-tolerance").name == "burst-tolerance"
-    with pytest.raises(ValueError, match="known: none, co-migration, pets"):
+    with pytest.raises(ValueError, match="known: none, batch-balancing, co-migration, pets"):
         make_migration("magic")
     with pytest.raises(ValueError):
         PetsBalancingConfig(theta=0)

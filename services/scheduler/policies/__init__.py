@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from services.scheduler.placement import WaitModel
+from services.scheduler.policies.batch_balancing import BatchBalancing
 from services.scheduler.policies.burst_tolerance_prefetch import BurstTolerancePrefetch
 from services.scheduler.policies.interface import PlacementPolicy
 from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
@@ -45,6 +46,7 @@ def _co_migration() -> MigrationPolicy:
 MIGRATION_POLICIES: dict[str, Callable[[], MigrationPolicy]] = {
     "co-migration": _co_migration,
     PetsBalancing.name: PetsBalancing,
+    BatchBalancing.name: BatchBalancing,
 }
 """``--migration`` name -> a function (or class) making the policy with its default knobs."""
 
