@@ -16,8 +16,9 @@ class SchedulerConfig(ServiceConfig):
     """Placement policy: ``least-estimated-wait`` (dLoRA proactive dispatch: queue + adapter load),
     ``least-loaded`` (fewest queued + running requests) or ``round-robin``."""
     migration: str = "none"
-    """Migration policy: ``none``, ``co-migration`` (dLoRA's relaxed LP over the top-K replicas) or
-    ``pets`` (PetS greedy balancing, adaptive interval). Each round lists the workers' requests and
+    """Migration policy: ``none``, ``co-migration`` (dLoRA's relaxed LP over the top-K replicas),
+    ``pets`` (PetS greedy balancing, adaptive interval) or ``batch-balancing`` (running requests
+    from the largest batches to the smallest when the step model says it pays). Each round lists the workers' requests and
     hands the planned ones off to their targets, adapter first (docs/architecture.md)."""
     prefetch: str = "none"
     """Prefetch policy: ``none`` or ``burst-tolerance`` (dLoRA: load the adapters whose holders

@@ -1,13 +1,11 @@
 """Hypothesis check for batch balancing (issue 16): do the p99 requests decode in oversized batches?
 
-Run from the repository root (``PYTHONPATH=.``: this file is not in a package)::
-
-    PYTHONPATH=. .venv/bin/python bench/results/cluster_sim/batch_balancing/hypothesis/analyze_batches.py \\
-        WORKERS SEED [POLICY [TRACE PREFIX ...]]
+    .venv/bin/python -m bench.cluster_sim.batch_analysis WORKERS SEED [POLICY [TRACE PREFIX ...]]
 
 Replays the experiment's traces (load 0.85, 600 s, 1,000 adapters) under one of its policy sets
 (default LEW) with every step recorded (worker, start, end, batch size). Per trace it prints one
-JSON line, and writes them all to ``an_WORKERS_SEED_POLICY.json`` next to this file: the p99
+JSON line, and writes them all to ``bench/results/cluster_sim/batch_balancing/hypothesis/
+an_WORKERS_SEED_POLICY.json``: the p99
 requests (latency ≥ 0.97 × p99), the mean batch they decoded in and its excess over the
 cluster's mean batch at the same moment, the spread of the workers' batches, and the p99 had
 every worker carried the same share of the step work at every instant (work conserved, moves
@@ -29,6 +27,7 @@ from services.scheduler.placement import WaitModel
 
 GRID_S = 0.5
 """Resolution of the per-worker time series."""
+OUT_DIR = Path("bench/results/cluster_sim/batch_balancing/hypothesis")
 
 
 def record_steps(sim, steps: list, per_request: dict) -> None:
@@ -131,7 +130,8 @@ def main() -> None:
         if not only or trace_name.startswith(only):
             out[trace_name] = analyze(workers, trace_name, trace, policies, calibration, model)
             print(json.dumps(out[trace_name]), flush=True)
-    (Path(__file__).parent / f"an_{workers}_{seed}_{name}.json").write_text(json.dumps(out, indent=1))
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / f"an_{workers}_{seed}_{name}.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
