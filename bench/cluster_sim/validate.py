@@ -47,7 +47,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.managers import BarrierProxy
 from pathlib import Path
 
@@ -230,9 +230,15 @@ def main() -> None:
     parser.add_argument(
         "--step-fit", help="simulate with a step model fitted on this result's recorded steps"
     )
+    parser.add_argument(
+        "--sim-calibration",
+        help="simulate with this calibration's step model and adapter load time; the trace's rate "
+        "still comes from --calibration (so a --measured run keeps its trace)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as calibrated
     calibration = Calibration.load(args.calibration)
+    simulated_with = Calibration.load(args.sim_calibration) if args.sim_calibration else calibration
     spec = WorkerSpec(
         max_running=MAX_BATCH,
         memory_tokens=POOL_MIB * 2**20 // KV_TOKEN_BYTES,
@@ -240,10 +246,11 @@ def main() -> None:
         host_cache_tokens=HOST_CACHE_MIB * 2**20 // KV_TOKEN_BYTES,
     )
     capacity = args.workers * capacity_rps(calibration.model, spec, INPUT_RANGE, OUTPUT_RANGE, RANKS)
+    spec = replace(spec, adapter_load_ms=simulated_with.adapter_load_ms)
     rate = args.load * capacity
     trace = generate(WorkloadSpec(adapters=8, alpha=1.0, rate=rate, cv=1.0, input_range=INPUT_RANGE,
                                   output_range=OUTPUT_RANGE, ranks=RANKS, duration_s=args.duration))  # fmt: skip
-    model, fitted_on = calibration.model, args.calibration
+    model, fitted_on = simulated_with.model, args.sim_calibration or args.calibration
     if args.step_fit:
         model, fit_error = fit_steps(pooled(steps_by_worker(json.loads(Path(args.step_fit).read_text()))))
         fitted_on = f"{args.step_fit} (fit error {fit_error:.0f}%)"
@@ -275,9 +282,9 @@ def main() -> None:
               "simulated": sim, "error": error, "measured_by_worker": real_by_worker,
               "simulated_by_worker": sim_by_worker, "start_skew_s": skew,
               "step_model": asdict(model), "step_model_from": fitted_on,
-              "measured_over_calibrated_step": step_model_ratio(calibration.model, pooled(steps)),
+              "measured_over_calibrated_step": step_model_ratio(simulated_with.model, pooled(steps)),
               "measured_over_calibrated_step_by_worker":
-                  {w: step_model_ratio(calibration.model, s) for w, s in steps.items()},
+                  {w: step_model_ratio(simulated_with.model, s) for w, s in steps.items()},
               "calibration_cpu_model": calibration.cpu_model, "cpu_model": cpu_model(),
               "load_average_start": load[0], "load_average": load[1], "real_steps": steps}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
