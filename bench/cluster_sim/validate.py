@@ -31,6 +31,12 @@ run's real side instead of replaying again. With two workers each one's steps ar
 (``real_steps`` maps a worker id to its steps) and the ratio is given per worker; ``--step-fit``
 fits one model on all of them pooled, since the simulator gives every worker the same model.
 
+A calibration of bare engine steps underestimates a serving step (the replay's engine shares its
+process with the event loop and the adapter loader), so the validated procedure is a *serving
+calibration*: ``--save-step-fit`` writes the ``--step-fit`` model as a calibration file, and
+later runs given it as ``--calibration`` size their traces by the capacity serving measured and
+are simulated with a step model fitted on another run (docs/benchmarks.md, "On a quiet machine").
+
     .venv/bin/python -m bench.cluster_sim.validate --out bench/results/cluster_sim/validation.json
     .venv/bin/python -m bench.cluster_sim.validate --load 0.9 --duration 90 \
         --step-fit bench/results/cluster_sim/validation.json --out bench/results/cluster_sim/validation_load90.json
@@ -54,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.cluster_sim.calibrate import fit
+from bench.cluster_sim.calibrate import cpu_model, fit
 from bench.cluster_sim.cost_model import Calibration, StepCostModel, StepShape
 from bench.cluster_sim.experiment import capacity_rps
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
@@ -214,11 +220,6 @@ def replay(trace: list[TraceRequest], placement: list[str], adapters: AdapterSet
         return {w: f.result() for w, f in futures.items()}
 
 
-def cpu_model() -> str:
-    return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name"))  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibration", default="bench/results/cluster_sim_calibration.json")
@@ -234,6 +235,11 @@ def main() -> None:
         "--sim-calibration",
         help="simulate with this calibration's step model and adapter load time; the trace's rate "
         "still comes from --calibration (so a --measured run keeps its trace)",
+    )
+    parser.add_argument(
+        "--save-step-fit",
+        help="also write the --step-fit model as a calibration file (adapter load time from the "
+        "simulating calibration), to size later runs' traces by the capacity serving measured",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as calibrated
@@ -252,8 +258,12 @@ def main() -> None:
                                   output_range=OUTPUT_RANGE, ranks=RANKS, duration_s=args.duration))  # fmt: skip
     model, fitted_on = simulated_with.model, args.sim_calibration or args.calibration
     if args.step_fit:
-        model, fit_error = fit_steps(pooled(steps_by_worker(json.loads(Path(args.step_fit).read_text()))))
+        fitted_steps = pooled(steps_by_worker(json.loads(Path(args.step_fit).read_text())))
+        model, fit_error = fit_steps(fitted_steps)
         fitted_on = f"{args.step_fit} (fit error {fit_error:.0f}%)"
+        if args.save_step_fit:
+            Calibration(model, simulated_with.adapter_load_ms, cpu_model(), len(fitted_steps),
+                        fit_error).save(args.save_step_fit)  # fmt: skip
     simulator = ClusterSimulator(SimConfig(workers=args.workers, worker=spec), model, RoundRobin())
     simulated = simulator.run(trace)
     placement = place(trace, args.workers, RoundRobin())
