@@ -124,7 +124,9 @@ def co_migration_config(calibration: Calibration, workers: int) -> CoMigrationCo
     )
 
 
-def batch_balancing_config(calibration: Calibration) -> BatchBalancingConfig:
+def batch_balancing_config(
+    calibration: Calibration, *, min_gap: int = BatchBalancingConfig.min_gap
+) -> BatchBalancingConfig:
     """Batch balancing's step model from the same calibration as the simulated workers."""
     model = calibration.model
     rank_ms = model.per_rank_token_ms * sum(RANKS) / len(RANKS)
@@ -134,11 +136,17 @@ def batch_balancing_config(calibration: Calibration) -> BatchBalancingConfig:
         prefill_token_ms=model.per_token_ms + rank_ms,
         adapter_load_s=calibration.adapter_load_ms / 1000.0,
         default_max_running=WORKER.max_running,
+        min_gap=min_gap,
     )
 
 
 def simulator_factory(
-    policies: PolicySet, workers: int, calibration: Calibration, model: WaitModel
+    policies: PolicySet,
+    workers: int,
+    calibration: Calibration,
+    model: WaitModel,
+    *,
+    batch_min_gap: int = BatchBalancingConfig.min_gap,
 ) -> Callable[[], ClusterSimulator]:
     def build() -> ClusterSimulator:
         spec = WorkerSpec(**{**asdict(WORKER), "adapter_load_ms": calibration.adapter_load_ms})
@@ -146,7 +154,7 @@ def simulator_factory(
             "none": None,
             "co-migration": CoMigration(co_migration_config(calibration, workers)),
             "pets": PetsBalancing(),
-            "batch-balancing": BatchBalancing(batch_balancing_config(calibration)),
+            "batch-balancing": BatchBalancing(batch_balancing_config(calibration, min_gap=batch_min_gap)),
         }[policies.migration]
         return ClusterSimulator(
             SimConfig(workers=workers, worker=spec, migrated_keep_place=policies.keep_place),
@@ -174,6 +182,12 @@ def main() -> None:
         "--traces", nargs="*", default=[], help="only the traces whose names start with these"
     )
     parser.add_argument("--policies", nargs="*", default=[], help="only these policy sets (by name)")
+    parser.add_argument(
+        "--batch-min-gap",
+        type=int,
+        default=BatchBalancingConfig.min_gap,
+        help="batch balancing's min_gap (running batches must differ by this many requests)",
+    )
     parser.add_argument("--out", default="bench/results/cluster_sim")
     args = parser.parse_args()
     calibration = Calibration.load(args.calibration)
@@ -191,7 +205,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"cpu_model": calibration.cpu_model, "capacity_rps_per_worker": per_worker, "slo_s": slo_s,
             "load": args.load, "duration_s": args.duration, "adapters": args.adapters, "seeds": args.seeds,
-            "adapter_load_ms": calibration.adapter_load_ms, "cost_model": asdict(calibration.model)}  # fmt: skip
+            "adapter_load_ms": calibration.adapter_load_ms, "cost_model": asdict(calibration.model),
+            "batch_min_gap": args.batch_min_gap}  # fmt: skip
     rows = []
     for seed in args.seeds:
         for workers in args.workers:
@@ -201,7 +216,10 @@ def main() -> None:
                     continue
                 for policies in [p for p in POLICY_SETS if not args.policies or p.name in args.policies]:
                     began = time.perf_counter()
-                    result = simulator_factory(policies, workers, calibration, model)().run(trace)
+                    build = simulator_factory(
+                        policies, workers, calibration, model, batch_min_gap=args.batch_min_gap
+                    )
+                    result = build().run(trace)
                     summary = summarize(result, slo_s)
                     rows.append({"seed": seed, "workers": workers, "trace": trace_name,
                                  "policy": policies.name, "rate_rps": rate, **asdict(summary)})  # fmt: skip
