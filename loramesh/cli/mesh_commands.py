@@ -23,8 +23,9 @@ from services.gateway.auth import ApiKeys, hashed_keys
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.errors import InvalidArgument
-from services.runtime.etcd_server import EtcdServer, free_port
+from services.runtime.etcd_server import EtcdServer
 from services.runtime.membership import MembershipConfig, list_members, read_loads
+from services.runtime.ports import free_port
 from services.runtime.private_files import private_dir, write_private_text
 from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
 from services.runtime.server import check_health

@@ -12,7 +12,6 @@ import json
 import logging
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Self
 
+from services.runtime.ports import free_port
 from services.runtime.private_files import private_dir
 from services.runtime.tls import NO_TLS, TLSConfig
 
@@ -32,13 +32,6 @@ LOG_NAME = "etcd.log"
 
 class EtcdStartError(RuntimeError):
     """etcd could not be started or did not become healthy in time (message has the log tail)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -171,8 +164,6 @@ class EtcdServer:
                 self.client_port = free_port(self.host)
             if self.peer_port == 0:
                 self.peer_port = free_port(self.host)
-                while self.peer_port == self.client_port:
-                    self.peer_port = free_port(self.host)
             try:
                 self._launch()
                 return self

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.runtime.etcd_server import free_port
+from services.runtime.ports import free_port
 from services.runtime.server import check_health
 from services.runtime.tls import NO_TLS, TLSConfig
 

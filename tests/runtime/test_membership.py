@@ -24,7 +24,7 @@ import pytest
 from support.etcd_lease import key_lease, lease_alive
 
 from services.runtime.errors import Unavailable
-from services.runtime.etcd_server import EtcdServer, free_port
+from services.runtime.etcd_server import EtcdServer
 from services.runtime.membership import (
     MemberInfo,
     MembershipConfig,
@@ -35,6 +35,7 @@ from services.runtime.membership import (
     read_loads,
     watch_members,
 )
+from services.runtime.ports import free_port
 
 T = TypeVar("T")
 

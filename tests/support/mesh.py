@@ -9,7 +9,8 @@ from pathlib import Path
 
 from loramesh.tls import ClientTLS
 from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
-from services.runtime.etcd_server import EtcdServer, free_port
+from services.runtime.etcd_server import EtcdServer
+from services.runtime.ports import free_port
 from services.runtime.process import ServiceProcess
 from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
 
