@@ -53,7 +53,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from multiprocessing.managers import BarrierProxy
 from pathlib import Path
 
@@ -242,17 +242,18 @@ def main() -> None:
         "simulating calibration), to size later runs' traces by the capacity serving measured",
     )
     args = parser.parse_args()
+    if args.save_step_fit and not args.step_fit:
+        parser.error("--save-step-fit needs --step-fit")
     torch.set_num_threads(1)  # as calibrated
     calibration = Calibration.load(args.calibration)
     simulated_with = Calibration.load(args.sim_calibration) if args.sim_calibration else calibration
     spec = WorkerSpec(
         max_running=MAX_BATCH,
         memory_tokens=POOL_MIB * 2**20 // KV_TOKEN_BYTES,
-        adapter_load_ms=calibration.adapter_load_ms,
+        adapter_load_ms=simulated_with.adapter_load_ms,
         host_cache_tokens=HOST_CACHE_MIB * 2**20 // KV_TOKEN_BYTES,
     )
     capacity = args.workers * capacity_rps(calibration.model, spec, INPUT_RANGE, OUTPUT_RANGE, RANKS)
-    spec = replace(spec, adapter_load_ms=simulated_with.adapter_load_ms)
     rate = args.load * capacity
     trace = generate(WorkloadSpec(adapters=8, alpha=1.0, rate=rate, cv=1.0, input_range=INPUT_RANGE,
                                   output_range=OUTPUT_RANGE, ranks=RANKS, duration_s=args.duration))  # fmt: skip
