@@ -22,10 +22,10 @@ test: setup
 	$(PY) -m pytest -q --durations=15
 
 demo: setup
-	$(PY) -m loramesh.demo
+	$(PY) -m loramesh_cli.demo
 
 protos: setup
-	$(PY) -m loramesh.protogen
+	$(PY) protos/generate.py
 
 bench: setup
 	$(VENV)/bin/loramesh bench --profile quick

@@ -27,7 +27,7 @@ from openai import AsyncOpenAI
 
 from bench.side_by_side import alternating_rounds, load_arguments, local_mesh, medians, rounded
 from loramesh.async_client import AsyncClient
-from loramesh.cli.mesh_file import MeshFile
+from loramesh_cli.mesh_file import MeshFile
 
 PROMPTS = [f"Write a short story about a {thing}." for thing in ("cat", "ship", "tree", "robot")]
 CALL_TIMEOUT_S = 900.0

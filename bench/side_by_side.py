@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
-from loramesh.cli.mesh_file import MeshFile
+from loramesh_cli.mesh_file import MeshFile
 
 
 def load_arguments(description: str) -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def load_arguments(description: str) -> argparse.ArgumentParser:
 def local_mesh(workers: int = 2) -> Iterator[MeshFile]:
     """A mesh of ``workers`` float32 workers on loopback, in a fresh state directory."""
     state = Path(tempfile.mkdtemp(prefix="lm-bench-"))
-    cli = [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state)]
+    cli = [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state)]
     subprocess.run(
         [*cli, "up", "--detach", "--workers", str(workers), "--dtype", "float32", "--pool-mib", "256"],
         check=True,

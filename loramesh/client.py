@@ -21,7 +21,8 @@ from loramesh.errors import REQUEST_ID_HEADER, LoraMeshError, StreamInterrupted,
 from loramesh.stream_resume import StreamReplay, replayable
 from loramesh.tls import ClientTLS, sync_channel
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
-from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
+from loramesh_api.adapter_transfer import read_adapter_dir, upload_requests
+from loramesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
 DEFAULT_MESH_FILE = ".loramesh/mesh.json"
 LIST_PAGE_SIZE = 100
@@ -311,8 +312,6 @@ def upload_stream(
     Raises:
         FileNotFoundError: ``path`` is not a directory.
     """
-    from services.adapter_store.client import read_adapter_dir, upload_requests  # only uploads need it
-
     if not Path(path).is_dir():
         raise FileNotFoundError(f"adapter directory {path} does not exist")
     visibility = types_pb2.VISIBILITY_PUBLIC if public else types_pb2.VISIBILITY_PRIVATE

@@ -1,4 +1,4 @@
-"""``loramesh.demo``: light to import, and a curl example that is valid shell carrying valid JSON."""
+"""``loramesh_cli.demo``: light to import, and a curl example that is valid shell carrying valid JSON."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import shlex
 import subprocess
 import sys
 
-from loramesh.demo import curl_example
+from loramesh_cli.demo import curl_example
 
 
 def test_importing_the_demo_loads_no_training_server_or_http_client_code():
     heavy = ("torch", "peft", "transformers", "openai", "services", "demo_adapters")
-    code = f"import sys, loramesh.demo; print([m for m in {heavy!r} if m in sys.modules])"
+    code = f"import sys, loramesh_cli.demo; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
 

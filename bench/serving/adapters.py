@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from bench.systems.base import AdapterSet
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.runtime.base_model import BaseModelSpec
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -61,7 +61,9 @@ class _HashedKey:
         try:
             salt, digest = bytes.fromhex(salt_hex), bytes.fromhex(digest_hex)
         except ValueError:
-            raise InvalidArgument(f"a hashed API key of tenant {tenant!r} is not sha256:<hex>:<hex>") from None
+            raise InvalidArgument(
+                f"a hashed API key of tenant {tenant!r} is not sha256:<hex>:<hex>"
+            ) from None
         if len(digest) != hashlib.sha256().digest_size or not salt:
             raise InvalidArgument(f"a hashed API key of tenant {tenant!r} has the wrong length")
         return cls(salt, digest, tenant)

@@ -8,14 +8,14 @@ import logging
 import grpc
 from grpc import aio
 
-from loramesh.v1 import (
+from loramesh_api.adapter_transfer import ref_by_name
+from loramesh_api.v1 import (
     adapter_store_pb2,
     adapter_store_pb2_grpc,
     gateway_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.adapter_store.client import ref_by_name
 from services.gateway.adapter_access import AdapterAccess
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig

@@ -11,7 +11,7 @@ from bench.systems.base import AdapterSet, RunContext
 from bench.systems.clock import TickClock
 from bench.systems.merged_swap import MergedSwapOptions, MergedSwapSystem
 from bench.workload import TraceRequest
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams

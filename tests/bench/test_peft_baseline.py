@@ -11,7 +11,7 @@ from bench.systems.base import AdapterSet, RunContext
 from bench.systems.clock import TickClock
 from bench.systems.peft_baseline import PeftBaselineSystem
 from bench.workload import TraceRequest
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 
 RANKS = (8, 16, 8)  # adapters 0 and 2 share a configuration, so one swaps the other's weights in
 
@@ -64,7 +64,12 @@ def test_every_request_completes_with_peft_s_own_greedy_tokens(model_dir, adapte
     ]  # fmt: skip
     progress = []
     context = RunContext(
-        trace, adapters, window_s=60, model_path=str(model_dir), on_progress=progress.append, clock=TickClock(TICK_S)
+        trace,
+        adapters,
+        window_s=60,
+        model_path=str(model_dir),
+        on_progress=progress.append,
+        clock=TickClock(TICK_S),
     )
     system = PeftBaselineSystem()
     records = system.run(context)
@@ -94,7 +99,11 @@ def test_requests_unfinished_at_the_window_have_no_finish_time(model_dir, adapte
     trace = [request(0, 0, output_len=400), request(1, 1, time_s=0.1)]
     progress = []
     context = RunContext(
-        trace, adapters, window_s=0.5, model_path=str(model_dir), on_progress=progress.append,
+        trace,
+        adapters,
+        window_s=0.5,
+        model_path=str(model_dir),
+        on_progress=progress.append,
         clock=TickClock(TICK_S),
     )
     records = PeftBaselineSystem().run(context)

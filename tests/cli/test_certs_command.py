@@ -7,7 +7,7 @@ import stat
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from loramesh.cli.main import main
+from loramesh_cli.main import main
 from services.runtime.certificates import IDENTITIES, CertificateDirectory
 
 

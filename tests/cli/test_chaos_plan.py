@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from loramesh.cli.chaos_commands import (
+from loramesh_cli.chaos_commands import (
     KillPlan,
     RequestTally,
     chaos_report,
@@ -18,8 +18,8 @@ from loramesh.cli.chaos_commands import (
     process_kind,
     restarts_per_process,
 )
-from loramesh.cli.main import main
-from loramesh.cli.mesh_file import MeshFile, ServiceEntry
+from loramesh_cli.main import main
+from loramesh_cli.mesh_file import MeshFile, ServiceEntry
 
 
 class FakeClock:

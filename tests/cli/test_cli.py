@@ -15,9 +15,9 @@ import pytest
 from grpc import aio
 from support.cli import loramesh
 
-from loramesh.cli.mesh_file import pid_alive
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from loramesh.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from loramesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from loramesh_cli.mesh_file import pid_alive
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.runtime.base_model import LORA_TARGETS
 
 pytestmark = pytest.mark.integration
@@ -142,7 +142,7 @@ def test_down_returns_when_up_exited_but_was_never_reaped_and_state_is_owner_onl
     """The issue's reproduction: `up` in the foreground from a parent that never calls wait()."""
     state = tmp_path / "state"
     up = subprocess.Popen(
-        [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state),
+        [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state),
          "up", "--workers", "1", "--dtype", "float32", "--pool-mib", "64"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
@@ -162,7 +162,7 @@ def test_down_returns_when_up_exited_but_was_never_reaped_and_state_is_owner_onl
 
         started = time.monotonic()
         down = subprocess.run(
-            [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state), "down"],
+            [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state), "down"],
             check=False, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         print(f"`loramesh down` returned in {time.monotonic() - started:.2f} s")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loramesh.cli.restart_policy import RestartPolicy, RestartTracker
+from loramesh_cli.restart_policy import RestartPolicy, RestartTracker
 
 POLICY = RestartPolicy(initial_backoff_s=1.0, multiplier=2.0, max_backoff_s=5.0, healthy_after_s=30.0)
 

@@ -10,8 +10,8 @@ import aetcd
 import pytest
 from support.polling import poll_until
 
-from loramesh.cli.restart_policy import RestartPolicy
-from loramesh.cli.supervisor import EtcdUnit, Supervisor, describe_exit
+from loramesh_cli.restart_policy import RestartPolicy
+from loramesh_cli.supervisor import EtcdUnit, Supervisor, describe_exit
 
 pytestmark = pytest.mark.integration
 

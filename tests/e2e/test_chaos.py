@@ -18,7 +18,7 @@ from support.cli import supervised_mesh_up
 from support.polling import poll_until
 
 from loramesh import AsyncClient
-from loramesh.cli.chaos_commands import (
+from loramesh_cli.chaos_commands import (
     PROMPTS,
     KillPlan,
     Traffic,
@@ -28,7 +28,7 @@ from loramesh.cli.chaos_commands import (
     registered_since,
     restarts_per_process,
 )
-from loramesh.cli.mesh_file import MeshFile
+from loramesh_cli.mesh_file import MeshFile
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

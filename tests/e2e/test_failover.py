@@ -25,8 +25,8 @@ from support.cli import loramesh, supervised_mesh_up
 from support.polling import poll_until
 
 from loramesh import AsyncClient, LoraMeshError
-from loramesh.cli.mesh_file import MeshFile, pid_alive
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh_cli.mesh_file import MeshFile, pid_alive
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.runtime.base_model import LORA_TARGETS
 from services.runtime.membership import MembershipConfig, list_members
 from services.runtime.tls import etcd_client

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.model.llama import LlamaModel

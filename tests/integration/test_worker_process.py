@@ -12,9 +12,9 @@ from grpc import aio
 from support.polling import HANG_GUARD_S
 from support.polling import poll_until as until
 
-from loramesh.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
-from loramesh.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
-from services.adapter_store.client import upload_adapter
+from loramesh_api.adapter_transfer import upload_adapter
+from loramesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -173,7 +173,9 @@ async def test_cancelled_stream_frees_its_pages(worker, adapter_root):
         # Stats are a snapshot taken after each step: wait for one that shows the request.
         await until(stats, lambda s: s.kv_pages > 0, "the request holds pages")
         call.cancel()
-        await until(stats, lambda s: s.kv_pages == 0 and s.running == 0, "the cancelled request freed its pages")
+        await until(
+            stats, lambda s: s.kv_pages == 0 and s.running == 0, "the cancelled request freed its pages"
+        )
 
 
 async def test_sigterm_finishes_in_flight_requests_then_exits_0(worker, adapter_root):

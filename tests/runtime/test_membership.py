@@ -122,7 +122,9 @@ def test_member_info_json_roundtrip_and_keys() -> None:
 
 
 async def test_start_without_etcd_raises_unavailable() -> None:
-    cfg = MembershipConfig(etcd_endpoints=f"127.0.0.1:{free_port()}", call_timeout_s=1.0, register_timeout_s=0)
+    cfg = MembershipConfig(
+        etcd_endpoints=f"127.0.0.1:{free_port()}", call_timeout_s=1.0, register_timeout_s=0
+    )
     reg = Registration(cfg, member())
     with pytest.raises(Unavailable, match="cannot register"):
         await asyncio.wait_for(reg.start(), HANG_GUARD_S)

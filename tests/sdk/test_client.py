@@ -38,7 +38,7 @@ from loramesh import (
 )
 from loramesh.client import _Policy, resolve_targets
 from loramesh.tls import ClientTLS
-from loramesh.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
+from loramesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
 API_KEY = "sk-test"
 TENANT = "acme"
@@ -575,7 +575,9 @@ def test_mesh_file_lists_every_gateway(server, server_b, gateway, gateway_b, tmp
 def test_mesh_file_tls_goes_only_to_the_mesh_gateways(tmp_path):
     mesh = tmp_path / "mesh.json"
     files = {"ca_file": "ca.pem", "cert_file": "admin.pem", "key_file": "admin-key.pem"}
-    mesh.write_text(json.dumps({"gateway_addresses": ["127.0.0.1:1"], "admin_api_key": API_KEY, "tls": files}))
+    mesh.write_text(
+        json.dumps({"gateway_addresses": ["127.0.0.1:1"], "admin_api_key": API_KEY, "tls": files})
+    )
     assert resolve_targets(None, None, mesh)[2] == ClientTLS("ca.pem", "admin.pem", "admin-key.pem")
     assert resolve_targets("elsewhere:1", "key", mesh)[2] is None
     mine = ClientTLS("mine-ca.pem", "me.pem", "me-key.pem")

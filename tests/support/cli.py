@@ -17,7 +17,7 @@ def loramesh(state_dir: Path | str, *argv: str, check: bool = True) -> subproces
     """``loramesh --state-dir STATE_DIR ARGV...``; with ``check``, assert it exited 0 (the
     assertion shows its stderr)."""
     done = subprocess.run(
-        [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), *argv],
+        [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state_dir), *argv],
         check=False,
         capture_output=True,
         text=True,

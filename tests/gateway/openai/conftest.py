@@ -10,7 +10,7 @@ import pytest
 from support.mesh import Mesh, start_mesh, wait_for_workers
 
 from loramesh import Client
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams

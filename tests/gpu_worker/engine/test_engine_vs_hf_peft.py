@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramesh.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams

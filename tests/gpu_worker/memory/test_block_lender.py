@@ -19,9 +19,7 @@ LAYOUT = PoolLayout(num_pages=20, kv_block_tokens=BLOCK, kv_dim=KV_HEADS * HEAD_
 
 
 def lender(cap: int = 6, dtype: torch.dtype = torch.float32) -> BlockLender:
-    return BlockLender(
-        LocalBlockAllocator(UnifiedPool(LAYOUT, dtype)), LendingConfig(max_lent_blocks=cap)
-    )
+    return BlockLender(LocalBlockAllocator(UnifiedPool(LAYOUT, dtype)), LendingConfig(max_lent_blocks=cap))
 
 
 def kv_rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loramesh.cli.errors import CommandError
-from loramesh.cli.mesh_file import MeshFile
 from loramesh.tls import ClientTLS
+from loramesh_cli.errors import CommandError
+from loramesh_cli.mesh_file import MeshFile
 from services.runtime.tls import NO_TLS, TLSConfig
 
 

@@ -35,7 +35,7 @@ def step(title: str) -> None:
 
 
 def run(*argv: str) -> None:
-    from loramesh.cli.main import main as loramesh
+    from loramesh_cli.main import main as loramesh
 
     print("$ loramesh " + " ".join(argv), flush=True)
     if loramesh(list(argv)) != 0:
@@ -63,7 +63,7 @@ def already_registered(names: list[str]) -> list[str]:
 
 def mesh_endpoints() -> tuple[str, str, str]:
     """``(OpenAI base URL, admin API key, base model id)`` of the mesh ``loramesh up`` started."""
-    from loramesh.cli.mesh_file import MeshFile
+    from loramesh_cli.mesh_file import MeshFile
 
     mesh = MeshFile.read()
     if mesh is None:
@@ -180,7 +180,7 @@ def run_as_printed(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loramesh.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loramesh_cli.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--keep-up", action="store_true", help="leave the mesh running (`loramesh down` stops it)"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from loramesh.cli.table import render_table
+from loramesh_cli.table import render_table
 
 DISTKV_KEYS = frozenset(
     {

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from loramesh.cli.restart_policy import RestartPolicy, RestartTracker
+from loramesh_cli.restart_policy import RestartPolicy, RestartTracker
 from services.runtime.etcd_server import EtcdServer, EtcdStartError
 from services.runtime.process import ServiceProcess
 

@@ -7,7 +7,8 @@ import sys
 
 import grpc
 
-from loramesh.cli import (
+from loramesh.errors import LoraMeshError
+from loramesh_cli import (
     adapter_commands,
     bench_commands,
     cert_commands,
@@ -15,10 +16,9 @@ from loramesh.cli import (
     generate_commands,
     mesh_commands,
 )
-from loramesh.cli.errors import CommandError
-from loramesh.cli.mesh_file import DEFAULT_STATE_DIR
-from loramesh.cli.tls_options import add_tls_flags
-from loramesh.errors import LoraMeshError
+from loramesh_cli.errors import CommandError
+from loramesh_cli.mesh_file import DEFAULT_STATE_DIR
+from loramesh_cli.tls_options import add_tls_flags
 
 
 def build_parser() -> argparse.ArgumentParser:

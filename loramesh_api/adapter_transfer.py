@@ -1,6 +1,9 @@
-"""Async helpers for talking to the adapter store: upload a PEFT directory, fetch and verify.
+"""How an adapter crosses the wire: a PEFT directory as a ``RegisterAdapter`` message stream
+(header, then chunks of at most 1 MiB), adapter references, and a fetch verified against the
+store's sha256.
 
-Used by the CLI, the workers (which pull adapters) and the tests.
+The one copy of these rules: the SDK builds its uploads with it (through the gateway), the gateway
+forwards with it, the workers fetch with it.
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from loramesh.v1 import adapter_store_pb2 as pb
-from loramesh.v1 import adapter_store_pb2_grpc, types_pb2
+from loramesh_api.v1 import adapter_store_pb2 as pb
+from loramesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 
 UPLOAD_CHUNK_BYTES = 1 << 20
 UPLOAD_FILES = ("adapter_config.json", "adapter_model.safetensors")

@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from loramesh.cli.mesh_file import MeshFile
-from loramesh.cli.tls_options import sdk_tls
+from loramesh_cli.mesh_file import MeshFile
+from loramesh_cli.tls_options import sdk_tls
 
 
 def add_parsers(sub) -> None:

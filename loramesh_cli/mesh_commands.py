@@ -12,13 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from loramesh.cli.distkv_status import DISTKV_KEYS, distkv_table
-from loramesh.cli.errors import CommandError
-from loramesh.cli.mesh_file import MeshFile, ServiceEntry, pid_alive
-from loramesh.cli.restart_policy import RestartPolicy
-from loramesh.cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
-from loramesh.cli.table import render_table
-from loramesh.cli.tls_options import cli_tls
+from loramesh_cli.distkv_status import DISTKV_KEYS, distkv_table
+from loramesh_cli.errors import CommandError
+from loramesh_cli.mesh_file import MeshFile, ServiceEntry, pid_alive
+from loramesh_cli.restart_policy import RestartPolicy
+from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
+from loramesh_cli.table import render_table
+from loramesh_cli.tls_options import cli_tls
 from services.gateway.auth import ApiKeys, hashed_keys
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
@@ -122,7 +122,7 @@ def cmd_up(args) -> int:
 def _up_detached(args, state_dir: Path) -> int:
     # The state directory holds the admin key, etcd's data and the tenants' adapters: owner only.
     log_dir = private_dir(private_dir(state_dir) / "logs")
-    argv = [sys.executable, "-m", "loramesh.cli.main", "--state-dir", str(state_dir), "up"]
+    argv = [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state_dir), "up"]
     if args.model:
         argv += ["--model", args.model]
     argv += ["--ram-budget-mib", str(args.ram_budget_mib), "--workers", str(args.workers)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loramesh.cli.errors import CommandError
+from loramesh_cli.errors import CommandError
 
 
 def add_parsers(sub) -> None:

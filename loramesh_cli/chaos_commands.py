@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loramesh.cli.errors import CommandError
-from loramesh.cli.mesh_file import MeshFile, pid_alive
 from loramesh.errors import LoraMeshError
+from loramesh_cli.errors import CommandError
+from loramesh_cli.mesh_file import MeshFile, pid_alive
 
 #: The supervisor's (and mesh.json's) name for etcd's process.
 ETCD_PROCESS = "etcd"

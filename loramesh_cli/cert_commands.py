@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loramesh.cli.errors import CommandError
+from loramesh_cli.errors import CommandError
 from services.runtime.certificates import DEFAULT_VALIDITY_DAYS, IDENTITIES, create_mesh_certificates
 
 
