@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 from grpc import aio
 
-from loramesh_api.adapter_transfer import fetch_adapter, ref_by_id, upload_adapter
-from loramesh_api.v1 import adapter_store_pb2 as pb
-from loramesh_api.v1 import adapter_store_pb2_grpc
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from mesh_api.adapter_transfer import fetch_adapter, ref_by_id, upload_adapter
+from mesh_api.v1 import adapter_store_pb2 as pb
+from mesh_api.v1 import adapter_store_pb2_grpc
 from services.runtime.base_model import ATTENTION_PROJECTIONS, LORA_TARGETS, load_base_model_spec
 from services.runtime.process import ServiceProcess
 

@@ -31,7 +31,7 @@ from loramesh.client import (
 from loramesh.stream_resume import StreamReplay, replayable
 from loramesh.tls import ClientTLS, aio_channel
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta
-from loramesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
 
 
 class AsyncAdapters:

@@ -21,8 +21,8 @@ from loramesh.errors import REQUEST_ID_HEADER, LoraMeshError, StreamInterrupted,
 from loramesh.stream_resume import StreamReplay, replayable
 from loramesh.tls import ClientTLS, sync_channel
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
-from loramesh_api.adapter_transfer import read_adapter_dir, upload_requests
-from loramesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
+from mesh_api.adapter_transfer import read_adapter_dir, upload_requests
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
 DEFAULT_MESH_FILE = ".loramesh/mesh.json"
 LIST_PAGE_SIZE = 100

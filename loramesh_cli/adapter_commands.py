@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from loramesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_adapter
-from loramesh_api.v1 import adapter_store_pb2 as pb
-from loramesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 from loramesh_cli.errors import CommandError
 from loramesh_cli.mesh_file import MeshFile
 from loramesh_cli.table import render_table
 from loramesh_cli.tls_options import cli_tls
+from mesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_adapter
+from mesh_api.v1 import adapter_store_pb2 as pb
+from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 from services.runtime.tls import aio_channel
 
 DEFAULT_OWNER = "admin"

@@ -1,10 +1,10 @@
-"""Regenerate the committed Python stubs in ``loramesh_api/v1/`` from ``protos/loramesh/v1``.
+"""Regenerate the committed Python stubs in ``mesh_api/v1/`` from ``protos/loramesh/v1``.
 
 ``python protos/generate.py [OUT_DIR]`` (``make protos``). A test runs it into a temp dir and
 fails on any difference, so the committed stubs never drift from the protos.
 
 The ``.proto`` tree stays ``loramesh/v1`` (the gRPC package every language sees); only the
-Python stubs live in a package of their own, ``loramesh_api``, which the SDK and the servers both
+Python stubs live in a package of their own, ``mesh_api``, which the SDK and the servers both
 install. protoc names a stub's imports after the proto's path, so those imports are rewritten.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "protos"
-STUB_PACKAGE_DIR = Path("loramesh_api") / "v1"
+STUB_PACKAGE_DIR = Path("mesh_api") / "v1"
 
 _PROTO_IMPORT = re.compile(r"^from loramesh\.v1 import ", re.MULTILINE)
 
@@ -26,7 +26,7 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Write ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` under ``out_root/loramesh_api/v1``."""
+    """Write ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` under ``out_root/mesh_api/v1``."""
     import tempfile
 
     import grpc_tools
@@ -48,9 +48,7 @@ def generate(out_root: Path) -> list[Path]:
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed: " + " ".join(args))
         for raw in sorted((Path(raw_root) / "loramesh" / "v1").glob("*_pb2*.py*")):
-            (out_dir / raw.name).write_text(
-                _PROTO_IMPORT.sub("from loramesh_api.v1 import ", raw.read_text())
-            )
+            (out_dir / raw.name).write_text(_PROTO_IMPORT.sub("from mesh_api.v1 import ", raw.read_text()))
     return sorted(out_dir.glob("*_pb2*.py*"))
 
 

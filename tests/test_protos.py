@@ -1,4 +1,4 @@
-"""The committed stubs in loramesh_api/v1 are exactly what the protos generate."""
+"""The committed stubs in mesh_api/v1 are exactly what the protos generate."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _generator():
 def test_committed_stubs_match_the_protos(tmp_path):
     generated = _generator().generate(tmp_path)
     assert generated, "protoc generated nothing"
-    committed_dir = REPO_ROOT / "loramesh_api" / "v1"
+    committed_dir = REPO_ROOT / "mesh_api" / "v1"
     for path in generated:
         committed = committed_dir / path.name
         assert committed.exists(), f"{path.name} is generated but not committed: run `make protos`"

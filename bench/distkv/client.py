@@ -9,7 +9,7 @@ import grpc
 from grpc import aio
 
 from bench.distkv.outcome import RequestOutcome
-from loramesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 
 STUCK_POLLS = 5
 """A probe is stuck when this many Stats polls in a row, a second apart, see its idle worker run

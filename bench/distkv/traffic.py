@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loramesh_api.v1 import worker_pb2
+from mesh_api.v1 import worker_pb2
 
 
 @dataclass(frozen=True)

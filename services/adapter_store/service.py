@@ -7,7 +7,7 @@ from pathlib import Path
 
 from grpc import aio
 
-from loramesh_api.v1 import adapter_store_pb2_grpc
+from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.repository import AdapterRepository
 from services.adapter_store.servicer import AdapterStoreServicer

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
-from loramesh_api.v1 import adapter_store_pb2 as pb
-from loramesh_api.v1 import adapter_store_pb2_grpc, types_pb2
+from mesh_api.v1 import adapter_store_pb2 as pb
+from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.catalog import AdapterRecord
 from services.adapter_store.owner_rule import check_owner_setter
 from services.adapter_store.repository import AdapterKey, AdapterRepository

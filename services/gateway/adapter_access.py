@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from loramesh_api.v1 import types_pb2
+from mesh_api.v1 import types_pb2
 from services.runtime.errors import InvalidArgument, PermissionDenied
 
 Lookup = Callable[[str, str], Awaitable[types_pb2.AdapterInfo]]

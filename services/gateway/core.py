@@ -16,8 +16,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from loramesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_requests
-from loramesh_api.v1 import adapter_store_pb2, gateway_pb2, types_pb2
+from mesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_requests
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2, types_pb2
 from services.gateway.adapter_access import AdapterAccess, split_reference
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig

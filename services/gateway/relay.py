@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from loramesh_api.v1 import gateway_pb2, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import gateway_pb2, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.runtime.discovery import ChannelPool
 from services.runtime.errors import Unavailable

@@ -8,8 +8,8 @@ import logging
 import grpc
 from grpc import aio
 
-from loramesh_api.adapter_transfer import ref_by_name
-from loramesh_api.v1 import (
+from mesh_api.adapter_transfer import ref_by_name
+from mesh_api.v1 import (
     adapter_store_pb2,
     adapter_store_pb2_grpc,
     gateway_pb2_grpc,

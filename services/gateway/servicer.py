@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from grpc import aio
 
-from loramesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.core import GatewayCore, model_id
 
 

@@ -8,8 +8,8 @@ from typing import Protocol
 
 import grpc
 
-from loramesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter, ref_by_id
-from loramesh_api.v1 import adapter_store_pb2_grpc
+from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter, ref_by_id
+from mesh_api.v1 import adapter_store_pb2_grpc
 from services.runtime.discovery import ChannelPool, ServiceLocator
 from services.runtime.errors import DataLoss, NotFound, Unavailable
 from services.runtime.tls import NO_TLS, TLSConfig

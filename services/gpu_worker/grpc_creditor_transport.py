@@ -20,7 +20,7 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
-from loramesh_api.v1 import worker_pb2
+from mesh_api.v1 import worker_pb2
 from services.gpu_worker.lending_proto import (
     layout_from_proto,
     layout_to_proto,

@@ -11,7 +11,7 @@ import logging
 
 import grpc
 
-from loramesh_api.v1 import kv_manager_pb2, kv_manager_pb2_grpc
+from mesh_api.v1 import kv_manager_pb2, kv_manager_pb2_grpc
 from services.gpu_worker.engine.borrower import Candidate
 from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.runtime.tls import NO_TLS, TLSConfig, sync_channel

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from loramesh_api.v1 import worker_pb2
+from mesh_api.v1 import worker_pb2
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment
 from services.gpu_worker.memory.unified_pool import PoolLayout
 from services.gpu_worker.model.dist_attention import PartialAttention

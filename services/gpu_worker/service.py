@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from grpc import aio
 
-from loramesh_api.v1 import worker_pb2_grpc
-from loramesh_api.v1.types_pb2 import WorkerLoad
+from mesh_api.v1 import worker_pb2_grpc
+from mesh_api.v1.types_pb2 import WorkerLoad
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
 from services.gpu_worker.config import WorkerConfig

@@ -8,7 +8,7 @@ import uuid
 
 from grpc import aio
 
-from loramesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent

@@ -21,7 +21,7 @@ from typing import Any
 
 from grpc import aio
 
-from loramesh_api.v1 import kv_manager_pb2_grpc
+from mesh_api.v1 import kv_manager_pb2_grpc
 from services.kv_manager.config import KVManagerConfig
 from services.kv_manager.creditors import CreditorConfig, CreditorIndex
 from services.kv_manager.defragmenter import Defragmenter

@@ -10,8 +10,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from loramesh_api.v1 import kv_manager_pb2 as pb
-from loramesh_api.v1 import kv_manager_pb2_grpc
+from mesh_api.v1 import kv_manager_pb2 as pb
+from mesh_api.v1 import kv_manager_pb2_grpc
 from services.kv_manager.creditors import CreditorCandidate, CreditorIndex
 from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import DefragPlan, DgfmConfig, plan_defragmentation

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from grpc import aio
 
-from loramesh_api.v1 import worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.runtime.errors import NotFound
 from services.runtime.interceptors import error_from_status
 from services.runtime.tls import NO_TLS, TLSConfig, aio_channel

@@ -6,7 +6,7 @@ places it), so both read zero values and ranges the same way.
 
 from __future__ import annotations
 
-from loramesh_api.v1 import types_pb2
+from mesh_api.v1 import types_pb2
 from services.runtime.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 128

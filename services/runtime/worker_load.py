@@ -13,7 +13,7 @@ from typing import Any
 
 from google.protobuf import descriptor, json_format
 
-from loramesh_api.v1.types_pb2 import WorkerLoad
+from mesh_api.v1.types_pb2 import WorkerLoad
 
 _INT64_FIELDS = tuple(
     field.name

@@ -12,7 +12,7 @@ import logging
 
 from grpc import aio
 
-from loramesh_api.v1 import scheduler_pb2_grpc
+from mesh_api.v1 import scheduler_pb2_grpc
 from services.runtime.discovery import ChannelPool
 from services.runtime.errors import Unavailable
 from services.runtime.leader_election import LeaderElection

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from loramesh_api.v1 import scheduler_pb2 as pb
-from loramesh_api.v1 import scheduler_pb2_grpc
+from mesh_api.v1 import scheduler_pb2 as pb
+from mesh_api.v1 import scheduler_pb2_grpc
 from services.runtime.errors import InvalidArgument
 from services.scheduler.admission import Admission
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView

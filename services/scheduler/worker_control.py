@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 from grpc import aio
 
-from loramesh_api.v1 import worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.runtime.discovery import ChannelPool
 from services.runtime.interceptors import error_from_status
 from services.scheduler.policies.replica_load import RequestLoad

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from loramesh_api.v1 import adapter_store_pb2_grpc
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
 from services.runtime.server import ServiceHost, start_service

@@ -16,10 +16,10 @@ from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 from support.adapter_bytes import poke, with_config
 
-from loramesh_api.adapter_transfer import ref_by_id, ref_by_name, upload_requests
-from loramesh_api.v1 import adapter_store_pb2 as pb
-from loramesh_api.v1 import types_pb2
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from mesh_api.adapter_transfer import ref_by_id, ref_by_name, upload_requests
+from mesh_api.v1 import adapter_store_pb2 as pb
+from mesh_api.v1 import types_pb2
 from services.adapter_store.validation import tensor_name
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

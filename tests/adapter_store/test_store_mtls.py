@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc import aio
 
-from loramesh_api.adapter_transfer import fetch_adapter, ref_by_id, ref_by_name, upload_adapter
-from loramesh_api.v1 import adapter_store_pb2 as pb
-from loramesh_api.v1 import adapter_store_pb2_grpc
+from mesh_api.adapter_transfer import fetch_adapter, ref_by_id, ref_by_name, upload_adapter
+from mesh_api.v1 import adapter_store_pb2 as pb
+from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.owner_rule import check_owner_setter
 from services.adapter_store.service import AdapterStoreService

@@ -15,9 +15,9 @@ import pytest
 from grpc import aio
 from support.cli import loramesh
 
-from loramesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from loramesh_cli.mesh_file import pid_alive
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.base_model import LORA_TARGETS
 
 pytestmark = pytest.mark.integration

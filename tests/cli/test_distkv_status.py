@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from loramesh_api.v1.types_pb2 import WorkerLoad
 from loramesh_cli.distkv_status import DISTKV_KEYS, distkv_table
+from mesh_api.v1.types_pb2 import WorkerLoad
 from services.runtime.worker_load import worker_load_to_report
 
 

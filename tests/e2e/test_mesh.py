@@ -14,8 +14,8 @@ from support.mesh import start_mesh, wait_for_workers
 
 from loramesh import AsyncClient
 from loramesh import errors as sdk_errors
-from loramesh_api.v1 import gateway_pb2, gateway_pb2_grpc
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams

@@ -10,7 +10,7 @@ import pytest
 from support.mesh import start_mesh, wait_for_workers
 
 from loramesh import AsyncClient
-from loramesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.runtime.tls import aio_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

@@ -12,8 +12,8 @@ import pytest
 from support.mesh import start_mesh, wait_for_workers
 
 from loramesh import AsyncClient
-from loramesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from mesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.base_model import LORA_TARGETS
 from services.runtime.tls import aio_channel
 

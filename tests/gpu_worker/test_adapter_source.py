@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from grpc import aio
 
-from loramesh_api.adapter_transfer import upload_adapter
-from loramesh_api.v1 import adapter_store_pb2_grpc
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from mesh_api.adapter_transfer import upload_adapter
+from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
 from services.gpu_worker.adapter_source import DirectorySource, StoreSource

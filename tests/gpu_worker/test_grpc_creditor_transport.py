@@ -11,7 +11,7 @@ import pytest
 import torch
 from support.worker_server import serve_worker
 
-from loramesh_api.v1 import worker_pb2
+from mesh_api.v1 import worker_pb2
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig

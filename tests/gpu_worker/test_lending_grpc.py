@@ -14,7 +14,7 @@ import torch
 from grpc import aio
 from support.worker_server import serve_worker
 
-from loramesh_api.v1 import worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.lending_proto import tensor_from_proto, tensor_to_proto

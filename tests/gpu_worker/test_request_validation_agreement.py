@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramesh_api.v1 import types_pb2, worker_pb2
+from mesh_api.v1 import types_pb2, worker_pb2
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore

@@ -10,7 +10,7 @@ import torch
 from grpc import aio
 from support.worker_server import serve_worker
 
-from loramesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.model.llama import LlamaModel
 

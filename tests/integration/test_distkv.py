@@ -25,7 +25,7 @@ from grpc import aio
 from support.polling import HANG_GUARD_S
 from support.polling import poll_until as until
 
-from loramesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams

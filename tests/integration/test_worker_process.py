@@ -12,9 +12,9 @@ from grpc import aio
 from support.polling import HANG_GUARD_S
 from support.polling import poll_until as until
 
-from loramesh_api.adapter_transfer import upload_adapter
-from loramesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from mesh_api.adapter_transfer import upload_adapter
+from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams

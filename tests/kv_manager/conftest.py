@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from support.polling import poll_until
 
-from loramesh_api.v1.types_pb2 import WorkerLoad
+from mesh_api.v1.types_pb2 import WorkerLoad
 from services.runtime.membership import MemberInfo, MembershipConfig, Registration
 from services.runtime.worker_load import worker_load_to_report
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loramesh_api.v1.types_pb2 import WorkerLoad
+from mesh_api.v1.types_pb2 import WorkerLoad
 from services.kv_manager.heartbeats import ledger_rows
 from services.kv_manager.ledger import WorkerBlocks
 from services.runtime.worker_load import worker_load_from_report, worker_load_to_report

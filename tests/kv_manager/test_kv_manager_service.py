@@ -10,8 +10,8 @@ import pytest
 from grpc import aio
 from prometheus_client import generate_latest
 
-from loramesh_api.v1 import kv_manager_pb2 as pb
-from loramesh_api.v1 import kv_manager_pb2_grpc
+from mesh_api.v1 import kv_manager_pb2 as pb
+from mesh_api.v1 import kv_manager_pb2_grpc
 from services.kv_manager.config import KVManagerConfig
 from services.kv_manager.service import KVManagerService
 from services.runtime.server import ServiceHost, check_health, start_service

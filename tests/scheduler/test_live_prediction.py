@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from loramesh_api.v1 import scheduler_pb2 as pb
+from mesh_api.v1 import scheduler_pb2 as pb
 from services.scheduler.admission import Admission
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView, WorkerState
 from services.scheduler.length_prediction import LengthPredictor, LengthPredictorConfig

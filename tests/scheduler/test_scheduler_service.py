@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc import aio
 
-from loramesh_api.v1 import scheduler_pb2 as pb
-from loramesh_api.v1 import scheduler_pb2_grpc
+from mesh_api.v1 import scheduler_pb2 as pb
+from mesh_api.v1 import scheduler_pb2_grpc
 from services.runtime.membership import MemberInfo, MembershipConfig, Registration, read_loads
 from services.runtime.process import ServiceProcess, ServiceStartError
 

@@ -38,7 +38,7 @@ from loramesh import (
 )
 from loramesh.client import _Policy, resolve_targets
 from loramesh.tls import ClientTLS
-from loramesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
 API_KEY = "sk-test"
 TENANT = "acme"

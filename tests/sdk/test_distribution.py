@@ -18,18 +18,18 @@ REPO = Path(__file__).resolve().parents[2]
 SDK_FILES = {
     f"loramesh/{name}.py"
     for name in ("__init__", "client", "async_client", "errors", "stream_resume", "tls", "types")
-} | {"loramesh_api/__init__.py", "loramesh_api/adapter_transfer.py"}
+} | {"mesh_api/__init__.py", "mesh_api/adapter_transfer.py"}
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """The wheel built offline from a copy of ``sdk/`` and ``loramesh/`` and ``loramesh_api/`` (an in-tree build would
+    """The wheel built offline from a copy of ``sdk/`` and ``loramesh/`` and ``mesh_api/`` (an in-tree build would
     leave build/ and egg-info in the checkout others work in)."""
     tree = tmp_path_factory.mktemp("sdk-tree")
     ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
     shutil.copytree(REPO / "sdk", tree / "sdk", ignore=ignore)
     shutil.copytree(REPO / "loramesh", tree / "loramesh", ignore=ignore)
-    shutil.copytree(REPO / "loramesh_api", tree / "loramesh_api", ignore=ignore)
+    shutil.copytree(REPO / "mesh_api", tree / "mesh_api", ignore=ignore)
     out = tmp_path_factory.mktemp("sdk-wheel")
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
@@ -45,7 +45,7 @@ def test_the_wheel_holds_the_sdk_and_the_stubs_only(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     code = {n for n in names if not n.startswith("loramesh_client-")}
     stubs = {
-        f"loramesh_api/v1/{p.name}" for p in (REPO / "loramesh_api" / "v1").iterdir() if p.suffix in (".py", ".pyi")
+        f"mesh_api/v1/{p.name}" for p in (REPO / "mesh_api" / "v1").iterdir() if p.suffix in (".py", ".pyi")
     }
     assert code == SDK_FILES | stubs
     assert not any(n.startswith(("services/", "bench/", "loramesh_cli/", "loramesh/demo")) for n in names)

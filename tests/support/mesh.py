@@ -124,7 +124,7 @@ async def start_mesh(
 async def wait_for_workers(mesh: Mesh, count: int, timeout_s: float = 120) -> None:
     """Until the scheduler's view holds ``count`` workers with load reports. ``timeout_s`` only
     guards against a hang: workers loading the model on a busy 2-core machine can take a while."""
-    from loramesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from mesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     async with aio_channel(mesh.scheduler.address, mesh.admin_tls) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)

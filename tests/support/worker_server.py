@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from grpc import aio
 
-from loramesh_api.v1 import worker_pb2_grpc
+from mesh_api.v1 import worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.servicer import WorkerServicer
 from services.runtime.interceptors import ServiceInterceptor

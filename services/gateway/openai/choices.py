@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from loramesh_api.v1 import gateway_pb2
+from mesh_api.v1 import gateway_pb2
 
 Reply = gateway_pb2.GenerateTextResponse
 

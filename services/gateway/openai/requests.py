@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from loramesh_api.v1 import types_pb2
+from mesh_api.v1 import types_pb2
 from services.gateway.openai.errors import OpenAIError
 from services.runtime.request_validation import (
     MAX_CHOICES,

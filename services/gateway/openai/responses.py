@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from loramesh_api.v1 import types_pb2
+from mesh_api.v1 import types_pb2
 
 SSE_DONE = b"data: [DONE]\n\n"
 

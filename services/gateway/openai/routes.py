@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from loramesh_api.v1 import types_pb2
+from mesh_api.v1 import types_pb2
 from services.gateway.core import GatewayCore, model_id
 from services.gateway.openai.choices import StartedChoice, close_choices, merged, start_choices
 from services.gateway.openai.disconnect import ClientDisconnected, EventStreamResponse, unless_disconnected

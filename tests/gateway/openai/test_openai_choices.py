@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from loramesh_api.v1 import gateway_pb2, types_pb2
+from mesh_api.v1 import gateway_pb2, types_pb2
 from services.gateway.openai.choices import close_choices, merged, start_choices
 from services.runtime.errors import ResourceExhausted
 

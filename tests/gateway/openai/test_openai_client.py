@@ -14,7 +14,7 @@ import pytest
 from grpc import aio
 
 from loramesh import Client
-from loramesh_api.v1 import worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

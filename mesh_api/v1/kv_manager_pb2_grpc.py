@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from loramesh_api.v1 import kv_manager_pb2 as loramesh_dot_v1_dot_kv__manager__pb2
+from mesh_api.v1 import kv_manager_pb2 as loramesh_dot_v1_dot_kv__manager__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from loramesh_api.v1 import adapter_store_pb2 as loramesh_dot_v1_dot_adapter__store__pb2
-from loramesh_api.v1 import types_pb2 as loramesh_dot_v1_dot_types__pb2
+from mesh_api.v1 import adapter_store_pb2 as loramesh_dot_v1_dot_adapter__store__pb2
+from mesh_api.v1 import types_pb2 as loramesh_dot_v1_dot_types__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

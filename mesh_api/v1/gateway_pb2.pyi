@@ -1,5 +1,5 @@
-from loramesh_api.v1 import adapter_store_pb2 as _adapter_store_pb2
-from loramesh_api.v1 import types_pb2 as _types_pb2
+from mesh_api.v1 import adapter_store_pb2 as _adapter_store_pb2
+from mesh_api.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
