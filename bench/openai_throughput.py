@@ -186,6 +186,7 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
 
 

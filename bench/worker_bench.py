@@ -9,7 +9,7 @@ Everything runs in one process, on the default base model (SmolLM2-135M-Instruct
 adapters in that dtype and computes in the model's resolved compute dtype (fp32 on a CPU without
 bf16 GEMM units, see ``model/compute_dtype.py``); HF computes in ``--dtype``. Figures are ratios measured side by side in
 this one run; no timing is asserted anywhere. Results: a markdown table on stdout and
-``bench/results/worker_bench.json``.
+``bench/out/worker_bench/results.json``.
 
 1. Base decode, batch 32, no adapters: the engine (32 requests of the same prompt length,
    ``ignore_eos``; only the decode steps are timed, the prefill step is not) against HF
@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from bench.out_dir import default_out
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -66,7 +67,8 @@ from services.gpu_worker.kernels.cpu_native import NativeCall
 from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import LoadedModel, load_model
-from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
+from services.model_files.peft_format import LORA_TARGETS
 
 RANKS = (8, 16, 32, 64)
 BACKENDS = ("cpu_native", "torch", "padded_bmm")
@@ -79,7 +81,7 @@ NO_ADAPTER = "auto"
 ROUND_PROBE_MIB = 256
 """A read of this many MiB before each engine's steps of a round measures that round's bandwidth."""
 """Backend name the no-adapter engines step with (there is no LoRA work to dispatch)."""
-DEFAULT_OUT = Path(__file__).parent / "results" / "worker_bench.json"
+DEFAULT_OUT = default_out("worker_bench") / "results.json"
 QUIET = 0.10
 """A step is quiet when other processes used at most this share of the machine's CPUs during it."""
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from demo_adapters import data, training
 from demo_adapters.data import BEHAVIOURS, examples
 from demo_adapters.training import DEMO_CONFIGS, TrainingConfig
-from services.gpu_worker.model.cache_dir import CACHE_ENV
-from services.runtime.base_model import default_model_path
+from services.model_files.base_model import default_model_path
+from services.model_files.cache_dir import CACHE_ENV
 
 #: Written last into a finished cache folder: what was trained, how long it took, final losses.
 REPORT_FILE = "training.json"

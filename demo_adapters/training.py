@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from demo_adapters.data import Example, examples
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class BaseModel:
     model: torch.nn.Module
     """A ``LlamaForCausalLM`` holding the mesh's fp32 weights, in eval mode."""
     tokenizer: object
-    """``services.gpu_worker.model.tokenizer.Tokenizer``: chat template and token ids."""
+    """``services.model_files.tokenizer.Tokenizer``: chat template and token ids."""
     name: str
     """The base model's name, written into ``adapter_config.json``."""
 

@@ -8,7 +8,8 @@ The client SDK (see ``docs/sdk.md``)::
         print(client.generate("Hello,", max_tokens=16).text)
 
 Importing the package stays light: the clients (and grpc) load on first use of
-:class:`Client` or :class:`AsyncClient`, so the services that import ``loramesh.v1`` pay nothing.
+:class:`Client` or :class:`AsyncClient`. The gRPC stubs are the ``mesh_api`` package, which this
+SDK and the servers both install; the SDK imports nothing of the servers.
 """
 
 from __future__ import annotations

@@ -1,87 +1,96 @@
-"""``loramesh adapters upload|list|delete``: manage adapters in the mesh's adapter store."""
+"""``loramesh adapters upload|list|delete``: the calling tenant's adapters, through the gateway.
+
+The CLI is a client like any other (:class:`loramesh.Client`): the gateway maps its API key to a
+tenant, which owns what it uploads and may list and delete only its own adapters (listings also
+show every tenant's public ones). No flag names another owner: to act for tenant ``bob``, use
+bob's key. The local mesh's ``admin_api_key`` (mesh.json) is the ``admin`` tenant's key, nothing
+more.
+
+Gateway and key as for ``loramesh generate``: ``--gateway``, else the local mesh's gateways
+(mesh.json); ``--api-key``, else ``$LORAMESH_API_KEY``, else mesh.json's admin key (only ever
+sent to that mesh's own gateways).
+"""
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 from pathlib import Path
 
 from loramesh_cli.errors import CommandError
-from loramesh_cli.mesh_file import MeshFile
+from loramesh_cli.gateway_client import API_KEY_ENV, gateway_client
 from loramesh_cli.table import render_table
-from loramesh_cli.tls_options import cli_tls
-from mesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_adapter
-from mesh_api.v1 import adapter_store_pb2 as pb
-from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
-from services.runtime.tls import aio_channel
 
-DEFAULT_OWNER = "admin"
+UPLOAD_TIMEOUT_S = 300.0
+"""The whole upload (up to the store's size limit, 256 MiB by default, in 1 MiB chunks)."""
+
+
+class _Removed(argparse.Action):
+    """A flag of the former CLI, which called the adapter store directly: refused, saying what
+    to do instead (argparse alone would misread ``--owner bob upload`` as the verb ``bob``)."""
+
+    def __init__(self, option_strings, dest, instead: str, nargs=None, **kwargs):
+        super().__init__(option_strings, dest, nargs=nargs, help=argparse.SUPPRESS, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was removed: {self.instead}")
+
+
+def _connection_flags(parser, default) -> None:
+    parser.add_argument("--gateway", default=default,
+                        help="gateway address, or several separated by commas to fail over between "
+                             "(default: every gateway in mesh.json)")  # fmt: skip
+    parser.add_argument("--api-key", default=default,
+                        help=f"the tenant's API key (default: ${API_KEY_ENV}, "
+                             "else mesh.json's admin key)")  # fmt: skip
 
 
 def add_parsers(sub) -> None:
-    adapters = sub.add_parser("adapters", help="upload, list and delete LoRA adapters")
-    adapters.add_argument("--store", default="", help="adapter store address (default: from mesh.json)")
-    adapters.add_argument("--owner", default=DEFAULT_OWNER, help="owner tenant (default: admin)")
+    adapters = sub.add_parser(
+        "adapters",
+        help="upload, list and delete the calling tenant's LoRA adapters (through the gateway)",
+        description="The API key's tenant owns what it uploads; to act for another tenant, use its key.",
+    )
+    # Accepted before the verb and after it (the verb's copy only overrides when given).
+    _connection_flags(adapters, "")
+    adapters.add_argument("--owner", action=_Removed, instead="the owner is the API key's tenant: "
+                          "to act for a tenant, pass its key with --api-key")  # fmt: skip
+    adapters.add_argument("--store", action=_Removed, instead="the CLI goes through the gateway: "
+                          "--gateway HOST:PORT")  # fmt: skip
     verbs = adapters.add_subparsers(dest="verb", required=True)
-    upload = verbs.add_parser("upload", help="register a PEFT adapter directory")
+    upload = verbs.add_parser("upload", help="register a PEFT adapter directory for the caller's tenant")
     upload.add_argument("dir", help="directory with adapter_config.json and adapter_model.safetensors")
-    upload.add_argument("--name", required=True, help="adapter name, unique per owner")
-    upload.add_argument("--public", action="store_true", help="let every tenant use it")
+    upload.add_argument("--name", required=True, help="adapter name, unique per tenant")
+    upload.add_argument("--public", action="store_true", help="let every tenant use it (as owner/name)")
     upload.set_defaults(func=cmd_upload)
-    listing = verbs.add_parser("list", help="list adapters")
-    listing.add_argument("--all-owners", action="store_true", help="every owner's adapters")
+    listing = verbs.add_parser("list", help="the caller's adapters and every tenant's public ones")
+    listing.add_argument("--all-owners", action=_Removed, nargs=0, instead="a tenant sees its own "
+                         "adapters and the public ones, nothing more")  # fmt: skip
     listing.set_defaults(func=cmd_list)
-    delete = verbs.add_parser("delete", help="delete an adapter")
+    delete = verbs.add_parser("delete", help="delete one of the caller's adapters")
     delete.add_argument("name")
     delete.set_defaults(func=cmd_delete)
-
-
-def _store_address(args) -> str:
-    if args.store:
-        return args.store
-    mesh = MeshFile.read(Path(args.state_dir))
-    if mesh is None or "adapter_store" not in mesh.services:
-        raise CommandError("no mesh is up; start one with `loramesh up` or pass --store HOST:PORT")
-    return mesh.services["adapter_store"].address
-
-
-async def _with_stub(args, call):
-    async with aio_channel(_store_address(args), cli_tls(args)) as channel:
-        return await call(adapter_store_pb2_grpc.AdapterStoreStub(channel))
+    for verb in (upload, listing, delete):
+        _connection_flags(verb, argparse.SUPPRESS)
 
 
 def cmd_upload(args) -> int:
     directory = Path(args.dir)
     if not directory.is_dir():
         raise CommandError(f"{directory} is not a directory")
-    files = read_adapter_dir(directory)
-    visibility = types_pb2.VISIBILITY_PUBLIC if args.public else types_pb2.VISIBILITY_PRIVATE
-    info = asyncio.run(
-        _with_stub(args, lambda stub: upload_adapter(stub, files, args.name, args.owner, visibility))
-    )
-    print(f"registered {info.owner}/{info.name} id={info.id} rank={info.rank} "
-          f"targets={','.join(info.target_modules)} {info.size_bytes} bytes sha256={info.sha256[:12]}")  # fmt: skip
+    with gateway_client(args) as client:
+        a = client.adapters.upload(directory, args.name, public=args.public, timeout=UPLOAD_TIMEOUT_S)
+    print(f"registered {a.owner}/{a.name} id={a.id} rank={a.rank} targets={','.join(a.target_modules)} "
+          f"{a.size_bytes} bytes sha256={a.sha256[:12]}{' public' if a.public else ''}")  # fmt: skip
     return 0
 
 
-async def _list_all(stub, owner: str) -> list[types_pb2.AdapterInfo]:
-    adapters, token = [], ""
-    while True:
-        reply = await stub.ListAdapters(
-            pb.ListAdaptersRequest(owner=owner, include_public=bool(owner), page_size=1000, page_token=token)
-        )
-        adapters.extend(reply.adapters)
-        token = reply.next_page_token
-        if not token:
-            return adapters
-
-
 def cmd_list(args) -> int:
-    owner = "" if args.all_owners else args.owner
-    adapters = asyncio.run(_with_stub(args, lambda stub: _list_all(stub, owner)))
-    visibility = {types_pb2.VISIBILITY_PUBLIC: "public"}
+    with gateway_client(args) as client:
+        adapters = client.adapters.list()
     print(
         render_table(
-            ["NAME", "OWNER", "RANK", "TARGETS", "DTYPE", "BYTES", "VISIBILITY", "ID"],
+            ["NAME", "OWNER", "RANK", "TARGETS", "DTYPE", "BYTES", "VISIBILITY", "SHA256", "ID"],
             [
                 [
                     a.name,
@@ -90,7 +99,8 @@ def cmd_list(args) -> int:
                     ",".join(t.removesuffix("_proj") for t in a.target_modules),
                     a.dtype,
                     a.size_bytes,
-                    visibility.get(a.visibility, "private"),
+                    "public" if a.public else "private",
+                    a.sha256[:12],
                     a.id,
                 ]
                 for a in adapters
@@ -101,11 +111,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_delete(args) -> int:
-    reply = asyncio.run(
-        _with_stub(
-            args,
-            lambda stub: stub.DeleteAdapter(pb.DeleteAdapterRequest(ref=ref_by_name(args.owner, args.name))),
-        )
-    )
-    print(f"deleted {reply.adapter.owner}/{reply.adapter.name} id={reply.adapter.id}")
+    with gateway_client(args) as client:
+        a = client.adapters.delete(args.name)
+    print(f"deleted {a.owner}/{a.name} id={a.id}")
     return 0

@@ -1,12 +1,21 @@
 """``loramesh bench``: S-LoRA's evaluation reproduced on this machine (see bench/serving);
 ``loramesh bench-distkv``: issue 13's DistKV-LLM long-context benchmark (see bench/distkv);
-``loramesh bench-policies``: issue 15's batch policies against their seeds (see bench/policies)."""
+``loramesh bench-policies``: issue 15's batch policies against their seeds (see bench/policies).
+
+The benchmarks are not part of this distribution: they are the development-only ``loramesh-bench``
+(bench/pyproject.toml), imported only when a bench command runs. Raw results go to the untracked
+``bench/out/<name>/`` unless ``--out`` names another folder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from loramesh_cli.errors import CommandError
+
+INSTALL_BENCH = (
+    "in a loramesh checkout run `make setup`, or `pip install -e ./bench` beside "
+    "`pip install -e '.[reference]'`"
+)
 
 
 def add_parsers(sub) -> None:
@@ -16,7 +25,7 @@ def add_parsers(sub) -> None:
     )
     bench.add_argument("--profile", default="quick", choices=["quick", "full"],
                        help="quick: ≈10 min on 2 cores; full: longer traces and every sweep point")  # fmt: skip
-    bench.add_argument("--out", default="", help="results folder (default bench/results/<profile>)")
+    bench.add_argument("--out", default="", help="results folder (default bench/out/<profile>)")
     bench.add_argument(
         "--model", default="", help="base model: GGUF file or HF directory (default SmolLM2-135M)"
     )
@@ -31,7 +40,7 @@ def add_parsers(sub) -> None:
     )
     distkv.add_argument("--profile", default="quick", choices=["quick", "full"],
                         help="quick: a smoke run; full: the figures of docs/benchmarks.md")  # fmt: skip
-    distkv.add_argument("--out", default="", help="results folder (default bench/results/distkv[-quick])")
+    distkv.add_argument("--out", default="", help="results folder (default bench/out/distkv[-quick])")
     distkv.set_defaults(func=cmd_bench_distkv)
 
     policies = sub.add_parser(
@@ -40,23 +49,31 @@ def add_parsers(sub) -> None:
     )
     policies.add_argument("--profile", default="quick", choices=["quick", "full"],
                           help="quick: a smoke run; full: the figures of docs/benchmarks.md")  # fmt: skip
-    policies.add_argument("--out", default="", help="results folder (default bench/results/policies[-quick])")
+    policies.add_argument("--out", default="", help="results folder (default bench/out/policies[-quick])")
     policies.add_argument("--only", nargs="+", default=None, choices=["skew", "abort", "clustering", "pets"],
                           help="run only these experiments")  # fmt: skip
     policies.set_defaults(func=cmd_bench_policies)
 
 
+def bench_not_importable(error: ImportError) -> CommandError:
+    """The refusal of a bench command when the ``bench`` package, or a module it needs, is not
+    installed (a product install has neither)."""
+    if (error.name or "").partition(".")[0] == "bench":
+        return CommandError(
+            f"the benchmarks are not installed (the loramesh distribution does not ship them): {INSTALL_BENCH}"
+        )
+    return CommandError(f"the benchmarks cannot import a module they need ({error}): {INSTALL_BENCH}")
+
+
 def cmd_bench(args) -> int:
     try:
+        from bench.out_dir import default_out
         from bench.serving.profiles import PROFILES
         from bench.serving.runner import DEFAULT_ADAPTER_CACHE, run_profile
     except ImportError as error:
-        raise CommandError(
-            f"the benchmark needs the repository's bench/ package and the bench extra "
-            f"(pip install -e '.[bench,reference]'): {error}"
-        ) from None
+        raise bench_not_importable(error) from None
     profile = PROFILES[args.profile]
-    out = Path(args.out or f"bench/results/{profile.name}")
+    out = Path(args.out) if args.out else default_out(profile.name)
     systems = set(args.systems) if args.systems else None
     results = run_profile(
         profile,
@@ -75,10 +92,7 @@ def cmd_bench_distkv(args) -> int:
     try:
         from bench.distkv.experiment import main as run_distkv
     except ImportError as error:
-        raise CommandError(
-            f"the benchmark needs the repository's bench/ package and the bench extra "
-            f"(pip install -e '.[bench]'): {error}"
-        ) from None
+        raise bench_not_importable(error) from None
     return run_distkv(["--profile", args.profile, *(["--out", args.out] if args.out else [])])
 
 
@@ -86,9 +100,6 @@ def cmd_bench_policies(args) -> int:
     try:
         from bench.policies.runner import main as run_policies
     except ImportError as error:
-        raise CommandError(
-            f"the benchmark needs the repository's bench/ package and the bench extra "
-            f"(pip install -e '.[bench]'): {error}"
-        ) from None
+        raise bench_not_importable(error) from None
     argv = ["--profile", args.profile, *(["--out", args.out] if args.out else [])]
     return run_policies([*argv, *(["--only", *args.only] if args.only else [])])

@@ -54,11 +54,13 @@ def demo_adapters() -> tuple[dict[str, Path], tuple[str, ...]]:
 
 
 def already_registered(names: list[str]) -> list[str]:
-    """Which of ``names`` the mesh's adapter store already holds for the admin tenant."""
+    """Which of ``names`` the admin tenant (mesh.json's key, the CLI's default) already has: a
+    model id is the bare name only for the caller's own adapters (``owner/name`` for others'
+    public ones, which ``loramesh adapters delete`` could not delete)."""
     from loramesh.client import Client
 
     with Client() as client:
-        return [a.name for a in client.adapters.list() if a.name in names]
+        return [m.id for m in client.models() if m.id in names]
 
 
 def mesh_endpoints() -> tuple[str, str, str]:

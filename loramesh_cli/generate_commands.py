@@ -5,12 +5,9 @@ Only generated text goes to stdout (pipe it anywhere); usage and timings go to s
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
-from loramesh_cli.mesh_file import MeshFile
-from loramesh_cli.tls_options import sdk_tls
+from loramesh_cli.gateway_client import gateway_client
 
 
 def add_parsers(sub) -> None:
@@ -35,17 +32,6 @@ def add_parsers(sub) -> None:
             cmd.add_argument("--system", default="", help="system message")
             cmd.add_argument("message", nargs="?", default=None)
             cmd.set_defaults(func=cmd_chat)
-
-
-def _client(args):
-    from loramesh.client import Client
-
-    return Client(
-        args.gateway or None,
-        args.api_key or os.environ.get("LORAMESH_API_KEY") or None,
-        mesh_file=str(MeshFile.path(Path(args.state_dir))),
-        tls=sdk_tls(args),
-    )
 
 
 def _options(args) -> dict:
@@ -79,14 +65,14 @@ def _print_stream(deltas) -> str:
 
 
 def cmd_generate(args) -> int:
-    with _client(args) as client:
+    with gateway_client(args) as client:
         _print_stream(client.stream(args.prompt, **_options(args)))
     return 0
 
 
 def cmd_chat(args) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    with _client(args) as client:
+    with gateway_client(args) as client:
         if args.message is not None:
             messages.append({"role": "user", "content": args.message})
             _print_stream(client.chat_stream(messages, **_options(args)))

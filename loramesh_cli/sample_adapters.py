@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from services.adapter_store.validation import module_path, pattern_value, tensor_name
-from services.runtime.base_model import LORA_TARGETS, BaseModelSpec
+from services.model_files.base_model import BaseModelSpec
+from services.model_files.peft_format import LORA_TARGETS, module_path, pattern_value, tensor_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.base_model import load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.membership import MembershipConfig
 

@@ -11,7 +11,8 @@ from safetensors.numpy import load_file
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.adapter_store.validation import ValidationLimits, validate_adapter
-from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
+from services.model_files.peft_format import LORA_TARGETS
 
 pytestmark = pytest.mark.model
 

@@ -4,7 +4,7 @@
 
 Replays the experiment's traces (load 0.85, 600 s, 1,000 adapters) under one of its policy sets
 (default LEW) with every step recorded (worker, start, end, batch size). Per trace it prints one
-JSON line, and writes them all to ``bench/results/cluster_sim/batch_balancing/hypothesis/
+JSON line, and writes them all to ``bench/out/cluster_sim/batch_balancing/hypothesis/
 an_WORKERS_SEED_POLICY.json``: the p99
 requests (latency ≥ 0.97 × p99), the mean batch they decoded in and its excess over the
 cluster's mean batch at the same moment, the spread of the workers' batches, and the p99 had
@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 
 from bench.cluster_sim import experiment as ex
-from bench.cluster_sim.cost_model import Calibration
+from bench.cluster_sim.cost_model import DEFAULT_CALIBRATION, Calibration
 from bench.cluster_sim.summary import summarize
+from bench.out_dir import default_out
 from services.scheduler.placement import WaitModel
 
 GRID_S = 0.5
 """Resolution of the per-worker time series."""
-OUT_DIR = Path("bench/results/cluster_sim/batch_balancing/hypothesis")
+OUT_DIR = default_out("cluster_sim") / "batch_balancing" / "hypothesis"
 
 
 def record_steps(sim, steps: list, per_request: dict) -> None:
@@ -115,7 +115,7 @@ def main() -> None:
     workers, seed = int(sys.argv[1]), int(sys.argv[2])
     name = sys.argv[3] if len(sys.argv) > 3 else "LEW"
     only = tuple(sys.argv[4:])
-    calibration = Calibration.load("bench/results/cluster_sim_calibration.json")
+    calibration = Calibration.load(DEFAULT_CALIBRATION)
     rate = 0.85 * ex.capacity_rps(calibration.model, ex.WORKER) * workers
     model = WaitModel(
         adapter_load_ms=calibration.adapter_load_ms,

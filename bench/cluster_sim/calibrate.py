@@ -9,7 +9,10 @@ Adapter load time is the median of reading a PEFT adapter from disk (page cache 
 parsing it and paging it into the pool: what a worker does after the store's bytes arrive, minus
 the network.
 
-    .venv/bin/python -m bench.cluster_sim.calibrate --out bench/results/cluster_sim_calibration.json
+    .venv/bin/python -m bench.cluster_sim.calibrate --out bench/out/cluster_sim/calibration.json
+
+The simulations read the committed calibrations of ``bench/cluster_sim/calibrations/``; a new one
+replaces one of them by hand, with the results built on it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from bench.cluster_sim.cost_model import (
     feature_row,
     shape_of,
 )
+from bench.out_dir import default_out
 from bench.serving.adapters import ensure_adapter_set, evict_from_page_cache
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -39,7 +43,7 @@ from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.service import resolve_dtype
-from services.runtime.base_model import load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
 
 DECODE_STEPS = 4
 """Decode steps timed after each prefill."""
@@ -162,7 +166,7 @@ def calibrate(adapter_root: Path, quick: bool) -> Calibration:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results/cluster_sim_calibration.json")
+    parser.add_argument("--out", default=str(default_out("cluster_sim") / "calibration.json"))
     parser.add_argument("--adapters", default="", help="adapter directory (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
     parser.add_argument(

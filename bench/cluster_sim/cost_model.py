@@ -7,7 +7,8 @@
 decoding request), ``adapters`` the distinct adapters in it, ``rank_tokens`` Σ tokens × rank of
 their adapter (the LoRA FLOPs), ``attention_units`` Σ new tokens × their mean context length (the
 attention FLOPs). The coefficients are fitted on the real engine by ``bench.cluster_sim.calibrate``
-and stored with the CPU model in a JSON file under ``bench/results/``.
+and stored with the CPU model in a JSON file; the committed ones, which the experiments and the
+validation read, are in ``bench/cluster_sim/calibrations/``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+DEFAULT_CALIBRATION = Path(__file__).parent / "calibrations" / "grid_busy.json"
+"""The calibration experiments and validations simulate with unless ``--calibration`` names another."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class Calibration:
     """Mean |predicted − measured| / measured over those steps, %."""
 
     def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod

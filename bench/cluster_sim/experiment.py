@@ -6,7 +6,7 @@ cluster's estimated capacity (``--load``), so the figures mean the same thing on
 calibration. Writes ``results.json`` (after every run) and, at the end, ``results.md`` and
 ``p99.png`` to ``--out``; ``report.py`` rebuilds the last two from several runs' JSON.
 
-    .venv/bin/python -m bench.cluster_sim.experiment --seeds 0 1 2 --out bench/results/cluster_sim
+    .venv/bin/python -m bench.cluster_sim.experiment --seeds 0 1 2 --out bench/out/cluster_sim
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.cluster_sim.cost_model import Calibration, StepCostModel, shape_of
+from bench.cluster_sim.cost_model import DEFAULT_CALIBRATION, Calibration, StepCostModel, shape_of
 from bench.cluster_sim.report import write_report
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
 from bench.cluster_sim.summary import summarize
 from bench.cluster_sim.traces import shifted
 from bench.cluster_sim.worker import WorkerSpec
+from bench.out_dir import default_out
 from bench.workload import TraceRequest, WorkloadSpec, generate
 from services.scheduler.placement import WaitModel
 from services.scheduler.policies import make_placement
@@ -169,7 +170,7 @@ def simulator_factory(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calibration", default="bench/results/cluster_sim_calibration.json")
+    parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     parser.add_argument("--workers", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--load", type=float, default=0.85, help="offered load / estimated capacity")
@@ -188,7 +189,7 @@ def main() -> None:
         default=BatchBalancingConfig.min_gap,
         help="batch balancing's min_gap (running batches must differ by this many requests)",
     )
-    parser.add_argument("--out", default="bench/results/cluster_sim")
+    parser.add_argument("--out", default=str(default_out("cluster_sim")))
     args = parser.parse_args()
     calibration = Calibration.load(args.calibration)
     per_worker = capacity_rps(calibration.model, WORKER)

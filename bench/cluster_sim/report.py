@@ -2,7 +2,7 @@
 
 Rebuild them from one or more ``results.json`` (e.g. runs of different seeds or sizes)::
 
-    .venv/bin/python -m bench.cluster_sim.report --inputs a/results.json b/results.json --out bench/results/cluster_sim
+    .venv/bin/python -m bench.cluster_sim.report --inputs a/results.json b/results.json --out bench/out/cluster_sim
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+from bench.out_dir import default_out
 
 
 def table(rows: list[dict]) -> str:
@@ -104,7 +106,7 @@ def write_report(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", nargs="+", required=True, help="results.json files of experiment runs")
-    parser.add_argument("--out", default="bench/results/cluster_sim")
+    parser.add_argument("--out", default=str(default_out("cluster_sim")))
     parser.add_argument(
         "--table", nargs="*", metavar="WORKERS:SEED", help="runs whose rows the table shows (e.g. 16:1 64:0)"
     )

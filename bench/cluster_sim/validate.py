@@ -37,10 +37,10 @@ calibration*: ``--save-step-fit`` writes the ``--step-fit`` model as a calibrati
 later runs given it as ``--calibration`` size their traces by the capacity serving measured and
 are simulated with a step model fitted on another run (docs/benchmarks.md, "On a quiet machine").
 
-    .venv/bin/python -m bench.cluster_sim.validate --out bench/results/cluster_sim/validation.json
+    .venv/bin/python -m bench.cluster_sim.validate --out bench/out/cluster_sim/validation.json
     .venv/bin/python -m bench.cluster_sim.validate --load 0.9 --duration 90 \
-        --step-fit bench/results/cluster_sim/validation.json --out bench/results/cluster_sim/validation_load90.json
-    .venv/bin/python -m bench.cluster_sim.validate --workers 2 --duration 90 --out bench/results/cluster_sim/validation_2w.json
+        --step-fit bench/out/cluster_sim/validation.json --out bench/out/cluster_sim/validation_load90.json
+    .venv/bin/python -m bench.cluster_sim.validate --workers 2 --duration 90 --out bench/out/cluster_sim/validation_2w.json
 """
 
 from __future__ import annotations
@@ -61,17 +61,18 @@ import numpy as np
 import torch
 
 from bench.cluster_sim.calibrate import cpu_model, fit
-from bench.cluster_sim.cost_model import Calibration, StepCostModel, StepShape
+from bench.cluster_sim.cost_model import DEFAULT_CALIBRATION, Calibration, StepCostModel, StepShape
 from bench.cluster_sim.experiment import capacity_rps
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
 from bench.cluster_sim.worker import WorkerSpec
+from bench.out_dir import default_out
 from bench.serving.adapters import ensure_adapter_set
 from bench.systems.base import AdapterSet, RequestRecord, RunContext
 from bench.systems.engine_system import EngineSystem, EngineSystemOptions
 from bench.workload import TraceRequest, WorkloadSpec, generate
 from services.gpu_worker.engine.policies.batch_policy import BatchPlan, BatchView, StepOutcome
 from services.gpu_worker.engine.policies.fcfs import Fcfs
-from services.runtime.base_model import load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.placement import PlacementRequest
 from services.scheduler.policies.interface import PlacementPolicy
@@ -222,11 +223,11 @@ def replay(trace: list[TraceRequest], placement: list[str], adapters: AdapterSet
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calibration", default="bench/results/cluster_sim_calibration.json")
+    parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     parser.add_argument("--workers", type=int, default=1, choices=(1, 2))
     parser.add_argument("--load", type=float, default=0.6, help="offered load / estimated capacity")
     parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--out", default="bench/results/cluster_sim/validation.json")
+    parser.add_argument("--out", default=str(default_out("cluster_sim") / "validation.json"))
     parser.add_argument("--measured", help="take the real side (and its steps) from this earlier result")
     parser.add_argument(
         "--step-fit", help="simulate with a step model fitted on this result's recorded steps"

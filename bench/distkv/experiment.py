@@ -4,7 +4,7 @@ alone, and one worker with all KV local, with real processes and the real model.
 Writes ``results.json`` (after every section, so a run cut short keeps what it measured),
 ``results.md`` and ``distkv.png`` to ``--out``.
 
-    .venv/bin/python -m bench.distkv --profile full --out bench/results/distkv
+    .venv/bin/python -m bench.distkv --profile full --out bench/out/distkv
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from bench.distkv.search import Probe, longest_servable
 from bench.distkv.traffic import ModelShape, decode_step_traffic
 from bench.distkv.traffic_counters import per_step, read_counters
 from bench.distkv.workload import BenchRequest, make_mix, prompt_ids
+from bench.out_dir import default_out
 
 CONTEXT_GOAL = 2.5
 """Issue 13: the mesh serves at least 2.5× one worker's longest context."""
@@ -272,16 +273,15 @@ def _interrupt(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.distkv", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
-    parser.add_argument("--out", default="", help="results folder (default bench/results/distkv[-quick])")
+    parser.add_argument("--out", default="", help="results folder (default bench/out/distkv[-quick])")
     parser.add_argument(
         "--log-dir", default=".loramesh/bench-distkv", help="the services' logs, one folder per configuration"
     )
     parser.add_argument("--commit", default="", help="source commit to record (default: git HEAD)")
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
-    out = Path(
-        args.out or ("bench/results/distkv" if profile.name == "full" else "bench/results/distkv-quick")
-    )
+    name = "distkv" if profile.name == "full" else "distkv-quick"
+    out = Path(args.out) if args.out else default_out(name)
     benchmark = Benchmark(profile, out, Path(args.log_dir), args.commit or source_commit())
     signal.signal(signal.SIGTERM, _interrupt)  # stop the services too, not only this process
     results = asyncio.run(benchmark.run())

@@ -23,6 +23,7 @@ import numpy as np
 
 from bench.magnus import length_dataset
 from bench.magnus.length_dataset import LengthRow
+from bench.out_dir import default_out
 from services.scheduler.length_prediction import (
     Embedder,
     LengthPredictor,
@@ -31,7 +32,7 @@ from services.scheduler.length_prediction import (
     PromptInput,
 )
 
-RESULTS = Path("bench/results/magnus")
+RESULTS = default_out("magnus")
 
 
 class NoEmbedding:

@@ -11,7 +11,7 @@ import numpy as np
 
 from bench.magnus.length_dataset import LengthRow, chat_ids
 from bench.magnus.static_batching import StaticRequest
-from services.gpu_worker.model.tokenizer import Tokenizer
+from services.model_files.tokenizer import Tokenizer
 from services.scheduler.length_prediction import (
     LengthPredictor,
     LengthPredictorConfig,

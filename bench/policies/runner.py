@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.out_dir import default_out
 from bench.policies import abort_sweep, clustering_sweep, lora_cost, pets_sweep, plots, skew_sweep, tables
 from bench.policies.capacity import DTYPE, measure_capacity, median_first_token_s
 from bench.policies.harness import RunSetting, run_trace, trace_seconds, window_s
@@ -25,7 +26,7 @@ from bench.policies.traces import RANK, skewed_trace
 from bench.serving.adapters import ensure_adapter_set
 from bench.serving.runner import machine_info
 from bench.systems.engine_system import EngineSystem, EngineSystemOptions
-from services.runtime.base_model import load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
 
 DEFAULT_ADAPTER_CACHE = Path.home() / ".cache" / "loramesh" / "bench-adapters-rank8"
 EXPERIMENTS = ("skew", "abort", "clustering", "pets")
@@ -115,14 +116,13 @@ def _loadavg() -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="issue 15's batch-policy benchmarks")
     parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
-    parser.add_argument("--out", default="", help="results folder (default bench/results/policies[-quick])")
+    parser.add_argument("--out", default="", help="results folder (default bench/out/policies[-quick])")
     parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
     parser.add_argument("--adapter-cache", default=str(DEFAULT_ADAPTER_CACHE))
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
-    out = Path(
-        args.out or ("bench/results/policies" if profile.name == "full" else "bench/results/policies-quick")
-    )
+    name = "policies" if profile.name == "full" else "policies-quick"
+    out = Path(args.out) if args.out else default_out(name)
     results = run_suite(profile, out, Path(args.adapter_cache), tuple(args.only))
     print(f"\nsuite done in {results['elapsed_s'] / 60:.1f} min; report: {out / 'results.md'}")
     return 0

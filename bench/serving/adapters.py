@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bench.systems.base import AdapterSet
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.runtime.base_model import BaseModelSpec
+from services.model_files.base_model import BaseModelSpec
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MANIFEST = "bench-adapters.json"

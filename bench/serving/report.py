@@ -1,6 +1,6 @@
 """Turns a results dict (see :mod:`bench.serving.runner`) into a markdown report and PNG plots.
 
-    python -m bench.serving.report bench/results/quick     # redraw from results.json
+    python -m bench.serving.report bench/out/quick     # redraw from results.json
 
 Plots: throughput vs number of adapters, average first-token latency vs request rate, SLO
 attainment vs cv, and the unified pool's occupancy over time in loramesh's default run.
@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench.out_dir import default_out
 from bench.serving.profiles import GATEWAY, LORAMESH, MERGED, NO_UNIFIED_POOL, PADDED_BMM, PEFT
 
 PLOTS = {
@@ -239,7 +240,7 @@ def _fmt(value: float | None) -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/quick")
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else default_out("quick")
     write(json.loads((out / "results.json").read_text()), out)
     print(f"wrote {out / 'results.md'} and plots")
 

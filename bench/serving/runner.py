@@ -38,7 +38,7 @@ from bench.serving.profiles import (
 )
 from bench.systems.base import RunContext, ServingSystem
 from bench.workload import generate
-from services.runtime.base_model import load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
 
 DEFAULT_ADAPTER_CACHE = Path.home() / ".cache" / "loramesh" / "bench-adapters"
 NO_UNIFIED_POOL_ADAPTER_SHARE = 0.5

@@ -23,7 +23,7 @@ from bench.systems.base import RequestRecord, RunContext
 from bench.systems.clock import time_left
 from loramesh.async_client import AsyncClient
 from loramesh.errors import LoraMeshError
-from services.gpu_worker.model.tokenizer_loading import load_tokenizer
+from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.process import ServiceProcess
 

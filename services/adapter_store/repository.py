@@ -25,7 +25,7 @@ from services.adapter_store.blob_store import BlobStore, sha256_hex
 from services.adapter_store.catalog import PRIVATE, PUBLIC, AdapterRecord, Catalog, DuplicateName
 from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.validation import ValidationLimits, validate_adapter
-from services.runtime.base_model import BaseModelSpec
+from services.model_files.base_model import BaseModelSpec
 from services.runtime.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
 from services.runtime.private_files import private_dir
 

@@ -12,7 +12,7 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.repository import AdapterRepository
 from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.validation import ValidationLimits
-from services.runtime.base_model import load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
 
 MIB = 2**20
 

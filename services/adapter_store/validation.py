@@ -33,7 +33,6 @@ standard library and numpy.
 from __future__ import annotations
 
 import bisect
-import functools
 import json
 import math
 import re
@@ -44,7 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from services.runtime.base_model import ATTENTION_PROJECTIONS, LORA_TARGETS, BaseModelSpec
+from services.model_files.base_model import BaseModelSpec
+from services.model_files.peft_format import (
+    LORA_TARGETS,
+    module_path,
+    parse_tensor_name,
+    pattern_value,
+    tensor_name,
+)
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
 #: Largest safetensors header we parse; real adapter headers are a few tens of KiB.
@@ -86,11 +92,6 @@ _UNSUPPORTED_FIELDS = {
     "target_parameters": "LoRA on parameters (rather than modules) is not supported",
     "arrow_config": "Arrow routing is not supported",
 }
-
-_TENSOR_PREFIX = "base_model.model."
-_TENSOR_NAME = re.compile(
-    r"base_model\.model\.model\.layers\.(0|[1-9]\d*)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
-)
 
 
 @dataclass(frozen=True)
@@ -138,35 +139,6 @@ class _TensorEntry:
     """Offset of its first byte in the data section."""
     end: int
     """Offset one past its last byte in the data section."""
-
-
-def module_path(layer: int, module: str) -> str:
-    """PEFT's name for a projection in a LlamaForCausalLM, e.g. ``model.layers.3.self_attn.q_proj``."""
-    parent = "self_attn" if module in ATTENTION_PROJECTIONS else "mlp"
-    return f"model.layers.{layer}.{parent}.{module}"
-
-
-def tensor_name(layer: int, module: str, factor: str) -> str:
-    """Name PEFT saves a LoRA factor under; ``factor`` is ``"A"`` or ``"B"``."""
-    return f"{_TENSOR_PREFIX}{module_path(layer, module)}.lora_{factor}.weight"
-
-
-def pattern_value(pattern: dict | None, path: str, default: Any) -> Any:
-    """PEFT's ``rank_pattern``/``alpha_pattern`` lookup for the module at ``path``.
-
-    A key matches when ``path`` is the key or ends with ``.`` followed by it (keys are regexes);
-    the first matching key in the dict's order wins, otherwise ``default`` applies.
-    """
-    for key, value in (pattern or {}).items():
-        if _pattern_key_regex(key).fullmatch(path):
-            return value
-    return default
-
-
-@functools.lru_cache(maxsize=4096)
-def _pattern_key_regex(key: str) -> re.Pattern:
-    """A pattern key compiled once (``re``'s own cache holds only 512 patterns)."""
-    return re.compile(rf"(.*\.)?(?:{key})")
 
 
 def validate_adapter(
@@ -567,26 +539,25 @@ def _check_names(
         reason = _unsupported_name(entry.name)
         if reason:
             raise InvalidArgument(f"adapter_model.safetensors tensor {entry.name!r}: {reason}")
-        match = _TENSOR_NAME.fullmatch(entry.name)
-        parent = match and ("self_attn" if match[3] in ATTENTION_PROJECTIONS else "mlp")
-        if not match or match[3] not in LORA_TARGETS or match[2] != parent:
+        parsed = parse_tensor_name(entry.name)
+        if parsed is None:
             raise InvalidArgument(
                 f"adapter_model.safetensors has an unknown tensor {entry.name!r}; expected PEFT names "
                 "like base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight"
             )
-        layer = int(match[1])
+        layer, module, factor = parsed
         if layer >= spec.num_layers:
             raise InvalidArgument(
                 f"adapter_model.safetensors tensor {entry.name!r} is for layer {layer}, but the base "
                 f"model has {spec.num_layers} layers"
             )
-        path = module_path(layer, match[3])
+        path = module_path(layer, module)
         if path not in targets:
             raise InvalidArgument(
                 f"adapter_model.safetensors tensor {entry.name!r} is for {path}, which the config's "
                 "target_modules (with layers_to_transform / exclude_modules) does not target"
             )
-        factors.setdefault(path, set()).add(match[4])
+        factors.setdefault(path, set()).add(factor)
     for path, (layer, module) in targets.items():
         for factor in ("A", "B"):
             if factor not in factors.get(path, ()):
@@ -604,15 +575,15 @@ def _check_shapes(
 ) -> None:
     """``lora_A`` is ``(r, in_features)`` and ``lora_B`` ``(out_features, r)`` of the projection."""
     for entry in entries:
-        match = _TENSOR_NAME.fullmatch(entry.name)
-        path = module_path(int(match[1]), match[3])
-        in_features, out_features = spec.projection_shape(targets[path][1])
+        layer, module, factor = parse_tensor_name(entry.name)
+        path = module_path(layer, module)
+        in_features, out_features = spec.projection_shape(module)
         rank = ranks[path]
-        expected = (rank, in_features) if match[4] == "A" else (out_features, rank)
+        expected = (rank, in_features) if factor == "A" else (out_features, rank)
         if entry.shape != expected:
             raise InvalidArgument(
                 f"adapter_model.safetensors tensor {entry.name!r} has shape {list(entry.shape)}, expected "
-                f"{list(expected)} ({targets[path][1]} of {spec.name}: in_features {in_features}, "
+                f"{list(expected)} ({module} of {spec.name}: in_features {in_features}, "
                 f"out_features {out_features}; rank {rank})"
             )
 

@@ -22,7 +22,7 @@ from services.gateway.adapter_access import AdapterAccess, split_reference
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.relay import Relay, RelayRequest
-from services.gpu_worker.model.tokenizer_loading import TokenizerBundle
+from services.model_files.tokenizer_loading import TokenizerBundle
 from services.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
 from services.runtime.request_validation import check_request
 from services.runtime.sampling_proto import sampling_from_proto

@@ -24,7 +24,7 @@ from services.gateway.openai.routes import build_app
 from services.gateway.openai.server import OpenAIHttpServer
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
-from services.gpu_worker.model.tokenizer_loading import load_tokenizer
+from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.discovery import ChannelPool, ServiceLocator
 
 log = logging.getLogger("loramesh.gateway")

@@ -20,7 +20,7 @@ from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write
 from mesh_api.adapter_transfer import ref_by_id, ref_by_name, upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import types_pb2
-from services.adapter_store.validation import tensor_name
+from services.model_files.peft_format import tensor_name
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 Q_A = tensor_name(0, "q_proj", "A")

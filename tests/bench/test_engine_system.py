@@ -15,7 +15,7 @@ from bench.serving.profiles import QUICK
 from bench.systems.base import RunContext
 from bench.systems.engine_system import EngineSystem, EngineSystemOptions
 from bench.workload import WorkloadSpec, generate
-from services.runtime.base_model import load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
 
 pytestmark = pytest.mark.model
 

@@ -19,7 +19,7 @@ from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 
 # Adapter 2 also adapts the MLP, so every fused matrix (qkv, o, gate_up, down) gets merged into.
 ADAPTERS = [

@@ -18,17 +18,24 @@ from support.cli import loramesh
 from loramesh_cli.mesh_file import pid_alive
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 
 pytestmark = pytest.mark.integration
+
+
+BOB_KEY = "lm-test-bob"
+"""A second tenant's key, beside mesh.json's admin key (``up --api-keys-file``)."""
 
 
 @pytest.fixture
 def mesh(tmp_path):
     state = tmp_path / "state"
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps({BOB_KEY: "bob"}))
     loramesh(
         state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
         "--migration", "pets", "--prefetch", "burst-tolerance", "--length-predictor", "magnus",
+        "--api-keys-file", str(keys_file),
     )  # fmt: skip
     yield state
     loramesh(state, "down", check=False)
@@ -62,6 +69,7 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
 
     again = loramesh(mesh, "adapters", "upload", str(directory), "--name", "mine", check=False)
     assert again.returncode != 0 and "ALREADY_EXISTS" in again.stderr and "mine" in again.stderr
+    adapters_act_as_the_keys_tenant(mesh, directory, mesh_file)
     (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 999}))
     bad = loramesh(mesh, "adapters", "upload", str(directory), "--name", "bad", check=False)
     assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
@@ -111,6 +119,41 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert after.returncode != 0 and "no mesh is up" in after.stderr
 
 
+def adapters_act_as_the_keys_tenant(mesh, directory, mesh_file) -> None:
+    """`loramesh adapters` goes through the gateway: the key's tenant owns what it uploads, and a
+    tenant sees and deletes only its own adapters (and sees public ones)."""
+
+    def names(listing: str) -> set[tuple[str, str, str]]:
+        rows = [line.split() for line in listing.splitlines()[1:]]
+        return {(row[0], row[1], row[6]) for row in rows}
+
+    out = loramesh(mesh, "adapters", "upload", str(directory), "--name", "shared", "--public").stdout
+    assert out.startswith("registered admin/shared id=") and out.strip().endswith(" public")
+    as_bob = ("--api-key", BOB_KEY)
+    assert names(loramesh(mesh, "adapters", "list", *as_bob).stdout) == {("shared", "admin", "public")}
+    for name, code in (("mine", "NOT_FOUND"), ("admin/mine", "PERMISSION_DENIED")):
+        refused = loramesh(mesh, "adapters", "delete", name, *as_bob, check=False)
+        assert refused.returncode == 1 and code in refused.stderr and not refused.stdout, refused.stderr
+    # The key from $LORAMESH_API_KEY, the flags before the verb: bob's own "mine", beside admin's.
+    bob_env = {"LORAMESH_API_KEY": BOB_KEY}
+    out = loramesh(mesh, "adapters", "upload", str(directory), "--name", "mine", env=bob_env).stdout
+    assert out.startswith("registered bob/mine ") and "rank=16" in out
+    gateway = mesh_file["gateway_addresses"][-1]
+    listing = loramesh(mesh, "adapters", "--gateway", gateway, "--api-key", BOB_KEY, "list").stdout
+    assert names(listing) == {("mine", "bob", "private"), ("shared", "admin", "public")}
+    assert names(loramesh(mesh, "adapters", "list").stdout) == {
+        ("mine", "admin", "private"),
+        ("shared", "admin", "public"),
+    }
+    assert "deleted bob/mine" in loramesh(mesh, "adapters", "delete", "mine", env=bob_env).stdout
+    assert "deleted admin/shared" in loramesh(mesh, "adapters", "delete", "shared").stdout
+    # mesh.json's admin key goes only to that mesh's gateways; a wrong key is refused by the gateway.
+    elsewhere = loramesh(mesh, "adapters", "list", "--gateway", "127.0.0.1:1", check=False)
+    assert elsewhere.returncode == 1 and "no API key" in elsewhere.stderr
+    wrong = loramesh(mesh, "adapters", "list", "--api-key", "lm-wrong", check=False)
+    assert wrong.returncode == 1 and "UNAUTHENTICATED" in wrong.stderr
+
+
 async def generate_two_tokens(address: str) -> int:
     async with aio.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
@@ -124,6 +167,20 @@ def test_commands_without_a_mesh_say_so(tmp_path):
     for argv in (["down"], ["adapters", "list"]):
         done = loramesh(tmp_path, *argv, check=False)
         assert done.returncode == 1 and "no mesh is up" in done.stderr
+
+
+def test_adapters_has_no_way_to_name_another_owner(tmp_path):
+    """The former flags (the adapter store directly, any owner without its key) are refused,
+    saying what to do instead; a gateway not in mesh.json gets no key but the caller's."""
+    for argv, instead in (
+        (["adapters", "--owner", "bob", "upload", str(tmp_path), "--name", "x"], "--api-key"),
+        (["adapters", "--store", "127.0.0.1:50051", "list"], "--gateway"),
+        (["adapters", "list", "--all-owners"], "public"),
+    ):
+        done = loramesh(tmp_path, *argv, check=False)
+        assert done.returncode == 2 and "was removed" in done.stderr and instead in done.stderr
+    done = loramesh(tmp_path, "adapters", "delete", "x", "--gateway", "127.0.0.1:1", check=False)
+    assert done.returncode == 1 and "no API key" in done.stderr and "--api-key" in done.stderr
 
 
 def test_a_zombie_counts_as_gone():

@@ -17,8 +17,9 @@ from demo_adapters.training import (
     trained_tokens,
 )
 from services.adapter_store.validation import ValidationLimits, validate_adapter
-from services.gpu_worker.model.tokenizer_loading import load_tokenizer
-from services.runtime.base_model import LORA_TARGETS, load_base_model_spec
+from services.model_files.base_model import load_base_model_spec
+from services.model_files.peft_format import LORA_TARGETS
+from services.model_files.tokenizer_loading import load_tokenizer
 
 
 def _tiny_lora_llama():

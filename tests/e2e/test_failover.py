@@ -27,7 +27,7 @@ from support.polling import poll_until
 from loramesh import AsyncClient, LoraMeshError
 from loramesh_cli.mesh_file import MeshFile, pid_alive
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 from services.runtime.membership import MembershipConfig, list_members
 from services.runtime.tls import etcd_client
 

@@ -22,7 +22,7 @@ from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 from services.runtime.tls import aio_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

@@ -14,7 +14,7 @@ from support.mesh import start_mesh, wait_for_workers
 from loramesh import AsyncClient
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 from services.runtime.tls import aio_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gpu_worker.model.tokenizer_loading import load_tokenizer
+from services.model_files.tokenizer_loading import load_tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.gpu_worker.model.config import ModelConfig
-from services.runtime.base_model import BaseModelSpec
+from services.model_files.base_model import BaseModelSpec
+from services.model_files.model_config import ModelConfig
 
 
 @dataclass

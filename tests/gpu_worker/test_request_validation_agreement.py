@@ -16,8 +16,8 @@ from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.model.tokenizer_loading import TokenizerBundle, load_tokenizer
 from services.gpu_worker.servicer import WorkerServicer
+from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
 from services.runtime.request_validation import InvalidField
 
 

@@ -27,7 +27,7 @@ from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.service import WorkerService
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 from services.runtime.server import ServiceHost
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "loramesh-dashboard.json"

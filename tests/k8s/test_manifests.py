@@ -61,7 +61,7 @@ SERVICES = {
 #: What the kubelet fills in for the variables taken from the pod (fieldRef).
 FIELD_REF_SAMPLES = {"LORAMESH_ADVERTISE_HOST": "10.1.2.3", "LORAMESH_INSTANCE_ID": "gpu-worker-5d8f7-x2x9k"}
 #: LORAMESH_* variables read outside the config classes, with the module that reads them.
-EXTRA_ENV = {"LORAMESH_CACHE_DIR": "services/gpu_worker/model/cache_dir.py"}
+EXTRA_ENV = {"LORAMESH_CACHE_DIR": "services/model_files/cache_dir.py"}
 
 
 def test_readiness_names_are_the_ones_the_services_report():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gpu_worker.model.tokenizer_loading import load_tokenizer
+from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.request_validation import MAX_STOP_STRING_BYTES
 from services.runtime.stop_window import StopStringTail, tail_bytes
 

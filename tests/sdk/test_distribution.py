@@ -4,7 +4,6 @@ made unimportable and nothing of the repository on the path."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -13,8 +12,8 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from support.sdk_wheel import ISOLATED, REPO, build_sdk_wheel, clean_env, sdk_venv
 
-REPO = Path(__file__).resolve().parents[2]
 SDK_FILES = {
     f"loramesh/{name}.py"
     for name in ("__init__", "client", "async_client", "errors", "stream_resume", "tls", "types")
@@ -23,22 +22,7 @@ SDK_FILES = {
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """The wheel built offline from a copy of ``sdk/`` and ``loramesh/`` and ``mesh_api/`` (an in-tree build would
-    leave build/ and egg-info in the checkout others work in)."""
-    tree = tmp_path_factory.mktemp("sdk-tree")
-    ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
-    shutil.copytree(REPO / "sdk", tree / "sdk", ignore=ignore)
-    shutil.copytree(REPO / "loramesh", tree / "loramesh", ignore=ignore)
-    shutil.copytree(REPO / "mesh_api", tree / "mesh_api", ignore=ignore)
-    out = tmp_path_factory.mktemp("sdk-wheel")
-    built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-w", str(out), str(tree / "sdk")],
-        capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
-    assert built.returncode == 0, built.stdout + built.stderr
-    (found,) = out.glob("loramesh_client-*.whl")
-    return found
+    return build_sdk_wheel(tmp_path_factory.mktemp("sdk"))
 
 
 def test_the_wheel_holds_the_sdk_and_the_stubs_only(wheel):
@@ -92,3 +76,26 @@ def test_the_sdk_imports_without_torch_or_the_repository(wheel, tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok loramesh.async_client"
+
+
+def test_pip_installs_the_wheel_offline_into_a_clean_venv_with_its_requirements_only(wheel, tmp_path):
+    """What tests/e2e/test_sdk_wheel.py runs against a mesh, without one: pip (the venv's own,
+    --no-index) resolves the wheel's requirements against exactly grpcio, protobuf and what they
+    need, and in that venv the SDK imports with nothing of the repository or torch importable."""
+    python, linked = sdk_venv(tmp_path, wheel)
+    # grpcio requires typing-extensions; nothing else comes along (no google.* but protobuf's).
+    assert [n for n in linked if not n.endswith(".dist-info")] == [
+        "google/_upb",
+        "google/protobuf",
+        "grpc",
+        "typing_extensions.py",
+    ]
+    dists = sorted(n.split("-")[0] for n in linked if n.endswith(".dist-info"))
+    assert dists == ["grpcio", "protobuf", "typing_extensions"]
+    script = ISOLATED + "from loramesh import AsyncClient, Client\nprint('ok', Client.__module__)\n"
+    done = subprocess.run(
+        [str(python), "-I", "-c", script],
+        capture_output=True, text=True, check=False, cwd=tmp_path, timeout=120, env=clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok loramesh.client"

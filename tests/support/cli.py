@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,15 +14,18 @@ COMMAND_TIMEOUT_S = 400
 processes, which takes minutes on a busy 2-core machine)."""
 
 
-def loramesh(state_dir: Path | str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+def loramesh(
+    state_dir: Path | str, *argv: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``loramesh --state-dir STATE_DIR ARGV...``; with ``check``, assert it exited 0 (the
-    assertion shows its stderr)."""
+    assertion shows its stderr). ``env``: variables set for it, on top of this process's."""
     done = subprocess.run(
         [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state_dir), *argv],
         check=False,
         capture_output=True,
         text=True,
         timeout=COMMAND_TIMEOUT_S,
+        env=None if env is None else {**os.environ, **env},
     )
     if check:
         assert done.returncode == 0, done.stderr

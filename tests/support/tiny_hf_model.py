@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from bench.systems.base import PROMPT_TOKEN_RANGE
-from services.runtime.base_model import BaseModelSpec
+from services.model_files.base_model import BaseModelSpec
 
 SPEC = BaseModelSpec(
     name="tiny-bench-llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -16,7 +16,7 @@ from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.step_batch import DecodeGroup, PrefillSpan, StepBatch
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 
 
 class StepBuilder:

@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-from services.adapter_store.validation import module_path, pattern_value
+from services.model_files.peft_format import module_path, parse_tensor_name, pattern_value
 from services.runtime.errors import InvalidArgument
-
-_NAME_RE = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
-)
 
 ModuleKey = tuple[int, str]
 
@@ -69,10 +64,10 @@ def parse_peft_adapter(
     tensors = load_safetensors(bytes(weights))
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        match = _NAME_RE.fullmatch(name)
-        if match is None:
+        parsed = parse_tensor_name(name)
+        if parsed is None:
             raise InvalidArgument(f"adapter {adapter_id}: unexpected tensor {name!r}")
-        layer, module, factor = int(match[1]), match[2], match[3]
+        layer, module, factor = parsed
         pairs.setdefault((layer, module), {})[factor] = tensor
     modules = {}
     for (layer, module), factors in sorted(pairs.items()):

@@ -28,9 +28,9 @@ from gguf.quants import dequantize
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from services.gpu_worker.model.cache_dir import default_cache_dir
-from services.gpu_worker.model.config import ModelConfig
-from services.gpu_worker.model.tokenizer import Tokenizer
+from services.model_files.cache_dir import default_cache_dir
+from services.model_files.model_config import ModelConfig
+from services.model_files.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from services.gpu_worker.model.config import ModelConfig, read_hf_config
+from services.model_files.model_config import ModelConfig, read_hf_config
 
 
 def weight_files(path: Path) -> list[Path]:

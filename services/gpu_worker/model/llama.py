@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.base_matmul import BaseMatmul
 from services.gpu_worker.model.compute_dtype import resolve_compute_dtype
-from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.rope import RotaryTable
 from services.gpu_worker.model.step_batch import StepBatch
+from services.model_files.model_config import ModelConfig
 
 # The model's LoRA calls, each on the projections that read one input.
 _QKV = ("q_proj", "k_proj", "v_proj")

@@ -9,10 +9,10 @@ import torch
 from gguf import GGUFReader
 
 from services.gpu_worker.model import gguf_loader
-from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.hf_loader import load_hf_dir
-from services.gpu_worker.model.tokenizer import Tokenizer
-from services.runtime.base_model import default_model_path
+from services.model_files.base_model import default_model_path
+from services.model_files.model_config import ModelConfig
+from services.model_files.tokenizer import Tokenizer
 
 
 @dataclass

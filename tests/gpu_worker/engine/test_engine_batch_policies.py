@@ -19,7 +19,7 @@ from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 
 ADAPTERS = {
     "a": SampleAdapterSpec(rank=8, target_modules=LORA_TARGETS, scale=0.3, seed=11),

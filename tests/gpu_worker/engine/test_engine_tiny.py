@@ -15,7 +15,7 @@ from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.base_model import LORA_TARGETS
+from services.model_files.peft_format import LORA_TARGETS
 
 SAMPLES = {
     "a8": SampleAdapterSpec(rank=8, scale=0.2, seed=1),

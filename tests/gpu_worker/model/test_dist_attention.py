@@ -17,7 +17,6 @@ from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
 from services.gpu_worker.model import dist_attention
-from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.dist_attention import (
     PartialAttention,
     empty_partial,
@@ -26,6 +25,7 @@ from services.gpu_worker.model.dist_attention import (
 )
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.pool_block_attention import attend_pool_blocks
+from services.model_files.model_config import ModelConfig
 
 # SmolLM2-135M's attention shape.
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

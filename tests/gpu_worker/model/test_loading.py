@@ -17,12 +17,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.gpu_worker.model import cache_dir as cache_dir_module
 from services.gpu_worker.model import gguf_loader
-from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.hf_loader import load_hf_dir
 from services.gpu_worker.model.loading import LoadedModel, load_model
-from services.runtime.base_model import default_model_path
+from services.model_files.base_model import default_model_path
+from services.model_files.model_config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -196,13 +195,6 @@ def test_changed_source_gets_a_new_key_and_stale_conversions_go(gguf_path, tmp_p
     assert sorted(p.name for p in key.parent.iterdir()) == sorted([new_key.name, other.name])
 
 
-def test_cache_dir_env_is_read_at_call_time(monkeypatch, tmp_path):
-    monkeypatch.setenv(cache_dir_module.CACHE_ENV, str(tmp_path))
-    assert cache_dir_module.default_cache_dir() == tmp_path / "converted"
-    monkeypatch.delenv(cache_dir_module.CACHE_ENV)
-    assert cache_dir_module.default_cache_dir() == Path.home() / ".cache" / "loramesh" / "converted"
-
-
 # --- HF directories -----------------------------------------------------------------------------
 
 
@@ -253,34 +245,6 @@ def test_load_model_from_hf_dir(cold, hf_tokenizer, tmp_path):
     )
     assert loaded.tokenizer.encode(TEXTS[3]) == cold.tokenizer.encode(TEXTS[3])
     assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_ids) == (1, (2,))
-
-
-def test_model_config_hf_round_trip():
-    for overrides in (
-        {},
-        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "tie_word_embeddings": True},
-        {
-            "rope_scaling": {
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            "max_position_embeddings": 131072, "attention_bias": True, "eos_token_id": [5, 6],
-        },
-    ):  # fmt: skip
-        config = ModelConfig.from_hf_config(_tiny_llama(**overrides).config.to_dict(), default_name="tiny")
-        assert ModelConfig.from_hf_config(config.to_hf_config()) == config
-        rebuilt = transformers.AutoConfig.for_model(**config.to_hf_config())
-        assert ModelConfig.from_hf_config(rebuilt.to_dict()) == config
-    qwen = transformers.Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    config = ModelConfig.from_hf_config(qwen.to_dict())
-    assert config.attention_bias and config.architecture == "qwen2"
-    assert ModelConfig.from_hf_config(config.to_hf_config()) == config
-    qwen_v4 = {k: v for k, v in qwen.to_dict().items() if k != "rope_parameters"}  # a hub-style config.json
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf_config({**qwen_v4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(ValueError, match="gpt2"):
-        ModelConfig.from_hf_config({**qwen.to_dict(), "model_type": "gpt2"})
 
 
 # --- tiny GGUF files written here ---------------------------------------------------------------

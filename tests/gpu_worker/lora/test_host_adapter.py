@@ -1,0 +1,49 @@
+"""A PEFT adapter parsed into per-projection factors: PEFT's names, patterns and scales."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.gpu_worker.lora.host_adapter import parse_peft_adapter, read_peft_directory
+from services.model_files.base_model import BaseModelSpec
+from services.model_files.peft_format import tensor_name
+from services.runtime.errors import InvalidArgument
+
+SPEC = BaseModelSpec(
+    name="tiny", hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=8, vocab_size=64,
+)  # fmt: skip
+
+
+def test_ranks_and_scales_follow_the_patterns(tmp_path):
+    sample = SampleAdapterSpec(
+        rank=8, lora_alpha=16.0, target_modules=("q_proj", "down_proj"), use_rslora=True,
+        rank_pattern={r"layers\.1\.self_attn\.q_proj": 4}, alpha_pattern={"down_proj": 2.0},
+    )  # fmt: skip
+    adapter = read_peft_directory("a", write_peft_adapter(tmp_path, SPEC, sample), torch.float32)
+    assert sorted(adapter.modules) == [(0, "down_proj"), (0, "q_proj"), (1, "down_proj"), (1, "q_proj")]
+    assert adapter.modules[(0, "q_proj")].rank == 8 and adapter.modules[(1, "q_proj")].rank == 4
+    assert adapter.modules[(0, "q_proj")].scale == pytest.approx(16.0 / math.sqrt(8))
+    assert adapter.modules[(1, "q_proj")].scale == pytest.approx(16.0 / math.sqrt(4))
+    assert adapter.modules[(1, "down_proj")].scale == pytest.approx(2.0 / math.sqrt(8))
+    assert adapter.modules[(1, "down_proj")].b_t.shape == (8, SPEC.hidden_size)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        tensor_name(0, "q_proj", "A").replace("layers.0.", "layers.00."),
+        tensor_name(0, "q_proj", "A").replace("self_attn", "mlp"),
+    ],
+)
+def test_a_name_the_store_would_refuse_is_refused(name):
+    config = json.dumps({"r": 8, "lora_alpha": 16.0})
+    weights = save({name: torch.zeros(8, SPEC.hidden_size)})
+    with pytest.raises(InvalidArgument, match="unexpected tensor"):
+        parse_peft_adapter("a", config, weights, torch.float32)

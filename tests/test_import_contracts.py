@@ -1,0 +1,59 @@
+"""The import contracts of pyproject.toml hold, and they can fail: a copy of the tree with one
+wrong-way import (a service importing the SDK) is refused, naming the broken contract."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("mesh_api", "loramesh", "loramesh_cli", "services", "bench")
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"], cwd=root, capture_output=True, text=True, check=False, timeout=300
+    )
+
+
+@pytest.fixture
+def tree_copy(tmp_path) -> Path:
+    """The packages and pyproject.toml, copied (only .py files matter to the linter)."""
+    ignore = shutil.ignore_patterns("__pycache__", "results", "*.json", "*.png", "*.md")
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=ignore)
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_the_repository_keeps_its_contracts():
+    done = lint_imports(REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("importer", "wrong_import", "contract"),
+    [
+        (
+            "services/gateway/auth.py",
+            "import loramesh.client",
+            "Services never import the SDK, the CLI or bench",
+        ),
+        ("loramesh/types.py", "import services.runtime.errors", "The SDK stands alone"),
+        ("services/runtime/errors.py", "import services.gateway.core", "Services sit on the model files"),
+        ("services/gateway/core.py", "import services.gpu_worker.config", "Services sit on the model files"),
+    ],
+)
+def test_a_wrong_way_import_breaks_its_contract(tree_copy, importer, wrong_import, contract):
+    path = tree_copy / importer
+    path.write_text(path.read_text() + f"\n{wrong_import}\n")
+    done = lint_imports(tree_copy)
+    assert done.returncode != 0, done.stdout
+    broken = [line for line in done.stdout.splitlines() if "BROKEN" in line]
+    assert any(contract in line for line in broken), done.stdout
