@@ -28,7 +28,7 @@ from loramesh.client import (
     text_delta,
     upload_stream,
 )
-from loramesh.stream_resume import StreamReplay, replayable
+from loramesh.stream_resume import StreamProgress
 from loramesh.tls import ClientTLS, aio_channel
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
@@ -131,10 +131,9 @@ class AsyncClient:
     it is used on.
 
     Same behaviour as :class:`loramesh.Client`: :class:`~loramesh.errors.LoraMeshError`
-    subclasses on failure, ``UNAVAILABLE`` retried with backoff on the next gateway for reads,
-    generations that have not produced text yet and reproducible streams that broke mid-way
-    (replayed, continuing where they broke); never for uploads, deletes or unseeded sampled
-    streams that already yielded.
+    subclasses on failure, ``UNAVAILABLE`` retried with backoff on the next gateway for reads
+    and generations (a stream that broke mid-way continues there right after what it yielded,
+    whatever its sampling); never for uploads and deletes.
 
     Example:
         >>> from loramesh import AsyncClient
@@ -200,7 +199,7 @@ class AsyncClient:
     @property
     def failovers(self) -> int:
         """Attempts of this client's calls that failed with ``UNAVAILABLE`` and were retried on
-        the next gateway (a stream replayed counts once per break)."""
+        the next gateway (a stream continued counts once per break)."""
         return self._gateways.failovers
 
     async def close(self) -> None:
@@ -236,7 +235,9 @@ class AsyncClient:
             top_k: Sample among the k likeliest tokens; None for off.
             top_p: Nucleus sampling mass; None for off.
             repetition_penalty: None for off.
-            seed: Sampler seed, for reproducible sampling.
+            seed: Sampler seed, for reproducible sampling: each token's random draw is keyed
+                by the seed and the token's position, not by the batch it ran in, so a failover
+                continues with the tokens the unbroken stream would have had.
             stop: Strings that end the generation.
             stop_token_ids: Token ids that end the generation.
             ignore_eos: Keep generating past the model's end-of-sequence token (to
@@ -255,7 +256,7 @@ class AsyncClient:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
-        deltas = self._stream("Generate", request, timeout, replayable(temperature, seed))
+        deltas = self._stream("Generate", request, timeout)
         return completion([d async for d in deltas])
 
     def stream(
@@ -277,11 +278,11 @@ class AsyncClient:
     ) -> AsyncIterator[TextDelta]:
         """Completes a raw prompt, yielding text as it is generated (``async for``, no ``await``).
 
-        The request is sent when iteration starts. A stream that breaks after yielding text is
-        replayed on the next gateway when the generation is reproducible (greedy or seeded) and
-        continues exactly where it broke; otherwise it raises
-        :class:`~loramesh.errors.StreamInterrupted`. To cancel the call at once when leaving the
-        loop early, iterate under ``contextlib.aclosing``.
+        The request is sent when iteration starts. A stream that breaks after yielding text
+        continues on the next gateway right after what it yielded (never repeating or skipping
+        text); when the retries run out it raises :class:`~loramesh.errors.StreamInterrupted`.
+        To cancel the call at once when leaving the loop early, iterate under
+        ``contextlib.aclosing``.
 
         Args:
             prompt: The text to continue.
@@ -304,7 +305,7 @@ class AsyncClient:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
-        return self._stream("Generate", request, timeout, replayable(temperature, seed))
+        return self._stream("Generate", request, timeout)
 
     async def chat(
         self,
@@ -347,7 +348,7 @@ class AsyncClient:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = chat_request(messages, adapter, sampling, deadline_ms)
-        deltas = self._stream("Chat", request, timeout, replayable(temperature, seed))
+        deltas = self._stream("Chat", request, timeout)
         return completion([d async for d in deltas])
 
     def chat_stream(
@@ -390,7 +391,7 @@ class AsyncClient:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = chat_request(messages, adapter, sampling, deadline_ms)
-        return self._stream("Chat", request, timeout, replayable(temperature, seed))
+        return self._stream("Chat", request, timeout)
 
     async def models(self, *, timeout: float | None = None) -> list[Model]:
         """The base model and every adapter the caller may generate with.
@@ -426,30 +427,29 @@ class AsyncClient:
             await asyncio.sleep(delay)
             attempt += 1
 
-    async def _stream(
-        self, method: str, request: Any, timeout: float | None, can_replay: bool
-    ) -> AsyncIterator[TextDelta]:
-        """Calls a server-streaming RPC; retries and replays as :meth:`loramesh.Client._stream`."""
+    async def _stream(self, method: str, request: Any, timeout: float | None) -> AsyncIterator[TextDelta]:
+        """Calls a server-streaming RPC; retries and continues as :meth:`loramesh.Client._stream`."""
         call = self._policy.start(timeout)
-        replay = StreamReplay()
+        progress = StreamProgress()
         attempt = 0
         while True:
             address = self._gateways.current()
-            replay.new_attempt()
             responses = getattr(self._stubs[address], method)(
-                request, timeout=call.remaining(), metadata=call.metadata
+                progress.request(request), timeout=call.remaining(), metadata=call.metadata
             )
             try:
                 async for message in responses:
-                    delta = replay.accept(text_delta(message))
-                    if delta is not None:
-                        yield delta
+                    delta = text_delta(message)
+                    progress.record(delta)
+                    yield delta
                 return
             except aio.AioRpcError as error:
+                if progress.finished:  # only the call's status was lost: the answer is whole
+                    return
                 failure = call.failure(error)
-                delay = call.stream_retry_delay(attempt, failure, replay, can_replay)
+                delay = call.retry_delay(attempt, failure)
                 if delay is None:
-                    raise call.stream_failure(failure, replay) from error
+                    raise call.stream_failure(failure, progress) from error
                 self._gateways.failed(address)
             finally:
                 responses.cancel()

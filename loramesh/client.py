@@ -18,7 +18,7 @@ from typing import Any, Self
 import grpc
 
 from loramesh.errors import REQUEST_ID_HEADER, LoraMeshError, StreamInterrupted, Unavailable, from_rpc_error
-from loramesh.stream_resume import StreamReplay, replayable
+from loramesh.stream_resume import StreamProgress
 from loramesh.tls import ClientTLS, sync_channel
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
 from mesh_api.adapter_transfer import read_adapter_dir, upload_requests
@@ -161,27 +161,14 @@ class _Call:
             return None
         return delay
 
-    def stream_retry_delay(
-        self, attempt: int, failure: LoraMeshError, replay: StreamReplay, can_replay: bool
-    ) -> float | None:
-        """:meth:`retry_delay` for a stream: once it has yielded text, only a reproducible
-        generation is retried (replayed, see :mod:`loramesh.stream_resume`)."""
-        if replay.delivered and not can_replay:
-            return None
-        return self.retry_delay(attempt, failure)
-
-    def stream_failure(self, failure: LoraMeshError, replay: StreamReplay) -> LoraMeshError:
+    def stream_failure(self, failure: LoraMeshError, progress: StreamProgress) -> LoraMeshError:
         """What a stream that is not retried raises: UNAVAILABLE after it yielded text becomes
         :class:`StreamInterrupted` (the caller has part of an answer)."""
-        if (
-            not replay.delivered
-            or not isinstance(failure, Unavailable)
-            or isinstance(failure, StreamInterrupted)
-        ):
+        if not progress.delivered or not isinstance(failure, Unavailable):
             return failure
         return StreamInterrupted(
-            f"{failure.details}; the stream broke after {len(replay.delivered_tokens)} tokens and "
-            f"was not continued (sampling without a seed cannot be replayed, or the retries ran out)",
+            f"{failure.details}; the stream broke after {len(progress.token_ids)} tokens and was not "
+            f"continued (the retries ran out)",
             request_id=failure.request_id,
         )
 
@@ -419,10 +406,10 @@ class Client:
 
     Calls fail with :class:`~loramesh.errors.LoraMeshError` subclasses. ``UNAVAILABLE`` is
     retried ``retries`` times with exponential backoff and jitter, each time on the next gateway,
-    for calls that are safe to repeat: reads, generations that have not produced any text yet,
-    and streams of a reproducible generation (greedy, or seeded) that broke mid-way: these are
-    replayed and continue exactly where they broke (:mod:`loramesh.stream_resume`). Uploads,
-    deletes and unseeded sampled streams that already yielded text are never retried.
+    for calls that are safe to repeat: reads and generations. A stream that broke mid-way (its
+    gateway died) continues on the next gateway right after what it yielded, whatever its
+    sampling: the gateway is sent the tokens and text delivered and generates the rest
+    (:mod:`loramesh.stream_resume`). Uploads and deletes are never retried.
 
     Example:
         >>> from loramesh import Client
@@ -488,7 +475,7 @@ class Client:
     @property
     def failovers(self) -> int:
         """Attempts of this client's calls that failed with ``UNAVAILABLE`` and were retried on
-        the next gateway (a stream replayed counts once per break)."""
+        the next gateway (a stream continued counts once per break)."""
         return self._gateways.failovers
 
     def close(self) -> None:
@@ -524,7 +511,9 @@ class Client:
             top_k: Sample among the k likeliest tokens; None for off.
             top_p: Nucleus sampling mass; None for off.
             repetition_penalty: None for off.
-            seed: Sampler seed, for reproducible sampling.
+            seed: Sampler seed, for reproducible sampling: each token's random draw is keyed
+                by the seed and the token's position, not by the batch it ran in, so a failover
+                continues with the tokens the unbroken stream would have had.
             stop: Strings that end the generation.
             stop_token_ids: Token ids that end the generation.
             ignore_eos: Keep generating past the model's end-of-sequence token (to
@@ -543,7 +532,7 @@ class Client:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
-        return completion(list(self._stream("Generate", request, timeout, replayable(temperature, seed))))
+        return completion(list(self._stream("Generate", request, timeout)))
 
     def stream(
         self,
@@ -565,9 +554,9 @@ class Client:
         """Completes a raw prompt, yielding text as it is generated.
 
         The request is sent when iteration starts; leaving the loop early cancels it. A stream
-        that breaks after yielding text is replayed on the next gateway when the generation is
-        reproducible (greedy or seeded) and continues exactly where it broke; otherwise it
-        raises :class:`~loramesh.errors.StreamInterrupted` (never repeating text).
+        that breaks after yielding text continues on the next gateway right after what it
+        yielded (never repeating or skipping text); when the retries run out it raises
+        :class:`~loramesh.errors.StreamInterrupted`.
 
         Args:
             prompt: The text to continue.
@@ -590,7 +579,7 @@ class Client:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
-        return self._stream("Generate", request, timeout, replayable(temperature, seed))
+        return self._stream("Generate", request, timeout)
 
     def chat(
         self,
@@ -633,7 +622,7 @@ class Client:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = chat_request(messages, adapter, sampling, deadline_ms)
-        return completion(list(self._stream("Chat", request, timeout, replayable(temperature, seed))))
+        return completion(list(self._stream("Chat", request, timeout)))
 
     def chat_stream(
         self,
@@ -675,7 +664,7 @@ class Client:
             max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
         )
         request = chat_request(messages, adapter, sampling, deadline_ms)
-        return self._stream("Chat", request, timeout, replayable(temperature, seed))
+        return self._stream("Chat", request, timeout)
 
     def models(self, *, timeout: float | None = None) -> list[Model]:
         """The base model and every adapter the caller may generate with.
@@ -711,32 +700,31 @@ class Client:
             time.sleep(delay)
             attempt += 1
 
-    def _stream(
-        self, method: str, request: Any, timeout: float | None, can_replay: bool
-    ) -> Iterator[TextDelta]:
-        """Calls a server-streaming RPC. UNAVAILABLE is retried on the next gateway: before any
-        text always, after it only when ``can_replay`` (the replay's prefix is checked and
-        skipped, so nothing is yielded twice)."""
+    def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[TextDelta]:
+        """Calls a server-streaming RPC. UNAVAILABLE is retried on the next gateway; once the
+        stream has yielded something, the retry continues the generation right after it
+        (:mod:`loramesh.stream_resume`), so nothing is yielded twice or lost."""
         call = self._policy.start(timeout)
-        replay = StreamReplay()
+        progress = StreamProgress()
         attempt = 0
         while True:
             address = self._gateways.current()
-            replay.new_attempt()
             responses = getattr(self._stubs[address], method)(
-                request, timeout=call.remaining(), metadata=call.metadata
+                progress.request(request), timeout=call.remaining(), metadata=call.metadata
             )
             try:
                 for message in responses:
-                    delta = replay.accept(text_delta(message))
-                    if delta is not None:
-                        yield delta
+                    delta = text_delta(message)
+                    progress.record(delta)
+                    yield delta
                 return
             except grpc.RpcError as error:
+                if progress.finished:  # only the call's status was lost: the answer is whole
+                    return
                 failure = call.failure(error)
-                delay = call.stream_retry_delay(attempt, failure, replay, can_replay)
+                delay = call.retry_delay(attempt, failure)
                 if delay is None:
-                    raise call.stream_failure(failure, replay) from error
+                    raise call.stream_failure(failure, progress) from error
                 self._gateways.failed(address)
             finally:
                 responses.cancel()

@@ -125,9 +125,8 @@ class Unavailable(LoraMeshError):
 
 
 class StreamInterrupted(Unavailable):
-    """A stream broke after yielding text and could not be continued on another gateway: its
-    sampling is not reproducible (temperature without a seed), the retries ran out, or the replay
-    differed from what was already yielded. Nothing was yielded twice."""
+    """A stream broke after yielding text and was not continued on another gateway: the
+    retries (or the call's deadline) ran out first. Nothing was yielded twice."""
 
 
 class DeadlineExceeded(LoraMeshError):

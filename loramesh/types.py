@@ -34,7 +34,9 @@ class Sampling:
     repetition_penalty: float | None = None
     """Penalty on tokens already seen; None, 0 or 1: off."""
     seed: int | None = None
-    """Seed of the sampler, for reproducible sampling."""
+    """Seed of the sampler, for reproducible sampling: each token's random draw is keyed by the
+    seed and the token's position, not by the batch it ran in, so a failover continues with the
+    tokens the unbroken stream would have had."""
     stop: tuple[str, ...] | list[str] | None = None
     """Strings that end the generation when produced."""
     stop_token_ids: tuple[int, ...] | list[int] | None = None
@@ -45,7 +47,9 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts and timings of one generation (from the stream's last message).
+    """Token counts and timings of one generation (from the stream's last message). When a stream
+    was continued on another gateway after its own died, the token counts are still the whole
+    generation's; the timings and ``resumes`` are the continuing gateway's.
 
     Example:
         >>> usage = client.generate("Hi").usage

@@ -140,7 +140,7 @@ class RequestTally:
     identical: int = 0
     """Completed with exactly the undisturbed output."""
     different: int = 0
-    """Completed with another output (a replay or failover that changed the answer)."""
+    """Completed with another output (a failover or continuation that changed the answer)."""
     lost: int = 0
     """Ended with an error after the SDK's retries."""
     first_errors: list[str] = field(default_factory=list)

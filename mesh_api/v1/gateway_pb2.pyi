@@ -9,16 +9,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateTextRequest(_message.Message):
-    __slots__ = ("prompt", "adapter", "sampling", "first_token_deadline_ms")
+    __slots__ = ("prompt", "adapter", "sampling", "first_token_deadline_ms", "continuation")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     adapter: str
     sampling: _types_pb2.SamplingParams
     first_token_deadline_ms: float
-    def __init__(self, prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., first_token_deadline_ms: _Optional[float] = ...) -> None: ...
+    continuation: Continuation
+    def __init__(self, prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., first_token_deadline_ms: _Optional[float] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+
+class Continuation(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -29,16 +39,18 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("messages", "adapter", "sampling", "first_token_deadline_ms")
+    __slots__ = ("messages", "adapter", "sampling", "first_token_deadline_ms", "continuation")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     adapter: str
     sampling: _types_pb2.SamplingParams
     first_token_deadline_ms: float
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., first_token_deadline_ms: _Optional[float] = ...) -> None: ...
+    continuation: Continuation
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., first_token_deadline_ms: _Optional[float] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "first_token_ms", "total_ms", "resumes", "migrations")

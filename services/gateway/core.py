@@ -2,7 +2,8 @@
 
 API key → tenant, adapter access, chat template, tokenization, request limits, prompt and
 sampling validation (:mod:`services.runtime.request_validation`, the checks the workers make
-too), placement + relay with resume (which also detokenizes and honours stop strings),
+too), continuations of streams another gateway broke off (:mod:`services.gateway.continuation`),
+placement + relay with resume (which also detokenizes and honours stop strings),
 and adapter management passed to the adapter store with the caller's tenant as owner. A front
 end only translates its wire format to these calls and their results back; nothing here knows
 about a server context or an HTTP request.
@@ -21,6 +22,7 @@ from mesh_api.v1 import adapter_store_pb2, gateway_pb2, types_pb2
 from services.gateway.adapter_access import AdapterAccess, split_reference
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
+from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, resume_point
 from services.gateway.relay import Relay, RelayRequest
 from services.model_files.tokenizer_loading import TokenizerBundle
 from services.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
@@ -43,6 +45,12 @@ class GatewayCore:
         self.tokenizer, self.base_model, self.context_length = (
             text.tokenizer, text.model_name, text.context_length,
         )  # fmt: skip
+        self.model_tokens = ModelTokens(
+            self.tokenizer.id_to_bytes,
+            self.tokenizer.vocab_size,
+            frozenset(self.tokenizer.eos_token_ids),
+            self.context_length,
+        )
         self.relay, self.access, self.store = relay, access, store
         self._ready = True
 
@@ -109,12 +117,17 @@ class GatewayCore:
         adapter: str,
         sampling: types_pb2.SamplingParams,
         first_token_deadline_ms: float = 0.0,
+        delivered: Delivered = NOTHING_DELIVERED,
     ) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
         """Text deltas of one generation; the last one carries the finish reason and usage.
 
-        Every refusal (limits, sampling ranges, adapter access, placement) is raised before the
-        first delta, so a front end that reads one delta before answering answers with the
-        right status.
+        With ``delivered`` (what an earlier stream of this request gave its client before it
+        broke), the deltas are the rest of the generation, right after it; the usage counts
+        the whole generation.
+
+        Every refusal (limits, sampling ranges, the continuation, adapter access, placement) is
+        raised before the first delta, so a front end that reads one delta before answering
+        answers with the right status.
         """
         if len(prompt_ids) > self.config.max_prompt_tokens:
             raise InvalidArgument(
@@ -124,12 +137,14 @@ class GatewayCore:
         check_request(
             prompt_ids, sampling_from_proto(sampling), self.tokenizer.vocab_size, self.context_length
         )
+        start = resume_point(delivered, len(prompt_ids), sampling, self.model_tokens)
         request = RelayRequest(
             request_id=uuid.uuid4().hex[:16],
             prompt_ids=list(prompt_ids),
             adapter_id=await self.resolve_adapter(tenant, adapter),
             sampling=sampling,
             first_token_deadline_ms=first_token_deadline_ms or self.config.default_first_token_deadline_ms,
+            start=start,
             prompt_text=self.tokenizer.decode(list(prompt_ids)),
         )
         # Closed explicitly, so a front end that stops reading cancels the worker's request now.

@@ -9,6 +9,10 @@ Each token costs the same however long the output is: only the new bytes are dec
 stop strings are looked for in the new text plus what is held back, which is never more than
 the longest stop string less one character (a stop string found in earlier text would have
 ended the stream then).
+
+What it returns depends only on the tokens, not on how they are grouped into :meth:`add`
+calls, so feeding a stream's tokens again rebuilds its state at any point
+(:mod:`services.gateway.continuation` continues a broken stream that way).
 """
 
 from __future__ import annotations
@@ -48,12 +52,11 @@ class IncrementalDetokenizer:
         cut = _complete_utf8_prefix(self._pending)
         text = self._held + self._pending[:cut].decode("utf-8", errors="replace")
         self._pending = self._pending[cut:]
-        for stop in self._stops:
-            at = text.find(stop)
-            if at >= 0:
-                self.stopped = True
-                self._held = ""
-                return text[:at]
+        found = [at for at in (text.find(stop) for stop in self._stops) if at >= 0]
+        if found:  # the earliest, whichever stop string it is: as if fed one token at a time
+            self.stopped = True
+            self._held = ""
+            return text[: min(found)]
         keep = self._longest_stop_prefix_suffix(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]

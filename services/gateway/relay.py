@@ -5,7 +5,13 @@ the worker stream breaks (worker killed, drained, lease lost), it asks for anoth
 excluding the failed worker, and continues there with prompt + tokens so far: dLoRA's "move a
 request as tokens, rebuild its state". The client sees one stream; no token is lost or repeated
 because only tokens received are counted and the new worker starts right after them. Greedy
-output is identical to an uninterrupted run; a seeded sampled run restarts its random stream.
+output is identical to an uninterrupted run, and so is a seeded sampled one: the workers key
+each draw by the seed and the position of the token drawn, not by how many draws came before.
+
+A request may itself start after tokens an earlier stream delivered (a client continuing on
+this gateway after another one died): its :class:`~services.gateway.continuation.ResumePoint`
+holds them and the detokenizer fed with them, and the relay goes on from there exactly as after
+a worker failure.
 
 A migration (issue 16) takes the same path: the scheduler has the worker end the stream with
 FINISH_REASON_MIGRATED naming the target, and the relay places the rest there (not as a
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 import grpc
 
 from mesh_api.v1 import gateway_pb2, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.continuation import ResumePoint
 from services.runtime.discovery import ChannelPool
 from services.runtime.errors import Unavailable
 
@@ -53,6 +59,9 @@ class RelayRequest:
     sampling: types_pb2.SamplingParams
     """With ``max_tokens`` already resolved."""
     first_token_deadline_ms: float
+    start: ResumePoint
+    """Where the generation starts: nothing generated yet, or the tokens a client was
+    delivered by an earlier stream (consumed by the relay)."""
     prompt_text: str = ""
     """The prompt as text, for the scheduler's length predictor ("": none)."""
 
@@ -62,8 +71,6 @@ class Relay:
         self,
         place: Place,
         channels: ChannelPool,
-        token_bytes: Callable[[int], bytes],
-        eos_token_ids: tuple[int, ...],
         max_resumes: int,
         report_completion: ReportCompletion | None = None,
     ):
@@ -71,21 +78,33 @@ class Relay:
         self._report_completion = report_completion
         self._reports: set[asyncio.Task] = set()
         self._channels = channels
-        self._token_bytes = token_bytes
-        self._eos_token_ids = frozenset(eos_token_ids)
         self._max_resumes = max_resumes
 
     async def stream(self, request: RelayRequest) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
         started = time.monotonic()
-        detok = IncrementalDetokenizer(self._token_bytes, tuple(request.sampling.stop_strings))
-        # The token that stops generation is reported in token_ids but not as text (as vLLM does).
-        stop_ids = self._eos_token_ids | set(request.sampling.stop_token_ids)
-        generated: list[int] = []
+        detok, stop_ids = request.start.detokenizer, request.start.stop_ids
+        generated = list(request.start.generated)
         excluded: list[str] = []
-        first_token_ms = 0.0
+        first_token_ms: float | None = None
         resumes = migrations = 0
         predicted = 0
         prefer = ""
+
+        def usage() -> gateway_pb2.Usage:
+            return gateway_pb2.Usage(
+                prompt_tokens=len(request.prompt_ids),
+                completion_tokens=len(generated),
+                first_token_ms=first_token_ms or 0.0,
+                total_ms=(time.monotonic() - started) * 1000,
+                resumes=resumes,
+                migrations=migrations,
+            )
+
+        if request.start.finished:  # a continuation of a generation that had already ended
+            yield gateway_pb2.GenerateTextResponse(
+                finish_reason=request.start.finished, request_id=request.request_id, usage=usage()
+            )
+            return
         while True:
             placements = resumes + migrations
             placement = await self._place(
@@ -124,7 +143,7 @@ class Relay:
                         prefer = reply.migrated_to
                         break
                     ids = list(reply.token_ids)
-                    if ids and not generated:
+                    if ids and first_token_ms is None:
                         first_token_ms = (time.monotonic() - started) * 1000
                     generated += ids
                     finish = reply.finish_reason
@@ -142,14 +161,7 @@ class Relay:
                             logprobs=reply.logprobs,
                             finish_reason=finish,
                             request_id=request.request_id,
-                            usage=gateway_pb2.Usage(
-                                prompt_tokens=len(request.prompt_ids),
-                                completion_tokens=len(generated),
-                                first_token_ms=first_token_ms,
-                                total_ms=(time.monotonic() - started) * 1000,
-                                resumes=resumes,
-                                migrations=migrations,
-                            ),
+                            usage=usage(),
                         )
                         return
                     if ids:

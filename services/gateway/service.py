@@ -110,14 +110,7 @@ class GatewayService:
         async def report_completion(request: scheduler_pb2.ReportCompletionRequest):
             return await scheduler.call("ReportCompletion", request, timeout=10)
 
-        relay = Relay(
-            place,
-            self.channels,
-            text.tokenizer.id_to_bytes,
-            text.tokenizer.eos_token_ids,
-            cfg.max_resumes,
-            report_completion,
-        )
+        relay = Relay(place, self.channels, cfg.max_resumes, report_completion)
         access = AdapterAccess(store.get, cfg.adapter_cache_s)
         self.core.attach(text, relay, access, store)
         await self.openai.start(cfg.host, cfg.openai_port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from grpc import aio
 
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.continuation import Delivered
 from services.gateway.core import GatewayCore, model_id
 
 
@@ -23,6 +24,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request.adapter,
             request.sampling,
             request.first_token_deadline_ms,
+            _delivered(request.continuation),
         ):
             yield reply
 
@@ -35,6 +37,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request.adapter,
             self.core.chat_sampling(request.sampling),
             request.first_token_deadline_ms,
+            _delivered(request.continuation),
         ):
             yield reply
 
@@ -64,3 +67,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 )
             )
         return gateway_pb2.ListModelsResponse(models=models)
+
+
+def _delivered(continuation: gateway_pb2.Continuation) -> Delivered:
+    return Delivered(tuple(continuation.token_ids), continuation.text)

@@ -1,8 +1,9 @@
 """The SDK against a real grpc.aio server on loopback serving a small fake ``loramesh.v1.Gateway``.
 
-The fake checks the API key, streams canned deltas, fails with any status on demand (a prompt
-``status:<CODE>``), fails the first N calls with UNAVAILABLE, breaks a stream after its first
-delta (prompt ``break``) or stalls (prompt ``slow``). The real gateway is tested elsewhere.
+The fake checks the API key, streams canned deltas (continuing after a request's
+``continuation`` as the real gateway does), fails with any status on demand (a prompt
+``status:<CODE>``), fails the first N calls with UNAVAILABLE, breaks a stream after each delta
+(prompt ``break``) or stalls (prompt ``slow``). The real gateway is tested elsewhere.
 """
 
 from __future__ import annotations
@@ -73,8 +74,6 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
         """Calls still to fail with UNAVAILABLE."""
         self.break_streams = False
         """Every stream fails with UNAVAILABLE after its first delta (a gateway that dies)."""
-        self.token_offset = 0
-        """Added to every token id: a gateway whose replay differs from another's."""
         self.received: list[Received] = []
         self.uploads: list[Upload] = []
         self.adapters = [
@@ -94,7 +93,9 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
             self.unavailable_first -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is starting")
 
-    async def _deltas(self, prompt: str, context: aio.ServicerContext):
+    async def _deltas(
+        self, prompt: str, continuation: gateway_pb2.Continuation, context: aio.ServicerContext
+    ):
         if prompt.startswith("status:"):
             code = grpc.StatusCode[prompt.removeprefix("status:")]
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -103,11 +104,14 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
             await context.abort(code, f"scripted {code.name}")
         if prompt == "slow":
             await asyncio.Event().wait()  # never answers: only the caller's deadline ends the call
-        for i, text in enumerate(DELTAS):
+        delivered = len(continuation.token_ids)
+        assert list(continuation.token_ids) == [10 + i for i in range(delivered)]
+        assert continuation.text == "".join(DELTAS[:delivered])
+        for i, text in enumerate(DELTAS[delivered:], delivered):
             last = i == len(DELTAS) - 1
             yield gateway_pb2.GenerateTextResponse(
                 text=text,
-                token_ids=[10 + i + self.token_offset],
+                token_ids=[10 + i],
                 request_id=GENERATION_ID,
                 finish_reason=types_pb2.FINISH_REASON_STOP if last else types_pb2.FINISH_REASON_UNSPECIFIED,
                 usage=gateway_pb2.Usage(
@@ -121,12 +125,12 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         await self._admit("Generate", request, context)
-        async for message in self._deltas(request.prompt, context):
+        async for message in self._deltas(request.prompt, request.continuation, context):
             yield message
 
     async def Chat(self, request, context):
         await self._admit("Chat", request, context)
-        async for message in self._deltas(request.messages[-1].content, context):
+        async for message in self._deltas(request.messages[-1].content, request.continuation, context):
             yield message
 
     async def UploadAdapter(self, request_iterator, context):
@@ -426,58 +430,50 @@ def test_unavailable_forever_raises_after_the_retries(client, gateway):
     assert client.failovers == 3  # the last failure was not retried
 
 
-def test_a_sampled_stream_broken_after_data_is_not_retried(client, gateway):
-    deltas = []
-    with pytest.raises(StreamInterrupted, match="after 1 tokens"):
-        for delta in client.stream("break", temperature=0.7):
-            deltas.append(delta.text)
-    assert deltas == ["Hello"]
-    assert len(gateway.calls("Generate")) == 1
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7}, {"temperature": 0.7, "seed": 3}])
+def test_a_stream_broken_after_every_delta_is_continued_after_what_it_yielded(client, gateway, sampling):
+    deltas = list(client.stream("break", **sampling))
+    check_deltas(deltas)
+    first, second, third = (call.request for call in gateway.calls("Generate"))
+    assert not first.HasField("continuation")
+    assert (list(second.continuation.token_ids), second.continuation.text) == ([10], "Hello")
+    assert (list(third.continuation.token_ids), third.continuation.text) == ([10, 11], "Hello, ")
+    assert third.prompt == first.prompt and third.sampling == first.sampling
+    # Broken after its last delta too: the answer is whole, so that break is not retried.
+    assert client.failovers == 2
 
 
-def test_a_greedy_stream_broken_every_time_is_replayed_until_the_retries_run_out(client, gateway):
+def test_a_stream_broken_until_the_retries_run_out_is_interrupted(server, gateway, no_mesh):
     deltas = []
-    with pytest.raises(StreamInterrupted):
+    with (
+        Client(server.address, API_KEY, retries=1, backoff_s=0.01, mesh_file=no_mesh) as client,
+        pytest.raises(StreamInterrupted, match="after 2 tokens"),
+    ):
         for delta in client.stream("break"):
             deltas.append(delta.text)
-    assert deltas == ["Hello"]  # each replay's "Hello" was checked and skipped
-    assert len(gateway.calls("Generate")) == 1 + 3
+    assert deltas == ["Hello", ", "]  # nothing twice
+    assert len(gateway.calls("Generate")) == 2
 
 
 def failover_client(server, server_b, no_mesh) -> Client:
     return Client([server.address, server_b.address], API_KEY, retries=3, backoff_s=0.01, mesh_file=no_mesh)
 
 
-@pytest.mark.parametrize("seed", [None, 7])
-def test_a_broken_reproducible_stream_continues_on_the_next_gateway(
-    server, server_b, gateway, gateway_b, no_mesh, seed
-):
+def test_a_broken_stream_continues_on_the_next_gateway(server, server_b, gateway, gateway_b, no_mesh):
     gateway.break_streams = True
     with failover_client(server, server_b, no_mesh) as client:
-        deltas = list(client.stream("Hi", temperature=0.5 if seed else None, seed=seed))
-        assert [(d.text, d.token_ids) for d in deltas] == [(t, (10 + i,)) for i, t in enumerate(DELTAS)]
-        assert deltas[-1].finish_reason == "stop" and deltas[-1].usage.completion_tokens == 3
+        deltas = list(client.stream("Hi", temperature=0.5))
+        check_deltas(deltas)
         (first,), (second,) = gateway.calls("Generate"), gateway_b.calls("Generate")
         assert first.metadata["x-request-id"] == second.metadata["x-request-id"]
+        assert second.request.continuation == gateway_pb2.Continuation(token_ids=[10], text="Hello")
+        second.request.ClearField("continuation")
         assert first.request == second.request
         assert client.failovers == 1
         # The client stays on the live gateway.
         check_completion(client.generate("Hi"))
         assert client.failovers == 1
     assert len(gateway.calls("Generate")) == 1 and len(gateway_b.calls("Generate")) == 2
-
-
-def test_a_replay_that_differs_is_not_continued(server, server_b, gateway, gateway_b, no_mesh):
-    gateway.break_streams = True
-    gateway_b.token_offset = 100
-    deltas = []
-    with (
-        failover_client(server, server_b, no_mesh) as client,
-        pytest.raises(StreamInterrupted, match="position 0"),
-    ):
-        for delta in client.stream("Hi"):
-            deltas.append(delta.text)
-    assert deltas == ["Hello"]
 
 
 def test_unary_calls_fail_over_and_writes_do_not(server, server_b, gateway, gateway_b, no_mesh, tmp_path):
@@ -615,12 +611,10 @@ async def test_async_retries(aclient, gateway):
     assert len(gateway.calls("ListModels")) == 1 + 3
 
 
-async def test_async_broken_stream_and_writes_are_not_retried(aclient, gateway, tmp_path):
-    deltas = []
-    with pytest.raises(StreamInterrupted):
-        async for delta in aclient.stream("break", temperature=0.7):
-            deltas.append(delta.text)
-    assert deltas == ["Hello"] and len(gateway.calls("Generate")) == 1
+async def test_async_broken_stream_is_continued_and_writes_are_not_retried(aclient, gateway, tmp_path):
+    check_deltas([d async for d in aclient.stream("break", temperature=0.7)])
+    continuations = [call.request.continuation for call in gateway.calls("Generate")]
+    assert [list(c.token_ids) for c in continuations] == [[], [10], [10, 11]]
     write_adapter(tmp_path / "lora")
     gateway.unavailable_first = 2
     with pytest.raises(Unavailable):
@@ -635,7 +629,9 @@ async def test_async_failover(server, server_b, gateway, gateway_b, no_mesh):
     addresses = [server.address, server_b.address]
     async with AsyncClient(addresses, API_KEY, retries=3, backoff_s=0.01, mesh_file=no_mesh) as client:
         deltas = [d async for d in client.chat_stream([("user", "Hi")])]
-        assert [(d.text, d.token_ids) for d in deltas] == [(t, (10 + i,)) for i, t in enumerate(DELTAS)]
+        check_deltas(deltas)
+        continued = gateway_b.calls("Chat")[0].request
+        assert continued.continuation == gateway_pb2.Continuation(token_ids=[10], text="Hello")
         gateway_b.unavailable_first = 1  # the client is on b now; a fails too: back to a for models
         gateway.break_streams = False
         assert (await client.models())[0].is_base

@@ -33,12 +33,12 @@ def loramesh(
 
 
 @contextlib.contextmanager
-def supervised_mesh_up(state_dir: Path) -> Iterator[Path]:
+def supervised_mesh_up(state_dir: Path, dtype: str = "float32") -> Iterator[Path]:
     """``loramesh up --detach`` of the whole mesh with every service replicated (two workers,
-    gateways, schedulers and kv_managers, mutual TLS, fast restarts), taken down on exit: what
-    the failover and chaos suites kill processes in."""
+    gateways, schedulers and kv_managers, mutual TLS, fast restarts), the workers computing in
+    ``dtype``, taken down on exit: what the failover and chaos suites kill processes in."""
     loramesh(
-        state_dir, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
+        state_dir, "up", "--detach", "--workers", "2", "--dtype", dtype, "--pool-mib", "64",
         "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2", "--tls",
     )  # fmt: skip
     try:

@@ -423,7 +423,7 @@ class Engine:
             logits,
             [r.spec.sampling for r in batch_requests],
             lambda i: torch.tensor(sorted(set(batch_requests[i].all_ids)), dtype=torch.int64),
-            [r.generator for r in batch_requests],
+            [r.next_draw_generator() for r in batch_requests],
         )
         for request, token, row in zip(batch_requests, tokens, logits):
             request.num_computed = request.total_len

@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from services.gpu_worker.engine.sampling import SamplingParams, TokenLogprobs, make_generator
+from services.gpu_worker.engine.sampling import SamplingParams, TokenLogprobs, draw_generator, request_seed
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.kv_cache import KvTable
 
@@ -98,7 +98,8 @@ class EngineRequest:
     holds_adapter: bool = False
     preemptions: int = 0
     timings: Timings = field(default_factory=Timings)
-    generator: torch.Generator | None = None
+    seed: int | None = field(init=False, default=None)
+    """What its draws are keyed by, with each token's position (:func:`request_seed`)."""
     text_tail: str = ""
     """End of the decoded output, long enough to find stop strings."""
     last_logprobs: TokenLogprobs | None = None
@@ -108,7 +109,13 @@ class EngineRequest:
     remote, and ``kv`` is empty; None while all its KV is in ``kv`` (the fast path)."""
 
     def __post_init__(self) -> None:
-        self.generator = make_generator(self.spec.sampling)
+        self.seed = request_seed(self.spec.sampling)
+
+    def next_draw_generator(self) -> torch.Generator | None:
+        """The random stream of its next token's draw (None when greedy), keyed by its seed and
+        that token's position: recomputed after a preemption, or continued on another worker as
+        prompt + tokens so far, it draws what it would have drawn."""
+        return None if self.seed is None else draw_generator(self.seed, self.total_len)
 
     @property
     def request_id(self) -> str:

@@ -1,7 +1,18 @@
-"""The per-request sampler (pure torch, no engine state) over :class:`SamplingParams`."""
+"""The per-request sampler (pure torch, no engine state) over :class:`SamplingParams`.
+
+A sampled draw's randomness is keyed by the request's seed and the position of the token drawn
+(its index in prompt + output), never by the draws before it or the batch it runs in: every
+draw gets a generator of its own, seeded with a hash of both (:func:`draw_generator`). So,
+given the same logits, a seeded request draws the same tokens alone or in any batch, after a
+preemption (recomputed), and when a gateway continues it elsewhere as prompt + tokens so far,
+the worker there knowing nothing of the tokens before. The draw itself runs on the CPU, so the random stream does not
+depend on the device the logits are on.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,12 +30,21 @@ class TokenLogprobs:
     """(token id, log-probability), most likely first."""
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def request_seed(params: SamplingParams) -> int | None:
+    """What a request's draws are keyed by: its own seed, a random one when it samples without
+    one (its output stays random), None when it is greedy (nothing is drawn)."""
     if params.greedy:
         return None
-    generator = torch.Generator()
-    generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-    return generator
+    return params.seed if params.seed is not None else secrets.randbits(64)
+
+
+def draw_generator(seed: int, position: int) -> torch.Generator:
+    """The random stream of one draw: the token at ``position`` (its index in prompt + output)
+    of a request keyed by ``seed``. A hash of both seeds it, so neighbouring seeds or positions
+    give unrelated streams."""
+    key = seed.to_bytes(8, "little") + position.to_bytes(8, "little")
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -53,7 +73,7 @@ def sample_token(
         cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
         drop = cumulative - torch.softmax(ordered, dim=-1) > params.top_p
         logits = logits.index_fill(0, order[drop], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1).cpu()
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -65,8 +85,9 @@ def sample_batch(
 ) -> list[int]:
     """The next token of every row of ``logits`` ``[R, vocab]`` (float32), row ``i`` sampled with
     ``params[i]``, ``seen(i)`` (its prompt + output ids, asked for only when it has a repetition
-    penalty) and ``generators[i]``. Plain greedy rows (no penalty) share one ``argmax`` call: the
-    same result as :func:`sample_token` row by row, without a torch call per request."""
+    penalty) and ``generators[i]`` (its draw's :func:`draw_generator`; None when greedy). Plain
+    greedy rows (no penalty) share one ``argmax`` call: the same result as :func:`sample_token`
+    row by row, without a torch call per request."""
     plain = [i for i, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0]
     if len(plain) == len(params):
         return logits.argmax(dim=-1).tolist()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.gpu_worker.engine.sampling import SamplingParams, make_generator, sample_batch, sample_token
+from services.gpu_worker.engine.sampling import SamplingParams, draw_generator, sample_batch, sample_token
 
 PARAMS = [
     SamplingParams(),
@@ -17,6 +17,11 @@ PARAMS = [
 ]
 
 
+def generator(params: SamplingParams) -> torch.Generator | None:
+    """The generator of a draw at position 9 of a request with ``params`` (None: greedy)."""
+    return None if params.greedy else draw_generator(params.seed, 9)
+
+
 def test_sample_batch_equals_sample_token_row_by_row() -> None:
     logits = torch.randn(len(PARAMS), 97, generator=torch.Generator().manual_seed(0))
     seen = [torch.tensor([i, 2 * i + 1, 40]) for i in range(len(PARAMS))]
@@ -26,10 +31,10 @@ def test_sample_batch_equals_sample_token_row_by_row() -> None:
         asked.append(i)
         return seen[i]
 
-    batched = sample_batch(logits, PARAMS, history, [make_generator(p) for p in PARAMS])
+    batched = sample_batch(logits, PARAMS, history, [generator(p) for p in PARAMS])
     one_by_one = [
         sample_token(row, p, seen[i] if p.repetition_penalty != 1.0 else torch.empty(0, dtype=torch.int64), g)
-        for i, (row, p, g) in enumerate(zip(logits, PARAMS, [make_generator(p) for p in PARAMS]))
+        for i, (row, p, g) in enumerate(zip(logits, PARAMS, [generator(p) for p in PARAMS]))
     ]
     assert batched == one_by_one
     assert sorted(asked) == [1, 5], "history is built only for rows with a repetition penalty"

@@ -1,4 +1,5 @@
-"""Sampling: each parameter does what a vLLM user expects, and seeds reproduce."""
+"""Sampling: each parameter does what a vLLM user expects, and seeds reproduce (that a draw is
+keyed by the seed and the token's position: test_seeded_sampling.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import (
     SamplingParams,
     apply_repetition_penalty,
-    make_generator,
+    draw_generator,
     sample_token,
     token_logprobs,
 )
@@ -27,8 +28,8 @@ def logits() -> torch.Tensor:
 
 
 def draws(params: SamplingParams, n: int = 200) -> list[int]:
-    generator = make_generator(params)
-    return [sample_token(logits(), params, EMPTY, generator) for _ in range(n)]
+    """``n`` tokens drawn from the same logits, as positions 0..n-1 of one request."""
+    return [sample_token(logits(), params, EMPTY, draw_generator(params.seed, i)) for i in range(n)]
 
 
 def test_greedy_picks_the_argmax():
