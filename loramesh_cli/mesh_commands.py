@@ -58,6 +58,9 @@ def add_parsers(sub) -> None:
     up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
     up.add_argument("--batch-policy", default="", choices=["", *sorted(BATCH_POLICIES)],
                     help="each worker's batch policy (docs/batch-policies.md; default: the worker's)")  # fmt: skip
+    up.add_argument("--deterministic", action="store_true",
+                    help="batch-invariant numerics on every worker: a request's output does not depend "
+                         "on its batch (CPU workers; docs/operations.md)")  # fmt: skip
     up.add_argument("--migration", default="none", choices=["none", *sorted(MIGRATION_POLICIES)],
                     help="the schedulers' migration policy (docs/operations.md; default none)")  # fmt: skip
     up.add_argument("--prefetch", default="none", choices=["none", *sorted(PREFETCH_POLICIES)],
@@ -127,6 +130,8 @@ def _up_detached(args, state_dir: Path) -> int:
         argv += ["--model", args.model]
     argv += ["--ram-budget-mib", str(args.ram_budget_mib), "--workers", str(args.workers)]
     argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib), *_batch_policy_flags(args)]
+    if args.deterministic:
+        argv += ["--deterministic"]
     argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers), *_scheduler_flags(args)]
     argv += ["--kv-managers", str(args.kv_managers), "--restart-backoff-s", str(args.restart_backoff_s)]
     argv += ["--restart-backoff-max-s", str(args.restart_backoff_max_s)]
@@ -171,6 +176,11 @@ def _restart_policy(args) -> RestartPolicy:
 def _batch_policy_flags(args) -> list[str]:
     """``--batch-policy NAME`` when `up` was given one; none leaves the workers' default."""
     return ["--batch-policy", args.batch_policy] if args.batch_policy else []
+
+
+def _deterministic_flags(args) -> list[str]:
+    """``--deterministic true`` when `up` was given ``--deterministic``; none leaves the workers' default."""
+    return ["--deterministic", "true"] if args.deterministic else []
 
 
 def _scheduler_flags(args) -> list[str]:
@@ -228,7 +238,7 @@ def _service_processes(
         processes[f"gpu_worker-{i}"] = service(
             "gpu_worker", f"gpu_worker-{i}",
             [*etcd_flags, *store_flags, "--dtype", args.dtype, "--pool-mib", str(args.pool_mib),
-             "--threads", str(threads), *_batch_policy_flags(args), *model_flags],
+             "--threads", str(threads), *_batch_policy_flags(args), *_deterministic_flags(args), *model_flags],
         )  # fmt: skip
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
     for i in range(args.schedulers):

@@ -49,3 +49,7 @@ class WorkerConfig(ServiceConfig):
     batch_policy: str = "fcfs"
     """Which requests run each step and in which LoRA mode: fcfs, lcfs, early_abort,
     adapter_clustering, dlora or pets (docs/batch-policies.md)."""
+    deterministic: bool = False
+    """Batch-invariant numerics: a request's logits (hence its greedy output) do not depend on the
+    rest of its batch, nor on prefill vs decode, so a failover resumes identically (CPU workers;
+    not with dlora; docs/operations.md, "Deterministic serving")."""

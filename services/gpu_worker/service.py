@@ -103,6 +103,7 @@ class WorkerService:
                 max_lent_blocks=cfg.lend_cap_blocks,
                 kv_overflow=cfg.kv_overflow,
                 batch_policy=cfg.batch_policy,
+                deterministic=cfg.deterministic,
             ),
             eos_token_ids=loaded.config.eos_token_ids,
             # The engine only looks for stop strings in this text: a bounded tail, not the whole output.
@@ -128,6 +129,8 @@ class WorkerService:
         self.metrics.attach(engine, loader)
         self._parts = WorkerParts(engine, loader, loaded.config.name)
         describe = {"model": loaded.config.name, "dtype": str(dtype).removeprefix("torch.")}
+        if cfg.deterministic:
+            log.info("deterministic serving: batch-invariant numerics")
         self.servicer.attach(engine, loader, describe)
         log.info(
             "model %s on %s (%s); pool %d pages of %d elements",

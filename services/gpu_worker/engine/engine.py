@@ -56,6 +56,7 @@ from services.gpu_worker.engine.request import (
 )
 from services.gpu_worker.engine.sampling import sample_batch, token_logprobs
 from services.gpu_worker.engine.step_builder import StepBuilder
+from services.gpu_worker.kernels.dispatch import resolve_backend
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
@@ -120,6 +121,12 @@ class EngineConfig:
     """Which requests run each step and in which LoRA mode (``--batch-policy``): fcfs, lcfs,
     early_abort (S-LoRA), adapter_clustering (S-LoRA), dlora (merged/unmerged switching), pets
     (coordinated prefill batching) or hrrn (Magnus); see services/gpu_worker/engine/policies."""
+    deterministic: bool = False
+    """Batch-invariant numerics (``--deterministic``): a request's logits do not depend on what
+    else is in its batch, nor on whether its KV came from prefill or decode, so greedy output is
+    the same alone or batched, and a request re-prefilled elsewhere continues identically. CPU
+    workers with the native kernels; not with the dlora policy (a merged adapter changes its
+    requests' base matmuls). Costs: docs/benchmarks.md, "Deterministic serving"."""
 
     def __post_init__(self) -> None:
         if self.batch_policy not in BATCH_POLICIES:
@@ -166,8 +173,13 @@ class Engine:
             else max(1, round(layout.num_pages * config.adapter_region_share))
         )
         self.pool = UnifiedPool(layout, model.dtype, model.device, adapter_region)
+        if config.deterministic:  # refuse at start what would fail every step
+            model.check_batch_invariant()
+            resolve_backend(config.lora_backend, self.pool.buffer, batch_invariant=True)
         self.residency = AdapterResidency(self.pool)
-        self.rm = RManager(config.worker_id, self.pool, LendingConfig(config.max_lent_blocks))
+        self.rm = RManager(
+            config.worker_id, self.pool, LendingConfig(config.max_lent_blocks), config.deterministic
+        )
         self.distkv = DistKvMeter()
         """This worker's lending traffic, as debtor and as creditor (heartbeat and metrics)."""
         self.lending = MeteredLender(self.rm.lender, layout, self.distkv)
@@ -185,8 +197,13 @@ class Engine:
         )
         """DGFM recalls of this worker's blocks, applied through :meth:`between_steps`."""
         self._between_steps: list[tuple[Callable[[], object], Future]] = []
-        self.builder = StepBuilder(model, self.pool, config.lora_backend, self.rm)
+        self.builder = StepBuilder(model, self.pool, config.lora_backend, self.rm, config.deterministic)
         self.policy = batch_policy or make_batch_policy(config.batch_policy)
+        if config.deterministic and self.policy.name == "dlora":
+            raise ValueError(
+                "deterministic serving cannot use the dlora batch policy: merging an adapter into the "
+                "base weights changes its requests' numerics (run it with deterministic off)"
+            )
         self.merged = MergedWeights(model)
         """The adapter folded into the base weights in merged mode (dLoRA), if any."""
         self.mode_switches = 0

@@ -21,13 +21,20 @@ from services.model_files.peft_format import LORA_TARGETS
 
 class StepBuilder:
     def __init__(
-        self, model: LlamaModel, pool: UnifiedPool, lora_backend: str = "auto", rm: RManager | None = None
+        self,
+        model: LlamaModel,
+        pool: UnifiedPool,
+        lora_backend: str = "auto",
+        rm: RManager | None = None,
+        batch_invariant: bool = False,
     ):
-        """``rm``: the rManager the requests with borrowed blocks go through."""
+        """``rm``: the rManager the requests with borrowed blocks go through. ``batch_invariant``:
+        mark every batch for the model's batch-invariant path (deterministic serving)."""
         self.model = model
         self.pool = pool
         self.rm = rm
         self.lora_backend = lora_backend
+        self.batch_invariant = batch_invariant
         cfg = model.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -122,6 +129,7 @@ class StepBuilder:
             logits_rows=torch.tensor(first_rows[1:], dtype=torch.int64, device=device) - 1,
             lora=self._lora_segments(requests, residency, merged_adapter),
             lora_backend=self.lora_backend,
+            batch_invariant=self.batch_invariant,
         )
 
     def _decode_group(

@@ -29,6 +29,12 @@
  *           keep each token's sums in registers.
  * Either way out gets one rounding, as the torch reference does.
  *
+ * Those paths round differently (a streamed group sums four B^T rows before adding, a tile sums x
+ * in chunk order), and which one a token takes depends on how many tokens share its adapter in the
+ * batch. A call with `fixed_order` (batch-invariant serving) sends every group through the two
+ * phases with the prefill expand, whose sums run over a token's own h in rank order: a token's
+ * delta is then the same whatever else is in the batch.
+ *
  * The math is fp32 whatever the storage dtype: CPUs without bf16/fp16 arithmetic would emulate it.
  * GCC vector extensions give one source for AVX2 (8 floats per vector) and narrower targets; with
  * -march=native the compiler contracts a * b + c into FMAs.
@@ -600,7 +606,8 @@ static void *arena_take(arena *a, size_t bytes) {
 /* The delta of every problem, for x rows of `in` elements (x_stride apart). Returns 0, or -1 when
  * out of memory. */
 static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_tokens, int64_t in, const void *pool,
-                    int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads) {
+                    int pool_dtype, const lora_problem *const *problems, int num_problems, int num_threads,
+                    int fixed_order) {
     /* Sizes first (work lists at their largest, as if nothing were fused), then one arena. */
     int64_t G = 0, max_rank = 0, max_out = 0, work = 0, n_decode = 0, n_tile = 0, max_shrink = 0, max_expand = 0,
             max_h = 0;
@@ -663,14 +670,16 @@ static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_to
     /* With enough few-token groups to share out, each is one work item that runs its shrink and
      * then its expand with no barrier in between, and the groups, biggest first, balance the
      * threads. With fewer, a group's rows are split over the threads in the two phases below. */
-    int fuse = n_decode >= 2 * num_threads;
+    int fuse = !fixed_order && n_decode >= 2 * num_threads;
+    /* Groups of at most this many tokens expand by streaming their B^T rows (none in fixed order). */
+    const int64_t stream_tokens = fixed_order ? 0 : STREAM_TOKENS;
     const int reorder = fuse && chunk_rows;
 
     int64_t n_shrink = 0, n_expand = 0, n_fused = 0, h_size = 0;
     for (int64_t i = 0; i < G; i++) {
         group_ref *ref = &refs[i];
         int64_t r = ref->rank, n = ref->num_tokens, out_f = ref->p->out_features;
-        int stream = n <= STREAM_TOKENS;
+        int stream = n <= stream_tokens;
         if (fuse && stream) {
             n_fused++;
             continue;
@@ -690,7 +699,7 @@ static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_to
         }
         for (int64_t t0 = 0; t0 < n; t0 += TOKEN_TILE)
             for (int64_t j0 = 0; j0 < r; j0 += CHUNK_ROWS) shrink_items[s_item++] = (item){ref, t0, j0};
-        int64_t width = n <= STREAM_TOKENS ? STREAM_COLS : COL_BLOCK;
+        int64_t width = n <= stream_tokens ? STREAM_COLS : COL_BLOCK;
         for (int64_t c0 = 0; c0 < out_f; c0 += width)
             expand_items[e_item++] = (item){ref, c0, out_f - c0 < width ? out_f - c0 : width};
     }
@@ -789,7 +798,7 @@ static int run_call(const void *x, int x_dtype, int64_t x_stride, int64_t num_to
                 int cw = (int)expand_items[it].extent;
                 const int64_t *toks = ref->tokens, *b_off = ref->b_off;
                 int out_dtype = (int)pr->out_dtype;
-                if (n <= STREAM_TOKENS) {
+                if (n <= stream_tokens) {
                     stream_expand(pool, pool_dtype, b_off, r, h + ref->h_start, n, toks, c0, cw,
                                   pr->out_features, sums, pr->out, out_dtype, pr->out_stride);
                     continue;
@@ -845,10 +854,11 @@ typedef struct {
     const lora_problem *const *problems;
     int64_t num_problems;
     int64_t num_threads;
+    int64_t fixed_order; /* nonzero: every token's delta in one order, whatever its group (see top) */
 } lora_call;
 
 /* The delta of every problem of the call. Returns 0, or -1 when out of memory. */
 int lora_delta(const lora_call *c) {
     return run_call(c->x, (int)c->x_dtype, c->x_stride, c->num_tokens, c->in, c->pool, (int)c->pool_dtype,
-                    c->problems, (int)c->num_problems, (int)c->num_threads);
+                    c->problems, (int)c->num_problems, (int)c->num_threads, (int)c->fixed_order);
 }

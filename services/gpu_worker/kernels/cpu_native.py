@@ -16,12 +16,7 @@ pools spinning against each other on few cores.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,12 +24,13 @@ from pathlib import Path
 
 import torch
 
+from services.gpu_worker.kernels import native_build
 from services.gpu_worker.kernels.lora_segments import LoraSegments
 
 log = logging.getLogger("loramesh.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_lora.c")
-CACHE_DIR = Path.home() / ".cache" / "loramesh" / "kernels"
+CACHE_DIR = native_build.CACHE_DIR
 FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"),
     ("-O3", "-march=native", "-shared", "-fPIC"),
@@ -60,60 +56,15 @@ _lock = threading.Lock()
 _library: _Library | None = None
 
 
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine()
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return platform.machine() + "\n" + "\n".join(wanted)
-
-
-def _compiler_version(compiler: str) -> str:
-    result = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30)
-    return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ""
-
-
 def _build(compiler: str = "cc") -> _Library:
     """Compile (or find in the cache) and load the library; never raises."""
-    try:
-        source = SOURCE.read_bytes()
-        version = _compiler_version(compiler)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return _Library(None, f"no usable C compiler {compiler!r}: {exc}", None)
-    errors = []
-    for flags in FLAG_SETS:
-        key = hashlib.sha256(
-            b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_signature().encode()])
-        ).hexdigest()[:24]
-        path = CACHE_DIR / f"cpu_lora-{key}.so"
-        if not path.exists():
-            CACHE_DIR.mkdir(parents=True, exist_ok=True)
-            # Build under a temporary name, then rename: concurrent processes never load a half file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
-            os.close(fd)
-            result = subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", tmp],
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if result.returncode != 0:
-                os.unlink(tmp)
-                errors.append(f"{compiler} {' '.join(flags)}: {result.stderr.strip()[-400:]}")
-                continue
-            os.replace(tmp, path)
-        try:
-            function = ctypes.CDLL(str(path)).lora_delta
-        except OSError as exc:
-            errors.append(f"loading {path}: {exc}")
-            continue
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p]  # const lora_call *
-        return _Library(function, "", path)
-    return _Library(None, "; ".join(errors), None)
+    built = native_build.build_native("cpu_lora", [SOURCE], FLAG_SETS, CACHE_DIR, compiler)
+    if built.library is None:
+        return _Library(None, built.error, None)
+    function = built.library.lora_delta
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p]  # const lora_call *
+    return _Library(function, "", built.path)
 
 
 def _load() -> _Library:
@@ -217,6 +168,7 @@ class _Call(ctypes.Structure):
         ("problems", ctypes.c_void_p),
         ("num_problems", ctypes.c_int64),
         ("num_threads", ctypes.c_int64),
+        ("fixed_order", ctypes.c_int64),
     ]
 
 
@@ -235,9 +187,11 @@ class NativeCall:
     interpreter runs cold between torch ops. So a call only checks x and the outs and writes their
     pointers into the prepared struct. Not for concurrent calls with the same segments."""
 
-    def __init__(self, segments: tuple[LoraSegments | None, ...]):
+    def __init__(self, segments: tuple[LoraSegments | None, ...], batch_invariant: bool = False):
         """``segments[i]`` adds into the i-th out of each call; None adds nothing (no adapter
-        targets that projection). Raises RuntimeError when the kernel is unavailable."""
+        targets that projection). ``batch_invariant``: every token's delta in one fixed order,
+        whatever else is in the batch (``fixed_order`` in ``cpu_lora.c``). Raises RuntimeError
+        when the kernel is unavailable."""
         function = _load().function
         if function is None:
             raise RuntimeError(f"the native CPU LoRA kernel is unavailable: {native_error()}")
@@ -268,6 +222,7 @@ class NativeCall:
             num_tokens=num_tokens,
             problems=ctypes.addressof(self._pointers),
             num_problems=len(self.problems),
+            fixed_order=int(batch_invariant),
         )
         self.address = ctypes.addressof(self.call)
         self._pool: torch.Tensor | None = None
@@ -310,16 +265,24 @@ class NativeCall:
 
 
 def lora_deltas_cpu_native(
-    x: torch.Tensor, pool: torch.Tensor, problems: Sequence[tuple[LoraSegments, torch.Tensor]]
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    problems: Sequence[tuple[LoraSegments, torch.Tensor]],
+    batch_invariant: bool = False,
 ) -> None:
     """:func:`lora_delta_cpu_native` for several (segments, out) pairs that share ``x`` (q, k and
     v of one layer), in one call: one ctypes call and one OpenMP region instead of one each. The
     model's calls reuse a :class:`NativeCall` prepared once per batch instead."""
     if problems:
-        NativeCall(tuple(seg for seg, _ in problems)).run(x, [out for _, out in problems], pool)
+        NativeCall(tuple(seg for seg, _ in problems), batch_invariant).run(
+            x, [out for _, out in problems], pool
+        )
 
 
-def lora_delta_cpu_native(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> None:
+def lora_delta_cpu_native(
+    x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor, batch_invariant: bool = False
+) -> None:
     """Same contract as :func:`~services.gpu_worker.kernels.torch_reference.lora_delta_torch`, on
-    CPU tensors of float32/bfloat16/float16; raises RuntimeError when the kernel is unavailable."""
-    lora_deltas_cpu_native(x, pool, ((seg, out),))
+    CPU tensors of float32/bfloat16/float16; raises RuntimeError when the kernel is unavailable.
+    ``batch_invariant``: see :class:`NativeCall`."""
+    lora_deltas_cpu_native(x, pool, ((seg, out),), batch_invariant)

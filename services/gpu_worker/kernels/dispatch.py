@@ -7,6 +7,11 @@ test before that first use still applies to its kernels.
 
 The model goes through :class:`StepLora`, one per batch, which resolves the backend and prepares
 each of its calls once and reuses them step after step.
+
+``batch_invariant`` (deterministic serving): a token's delta must not depend on the rest of its
+batch. ``cpu_native`` then runs every group in one fixed order and ``triton`` runs MBGMV with one
+program per token and fixed rank blocks for every batch; ``torch`` and ``padded_bmm`` hand the
+work to library matmuls whose kernel depends on the shapes, so they refuse it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from services.gpu_worker.kernels.torch_reference import lora_delta_torch
 
 BACKENDS = ("torch", "padded_bmm", "cpu_native", "triton")
 """Explicit backend names :func:`add_lora_delta` accepts besides ``auto``."""
+BATCH_INVARIANT_BACKENDS = ("cpu_native", "triton")
+"""Backends whose deltas can be batch-invariant."""
 
 
 def available_backends() -> tuple[str, ...]:
@@ -39,9 +46,16 @@ def available_backends() -> tuple[str, ...]:
     return tuple(found)
 
 
-def _resolve(backend: str, pool: torch.Tensor) -> str:
+def resolve_backend(backend: str, pool: torch.Tensor, batch_invariant: bool = False) -> str:
+    """The backend ``backend`` (``auto`` or one of :data:`BACKENDS`) names for ``pool``'s device;
+    ValueError when ``batch_invariant`` is asked of one that cannot be."""
     if backend == "auto":
-        return "triton" if pool.is_cuda else "cpu_native" if native_available() else "torch"
+        backend = "triton" if pool.is_cuda else "cpu_native" if native_available() else "torch"
+    if batch_invariant and backend not in BATCH_INVARIANT_BACKENDS:
+        raise ValueError(
+            f"LoRA backend {backend!r} is not batch-invariant; deterministic serving needs one of "
+            f"{BATCH_INVARIANT_BACKENDS} (on a CPU: a working C compiler for cpu_native)"
+        )
     return backend
 
 
@@ -68,15 +82,18 @@ class StepLora:
         outs: tuple[torch.Tensor, ...],
         pool: torch.Tensor,
         backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         """Add the delta of projection ``names[i]`` of ``layer`` into ``outs[i]``, for projections
         that all read ``x`` (q, k and v of one layer: the native kernel serves them in one call)."""
-        key = (layer, names, backend)
+        key = (layer, names, backend, batch_invariant)
         prepared = self._prepared.get(key)
         if prepared is None:
             per_module = self.layers[layer]
             segments = tuple(per_module.get(name) for name in names)
-            prepared = self._prepared[key] = _PreparedCall(segments, _resolve(backend, pool))
+            prepared = self._prepared[key] = _PreparedCall(
+                segments, resolve_backend(backend, pool, batch_invariant), batch_invariant
+            )
         prepared.run(x, outs, pool)
 
 
@@ -84,12 +101,13 @@ class _PreparedCall:
     """The segments of one model call (None where no adapter targets the projection) and how to
     run them: one native call, or one delta per projection with another backend."""
 
-    def __init__(self, segments: tuple[LoraSegments | None, ...], backend: str):
+    def __init__(self, segments: tuple[LoraSegments | None, ...], backend: str, batch_invariant: bool):
         self.segments = segments
         self.backend = backend
+        self.batch_invariant = batch_invariant
         self.native = None
         if backend == "cpu_native" and any(seg is not None for seg in segments):
-            self.native = NativeCall(segments)
+            self.native = NativeCall(segments, batch_invariant)
 
     def run(self, x: torch.Tensor, outs: tuple[torch.Tensor, ...], pool: torch.Tensor) -> None:
         if self.native is not None:
@@ -99,24 +117,33 @@ class _PreparedCall:
             return  # no projection of this call has an adapter
         for seg, out in zip(self.segments, outs):
             if seg is not None:
-                add_lora_delta(x, pool, seg, out, self.backend)
+                add_lora_delta(x, pool, seg, out, self.backend, self.batch_invariant)
 
 
 def add_lora_delta(
-    x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor, backend: str = "auto"
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    seg: LoraSegments,
+    out: torch.Tensor,
+    backend: str = "auto",
+    batch_invariant: bool = False,
 ) -> None:
     """``out[t] += scales[s] * (x[t] @ A_s^T) @ B_s^T`` for every token of every segment with an
-    adapter, in place, with ``backend`` (``auto`` or one of :data:`BACKENDS`)."""
-    backend = _resolve(backend, pool)
+    adapter, in place, with ``backend`` (``auto`` or one of :data:`BACKENDS`); with
+    ``batch_invariant``, each token's delta independent of the rest of the batch."""
+    backend = resolve_backend(backend, pool, batch_invariant)
     if backend == "torch":
         lora_delta_torch(x, pool, seg, out)
     elif backend == "cpu_native":
-        lora_delta_cpu_native(x, pool, seg, out)
+        lora_delta_cpu_native(x, pool, seg, out, batch_invariant)
     elif backend == "padded_bmm":
         lora_delta_padded_bmm(x, pool, seg, out)
     elif backend == "triton":
         from services.gpu_worker.kernels import triton_lora
 
-        (triton_lora.mbgmv if seg.is_decode else triton_lora.mbgmm)(x, pool, seg, out)
+        if batch_invariant or seg.is_decode:
+            triton_lora.mbgmv(x, pool, seg, out, batch_invariant)
+        else:
+            triton_lora.mbgmm(x, pool, seg, out)
     else:
         raise ValueError(f"unknown LoRA backend {backend!r}; expected 'auto' or one of {BACKENDS}")

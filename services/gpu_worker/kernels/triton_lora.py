@@ -9,6 +9,12 @@ cover ranks, tokens and features that do not fill a block.
 MBGMM (prefill, many tokens per segment) tiles with ``tl.dot``; MBGMV (decode, one token per
 segment) is memory bound and reduces with ``tl.sum`` in fp32.
 
+Batch-invariant serving (``batch_invariant=True``) runs every batch, prefill included, through
+MBGMV with one program per token and fixed rank blocks (:data:`INVARIANT_BLOCK_R`): a token's
+sums then follow only its own row and adapter. MBGMM's tiles follow the batch (its longest segment
+and largest rank), and a ``tl.dot`` row need not round alike at every place in its tile (the CPU
+interpreter's OpenBLAS does not), so it cannot give that guarantee.
+
 Importing this module defines the kernels: ``TRITON_INTERPRET=1`` must be set before the first
 import for them to run on CPU tensors, so nothing imports it at package import time.
 """
@@ -30,6 +36,8 @@ MBGMM_BLOCK_K = 64
 MBGMM_BLOCK_N = 64
 MBGMV_BLOCK_K = 128
 MBGMV_BLOCK_N = 128
+INVARIANT_BLOCK_R = 16
+"""Rank block of batch-invariant MBGMV, whatever the batch's largest rank."""
 
 
 @triton.jit
@@ -139,15 +147,22 @@ def _mbgmv_shrink(
     seg_starts_ptr,
     rank_starts_ptr,
     a_offsets_ptr,
+    token_segs_ptr,
     in_features,
     stride_x,
     stride_h,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
-    """Program (segment, rank block): ``h[tok, r] = x[tok] . A[r]`` for the segment's one token."""
-    s = tl.program_id(0)
-    token = tl.load(seg_starts_ptr + s)
+    """Program (segment, rank block): ``h[tok, r] = x[tok] . A[r]`` for the segment's one token;
+    with ``PER_TOKEN``, program (token, rank block) over segments of any length."""
+    if PER_TOKEN:
+        token = tl.program_id(0)
+        s = tl.load(token_segs_ptr + token)
+    else:
+        s = tl.program_id(0)
+        token = tl.load(seg_starts_ptr + s)
     rank_start = tl.load(rank_starts_ptr + s)
     rank = tl.load(rank_starts_ptr + s + 1) - rank_start
     r0 = tl.program_id(1) * BLOCK_R
@@ -175,15 +190,22 @@ def _mbgmv_expand(
     rank_starts_ptr,
     b_offsets_ptr,
     scales_ptr,
+    token_segs_ptr,
     out_features,
     stride_h,
     stride_out,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
-    """Program (segment, output block): ``out[tok, n] += scale * h[tok, :r] . B^T[:r, n]``."""
-    s = tl.program_id(0)
-    token = tl.load(seg_starts_ptr + s)
+    """Program (segment, output block): ``out[tok, n] += scale * h[tok, :r] . B^T[:r, n]``; with
+    ``PER_TOKEN``, program (token, output block)."""
+    if PER_TOKEN:
+        token = tl.program_id(0)
+        s = tl.load(token_segs_ptr + token)
+    else:
+        s = tl.program_id(0)
+        token = tl.load(seg_starts_ptr + s)
     rank_start = tl.load(rank_starts_ptr + s)
     rank = tl.load(rank_starts_ptr + s + 1) - rank_start
     if (token == tl.load(seg_starts_ptr + s + 1)) | (rank == 0):
@@ -250,30 +272,38 @@ def mbgmm(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Ten
     )
 
 
-def mbgmv(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> None:
+def mbgmv(
+    x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor, batch_invariant: bool = False
+) -> None:
     """Decode LoRA delta (every segment one token), added into ``out`` in place; same contract as
-    :func:`~services.gpu_worker.kernels.torch_reference.lora_delta_torch`."""
+    :func:`~services.gpu_worker.kernels.torch_reference.lora_delta_torch`. ``batch_invariant``:
+    segments of any length, one program per token, fixed rank blocks: a token's delta does not
+    depend on the rest of the batch."""
     x = _check(x, pool, seg, out)
-    if seg.max_seg_len > 1:
+    if seg.max_seg_len > 1 and not batch_invariant:
         raise ValueError(f"mbgmv: segments must have one token each, the longest has {seg.max_seg_len}")
     if seg.max_rank == 0 or seg.max_seg_len == 0:
         return
     h = torch.empty((x.shape[0], seg.max_rank), dtype=torch.float32, device=x.device)
-    block_r = _block(seg.max_rank)
-    _mbgmv_shrink[(seg.num_segments, triton.cdiv(seg.max_rank, block_r))](
+    block_r = INVARIANT_BLOCK_R if batch_invariant else _block(seg.max_rank)
+    programs = seg.num_tokens if batch_invariant else seg.num_segments
+    token_segs = _token_segments(seg) if batch_invariant else seg.seg_starts
+    _mbgmv_shrink[(programs, triton.cdiv(seg.max_rank, block_r))](
         x,
         pool,
         h,
         seg.seg_starts,
         seg.rank_starts,
         seg.a_offsets,
+        token_segs,
         seg.in_features,
         x.stride(0),
         h.stride(0),
         BLOCK_R=block_r,
         BLOCK_K=MBGMV_BLOCK_K,
+        PER_TOKEN=batch_invariant,
     )
-    _mbgmv_expand[(seg.num_segments, triton.cdiv(seg.out_features, MBGMV_BLOCK_N))](
+    _mbgmv_expand[(programs, triton.cdiv(seg.out_features, MBGMV_BLOCK_N))](
         h,
         pool,
         out,
@@ -281,12 +311,24 @@ def mbgmv(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Ten
         seg.rank_starts,
         seg.b_offsets,
         seg.scales,
+        token_segs,
         seg.out_features,
         h.stride(0),
         out.stride(0),
         BLOCK_R=block_r,
         BLOCK_N=MBGMV_BLOCK_N,
+        PER_TOKEN=batch_invariant,
     )
+
+
+def _token_segments(seg: LoraSegments) -> torch.Tensor:
+    """int32 [T]: the segment of each token row (computed once per batch)."""
+    cached = seg.derived.get("token_segments")
+    if cached is None:
+        starts = seg.seg_starts.long()
+        segments = torch.arange(seg.num_segments, dtype=torch.int32, device=starts.device)
+        cached = seg.derived["token_segments"] = torch.repeat_interleave(segments, starts[1:] - starts[:-1])
+    return cached
 
 
 def _block(n: int) -> int:

@@ -24,6 +24,7 @@ from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.prefill_plan import PrefillPlan
 from services.gpu_worker.memory.remote_block_allocator import CreditorTransport, RemoteBlockAllocator
 from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model.chunked_attention import combine_in_block_order
 from services.gpu_worker.model.dist_attention import empty_partial, scale_reduce
 from services.runtime.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
@@ -57,8 +58,13 @@ class TableQueries:
 class RManager:
     """The KV blocks of worker ``worker_id``: local, lent and borrowed."""
 
-    def __init__(self, worker_id: str, pool: UnifiedPool, lending: LendingConfig):
+    def __init__(
+        self, worker_id: str, pool: UnifiedPool, lending: LendingConfig, batch_invariant: bool = False
+    ):
+        """``batch_invariant`` (deterministic serving): attend block by block and combine in block
+        order, so a request with borrowed blocks gets the bits the local path would give it."""
         self.worker_id = worker_id
+        self.batch_invariant = batch_invariant
         self.local = LocalBlockAllocator(pool)
         self.lender = BlockLender(self.local, lending)
         self._creditors: dict[str, RemoteBlockAllocator] = {}
@@ -114,7 +120,10 @@ class RManager:
     def attend(self, layer: int, requests: Sequence[TableQueries]) -> list[torch.Tensor]:
         """Per request, float32 [n, num_heads, head_dim]: exact causal attention of its queries
         over its whole context, as micro-attentions where its blocks are, scale-reduced here.
-        Each holder gets one call for all requests; blocks in every query's future are skipped."""
+        Each holder gets one call for all requests; blocks in every query's future are skipped.
+
+        Batch-invariant: one segment per block (the queries travel once per block), and the
+        block partials combined in block order (``chunked_attention``)."""
         segments: dict[str | None, list[tuple[int, AttendSegment]]] = {}
         for index, request in enumerate(requests):
             horizon = int(request.positions.max()) if request.positions.numel() else -1
@@ -124,6 +133,10 @@ class RManager:
                 if first > horizon:
                     break
                 block = self._block_at(request.table, first)
+                if self.batch_invariant:
+                    segment = AttendSegment(request.queries, request.positions, [block], [first])
+                    segments.setdefault(self._holder(block), []).append((index, segment))
+                    continue
                 held, firsts = per_holder.setdefault(self._holder(block), ([], []))
                 held.append(block)
                 firsts.append(first)
@@ -133,14 +146,18 @@ class RManager:
         partials: list[list] = [[] for _ in requests]
         for holder, indexed in segments.items():
             results = self._allocator(holder).attend(layer, [segment for _, segment in indexed])
-            for (index, _), partial in zip(indexed, results):
-                partials[index].append(partial)
+            for (index, segment), partial in zip(indexed, results):
+                partials[index].append((segment.block_first_positions[0], partial))
         outputs = []
         for request, parts in zip(requests, partials):
             n, heads, head_dim = request.queries.shape
-            outputs.append(
-                scale_reduce(parts or [empty_partial(n, heads, head_dim, request.queries.device)]).output
-            )
+            if not parts:
+                outputs.append(empty_partial(n, heads, head_dim, request.queries.device).output)
+            elif self.batch_invariant:  # one partial per block: in block order
+                in_order = [partial for _, partial in sorted(parts, key=lambda part: part[0])]
+                outputs.append(combine_in_block_order(in_order).output)
+            else:
+                outputs.append(scale_reduce([p for _, p in parts]).output)
         return outputs
 
     def release(self, table: BlockTable) -> list[str]:

@@ -7,6 +7,13 @@ pool. Keys and values are written to, and read from, the pool's KV pages.
 
 Weights, KV cache and adapter pages are stored in ``dtype``; activations and matmuls use
 ``compute_dtype`` (see ``compute_dtype``: fp32 for bf16 weights on CPUs without bf16 GEMMs).
+
+A batch marked ``batch_invariant`` (deterministic serving) runs the base matmuls, norms,
+activation, attention and LoRA deltas through kernels that compute each row alone
+(``invariant_matmul``, ``invariant_rowwise``, ``chunked_attention``, the LoRA kernels' fixed
+order): a request's logits are then the same bits whatever else is in its batch, and whether its
+KV came from prefill or decode. Rotary embeddings, residual adds and dtype casts are elementwise
+IEEE operations, the same for every position already. CPU only.
 """
 
 from __future__ import annotations
@@ -14,9 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.gpu_worker.kernels.cpu_invariant import invariant_available, invariant_error
 from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model import invariant_rowwise
 from services.gpu_worker.model.base_matmul import BaseMatmul
+from services.gpu_worker.model.chunked_attention import attend_locally, local_queries
 from services.gpu_worker.model.compute_dtype import resolve_compute_dtype
+from services.gpu_worker.model.invariant_matmul import InvariantMatmul
 from services.gpu_worker.model.rope import RotaryTable
 from services.gpu_worker.model.step_batch import StepBatch
 from services.model_files.model_config import ModelConfig
@@ -96,8 +107,24 @@ class LlamaModel:
         self.matmul = BaseMatmul(
             self.compute_dtype, widest if self.compute_dtype != dtype else 0, self.device
         )
+        self.invariant_matmul = InvariantMatmul(self.compute_dtype)
+        """The matmuls of batch-invariant steps."""
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def check_batch_invariant(self) -> None:
+        """Raise ValueError/RuntimeError when this model cannot run batch-invariant steps."""
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"deterministic serving runs on CPU workers; this model is on {self.device} "
+                "(serve it with deterministic off)"
+            )
+        if not invariant_available():
+            raise RuntimeError(f"deterministic serving needs the native CPU kernels: {invariant_error()}")
+        if self.config.head_dim % 8:
+            raise ValueError(f"deterministic serving needs head_dim % 8 == 0, not {self.config.head_dim}")
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
+        if invariant:
+            return invariant_rowwise.rms_norm(x, weight, self.config.rms_norm_eps, self.compute_dtype)
         variance = x.float().pow(2).mean(-1, keepdim=True)
         normed = (x.float() * torch.rsqrt(variance + self.config.rms_norm_eps)).to(self.compute_dtype)
         return normed * weight.to(self.compute_dtype)
@@ -106,16 +133,20 @@ class LlamaModel:
     def _lora(batch: StepBatch, layer: int, names: tuple[str, ...], x: torch.Tensor, pool, *outs) -> None:
         """Add the LoRA delta of projection ``names[i]``, which reads ``x``, into ``outs[i]``."""
         if batch.lora is not None:
-            batch.lora.add_deltas(layer, names, x, outs, pool.buffer, batch.lora_backend)
+            batch.lora.add_deltas(
+                layer, names, x, outs, pool.buffer, batch.lora_backend, batch.batch_invariant
+            )
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, pool: UnifiedPool) -> torch.Tensor:
         """Logits ``[R, vocab]`` (float32) of each request's last token; fills the KV cache."""
         cfg = self.config
+        invariant = batch.batch_invariant
         x = self.embed[batch.token_ids].to(self.compute_dtype)
-        linear = self.matmul.linear
+        linear = self.invariant_matmul.linear if invariant else self.matmul.linear
+        queries = local_queries(batch) if invariant else None
         for index, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
+            h = self._rms_norm(x, layer.input_norm, invariant)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -127,22 +158,25 @@ class LlamaModel:
                 local_k, local_v = local_k[batch.local_token_rows], v[batch.local_token_rows]
             pool.kv_rows.index_copy_(0, batch.write_key_rows[index], local_k.to(self.dtype))
             pool.kv_rows.index_copy_(0, batch.write_value_rows[index], local_v.to(self.dtype))
-            attn = self._attention(q, batch, index, pool)
+            if invariant:
+                attn = attend_locally(q, queries, batch.positions, index, pool, cfg.num_kv_heads)
+            else:
+                attn = self._attention(q, batch, index, pool)
             if batch.remote is not None:
                 batch.remote.attend(index, q, k, v, attn)
             o = linear(attn, layer.o)
             self._lora(batch, index, _O, attn, pool, o)
             x = x + o
-            h = self._rms_norm(x, layer.post_norm)
+            h = self._rms_norm(x, layer.post_norm, invariant)
             gate_up = linear(h, layer.gate_up)
             gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
             gate, up = gate.contiguous(), up.contiguous()
             self._lora(batch, index, _GATE_UP, h, pool, gate, up)
-            act = F.silu(gate) * up
+            act = invariant_rowwise.swiglu(gate, up) if invariant else F.silu(gate) * up
             down = linear(act, layer.down)
             self._lora(batch, index, _DOWN, act, pool, down)
             x = x + down
-        last = self._rms_norm(x[batch.logits_rows], self.norm)
+        last = self._rms_norm(x[batch.logits_rows], self.norm, invariant)
         return linear(last, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, batch: StepBatch, layer: int, pool: UnifiedPool) -> torch.Tensor:

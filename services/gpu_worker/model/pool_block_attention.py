@@ -3,6 +3,10 @@
 This is what a creditor runs on a query a debtor sent it (over the blocks it holds for that
 debtor), and what a worker runs over its own local blocks: the same function, because a lent
 block is an ordinary KV page of the creditor's pool. It reads only the pages it is given.
+
+On a CPU with the batch-invariant kernels it computes block by block (``chunked_attention``),
+whatever the debtor's mode: a deterministic debtor asks for one block per segment and combines the
+partials itself, and gets the bits its own local pass would have computed.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from services.gpu_worker.kernels.cpu_invariant import invariant_available
 from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model.chunked_attention import attend_blocks
 from services.gpu_worker.model.dist_attention import PartialAttention, micro_attention
 
 
@@ -33,6 +39,8 @@ def attend_pool_blocks(
         raise ValueError(f"{len(pages)} pages but {len(block_first_positions)} block positions")
     block = pool.layout.kv_block_tokens
     head_dim = queries.shape[-1]
+    if pool.device.type == "cpu" and head_dim % 8 == 0 and invariant_available():
+        return attend_blocks(pool, pages, block_first_positions, queries, query_positions)
     num_kv_heads = pool.layout.kv_dim // head_dim
     device = pool.device
     page_ids = torch.as_tensor(list(pages), dtype=torch.int64, device=device)

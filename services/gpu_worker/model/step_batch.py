@@ -82,6 +82,9 @@ class StepBatch:
     """Per layer, per projection name, the LoRA segments; None when no request uses an adapter."""
     lora_backend: str = "auto"
     """Kernel backend for the LoRA deltas (see ``kernels.dispatch``)."""
+    batch_invariant: bool = False
+    """Deterministic serving: compute every request's logits independently of the rest of the
+    batch and of whether its KV came from prefill or decode (``LlamaModel``)."""
     local_token_rows: torch.Tensor | None = None
     """int64 [T_local]: the rows whose KV goes to the pool (``write_*_rows`` are then [L, T_local]);
     None: every row's."""

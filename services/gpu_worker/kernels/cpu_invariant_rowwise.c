@@ -1,0 +1,163 @@
+/* The model's row-wise ops, batch-invariant: RMSNorm and the SwiGLU activation silu(gate) * up.
+ *
+ * torch computes these with vector loops whose scalar tails round differently (F.silu on an
+ * element in a thread's tail calls std::exp, in the vector body Sleef's exp), and where the tails
+ * fall depends on the tensor's length and the thread count, i.e. on the batch. Here every element
+ * goes through the same vector code: a row's sum of squares in the fixed order of
+ * cpu_invariant.h, exp as `exp8`. The roundings follow the torch path (HF's): the normalised row is
+ * rounded to the compute dtype before the weight multiplies it; silu(gate) before up does.
+ */
+
+#include "cpu_invariant.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Rows per work item: one row is too little work to hand to a thread. */
+#define ROWS_PER_ITEM 4
+/* Below this many elements one thread is done before a second one starts. */
+#define PARALLEL_MIN_ELEMS 65536
+
+/* Every lane rounded to `dtype` (to nearest even) and widened back; fp32: unchanged. */
+static inline __attribute__((always_inline)) v8f round8(v8f v, int dtype) {
+    if (dtype == DT_F32) return v;
+    if (dtype == DT_BF16) {
+        v8u32 u;
+        memcpy(&u, &v, sizeof u);
+        v8i nan = (v8i)((u & 0x7fffffffu) > 0x7f800000u);
+        v8u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        v8u32 quiet = (u & 0xffff0000u) | 0x00400000u;
+        rounded = (v8u32)(((v8i)quiet & nan) | ((v8i)rounded & ~nan));
+        memcpy(&v, &rounded, sizeof v);
+        return v;
+    }
+#ifdef __F16C__
+    return (v8f)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (int l = 0; l < 8; l++) v[l] = f16_to_f32(f32_to_f16(v[l]));
+    return v;
+#endif
+}
+
+/* n elements of a row of `dtype` from element k (n < 8): the rest of the lanes 0. */
+static inline __attribute__((always_inline)) v8f load_tail(const void *row, int64_t k, int n, int dtype) {
+    v8f v = splat8(0.0f);
+    for (int l = 0; l < n; l++) v[l] = load1(row, k + l, dtype);
+    return v;
+}
+
+/* Store the first n lanes (all 8 when n is 8) of fp32 `v` as elements k.. of a row of `dtype`. */
+static inline __attribute__((always_inline)) void store8(void *row, int64_t k, int n, int dtype, v8f v) {
+    if (dtype == DT_F32 && n == 8) {
+        *(v8f_u *)((float *)row + k) = v;
+        return;
+    }
+    v = round8(v, dtype);
+    for (int l = 0; l < n; l++) store1(row, k + l, dtype, v[l]);
+}
+
+typedef struct {
+    const void *x;       /* rows of `width` elements of x_dtype, x_stride apart */
+    int64_t x_dtype;
+    int64_t x_stride;
+    const void *weight;  /* [width] of weight_dtype */
+    int64_t weight_dtype;
+    void *y;             /* rows of `width` elements of y_dtype (the compute dtype), y_stride apart */
+    int64_t y_dtype;
+    int64_t y_stride;
+    int64_t rows;
+    int64_t width;
+    double eps;
+    int64_t num_threads;
+} rms_norm_call;
+
+/* One row: y = round(x / sqrt(mean(x^2) + eps)) * round(weight), rounded to ydt. Inlined with
+ * constant dtypes (one instance per combination the model uses). */
+static inline __attribute__((always_inline)) void rms_norm_row(const void *x, int xdt, const void *weight, int wdt,
+                                                               void *y, int ydt, int64_t n, float eps) {
+    const int64_t n8 = n - n % 8;
+    v8f acc = splat8(0.0f);
+    for (int64_t k = 0; k < n8; k += 8) {
+        v8f v = load8(x, k, xdt);
+        acc = FMA8(v, v, acc);
+    }
+    float sum = hsum(acc);
+    for (int64_t k = n8; k < n; k++) sum += load1(x, k, xdt) * load1(x, k, xdt);
+    const v8f inv = splat8(1.0f / __builtin_sqrtf(sum / (float)n + eps));
+    for (int64_t k = 0; k < n; k += 8) {
+        const int lanes = n - k < 8 ? (int)(n - k) : 8;
+        v8f xv = lanes == 8 ? load8(x, k, xdt) : load_tail(x, k, lanes, xdt);
+        v8f wv = lanes == 8 ? load8(weight, k, wdt) : load_tail(weight, k, lanes, wdt);
+        store8(y, k, lanes, ydt, round8(xv * inv, ydt) * round8(wv, ydt));
+    }
+}
+
+/* y = round(x / sqrt(mean(x^2) + eps)) * round(weight), rounded to y_dtype. */
+int invariant_rms_norm(const rms_norm_call *c) {
+    const int64_t n = c->width, items = (c->rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    const int xdt = (int)c->x_dtype, wdt = (int)c->weight_dtype, ydt = (int)c->y_dtype;
+    const float eps = (float)c->eps;
+    int threads = c->rows * n < PARALLEL_MIN_ELEMS || c->num_threads < 1 ? 1 : (int)c->num_threads;
+
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t item = 0; item < items; item++) {
+        for (int64_t r = item * ROWS_PER_ITEM; r < c->rows && r < (item + 1) * ROWS_PER_ITEM; r++) {
+            const char *x = (const char *)c->x + (size_t)r * c->x_stride * dtype_size(xdt);
+            char *y = (char *)c->y + (size_t)r * c->y_stride * dtype_size(ydt);
+            /* The model's combinations get their own instance; others the generic one. */
+            if (xdt == DT_F32 && wdt == DT_F32 && ydt == DT_F32)
+                rms_norm_row(x, DT_F32, c->weight, DT_F32, y, DT_F32, n, eps);
+            else if (xdt == DT_F32 && wdt == DT_BF16 && ydt == DT_F32)
+                rms_norm_row(x, DT_F32, c->weight, DT_BF16, y, DT_F32, n, eps);
+            else if (xdt == DT_BF16 && wdt == DT_BF16 && ydt == DT_BF16)
+                rms_norm_row(x, DT_BF16, c->weight, DT_BF16, y, DT_BF16, n, eps);
+            else
+                rms_norm_row(x, xdt, c->weight, wdt, y, ydt, n, eps);
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    const void *gate;    /* rows of `width` elements of dtype, stride apart */
+    const void *up;      /* the same layout */
+    int64_t stride;
+    void *y;             /* rows of `width` elements of dtype, y_stride apart */
+    int64_t y_stride;
+    int64_t dtype;
+    int64_t rows;
+    int64_t width;
+    int64_t num_threads;
+} silu_mul_call;
+
+/* One row: y = round(round(gate / (1 + exp(-gate))) * up), silu and product in fp32. */
+static inline __attribute__((always_inline)) void silu_mul_row(const void *g, const void *u, void *y, int dt, int64_t n) {
+    for (int64_t k = 0; k < n; k += 8) {
+        const int lanes = n - k < 8 ? (int)(n - k) : 8;
+        v8f gv = lanes == 8 ? load8(g, k, dt) : load_tail(g, k, lanes, dt);
+        v8f uv = lanes == 8 ? load8(u, k, dt) : load_tail(u, k, lanes, dt);
+        store8(y, k, lanes, dt, round8(gv / (splat8(1.0f) + exp8(-gv)), dt) * uv);
+    }
+}
+
+/* y = round(round(silu(gate)) * up) for every row. */
+int invariant_silu_mul(const silu_mul_call *c) {
+    const int dt = (int)c->dtype;
+    const int64_t n = c->width, items = (c->rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    const size_t es = dtype_size(dt);
+    int threads = c->rows * n < PARALLEL_MIN_ELEMS || c->num_threads < 1 ? 1 : (int)c->num_threads;
+
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t item = 0; item < items; item++) {
+        for (int64_t r = item * ROWS_PER_ITEM; r < c->rows && r < (item + 1) * ROWS_PER_ITEM; r++) {
+            const char *g = (const char *)c->gate + (size_t)r * c->stride * es;
+            const char *u = (const char *)c->up + (size_t)r * c->stride * es;
+            char *y = (char *)c->y + (size_t)r * c->y_stride * es;
+            if (dt == DT_F32) silu_mul_row(g, u, y, DT_F32, n);
+            else if (dt == DT_BF16) silu_mul_row(g, u, y, DT_BF16, n);
+            else silu_mul_row(g, u, y, DT_F16, n);
+        }
+    }
+    return 0;
+}
