@@ -13,8 +13,9 @@ a killed gateway's by the SDK on the other gateway (a continuation: the tokens a
 delivered); seeded sampling draws the same there because each draw is keyed by the seed and the
 token's position.
 
-The workers' dtype is a parameter of the mesh (``DTYPES``): float32 now; bfloat16 joins it once
-its numerics are batch-invariant.
+The mesh runs once in float32 and once in bfloat16 with ``--deterministic`` (batch-invariant
+numerics: a continuation re-prefilled on another worker gives the bits the undisturbed decode
+would have), the dtype where numerics otherwise depend on the batch.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.model]
 STREAMS = 16
 MAX_TOKENS = 12
 ADAPTERS = ("calm", "bold")
-DTYPES = ["float32"]
-"""The workers' dtypes the suite runs in (one mesh each)."""
+MESHES = [("float32", False), ("bfloat16", True)]
+"""(workers' dtype, --deterministic) of each mesh the suite runs in."""
 
 
 def sampling_of(i: int) -> dict:
@@ -67,9 +68,11 @@ JOBS = [
 RETRIES = 30
 
 
-@pytest.fixture(scope="module", params=DTYPES)
+@pytest.fixture(scope="module", params=MESHES, ids=lambda mesh: mesh[0])
 def supervised_mesh(request, tmp_path_factory, base_spec):
-    with supervised_mesh_up(tmp_path_factory.mktemp("failover") / "state", dtype=request.param) as state:
+    dtype, deterministic = request.param
+    state_dir = tmp_path_factory.mktemp("failover") / "state"
+    with supervised_mesh_up(state_dir, dtype=dtype, deterministic=deterministic) as state:
         adapters = tmp_path_factory.mktemp("failover-adapters")
         for i, name in enumerate(ADAPTERS):
             directory = write_peft_adapter(

@@ -33,13 +33,17 @@ def loramesh(
 
 
 @contextlib.contextmanager
-def supervised_mesh_up(state_dir: Path, dtype: str = "float32") -> Iterator[Path]:
+def supervised_mesh_up(
+    state_dir: Path, dtype: str = "float32", deterministic: bool = False
+) -> Iterator[Path]:
     """``loramesh up --detach`` of the whole mesh with every service replicated (two workers,
     gateways, schedulers and kv_managers, mutual TLS, fast restarts), the workers computing in
-    ``dtype``, taken down on exit: what the failover and chaos suites kill processes in."""
+    ``dtype`` (batch-invariant with ``deterministic``), taken down on exit: what the failover and
+    chaos suites kill processes in."""
     loramesh(
         state_dir, "up", "--detach", "--workers", "2", "--dtype", dtype, "--pool-mib", "64",
         "--gateways", "2", "--schedulers", "2", "--kv-managers", "2", "--restart-backoff-s", "0.2", "--tls",
+        *(["--deterministic"] if deterministic else []),
     )  # fmt: skip
     try:
         yield state_dir
