@@ -32,8 +32,8 @@ each round steps every adapter engine once per backend (the order alternating be
 each step right after a step of its twin at the same context length. The extra time is the
 median over rounds of (adapter step - twin step): the host drifts between a fast and a slow
 regime on a scale of tens of seconds, which medians of separately taken steps would mix. The
-backend is switched between steps through the engine's step
-builder (``engine.builder.lora_backend``, set from ``EngineConfig.lora_backend``). Finally decode
+backend is switched between steps through the engine's plans (``engine.lora_backend``, set
+from ``EngineConfig.lora_backend``). Finally decode
 steps without adapters and with the largest k are profiled (torch.profiler).
 
 The machine may be shared: every timed step records the share of the CPUs other processes used
@@ -267,7 +267,7 @@ class EngineRun:
 
     def step(self, backend: str, record: bool = True) -> float:
         """One decode step of the whole batch with ``backend``; returns its wall time."""
-        self.engine.builder.lora_backend = backend
+        self.engine.lora_backend = backend
         batch = len(self.engine.running)
         self.monitor.tick()
         t = time.perf_counter()
@@ -555,7 +555,7 @@ def profile_step(run: EngineRun, backend: str) -> dict:
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     base_dims = {cfg.hidden_size, cfg.intermediate_size, 2 * cfg.intermediate_size, cfg.vocab_size}
     base_dims |= {q_dim, q_dim + 2 * kv_dim}
-    run.engine.builder.lora_backend = backend
+    run.engine.lora_backend = backend
     monitor = CpuMonitor()
     native = NativeCall.run
 

@@ -21,6 +21,7 @@ from loramesh_cli.table import render_table
 from loramesh_cli.tls_options import cli_tls
 from services.gateway.auth import ApiKeys, hashed_keys
 from services.gpu_worker.engine.policies import BATCH_POLICIES
+from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
 from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.errors import InvalidArgument
 from services.runtime.etcd_server import EtcdServer
@@ -58,6 +59,9 @@ def add_parsers(sub) -> None:
     up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
     up.add_argument("--batch-policy", default="", choices=["", *sorted(BATCH_POLICIES)],
                     help="each worker's batch policy (docs/batch-policies.md; default: the worker's)")  # fmt: skip
+    up.add_argument("--preemption-policy", default="", choices=["", *sorted(PREEMPTION_POLICIES)],
+                    help="which running request each worker preempts when its pool runs dry "
+                         "(default: the worker's, newest)")  # fmt: skip
     up.add_argument("--deterministic", action="store_true",
                     help="batch-invariant numerics on every worker: a request's output does not depend "
                          "on its batch (CPU workers; docs/operations.md)")  # fmt: skip
@@ -174,8 +178,10 @@ def _restart_policy(args) -> RestartPolicy:
 
 
 def _batch_policy_flags(args) -> list[str]:
-    """``--batch-policy NAME`` when `up` was given one; none leaves the workers' default."""
-    return ["--batch-policy", args.batch_policy] if args.batch_policy else []
+    """``--batch-policy NAME`` and ``--preemption-policy NAME`` when `up` was given them; none
+    leaves the workers' defaults."""
+    flags = ["--batch-policy", args.batch_policy] if args.batch_policy else []
+    return flags + (["--preemption-policy", args.preemption_policy] if args.preemption_policy else [])
 
 
 def _deterministic_flags(args) -> list[str]:

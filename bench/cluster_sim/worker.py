@@ -7,9 +7,10 @@ level that shapes latency under load:
   parse) before it joins the engine's queue, as the worker submits it only once its loader holds
   the adapter; host copies are kept LRU within ``host_cache_tokens`` (unbounded when 0), and one
   no request references may be dropped, so a later request fetches it again.
-- The queue is FIFO and admission stops at the first request that cannot start (a later one
-  never overtakes it), after ``max_running`` requests, or when the step's prefill budget
-  (``max_prefill_tokens``) is spent. Starting pages the adapter into the unified pool (evicting
+- The queue is FIFO and admission follows the engine's own rules, imported
+  (``services/gpu_worker/engine/admission.py``): it stops at the first request that cannot start
+  (a later one never overtakes it), after ``max_running`` requests, or when the step's prefill
+  budget (``max_prefill_tokens``) is spent. Starting pages the adapter into the unified pool (evicting
   idle adapters LRU) and reserves the request's context (prompt + tokens so far), not its whole
   output.
 - Every step each running request's KV grows by a token; when the pool runs dry, idle adapters
@@ -25,6 +26,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from bench.cluster_sim.cost_model import StepCostModel, StepShape, shape_of
+from services.gpu_worker.engine.admission import Start, admit
 
 
 @dataclass(frozen=True)
@@ -271,23 +273,27 @@ class SimWorker:
             self.queue.insert(0, victim)
 
     def _admit(self) -> list[SimRequest]:
-        """Start queued requests in order until one does not fit (engine ``_admit``)."""
-        admitted: list[SimRequest] = []
-        budget = self.spec.max_prefill_tokens
-        while self.queue and len(self.running) < self.spec.max_running:
-            request = self.queue[0]
-            if request.context_tokens > budget and budget < self.spec.max_prefill_tokens:
-                break
-            tokens = self.host.get(request.adapter) or self.adapter_tokens(request.rank)
-            if request.adapter and not self._page_in(request.adapter, tokens):
-                break
-            if not self._make_room(request.context_tokens):
-                break
-            self.queue.pop(0)
-            self.running.append(request)
-            admitted.append(request)
-            budget -= request.context_tokens
-        return admitted
+        """Start queued requests in order until one does not fit: the engine's rules
+        (``services/gpu_worker/engine/admission.py``)."""
+        return admit(
+            list(self.queue),
+            running=lambda: len(self.running),
+            max_running=self.spec.max_running,
+            max_prefill_tokens=self.spec.max_prefill_tokens,
+            context_tokens=lambda r: r.context_tokens,
+            start=self._start,
+        )
+
+    def _start(self, request: SimRequest) -> Start:
+        """Page its adapter in and make room for its context (the engine's start)."""
+        tokens = self.host.get(request.adapter) or self.adapter_tokens(request.rank)
+        if request.adapter and not self._page_in(request.adapter, tokens):
+            return Start.BLOCKED
+        if not self._make_room(request.context_tokens):
+            return Start.BLOCKED
+        self.queue.remove(request)
+        self.running.append(request)
+        return Start.STARTED
 
     def start_step(self, now: float) -> Step | None:
         """Admit what fits and start the next step; None when there is nothing to run."""

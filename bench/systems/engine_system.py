@@ -46,6 +46,8 @@ class EngineSystemOptions:
     ablation (f), S-LoRA's "no unified memory"."""
     dtype: str = "auto"
     """Model dtype, as the worker's ``--dtype``."""
+    preemption_policy: str = "newest"
+    """Which running request the engine preempts when the pool runs dry (``--preemption-policy``)."""
     batch_policy: Callable[[], BatchPolicy] | None = None
     """Builds a fresh, configured batch policy for each run (policies keep state); None: the
     engine's default (FCFS)."""
@@ -75,6 +77,7 @@ class EngineSystem:
                 max_running=context.max_batch,
                 lora_backend=self.options.lora_backend,
                 adapter_region_share=self.options.adapter_region_share,
+                preemption_policy=self.options.preemption_policy,
             ),
             eos_token_ids=loaded.config.eos_token_ids,
             batch_policy=self.options.batch_policy() if self.options.batch_policy else None,
@@ -88,7 +91,7 @@ class EngineSystem:
         finally:
             engine.stop()
         self.adapter_fetches = loader.fetches
-        self.engine_stats = engine.stats()
+        self.engine_stats = engine.stats().as_dict()
         return records
 
 
@@ -177,5 +180,5 @@ class _Replay:
         if self.context.on_sample is None:
             return
         while True:
-            self.context.on_sample(time.monotonic() - self.start, self.engine.stats())
+            self.context.on_sample(time.monotonic() - self.start, self.engine.stats().as_dict())
             await asyncio.sleep(SAMPLE_PERIOD_S)

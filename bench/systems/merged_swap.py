@@ -153,7 +153,7 @@ class _Replay:
         next_sample = 0.0
         while (now := self.clock.now() - self.start) < context.window_s:
             if context.on_sample is not None and now >= next_sample:
-                context.on_sample(now, engine.stats())
+                context.on_sample(now, engine.stats().as_dict())
                 next_sample = now + SAMPLE_PERIOD_S
             while self.arrived < len(trace) and trace[self.arrived].time_s <= now:
                 self.waiting.append(self.arrived)

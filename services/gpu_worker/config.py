@@ -49,6 +49,9 @@ class WorkerConfig(ServiceConfig):
     batch_policy: str = "fcfs"
     """Which requests run each step and in which LoRA mode: fcfs, lcfs, early_abort,
     adapter_clustering, dlora or pets (docs/batch-policies.md)."""
+    preemption_policy: str = "newest"
+    """Which running request gives its KV back when the pool runs dry: newest (the last started)
+    or fewest_computed (the shortest context, cheapest to recompute)."""
     deterministic: bool = False
     """Batch-invariant numerics: a request's logits (hence its greedy output) do not depend on the
     rest of its batch, nor on prefill vs decode, so a failover resumes identically (CPU workers;

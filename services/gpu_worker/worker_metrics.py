@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine
+from services.gpu_worker.engine.engine_stats import EngineStats
 
 LOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 STEP_WAIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -64,7 +65,7 @@ class WorkerMetrics:
 
     def attach(self, engine: Engine, loader: AdapterLoader | None) -> None:
         """Observe ``engine``'s page-ins and remote-attention waits and ``loader``'s pulls."""
-        engine.on_adapter_paged_in = self.adapter_load_seconds.labels(GPU).observe
+        engine.adapters.on_paged_in = self.adapter_load_seconds.labels(GPU).observe
         engine.distkv.on_step_wait = self.remote_attention_step_seconds.observe
         if loader is not None:
             loader.on_loaded = self.adapter_load_seconds.labels(CPU).observe
@@ -76,25 +77,25 @@ class WorkerMetrics:
         if parts is None:
             return
         stats = parts.engine.stats()
-        running = stats["running_adapters"]
-        waiting = stats["waiting_adapters"] + parts.engine.handed_over_adapters()
+        running = list(stats.running_adapters)
+        waiting = [*stats.waiting_adapters, *parts.engine.handed_over_adapters()]
         if parts.loader is not None:
             waiting += [a for a, count in parts.loader.fetch_waiters().items() for _ in range(count)]
         # Labels name adapters as users do (the store's owner/name), not by their ids.
         named = parts.loader.public_name if parts.loader is not None else str
         running = [None if a is None else named(a) for a in running]
         waiting = [None if a is None else named(a) for a in waiting]
-        resident = set(stats["resident_adapters"])
+        resident = set(stats.resident_adapters)
         host = {named(a): a in resident for a in parts.engine.host_adapter_ids()}
-        tokens = {named(a): count for a, count in stats["tokens_by_adapter"].items()}
+        tokens = {named(a): count for a, count in stats.tokens_by_adapter.items()}
         yield from _router_series(parts, stats, running, waiting, host)
         yield from _adapter_series(running, waiting, tokens)
-        yield from _lending_series(parts.engine.lending.lent_to(), stats["borrowed_blocks"])
+        yield from _lending_series(parts.engine.lending.lent_to(), stats.borrowed_blocks)
         yield from _policy_series(parts.engine.config.batch_policy, stats)
 
 
 def _router_series(
-    parts: WorkerParts, stats: dict, running: list, waiting: list, host: dict[str, bool]
+    parts: WorkerParts, stats: EngineStats, running: list, waiting: list, host: dict[str, bool]
 ) -> Iterator[Metric]:
     """The series the Gateway API Inference Extension's endpoint picker and llm-d read, with
     vLLM's names, help and labels. ``host``: each adapter with a host copy, and whether it is
@@ -136,14 +137,14 @@ def _router_series(
         yield family
 
 
-def kv_cache_usage(stats: dict) -> float:
+def kv_cache_usage(stats: EngineStats) -> float:
     """Share of the unified pool that new KV cannot have: KV pages (lent ones included) and the
     pages of adapters running requests use. Idle adapters' pages count as free, as vLLM counts
     cached but unreferenced blocks: they are evicted the moment KV needs them."""
-    total = stats["total_pages"]
+    total = stats.total_pages
     if not total:
         return 0.0
-    used = total - stats["free_pages"] - stats["idle_adapter_pages"]
+    used = total - stats.free_pages - stats.idle_adapter_pages
     return min(1.0, max(0.0, used / total))
 
 
@@ -177,33 +178,31 @@ def _adapter_series(running: list, waiting: list, tokens: dict[str, int]) -> Ite
     yield generated
 
 
-def _policy_series(policy: str, stats: dict) -> Iterator[Metric]:
+def _policy_series(policy: str, stats: EngineStats) -> Iterator[Metric]:
     """What the batch policy decided (docs/batch-policies.md): the LoRA mode, switches, aborts,
     and the policy's own counters and knobs."""
     yield GaugeMetricFamily(
         "loramesh_gpu_worker_lora_mode_merged",
         "1 while an adapter is merged into the base weights (dLoRA)",
-        value=stats["lora_mode_merged"],
+        value=stats.lora_mode_merged,
     )
     yield CounterMetricFamily(
         "loramesh_gpu_worker_lora_mode_switches",
         "Merges and unmerges of adapters into the base weights",
-        value=stats["lora_mode_switches"],
+        value=stats.lora_mode_switches,
     )
     yield CounterMetricFamily(
         "loramesh_gpu_worker_aborted_requests",
         "Requests the batch policy aborted (first-token SLO lost)",
-        value=stats["aborted_requests"],
+        value=stats.aborted_requests,
     )
     decisions = GaugeMetricFamily(
         "loramesh_gpu_worker_batch_policy_decision",
         "The batch policy's counters and knobs (e.g. dlora's alpha, beta, max_credits, merged_share)",
         labels=["policy", "decision"],
     )
-    prefix = "batch_policy_"
-    for key, value in sorted(stats.items()):
-        if key.startswith(prefix):
-            decisions.add_metric([policy, key.removeprefix(prefix)], value)
+    for key, value in sorted(stats.batch_policy_decisions.items()):
+        decisions.add_metric([policy, key], value)
     yield decisions
 
 

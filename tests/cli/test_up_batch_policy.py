@@ -35,3 +35,9 @@ def test_an_unknown_batch_policy_is_refused_by_up(tmp_path, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--batch-policy", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_the_preemption_policy_is_passed_to_every_worker(tmp_path):
+    commands = worker_commands(tmp_path, "--preemption-policy", "fewest_computed")
+    assert all(flag_value(c, "--preemption-policy") == "fewest_computed" for c in commands)
+    assert all("--preemption-policy" not in c for c in worker_commands(tmp_path))

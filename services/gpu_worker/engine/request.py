@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from services.gpu_worker.engine.sampling import SamplingParams, TokenLogprobs, draw_generator, request_seed
+from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.kv_cache import KvTable
 
@@ -133,3 +134,21 @@ class EngineRequest:
     def new_tokens(self) -> int:
         """Tokens to feed this step: the whole prompt (prefill) or the last output (decode)."""
         return self.total_len - self.num_computed
+
+    def planned(self, adapter: AdapterSlot | None) -> PlannedRequest:
+        """Its share of the next step: its new tokens, its local pages, ``adapter``."""
+        start, end = self.num_computed, self.total_len
+        if end - start == 1:  # decode: the one new token is the last of prompt + output
+            tokens = (self.output_ids[-1] if self.output_ids else self.spec.prompt_ids[-1],)
+        else:
+            tokens = tuple(self.all_ids[start:end])
+        borrowed = self.table is not None
+        return PlannedRequest(
+            request_id=self.request_id,
+            token_ids=tokens,
+            start_position=start,
+            kv_blocks=() if borrowed else tuple(map(tuple, self.kv.blocks)),
+            adapter=adapter,
+            sampling=self.spec.sampling,
+            borrowed=borrowed,
+        )

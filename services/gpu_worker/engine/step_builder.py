@@ -1,22 +1,29 @@
-"""Turn the running requests into the model's :class:`StepBatch`: flattened tokens, KV rows to
+"""Turn a :class:`StepPlan` into the model's :class:`StepBatch`: flattened tokens, KV rows to
 write and to attend over, and per-layer LoRA segments gathered from resident adapters."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
 from services.gpu_worker.engine.distributed_kv import DistributedKv, DistributedSpan
-from services.gpu_worker.engine.request import EngineRequest
+from services.gpu_worker.engine.step_plan import PlannedRequest, StepPlan
 from services.gpu_worker.kernels.dispatch import StepLora
 from services.gpu_worker.kernels.lora_segments import LoraSegments
-from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.adapter_residency import ResidentAdapter
+from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.step_batch import DecodeGroup, PrefillSpan, StepBatch
 from services.model_files.peft_format import LORA_TARGETS
+
+ResidentLookup = Callable[[str], ResidentAdapter | None]
+"""Adapter id -> its load in force (the placement a plan's :class:`AdapterSlot` names)."""
+BorrowedLookup = Callable[[str], BlockTable]
+"""Request id -> the block table of a request whose KV is borrowed."""
 
 
 class StepBuilder:
@@ -24,17 +31,12 @@ class StepBuilder:
         self,
         model: LlamaModel,
         pool: UnifiedPool,
-        lora_backend: str = "auto",
         rm: RManager | None = None,
-        batch_invariant: bool = False,
     ):
-        """``rm``: the rManager the requests with borrowed blocks go through. ``batch_invariant``:
-        mark every batch for the model's batch-invariant path (deterministic serving)."""
+        """``rm``: the rManager the requests with borrowed blocks go through."""
         self.model = model
         self.pool = pool
         self.rm = rm
-        self.lora_backend = lora_backend
-        self.batch_invariant = batch_invariant
         cfg = model.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -50,17 +52,23 @@ class StepBuilder:
         # Decode steps with an unchanged batch reuse the LoRA segments of the previous step.
         self._lora_key: tuple | None = None
         self._lora: StepLora | None = None
+        # Each request's page table as a tensor, rebuilt only when its pages change.
+        self._tables: dict[str, tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
 
     def build(
-        self, requests: list[EngineRequest], residency: AdapterResidency, merged_adapter: str | None = None
+        self,
+        plan: StepPlan,
+        resident: ResidentLookup,
+        borrowed: BorrowedLookup | None = None,
     ) -> StepBatch:
-        """The step's inputs for ``requests`` (each adds its ``new_tokens``; KV pages reserved).
-        Requests of ``merged_adapter`` (folded into the base weights) get no LoRA segments.
+        """The step's inputs for ``plan`` (its requests' KV pages reserved). ``resident`` finds
+        the adapters the plan's slots name, ``borrowed`` the block tables of borrowed requests.
 
         Tensor work is batched over requests: one gather from the requests' padded page tables
         gives every new token's KV rows, one more every decoding request's context blocks; only
         prefilling requests (a few per step) get tensors of their own.
         """
+        requests = plan.requests
         device = self.pool.device
         block = self.pool.layout.kv_block_tokens
         token_ids: list[int] = []
@@ -69,28 +77,14 @@ class StepBuilder:
         ends: list[int] = []
         decoding: list[int] = []
         for index, request in enumerate(requests):
-            start, end = request.num_computed, request.total_len
-            if end - start == 1 and request.table is None:
-                # The one new token is the last of prompt + output; no need to build that list.
-                spec = request.spec
-                token_ids.append(request.output_ids[-1] if request.output_ids else spec.prompt_ids[-1])
-                positions.append(start)
+            start, end = request.start_position, request.end_position
+            if end - start == 1 and not request.borrowed:
                 decoding.append(index)
-            else:
-                token_ids.extend(request.all_ids[start:end])
-                positions.extend(range(start, end))
+            token_ids.extend(request.token_ids)
+            positions.extend(range(start, end))
             counts.append(end - start)
             ends.append(end)
-        # Each cached until its pages change; a request with remote blocks gets a placeholder of
-        # page 0 rows, never written (its rows are left out of the writes below) nor attended.
-        tables = [
-            request.kv.table()
-            if request.table is None
-            else torch.zeros(
-                -(-request.total_len // block), self.pool.layout.num_layers, dtype=torch.int64, device=device
-            )
-            for request in requests
-        ]
+        tables = self._page_tables(requests)
         padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # [R, blocks, L]
         position = torch.tensor(positions, dtype=torch.int64, device=device)
         count = torch.tensor(counts, dtype=torch.int64, device=device)
@@ -101,14 +95,17 @@ class StepBuilder:
         prefills = [
             self._prefill_span(first_rows[i], first_rows[i + 1], tables[i], ends[i], position)
             for i in range(len(requests))
-            if counts[i] > 1 and requests[i].table is None
+            if counts[i] > 1 and not requests[i].borrowed
         ]
         distributed = [
             DistributedSpan(
-                first_rows[i], first_rows[i + 1], r.table, position[first_rows[i] : first_rows[i + 1]]
+                first_rows[i],
+                first_rows[i + 1],
+                borrowed(r.request_id),
+                position[first_rows[i] : first_rows[i + 1]],
             )
             for i, r in enumerate(requests)
-            if r.table is not None
+            if r.borrowed
         ]
         local_rows = None
         if distributed:
@@ -127,10 +124,29 @@ class StepBuilder:
             decode=self._decode_group(decoding, padded, ends, first_rows) if decoding else None,
             prefills=prefills,
             logits_rows=torch.tensor(first_rows[1:], dtype=torch.int64, device=device) - 1,
-            lora=self._lora_segments(requests, residency, merged_adapter),
-            lora_backend=self.lora_backend,
-            batch_invariant=self.batch_invariant,
+            lora=self._lora_segments(requests, resident),
+            lora_backend=plan.lora_backend,
+            batch_invariant=plan.batch_invariant,
         )
+
+    def _page_tables(self, requests: tuple[PlannedRequest, ...]) -> list[torch.Tensor]:
+        """Each request's ``[blocks, layers]`` page ids. A borrowed request gets a placeholder of
+        page 0 rows, never written (its rows are left out of the writes) nor attended."""
+        device, layout = self.pool.device, self.pool.layout
+        tables, kept = [], {}
+        for request in requests:
+            if request.borrowed:
+                blocks = -(-request.end_position // layout.kv_block_tokens)
+                tables.append(torch.zeros(blocks, layout.num_layers, dtype=torch.int64, device=device))
+                continue
+            cached = self._tables.get(request.request_id)
+            if cached is None or cached[0] != request.kv_blocks:
+                table = torch.tensor(request.kv_blocks, dtype=torch.int64, device=device)
+                cached = (request.kv_blocks, table.reshape(len(request.kv_blocks), layout.num_layers))
+            kept[request.request_id] = cached
+            tables.append(cached[1])
+        self._tables = kept  # requests not in this step drop theirs
+        return tables
 
     def _decode_group(
         self, decoding: list[int], padded: torch.Tensor, ends: list[int], first_rows: list[int]
@@ -161,23 +177,23 @@ class StepBuilder:
         return PrefillSpan(row_start, row_end, key_blocks, key_blocks + 1, mask)
 
     def _lora_segments(
-        self, requests: list[EngineRequest], residency: AdapterResidency, merged_adapter: str | None
+        self, requests: tuple[PlannedRequest, ...], resident: ResidentLookup
     ) -> StepLora | None:
-        adapter_ids = [None if r.spec.adapter_id == merged_adapter else r.spec.adapter_id for r in requests]
-        if all(a is None for a in adapter_ids):
+        slots = [r.adapter for r in requests]
+        if all(slot is None for slot in slots):
             return None
-        counts = [r.new_tokens for r in requests]
-        resident = [residency.get(a) if a is not None else None for a in adapter_ids]
+        counts = [len(r.token_ids) for r in requests]
         # A placement fixes the adapter's row offsets, so (adapter, placement, tokens) identifies
         # the work; comparing page lists instead cost ~0.3 ms a step at k = 8.
-        key = tuple((a, r.placement if r else -1, n) for a, r, n in zip(adapter_ids, resident, counts))
+        key = tuple((s.adapter_id, s.placement, n) if s else (None, -1, n) for s, n in zip(slots, counts))
         if key == self._lora_key:
             return self._lora
+        placed_adapters = [resident(s.adapter_id) if s is not None else None for s in slots]
         layers = []
         for layer in range(self.model.config.num_layers):
             per_module = {}
             for module in LORA_TARGETS:
-                placed = [r.modules.get((layer, module)) if r is not None else None for r in resident]
+                placed = [r.modules.get((layer, module)) if r is not None else None for r in placed_adapters]
                 if all(p is None for p in placed):
                     continue
                 in_features, out_features = self.shapes[module]

@@ -1,14 +1,19 @@
-"""Which adapters are paged into the unified pool, who is using them, and LRU eviction.
+"""Which adapters are paged into the unified pool, who is using them, and which goes first.
 
 One source of truth with explicit reference counts (the lesson of SGLang's LoRARegistry): a
 running request holds a reference to its adapter; only adapters with no reference may be
-evicted, least recently used first, when the pool needs pages (S-LoRA §5.1).
+evicted, in the order of an eviction policy (least recently used first by default, S-LoRA §5.1),
+when the pool needs pages.
+
+Residency is accounting: it chooses the pages and the row offsets. Writing the rows there is the
+caller's (``write_rows``): by default into this pool's buffer; the engine passes its executor's,
+which may write a shard of them into the pool of every rank of a tensor-parallel group.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +22,7 @@ from services.gpu_worker.kernels.lora_segments import AdapterRows
 from services.gpu_worker.lora.host_adapter import HostAdapter, ModuleKey
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.runtime.eviction import EvictionPolicy, LRUEviction
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,10 @@ class PlacedModule:
 
     rows: AdapterRows
     scale: float
+    a_offsets: tuple[int, ...]
+    """``rows.a_offsets`` on the host: where an executor writes the A rows (no device sync)."""
+    b_offsets: tuple[int, ...]
+    """``rows.b_offsets`` on the host."""
 
 
 @dataclass
@@ -66,12 +76,48 @@ def _regions(pages: list[int], page_elems: int) -> list[tuple[int, int]]:
     return [(start, length) for start, length in regions]
 
 
-class AdapterResidency:
-    """Adapters resident in the pool, by id, in LRU order."""
+RowWriter = Callable[[HostAdapter, ResidentAdapter], None]
+"""Writes an adapter's rows at the offsets of its placement."""
 
-    def __init__(self, pool: UnifiedPool):
+
+def write_rows(buffer: torch.Tensor, adapter: HostAdapter, resident: ResidentAdapter) -> None:
+    """Copy ``adapter``'s A and B rows into ``buffer`` (a pool's) where ``resident`` placed them."""
+    for key, factors in adapter.modules.items():
+        placed = resident.modules[key]
+        _copy_rows(buffer, factors.a, placed.a_offsets)
+        _copy_rows(buffer, factors.b_t, placed.b_offsets)
+
+
+def _copy_rows(buffer: torch.Tensor, matrix: torch.Tensor, offsets: tuple[int, ...]) -> None:
+    # Rows placed back to back are copied in one go.
+    width = matrix.shape[1]
+    start = 0
+    while start < len(offsets):
+        end = start + 1
+        while end < len(offsets) and offsets[end] == offsets[start] + (end - start) * width:
+            end += 1
+        buffer[offsets[start] : offsets[start] + (end - start) * width].copy_(matrix[start:end].reshape(-1))
+        start = end
+
+
+class AdapterResidency:
+    """Adapters resident in the pool, by id, in their eviction policy's order."""
+
+    def __init__(
+        self,
+        pool: UnifiedPool,
+        write: RowWriter | None = None,
+        on_evict: Callable[[str], None] | None = None,
+        eviction: EvictionPolicy | None = None,
+    ):
+        """``write``: what writes a loaded adapter's rows (default: into ``pool``'s buffer);
+        ``on_evict``: told each adapter evicted; ``eviction``: the order idle adapters go in
+        (default least recently used first)."""
         self.pool = pool
-        self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
+        self._write = write or (lambda adapter, resident: write_rows(pool.buffer, adapter, resident))
+        self._on_evict = on_evict
+        self._eviction = eviction or LRUEviction()
+        self._resident: dict[str, ResidentAdapter] = {}
         self._placements = itertools.count()
 
     def __contains__(self, adapter_id: str) -> bool:
@@ -81,7 +127,8 @@ class AdapterResidency:
         return len(self._resident)
 
     def ids(self) -> list[str]:
-        return list(self._resident)
+        """Resident adapters, the first to be evicted first."""
+        return self._eviction.order()
 
     def get(self, adapter_id: str) -> ResidentAdapter | None:
         return self._resident.get(adapter_id)
@@ -97,7 +144,7 @@ class AdapterResidency:
         """
         resident = self._resident.get(adapter.adapter_id)
         if resident is not None:
-            self._resident.move_to_end(adapter.adapter_id)
+            self._eviction.touch(adapter.adapter_id)
             return resident
         page_elems = self.pool.page_elems
         needed = _pages_upper_bound(adapter, page_elems)
@@ -125,8 +172,6 @@ class AdapterResidency:
         for key, factors in adapter.modules.items():
             a_offsets = place(factors.a.shape[1], factors.rank)
             b_offsets = place(factors.b_t.shape[1], factors.rank)
-            self._copy_rows(factors.a, a_offsets)
-            self._copy_rows(factors.b_t, b_offsets)
             device = self.pool.device
             modules[key] = PlacedModule(
                 rows=AdapterRows(
@@ -134,31 +179,22 @@ class AdapterResidency:
                     b_offsets=torch.tensor(b_offsets, dtype=torch.int64, device=device),
                 ),
                 scale=factors.scale,
+                a_offsets=tuple(a_offsets),
+                b_offsets=tuple(b_offsets),
             )
         self.pool.free([p for p in pages if p not in touched])  # the upper bound's unused pages
         resident = ResidentAdapter(
             adapter.adapter_id, sorted(touched), modules, adapter.nbytes, placement=next(self._placements)
         )
+        self._write(adapter, resident)
         self._resident[adapter.adapter_id] = resident
+        self._eviction.touch(adapter.adapter_id)
         return resident
-
-    def _copy_rows(self, matrix: torch.Tensor, offsets: list[int]) -> None:
-        # Rows placed back to back are copied in one go.
-        width = matrix.shape[1]
-        start = 0
-        while start < len(offsets):
-            end = start + 1
-            while end < len(offsets) and offsets[end] == offsets[start] + (end - start) * width:
-                end += 1
-            self.pool.buffer[offsets[start] : offsets[start] + (end - start) * width].copy_(
-                matrix[start:end].reshape(-1)
-            )
-            start = end
 
     def acquire(self, adapter_id: str) -> ResidentAdapter:
         resident = self._resident[adapter_id]
         resident.refcount += 1
-        self._resident.move_to_end(adapter_id)
+        self._eviction.touch(adapter_id)
         return resident
 
     def release(self, adapter_id: str) -> None:
@@ -171,7 +207,7 @@ class AdapterResidency:
         return sum(len(r.pages) for r in self._resident.values() if r.refcount == 0)
 
     def make_room(self, pages: int, use: PageUse = PageUse.ADAPTER) -> None:
-        """Evict idle adapters, least recently used first, until ``pages`` are free for ``use``.
+        """Evict idle adapters, in eviction order, until ``pages`` are free for ``use``.
 
         In a split pool evicting adapters frees nothing for KV, so a KV shortfall raises at once.
         """
@@ -182,15 +218,18 @@ class AdapterResidency:
             raise PoolExhausted(pages, allocator.free_pages_for(use))
         if allocator.free_pages_for(use) + self.idle_pages() < pages:
             raise PoolExhausted(pages, allocator.free_pages_for(use))
-        for adapter_id in list(self._resident):
+        idle = [adapter_id for adapter_id, r in self._resident.items() if r.refcount == 0]
+        for adapter_id in self._eviction.victims(idle):
             if allocator.free_pages_for(use) >= pages:
                 break
-            if self._resident[adapter_id].refcount == 0:
-                self.evict(adapter_id)
+            self.evict(adapter_id)
 
     def evict(self, adapter_id: str) -> None:
-        resident = self._resident.pop(adapter_id)
+        resident = self._resident[adapter_id]
         if resident.refcount:
-            self._resident[adapter_id] = resident
             raise RuntimeError(f"adapter {adapter_id} is in use by {resident.refcount} requests")
+        del self._resident[adapter_id]
+        self._eviction.remove(adapter_id)
         self.pool.free(resident.pages)
+        if self._on_evict is not None:
+            self._on_evict(adapter_id)

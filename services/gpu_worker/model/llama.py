@@ -76,8 +76,13 @@ class LlamaModel:
         dtype: torch.dtype,
         device="cpu",
         compute_dtype: torch.dtype | None = None,
+        tp=None,
     ):
+        """``tp``: None (one device, the default) or a rank's tensor-parallel context
+        (``services.gpu_worker.tp.context.TensorParallelContext``); ``config`` and ``weights``
+        are then the rank's (``TensorParallelLayout.rank_config``, ``shard_base_weights``)."""
         self.config = config
+        self.tp = tp
         self.dtype = dtype
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype or resolve_compute_dtype(dtype, self.device)
@@ -139,9 +144,18 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, pool: UnifiedPool) -> torch.Tensor:
-        """Logits ``[R, vocab]`` (float32) of each request's last token; fills the KV cache."""
+        """Logits ``[R, vocab]`` (float32) of each request's last token; fills the KV cache.
+
+        With a tensor-parallel context, the LoRA deltas go through it and o/down (row-parallel,
+        partial sums) are all-reduced after their LoRA is added; every rank returns the logits.
+        """
         cfg = self.config
         invariant = batch.batch_invariant
+        tp = self.tp
+        lora = self._lora
+        if tp is not None:
+            tp.check_batch(batch)
+            lora = tp.lora
         x = self.embed[batch.token_ids].to(self.compute_dtype)
         linear = self.invariant_matmul.linear if invariant else self.matmul.linear
         queries = local_queries(batch) if invariant else None
@@ -150,7 +164,7 @@ class LlamaModel:
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            self._lora(batch, index, _QKV, h, pool, q, k, v)
+            lora(batch, index, _QKV, h, pool, q, k, v)
             q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), batch.positions)
             k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), batch.positions)
             local_k, local_v = k.reshape(-1, self.kv_dim), v
@@ -165,16 +179,20 @@ class LlamaModel:
             if batch.remote is not None:
                 batch.remote.attend(index, q, k, v, attn)
             o = linear(attn, layer.o)
-            self._lora(batch, index, _O, attn, pool, o)
+            lora(batch, index, _O, attn, pool, o)
+            if tp is not None:
+                tp.all_reduce_base(o)
             x = x + o
             h = self._rms_norm(x, layer.post_norm, invariant)
             gate_up = linear(h, layer.gate_up)
             gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
             gate, up = gate.contiguous(), up.contiguous()
-            self._lora(batch, index, _GATE_UP, h, pool, gate, up)
+            lora(batch, index, _GATE_UP, h, pool, gate, up)
             act = invariant_rowwise.swiglu(gate, up) if invariant else F.silu(gate) * up
             down = linear(act, layer.down)
-            self._lora(batch, index, _DOWN, act, pool, down)
+            lora(batch, index, _DOWN, act, pool, down)
+            if tp is not None:
+                tp.all_reduce_base(down)
             x = x + down
         last = self._rms_norm(x[batch.logits_rows], self.norm, invariant)
         return linear(last, self.lm_head).float()

@@ -138,7 +138,7 @@ def test_an_early_abort_finishes_the_request_with_the_reason(tiny_llama, adapter
     for rid in ("r0", "r1"):
         assert finals[rid].finish_reason is FinishReason.ABORTED and "50 s SLO" in finals[rid].error
         assert not [e for e in events[rid] if e.token_id is not None]
-    assert engine.aborted == 2 and engine.stats()["aborted_requests"] == 2
+    assert engine.aborted == 2 and engine.stats().aborted_requests == 2
 
 
 def test_an_unknown_policy_is_refused():

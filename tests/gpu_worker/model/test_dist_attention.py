@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from services.gpu_worker.engine.request import EngineRequest, GenerationRequest
 from services.gpu_worker.engine.step_builder import StepBuilder
-from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
 from services.gpu_worker.model import dist_attention
@@ -230,7 +230,8 @@ def test_split_pool_blocks_match_the_engines_paged_attention():
         keys, values = kv.rows(torch.arange(prompt + output))
         pool.kv_rows[keys[:, 0]] = torch.randn(prompt + output, KV_HEADS * HEAD_DIM, generator=generator)
         pool.kv_rows[values[:, 0]] = torch.randn(prompt + output, KV_HEADS * HEAD_DIM, generator=generator)
-    batch = StepBuilder(model, pool).build(requests, AdapterResidency(pool))
+    plan = StepPlan(tuple(r.planned(None) for r in requests), lora_backend="auto", batch_invariant=False)
+    batch = StepBuilder(model, pool).build(plan, resident=lambda _: None)
     q = torch.randn(batch.token_ids.numel(), HEADS, HEAD_DIM, generator=generator)
     engine_out = model._attention(q, batch, 0, pool).view(-1, HEADS, HEAD_DIM)
 

@@ -1,0 +1,65 @@
+"""The engine's limits and policies (the gpu_worker's flags of the same names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.gpu_worker.engine.policies import BATCH_POLICIES
+from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
+
+KV_OVERFLOW_POLICIES = ("preempt", "borrow")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits."""
+
+    pool_mib: float = 512
+    """Size of the unified pool (KV pages + adapter pages), allocated once at start."""
+    kv_block_tokens: int = 16
+    """Tokens per KV page (per layer)."""
+    max_running: int = 64
+    """Requests decoding together at most."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens admitted in one step at most (one longer prompt is admitted alone)."""
+    lora_backend: str = "auto"
+    """Kernel backend for LoRA deltas: auto (triton on CUDA, else cpu_native, else torch), cpu_native,
+    torch, padded_bmm or triton."""
+    adapter_region_share: float | None = None
+    """None: one unified pool (KV and adapter pages from one free list). A share in (0, 1): a
+    fixed region of the pool for adapter weights and the rest for KV, for the S-LoRA
+    "no unified memory" ablation only."""
+    worker_id: str = "local"
+    """This worker's instance id: the debtor name its borrowed blocks are lent under."""
+    max_lent_blocks: int = 0
+    """KV blocks other workers may borrow from this pool at most, all together (0: none)."""
+    kv_overflow: str = "preempt"
+    """When the pool cannot hold a request's next KV block: ``preempt`` (free the newest
+    request's pages and recompute it later) or ``borrow`` (DistKV-LLM: borrow blocks from other
+    workers, and preempt only when none lends)."""
+
+    batch_policy: str = "fcfs"
+    """Which requests run each step and in which LoRA mode (``--batch-policy``): fcfs, lcfs,
+    early_abort (S-LoRA), adapter_clustering (S-LoRA), dlora (merged/unmerged switching), pets
+    (coordinated prefill batching) or hrrn (Magnus); see services/gpu_worker/engine/policies."""
+    deterministic: bool = False
+    """Batch-invariant numerics (``--deterministic``): a request's logits do not depend on what
+    else is in its batch, nor on whether its KV came from prefill or decode, so greedy output is
+    the same alone or batched, and a request re-prefilled elsewhere continues identically. CPU
+    workers with the native kernels; not with the dlora policy (a merged adapter changes its
+    requests' base matmuls). Costs: docs/benchmarks.md, "Deterministic serving"."""
+
+    preemption_policy: str = "newest"
+    """Which running request gives its KV back when the pool runs dry (``--preemption-policy``):
+    newest (the last started) or fewest_computed (the shortest context: the cheapest recompute);
+    see services/gpu_worker/engine/policies/preemption.py."""
+
+    def __post_init__(self) -> None:
+        if self.preemption_policy not in PREEMPTION_POLICIES:
+            known = ", ".join(sorted(PREEMPTION_POLICIES))
+            raise ValueError(f"preemption_policy must be one of {known}, got {self.preemption_policy!r}")
+        if self.batch_policy not in BATCH_POLICIES:
+            known = ", ".join(sorted(BATCH_POLICIES))
+            raise ValueError(f"batch_policy must be one of {known}, got {self.batch_policy!r}")
+        if self.kv_overflow not in KV_OVERFLOW_POLICIES:
+            raise ValueError(f"kv_overflow must be one of {KV_OVERFLOW_POLICIES}, got {self.kv_overflow!r}")

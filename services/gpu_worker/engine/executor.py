@@ -1,0 +1,71 @@
+"""The interface between the engine, which plans steps, and what runs them on devices.
+
+The engine keeps every decision and all accounting: which requests run, their KV pages, where
+each adapter's rows go (its ``AdapterResidency``), merged mode, sampling. An executor owns the
+model weights and the pool memory, and carries the decisions out: it writes adapter rows where
+the engine placed them, runs a :class:`StepPlan` and returns logits. ``LocalExecutor`` runs on
+one device; a tensor-parallel executor runs the same plan on every rank of its group.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.gpu_worker.engine.step_builder import BorrowedLookup
+from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.lora.host_adapter import HostAdapter
+from services.gpu_worker.memory.adapter_residency import ResidentAdapter
+from services.gpu_worker.memory.rmanager import RManager
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.model_files.model_config import ModelConfig
+
+
+class Executor(Protocol):
+    """Runs the engine's plans on its devices."""
+
+    config: ModelConfig
+    """The full model's config (vocabulary, context length, layers), whatever the sharding."""
+    pool: UnifiedPool
+    """The pool the engine does its page accounting on; for a tensor-parallel group rank 0's
+    shard pool (the same page ids on every rank)."""
+    supports_merging: bool
+    """Whether :meth:`merge` works (dLoRA's merged mode); the engine refuses the dlora policy
+    without it."""
+    supports_lending: bool
+    """Whether requests' KV may live in rManager block tables (DistKV-LLM borrowing and
+    lending); the engine preempts instead of borrowing without it."""
+
+    def prepare_adapter(self, adapter: HostAdapter) -> HostAdapter:
+        """The copy of ``adapter`` the engine places and pages (its rows' widths fix the pages
+        it needs): the adapter itself on one device, rank 0's shard in a group."""
+
+    def load_adapter(self, adapter: HostAdapter, resident: ResidentAdapter) -> None:
+        """Write ``adapter``'s rows (the :meth:`prepare_adapter` copy) at the offsets the
+        engine's residency chose for it (``resident``)."""
+
+    def evict_adapter(self, adapter_id: str) -> None:
+        """The engine evicted ``adapter_id``: its pages are free for other use."""
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step: float32 logits ``[len(plan.requests), vocab]`` of each request's last
+        new token; every new token's KV is written. Raises ``CreditorUnavailable`` when a
+        borrowed block's creditor cannot be reached (nothing of the step is kept then)."""
+
+    def merge(self, adapter: HostAdapter) -> None:
+        """Fold ``adapter`` into the base weights (only when :attr:`supports_merging`)."""
+
+    def unmerge(self) -> None:
+        """Restore the base weights exactly (a no-op when nothing is merged)."""
+
+    def close(self) -> None:
+        """Release what the executor holds beyond memory (processes, process groups)."""
+
+
+class LendingExecutor(Executor, Protocol):
+    """An executor whose plans may hold borrowed requests (:attr:`Executor.supports_lending`)."""
+
+    def lend_through(self, rm: RManager, tables: BorrowedLookup) -> None:
+        """Run borrowed requests' KV through ``rm``, finding each one's block table with
+        ``tables`` (request id -> table)."""

@@ -1,0 +1,95 @@
+"""Requests' KV: pages reserved in the local pool, grown per token, borrowed from other workers
+when the pool runs dry (DistKV-LLM, ``kv_overflow: borrow``), and released.
+
+A request's KV is in its ``KvTable`` (local pages, the fast path) until the pool cannot hold its
+next block while borrowing is on: from then on all its blocks, local and remote, are in a block
+table of the rManager (``EngineRequest.table``).
+"""
+
+from __future__ import annotations
+
+from services.gpu_worker.engine.borrower import Borrower, CreditorDirectory, TransportFactory
+from services.gpu_worker.engine.request import EngineRequest
+from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.distkv_meter import DistKvMeter, metered_connect
+from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
+from services.gpu_worker.memory.rmanager import RManager
+from services.runtime.errors import ResourceExhausted
+
+
+def make_borrower(
+    rm: RManager, creditors: CreditorDirectory | None, connect: TransportFactory | None, meter: DistKvMeter
+) -> Borrower:
+    """The borrower of ``kv_overflow="borrow"``: ``creditors`` say where to borrow, ``connect``
+    reaches one (its traffic counted by ``meter``)."""
+    if creditors is None or connect is None:
+        raise ValueError("kv_overflow='borrow' needs a creditor directory and a transport factory")
+    return Borrower(rm, creditors, metered_connect(connect, meter))
+
+
+class KvReservation:
+    """Reserves, grows and releases requests' KV in the pool and, with a borrower, beyond it."""
+
+    def __init__(self, rm: RManager, residency: AdapterResidency, borrower: Borrower | None):
+        """``residency``: idle adapters are evicted to make room for KV; ``borrower``: where
+        blocks are borrowed from when the pool runs dry (None: never)."""
+        self.rm = rm
+        self.residency = residency
+        self.borrower = borrower
+
+    def reserve(self, request: EngineRequest, tokens: int) -> None:
+        """Make ``request``'s KV hold ``tokens`` tokens (``PoolExhausted``: it could not)."""
+        if request.table is not None:
+            self._grow_borrowing(request, tokens)
+            return
+        needed = request.kv.pages_needed(tokens)
+        if not needed:
+            return
+        try:
+            self.residency.make_room(needed, PageUse.KV)
+            request.kv.reserve(tokens)
+        except PoolExhausted:
+            if self.borrower is None:
+                raise
+            # From now on its blocks are in a block table, local ones where they were.
+            request.table = self.rm.new_table()
+            request.table.append(self.rm.local.adopt(request.kv.hand_over()))
+            self._grow_borrowing(request, tokens)
+
+    def _grow_borrowing(self, request: EngineRequest, tokens: int) -> None:
+        """Grow a borrowing request's table: local blocks while the pool has them, then borrowed."""
+        table = request.table
+        missing = table.blocks_needed(tokens)
+        if not missing:
+            return
+        local = min(missing, self.rm.local.free_blocks)
+        if local:
+            try:
+                self.rm.reserve_local(table, table.capacity + local * table.block_tokens)
+            except PoolExhausted:  # a lending call took the pages meanwhile
+                local = 0
+        try:
+            table.append(self.borrower.borrow(missing - local))
+        except ResourceExhausted as no_lender:
+            raise PoolExhausted(missing - local, 0) from no_lender
+
+    def release(self, request: EngineRequest) -> list[str]:
+        """Free ``request``'s KV; the creditors found gone while returning borrowed blocks (the
+        caller recomputes the requests that had blocks there)."""
+        request.kv.release()
+        if request.table is None:
+            return []
+        table, request.table = request.table, None
+        return self.rm.release(table)
+
+    def lost_with(self, creditor: str, running: list[EngineRequest]) -> list[EngineRequest]:
+        """``creditor`` is gone with the blocks it held: the ``running`` requests that had some
+        (to recompute)."""
+        borrowing = [r for r in running if r.table is not None]
+        lost = self.rm.creditor_died(creditor, [r.table for r in borrowing])
+        return [borrowing[index] for index in lost]
+
+    def pool_can_never_hold(self, running: list[EngineRequest]) -> bool:
+        """A request that does not fit now never will: nothing runs, nothing is lent out (idle
+        adapters were evicted to make room) and no other worker lends to this one."""
+        return not running and self.borrower is None and not self.rm.lender.lent_blocks

@@ -1,0 +1,83 @@
+"""The single-device executor: one model, one unified pool, plans run as they are.
+
+Today's path of every worker: the step builder turns a plan into the model's batch, the model
+runs it over the pool; merged mode folds one adapter into the model's own weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.gpu_worker.engine.engine_config import EngineConfig
+from services.gpu_worker.engine.step_builder import BorrowedLookup, StepBuilder
+from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.kernels.dispatch import resolve_backend
+from services.gpu_worker.lora.host_adapter import HostAdapter
+from services.gpu_worker.lora.merged_weights import MergedWeights
+from services.gpu_worker.memory.adapter_residency import ResidentAdapter, write_rows
+from services.gpu_worker.memory.rmanager import RManager
+from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.gpu_worker.model.llama import LlamaModel
+
+
+class LocalExecutor:
+    """Runs plans on ``model``'s device over a pool sized by ``config``."""
+
+    supports_merging = True
+    supports_lending = True
+
+    def __init__(self, model: LlamaModel, config: EngineConfig):
+        self.model = model
+        self.config = model.config
+        cfg = model.config
+        kv_dim = cfg.num_kv_heads * cfg.head_dim
+        layout = PoolLayout(
+            num_pages=PoolLayout.pages_for_bytes(
+                int(config.pool_mib * 2**20), config.kv_block_tokens, kv_dim, model.dtype
+            ),
+            kv_block_tokens=config.kv_block_tokens,
+            kv_dim=kv_dim,
+            num_layers=cfg.num_layers,
+        )
+        adapter_region = (
+            None
+            if config.adapter_region_share is None
+            else max(1, round(layout.num_pages * config.adapter_region_share))
+        )
+        self.pool = UnifiedPool(layout, model.dtype, model.device, adapter_region)
+        if config.deterministic:  # refuse at start what would fail every step
+            model.check_batch_invariant()
+            resolve_backend(config.lora_backend, self.pool.buffer, batch_invariant=True)
+        self.builder = StepBuilder(model, self.pool)
+        self.merged = MergedWeights(model)
+        """The adapter folded into the base weights in merged mode (dLoRA), if any."""
+        self._resident: dict[str, ResidentAdapter] = {}
+        """The load in force of each adapter whose rows are in the pool (what plans' slots name)."""
+        self._borrowed: BorrowedLookup | None = None
+
+    def prepare_adapter(self, adapter: HostAdapter) -> HostAdapter:
+        return adapter
+
+    def load_adapter(self, adapter: HostAdapter, resident: ResidentAdapter) -> None:
+        write_rows(self.pool.buffer, adapter, resident)
+        self._resident[adapter.adapter_id] = resident
+
+    def evict_adapter(self, adapter_id: str) -> None:
+        self._resident.pop(adapter_id, None)
+
+    def lend_through(self, rm: RManager, tables: BorrowedLookup) -> None:
+        self.builder.rm = rm
+        self._borrowed = tables
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        batch = self.builder.build(plan, self._resident.get, self._borrowed)
+        return self.model.forward(batch, self.pool)
+
+    def merge(self, adapter: HostAdapter) -> None:
+        self.merged.merge(adapter)
+
+    def unmerge(self) -> None:
+        self.merged.unmerge()
+
+    def close(self) -> None:
+        """Nothing to release: the pool and weights go with the object."""

@@ -1,0 +1,305 @@
+"""Who waits and who runs on this worker: admission, KV growth with preemption, the batch
+policy's aborts, and the end of requests (their KV and adapter released).
+
+The batch policy decides over a :class:`BatchView` of these queues; the preemption policy names
+the victim when the pool runs dry; :func:`admission.admit` holds the admission rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from services.gpu_worker.engine.adapter_pager import AdapterPager
+from services.gpu_worker.engine.admission import Start, admit
+from services.gpu_worker.engine.engine_config import EngineConfig
+from services.gpu_worker.engine.kv_reservation import KvReservation
+from services.gpu_worker.engine.policies.batch_policy import (
+    Abort,
+    BatchView,
+    QueuedRequest,
+    RunningRequest,
+)
+from services.gpu_worker.engine.policies.preemption import PreemptionPolicy
+from services.gpu_worker.engine.request import EngineRequest, FinishReason, RequestState, RequestSummary
+from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvents
+from services.gpu_worker.engine.sampling import token_logprobs
+from services.gpu_worker.lora.host_adapter import HostAdapter
+from services.gpu_worker.memory.block_table import BlockTable
+from services.gpu_worker.memory.page_allocator import PoolExhausted
+from services.runtime.errors import NotFound
+
+log = logging.getLogger("loramesh.engine")
+
+
+class RequestScheduler:
+    """The queue and the running batch, and the moves between them (engine thread only)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KvReservation,
+        adapters: AdapterPager,
+        events: RequestEvents,
+        preemption: PreemptionPolicy,
+        host_adapters: dict[str, HostAdapter],
+        on_end: Callable[[str], None],
+    ):
+        """``host_adapters``: the engine's host copies (what can be paged in); ``on_end``: told
+        each request id that ended here, before its last event is sent."""
+        self.config = config
+        self.kv = kv
+        self.adapters = adapters
+        self.events = events
+        self.preemption = preemption
+        self.host_adapters = host_adapters
+        self.on_end = on_end
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.preemptions = 0
+        self.aborted = 0
+
+    # -- the batch policy's view ---------------------------------------------------------------
+
+    def view(self) -> BatchView:
+        return BatchView(
+            now_s=time.monotonic(),
+            waiting=tuple(
+                QueuedRequest(
+                    r.request_id,
+                    r.spec.adapter_id,
+                    r.timings.arrived,
+                    r.total_len,
+                    started=r.timings.first_token is not None,
+                    predicted_output_tokens=r.spec.predicted_output_tokens,
+                    max_new_tokens=self._tokens_left(r),
+                )
+                for r in self.waiting
+            ),
+            running=tuple(self._running_view(r) for r in self.running),
+            max_running=self.config.max_running,
+            mode=self.adapters.mode,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            kv_room_tokens=self.kv.rm.local.free_blocks * self.config.kv_block_tokens,
+        )
+
+    def _running_view(self, request: EngineRequest) -> RunningRequest:
+        return RunningRequest(
+            request.request_id,
+            request.spec.adapter_id,
+            request.timings.arrived,
+            remaining_tokens=self._tokens_left(request),
+            context_tokens=request.total_len,
+        )
+
+    def _tokens_left(self, request: EngineRequest) -> int:
+        """Tokens ``request`` may still generate (``max_tokens`` or the context ends it first)."""
+        by_max_tokens = request.spec.sampling.max_tokens - len(request.output_ids)
+        by_context = self.events.max_positions - request.total_len
+        return max(1, min(by_max_tokens, by_context))
+
+    # -- running -------------------------------------------------------------------------------
+
+    def make_room_for_running(self) -> None:
+        """Reserve each running request's next token's KV, preempting victims while the pool
+        (and, when borrowing, every lender) is dry."""
+        for request in list(self.running):
+            if request.state is not RequestState.RUNNING:
+                continue
+            while True:
+                try:
+                    self.kv.reserve(request, request.total_len)
+                    break
+                except PoolExhausted:
+                    victim = self._victim()
+                    self.preempt(victim)
+                    if victim is request:
+                        break
+
+    def _victim(self) -> EngineRequest:
+        chosen = self.preemption.victim([self._running_view(r) for r in self.running])
+        return next(r for r in self.running if r.request_id == chosen.request_id)
+
+    def preempt(self, request: EngineRequest) -> None:
+        """Free a running request's pages; it goes back to the front of the queue (recompute)."""
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed = 0
+        request.state = RequestState.WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+        log.debug("preempted %s (%d tokens)", request.request_id, request.total_len)
+
+    def creditor_lost(self, creditor: str) -> None:
+        """``creditor`` is gone with the blocks it held: recompute the requests that had some."""
+        for request in self.kv.lost_with(creditor, self.running):
+            log.info("recomputing %s: its KV blocks on %s are lost", request.request_id, creditor)
+            self.preempt(request)
+
+    def recompute_table(self, table: BlockTable) -> None:
+        """Recompute the running request whose KV blocks are ``table`` (DGFM found them no home)."""
+        for request in self.running:
+            if request.table is table:
+                self.preempt(request)
+                return
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def admit(self, order: tuple[str, ...]) -> None:
+        """Admit waiting requests in the policy's ``order`` (ids of running requests are skipped)
+        until one does not fit: a later one never overtakes it."""
+        waiting = {r.request_id: r for r in self.waiting}
+        admit(
+            [waiting[request_id] for request_id in order if request_id in waiting],
+            running=lambda: len(self.running),
+            max_running=self.config.max_running,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            context_tokens=lambda r: r.total_len,
+            skip=self._passed_over,
+            start=self._start,
+        )
+
+    def _passed_over(self, request: EngineRequest) -> bool:
+        adapter_id = request.spec.adapter_id
+        if adapter_id is not None and adapter_id not in self.host_adapters:
+            # Only a request being cancelled loses its adapter's host copy (its caller released
+            # it); finish it rather than fail the batch.
+            self.waiting.remove(request)
+            self.finish(request, FinishReason.CANCELLED, None)
+            return True
+        return not self.adapters.runs_in_mode(request)
+
+    def _start(self, request: EngineRequest) -> Start:
+        if not self._try_start(request):
+            if self.kv.pool_can_never_hold(self.running):
+                self.waiting.remove(request)
+                self._finish_unservable(request)
+                return Start.SKIPPED
+            return Start.BLOCKED
+        self.waiting.remove(request)
+        return Start.STARTED
+
+    def _try_start(self, request: EngineRequest) -> bool:
+        adapter_id = request.spec.adapter_id
+        if adapter_id is not None:
+            try:
+                self.adapters.acquire(request, self.host_adapters[adapter_id])
+            except PoolExhausted:
+                return False
+        try:
+            self.kv.reserve(request, request.total_len)
+        except PoolExhausted:
+            self._release(request)  # what a partly grown block table holds, and its adapter
+            return False
+        request.state = RequestState.RUNNING
+        if request.timings.scheduled is None:
+            request.timings.scheduled = time.monotonic()
+        self.running.append(request)
+        return True
+
+    def _finish_unservable(self, request: EngineRequest) -> None:
+        """Its prompt and output outgrew the whole pool: the pool is its context limit, so it ends
+        like one whose context is full; one that never started gets an error saying why."""
+        if request.output_ids:
+            log.info(
+                "%s ends at %d tokens: the pool holds no more of its KV",
+                request.request_id,
+                request.total_len,
+            )
+            self.finish(request, FinishReason.LENGTH, None)
+        else:
+            self.finish(
+                request,
+                FinishReason.ERROR,
+                None,
+                f"its {request.total_len} prompt tokens and adapter do not fit in this worker's pool",
+            )
+
+    # -- queries and hand-offs ------------------------------------------------------------------
+
+    def hand_off(self, request_id: str) -> int:
+        """Engine thread (through :meth:`between_steps`): end a request here with ``MIGRATED``,
+        after the tokens it has emitted, and free its pages; returns how many it generated.
+        NotFound when it is not queued or running (finished, cancelled, never here)."""
+        for request in [*self.running, *self.waiting]:
+            if request.request_id == request_id:
+                if request in self.waiting:
+                    self.waiting.remove(request)
+                generated = len(request.output_ids)
+                self.finish(request, FinishReason.MIGRATED, None)
+                return generated
+        raise NotFound(f"request {request_id!r} is not queued or running on this worker")
+
+    def summaries(self) -> list[RequestSummary]:
+        """Engine thread (through :meth:`between_steps`): every request queued or running."""
+        now = time.monotonic()
+        return [
+            RequestSummary(
+                request_id=r.request_id,
+                adapter_id=r.spec.adapter_id,
+                context_tokens=r.total_len,
+                remaining_tokens=max(0, r.spec.sampling.max_tokens - len(r.output_ids)),
+                running=r.state is RequestState.RUNNING,
+                waited_s=now - r.timings.arrived,
+            )
+            for r in [*self.running, *self.waiting]
+        ]
+
+    # -- ends ----------------------------------------------------------------------------------
+
+    def emit(self, batch: list[EngineRequest], tokens: list[int], logits: torch.Tensor, now: float) -> None:
+        """Each stepped request's sampled token (``logits``: the rows it was drawn from): now
+        computed up to it, sent, or ending the request."""
+        for request, token, row in zip(batch, tokens, logits):
+            request.num_computed = request.total_len
+            top = request.spec.sampling.top_logprobs
+            request.last_logprobs = None if top is None else token_logprobs(row, token, top)
+            reason = self.events.token(request, token, now)
+            if reason is not None:
+                self.finish(request, reason, token)
+
+    def take_over(self, requests: list[tuple[EngineRequest, EventSink]], cancels: set[str]) -> None:
+        """Queue the requests handed over (their events to their sinks), then apply cancels."""
+        for request, sink in requests:
+            self.events.sinks[request.request_id] = sink
+            self.waiting.append(request)
+        if cancels:
+            self.cancel(cancels)
+
+    def abort(self, aborts: tuple[Abort, ...]) -> None:
+        waiting = {r.request_id: r for r in self.waiting}
+        for abort in aborts:
+            request = waiting.get(abort.request_id)
+            if request is None:
+                continue
+            self.waiting.remove(request)
+            self.aborted += 1
+            self.finish(request, FinishReason.ABORTED, None, abort.reason)
+
+    def cancel(self, request_ids: set[str]) -> None:
+        for request in [r for r in self.running if r.request_id in request_ids]:
+            self.finish(request, FinishReason.CANCELLED, None)
+        for request in [r for r in self.waiting if r.request_id in request_ids]:
+            self.waiting.remove(request)
+            self.finish(request, FinishReason.CANCELLED, None)
+
+    def finish(
+        self, request: EngineRequest, reason: FinishReason, token: int | None, error: str = ""
+    ) -> None:
+        """End ``request`` (running, or already off the queue): free its KV and adapter and send
+        its last event."""
+        if request in self.running:
+            self.running.remove(request)
+        self._release(request)
+        self.on_end(request.request_id)
+        self.events.finished(request, reason, token, error)
+
+    def _release(self, request: EngineRequest) -> None:
+        for creditor in self.kv.release(request):
+            self.creditor_lost(creditor)
+        self.adapters.release(request)
