@@ -18,7 +18,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.out_dir import default_out
-from bench.policies import abort_sweep, clustering_sweep, lora_cost, pets_sweep, plots, skew_sweep, tables
+from bench.policies import (
+    abort_sweep,
+    clustering_sweep,
+    lora_cost,
+    pets_sweep,
+    plots,
+    preemption_sweep,
+    skew_sweep,
+    tables,
+)
 from bench.policies.capacity import DTYPE, measure_capacity, median_first_token_s
 from bench.policies.harness import RunSetting, run_trace, trace_seconds, window_s
 from bench.policies.profiles import PROFILES, PolicyBenchProfile
@@ -29,7 +38,7 @@ from bench.systems.engine_system import EngineSystem, EngineSystemOptions
 from services.model_files.base_model import load_base_model_spec
 
 DEFAULT_ADAPTER_CACHE = Path.home() / ".cache" / "loramesh" / "bench-adapters-rank8"
-EXPERIMENTS = ("skew", "abort", "clustering", "pets")
+EXPERIMENTS = ("skew", "abort", "clustering", "pets", "preemption")
 
 
 def run_suite(profile: PolicyBenchProfile, out: Path, adapter_cache: Path, only: tuple[str, ...]) -> dict:
@@ -92,6 +101,7 @@ def run_suite(profile: PolicyBenchProfile, out: Path, adapter_cache: Path, only:
         "abort": lambda: abort_sweep.run(profile, setting, capacity, slo_s, log),
         "clustering": lambda: clustering_sweep.run(profile, setting, capacity, log),
         "pets": lambda: pets_sweep.run(profile, setting, log),
+        "preemption": lambda: preemption_sweep.run(profile, setting, capacity, log),
     }
     for name in (e for e in EXPERIMENTS if e in only):
         # One experiment failing must not cost the others' (long) runs: its error is recorded.
