@@ -53,7 +53,11 @@ def add_parsers(sub) -> None:
     up.add_argument(
         "--model", default="", help="base model: GGUF file or HF directory (default SmolLM2-135M)"
     )
-    up.add_argument("--workers", type=int, default=1, help="gpu_worker processes (default 1)")
+    up.add_argument("--workers", type=int, default=1,
+                    help="gpu_workers (default 1); with --tp N, tensor-parallel groups")  # fmt: skip
+    up.add_argument("--tp", type=int, default=1,
+                    help="ranks of each worker's tensor-parallel group (default 1; must divide the "
+                         "model's heads and hidden size: SmolLM2-135M 1 or 3)")  # fmt: skip
     up.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                     help="worker compute dtype")  # fmt: skip
     up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
@@ -132,7 +136,14 @@ def _up_detached(args, state_dir: Path) -> int:
     argv = [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state_dir), "up"]
     if args.model:
         argv += ["--model", args.model]
-    argv += ["--ram-budget-mib", str(args.ram_budget_mib), "--workers", str(args.workers)]
+    argv += [
+        "--ram-budget-mib",
+        str(args.ram_budget_mib),
+        "--workers",
+        str(args.workers),
+        "--tp",
+        str(args.tp),
+    ]
     argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib), *_batch_policy_flags(args)]
     if args.deterministic:
         argv += ["--deterministic"]
@@ -238,13 +249,14 @@ def _service_processes(
         )
     }  # fmt: skip
     store_flags = ["--adapter-store", processes["adapter_store"].address]
-    # Workers sharing one machine's cores split them rather than oversubscribe (CPU serving).
+    # Workers sharing one machine's cores split them rather than oversubscribe (CPU serving); a
+    # tensor-parallel group splits its share again between its ranks.
     threads = max(1, (os.cpu_count() or 1) // max(1, args.workers))
     for i in range(args.workers):
         processes[f"gpu_worker-{i}"] = service(
             "gpu_worker", f"gpu_worker-{i}",
             [*etcd_flags, *store_flags, "--dtype", args.dtype, "--pool-mib", str(args.pool_mib),
-             "--threads", str(threads), *_batch_policy_flags(args), *_deterministic_flags(args), *model_flags],
+             "--threads", str(threads), "--tp", str(args.tp), *_batch_policy_flags(args), *_deterministic_flags(args), *model_flags],
         )  # fmt: skip
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
     for i in range(args.schedulers):

@@ -35,7 +35,13 @@ class WorkerConfig(ServiceConfig):
     """Host RAM for adapter copies; beyond it, adapters no request uses are dropped least
     recently used first and fetched again when asked for (0: unbounded)."""
     threads: int = 0
-    """torch CPU threads (0: torch's default)."""
+    """torch CPU threads (0: torch's default); with --tp N, of the whole group, each rank taking
+    threads // N."""
+    tp: int = 1
+    """Ranks of one tensor-parallel group: this worker is rank 0 (it serves and broadcasts the
+    plans) and runs N−1 follower processes. Must divide the model's query heads, KV heads and
+    hidden size (SmolLM2-135M: 1 or 3); a bad degree is refused at start with the sharding
+    module's message. With N > 1: no dlora (fcfs), no KV borrowing (preempt), no lending."""
     lend_cap_blocks: int = 0
     """KV blocks (one page per layer each) other workers may borrow from this pool at most, all
     together (DistKV-LLM's lending cap); 0 lends nothing."""

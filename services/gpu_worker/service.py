@@ -20,6 +20,7 @@ from services.gpu_worker.kv_manager_directory import KvManagerDirectory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.servicer import WorkerServicer
+from services.gpu_worker.tp.group import start_group
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
 from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_members
 from services.runtime.stop_window import StopStringTail
@@ -86,31 +87,41 @@ class WorkerService:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         loaded = await asyncio.to_thread(load_model, cfg.model or None)
-        model = await asyncio.to_thread(LlamaModel, loaded.config, loaded.weights, dtype, device)
+        engine_config = EngineConfig(
+            pool_mib=cfg.pool_mib,
+            kv_block_tokens=cfg.kv_block_tokens,
+            max_running=cfg.max_running,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            lora_backend=cfg.lora_backend,
+            worker_id=cfg.instance_id,
+            max_lent_blocks=cfg.lend_cap_blocks,
+            kv_overflow=cfg.kv_overflow,
+            batch_policy=cfg.batch_policy,
+            preemption_policy=cfg.preemption_policy,
+            deterministic=cfg.deterministic,
+        )
+        model, executor = None, None
+        if cfg.tp > 1:
+            # Rank 0 of a tensor-parallel group; refuses a degree the model does not divide.
+            executor = await asyncio.to_thread(
+                start_group, loaded.config, loaded.weights, engine_config, cfg.tp,
+                model_path=cfg.model, dtype=dtype, device=str(device), threads=cfg.threads,
+            )  # fmt: skip
+        else:
+            model = await asyncio.to_thread(LlamaModel, loaded.config, loaded.weights, dtype, device)
 
         def connect(creditor: str, address: str) -> GrpcCreditorTransport:
             return GrpcCreditorTransport(creditor, address, engine.pool.layout, engine.distkv, tls=cfg.tls())
 
         engine = Engine(
             model,
-            EngineConfig(
-                pool_mib=cfg.pool_mib,
-                kv_block_tokens=cfg.kv_block_tokens,
-                max_running=cfg.max_running,
-                max_prefill_tokens=cfg.max_prefill_tokens,
-                lora_backend=cfg.lora_backend,
-                worker_id=cfg.instance_id,
-                max_lent_blocks=cfg.lend_cap_blocks,
-                kv_overflow=cfg.kv_overflow,
-                batch_policy=cfg.batch_policy,
-                preemption_policy=cfg.preemption_policy,
-                deterministic=cfg.deterministic,
-            ),
+            engine_config,
             eos_token_ids=loaded.config.eos_token_ids,
             # The engine only looks for stop strings in this text: a bounded tail, not the whole output.
             detokenize=StopStringTail(loaded.tokenizer.id_to_bytes),
             creditors=self.directory,
             connect=connect,
+            executor=executor,
         )
         engine.start()
         self.engine = engine
@@ -129,7 +140,13 @@ class WorkerService:
         )
         self.metrics.attach(engine, loader)
         self._parts = WorkerParts(engine, loader, loaded.config.name)
-        describe = {"model": loaded.config.name, "dtype": str(dtype).removeprefix("torch.")}
+        describe = {"model": loaded.config.name, "dtype": str(dtype).removeprefix("torch."), "tp": cfg.tp}
+        if cfg.tp > 1:
+            log.info(
+                "tensor-parallel group of %d ranks; fallbacks: %s",
+                cfg.tp,
+                ", ".join(engine.fallbacks) or "none",
+            )
         if cfg.deterministic:
             log.info("deterministic serving: batch-invariant numerics")
         self.servicer.attach(engine, loader, describe)
@@ -168,7 +185,7 @@ class WorkerService:
             return {"ready": False}
         stats = self.engine.stats()
         distkv = self.engine.distkv.totals()
-        return worker_load_to_report(
+        report = worker_load_to_report(
             WorkerLoad(
                 queue=stats.queue,
                 running=stats.running,
@@ -196,3 +213,10 @@ class WorkerService:
                 dgfm_blocks_recalled=self.engine.recalls.blocks_recalled,
             )
         )
+        # Beside WorkerLoad's fields (readers ignore unknown keys; `loramesh status` prints them):
+        # a tensor-parallel group's degree and what the engine could not do and fell back from.
+        if self.config.tp > 1:
+            report["tp"] = self.config.tp
+        if stats.fallbacks:
+            report["fallbacks"] = ",".join(stats.fallbacks)
+        return report

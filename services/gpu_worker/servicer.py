@@ -81,7 +81,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request: worker_pb2.GenerateRequest, context: aio.ServicerContext):
         engine = self.engine
         sampling = sampling_from_proto(request.sampling)
-        config = engine.model.config
+        config = engine.executor.config
         check_request(request.prompt_token_ids, sampling, config.vocab_size, config.max_position_embeddings)
         adapter_id = request.adapter_id or None
         if adapter_id is not None:

@@ -105,9 +105,11 @@ class Engine:
         self.policy, self.fallbacks = runnable_batch_policy(
             batch_policy or make_batch_policy(config.batch_policy), config, self.executor
         )
-        self.rm = RManager(
-            config.worker_id, self.pool, LendingConfig(config.max_lent_blocks), config.deterministic
-        )
+        lend_cap = config.max_lent_blocks if self.executor.supports_lending else 0
+        if config.max_lent_blocks and not lend_cap:
+            log.warning("this executor cannot lend KV blocks: the lending cap is 0")
+            self.fallbacks = (*self.fallbacks, "lend->off")
+        self.rm = RManager(config.worker_id, self.pool, LendingConfig(lend_cap), config.deterministic)
         self.distkv = DistKvMeter()
         """This worker's lending traffic, as debtor and as creditor (heartbeat and metrics)."""
         self.lending = MeteredLender(self.rm.lender, self.pool.layout, self.distkv)

@@ -32,15 +32,18 @@ class StepBuilder:
         model: LlamaModel,
         pool: UnifiedPool,
         rm: RManager | None = None,
+        shapes: dict[str, tuple[int, int]] | None = None,
     ):
-        """``rm``: the rManager the requests with borrowed blocks go through."""
+        """``rm``: the rManager the requests with borrowed blocks go through. ``shapes``: the
+        ``(in, out)`` widths of each projection's pool rows, when not the model's own (a
+        tensor-parallel rank's shard rows: ``TensorParallelLayout.shard_widths``)."""
         self.model = model
         self.pool = pool
         self.rm = rm
         cfg = model.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        self.shapes = {
+        self.shapes = shapes or {
             "q_proj": (hidden, q_dim),
             "k_proj": (hidden, kv_dim),
             "v_proj": (hidden, kv_dim),
