@@ -32,11 +32,12 @@ from pathlib import Path
 import torch
 
 from bench.out_dir import default_out
+from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
 from services.gpu_worker.tp.rank_group import GroupSpec, LocalRunner, RankGroup
 from services.gpu_worker.tp.sharding import TensorParallelLayout
-from services.gpu_worker.tp.step_plan import RequestStep
 from services.model_files.model_config import ModelConfig
+from services.runtime.sampling_params import SamplingParams
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -78,14 +79,26 @@ def random_adapter(name: str, config: ModelConfig, rank: int, seed: int) -> Host
     return HostAdapter(name, modules)
 
 
-def measure(runner, batch: int, adapters: list[str | None], warmup: int, steps: int, tag: str) -> dict:
+def step_plan(requests) -> StepPlan:
+    return StepPlan(tuple(requests), lora_backend="torch", batch_invariant=False)
+
+
+def measure(
+    runner, batch: int, adapters: list[AdapterSlot | None], warmup: int, steps: int, tag: str
+) -> dict:
     ids = [f"{tag}-{i}" for i in range(batch)]
-    plan = [RequestStep(rid, tuple(range(3, 11)), adapters[i % len(adapters)]) for i, rid in enumerate(ids)]
+    plan = step_plan(
+        PlannedRequest(rid, tuple(range(3, 11)), 0, (), adapters[i % len(adapters)], SamplingParams())
+        for i, rid in enumerate(ids)
+    )
     result = runner.step(plan)
     times, traffic = [], None
     for n in range(warmup + steps):
         tokens = result.logits.argmax(-1).tolist()
-        plan = [RequestStep(s.request_id, (t,), s.adapter_id) for s, t in zip(plan, tokens)]
+        plan = step_plan(
+            PlannedRequest(r.request_id, (t,), r.end_position, (), r.adapter, r.sampling)
+            for r, t in zip(plan.requests, tokens)
+        )
         result = runner.step(plan)
         if n >= warmup:
             times.append(result.seconds)
@@ -113,15 +126,19 @@ def run_model(name: str, config, weights, n: int, args) -> list[dict]:
         if size == 1:
             torch.set_num_threads(args.threads)
         with LocalRunner(spec) if size == 1 else RankGroup(spec) as runner:
-            adapters = {r: [f"r{r}-{j}" for j in range(args.k)] for r in args.ranks}
-            for r, names in adapters.items():
-                for j, a in enumerate(names):
-                    runner.load_adapter(random_adapter(a, config, r, seed=100 * r + j))
+            adapters: dict[int, list[AdapterSlot]] = {}
+            for r in args.ranks:
+                for j in range(args.k):
+                    adapter_id = f"r{r}-{j}"
+                    placement = runner.load_adapter(random_adapter(adapter_id, config, r, seed=100 * r + j))[
+                        0
+                    ][2]
+                    adapters.setdefault(r, []).append(AdapterSlot(adapter_id, placement))
             for batch in args.batches:
                 base = measure(runner, batch, [None], args.warmup, args.steps, f"b{batch}")
                 rows.append({"model": name, "tp": size, "batch": batch, "rank": 0, **base})
-                for r, names in adapters.items():
-                    m = measure(runner, batch, names, args.warmup, args.steps, f"b{batch}r{r}")
+                for r, slots in adapters.items():
+                    m = measure(runner, batch, slots, args.warmup, args.steps, f"b{batch}r{r}")
                     m["lora_overhead"] = m["step_ms"] / base["step_ms"] - 1
                     extra = m["step_ms"] - base["step_ms"]
                     m["lora_coll_share_of_lora_time"] = m["lora_coll_ms"] / extra if extra > 0 else None

@@ -8,8 +8,8 @@ A caller (the TP executor, the tests, the bench) does, on every rank, in the sam
     pool = build_rank_pool(config, layout, num_pages, kv_block_tokens, dtype)  # same num_pages
     residency = AdapterResidency(pool)
     page_adapter(residency, host_adapter, layout)      # the full adapter in, its shard paged
-    requests = RankRequests(pool, residency, lora_shapes(config, layout))
-    logits = model.forward(requests.build(plan), pool)   # same plan on every rank
+    builder = StepBuilder(model, pool, shapes=lora_shapes(layout))   # tp_executor.lora_shapes
+    logits = model.forward(builder.build(plan, residency.get), pool)   # same StepPlan on every rank
 """
 
 from __future__ import annotations

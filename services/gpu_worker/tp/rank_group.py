@@ -4,9 +4,15 @@
 Each rank process joins a ``torch.distributed`` group (a TCP store on a free loopback port),
 builds its shard model and a pool of its ``kv_dim`` with the same number of pages as every other
 rank, and then obeys the parent's commands, sent to every rank over its own pipe: page an
-adapter (each rank shards it), run a step (:class:`RequestStep` list; rank 0 returns the logits
-and the step's counted traffic), finish requests. :class:`LocalRunner` is the same interface
-over the single-device ``LlamaModel`` (the reference).
+adapter (each rank shards it; the reply names its placement), run a step (a :class:`StepPlan`;
+rank 0 returns the logits and the step's counted traffic), finish requests. :class:`LocalRunner`
+is the same interface over the single-device ``LlamaModel`` (the reference).
+
+The caller's plans name each request's new tokens, start position and adapter slot, with no KV
+pages (``kv_blocks`` = ``()``): as the engine does, every rank reserves each request's pages in a
+:class:`KvTable` (in the plan's order, from a pool with the same number of pages as every other
+rank's, so the page ids agree), puts them in ``kv_blocks`` and builds the batch with the engine's
+:class:`StepBuilder` (a rank's shard widths as its LoRA row shapes).
 
 Processes are bounded: every reply is awaited with a timeout (a hang guard, not a verdict), and
 ``close`` (also on error and on ``with`` exit) stops, then terminates, then kills every rank.
@@ -17,20 +23,23 @@ from __future__ import annotations
 import socket
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Self
 
 import torch
 
+from services.gpu_worker.engine.step_builder import StepBuilder
+from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.tp.collectives import SingleProcess, TorchDistributedCollectives
 from services.gpu_worker.tp.context import TensorParallelContext
 from services.gpu_worker.tp.rank import build_rank_model, build_rank_pool, page_adapter, placement_fingerprint
 from services.gpu_worker.tp.sharding import TensorParallelLayout
-from services.gpu_worker.tp.step_plan import RankRequests, RequestStep, lora_shapes
+from services.gpu_worker.tp.tp_executor import lora_shapes
 from services.model_files.model_config import ModelConfig
 
 
@@ -73,14 +82,35 @@ class _Rank:
             self.model = LlamaModel(spec.config, spec.weights, spec.dtype)
         self.pool = build_rank_pool(spec.config, layout, spec.num_pages, spec.kv_block_tokens, spec.dtype)
         self.residency = AdapterResidency(self.pool)
-        self.requests = RankRequests(self.pool, self.residency, lora_shapes(spec.config, layout))
+        shapes = lora_shapes(layout) if layout.size > 1 else None
+        self.builder = StepBuilder(self.model, self.pool, shapes=shapes)
+        self.tables: dict[str, KvTable] = {}
+
+    def with_pages(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with each request's KV pages reserved (in plan order) and put in ``kv_blocks``."""
+        requests = []
+        for request in plan.requests:
+            if request.kv_blocks or request.borrowed:
+                raise ValueError(
+                    f"{request.request_id}: the harness reserves the KV pages; pass kv_blocks=()"
+                )
+            if request.adapter is not None:
+                resident = self.residency.get(request.adapter.adapter_id)
+                if resident is None or resident.placement != request.adapter.placement:
+                    raise ValueError(f"{request.request_id}: adapter {request.adapter} is not resident")
+            table = self.tables.get(request.request_id)
+            if table is None:
+                table = self.tables[request.request_id] = KvTable(self.pool)
+            table.reserve(request.end_position)
+            requests.append(replace(request, kv_blocks=tuple(tuple(b) for b in table.blocks)))
+        return replace(plan, requests=tuple(requests))
 
     def handle(self, command: str, arg):
         if command == "adapter":
-            fingerprint = placement_fingerprint(page_adapter(self.residency, arg, self.layout))
-            return fingerprint, tuple(self.residency.ids())
+            resident = page_adapter(self.residency, arg, self.layout)
+            return placement_fingerprint(resident), tuple(self.residency.ids()), resident.placement
         if command == "step":
-            batch = self.requests.build(arg)
+            batch = self.builder.build(self.with_pages(arg), self.residency.get)
             self.collectives.traffic.reset()
             start = time.perf_counter()
             logits = self.model.forward(batch, self.pool)
@@ -88,7 +118,8 @@ class _Rank:
             return StepResult(logits if self.layout.rank == 0 else torch.empty(0), seconds,
                               self.collectives.traffic.snapshot())  # fmt: skip
         if command == "finish":
-            self.requests.finish(arg)
+            for request_id in arg:
+                self.tables.pop(request_id).release()
             return None
         raise ValueError(f"unknown command {command!r}")
 
@@ -182,12 +213,13 @@ class RankGroup:
             raise
 
     def load_adapter(self, adapter: HostAdapter) -> list[tuple]:
-        """Page ``adapter``'s shard on every rank; per rank, its placement fingerprint and the
-        ids resident after it (in LRU order: an eviction shows)."""
+        """Page ``adapter``'s shard on every rank; per rank, its placement fingerprint, the ids
+        resident after it (in LRU order: an eviction shows) and its placement (for an
+        ``AdapterSlot``)."""
         return self._all("adapter", adapter)
 
-    def step(self, steps: list[RequestStep]) -> StepResult:
-        return self._all("step", steps)[0]
+    def step(self, plan: StepPlan) -> StepResult:
+        return self._all("step", plan)[0]
 
     def finish(self, request_ids: list[str]) -> None:
         self._all("finish", list(request_ids))
@@ -230,8 +262,8 @@ class LocalRunner:
     def load_adapter(self, adapter: HostAdapter) -> list[tuple]:
         return [self._rank.handle("adapter", adapter)]
 
-    def step(self, steps: list[RequestStep]) -> StepResult:
-        return self._rank.handle("step", steps)
+    def step(self, plan: StepPlan) -> StepResult:
+        return self._rank.handle("step", plan)
 
     def finish(self, request_ids: list[str]) -> None:
         self._rank.handle("finish", list(request_ids))

@@ -23,13 +23,14 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
 from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.tp.rank_group import GroupSpec, LocalRunner, RankGroup
 from services.gpu_worker.tp.sharding import COLUMN_PARALLEL, TensorParallelLayout
-from services.gpu_worker.tp.step_plan import RequestStep
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.model_config import ModelConfig
 from services.model_files.peft_format import LORA_TARGETS
+from services.runtime.sampling_params import SamplingParams
 
 N = 3
 ATOL = 1e-4
@@ -57,19 +58,19 @@ REQUESTS = [  # (prompt length, adapter); the last two arrive at the second step
 ]  # fmt: skip
 
 
-def analytic_bytes(adapters, steps: list[RequestStep], config: ModelConfig, elem: int = 4) -> dict:
+def analytic_bytes(adapters, plan: StepPlan, config: ModelConfig, elem: int = 4) -> dict:
     layout = TensorParallelLayout.for_config(config, N)
-    tokens = sum(len(s.new_token_ids) for s in steps)
+    tokens = sum(len(r.token_ids) for r in plan.requests)
     base = config.num_layers * 2 * Fraction(2 * (N - 1) * tokens * config.hidden_size * elem, N)
     gathered = reduced = 0
-    for s in steps:
-        if s.adapter_id is None:
+    for r in plan.requests:
+        if r.adapter is None:
             continue
-        for (_, module), factors in adapters[s.adapter_id].modules.items():
+        for (_, module), factors in adapters[r.adapter.adapter_id].modules.items():
             if module in COLUMN_PARALLEL:
-                gathered += len(s.new_token_ids) * layout.padded_rank(factors.rank)
+                gathered += len(r.token_ids) * layout.padded_rank(factors.rank)
             else:
-                reduced += len(s.new_token_ids) * factors.rank
+                reduced += len(r.token_ids) * factors.rank
     lora = Fraction((N - 1) * gathered * elem, N) + Fraction(2 * (N - 1) * reduced * elem, N)
     return {"base": base, "lora": lora}
 
@@ -83,37 +84,48 @@ def run_scenario(config, weights, adapters, prompts: list[list[int]], decode_ste
     spec = GroupSpec(config=config, weights=weights, size=N, num_pages=num_pages)
     reference = LocalRunner(GroupSpec(config=config, weights=weights, size=1, num_pages=num_pages))
     worst, checks = 0.0, []
+    slots: dict[str, AdapterSlot] = {}
     with RankGroup(spec) as group:
         for adapter in adapters.values():
             fingerprints = group.load_adapter(adapter)
             assert all(f == fingerprints[0] for f in fingerprints), "placement differs between ranks"
-            reference.load_adapter(adapter)
+            placement = fingerprints[0][2]
+            assert reference.load_adapter(adapter)[0][2] == placement
+            slots[adapter.adapter_id] = AdapterSlot(adapter.adapter_id, placement)
         loaded = tuple(adapters)
-        assert all(ids == loaded for _, ids in fingerprints), "an adapter was evicted: give more pages"
+        assert all(ids == loaded for _, ids, _ in fingerprints), "an adapter was evicted: give more pages"
         assert reference.load_adapter(adapters[loaded[-1]])[0][1] == loaded
         last: dict[str, int] = {}
+        computed: dict[str, int] = {}
 
-        def step(plan: list[RequestStep]) -> None:
+        def step(requests: list[PlannedRequest]) -> None:
             nonlocal worst
+            plan = StepPlan(tuple(requests), lora_backend="torch", batch_invariant=False)
             ours, theirs = group.step(plan), reference.step(plan)
             diff = (ours.logits - theirs.logits).abs().max().item()
             worst = max(worst, diff)
             assert diff <= ATOL, f"step {len(checks)}: logits differ by {diff:.2e}"
             tokens, expected = ours.logits.argmax(-1).tolist(), theirs.logits.argmax(-1).tolist()
             assert tokens == expected
-            for s, t in zip(plan, tokens):
-                last[s.request_id] = t
+            for r, t in zip(requests, tokens):
+                last[r.request_id] = t
+                computed[r.request_id] = r.end_position
             analytic = analytic_bytes(adapters, plan, config)
             for tag in ("base", "lora"):
                 assert counted(ours.traffic, tag) == analytic[tag], (tag, ours.traffic, analytic)
             assert ours.traffic["base/all_reduce"]["calls"] == 2 * config.num_layers
-            checks.append((sum(len(s.new_token_ids) for s in plan), analytic))
+            checks.append((sum(len(r.token_ids) for r in requests), analytic))
 
-        def request(i: int) -> RequestStep:
-            return RequestStep(f"r{i}", tuple(prompts[i]), REQUESTS[i][1])
+        def planned(i: int, token_ids: tuple[int, ...]) -> PlannedRequest:
+            rid, adapter = f"r{i}", REQUESTS[i][1]
+            slot = slots[adapter] if adapter is not None else None
+            return PlannedRequest(rid, token_ids, computed.get(rid, 0), (), slot, SamplingParams())
 
-        def decode(ids) -> list[RequestStep]:
-            return [RequestStep(f"r{i}", (last[f"r{i}"],), REQUESTS[i][1]) for i in ids]
+        def request(i: int) -> PlannedRequest:
+            return planned(i, tuple(prompts[i]))
+
+        def decode(ids) -> list[PlannedRequest]:
+            return [planned(i, (last[f"r{i}"],)) for i in ids]
 
         step([request(i) for i in range(4)])
         step(decode(range(4)) + [request(4), request(5)])  # decodes and prefills in one batch
