@@ -14,8 +14,9 @@ level that shapes latency under load:
   idle adapters LRU) and reserves the request's context (prompt + tokens so far), not its whole
   output.
 - Every step each running request's KV grows by a token; when the pool runs dry, idle adapters
-  are evicted and then the newest running request is preempted (its KV freed, back to the front
-  of the queue, its context recomputed when it starts again).
+  are evicted and then the running request the worker's preemption policy names (the newest by
+  default) is preempted (its KV freed, back to the front of the queue, its context recomputed
+  when it starts again).
 - A step prefills the admitted contexts (the prefill emits the first token) and decodes one
   token for every running request; its duration is the cost model's.
 """
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 
 from bench.cluster_sim.cost_model import StepCostModel, StepShape, shape_of
 from services.gpu_worker.engine.admission import Start, admit
+from services.gpu_worker.engine.policies.batch_policy import RunningRequest
+from services.gpu_worker.engine.policies.preemption import make_preemption_policy
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class WorkerSpec:
     """Host RAM for adapter copies, in the pool's token units (0: unbounded)."""
     rate_window_s: float = 2.0
     """Window of the reported tokens_per_s."""
+    preemption_policy: str = "newest"
+    """Which running request is preempted when the pool runs dry: the worker's
+    ``--preemption-policy`` (``services/gpu_worker/engine/policies/preemption.py``)."""
 
 
 @dataclass
@@ -263,11 +269,16 @@ class SimWorker:
 
     def _preempt_until_it_fits(self) -> None:
         """Make room for the running requests' KV: idle adapters go first, then the newest
-        requests (back to the front of the queue)."""
+        requests the worker's preemption policy names (back to the front of the queue)."""
+        policy = make_preemption_policy(self.spec.preemption_policy)
         while self.running and self.used_tokens() > self.spec.memory_tokens:
             if self._evict_one_idle():
                 continue
-            victim = self.running.pop()
+            views = [
+                RunningRequest(r.request_id, r.adapter or None, r.arrival_s, context_tokens=r.context_tokens)
+                for r in self.running
+            ]
+            victim = self.running.pop(views.index(policy.victim(views)))
             victim.preemptions += 1
             self.preemptions += 1
             self.queue.insert(0, victim)

@@ -118,6 +118,21 @@ def test_a_pool_that_runs_dry_preempts_the_newest_request_which_recomputes_its_c
     assert [r.preemptions for r in result.requests] == [0, 1]
 
 
+def test_the_simulated_worker_preempts_whom_its_preemption_policy_names():
+    # a has the longer prompt (12 vs 10): newest preempts b, fewest_computed preempts b too (the
+    # shorter context); with b the longer one, fewest_computed preempts a instead.
+    def preempted(policy: str, a_len: int, b_len: int) -> list[int]:
+        spec = WorkerSpec(max_running=8, memory_tokens=80 + a_len + b_len, adapter_load_ms=100.0,
+                          preemption_policy=policy)  # fmt: skip
+        trace = [request(0.0, a_len, 2, rid="a"), request(0.0, b_len, 2, rid="b")]
+        return [r.preemptions for r in simulate(trace, Always("w000"), spec=spec).requests]
+
+    assert preempted("newest", 12, 10) == [0, 1]
+    assert preempted("fewest_computed", 12, 10) == [0, 1]
+    assert preempted("newest", 10, 12) == [0, 1]
+    assert preempted("fewest_computed", 10, 12) == [1, 0]
+
+
 def test_migration_moves_a_queued_request_with_its_adapter_and_is_counted():
     spec = WorkerSpec(max_running=1, memory_tokens=10_000, adapter_load_ms=100.0)
     trace = [request(0.0, 10, 10, rid="long"), request(0.0, 10, 2, rid="short")]
