@@ -14,8 +14,11 @@ from bench.policies.traces import zipf_gamma_trace
 from bench.systems.engine_system import EngineSystem, EngineSystemOptions
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
 
-TIGHT_POOL_MIB = 4.0
-"""A pool that holds a few requests' KV beside their adapters: decodes force preemptions."""
+TIGHT_POOL_MIB = 8.0
+"""A pool (fp32 SmolLM2) that holds one rank-8 adapter and a few requests' KV: decodes force preemptions."""
+ADAPTERS = 1
+"""One adapter, so the pool's room goes to KV and many requests run (and grow) together; with
+the profile's 8 distinct adapters a tight pool runs one request at a time and never preempts."""
 
 
 def make_system(name: str) -> EngineSystem:
@@ -31,8 +34,8 @@ def run(profile: PolicyBenchProfile, setting: RunSetting, capacity_rps: float, l
         pool_mib=TIGHT_POOL_MIB,
     )
     trace = zipf_gamma_trace(
-        profile.abort_adapters, 1.0, rate, 1.0, trace_seconds(profile.abort_requests, rate),
-        profile.input_range, profile.output_range, profile.seed,
+        ADAPTERS, 1.0, rate, 1.0, trace_seconds(profile.abort_requests, rate),
+        profile.input_range, profile.skew_output_range, profile.seed,
     )  # fmt: skip
     rows = []
     for name in sorted(PREEMPTION_POLICIES):
