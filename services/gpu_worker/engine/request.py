@@ -147,7 +147,7 @@ class EngineRequest:
             request_id=self.request_id,
             token_ids=tokens,
             start_position=start,
-            kv_blocks=() if borrowed else tuple(map(tuple, self.kv.blocks)),
+            kv_blocks=() if borrowed else self.kv.frozen_blocks(),
             adapter=adapter,
             sampling=self.spec.sampling,
             borrowed=borrowed,

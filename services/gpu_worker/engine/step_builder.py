@@ -143,7 +143,8 @@ class StepBuilder:
                 tables.append(torch.zeros(blocks, layout.num_layers, dtype=torch.int64, device=device))
                 continue
             cached = self._tables.get(request.request_id)
-            if cached is None or cached[0] != request.kv_blocks:
+            # Identity first: a local plan hands over the request's own cached tuple.
+            if cached is None or (cached[0] is not request.kv_blocks and cached[0] != request.kv_blocks):
                 table = torch.tensor(request.kv_blocks, dtype=torch.int64, device=device)
                 cached = (request.kv_blocks, table.reshape(len(request.kv_blocks), layout.num_layers))
             kept[request.request_id] = cached

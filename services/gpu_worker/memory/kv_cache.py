@@ -16,6 +16,7 @@ class KvTable:
         self.pool = pool
         self.blocks: list[list[int]] = []
         self._table: torch.Tensor | None = None
+        self._frozen: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def capacity(self) -> int:
@@ -35,19 +36,26 @@ class KvTable:
         pages = self.pool.allocate(needed, PageUse.KV)
         layers = self.pool.layout.num_layers
         self.blocks.extend(pages[i : i + layers] for i in range(0, needed, layers))
-        self._table = None
+        self._table = self._frozen = None
 
     def release(self) -> None:
         for block in self.blocks:
             self.pool.free(block)
         self.blocks = []
-        self._table = None
+        self._table = self._frozen = None
 
     def hand_over(self) -> list[list[int]]:
         """Empty the table without freeing its pages; returns them (per block, one page per layer)
         for a new owner (the rManager, when the request starts to borrow)."""
-        blocks, self.blocks, self._table = self.blocks, [], None
+        blocks, self.blocks, self._table, self._frozen = self.blocks, [], None, None
         return blocks
+
+    def frozen_blocks(self) -> tuple[tuple[int, ...], ...]:
+        """``blocks`` as tuples, one object until the pages change: a step plan carries it, and
+        the step builder sees by identity that a request's table is the one it already has."""
+        if self._frozen is None:
+            self._frozen = tuple(map(tuple, self.blocks))
+        return self._frozen
 
     def table(self) -> torch.Tensor:
         """``[num_blocks, num_layers]`` int64 page ids on the pool's device."""
