@@ -22,6 +22,7 @@ from loramesh_cli.tls_options import cli_tls
 from services.gateway.auth import ApiKeys, hashed_keys
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
+from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
 from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.errors import InvalidArgument
 from services.runtime.etcd_server import EtcdServer
@@ -60,6 +61,10 @@ def add_parsers(sub) -> None:
                          "model's heads and hidden size: SmolLM2-135M 1 or 3)")  # fmt: skip
     up.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                     help="worker compute dtype")  # fmt: skip
+    up.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
+                    help="base weights' format on CPU workers: q4_1 (GGUF Q4_1 blocks, exact over the "
+                         "default model's Q4_1 file), q8_0, or none (dequantized to --dtype); auto: "
+                         "the worker's default for its device (docs/operations.md, \"Quantized base\")")  # fmt: skip
     up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
     up.add_argument("--batch-policy", default="", choices=["", *sorted(BATCH_POLICIES)],
                     help="each worker's batch policy (docs/batch-policies.md; default: the worker's)")  # fmt: skip
@@ -144,7 +149,8 @@ def _up_detached(args, state_dir: Path) -> int:
         "--tp",
         str(args.tp),
     ]
-    argv += ["--dtype", args.dtype, "--pool-mib", str(args.pool_mib), *_batch_policy_flags(args)]
+    argv += ["--dtype", args.dtype, "--quantization", args.quantization, "--pool-mib", str(args.pool_mib)]
+    argv += _batch_policy_flags(args)
     if args.deterministic:
         argv += ["--deterministic"]
     argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers), *_scheduler_flags(args)]
@@ -255,7 +261,8 @@ def _service_processes(
     for i in range(args.workers):
         processes[f"gpu_worker-{i}"] = service(
             "gpu_worker", f"gpu_worker-{i}",
-            [*etcd_flags, *store_flags, "--dtype", args.dtype, "--pool-mib", str(args.pool_mib),
+            [*etcd_flags, *store_flags, "--dtype", args.dtype, "--quantization", args.quantization,
+             "--pool-mib", str(args.pool_mib),
              "--threads", str(threads), "--tp", str(args.tp), *_batch_policy_flags(args), *_deterministic_flags(args), *model_flags],
         )  # fmt: skip
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).

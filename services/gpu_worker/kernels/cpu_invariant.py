@@ -41,7 +41,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I64, _PTR, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
 
-def _struct(name: str, fields: str) -> type[ctypes.Structure]:
+def call_struct(name: str, fields: str) -> type[ctypes.Structure]:
     """A ctypes mirror of a C call struct: ``fields`` as "name:type ..." (p pointer, i int64, d double)."""
     kinds = {"p": _PTR, "i": _I64, "d": _F64}
     return type(
@@ -51,32 +51,32 @@ def _struct(name: str, fields: str) -> type[ctypes.Structure]:
     )
 
 
-_LinearCall = _struct(
+_LinearCall = call_struct(
     "_LinearCall",
     "x:p x_dtype:i x_stride:i rows:i in_features:i w:p w_dtype:i out_features:i bias:p bias_dtype:i "
     "y:p y_dtype:i y_stride:i num_threads:i",
 )
-_AttentionCall = _struct(
+_AttentionCall = call_struct(
     "_AttentionCall",
     "q:p q_dtype:i q_stride:i out:p out_dtype:i out_stride:i pool:p pool_dtype:i num_heads:i "
     "num_kv_heads:i head_dim:i block_tokens:i num_rows:i rows:p positions:p tables:p table_stride:i "
     "table_of_row:p scale:d num_threads:i",
 )
-_PartialsCall = _struct(
+_PartialsCall = call_struct(
     "_PartialsCall",
     "q:p q_dtype:i num_queries:i positions:p pool:p pool_dtype:i num_heads:i num_kv_heads:i head_dim:i "
     "block_tokens:i num_blocks:i key_blocks:p first_positions:p out:p lse:p scale:d num_threads:i",
 )
-_CombineCall = _struct(
+_CombineCall = call_struct(
     "_CombineCall",
     "partials:p lse:p num_queries:i num_blocks:i num_heads:i head_dim:i out:p out_lse:p num_threads:i",
 )
-_RmsNormCall = _struct(
+_RmsNormCall = call_struct(
     "_RmsNormCall",
     "x:p x_dtype:i x_stride:i weight:p weight_dtype:i y:p y_dtype:i y_stride:i rows:i width:i eps:d "
     "num_threads:i",
 )
-_SiluMulCall = _struct(
+_SiluMulCall = call_struct(
     "_SiluMulCall", "gate:p up:p stride:i y:p y_stride:i dtype:i rows:i width:i num_threads:i"
 )
 
@@ -127,7 +127,7 @@ def _lib() -> ctypes.CDLL:
     return library
 
 
-def _code(name: str, t: torch.Tensor) -> int:
+def dtype_code(name: str, t: torch.Tensor) -> int:
     code = DTYPE_CODES.get(t.dtype)
     if code is None or not t.is_cpu:
         raise ValueError(
@@ -136,7 +136,7 @@ def _code(name: str, t: torch.Tensor) -> int:
     return code
 
 
-def _rows(name: str, t: torch.Tensor, width: int) -> int:
+def row_stride(name: str, t: torch.Tensor, width: int) -> int:
     """The row stride of a 2-D ``t`` of ``width`` columns with unit column stride."""
     if t.dim() != 2 or t.shape[1] != width or (t.stride(1) != 1 and t.shape[1] > 1):
         raise ValueError(f"cpu_invariant: {name} must be [rows, {width}] with unit column stride")
@@ -168,10 +168,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"cpu_invariant: bias must be a contiguous [{n}]")
     call = _LinearCall(
-        x.data_ptr(), _code("x", x), _rows("x", x, k), x.shape[0], k,
-        weight.data_ptr(), _code("weight", weight), n,
-        None if bias is None else bias.data_ptr(), 0 if bias is None else _code("bias", bias),
-        out.data_ptr(), _code("out", out), _rows("out", out, n), torch.get_num_threads(),
+        x.data_ptr(), dtype_code("x", x), row_stride("x", x, k), x.shape[0], k,
+        weight.data_ptr(), dtype_code("weight", weight), n,
+        None if bias is None else bias.data_ptr(), 0 if bias is None else dtype_code("bias", bias),
+        out.data_ptr(), dtype_code("out", out), row_stride("out", out, n), torch.get_num_threads(),
     )  # fmt: skip
     _run("invariant_linear", call)
 
@@ -185,8 +185,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
             f"cpu_invariant: rms_norm of x {list(x.shape)} needs weight [{width}] and out like x"
         )
     call = _RmsNormCall(
-        x.data_ptr(), _code("x", x), _rows("x", x, width), weight.data_ptr(), _code("weight", weight),
-        out.data_ptr(), _code("out", out), _rows("out", out, width), x.shape[0], width, eps,
+        x.data_ptr(), dtype_code("x", x), row_stride("x", x, width), weight.data_ptr(), dtype_code("weight", weight),
+        out.data_ptr(), dtype_code("out", out), row_stride("out", out, width), x.shape[0], width, eps,
         torch.get_num_threads(),
     )  # fmt: skip
     _run("invariant_rms_norm", call)
@@ -196,15 +196,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
     """``out = round(silu(gate)) * up``, all three [M, I] of one dtype, ``gate``/``up`` sharing a
     row stride (the halves of one gate_up matmul)."""
     width = gate.shape[1]
-    stride = _rows("gate", gate, width)
-    if up.shape != gate.shape or _rows("up", up, width) != stride or out.shape != gate.shape:
+    stride = row_stride("gate", gate, width)
+    if up.shape != gate.shape or row_stride("up", up, width) != stride or out.shape != gate.shape:
         raise ValueError(
             "cpu_invariant: silu_mul needs gate, up and out of one shape, gate and up one stride"
         )
     if not gate.dtype == up.dtype == out.dtype:
         raise ValueError("cpu_invariant: silu_mul needs gate, up and out of one dtype")
     call = _SiluMulCall(
-        gate.data_ptr(), up.data_ptr(), stride, out.data_ptr(), _rows("out", out, width), _code("out", out),
+        gate.data_ptr(), up.data_ptr(), stride, out.data_ptr(), row_stride("out", out, width), dtype_code("out", out),
         gate.shape[0], width, torch.get_num_threads(),
     )  # fmt: skip
     _run("invariant_silu_mul", call)
@@ -239,8 +239,8 @@ def attention(
     if tables.dim() != 2 or rows.shape != table_of_row.shape:
         raise ValueError("cpu_invariant: tables must be 2-D and rows / table_of_row of one length")
     call = _AttentionCall(
-        q.data_ptr(), _code("q", q), _rows("q", q, width), out.data_ptr(), _code("out", out),
-        _rows("out", out, width), pool.data_ptr(), _code("pool", pool), width // head_dim, num_kv_heads,
+        q.data_ptr(), dtype_code("q", q), row_stride("q", q, width), out.data_ptr(), dtype_code("out", out),
+        row_stride("out", out, width), pool.data_ptr(), dtype_code("pool", pool), width // head_dim, num_kv_heads,
         head_dim, block_tokens, rows.numel(), _index("rows", rows), _index("positions", positions),
         _index("tables", tables), tables.shape[1], _index("table_of_row", table_of_row),
         default_scale(head_dim), torch.get_num_threads(),
@@ -268,8 +268,8 @@ def block_partials(
     out = torch.empty(n, blocks, heads, head_dim, dtype=torch.float32)
     lse = torch.empty(n, blocks, heads, dtype=torch.float32)
     call = _PartialsCall(
-        queries.data_ptr(), _code("queries", queries), n, _index("positions", positions), pool.data_ptr(),
-        _code("pool", pool), heads, num_kv_heads, head_dim, block_tokens, blocks,
+        queries.data_ptr(), dtype_code("queries", queries), n, _index("positions", positions), pool.data_ptr(),
+        dtype_code("pool", pool), heads, num_kv_heads, head_dim, block_tokens, blocks,
         _index("key_blocks", key_blocks), _index("first_positions", first_positions), out.data_ptr(),
         lse.data_ptr(), default_scale(head_dim), torch.get_num_threads(),
     )  # fmt: skip

@@ -1,5 +1,7 @@
 """The base model's matmuls in the compute dtype, with weights kept in their storage dtype.
 
+Quantized weights (``QuantizedWeight``) go to their own kernel, which reads the blocks as they are.
+
 When the two differ (bf16 weights on a CPU without bf16 GEMM units, see ``compute_dtype``), each
 weight is widened into one reusable scratch buffer right before its matmul, so memory holds the
 16-bit weights plus one layer's largest matrix in fp32, never an fp32 copy of the model. A weight
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from services.gpu_worker.model.quantized_weight import QuantizedWeight
 
 
 class BaseMatmul:
@@ -24,6 +28,8 @@ class BaseMatmul:
         """``F.linear(x, weight, bias)`` computed in the compute dtype."""
         if bias is not None:
             bias = bias.to(self.compute_dtype)
+        if isinstance(weight, QuantizedWeight):
+            return weight.linear(x, bias, self.compute_dtype)
         if weight.dtype == self.compute_dtype:
             return F.linear(x, weight, bias)
         rows, cols = weight.shape

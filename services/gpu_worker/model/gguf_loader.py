@@ -28,6 +28,7 @@ from gguf.quants import dequantize
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from services.gpu_worker.model.quantized_weight import GGML_TYPES, QuantizedWeight
 from services.model_files.cache_dir import default_cache_dir
 from services.model_files.model_config import ModelConfig
 from services.model_files.tokenizer import Tokenizer
@@ -93,6 +94,25 @@ def convert_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.
         weights[hf_name(tensor.name)] = torch.from_numpy(np.array(w, copy=not w.flags.writeable))
     config.check_weights(weights)
     return weights
+
+
+def quantized_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, QuantizedWeight]:
+    """The file's Q4_1 and Q8_0 tensors as their own blocks, under their HF names, q/k rows
+    un-permuted (a row permutation moves whole rows of blocks, so the bytes are untouched)."""
+    permuted = config.architecture in ("llama", "mistral")
+    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    formats = {ggml_type: fmt for fmt, ggml_type in GGML_TYPES.items()}
+    found = {}
+    for tensor in reader.tensors:
+        fmt = formats.get(tensor.tensor_type)
+        if fmt is None or tensor.name in _METADATA_TENSORS:
+            continue
+        rows = np.asarray(tensor.data)
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if permuted and kind in heads:
+            rows = unpermute_rotary(rows, heads[kind])
+        found[hf_name(tensor.name)] = QuantizedWeight.from_gguf_rows(rows, fmt)
+    return found
 
 
 def cache_path(gguf_path: Path, cache_dir: Path | None = None) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from services.gpu_worker.kernels import cpu_invariant
+from services.gpu_worker.model.quantized_weight import QuantizedWeight
 
 
 class InvariantMatmul:
@@ -25,6 +26,8 @@ class InvariantMatmul:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for ``x`` [T, in] in the compute dtype."""
+        if isinstance(weight, QuantizedWeight):  # its kernel keeps the same contract
+            return weight.linear(x, bias, self.compute_dtype)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=self.compute_dtype, device=x.device)
         cpu_invariant.linear(x, weight, bias, out)
         return out

@@ -28,6 +28,7 @@ from services.gpu_worker.model.base_matmul import BaseMatmul
 from services.gpu_worker.model.chunked_attention import attend_locally, local_queries
 from services.gpu_worker.model.compute_dtype import resolve_compute_dtype
 from services.gpu_worker.model.invariant_matmul import InvariantMatmul
+from services.gpu_worker.model.quantized_weight import QuantizedWeight
 from services.gpu_worker.model.rope import RotaryTable
 from services.gpu_worker.model.step_batch import StepBatch
 from services.model_files.model_config import ModelConfig
@@ -39,14 +40,26 @@ _GATE_UP = ("gate_proj", "up_proj")
 _DOWN = ("down_proj",)
 
 
+def _cat(weights: list) -> torch.Tensor | QuantizedWeight:
+    """Row-concatenated weights (fused projections), quantized or not."""
+    if isinstance(weights[0], QuantizedWeight):
+        return QuantizedWeight.cat(weights)
+    return torch.cat(weights)
+
+
+def _on_device(weight, device, dtype):
+    return weight if isinstance(weight, QuantizedWeight) else weight.to(device=device, dtype=dtype)
+
+
 class _Layer:
     """One decoder block's weights, q/k/v and gate/up fused so the base matmuls are few."""
 
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, dtype, device):
-        def w(name: str) -> torch.Tensor:
-            return weights[f"{prefix}.{name}"].to(device=device, dtype=dtype)
+        def w(name: str) -> torch.Tensor | QuantizedWeight:
+            weight = weights[f"{prefix}.{name}"]
+            return weight if isinstance(weight, QuantizedWeight) else weight.to(device=device, dtype=dtype)
 
-        self.qkv = torch.cat(
+        self.qkv = _cat(
             [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]
         )
         self.qkv_bias = (
@@ -55,7 +68,7 @@ class _Layer:
             else None
         )
         self.o = w("self_attn.o_proj.weight")
-        self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+        self.gate_up = _cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
         self.down = w("mlp.down_proj.weight")
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
@@ -86,16 +99,24 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype or resolve_compute_dtype(dtype, self.device)
-        self.embed = weights["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
+        self.embed = _on_device(weights["model.embed_tokens.weight"], self.device, dtype)
         self.lm_head = (
             self.embed
             if config.tie_word_embeddings or "lm_head.weight" not in weights
-            else weights["lm_head.weight"].to(device=self.device, dtype=dtype)
+            else _on_device(weights["lm_head.weight"], self.device, dtype)
         )
         self.norm = weights["model.norm.weight"].to(device=self.device, dtype=dtype)
         self.layers = [
             _Layer(weights, f"model.layers.{i}", config, dtype, self.device) for i in range(config.num_layers)
         ]
+        qkv = self.layers[0].qkv if self.layers else None
+        self.quantization = qkv.format if isinstance(qkv, QuantizedWeight) else "none"
+        """The projections' block format (``quantization.py``); ``none``: dequantized weights."""
+        if self.quantization != "none" and (self.device.type != "cpu" or tp is not None):
+            raise ValueError(
+                f"--quantization {self.quantization} runs on one CPU worker (its kernels are CPU-only "
+                "and not sharded): serve a GPU or tensor-parallel worker with --quantization none"
+            )
         self.rope = RotaryTable(
             config.head_dim,
             config.rope_theta,
@@ -156,7 +177,10 @@ class LlamaModel:
         if tp is not None:
             tp.check_batch(batch)
             lora = tp.lora
-        x = self.embed[batch.token_ids].to(self.compute_dtype)
+        if isinstance(self.embed, QuantizedWeight):
+            x = self.embed.rows(batch.token_ids).to(self.compute_dtype)
+        else:
+            x = self.embed[batch.token_ids].to(self.compute_dtype)
         linear = self.invariant_matmul.linear if invariant else self.matmul.linear
         queries = local_queries(batch) if invariant else None
         for index, layer in enumerate(self.layers):

@@ -1,0 +1,293 @@
+/* The base model's matmuls over weights kept in GGUF block formats: y = x @ dequant(W)^T (+ b).
+ *
+ * Q4_1: blocks of 32 weights, 20 bytes: fp16 d, fp16 m, 16 bytes of 4-bit q (byte j holds weight j
+ *       in its low nibble and weight j + 16 in its high one); weight = d * q + m.
+ * Q8_0: blocks of 32 weights, 34 bytes: fp16 d, 32 int8 q; weight = d * q.
+ * Both products are exact in fp32 (11-bit d times a 4- or 8-bit q), so one FMA gives exactly
+ * gguf-py's `(d * q) + m`: the weights this kernel multiplies are bit for bit the dequantized
+ * weights the reference (transformers + peft on the dequantized model) uses.
+ *
+ * Activations stay fp32 (bf16/fp16 x is widened first, exactly); weights are dequantized in
+ * registers, a block at a time, and never written out in fp32 for calls of few rows (decode: the
+ * bytes read per token are the 4.5 or 8.5 bits per weight of the file). Calls of many rows
+ * (prefill) dequantize a block of W rows once into a per-thread buffer and run the same register
+ * tile over it, so the dequantization is paid once per 48 rows x 128 tokens.
+ *
+ * Batch-invariant like cpu_invariant_matmul.c: every output is one dot product summed in one
+ * order (vector lanes over k, block by block, then `hsum_vec`), whichever path, tile edge or row
+ * count computes it; compiled with -ffp-contract=off, FMAs explicit. The vector width is the
+ * CPU's (-march=native at first use): 16 lanes on AVX-512, 8 on AVX2; `quant_isa` says which.
+ */
+
+#include <stdlib.h>
+
+#include "cpu_invariant.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the quantized kernels need AVX2, FMA and F16C"
+#endif
+
+enum { QF_Q4_1 = 0, QF_Q8_0 = 1 };
+
+#define QBLOCK 32 /* weights per block, both formats */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VW 16
+typedef __m512 vec;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(v) _mm512_set1_ps(v)
+#define TILE_ROWS 4 /* x rows per register tile */
+#define TILE_COLS 4 /* W rows per tile: 16 sums + 8 weight vectors + 1 x vector of 32 registers */
+static const char ISA[] = "avx512";
+#else
+#define VW 8
+typedef __m256 vec;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(v) _mm256_set1_ps(v)
+#define TILE_ROWS 3
+#define TILE_COLS 2 /* 6 sums + 8 weight vectors + 1 x vector of 16 registers */
+static const char ISA[] = "avx2";
+#endif
+
+#define CHUNKS (QBLOCK / VW)
+#define BLOCK_COLS 48  /* W rows of one work item */
+#define BLOCK_ROWS 128 /* x rows of one work item */
+#define WIDEN_MIN_ROWS 16
+/* Below this many weights x rows one thread is done before a second one would have started. */
+#define PARALLEL_MIN_WORK 65536
+
+/* Which vector path this build runs ("avx512" or "avx2"). */
+const char *quant_isa(void) { return ISA; }
+
+static inline int64_t block_bytes(int fmt) { return fmt == QF_Q4_1 ? 20 : 34; }
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* The 32 weights of one block, as CHUNKS vectors. */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, int fmt, vec w[CHUNKS]) {
+    if (fmt == QF_Q4_1) {
+        const vec d = VSET1(half_at(blk)), m = VSET1(half_at(blk + 2));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4)), nibble = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+#if VW == 16
+        w[0] = VFMA(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
+        w[1] = VFMA(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+#else
+        w[0] = VFMA(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+        w[1] = VFMA(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+        w[2] = VFMA(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+        w[3] = VFMA(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+#endif
+    } else {
+        const vec d = VSET1(half_at(blk));
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+#if VW == 16
+        w[0] = VMUL(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+        w[1] = VMUL(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+#else
+        w[0] = VMUL(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), d);
+        w[1] = VMUL(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), d);
+        w[2] = VMUL(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), d);
+        w[3] = VMUL(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), d);
+#endif
+    }
+}
+
+/* The lanes summed in one fixed order. */
+static inline float hsum_vec(vec v) {
+#if VW == 16
+    return hsum((v8f)_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+#else
+    return hsum((v8f)v);
+#endif
+}
+
+/* s[i][j] = dot(x[i], w[j]) for MR rows of fp32 x and TILE_COLS rows of W, either quantized (wq,
+ * row after row of blocks) or already dequantized (wf): the same sums in the same order. */
+static inline __attribute__((always_inline)) void dot_tile(const float *const *x, const uint8_t *const *wq,
+                                                           const float *const *wf, int64_t blocks, int fmt,
+                                                           float s[TILE_ROWS][TILE_COLS], const int MR) {
+    vec acc[TILE_ROWS][TILE_COLS];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_COLS; j++) acc[i][j] = VZERO();
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < blocks; b++) {
+        vec w[TILE_COLS][CHUNKS];
+        for (int j = 0; j < TILE_COLS; j++) {
+            if (wf)
+                for (int c = 0; c < CHUNKS; c++) w[j][c] = VLOAD(wf[j] + b * QBLOCK + c * VW);
+            else
+                dequant_block(wq[j] + b * bb, fmt, w[j]);
+        }
+        for (int c = 0; c < CHUNKS; c++)
+            for (int i = 0; i < MR; i++) {
+                const vec xv = VLOAD(x[i] + b * QBLOCK + c * VW);
+                for (int j = 0; j < TILE_COLS; j++) acc[i][j] = VFMA(w[j][c], xv, acc[i][j]);
+            }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_COLS; j++) s[i][j] = hsum_vec(acc[i][j]);
+}
+
+/* One instance per (row count, format, source), so no tile computes rows it does not have and
+ * the format test is out of the inner loop; the instances differ only in what they loop over. */
+#define TILE_CASE(MR)                                                  \
+    if (mr == MR) {                                                    \
+        if (wf) dot_tile(x, wq, wf, blocks, QF_Q8_0, s, MR);           \
+        else if (fmt == QF_Q4_1) dot_tile(x, wq, NULL, blocks, QF_Q4_1, s, MR); \
+        else dot_tile(x, wq, NULL, blocks, QF_Q8_0, s, MR);           \
+        return;                                                        \
+    }
+
+static void dot_tile_rows(const float *const *x, int mr, const uint8_t *const *wq, const float *const *wf,
+                          int64_t blocks, int fmt, float s[TILE_ROWS][TILE_COLS]) {
+#if TILE_ROWS >= 4
+    TILE_CASE(4)
+#endif
+    TILE_CASE(3)
+    TILE_CASE(2)
+    TILE_CASE(1)
+}
+
+/* The weights of `blocks` consecutive blocks from `row`, into fp32 `dst`. */
+static void dequant_row(const uint8_t *row, int fmt, int64_t blocks, float *dst) {
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < blocks; b++) {
+        vec w[CHUNKS];
+        if (fmt == QF_Q4_1) dequant_block(row + b * bb, QF_Q4_1, w);
+        else dequant_block(row + b * bb, QF_Q8_0, w);
+        for (int c = 0; c < CHUNKS; c++) VSTORE(dst + b * QBLOCK + c * VW, w[c]);
+    }
+}
+
+static __thread float *wide_x, *wide_w;
+static __thread size_t wide_x_elems, wide_w_elems;
+
+static float *grown(float **buf, size_t *elems, size_t need) {
+    if (*elems < need) {
+        free(*buf);
+        *buf = malloc(need * sizeof(float));
+        *elems = *buf ? need : 0;
+    }
+    return *buf;
+}
+
+/* The arguments of one call (every field 8 bytes: the ctypes mirror needs no padding rules). */
+typedef struct {
+    const void *x;       /* rows of in_features elements of x_dtype, x_stride apart */
+    int64_t x_dtype;
+    int64_t x_stride;
+    int64_t rows;
+    int64_t in_features; /* a multiple of 32 */
+    const uint8_t *w;    /* out_features rows of in_features / 32 blocks of format */
+    int64_t format;
+    int64_t out_features;
+    const void *bias;    /* [out_features] of bias_dtype, or NULL */
+    int64_t bias_dtype;
+    void *y;             /* rows of out_features elements of y_dtype, y_stride apart */
+    int64_t y_dtype;
+    int64_t y_stride;
+    int64_t num_threads;
+} quant_linear_call;
+
+/* y = x @ dequant(W)^T (+ bias). Returns 0, -1 when out of memory, -2 on a bad shape. */
+int quant_linear(const quant_linear_call *c) {
+    const int64_t M = c->rows, K = c->in_features, N = c->out_features;
+    if (K % QBLOCK) return -2;
+    if (M == 0 || N == 0) return 0;
+    const int xdt = (int)c->x_dtype, ydt = (int)c->y_dtype, fmt = (int)c->format;
+    const int64_t blocks = K / QBLOCK, row_bytes = blocks * block_bytes(fmt);
+    const float *x32 = (const float *)c->x;
+    int64_t x32_stride = c->x_stride;
+    if (xdt != DT_F32) {
+        if (!grown(&wide_x, &wide_x_elems, (size_t)(M * K))) return -1;
+        for (int64_t m = 0; m < M; m++)
+            widen_row((const char *)c->x + (size_t)m * c->x_stride * dtype_size(xdt), xdt, K, wide_x + m * K);
+        x32 = wide_x;
+        x32_stride = K;
+    }
+    const size_t ysize = dtype_size(ydt);
+    const int64_t col_blocks = (N + BLOCK_COLS - 1) / BLOCK_COLS, row_blocks = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    int threads = (int)c->num_threads;
+    if (M * N * K < PARALLEL_MIN_WORK || threads < 1) threads = 1;
+    const int widen = M >= WIDEN_MIN_ROWS;
+    int failed = 0;
+
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t item = 0; item < row_blocks * col_blocks; item++) {
+        const int64_t b = item % col_blocks, m_start = item / col_blocks * BLOCK_ROWS;
+        const int64_t m_end = m_start + BLOCK_ROWS < M ? m_start + BLOCK_ROWS : M;
+        const int64_t n0 = b * BLOCK_COLS, n1 = n0 + BLOCK_COLS < N ? n0 + BLOCK_COLS : N;
+        float *wide = NULL;
+        if (widen) {
+            wide = grown(&wide_w, &wide_w_elems, (size_t)(BLOCK_COLS * K));
+            if (!wide) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            for (int64_t n = n0; n < n1; n++) dequant_row(c->w + (size_t)n * row_bytes, fmt, blocks, wide + (n - n0) * K);
+        }
+        for (int64_t m0 = m_start; m0 < m_end; m0 += TILE_ROWS) {
+            const int mr = (int)(m_end - m0 < TILE_ROWS ? m_end - m0 : TILE_ROWS);
+            const float *xs[TILE_ROWS];
+            for (int i = 0; i < TILE_ROWS; i++) xs[i] = x32 + (m0 + (i < mr ? i : 0)) * x32_stride;
+            for (int64_t n = n0; n < n1; n += TILE_COLS) {
+                const int nc = (int)(n1 - n < TILE_COLS ? n1 - n : TILE_COLS);
+                const uint8_t *wq[TILE_COLS];
+                const float *wf[TILE_COLS];
+                for (int j = 0; j < TILE_COLS; j++) {
+                    const int64_t col = n + (j < nc ? j : 0);
+                    wq[j] = c->w + (size_t)col * row_bytes;
+                    wf[j] = wide ? wide + (col - n0) * K : NULL;
+                }
+                float s[TILE_ROWS][TILE_COLS];
+                dot_tile_rows(xs, mr, wq, wide ? wf : NULL, blocks, fmt, s);
+                for (int i = 0; i < mr; i++) {
+                    char *yrow = (char *)c->y + (size_t)(m0 + i) * c->y_stride * ysize;
+                    for (int j = 0; j < nc; j++) {
+                        float v = s[i][j];
+                        if (c->bias) v += load1(c->bias, n + j, (int)c->bias_dtype);
+                        store1(yrow, n + j, ydt, v);
+                    }
+                }
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+typedef struct {
+    const uint8_t *w;  /* rows of in_features / 32 blocks of format */
+    int64_t format;
+    int64_t in_features;
+    const int64_t *indices; /* the rows wanted */
+    int64_t count;
+    float *out;        /* [count, in_features] */
+} quant_rows_call;
+
+/* out[i] = dequant(W[indices[i]]): the embedding lookup of quantized token embeddings. */
+int quant_rows(const quant_rows_call *c) {
+    if (c->in_features % QBLOCK) return -2;
+    const int64_t blocks = c->in_features / QBLOCK, row_bytes = blocks * block_bytes((int)c->format);
+    for (int64_t i = 0; i < c->count; i++)
+        dequant_row(c->w + (size_t)c->indices[i] * row_bytes, (int)c->format, blocks, c->out + i * c->in_features);
+    return 0;
+}
