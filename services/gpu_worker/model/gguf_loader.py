@@ -115,6 +115,47 @@ def quantized_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, Quan
     return found
 
 
+def blocks_cache_path(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """Where the file's quantized tensors are kept as raw blocks (a folder of its own: the fp32
+    conversion's clean-up deletes other conversions of the same stem)."""
+    return (cache_dir or default_cache_dir()) / "blocks" / cache_path(gguf_path, cache_dir).name
+
+
+def cached_quantized_tensors(
+    gguf_path: Path, config: ModelConfig, cache_dir: Path | None = None
+) -> dict[str, QuantizedWeight]:
+    """:func:`quantized_tensors` of the file, read from its blocks cache when there is one
+    (parsing the GGUF header alone takes ~3 s), else parsed and cached."""
+    path = blocks_cache_path(gguf_path, cache_dir)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            formats = json.loads((f.metadata() or {})["loramesh.formats"])
+            return {
+                name: QuantizedWeight(f.get_tensor(name), fmt, in_features)
+                for name, (fmt, in_features) in formats.items()
+            }
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError):
+        pass
+    found = quantized_tensors(GGUFReader(str(gguf_path)), config)
+    formats = {name: (w.format, w.in_features) for name, w in found.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(
+                {name: w.blocks for name, w in found.items()},
+                tmp,
+                metadata={"loramesh.formats": json.dumps(formats)},
+            )
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not write the blocks cache %s: %s", path, exc)
+    return found
+
+
 def cache_path(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """Where the converted copy of ``gguf_path`` lives: keyed by stem, size and mtime, so a
     replaced file gets a new key."""

@@ -53,7 +53,8 @@ def load_model(
     model_path = Path(path) if path is not None else default_model_path()
     from_file = {}
     if model_path.suffix == ".gguf":
-        from_file = gguf_loader.quantized_tensors(GGUFReader(str(model_path)), loaded.config)
+        blocks_dir = Path(cache_dir) if cache_dir is not None else None
+        from_file = gguf_loader.cached_quantized_tensors(model_path, loaded.config, blocks_dir)
     weights = quantize_weights(loaded.weights, quantization, from_file)
     return LoadedModel(loaded.config, weights, loaded.tokenizer, loaded.source, quantization)
 

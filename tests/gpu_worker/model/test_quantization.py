@@ -85,3 +85,15 @@ def test_a_quantized_model_refuses_a_gpu(tiny_llama):
     quantized = quantize_weights(tiny_llama.weights, "q8_0")
     with pytest.raises(ValueError, match="runs on one CPU worker"):
         LlamaModel(tiny_llama.config, quantized, torch.float32, tp=object())
+
+
+@pytest.mark.model
+def test_blocks_come_back_from_the_cache(tmp_path):
+    first = load_model(cache_dir=tmp_path, quantization="q4_1")
+    assert list((tmp_path / "blocks").glob("*.safetensors"))
+    again = load_model(cache_dir=tmp_path, quantization="q4_1")
+    for name, weight in first.weights.items():
+        other = again.weights[name]
+        if isinstance(weight, QuantizedWeight):
+            assert (other.format, other.in_features) == (weight.format, weight.in_features)
+            assert torch.equal(other.blocks, weight.blocks), name
