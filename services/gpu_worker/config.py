@@ -17,6 +17,11 @@ class WorkerConfig(ServiceConfig):
     """Compute dtype: float32, bfloat16, float16, or auto (bfloat16 where fast, else float32)."""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)."""
+    quantization: str = "auto"
+    """Base weights' format: q4_1 (projections as GGUF Q4_1 blocks, embedding Q8_0: over a Q4_1
+    GGUF its own blocks, exact with respect to their dequantization), q8_0, none (dequantized to
+    --dtype), or auto (q4_1 on a CPU worker, none on a GPU or with --tp > 1). The quantized
+    kernels are native CPU code, AVX-512 where the CPU has it, else AVX2 (docs/operations.md)."""
     pool_mib: int = 1024
     """Unified pool for KV cache and adapter weights, allocated once at start."""
     kv_block_tokens: int = 16

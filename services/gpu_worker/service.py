@@ -16,9 +16,11 @@ from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, S
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
+from services.gpu_worker.kernels import cpu_quant
 from services.gpu_worker.kv_manager_directory import KvManagerDirectory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
+from services.gpu_worker.quantization_setting import resolve_quantization
 from services.gpu_worker.servicer import WorkerServicer
 from services.gpu_worker.tp.group import start_group
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
@@ -54,6 +56,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
+def _weights_format(quantization: str) -> str:
+    """How the base weights are multiplied, for the start-up log: the format and, quantized, the
+    vector path the native kernels were built for."""
+    if quantization == "none":
+        return "dequantized"
+    return f"{quantization}, {cpu_quant.kernels().isa} kernels"
+
+
 class WorkerService:
     name = "gpu_worker"
     grpc_service_name = "loramesh.v1.Worker"
@@ -86,7 +96,8 @@ class WorkerService:
             torch.set_num_threads(cfg.threads)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-        loaded = await asyncio.to_thread(load_model, cfg.model or None)
+        quantization = resolve_quantization(cfg.quantization, device.type, cfg.tp)
+        loaded = await asyncio.to_thread(load_model, cfg.model or None, quantization=quantization)
         engine_config = EngineConfig(
             pool_mib=cfg.pool_mib,
             kv_block_tokens=cfg.kv_block_tokens,
@@ -140,7 +151,12 @@ class WorkerService:
         )
         self.metrics.attach(engine, loader)
         self._parts = WorkerParts(engine, loader, loaded.config.name)
-        describe = {"model": loaded.config.name, "dtype": str(dtype).removeprefix("torch."), "tp": cfg.tp}
+        describe = {
+            "model": loaded.config.name,
+            "dtype": str(dtype).removeprefix("torch."),
+            "tp": cfg.tp,
+            "quantization": quantization,
+        }
         if cfg.tp > 1:
             log.info(
                 "tensor-parallel group of %d ranks; fallbacks: %s",
@@ -151,8 +167,9 @@ class WorkerService:
             log.info("deterministic serving: batch-invariant numerics")
         self.servicer.attach(engine, loader, describe)
         log.info(
-            "model %s on %s (%s); pool %d pages of %d elements",
-            loaded.config.name, device, describe["dtype"], engine.pool.layout.num_pages, engine.pool.page_elems,
+            "model %s on %s (%s, base weights %s); pool %d pages of %d elements",
+            loaded.config.name, device, describe["dtype"], _weights_format(quantization),
+            engine.pool.layout.num_pages, engine.pool.page_elems,
         )  # fmt: skip
 
     def _set_workers(self, members: dict[str, MemberInfo]) -> None:

@@ -23,11 +23,12 @@ from services.gpu_worker.model.llama import LlamaModel
 class LocalExecutor:
     """Runs plans on ``model``'s device over a pool sized by ``config``."""
 
-    supports_merging = True
     supports_lending = True
 
     def __init__(self, model: LlamaModel, config: EngineConfig):
         self.model = model
+        self.supports_merging = model.quantization == "none"
+        """Merged mode folds an adapter into fp weights: not into quantized blocks."""
         self.config = model.config
         cfg = model.config
         kv_dim = cfg.num_kv_heads * cfg.head_dim

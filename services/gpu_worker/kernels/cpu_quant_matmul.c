@@ -83,12 +83,18 @@ static inline float half_at(const uint8_t *p) {
 static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, int fmt, vec w[CHUNKS]) {
     if (fmt == QF_Q4_1) {
         const vec d = VSET1(half_at(blk)), m = VSET1(half_at(blk + 2));
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4)), nibble = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
 #if VW == 16
-        w[0] = VFMA(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
-        w[1] = VFMA(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+        /* The block's 16 possible weights d * q + m in one register, looked up by each lane's
+         * nibble (vpermps reads the low 4 bits of its index): two instructions per 16 weights
+         * fewer than converting and scaling every q, and the same values. */
+        const vec table = VFMA(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d, m);
+        const __m512i bytes = _mm512_cvtepu8_epi32(raw);
+        w[0] = _mm512_permutexvar_ps(bytes, table);
+        w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 #else
+        const __m128i nibble = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
         w[0] = VFMA(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
         w[1] = VFMA(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
         w[2] = VFMA(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
