@@ -84,7 +84,7 @@ def prefilled_engine(model: LlamaModel, batch: int, adapter_dir: Path | None, ne
     engine = Engine(model, EngineConfig(pool_mib=256, max_running=max(batch, 1)))
     adapter_id = None
     if adapter_dir is not None:
-        engine.add_adapter(read_peft_directory("bench-r16", adapter_dir, torch.float32))
+        engine.add_adapter(read_peft_directory("bench-r16", adapter_dir, model.dtype))
         adapter_id = "bench-r16"
     sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
@@ -95,12 +95,14 @@ def prefilled_engine(model: LlamaModel, batch: int, adapter_dir: Path | None, ne
     return engine
 
 
-def measure(batches: tuple[int, ...], rounds: int, adapter_dir: Path) -> list[FormatRow]:
+def measure(batches: tuple[int, ...], rounds: int, adapter_dir: Path, dtype: torch.dtype) -> list[FormatRow]:
     models = {}
     for fmt in FORMATS:
-        loaded = load_model(quantization=fmt)
-        models[fmt] = (LlamaModel(loaded.config, loaded.weights, torch.float32), weight_bytes(loaded.weights))
-    keys = [(fmt, batch, with_adapter) for fmt in FORMATS for batch in batches for with_adapter in (False, True)]
+        loaded = load_model(quantization=fmt, dtype=dtype)
+        models[fmt] = (LlamaModel(loaded.config, loaded.weights, dtype), weight_bytes(loaded.weights))
+    keys = [
+        (fmt, batch, with_adapter) for fmt in FORMATS for batch in batches for with_adapter in (False, True)
+    ]
     engines = {
         key: prefilled_engine(models[key[0]][0], key[1], adapter_dir if key[2] else None, rounds + 8)
         for key in keys
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 rounds instead of 20")
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="storage dtype of everything not quantized (KV, adapters, norms)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -160,17 +164,20 @@ def main(argv: list[str] | None = None) -> int:
         adapter_dir = write_peft_adapter(
             Path(tmp) / "r16", load_base_model_spec(), SampleAdapterSpec(rank=16, target_modules=LORA_TARGETS)
         )
-        rows = measure(batches, rounds, adapter_dir)
+        dtype = getattr(torch, args.dtype)
+        rows = measure(batches, rounds, adapter_dir, dtype)
     header = (
         f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.backends.cpu.get_cpu_capability()}, "
-        f"quantized kernels: {cpu_quant.kernels().isa}; read bandwidth {bandwidth:.1f} GiB/s; fp32 compute"
+        f"quantized kernels: {cpu_quant.kernels().isa}; read bandwidth {bandwidth:.1f} GiB/s; {args.dtype}"
     )
     print(header)
     print(table(rows, bandwidth))
-    out = args.out or default_out("quantized_bench")
+    out = args.out or default_out(f"quantized_bench_{args.dtype}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(
-        json.dumps({"header": header, "bandwidth_gib_s": bandwidth, "rows": [asdict(r) for r in rows]}, indent=2)
+        json.dumps(
+            {"header": header, "bandwidth_gib_s": bandwidth, "rows": [asdict(r) for r in rows]}, indent=2
+        )
     )
     return 0
 

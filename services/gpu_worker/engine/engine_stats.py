@@ -92,7 +92,7 @@ def take_stats(engine: Engine) -> EngineStats:
         preemptions=engine.preemptions,
         borrowed_blocks=engine.rm.borrowed(),
         running_adapters=tuple(r.spec.adapter_id for r in running),
-        waiting_adapters=tuple(r.spec.adapter_id for r in waiting),
+        waiting_adapters=waiting.adapter_ids(),
         tokens_by_adapter=dict(engine.events.tokens_by_adapter),
         decode_steps=engine.steps,
         lora_mode_merged=int(engine.adapters.merged is not None),

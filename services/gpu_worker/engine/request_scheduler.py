@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -28,6 +27,7 @@ from services.gpu_worker.engine.policies.preemption import PreemptionPolicy
 from services.gpu_worker.engine.request import EngineRequest, FinishReason, RequestState, RequestSummary
 from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvents
 from services.gpu_worker.engine.sampling import token_logprobs
+from services.gpu_worker.engine.waiting_queue import WaitingQueue
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.page_allocator import PoolExhausted
@@ -58,7 +58,7 @@ class RequestScheduler:
         self.preemption = preemption
         self.host_adapters = host_adapters
         self.on_end = on_end
-        self.waiting: deque[EngineRequest] = deque()
+        self.waiting = WaitingQueue(self._queued_view)
         self.running: list[EngineRequest] = []
         self.preemptions = 0
         self.aborted = 0
@@ -68,23 +68,23 @@ class RequestScheduler:
     def view(self) -> BatchView:
         return BatchView(
             now_s=time.monotonic(),
-            waiting=tuple(
-                QueuedRequest(
-                    r.request_id,
-                    r.spec.adapter_id,
-                    r.timings.arrived,
-                    r.total_len,
-                    started=r.timings.first_token is not None,
-                    predicted_output_tokens=r.spec.predicted_output_tokens,
-                    max_new_tokens=self._tokens_left(r),
-                )
-                for r in self.waiting
-            ),
+            waiting=self.waiting.view(),
             running=tuple(self._running_view(r) for r in self.running),
             max_running=self.config.max_running,
             mode=self.adapters.mode,
             max_prefill_tokens=self.config.max_prefill_tokens,
             kv_room_tokens=self.kv.rm.local.free_blocks * self.config.kv_block_tokens,
+        )
+
+    def _queued_view(self, r: EngineRequest) -> QueuedRequest:
+        return QueuedRequest(
+            r.request_id,
+            r.spec.adapter_id,
+            r.timings.arrived,
+            r.total_len,
+            started=r.timings.first_token is not None,
+            predicted_output_tokens=r.spec.predicted_output_tokens,
+            max_new_tokens=self._tokens_left(r),
         )
 
     def _running_view(self, request: EngineRequest) -> RunningRequest:
@@ -153,9 +153,9 @@ class RequestScheduler:
     def admit(self, order: tuple[str, ...]) -> None:
         """Admit waiting requests in the policy's ``order`` (ids of running requests are skipped)
         until one does not fit: a later one never overtakes it."""
-        waiting = {r.request_id: r for r in self.waiting}
+        waiting = self.waiting
         admit(
-            [waiting[request_id] for request_id in order if request_id in waiting],
+            [r for r in map(waiting.get, order) if r is not None],
             running=lambda: len(self.running),
             max_running=self.config.max_running,
             max_prefill_tokens=self.config.max_prefill_tokens,
@@ -226,13 +226,15 @@ class RequestScheduler:
         """Engine thread (through :meth:`between_steps`): end a request here with ``MIGRATED``,
         after the tokens it has emitted, and free its pages; returns how many it generated.
         NotFound when it is not queued or running (finished, cancelled, never here)."""
-        for request in [*self.running, *self.waiting]:
-            if request.request_id == request_id:
-                if request in self.waiting:
-                    self.waiting.remove(request)
-                generated = len(request.output_ids)
-                self.finish(request, FinishReason.MIGRATED, None)
-                return generated
+        request = self.waiting.get(request_id) or next(
+            (r for r in self.running if r.request_id == request_id), None
+        )
+        if request is not None:
+            if request in self.waiting:
+                self.waiting.remove(request)
+            generated = len(request.output_ids)
+            self.finish(request, FinishReason.MIGRATED, None)
+            return generated
         raise NotFound(f"request {request_id!r} is not queued or running on this worker")
 
     def summaries(self) -> list[RequestSummary]:
@@ -272,9 +274,8 @@ class RequestScheduler:
             self.cancel(cancels)
 
     def abort(self, aborts: tuple[Abort, ...]) -> None:
-        waiting = {r.request_id: r for r in self.waiting}
         for abort in aborts:
-            request = waiting.get(abort.request_id)
+            request = self.waiting.get(abort.request_id)
             if request is None:
                 continue
             self.waiting.remove(request)
@@ -284,7 +285,7 @@ class RequestScheduler:
     def cancel(self, request_ids: set[str]) -> None:
         for request in [r for r in self.running if r.request_id in request_ids]:
             self.finish(request, FinishReason.CANCELLED, None)
-        for request in [r for r in self.waiting if r.request_id in request_ids]:
+        for request in [r for r in map(self.waiting.get, request_ids) if r is not None]:
             self.waiting.remove(request)
             self.finish(request, FinishReason.CANCELLED, None)
 
