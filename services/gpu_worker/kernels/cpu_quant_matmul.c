@@ -14,7 +14,7 @@
  * tile over it, so the dequantization is paid once per 48 rows x 128 tokens.
  *
  * Batch-invariant like cpu_invariant_matmul.c: every output is one dot product summed in one
- * order (vector lanes over k, block by block, then `hsum_vec`), whichever path, tile edge or row
+ * order (vector lanes over k, block by block, then `half_sum` and `hsum`), whichever path, tile edge or row
  * count computes it; compiled with -ffp-contract=off, FMAs explicit. The vector width is the
  * CPU's (-march=native at first use): 16 lanes on AVX-512, 8 on AVX2; `quant_isa` says which.
  */
@@ -44,9 +44,15 @@ typedef __m512 vec;
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VZERO() _mm512_setzero_ps()
 #define VSET1(v) _mm512_set1_ps(v)
-#define TILE_ROWS 4 /* x rows per register tile */
-#define TILE_COLS 4 /* W rows per tile: 16 sums + 8 weight vectors + 1 x vector of 32 registers */
+#define TILE_ROWS 6 /* x rows per register tile */
+#define TILE_COLS 4 /* W rows per tile: 24 sums + 4 weight vectors + 1 x vector of 32 registers
+                       (a quantized block's 8 weight vectors replace the prefill path's 4 when
+                       its rows are few: 4 x 4 sums) */
+#ifdef __AVX512BF16__
+static const char ISA[] = "avx512+bf16";
+#else
 static const char ISA[] = "avx512";
+#endif
 #else
 #define VW 8
 typedef __m256 vec;
@@ -64,7 +70,7 @@ static const char ISA[] = "avx2";
 #define CHUNKS (QBLOCK / VW)
 #define BLOCK_COLS 48  /* W rows of one work item */
 #define BLOCK_ROWS 128 /* x rows of one work item */
-#define WIDEN_MIN_ROWS 16
+#define WIDEN_MIN_ROWS 8 /* from this many rows a block of W is dequantized once per work item */
 /* Below this many weights x rows one thread is done before a second one would have started. */
 #define PARALLEL_MIN_WORK 65536
 
@@ -116,12 +122,12 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
     }
 }
 
-/* The lanes summed in one fixed order. */
-static inline float hsum_vec(vec v) {
+/* The lanes folded to 8 (lane i + lane i + 8), the first step of the one summation order. */
+static inline v8f half_sum(vec v) {
 #if VW == 16
-    return hsum((v8f)_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+    return (v8f)_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
 #else
-    return hsum((v8f)v);
+    return (v8f)v;
 #endif
 }
 
@@ -134,22 +140,38 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < TILE_COLS; j++) acc[i][j] = VZERO();
     const int64_t bb = block_bytes(fmt);
+    /* Either way each sum takes its block's chunks in order, block after block; only how the
+     * sums' updates interleave differs (what keeps the registers in use under 32 or 16). */
     for (int64_t b = 0; b < blocks; b++) {
-        vec w[TILE_COLS][CHUNKS];
-        for (int j = 0; j < TILE_COLS; j++) {
-            if (wf)
-                for (int c = 0; c < CHUNKS; c++) w[j][c] = VLOAD(wf[j] + b * QBLOCK + c * VW);
-            else
-                dequant_block(wq[j] + b * bb, fmt, w[j]);
-        }
-        for (int c = 0; c < CHUNKS; c++)
-            for (int i = 0; i < MR; i++) {
-                const vec xv = VLOAD(x[i] + b * QBLOCK + c * VW);
-                for (int j = 0; j < TILE_COLS; j++) acc[i][j] = VFMA(w[j][c], xv, acc[i][j]);
+        if (wf) {
+            for (int c = 0; c < CHUNKS; c++) {
+                vec w[TILE_COLS];
+                for (int j = 0; j < TILE_COLS; j++) w[j] = VLOAD(wf[j] + b * QBLOCK + c * VW);
+                for (int i = 0; i < MR; i++) {
+                    const vec xv = VLOAD(x[i] + b * QBLOCK + c * VW);
+                    for (int j = 0; j < TILE_COLS; j++) acc[i][j] = VFMA(w[j], xv, acc[i][j]);
+                }
             }
+        } else {
+            for (int j = 0; j < TILE_COLS; j++) {
+                vec w[CHUNKS];
+                dequant_block(wq[j] + b * bb, fmt, w);
+                for (int c = 0; c < CHUNKS; c++)
+                    for (int i = 0; i < MR; i++) acc[i][j] = VFMA(w[c], VLOAD(x[i] + b * QBLOCK + c * VW), acc[i][j]);
+            }
+        }
     }
+    /* Every sum reduced as hsum_vec does, four at a time (hsum4 gives hsum's bits). */
+    v8f halves[TILE_ROWS * TILE_COLS];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < TILE_COLS; j++) s[i][j] = hsum_vec(acc[i][j]);
+        for (int j = 0; j < TILE_COLS; j++) halves[i * TILE_COLS + j] = half_sum(acc[i][j]);
+    float sums[TILE_ROWS * TILE_COLS];
+    const int count = MR * TILE_COLS; /* a multiple of 4: TILE_COLS is 2 or 4 */
+    for (int g = 0; g + 3 < count; g += 4) hsum4(halves[g], halves[g + 1], halves[g + 2], halves[g + 3], sums + g);
+    if (count % 4) /* TILE_COLS 2, an odd row count */
+        hsum4(halves[count - 2], halves[count - 1], halves[count - 1], halves[count - 1], sums + count - 2);
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_COLS; j++) s[i][j] = sums[i * TILE_COLS + j];
 }
 
 /* One instance per (row count, format, source), so no tile computes rows it does not have and
@@ -164,7 +186,9 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
 
 static void dot_tile_rows(const float *const *x, int mr, const uint8_t *const *wq, const float *const *wf,
                           int64_t blocks, int fmt, float s[TILE_ROWS][TILE_COLS]) {
-#if TILE_ROWS >= 4
+#if TILE_ROWS >= 6
+    TILE_CASE(6)
+    TILE_CASE(5)
     TILE_CASE(4)
 #endif
     TILE_CASE(3)
@@ -182,6 +206,75 @@ static void dequant_row(const uint8_t *row, int fmt, int64_t blocks, float *dst)
         for (int c = 0; c < CHUNKS; c++) VSTORE(dst + b * QBLOCK + c * VW, w[c]);
     }
 }
+
+#ifdef __AVX512BF16__
+/* bf16 activations on a CPU with AVX512_BF16: vdpbf16ps multiplies 32 bf16 pairs into 16 fp32
+ * sums per instruction, twice the fp32 FMA rate. The weights are the exact fp32 dequantization
+ * rounded to bf16 (round to nearest even), which is what `--dtype bfloat16` stores for a
+ * dequantized model; the sums are fp32, reduced as the fp32 path reduces them. Every row count
+ * takes this path for bf16 x, so it is batch-invariant too. */
+#define BF16_PATH 1
+
+/* A block's 32 weights as bf16, in order. */
+static inline __attribute__((always_inline)) __m512bh dequant_block_bf16(const uint8_t *blk, int fmt) {
+    vec w[CHUNKS];
+    dequant_block(blk, fmt, w);
+    return _mm512_cvtne2ps_pbh(w[1], w[0]);
+}
+
+static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *const *x, const uint8_t *const *wq,
+                                                                const uint16_t *const *wb, int64_t blocks, int fmt,
+                                                                float s[TILE_ROWS][TILE_COLS], const int MR) {
+    vec acc[TILE_ROWS][TILE_COLS];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_COLS; j++) acc[i][j] = VZERO();
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512bh w[TILE_COLS];
+        for (int j = 0; j < TILE_COLS; j++)
+            w[j] = wb ? (__m512bh)_mm512_loadu_si512(wb[j] + b * QBLOCK) : dequant_block_bf16(wq[j] + b * bb, fmt);
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + b * QBLOCK);
+            for (int j = 0; j < TILE_COLS; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+        }
+    }
+    v8f halves[TILE_ROWS * TILE_COLS];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_COLS; j++) halves[i * TILE_COLS + j] = half_sum(acc[i][j]);
+    float sums[TILE_ROWS * TILE_COLS];
+    for (int g = 0; g < MR * TILE_COLS; g += 4) hsum4(halves[g], halves[g + 1], halves[g + 2], halves[g + 3], sums + g);
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_COLS; j++) s[i][j] = sums[i * TILE_COLS + j];
+}
+
+#define TILE_CASE_BF16(MR)                                                      \
+    if (mr == MR) {                                                             \
+        if (wb) dot_tile_bf16(x, wq, wb, blocks, QF_Q8_0, s, MR);               \
+        else if (fmt == QF_Q4_1) dot_tile_bf16(x, wq, NULL, blocks, QF_Q4_1, s, MR); \
+        else dot_tile_bf16(x, wq, NULL, blocks, QF_Q8_0, s, MR);               \
+        return;                                                                 \
+    }
+
+static void dot_tile_rows_bf16(const uint16_t *const *x, int mr, const uint8_t *const *wq,
+                               const uint16_t *const *wb, int64_t blocks, int fmt, float s[TILE_ROWS][TILE_COLS]) {
+    TILE_CASE_BF16(6)
+    TILE_CASE_BF16(5)
+    TILE_CASE_BF16(4)
+    TILE_CASE_BF16(3)
+    TILE_CASE_BF16(2)
+    TILE_CASE_BF16(1)
+}
+
+static void dequant_row_bf16(const uint8_t *row, int fmt, int64_t blocks, uint16_t *dst) {
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512bh w = fmt == QF_Q4_1 ? dequant_block_bf16(row + b * bb, QF_Q4_1) : dequant_block_bf16(row + b * bb, QF_Q8_0);
+        _mm512_storeu_si512(dst + b * QBLOCK, (__m512i)w);
+    }
+}
+#else
+#define BF16_PATH 0
+#endif
 
 static __thread float *wide_x, *wide_w;
 static __thread size_t wide_x_elems, wide_w_elems;
@@ -220,9 +313,10 @@ int quant_linear(const quant_linear_call *c) {
     if (M == 0 || N == 0) return 0;
     const int xdt = (int)c->x_dtype, ydt = (int)c->y_dtype, fmt = (int)c->format;
     const int64_t blocks = K / QBLOCK, row_bytes = blocks * block_bytes(fmt);
+    const int bf16 = BF16_PATH && xdt == DT_BF16;
     const float *x32 = (const float *)c->x;
     int64_t x32_stride = c->x_stride;
-    if (xdt != DT_F32) {
+    if (xdt != DT_F32 && !bf16) {
         if (!grown(&wide_x, &wide_x_elems, (size_t)(M * K))) return -1;
         for (int64_t m = 0; m < M; m++)
             widen_row((const char *)c->x + (size_t)m * c->x_stride * dtype_size(xdt), xdt, K, wide_x + m * K);
@@ -249,7 +343,13 @@ int quant_linear(const quant_linear_call *c) {
                 failed = 1;
                 continue;
             }
-            for (int64_t n = n0; n < n1; n++) dequant_row(c->w + (size_t)n * row_bytes, fmt, blocks, wide + (n - n0) * K);
+#if BF16_PATH
+            if (bf16) {
+                for (int64_t n = n0; n < n1; n++)
+                    dequant_row_bf16(c->w + (size_t)n * row_bytes, fmt, blocks, (uint16_t *)wide + (n - n0) * K);
+            } else
+#endif
+                for (int64_t n = n0; n < n1; n++) dequant_row(c->w + (size_t)n * row_bytes, fmt, blocks, wide + (n - n0) * K);
         }
         for (int64_t m0 = m_start; m0 < m_end; m0 += TILE_ROWS) {
             const int mr = (int)(m_end - m0 < TILE_ROWS ? m_end - m0 : TILE_ROWS);
@@ -265,7 +365,17 @@ int quant_linear(const quant_linear_call *c) {
                     wf[j] = wide ? wide + (col - n0) * K : NULL;
                 }
                 float s[TILE_ROWS][TILE_COLS];
-                dot_tile_rows(xs, mr, wq, wide ? wf : NULL, blocks, fmt, s);
+#if BF16_PATH
+                if (bf16) {
+                    const uint16_t *xb[TILE_ROWS], *wb[TILE_COLS];
+                    for (int i = 0; i < TILE_ROWS; i++)
+                        xb[i] = (const uint16_t *)c->x + (m0 + (i < mr ? i : 0)) * c->x_stride;
+                    for (int j = 0; j < TILE_COLS; j++)
+                        wb[j] = wide ? (const uint16_t *)wide + (n + (j < nc ? j : 0) - n0) * K : NULL;
+                    dot_tile_rows_bf16(xb, mr, wq, wide ? wb : NULL, blocks, fmt, s);
+                } else
+#endif
+                    dot_tile_rows(xs, mr, wq, wide ? wf : NULL, blocks, fmt, s);
                 for (int i = 0; i < mr; i++) {
                     char *yrow = (char *)c->y + (size_t)(m0 + i) * c->y_stride * ysize;
                     for (int j = 0; j < nc; j++) {
