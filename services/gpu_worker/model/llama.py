@@ -135,6 +135,13 @@ class LlamaModel:
         )
         self.invariant_matmul = InvariantMatmul(self.compute_dtype)
         """The matmuls of batch-invariant steps."""
+        self.native_kernels = (
+            self.device.type == "cpu" and tp is None and config.head_dim % 8 == 0 and invariant_available()
+        )
+        """Attention, RMSNorm and SwiGLU of every step through the native CPU kernels
+        (``cpu_invariant``), not only of batch-invariant ones: attention reads the KV pages where
+        they are instead of gathering them for torch's SDPA, which halved the decode step at
+        batch 32 on a 2-core EPYC (docs/benchmarks.md, "Quantized base")."""
 
     def check_batch_invariant(self) -> None:
         """Raise ValueError/RuntimeError when this model cannot run batch-invariant steps."""
@@ -148,8 +155,8 @@ class LlamaModel:
         if self.config.head_dim % 8:
             raise ValueError(f"deterministic serving needs head_dim % 8 == 0, not {self.config.head_dim}")
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
-        if invariant:
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, native: bool) -> torch.Tensor:
+        if native:
             return invariant_rowwise.rms_norm(x, weight, self.config.rms_norm_eps, self.compute_dtype)
         variance = x.float().pow(2).mean(-1, keepdim=True)
         normed = (x.float() * torch.rsqrt(variance + self.config.rms_norm_eps)).to(self.compute_dtype)
@@ -181,10 +188,11 @@ class LlamaModel:
             x = self.embed.rows(batch.token_ids).to(self.compute_dtype)
         else:
             x = self.embed[batch.token_ids].to(self.compute_dtype)
+        native = invariant or self.native_kernels
         linear = self.invariant_matmul.linear if invariant else self.matmul.linear
-        queries = local_queries(batch) if invariant else None
+        queries = local_queries(batch) if native else None
         for index, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm, invariant)
+            h = self._rms_norm(x, layer.input_norm, native)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -196,7 +204,7 @@ class LlamaModel:
                 local_k, local_v = local_k[batch.local_token_rows], v[batch.local_token_rows]
             pool.kv_rows.index_copy_(0, batch.write_key_rows[index], local_k.to(self.dtype))
             pool.kv_rows.index_copy_(0, batch.write_value_rows[index], local_v.to(self.dtype))
-            if invariant:
+            if native:
                 attn = attend_locally(q, queries, batch.positions, index, pool, cfg.num_kv_heads)
             else:
                 attn = self._attention(q, batch, index, pool)
@@ -207,18 +215,18 @@ class LlamaModel:
             if tp is not None:
                 tp.all_reduce_base(o)
             x = x + o
-            h = self._rms_norm(x, layer.post_norm, invariant)
+            h = self._rms_norm(x, layer.post_norm, native)
             gate_up = linear(h, layer.gate_up)
             gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
             gate, up = gate.contiguous(), up.contiguous()
             lora(batch, index, _GATE_UP, h, pool, gate, up)
-            act = invariant_rowwise.swiglu(gate, up) if invariant else F.silu(gate) * up
+            act = invariant_rowwise.swiglu(gate, up) if native else F.silu(gate) * up
             down = linear(act, layer.down)
             lora(batch, index, _DOWN, act, pool, down)
             if tp is not None:
                 tp.all_reduce_base(down)
             x = x + down
-        last = self._rms_norm(x[batch.logits_rows], self.norm, invariant)
+        last = self._rms_norm(x[batch.logits_rows], self.norm, native)
         return linear(last, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, batch: StepBatch, layer: int, pool: UnifiedPool) -> torch.Tensor:
