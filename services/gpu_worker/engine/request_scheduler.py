@@ -69,6 +69,7 @@ class RequestScheduler:
         return BatchView(
             now_s=time.monotonic(),
             waiting=self.waiting.view(),
+            waiting_ids=self.waiting.ids(),
             running=tuple(self._running_view(r) for r in self.running),
             max_running=self.config.max_running,
             mode=self.adapters.mode,
@@ -154,8 +155,8 @@ class RequestScheduler:
         """Admit waiting requests in the policy's ``order`` (ids of running requests are skipped)
         until one does not fit: a later one never overtakes it."""
         waiting = self.waiting
-        admit(
-            [r for r in map(waiting.get, order) if r is not None],
+        admit(  # lazily: admission stops at the first request that does not fit
+            (r for r in map(waiting.get, order) if r is not None),
             running=lambda: len(self.running),
             max_running=self.config.max_running,
             max_prefill_tokens=self.config.max_prefill_tokens,

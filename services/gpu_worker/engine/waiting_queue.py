@@ -27,6 +27,7 @@ class WaitingQueue:
         self._views: dict[str, QueuedRequest] = {}
         self._view: tuple[QueuedRequest, ...] | None = ()
         self._adapter_ids: tuple[str | None, ...] | None = ()
+        self._ids: tuple[str, ...] | None = ()
 
     def append(self, request: EngineRequest) -> None:
         """Queue ``request`` last."""
@@ -53,6 +54,12 @@ class WaitingQueue:
             views = self._views
             self._view = tuple(views[request_id] for request_id in self._requests)
         return self._view
+
+    def ids(self) -> tuple[str, ...]:
+        """The waiting requests' ids, in order (rebuilt only after a change)."""
+        if self._ids is None:
+            self._ids = tuple(self._requests)
+        return self._ids
 
     def adapter_ids(self) -> tuple[str | None, ...]:
         """Each waiting request's adapter, in order (the stats' ``waiting_adapters``)."""
@@ -82,3 +89,4 @@ class WaitingQueue:
     def _changed(self) -> None:
         self._view = None
         self._adapter_ids = None
+        self._ids = None

@@ -83,6 +83,9 @@ class BatchView:
     """Prompt tokens one step prefills at most (the engine's admission budget)."""
     kv_room_tokens: int | None = None
     """Tokens of KV the pool can take now without evicting (None: not limited)."""
+    waiting_ids: tuple[str, ...] | None = None
+    """``waiting``'s request ids in order, when the engine keeps them (its queue caches the
+    tuple between changes); None: read them off ``waiting``."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,8 @@ class BatchPolicy(Protocol):
 
 def fcfs_ids(view: BatchView) -> tuple[str, ...]:
     """The running batch, then the queue in arrival order: what FCFS runs."""
-    return tuple(r.request_id for r in view.running) + tuple(r.request_id for r in view.waiting)
+    waiting = view.waiting_ids if view.waiting_ids is not None else tuple(r.request_id for r in view.waiting)
+    return tuple(r.request_id for r in view.running) + waiting
 
 
 def fcfs_batch(view: BatchView) -> list[QueuedRequest | RunningRequest]:
