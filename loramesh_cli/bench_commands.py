@@ -8,6 +8,7 @@ The benchmarks are not part of this distribution: they are the development-only 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from loramesh_cli.errors import CommandError
@@ -30,8 +31,15 @@ def add_parsers(sub) -> None:
         "--model", default="", help="base model: GGUF file or HF directory (default SmolLM2-135M)"
     )
     bench.add_argument("--systems", nargs="+", default=None,
-                       help="run only these systems (e.g. loramesh peft merged-swap)")  # fmt: skip
+                       help="run only these systems (e.g. loramesh peft merged-swap); the comparison with "
+                            "llama.cpp (loramesh-up llamacpp llamacpp-base) runs only when named")  # fmt: skip
     bench.add_argument("--adapter-cache", default="", help="where the benchmark adapters are written once")
+    bench.add_argument("--llama-server", default="",
+                       help="llama.cpp's llama-server binary, built in its checkout (default $LORAMESH_LLAMA_SERVER)")  # fmt: skip
+    bench.add_argument("--up-args", default="",
+                       help='extra `loramesh up` flags of the loramesh-up system, e.g. "--dtype bfloat16"')  # fmt: skip
+    bench.add_argument("--repeat", type=int, default=1,
+                       help="run the selected experiments this many rounds, alternating the systems")  # fmt: skip
     bench.set_defaults(func=cmd_bench)
 
     distkv = sub.add_parser(
@@ -68,19 +76,38 @@ def bench_not_importable(error: ImportError) -> CommandError:
 def cmd_bench(args) -> int:
     try:
         from bench.out_dir import default_out
-        from bench.serving.profiles import PROFILES
+        from bench.serving.profiles import LLAMACPP, LLAMACPP_BASE, PEER_SYSTEMS, PROFILES, experiments
         from bench.serving.runner import DEFAULT_ADAPTER_CACHE, run_profile
+        from bench.serving.system_settings import LLAMA_SERVER_ENV, SystemSettings, llama_server_path
     except ImportError as error:
         raise bench_not_importable(error) from None
     profile = PROFILES[args.profile]
     out = Path(args.out) if args.out else default_out(profile.name)
     systems = set(args.systems) if args.systems else None
+    known = {e.system for e in experiments(profile)}
+    if systems is not None and systems - known:
+        raise CommandError(
+            f"unknown system(s) {', '.join(sorted(systems - known))}; known: {', '.join(sorted(known))}"
+        )
+    if args.repeat < 1:
+        raise CommandError(f"--repeat must be at least 1, got {args.repeat}")
+    settings = SystemSettings(
+        llama_server=llama_server_path(args.llama_server), up_args=tuple(shlex.split(args.up_args))
+    )
+    if systems and systems & {LLAMACPP, LLAMACPP_BASE} and settings.llama_server is None:
+        raise CommandError(
+            f"the llamacpp systems need llama-server: pass --llama-server PATH or set ${LLAMA_SERVER_ENV}"
+        )
+    if settings.llama_server is not None and not settings.llama_server.is_file():
+        raise CommandError(f"no llama-server binary at {settings.llama_server}")
     results = run_profile(
         profile,
         out,
         model_path=args.model or None,
         adapter_cache=Path(args.adapter_cache) if args.adapter_cache else DEFAULT_ADAPTER_CACHE,
-        only=lambda experiment: systems is None or experiment.system in systems,
+        only=lambda e: e.system in systems if systems else e.system not in PEER_SYSTEMS,
+        settings=settings,
+        repeat=args.repeat,
     )
     print(
         f"\n{len(results['runs'])} runs in {results['elapsed_s'] / 60:.1f} min; report: {out / 'results.md'}"

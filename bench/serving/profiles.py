@@ -3,7 +3,10 @@
 Every experiment is a (system, workload) pair. Three sweeps vary one workload parameter each
 (number of adapters, total rate, coefficient of variation) around one default workload, as S-LoRA
 Table 2 does; the comparisons with the baselines and the ablations run on the default workload
-with ``comparison_adapters`` adapters. Runs that are the same (system, workload) pair are done once.
+with ``comparison_adapters`` adapters. The comparison with llama.cpp's llama-server (both served
+over HTTP by the same client) runs at ``peer_rate``, which saturates both, and only when its
+systems are named (:data:`PEER_SYSTEMS`). Runs that are the same (system, workload) pair are done
+once.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ PADDED_BMM = "loramesh-bmm"
 """Padded bmm instead of the gather kernels (e)."""
 NO_UNIFIED_POOL = "loramesh-no-unified-pool"
 """Fixed separate KV and adapter regions of the same total size (f)."""
+LORAMESH_UP = "loramesh-up"
+"""`loramesh up` as a user runs it, driven through the gateway's OpenAI HTTP API."""
+LLAMACPP = "llamacpp"
+"""llama.cpp's llama-server with every adapter loaded, each request applying its own."""
+LLAMACPP_BASE = "llamacpp-base"
+"""llama-server without adapters: the no-LoRA ceiling of the same server."""
+PEER_SYSTEMS = (LORAMESH_UP, LLAMACPP, LLAMACPP_BASE)
+"""The comparison with llama.cpp, run only when named (``--systems``): the llama.cpp systems need a
+llama-server binary, and all three start whole servers."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,8 @@ class Profile:
     adapters compete for memory (the unified pool's case); None: skip."""
     with_gateway: bool = True
     """Also run loramesh through the gateway (a) at ``comparison_adapters``."""
+    peer_rate: float = 8.0
+    """R of the comparison with llama.cpp at ``comparison_adapters`` (saturates both)."""
 
 
 QUICK = Profile(
@@ -117,7 +131,7 @@ class Experiment:
     workload: WorkloadSpec
     sweeps: tuple[str, ...]
     """Which plots/tables use it: ``adapters``, ``rate``, ``cv``, ``comparison``, ``ablation``,
-    ``pressure``."""
+    ``pressure``, ``llamacpp``."""
     pool_mib: float | None = None
     """The engine's pool for this run; None: the profile's."""
 
@@ -151,6 +165,8 @@ def experiments(profile: Profile) -> list[Experiment]:
     planned += [
         (LORAMESH, replace(comparison, rate=profile.cv_rate, cv=cv), "cv", None) for cv in profile.cvs
     ]
+    peers = replace(comparison, rate=profile.peer_rate)
+    planned += [(system, peers, "llamacpp", None) for system in PEER_SYSTEMS]
     merged: dict[tuple[str, WorkloadSpec, float | None], list[str]] = {}
     for system, workload, sweep, pool in planned:
         sweeps = merged.setdefault((system, workload, pool), [])

@@ -18,7 +18,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench.out_dir import default_out
-from bench.serving.profiles import GATEWAY, LORAMESH, MERGED, NO_UNIFIED_POOL, PADDED_BMM, PEFT
+from bench.serving.profiles import (
+    GATEWAY,
+    LLAMACPP,
+    LLAMACPP_BASE,
+    LORAMESH,
+    LORAMESH_UP,
+    MERGED,
+    NO_UNIFIED_POOL,
+    PADDED_BMM,
+    PEFT,
+)
 
 PLOTS = {
     "throughput_vs_adapters": "throughput_vs_adapters.png",
@@ -33,6 +43,9 @@ STYLE = {
     MERGED: {"color": "tab:orange", "marker": "^"},
     PADDED_BMM: {"color": "tab:purple", "marker": "v"},
     NO_UNIFIED_POOL: {"color": "tab:green", "marker": "P"},
+    LORAMESH_UP: {"color": "tab:olive", "marker": "X"},
+    LLAMACPP: {"color": "tab:brown", "marker": "*"},
+    LLAMACPP_BASE: {"color": "tab:gray", "marker": "*"},
 }
 
 
@@ -196,6 +209,7 @@ def markdown(results) -> str:
         "",
         *[f"- {line}" for line in headline(results)],
         *_ceiling(results),
+        *llamacpp_comparison(results),
         "",
         (
             "| system | n | R (req/s) | cv | pool (MiB) | done | req/s | tok/s | avg latency (s) | p99 latency (s) "
@@ -229,6 +243,46 @@ def _ceiling(results) -> list[str]:
             "request at a time by more."
         )
     ]
+
+
+def llamacpp_comparison(results) -> list[str]:
+    """The comparison with llama.cpp's llama-server, round by round: each system's throughput
+    and first-token SLO attainment, and loramesh-up's throughput over each llama.cpp system's
+    (empty when loramesh-up ran without either)."""
+    rounds: dict[int, dict[str, dict]] = {}
+    for run in results["runs"]:
+        if "llamacpp" in run["sweeps"]:
+            rounds.setdefault(run.get("round", 0), {})[run["system"]] = run["metrics"]
+    peers = [s for s in (LLAMACPP, LLAMACPP_BASE) if any(s in r for r in rounds.values())]
+    if not peers or not any(LORAMESH_UP in r for r in rounds.values()):
+        return []
+    systems = [LORAMESH_UP, *peers]
+    header = "| round | " + " | ".join(f"{s} tok/s (SLO)" for s in systems)
+    header += "".join(f" | {LORAMESH_UP} ÷ {s}" for s in peers) + " |"
+    out = ["", f"loramesh vs llama.cpp (same trace, same HTTP client; {len(rounds)} round(s)):", "", header,
+           "|" + "---|" * (1 + len(systems) + len(peers))]  # fmt: skip
+    ratios: dict[str, list[float]] = {s: [] for s in peers}
+    for index, metrics in sorted(rounds.items()):
+        cells = [
+            f"{metrics[s]['throughput_tps']:.1f} ({100 * metrics[s]['slo_attainment']:.0f}%)"
+            if s in metrics
+            else "-"
+            for s in systems
+        ]
+        for peer in peers:
+            if LORAMESH_UP in metrics and peer in metrics:
+                ratio = metrics[LORAMESH_UP]["throughput_tps"] / max(metrics[peer]["throughput_tps"], 1e-9)
+                ratios[peer].append(ratio)
+                cells.append(f"**{ratio:.2f}×**")
+            else:
+                cells.append("-")
+        out.append(f"| {index + 1} | " + " | ".join(cells) + " |")
+    if len(rounds) > 1:
+        means = [
+            f"{LORAMESH_UP} ÷ {p}: {sum(r) / len(r):.2f}× mean of {len(r)}" for p, r in ratios.items() if r
+        ]
+        out += ["", "Over the rounds: " + "; ".join(means) + "."]
+    return out
 
 
 def _ratio(a: dict, b: dict) -> str:

@@ -2,10 +2,13 @@
 
     loramesh bench --profile quick            # or: make bench
     loramesh bench --profile full --out DIR
+    loramesh bench --systems loramesh-up llamacpp llamacpp-base --llama-server PATH --repeat 3
 
 Each run replays its trace against the wall clock on an otherwise idle machine (the runs never
-overlap). Results go to ``<out>/results.json`` (configuration, machine, per-run metrics, pool
-occupancy), ``<out>/results.md`` and PNG plots (see :mod:`bench.serving.report`).
+overlap). With ``repeat`` > 1 the whole plan runs that many rounds, one after the other, so the
+systems alternate and a drift of the machine's speed shows in every system's rounds alike.
+Results go to ``<out>/results.json`` (configuration, machine, per-run metrics, pool occupancy),
+``<out>/results.md`` and PNG plots (see :mod:`bench.serving.report`).
 """
 
 from __future__ import annotations
@@ -27,15 +30,20 @@ from bench.serving.calibration import batching_ceiling
 from bench.serving.metrics import summarize
 from bench.serving.profiles import (
     GATEWAY,
+    LLAMACPP,
+    LLAMACPP_BASE,
     LORAMESH,
+    LORAMESH_UP,
     MERGED,
     NO_UNIFIED_POOL,
     PADDED_BMM,
+    PEER_SYSTEMS,
     PEFT,
     Experiment,
     Profile,
     experiments,
 )
+from bench.serving.system_settings import LLAMA_SERVER_ENV, NO_SETTINGS, SystemSettings
 from bench.systems.base import RunContext, ServingSystem
 from bench.workload import generate
 from services.model_files.base_model import load_base_model_spec
@@ -45,7 +53,7 @@ NO_UNIFIED_POOL_ADAPTER_SHARE = 0.5
 """Share of the pool the no-unified-pool ablation reserves for adapter weights."""
 
 
-def make_system(name: str) -> ServingSystem:
+def make_system(name: str, settings: SystemSettings = NO_SETTINGS) -> ServingSystem:
     """The system behind a profile's system name (imported on demand: the baselines need
     transformers and peft)."""
     if name in (LORAMESH, PADDED_BMM, NO_UNIFIED_POOL):
@@ -71,6 +79,20 @@ def make_system(name: str) -> ServingSystem:
         from bench.systems.merged_swap import MergedSwapSystem
 
         return MergedSwapSystem()
+    if name in (LLAMACPP, LLAMACPP_BASE):
+        from bench.systems.llamacpp_system import LlamaServerSystem, LlamaServerSystemOptions
+
+        if settings.llama_server is None:
+            raise ValueError(
+                f"{name} needs a llama-server binary: --llama-server PATH or ${LLAMA_SERVER_ENV}"
+            )
+        return LlamaServerSystem(
+            LlamaServerSystemOptions(binary=settings.llama_server, name=name, with_adapters=name == LLAMACPP)
+        )
+    if name == LORAMESH_UP:
+        from bench.systems.loramesh_up_system import LoraMeshUpSystem, LoraMeshUpSystemOptions
+
+        return LoraMeshUpSystem(LoraMeshUpSystemOptions(name=name, up_args=settings.up_args))
     raise ValueError(f"unknown system {name!r}")
 
 
@@ -99,9 +121,14 @@ def run_profile(
     out: Path,
     model_path: str | None = None,
     adapter_cache: Path = DEFAULT_ADAPTER_CACHE,
-    only: Callable[[Experiment], bool] = lambda e: True,
+    only: Callable[[Experiment], bool] = lambda e: e.system not in PEER_SYSTEMS,
+    settings: SystemSettings = NO_SETTINGS,
+    repeat: int = 1,
 ) -> dict:
-    """Run every experiment of ``profile`` (those ``only`` keeps) and write the results to ``out``."""
+    """Run every experiment of ``profile`` that ``only`` keeps (by default all but the comparison
+    with llama.cpp), ``repeat`` rounds of them, and write the results to ``out``."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
     out.mkdir(parents=True, exist_ok=True)
     planned = [e for e in experiments(profile) if only(e)]
     spec = load_base_model_spec(model_path)
@@ -115,19 +142,25 @@ def run_profile(
         "machine": machine_info(),
         "model": spec.name,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "repeat": repeat,
         "batching_ceiling": batching_ceiling(model_path, profile.max_batch),
         "runs": [],
     }
-    total = sum(len(t) for t in traces.values())
+    total = repeat * sum(len(t) for t in traces.values())
     started = time.monotonic()
     with tqdm(total=total, unit="req", desc="bench", dynamic_ncols=True) as bar:
-        for experiment in planned:
+        for round_index, experiment in ((r, e) for r in range(repeat) for e in planned):
             bar.set_postfix_str(experiment.key)
-            run = _run_one(profile, experiment, traces[experiment.key], model_path, adapter_cache, spec, bar)
+            system = make_system(experiment.system, settings)
+            run = _run_one(
+                profile, experiment, traces[experiment.key], model_path, adapter_cache, spec, bar, system
+            )
+            run["round"] = round_index
             results["runs"].append(run)
             m = run["metrics"]
             tqdm.write(
-                f"{experiment.key}: {m['throughput_rps']:.2f} req/s, {m['throughput_tps']:.1f} tok/s, "
+                f"{experiment.key}{f' (round {round_index + 1})' if repeat > 1 else ''}: "
+                f"{m['throughput_rps']:.2f} req/s, {m['throughput_tps']:.1f} tok/s, "
                 f"first token {_fmt(m['avg_first_token_s'])} s, SLO {100 * m['slo_attainment']:.0f}%, "
                 f"{m['completed']}/{m['requests']} done"
             )
@@ -138,7 +171,7 @@ def run_profile(
     return results
 
 
-def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, bar) -> dict:
+def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, bar, system: ServingSystem) -> dict:
     adapters = ensure_adapter_set(adapter_cache, spec, experiment.workload.adapters, profile.workload.ranks)
     evict_from_page_cache(adapters)
     samples: list[dict] = []
@@ -161,7 +194,6 @@ def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, bar) -
             }
         ),
     )
-    system = make_system(experiment.system)
     began = time.monotonic()
     records = system.run(context)
     metrics = summarize(records, window, profile.slo_s)

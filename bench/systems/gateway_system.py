@@ -85,7 +85,7 @@ class GatewaySystem:
             processes.append(gateway)
             await gateway.wait_ready(self.options.startup_timeout_s)
             async with AsyncClient(gateway.address, api_key, timeout=None, retries=0) as client:
-                await _upload(client, context)
+                await upload_adapters(client, context)
                 return await _replay(client, context, tokenizer)
         finally:
             for proc in reversed(processes):
@@ -93,7 +93,8 @@ class GatewaySystem:
             etcd.stop()
 
 
-async def _upload(client: AsyncClient, context: RunContext) -> None:
+async def upload_adapters(client: AsyncClient, context: RunContext) -> None:
+    """Register every adapter of ``context.adapters`` under its name, a few at a time."""
     limit = asyncio.Semaphore(UPLOAD_CONCURRENCY)
 
     async def upload(index: int) -> None:
