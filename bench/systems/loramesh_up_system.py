@@ -3,13 +3,14 @@ scratch state directory, the bench's adapters uploaded through the gateway, the 
 against the gateway's OpenAI API by the HTTP client llama-server gets
 (:mod:`bench.systems.http_replay`), then ``loramesh down``.
 
-Its settings are the gateway system's (:mod:`bench.systems.gateway_system`): the profile's pool
-(``--pool-mib``) and host adapter budget (``--ram-budget-mib`` for the store, and the worker's
-host cache), at most ``max_batch`` requests running together, an unbounded scheduler queue (the
-other systems queue every request of a saturating trace too), every core (``up``'s one worker
-gets them all). ``up`` has flags for the first two; the others are its services' documented
-``LORAMESH_*`` environment variables, which its processes inherit. Extra ``up`` flags
-(``--dtype``, a weight format) come last, so they override these.
+Memory is ``up``'s own defaults, as a user gets them (a 512 MiB pool per worker, a 1 GiB store
+RAM tier, a 4 GiB worker host cache): llama-server, its peer here, holds every adapter in RAM
+too, so the profile's small adapter budget (S-LoRA's memory-pressure setting, which the other
+systems keep) would handicap only loramesh. Like every system: at most ``max_batch`` requests
+running together and an unbounded scheduler queue (the other systems queue every request of a
+saturating trace too), set through the services' documented ``LORAMESH_*`` environment
+variables, which ``up``'s processes inherit; every core (``up``'s one worker gets them all).
+Extra ``up`` flags (``--dtype``, ``--quantization``, ``--pool-mib``) come last, so they override these.
 """
 
 from __future__ import annotations
@@ -65,15 +66,12 @@ class LoraMeshUpSystem:
 
     def run(self, context: RunContext) -> list[RequestRecord]:
         flags = [
-            "--detach", "--pool-mib", str(int(context.pool_mib)),
-            "--ram-budget-mib", str(int(context.host_cache_mib)),
-            *(["--model", context.model_path] if context.model_path else []), *self.options.up_args,
+            "--detach", *(["--model", context.model_path] if context.model_path else []), *self.options.up_args,
         ]  # fmt: skip
         environment = {
             "LORAMESH_MAX_RUNNING": str(context.max_batch),
             "LORAMESH_MAX_RUNNING_HINT": str(context.max_batch),
             "LORAMESH_MAX_QUEUE_PER_WORKER": str(UNBOUNDED_QUEUE),
-            "LORAMESH_HOST_CACHE_MIB": str(int(context.host_cache_mib)),
         }
         self.last_run = LoraMeshUpRun(up_flags=flags, environment=environment)
         with tempfile.TemporaryDirectory(prefix="loramesh-bench-up-") as state_dir:
