@@ -71,6 +71,9 @@ def add_parsers(sub) -> None:
     up.add_argument("--preemption-policy", default="", choices=["", *sorted(PREEMPTION_POLICIES)],
                     help="which running request each worker preempts when its pool runs dry "
                          "(default: the worker's, newest)")  # fmt: skip
+    up.add_argument("--prefix-cache", default="", choices=["", "on", "off"],
+                    help="each worker's prefix cache: requests sharing a prompt prefix and adapter "
+                         "version reuse its KV (docs/operations.md; default: the worker's, on)")  # fmt: skip
     up.add_argument("--deterministic", action="store_true",
                     help="batch-invariant numerics on every worker: a request's output does not depend "
                          "on its batch (CPU workers; docs/operations.md)")  # fmt: skip
@@ -150,7 +153,7 @@ def _up_detached(args, state_dir: Path) -> int:
         str(args.tp),
     ]
     argv += ["--dtype", args.dtype, "--quantization", args.quantization, "--pool-mib", str(args.pool_mib)]
-    argv += _batch_policy_flags(args)
+    argv += _batch_policy_flags(args) + _prefix_cache_flags(args)
     if args.deterministic:
         argv += ["--deterministic"]
     argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers), *_scheduler_flags(args)]
@@ -199,6 +202,11 @@ def _batch_policy_flags(args) -> list[str]:
     leaves the workers' defaults."""
     flags = ["--batch-policy", args.batch_policy] if args.batch_policy else []
     return flags + (["--preemption-policy", args.preemption_policy] if args.preemption_policy else [])
+
+
+def _prefix_cache_flags(args) -> list[str]:
+    """``--prefix-cache on|off`` when `up` was given it; none leaves the workers' default."""
+    return ["--prefix-cache", args.prefix_cache] if args.prefix_cache else []
 
 
 def _deterministic_flags(args) -> list[str]:
@@ -263,7 +271,7 @@ def _service_processes(
             "gpu_worker", f"gpu_worker-{i}",
             [*etcd_flags, *store_flags, "--dtype", args.dtype, "--quantization", args.quantization,
              "--pool-mib", str(args.pool_mib),
-             "--threads", str(threads), "--tp", str(args.tp), *_batch_policy_flags(args), *_deterministic_flags(args), *model_flags],
+             "--threads", str(threads), "--tp", str(args.tp), *_batch_policy_flags(args), *_deterministic_flags(args), *_prefix_cache_flags(args), *model_flags],
         )  # fmt: skip
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
     for i in range(args.schedulers):

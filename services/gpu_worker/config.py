@@ -67,3 +67,7 @@ class WorkerConfig(ServiceConfig):
     """Batch-invariant numerics: a request's logits (hence its greedy output) do not depend on the
     rest of its batch, nor on prefill vs decode, so a failover resumes identically (CPU workers;
     not with dlora; docs/operations.md, "Deterministic serving")."""
+    prefix_cache: bool = True
+    """Prefix cache (on|off): requests with the same prompt prefix and the same adapter version
+    share the KV of its whole blocks, and prefill only the rest; off with --kv-overflow borrow
+    (docs/operations.md, "Prefix cache")."""

@@ -110,6 +110,7 @@ class WorkerService:
             batch_policy=cfg.batch_policy,
             preemption_policy=cfg.preemption_policy,
             deterministic=cfg.deterministic,
+            prefix_cache=cfg.prefix_cache,
         )
         model, executor = None, None
         if cfg.tp > 1:

@@ -92,6 +92,7 @@ class WorkerMetrics:
         yield from _adapter_series(running, waiting, tokens)
         yield from _lending_series(parts.engine.lending.lent_to(), stats.borrowed_blocks)
         yield from _policy_series(parts.engine.config.batch_policy, stats)
+        yield from _prefix_cache_series(stats)
 
 
 def _router_series(
@@ -139,8 +140,9 @@ def _router_series(
 
 def kv_cache_usage(stats: EngineStats) -> float:
     """Share of the unified pool that new KV cannot have: KV pages (lent ones included) and the
-    pages of adapters running requests use. Idle adapters' pages count as free, as vLLM counts
-    cached but unreferenced blocks: they are evicted the moment KV needs them."""
+    pages of adapters running requests use. Idle adapters' pages count as free (and the free
+    pages include unused cached prefix blocks), as vLLM counts cached but unreferenced blocks:
+    they are evicted the moment KV needs them."""
     total = stats.total_pages
     if not total:
         return 0.0
@@ -176,6 +178,25 @@ def _adapter_series(running: list, waiting: list, tokens: dict[str, int]) -> Ite
     for adapter_id, count in sorted(tokens.items()):
         generated.add_metric([adapter_id], count)
     yield generated
+
+
+def _prefix_cache_series(stats: EngineStats) -> Iterator[Metric]:
+    """The prefix cache (``--prefix-cache``): prompt blocks found and not found, blocks held."""
+    yield CounterMetricFamily(
+        "loramesh_gpu_worker_prefix_cache_hit_blocks",
+        "Prompt KV blocks found in the prefix cache (their prefill skipped)",
+        value=stats.prefix_cache_hit_blocks,
+    )
+    yield CounterMetricFamily(
+        "loramesh_gpu_worker_prefix_cache_missed_blocks",
+        "Whole prompt KV blocks looked up in the prefix cache and not found",
+        value=stats.prefix_cache_missed_blocks,
+    )
+    yield GaugeMetricFamily(
+        "loramesh_gpu_worker_prefix_cache_blocks",
+        "KV blocks in the prefix cache, used by running requests or not",
+        value=stats.prefix_cache_blocks,
+    )
 
 
 def _policy_series(policy: str, stats: EngineStats) -> Iterator[Metric]:

@@ -17,6 +17,7 @@ from services.gpu_worker.engine.step_plan import AdapterSlot
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.page_allocator import PoolExhausted
+from services.gpu_worker.memory.prefix_cache import PrefixCache
 
 log = logging.getLogger("loramesh.engine")
 
@@ -41,9 +42,12 @@ def runnable_batch_policy(
 class AdapterPager:
     """Pages adapters in and out of the executor's pool and switches the LoRA mode."""
 
-    def __init__(self, executor: Executor):
+    def __init__(self, executor: Executor, prefix_cache: PrefixCache | None = None):
+        """``prefix_cache``: cached KV blocks, evicted before idle adapters when the pool needs room."""
         self.executor = executor
-        self.residency = AdapterResidency(executor.pool, executor.load_adapter, executor.evict_adapter)
+        self.residency = AdapterResidency(
+            executor.pool, executor.load_adapter, executor.evict_adapter, prefix_cache=prefix_cache
+        )
         self.merged: str | None = None
         """The adapter merged into the base weights now (dLoRA's merged mode), if any."""
         self.mode_switches = 0

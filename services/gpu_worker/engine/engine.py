@@ -63,6 +63,7 @@ from services.gpu_worker.memory.block_lender import LendingConfig
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.distkv_meter import DistKvMeter, MeteredLender
 from services.gpu_worker.memory.kv_cache import KvTable
+from services.gpu_worker.memory.prefix_cache import PrefixCache
 from services.gpu_worker.memory.remote_block_allocator import CreditorUnavailable
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.model.llama import LlamaModel
@@ -122,7 +123,11 @@ class Engine:
             self.borrower = make_borrower(self.rm, creditors, connect, self.distkv)
             cast(LendingExecutor, self.executor).lend_through(self.rm, self._borrowed_table)
         self.hand_over = HandOver()
-        self.adapters = AdapterPager(self.executor)
+        self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache and self.borrower is None else None
+        """Shared prompt-prefix KV blocks (None: off, or requests may borrow KV)."""
+        if config.prefix_cache and self.prefix_cache is None:
+            self.fallbacks = (*self.fallbacks, "prefix_cache->off")
+        self.adapters = AdapterPager(self.executor, self.prefix_cache)
         self.residency = self.adapters.residency
         self.host_adapters: dict[str, HostAdapter] = {}
         self.events = RequestEvents(
@@ -130,7 +135,7 @@ class Engine:
         )
         self.scheduler = RequestScheduler(
             config,
-            KvReservation(self.rm, self.residency, self.borrower),
+            KvReservation(self.rm, self.residency, self.borrower, self.prefix_cache),
             self.adapters,
             self.events,
             make_preemption_policy(config.preemption_policy),
@@ -202,7 +207,7 @@ class Engine:
         check_request(request.prompt_ids, request.sampling, config.vocab_size, config.max_position_embeddings)
         if request.adapter_id is not None and request.adapter_id not in self.host_adapters:
             raise NotFound(f"adapter {request.adapter_id!r} is not loaded on this worker")
-        kv = KvTable(self.pool)
+        kv = KvTable(self.pool, self.prefix_cache)
         if (
             self.borrower is None
             and kv.pages_needed(len(request.prompt_ids) + 1) > self.pool.layout.num_pages

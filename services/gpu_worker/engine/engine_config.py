@@ -54,6 +54,12 @@ class EngineConfig:
     newest (the last started) or fewest_computed (the shortest context: the cheapest recompute);
     see services/gpu_worker/engine/policies/preemption.py."""
 
+    prefix_cache: bool = True
+    """Share the KV of whole prompt blocks between requests with the same prompt prefix and the
+    same adapter version (``--prefix-cache on|off``): a hit skips that part of the prefill.
+    Cached blocks nobody uses are evicted first when the pool needs pages. Off where requests
+    may borrow KV (``kv_overflow="borrow"``); see services/gpu_worker/memory/prefix_cache.py."""
+
     def __post_init__(self) -> None:
         if self.preemption_policy not in PREEMPTION_POLICIES:
             known = ", ".join(sorted(PREEMPTION_POLICIES))

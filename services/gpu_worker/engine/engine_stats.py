@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from services.gpu_worker.engine.request import EngineRequest
+from services.gpu_worker.memory.prefix_cache import PrefixCache
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 
@@ -30,15 +31,17 @@ class EngineStats:
     running: int = 0
     """Requests in the running batch."""
     free_pages: int = 0
-    """Pool pages free now (read when handed out)."""
+    """Pool pages free now, unused cached prefix blocks' included (read when handed out)."""
     total_pages: int = 0
     """Pool pages in all."""
     kv_pages: int = 0
-    """Pool pages holding KV now, lent ones included (read when handed out)."""
+    """Pool pages holding KV now, lent ones and cached prefix blocks in use included, unused
+    cached blocks not (read when handed out)."""
     adapter_pages: int = 0
     """Pool pages holding adapter rows now (read when handed out)."""
     free_blocks: int = 0
-    """KV blocks (one page per layer) free now (read when handed out)."""
+    """KV blocks (one page per layer) free now, what the lender can lend: unused cached blocks
+    not included (they are evicted by the engine thread only; read when handed out)."""
     total_blocks: int = 0
     """KV blocks the pool holds at most."""
     fragmentation: float = 0.0
@@ -69,6 +72,15 @@ class EngineStats:
     """Requests the batch policy aborted since start."""
     batch_policy_decisions: dict[str, float] = field(default_factory=dict)
     """The batch policy's own counters and knobs (``BatchPolicy.decisions``)."""
+    prefix_cache_hit_blocks: int = 0
+    """Prompt KV blocks found in the prefix cache since start (their prefill skipped)."""
+    prefix_cache_missed_blocks: int = 0
+    """Whole prompt KV blocks looked up in the prefix cache and not found since start."""
+    prefix_cache_blocks: int = 0
+    """KV blocks in the prefix cache now, used by running requests or not."""
+    prefix_cache_evictable_pages: int = 0
+    """Pages of cached KV blocks no running request uses now (freed first when the pool needs
+    pages)."""
     fallbacks: tuple[str, ...] = ()
     """Configured features the executor cannot run and the engine replaced at start, e.g.
     ``dlora->fcfs`` (no merging) or ``borrow->preempt`` (no KV lending)."""
@@ -100,17 +112,33 @@ def take_stats(engine: Engine) -> EngineStats:
         aborted_requests=engine.aborted,
         batch_policy_decisions=dict(engine.policy.decisions()),
         fallbacks=engine.fallbacks,
+        **_prefix_cache_stats(engine.prefix_cache),
     )
 
 
+def _prefix_cache_stats(cache: PrefixCache | None) -> dict[str, int]:
+    if cache is None:
+        return {}
+    stats = cache.stats()
+    return {
+        "prefix_cache_hit_blocks": stats.hit_blocks,
+        "prefix_cache_missed_blocks": stats.missed_blocks,
+        "prefix_cache_blocks": stats.cached_blocks,
+        "prefix_cache_evictable_pages": cache.evictable_pages(),
+    }
+
+
 def with_pool_now(stats: EngineStats, pool: UnifiedPool, rm: RManager, tokens_per_s: float) -> EngineStats:
-    """``stats`` with the pool's pages and blocks as they are now, and the current rate."""
+    """``stats`` with the pool's pages and blocks as they are now, and the current rate. Pages of
+    cached prefix blocks no request uses count as free, not as KV (as vLLM counts cached but
+    unreferenced blocks): they are evicted the moment pages are needed."""
     usage = pool.usage()
+    cached = stats.prefix_cache_evictable_pages  # changes on the engine thread only, at steps
     return replace(
         stats,
-        free_pages=usage.free_pages,
+        free_pages=usage.free_pages + cached,
         total_pages=usage.total_pages,
-        kv_pages=usage.kv_pages,
+        kv_pages=usage.kv_pages - cached,
         adapter_pages=usage.adapter_pages,
         free_blocks=rm.local.free_blocks,
         total_blocks=pool.layout.num_pages // pool.layout.num_layers,

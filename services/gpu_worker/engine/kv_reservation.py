@@ -4,6 +4,11 @@ when the pool runs dry (DistKV-LLM, ``kv_overflow: borrow``), and released.
 A request's KV is in its ``KvTable`` (local pages, the fast path) until the pool cannot hold its
 next block while borrowing is on: from then on all its blocks, local and remote, are in a block
 table of the rManager (``EngineRequest.table``).
+
+With a :class:`PrefixCache` a request starts with the cached blocks of its prompt's longest
+cached prefix and prefills from the first uncached position; once prefilled, its whole prompt
+blocks join the cache. The cache is off where requests may borrow: a borrowing request's blocks
+move to the rManager, which neither knows shared blocks nor keeps them read-only.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.distkv_meter import DistKvMeter, metered_connect
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
+from services.gpu_worker.memory.prefix_cache import BlockKey, PrefixCache, block_keys
 from services.gpu_worker.memory.rmanager import RManager
 from services.runtime.errors import ResourceExhausted
 
@@ -30,12 +36,49 @@ def make_borrower(
 class KvReservation:
     """Reserves, grows and releases requests' KV in the pool and, with a borrower, beyond it."""
 
-    def __init__(self, rm: RManager, residency: AdapterResidency, borrower: Borrower | None):
-        """``residency``: idle adapters are evicted to make room for KV; ``borrower``: where
-        blocks are borrowed from when the pool runs dry (None: never)."""
+    def __init__(
+        self,
+        rm: RManager,
+        residency: AdapterResidency,
+        borrower: Borrower | None,
+        prefix_cache: PrefixCache | None = None,
+    ):
+        """``residency``: idle adapters (and unused cached blocks) are evicted to make room for
+        KV; ``borrower``: where blocks are borrowed from when the pool runs dry (None: never);
+        ``prefix_cache``: where prompt blocks are shared (None: off; never with a borrower)."""
+        if borrower is not None and prefix_cache is not None:
+            raise ValueError("the prefix cache cannot be on where requests borrow KV blocks")
         self.rm = rm
         self.residency = residency
         self.borrower = borrower
+        self.prefix_cache = prefix_cache
+
+    def reuse_prefix(self, request: EngineRequest, key_space: BlockKey | None) -> None:
+        """Start a waiting request's KV with the cached blocks of its longest cached prompt prefix
+        and its prefill after them. ``key_space``: its adapter version's (None: it bypasses the
+        cache)."""
+        cache = self.prefix_cache
+        if cache is None or key_space is None or request.num_computed or request.kv.blocks:
+            return
+        block = self.rm.block_tokens
+        keys = block_keys(key_space, request.spec.prompt_ids, block)
+        request.prompt_block_keys = tuple(keys)
+        # Its last token is always computed: its logits are what the next token is drawn from.
+        usable = keys[: (request.total_len - 1) // block]
+        cached = cache.acquire_prefix(usable, looked_up=len(keys))
+        if cached:
+            request.kv.attach_cached(usable[: len(cached)], cached)
+            request.num_computed = len(cached) * block
+
+    def cache_prompt(self, request: EngineRequest) -> None:
+        """After ``request``'s prefill: its whole prompt blocks not cached yet join the cache (it
+        keeps a reference; a block cached meanwhile by another request stays its own)."""
+        keys, request.prompt_block_keys = request.prompt_block_keys, ()
+        if self.prefix_cache is None or request.table is not None:
+            return
+        for index, key in enumerate(keys):
+            if index not in request.kv.shared and self.prefix_cache.insert(key, request.kv.blocks[index]):
+                request.kv.share(index, key)
 
     def reserve(self, request: EngineRequest, tokens: int) -> None:
         """Make ``request``'s KV hold ``tokens`` tokens (``PoolExhausted``: it could not)."""
@@ -88,6 +131,11 @@ class KvReservation:
         borrowing = [r for r in running if r.table is not None]
         lost = self.rm.creditor_died(creditor, [r.table for r in borrowing])
         return [borrowing[index] for index in lost]
+
+    def room_blocks(self) -> int:
+        """KV blocks the pool could give now: free ones and unused cached ones."""
+        cached = self.prefix_cache.evictable_pages() if self.prefix_cache is not None else 0
+        return self.rm.local.free_blocks + cached // self.rm.local.num_layers
 
     def pool_can_never_hold(self, running: list[EngineRequest]) -> bool:
         """A request that does not fit now never will: nothing runs, nothing is lent out (idle

@@ -108,6 +108,9 @@ class EngineRequest:
     table: BlockTable | None = None
     """Set once the request borrows KV blocks (``kv_overflow: borrow``): its blocks, local and
     remote, and ``kv`` is empty; None while all its KV is in ``kv`` (the fast path)."""
+    prompt_block_keys: tuple[bytes, ...] = ()
+    """Prefix-cache keys of its prompt's whole blocks, from its admission until its prefill is
+    done and they are cached (``KvReservation.cache_prompt``); () otherwise."""
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.spec.sampling)

@@ -31,6 +31,7 @@ from services.gpu_worker.engine.waiting_queue import WaitingQueue
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.page_allocator import PoolExhausted
+from services.gpu_worker.memory.prefix_cache import BASE_MODEL_KEY_SPACE, BlockKey, adapter_key_space
 from services.runtime.errors import NotFound
 
 log = logging.getLogger("loramesh.engine")
@@ -74,7 +75,7 @@ class RequestScheduler:
             max_running=self.config.max_running,
             mode=self.adapters.mode,
             max_prefill_tokens=self.config.max_prefill_tokens,
-            kv_room_tokens=self.kv.rm.local.free_blocks * self.config.kv_block_tokens,
+            kv_room_tokens=self.kv.room_blocks() * self.config.kv_block_tokens,
         )
 
     def _queued_view(self, r: EngineRequest) -> QueuedRequest:
@@ -192,16 +193,27 @@ class RequestScheduler:
                 self.adapters.acquire(request, self.host_adapters[adapter_id])
             except PoolExhausted:
                 return False
+        self.kv.reuse_prefix(request, self._prefix_key_space(request))
         try:
             self.kv.reserve(request, request.total_len)
         except PoolExhausted:
             self._release(request)  # what a partly grown block table holds, and its adapter
+            request.num_computed = 0  # its cached prefix blocks went back with its KV
             return False
         request.state = RequestState.RUNNING
         if request.timings.scheduled is None:
             request.timings.scheduled = time.monotonic()
         self.running.append(request)
         return True
+
+    def _prefix_key_space(self, request: EngineRequest) -> BlockKey | None:
+        """The prefix-cache key space of ``request``'s adapter version (the base model's without
+        one); None when its adapter's content is unknown: it bypasses the cache."""
+        adapter_id = request.spec.adapter_id
+        if adapter_id is None:
+            return BASE_MODEL_KEY_SPACE
+        content = self.host_adapters[adapter_id].content_sha256
+        return adapter_key_space(adapter_id, content) if content else None
 
     def _finish_unservable(self, request: EngineRequest) -> None:
         """Its prompt and output outgrew the whole pool: the pool is its context limit, so it ends
@@ -260,6 +272,8 @@ class RequestScheduler:
         computed up to it, sent, or ending the request."""
         for request, token, row in zip(batch, tokens, logits):
             request.num_computed = request.total_len
+            if request.prompt_block_keys:  # its prefill is done: its prompt blocks can be shared
+                self.kv.cache_prompt(request)
             top = request.spec.sampling.top_logprobs
             request.last_logprobs = None if top is None else token_logprobs(row, token, top)
             reason = self.events.token(request, token, now)

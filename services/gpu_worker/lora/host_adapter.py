@@ -8,6 +8,7 @@ The adapter arrives as the bytes the adapter store serves (validated there); her
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ class HostAdapter:
     adapter_id: str
     modules: dict[ModuleKey, LoraFactors]
     """``(layer, projection name) -> factors`` for every targeted projection."""
+    content_sha256: str = ""
+    """sha256 of the bytes it was parsed from (config and weights): names this version of the
+    adapter in the prefix cache's keys. Empty: unknown (built in memory), and its requests
+    bypass the prefix cache."""
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +85,20 @@ def parse_peft_adapter(
             b_t=factors["B"].t().to(dtype).contiguous(),
             scale=float(scale),
         )
-    return HostAdapter(adapter_id=adapter_id, modules=modules)
+    return HostAdapter(
+        adapter_id=adapter_id, modules=modules, content_sha256=content_sha256(config_json, weights)
+    )
+
+
+def content_sha256(config_json: bytes | str, weights: bytes) -> str:
+    """sha256 of an adapter's config and weights, each length-prefixed (so no two different
+    pairs hash alike by moving bytes across the boundary)."""
+    config = config_json.encode() if isinstance(config_json, str) else bytes(config_json)
+    digest = hashlib.sha256()
+    for part in (config, bytes(weights)):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
 
 
 def read_peft_directory(adapter_id: str, directory: str | Path, dtype: torch.dtype) -> HostAdapter:

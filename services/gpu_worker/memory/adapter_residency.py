@@ -21,6 +21,7 @@ import torch
 from services.gpu_worker.kernels.lora_segments import AdapterRows
 from services.gpu_worker.lora.host_adapter import HostAdapter, ModuleKey
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
+from services.gpu_worker.memory.prefix_cache import PrefixCache
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.eviction import EvictionPolicy, LRUEviction
 
@@ -109,11 +110,14 @@ class AdapterResidency:
         write: RowWriter | None = None,
         on_evict: Callable[[str], None] | None = None,
         eviction: EvictionPolicy | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         """``write``: what writes a loaded adapter's rows (default: into ``pool``'s buffer);
         ``on_evict``: told each adapter evicted; ``eviction``: the order idle adapters go in
-        (default least recently used first)."""
+        (default least recently used first); ``prefix_cache``: cached KV blocks, which give their
+        pages back first when the pool needs room."""
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self._write = write or (lambda adapter, resident: write_rows(pool.buffer, adapter, resident))
         self._on_evict = on_evict
         self._eviction = eviction or LRUEviction()
@@ -207,17 +211,26 @@ class AdapterResidency:
         return sum(len(r.pages) for r in self._resident.values() if r.refcount == 0)
 
     def make_room(self, pages: int, use: PageUse = PageUse.ADAPTER) -> None:
-        """Evict idle adapters, in eviction order, until ``pages`` are free for ``use``.
+        """Evict unused cached prefix blocks, then idle adapters, each in its eviction order, until
+        ``pages`` are free for ``use`` (raises ``PoolExhausted``, evicting nothing, when even
+        evicting all of them is not enough).
 
-        In a split pool evicting adapters frees nothing for KV, so a KV shortfall raises at once.
+        In a split pool evicting adapters frees nothing for KV, and cached KV blocks nothing for
+        adapters.
         """
         allocator = self.pool.allocator
         if allocator.free_pages_for(use) >= pages:
             return
-        if use is PageUse.KV and not allocator.unified:
+        # Unused cached prefix blocks go before idle adapters: an adapter is needed before any
+        # of its requests can start, a cached prefix only saves recomputing it. In a split pool
+        # cached blocks (KV pages) make room only for KV, and adapters only for adapters.
+        cache = self.prefix_cache if allocator.unified or use is PageUse.KV else None
+        cached = cache.evictable_pages() if cache is not None else 0
+        idle_pages = self.idle_pages() if allocator.unified or use is PageUse.ADAPTER else 0
+        if allocator.free_pages_for(use) + cached + idle_pages < pages:
             raise PoolExhausted(pages, allocator.free_pages_for(use))
-        if allocator.free_pages_for(use) + self.idle_pages() < pages:
-            raise PoolExhausted(pages, allocator.free_pages_for(use))
+        if cache is not None:
+            cache.make_room(pages, use)
         idle = [adapter_id for adapter_id, r in self._resident.items() if r.refcount == 0]
         for adapter_id in self._eviction.victims(idle):
             if allocator.free_pages_for(use) >= pages:

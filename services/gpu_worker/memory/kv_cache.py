@@ -1,20 +1,28 @@
-"""Per-request KV page tables over the unified pool."""
+"""Per-request KV page tables over the unified pool; whole prompt blocks may be shared blocks of
+the :class:`PrefixCache` (read-only: the request holds a reference, not the pages)."""
 
 from __future__ import annotations
 
 import torch
 
 from services.gpu_worker.memory.page_allocator import PageUse
+from services.gpu_worker.memory.prefix_cache import BlockKey, PrefixCache
 from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.runtime.errors import FailedPrecondition
 
 
 class KvTable:
     """The KV pages of one request: ``blocks[b][layer]`` is the page holding tokens
     ``b*B .. b*B+B-1`` of that layer (``B`` = the pool's ``kv_block_tokens``)."""
 
-    def __init__(self, pool: UnifiedPool):
+    def __init__(self, pool: UnifiedPool, prefix_cache: PrefixCache | None = None):
+        """``prefix_cache``: where its shared blocks are cached (None: it shares none)."""
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self.blocks: list[list[int]] = []
+        self.shared: dict[int, BlockKey] = {}
+        """Block index -> cache key of each block owned by the prefix cache (released there, not
+        freed); the other blocks are the request's own."""
         self._table: torch.Tensor | None = None
         self._frozen: tuple[tuple[int, ...], ...] | None = None
 
@@ -38,15 +46,33 @@ class KvTable:
         self.blocks.extend(pages[i : i + layers] for i in range(0, needed, layers))
         self._table = self._frozen = None
 
+    def attach_cached(self, keys: list[BlockKey], blocks: list[tuple[int, ...]]) -> None:
+        """Start an empty table with cached prefix ``blocks`` (their references already taken)."""
+        if self.blocks:
+            raise FailedPrecondition("cached prefix blocks go into an empty KV table")
+        self.blocks = [list(pages) for pages in blocks]
+        self.shared = dict(enumerate(keys))
+        self._table = self._frozen = None
+
+    def share(self, index: int, key: BlockKey) -> None:
+        """Block ``index`` now belongs to the prefix cache under ``key`` (the table holds a reference)."""
+        self.shared[index] = key
+
     def release(self) -> None:
-        for block in self.blocks:
-            self.pool.free(block)
-        self.blocks = []
+        if self.shared:
+            self.prefix_cache.release([self.shared[i] for i in sorted(self.shared)])
+        for index, block in enumerate(self.blocks):
+            if index not in self.shared:
+                self.pool.free(block)
+        self.blocks, self.shared = [], {}
         self._table = self._frozen = None
 
     def hand_over(self) -> list[list[int]]:
         """Empty the table without freeing its pages; returns them (per block, one page per layer)
-        for a new owner (the rManager, when the request starts to borrow)."""
+        for a new owner (the rManager, when the request starts to borrow). Shared blocks cannot
+        change owner: the prefix cache is off where requests borrow."""
+        if self.shared:
+            raise FailedPrecondition("a KV table with shared prefix blocks cannot hand them over")
         blocks, self.blocks, self._table, self._frozen = self.blocks, [], None, None
         return blocks
 

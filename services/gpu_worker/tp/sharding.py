@@ -220,6 +220,7 @@ def shard_adapter(adapter: HostAdapter, layout: TensorParallelLayout) -> HostAda
     return HostAdapter(
         adapter_id=adapter.adapter_id,
         modules={key: shard_factors(key[1], f, layout) for key, f in adapter.modules.items()},
+        content_sha256=adapter.content_sha256,
     )
 
 

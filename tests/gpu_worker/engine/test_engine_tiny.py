@@ -97,12 +97,13 @@ def test_pool_pressure_evicts_idle_adapters_preempts_and_gives_the_same_output(t
     assert {rid: [e.token_id for e in evs] for rid, evs in got.items()} == expected
     assert tight.preemptions > 0, "the tight pool should have forced preemptions"
     assert all(evs[-1].finish_reason is FinishReason.LENGTH for evs in got.values())
-    usage = tight.pool.usage()
+    usage = tight.stats()  # unused cached prefix blocks count as free
     assert usage.kv_pages == 0 and usage.free_pages + usage.adapter_pages == usage.total_pages
 
 
 def test_idle_adapters_are_evicted_lru(tiny_llama, adapter_dirs):
-    engine = make_engine(tiny_llama, adapter_dirs, pool_mib=8)
+    # Without the prefix cache: its unused blocks would make the room before any adapter goes.
+    engine = make_engine(tiny_llama, adapter_dirs, pool_mib=8, prefix_cache=False)
     for name in ["a8", "a16", "a4-rs"]:
         run_all(engine, [greedy(0, name, 5, 2)])
     assert engine.residency.ids() == ["a8", "a16", "a4-rs"]
@@ -135,7 +136,7 @@ def test_thousand_requests_with_random_cancellations_free_every_page(tiny_llama,
         engine.step()
     assert len(finished) == 1000
     assert sum(r is FinishReason.CANCELLED for r in finished.values()) > 50
-    usage = engine.pool.usage()
+    usage = engine.stats()  # unused cached prefix blocks count as free
     assert usage.kv_pages == 0 and not engine.running and not engine.waiting
     assert all(engine.residency.get(a).refcount == 0 for a in engine.residency.ids())
     engine.residency.make_room(usage.total_pages)
@@ -149,9 +150,10 @@ def test_split_pool_gives_the_same_output_as_the_unified_pool(tiny_llama, adapte
     split = make_engine(tiny_llama, adapter_dirs, pool_mib=1, adapter_region_share=0.5)
     got = run_all(split, requests)
     assert {rid: [e.token_id for e in evs] for rid, evs in got.items()} == expected
-    usage = split.pool.usage()
+    usage = split.stats()
     kv_region = usage.total_pages - round(usage.total_pages * 0.5)
-    assert usage.kv_pages == 0 and split.pool.allocator.free_pages_for(PageUse.KV) == kv_region
+    cached = split.prefix_cache.evictable_pages()  # unused cached prefix blocks, in the KV region
+    assert usage.kv_pages == 0 and split.pool.allocator.free_pages_for(PageUse.KV) + cached == kv_region
 
 
 def test_a_waiting_request_whose_adapter_was_removed_ends_cancelled(tiny_llama, adapter_dirs):

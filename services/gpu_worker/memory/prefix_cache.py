@@ -1,0 +1,172 @@
+"""KV blocks of prompt prefixes kept in the unified pool and shared between requests (automatic
+prefix caching, as vLLM's).
+
+A block is named by a chain hash: the sha256 of the previous block's key and this block's token
+ids, the first block's "previous key" being the request's key space — the adapter id and the
+sha256 of its content, or the base model. So a block matches only when every token before it
+and the adapter (this exact version of it) match: KV is never shared across adapters, nor across
+two versions of one adapter id (the bug class of llama.cpp#26207 and vllm#30931).
+
+Only whole blocks are cached, and only blocks of the prompt. One source of truth with reference
+counts (like :class:`AdapterResidency`): a request using a cached block holds a reference; a
+block with none stays in the pool, evictable in its eviction policy's order (least recently used
+first) when the pool needs pages — before an idle adapter is evicted or a running request is
+preempted. Cached blocks are read-only: a request writes only to its own blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.gpu_worker.memory.page_allocator import PageUse
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.runtime.eviction import EvictionPolicy, LRUEviction
+
+BlockKey = bytes
+"""A cached block's chain hash (sha256 digest)."""
+
+BASE_MODEL_KEY_SPACE: BlockKey = hashlib.sha256(b"loramesh/base-model").digest()
+"""The key space of requests without an adapter."""
+
+
+def adapter_key_space(adapter_id: str, content_sha256: str) -> BlockKey:
+    """The key space of an adapter's requests: its id and the sha256 of its content, so a new
+    version of the same id shares nothing with the old one."""
+    return hashlib.sha256(f"loramesh/adapter\0{adapter_id}\0{content_sha256}".encode()).digest()
+
+
+def block_keys(key_space: BlockKey, token_ids: Sequence[int], block_tokens: int) -> list[BlockKey]:
+    """The chain keys of the whole blocks of ``token_ids`` (a partial last block has none)."""
+    keys, previous = [], key_space
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        block = token_ids[start : start + block_tokens]
+        previous = hashlib.sha256(previous + b"".join(t.to_bytes(4, "little") for t in block)).digest()
+        keys.append(previous)
+    return keys
+
+
+@dataclass
+class CachedBlock:
+    """One cached KV block."""
+
+    pages: tuple[int, ...]
+    """Its KV page in every layer (``pages[layer]``)."""
+    refcount: int = 0
+    """Requests using it; evictable only at 0."""
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Counters since start and the cache now."""
+
+    hit_blocks: int
+    """Prompt blocks found cached (their prefill skipped)."""
+    missed_blocks: int
+    """Whole prompt blocks looked up and computed: not cached, after the first that was not, or
+    holding the prompt's last token (always computed)."""
+    cached_blocks: int
+    """Blocks in the cache now, used or not."""
+    evictable_blocks: int
+    """Cached blocks no request uses now (freed first when the pool needs pages)."""
+    evicted_blocks: int
+    """Blocks evicted to make room since start."""
+
+
+class PrefixCache:
+    """Cached KV blocks by chain key, with reference counts and an eviction order (engine thread)."""
+
+    def __init__(self, pool: UnifiedPool, eviction: EvictionPolicy | None = None):
+        """``eviction``: the order unused blocks go in (default least recently used first)."""
+        self.pool = pool
+        self._eviction = eviction or LRUEviction()
+        self._blocks: dict[BlockKey, CachedBlock] = {}
+        self._evictable_blocks = 0
+        self._hit_blocks = 0
+        self._missed_blocks = 0
+        self._evicted_blocks = 0
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def refcount(self, key: BlockKey) -> int:
+        """References to a cached block (0 when it is not cached)."""
+        block = self._blocks.get(key)
+        return 0 if block is None else block.refcount
+
+    def acquire_prefix(self, keys: Sequence[BlockKey], looked_up: int) -> list[tuple[int, ...]]:
+        """Take a reference to the longest cached run of ``keys`` from the first; returns those
+        blocks' pages. ``looked_up``: the whole prompt blocks the caller asked about (counted as
+        hits or misses)."""
+        pages = []
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            self._hold(key, block)
+            pages.append(block.pages)
+        self._hit_blocks += len(pages)
+        self._missed_blocks += max(0, looked_up - len(pages))
+        return pages
+
+    def insert(self, key: BlockKey, pages: Sequence[int]) -> bool:
+        """Adopt a request's computed block under ``key``, the request holding a reference; False
+        (nothing adopted, the request keeps its block) when ``key`` is cached already."""
+        if key in self._blocks:
+            return False
+        block = CachedBlock(tuple(pages), refcount=1)
+        self._blocks[key] = block
+        self._eviction.touch(key)
+        return True
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        """Drop a request's references to the blocks of ``keys`` (in block order). The last block
+        is marked used first, so that a chain is evicted from its tail: its head is what the most
+        requests share."""
+        for key in reversed(keys):
+            block = self._blocks[key]
+            if block.refcount <= 0:
+                raise RuntimeError("a cached KV block released more often than acquired")
+            block.refcount -= 1
+            if block.refcount == 0:
+                self._evictable_blocks += 1
+            self._eviction.touch(key)
+
+    def evictable_pages(self) -> int:
+        """Pages evicting every unused cached block would free."""
+        return self._evictable_blocks * self.pool.layout.num_layers
+
+    def make_room(self, pages: int, use: PageUse) -> None:
+        """Evict unused blocks, in eviction order, until ``pages`` pages are free for ``use`` or
+        none is left (the caller evicts further or gives up)."""
+        allocator = self.pool.allocator
+        if allocator.free_pages_for(use) >= pages or not self._evictable_blocks:
+            return
+        unused = [key for key, block in self._blocks.items() if block.refcount == 0]
+        for key in self._eviction.victims(unused):
+            if allocator.free_pages_for(use) >= pages:
+                break
+            self._evict(key)
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            hit_blocks=self._hit_blocks,
+            missed_blocks=self._missed_blocks,
+            cached_blocks=len(self._blocks),
+            evictable_blocks=self._evictable_blocks,
+            evicted_blocks=self._evicted_blocks,
+        )
+
+    def _hold(self, key: BlockKey, block: CachedBlock) -> None:
+        if block.refcount == 0:
+            self._evictable_blocks -= 1
+        block.refcount += 1
+        self._eviction.touch(key)
+
+    def _evict(self, key: BlockKey) -> None:
+        block = self._blocks.pop(key)
+        self._eviction.remove(key)
+        self._evictable_blocks -= 1
+        self._evicted_blocks += 1
+        self.pool.free(list(block.pages))

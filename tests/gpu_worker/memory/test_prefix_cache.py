@@ -1,0 +1,102 @@
+"""The prefix cache alone: chain keys per key space, reference counts, LRU eviction under the
+unified pool's pressure (before idle adapters), and KV tables holding shared blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.kv_cache import KvTable
+from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
+from services.gpu_worker.memory.prefix_cache import (
+    BASE_MODEL_KEY_SPACE,
+    PrefixCache,
+    adapter_key_space,
+    block_keys,
+)
+from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from tests.gpu_worker.memory.test_unified_pool import adapter
+
+LAYOUT = PoolLayout(num_pages=16, kv_block_tokens=4, kv_dim=8, num_layers=2)
+
+
+def computed_table(pool: UnifiedPool, cache: PrefixCache, keys: list[bytes]) -> KvTable:
+    """A request's table whose blocks were computed and handed to the cache."""
+    table = KvTable(pool, cache)
+    table.reserve(len(keys) * LAYOUT.kv_block_tokens)
+    for index, key in enumerate(keys):
+        assert cache.insert(key, table.blocks[index])
+        table.share(index, key)
+    return table
+
+
+def test_keys_are_chained_whole_blocks_and_differ_by_key_space():
+    tokens = list(range(10))
+    keys = block_keys(BASE_MODEL_KEY_SPACE, tokens, 4)
+    assert len(keys) == 2  # the partial third block has no key
+    assert block_keys(BASE_MODEL_KEY_SPACE, [99, *tokens[1:]], 4)[1] != keys[1]  # the chain
+    assert block_keys(BASE_MODEL_KEY_SPACE, tokens[:8], 4) == keys
+    v1, v2 = adapter_key_space("a", "sha-1"), adapter_key_space("a", "sha-2")
+    spaces = [BASE_MODEL_KEY_SPACE, v1, v2, adapter_key_space("b", "sha-1")]
+    firsts = {block_keys(space, tokens, 4)[0] for space in spaces}
+    assert len(firsts) == len(spaces)
+
+
+def test_shared_blocks_are_reference_counted_and_stay_cached_when_unused():
+    pool = UnifiedPool(LAYOUT, torch.float32)
+    cache = PrefixCache(pool)
+    keys = block_keys(BASE_MODEL_KEY_SPACE, list(range(8)), 4)
+    first = computed_table(pool, cache, keys)
+    second = KvTable(pool, cache)
+    second.attach_cached(keys, cache.acquire_prefix(keys, looked_up=2))
+    assert second.blocks == first.blocks and [cache.refcount(k) for k in keys] == [2, 2]
+    second.reserve(9)  # one block of its own after the shared ones
+    first.release()
+    second.release()
+    assert [cache.refcount(k) for k in keys] == [0, 0]
+    stats = cache.stats()
+    assert (stats.cached_blocks, stats.evictable_blocks, stats.hit_blocks) == (2, 2, 2)
+    assert pool.usage().kv_pages == 4  # the cached blocks' pages, nothing else
+    assert cache.insert(keys[0], [0, 1]) is False  # cached already: the caller keeps its block
+
+
+def test_the_lookup_stops_at_the_first_uncached_block():
+    pool = UnifiedPool(LAYOUT, torch.float32)
+    cache = PrefixCache(pool)
+    keys = block_keys(BASE_MODEL_KEY_SPACE, list(range(12)), 4)
+    computed_table(pool, cache, [keys[0]]).release()
+    assert len(cache.acquire_prefix(keys, looked_up=3)) == 1
+    assert (cache.stats().hit_blocks, cache.stats().missed_blocks) == (1, 2)
+
+
+def test_pool_pressure_evicts_unused_cached_blocks_lru_before_idle_adapters():
+    pool = UnifiedPool(LAYOUT, torch.float32)
+    cache = PrefixCache(pool)
+    residency = AdapterResidency(pool, prefix_cache=cache)
+    residency.load(adapter("a", rank=2))  # idle adapter: its pages are evictable too
+    old = block_keys(BASE_MODEL_KEY_SPACE, [1] * 8, 4)
+    new = block_keys(BASE_MODEL_KEY_SPACE, [2] * 8, 4)
+    computed_table(pool, cache, old).release()
+    computed_table(pool, cache, new).release()
+    held = KvTable(pool, cache)
+    held.attach_cached(new[:1], cache.acquire_prefix(new[:1], looked_up=1))  # in use: stays
+    wanted = pool.allocator.free_pages + 2 * LAYOUT.num_layers
+    residency.make_room(wanted, PageUse.KV)
+    # The old chain went first, from its tail; the adapter and the used block stayed.
+    assert old[0] not in cache and old[1] not in cache and new[0] in cache
+    assert "a" in residency
+    residency.make_room(pool.allocator.free_pages + 2 * LAYOUT.num_layers, PageUse.KV)
+    assert new[1] not in cache and new[0] in cache and "a" not in residency
+    with pytest.raises(PoolExhausted):  # the used block is never evicted
+        residency.make_room(LAYOUT.num_pages, PageUse.KV)
+    held.release()
+    assert cache.refcount(new[0]) == 0 and cache.stats().evicted_blocks == 3
+
+
+def test_a_table_with_shared_blocks_cannot_hand_them_over():
+    pool = UnifiedPool(LAYOUT, torch.float32)
+    cache = PrefixCache(pool)
+    table = computed_table(pool, cache, block_keys(BASE_MODEL_KEY_SPACE, list(range(4)), 4))
+    with pytest.raises(Exception, match="shared prefix blocks"):
+        table.hand_over()
