@@ -20,6 +20,7 @@
 #define LORAMESH_CPU_INVARIANT_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__FMA__) || defined(__F16C__) || defined(__AVX2__)
@@ -146,6 +147,17 @@ static inline void widen_row(const void *row, int dtype, int64_t n, float *dst) 
     int64_t k = 0;
     for (; k + 8 <= n; k += 8) *(v8f_u *)(dst + k) = load8(row, k, dtype);
     for (; k < n; k++) dst[k] = load1(row, k, dtype);
+}
+
+/* `buf` grown to hold `need` floats (a thread's scratch, kept for the next call); NULL when out of
+ * memory. */
+static inline float *grown(float **buf, size_t *elems, size_t need) {
+    if (*elems < need) {
+        free(*buf);
+        *buf = malloc(need * sizeof(float));
+        *elems = *buf ? need : 0;
+    }
+    return *buf;
 }
 
 /* exp(x) for every lane (Cephes expf: 2^n * p(r), |r| <= ln2 / 2, about 1 ulp); 0 below -87.3

@@ -95,15 +95,6 @@ static void dot_tile_rows(const float *const *x, int mr, const void *const *w, i
 static __thread float *wide_x, *wide_w;
 static __thread size_t wide_x_elems, wide_w_elems;
 
-/* `buf` grown to hold `need` floats; NULL when out of memory. */
-static float *grown(float **buf, size_t *elems, size_t need) {
-    if (*elems < need) {
-        free(*buf);
-        *buf = malloc(need * sizeof(float));
-        *elems = *buf ? need : 0;
-    }
-    return *buf;
-}
 
 /* The arguments of one call (every field 8 bytes: the ctypes mirror needs no padding rules). */
 typedef struct {

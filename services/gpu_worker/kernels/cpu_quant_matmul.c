@@ -131,6 +131,22 @@ static inline v8f half_sum(vec v) {
 #endif
 }
 
+/* s[i][j] = the lanes of acc[i][j] summed, for MR rows: half_sum, then hsum's order, four sums at
+ * a time (hsum4 gives hsum's bits). Every tile of every path reduces this way. */
+static inline __attribute__((always_inline)) void reduce_tile(vec acc[TILE_ROWS][TILE_COLS],
+                                                              float s[TILE_ROWS][TILE_COLS], const int MR) {
+    v8f halves[TILE_ROWS * TILE_COLS];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_COLS; j++) halves[i * TILE_COLS + j] = half_sum(acc[i][j]);
+    float sums[TILE_ROWS * TILE_COLS];
+    const int count = MR * TILE_COLS; /* even: TILE_COLS is 2 or 4 */
+    for (int g = 0; g + 3 < count; g += 4) hsum4(halves[g], halves[g + 1], halves[g + 2], halves[g + 3], sums + g);
+    if (count % 4) /* TILE_COLS 2, an odd row count */
+        hsum4(halves[count - 2], halves[count - 1], halves[count - 1], halves[count - 1], sums + count - 2);
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < TILE_COLS; j++) s[i][j] = sums[i * TILE_COLS + j];
+}
+
 /* s[i][j] = dot(x[i], w[j]) for MR rows of fp32 x and TILE_COLS rows of W, either quantized (wq,
  * row after row of blocks) or already dequantized (wf): the same sums in the same order. */
 static inline __attribute__((always_inline)) void dot_tile(const float *const *x, const uint8_t *const *wq,
@@ -161,17 +177,7 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
             }
         }
     }
-    /* Every sum reduced as hsum_vec does, four at a time (hsum4 gives hsum's bits). */
-    v8f halves[TILE_ROWS * TILE_COLS];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < TILE_COLS; j++) halves[i * TILE_COLS + j] = half_sum(acc[i][j]);
-    float sums[TILE_ROWS * TILE_COLS];
-    const int count = MR * TILE_COLS; /* a multiple of 4: TILE_COLS is 2 or 4 */
-    for (int g = 0; g + 3 < count; g += 4) hsum4(halves[g], halves[g + 1], halves[g + 2], halves[g + 3], sums + g);
-    if (count % 4) /* TILE_COLS 2, an odd row count */
-        hsum4(halves[count - 2], halves[count - 1], halves[count - 1], halves[count - 1], sums + count - 2);
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < TILE_COLS; j++) s[i][j] = sums[i * TILE_COLS + j];
+    reduce_tile(acc, s, MR);
 }
 
 /* One instance per (row count, format, source), so no tile computes rows it does not have and
@@ -238,13 +244,7 @@ static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *
             for (int j = 0; j < TILE_COLS; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
         }
     }
-    v8f halves[TILE_ROWS * TILE_COLS];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < TILE_COLS; j++) halves[i * TILE_COLS + j] = half_sum(acc[i][j]);
-    float sums[TILE_ROWS * TILE_COLS];
-    for (int g = 0; g < MR * TILE_COLS; g += 4) hsum4(halves[g], halves[g + 1], halves[g + 2], halves[g + 3], sums + g);
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < TILE_COLS; j++) s[i][j] = sums[i * TILE_COLS + j];
+    reduce_tile(acc, s, MR);
 }
 
 #define TILE_CASE_BF16(MR)                                                      \
@@ -279,14 +279,6 @@ static void dequant_row_bf16(const uint8_t *row, int fmt, int64_t blocks, uint16
 static __thread float *wide_x, *wide_w;
 static __thread size_t wide_x_elems, wide_w_elems;
 
-static float *grown(float **buf, size_t *elems, size_t need) {
-    if (*elems < need) {
-        free(*buf);
-        *buf = malloc(need * sizeof(float));
-        *elems = *buf ? need : 0;
-    }
-    return *buf;
-}
 
 /* The arguments of one call (every field 8 bytes: the ctypes mirror needs no padding rules). */
 typedef struct {
