@@ -130,17 +130,17 @@ class NativePlan:
         if cached is None:
             if seg.a_offsets.device.type != "cpu":
                 raise ValueError("cpu_native: the segments' row offsets must be CPU tensors")
-            groups = seg.groups
-            tokens = [t for g in groups for start, end in g.token_ranges for t in range(start, end)]
+            groups = _kernel_groups(seg)
+            tokens = [t for _, _, _, group_tokens in groups for t in group_tokens]
             token_starts = [0]
-            for g in groups:
-                token_starts.append(token_starts[-1] + sum(end - start for start, end in g.token_ranges))
+            for _, _, _, group_tokens in groups:
+                token_starts.append(token_starts[-1] + len(group_tokens))
             plan = torch.tensor(
-                [g.rank_start for g in groups] + [g.rank_end for g in groups] + token_starts,
+                [g[0] for g in groups] + [g[1] for g in groups] + token_starts,
                 dtype=torch.int64,
             )
             token_tensor = torch.tensor(tokens, dtype=torch.int64)
-            scales = torch.tensor([g.scale for g in groups], dtype=torch.float32)
+            scales = torch.tensor([g[2] for g in groups], dtype=torch.float32)
             problem = _Problem(
                 out_features=seg.out_features,
                 a_offsets=seg.a_offsets.data_ptr(),
@@ -152,6 +152,27 @@ class NativePlan:
             )
             cached = seg.derived["native_plan"] = cls(plan, token_tensor, scales, problem)
         return cached
+
+
+SPLIT_TOKENS = 8
+"""Decode-sized groups (at most ``SPLIT_MAX_TOKENS`` tokens) are handed to the kernel in pieces of
+this many tokens: pieces of 3-16 tokens take its register-tile work items, which a single group of
+many decode tokens (one adapter for a whole batch) would not."""
+SPLIT_MAX_TOKENS = 64
+
+
+def _kernel_groups(seg: LoraSegments) -> list[tuple[int, int, float, list[int]]]:
+    """(rank start, rank end, scale, token rows) of each group the kernel gets. A token's delta is
+    computed from its own row and its group's adapter alone, so pieces of a group give each token
+    the same delta in fixed-order (batch-invariant) calls, and the same up to rounding otherwise."""
+    pieces = []
+    for g in seg.groups:
+        tokens = [t for start, end in g.token_ranges for t in range(start, end)]
+        size = SPLIT_TOKENS if SPLIT_TOKENS < len(tokens) <= SPLIT_MAX_TOKENS else len(tokens)
+        pieces += [
+            (g.rank_start, g.rank_end, g.scale, tokens[i : i + size]) for i in range(0, len(tokens), size)
+        ]
+    return pieces
 
 
 class _Call(ctypes.Structure):
