@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
 
@@ -18,7 +19,10 @@ REFUSED = 7
 STOPS_SHORT = 5
 """... this many: the server stops after 2 tokens."""
 SLOW = 50
-"""... this many: a token every 0.2 s, so the window cuts it."""
+"""... this many: one token, then nothing ever again, so only the window can end it."""
+WINDOW_S = 10.0
+"""The cut test's window: only a never-ending request meets it; far longer than the one loopback
+chunk sent before it (a guard, not a timing claim)."""
 
 
 class FakeLlamaServer:
@@ -46,7 +50,8 @@ class FakeLlamaServer:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
             produced = 2 if wanted == STOPS_SHORT else wanted
             for k in range(1, produced + 1):
-                await asyncio.sleep(0.2 if wanted == SLOW else 0.01)
+                if wanted == SLOW and k == 2:
+                    await asyncio.Event().wait()  # never answers again: the client's window ends it
                 writer.write(f"data: {json.dumps({'tokens_predicted': k, 'stop': False})}\n\n".encode())
                 await writer.drain()
             writer.write(f"data: {json.dumps({'tokens_predicted': produced, 'stop': True})}\n\n".encode())
@@ -71,31 +76,35 @@ def request(index: int, time_s: float, output_len: int) -> TraceRequest:
 
 
 async def test_records_tokens_first_token_and_each_way_a_request_ends(fake_server, tmp_path):
+    """No window (``math.inf``): every request ends on its own, whatever the machine's speed."""
     fake, url = fake_server
-    trace = [
-        request(0, 0.0, 3),
-        request(1, 0.05, REFUSED),
-        request(2, 0.1, STOPS_SHORT),
-        request(3, 0.1, SLOW),
-    ]
+    trace = [request(0, 0.0, 3), request(1, 0.05, REFUSED), request(2, 0.1, STOPS_SHORT)]
     progress: list[int] = []
     context = RunContext(
-        trace=trace, adapters=AdapterSet(tmp_path, (8, 8)), window_s=1.5, on_progress=progress.append
+        trace=trace, adapters=AdapterSet(tmp_path, (8, 8)), window_s=math.inf, on_progress=progress.append
     )
-    done, refused, short, cut = await replay_over_http(context, url, LlamaServerCompletion())
+    done, refused, short = await replay_over_http(context, url, LlamaServerCompletion())
 
     assert done.completed and done.output_tokens == 3
     assert done.arrival_s <= done.first_token_s <= done.finish_s
     assert "503" in refused.error and refused.output_tokens == 0 and refused.first_token_s is None
     assert "ended after 2 of 5 tokens" in short.error and not short.completed
-    # Cut by the window: its tokens so far count, it did not complete.
-    assert 0 < cut.output_tokens < SLOW and cut.finish_s is None and not cut.error
     assert sum(progress) == len(trace)
 
     sent = {b["n_predict"]: b for b in fake.bodies}
     assert sent[3]["prompt"] == list(context.prompt(trace[0]))
     assert sent[3]["lora"] == [{"id": 0, "scale": 1.0}] and sent[REFUSED]["lora"] == [{"id": 1, "scale": 1.0}]
     assert all(b["ignore_eos"] and b["stream"] and b["cache_prompt"] is False for b in fake.bodies)
+
+
+async def test_a_request_the_window_cuts_keeps_its_tokens_and_is_not_completed(fake_server, tmp_path):
+    """The server sends one token and then nothing: only the window can end the request."""
+    _, url = fake_server
+    context = RunContext(
+        trace=[request(3, 0.0, SLOW)], adapters=AdapterSet(tmp_path, (8, 8)), window_s=WINDOW_S
+    )
+    (cut,) = await replay_over_http(context, url, LlamaServerCompletion())
+    assert cut.output_tokens == 1 and cut.finish_s is None and not cut.error and not cut.completed
 
 
 def test_the_base_server_is_sent_no_adapter():
