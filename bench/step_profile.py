@@ -7,7 +7,7 @@
 For each decode batch (every request with its own rank-16 adapter on all seven projections, and
 the same batch without adapters) the real ``Engine.step`` runs with wall-clock timers wrapped,
 for this process only, around the calls it makes: the base model's linear layers (lm_head
-included), the LoRA deltas, attention with its KV writes, and sampling. The forward pass's
+included), the LoRA deltas, attention with its rotary embedding and KV writes, and sampling. The forward pass's
 remainder is norms/rope/activation/other; the step's remainder outside the forward pass is
 planning (scheduling, building the step's batch, bookkeeping). Untimed steps alternate with the
 timed ones, so the timers' own cost shows as the difference of the two step times.
@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 import services.gpu_worker.engine.engine as engine_module
-import services.gpu_worker.model.llama as llama_module
 from bench.out_dir import default_out
 from bench.worker_bench import machine, make_prompts
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
@@ -44,7 +43,9 @@ from services.gpu_worker.engine.request import GenerationRequest, SamplingParams
 from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import LoadedModel, load_model
+from services.gpu_worker.model.native_step_ops import NativeStepOps
 from services.gpu_worker.model.quantized_weight import QuantizedWeight
+from services.gpu_worker.model.step_ops import TorchStepOps
 from services.model_files.base_model import BaseModelSpec, load_base_model_spec
 from services.model_files.peft_format import LORA_TARGETS
 
@@ -236,24 +237,29 @@ class StepTimers:
         """The timers around ``engine``'s calls; everything is put back on exit.
 
         Instance attributes shadow the model's methods (``forward`` looks them up on ``self`` every
-        step); the attention kernel and ``sample_batch`` are module globals of their callers."""
-        model, pool = engine.executor.model, engine.executor.pool
-        saved_attend, saved_sample = llama_module.attend_locally, engine_module.sample_batch
-        model.matmul.linear = self.wrap("base_gemm", model.matmul.linear)
+        step); the step ops' methods are wrapped on their classes (an ops object lives one step);
+        ``sample_batch`` is a module global of the engine."""
+        model = engine.executor.model
+        saved_sample = engine_module.sample_batch
+        saved_ops = {
+            (cls, name): cls.__dict__[name]
+            for cls in (TorchStepOps, NativeStepOps)
+            for name in ("linear", "rotate_and_cache", "attention")
+        }
+        parts = {"linear": "base_gemm", "rotate_and_cache": "attention", "attention": "attention"}
+        for (cls, name), method in saved_ops.items():
+            setattr(cls, name, self.wrap(parts[name], method))
         model._lora = self.wrap("lora", LlamaModel._lora)
-        model._attention = self.wrap("attention", model._attention)
-        pool.kv_rows.index_copy_ = self.wrap("attention", pool.kv_rows.index_copy_)  # the KV writes
         model.forward = self.wrap("forward", model.forward)
-        llama_module.attend_locally = self.wrap("attention", saved_attend)
         engine_module.sample_batch = self.wrap("sampling", saved_sample)
         try:
             yield
         finally:
-            llama_module.attend_locally, engine_module.sample_batch = saved_attend, saved_sample
-            del model.matmul.linear
-            for name in ("_lora", "_attention", "forward"):
+            engine_module.sample_batch = saved_sample
+            for (cls, name), method in saved_ops.items():
+                setattr(cls, name, method)
+            for name in ("_lora", "forward"):
                 delattr(model, name)
-            del pool.kv_rows.index_copy_
 
     def components(self, step_s: float) -> dict[str, float]:
         """The step's :data:`COMPONENTS` in seconds: the forward pass's remainder is ``other``, the

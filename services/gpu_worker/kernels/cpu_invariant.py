@@ -79,6 +79,16 @@ _RmsNormCall = call_struct(
 _SiluMulCall = call_struct(
     "_SiluMulCall", "gate:p up:p stride:i y:p y_stride:i dtype:i rows:i width:i num_threads:i"
 )
+_AddRmsNormCall = call_struct(
+    "_AddRmsNormCall",
+    "x:p x_stride:i delta:p delta_stride:i dtype:i weight:p weight_dtype:i y:p y_stride:i rows:i width:i "
+    "eps:d num_threads:i",
+)
+_RopeKvCall = call_struct(
+    "_RopeKvCall",
+    "qkv:p qkv_stride:i dtype:i rows:i positions:p cos:p sin:p num_heads:i num_kv_heads:i head_dim:i "
+    "q_out:p kv:p kv_dtype:i key_rows:p value_rows:p num_threads:i",
+)
 
 _lock = threading.Lock()
 _build: native_build.NativeBuild | None = None
@@ -102,6 +112,8 @@ def _library() -> ctypes.CDLL | None:
                         "invariant_combine_partials",
                         "invariant_rms_norm",
                         "invariant_silu_mul",
+                        "invariant_add_rms_norm",
+                        "invariant_rope_kv",
                     ):
                         function = getattr(_build.library, name)
                         function.restype = ctypes.c_int
@@ -149,12 +161,48 @@ def _index(name: str, t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def _run(function_name: str, call: ctypes.Structure) -> None:
-    status = getattr(_lib(), function_name)(ctypes.byref(call))
+def _check_status(function_name: str, status: int) -> None:
     if status == -1:
         raise MemoryError(f"cpu_invariant: {function_name} could not allocate its scratch")
     if status == -2:
         raise ValueError(f"cpu_invariant: {function_name} does not handle this shape (head_dim % 8, group)")
+
+
+def _run(function_name: str, call: ctypes.Structure) -> None:
+    _check_status(function_name, getattr(_lib(), function_name)(ctypes.byref(call)))
+
+
+class PreparedCall:
+    """A kernel call checked and filled once, then run many times with new pointers.
+
+    The model makes the same calls in each of its layers, only the tensors changing (a layer's
+    weights, a fresh output): a checked call's Python side costs ~10 µs, as much as the kernel at
+    batch 1, and ~270 of them run per step. :meth:`run` only sets the fields it is given. The
+    caller keeps every tensor it passes alive and of the shape and dtype the call was prepared for.
+    """
+
+    __slots__ = ("_address", "_check", "_function", "_name", "call")
+
+    def __init__(self, library: ctypes.CDLL, function_name: str, call: ctypes.Structure, check=None):
+        self.call = call
+        self._function = getattr(library, function_name)
+        self._address = ctypes.addressof(call)
+        self._name = function_name
+        self._check = check or _check_status
+
+    def run(self, **fields: int) -> None:
+        """Set ``fields`` (pointers: ``tensor.data_ptr()``) and run the kernel."""
+        call = self.call
+        for name, value in fields.items():
+            setattr(call, name, value)
+        status = self._function(self._address)
+        if status:
+            self._check(self._name, status)
+
+
+def prepared(function_name: str, call: ctypes.Structure) -> PreparedCall:
+    """``call`` to ``function_name`` of these kernels, as a :class:`PreparedCall`."""
+    return PreparedCall(_lib(), function_name, call)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -179,6 +227,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     """``out = round(x * rsqrt(mean(x^2) + eps)) * round(weight)`` row by row, rounded to
     ``out``'s dtype (``round``: to that dtype), as HF's LlamaRMSNorm computes it."""
+    prepare_rms_norm(x, weight, eps, out).run()
+
+
+def prepare_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> PreparedCall:
+    """:func:`rms_norm` checked and prepared (fields ``x``, ``weight``, ``y``)."""
     width = x.shape[1]
     if weight.shape != (width,) or not weight.is_contiguous() or out.shape != x.shape:
         raise ValueError(
@@ -189,12 +242,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         out.data_ptr(), dtype_code("out", out), row_stride("out", out, width), x.shape[0], width, eps,
         torch.get_num_threads(),
     )  # fmt: skip
-    _run("invariant_rms_norm", call)
+    return prepared("invariant_rms_norm", call)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
     """``out = round(silu(gate)) * up``, all three [M, I] of one dtype, ``gate``/``up`` sharing a
     row stride (the halves of one gate_up matmul)."""
+    prepare_silu_mul(gate, up, out).run()
+
+
+def prepare_silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> PreparedCall:
+    """:func:`silu_mul` checked and prepared (fields ``gate``, ``up``, ``y``)."""
     width = gate.shape[1]
     stride = row_stride("gate", gate, width)
     if up.shape != gate.shape or row_stride("up", up, width) != stride or out.shape != gate.shape:
@@ -207,7 +265,82 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
         gate.data_ptr(), up.data_ptr(), stride, out.data_ptr(), row_stride("out", out, width), dtype_code("out", out),
         gate.shape[0], width, torch.get_num_threads(),
     )  # fmt: skip
-    _run("invariant_silu_mul", call)
+    return prepared("invariant_silu_mul", call)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> None:
+    """``x += delta`` in place (rounded to ``x``'s dtype, as torch's ``x + delta``), then
+    :func:`rms_norm` of the new ``x`` into ``out``: a residual add and the norm after it in one
+    call. ``x``, ``delta`` and ``out``: [M, W] of one dtype."""
+    prepare_add_rms_norm(x, delta, weight, eps, out).run()
+
+
+def prepare_add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> PreparedCall:
+    """:func:`add_rms_norm` checked and prepared (fields ``x``, ``delta``, ``weight``, ``y``)."""
+    width = x.shape[1]
+    if (
+        delta.shape != x.shape
+        or out.shape != x.shape
+        or weight.shape != (width,)
+        or not weight.is_contiguous()
+    ):
+        raise ValueError(
+            f"cpu_invariant: add_rms_norm of x {list(x.shape)} needs delta and out like x, weight [{width}]"
+        )
+    if not x.dtype == delta.dtype == out.dtype:
+        raise ValueError("cpu_invariant: add_rms_norm needs x, delta and out of one dtype")
+    call = _AddRmsNormCall(
+        x.data_ptr(), row_stride("x", x, width), delta.data_ptr(), row_stride("delta", delta, width),
+        dtype_code("x", x), weight.data_ptr(), dtype_code("weight", weight), out.data_ptr(),
+        row_stride("out", out, width), x.shape[0], width, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return prepared("invariant_add_rms_norm", call)
+
+
+def prepare_rope_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_out: torch.Tensor,
+    kv_rows: torch.Tensor,
+    key_rows: torch.Tensor,
+    value_rows: torch.Tensor,
+) -> PreparedCall:
+    """Rotary embedding of the q and k of each row of ``qkv`` [T, (heads + 2 kv_heads) * head_dim]
+    at ``positions`` [T] (``cos``/``sin`` [P, head_dim], HF's rotation in ``qkv``'s dtype): q into
+    ``q_out`` [T, heads * head_dim], k rotated and v as it is into the rows ``key_rows[t]`` /
+    ``value_rows[t]`` of the KV cache ``kv_rows`` [rows, kv_heads * head_dim], in its dtype.
+
+    Prepared: a layer sets ``qkv``, ``q_out``, ``key_rows`` and ``value_rows``."""
+    tokens, width = qkv.shape
+    head_dim = cos.shape[1]
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    if width != q_dim + 2 * kv_dim or head_dim % 16:
+        raise ValueError(f"cpu_invariant: rope_kv needs qkv [T, {q_dim + 2 * kv_dim}] and head_dim % 16 == 0")
+    if q_out.shape != (tokens, q_dim) or not q_out.is_contiguous() or q_out.dtype != qkv.dtype:
+        raise ValueError(
+            f"cpu_invariant: rope_kv needs a contiguous q_out [{tokens}, {q_dim}] of qkv's dtype"
+        )
+    if not (cos.dtype == sin.dtype == qkv.dtype and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("cpu_invariant: rope_kv needs contiguous cos and sin of qkv's dtype")
+    if kv_rows.dim() != 2 or kv_rows.shape[1] != kv_dim or not kv_rows.is_contiguous():
+        raise ValueError(f"cpu_invariant: the KV cache must be contiguous rows of {kv_dim}")
+    if not tokens == positions.numel() == key_rows.numel() == value_rows.numel():
+        raise ValueError("cpu_invariant: rope_kv needs one position, key row and value row per token")
+    call = _RopeKvCall(
+        qkv.data_ptr(), row_stride("qkv", qkv, width), dtype_code("qkv", qkv), tokens, _index("positions", positions),
+        cos.data_ptr(), sin.data_ptr(), num_heads, num_kv_heads, head_dim, q_out.data_ptr(), kv_rows.data_ptr(),
+        dtype_code("kv_rows", kv_rows), _index("key_rows", key_rows), _index("value_rows", value_rows),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return prepared("invariant_rope_kv", call)
 
 
 def default_scale(head_dim: int) -> float:
@@ -231,6 +364,25 @@ def attention(
     rows of ``out``: query ``rows[i]`` at ``positions[rows[i]]`` attends over the KV blocks
     ``tables[table_of_row[i], 0 ..= position // block_tokens]`` (key block ids of the pool viewed
     as blocks of ``block_tokens`` rows; the value block is the next one)."""
+    prepare_attention(
+        q, out, pool, num_kv_heads, head_dim, block_tokens, rows, positions, tables, table_of_row
+    ).run()
+
+
+def prepare_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    pool: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    block_tokens: int,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    tables: torch.Tensor,
+    table_of_row: torch.Tensor,
+) -> PreparedCall:
+    """:func:`attention` checked and prepared (fields ``q``, ``out``, ``tables``: another
+    layer's tables of the same shape)."""
     width = q.shape[1]
     if width % head_dim or out.shape[1] != width:
         raise ValueError(f"cpu_invariant: q and out must be [T, heads * {head_dim}]")
@@ -245,7 +397,7 @@ def attention(
         _index("tables", tables), tables.shape[1], _index("table_of_row", table_of_row),
         default_scale(head_dim), torch.get_num_threads(),
     )  # fmt: skip
-    _run("invariant_attention", call)
+    return prepared("invariant_attention", call)
 
 
 def block_partials(

@@ -161,3 +161,117 @@ int invariant_silu_mul(const silu_mul_call *c) {
     }
     return 0;
 }
+
+typedef struct {
+    void *x;             /* the residual stream: rows of `width` elements of dtype, x_stride apart */
+    int64_t x_stride;
+    const void *delta;   /* what a sublayer adds to it: the same layout, delta_stride apart */
+    int64_t delta_stride;
+    int64_t dtype;       /* the compute dtype, of x, delta and y */
+    const void *weight;  /* [width] of weight_dtype */
+    int64_t weight_dtype;
+    void *y;             /* rows of `width` elements of dtype, y_stride apart */
+    int64_t y_stride;
+    int64_t rows;
+    int64_t width;
+    double eps;
+    int64_t num_threads;
+} add_rms_norm_call;
+
+/* x = round(x + delta) in place (torch's `x + o`), then y = RMSNorm(x) as invariant_rms_norm
+ * computes it: the residual add and the next norm in one pass over the row. */
+int invariant_add_rms_norm(const add_rms_norm_call *c) {
+    const int dt = (int)c->dtype, wdt = (int)c->weight_dtype;
+    const int64_t n = c->width, items = (c->rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    const size_t es = dtype_size(dt);
+    const float eps = (float)c->eps;
+    int threads = c->rows * n < PARALLEL_MIN_ELEMS || c->num_threads < 1 ? 1 : (int)c->num_threads;
+
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t item = 0; item < items; item++) {
+        for (int64_t r = item * ROWS_PER_ITEM; r < c->rows && r < (item + 1) * ROWS_PER_ITEM; r++) {
+            char *x = (char *)c->x + (size_t)r * c->x_stride * es;
+            const char *d = (const char *)c->delta + (size_t)r * c->delta_stride * es;
+            char *y = (char *)c->y + (size_t)r * c->y_stride * es;
+            for (int64_t k = 0; k < n; k += 8) {
+                const int lanes = n - k < 8 ? (int)(n - k) : 8;
+                v8f xv = lanes == 8 ? load8(x, k, dt) : load_tail(x, k, lanes, dt);
+                v8f dv = lanes == 8 ? load8(d, k, dt) : load_tail(d, k, lanes, dt);
+                store8(x, k, lanes, dt, xv + dv);
+            }
+            if (dt == DT_F32 && wdt == DT_F32) rms_norm_row(x, DT_F32, c->weight, DT_F32, y, DT_F32, n, eps);
+            else if (dt == DT_F32 && wdt == DT_BF16) rms_norm_row(x, DT_F32, c->weight, DT_BF16, y, DT_F32, n, eps);
+            else if (dt == DT_BF16 && wdt == DT_BF16) rms_norm_row(x, DT_BF16, c->weight, DT_BF16, y, DT_BF16, n, eps);
+            else rms_norm_row(x, dt, c->weight, wdt, y, dt, n, eps);
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    const void *qkv;     /* rows of q | k | v ((heads + 2 kv_heads) * head_dim elements of dtype), qkv_stride apart */
+    int64_t qkv_stride;
+    int64_t dtype;       /* the compute dtype, of qkv, cos, sin and q_out */
+    int64_t rows;
+    const int64_t *positions; /* [rows] */
+    const void *cos;     /* [positions, head_dim] of dtype: the rotary table */
+    const void *sin;
+    int64_t num_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;    /* a multiple of 16 */
+    void *q_out;         /* [rows, heads * head_dim] of dtype, contiguous */
+    void *kv;            /* the KV cache as rows of kv_heads * head_dim elements of kv_dtype */
+    int64_t kv_dtype;
+    const int64_t *key_rows;   /* [rows]: the kv row each token's key goes to */
+    const int64_t *value_rows; /* [rows]: and its value */
+    int64_t num_threads;
+} rope_kv_call;
+
+/* One head of `count` heads: dst = round(round(x * cos) + round(rotate_half(x) * sin)) rounded to
+ * dst_dtype, HF's `x * cos + rotate_half(x) * sin` in the compute dtype `dt`. */
+static inline __attribute__((always_inline)) void rope_heads(const char *x, int dt, const char *cos, const char *sin,
+                                                             int64_t count, int64_t head_dim, char *dst, int ddt) {
+    const int64_t half = head_dim / 2;
+    const size_t es = dtype_size(dt), des = dtype_size(ddt);
+    for (int64_t h = 0; h < count; h++) {
+        const char *xh = x + (size_t)(h * head_dim) * es;
+        char *out = dst + (size_t)(h * head_dim) * des;
+        for (int64_t k = 0; k < head_dim; k += 8) {
+            const v8f xv = load8(xh, k, dt);
+            const v8f rotated = k < half ? -load8(xh, k + half, dt) : load8(xh, k - half, dt);
+            const v8f sum = round8(xv * load8(cos, k, dt), dt) + round8(rotated * load8(sin, k, dt), dt);
+            store8(out, k, 8, ddt, round8(sum, dt));
+        }
+    }
+}
+
+/* For each token: q rotated into q_out; k rotated and v as it is written to the token's KV rows
+ * (rounded to the cache's dtype). The rotation is HF's, rounding where torch's ops round. */
+int invariant_rope_kv(const rope_kv_call *c) {
+    const int dt = (int)c->dtype, kvdt = (int)c->kv_dtype;
+    const int64_t hd = c->head_dim, q_dim = c->num_heads * hd, kv_dim = c->num_kv_heads * hd;
+    if (hd % 16) return -2;
+    const size_t es = dtype_size(dt), kves = dtype_size(kvdt);
+    int threads = c->rows * (q_dim + 2 * kv_dim) < PARALLEL_MIN_ELEMS || c->num_threads < 1 ? 1 : (int)c->num_threads;
+
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < c->rows; r++) {
+        const char *row = (const char *)c->qkv + (size_t)r * c->qkv_stride * es;
+        const char *cos = (const char *)c->cos + (size_t)(c->positions[r] * hd) * es;
+        const char *sin = (const char *)c->sin + (size_t)(c->positions[r] * hd) * es;
+        char *key = (char *)c->kv + (size_t)(c->key_rows[r] * kv_dim) * kves;
+        char *value = (char *)c->kv + (size_t)(c->value_rows[r] * kv_dim) * kves;
+        char *q = (char *)c->q_out + (size_t)(r * q_dim) * es;
+        const char *k_in = row + (size_t)q_dim * es, *v_in = row + (size_t)(q_dim + kv_dim) * es;
+        if (dt == DT_F32) {
+            rope_heads(row, DT_F32, cos, sin, c->num_heads, hd, q, DT_F32);
+            if (kvdt == DT_F32) rope_heads(k_in, DT_F32, cos, sin, c->num_kv_heads, hd, key, DT_F32);
+            else rope_heads(k_in, DT_F32, cos, sin, c->num_kv_heads, hd, key, kvdt);
+        } else {
+            rope_heads(row, dt, cos, sin, c->num_heads, hd, q, dt);
+            rope_heads(k_in, dt, cos, sin, c->num_kv_heads, hd, key, kvdt);
+        }
+        for (int64_t k = 0; k < kv_dim; k += 8) store8(value, k, 8, kvdt, load8(v_in, k, dt));
+    }
+    return 0;
+}

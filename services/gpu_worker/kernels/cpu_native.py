@@ -272,10 +272,11 @@ class NativeCall:
             out_code = _dtype_code("out", out)
             if out.shape != shape:
                 raise ValueError(f"cpu_native: out must be {list(shape)}, got {list(out.shape)}")
-            target = out if out.is_contiguous() else out.contiguous()
+            # Rows of a wider matrix (q of a fused qkv output) are written where they are.
+            target = out if out.stride(1) == 1 or shape[1] == 1 else out.contiguous()
             if target is not out:
                 copies.append((out, target))
-            problem.out, problem.out_dtype, problem.out_stride = target.data_ptr(), out_code, shape[1]
+            problem.out, problem.out_dtype, problem.out_stride = target.data_ptr(), out_code, target.stride(0)
         call = self.call
         call.x, call.x_dtype = x.data_ptr(), x_code
         call.num_threads = torch.get_num_threads()

@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 
 from services.gpu_worker.kernels import native_build
-from services.gpu_worker.kernels.cpu_invariant import HEADER, call_struct, dtype_code, row_stride
+from services.gpu_worker.kernels.cpu_invariant import (
+    HEADER,
+    PreparedCall,
+    call_struct,
+    dtype_code,
+    row_stride,
+)
 
 log = logging.getLogger("loramesh.kernels")
 
@@ -81,7 +87,13 @@ class QuantKernels:
         return self._build.library
 
     def run(self, function_name: str, call: ctypes.Structure) -> None:
-        status = getattr(self._lib(), function_name)(ctypes.byref(call))
+        self.check(function_name, getattr(self._lib(), function_name)(ctypes.byref(call)))
+
+    def prepared(self, function_name: str, call: ctypes.Structure) -> PreparedCall:
+        return PreparedCall(self._lib(), function_name, call, self.check)
+
+    @staticmethod
+    def check(function_name: str, status: int) -> None:
         if status == -1:
             raise MemoryError(f"cpu_quant: {function_name} could not allocate its scratch")
         if status == -2:
@@ -122,6 +134,20 @@ def linear(
 ) -> None:
     """``out = x @ dequant(W)^T (+ bias)``: ``x`` [M, K] float, ``blocks`` the [N, K/32 * block
     bytes] uint8 rows of W in ``format``, ``out`` [M, N]; math in fp32."""
+    prepare_linear(x, blocks, format, out_features, bias, out, isa).run()
+
+
+def prepare_linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    format: str,
+    out_features: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    isa: str = "native",
+) -> PreparedCall:
+    """:func:`linear` checked and prepared (fields ``x``, ``w``, ``bias``, ``y``: another
+    weight of the same shape and format, other tensors like these)."""
     k = x.shape[1]
     if out.shape[0] != x.shape[0]:
         raise ValueError(f"cpu_quant: x has {x.shape[0]} rows, out {out.shape[0]}")
@@ -133,7 +159,7 @@ def linear(
         None if bias is None else bias.data_ptr(), 0 if bias is None else dtype_code("bias", bias),
         out.data_ptr(), dtype_code("out", out), row_stride("out", out, out_features), torch.get_num_threads(),
     )  # fmt: skip
-    kernels(isa).run("quant_linear", call)
+    return kernels(isa).prepared("quant_linear", call)
 
 
 def rows(

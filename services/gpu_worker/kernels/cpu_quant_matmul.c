@@ -73,6 +73,9 @@ static const char ISA[] = "avx2";
 #define WIDEN_MIN_ROWS 8 /* from this many rows a block of W is dequantized once per work item */
 /* Below this many weights x rows one thread is done before a second one would have started. */
 #define PARALLEL_MIN_WORK 65536
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 12
+#endif
 
 /* Which vector path this build runs ("avx512" or "avx2"). */
 const char *quant_isa(void) { return ISA; }
@@ -171,6 +174,7 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
         } else {
             for (int j = 0; j < TILE_COLS; j++) {
                 vec w[CHUNKS];
+                if (PREFETCH_BLOCKS) _mm_prefetch((const char *)(wq[j] + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
                 dequant_block(wq[j] + b * bb, fmt, w);
                 for (int c = 0; c < CHUNKS; c++)
                     for (int i = 0; i < MR; i++) acc[i][j] = VFMA(w[c], VLOAD(x[i] + b * QBLOCK + c * VW), acc[i][j]);
@@ -237,8 +241,10 @@ static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *
     const int64_t bb = block_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
         __m512bh w[TILE_COLS];
-        for (int j = 0; j < TILE_COLS; j++)
+        for (int j = 0; j < TILE_COLS; j++) {
+            if (PREFETCH_BLOCKS && !wb) _mm_prefetch((const char *)(wq[j] + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
             w[j] = wb ? (__m512bh)_mm512_loadu_si512(wb[j] + b * QBLOCK) : dequant_block_bf16(wq[j] + b * bb, fmt);
+        }
         for (int i = 0; i < MR; i++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + b * QBLOCK);
             for (int j = 0; j < TILE_COLS; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);

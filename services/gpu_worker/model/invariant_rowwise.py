@@ -1,4 +1,4 @@
-"""RMSNorm and the SwiGLU activation for deterministic serving: each row computed alone.
+"""RMSNorm (alone or after the residual add) and the SwiGLU activation for deterministic serving: each row computed alone.
 
 torch's vector loops round their scalar tails differently (``F.silu`` calls ``std::exp`` there,
 Sleef's exp in the vector body: 5% of fp32 values differ), and where a thread's tail falls depends
@@ -17,6 +17,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     """LlamaRMSNorm of each row of ``x`` [T, hidden], in ``dtype`` (the compute dtype)."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     cpu_invariant.rms_norm(x, weight, eps, out)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (the residual add), then :func:`rms_norm` of the new ``x``."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    cpu_invariant.add_rms_norm(x, delta, weight, eps, out)
     return out
 
 

@@ -19,18 +19,18 @@ IEEE operations, the same for every position already. CPU only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from services.gpu_worker.kernels.cpu_invariant import invariant_available, invariant_error
 from services.gpu_worker.memory.unified_pool import UnifiedPool
-from services.gpu_worker.model import invariant_rowwise
 from services.gpu_worker.model.base_matmul import BaseMatmul
-from services.gpu_worker.model.chunked_attention import attend_locally, local_queries
+from services.gpu_worker.model.chunked_attention import local_queries
 from services.gpu_worker.model.compute_dtype import resolve_compute_dtype
 from services.gpu_worker.model.invariant_matmul import InvariantMatmul
+from services.gpu_worker.model.native_step_ops import NativeStepOps
 from services.gpu_worker.model.quantized_weight import QuantizedWeight
 from services.gpu_worker.model.rope import RotaryTable
 from services.gpu_worker.model.step_batch import StepBatch
+from services.gpu_worker.model.step_ops import TorchStepOps
 from services.model_files.model_config import ModelConfig
 
 # The model's LoRA calls, each on the projections that read one input.
@@ -155,12 +155,17 @@ class LlamaModel:
         if self.config.head_dim % 8:
             raise ValueError(f"deterministic serving needs head_dim % 8 == 0, not {self.config.head_dim}")
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, native: bool) -> torch.Tensor:
-        if native:
-            return invariant_rowwise.rms_norm(x, weight, self.config.rms_norm_eps, self.compute_dtype)
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        normed = (x.float() * torch.rsqrt(variance + self.config.rms_norm_eps)).to(self.compute_dtype)
-        return normed * weight.to(self.compute_dtype)
+    def _fused_glue(self, batch: StepBatch, native: bool) -> bool:
+        """Whether this step runs :class:`NativeStepOps` (each op one prepared native call, the
+        LoRA deltas added into views of the fused outputs). Steps with borrowed KV (their k/v
+        also go to creditors) and tensor-parallel ranks keep :class:`TorchStepOps`."""
+        return (
+            native
+            and self.tp is None
+            and batch.remote is None
+            and batch.local_token_rows is None
+            and self.config.head_dim % 16 == 0
+        )
 
     @staticmethod
     def _lora(batch: StepBatch, layer: int, names: tuple[str, ...], x: torch.Tensor, pool, *outs) -> None:
@@ -191,72 +196,35 @@ class LlamaModel:
         native = invariant or self.native_kernels
         linear = self.invariant_matmul.linear if invariant else self.matmul.linear
         queries = local_queries(batch) if native else None
+        if self._fused_glue(batch, native):
+            ops = NativeStepOps(self, batch, pool, linear, queries)
+        else:
+            ops = TorchStepOps(self, batch, pool, linear, native, queries)
+        h = ops.rms_norm(x, self.layers[0].input_norm) if self.layers else x
         for index, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm, native)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            qkv = ops.linear("qkv", h, layer.qkv, layer.qkv_bias)
+            q, k, v = ops.split(qkv, [self.q_dim, self.kv_dim, self.kv_dim])
             lora(batch, index, _QKV, h, pool, q, k, v)
-            q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), batch.positions)
-            k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), batch.positions)
-            local_k, local_v = k.reshape(-1, self.kv_dim), v
-            if batch.local_token_rows is not None:
-                local_k, local_v = local_k[batch.local_token_rows], v[batch.local_token_rows]
-            pool.kv_rows.index_copy_(0, batch.write_key_rows[index], local_k.to(self.dtype))
-            pool.kv_rows.index_copy_(0, batch.write_value_rows[index], local_v.to(self.dtype))
-            if native:
-                attn = attend_locally(q, queries, batch.positions, index, pool, cfg.num_kv_heads)
-            else:
-                attn = self._attention(q, batch, index, pool)
+            q, k = ops.rotate_and_cache(qkv, q, k, v, index)
+            attn = ops.attention(q, index)
             if batch.remote is not None:
                 batch.remote.attend(index, q, k, v, attn)
-            o = linear(attn, layer.o)
+            o = ops.linear("o", attn, layer.o)
             lora(batch, index, _O, attn, pool, o)
             if tp is not None:
                 tp.all_reduce_base(o)
-            x = x + o
-            h = self._rms_norm(x, layer.post_norm, native)
-            gate_up = linear(h, layer.gate_up)
-            gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-            gate, up = gate.contiguous(), up.contiguous()
+            h = ops.add_rms_norm(x, o, layer.post_norm)
+            gate_up = ops.linear("gate_up", h, layer.gate_up)
+            gate, up = ops.split(gate_up, [cfg.intermediate_size, cfg.intermediate_size])
             lora(batch, index, _GATE_UP, h, pool, gate, up)
-            act = invariant_rowwise.swiglu(gate, up) if native else F.silu(gate) * up
-            down = linear(act, layer.down)
+            act = ops.swiglu(gate, up)
+            down = ops.linear("down", act, layer.down)
             lora(batch, index, _DOWN, act, pool, down)
             if tp is not None:
                 tp.all_reduce_base(down)
-            x = x + down
-        last = self._rms_norm(x[batch.logits_rows], self.norm, native)
-        return linear(last, self.lm_head).float()
-
-    def _attention(self, q: torch.Tensor, batch: StepBatch, layer: int, pool: UnifiedPool) -> torch.Tensor:
-        """Attention of every new token over its request's KV blocks -> [T, heads * head_dim]."""
-        cfg = self.config
-        out = torch.empty(q.shape[0], self.q_dim, dtype=q.dtype, device=q.device)
-        # The pool as KV blocks of kv_block_tokens rows: page p = key block 2p, value block 2p + 1.
-        blocks = pool.buffer.view(-1, pool.layout.kv_block_tokens * self.kv_dim)
-        if batch.decode is not None:
-            d = batch.decode
-            requests = d.token_rows.numel()
-            shape = (requests, -1, cfg.num_kv_heads, cfg.head_dim)
-            keys = blocks.index_select(0, d.key_blocks[layer]).view(shape).to(q.dtype)
-            values = blocks.index_select(0, d.value_blocks[layer]).view(shape).to(q.dtype)
-            query = q[d.token_rows].unsqueeze(2)  # [R, heads, 1, head_dim]
-            attended = F.scaled_dot_product_attention(
-                query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask, enable_gqa=True
-            )
-            out[d.token_rows] = attended.reshape(-1, self.q_dim)
-        for span in batch.prefills:
-            shape = (-1, cfg.num_kv_heads, cfg.head_dim)
-            keys = blocks.index_select(0, span.key_blocks[layer]).view(shape).to(q.dtype)
-            values = blocks.index_select(0, span.value_blocks[layer]).view(shape).to(q.dtype)
-            query = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
-            attended = F.scaled_dot_product_attention(
-                query,
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
-                attn_mask=span.mask,
-                enable_gqa=True,
-            )
-            out[span.token_start : span.token_end] = attended[0].transpose(0, 1).reshape(-1, self.q_dim)
-        return out
+            if index + 1 < len(self.layers):
+                h = ops.add_rms_norm(x, down, self.layers[index + 1].input_norm)
+            else:
+                x.add_(down)
+        last = ops.rms_norm(x[batch.logits_rows], self.norm)
+        return ops.linear("lm_head", last, self.lm_head).float()

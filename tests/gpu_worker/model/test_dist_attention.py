@@ -25,6 +25,7 @@ from services.gpu_worker.model.dist_attention import (
 )
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.pool_block_attention import attend_pool_blocks
+from services.gpu_worker.model.step_ops import TorchStepOps
 from services.model_files.model_config import ModelConfig
 
 # SmolLM2-135M's attention shape.
@@ -209,7 +210,7 @@ def smollm2_shaped_model() -> LlamaModel:
 
 
 def test_split_pool_blocks_match_the_engines_paged_attention():
-    """Requests prefilling and decoding together: the engine's attention (``LlamaModel._attention``
+    """Requests prefilling and decoding together: the engine's attention (``TorchStepOps.attention``, SDPA
     over the step builder's block tables) equals micro-attentions over random subsets of each
     request's pool pages (``attend_pool_blocks``, what a creditor runs), scale-reduced."""
     model = smollm2_shaped_model()
@@ -233,7 +234,8 @@ def test_split_pool_blocks_match_the_engines_paged_attention():
     plan = StepPlan(tuple(r.planned(None) for r in requests), lora_backend="auto", batch_invariant=False)
     batch = StepBuilder(model, pool).build(plan, resident=lambda _: None)
     q = torch.randn(batch.token_ids.numel(), HEADS, HEAD_DIM, generator=generator)
-    engine_out = model._attention(q, batch, 0, pool).view(-1, HEADS, HEAD_DIM)
+    ops = TorchStepOps(model, batch, pool, model.matmul.linear, native=False, queries=None)
+    engine_out = ops.attention(q, 0).view(-1, HEADS, HEAD_DIM)
 
     row = 0
     for request in requests:
