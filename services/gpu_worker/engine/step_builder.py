@@ -193,6 +193,10 @@ class StepBuilder:
         if key == self._lora_key:
             return self._lora
         placed_adapters = [resident(s.adapter_id) if s is not None else None for s in slots]
+        # A projection's work has the same structure in every layer where its adapters have the
+        # same ranks and scales (all of them, but for rank_pattern/alpha_pattern or
+        # layers_to_transform): built once (``template``), then given each layer's rows.
+        templates: dict[str, tuple[tuple, LoraSegments]] = {}
         layers = []
         for layer in range(self.model.config.num_layers):
             per_module = {}
@@ -200,15 +204,22 @@ class StepBuilder:
                 placed = [r.modules.get((layer, module)) if r is not None else None for r in placed_adapters]
                 if all(p is None for p in placed):
                     continue
+                rows = [p.rows if p is not None else None for p in placed]
+                signature = tuple((p.rows.rank, p.scale) if p is not None else None for p in placed)
+                template = templates.get(module)
+                if template is not None and template[0] == signature:
+                    per_module[module] = template[1].with_rows(rows)
+                    continue
                 in_features, out_features = self.shapes[module]
                 per_module[module] = LoraSegments.build(
                     counts,
-                    [p.rows if p is not None else None for p in placed],
+                    rows,
                     [p.scale if p is not None else 0.0 for p in placed],
                     in_features,
                     out_features,
                     self.pool.device,
                 )
+                templates[module] = (signature, per_module[module])
             layers.append(per_module)
         self._lora_key, self._lora = key, StepLora(layers)
         return self._lora

@@ -130,28 +130,36 @@ class NativePlan:
         if cached is None:
             if seg.a_offsets.device.type != "cpu":
                 raise ValueError("cpu_native: the segments' row offsets must be CPU tensors")
-            groups = _kernel_groups(seg)
-            tokens = [t for _, _, _, group_tokens in groups for t in group_tokens]
-            token_starts = [0]
-            for _, _, _, group_tokens in groups:
-                token_starts.append(token_starts[-1] + len(group_tokens))
-            plan = torch.tensor(
-                [g[0] for g in groups] + [g[1] for g in groups] + token_starts,
-                dtype=torch.int64,
-            )
-            token_tensor = torch.tensor(tokens, dtype=torch.int64)
-            scales = torch.tensor([g[2] for g in groups], dtype=torch.float32)
+            arrays = seg.shared.get("native_plan")
+            if arrays is None:  # the same for every layer of the projection
+                arrays = seg.shared["native_plan"] = _plan_arrays(seg)
+            plan, token_tensor, scales = arrays
             problem = _Problem(
                 out_features=seg.out_features,
                 a_offsets=seg.a_offsets.data_ptr(),
                 b_offsets=seg.b_offsets.data_ptr(),
-                num_groups=len(groups),
+                num_groups=scales.numel(),
                 plan=plan.data_ptr(),
                 tokens=token_tensor.data_ptr(),
                 scales=scales.data_ptr(),
             )
             cached = seg.derived["native_plan"] = cls(plan, token_tensor, scales, problem)
         return cached
+
+
+def _plan_arrays(seg: LoraSegments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``NativePlan``'s plan, tokens and scales: they depend on the segments' structure only."""
+    groups = _kernel_groups(seg)
+    tokens = [t for _, _, _, group_tokens in groups for t in group_tokens]
+    token_starts = [0]
+    for _, _, _, group_tokens in groups:
+        token_starts.append(token_starts[-1] + len(group_tokens))
+    plan = torch.tensor([g[0] for g in groups] + [g[1] for g in groups] + token_starts, dtype=torch.int64)
+    return (
+        plan,
+        torch.tensor(tokens, dtype=torch.int64),
+        torch.tensor([g[2] for g in groups], dtype=torch.float32),
+    )
 
 
 SPLIT_TOKENS = 8

@@ -123,6 +123,12 @@ class LoraSegments:
     derived: dict = field(default_factory=dict, compare=False, repr=False)
     """Data a backend derives from this batch once and reuses while the engine reuses the batch
     (e.g. the native kernel's plan), keyed by the backend's own name."""
+    group_first_segments: tuple[int, ...] = ()
+    """The first segment of each group (``groups[g]`` uses ``adapters[group_first_segments[g]]``)."""
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
+    """Like ``derived``, for data that depends only on the segments' structure (token counts,
+    ranks, scales, grouping), not on where the rows are: shared by :meth:`with_rows` copies, i.e.
+    by every layer of a projection in one step."""
 
     @property
     def num_segments(self) -> int:
@@ -156,6 +162,7 @@ class LoraSegments:
         ranks = [0 if a is None else a.rank for a in adapters]
         seg_starts = tuple(itertools.accumulate(token_counts, initial=0))
         rank_starts = tuple(itertools.accumulate(ranks, initial=0))
+        groups, first_segments = _group(adapters, scales, seg_starts, rank_starts)
         present = [a for a in adapters if a is not None]
         if present:
             a_offsets = torch.cat([a.a_offsets for a in present]).to(device)
@@ -176,7 +183,36 @@ class LoraSegments:
             out_features=out_features,
             seg_starts_host=seg_starts,
             rank_starts_host=rank_starts,
-            groups=_group(adapters, scales, seg_starts, rank_starts),
+            groups=groups,
+            group_first_segments=first_segments,
+        )
+
+    def with_rows(self, adapters: list[AdapterRows | None]) -> LoraSegments:
+        """These segments served by ``adapters`` instead: another layer's rows of the same
+        adapters, each of the same rank, in the same segments (one ``AdapterRows`` object per
+        adapter, as for these). Shares everything but the row offsets, so a step builds the
+        structure of a projection's work once, not once per layer."""
+        present = [a for a in adapters if a is not None]
+        groups = tuple(
+            SegmentGroup(adapters[s], g.rank_start, g.rank_end, g.scale, g.token_ranges)
+            for g, s in zip(self.groups, self.group_first_segments, strict=True)
+        )
+        return LoraSegments(
+            seg_starts=self.seg_starts,
+            rank_starts=self.rank_starts,
+            a_offsets=torch.cat([a.a_offsets for a in present]).to(self.a_offsets.device),
+            b_offsets=torch.cat([a.b_offsets for a in present]).to(self.b_offsets.device),
+            scales=self.scales,
+            max_rank=self.max_rank,
+            max_seg_len=self.max_seg_len,
+            is_decode=self.is_decode,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            seg_starts_host=self.seg_starts_host,
+            rank_starts_host=self.rank_starts_host,
+            groups=groups,
+            group_first_segments=self.group_first_segments,
+            shared=self.shared,
         )
 
 
@@ -185,8 +221,9 @@ def _group(
     scales: list[float],
     seg_starts: tuple[int, ...],
     rank_starts: tuple[int, ...],
-) -> tuple[SegmentGroup, ...]:
-    """Group segments by (adapter object, scale); empty segments contribute no token range."""
+) -> tuple[tuple[SegmentGroup, ...], tuple[int, ...]]:
+    """Group segments by (adapter object, scale); empty segments contribute no token range.
+    Returns the groups and the first segment of each."""
     first_segment: dict[tuple[AdapterRows, float], int] = {}
     ranges: dict[tuple[AdapterRows, float], list[tuple[int, int]]] = {}
     for s, adapter in enumerate(adapters):
@@ -200,7 +237,7 @@ def _group(
             spans[-1] = (spans[-1][0], end)
         else:
             spans.append((start, end))
-    return tuple(
+    groups = tuple(
         SegmentGroup(
             rows=key[0],
             rank_start=rank_starts[s],
@@ -210,3 +247,4 @@ def _group(
         )
         for key, s in first_segment.items()
     )
+    return groups, tuple(first_segment.values())

@@ -269,6 +269,38 @@ def test_build_describes_the_batch() -> None:
     assert LoraSegments.build([1, 1], [None, rows[1]], [1.0, 1.0], 96, 80, "cpu").is_decode
 
 
+def test_with_rows_is_build_over_another_layers_rows() -> None:
+    """What the step builder does for layers 1.. of a projection: the same adapters' other rows."""
+
+    def rows_of(base: int) -> list[AdapterRows]:
+        return [
+            AdapterRows(torch.arange(r, dtype=torch.int64) * 1000 + base, torch.arange(r) * 1000 + base + 500)
+            for r in (8, 64, 8)
+        ]
+
+    counts, scales = [3, 1, 2, 4, 1], [2.0, 0.25, 2.0, 2.0, 0.5]
+    layer0, layer1 = rows_of(0), rows_of(7)
+    template = LoraSegments.build(
+        counts, [layer0[0], layer0[1], None, layer0[0], layer0[2]], scales, 96, 80, "cpu"
+    )
+    adapters1 = [layer1[0], layer1[1], None, layer1[0], layer1[2]]
+    copied, built = (
+        template.with_rows(adapters1),
+        LoraSegments.build(counts, adapters1, scales, 96, 80, "cpu"),
+    )
+    for name in ("seg_starts", "rank_starts", "a_offsets", "b_offsets", "scales"):
+        assert torch.equal(getattr(copied, name), getattr(built, name)), name
+    assert copied.groups == built.groups and copied.group_first_segments == built.group_first_segments
+    assert copied.shared is template.shared and copied.derived is not template.derived
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(0))
+    pool = torch.randn(64 * 1000 + 600, generator=torch.Generator().manual_seed(1))
+    outs = [torch.zeros(11, 80), torch.zeros(11, 80)]
+    lora_delta_cpu_native(x, pool, template, torch.zeros(11, 80))  # fills the shared plan first
+    lora_delta_cpu_native(x, pool, copied, outs[0])
+    lora_delta_cpu_native(x, pool, built, outs[1])
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+
+
 def test_build_rejects_inconsistent_input() -> None:
     rows = AdapterRows(torch.arange(4, dtype=torch.int64), torch.arange(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="2 token counts, 1 adapters"):
