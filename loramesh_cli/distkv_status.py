@@ -1,5 +1,6 @@
-"""``loramesh status``'s DistKV-LLM table: per worker, the KV blocks it lends and borrows per peer
-and what lending costs it, from the cumulative figures of its heartbeat (``WorkerLoad``)."""
+"""``loramesh status``'s DistKV-LLM table: per worker, the KV blocks it lends and borrows per peer,
+what lending costs it, from the cumulative figures of its heartbeat (``WorkerLoad``), and the KV
+overflow policy in force (the heartbeat's ``kv_overflow`` key, beside WorkerLoad's fields)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,22 @@ DISTKV_KEYS = frozenset(
         "decode_steps",
     }
 )
-"""Heartbeat keys this table shows, left out of the status table's LOAD column."""
+"""WorkerLoad keys of the heartbeat this table shows, left out of the status table's LOAD column."""
 
-HEADERS = ["WORKER", "LENT TO", "BORROWED FROM", "REMOTE ATTN", "ATTN/STEP", "BYTES/STEP OUT/IN", "LENT ATTN"]
+POLICY_KEY = "kv_overflow"
+"""The heartbeat key (beside WorkerLoad's fields) of the worker's KV overflow policy in force:
+``preempt`` or ``borrow``; the table's OVERFLOW column, also left out of the LOAD column."""
+
+HEADERS = [
+    "WORKER",
+    "LENT TO",
+    "BORROWED FROM",
+    "REMOTE ATTN",
+    "ATTN/STEP",
+    "BYTES/STEP OUT/IN",
+    "LENT ATTN",
+    "OVERFLOW",
+]
 
 
 def distkv_table(rows: list[dict]) -> str | None:
@@ -44,6 +58,7 @@ def _row(instance: str, load: Mapping) -> list[str]:
         f"{1000 * waited / steps:.2f}ms" if steps else "-",
         f"{_bytes(sent / steps)}/{_bytes(received / steps)}" if steps else "-",
         f"{float(load.get('lent_attention_s', 0.0)):.3f}s",
+        str(load.get(POLICY_KEY, "-")),
     ]
 
 

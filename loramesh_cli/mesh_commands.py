@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from loramesh_cli.distkv_status import DISTKV_KEYS, distkv_table
+from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEY, distkv_table
 from loramesh_cli.errors import CommandError
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, pid_alive
 from loramesh_cli.restart_policy import RestartPolicy
@@ -20,6 +20,7 @@ from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_
 from loramesh_cli.table import render_table
 from loramesh_cli.tls_options import cli_tls
 from services.gateway.auth import ApiKeys, hashed_keys
+from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
 from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
@@ -32,8 +33,9 @@ from services.runtime.private_files import private_dir, write_private_text
 from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
 from services.runtime.server import check_health
 from services.runtime.tls import NO_TLS, TLSConfig
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.live_prediction import LivePredictions
-from services.scheduler.policies import MIGRATION_POLICIES, PREFETCH_POLICIES
+from services.scheduler.policies import MIGRATION_POLICIES, PLACEMENT_POLICIES, PREFETCH_POLICIES
 
 #: Tenant of the local admin key that `loramesh up` writes to mesh.json.
 ADMIN_TENANT = "admin"
@@ -68,15 +70,28 @@ def add_parsers(sub) -> None:
     up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
     up.add_argument("--batch-policy", default="", choices=["", *sorted(BATCH_POLICIES)],
                     help="each worker's batch policy (docs/batch-policies.md; default: the worker's)")  # fmt: skip
+    up.add_argument("--early-abort-slo-s", type=float, default=None, metavar="S",
+                    help="first-token SLO of each worker's early_abort batch policy, in seconds "
+                         "(default: the worker's, 6)")  # fmt: skip
     up.add_argument("--preemption-policy", default="", choices=["", *sorted(PREEMPTION_POLICIES)],
                     help="which running request each worker preempts when its pool runs dry "
                          "(default: the worker's, newest)")  # fmt: skip
     up.add_argument("--prefix-cache", default="", choices=["", "on", "off"],
                     help="each worker's prefix cache: requests sharing a prompt prefix and adapter "
                          "version reuse its KV (docs/operations.md; default: the worker's, on)")  # fmt: skip
+    up.add_argument("--kv-overflow", default="", choices=["", *KV_OVERFLOW_POLICIES],
+                    help="what each worker does when its pool cannot hold a request's next KV block: "
+                         "preempt (recompute it later) or borrow (DistKV-LLM: blocks lent by other "
+                         "workers; docs/operations.md; default: the worker's, preempt)")  # fmt: skip
+    up.add_argument("--lend-cap-blocks", type=int, default=None, metavar="N",
+                    help="KV blocks other workers may borrow from each worker's pool at most "
+                         "(default: the worker's, 0: lends nothing)")  # fmt: skip
     up.add_argument("--deterministic", action="store_true",
                     help="batch-invariant numerics on every worker: a request's output does not depend "
                          "on its batch (CPU workers; docs/operations.md)")  # fmt: skip
+    up.add_argument("--placement", default=SchedulerConfig.placement, choices=sorted(PLACEMENT_POLICIES),
+                    help="the schedulers' placement policy (docs/operations.md; default "
+                         f"{SchedulerConfig.placement})")  # fmt: skip
     up.add_argument("--migration", default="none", choices=["none", *sorted(MIGRATION_POLICIES)],
                     help="the schedulers' migration policy (docs/operations.md; default none)")  # fmt: skip
     up.add_argument("--prefetch", default="none", choices=["none", *sorted(PREFETCH_POLICIES)],
@@ -128,6 +143,10 @@ def cmd_up(args) -> int:
     for flag in ("workers", "gateways", "schedulers", "kv_managers"):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.lend_cap_blocks is not None and args.lend_cap_blocks < 0:
+        raise CommandError(f"--lend-cap-blocks must be at least 0, got {args.lend_cap_blocks}")
+    if args.early_abort_slo_s is not None and not args.early_abort_slo_s > 0:
+        raise CommandError(f"--early-abort-slo-s must be more than 0, got {args.early_abort_slo_s}")
     try:
         _restart_policy(args)
     except ValueError as error:
@@ -141,29 +160,7 @@ def cmd_up(args) -> int:
 def _up_detached(args, state_dir: Path) -> int:
     # The state directory holds the admin key, etcd's data and the tenants' adapters: owner only.
     log_dir = private_dir(private_dir(state_dir) / "logs")
-    argv = [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state_dir), "up"]
-    if args.model:
-        argv += ["--model", args.model]
-    argv += [
-        "--ram-budget-mib",
-        str(args.ram_budget_mib),
-        "--workers",
-        str(args.workers),
-        "--tp",
-        str(args.tp),
-    ]
-    argv += ["--dtype", args.dtype, "--quantization", args.quantization, "--pool-mib", str(args.pool_mib)]
-    argv += _batch_policy_flags(args) + _prefix_cache_flags(args)
-    if args.deterministic:
-        argv += ["--deterministic"]
-    argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers), *_scheduler_flags(args)]
-    argv += ["--kv-managers", str(args.kv_managers), "--restart-backoff-s", str(args.restart_backoff_s)]
-    argv += ["--restart-backoff-max-s", str(args.restart_backoff_max_s)]
-    argv += ["--restart-healthy-s", str(args.restart_healthy_s)]
-    if args.api_keys_file:
-        argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
-    if args.tls:
-        argv += ["--tls"]
+    argv = _detached_argv(args, state_dir)
     with open(log_dir / "up.log", "ab") as out:
         child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + READY_TIMEOUT_S + 60
@@ -178,6 +175,34 @@ def _up_detached(args, state_dir: Path) -> int:
         time.sleep(0.2)
     child.terminate()
     raise CommandError(f"the mesh did not become ready within {READY_TIMEOUT_S + 60} s; see .loramesh/logs/")
+
+
+def _detached_argv(args, state_dir: Path) -> list[str]:
+    """The foreground `up` that `up --detach` runs in the background, with the same settings."""
+    argv = [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state_dir), "up"]
+    if args.model:
+        argv += ["--model", args.model]
+    argv += [
+        "--ram-budget-mib",
+        str(args.ram_budget_mib),
+        "--workers",
+        str(args.workers),
+        "--tp",
+        str(args.tp),
+    ]
+    argv += ["--dtype", args.dtype, "--quantization", args.quantization, "--pool-mib", str(args.pool_mib)]
+    argv += _batch_policy_flags(args) + _prefix_cache_flags(args) + _kv_overflow_flags(args)
+    if args.deterministic:
+        argv += ["--deterministic"]
+    argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers), *_scheduler_flags(args)]
+    argv += ["--kv-managers", str(args.kv_managers), "--restart-backoff-s", str(args.restart_backoff_s)]
+    argv += ["--restart-backoff-max-s", str(args.restart_backoff_max_s)]
+    argv += ["--restart-healthy-s", str(args.restart_healthy_s)]
+    if args.api_keys_file:
+        argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
+    if args.tls:
+        argv += ["--tls"]
+    return argv
 
 
 def _print_summary(mesh: MeshFile, state_dir: Path) -> None:
@@ -198,10 +223,21 @@ def _restart_policy(args) -> RestartPolicy:
 
 
 def _batch_policy_flags(args) -> list[str]:
-    """``--batch-policy NAME`` and ``--preemption-policy NAME`` when `up` was given them; none
-    leaves the workers' defaults."""
+    """``--batch-policy NAME``, ``--early-abort-slo-s S`` and ``--preemption-policy NAME`` when
+    `up` was given them; none leaves the workers' defaults."""
     flags = ["--batch-policy", args.batch_policy] if args.batch_policy else []
+    if args.early_abort_slo_s is not None:
+        flags += ["--early-abort-slo-s", str(args.early_abort_slo_s)]
     return flags + (["--preemption-policy", args.preemption_policy] if args.preemption_policy else [])
+
+
+def _kv_overflow_flags(args) -> list[str]:
+    """``--kv-overflow preempt|borrow`` and ``--lend-cap-blocks N`` when `up` was given them; none
+    leaves the workers' defaults (preempt, lending nothing)."""
+    flags = ["--kv-overflow", args.kv_overflow] if args.kv_overflow else []
+    if args.lend_cap_blocks is not None:
+        flags += ["--lend-cap-blocks", str(args.lend_cap_blocks)]
+    return flags
 
 
 def _prefix_cache_flags(args) -> list[str]:
@@ -215,8 +251,11 @@ def _deterministic_flags(args) -> list[str]:
 
 
 def _scheduler_flags(args) -> list[str]:
-    """The schedulers' migration, prefetch and length-prediction policies, as `up` was given them."""
+    """The schedulers' placement, migration, prefetch and length-prediction policies, as `up` was
+    given them."""
     return [
+        "--placement",
+        args.placement,
         "--migration",
         args.migration,
         "--prefetch",
@@ -271,7 +310,8 @@ def _service_processes(
             "gpu_worker", f"gpu_worker-{i}",
             [*etcd_flags, *store_flags, "--dtype", args.dtype, "--quantization", args.quantization,
              "--pool-mib", str(args.pool_mib),
-             "--threads", str(threads), "--tp", str(args.tp), *_batch_policy_flags(args), *_deterministic_flags(args), *_prefix_cache_flags(args), *model_flags],
+             "--threads", str(threads), "--tp", str(args.tp), *_batch_policy_flags(args), *_deterministic_flags(args), *_prefix_cache_flags(args),
+             *_kv_overflow_flags(args), *model_flags],
         )  # fmt: skip
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
     for i in range(args.schedulers):
@@ -508,7 +548,7 @@ def cmd_status(args) -> int:
                     " ".join(
                         f"{k}={len(v) if isinstance(v, list) else v}"
                         for k, v in r["load"].items()
-                        if k not in DISTKV_KEYS
+                        if k not in DISTKV_KEYS and k != POLICY_KEY
                     ),
                 ]
                 for r in rows

@@ -60,6 +60,10 @@ class WorkerConfig(ServiceConfig):
     batch_policy: str = "fcfs"
     """Which requests run each step and in which LoRA mode: fcfs, lcfs, early_abort,
     adapter_clustering, dlora or pets (docs/batch-policies.md)."""
+    early_abort_slo_s: float = 6.0
+    """First-token SLO of --batch-policy early_abort, in seconds from a request's arrival: a queued
+    request that can no longer get its first token within it is aborted (DEADLINE_EXCEEDED) while
+    newer ones can still make theirs (S-LoRA's 6 s by default; docs/batch-policies.md)."""
     preemption_policy: str = "newest"
     """Which running request gives its KV back when the pool runs dry: newest (the last started)
     or fewest_computed (the shortest context, cheapest to recompute)."""

@@ -108,6 +108,7 @@ class WorkerService:
             max_lent_blocks=cfg.lend_cap_blocks,
             kv_overflow=cfg.kv_overflow,
             batch_policy=cfg.batch_policy,
+            early_abort_slo_s=cfg.early_abort_slo_s,
             preemption_policy=cfg.preemption_policy,
             deterministic=cfg.deterministic,
             prefix_cache=cfg.prefix_cache,
@@ -232,9 +233,13 @@ class WorkerService:
             )
         )
         # Beside WorkerLoad's fields (readers ignore unknown keys; `loramesh status` prints them):
-        # a tensor-parallel group's degree and what the engine could not do and fell back from.
+        # a tensor-parallel group's degree, what the engine could not do and fell back from, and
+        # its KV overflow policy.
         if self.config.tp > 1:
             report["tp"] = self.config.tp
         if stats.fallbacks:
             report["fallbacks"] = ",".join(stats.fallbacks)
+        # The KV overflow policy in force: borrow only where the engine runs a borrower (a
+        # tensor-parallel group falls back to preempt).
+        report["kv_overflow"] = "borrow" if self.engine.borrower is not None else "preempt"
         return report

@@ -179,3 +179,4 @@ async def test_a_borrowing_debtor_reports_its_lending_traffic(creditor, tiny_lla
     }
     assert report["remote_attention_s"] == totals.remote_attention_s
     assert report["lent_attention_s"] == 0.0
+    assert report["kv_overflow"] == "borrow"  # the policy in force, for `loramesh status`

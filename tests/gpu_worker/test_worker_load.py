@@ -36,6 +36,7 @@ def test_load_report_is_a_worker_load_with_kv_blocks(tiny_llama):
     assert dict(load.lent_blocks) == {"gpu_worker-b": 3, "gpu_worker-c": 1}
     assert dict(load.borrowed_blocks) == {}
     assert load.lend_cap_blocks == 5 and load.topology == "rack-1"
+    assert report["kv_overflow"] == "preempt"  # the policy in force, for `loramesh status`
     assert report["free_pages"] == layout.num_pages - 4 * layout.num_layers
 
     state = worker_state("gpu_worker-a", "127.0.0.1:1", report)  # the scheduler reads it as before

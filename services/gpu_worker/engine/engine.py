@@ -104,7 +104,9 @@ class Engine:
         self.on_logits = on_logits
         """Observer of each request's float32 logits before sampling (tests compare them to HF)."""
         self.policy, self.fallbacks = runnable_batch_policy(
-            batch_policy or make_batch_policy(config.batch_policy), config, self.executor
+            batch_policy or make_batch_policy(config.batch_policy, config.early_abort_slo_s),
+            config,
+            self.executor,
         )
         lend_cap = config.max_lent_blocks if self.executor.supports_lending else 0
         if config.max_lent_blocks and not lend_cap:

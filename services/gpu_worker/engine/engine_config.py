@@ -42,6 +42,11 @@ class EngineConfig:
     """Which requests run each step and in which LoRA mode (``--batch-policy``): fcfs, lcfs,
     early_abort (S-LoRA), adapter_clustering (S-LoRA), dlora (merged/unmerged switching), pets
     (coordinated prefill batching) or hrrn (Magnus); see services/gpu_worker/engine/policies."""
+    early_abort_slo_s: float = 6.0
+    """First-token SLO of the early_abort batch policy (``--early-abort-slo-s``), in seconds from
+    a request's arrival: a queued request whose first token can no longer come within it is
+    aborted while newer ones can still make theirs (S-LoRA's evaluation uses 6 s). Only read
+    with ``batch_policy="early_abort"``."""
     deterministic: bool = False
     """Batch-invariant numerics (``--deterministic``): a request's logits do not depend on what
     else is in its batch, nor on whether its KV came from prefill or decode, so greedy output is
@@ -67,5 +72,7 @@ class EngineConfig:
         if self.batch_policy not in BATCH_POLICIES:
             known = ", ".join(sorted(BATCH_POLICIES))
             raise ValueError(f"batch_policy must be one of {known}, got {self.batch_policy!r}")
+        if not self.early_abort_slo_s > 0:
+            raise ValueError(f"early_abort_slo_s must be > 0, got {self.early_abort_slo_s}")
         if self.kv_overflow not in KV_OVERFLOW_POLICIES:
             raise ValueError(f"kv_overflow must be one of {KV_OVERFLOW_POLICIES}, got {self.kv_overflow!r}")

@@ -156,3 +156,18 @@ def test_a_lone_request_that_outgrows_the_whole_pool_ends_at_its_limit_instead_o
     final = events["r"][-1]
     assert final.finish_reason is FinishReason.LENGTH
     assert 0 < final.output_len < 50 and not engine.waiting and not engine.running
+
+
+def test_the_early_abort_slo_is_the_engine_configs(tiny_llama):
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+
+    def slo(**config) -> float:
+        engine = Engine(
+            model, EngineConfig(pool_mib=1, kv_block_tokens=4, batch_policy="early_abort", **config)
+        )
+        return engine.policy.config.first_token_slo_s
+
+    assert slo(early_abort_slo_s=2.5) == 2.5  # the worker's --early-abort-slo-s
+    assert slo() == EarlyAbortConfig().first_token_slo_s == 6.0
+    with pytest.raises(ValueError, match="early_abort_slo_s"):
+        EngineConfig(early_abort_slo_s=0)

@@ -1,0 +1,51 @@
+"""`loramesh up --kv-overflow preempt|borrow` and `--lend-cap-blocks N` reach every gpu_worker's
+command line (the one the supervisor starts, and restarts) and the background `up` of `--detach`;
+without them the workers keep their own defaults (preempt, lending nothing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loramesh_cli.errors import CommandError
+from loramesh_cli.main import build_parser
+from loramesh_cli.mesh_commands import _detached_argv, cmd_up
+from services.gpu_worker.config import WorkerConfig
+from tests.cli.test_up_batch_policy import flag_value, worker_commands
+from tests.cli.test_up_deterministic import worker_config
+
+
+def up_args(tmp_path, *flags: str):
+    return build_parser().parse_args(["--state-dir", str(tmp_path), "up", *flags])
+
+
+@pytest.mark.parametrize("policy", ["borrow", "preempt"])
+def test_the_overflow_policy_and_lend_cap_are_passed_to_every_worker(tmp_path, policy):
+    commands = worker_commands(tmp_path, "--kv-overflow", policy, "--lend-cap-blocks", "40")
+    assert len(commands) == 2
+    assert all(flag_value(c, "--kv-overflow") == policy for c in commands)
+    configs = [worker_config(c) for c in commands]
+    assert all(c.kv_overflow == policy and c.lend_cap_blocks == 40 for c in configs)
+
+
+def test_without_the_flags_the_workers_keep_their_defaults(tmp_path):
+    commands = worker_commands(tmp_path)
+    assert all("--kv-overflow" not in c and "--lend-cap-blocks" not in c for c in commands)
+    configs = [worker_config(c) for c in commands]
+    assert all(c.kv_overflow == "preempt" and c.lend_cap_blocks == 0 for c in configs)
+    assert (WorkerConfig.kv_overflow, WorkerConfig.lend_cap_blocks) == ("preempt", 0)
+
+
+def test_detach_passes_them_to_the_background_up(tmp_path):
+    argv = _detached_argv(up_args(tmp_path, "--kv-overflow", "borrow", "--lend-cap-blocks", "7"), tmp_path)
+    again = build_parser().parse_args(argv[argv.index("--state-dir") :])
+    assert (again.kv_overflow, again.lend_cap_blocks) == ("borrow", 7)
+    plain = _detached_argv(up_args(tmp_path), tmp_path)
+    assert "--kv-overflow" not in plain and "--lend-cap-blocks" not in plain
+
+
+def test_an_unknown_policy_and_a_negative_cap_are_refused_by_up(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--kv-overflow", "swap"])
+    assert "invalid choice: 'swap'" in capsys.readouterr().err
+    with pytest.raises(CommandError, match="--lend-cap-blocks"):
+        cmd_up(up_args(tmp_path, "--lend-cap-blocks", "-1"))
