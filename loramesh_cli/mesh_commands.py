@@ -86,6 +86,10 @@ def add_parsers(sub) -> None:
     up.add_argument("--lend-cap-blocks", type=int, default=None, metavar="N",
                     help="KV blocks other workers may borrow from each worker's pool at most "
                          "(default: the worker's, 0: lends nothing)")  # fmt: skip
+    up.add_argument("--lend-compute-share", type=float, default=None, metavar="S",
+                    help="share of its time, in [0, 1], each worker may spend computing attention over "
+                         "lent blocks while it has requests of its own; beyond it debtors recompute "
+                         "(DistKV-LLM's compute cap; default: the worker's, 0.5; 1: no cap)")  # fmt: skip
     up.add_argument("--deterministic", action="store_true",
                     help="batch-invariant numerics on every worker: a request's output does not depend "
                          "on its batch (CPU workers; docs/operations.md)")  # fmt: skip
@@ -145,6 +149,8 @@ def cmd_up(args) -> int:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.lend_cap_blocks is not None and args.lend_cap_blocks < 0:
         raise CommandError(f"--lend-cap-blocks must be at least 0, got {args.lend_cap_blocks}")
+    if args.lend_compute_share is not None and not 0 <= args.lend_compute_share <= 1:
+        raise CommandError(f"--lend-compute-share must be in [0, 1], got {args.lend_compute_share}")
     if args.early_abort_slo_s is not None and not args.early_abort_slo_s > 0:
         raise CommandError(f"--early-abort-slo-s must be more than 0, got {args.early_abort_slo_s}")
     try:
@@ -232,11 +238,13 @@ def _batch_policy_flags(args) -> list[str]:
 
 
 def _kv_overflow_flags(args) -> list[str]:
-    """``--kv-overflow preempt|borrow`` and ``--lend-cap-blocks N`` when `up` was given them; none
-    leaves the workers' defaults (preempt, lending nothing)."""
+    """``--kv-overflow preempt|borrow``, ``--lend-cap-blocks N`` and ``--lend-compute-share S``
+    when `up` was given them; none leaves the workers' defaults."""
     flags = ["--kv-overflow", args.kv_overflow] if args.kv_overflow else []
     if args.lend_cap_blocks is not None:
         flags += ["--lend-cap-blocks", str(args.lend_cap_blocks)]
+    if args.lend_compute_share is not None:
+        flags += ["--lend-compute-share", repr(args.lend_compute_share)]
     return flags
 
 

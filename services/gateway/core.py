@@ -26,7 +26,7 @@ from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTok
 from services.gateway.relay import Relay, RelayRequest
 from services.model_files.tokenizer_loading import TokenizerBundle
 from services.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
-from services.runtime.request_validation import check_request
+from services.runtime.request_validation import check_first_token_deadline, check_request
 from services.runtime.sampling_proto import sampling_from_proto
 
 ROLES = ("system", "user", "assistant")
@@ -128,7 +128,12 @@ class GatewayCore:
         Every refusal (limits, sampling ranges, the continuation, adapter access, placement) is
         raised before the first delta, so a front end that reads one delta before answering
         answers with the right status.
+
+        ``first_token_deadline_ms`` (0: the gateway's default) bounds the time to the first token:
+        the scheduler refuses a placement that cannot meet it, and the worker's ``early_abort``
+        policy holds the request to what is left of it when it arrives there.
         """
+        check_first_token_deadline(first_token_deadline_ms)
         if len(prompt_ids) > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 f"prompt has {len(prompt_ids)} tokens; the limit is {self.config.max_prompt_tokens}"

@@ -20,6 +20,10 @@ failure: the source is not excluded and ``max_resumes`` is not spent).
 The first placement carries the prompt text, from which the scheduler may predict the output
 length (Magnus); the prediction goes to the worker (HRRN orders its queue by it) and the real
 length goes back to the scheduler when the request ends, for the predictor to learn from.
+
+The request's first-token deadline goes to the scheduler (admission) and, less the time already
+spent since the request arrived here, to the worker, whose ``early_abort`` policy holds the
+request to it. Once a token was delivered the deadline is behind it: later placements carry none.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ ReportCompletion = Callable[[scheduler_pb2.ReportCompletionRequest], Awaitable[o
 RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})  # fmt: skip
 
+MIN_WORKER_DEADLINE_MS = 1.0
+"""The first-token deadline sent to a worker once the request's is spent (0 would mean none)."""
+
 
 class WorkerFailed(Exception):
     """The worker ended the stream with FINISH_REASON_ERROR."""
@@ -59,6 +66,7 @@ class RelayRequest:
     sampling: types_pb2.SamplingParams
     """With ``max_tokens`` already resolved."""
     first_token_deadline_ms: float
+    """Milliseconds from its arrival here to its first token; 0: none (the worker's own SLO)."""
     start: ResumePoint
     """Where the generation starts: nothing generated yet, or the tokens a client was
     delivered by an earlier stream (consumed by the relay)."""
@@ -73,7 +81,10 @@ class Relay:
         channels: ChannelPool,
         max_resumes: int,
         report_completion: ReportCompletion | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        """``clock``: monotonic seconds, for the usage's timings and the deadline left."""
+        self._clock = clock
         self._place = place
         self._report_completion = report_completion
         self._reports: set[asyncio.Task] = set()
@@ -81,7 +92,7 @@ class Relay:
         self._max_resumes = max_resumes
 
     async def stream(self, request: RelayRequest) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
-        started = time.monotonic()
+        started = self._clock()
         detok, stop_ids = request.start.detokenizer, request.start.stop_ids
         generated = list(request.start.generated)
         excluded: list[str] = []
@@ -95,7 +106,7 @@ class Relay:
                 prompt_tokens=len(request.prompt_ids),
                 completion_tokens=len(generated),
                 first_token_ms=first_token_ms or 0.0,
-                total_ms=(time.monotonic() - started) * 1000,
+                total_ms=(self._clock() - started) * 1000,
                 resumes=resumes,
                 migrations=migrations,
             )
@@ -132,6 +143,7 @@ class Relay:
                     adapter_id=request.adapter_id,
                     sampling=sampling,
                     predicted_output_tokens=max(1, predicted - len(generated)) if predicted else 0,
+                    first_token_deadline_ms=0.0 if generated else self._deadline_left_ms(request, started),
                 )
             )
             try:
@@ -144,7 +156,7 @@ class Relay:
                         break
                     ids = list(reply.token_ids)
                     if ids and first_token_ms is None:
-                        first_token_ms = (time.monotonic() - started) * 1000
+                        first_token_ms = (self._clock() - started) * 1000
                     generated += ids
                     finish = reply.finish_reason
                     ended_by_token = finish == types_pb2.FINISH_REASON_STOP and ids and ids[-1] in stop_ids
@@ -182,6 +194,14 @@ class Relay:
                 # A client that goes away (cancellation, a closed generator) cancels the worker's
                 # request too, which frees its pages there at once.
                 call.cancel()
+
+    def _deadline_left_ms(self, request: RelayRequest, started: float) -> float:
+        """What is left of the request's first-token deadline now (0: it has none). A deadline
+        already past is sent as :data:`MIN_WORKER_DEADLINE_MS`, not 0 (which means "none")."""
+        if not request.first_token_deadline_ms:
+            return 0.0
+        left = request.first_token_deadline_ms - (self._clock() - started) * 1000
+        return max(left, MIN_WORKER_DEADLINE_MS)
 
     def _report(self, request_id: str, generated_tokens: int) -> None:
         """Tell the scheduler the request's real length, without delaying its last reply."""

@@ -50,6 +50,14 @@ class WorkerConfig(ServiceConfig):
     lend_cap_blocks: int = 0
     """KV blocks (one page per layer each) other workers may borrow from this pool at most, all
     together (DistKV-LLM's lending cap); 0 lends nothing."""
+    lend_compute_share: float = 0.5
+    """DistKV-LLM's compute cap (its SLA threshold): the share of wall time, over a sliding window
+    of --lend-compute-window-s, this worker may spend computing attention over lent blocks for
+    other workers while it has requests of its own; beyond it their AttendRemote is refused with
+    RESOURCE_EXHAUSTED and they recompute. 0.5 keeps its own steps within about 2x; 1: no cap;
+    0: no lent compute while busy. An idle worker is not capped."""
+    lend_compute_window_s: float = 1.0
+    """The sliding window of --lend-compute-share, in seconds."""
     topology: str = ""
     """Locality label (node, rack, zone): the kv_manager suggests creditors with the same label first."""
     kv_overflow: str = "preempt"

@@ -106,6 +106,8 @@ class WorkerService:
             lora_backend=cfg.lora_backend,
             worker_id=cfg.instance_id,
             max_lent_blocks=cfg.lend_cap_blocks,
+            lend_compute_share=cfg.lend_compute_share,
+            lend_compute_window_s=cfg.lend_compute_window_s,
             kv_overflow=cfg.kv_overflow,
             batch_policy=cfg.batch_policy,
             early_abort_slo_s=cfg.early_abort_slo_s,

@@ -23,7 +23,7 @@ from services.gpu_worker.lending_proto import (
 )
 from services.gpu_worker.memory.shared_lender import SharedLender
 from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.runtime.request_validation import check_request
+from services.runtime.request_validation import check_first_token_deadline, check_request
 from services.runtime.sampling_proto import sampling_from_proto
 
 FINISH_REASONS = {
@@ -83,6 +83,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         sampling = sampling_from_proto(request.sampling)
         config = engine.executor.config
         check_request(request.prompt_token_ids, sampling, config.vocab_size, config.max_position_embeddings)
+        check_first_token_deadline(request.first_token_deadline_ms)
         adapter_id = request.adapter_id or None
         if adapter_id is not None:
             await self.loader.acquire(adapter_id)
@@ -104,6 +105,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 sampling,
                 adapter_id,
                 predicted_output_tokens=request.predicted_output_tokens or None,
+                first_token_deadline_s=request.first_token_deadline_ms / 1000 or None,
             ),
             lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         )

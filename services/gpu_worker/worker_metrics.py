@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.engine_stats import EngineStats
+from services.gpu_worker.memory.distkv_meter import DistKvTotals
 
 LOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 STEP_WAIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -91,6 +92,7 @@ class WorkerMetrics:
         yield from _router_series(parts, stats, running, waiting, host)
         yield from _adapter_series(running, waiting, tokens)
         yield from _lending_series(parts.engine.lending.lent_to(), stats.borrowed_blocks)
+        yield from _compute_cap_series(parts.engine.distkv.totals())
         yield from _policy_series(parts.engine.config.batch_policy, stats)
         yield from _prefix_cache_series(stats)
 
@@ -225,6 +227,20 @@ def _policy_series(policy: str, stats: EngineStats) -> Iterator[Metric]:
     for key, value in sorted(stats.batch_policy_decisions.items()):
         decisions.add_metric([policy, key], value)
     yield decisions
+
+
+def _compute_cap_series(totals: DistKvTotals) -> Iterator[Metric]:
+    """DistKV-LLM's compute cap (``--lend-compute-share``), from both sides."""
+    yield CounterMetricFamily(
+        "loramesh_gpu_worker_lent_attention_refused",
+        "AttendRemote calls this worker refused as a creditor, over its --lend-compute-share",
+        value=totals.lent_attention_refused,
+    )
+    yield CounterMetricFamily(
+        "loramesh_gpu_worker_remote_attention_refused",
+        "Steps whose remote attention a creditor refused over its compute cap (recomputed here)",
+        value=totals.remote_attention_refused,
+    )
 
 
 def _lending_series(lent: dict[str, int], borrowed: dict[str, int]) -> Iterator[Metric]:

@@ -12,6 +12,7 @@ which the OpenAI front end reports as ``param``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -107,6 +108,16 @@ def check_choices(n: int) -> None:
     """``n``, generations asked for by one request."""
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidField("n", f"n must be within [1, {MAX_CHOICES}], got {n}")
+
+
+def check_first_token_deadline(deadline_ms: float) -> None:
+    """``first_token_deadline_ms``: milliseconds to the first token, a finite number >= 0 (0: the
+    default SLO)."""
+    if not math.isfinite(deadline_ms) or deadline_ms < 0:
+        raise InvalidField(
+            "first_token_deadline_ms",
+            f"first_token_deadline_ms must be a finite number >= 0 (0: the default), got {deadline_ms}",
+        )
 
 
 # -- with the model's vocabulary and context ---------------------------------------------------

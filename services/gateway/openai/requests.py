@@ -4,7 +4,8 @@ Fields the engine cannot honour are refused with a 400 that names the field
 (``presence_penalty``...), never silently ignored; fields OpenAI's clients send that change
 nothing here (``user``, ``stream_options`` without ``include_usage``) are accepted. vLLM's
 extra fields ``top_k``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (each
-choice, each chunk, carries its generated token ids) are accepted too.
+choice, each chunk, carries its generated token ids) are accepted too, and so is loramesh's own
+``first_token_deadline_ms`` (the request's time-to-first-token deadline, as the gRPC API's).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictFloat, ValidationError
 
 from mesh_api.v1 import types_pb2
 from services.gateway.openai.errors import OpenAIError
@@ -22,6 +23,7 @@ from services.runtime.request_validation import (
     MAX_TOP_LOGPROBS,
     InvalidField,
     check_choices,
+    check_first_token_deadline,
     check_sampling,
 )
 
@@ -59,6 +61,10 @@ class _GenerationBody(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    first_token_deadline_ms: StrictFloat | None = None
+    """Extension: milliseconds from arrival to the first token (the scheduler refuses what no
+    worker can meet; the workers' early_abort policy holds the request to it); None or 0: the
+    gateway's default."""
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         """``(field, set, why)`` for every field the engine cannot do."""
@@ -76,6 +82,7 @@ class _GenerationBody(_Body):
                     400, f"{field} is not supported by loramesh ({why})", field, "unsupported_parameter"
                 )
         try:
+            check_first_token_deadline(self.deadline_ms())
             check_choices(self.n)
             check_sampling(max_tokens=self.max_tokens, seed=self.seed, **self._sampling_values())
         except InvalidField as error:  # the checks the gateway and workers share, as a 400 here
@@ -90,6 +97,10 @@ class _GenerationBody(_Body):
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "stop_strings": self.stop_strings(),
         }
+
+    def deadline_ms(self) -> float:
+        """``first_token_deadline_ms`` as the gateway core takes it (0: its default)."""
+        return self.first_token_deadline_ms or 0.0
 
     @property
     def include_usage(self) -> bool:

@@ -116,7 +116,10 @@ class OpenAIRoutes:
         body: CompletionBody | ChatCompletionBody,
     ) -> Response:
         """Start every choice (refusals surface here, before any byte is sent), then answer."""
-        generations = [self.core.generate(tenant, ids, adapter, sampling) for ids, sampling in jobs]
+        deadline_ms = body.deadline_ms()
+        generations = [
+            self.core.generate(tenant, ids, adapter, sampling, deadline_ms) for ids, sampling in jobs
+        ]
         choices = await unless_disconnected(request.receive, start_choices(generations))
         if body.stream:
             events = self._events(choices, shape, prompt_tokens, body.include_usage)

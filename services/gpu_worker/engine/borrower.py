@@ -91,6 +91,14 @@ class Borrower:
         self.rm.free(borrowed)
         raise ResourceExhausted(f"could borrow only {len(borrowed)} of {count} KV blocks")
 
+    def refused(self, creditor: str) -> None:
+        """``creditor`` refused to compute attention (its compute cap): the gManager is told, as
+        for a refused loan, so it is not suggested again before its next heartbeat."""
+        try:
+            self.directory.report_refusal(self.rm.worker_id, creditor)
+        except DomainError as unreported:  # no gManager to tell: the next borrow may ask it again
+            log.info("could not report %s's refusal: %s", creditor, unreported)
+
     def _transport(self, candidate: Candidate) -> CreditorTransport:
         """One transport per creditor (instance ids are never reused, so neither are they)."""
         if candidate.worker_id not in self._transports:

@@ -63,8 +63,9 @@ from services.gpu_worker.memory.block_lender import LendingConfig
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.distkv_meter import DistKvMeter, MeteredLender
 from services.gpu_worker.memory.kv_cache import KvTable
+from services.gpu_worker.memory.lend_compute_cap import LendComputeCap
 from services.gpu_worker.memory.prefix_cache import PrefixCache
-from services.gpu_worker.memory.remote_block_allocator import CreditorUnavailable
+from services.gpu_worker.memory.remote_block_allocator import CreditorRefused, CreditorUnavailable
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import NotFound, ResourceExhausted
@@ -115,7 +116,17 @@ class Engine:
         self.rm = RManager(config.worker_id, self.pool, LendingConfig(lend_cap), config.deterministic)
         self.distkv = DistKvMeter()
         """This worker's lending traffic, as debtor and as creditor (heartbeat and metrics)."""
-        self.lending = MeteredLender(self.rm.lender, self.pool.layout, self.distkv)
+        self.lending = MeteredLender(
+            self.rm.lender,
+            self.pool.layout,
+            self.distkv,
+            LendComputeCap(
+                config.lend_compute_share,
+                config.lend_compute_window_s,
+                # The SLA it protects is its own requests': an idle worker lends all its compute.
+                busy=lambda: bool(self.running or self.waiting),
+            ),
+        )
         """The lender as the lending RPCs reach it, from their own threads."""
         self.borrower = None
         if config.kv_overflow == "borrow" and not self.executor.supports_lending:
@@ -322,6 +333,17 @@ class Engine:
             # requests that had blocks there are recomputed, the others redo the step.
             log.warning("creditor %s is unreachable: %s", gone.creditor, gone.message)
             scheduler.creditor_lost(gone.creditor)
+            self._publish_stats()
+            return 0
+        except CreditorRefused as busy:
+            # Over its compute cap (DistKV-LLM's SLA threshold): as above, nothing of the step is
+            # kept; the requests with blocks there give them back and are recomputed, and the
+            # gManager stops suggesting it until its next heartbeat.
+            log.info("creditor %s refused remote attention: %s", busy.creditor, busy.message)
+            self.distkv.add_remote_refusal()
+            scheduler.creditor_refused(busy.creditor)
+            if self.borrower is not None:
+                self.borrower.refused(busy.creditor)
             self._publish_stats()
             return 0
         now = time.monotonic()

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
+from services.gpu_worker.memory.lend_compute_cap import (
+    DEFAULT_LEND_COMPUTE_SHARE,
+    DEFAULT_LEND_COMPUTE_WINDOW_S,
+)
 
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
 
@@ -33,6 +37,13 @@ class EngineConfig:
     """This worker's instance id: the debtor name its borrowed blocks are lent under."""
     max_lent_blocks: int = 0
     """KV blocks other workers may borrow from this pool at most, all together (0: none)."""
+    lend_compute_share: float = DEFAULT_LEND_COMPUTE_SHARE
+    """DistKV-LLM's compute cap (``--lend-compute-share``): the share of wall time, over a sliding
+    window of ``lend_compute_window_s``, this worker may spend computing attention for debtors
+    while it has requests of its own; beyond it AttendRemote is refused (RESOURCE_EXHAUSTED) and
+    the debtor recomputes. 1: no cap; 0: none while busy. See memory/lend_compute_cap.py."""
+    lend_compute_window_s: float = DEFAULT_LEND_COMPUTE_WINDOW_S
+    """The sliding window of ``lend_compute_share``, seconds (``--lend-compute-window-s``)."""
     kv_overflow: str = "preempt"
     """When the pool cannot hold a request's next KV block: ``preempt`` (free the newest
     request's pages and recompute it later) or ``borrow`` (DistKV-LLM: borrow blocks from other
@@ -74,5 +85,9 @@ class EngineConfig:
             raise ValueError(f"batch_policy must be one of {known}, got {self.batch_policy!r}")
         if not self.early_abort_slo_s > 0:
             raise ValueError(f"early_abort_slo_s must be > 0, got {self.early_abort_slo_s}")
+        if not 0.0 <= self.lend_compute_share <= 1.0:
+            raise ValueError(f"lend_compute_share must be in [0, 1], got {self.lend_compute_share}")
+        if not self.lend_compute_window_s > 0:
+            raise ValueError(f"lend_compute_window_s must be > 0, got {self.lend_compute_window_s}")
         if self.kv_overflow not in KV_OVERFLOW_POLICIES:
             raise ValueError(f"kv_overflow must be one of {KV_OVERFLOW_POLICIES}, got {self.kv_overflow!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -55,6 +56,15 @@ class GenerationRequest:
     predicted_output_tokens: int | None = None
     """Tokens a length predictor expects it to generate (orders the queue under ``hrrn``);
     None: no prediction."""
+    first_token_deadline_s: float | None = None
+    """Seconds from its arrival on the engine to its first token, which the ``early_abort``
+    policy holds it to (the caller's ``first_token_deadline_ms``, less what the gateway spent);
+    None: the policy's own SLO (``EngineConfig.early_abort_slo_s``)."""
+
+    def __post_init__(self) -> None:
+        deadline = self.first_token_deadline_s
+        if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
+            raise ValueError(f"first_token_deadline_s must be > 0 (None: the default), got {deadline}")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvent
 from services.gpu_worker.engine.sampling import token_logprobs
 from services.gpu_worker.engine.waiting_queue import WaitingQueue
 from services.gpu_worker.lora.host_adapter import HostAdapter
-from services.gpu_worker.memory.block_table import BlockTable
+from services.gpu_worker.memory.block_table import BlockTable, RemoteBlock
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.gpu_worker.memory.prefix_cache import BASE_MODEL_KEY_SPACE, BlockKey, adapter_key_space
 from services.runtime.errors import NotFound
@@ -87,6 +87,7 @@ class RequestScheduler:
             started=r.timings.first_token is not None,
             predicted_output_tokens=r.spec.predicted_output_tokens,
             max_new_tokens=self._tokens_left(r),
+            first_token_deadline_s=r.spec.first_token_deadline_s,
         )
 
     def _running_view(self, request: EngineRequest) -> RunningRequest:
@@ -142,6 +143,20 @@ class RequestScheduler:
         for request in self.kv.lost_with(creditor, self.running):
             log.info("recomputing %s: its KV blocks on %s are lost", request.request_id, creditor)
             self.preempt(request)
+
+    def creditor_refused(self, creditor: str) -> None:
+        """``creditor`` refused to compute attention over its cap: the running requests with
+        blocks there give all their KV back (the creditor's too: it lives) and are recomputed,
+        borrowing elsewhere or waiting for room here."""
+        for request in list(self.running):
+            table = request.table
+            if table is not None and any(
+                isinstance(block, RemoteBlock) and block.creditor == creditor for block in table
+            ):
+                log.info(
+                    "recomputing %s: %s refused its attention (compute cap)", request.request_id, creditor
+                )
+                self.preempt(request)
 
     def recompute_table(self, table: BlockTable) -> None:
         """Recompute the running request whose KV blocks are ``table`` (DGFM found them no home)."""

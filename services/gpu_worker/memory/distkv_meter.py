@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from services.gpu_worker.memory.block_lender import BlockLender
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.lend_compute_cap import LendComputeCap, LendComputeExhausted
 from services.gpu_worker.memory.remote_block_allocator import CreditorTransport
 from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.memory.unified_pool import PoolLayout
@@ -46,6 +47,10 @@ class DistKvTotals:
     """Seconds it spent computing attention over blocks it lends, for debtors."""
     lent_attention_calls: int = 0
     """Attention calls it served for debtors."""
+    lent_attention_refused: int = 0
+    """Attention calls it refused, over its lent-compute cap (``--lend-compute-share``)."""
+    remote_attention_refused: int = 0
+    """Steps whose remote attention a creditor refused over its cap (the debtor fell back)."""
 
 
 class DistKvMeter:
@@ -72,6 +77,12 @@ class DistKvMeter:
 
     def add_lent_attention(self, seconds: float) -> None:
         self._add(lent_attention_s=seconds, lent_attention_calls=1)
+
+    def add_lent_refusal(self) -> None:
+        self._add(lent_attention_refused=1)
+
+    def add_remote_refusal(self) -> None:
+        self._add(remote_attention_refused=1)
 
     def end_step(self) -> float | None:
         """Seconds the step now ending waited on remote attention; None when it made no
@@ -121,17 +132,32 @@ def metered_connect(connect: Connect, meter: DistKvMeter) -> Connect:
 
 class MeteredLender(SharedLender):
     """The shared lender, timing the attention it computes for debtors into ``meter`` (the time
-    inside the lender's lock: computing, not waiting for another lending call)."""
+    inside the lender's lock: computing, not waiting for another lending call), and refusing it
+    beyond ``cap`` (``LendComputeExhausted``: DistKV-LLM's compute cap)."""
 
-    def __init__(self, lender: BlockLender, layout: PoolLayout, meter: DistKvMeter):
+    def __init__(
+        self, lender: BlockLender, layout: PoolLayout, meter: DistKvMeter, cap: LendComputeCap | None = None
+    ):
+        """``cap``: the share of its time this worker may spend on debtors' attention (None: no cap)."""
         super().__init__(lender, layout)
         self.meter = meter
+        self.cap = cap
 
     def attend(
         self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
     ) -> list[PartialAttention]:
         with self._lock:
-            started = self.meter.clock()
-            partials = self.lender.attend(debtor, layer, segments)
-            self.meter.add_lent_attention(self.meter.clock() - started)
+            cap = self.cap
+            try:
+                started = cap.admit() if cap is not None else 0.0
+            except LendComputeExhausted:
+                self.meter.add_lent_refusal()
+                raise
+            metered = self.meter.clock()
+            try:
+                partials = self.lender.attend(debtor, layer, segments)
+            finally:
+                if cap is not None:
+                    cap.done(started)
+            self.meter.add_lent_attention(self.meter.clock() - metered)
         return partials

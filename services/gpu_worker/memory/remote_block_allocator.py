@@ -16,11 +16,20 @@ import torch
 from services.gpu_worker.memory.block_table import RemoteBlock
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment
 from services.gpu_worker.model.dist_attention import PartialAttention
-from services.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 
 
 class CreditorUnavailable(Unavailable):
     """A creditor could not be reached: the debtor treats it as dead (its blocks are lost)."""
+
+    def __init__(self, creditor: str, message: str):
+        super().__init__(message)
+        self.creditor = creditor
+
+
+class CreditorRefused(ResourceExhausted):
+    """A creditor refused to compute attention (over its lent-compute cap): it lives, and holds
+    the blocks still; the debtor gives them back and recomputes the requests that had some."""
 
     def __init__(self, creditor: str, message: str):
         super().__init__(message)
@@ -98,7 +107,12 @@ class RemoteBlockAllocator:
             AttendSegment(s.queries, s.query_positions, self._ids(s.blocks), s.block_first_positions)
             for s in segments
         ]
-        return self._reach(self.transport.attend, self.debtor, layer, wire)
+        try:
+            return self._reach(self.transport.attend, self.debtor, layer, wire)
+        except CreditorRefused:
+            raise
+        except ResourceExhausted as refused:  # its compute cap (LendComputeExhausted there)
+            raise CreditorRefused(self.creditor, refused.message) from refused
 
     def read(self, blocks: Sequence[RemoteBlock]) -> tuple[torch.Tensor, torch.Tensor]:
         return self._reach(self.transport.read, self.debtor, self._ids(blocks))

@@ -49,6 +49,9 @@ class QueuedRequest:
     max_new_tokens: int = 1
     """Tokens it may still generate (``max_tokens`` less its output so far): how long it will hold
     a running slot and how much KV it may grow to, for policies that look ahead."""
+    first_token_deadline_s: float | None = None
+    """Seconds from ``arrived_s`` to its first token that its caller asked for (``early_abort``
+    holds it to them); None: the policy's own SLO."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,14 @@ first token) are never aborted; they go first and their recompute counts.
 
 The estimate is an upper bound on occupancy (a request is assumed to run to ``max_tokens``; one
 that stops at EOS frees its slot sooner) and counts KV in tokens, not pages.
+
+Each request is held to its own first-token deadline when its caller gave one
+(``first_token_deadline_ms``, carried from the SDK or the OpenAI body through the gateway to the
+worker: :attr:`QueuedRequest.first_token_deadline_s`), and to the worker's SLO
+(``--early-abort-slo-s``) otherwise. With deadlines that differ, a newer request is no longer
+sure to have more slack than an older one, so before the search every request that would miss
+its deadline even if it were the first fresh request served is aborted on its own: one request
+with an impossible deadline never takes the older requests down with it.
 """
 
 from __future__ import annotations
@@ -57,8 +65,9 @@ def first_token_times(
 ) -> list[float]:
     """When each request of ``queue`` (served in this order after the running batch) gets its
     first token, replaying the engine's steps from ``view``. With ``deadline_s`` the replay stops
-    at the first not-yet-started request whose token would come after its ``arrived_s +
-    deadline_s`` and returns the times found so far (shorter than ``queue``)."""
+    at the first not-yet-started request whose token would come after its deadline (``arrived_s``
+    plus its own ``first_token_deadline_s``, or plus ``deadline_s`` when it has none) and returns
+    the times found so far (shorter than ``queue``)."""
     now = view.now_s
     room = float("inf") if view.kv_room_tokens is None else float(view.kv_room_tokens)
     running = [
@@ -83,7 +92,11 @@ def first_token_times(
         adapters = {s.adapter_id for s in running} | {r.adapter_id for r in admitted}
         now += cost.seconds(view.max_prefill_tokens - budget, len(running), len(adapters - {None}))
         for request in admitted:
-            if deadline_s is not None and not request.started and now - request.arrived_s > deadline_s:
+            if (
+                deadline_s is not None
+                and not request.started
+                and now - request.arrived_s > deadline_of(request, deadline_s)
+            ):
                 return times
             times.append(now)
         for slot in running:
@@ -96,8 +109,15 @@ def first_token_times(
     return times
 
 
+def deadline_of(request: QueuedRequest, default_s: float) -> float:
+    """Seconds from its arrival to its first token that ``request`` is held to: its own
+    deadline, or ``default_s`` (the worker's SLO) when it has none."""
+    return request.first_token_deadline_s or default_s
+
+
 class EarlyAbort:
-    """FCFS over the requests that can still meet their first-token SLO; abort the rest."""
+    """FCFS over the requests that can still meet their first-token deadline (their own, or the
+    worker's SLO); abort the rest."""
 
     name = "early_abort"
 
@@ -110,10 +130,21 @@ class EarlyAbort:
     def plan(self, view: BatchView) -> BatchPlan:
         started = [r for r in view.waiting if r.started]
         fresh = [r for r in view.waiting if not r.started]
-        keep_from = self._oldest_servable(view, started, fresh)
-        aborts = tuple(Abort(r.request_id, self._reason(view.now_s, r)) for r in fresh[:keep_from])
+        hopeless: set[str] = set()
+        if any(r.first_token_deadline_s is not None for r in fresh):
+            hopeless = {r.request_id for r in fresh if not self._all_meet(view, started, [r])}
+            candidates = [r for r in fresh if r.request_id not in hopeless]
+        else:  # one deadline for all: the newest have the most slack, as in S-LoRA
+            candidates = fresh
+        keep_from = self._oldest_servable(view, started, candidates)
+        dropped = hopeless | {r.request_id for r in candidates[:keep_from]}
+        aborts = tuple(
+            Abort(r.request_id, self._reason(view.now_s, r, r.request_id in hopeless))
+            for r in fresh
+            if r.request_id in dropped
+        )
         self.aborted += len(aborts)
-        kept = [*started, *fresh[keep_from:]]
+        kept = [*started, *candidates[keep_from:]]
         return BatchPlan(
             run=tuple(r.request_id for r in view.running) + tuple(r.request_id for r in kept),
             aborts=aborts,
@@ -128,7 +159,8 @@ class EarlyAbort:
     def _oldest_servable(
         self, view: BatchView, started: list[QueuedRequest], fresh: list[QueuedRequest]
     ) -> int:
-        """The smallest k such that fresh[k:], served in order after ``started``, all meet the SLO.
+        """The smallest k such that fresh[k:], served in order after ``started``, all meet their
+        deadlines.
 
         Dropping older requests only brings the newer ones' first tokens earlier, so "fresh[k:]
         all meet it" holds from some k on: a binary search over k, each probe a replay that stops
@@ -150,8 +182,13 @@ class EarlyAbort:
             queue
         )
 
-    def _reason(self, now_s: float, request: QueuedRequest) -> str:
+    def _reason(self, now_s: float, request: QueuedRequest, hopeless: bool) -> str:
+        if request.first_token_deadline_s is None:
+            target = f"the {self.config.first_token_slo_s:g} s SLO"
+        else:
+            target = f"its first_token_deadline_ms of {request.first_token_deadline_s * 1000:g} ms"
         return (
-            f"aborted early: its first token cannot come within the {self.config.first_token_slo_s:g} s "
-            f"SLO (it waited {now_s - request.arrived_s:.2f} s and newer requests can still make theirs)"
+            f"aborted early: its first token cannot come within {target} "
+            f"(it waited {now_s - request.arrived_s:.2f} s and "
+            + ("would miss it even if served next)" if hopeless else "newer requests can still make theirs)")
         )

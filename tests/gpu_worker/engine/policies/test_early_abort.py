@@ -124,3 +124,56 @@ def test_aborts_are_counted_and_the_slo_is_checked():
     assert p.aborted == 2 and p.decisions() == {"aborted": 2}
     with pytest.raises(ValueError, match="first_token_slo_s must be > 0"):
         EarlyAbortConfig(first_token_slo_s=0)
+
+
+# -- per-request deadlines (the caller's first_token_deadline_ms, carried to the worker) --------
+
+
+def deadlines(waiting: tuple[QueuedRequest, ...], *seconds: float | None) -> tuple[QueuedRequest, ...]:
+    return tuple(replace(r, first_token_deadline_s=s) for r, s in zip(waiting, seconds))
+
+
+def test_a_request_is_held_to_its_own_deadline_instead_of_the_workers_slo():
+    # One prompt a step (16-token budget): tokens at 11, 12. Under the 10 s SLO both make it;
+    # q1's own 0.5 s deadline (arrived at 10, token at 11 at best) does not, q0's own 30 s does.
+    waiting = queue(9.0, 10.0)
+    v = view(10.0, waiting, max_prefill_tokens=16)
+    assert aborted(policy(10.0), v) == []
+    tight = view(10.0, deadlines(waiting, 30.0, 0.5), max_prefill_tokens=16)
+    result = policy(10.0).plan(tight)
+    assert [a.request_id for a in result.aborts] == ["q1"] and result.run == ("q0",)
+    reason = result.aborts[0].reason
+    assert "first_token_deadline_ms of 500 ms" in reason and "even if served next" in reason
+
+
+def test_a_longer_own_deadline_keeps_a_request_the_workers_slo_would_abort():
+    # Tokens at 11, 12: q0 (arrived at 8) waits 3 s, q1 (arrived at 10) 2 s; the 2.5 s SLO aborts
+    # q0, its own 5 s deadline keeps it.
+    waiting = queue(8.0, 10.0)
+    v = view(10.0, waiting, max_prefill_tokens=16)
+    assert aborted(policy(2.5), v) == ["q0"]
+    assert aborted(policy(2.5), view(10.0, deadlines(waiting, 5.0, None), max_prefill_tokens=16)) == []
+
+
+def test_an_impossible_deadline_aborts_only_its_own_request():
+    # q2's 0.5 s cannot be met even served first (a step takes 1 s). Left in the suffix search it
+    # would have the older q0, q1 aborted for nothing; it goes alone and they run.
+    waiting = deadlines(queue(9.0, 9.0, 10.0), None, None, 0.5)
+    result = policy(5.0).plan(view(10.0, waiting, max_prefill_tokens=16))
+    assert [a.request_id for a in result.aborts] == ["q2"] and result.run == ("q0", "q1")
+
+
+def test_a_tight_but_feasible_newer_deadline_still_favours_the_newest_as_s_lora():
+    # One slot, one token each: q0 at 11, q1 at 12. q1 (arrived at 10) asks for 1.5 s: only
+    # without q0 does it make it (token at 11), so q0 is aborted, as under one SLO.
+    waiting = deadlines(queue(9.0, 10.0, new_tokens=1), None, 1.5)
+    result = policy(10.0).plan(view(10.0, waiting, max_running=1))
+    assert [a.request_id for a in result.aborts] == ["q0"] and result.run == ("q1",)
+    assert "the 10 s SLO" in result.aborts[0].reason
+
+
+def test_the_replay_stops_at_a_requests_own_deadline():
+    # Tokens would come at 11, 12, 13: q1's own 1 s (arrived at 10.5, token at 12) stops it there.
+    v = view(10.0, deadlines(queue(10.0, 10.5, 10.5), None, 1.0, None), max_prefill_tokens=16)
+    assert first_token_times(v, list(v.waiting), ONE_SECOND_A_STEP) == [11.0, 12.0, 13.0]
+    assert first_token_times(v, list(v.waiting), ONE_SECOND_A_STEP, deadline_s=100.0) == [11.0]
