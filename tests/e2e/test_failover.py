@@ -34,7 +34,7 @@ from support.polling import poll_until
 
 from loramesh import AsyncClient, LoraMeshError, Sampling
 from loramesh.client import generate_request
-from loramesh_cli.mesh_file import MeshFile, pid_alive
+from loramesh_cli.mesh_file import MeshFile, ServiceEntry, pid_alive
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc
 from services.model_files.peft_format import LORA_TARGETS
@@ -259,7 +259,16 @@ async def kill_during_streams(state: Path, undisturbed, kind: str) -> None:
     errors = [str(s.error) for s, _ in first + second if s.error is not None]
     assert not errors, f"lost {len(errors)} of {2 * STREAMS} requests: {errors[:3]}"
     assert results == undisturbed + undisturbed
-    restarted = MeshFile.read(state).etcd if kind == "etcd" else MeshFile.read(state).services[target]
+
+    async def entry_now() -> ServiceEntry:
+        mesh_now = MeshFile.read(state)
+        return mesh_now.etcd if kind == "etcd" else mesh_now.services[target]
+
+    # The supervisor writes the restart to mesh.json once the relaunch returns, which for etcd
+    # is after the members could already register again: wait for the record, not a moment.
+    restarted = await poll_until(
+        entry_now, lambda now: now.restarts > entry.restarts, f"{target}'s restart in mesh.json", guard_s=180
+    )
     assert restarted.restarts == entry.restarts + 1 and restarted.last_exit == "killed by signal 9"
     assert pid_alive(restarted.pid) and restarted.pid != entry.pid
     leads = ""
