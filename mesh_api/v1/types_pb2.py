@@ -24,35 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17loramesh/v1/types.proto\x12\x0bloramesh.v1\"\xf1\x02\n\x0b\x41\x64\x61pterInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12+\n\nvisibility\x18\x04 \x01(\x0e\x32\x17.loramesh.v1.Visibility\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12&\n\x08pet_type\x18\x06 \x01(\x0e\x32\x14.loramesh.v1.PetType\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x10\n\x08max_rank\x18\x08 \x01(\r\x12\x12\n\nlora_alpha\x18\t \x01(\x02\x12\x12\n\nuse_rslora\x18\n \x01(\x08\x12\x16\n\x0etarget_modules\x18\x0b \x03(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x12\n\nsize_bytes\x18\r \x01(\x04\x12\x0e\n\x06sha256\x18\x0e \x01(\t\x12\x0f\n\x07version\x18\x0f \x01(\r\x12\x17\n\x0f\x63reated_unix_ms\x18\x10 \x01(\x03\x12\x13\n\x0b\x63onfig_json\x18\x11 \x01(\t\"\xfd\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0cstop_strings\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x89\x01\n\x07Timings\x12\x11\n\tqueued_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x13\n\x0bpreemptions\x18\x06 \x01(\r\"\x9e\x06\n\nWorkerLoad\x12\r\n\x05queue\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x10\n\x08kv_pages\x18\x05 \x01(\r\x12\x15\n\radapter_pages\x18\x06 \x01(\r\x12\x19\n\x11resident_adapters\x18\x07 \x03(\t\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x13\n\x0bpreemptions\x18\t \x01(\r\x12\x15\n\rfragmentation\x18\n \x01(\x01\x12\n\n\x02ts\x18\x0b \x01(\x01\x12\x13\n\x0b\x66ree_blocks\x18\x0c \x01(\r\x12\x14\n\x0ctotal_blocks\x18\r \x01(\r\x12<\n\x0blent_blocks\x18\x0e \x03(\x0b\x32\'.loramesh.v1.WorkerLoad.LentBlocksEntry\x12\x44\n\x0f\x62orrowed_blocks\x18\x0f \x03(\x0b\x32+.loramesh.v1.WorkerLoad.BorrowedBlocksEntry\x12\x1c\n\x0flend_cap_blocks\x18\x10 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08topology\x18\x11 \x01(\t\x12\x1a\n\x12remote_attention_s\x18\x12 \x01(\x01\x12\x1e\n\x16remote_attention_calls\x18\x13 \x01(\x04\x12\x19\n\x11remote_bytes_sent\x18\x14 \x01(\x04\x12\x1d\n\x15remote_bytes_received\x18\x15 \x01(\x04\x12\x18\n\x10lent_attention_s\x18\x16 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x17 \x01(\x04\x12\x14\n\x0c\x64gfm_recalls\x18\x18 \x01(\x04\x12\x1c\n\x14\x64gfm_blocks_recalled\x18\x19 \x01(\x04\x1a\x31\n\x0fLentBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x35\n\x13\x42orrowedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x12\n\x10_lend_cap_blocks*W\n\nVisibility\x12\x1a\n\x16VISIBILITY_UNSPECIFIED\x10\x00\x12\x16\n\x12VISIBILITY_PRIVATE\x10\x01\x12\x15\n\x11VISIBILITY_PUBLIC\x10\x02*6\n\x07PetType\x12\x18\n\x14PET_TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rPET_TYPE_LORA\x10\x01*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1a\n\x16\x46INISH_REASON_MIGRATED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17loramesh/v1/types.proto\x12\x0bloramesh.v1\"\xf1\x02\n\x0b\x41\x64\x61pterInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12+\n\nvisibility\x18\x04 \x01(\x0e\x32\x17.loramesh.v1.Visibility\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12&\n\x08pet_type\x18\x06 \x01(\x0e\x32\x14.loramesh.v1.PetType\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x10\n\x08max_rank\x18\x08 \x01(\r\x12\x12\n\nlora_alpha\x18\t \x01(\x02\x12\x12\n\nuse_rslora\x18\n \x01(\x08\x12\x16\n\x0etarget_modules\x18\x0b \x03(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x12\n\nsize_bytes\x18\r \x01(\x04\x12\x0e\n\x06sha256\x18\x0e \x01(\t\x12\x0f\n\x07version\x18\x0f \x01(\r\x12\x17\n\x0f\x63reated_unix_ms\x18\x10 \x01(\x03\x12\x13\n\x0b\x63onfig_json\x18\x11 \x01(\t\"\xed\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0cstop_strings\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\r\n\x05min_p\x18\r \x01(\x02\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.loramesh.v1.SamplingParams.LogitBiasEntry\x12\x38\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1d.loramesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"H\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x42\x06\n\x04kind\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x89\x01\n\x07Timings\x12\x11\n\tqueued_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x13\n\x0bpreemptions\x18\x06 \x01(\r\"\x9e\x06\n\nWorkerLoad\x12\r\n\x05queue\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x10\n\x08kv_pages\x18\x05 \x01(\r\x12\x15\n\radapter_pages\x18\x06 \x01(\r\x12\x19\n\x11resident_adapters\x18\x07 \x03(\t\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x13\n\x0bpreemptions\x18\t \x01(\r\x12\x15\n\rfragmentation\x18\n \x01(\x01\x12\n\n\x02ts\x18\x0b \x01(\x01\x12\x13\n\x0b\x66ree_blocks\x18\x0c \x01(\r\x12\x14\n\x0ctotal_blocks\x18\r \x01(\r\x12<\n\x0blent_blocks\x18\x0e \x03(\x0b\x32\'.loramesh.v1.WorkerLoad.LentBlocksEntry\x12\x44\n\x0f\x62orrowed_blocks\x18\x0f \x03(\x0b\x32+.loramesh.v1.WorkerLoad.BorrowedBlocksEntry\x12\x1c\n\x0flend_cap_blocks\x18\x10 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08topology\x18\x11 \x01(\t\x12\x1a\n\x12remote_attention_s\x18\x12 \x01(\x01\x12\x1e\n\x16remote_attention_calls\x18\x13 \x01(\x04\x12\x19\n\x11remote_bytes_sent\x18\x14 \x01(\x04\x12\x1d\n\x15remote_bytes_received\x18\x15 \x01(\x04\x12\x18\n\x10lent_attention_s\x18\x16 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x17 \x01(\x04\x12\x14\n\x0c\x64gfm_recalls\x18\x18 \x01(\x04\x12\x1c\n\x14\x64gfm_blocks_recalled\x18\x19 \x01(\x04\x1a\x31\n\x0fLentBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x35\n\x13\x42orrowedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x12\n\x10_lend_cap_blocks*W\n\nVisibility\x12\x1a\n\x16VISIBILITY_UNSPECIFIED\x10\x00\x12\x16\n\x12VISIBILITY_PRIVATE\x10\x01\x12\x15\n\x11VISIBILITY_PUBLIC\x10\x02*6\n\x07PetType\x12\x18\n\x14PET_TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rPET_TYPE_LORA\x10\x01*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1a\n\x16\x46INISH_REASON_MIGRATED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loramesh.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_WORKERLOAD_LENTBLOCKSENTRY']._loaded_options = None
   _globals['_WORKERLOAD_LENTBLOCKSENTRY']._serialized_options = b'8\001'
   _globals['_WORKERLOAD_BORROWEDBLOCKSENTRY']._loaded_options = None
   _globals['_WORKERLOAD_BORROWEDBLOCKSENTRY']._serialized_options = b'8\001'
-  _globals['_VISIBILITY']._serialized_start=1688
-  _globals['_VISIBILITY']._serialized_end=1775
-  _globals['_PETTYPE']._serialized_start=1777
-  _globals['_PETTYPE']._serialized_end=1831
-  _globals['_FINISHREASON']._serialized_start=1834
-  _globals['_FINISHREASON']._serialized_end=2011
+  _globals['_VISIBILITY']._serialized_start=2002
+  _globals['_VISIBILITY']._serialized_end=2089
+  _globals['_PETTYPE']._serialized_start=2091
+  _globals['_PETTYPE']._serialized_end=2145
+  _globals['_FINISHREASON']._serialized_start=2148
+  _globals['_FINISHREASON']._serialized_end=2325
   _globals['_ADAPTERINFO']._serialized_start=41
   _globals['_ADAPTERINFO']._serialized_end=410
   _globals['_SAMPLINGPARAMS']._serialized_start=413
-  _globals['_SAMPLINGPARAMS']._serialized_end=666
-  _globals['_TOKENLOGPROBS']._serialized_start=668
-  _globals['_TOKENLOGPROBS']._serialized_end=745
-  _globals['_TIMINGS']._serialized_start=748
-  _globals['_TIMINGS']._serialized_end=885
-  _globals['_WORKERLOAD']._serialized_start=888
-  _globals['_WORKERLOAD']._serialized_end=1686
-  _globals['_WORKERLOAD_LENTBLOCKSENTRY']._serialized_start=1562
-  _globals['_WORKERLOAD_LENTBLOCKSENTRY']._serialized_end=1611
-  _globals['_WORKERLOAD_BORROWEDBLOCKSENTRY']._serialized_start=1613
-  _globals['_WORKERLOAD_BORROWEDBLOCKSENTRY']._serialized_end=1666
+  _globals['_SAMPLINGPARAMS']._serialized_end=906
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=832
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=880
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=908
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=980
+  _globals['_TOKENLOGPROBS']._serialized_start=982
+  _globals['_TOKENLOGPROBS']._serialized_end=1059
+  _globals['_TIMINGS']._serialized_start=1062
+  _globals['_TIMINGS']._serialized_end=1199
+  _globals['_WORKERLOAD']._serialized_start=1202
+  _globals['_WORKERLOAD']._serialized_end=2000
+  _globals['_WORKERLOAD_LENTBLOCKSENTRY']._serialized_start=1876
+  _globals['_WORKERLOAD_LENTBLOCKSENTRY']._serialized_end=1925
+  _globals['_WORKERLOAD_BORROWEDBLOCKSENTRY']._serialized_start=1927
+  _globals['_WORKERLOAD_BORROWEDBLOCKSENTRY']._serialized_end=1980
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "adapter_id", "sampling", "predicted_output_tokens", "first_token_deadline_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "adapter_id", "sampling", "predicted_output_tokens", "first_token_deadline_ms", "resumed_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter_id: str
     sampling: _types_pb2.SamplingParams
     predicted_output_tokens: int
     first_token_deadline_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., predicted_output_tokens: _Optional[int] = ..., first_token_deadline_ms: _Optional[float] = ...) -> None: ...
+    resumed_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., predicted_output_tokens: _Optional[int] = ..., first_token_deadline_ms: _Optional[float] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "timings", "request_id", "logprobs", "migrated_to")

@@ -144,6 +144,7 @@ class Relay:
                     sampling=sampling,
                     predicted_output_tokens=max(1, predicted - len(generated)) if predicted else 0,
                     first_token_deadline_ms=0.0 if generated else self._deadline_left_ms(request, started),
+                    resumed_output_tokens=len(generated),
                 )
             )
             try:

@@ -15,6 +15,7 @@ from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.structured_output import GrammarCompiler
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.kernels import cpu_quant
 from services.gpu_worker.kv_manager_directory import KvManagerDirectory
@@ -137,6 +138,9 @@ class WorkerService:
             creditors=self.directory,
             connect=connect,
             executor=executor,
+            grammars=GrammarCompiler(
+                loaded.tokenizer.backend.to_str(), loaded.config.vocab_size, loaded.config.eos_token_ids
+            ),
         )
         engine.start()
         self.engine = engine

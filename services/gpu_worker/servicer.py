@@ -4,6 +4,7 @@ this event loop through ``call_soon_threadsafe``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 
 from grpc import aio
@@ -84,6 +85,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         config = engine.executor.config
         check_request(request.prompt_token_ids, sampling, config.vocab_size, config.max_position_embeddings)
         check_first_token_deadline(request.first_token_deadline_ms)
+        if request.resumed_output_tokens > len(request.prompt_token_ids):
+            raise InvalidArgument(
+                f"resumed_output_tokens ({request.resumed_output_tokens}) exceeds the prompt's "
+                f"{len(request.prompt_token_ids)} tokens"
+            )
         adapter_id = request.adapter_id or None
         if adapter_id is not None:
             await self.loader.acquire(adapter_id)
@@ -98,7 +104,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id = request.request_id or uuid.uuid4().hex
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        engine.submit(
+        submit = functools.partial(
+            engine.submit,
             GenerationRequest(
                 request_id,
                 tuple(request.prompt_token_ids),
@@ -106,9 +113,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 adapter_id,
                 predicted_output_tokens=request.predicted_output_tokens or None,
                 first_token_deadline_s=request.first_token_deadline_ms / 1000 or None,
+                resumed_output_tokens=request.resumed_output_tokens,
             ),
             lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         )
+        if sampling.structured_output is not None:
+            await asyncio.to_thread(submit)  # compiles its grammar: off the event loop
+        else:
+            submit()
         finished = False
         try:
             while not finished:

@@ -12,6 +12,7 @@ which the OpenAI front end reports as ``param``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from services.runtime.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from services.runtime.sampling_params import SamplingParams
+    from services.runtime.sampling_params import SamplingParams, StructuredOutput
 
 MAX_TEMPERATURE = 100.0
 """Highest temperature accepted (beyond it sampling is uniform noise anyway)."""
@@ -36,6 +37,13 @@ MAX_STOP_STRING_BYTES = 256
 (:mod:`services.runtime.stop_window`)."""
 MAX_CHOICES = 16
 """Most generations one request may ask for (OpenAI's ``n`` × prompts)."""
+MAX_PENALTY = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` are within ``[-MAX_PENALTY, MAX_PENALTY]``
+(OpenAI's range)."""
+MAX_LOGIT_BIAS = 100.0
+"""Each ``logit_bias`` value is within ``[-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]`` (OpenAI's range)."""
+MAX_LOGIT_BIAS_ENTRIES = 300
+"""Most tokens one request may bias (OpenAI's limit)."""
 
 
 class InvalidField(InvalidArgument):
@@ -64,10 +72,15 @@ def check_sampling(
     seed: int | None,
     stop_strings: Sequence[str],
     top_logprobs: int | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    min_p: float = 0.0,
+    logit_bias: Sequence[tuple[int, float]] = (),
+    structured_output: StructuredOutput | None = None,
 ) -> None:
     """Raise :class:`InvalidField` for the first value out of range. Values are as the engine
     reads them (defaults filled in), except ``max_tokens``: ``None`` when the server's default
-    will apply."""
+    will apply. ``logit_bias``'s ids are checked against the vocabulary by :func:`check_request`."""
     if max_tokens is not None:
         check_max_tokens(max_tokens)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
@@ -89,6 +102,62 @@ def check_sampling(
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidField(
             "top_logprobs", f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}"
+        )
+    for name, penalty in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not -MAX_PENALTY <= penalty <= MAX_PENALTY:
+            raise InvalidField(
+                name, f"{name} must be within [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {penalty}"
+            )
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidField("min_p", f"min_p must be within [0, 1], got {min_p}")
+    check_logit_bias(logit_bias)
+    if structured_output is not None:
+        check_structured_output(structured_output)
+
+
+def check_logit_bias(logit_bias: Sequence[tuple[int, float]]) -> None:
+    """(token id, bias) pairs: at most :data:`MAX_LOGIT_BIAS_ENTRIES`, ids distinct and >= 0,
+    biases within ``[-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]``."""
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidField(
+            "logit_bias", f"logit_bias has {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}"
+        )
+    if len({token for token, _ in logit_bias}) != len(logit_bias):
+        raise InvalidField("logit_bias", "logit_bias names a token id more than once")
+    for token, bias in logit_bias:
+        if token < 0:
+            raise InvalidField("logit_bias", f"logit_bias token id {token} is negative")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidField(
+                "logit_bias",
+                f"logit_bias of token {token} must be within [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
+            )
+
+
+def check_structured_output(structured: StructuredOutput) -> None:
+    """``json_object`` with no schema, or ``json_schema`` with a schema that is a JSON object.
+    Refusals name ``response_format``, the field OpenAI's API spells it with."""
+    if structured.kind == "json_object":
+        if structured.schema:
+            raise InvalidField("response_format", "response_format json_object takes no schema")
+        return
+    if structured.kind != "json_schema":
+        raise InvalidField(
+            "response_format",
+            f"response_format must be json_schema or json_object, got {structured.kind!r}",
+        )
+    if not structured.schema:
+        raise InvalidField("response_format", "response_format json_schema is empty: give a JSON Schema")
+    try:
+        schema = json.loads(structured.schema)
+    except ValueError as error:
+        raise InvalidField(
+            "response_format", f"response_format json_schema is not valid JSON: {error}"
+        ) from None
+    if not isinstance(schema, dict):
+        raise InvalidField(
+            "response_format",
+            f"response_format json_schema must be a JSON object, got {type(schema).__name__}",
         )
 
 
@@ -147,3 +216,6 @@ def check_request(
     check_prompt(prompt_ids, vocab_size, context_length)
     sampling.validate()
     check_token_ids("stop_token_ids", "stop_token_ids", sampling.stop_token_ids, vocab_size)
+    check_token_ids(
+        "logit_bias", "logit_bias token ids", [token for token, _ in sampling.logit_bias], vocab_size
+    )

@@ -58,6 +58,13 @@ from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvent
 from services.gpu_worker.engine.request_scheduler import RequestScheduler
 from services.gpu_worker.engine.sampling import sample_batch
 from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.engine.structured_output import (
+    GrammarCompiler,
+    GrammarKey,
+    MaskPlanner,
+    RequestGrammar,
+    StepMasks,
+)
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.block_lender import LendingConfig
 from services.gpu_worker.memory.block_table import BlockTable
@@ -68,7 +75,7 @@ from services.gpu_worker.memory.prefix_cache import PrefixCache
 from services.gpu_worker.memory.remote_block_allocator import CreditorRefused, CreditorUnavailable
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.errors import NotFound, ResourceExhausted
+from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.runtime.request_validation import check_request
 
 __all__ = ["Engine", "EngineConfig", "EventSink", "PoolTokens"]
@@ -90,11 +97,14 @@ class Engine:
         connect: TransportFactory | None = None,
         batch_policy: BatchPolicy | None = None,
         executor: Executor | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         """``creditors`` and ``connect``: where to borrow KV blocks and how to reach a creditor;
         required with ``kv_overflow="borrow"``. ``batch_policy``: a configured policy instead of
         ``config.batch_policy`` with its defaults (benchmarks and tests tune its knobs).
-        ``executor``: what runs the plans (None: a :class:`LocalExecutor` over ``model``)."""
+        ``executor``: what runs the plans (None: a :class:`LocalExecutor` over ``model``).
+        ``grammars``: the model's structured-output grammars (None: constrained requests are
+        refused)."""
         config = config or EngineConfig()
         self.model = model
         self.executor = executor or LocalExecutor(model, config)
@@ -104,6 +114,8 @@ class Engine:
         """The LoRA kernel backend plans ask for (benchmarks switch it between runs)."""
         self.on_logits = on_logits
         """Observer of each request's float32 logits before sampling (tests compare them to HF)."""
+        self.grammars = grammars
+        self.masks = MaskPlanner(self.executor.config.vocab_size) if grammars is not None else None
         self.policy, self.fallbacks = runnable_batch_policy(
             batch_policy or make_batch_policy(config.batch_policy, config.early_abort_slo_s),
             config,
@@ -228,7 +240,18 @@ class Engine:
             raise ResourceExhausted(
                 f"prompt of {len(request.prompt_ids)} tokens needs more KV pages than the whole pool has"
             )
-        self.hand_over.request(EngineRequest(spec=request, kv=kv), sink)
+        self.hand_over.request(EngineRequest(spec=request, kv=kv, grammar=self._grammar(request)), sink)
+
+    def _grammar(self, request: GenerationRequest) -> RequestGrammar | None:
+        """The request's structured-output grammar, past what it generated before (compiled on
+        the caller's thread: a bad schema is the caller's INVALID_ARGUMENT)."""
+        constraint = request.sampling.structured_output
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgument("structured_output: this worker was started without grammar support")
+        key = GrammarKey(constraint.kind, constraint.schema)
+        return self.grammars.matcher(key, generated=request.resumed_ids)
 
     def preload(self, adapter_id: str) -> None:
         """Page a registered adapter into the pool at the next step, if there is room."""
@@ -275,6 +298,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.executor.close()
+        if self.masks is not None:
+            self.masks.close()
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -325,6 +350,8 @@ class Engine:
         prefill_tokens = sum(r.new_tokens for r in batch if r.new_tokens > 1)
         decode_tokens = sum(1 for r in batch if r.new_tokens == 1)
         started = time.monotonic()
+        # The constrained rows' masks are computed while the forward pass runs.
+        masks = self.masks.start([r.grammar for r in batch]) if self.masks is not None else None
         try:
             plan = tuple(r.planned(adapters.slot(r)) for r in batch)
             logits = self.executor.execute(StepPlan(plan, self.lora_backend, self.config.deterministic))
@@ -346,8 +373,11 @@ class Engine:
                 self.borrower.refused(busy.creditor)
             self._publish_stats()
             return 0
+        finally:
+            if masks is not None:
+                masks.wait()  # no grammar may advance while its mask is being computed
         now = time.monotonic()
-        self._sample_and_emit(batch, logits, now)
+        self._sample_and_emit(batch, logits, now, masks)
         self.steps += 1
         self.distkv.end_step()
         self.policy.observe(  # what the step cost: dLoRA tunes its thresholds, the cost model fits
@@ -364,16 +394,30 @@ class Engine:
         self._publish_stats()
         return len(batch)
 
-    def _sample_and_emit(self, batch: list[EngineRequest], logits: torch.Tensor, now: float) -> None:
+    def _sample_and_emit(
+        self, batch: list[EngineRequest], logits: torch.Tensor, now: float, masks: StepMasks | None
+    ) -> None:
         if self.on_logits is not None:
             for request, row in zip(batch, logits):
                 self.on_logits(request.request_id, row)
         tokens = sample_batch(
-            logits,
+            logits if masks is None else masks.apply(logits),
             [r.spec.sampling for r in batch],
-            lambda i: torch.tensor(sorted(set(batch[i].all_ids)), dtype=torch.int64),
+            lambda i: (batch[i].spec.original_prompt_ids, [*batch[i].spec.resumed_ids, *batch[i].output_ids]),
             [r.next_draw_generator() for r in batch],
         )
+        kept = [
+            i
+            for i, (r, token) in enumerate(zip(batch, tokens))
+            if r.grammar is None or r.grammar.accept(token)
+        ]
+        if len(kept) < len(batch):  # only a grammar that allows no token at all gets here
+            for request in (r for i, r in enumerate(batch) if i not in kept):
+                self.scheduler.finish(
+                    request, FinishReason.ERROR, None, f"structured_output: {request.grammar.error}"
+                )
+            batch, tokens, logits = [batch[i] for i in kept], [tokens[i] for i in kept], logits[kept]
+        # Logprobs are of the raw logits, as without a grammar (OpenAI's semantics).
         self.scheduler.emit(batch, tokens, logits, now)
 
     def _borrowed_table(self, request_id: str) -> BlockTable:

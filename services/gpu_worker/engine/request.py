@@ -11,6 +11,7 @@ import torch
 
 from services.gpu_worker.engine.sampling import SamplingParams, TokenLogprobs, draw_generator, request_seed
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest
+from services.gpu_worker.engine.structured_output import RequestGrammar
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.kv_cache import KvTable
 
@@ -60,11 +61,30 @@ class GenerationRequest:
     """Seconds from its arrival on the engine to its first token, which the ``early_abort``
     policy holds it to (the caller's ``first_token_deadline_ms``, less what the gateway spent);
     None: the policy's own SLO (``EngineConfig.early_abort_slo_s``)."""
+    resumed_output_tokens: int = 0
+    """How many of the last prompt ids were generated before, by this request elsewhere (a
+    gateway resuming it after a worker failure or a migration sends prompt + tokens so far):
+    its grammar is advanced past them and its presence/frequency penalties count them."""
 
     def __post_init__(self) -> None:
         deadline = self.first_token_deadline_s
         if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
             raise ValueError(f"first_token_deadline_s must be > 0 (None: the default), got {deadline}")
+        if not 0 <= self.resumed_output_tokens <= len(self.prompt_ids):
+            raise ValueError(
+                f"resumed_output_tokens must be in [0, {len(self.prompt_ids)}] (the prompt's length), "
+                f"got {self.resumed_output_tokens}"
+            )
+
+    @property
+    def original_prompt_ids(self) -> tuple[int, ...]:
+        """The prompt as the client sent it, without the output of an earlier attempt."""
+        return self.prompt_ids[: len(self.prompt_ids) - self.resumed_output_tokens]
+
+    @property
+    def resumed_ids(self) -> tuple[int, ...]:
+        """The output of an earlier attempt (the end of ``prompt_ids``)."""
+        return self.prompt_ids[len(self.prompt_ids) - self.resumed_output_tokens :]
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,8 @@ class EngineRequest:
     prompt_block_keys: tuple[bytes, ...] = ()
     """Prefix-cache keys of its prompt's whole blocks, from its admission until its prefill is
     done and they are cached (``KvReservation.cache_prompt``); () otherwise."""
+    grammar: RequestGrammar | None = None
+    """Where its output stands in its structured-output grammar; None when unconstrained."""
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.spec.sampling)

@@ -7,6 +7,12 @@ given the same logits, a seeded request draws the same tokens alone or in any ba
 preemption (recomputed), and when a gateway continues it elsewhere as prompt + tokens so far,
 the worker there knowing nothing of the tokens before. The draw itself runs on the CPU, so the random stream does not
 depend on the device the logits are on.
+
+A row's logits go through, in vLLM's order: ``logit_bias`` (added); the repetition penalty
+(HF's, over prompt + output); the presence and frequency penalties (OpenAI's, over the output
+only); then greedy ``argmax``, or temperature, min-p, top-k and top-p before the draw.
+The output a penalty counts is what this worker generated: a request continued elsewhere as
+prompt + tokens so far counts those tokens as prompt.
 """
 
 from __future__ import annotations
@@ -15,10 +21,15 @@ import hashlib
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
 from services.runtime.sampling_params import SamplingParams
+
+History: TypeAlias = tuple[Sequence[int], Sequence[int]]
+"""A request's (prompt ids, output ids), as the penalties read them."""
+NO_HISTORY: History = ((), ())
 
 
 @dataclass(frozen=True)
@@ -57,14 +68,58 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: each (token id, bias) pair's bias added to that token's logit."""
+    if not bias:
+        return logits
+    ids = torch.tensor([token for token, _ in bias], dtype=torch.int64, device=logits.device)
+    values = torch.tensor([value for _, value in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(0, ids, values)
+
+
+def apply_output_penalties(
+    logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float
+) -> torch.Tensor:
+    """OpenAI's (and vLLM's) penalties over the output tokens: a token generated ``c > 0`` times
+    so far loses ``frequency * c + presence`` from its logit."""
+    if (presence == 0.0 and frequency == 0.0) or not output_ids:
+        return logits
+    ids, counts = torch.unique(torch.tensor(output_ids, dtype=torch.int64), return_counts=True)
+    penalty = (frequency * counts.to(logits.dtype) + presence).to(logits.device)
+    return logits.index_add(0, ids.to(logits.device), penalty, alpha=-1)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
+    """``logit_bias``, then the repetition penalty (prompt + output), then the presence and
+    frequency penalties (output only): what :func:`sample_token` samples from."""
+    prompt_ids, output_ids = history
+    logits = apply_logit_bias(logits, params.logit_bias)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.int64, device=logits.device)
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    return apply_output_penalties(logits, output_ids, params.presence_penalty, params.frequency_penalty)
+
+
 def sample_token(
-    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, history: History, generator: torch.Generator | None
 ) -> int:
-    """Pick the next token from one request's float32 logits ``[vocab]``."""
-    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    """Pick the next token from one request's float32 logits ``[vocab]``, ``history`` its
+    (prompt ids, output ids) so far (read only when it has a penalty)."""
+    logits = apply_penalties(logits, params, history)
     if params.greedy:
         return int(torch.argmax(logits))
+    probs = sampling_probs(logits, params).cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a sampled (not greedy) row draws from, given its penalised logits: the softmax after
+    temperature, min-p, top-k and top-p, in vLLM's (v1) order. min-p drops the tokens less likely
+    than ``min_p`` times the likeliest; top-p then reads the mass of what is left."""
     logits = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -73,32 +128,35 @@ def sample_token(
         cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
         drop = cumulative - torch.softmax(ordered, dim=-1) > params.top_p
         logits = logits.index_fill(0, order[drop], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(logits, dim=-1)
+
+
+def reads_history(params: SamplingParams) -> bool:
+    """Its penalties read its prompt or output ids."""
+    return params.repetition_penalty != 1.0 or params.penalizes_output
 
 
 def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    seen: Callable[[int], torch.Tensor],
+    history: Callable[[int], History],
     generators: Sequence[torch.Generator | None],
 ) -> list[int]:
     """The next token of every row of ``logits`` ``[R, vocab]`` (float32), row ``i`` sampled with
-    ``params[i]``, ``seen(i)`` (its prompt + output ids, asked for only when it has a repetition
-    penalty) and ``generators[i]`` (its draw's :func:`draw_generator`; None when greedy). Plain
-    greedy rows (no penalty) share one ``argmax`` call: the same result as :func:`sample_token`
-    row by row, without a torch call per request."""
-    plain = [i for i, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0]
+    ``params[i]``, ``history(i)`` (its prompt and output ids, asked for only when it has a
+    penalty: :func:`reads_history`) and ``generators[i]`` (its draw's :func:`draw_generator`;
+    None when greedy). Plain greedy rows (no penalty, no bias) share one ``argmax`` call: the
+    same result as :func:`sample_token` row by row, without a torch call per request."""
+    plain = [i for i, p in enumerate(params) if p.greedy and not p.logit_bias and not reads_history(p)]
     if len(plain) == len(params):
         return logits.argmax(dim=-1).tolist()
     tokens = [0] * len(params)
     if plain:
         for i, token in zip(plain, logits[plain].argmax(dim=-1).tolist()):
             tokens[i] = token
-    no_history = torch.empty(0, dtype=torch.int64)
     for i in sorted(set(range(len(params))) - set(plain)):
-        history = seen(i) if params[i].repetition_penalty != 1.0 else no_history
-        tokens[i] = sample_token(logits[i], params[i], history, generators[i])
+        so_far = history(i) if reads_history(params[i]) else NO_HISTORY
+        tokens[i] = sample_token(logits[i], params[i], so_far, generators[i])
     return tokens
 
 

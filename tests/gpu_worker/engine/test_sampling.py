@@ -9,6 +9,7 @@ import torch
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import (
+    NO_HISTORY,
     SamplingParams,
     apply_repetition_penalty,
     draw_generator,
@@ -19,8 +20,6 @@ from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import InvalidArgument
 from services.runtime.stop_window import StopStringTail
 
-EMPTY = torch.empty(0, dtype=torch.int64)
-
 
 def logits() -> torch.Tensor:
     torch.manual_seed(0)
@@ -29,11 +28,11 @@ def logits() -> torch.Tensor:
 
 def draws(params: SamplingParams, n: int = 200) -> list[int]:
     """``n`` tokens drawn from the same logits, as positions 0..n-1 of one request."""
-    return [sample_token(logits(), params, EMPTY, draw_generator(params.seed, i)) for i in range(n)]
+    return [sample_token(logits(), params, NO_HISTORY, draw_generator(params.seed, i)) for i in range(n)]
 
 
 def test_greedy_picks_the_argmax():
-    assert sample_token(logits(), SamplingParams(), EMPTY, None) == int(logits().argmax())
+    assert sample_token(logits(), SamplingParams(), NO_HISTORY, None) == int(logits().argmax())
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
@@ -75,6 +74,10 @@ def test_repetition_penalty_follows_hf():
         (SamplingParams(top_k=-1), "top_k"),
         (SamplingParams(top_p=0.0), "top_p"),
         (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(frequency_penalty=-3.0), "frequency_penalty"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(logit_bias=((1, 101.0),)), "logit_bias"),
     ],
 )
 def test_out_of_range_values_are_refused_by_name(params, field):
