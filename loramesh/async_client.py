@@ -6,17 +6,17 @@ Request building, retry policy and conversions are :mod:`loramesh.client`'s.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
 from grpc import aio
 
 from loramesh.client import (
-    DEFAULT_MESH_FILE,
     LIST_PAGE_SIZE,
     ChatMessages,
     GatewayRotation,
+    RetryNotice,
     _Call,
     _Policy,
     adapter_from,
@@ -63,7 +63,9 @@ class AsyncAdapters:
             The registered adapter.
 
         Raises:
-            FileNotFoundError: ``path`` is not a directory.
+            FileNotFoundError: ``path`` does not exist, or lacks ``adapter_config.json`` or the
+                weights (checked before anything is sent).
+            NotADirectoryError: ``path`` is a file.
             AlreadyExists: The tenant already has an adapter of that name.
             InvalidArgument: The adapter does not fit the base model (the message says why).
             ResourceExhausted: The adapter is over the size limit.
@@ -157,8 +159,9 @@ class AsyncClient:
         retries: int = 6,
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
-        mesh_file: str | Path = DEFAULT_MESH_FILE,
+        mesh_file: str | Path | None = None,
         tls: ClientTLS | None = None,
+        on_retry: Callable[[RetryNotice], None] | None = None,
     ):
         """Opens a channel per gateway (connecting lazily, on the first call).
 
@@ -173,16 +176,20 @@ class AsyncClient:
             retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
             max_backoff_s: The wait between retries never grows beyond this.
-            mesh_file: The local mesh's file written by ``loramesh up``.
+            mesh_file: The local mesh's file written by ``loramesh up``; None for ``mesh.json``
+                in ``$LORAMESH_STATE_DIR``, else in ``.loramesh``.
             tls: Mutual TLS files for a mesh that requires them; None for the mesh file's
                 (``loramesh up --tls``), else plaintext.
+            on_retry: Called before each retry of an ``UNAVAILABLE`` failure, with a
+                :class:`~loramesh.client.RetryNotice`.
 
         Raises:
-            ValueError: No address or API key was given and the mesh file has none.
+            NoGatewayAddress: No address was given and the mesh file has none (a ``ValueError``).
+            NoApiKey: No API key was given and the mesh file's does not apply (a ``ValueError``).
         """
         self.addresses, api_key, tls = resolve_targets(address, api_key, mesh_file, tls)
         self.address = self.addresses[0]
-        self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s)
+        self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s, on_retry)
         self._gateways = GatewayRotation(self.addresses)
         self._channels = [aio_channel(a, tls) for a in self.addresses]
         self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
@@ -424,6 +431,7 @@ class AsyncClient:
                 if delay is None:
                     raise failure from error
                 self._gateways.failed(address)
+                call.announce_retry(address, self._gateways.current(), attempt, delay, failure)
             await asyncio.sleep(delay)
             attempt += 1
 
@@ -451,6 +459,7 @@ class AsyncClient:
                 if delay is None:
                     raise call.stream_failure(failure, progress) from error
                 self._gateways.failed(address)
+                call.announce_retry(address, self._gateways.current(), attempt, delay, failure)
             finally:
                 responses.cancel()
             await asyncio.sleep(delay)

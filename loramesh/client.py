@@ -7,25 +7,44 @@ conversions between the SDK's dataclasses and the ``loramesh.v1`` messages.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 import grpc
 
-from loramesh.errors import REQUEST_ID_HEADER, LoraMeshError, StreamInterrupted, Unavailable, from_rpc_error
+from loramesh.errors import (
+    REQUEST_ID_HEADER,
+    LoraMeshError,
+    NoApiKey,
+    NoGatewayAddress,
+    StreamInterrupted,
+    Unavailable,
+    from_rpc_error,
+)
 from loramesh.stream_resume import StreamProgress
 from loramesh.tls import ClientTLS, sync_channel
 from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
 from mesh_api.adapter_transfer import read_adapter_dir, upload_requests
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
-DEFAULT_MESH_FILE = ".loramesh/mesh.json"
+STATE_DIR_ENV = "LORAMESH_STATE_DIR"
+"""The local mesh's state directory, where ``loramesh up`` writes ``mesh.json``: the default of the
+CLI's ``--state-dir`` and of the clients' ``mesh_file``."""
+DEFAULT_STATE_DIR = Path(".loramesh")
+"""The state directory when ``$LORAMESH_STATE_DIR`` is unset (relative to the working directory)."""
+MESH_FILE_NAME = "mesh.json"
 LIST_PAGE_SIZE = 100
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_WEIGHTS_FILE = "adapter_model.bin"
+"""PEFT's older weights format, a pickle: the store refuses it."""
 
 ChatMessages = Iterable[dict[str, str] | tuple[str, str]]
 """Chat messages: ``{"role": ..., "content": ...}`` dicts or ``(role, content)`` tuples."""
@@ -38,10 +57,41 @@ _FINISH_REASONS = {
 }
 
 
+def default_state_dir() -> Path:
+    """``$LORAMESH_STATE_DIR``, else ``.loramesh``. Read at each call, never at import, so a
+    variable set after ``import loramesh`` counts."""
+    return Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+
+
+def check_adapter_dir(path: str | Path) -> Path:
+    """``path``, once it looks like a PEFT adapter directory: it exists, is a directory, and holds
+    ``adapter_config.json`` and ``adapter_model.safetensors``. Checked before anything is sent, so
+    a wrong directory is named at once; the store validates the contents.
+
+    Raises:
+        FileNotFoundError: It does not exist, or lacks a file (the message names both).
+        NotADirectoryError: It is a file.
+    """
+    directory = Path(path)
+    if not directory.exists():
+        raise FileNotFoundError(f"adapter directory {directory} does not exist")
+    if not directory.is_dir():
+        raise NotADirectoryError(f"{directory} is a file, not an adapter directory")
+    if not (directory / ADAPTER_CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"adapter directory {directory} has no {ADAPTER_CONFIG_FILE}")
+    if not (directory / ADAPTER_WEIGHTS_FILE).is_file():
+        pickled = (directory / PICKLED_WEIGHTS_FILE).is_file()
+        instead = f" ({PICKLED_WEIGHTS_FILE} is a pickle, which is not accepted: save it as safetensors)"
+        raise FileNotFoundError(
+            f"adapter directory {directory} has no {ADAPTER_WEIGHTS_FILE}{instead if pickled else ''}"
+        )
+    return directory
+
+
 def resolve_targets(
     address: str | Sequence[str] | None,
     api_key: str | None,
-    mesh_file: str | Path,
+    mesh_file: str | Path | None,
     tls: ClientTLS | None = None,
 ) -> tuple[tuple[str, ...], str, ClientTLS | None]:
     """The gateway addresses, API key and TLS files, the missing ones taken from a local mesh's
@@ -56,15 +106,17 @@ def resolve_targets(
         api_key: The caller's API key, or None for the mesh file's admin key.
         mesh_file: The file ``loramesh up`` writes (``{"gateway_addresses", "services":
             {"gateway": {"address"}}, "admin_api_key", "tls"}``); ignored when it does not exist.
+            None: ``mesh.json`` in :func:`default_state_dir`.
         tls: The client's mutual TLS files, or None for the mesh file's (if it has any).
 
     Returns:
         ``(addresses, api_key, tls)``; ``tls`` None: plaintext.
 
     Raises:
-        ValueError: An address or key is neither given nor in the mesh file.
+        NoGatewayAddress: No address is given and the mesh file has none (a ``ValueError``).
+        NoApiKey: No key is given and the mesh file's does not apply (a ``ValueError``).
     """
-    path = Path(mesh_file)
+    path = Path(mesh_file) if mesh_file is not None else default_state_dir() / MESH_FILE_NAME
     mesh = json.loads(path.read_text()) if path.is_file() else {}
     first = mesh.get("services", {}).get("gateway", {}).get("address")
     mesh_addresses = tuple(mesh.get("gateway_addresses") or ([first] if first else []))
@@ -72,12 +124,24 @@ def resolve_targets(
         address = address.split(",")
     addresses = tuple(a.strip() for a in address or () if a.strip()) or mesh_addresses
     if not addresses:
-        raise ValueError(f"no gateway address: pass address= or start a mesh with `loramesh up` ({path})")
+        found = "names no gateway" if path.is_file() else "does not exist"
+        raise NoGatewayAddress(
+            f"no gateway address: pass address=, or start a mesh with `loramesh up` ({path.absolute()} "
+            f"{found}; ${STATE_DIR_ENV} names the state directory of a mesh started elsewhere)",
+            path,
+        )
     own_mesh = set(addresses) <= set(mesh_addresses)
     if api_key is None and own_mesh:
         api_key = mesh.get("admin_api_key")
     if not api_key:
-        raise ValueError(f"no API key for the gateway at {', '.join(addresses)}: pass api_key=")
+        whose = (
+            f"the admin key of {path.absolute()} goes only to that mesh's own gateways"
+            if path.is_file()
+            else f"no {path.absolute()} to take a local mesh's admin key from"
+        )
+        raise NoApiKey(
+            f"no API key for the gateway at {', '.join(addresses)}: pass api_key= ({whose})", addresses
+        )
     if tls is None and own_mesh and mesh.get("tls"):
         tls = ClientTLS.from_mapping(mesh["tls"])
     return addresses, api_key, tls
@@ -106,6 +170,25 @@ class GatewayRotation:
 
 
 @dataclass(frozen=True)
+class RetryNotice:
+    """An attempt failed with ``UNAVAILABLE`` and is about to be retried: what a client's
+    ``on_retry`` is called with (the CLI prints it, so a dead gateway is not silent)."""
+
+    failed_address: str
+    """The gateway the failed attempt went to."""
+    next_address: str
+    """The gateway the retry goes to (the next one, when there are several)."""
+    retry: int
+    """This retry's number, from 1."""
+    retries: int
+    """The most retries the call makes (the client's ``retries``)."""
+    delay_s: float
+    """Seconds until the retry is sent."""
+    failure: LoraMeshError
+    """What the failed attempt raised."""
+
+
+@dataclass(frozen=True)
 class _Policy:
     """How every call of a client is made: credentials, default timeout, retries."""
 
@@ -114,6 +197,7 @@ class _Policy:
     retries: int
     backoff_s: float
     max_backoff_s: float
+    on_retry: Callable[[RetryNotice], None] | None = None
 
     def start(self, timeout: float | None) -> _Call:
         """The bookkeeping of one logical call (all its attempts) with a per-call ``timeout``."""
@@ -160,6 +244,16 @@ class _Call:
         if self.deadline is not None and time.monotonic() + delay >= self.deadline:
             return None
         return delay
+
+    def announce_retry(
+        self, failed_address: str, next_address: str, attempt: int, delay: float, failure: LoraMeshError
+    ) -> None:
+        """Tells the client's ``on_retry`` (if any) that attempt ``attempt`` (from 0) is retried."""
+        if self.policy.on_retry is not None:
+            notice = RetryNotice(
+                failed_address, next_address, attempt + 1, self.policy.retries, delay, failure
+            )
+            self.policy.on_retry(notice)
 
     def stream_failure(self, failure: LoraMeshError, progress: StreamProgress) -> LoraMeshError:
         """What a stream that is not retried raises: UNAVAILABLE after it yielded text becomes
@@ -297,10 +391,10 @@ def upload_stream(
     A header, then ≤ 1 MiB chunks of ``adapter_config.json`` and ``adapter_model.safetensors``.
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory.
+        FileNotFoundError: ``path`` does not exist or lacks a file (:func:`check_adapter_dir`).
+        NotADirectoryError: ``path`` is a file.
     """
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"adapter directory {path} does not exist")
+    check_adapter_dir(path)
     visibility = types_pb2.VISIBILITY_PUBLIC if public else types_pb2.VISIBILITY_PRIVATE
     # The owner is left empty: the gateway sets the caller's tenant.
     return upload_requests(read_adapter_dir(path), name, owner="", visibility=visibility)
@@ -338,7 +432,9 @@ class Adapters:
             The registered adapter.
 
         Raises:
-            FileNotFoundError: ``path`` is not a directory.
+            FileNotFoundError: ``path`` does not exist, or lacks ``adapter_config.json`` or the
+                weights (checked before anything is sent).
+            NotADirectoryError: ``path`` is a file.
             AlreadyExists: The tenant already has an adapter of that name.
             InvalidArgument: The adapter does not fit the base model (the message says why).
             ResourceExhausted: The adapter is over the size limit.
@@ -433,8 +529,9 @@ class Client:
         retries: int = 6,
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
-        mesh_file: str | Path = DEFAULT_MESH_FILE,
+        mesh_file: str | Path | None = None,
         tls: ClientTLS | None = None,
+        on_retry: Callable[[RetryNotice], None] | None = None,
     ):
         """Opens a channel per gateway (connecting lazily, on the first call).
 
@@ -449,16 +546,20 @@ class Client:
             retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
             max_backoff_s: The wait between retries never grows beyond this.
-            mesh_file: The local mesh's file written by ``loramesh up``.
+            mesh_file: The local mesh's file written by ``loramesh up``; None for ``mesh.json``
+                in ``$LORAMESH_STATE_DIR``, else in ``.loramesh``.
             tls: Mutual TLS files for a mesh that requires them; None for the mesh file's
                 (``loramesh up --tls``), else plaintext.
+            on_retry: Called before each retry of an ``UNAVAILABLE`` failure, with a
+                :class:`RetryNotice` (where, which retry, how long until it).
 
         Raises:
-            ValueError: No address or API key was given and the mesh file has none.
+            NoGatewayAddress: No address was given and the mesh file has none (a ``ValueError``).
+            NoApiKey: No API key was given and the mesh file's does not apply (a ``ValueError``).
         """
         self.addresses, api_key, tls = resolve_targets(address, api_key, mesh_file, tls)
         self.address = self.addresses[0]
-        self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s)
+        self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s, on_retry)
         self._gateways = GatewayRotation(self.addresses)
         self._channels = [sync_channel(a, tls) for a in self.addresses]
         self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
@@ -697,6 +798,7 @@ class Client:
                 if delay is None:
                     raise failure from error
                 self._gateways.failed(address)
+                call.announce_retry(address, self._gateways.current(), attempt, delay, failure)
             time.sleep(delay)
             attempt += 1
 
@@ -726,6 +828,7 @@ class Client:
                 if delay is None:
                     raise call.stream_failure(failure, progress) from error
                 self._gateways.failed(address)
+                call.announce_retry(address, self._gateways.current(), attempt, delay, failure)
             finally:
                 responses.cancel()
             time.sleep(delay)

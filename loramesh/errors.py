@@ -1,6 +1,8 @@
 """The SDK's exceptions: one class per gRPC status the gateway returns, and the mapping to them.
 
 Every failed call raises a :class:`LoraMeshError` subclass; nothing of grpc leaks to the caller.
+A client that cannot be made (no gateway address, no API key) raises :class:`NoGatewayAddress` or
+:class:`NoApiKey`, both ``ValueError``.
 
 Example:
     >>> try:
@@ -11,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -151,6 +154,43 @@ class InternalError(LoraMeshError):
     """A bug on the server; ``details`` carries the request id to find it in the logs."""
 
     code = "INTERNAL"
+
+
+class NoGatewayAddress(ValueError):
+    """A client was given no gateway address and found no local mesh to take one from.
+
+    Attributes:
+        mesh_file: The mesh file it read (or found absent).
+    """
+
+    def __init__(self, message: str, mesh_file: Path):
+        """Creates the error.
+
+        Args:
+            message: What is missing and what to pass instead.
+            mesh_file: The mesh file that was read.
+        """
+        super().__init__(message)
+        self.mesh_file = mesh_file
+
+
+class NoApiKey(ValueError):
+    """A client was given no API key, and the local mesh's admin key does not apply (no mesh
+    file, or a gateway that is not one of its own).
+
+    Attributes:
+        addresses: The gateways a key was needed for.
+    """
+
+    def __init__(self, message: str, addresses: tuple[str, ...]):
+        """Creates the error.
+
+        Args:
+            message: What is missing and what to pass instead.
+            addresses: The gateways a key was needed for.
+        """
+        super().__init__(message)
+        self.addresses = addresses
 
 
 _BY_CODE: dict[str, type[LoraMeshError]] = {

@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loramesh.client import check_adapter_dir
 from loramesh_cli.errors import CommandError
-from loramesh_cli.gateway_client import API_KEY_ENV, gateway_client
+from loramesh_cli.gateway_client import add_connection_flags, gateway_client
 from loramesh_cli.table import render_table
 
 UPLOAD_TIMEOUT_S = 300.0
@@ -36,15 +37,6 @@ class _Removed(argparse.Action):
         parser.error(f"{option_string} was removed: {self.instead}")
 
 
-def _connection_flags(parser, default) -> None:
-    parser.add_argument("--gateway", default=default,
-                        help="gateway address, or several separated by commas to fail over between "
-                             "(default: every gateway in mesh.json)")  # fmt: skip
-    parser.add_argument("--api-key", default=default,
-                        help=f"the tenant's API key (default: ${API_KEY_ENV}, "
-                             "else mesh.json's admin key)")  # fmt: skip
-
-
 def add_parsers(sub) -> None:
     adapters = sub.add_parser(
         "adapters",
@@ -52,7 +44,7 @@ def add_parsers(sub) -> None:
         description="The API key's tenant owns what it uploads; to act for another tenant, use its key.",
     )
     # Accepted before the verb and after it (the verb's copy only overrides when given).
-    _connection_flags(adapters, "")
+    add_connection_flags(adapters)
     adapters.add_argument("--owner", action=_Removed, instead="the owner is the API key's tenant: "
                           "to act for a tenant, pass its key with --api-key")  # fmt: skip
     adapters.add_argument("--store", action=_Removed, instead="the CLI goes through the gateway: "
@@ -71,13 +63,20 @@ def add_parsers(sub) -> None:
     delete.add_argument("name")
     delete.set_defaults(func=cmd_delete)
     for verb in (upload, listing, delete):
-        _connection_flags(verb, argparse.SUPPRESS)
+        add_connection_flags(verb, override_only=True)
+
+
+def local_adapter_dir(path: str | Path) -> Path:
+    """``path`` once it looks like a PEFT adapter directory (checked here, before anything is
+    sent); a :class:`CommandError` naming it and what it lacks otherwise."""
+    try:
+        return check_adapter_dir(path)
+    except OSError as error:
+        raise CommandError(str(error)) from None
 
 
 def cmd_upload(args) -> int:
-    directory = Path(args.dir)
-    if not directory.is_dir():
-        raise CommandError(f"{directory} is not a directory")
+    directory = local_adapter_dir(args.dir)
     with gateway_client(args) as client:
         a = client.adapters.upload(directory, args.name, public=args.public, timeout=UPLOAD_TIMEOUT_S)
     print(f"registered {a.owner}/{a.name} id={a.id} rank={a.rank} targets={','.join(a.target_modules)} "
@@ -88,6 +87,9 @@ def cmd_upload(args) -> int:
 def cmd_list(args) -> int:
     with gateway_client(args) as client:
         adapters = client.adapters.list()
+    if not adapters:
+        print("no adapters: this tenant has none and no tenant has a public one")
+        return 0
     print(
         render_table(
             ["NAME", "OWNER", "RANK", "TARGETS", "DTYPE", "BYTES", "VISIBILITY", "SHA256", "ID"],

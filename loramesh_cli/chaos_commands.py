@@ -24,7 +24,7 @@ from pathlib import Path
 
 from loramesh.errors import LoraMeshError
 from loramesh_cli.errors import CommandError
-from loramesh_cli.mesh_file import MeshFile, pid_alive
+from loramesh_cli.mesh_file import MeshFile, live_mesh, pid_alive
 
 #: The supervisor's (and mesh.json's) name for etcd's process.
 ETCD_PROCESS = "etcd"
@@ -230,10 +230,8 @@ def live_processes(mesh: MeshFile) -> dict[str, int]:
 
 
 def read_mesh(state_dir: Path) -> MeshFile:
-    mesh = MeshFile.read(state_dir)
-    if mesh is None or not pid_alive(mesh.up_pid):
-        raise CommandError(f"no supervised mesh is up in {state_dir}; start one with `loramesh up --detach`")
-    return mesh
+    """The supervised mesh of ``state_dir``; a refusal naming its mesh.json when it is not up."""
+    return live_mesh(state_dir)
 
 
 def kill_one(state_dir: Path, plan: KillPlan) -> tuple[Kill, float] | None:

@@ -29,6 +29,10 @@ MAX_TOKENS = 48
 CURL_MAX_TOKENS = 12
 CHECK_MARK = {True: "same as via openai", False: "differs from openai"}
 
+UP_ARGS = ("up", "--detach", "--workers", "2", "--pool-mib", "256", "--dtype", "float32")
+"""How the demo starts its mesh: in float32, so the replies README.md prints are the ones a
+reader's run prints (``--dtype auto`` computes in bfloat16 on CPUs with native bf16)."""
+
 
 def step(title: str) -> None:
     print(f"\n== {title}", flush=True)
@@ -65,14 +69,17 @@ def already_registered(names: list[str]) -> list[str]:
 
 def mesh_endpoints() -> tuple[str, str, str]:
     """``(OpenAI base URL, admin API key, base model id)`` of the mesh ``loramesh up`` started."""
+    from loramesh.client import default_state_dir
     from loramesh_cli.mesh_file import MeshFile
 
-    mesh = MeshFile.read()
+    # Where `loramesh up` above wrote it: --state-dir's default, $LORAMESH_STATE_DIR or .loramesh.
+    mesh_file = MeshFile.path(default_state_dir()).absolute()
+    mesh = MeshFile.read(default_state_dir())
     if mesh is None:
-        raise SystemExit("no .loramesh/mesh.json: the mesh did not start")
+        raise SystemExit(f"no {mesh_file}: the mesh did not start")
     openai_address = next((s.openai_address for s in mesh.services.values() if s.openai_address), "")
     if not openai_address:
-        raise SystemExit("the mesh serves no OpenAI API (no openai_address in .loramesh/mesh.json)")
+        raise SystemExit(f"the mesh serves no OpenAI API (no openai_address in {mesh_file})")
     from openai import OpenAI
 
     base_url = f"http://{openai_address}/v1"
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     adapters, questions = demo_adapters()
     models = [BASE, *adapters]
     step("start the mesh: etcd, adapter store, 2 workers, scheduler, gateway")
-    run("up", "--detach", "--workers", "2", "--pool-mib", "256")
+    run(*UP_ARGS)
     try:
         step(f"upload the {len(adapters)} adapters")
         for name in already_registered(list(adapters)):  # a previous demo's, kept by the store

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from loramesh_cli.gateway_client import gateway_client
+from loramesh_cli.gateway_client import add_connection_flags, gateway_client
 
 
 def add_parsers(sub) -> None:
@@ -21,10 +21,7 @@ def add_parsers(sub) -> None:
         cmd.add_argument("--top-k", type=int, default=None)
         cmd.add_argument("--seed", type=int, default=None)
         cmd.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-        cmd.add_argument("--gateway", default="",
-                         help="gateway address, or several separated by commas to fail over between "
-                              "(default: every gateway in mesh.json)")  # fmt: skip
-        cmd.add_argument("--api-key", default="", help="API key (default: $LORAMESH_API_KEY or mesh.json)")
+        add_connection_flags(cmd)
         if name == "generate":
             cmd.add_argument("prompt")
             cmd.set_defaults(func=cmd_generate)

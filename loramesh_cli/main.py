@@ -1,4 +1,5 @@
-"""The ``loramesh`` command. Each subcommand lives in its own module; this one only dispatches."""
+"""The ``loramesh`` command. Each subcommand lives in its own module; this one only dispatches,
+and turns every refusal into one line on stderr, ``loramesh: <reason>``, and exit status 1."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 import grpc
 
+from loramesh.client import STATE_DIR_ENV, default_state_dir
 from loramesh.errors import LoraMeshError
 from loramesh_cli import (
     adapter_commands,
@@ -17,7 +19,6 @@ from loramesh_cli import (
     mesh_commands,
 )
 from loramesh_cli.errors import CommandError
-from loramesh_cli.mesh_file import DEFAULT_STATE_DIR
 from loramesh_cli.tls_options import add_tls_flags
 
 
@@ -27,9 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loramesh", description="Serve many LoRA adapters of one base LLM.", allow_abbrev=False
     )
-    parser.add_argument(
-        "--state-dir", default=str(DEFAULT_STATE_DIR), help="local mesh state (default .loramesh)"
-    )
+    # The default is read when the parser is built (each run), never at import.
+    parser.add_argument("--state-dir", default=str(default_state_dir()), metavar="DIR",
+                        help="local mesh state: mesh.json, logs, data, certificates "
+                             f"(default: ${STATE_DIR_ENV}, else .loramesh)")  # fmt: skip
     add_tls_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     mesh_commands.add_parsers(sub)
@@ -54,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     except LoraMeshError as error:
         print(f"loramesh: {error.code}: {error.details}", file=sys.stderr)
         return 1
+    except OSError as error:  # a file or port the command needs, named by the error
+        print(f"loramesh: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C: the shell's status for SIGINT, no traceback
 
 
 if __name__ == "__main__":

@@ -7,19 +7,23 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from loramesh.tls import ClientTLS
 from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEY, distkv_table
 from loramesh_cli.errors import CommandError
-from loramesh_cli.mesh_file import MeshFile, ServiceEntry, pid_alive
+from loramesh_cli.lora_modules import LoraModule, parse_lora_modules, register_lora_modules
+from loramesh_cli.mesh_file import MeshFile, ServiceEntry, command_line, live_mesh, pid_alive, why_not_live
 from loramesh_cli.restart_policy import RestartPolicy
 from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
 from loramesh_cli.table import render_table
 from loramesh_cli.tls_options import cli_tls
-from services.gateway.auth import ApiKeys, hashed_keys
+from services.adapter_store.config import AdapterStoreConfig
+from services.gateway.auth import ApiKeys, hashed_keys, is_hashed
 from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
@@ -30,7 +34,7 @@ from services.runtime.etcd_server import EtcdServer
 from services.runtime.membership import MembershipConfig, list_members, read_loads
 from services.runtime.ports import free_port
 from services.runtime.private_files import private_dir, write_private_text
-from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess
+from services.runtime.process import GRPC_SERVICE_NAMES, ServiceProcess, ServiceStartError
 from services.runtime.server import check_health
 from services.runtime.tls import NO_TLS, TLSConfig
 from services.scheduler.config import SchedulerConfig
@@ -52,7 +56,13 @@ READY_TIMEOUT_S = 300
 
 
 def add_parsers(sub) -> None:
-    up = sub.add_parser("up", help="start etcd and every service on loopback (foreground)")
+    up = sub.add_parser(
+        "up",
+        help="start etcd and every service on loopback and supervise them (in the foreground, or "
+        "in the background with --detach)",
+        description="Every flag's help says its default. Any other setting of a service reaches it "
+        "through its LORAMESH_* variable in the environment of `loramesh up` (docs/operations.md).",
+    )
     up.add_argument(
         "--model", default="", help="base model: GGUF file or HF directory (default SmolLM2-135M)"
     )
@@ -62,12 +72,14 @@ def add_parsers(sub) -> None:
                     help="ranks of each worker's tensor-parallel group (default 1; must divide the "
                          "model's heads and hidden size: SmolLM2-135M 1 or 3)")  # fmt: skip
     up.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                    help="worker compute dtype")  # fmt: skip
+                    help="worker compute dtype (default auto: bf16 on CUDA or CPUs with native bf16, "
+                         "else fp32)")  # fmt: skip
     up.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
                     help="base weights' format on CPU workers: q4_1 (GGUF Q4_1 blocks, exact over the "
                          "default model's Q4_1 file), q8_0, or none (dequantized to --dtype); auto: "
-                         "the worker's default for its device (docs/operations.md, \"Quantized base\")")  # fmt: skip
-    up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool")
+                         "the worker's default for its device (docs/operations.md, \"Quantized base\"; "
+                         "default auto)")  # fmt: skip
+    up.add_argument("--pool-mib", type=int, default=512, help="each worker's unified pool (default 512)")
     up.add_argument("--batch-policy", default="", choices=["", *sorted(BATCH_POLICIES)],
                     help="each worker's batch policy (docs/batch-policies.md; default: the worker's)")  # fmt: skip
     up.add_argument("--early-abort-slo-s", type=float, default=None, metavar="S",
@@ -92,7 +104,7 @@ def add_parsers(sub) -> None:
                          "(DistKV-LLM's compute cap; default: the worker's, 0.5; 1: no cap)")  # fmt: skip
     up.add_argument("--deterministic", action="store_true",
                     help="batch-invariant numerics on every worker: a request's output does not depend "
-                         "on its batch (CPU workers; docs/operations.md)")  # fmt: skip
+                         "on its batch (CPU workers; docs/operations.md; default off)")  # fmt: skip
     up.add_argument("--placement", default=SchedulerConfig.placement, choices=sorted(PLACEMENT_POLICIES),
                     help="the schedulers' placement policy (docs/operations.md; default "
                          f"{SchedulerConfig.placement})")  # fmt: skip
@@ -101,15 +113,32 @@ def add_parsers(sub) -> None:
     up.add_argument("--prefetch", default="none", choices=["none", *sorted(PREFETCH_POLICIES)],
                     help="the schedulers' adapter prefetch policy (default none)")  # fmt: skip
     up.add_argument("--length-predictor", default="none", choices=["none", LivePredictions.name],
-                    help="the schedulers' output-length predictor (Magnus; needs loramesh[predictor])")  # fmt: skip
-    up.add_argument(
-        "--api-keys-file", default="", help="JSON {api key: tenant} for the gateway, besides the admin key"
-    )
-    up.add_argument("--detach", action="store_true", help="run in the background; return once ready")
+                    help="the schedulers' output-length predictor (Magnus; needs loramesh[predictor]; "
+                         "default none)")  # fmt: skip
+    up.add_argument("--api-keys-file", default="", metavar="FILE",
+                    help="JSON {api key: tenant} for the gateway, besides the admin key (default none)")  # fmt: skip
+    up.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                    help="adapters to register once the mesh is ready, as vLLM's flag: NAME for the admin "
+                         "tenant, OWNER/NAME for a tenant whose plain key is in --api-keys-file; DIR is a "
+                         "PEFT directory, relative to the working directory (default none)")  # fmt: skip
+    up.add_argument("--adapter-load-dirs", default="", metavar="DIR[,DIR...]",
+                    help="directories under which the gateways' POST /v1/load_lora_adapter may read a "
+                         "lora_path, comma-separated, relative to the working directory (default none: "
+                         "loading by path is refused)")  # fmt: skip
+    up.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
+                    help="largest LoRA rank the adapter store accepts at registration (default: the "
+                         f"store's, {AdapterStoreConfig.max_rank})")  # fmt: skip
+    up.add_argument("--openai-port", type=int, default=0, metavar="PORT",
+                    help="the first gateway's OpenAI-compatible HTTP port on 127.0.0.1; the other "
+                         "gateways take free ports (default 0: a free port)")  # fmt: skip
+    up.add_argument("--detach", action="store_true",
+                    help="run in the background; return once ready (default off: in the foreground "
+                         "until Ctrl-C)")  # fmt: skip
     up.add_argument("--tls", action="store_true",
                     help="mutual TLS between every service, to etcd and from clients; certificates "
-                         "in <state dir>/certs, made if absent (`loramesh certs`)")  # fmt: skip
-    up.add_argument("--ram-budget-mib", type=int, default=1024, help="adapter store RAM tier")
+                         "in <state dir>/certs, made if absent (`loramesh certs`; default off)")  # fmt: skip
+    up.add_argument("--ram-budget-mib", type=int, default=1024,
+                    help="adapter store RAM tier (default 1024)")  # fmt: skip
     up.add_argument("--gateways", type=int, default=2,
                     help="gateway processes (default 2: one can die while the other serves)")  # fmt: skip
     up.add_argument("--schedulers", type=int, default=2, help="scheduler replicas (default 2)")
@@ -117,11 +146,12 @@ def add_parsers(sub) -> None:
                     help="kv_manager replicas, one active (default 2)")  # fmt: skip
     defaults = RestartPolicy()
     up.add_argument("--restart-backoff-s", type=float, default=defaults.initial_backoff_s,
-                    help="wait before restarting a process that died")  # fmt: skip
+                    help=f"wait before restarting a process that died (default {defaults.initial_backoff_s:g})")  # fmt: skip
     up.add_argument("--restart-backoff-max-s", type=float, default=defaults.max_backoff_s,
-                    help="cap of the restart wait, which doubles per crash in a row")  # fmt: skip
+                    help="cap of the restart wait, which doubles per crash in a row "
+                         f"(default {defaults.max_backoff_s:g})")  # fmt: skip
     up.add_argument("--restart-healthy-s", type=float, default=defaults.healthy_after_s,
-                    help="a run this long resets the restart wait")  # fmt: skip
+                    help=f"a run this long resets the restart wait (default {defaults.healthy_after_s:g})")  # fmt: skip
     up.set_defaults(func=cmd_up)
     down = sub.add_parser("down", help="stop the local mesh started by `loramesh up`")
     down.set_defaults(func=cmd_down)
@@ -137,8 +167,11 @@ def _log(msg: str) -> None:
 
 def _check_not_running(state_dir: Path) -> None:
     mesh = MeshFile.read(state_dir)
-    if mesh is not None and pid_alive(mesh.up_pid):
-        raise CommandError(f"a mesh is already up (pid {mesh.up_pid}); run `loramesh down` first")
+    if why_not_live(state_dir, mesh) is None:
+        raise CommandError(
+            f"a mesh is already up (pid {mesh.up_pid}, {MeshFile.path(state_dir).absolute()}); "
+            f"run `{command_line(state_dir, 'down')}` first"
+        )
     MeshFile.remove(state_dir)
 
 
@@ -153,34 +186,101 @@ def cmd_up(args) -> int:
         raise CommandError(f"--lend-compute-share must be in [0, 1], got {args.lend_compute_share}")
     if args.early_abort_slo_s is not None and not args.early_abort_slo_s > 0:
         raise CommandError(f"--early-abort-slo-s must be more than 0, got {args.early_abort_slo_s}")
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        raise CommandError(f"--max-lora-rank must be at least 1, got {args.max_lora_rank}")
     try:
         _restart_policy(args)
     except ValueError as error:
         raise CommandError(f"restart backoff: {error}") from None
+    # Every path and port named on the command line is checked before anything starts.
+    _lora_modules(args)
+    _adapter_load_dirs(args)
+    _check_openai_port(args.openai_port)
     _check_not_running(state_dir)
     if args.detach:
         return _up_detached(args, state_dir)
     return asyncio.run(_up_foreground(args, state_dir))
 
 
+def _lora_modules(args) -> list[LoraModule]:
+    """``--lora-modules``, each directory checked and made absolute."""
+    return parse_lora_modules(args.lora_modules, ADMIN_TENANT, _plain_keys_by_tenant(args))
+
+
+def _adapter_load_dirs(args) -> str:
+    """``--adapter-load-dirs`` as the gateways take it: comma-separated, each directory checked
+    and made absolute (a service's working directory need not be the user's)."""
+    directories = [
+        Path(d.strip()).expanduser().resolve() for d in args.adapter_load_dirs.split(",") if d.strip()
+    ]
+    for directory in directories:
+        if not directory.is_dir():
+            raise CommandError(f"--adapter-load-dirs: {directory} is not a directory")
+    return ",".join(str(d) for d in directories)
+
+
+def _plain_keys_by_tenant(args) -> dict[str, str]:
+    """Tenant → API key of ``--api-keys-file``'s plain (unhashed) keys: what `up` can register a
+    tenant's ``--lora-modules`` with."""
+    if not args.api_keys_file:
+        return {}
+    try:
+        keys = ApiKeys.read_file(args.api_keys_file)
+    except (OSError, ValueError, InvalidArgument) as error:
+        raise CommandError(f"--api-keys-file: {error}") from None
+    return {tenant: key for key, tenant in keys.items() if not is_hashed(key)}
+
+
+def _check_openai_port(port: int) -> None:
+    """Refuses an ``--openai-port`` out of range or taken, before anything starts (a gateway that
+    cannot bind it would only fail in its log)."""
+    if not 0 <= port <= 65535:
+        raise CommandError(f"--openai-port must be in [0, 65535], got {port}")
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway's server binds
+        try:
+            probe.bind((ServiceProcess.host, port))
+        except OSError as error:
+            raise CommandError(
+                f"--openai-port {port}: {ServiceProcess.host}:{port} is taken ({error.strerror})"
+            ) from None
+
+
 def _up_detached(args, state_dir: Path) -> int:
     # The state directory holds the admin key, etcd's data and the tenants' adapters: owner only.
     log_dir = private_dir(private_dir(state_dir) / "logs")
+    log_path = (log_dir / "up.log").absolute()
     argv = _detached_argv(args, state_dir)
-    with open(log_dir / "up.log", "ab") as out:
+    with open(log_path, "ab") as out:
+        start = out.tell()
         child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + READY_TIMEOUT_S + 60
     while time.monotonic() < deadline:
         mesh = MeshFile.read(state_dir)
         if mesh is not None and mesh.up_pid == child.pid and mesh.ready:
-            _print_summary(mesh, state_dir)
+            print_summary(mesh, state_dir)
             return 0
         if child.poll() is not None:
-            tail = (log_dir / "up.log").read_text(errors="replace").splitlines()[-20:]
-            raise CommandError("the mesh failed to start:\n" + "\n".join(tail))
+            raise CommandError(
+                f"the mesh failed to start: {_failure_reason(log_path, start)} (log {log_path})"
+            )
         time.sleep(0.2)
     child.terminate()
-    raise CommandError(f"the mesh did not become ready within {READY_TIMEOUT_S + 60} s; see .loramesh/logs/")
+    raise CommandError(
+        f"the mesh did not become ready within {READY_TIMEOUT_S + 60} s; see {log_dir.absolute()}"
+    )
+
+
+def _failure_reason(log_path: Path, start: int) -> str:
+    """Why the background `up` exited: its own refusal (the last ``loramesh: `` line it wrote
+    since ``start``), else its last line."""
+    with open(log_path, "rb") as log:
+        log.seek(start)
+        lines = [line for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    refusals = [line.removeprefix("loramesh: ") for line in lines if line.startswith("loramesh: ")]
+    return refusals[-1] if refusals else (lines[-1] if lines else "it exited without a word")
 
 
 def _detached_argv(args, state_dir: Path) -> list[str]:
@@ -206,18 +306,27 @@ def _detached_argv(args, state_dir: Path) -> list[str]:
     argv += ["--restart-healthy-s", str(args.restart_healthy_s)]
     if args.api_keys_file:
         argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
+    if modules := _lora_modules(args):
+        argv += ["--lora-modules", *(f"{m.owner}/{m.name}={m.directory}" for m in modules)]
+    if load_dirs := _adapter_load_dirs(args):
+        argv += ["--adapter-load-dirs", load_dirs]
+    if args.max_lora_rank is not None:
+        argv += ["--max-lora-rank", str(args.max_lora_rank)]
+    argv += ["--openai-port", str(args.openai_port)]
     if args.tls:
         argv += ["--tls"]
     return argv
 
 
-def _print_summary(mesh: MeshFile, state_dir: Path) -> None:
+def print_summary(mesh: MeshFile, state_dir: Path) -> None:
+    """What `up` prints once the mesh is ready: every process's addresses, then where its state
+    is and how to stop it (with the ``--state-dir`` it was started with)."""
     _log(f"mesh up (pid {mesh.up_pid}); etcd {mesh.etcd_endpoint}")
     for name, entry in mesh.services.items():
         _log(f"  {name:<14} grpc {entry.address}  http {entry.http_address}  log {entry.log}")
         if entry.openai_address:
             _log(f"  {'':<14} OpenAI API http://{entry.openai_address}/v1")
-    _log(f"state in {MeshFile.path(state_dir)}; stop with `loramesh down`")
+    _log(f"state in {MeshFile.path(state_dir).absolute()}; stop with `{command_line(state_dir, 'down')}`")
 
 
 def _restart_policy(args) -> RestartPolicy:
@@ -289,7 +398,10 @@ def _service_processes(
 ) -> tuple[dict[str, ServiceProcess], dict[str, str]]:
     """Every service of the mesh, by name (also its instance id), the adapter store first, and
     each gateway's OpenAI API address. Ports are picked now and kept, so a restarted process
-    comes back at the same address. With ``certs``, each runs with mutual TLS as its kind."""
+    comes back at the same address. With ``certs``, each runs with mutual TLS as its kind.
+
+    Each process inherits the environment of `up`, so any setting `up` has no flag for reaches
+    its services as their ``LORAMESH_*`` variable; a flag passed here wins over it."""
 
     def service(kind: str, name: str, flags: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
         return ServiceProcess(
@@ -306,7 +418,7 @@ def _service_processes(
         "adapter_store": service(
             "adapter_store", "adapter_store",
             [*etcd_flags, "--data-dir", str(state_dir / "adapter_store"),
-             "--ram-budget-mib", str(args.ram_budget_mib), *model_flags],
+             "--ram-budget-mib", str(args.ram_budget_mib), *_max_rank_flags(args), *model_flags],
         )
     }  # fmt: skip
     store_flags = ["--adapter-store", processes["adapter_store"].address]
@@ -330,13 +442,21 @@ def _service_processes(
         name = replica_name("kv_manager", i)
         processes[name] = service("kv_manager", name, etcd_flags)
     gateway_flags = [*etcd_flags, *store_flags, *model_flags, "--api-keys-file", str(keys_file)]
+    if load_dirs := _adapter_load_dirs(args):
+        gateway_flags += ["--adapter-load-dirs", load_dirs]
     openai_addresses = {}
     for i in range(args.gateways):
         name = replica_name("gateway", i)
-        openai_port = free_port()
+        openai_port = args.openai_port if i == 0 and args.openai_port else free_port()
         processes[name] = service("gateway", name, [*gateway_flags, "--openai-port", str(openai_port)])
         openai_addresses[name] = f"{processes[name].host}:{openai_port}"
     return processes, openai_addresses
+
+
+def _max_rank_flags(args) -> list[str]:
+    """The store's ``--max-rank N`` when `up` was given ``--max-lora-rank N``; none leaves the
+    store's default (or its ``LORAMESH_MAX_RANK``)."""
+    return ["--max-rank", str(args.max_lora_rank)] if args.max_lora_rank is not None else []
 
 
 def _gateway_keys_file(args, state_dir: Path, admin_api_key: str) -> Path:
@@ -428,6 +548,16 @@ def _mesh_certificates(args, state_dir: Path) -> CertificateDirectory | None:
     return certs
 
 
+async def _wait_ready(name: str, process: ServiceProcess) -> None:
+    """Until ``process`` serves; a one-line refusal naming it and its log when it cannot start
+    (its log's tail printed first, for the diagnosis)."""
+    try:
+        await process.wait_ready(READY_TIMEOUT_S)
+    except ServiceStartError as error:
+        _log(str(error))
+        raise CommandError(f"{name} did not start (log {Path(process.log_path).absolute()})") from None
+
+
 async def _up_foreground(args, state_dir: Path) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -458,11 +588,18 @@ async def _up_foreground(args, state_dir: Path) -> int:
                 unit.launch()
             supervisor.launched(unit)
             if unit.name == "adapter_store":
-                await processes["adapter_store"].wait_ready(READY_TIMEOUT_S)
-        await asyncio.gather(*(p.wait_ready(READY_TIMEOUT_S) for p in processes.values()))
+                await _wait_ready(unit.name, processes["adapter_store"])
+        await asyncio.gather(*(_wait_ready(name, p) for name, p in processes.items()))
+        if modules := _lora_modules(args):  # before `ready`: `up --detach` returns with them registered
+            tenant_keys = {**_plain_keys_by_tenant(args), ADMIN_TENANT: admin_api_key}
+            gateways = [p.address for p in processes.values() if p.module == "gateway"]
+            tls = ClientTLS.from_mapping(_client_tls_entry(certs)) if certs is not None else None
+            await asyncio.to_thread(
+                register_lora_modules, modules, gateways, tenant_keys, tls, MeshFile.path(state_dir), _log
+            )
         ready = True
         write_mesh_file()
-        _print_summary(MeshFile.read(state_dir), state_dir)
+        print_summary(MeshFile.read(state_dir), state_dir)
         await supervisor.run(stop)
         _log("stopping the mesh")
     finally:
@@ -476,9 +613,9 @@ async def _up_foreground(args, state_dir: Path) -> int:
 def cmd_down(args) -> int:
     state_dir = Path(args.state_dir)
     mesh = MeshFile.read(state_dir)
-    if mesh is None or not pid_alive(mesh.up_pid):
+    if (reason := why_not_live(state_dir, mesh)) is not None:
         MeshFile.remove(state_dir)
-        raise CommandError("no mesh is up (no live `loramesh up` in .loramesh/mesh.json)")
+        raise CommandError(f"no mesh is up: {reason}; nothing to stop")
     os.kill(mesh.up_pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
     while pid_alive(mesh.up_pid) and time.monotonic() < deadline:
@@ -494,10 +631,7 @@ def cmd_down(args) -> int:
 def _etcd_endpoint(args) -> str:
     if args.etcd:
         return args.etcd
-    mesh = MeshFile.read(Path(args.state_dir))
-    if mesh is None:
-        raise CommandError("no mesh is up; start one with `loramesh up` or pass --etcd HOST:PORT")
-    return mesh.etcd_endpoint
+    return live_mesh(Path(args.state_dir), "pass --etcd HOST:PORT").etcd_endpoint
 
 
 async def collect_status(etcd_endpoint: str, tls: TLSConfig = NO_TLS) -> list[dict]:

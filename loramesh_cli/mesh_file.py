@@ -1,20 +1,22 @@
-"""``.loramesh/mesh.json``: where a local mesh's services are, written by ``loramesh up``.
+"""``<state dir>/mesh.json``: where a local mesh's services are, written by ``loramesh up``.
 
 Other commands read it by default, so ``loramesh status`` or ``loramesh adapters list`` need
-no addresses on the command line.
+no addresses on the command line. The state directory is ``--state-dir``, else
+``$LORAMESH_STATE_DIR``, else ``.loramesh`` (the SDK's ``Client()`` looks in the same place).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from loramesh.client import DEFAULT_STATE_DIR, MESH_FILE_NAME, STATE_DIR_ENV
+from loramesh_cli.errors import CommandError
 from services.runtime.private_files import private_dir, write_private_text
 from services.runtime.tls import NO_TLS, TLSConfig
-
-DEFAULT_STATE_DIR = Path(".loramesh")
 
 
 @dataclass
@@ -68,10 +70,10 @@ class MeshFile:
         return TLSConfig(self.tls["ca_file"], self.tls["cert_file"], self.tls["key_file"])
 
     @staticmethod
-    def path(state_dir: Path = DEFAULT_STATE_DIR) -> Path:
-        return Path(state_dir) / "mesh.json"
+    def path(state_dir: Path) -> Path:
+        return Path(state_dir) / MESH_FILE_NAME
 
-    def write(self, state_dir: Path = DEFAULT_STATE_DIR) -> None:
+    def write(self, state_dir: Path) -> None:
         """Replace the file atomically; it holds the admin API key, so only its owner may read it
         (0600, in a 0700 state directory)."""
         path = self.path(state_dir)
@@ -79,19 +81,59 @@ class MeshFile:
         write_private_text(path, json.dumps(asdict(self), indent=2))
 
     @classmethod
-    def read(cls, state_dir: Path = DEFAULT_STATE_DIR) -> MeshFile | None:
+    def read(cls, state_dir: Path) -> MeshFile | None:
+        """The file in ``state_dir``; None when there is none. A :class:`CommandError` naming it
+        when it is not what ``loramesh up`` writes."""
         path = cls.path(state_dir)
         if not path.exists():
             return None
-        raw = json.loads(path.read_text())
-        raw["services"] = {k: ServiceEntry(**v) for k, v in raw.get("services", {}).items()}
-        if raw.get("etcd"):
-            raw["etcd"] = ServiceEntry(**raw["etcd"])
-        return cls(**raw)
+        try:
+            raw = json.loads(path.read_text())
+            raw["services"] = {k: ServiceEntry(**v) for k, v in raw.get("services", {}).items()}
+            if raw.get("etcd"):
+                raw["etcd"] = ServiceEntry(**raw["etcd"])
+            return cls(**raw)
+        except (ValueError, TypeError, AttributeError) as error:
+            raise CommandError(f"{path.absolute()} is not a mesh file of `loramesh up`: {error}") from None
 
     @classmethod
-    def remove(cls, state_dir: Path = DEFAULT_STATE_DIR) -> None:
+    def remove(cls, state_dir: Path) -> None:
         cls.path(state_dir).unlink(missing_ok=True)
+
+
+def command_line(state_dir: Path, command: str) -> str:
+    """``loramesh <command>`` as a hint prints it for the mesh in ``state_dir``: with
+    ``--state-dir`` unless it is the built-in default, so the hint works pasted into a shell
+    without ``$LORAMESH_STATE_DIR``."""
+    if Path(state_dir) == DEFAULT_STATE_DIR:
+        return f"loramesh {command}"
+    return f"loramesh --state-dir {shlex.quote(str(state_dir))} {command}"
+
+
+def why_not_live(state_dir: Path, mesh: MeshFile | None) -> str | None:
+    """None when ``mesh`` (read from ``state_dir``) is run by a live ``loramesh up``; else why
+    not, naming the file read."""
+    path = MeshFile.path(state_dir).absolute()
+    if mesh is None:
+        return f"{path} does not exist"
+    if not pid_alive(mesh.up_pid):
+        return f"the `loramesh up` that wrote {path} (pid {mesh.up_pid}) is gone"
+    return None
+
+
+def live_mesh(state_dir: Path, alternative: str = "") -> MeshFile:
+    """The mesh a live ``loramesh up`` runs from ``state_dir``, or a :class:`CommandError` saying
+    why there is none (naming the file read), how to start one, and ``alternative`` (a flag that
+    names a mesh directly, e.g. ``pass --gateway HOST:PORT``)."""
+    mesh = MeshFile.read(state_dir)
+    reason = why_not_live(state_dir, mesh)
+    if reason is None:
+        return mesh
+    instead = f"{alternative}, " if alternative else ""
+    raise CommandError(
+        f"no mesh is up: {reason}; start one with `{command_line(state_dir, 'up --detach')}`, "
+        f"{instead}or point --state-dir or ${STATE_DIR_ENV} at a running mesh's state directory"
+    )
 
 
 def pid_alive(pid: int) -> bool:

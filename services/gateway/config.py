@@ -38,4 +38,5 @@ class GatewayConfig(ServiceConfig):
     """Port of the OpenAI-compatible HTTP API (on ``--host``); 0 picks a free one."""
     adapter_load_dirs: str = ""
     """Comma-separated directories under which ``POST /v1/load_lora_adapter`` may read a
-    ``lora_path`` on the gateway's machine; empty: loading by path is refused."""
+    ``lora_path`` on the gateway's machine (a relative ``lora_path`` is looked up under each, in
+    order, never under the working directory); empty: loading by path is refused."""

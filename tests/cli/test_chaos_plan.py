@@ -162,7 +162,8 @@ def test_report_counts_restarts_made_during_the_run():
 
 def test_chaos_without_a_mesh_is_refused(tmp_path, capsys):
     assert main(["--state-dir", str(tmp_path), "chaos", "--duration", "1"]) == 1
-    assert "no supervised mesh is up" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no mesh is up" in err and str(tmp_path / "mesh.json") in err
 
 
 def test_chaos_refuses_a_bad_interval(tmp_path, capsys):

@@ -6,6 +6,9 @@ commands such as ``loramesh adapters upload`` in sections of their own), each wi
 ``| flag | default | meaning |`` table. The first cell of a row names an option as it is typed
 (`` `--workers N` ``) and a positional argument by its dest (`` `prompt` ``). A flag added to the
 parser without a row, or a row whose flag is gone, fails here, naming the command and the flag.
+A row's default must agree with the parser's where the parser has a plain one (a number or a
+word), every flag of ``up`` says its default in ``--help``, and the environment variables the CLI
+reads are documented.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from loramesh.client import STATE_DIR_ENV
+from loramesh_cli.gateway_client import API_KEY_ENV
 from loramesh_cli.main import build_parser
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
@@ -36,17 +41,33 @@ def parser_commands(
     return commands
 
 
+def documented_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The arguments of one command the doc lists (see :func:`parser_arguments`)."""
+    return [
+        action
+        for action in parser._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+        and action.help != argparse.SUPPRESS
+    ]
+
+
+def plain_default(action: argparse.Action) -> str | None:
+    """The parser's default as a doc row writes it, when it is a number or a word (``512``,
+    ``0.5``, ``auto``); None for a switch, none, an empty string or a list, which rows describe
+    in words."""
+    default = action.default
+    if isinstance(default, bool) or default in (None, "", argparse.SUPPRESS) or isinstance(default, list):
+        return None
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
 def parser_arguments(parser: argparse.ArgumentParser) -> set[str]:
     """What the doc must list for one command: its option strings and its positionals' dests;
     ``--help``, the choice of a subcommand (those have sections of their own) and hidden arguments
     (``help=argparse.SUPPRESS``: not in ``--help`` either, e.g. a removed flag kept to say what
     replaced it) excepted."""
     names: set[str] = set()
-    for action in parser._actions:
-        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
-            continue
-        if action.help == argparse.SUPPRESS:
-            continue
+    for action in documented_actions(parser):
         names.update(action.option_strings or [action.dest])
     return names
 
@@ -114,6 +135,45 @@ def test_doc_table_lists_exactly_the_parsers_flags(command):
     if extra:
         problems.append(f"extra (in the table, not in the parser): {', '.join(extra)}")
     assert not problems, f"{API_DOC.name}, section `{command}`: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_doc_defaults_agree_with_the_parser(command, monkeypatch):
+    monkeypatch.delenv(STATE_DIR_ENV, raising=False)  # --state-dir's default is read from it
+    parser = parser_commands(build_parser())[command]
+    rows = {name: cells for cells in SECTIONS[command] for name in row_arguments(cells[0])}
+    wrong = []
+    for action in documented_actions(parser):
+        value = plain_default(action)
+        if value is None:
+            continue
+        name = (action.option_strings or [action.dest])[0]
+        cell = rows[name][1]
+        # The value as a whole word: `1` is not found in `1024`, nor `0.5` in `0.55`.
+        if not re.search(rf"(?<![\w.-]){re.escape(value)}(?![\w-]|\.\d)", cell):
+            wrong.append(f"{name}: parser {value!r}, doc {cell!r}")
+    assert not wrong, f"{API_DOC.name}, section `{command}`, defaults differ: " + "; ".join(wrong)
+
+
+def test_every_up_flag_states_its_default_in_help():
+    up = COMMANDS["loramesh up"]
+    silent = [a.option_strings[0] for a in documented_actions(up) if "default" not in (a.help or "")]
+    assert not silent, f"`loramesh up --help` gives no default for {', '.join(silent)}"
+
+
+def test_loramesh_help_names_both_ways_up_runs():
+    """`up` runs in the foreground or, with --detach, in the background: its one line in
+    `loramesh --help` may not call it a foreground command only."""
+    (subcommands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    (up_help,) = [c.help for c in subcommands._choices_actions if c.dest == "up"]
+    assert "--detach" in up_help and "background" in up_help, up_help
+
+
+@pytest.mark.parametrize("variable", [STATE_DIR_ENV, API_KEY_ENV])
+def test_the_cli_environment_variables_are_documented(variable):
+    text = API_DOC.read_text(encoding="utf-8")
+    cli_part = text[text.index(CLI_PART) :]
+    assert f"| `{variable}` |" in cli_part, f"{API_DOC.name}'s CLI part has no row for ${variable}"
 
 
 def test_doc_has_no_section_for_a_command_the_parser_lacks():

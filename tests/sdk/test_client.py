@@ -37,7 +37,8 @@ from loramesh import (
     Unauthenticated,
     Unavailable,
 )
-from loramesh.client import _Policy, resolve_targets
+from loramesh.client import STATE_DIR_ENV, RetryNotice, _Policy, resolve_targets
+from loramesh.errors import NoGatewayAddress
 from loramesh.tls import ClientTLS
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
@@ -580,6 +581,61 @@ def test_mesh_file_tls_goes_only_to_the_mesh_gateways(tmp_path):
     assert resolve_targets(None, None, mesh, mine)[2] is mine
 
 
+def write_mesh_file(state_dir: Path, address: str) -> None:
+    """What `loramesh up` writes, as far as a client reads it."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "mesh.json").write_text(
+        json.dumps({"gateway_addresses": [address], "admin_api_key": API_KEY})
+    )
+
+
+def test_the_state_dir_variable_names_the_mesh_file(server, gateway, tmp_path, monkeypatch):
+    """Set after `import loramesh`, as a user's shell or a test would: read by each Client()."""
+    monkeypatch.chdir(tmp_path)  # no .loramesh here
+    write_mesh_file(tmp_path / "mesh2", server.address)
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "mesh2"))
+    with Client() as client:
+        assert client.generate("Hi").text == "Hello, world"
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "empty"))
+    with pytest.raises(NoGatewayAddress) as raised:
+        Client()
+    assert f"({tmp_path / 'empty' / 'mesh.json'} does not exist; $LORAMESH_STATE_DIR " in str(raised.value)
+    assert raised.value.mesh_file == tmp_path / "empty" / "mesh.json"
+    monkeypatch.delenv(STATE_DIR_ENV)
+    with pytest.raises(ValueError, match=f"{tmp_path / '.loramesh' / 'mesh.json'} does not exist"):
+        Client()
+
+
+def test_on_retry_hears_of_every_retry(server, gateway, no_mesh):
+    notices: list[RetryNotice] = []
+    with Client(
+        server.address, API_KEY, retries=3, backoff_s=0.01, mesh_file=no_mesh, on_retry=notices.append
+    ) as c:
+        gateway.unavailable_first = 2
+        check_completion(c.generate("Hi"))
+        gateway.unavailable_first = 1
+        assert c.models()[0].is_base
+    where = [(n.failed_address, n.next_address, n.retry, n.retries) for n in notices]
+    assert where == [(server.address, server.address, retry, 3) for retry in (1, 2, 1)]
+    # The backoff: 0.01 s doubling per retry, times a jitter in [0.5, 1].
+    assert all(0 < n.delay_s <= 0.01 * 2 ** (n.retry - 1) for n in notices)
+    assert all(isinstance(n.failure, Unavailable) for n in notices)
+
+
+def test_upload_checks_the_directory_before_sending_it(client, gateway, tmp_path):
+    (tmp_path / "lora").mkdir()
+    with pytest.raises(
+        FileNotFoundError, match=f"adapter directory {tmp_path / 'lora'} has no adapter_config.json"
+    ):
+        client.adapters.upload(tmp_path / "lora", "x")
+    (tmp_path / "lora" / "adapter_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="has no adapter_model.safetensors"):
+        client.adapters.upload(tmp_path / "lora", "x")
+    with pytest.raises(NotADirectoryError, match="is a file, not an adapter directory"):
+        client.adapters.upload(tmp_path / "lora" / "adapter_config.json", "x")
+    assert gateway.calls("UploadAdapter") == []
+
+
 # --- the asyncio client -------------------------------------------------------------------
 
 
@@ -637,6 +693,24 @@ async def test_async_failover(server, server_b, gateway, gateway_b, no_mesh):
         assert (await client.models())[0].is_base
     assert len(gateway.calls("Chat")) == len(gateway_b.calls("Chat")) == 1
     assert len(gateway_b.calls("ListModels")) == len(gateway.calls("ListModels")) == 1
+
+
+async def test_async_client_reads_the_state_dir_variable_and_announces_retries(
+    server, gateway, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    write_mesh_file(tmp_path / "mesh2", server.address)
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "mesh2"))
+    notices: list[RetryNotice] = []
+    async with AsyncClient(retries=3, backoff_s=0.01, on_retry=notices.append) as client:
+        gateway.unavailable_first = 1
+        assert (await client.generate("Hi")).text == "Hello, world"
+        gateway.unavailable_first = 1
+        assert (await client.models())[0].is_base
+    assert [(n.failed_address, n.retry) for n in notices] == [(server.address, 1)] * 2
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "empty"))
+    with pytest.raises(NoGatewayAddress, match="empty"):
+        AsyncClient()
 
 
 async def test_async_timeout_is_the_deadline(aclient):

@@ -1,0 +1,180 @@
+"""`loramesh up` sets what its services can: ``--adapter-load-dirs`` (the gateways'),
+``--max-lora-rank`` (the store's ``--max-rank``), ``--openai-port`` (the first gateway's) and
+``--lora-modules NAME=DIR`` (registered once the mesh is ready). Paths are resolved against the
+working directory of ``up`` and checked before anything starts; any other setting reaches the
+services through its ``LORAMESH_*`` variable, which every process inherits from ``up``.
+
+Each setting is read back the way the service reads it: :func:`parse_config` of the command line
+`up` builds, with the environment the process is started with.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from loramesh_cli.main import build_parser, main
+from loramesh_cli.mesh_commands import _detached_argv, _service_processes
+from services.adapter_store.config import AdapterStoreConfig
+from services.gateway.config import GatewayConfig
+from services.runtime import process as process_module
+from services.runtime.config import parse_config
+from services.runtime.ports import free_port
+
+
+def up_args(tmp_path, *flags: str):
+    return build_parser().parse_args(["--state-dir", str(tmp_path / "state"), "up", *flags])
+
+
+def processes_of(tmp_path, *flags: str):
+    processes, openai_addresses = _service_processes(
+        up_args(tmp_path, *flags), tmp_path, tmp_path, "127.0.0.1:2379", tmp_path / "keys.json", None
+    )
+    return processes, openai_addresses
+
+
+def service_flags(process) -> list[str]:
+    """A service's flags, as `python -m services.<kind>` gets them."""
+    command = process.command()
+    return command[command.index(f"services.{process.module}") + 1 :]
+
+
+def adapter_dir(path) -> str:
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (path / "adapter_model.safetensors").write_bytes(b"weights")
+    return str(path)
+
+
+def test_the_flags_reach_the_services(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loras").mkdir()
+    port = free_port()
+    processes, openai_addresses = processes_of(
+        tmp_path, "--adapter-load-dirs", "loras", "--max-lora-rank", "128", "--openai-port", str(port)
+    )
+    store = parse_config(AdapterStoreConfig, service_flags(processes["adapter_store"]), environ={})
+    assert store.max_rank == 128
+    gateways = {
+        name: parse_config(GatewayConfig, service_flags(p), environ={})
+        for name, p in processes.items()
+        if p.module == "gateway"
+    }
+    # Absolute: a service's working directory need not be the one `up` was typed in.
+    assert [g.adapter_load_dirs for g in gateways.values()] == [str(tmp_path / "loras")] * 2
+    assert gateways["gateway"].openai_port == port and gateways["gateway-1"].openai_port != port
+    assert openai_addresses["gateway"] == f"127.0.0.1:{port}"
+
+
+def test_without_the_flags_the_services_keep_their_defaults(tmp_path):
+    processes, _ = processes_of(tmp_path)
+    assert (
+        parse_config(AdapterStoreConfig, service_flags(processes["adapter_store"]), environ={}).max_rank == 64
+    )
+    gateway = parse_config(GatewayConfig, service_flags(processes["gateway"]), environ={})
+    assert gateway.adapter_load_dirs == "" and gateway.openai_port != 0  # a free port, picked by up
+
+
+def test_any_other_setting_passes_through_the_environment(tmp_path, monkeypatch):
+    """`LORAMESH_MAX_PROMPT_TOKENS=77 loramesh up`: `up` has no flag for it; each gateway starts
+    with up's environment, so it runs with 77. A flag `up` passes wins over its variable."""
+    monkeypatch.setenv("LORAMESH_MAX_PROMPT_TOKENS", "77")
+    monkeypatch.setenv("LORAMESH_MAX_RANK", "16")
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    class RecordingPopen:  # what the supervisor would start, without starting it
+        def __init__(self, argv, *, env, **_):
+            started.append((argv, env))
+
+    monkeypatch.setattr(process_module.subprocess, "Popen", RecordingPopen)
+    processes, _ = processes_of(tmp_path, "--max-lora-rank", "32")
+    for name in ("adapter_store", "gateway", "gateway-1"):
+        processes[name].start()
+    (store_argv, store_env), *gateways = started
+    assert parse_config(AdapterStoreConfig, store_argv[3:], environ=store_env).max_rank == 32
+    prompt_limits = [
+        parse_config(GatewayConfig, argv[3:], environ=env).max_prompt_tokens for argv, env in gateways
+    ]
+    assert prompt_limits == [77, 77]
+
+
+def test_detach_passes_them_to_the_background_up_with_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loras").mkdir()
+    adapter_dir(tmp_path / "bot")
+    args = up_args(
+        tmp_path, "--adapter-load-dirs", "loras", "--lora-modules", "bot=bot", "--max-lora-rank", "8",
+        "--openai-port", "8123",
+    )  # fmt: skip
+    argv = _detached_argv(args, tmp_path / "state")
+    again = build_parser().parse_args(argv[argv.index("--state-dir") :])
+    assert again.adapter_load_dirs == str(tmp_path / "loras")
+    assert again.lora_modules == [f"admin/bot={tmp_path / 'bot'}"]
+    assert (again.max_lora_rank, again.openai_port) == (8, 8123)
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["--lora-modules", "bot=missing"], "--lora-modules bot=missing: adapter directory {cwd}/missing does not exist"),
+        (["--lora-modules", "bot=empty"], "--lora-modules bot=empty: adapter directory {cwd}/empty has no adapter_config.json"),
+        (["--lora-modules", "bot"], "--lora-modules 'bot': expected NAME=DIR or OWNER/NAME=DIR"),
+        (["--lora-modules", "bob/bot=a"], "--lora-modules bob/bot=a: registering for tenant 'bob' needs its plain API key"),
+        (["--lora-modules", "a=a", "admin/a=a"], "--lora-modules names admin/a twice"),
+        (["--adapter-load-dirs", "nowhere"], "--adapter-load-dirs: {cwd}/nowhere is not a directory"),
+        (["--max-lora-rank", "0"], "--max-lora-rank must be at least 1, got 0"),
+        (["--openai-port", "70000"], "--openai-port must be in [0, 65535], got 70000"),
+    ],
+)  # fmt: skip
+def test_up_refuses_a_bad_setting_before_starting_anything(flags, reason, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    adapter_dir(tmp_path / "a")
+    assert main(["--state-dir", "state", "up", "--detach", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("loramesh: " + reason.format(cwd=tmp_path)) and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "state").exists()
+
+
+def test_up_refuses_a_taken_openai_port(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--state-dir", str(tmp_path / "state"), "up", "--openai-port", str(port)]) == 1
+    assert capsys.readouterr().err.startswith(f"loramesh: --openai-port {port}: 127.0.0.1:{port} is taken")
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_tenants_module_needs_its_plain_key(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    adapter_dir(tmp_path / "a")
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"lm-bob": "bob", "sha256:00:11": "carol"}))
+    args = up_args(tmp_path, "--api-keys-file", str(keys), "--lora-modules", "bob/a=a")
+    assert "bob/a=" + str(tmp_path / "a") in _detached_argv(args, tmp_path / "state")
+    # A hashed key cannot be presented: carol's module is refused.
+    assert (
+        main(["--state-dir", "state", "up", "--api-keys-file", str(keys), "--lora-modules", "carol/a=a"]) == 1
+    )
+    assert "registering for tenant 'carol' needs its plain API key" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_a_service_that_cannot_start_is_one_line(tmp_path):
+    """Not a traceback of the supervisor's ServiceStartError: a bad --model stops `up` naming the
+    process and its log (after the log's tail, for the diagnosis)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loramesh_cli.main",
+         "--state-dir", str(tmp_path / "state"), "up", "--model", str(tmp_path / "no-such-model.gguf"),
+         "--workers", "1", "--gateways", "1", "--schedulers", "1", "--kv-managers", "1"],
+        capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    last = done.stderr.splitlines()[-1]
+    assert done.returncode == 1 and last.startswith("loramesh: adapter_store did not start (log "), (
+        done.stderr
+    )
