@@ -54,7 +54,9 @@ class AsyncAdapters:
         """Registers a PEFT LoRA adapter directory under the caller's tenant. Never retried.
 
         Args:
-            path: Directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
+            path: Directory with ``adapter_config.json`` and ``adapter_model.safetensors``;
+                with ``tokenizer_config.json`` or ``chat_template.jinja`` too, the adapter is
+                served with their chat template instead of the base model's.
             name: Name, unique within the tenant.
             public: Let every tenant use it (as ``"owner/name"``).
             timeout: Seconds for the whole upload; None for the client's default.
@@ -67,7 +69,8 @@ class AsyncAdapters:
                 weights (checked before anything is sent).
             NotADirectoryError: ``path`` is a file.
             AlreadyExists: The tenant already has an adapter of that name.
-            InvalidArgument: The adapter does not fit the base model (the message says why).
+            InvalidArgument: The adapter does not fit the base model, or its chat template does
+                not compile (the message says why).
             ResourceExhausted: The adapter is over the size limit.
         """
         requests = upload_stream(path, name, public)

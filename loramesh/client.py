@@ -388,7 +388,9 @@ def upload_stream(
 ) -> Iterator[adapter_store_pb2.RegisterAdapterRequest]:
     """The ``UploadAdapter`` messages for a PEFT adapter directory.
 
-    A header, then ≤ 1 MiB chunks of ``adapter_config.json`` and ``adapter_model.safetensors``.
+    A header, then ≤ 1 MiB chunks of ``adapter_config.json`` and ``adapter_model.safetensors``,
+    and of ``tokenizer_config.json`` and ``chat_template.jinja`` when the directory has them (the
+    adapter is then served with their chat template).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or lacks a file (:func:`check_adapter_dir`).
@@ -423,7 +425,9 @@ class Adapters:
         validates against the base model.
 
         Args:
-            path: Directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
+            path: Directory with ``adapter_config.json`` and ``adapter_model.safetensors``;
+                with ``tokenizer_config.json`` or ``chat_template.jinja`` too, the adapter is
+                served with their chat template instead of the base model's.
             name: Name, unique within the tenant.
             public: Let every tenant use it (as ``"owner/name"``).
             timeout: Seconds for the whole upload; None for the client's default.
@@ -436,7 +440,8 @@ class Adapters:
                 weights (checked before anything is sent).
             NotADirectoryError: ``path`` is a file.
             AlreadyExists: The tenant already has an adapter of that name.
-            InvalidArgument: The adapter does not fit the base model (the message says why).
+            InvalidArgument: The adapter does not fit the base model, or its chat template does
+                not compile (the message says why).
             ResourceExhausted: The adapter is over the size limit.
         """
         requests = upload_stream(path, name, public)

@@ -16,7 +16,14 @@ from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 
 UPLOAD_CHUNK_BYTES = 1 << 20
-UPLOAD_FILES = ("adapter_config.json", "adapter_model.safetensors")
+UPLOAD_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+"""The files of a PEFT directory an upload sends, when present: the adapter (both required by the
+store) and the tokenizer files whose chat template the adapter is served with (optional)."""
 
 
 class ChecksumMismatch(Exception):

@@ -45,6 +45,13 @@ CREATE TABLE IF NOT EXISTS name_versions (
 );
 """
 
+#: Columns added since the first schema, with their definitions, added to any catalog that
+#: lacks them when it is opened (a catalog's adapters from before have no template of their own).
+_ADDED_COLUMNS = {
+    "chat_template": "TEXT NOT NULL DEFAULT ''",
+    "tool_use_chat_template": "TEXT NOT NULL DEFAULT ''",
+}
+
 PRIVATE = 1
 PUBLIC = 2
 
@@ -82,6 +89,10 @@ class AdapterRecord:
     created_ms: int
     config_json: str
     """``adapter_config.json`` as uploaded."""
+    chat_template: str = ""
+    """Its own chat template, uploaded with it; "": the base model's."""
+    tool_use_chat_template: str = ""
+    """Its own chat template for requests that offer tools; "": :attr:`chat_template`."""
 
 
 _COLUMNS = [f for f in AdapterRecord.__dataclass_fields__]
@@ -110,6 +121,10 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
+            present = {row["name"] for row in self._db.execute("PRAGMA table_info(adapters)")}
+            for column, definition in _ADDED_COLUMNS.items():
+                if column not in present:
+                    self._db.execute(f"ALTER TABLE adapters ADD COLUMN {column} {definition}")
 
     def close(self) -> None:
         with self._lock:

@@ -18,11 +18,14 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from services.adapter_store.blob_store import BlobStore, sha256_hex
 from services.adapter_store.catalog import PRIVATE, PUBLIC, AdapterRecord, Catalog, DuplicateName
+from services.adapter_store.chat_templates import read_chat_templates
 from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.model_files.base_model import BaseModelSpec
@@ -163,9 +166,19 @@ class AdapterRepository:
         self.catalog.delete(record.id)
 
     def register(
-        self, name: str, owner: str, visibility: int, config_bytes: bytes, weights: bytes
+        self,
+        name: str,
+        owner: str,
+        visibility: int,
+        config_bytes: bytes,
+        weights: bytes,
+        tokenizer_files: Mapping[str, bytes] = MappingProxyType({}),
     ) -> AdapterRecord:
-        """Validate, store durably and commit one adapter. Nothing is kept if any step fails."""
+        """Validate, store durably and commit one adapter. Nothing is kept if any step fails.
+
+        ``tokenizer_files``: the uploaded tokenizer files by name, whose chat template the
+        adapter is served with (:mod:`services.adapter_store.chat_templates`).
+        """
         check_name("name", name)
         check_name("owner", owner)
         if visibility not in (PRIVATE, PUBLIC):
@@ -173,6 +186,7 @@ class AdapterRepository:
         if self.catalog.get_by_name(owner, name) is not None:
             raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}")
         validated = validate_adapter(config_bytes, weights, self.spec, self.limits)
+        templates = read_chat_templates(tokenizer_files)
         record = AdapterRecord(
             id=uuid.uuid4().hex,
             name=name,
@@ -191,6 +205,8 @@ class AdapterRepository:
             version=self.catalog.next_version(owner, name),
             created_ms=int(time.time() * 1000),
             config_json=config_bytes.decode("utf-8"),
+            chat_template=templates.chat_template,
+            tool_use_chat_template=templates.tool_use_chat_template,
         )
         self.blobs.write(record.id, weights)
         try:

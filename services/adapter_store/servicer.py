@@ -14,6 +14,7 @@ from grpc import aio
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.catalog import AdapterRecord
+from services.adapter_store.chat_templates import TOKENIZER_FILES
 from services.adapter_store.owner_rule import check_owner_setter
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -24,7 +25,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 FETCH_CHUNK_BYTES = 1 << 20
 
 
-def record_to_proto(record: AdapterRecord) -> types_pb2.AdapterInfo:
+def record_to_proto(record: AdapterRecord, with_chat_templates: bool = True) -> types_pb2.AdapterInfo:
+    """``with_chat_templates`` false leaves the templates out (listings and fetches, which do not
+    need them, stay small)."""
     return types_pb2.AdapterInfo(
         id=record.id,
         name=record.name,
@@ -43,6 +46,8 @@ def record_to_proto(record: AdapterRecord) -> types_pb2.AdapterInfo:
         version=record.version,
         created_unix_ms=record.created_ms,
         config_json=record.config_json,
+        chat_template=record.chat_template if with_chat_templates else "",
+        tool_use_chat_template=record.tool_use_chat_template if with_chat_templates else "",
     )
 
 
@@ -58,9 +63,10 @@ def key_from_proto(ref: pb.AdapterRef) -> AdapterKey:
 async def receive_upload(
     requests: AsyncIterator[pb.RegisterAdapterRequest], max_bytes: int
 ) -> tuple[pb.RegisterAdapterRequest.Header, dict[str, bytes]]:
-    """Collect the header and the two adapter files, refusing oversize uploads early."""
+    """Collect the header, the two adapter files and the tokenizer files the upload has
+    (optional), refusing oversize uploads early."""
     header = None
-    parts: dict[str, list[bytes]] = {CONFIG_FILE: [], WEIGHTS_FILE: []}
+    parts: dict[str, list[bytes]] = {name: [] for name in (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)}
     received = 0
     async for message in requests:
         kind = message.WhichOneof("item")
@@ -88,9 +94,9 @@ async def receive_upload(
         parts[filename].append(message.chunk.data)
     if header is None:
         raise InvalidArgument("RegisterAdapter received no header")
-    files = {name: b"".join(chunks) for name, chunks in parts.items()}
-    for name, data in files.items():
-        if not data:
+    files = {name: b"".join(chunks) for name, chunks in parts.items() if chunks}
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not files.get(name):
             raise InvalidArgument(f"the upload has no {name}")
     return header, files
 
@@ -125,6 +131,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                 int(header.visibility),
                 files[CONFIG_FILE],
                 files[WEIGHTS_FILE],
+                {name: files[name] for name in TOKENIZER_FILES if name in files},
             )
         finally:
             self.uploads_in_flight -= 1
@@ -139,7 +146,9 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             self.repository.list, request.owner, request.include_public, request.page_size, request.page_token
         )
         return pb.ListAdaptersResponse(
-            adapters=[record_to_proto(r) for r in records], next_page_token=token, total=total
+            adapters=[record_to_proto(r, with_chat_templates=False) for r in records],
+            next_page_token=token,
+            total=total,
         )
 
     async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context):
@@ -152,7 +161,9 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         data = await asyncio.to_thread(self.repository.read_weights, record)
         yield pb.FetchAdapterResponse(
             header=pb.FetchAdapterResponse.Header(
-                adapter=record_to_proto(record), total_bytes=len(data), sha256=record.sha256
+                adapter=record_to_proto(record, with_chat_templates=False),
+                total_bytes=len(data),
+                sha256=record.sha256,
             )
         )
         view = memoryview(data)

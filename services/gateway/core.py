@@ -15,21 +15,23 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 
 from mesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_requests
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, types_pb2
 from services.gateway.adapter_access import AdapterAccess, split_reference
+from services.gateway.adapter_load_dirs import load_roots, resolve_adapter_dir
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, resume_point
 from services.gateway.relay import Relay, RelayRequest
+from services.gateway.tool_calls import ChatMessage, ToolRequest, template_input
+from services.model_files.tokenizer import ChatTemplateError
 from services.model_files.tokenizer_loading import TokenizerBundle
 from services.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
 from services.runtime.request_validation import check_first_token_deadline, check_request
 from services.runtime.sampling_proto import sampling_from_proto
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class GatewayCore:
@@ -54,6 +56,11 @@ class GatewayCore:
         self.relay, self.access, self.store = relay, access, store
         self._ready = True
 
+    @property
+    def ready(self) -> bool:
+        """Attached: requests can be served."""
+        return self._ready
+
     # -- who is asking ------------------------------------------------------------------------
 
     def tenant(self, authorization: str) -> str:
@@ -64,24 +71,58 @@ class GatewayCore:
 
     # -- prompts ------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens``: what the tokenizer's post-processor adds (a BOS for some models)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (names tokens in OpenAI's ``logprobs``)."""
         return self.tokenizer.id_to_bytes(token_id)
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """``(role, content)`` messages through the model's chat template, tokenized."""
+    def chat_prompt(
+        self,
+        messages: Sequence[tuple[str, str] | ChatMessage],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        *,
+        chat_template: str | None = None,
+        tools: ToolRequest | None = None,
+    ) -> list[int]:
+        """Messages (``(role, content)`` pairs, or :class:`ChatMessage` with tool calls and
+        results) through the chat template, tokenized; the prompt of a reply unless
+        ``add_generation_prompt`` is false (vLLM's ``/tokenize`` can ask).
+
+        ``chat_template``: an adapter's (:meth:`chat_template`); None: the base model's.
+        ``tools``: the tools offered (:func:`services.gateway.tool_calls.template_input`).
+        """
         if not messages:
             raise InvalidArgument("messages is empty")
-        for i, (role, _) in enumerate(messages):
-            if role not in ROLES:
-                raise InvalidArgument(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        text = self.tokenizer.apply_chat_template(
-            [{"role": role, "content": content} for role, content in messages], add_generation_prompt=True
-        )
-        return self.tokenizer.encode(text)
+        chat = [m if isinstance(m, ChatMessage) else ChatMessage(*m) for m in messages]
+        for i, message in enumerate(chat):
+            if message.role not in ROLES:
+                raise InvalidArgument(
+                    f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.role!r}"
+                )
+        template = self.tokenizer.chat_template if chat_template is None else chat_template
+        rendered = template_input(chat, tools, template)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                rendered.messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=rendered.tools,
+                chat_template=template,
+            )
+        except ChatTemplateError as error:
+            raise InvalidArgument(f"messages: the chat template refused them: {error}") from None
+        return self.encode(text, add_special_tokens)
+
+    async def chat_template(self, tenant: str, adapter: str, with_tools: bool = False) -> str | None:
+        """The chat template of the adapter ``adapter`` names for ``tenant``: its own, uploaded
+        with it (its ``tool_use`` one ``with_tools``, when it has one); None: the base model's."""
+        if not adapter:
+            return None
+        info = await self.access.resolve(tenant, adapter)
+        return (with_tools and info.tool_use_chat_template) or info.chat_template or None
 
     def chat_sampling(self, requested: types_pb2.SamplingParams) -> types_pb2.SamplingParams:
         """``requested`` plus the template's end-of-turn tokens, which end a chat reply."""
@@ -177,19 +218,10 @@ class GatewayCore:
         return reply
 
     async def register_adapter_dir(self, tenant: str, name: str, path: str) -> types_pb2.AdapterInfo:
-        """Register the PEFT directory ``path`` on the gateway's machine as ``tenant``'s ``name``.
-
-        Only directories under ``--adapter-load-dirs`` may be read: a tenant must not make the
-        gateway read arbitrary files.
-        """
-        roots = [Path(d).resolve() for d in self.config.adapter_load_dirs.split(",") if d.strip()]
-        directory = Path(path).resolve()
-        if not roots:
-            raise PermissionDenied("loading adapters from a path is off (gateway flag --adapter-load-dirs)")
-        if not any(directory.is_relative_to(root) for root in roots):
-            raise PermissionDenied(f"{path!r} is not under a directory the gateway may load adapters from")
-        if not directory.is_dir():
-            raise InvalidArgument(f"adapter directory {path!r} does not exist")
+        """Register the PEFT directory ``path`` on the gateway's machine as ``tenant``'s ``name``:
+        under ``--adapter-load-dirs`` only, a relative ``path`` looked up under each of them
+        (:mod:`services.gateway.adapter_load_dirs`)."""
+        directory = resolve_adapter_dir(path, load_roots(self.config.adapter_load_dirs))
         files = await asyncio.to_thread(read_adapter_dir, directory)
 
         async def messages():

@@ -26,6 +26,7 @@ from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.discovery import ChannelPool, ServiceLocator
+from services.runtime.metrics import ServiceMetrics
 
 log = logging.getLogger("loramesh.gateway")
 
@@ -81,8 +82,13 @@ class GatewayService:
             log.warning("no API keys configured: every request will be refused (UNAUTHENTICATED)")
         self.core = GatewayCore(config, keys)
         self.servicer = GatewayServicer(self.core)
-        self.openai = OpenAIHttpServer(build_app(self.core), config.grace_s)
+        self.openai = OpenAIHttpServer(config.grace_s)
+        self.metrics: ServiceMetrics | None = None
         self.channels = ChannelPool(config.tls())
+
+    def serve_metrics(self, metrics: ServiceMetrics) -> None:
+        """The service host's registry, which the OpenAI port serves at ``/metrics`` too."""
+        self.metrics = metrics
 
     def add_to_server(self, server: aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
@@ -113,7 +119,7 @@ class GatewayService:
         relay = Relay(place, self.channels, cfg.max_resumes, report_completion)
         access = AdapterAccess(store.get, cfg.adapter_cache_s)
         self.core.attach(text, relay, access, store)
-        await self.openai.start(cfg.host, cfg.openai_port)
+        await self.openai.start(build_app(self.core, self.metrics), cfg.host, cfg.openai_port)
 
     async def stop(self) -> None:
         await self.openai.stop()

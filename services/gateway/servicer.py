@@ -30,7 +30,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context):
         tenant = self._tenant(context)
-        prompt_ids = self.core.chat_prompt([(m.role, m.content) for m in request.messages])
+        template = await self.core.chat_template(tenant, request.adapter)  # the adapter's own, if any
+        prompt_ids = self.core.chat_prompt(
+            [(m.role, m.content) for m in request.messages], chat_template=template
+        )
         async for reply in self.core.generate(
             tenant,
             prompt_ids,

@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -123,20 +124,37 @@ class Tokenizer:
         return self._token_bytes[token_id]
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Render ``messages`` (``{"role", "content"}`` dicts) as transformers' ``apply_chat_template``
-        does with ``tokenize=False``; extra ``kwargs`` reach the template as variables."""
-        if self.chat_template is None:
+        """Render ``messages`` (``{"role", "content", ...}`` dicts) as transformers'
+        ``apply_chat_template`` does with ``tokenize=False``.
+
+        ``tools`` (OpenAI-shaped ``{"type": "function", "function": {...}}`` definitions) and
+        ``documents`` reach the template as transformers passes them; ``chat_template`` replaces
+        the model's own (an adapter's); extra ``kwargs`` reach the template as variables.
+        Raises :class:`ChatTemplateError` when the template refuses the messages.
+        """
+        source = self.chat_template if chat_template is None else chat_template
+        if source is None:
             raise ValueError("this model has no chat template")
         template_vars = {**self.special_tokens, **kwargs}
-        return _compile_template(self.chat_template).render(
-            messages=messages,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **template_vars,
-        )
+        try:
+            return compile_chat_template(source).render(
+                messages=messages,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **template_vars,
+            )
+        except Exception as error:  # noqa: BLE001 - the template's own code failed (an adapter's, maybe)
+            raise ChatTemplateError(f"{type(error).__name__}: {error}") from None
 
     @functools.cached_property
     def _token_bytes(self) -> list[bytes]:
@@ -301,6 +319,11 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
+class ChatTemplateError(ValueError):
+    """The chat template refused to render the messages (its ``raise_exception``, or a runtime
+    error such as a loop over a value that is not a list)."""
+
+
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; render it as is."""
 
@@ -326,14 +349,31 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    # Templates come from model files: sandboxed, with the helpers and whitespace rules that
-    # transformers gives them, so the rendered prompt is the one the model was trained on.
+@functools.cache
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    # Templates come from model files and adapter uploads: sandboxed, with the helpers and
+    # whitespace rules that transformers gives them, so the rendered prompt is the one the model
+    # was trained on.
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
+
+
+# Keyed by the template's text: an adapter's template is immutable for the adapter's id, and
+# adapters that ship the same template share one compilation. Sized for many adapters' templates.
+@functools.lru_cache(maxsize=256)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """``source`` compiled in the chat-template sandbox; ``jinja2.TemplateSyntaxError`` if it is
+    not a Jinja template."""
+    return _template_environment().from_string(source)
+
+
+@functools.lru_cache(maxsize=256)
+def chat_template_variables(source: str) -> frozenset[str]:
+    """The variables ``source`` reads from its caller (``messages``, ``tools``, ``bos_token``...):
+    a template that reads ``tools`` lays tool definitions out itself."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_template_environment().parse(source)))

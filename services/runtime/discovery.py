@@ -3,6 +3,7 @@ Channels are kept per address and reused."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from grpc import aio
@@ -45,12 +46,27 @@ class ServiceLocator:
         self.etcd_endpoints = etcd_endpoints
         self.tls = tls
         self._cached = ""
+        self._lookup: asyncio.Future[str] | None = None
+        """The etcd lookup in flight: callers arriving meanwhile share it, so a burst of first
+        requests opens one etcd connection, not one each."""
 
     async def address(self, refresh: bool = False) -> str:
         if self.fixed:
             return self.fixed
         if self._cached and not refresh:
             return self._cached
+        if self._lookup is None:
+            self._lookup = asyncio.ensure_future(self._discover())
+            self._lookup.add_done_callback(self._lookup_done)
+        # Shielded: one caller cancelled (its client went away) does not cancel the others' lookup.
+        return await asyncio.shield(self._lookup)
+
+    def _lookup_done(self, lookup: asyncio.Future[str]) -> None:
+        self._lookup = None
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: every waiter may have gone, and the next call retries
+
+    async def _discover(self) -> str:
         if not self.etcd_endpoints:
             raise Unavailable(f"no {self.service} address configured and no etcd to discover one")
         members = await list_members(

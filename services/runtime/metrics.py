@@ -47,10 +47,22 @@ class ServiceMetrics:
 
     def export_service(self, service: object) -> None:
         """Expose ``service``'s load report and, when it has them (``metric_collectors()``), its
-        own collectors: series richer than a load report's numbers (labels, histograms)."""
+        own collectors: series richer than a load report's numbers (labels, histograms). A
+        service with an HTTP API of its own (``serve_metrics(metrics)``: the gateway's OpenAI
+        port) is handed these metrics to serve there too, as vLLM serves ``/metrics``."""
         self.export_load_report(service.load_report)
         for collector in getattr(service, "metric_collectors", tuple)():
             self.registry.register(collector)
+        serve = getattr(service, "serve_metrics", None)
+        if serve is not None:
+            serve(self)
+
+    async def exposition(self) -> bytes:
+        """The registry in Prometheus text format. Collectors read state the event loop owns, so
+        they run here; formatting the text, most of a large scrape's time, runs on a thread
+        instead of blocking the loop."""
+        families = _Collected(list(self.registry.collect()))
+        return await asyncio.to_thread(generate_latest, families)
 
 
 class _LoadReportCollector:
@@ -105,10 +117,7 @@ class HttpSidePort:
             ready = self._is_ready()
             return (200 if ready else 503), "text/plain", b"ready\n" if ready else b"not ready\n"
         if path == "/metrics":
-            # Collectors read state the event loop owns, so they run here; formatting the text,
-            # most of a large scrape's time, runs on a thread instead of blocking the loop.
-            families = _Collected(list(self._metrics.registry.collect()))
-            return 200, CONTENT_TYPE_LATEST, await asyncio.to_thread(generate_latest, families)
+            return 200, CONTENT_TYPE_LATEST, await self._metrics.exposition()
         return 404, "text/plain", b"not found\n"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

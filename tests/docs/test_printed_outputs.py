@@ -12,9 +12,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: What generated text looks like in a printed output: the demo's `model → reply` lines, an SSE
 #: chunk's delta, a completion's text.
-GENERATED_TEXT = re.compile(r"^\s*\S+ → \S|\"delta\":\{\"content\":\"\S|\"text\":\s*\"\S", re.M)
+GENERATED_TEXT = re.compile(r"^\s*\S+ → \S|\"delta\":\{\"content\":\"\S|\"text\":\s*\"\S", re.MULTILINE)
 DTYPE = re.compile(r"float32|bfloat16|float16|fp32|bf16")
-FENCE = re.compile(r"^(`{3,})[^\n]*\n(.*?)^\1\s*$", re.M | re.S)
+FENCE = re.compile(r"^(`{3,})[^\n]*\n(.*?)^\1\s*$", re.MULTILINE | re.DOTALL)
 LINES_BEFORE = 6
 """How far above a printed output its dtype may be said: the sentence that introduces it."""
 

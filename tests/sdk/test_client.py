@@ -528,6 +528,20 @@ def test_adapters_upload_list_get_delete(client, gateway, tmp_path):
         client.adapters.upload(tmp_path / "missing", "x")
 
 
+def test_upload_sends_the_tokenizer_files_that_carry_a_chat_template(client, gateway, tmp_path):
+    files = write_adapter(tmp_path / "lora")
+    tokenizer_files = {
+        "tokenizer_config.json": json.dumps({"chat_template": "{{ messages[0].content }}"}).encode(),
+        "chat_template.jinja": b"{{ messages[-1].content }}",
+    }
+    for name, data in tokenizer_files.items():
+        (tmp_path / "lora" / name).write_bytes(data)
+    (tmp_path / "lora" / "README.md").write_text("not needed to serve: not sent")
+    client.adapters.upload(tmp_path / "lora", "mine")
+    (upload,) = gateway.uploads
+    assert upload.files == files | tokenizer_files
+
+
 def test_models(client):
     base, shared = client.models()
     assert base.is_base and base.id == "" and base.base_model == "smollm2"

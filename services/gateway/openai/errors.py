@@ -43,6 +43,13 @@ KINDS = {
 }
 SERVER_ERROR = ErrorKind(500, "server_error")
 
+#: Fields a worker's refusal names as the wire does, and how this API spells them; longest first.
+#: (A schema the worker cannot follow is only found out there, when it compiles the grammar.)
+UPSTREAM_FIELDS = (
+    ("structured_output.json_schema", "response_format.json_schema.schema"),
+    ("structured_output", "response_format"),
+)
+
 
 class OpenAIError(Exception):
     """A refusal decided by the HTTP front end itself (bad JSON, an unsupported field...)."""
@@ -102,11 +109,25 @@ def error_body(error: BaseException) -> ErrorBody:
         message = error.details() or code.name
         if code == grpc.StatusCode.UNIMPLEMENTED or kind is SERVER_ERROR:
             log.warning("upstream failure: %s %s", code.name, message)
-        return ErrorBody(kind.status, message, kind.type, code=code.name.lower(), retry_after_s=retry)
+        param, message = (
+            upstream_field(message) if code == grpc.StatusCode.INVALID_ARGUMENT else (None, message)
+        )
+        return ErrorBody(
+            kind.status, message, kind.type, param=param, code=code.name.lower(), retry_after_s=retry
+        )
     if isinstance(error, HTTPException):
         return ErrorBody(error.status_code, str(error.detail), "invalid_request_error")
     log.exception("unexpected failure in the OpenAI API", exc_info=error)
     return ErrorBody(500, "internal error; see the gateway's log", "server_error")
+
+
+def upstream_field(message: str) -> tuple[str | None, str]:
+    """``(param, message)`` of an upstream refusal whose message starts with the wire name of a
+    field (:data:`UPSTREAM_FIELDS`): the field as this API names it, in the message too."""
+    for wire, name in UPSTREAM_FIELDS:
+        if message.startswith(wire):
+            return name, name + message[len(wire) :]
+    return None, message
 
 
 async def handle_error(request: Request, error: Exception) -> JSONResponse:

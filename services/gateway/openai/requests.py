@@ -1,23 +1,28 @@
 """OpenAI request bodies: parsed and checked here, before anything is placed.
 
-Fields the engine cannot honour are refused with a 400 that names the field
-(``presence_penalty``...), never silently ignored; fields OpenAI's clients send that change
-nothing here (``user``, ``stream_options`` without ``include_usage``) are accepted. vLLM's
-extra fields ``top_k``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (each
-choice, each chunk, carries its generated token ids) are accepted too, and so is loramesh's own
+Every field of OpenAI's chat completions and completions requests is declared, so each is either
+honoured or, when the engine cannot do what it asks, refused with a 400 that names it; a neutral
+value of a refused field (``tool_choice: "none"``, ``store: false``...) is accepted. Fields that
+change nothing here (``user``, ``metadata``...) are accepted. vLLM's extra fields ``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (each choice, each
+chunk, carries its generated token ids) are accepted too, and so is loramesh's own
 ``first_token_deadline_ms`` (the request's time-to-first-token deadline, as the gRPC API's).
+Any other field is ignored and logged (:mod:`.ignored_fields`), as vLLM does. The whole table
+is docs/openai-fields.md.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, ValidationError
 
 from mesh_api.v1 import types_pb2
 from services.gateway.openai.errors import OpenAIError
+from services.gateway.openai.ignored_fields import log_ignored
+from services.gateway.openai.response_format import ResponseFormat
 from services.runtime.request_validation import (
     MAX_CHOICES,
     MAX_TOP_LOGPROBS,
@@ -31,6 +36,14 @@ from services.runtime.request_validation import (
 MAX_COMPLETION_LOGPROBS = 5
 """The legacy completions API's ``logprobs`` limit (OpenAI's)."""
 MAX_BODY_BYTES = 8 * 2**20
+TOKEN_ID_LIMIT = 2**32
+"""Token ids are below this on the wire (``uint32``); the vocabulary is checked by the core."""
+MAX_TOKEN_ID_CHARS = 10
+"""Digits of the longest ``logit_bias`` key (``TOKEN_ID_LIMIT`` has 10)."""
+VLLM_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+"""vLLM's own structured-output fields: refused, pointing to ``response_format``, rather than
+ignored (which would let unconstrained text through as if it were constrained)."""
+NO_TOOLS = "tool calling is not served yet"
 
 
 class _Body(BaseModel):
@@ -45,6 +58,10 @@ class StreamOptions(_Body):
 class _GenerationBody(_Body):
     """The fields completions and chat completions share."""
 
+    # Kept (not dropped) so that the ones no field reads can be logged.
+    model_config = ConfigDict(extra="allow")
+    ROUTE: ClassVar[str]
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -57,10 +74,18 @@ class _GenerationBody(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
     top_k: int | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
     first_token_deadline_ms: StrictFloat | None = None
     """Extension: milliseconds from arrival to the first token (the scheduler refuses what no
     worker can meet; the workers' early_abort policy holds the request to it); None or 0: the
@@ -68,23 +93,26 @@ class _GenerationBody(_Body):
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         """``(field, set, why)`` for every field the engine cannot do."""
-        return [
-            ("presence_penalty", bool(self.presence_penalty), "use repetition_penalty"),
-            ("frequency_penalty", bool(self.frequency_penalty), "use repetition_penalty"),
-            ("logit_bias", bool(self.logit_bias), "the engine has no logit bias"),
-        ]
+        return [(name, getattr(self, name) is not None, "use response_format") for name in VLLM_GUIDED_FIELDS]
 
     def check(self) -> None:
-        """Refuse what the engine cannot do, naming the field."""
+        """Refuse what the engine cannot do, naming the field; log the fields nothing reads."""
+        log_ignored(self.ROUTE, self.model_extra or {})
         for field, is_set, why in self._unsupported():
             if is_set:
                 raise OpenAIError(
                     400, f"{field} is not supported by loramesh ({why})", field, "unsupported_parameter"
                 )
+        self.structured_output()  # a malformed response_format is refused here, like the rest
         try:
             check_first_token_deadline(self.deadline_ms())
             check_choices(self.n)
-            check_sampling(max_tokens=self.max_tokens, seed=self.seed, **self._sampling_values())
+            check_sampling(
+                max_tokens=self.max_tokens,
+                seed=self.seed,
+                logit_bias=self.logit_bias_pairs(),
+                **self._sampling_values(),
+            )
         except InvalidField as error:  # the checks the gateway and workers share, as a 400 here
             raise OpenAIError(400, error.message, error.field) from None
 
@@ -93,10 +121,29 @@ class _GenerationBody(_Body):
         return {
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": self.top_k or 0,
+            "top_k": 0 if self.top_k in (None, -1) else self.top_k,  # vLLM: -1 is off too
+            "min_p": self.min_p or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
             "stop_strings": self.stop_strings(),
         }
+
+    def logit_bias_pairs(self) -> list[tuple[int, float]]:
+        """``logit_bias`` as ``(token id, bias)``; OpenAI's keys are token ids written as strings."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if (
+                not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_CHARS)
+                or int(key) >= TOKEN_ID_LIMIT
+            ):
+                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key[:16]!r}", "logit_bias")
+            pairs.append((int(key), bias))
+        return pairs
+
+    def structured_output(self) -> types_pb2.StructuredOutput | None:
+        """What ``response_format`` constrains the output to; None: free text."""
+        return self.response_format.structured_output() if self.response_format else None
 
     def deadline_ms(self) -> float:
         """``first_token_deadline_ms`` as the gateway core takes it (0: its default)."""
@@ -115,15 +162,21 @@ class _GenerationBody(_Body):
         sampling = types_pb2.SamplingParams(
             max_tokens=self.max_tokens or 0,  # 0: the gateway's default
             ignore_eos=self.ignore_eos,
+            logit_bias=dict(self.logit_bias_pairs()),
             **self._sampling_values(),
         )
         if self.seed is not None:
             sampling.seed = self.seed
+        structured = self.structured_output()
+        if structured is not None:
+            sampling.structured_output.CopyFrom(structured)
         return sampling
 
 
 class CompletionBody(_GenerationBody):
     """``POST /v1/completions``."""
+
+    ROUTE = "/v1/completions"
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -192,22 +245,50 @@ class ChatMessageBody(_Body):
 class ChatCompletionBody(_GenerationBody):
     """``POST /v1/chat/completions``."""
 
+    ROUTE = "/v1/chat/completions"
+
     messages: list[ChatMessageBody]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
-        response_type = (self.response_format or {}).get("type", "text")
         return [
             *super()._unsupported(),
-            ("tools", bool(self.tools), "no tool calling"),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "no tool calling"),
-            ("response_format", response_type != "text", "no constrained decoding"),
-        ]
+            ("tools", bool(self.tools), NO_TOOLS),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), NO_TOOLS),
+            ("parallel_tool_calls", self.parallel_tool_calls is not None, NO_TOOLS),
+            ("functions", bool(self.functions), NO_TOOLS),
+            ("function_call", self.function_call not in (None, "none", "auto"), NO_TOOLS),
+            ("audio", self.audio is not None, "text output only"),
+            ("modalities", any(m != "text" for m in self.modalities or ()), "text output only"),
+            ("prediction", self.prediction is not None, "no predicted outputs"),
+            ("reasoning_effort", self.reasoning_effort not in (None, "none"), "the model does not reason"),
+            ("verbosity", self.verbosity not in (None, "medium"), "the model has no verbosity setting"),
+            ("web_search_options", self.web_search_options is not None, "no web search"),
+            ("moderation", self.moderation is not None, "no moderation"),
+            ("store", bool(self.store), "completions are not stored"),
+            ("service_tier", self.service_tier not in (None, "auto", "default"), "one service tier"),
+        ]  # fmt: skip
 
     def check(self) -> None:
         if self.max_completion_tokens is not None:
@@ -228,10 +309,12 @@ class ChatCompletionBody(_GenerationBody):
         return sampling
 
     def role_contents(self) -> list[tuple[str, str]]:
-        """``(role, text)`` per message; OpenAI's ``developer`` role is a system message."""
-        return [
-            ("system" if m.role == "developer" else m.role, m.text(i)) for i, m in enumerate(self.messages)
-        ]
+        return role_contents(self.messages)
+
+
+def role_contents(messages: list[ChatMessageBody]) -> list[tuple[str, str]]:
+    """``(role, text)`` per message; OpenAI's ``developer`` role is a system message."""
+    return [("system" if m.role == "developer" else m.role, m.text(i)) for i, m in enumerate(messages)]
 
 
 B = TypeVar("B", bound=_Body)

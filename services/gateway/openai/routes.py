@@ -1,4 +1,7 @@
-"""The OpenAI-compatible routes: HTTP <-> the gateway's core, nothing more.
+"""The OpenAI-compatible routes: HTTP <-> the gateway's core, nothing more; and the app on the
+OpenAI port, which also serves vLLM's server routes (:mod:`.server_routes`), vLLM's
+``/tokenize`` and ``/detokenize`` (:mod:`.tokenize_routes`) and LoRAX's REST API
+(:mod:`.lorax_routes`).
 
 ``model`` is the base model's id or an adapter (``name`` or ``owner/name``). A request's
 choices are ``n`` generations per prompt; with a ``seed``, choice ``j`` of a prompt uses
@@ -9,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 
 from grpc import aio
 from starlette.applications import Starlette
@@ -19,10 +21,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from mesh_api.v1 import types_pb2
-from services.gateway.core import GatewayCore, model_id
+from services.gateway.core import GatewayCore
 from services.gateway.openai.choices import StartedChoice, close_choices, merged, start_choices
 from services.gateway.openai.disconnect import ClientDisconnected, EventStreamResponse, unless_disconnected
 from services.gateway.openai.errors import OpenAIError, error_body, handle_error
+from services.gateway.openai.lorax_routes import LoraxRoutes
+from services.gateway.openai.models import ModelCatalog
 from services.gateway.openai.requests import (
     ChatCompletionBody,
     CompletionBody,
@@ -39,7 +43,10 @@ from services.gateway.openai.responses import (
     sse,
     usage,
 )
+from services.gateway.openai.server_routes import server_routes
+from services.gateway.openai.tokenize_routes import TokenizeRoutes
 from services.runtime.errors import DomainError
+from services.runtime.metrics import ServiceMetrics
 
 
 def _seeded(sampling: types_pb2.SamplingParams, choice: int) -> types_pb2.SamplingParams:
@@ -54,35 +61,18 @@ def _seeded(sampling: types_pb2.SamplingParams, choice: int) -> types_pb2.Sampli
 class OpenAIRoutes:
     """Handlers bound to one core."""
 
-    def __init__(self, core: GatewayCore):
+    def __init__(self, core: GatewayCore, catalog: ModelCatalog):
         self.core = core
-        self.started = int(time.time())
+        self.catalog = catalog
 
     def _tenant(self, request: Request) -> str:
         return self.core.tenant(request.headers.get("authorization", ""))
-
-    async def _adapter(self, tenant: str, model: str) -> str:
-        """The adapter ``model`` names ("" for the base model); 404 when there is none."""
-        if model == self.core.base_model:
-            return ""
-        try:
-            await self.core.resolve_adapter(tenant, model)
-        except (DomainError, aio.AioRpcError) as error:
-            if error_body(error).status != 404:
-                raise
-            raise OpenAIError(
-                404,
-                f"the model {model!r} does not exist or you do not have access to it",
-                "model",
-                "model_not_found",
-            ) from None
-        return model
 
     async def completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
         body = parse_body(await read_body(request.stream()), CompletionBody)
         body.check()
-        adapter = await self._adapter(tenant, body.model)
+        adapter = await self.catalog.adapter(tenant, body.model)
         prompts = [self.core.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         sampling = body.sampling()
         jobs = [(ids, _seeded(sampling, j)) for ids in prompts for j in range(body.n)]
@@ -96,7 +86,7 @@ class OpenAIRoutes:
         tenant = self._tenant(request)
         body = parse_body(await read_body(request.stream()), ChatCompletionBody)
         body.check()
-        adapter = await self._adapter(tenant, body.model)
+        adapter = await self.catalog.adapter(tenant, body.model)
         prompt_ids = self.core.chat_prompt(body.role_contents())
         sampling = self.core.chat_sampling(body.sampling())
         jobs = [(prompt_ids, _seeded(sampling, j)) for j in range(body.n)]
@@ -168,26 +158,13 @@ class OpenAIRoutes:
                 yield sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens)))
         yield SSE_DONE
 
-    async def _models(self, tenant: str) -> list[dict]:
-        base = self.core.base_model
-        models = [{"id": base, "object": "model", "created": self.started, "owned_by": "loramesh",
-                   "root": base, "parent": None}]  # fmt: skip
-        for a in await self.core.usable_adapters(tenant):
-            name = model_id(tenant, a)
-            models.append({"id": name, "object": "model", "created": a.created_unix_ms // 1000,
-                           "owned_by": a.owner, "root": name, "parent": base})  # fmt: skip
-        return models
-
     async def list_models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": await self._models(self._tenant(request))})
+        return JSONResponse({"object": "list", "data": await self.catalog.models(self._tenant(request))})
 
     async def get_model(self, request: Request) -> Response:
-        wanted = request.path_params["model"]
-        for model in await self._models(self._tenant(request)):
-            if model["id"] == wanted:
-                return JSONResponse(model)
-        raise OpenAIError(404, f"the model {wanted!r} does not exist or you do not have access to it",
-                          "model", "model_not_found")  # fmt: skip
+        """``/v1/models/{name}`` and ``/v1/models/{owner}/{name}`` (the path takes the slash)."""
+        tenant = self._tenant(request)
+        return JSONResponse(await self.catalog.model(tenant, request.path_params["model"]))
 
     async def load_lora_adapter(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -206,8 +183,10 @@ async def _client_gone(request: Request, error: Exception) -> Response:
     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
-def build_app(core: GatewayCore) -> Starlette:
-    routes = OpenAIRoutes(core)
+def build_app(core: GatewayCore, metrics: ServiceMetrics | None = None) -> Starlette:
+    """The app on the OpenAI port; ``metrics``: the gateway's registry, served at ``/metrics``."""
+    catalog = ModelCatalog(core)
+    routes = OpenAIRoutes(core, catalog)
     return Starlette(
         routes=[
             Route("/v1/completions", routes.completions, methods=["POST"]),
@@ -216,6 +195,9 @@ def build_app(core: GatewayCore) -> Starlette:
             Route("/v1/models/{model:path}", routes.get_model, methods=["GET"]),
             Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
+            *server_routes(core, metrics),
+            *TokenizeRoutes(core, catalog).routes(),
+            *LoraxRoutes(core, catalog).routes(),
         ],
         exception_handlers={
             OpenAIError: handle_error,

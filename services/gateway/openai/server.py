@@ -24,16 +24,15 @@ KEEP_ALIVE_S = 75
 
 
 class OpenAIHttpServer:
-    def __init__(self, app: Starlette, grace_s: float):
-        self._app = app
+    def __init__(self, grace_s: float):
         self._grace_s = grace_s
         self._server: uvicorn.Server | None = None
         self._loop_task: asyncio.Task | None = None
         self._socket: socket.socket | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind ``host:port`` (0: a free port) and serve; returns the bound port."""
+    async def start(self, app: Starlette, host: str, port: int) -> int:
+        """Bind ``host:port`` (0: a free port) and serve ``app``; returns the bound port."""
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -42,7 +41,7 @@ class OpenAIHttpServer:
         self._socket = sock
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self._app,
+            app,
             lifespan="off",
             access_log=False,
             log_config=None,  # the service's logging configuration stays in charge

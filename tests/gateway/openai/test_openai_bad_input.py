@@ -25,6 +25,8 @@ class BadRequest:
     headers: dict = field(default_factory=lambda: ALICE)
     param: str | None = None
     method: str = "POST"
+    path_root: bool = False
+    """``path`` is beside ``/v1`` (vLLM's ``/tokenize``...), not under it."""
 
 
 def completion(**fields) -> dict:
@@ -51,9 +53,28 @@ CASES = {
     "negative max_tokens": BadRequest("/completions", 400, "max_tokens", json=completion(max_tokens=-5), param="max_tokens"),
     "max_tokens over the limit": BadRequest("/chat/completions", 400, "above the limit", json=chat(max_tokens=100_000)),
     "temperature out of range": BadRequest("/completions", 400, "temperature", json=completion(temperature=500)),
-    "presence_penalty": BadRequest(
-        "/chat/completions", 400, "presence_penalty is not supported", json=chat(presence_penalty=0.5),
+    "tools": BadRequest(
+        "/chat/completions", 400, "tools is not supported", json=chat(tools=[{"type": "function"}]), param="tools",
+    ),
+    "presence_penalty out of range": BadRequest(
+        "/chat/completions", 400, "presence_penalty must be within [-2, 2]", json=chat(presence_penalty=2.5),
         param="presence_penalty",
+    ),
+    "logit_bias outside the vocabulary": BadRequest(
+        "/completions", 400, "logit_bias token ids must be within", json=completion(logit_bias={"99999999": 1}),
+        param="logit_bias",
+    ),
+    "a malformed response_format": BadRequest(
+        "/chat/completions", 400, "response_format.json_schema.schema", param="response_format.json_schema.schema",
+        json=chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}),
+    ),
+    "a schema the worker cannot follow": BadRequest(
+        "/chat/completions", 400, "Invalid type: bogus", param="response_format.json_schema.schema",
+        json=chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "bogus"}}}),
+    ),
+    "a token id outside the vocabulary": BadRequest(
+        "/detokenize", 400, "tokens must be within", json={"model": BASE_MODEL, "tokens": [99999999]}, param="tokens",
+        path_root=True,
     ),
     "top_logprobs without logprobs": BadRequest(
         "/chat/completions", 400, "top_logprobs needs logprobs: true", json=chat(top_logprobs=2), param="top_logprobs"
@@ -78,7 +99,7 @@ def test_bad_request_gets_openai_error_json_and_the_server_keeps_serving(mesh, c
     with httpx.Client(base_url=mesh.openai_base_url, timeout=120) as http:
         reply = http.request(
             case.method,
-            case.path,
+            mesh.openai_base_url.removesuffix("/v1") + case.path if case.path_root else case.path,
             json=case.json,
             content=case.content,
             headers={"content-type": "application/json", **case.headers},

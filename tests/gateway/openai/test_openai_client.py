@@ -1,6 +1,8 @@
 """The official ``openai`` package against the gateway's OpenAI API on a real mesh: sync and
 async, streaming and not, chat and completion, adapters as ``model``; greedy tokens equal the
-gRPC path's; n, seeds, stop strings and usage; vLLM's adapter loading; a disconnect cancels."""
+gRPC path's; n, seeds, stop strings and usage; vLLM's adapter loading (relative paths under the
+load dirs) and server routes (``/health``, ``/ping``, ``/version``, ``/metrics``); a disconnect
+cancels."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import httpx
 import openai
 import pytest
 from grpc import aio
+from support.prometheus_scrape import Scrape, scrape
 
-from loramesh import Client
+from loramesh import AsyncClient, Client
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
@@ -140,6 +143,14 @@ def test_models_lists_the_base_and_the_adapters_the_key_may_use(mesh):
     assert bob_ids == {BASE_MODEL, "secret"}
 
 
+def test_a_model_is_retrieved_by_owner_and_name_and_only_by_whom_may_see_it(mesh):
+    with sync_client(mesh) as alice, sync_client(mesh, "key-bob") as bob:
+        assert alice.models.retrieve("alice/pirate") == alice.models.retrieve("pirate")
+        assert alice.models.retrieve("alice/pirate").id == "pirate"  # as /v1/models lists it
+        with pytest.raises(openai.NotFoundError):
+            bob.models.retrieve("alice/pirate")
+
+
 def test_n_seed_and_stop(mesh):
     with sync_client(mesh) as client:
 
@@ -178,6 +189,38 @@ def test_vllm_load_and_unload_lora_adapter(mesh, adapter_dirs):
         assert unloaded.status_code == 200, unloaded.text
         gone = http.post("/completions", json={"model": "loaded", "prompt": "Hello", "max_tokens": 2})
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+def test_vllm_load_lora_adapter_resolves_a_relative_path_under_the_load_dirs(mesh, adapter_root):
+    """The gateway runs elsewhere than the adapters' directory: a relative ``lora_path`` is
+    looked up under ``--adapter-load-dirs`` (``adapter_root``), and one leading out of it is
+    refused, however it is spelled."""
+    auth = {"Authorization": "Bearer key-alice"}
+    with httpx.Client(base_url=mesh.openai_base_url, headers=auth, timeout=HANG_GUARD_S) as http:
+        loaded = http.post("/load_lora_adapter", json={"lora_name": "relative", "lora_path": "secret"})
+        assert loaded.status_code == 200, loaded.text
+        assert http.get("/models/alice/relative").json()["parent"] == BASE_MODEL
+        assert http.post("/unload_lora_adapter", json={"lora_name": "relative"}).status_code == 200
+        for escape in ("..", f"../{adapter_root.name}/../..", "../../etc"):
+            refused = http.post("/load_lora_adapter", json={"lora_name": "escape", "lora_path": escape})
+            assert refused.status_code == 403, (escape, refused.text)
+
+
+async def test_vllm_server_routes_serve_the_gateways_own_metrics(mesh):
+    async with AsyncClient(mesh.gateway.address, "key-alice") as grpc_client:
+        await grpc_client.generate("Hi", max_tokens=1)
+    root = mesh.openai_base_url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=root, timeout=HANG_GUARD_S) as http:  # no key needed
+        health, ping = await http.get("/health"), await http.post("/ping")
+        assert (health.status_code, health.content, ping.status_code, ping.content) == (200, b"", 200, b"")
+        assert set((await http.get("/version")).json()) == {"version"}
+        served = await http.get("/metrics")
+    side_port = await scrape(mesh.gateway.http_address)
+
+    def generate_rpcs(metrics: Scrape) -> list:
+        return [s for s in metrics.series("loramesh_rpc_total") if s.labels["method"] == "Generate"]
+
+    assert generate_rpcs(side_port) and generate_rpcs(Scrape(served.text)) == generate_rpcs(side_port)
 
 
 async def first_event(lines) -> str:

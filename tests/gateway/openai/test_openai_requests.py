@@ -1,5 +1,6 @@
-"""OpenAI request bodies: parsed into the engine's sampling, refused with a 400 naming the field
-when the engine cannot do what they ask."""
+"""OpenAI request bodies: parsed into the engine's sampling (penalties, ``min_p``, ``top_k``,
+``logit_bias``), refused with a 400 naming the field when the engine cannot do what they ask or a
+value is out of range; neutral values of refused fields accepted."""
 
 from __future__ import annotations
 
@@ -54,15 +55,44 @@ def test_prompts_text_token_ids_or_several():
         (CompletionBody, {"prompt": "x", "logprobs": 6}, "logprobs"),
         (CompletionBody, {"prompt": "x", "echo": True}, "echo"),
         (CompletionBody, {"prompt": "x", "best_of": 3}, "best_of"),
-        (CompletionBody, {"prompt": "x", "frequency_penalty": 0.2}, "frequency_penalty"),
+        (CompletionBody, {"prompt": "x", "frequency_penalty": 2.2}, "frequency_penalty"),
+        (CompletionBody, {"prompt": "x", "presence_penalty": -2.5}, "presence_penalty"),
+        (CompletionBody, {"prompt": "x", "min_p": 1.5}, "min_p"),
+        (CompletionBody, {"prompt": "x", "top_k": -2}, "top_k"),
+        (CompletionBody, {"prompt": "x", "logit_bias": {"50": 101}}, "logit_bias"),
+        (CompletionBody, {"prompt": "x", "logit_bias": {"fifty": 1}}, "logit_bias"),
+        (CompletionBody, {"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
+        (CompletionBody, {"prompt": "x", "logit_bias": {"4294967296": 1}}, "logit_bias"),
+        (CompletionBody, {"prompt": "x", "logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+        (CompletionBody, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        (CompletionBody, {"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
         (CompletionBody, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         (CompletionBody, {"prompt": "x", "n": 0}, "n"),
         (CompletionBody, {"prompt": "x", "seed": -1}, "seed"),
         (CompletionBody, {"prompt": "x", "top_p": -0.5}, "top_p"),
         (ChatCompletionBody, {"messages": [], "top_logprobs": 2}, "top_logprobs"),
         (ChatCompletionBody, {"messages": [], "tools": [{"type": "function"}]}, "tools"),
-        (ChatCompletionBody, {"messages": [], "response_format": {"type": "json_object"}}, "response_format"),
-        (ChatCompletionBody, {"messages": [], "logit_bias": {"50": 5}}, "logit_bias"),
+        (ChatCompletionBody, {"messages": [], "tool_choice": "required"}, "tool_choice"),
+        (ChatCompletionBody, {"messages": [], "parallel_tool_calls": False}, "parallel_tool_calls"),
+        (ChatCompletionBody, {"messages": [], "functions": [{"name": "f"}]}, "functions"),
+        (ChatCompletionBody, {"messages": [], "function_call": {"name": "f"}}, "function_call"),
+        (ChatCompletionBody, {"messages": [], "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        (ChatCompletionBody, {"messages": [], "modalities": ["text", "audio"]}, "modalities"),
+        (
+            ChatCompletionBody,
+            {"messages": [], "prediction": {"type": "content", "content": "x"}},
+            "prediction",
+        ),
+        (ChatCompletionBody, {"messages": [], "reasoning_effort": "low"}, "reasoning_effort"),
+        (ChatCompletionBody, {"messages": [], "verbosity": "low"}, "verbosity"),
+        (ChatCompletionBody, {"messages": [], "web_search_options": {}}, "web_search_options"),
+        (ChatCompletionBody, {"messages": [], "store": True}, "store"),
+        (ChatCompletionBody, {"messages": [], "service_tier": "flex"}, "service_tier"),
+        (
+            ChatCompletionBody,
+            {"messages": [], "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+        ),
         (ChatCompletionBody, {"messages": "hello"}, "messages"),
         (CompletionBody, {"prompt": {"text": "x"}}, "prompt"),
     ],
@@ -73,14 +103,42 @@ def test_what_cannot_be_done_is_refused_naming_the_field(model, fields, param):
     assert param in error.message
 
 
-def test_neutral_values_of_unsupported_fields_are_accepted():
-    parse(ChatCompletionBody, messages=[], presence_penalty=0, logprobs=False, tool_choice="none", user="u")
+def test_neutral_values_of_unsupported_fields_and_fields_that_change_nothing_are_accepted():
+    parse(ChatCompletionBody, messages=[], logprobs=False, tool_choice="none", function_call="auto", user="u")
     parse(
         ChatCompletionBody,
         messages=[],
-        response_format={"type": "text"},
-        stream_options={"include_usage": True},
+        modalities=["text"],
+        store=False,
+        service_tier="auto",
+        verbosity="medium",
     )
+    parse(ChatCompletionBody, messages=[], metadata={"k": "v"}, prompt_cache_key="p", safety_identifier="s")
+    body = parse(
+        ChatCompletionBody,
+        messages=[],
+        response_format={"type": "text"},
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )
+    assert not body.sampling().HasField("structured_output")
+
+
+def test_new_sampling_fields_become_sampling():
+    sampling = parse(
+        CompletionBody,
+        prompt="x",
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        min_p=0.05,
+        top_k=-1,  # vLLM's "off"
+        logit_bias={"50": -100, "7": 2.5},
+    ).sampling()
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.top_k) == (0.5, -1.0, 0)
+    assert sampling.min_p == pytest.approx(0.05)
+    assert dict(sampling.logit_bias) == {50: -100.0, 7: 2.5}
+    defaults = parse(CompletionBody, prompt="x").sampling()
+    assert (defaults.presence_penalty, defaults.frequency_penalty, defaults.min_p) == (0, 0, 0)
+    assert not defaults.logit_bias and not defaults.HasField("structured_output")
 
 
 def test_chat_messages():

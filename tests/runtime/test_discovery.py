@@ -1,0 +1,37 @@
+"""ServiceLocator against a real etcd: a burst of first lookups shares one etcd query, and a
+failed lookup is retried by the next call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.runtime import discovery
+from services.runtime.discovery import ServiceLocator
+from services.runtime.errors import Unavailable
+from services.runtime.membership import MemberInfo, Registration
+
+
+async def test_a_burst_of_first_lookups_queries_etcd_once(etcd, membership_config, monkeypatch):
+    queries = []
+    real = discovery.list_members
+
+    async def counted(config, service):
+        queries.append(service)
+        return await real(config, service)
+
+    monkeypatch.setattr(discovery, "list_members", counted)
+    locator = ServiceLocator("scheduler", etcd_endpoints=membership_config.etcd_endpoints)
+    with pytest.raises(Unavailable, match="no scheduler is registered"):
+        await asyncio.gather(*(locator.address() for _ in range(3)))
+    assert len(queries) == 1
+    registration = Registration(
+        membership_config, MemberInfo("scheduler", "s-1", "127.0.0.1:5001", "", "test", 0.0)
+    )
+    await registration.start()
+    try:
+        addresses = await asyncio.gather(*(locator.address() for _ in range(20)))
+    finally:
+        await registration.stop()
+    assert addresses == ["127.0.0.1:5001"] * 20 and len(queries) == 2  # the failure was not cached
