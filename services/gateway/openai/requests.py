@@ -14,8 +14,10 @@ is docs/openai-fields.md.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, TypeVar
+
+T = TypeVar("T")
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, ValidationError
 
@@ -23,6 +25,13 @@ from mesh_api.v1 import types_pb2
 from services.gateway.openai.errors import OpenAIError
 from services.gateway.openai.ignored_fields import log_ignored
 from services.gateway.openai.response_format import ResponseFormat
+from services.gateway.tool_calls import (
+    ChatMessage,
+    ToolRequest,
+    call_schema,
+    parse_message_tool_calls,
+    parse_tool_request,
+)
 from services.runtime.request_validation import (
     MAX_CHOICES,
     MAX_TOP_LOGPROBS,
@@ -43,7 +52,7 @@ MAX_TOKEN_ID_CHARS = 10
 VLLM_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 """vLLM's own structured-output fields: refused, pointing to ``response_format``, rather than
 ignored (which would let unconstrained text through as if it were constrained)."""
-NO_TOOLS = "tool calling is not served yet"
+NO_FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
 
 
 class _Body(BaseModel):
@@ -226,10 +235,23 @@ class ChatMessageBody(_Body):
     role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    """A ``tool`` message's answer to this call of the assistant's."""
+    name: str | None = None
+
+    def chat_message(self, index: int) -> ChatMessage:
+        """The message as the gateway core renders it; OpenAI's ``developer`` role is a system
+        message."""
+        field = f"messages[{index}].tool_calls"
+        calls = (
+            _invalid_field_as_400(lambda: parse_message_tool_calls(self.tool_calls, field))
+            if self.tool_calls
+            else ()
+        )
+        role = "system" if self.role == "developer" else self.role
+        return ChatMessage(role, self.text(index), calls, self.tool_call_id or "")
 
     def text(self, index: int) -> str:
-        if self.tool_calls:
-            raise OpenAIError(400, "tool calls are not supported", f"messages[{index}].tool_calls")
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for j, part in enumerate(self.content):
@@ -274,11 +296,8 @@ class ChatCompletionBody(_GenerationBody):
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         return [
             *super()._unsupported(),
-            ("tools", bool(self.tools), NO_TOOLS),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto"), NO_TOOLS),
-            ("parallel_tool_calls", self.parallel_tool_calls is not None, NO_TOOLS),
-            ("functions", bool(self.functions), NO_TOOLS),
-            ("function_call", self.function_call not in (None, "none", "auto"), NO_TOOLS),
+            ("functions", bool(self.functions), NO_FUNCTIONS),
+            ("function_call", self.function_call not in (None, "none", "auto"), NO_FUNCTIONS),
             ("audio", self.audio is not None, "text output only"),
             ("modalities", any(m != "text" for m in self.modalities or ()), "text output only"),
             ("prediction", self.prediction is not None, "no predicted outputs"),
@@ -300,7 +319,32 @@ class ChatCompletionBody(_GenerationBody):
                 raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise OpenAIError(400, f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        tools = self.tool_request()
+        if tools is not None and self.logprobs:
+            # A reply rewritten into tool-call deltas no longer lines up with per-token logprobs.
+            raise OpenAIError(400, "logprobs cannot be combined with tools", "logprobs")
+        constrained = tools is not None and tools.constrained
+        if constrained and self.response_format and self.response_format.structured_output() is not None:
+            why = "a required or named tool_choice already constrains the reply: drop response_format"
+            raise OpenAIError(400, why, "tool_choice")
         super().check()
+
+    def tool_request(self) -> ToolRequest | None:
+        """The tools offered and how the reply may use them; None: no tools (or ``tool_choice: none``)."""
+        return _invalid_field_as_400(
+            lambda: parse_tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        )
+
+    def structured_output(self) -> types_pb2.StructuredOutput | None:
+        """A required or named tool's call schema, else what ``response_format`` asks for."""
+        tools = self.tool_request()
+        schema = call_schema(tools) if tools is not None else None
+        if schema is not None:
+            return types_pb2.StructuredOutput(json_schema=json.dumps(schema))
+        return super().structured_output()
+
+    def chat_messages(self) -> list[ChatMessage]:
+        return chat_messages(self.messages)
 
     def sampling(self) -> types_pb2.SamplingParams:
         sampling = super().sampling()
@@ -308,13 +352,17 @@ class ChatCompletionBody(_GenerationBody):
             sampling.top_logprobs = self.top_logprobs or 0
         return sampling
 
-    def role_contents(self) -> list[tuple[str, str]]:
-        return role_contents(self.messages)
+
+def chat_messages(messages: list[ChatMessageBody]) -> list[ChatMessage]:
+    """The messages as the gateway core renders them."""
+    return [m.chat_message(i) for i, m in enumerate(messages)]
 
 
-def role_contents(messages: list[ChatMessageBody]) -> list[tuple[str, str]]:
-    """``(role, text)`` per message; OpenAI's ``developer`` role is a system message."""
-    return [("system" if m.role == "developer" else m.role, m.text(i)) for i, m in enumerate(messages)]
+def _invalid_field_as_400(parse: Callable[[], T]) -> T:
+    try:
+        return parse()
+    except InvalidField as error:
+        raise OpenAIError(400, error.message, error.field) from None
 
 
 B = TypeVar("B", bound=_Body)

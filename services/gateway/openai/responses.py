@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mesh_api.v1 import types_pb2
+from services.gateway.tool_calls import ToolRequest, parse_reply
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -61,6 +62,8 @@ class ResponseShape:
     created: int = field(default_factory=lambda: int(time.time()))
     token_bytes: Callable[[int], bytes] = bytes
     """A token id's bytes (the tokenizer's), to name tokens in ``logprobs``."""
+    tools: ToolRequest | None = None
+    """Chat with tools offered: replies are read for tool calls (None: plain text)."""
 
     def logprobs(self, token_ids: Sequence[int], logprobs: Sequence[types_pb2.TokenLogprobs]) -> dict | None:
         """OpenAI's ``logprobs`` object for these tokens; None when none were asked for. Chat:
@@ -113,12 +116,7 @@ class ResponseShape:
         """The whole non-streaming response."""
         if self.chat:
             body = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
-                    "logprobs": self.logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason,
-                }
+                {"index": i, **self._message(c), "logprobs": self.logprobs(c.token_ids, c.logprobs)}
                 for i, c in enumerate(choices)
             ]
         else:
@@ -134,6 +132,18 @@ class ResponseShape:
         body = [self._with_token_ids(b, c.token_ids) for b, c in zip(body, choices)]
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": body,
                 "usage": usage_}  # fmt: skip
+
+    def _message(self, choice: ChoiceText) -> dict:
+        """A whole chat choice's ``message`` and ``finish_reason``: its text, or with tools
+        offered, the tool calls read from it and the text around them."""
+        text = "".join(choice.text)
+        if self.tools is None:
+            return {"message": {"role": "assistant", "content": text}, "finish_reason": choice.finish_reason}
+        reply = parse_reply(text, self.tools)
+        message: dict = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
+        return {"message": message, "finish_reason": reply.finish_reason(choice.finish_reason or "stop")}
 
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
         chunk = {
@@ -155,10 +165,24 @@ class ResponseShape:
     ) -> dict:
         lp = self.logprobs(token_ids, logprobs)
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp,
-                      "finish_reason": finish}  # fmt: skip
+            return self.chat_delta_chunk(
+                index, {"content": text} if text else {}, token_ids, finish, include_usage, lp
+            )
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        return self._chunk([self._with_token_ids(choice, token_ids)], include_usage)
+
+    def chat_delta_chunk(
+        self,
+        index: int,
+        delta: dict,
+        token_ids,
+        finish: str | None,
+        include_usage: bool,
+        logprobs: dict | None = None,
+    ) -> dict:
+        """A chat chunk carrying ``delta`` as it is (content, or tool-call pieces)."""
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return self._chunk([self._with_token_ids(choice, token_ids)], include_usage)
 
     def usage_chunk(self, usage_: dict) -> dict:

@@ -45,6 +45,7 @@ from services.gateway.openai.responses import (
 )
 from services.gateway.openai.server_routes import server_routes
 from services.gateway.openai.tokenize_routes import TokenizeRoutes
+from services.gateway.tool_calls import ToolCallStream
 from services.runtime.errors import DomainError
 from services.runtime.metrics import ServiceMetrics
 
@@ -87,11 +88,17 @@ class OpenAIRoutes:
         body = parse_body(await read_body(request.stream()), ChatCompletionBody)
         body.check()
         adapter = await self.catalog.adapter(tenant, body.model)
-        prompt_ids = self.core.chat_prompt(body.role_contents())
+        tools = body.tool_request()
+        template = await self.core.chat_template(tenant, adapter, with_tools=tools is not None)
+        prompt_ids = self.core.chat_prompt(body.chat_messages(), chat_template=template, tools=tools)
         sampling = self.core.chat_sampling(body.sampling())
         jobs = [(prompt_ids, _seeded(sampling, j)) for j in range(body.n)]
         shape = ResponseShape(
-            body.model, chat=True, return_token_ids=body.return_token_ids, token_bytes=self.core.token_bytes
+            body.model,
+            chat=True,
+            return_token_ids=body.return_token_ids,
+            token_bytes=self.core.token_bytes,
+            tools=tools,
         )
         return await self._answer(request, tenant, adapter, jobs, len(prompt_ids), shape, body)
 
@@ -139,11 +146,17 @@ class OpenAIRoutes:
             for choice in choices:
                 yield sse(shape.role_chunk(choice.index, include_usage))
         completion_tokens = 0
+        calls = [ToolCallStream(shape.tools) for _ in choices] if shape.tools is not None else None
         try:
             async with contextlib.aclosing(merged(choices)) as replies:
                 async for index, reply in replies:
                     finish = finish_reason(reply.finish_reason)
-                    if reply.text or finish or shape.return_token_ids or reply.logprobs:
+                    if calls is not None:
+                        for chunk in tool_call_chunks(
+                            shape, calls[index], index, reply, finish, include_usage
+                        ):
+                            yield sse(chunk)
+                    elif reply.text or finish or shape.return_token_ids or reply.logprobs:
                         yield sse(
                             shape.delta_chunk(
                                 index, reply.text, reply.token_ids, finish, include_usage, reply.logprobs
@@ -177,6 +190,34 @@ class OpenAIRoutes:
         body = parse_body(await read_body(request.stream()), UnloadLoraAdapterBody)
         await self.core.delete_adapter(tenant, body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def tool_call_chunks(
+    shape: ResponseShape,
+    calls: ToolCallStream,
+    index: int,
+    reply,
+    finish: str | None,
+    include_usage: bool,
+) -> list[dict]:
+    """The chunks one reply of a chat with tools makes: its text read for tool calls (content,
+    or a call's name and then its arguments piece by piece), the finish on the last chunk."""
+    deltas = calls.feed(reply.text)
+    if finish:
+        deltas += calls.finish()
+        finish = calls.finish_reason(finish)
+    if not deltas and (finish or shape.return_token_ids):
+        deltas = [{}]
+    return [
+        shape.chat_delta_chunk(
+            index,
+            delta,
+            reply.token_ids if k == 0 else (),
+            finish if k == len(deltas) - 1 else None,
+            include_usage,
+        )
+        for k, delta in enumerate(deltas)
+    ]
 
 
 async def _client_gone(request: Request, error: Exception) -> Response:

@@ -20,7 +20,7 @@ from starlette.routing import Route
 from services.gateway.core import GatewayCore
 from services.gateway.openai.errors import OpenAIError
 from services.gateway.openai.models import ModelCatalog
-from services.gateway.openai.requests import ChatMessageBody, parse_body, read_body, role_contents
+from services.gateway.openai.requests import ChatMessageBody, chat_messages, parse_body, read_body
 from services.runtime.request_validation import check_token_ids
 
 
@@ -75,10 +75,13 @@ class TokenizeRoutes:
         tenant = self._tenant(request)
         body = parse_body(await read_body(request.stream()), TokenizeBody)
         body.check()
-        await self.catalog.adapter(tenant, body.model or "")  # 404 unless the key may use it
+        adapter = await self.catalog.adapter(tenant, body.model or "")  # 404 unless the key may use it
         if body.messages is not None:
             tokens = self.core.chat_prompt(
-                role_contents(body.messages), body.add_generation_prompt, bool(body.add_special_tokens)
+                chat_messages(body.messages),
+                body.add_generation_prompt,
+                bool(body.add_special_tokens),
+                chat_template=await self.core.chat_template(tenant, adapter),
             )
         else:
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens

@@ -161,6 +161,8 @@ class StepMasks:
         (waits for the masks; unconstrained rows are returned as they were)."""
         self.wait()
         allowed = unpack_bitmask(self._bitmask, logits.shape[1]).to(logits.device)
+        if len(self.rows) == logits.shape[0]:  # every row constrained: one pass, no gather/scatter
+            return logits.masked_fill(~allowed, float("-inf"))
         logits = logits.clone()
         rows = torch.tensor(self.rows, device=logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

@@ -54,7 +54,8 @@ CASES = {
     "max_tokens over the limit": BadRequest("/chat/completions", 400, "above the limit", json=chat(max_tokens=100_000)),
     "temperature out of range": BadRequest("/completions", 400, "temperature", json=completion(temperature=500)),
     "tools": BadRequest(
-        "/chat/completions", 400, "tools is not supported", json=chat(tools=[{"type": "function"}]), param="tools",
+        "/chat/completions", 400, "tools[0].function must be an object with a name",
+        json=chat(tools=[{"type": "function"}]), param="tools[0].function",
     ),
     "presence_penalty out of range": BadRequest(
         "/chat/completions", 400, "presence_penalty must be within [-2, 2]", json=chat(presence_penalty=2.5),

@@ -31,8 +31,7 @@ REFUSALS = {
     "store": True, "service_tier": "priority", "reasoning_effort": "low", "verbosity": "high",
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "mp3"},
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "moderation": {},
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-    "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": {"name": "f"},
+    "functions": [{"name": "f"}], "function_call": {"name": "f"},
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "x",
     "structured_outputs": {"json": {}}, "echo": True, "suffix": "end", "best_of": 2,
 }  # fmt: skip

@@ -71,9 +71,8 @@ def test_prompts_text_token_ids_or_several():
         (CompletionBody, {"prompt": "x", "seed": -1}, "seed"),
         (CompletionBody, {"prompt": "x", "top_p": -0.5}, "top_p"),
         (ChatCompletionBody, {"messages": [], "top_logprobs": 2}, "top_logprobs"),
-        (ChatCompletionBody, {"messages": [], "tools": [{"type": "function"}]}, "tools"),
+        (ChatCompletionBody, {"messages": [], "tools": [{"type": "function"}]}, "tools[0].function"),
         (ChatCompletionBody, {"messages": [], "tool_choice": "required"}, "tool_choice"),
-        (ChatCompletionBody, {"messages": [], "parallel_tool_calls": False}, "parallel_tool_calls"),
         (ChatCompletionBody, {"messages": [], "functions": [{"name": "f"}]}, "functions"),
         (ChatCompletionBody, {"messages": [], "function_call": {"name": "f"}}, "function_call"),
         (ChatCompletionBody, {"messages": [], "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -151,11 +150,15 @@ def test_chat_messages():
         ],
         max_completion_tokens=7,
     )
-    assert body.role_contents() == [("system", "Be brief."), ("user", "Hi there"), ("assistant", "")]
+    assert [(m.role, m.content) for m in body.chat_messages()] == [
+        ("system", "Be brief."),
+        ("user", "Hi there"),
+        ("assistant", ""),
+    ]
     assert body.sampling().max_tokens == 7
     image = parse(ChatCompletionBody, messages=[{"role": "user", "content": [{"type": "image_url"}]}])
     with pytest.raises(OpenAIError, match="image_url") as caught:
-        image.role_contents()
+        image.chat_messages()
     assert caught.value.param == "messages[0].content[0].type"
 
 

@@ -193,6 +193,32 @@ async def test_parse_returns_the_pydantic_model(mesh):
             assert message.parsed == Person.model_validate_json(message.content)
 
 
+async def test_a_required_tool_call_parses_and_names_the_tool(mesh):
+    """Decoding constrained to a call of one of the tools: even a 135M model's call parses, and
+    its arguments validate against the tool's parameters; streamed, the deltas join to it."""
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                        "required": ["city"], "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+         "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                        "required": ["zone"], "additionalProperties": False}}},
+    ]  # fmt: skip
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    ask = {"model": "pirate", "messages": [{"role": "user", "content": "What's the weather in Paris?"}],
+           "tools": tools, "tool_choice": "required", "max_tokens": 300, "temperature": 0}  # fmt: skip
+    async with client(mesh, "key-alice") as api:
+        completion = await api.chat.completions.create(**ask)
+        [call] = completion.choices[0].message.tool_calls
+        assert completion.choices[0].finish_reason == "tool_calls"
+        assert call.function.name in parameters
+        jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+        pieces = [chunk async for chunk in await api.chat.completions.create(**ask, stream=True)]
+    deltas = [d for p in pieces if p.choices for d in p.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == call.function.name
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
 async def test_a_schema_the_worker_cannot_follow_is_a_bad_request_naming_response_format(mesh):
     unfollowable = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)x"}}}
     async with client(mesh, "key-alice") as api:
