@@ -32,7 +32,7 @@ from loramesh.errors import (
     Unauthenticated,
     Unavailable,
 )
-from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
+from loramesh.types import Adapter, Completion, ImportedAdapter, Model, Sampling, TextDelta, Usage
 
 if TYPE_CHECKING:
     from loramesh.async_client import AsyncClient
@@ -49,6 +49,7 @@ __all__ = [
     "DataLoss",
     "DeadlineExceeded",
     "FailedPrecondition",
+    "ImportedAdapter",
     "InternalError",
     "InvalidArgument",
     "LoraMeshError",

@@ -23,6 +23,8 @@ from loramesh.client import (
     chat_request,
     completion,
     generate_request,
+    import_request,
+    imported_from,
     model_from,
     resolve_targets,
     text_delta,
@@ -30,7 +32,7 @@ from loramesh.client import (
 )
 from loramesh.stream_resume import StreamProgress
 from loramesh.tls import ClientTLS, aio_channel
-from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta
+from loramesh.types import Adapter, Completion, ImportedAdapter, Model, Sampling, TextDelta
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
 
 
@@ -76,6 +78,38 @@ class AsyncAdapters:
         requests = upload_stream(path, name, public)
         reply = await self._client._unary("UploadAdapter", requests, timeout, retry=False)
         return adapter_from(reply.adapter)
+
+    async def import_uri(
+        self, uri: str, name: str, *, public: bool = False, timeout: float | None = None
+    ) -> ImportedAdapter:
+        """Has the adapter store import a PEFT adapter from a URI, under the caller's tenant.
+
+        Retried like a read: importing the same content again changes nothing.
+
+        Args:
+            uri: ``s3://bucket/prefix``, ``hf://org/repo[@revision][/subdir]`` or
+                ``file:///abs/path`` (on the store's machine): a directory holding
+                ``adapter_config.json`` and ``adapter_model.safetensors`` (and optionally
+                ``tokenizer_config.json`` / ``chat_template.jinja``).
+            name: Name, unique within the tenant. An adapter already registered under it is
+                kept when the content is the same and replaced by the next version otherwise.
+            public: Let every tenant use it (as ``"owner/name"``).
+            timeout: Seconds for the whole import; None for the client's default.
+
+        Returns:
+            The adapter the name now serves, and whether the import changed it.
+
+        Raises:
+            PermissionDenied: The store's import policy grants the tenant no source covering
+                ``uri`` (or the path leads out of the granted directories).
+            NotFound: No such bucket, key, Hub repository, revision or directory.
+            InvalidArgument: Not a URI the store imports, not a PEFT adapter, or the adapter
+                does not fit the base model.
+            ResourceExhausted: The adapter is over the store's size limit.
+            FailedPrecondition: A file changed during the import; import again.
+        """
+        request = import_request(uri, name, public)
+        return imported_from(await self._client._unary("ImportAdapter", request, timeout, retry=True))
 
     async def list(self, *, page_size: int = LIST_PAGE_SIZE, timeout: float | None = None) -> list[Adapter]:
         """The caller's adapters and every tenant's public ones, all pages.

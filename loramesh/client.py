@@ -29,7 +29,7 @@ from loramesh.errors import (
 )
 from loramesh.stream_resume import StreamProgress
 from loramesh.tls import ClientTLS, sync_channel
-from loramesh.types import Adapter, Completion, Model, Sampling, TextDelta, Usage
+from loramesh.types import Adapter, Completion, ImportedAdapter, Model, Sampling, TextDelta, Usage
 from mesh_api.adapter_transfer import read_adapter_dir, upload_requests
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
@@ -402,6 +402,16 @@ def upload_stream(
     return upload_requests(read_adapter_dir(path), name, owner="", visibility=visibility)
 
 
+def import_request(uri: str, name: str, public: bool) -> adapter_store_pb2.ImportAdapterRequest:
+    """The ``ImportAdapter`` request (the owner is left empty: the gateway sets the caller's tenant)."""
+    visibility = types_pb2.VISIBILITY_PUBLIC if public else types_pb2.VISIBILITY_PRIVATE
+    return adapter_store_pb2.ImportAdapterRequest(uri=uri, name=name, visibility=visibility)
+
+
+def imported_from(reply: adapter_store_pb2.ImportAdapterResponse) -> ImportedAdapter:
+    return ImportedAdapter(adapter_from(reply.adapter), reply.changed)
+
+
 class Adapters:
     """The caller's tenant's adapters, as ``client.adapters``.
 
@@ -447,6 +457,38 @@ class Adapters:
         requests = upload_stream(path, name, public)
         reply = self._client._unary("UploadAdapter", requests, timeout, retry=False)
         return adapter_from(reply.adapter)
+
+    def import_uri(
+        self, uri: str, name: str, *, public: bool = False, timeout: float | None = None
+    ) -> ImportedAdapter:
+        """Has the adapter store import a PEFT adapter from a URI, under the caller's tenant.
+
+        Retried like a read: importing the same content again changes nothing.
+
+        Args:
+            uri: ``s3://bucket/prefix``, ``hf://org/repo[@revision][/subdir]`` or
+                ``file:///abs/path`` (on the store's machine): a directory holding
+                ``adapter_config.json`` and ``adapter_model.safetensors`` (and optionally
+                ``tokenizer_config.json`` / ``chat_template.jinja``).
+            name: Name, unique within the tenant. An adapter already registered under it is
+                kept when the content is the same and replaced by the next version otherwise.
+            public: Let every tenant use it (as ``"owner/name"``).
+            timeout: Seconds for the whole import; None for the client's default.
+
+        Returns:
+            The adapter the name now serves, and whether the import changed it.
+
+        Raises:
+            PermissionDenied: The store's import policy grants the tenant no source covering
+                ``uri`` (or the path leads out of the granted directories).
+            NotFound: No such bucket, key, Hub repository, revision or directory.
+            InvalidArgument: Not a URI the store imports, not a PEFT adapter, or the adapter
+                does not fit the base model.
+            ResourceExhausted: The adapter is over the store's size limit.
+            FailedPrecondition: A file changed during the import; import again.
+        """
+        request = import_request(uri, name, public)
+        return imported_from(self._client._unary("ImportAdapter", request, timeout, retry=True))
 
     def list(self, *, page_size: int = LIST_PAGE_SIZE, timeout: float | None = None) -> list[Adapter]:
         """The caller's adapters and every tenant's public ones, all pages.

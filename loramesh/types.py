@@ -159,6 +159,22 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class ImportedAdapter:
+    """What importing an adapter from a URI did.
+
+    Example:
+        >>> imported = client.adapters.import_uri("hf://my-org/support-bot", "support-bot")
+        >>> imported.changed, imported.adapter.version
+        (True, 1)
+    """
+
+    adapter: Adapter
+    """The adapter the name now serves."""
+    changed: bool
+    """False when the name already held this content: it was kept, same id and version."""
+
+
+@dataclass(frozen=True)
 class Model:
     """Something a caller can generate with: the base model or an adapter it may use.
 

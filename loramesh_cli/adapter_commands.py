@@ -1,4 +1,4 @@
-"""``loramesh adapters upload|list|delete``: the calling tenant's adapters, through the gateway.
+"""``loramesh adapters upload|import|list|delete``: the calling tenant's adapters, through the gateway.
 
 The CLI is a client like any other (:class:`loramesh.Client`): the gateway maps its API key to a
 tenant, which owns what it uploads and may list and delete only its own adapters (listings also
@@ -55,6 +55,15 @@ def add_parsers(sub) -> None:
     upload.add_argument("--name", required=True, help="adapter name, unique per tenant")
     upload.add_argument("--public", action="store_true", help="let every tenant use it (as owner/name)")
     upload.set_defaults(func=cmd_upload)
+    imported = verbs.add_parser(
+        "import", help="have the adapter store import a PEFT adapter from an s3://, hf:// or file:// URI"
+    )
+    imported.add_argument("uri", help="s3://bucket/prefix, hf://org/repo[@revision][/subdir] or file:///abs/path "
+                          "(on the store's machine), as the store's import policy grants the tenant")  # fmt: skip
+    imported.add_argument("--name", required=True, help="adapter name, unique per tenant; an adapter "
+                          "already under it is kept if unchanged, else replaced by the next version")  # fmt: skip
+    imported.add_argument("--public", action="store_true", help="let every tenant use it (as owner/name)")
+    imported.set_defaults(func=cmd_import)
     listing = verbs.add_parser("list", help="the caller's adapters and every tenant's public ones")
     listing.add_argument("--all-owners", action=_Removed, nargs=0, instead="a tenant sees its own "
                          "adapters and the public ones, nothing more")  # fmt: skip
@@ -62,7 +71,7 @@ def add_parsers(sub) -> None:
     delete = verbs.add_parser("delete", help="delete one of the caller's adapters")
     delete.add_argument("name")
     delete.set_defaults(func=cmd_delete)
-    for verb in (upload, listing, delete):
+    for verb in (upload, imported, listing, delete):
         add_connection_flags(verb, override_only=True)
 
 
@@ -81,6 +90,22 @@ def cmd_upload(args) -> int:
         a = client.adapters.upload(directory, args.name, public=args.public, timeout=UPLOAD_TIMEOUT_S)
     print(f"registered {a.owner}/{a.name} id={a.id} rank={a.rank} targets={','.join(a.target_modules)} "
           f"{a.size_bytes} bytes sha256={a.sha256[:12]}{' public' if a.public else ''}")  # fmt: skip
+    return 0
+
+
+def cmd_import(args) -> int:
+    with gateway_client(args) as client:
+        imported = client.adapters.import_uri(
+            args.uri, args.name, public=args.public, timeout=UPLOAD_TIMEOUT_S
+        )
+    a = imported.adapter
+    outcome = (
+        f"imported {a.owner}/{a.name} version {a.version}"
+        if imported.changed
+        else (f"unchanged {a.owner}/{a.name} version {a.version} (same content)")
+    )
+    print(f"{outcome} id={a.id} rank={a.rank} targets={','.join(a.target_modules)} {a.size_bytes} bytes "
+          f"sha256={a.sha256[:12]}{' public' if a.public else ''}")  # fmt: skip
     return 0
 
 

@@ -1,8 +1,10 @@
-"""``loramesh up --lora-modules NAME=DIR ...``: adapters registered as the mesh starts, as vLLM's
-flag of that name does.
+"""``loramesh up --lora-modules NAME=DIR|URI ...``: adapters registered as the mesh starts, as
+vLLM's flag of that name does.
 
 Each directory is checked before anything starts; once every service is ready, ``up`` uploads
-each one through the gateway, the way ``loramesh adapters upload`` does. ``NAME`` registers for the
+each one through the gateway, the way ``loramesh adapters upload`` does. A URI (``s3://``,
+``hf://``, ``file://``) is imported by the adapter store instead, as ``loramesh adapters import``
+does: ``up`` grants its owner that source in the store's import policy. ``NAME`` registers for the
 ``admin`` tenant (mesh.json's key); ``OWNER/NAME`` for tenant ``OWNER``, whose plain key must be in
 ``--api-keys-file``. The adapter store keeps adapters across restarts of the same state
 directory, so an adapter already registered under the name is kept when its files are the same
@@ -20,7 +22,7 @@ from loramesh.client import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, Client, c
 from loramesh.errors import AlreadyExists, LoraMeshError
 from loramesh.tls import ClientTLS
 from loramesh_cli.errors import CommandError
-from mesh_api.adapter_transfer import read_adapter_dir
+from mesh_api.adapter_transfer import is_import_uri, read_adapter_dir
 
 REGISTER_TIMEOUT_S = 300.0
 """One adapter's upload (up to the store's size limit); a hang guard, not a timing claim."""
@@ -35,8 +37,13 @@ class LoraModule:
     owner: str
     """The tenant it is registered for."""
     name: str
-    directory: Path
-    """Absolute: resolved against the working directory of ``up``."""
+    source: str
+    """A directory (absolute: resolved against the working directory of ``up``), or a URI the
+    store imports from."""
+
+    @property
+    def is_uri(self) -> bool:
+        return is_import_uri(self.source)
 
 
 def parse_lora_modules(
@@ -51,20 +58,33 @@ def parse_lora_modules(
         owner, slash, name = reference.rpartition("/")
         owner = owner if slash else admin_tenant
         if not sep or not name or not owner or not path:
-            raise CommandError(f"--lora-modules {spec!r}: expected NAME=DIR or OWNER/NAME=DIR")
+            raise CommandError(f"--lora-modules {spec!r}: expected NAME=DIR|URI or OWNER/NAME=DIR|URI")
         if owner != admin_tenant and owner not in tenant_keys:
             raise CommandError(
                 f"--lora-modules {spec}: registering for tenant {owner!r} needs its plain API key in "
                 f"--api-keys-file (a plain NAME registers for the {admin_tenant!r} tenant)"
             )
-        try:
-            directory = check_adapter_dir(Path(path).expanduser().resolve())
-        except OSError as error:
-            raise CommandError(f"--lora-modules {spec}: {error}") from None
+        source = path if is_import_uri(path) else _checked_directory(spec, path)
         if any((m.owner, m.name) == (owner, name) for m in modules):
             raise CommandError(f"--lora-modules names {owner}/{name} twice")
-        modules.append(LoraModule(spec, owner, name, directory))
+        modules.append(LoraModule(spec, owner, name, source))
     return modules
+
+
+def _checked_directory(spec: str, path: str) -> str:
+    try:
+        return str(check_adapter_dir(Path(path).expanduser().resolve()))
+    except OSError as error:
+        raise CommandError(f"--lora-modules {spec}: {error}") from None
+
+
+def import_grants(modules: Sequence[LoraModule]) -> dict[str, list[str]]:
+    """Tenant → the URIs of its modules: what the store's import policy must allow for ``up``
+    to import them."""
+    grants: dict[str, list[str]] = {}
+    for module in (m for m in modules if m.is_uri):
+        grants.setdefault(module.owner, []).append(module.source)
+    return grants
 
 
 def register_lora_modules(
@@ -83,21 +103,24 @@ def register_lora_modules(
                 outcome = _register(client, module)
             except LoraMeshError as error:
                 raise CommandError(f"--lora-modules {module.spec}: {error.code}: {error.details}") from None
-        log(f"{outcome} {module.owner}/{module.name} from {module.directory}")
+        log(f"{outcome} {module.owner}/{module.name} from {module.source}")
 
 
 def _register(client: Client, module: LoraModule) -> str:
     """Registers one module; says whether it was new, kept or replaced."""
+    if module.is_uri:
+        imported = client.adapters.import_uri(module.source, module.name, timeout=REGISTER_TIMEOUT_S)
+        return "imported" if imported.changed else "kept (already imported, same content)"
     try:
-        client.adapters.upload(module.directory, module.name, timeout=REGISTER_TIMEOUT_S)
+        client.adapters.upload(module.source, module.name, timeout=REGISTER_TIMEOUT_S)
         return "registered"
     except AlreadyExists:
         registered = client.adapters.get(module.name)
-    files = read_adapter_dir(module.directory)
+    files = read_adapter_dir(Path(module.source))
     weights_sha256 = hashlib.sha256(files[ADAPTER_WEIGHTS_FILE]).hexdigest()
     config_json = files[ADAPTER_CONFIG_FILE].decode("utf-8")
     if (registered.sha256, registered.config_json) == (weights_sha256, config_json):
         return "kept (already registered, same files)"
     client.adapters.delete(module.name)
-    client.adapters.upload(module.directory, module.name, timeout=REGISTER_TIMEOUT_S)
+    client.adapters.upload(module.source, module.name, timeout=REGISTER_TIMEOUT_S)
     return "replaced (its files changed)"

@@ -16,7 +16,7 @@ from pathlib import Path
 from loramesh.tls import ClientTLS
 from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEY, distkv_table
 from loramesh_cli.errors import CommandError
-from loramesh_cli.lora_modules import LoraModule, parse_lora_modules, register_lora_modules
+from loramesh_cli.lora_modules import LoraModule, import_grants, parse_lora_modules, register_lora_modules
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, command_line, live_mesh, pid_alive, why_not_live
 from loramesh_cli.restart_policy import RestartPolicy
 from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
@@ -117,10 +117,16 @@ def add_parsers(sub) -> None:
                          "default none)")  # fmt: skip
     up.add_argument("--api-keys-file", default="", metavar="FILE",
                     help="JSON {api key: tenant} for the gateway, besides the admin key (default none)")  # fmt: skip
-    up.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+    up.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR|URI",
                     help="adapters to register once the mesh is ready, as vLLM's flag: NAME for the admin "
                          "tenant, OWNER/NAME for a tenant whose plain key is in --api-keys-file; DIR is a "
-                         "PEFT directory, relative to the working directory (default none)")  # fmt: skip
+                         "PEFT directory, relative to the working directory; a URI (s3://, hf://, file://) "
+                         "is imported by the adapter store (default none)")  # fmt: skip
+    up.add_argument("--import-policy-file", default="", metavar="FILE",
+                    help="the adapter store's import policy (which tenant may import from which s3://, "
+                         "hf://, file:// sources; docs/operations.md); default: one up writes, granting "
+                         "each --lora-modules URI to its owner and the admin tenant file:// under each "
+                         "--adapter-load-dirs directory, nothing else")  # fmt: skip
     up.add_argument("--adapter-load-dirs", default="", metavar="DIR[,DIR...]",
                     help="directories under which the gateways' POST /v1/load_lora_adapter may read a "
                          "lora_path, comma-separated, relative to the working directory (default none: "
@@ -195,6 +201,8 @@ def cmd_up(args) -> int:
     # Every path and port named on the command line is checked before anything starts.
     _lora_modules(args)
     _adapter_load_dirs(args)
+    if args.import_policy_file and not Path(args.import_policy_file).is_file():
+        raise CommandError(f"--import-policy-file: {Path(args.import_policy_file).resolve()} is not a file")
     _check_openai_port(args.openai_port)
     _check_not_running(state_dir)
     if args.detach:
@@ -307,7 +315,9 @@ def _detached_argv(args, state_dir: Path) -> list[str]:
     if args.api_keys_file:
         argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
     if modules := _lora_modules(args):
-        argv += ["--lora-modules", *(f"{m.owner}/{m.name}={m.directory}" for m in modules)]
+        argv += ["--lora-modules", *(f"{m.owner}/{m.name}={m.source}" for m in modules)]
+    if args.import_policy_file:
+        argv += ["--import-policy-file", str(Path(args.import_policy_file).resolve())]
     if load_dirs := _adapter_load_dirs(args):
         argv += ["--adapter-load-dirs", load_dirs]
     if args.max_lora_rank is not None:
@@ -418,7 +428,8 @@ def _service_processes(
         "adapter_store": service(
             "adapter_store", "adapter_store",
             [*etcd_flags, "--data-dir", str(state_dir / "adapter_store"),
-             "--ram-budget-mib", str(args.ram_budget_mib), *_max_rank_flags(args), *model_flags],
+             "--ram-budget-mib", str(args.ram_budget_mib), *_max_rank_flags(args), *model_flags,
+             "--import-policy-file", _import_policy_file(args, state_dir)],
         )
     }  # fmt: skip
     store_flags = ["--adapter-store", processes["adapter_store"].address]
@@ -451,6 +462,20 @@ def _service_processes(
         processes[name] = service("gateway", name, [*gateway_flags, "--openai-port", str(openai_port)])
         openai_addresses[name] = f"{processes[name].host}:{openai_port}"
     return processes, openai_addresses
+
+
+def _import_policy_file(args, state_dir: Path) -> str:
+    """The store's import policy: ``--import-policy-file`` as given, else one `up` writes that
+    grants each ``--lora-modules`` URI to its owner and the admin tenant ``file://`` under each
+    ``--adapter-load-dirs`` directory (the directories the operator already opened to loading)."""
+    if args.import_policy_file:
+        return str(Path(args.import_policy_file).resolve())
+    grants = import_grants(_lora_modules(args))
+    for directory in filter(None, _adapter_load_dirs(args).split(",")):
+        grants.setdefault(ADMIN_TENANT, []).append(Path(directory).as_uri())
+    path = state_dir / "import-policy.json"
+    write_private_text(path, json.dumps({"tenants": grants}, indent=2))
+    return str(path.resolve())
 
 
 def _max_rank_flags(args) -> list[str]:

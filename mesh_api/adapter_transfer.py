@@ -26,6 +26,16 @@ UPLOAD_FILES = (
 store) and the tokenizer files whose chat template the adapter is served with (optional)."""
 
 
+IMPORT_SCHEMES = ("s3", "hf", "file")
+"""URI schemes the adapter store imports adapters from (``ImportAdapter``)."""
+
+
+def is_import_uri(location: str) -> bool:
+    """Whether ``location`` is a URI to import (``s3://``, ``hf://``, ``file://``), not a path."""
+    scheme, sep, _ = location.partition("://")
+    return bool(sep) and scheme.lower() in IMPORT_SCHEMES
+
+
 class ChecksumMismatch(Exception):
     """A fetched adapter's bytes do not match the sha256 the store announced."""
 

@@ -55,6 +55,26 @@ class RegisterAdapterResponse(_message.Message):
     adapter: _types_pb2.AdapterInfo
     def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ...) -> None: ...
 
+class ImportAdapterRequest(_message.Message):
+    __slots__ = ("uri", "name", "owner", "visibility")
+    URI_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    VISIBILITY_FIELD_NUMBER: _ClassVar[int]
+    uri: str
+    name: str
+    owner: str
+    visibility: _types_pb2.Visibility
+    def __init__(self, uri: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., visibility: _Optional[_Union[_types_pb2.Visibility, str]] = ...) -> None: ...
+
+class ImportAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "changed")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    adapter: _types_pb2.AdapterInfo
+    changed: bool
+    def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ..., changed: _Optional[bool] = ...) -> None: ...
+
 class GetAdapterRequest(_message.Message):
     __slots__ = ("ref",)
     REF_FIELD_NUMBER: _ClassVar[int]

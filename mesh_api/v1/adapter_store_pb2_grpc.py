@@ -40,6 +40,11 @@ class AdapterStoreStub:
                 request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterResponse.FromString,
                 _registered_method=True)
+        self.ImportAdapter = channel.unary_unary(
+                '/loramesh.v1.AdapterStore/ImportAdapter',
+                request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterResponse.FromString,
+                _registered_method=True)
         self.GetAdapter = channel.unary_unary(
                 '/loramesh.v1.AdapterStore/GetAdapter',
                 request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
@@ -73,6 +78,15 @@ class AdapterStoreServicer:
     def RegisterAdapter(self, request_iterator, context):
         """Client-streamed upload: first message `header`, then `chunk`s of the adapter's files.
         Nothing is stored unless the whole adapter validates against the base model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportAdapter(self, request, context):
+        """The store fetches an adapter from an s3://, hf:// or file:// URI and registers it as an
+        upload is registered, if the owner's import policy grants it that source. A name already
+        registered keeps its adapter when the content is the same and gets a new version otherwise.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +131,11 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     servicer.RegisterAdapter,
                     request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterResponse.SerializeToString,
+            ),
+            'ImportAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportAdapter,
+                    request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterResponse.SerializeToString,
             ),
             'GetAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAdapter,
@@ -171,6 +190,33 @@ class AdapterStore:
             '/loramesh.v1.AdapterStore/RegisterAdapter',
             loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterRequest.SerializeToString,
             loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.AdapterStore/ImportAdapter',
+            loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterRequest.SerializeToString,
+            loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,11 @@ class GatewayStub:
                 request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterResponse.FromString,
                 _registered_method=True)
+        self.ImportAdapter = channel.unary_unary(
+                '/loramesh.v1.Gateway/ImportAdapter',
+                request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterResponse.FromString,
+                _registered_method=True)
         self.ListAdapters = channel.unary_unary(
                 '/loramesh.v1.Gateway/ListAdapters',
                 request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ListAdaptersRequest.SerializeToString,
@@ -92,6 +97,14 @@ class GatewayServicer:
 
     def UploadAdapter(self, request_iterator, context):
         """Adapter management for the caller's tenant (the owner is always the caller's tenant).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportAdapter(self, request, context):
+        """The adapter store imports from a URI (owner ignored: the caller's tenant), if the store's
+        import policy grants the tenant that source.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,6 +152,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.UploadAdapter,
                     request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterResponse.SerializeToString,
+            ),
+            'ImportAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportAdapter,
+                    request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterResponse.SerializeToString,
             ),
             'ListAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapters,
@@ -242,6 +260,33 @@ class Gateway:
             '/loramesh.v1.Gateway/UploadAdapter',
             loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterRequest.SerializeToString,
             loramesh_dot_v1_dot_adapter__store__pb2.RegisterAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Gateway/ImportAdapter',
+            loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterRequest.SerializeToString,
+            loramesh_dot_v1_dot_adapter__store__pb2.ImportAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -137,8 +137,11 @@ class Catalog:
             ).fetchone()
         return (row[0] if row else 0) + 1
 
-    def insert(self, record: AdapterRecord) -> None:
-        """Commit ``record``; raises :class:`DuplicateName` if ``(owner, name)`` is taken."""
+    def insert(self, record: AdapterRecord, replacing: str = "") -> None:
+        """Commit ``record``; raises :class:`DuplicateName` if ``(owner, name)`` is taken.
+
+        ``replacing``: the id of the row ``record`` takes the place of, removed in the same
+        transaction, so readers see the old version or the new one, never neither."""
         values = asdict(record)
         values["use_rslora"] = int(record.use_rslora)
         values["target_modules"] = json.dumps(list(record.target_modules))
@@ -146,6 +149,8 @@ class Catalog:
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
+                if replacing:
+                    self._db.execute("DELETE FROM adapters WHERE id=?", (replacing,))
                 self._db.execute(
                     f"INSERT INTO adapters ({', '.join(_COLUMNS)}) VALUES ({placeholders})", values
                 )

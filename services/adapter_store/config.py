@@ -23,3 +23,6 @@ class AdapterStoreConfig(ServiceConfig):
     """Bytes of adapter weights kept hot in RAM (LRU); the rest is read from disk on demand."""
     verify_on_start: str = "sha256"
     """How blobs are checked when the catalog is reopened: ``sha256`` (full) or ``size``."""
+    import_policy_file: str = ""
+    """JSON file of which tenant may import adapters from which s3://, hf:// and file:// source
+    prefixes (docs/operations.md); "": no imports at all."""

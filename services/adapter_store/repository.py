@@ -70,6 +70,17 @@ class RepositoryStats:
     ram_misses: int
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What registering content under a name did."""
+
+    record: AdapterRecord
+    """The adapter the name now serves."""
+    changed: bool
+    """False: the name already held this very content (weights, config, templates, visibility),
+    which was kept as it was, same id and version."""
+
+
 def check_name(field: str, value: str) -> None:
     if not _NAME_RE.fullmatch(value or ""):
         raise InvalidArgument(
@@ -181,13 +192,47 @@ class AdapterRepository:
         """
         check_name("name", name)
         check_name("owner", owner)
-        if visibility not in (PRIVATE, PUBLIC):
-            visibility = PRIVATE
         if self.catalog.get_by_name(owner, name) is not None:
             raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}")
+        record = self._validated_record(name, owner, visibility, config_bytes, weights, tokenizer_files)
+        self._commit(record, weights)
+        return record
+
+    def register_version(
+        self,
+        name: str,
+        owner: str,
+        visibility: int,
+        config_bytes: bytes,
+        weights: bytes,
+        tokenizer_files: Mapping[str, bytes] = MappingProxyType({}),
+    ) -> Registration:
+        """As :meth:`register`, but a name already registered is not refused: the same content
+        is kept as it is, other content replaces it as the next version (a new id, so no cache
+        keyed by id serves the old weights under it). What an import does."""
+        check_name("name", name)
+        check_name("owner", owner)
+        current = self.catalog.get_by_name(owner, name)
+        record = self._validated_record(name, owner, visibility, config_bytes, weights, tokenizer_files)
+        if current is not None and _content(current) == _content(record):
+            return Registration(current, changed=False)
+        self._commit(record, weights, replacing=current)
+        return Registration(record, changed=True)
+
+    def _validated_record(
+        self,
+        name: str,
+        owner: str,
+        visibility: int,
+        config_bytes: bytes,
+        weights: bytes,
+        tokenizer_files: Mapping[str, bytes],
+    ) -> AdapterRecord:
+        if visibility not in (PRIVATE, PUBLIC):
+            visibility = PRIVATE
         validated = validate_adapter(config_bytes, weights, self.spec, self.limits)
         templates = read_chat_templates(tokenizer_files)
-        record = AdapterRecord(
+        return AdapterRecord(
             id=uuid.uuid4().hex,
             name=name,
             owner=owner,
@@ -208,19 +253,28 @@ class AdapterRepository:
             chat_template=templates.chat_template,
             tool_use_chat_template=templates.tool_use_chat_template,
         )
+
+    def _commit(self, record: AdapterRecord, weights: bytes, replacing: AdapterRecord | None = None) -> None:
+        """Blob first, then the catalog row (in place of ``replacing``'s), then the old blob goes."""
         self.blobs.write(record.id, weights)
         try:
-            self.catalog.insert(record)
+            self.catalog.insert(record, replacing=replacing.id if replacing else "")
         except DuplicateName:
             self.blobs.delete(record.id)
-            raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}") from None
+            raise AlreadyExists(
+                f"adapter {record.name!r} already exists for owner {record.owner!r}"
+            ) from None
         except BaseException:
             self.blobs.delete(record.id)
             raise
         with self._disk_lock:
             self._disk_bytes += record.size_bytes
         self.ram.put(record.id, weights)
-        return record
+        if replacing is not None:
+            self.blobs.delete(replacing.id)
+            self.ram.discard(replacing.id)
+            with self._disk_lock:
+                self._disk_bytes -= replacing.size_bytes
 
     def resolve(self, key: AdapterKey) -> AdapterRecord:
         if key.id:
@@ -285,3 +339,14 @@ class AdapterRepository:
             ram_hits=self.ram.hits,
             ram_misses=self.ram.misses,
         )
+
+
+def _content(record: AdapterRecord) -> tuple:
+    """What a registration serves: weights, config, chat templates, visibility."""
+    return (
+        record.sha256,
+        record.config_json,
+        record.chat_template,
+        record.tool_use_chat_template,
+        record.visibility,
+    )

@@ -8,7 +8,9 @@ from pathlib import Path
 from grpc import aio
 
 from mesh_api.v1 import adapter_store_pb2_grpc
+from services.adapter_store.adapter_imports import AdapterImports
 from services.adapter_store.config import AdapterStoreConfig
+from services.adapter_store.import_policy import load_import_policy
 from services.adapter_store.repository import AdapterRepository
 from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.validation import ValidationLimits
@@ -31,6 +33,7 @@ class AdapterStoreService:
 
     async def start(self) -> None:
         cfg = self.config
+        policy = load_import_policy(cfg.import_policy_file)
         spec = await asyncio.to_thread(load_base_model_spec, cfg.model or None)
         repository = AdapterRepository(
             Path(cfg.data_dir),
@@ -41,7 +44,7 @@ class AdapterStoreService:
         )
         await asyncio.to_thread(repository.open)
         self.repository = repository
-        self.servicer.attach(repository)
+        self.servicer.attach(repository, AdapterImports(repository, policy))
 
     async def stop(self) -> None:
         if self.repository is not None:

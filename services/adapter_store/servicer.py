@@ -13,6 +13,7 @@ from grpc import aio
 
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
+from services.adapter_store.adapter_imports import AdapterImports
 from services.adapter_store.catalog import AdapterRecord
 from services.adapter_store.chat_templates import TOKENIZER_FILES
 from services.adapter_store.owner_rule import check_owner_setter
@@ -106,10 +107,12 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     def __init__(self) -> None:
         self._repository: AdapterRepository | None = None
+        self._imports: AdapterImports | None = None
         self.uploads_in_flight = 0
 
-    def attach(self, repository: AdapterRepository) -> None:
+    def attach(self, repository: AdapterRepository, imports: AdapterImports) -> None:
         self._repository = repository
+        self._imports = imports
 
     @property
     def repository(self) -> AdapterRepository:
@@ -136,6 +139,22 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         finally:
             self.uploads_in_flight -= 1
         return pb.RegisterAdapterResponse(adapter=record_to_proto(record))
+
+    async def ImportAdapter(self, request: pb.ImportAdapterRequest, context):
+        check_owner_setter(peer_identity_var.get(), "import an adapter for an owner")
+        imports = self._imports
+        if imports is None:
+            raise Unavailable("the adapter store is starting: its catalog is not loaded yet")
+        self.uploads_in_flight += 1  # an import holds up to an upload's bytes in memory too
+        try:
+            registration = await asyncio.to_thread(
+                imports.import_adapter, request.uri, request.name, request.owner, int(request.visibility)
+            )
+        finally:
+            self.uploads_in_flight -= 1
+        return pb.ImportAdapterResponse(
+            adapter=record_to_proto(registration.record), changed=registration.changed
+        )
 
     async def GetAdapter(self, request: pb.GetAdapterRequest, context):
         record = await asyncio.to_thread(self.repository.resolve, key_from_proto(request.ref))

@@ -16,7 +16,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from mesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_requests
+from mesh_api.adapter_transfer import is_import_uri, read_adapter_dir, ref_by_name, upload_requests
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, types_pb2
 from services.gateway.adapter_access import AdapterAccess, split_reference
 from services.gateway.adapter_load_dirs import load_roots, resolve_adapter_dir
@@ -216,6 +216,26 @@ class GatewayCore:
         reply = await self.store.RegisterAdapter(as_tenant())
         self.access.forget(tenant, reply.adapter.name)
         return reply
+
+    async def import_adapter(
+        self, tenant: str, request: adapter_store_pb2.ImportAdapterRequest
+    ) -> adapter_store_pb2.ImportAdapterResponse:
+        """Have the store import ``request.uri`` for the caller's tenant, which owns it (the store
+        checks the tenant's import policy)."""
+        forwarded = adapter_store_pb2.ImportAdapterRequest()
+        forwarded.CopyFrom(request)
+        forwarded.owner = tenant
+        reply = await self.store.ImportAdapter(forwarded)
+        self.access.forget(tenant, reply.adapter.name)
+        return reply
+
+    async def load_adapter(self, tenant: str, name: str, lora_path: str) -> types_pb2.AdapterInfo:
+        """vLLM's ``load_lora_adapter``: an ``s3://``, ``hf://`` or ``file://`` URI is imported by
+        the store; anything else is a path on the gateway's machine (:meth:`register_adapter_dir`)."""
+        if is_import_uri(lora_path):
+            request = adapter_store_pb2.ImportAdapterRequest(uri=lora_path, name=name)
+            return (await self.import_adapter(tenant, request)).adapter
+        return await self.register_adapter_dir(tenant, name, lora_path)
 
     async def register_adapter_dir(self, tenant: str, name: str, path: str) -> types_pb2.AdapterInfo:
         """Register the PEFT directory ``path`` on the gateway's machine as ``tenant``'s ``name``:

@@ -60,6 +60,10 @@ class _StoreClient:
     async def RegisterAdapter(self, requests):
         return await self._located.call("RegisterAdapter", requests, timeout=300)
 
+    async def ImportAdapter(self, request):
+        # The store downloads up to its size limit from S3 or the Hub: an upload's bound.
+        return await self._located.call("ImportAdapter", request, timeout=300)
+
     async def ListAdapters(self, request):
         return await self._located.call("ListAdapters", request, timeout=30)
 

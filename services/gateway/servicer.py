@@ -47,6 +47,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def UploadAdapter(self, request_iterator, context):
         return await self.core.upload_adapter(self._tenant(context), request_iterator)
 
+    async def ImportAdapter(self, request: adapter_store_pb2.ImportAdapterRequest, context):
+        return await self.core.import_adapter(self._tenant(context), request)
+
     async def ListAdapters(self, request: adapter_store_pb2.ListAdaptersRequest, context):
         return await self.core.list_adapters(self._tenant(context), request)
 

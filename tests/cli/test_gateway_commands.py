@@ -31,6 +31,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     adapters: dict[tuple[str, str], types_pb2.AdapterInfo] = field(default_factory=dict)
     uploads: list[tuple[str, str]] = field(default_factory=list)
     deletes: list[tuple[str, str]] = field(default_factory=list)
+    imports: list[tuple[str, str, str]] = field(default_factory=list)
 
     def _tenant(self, context) -> str:
         key = dict(context.invocation_metadata())["authorization"].removeprefix("Bearer ")
@@ -56,6 +57,15 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
         )  # fmt: skip
         self.adapters[(tenant, header.name)] = info
         return adapter_store_pb2.RegisterAdapterResponse(adapter=info)
+
+    def ImportAdapter(self, request, context):
+        """A store that imports: a new name is imported, the same URI again changes nothing."""
+        owned = (self._tenant(context), request.name)
+        self.imports.append((*owned, request.uri))
+        changed = owned not in self.adapters
+        if changed:
+            self.adapters[owned] = types_pb2.AdapterInfo(id=request.uri, name=request.name, owner=owned[0])
+        return adapter_store_pb2.ImportAdapterResponse(adapter=self.adapters[owned], changed=changed)
 
     def ListAdapters(self, request, context):
         tenant = self._tenant(context)
@@ -185,6 +195,23 @@ def test_lora_modules_are_registered_kept_or_replaced(gateway, tmp_path):
     register()
     assert servicer.deletes == [("admin", "bot")] and servicer.uploads[-1] == ("admin", "bot")
     assert log[-2] == f"replaced (its files changed) admin/bot from {tmp_path / 'bot'}"
+
+
+def test_a_module_given_as_a_uri_is_imported_by_the_store(gateway, tmp_path):
+    servicer, address = gateway
+    modules = parse_lora_modules(["bot=hf://org/bot@v2", "bob/bot=s3://bucket/b"], "admin", {"bob": "lm-bob"})
+    keys = {"bob": "lm-bob", "admin": "lm-admin"}
+    log: list[str] = []
+    for _ in range(2):
+        register_lora_modules(modules, [address], keys, None, tmp_path / "mesh.json", log.append)
+    assert servicer.imports == [("admin", "bot", "hf://org/bot@v2"), ("bob", "bot", "s3://bucket/b")] * 2
+    assert servicer.uploads == []  # nothing read locally: the store fetched them
+    assert log == [
+        "imported admin/bot from hf://org/bot@v2",
+        "imported bob/bot from s3://bucket/b",
+        "kept (already imported, same content) admin/bot from hf://org/bot@v2",
+        "kept (already imported, same content) bob/bot from s3://bucket/b",
+    ]
 
 
 def test_a_module_the_mesh_refuses_names_the_entry(gateway, tmp_path):

@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,28 @@ def test_the_flags_reach_the_services(tmp_path, monkeypatch):
     assert openai_addresses["gateway"] == f"127.0.0.1:{port}"
 
 
+def test_up_grants_the_store_the_sources_its_lora_modules_import(tmp_path, monkeypatch):
+    """A --lora-modules URI is imported by the store, so up's import policy grants it to the
+    module's owner (and admin file:// under --adapter-load-dirs); nothing else is granted, and an
+    operator's --import-policy-file is passed as it is."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loras").mkdir()
+    adapter_dir(tmp_path / "local")
+    processes, _ = processes_of(
+        tmp_path, "--adapter-load-dirs", "loras",
+        "--lora-modules", "a=hf://org/repo@v1", "b=s3://bucket/team/b", "c=local",
+    )  # fmt: skip
+    store = parse_config(AdapterStoreConfig, service_flags(processes["adapter_store"]), environ={})
+    assert json.loads(Path(store.import_policy_file).read_text()) == {
+        "tenants": {"admin": ["hf://org/repo@v1", "s3://bucket/team/b", (tmp_path / "loras").as_uri()]}
+    }
+    mine = tmp_path / "policy.json"
+    mine.write_text('{"tenants": {}}')
+    processes, _ = processes_of(tmp_path, "--import-policy-file", "policy.json")
+    store = parse_config(AdapterStoreConfig, service_flags(processes["adapter_store"]), environ={})
+    assert store.import_policy_file == str(mine)
+
+
 def test_without_the_flags_the_services_keep_their_defaults(tmp_path):
     processes, _ = processes_of(tmp_path)
     assert (
@@ -122,7 +145,7 @@ def test_detach_passes_them_to_the_background_up_with_absolute_paths(tmp_path, m
     [
         (["--lora-modules", "bot=missing"], "--lora-modules bot=missing: adapter directory {cwd}/missing does not exist"),
         (["--lora-modules", "bot=empty"], "--lora-modules bot=empty: adapter directory {cwd}/empty has no adapter_config.json"),
-        (["--lora-modules", "bot"], "--lora-modules 'bot': expected NAME=DIR or OWNER/NAME=DIR"),
+        (["--lora-modules", "bot"], "--lora-modules 'bot': expected NAME=DIR|URI or OWNER/NAME=DIR|URI"),
         (["--lora-modules", "bob/bot=a"], "--lora-modules bob/bot=a: registering for tenant 'bob' needs its plain API key"),
         (["--lora-modules", "a=a", "admin/a=a"], "--lora-modules names admin/a twice"),
         (["--adapter-load-dirs", "nowhere"], "--adapter-load-dirs: {cwd}/nowhere is not a directory"),

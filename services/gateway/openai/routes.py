@@ -182,7 +182,7 @@ class OpenAIRoutes:
     async def load_lora_adapter(self, request: Request) -> Response:
         tenant = self._tenant(request)
         body = parse_body(await read_body(request.stream()), LoadLoraAdapterBody)
-        await self.core.register_adapter_dir(tenant, body.lora_name, body.lora_path)
+        await self.core.load_adapter(tenant, body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload_lora_adapter(self, request: Request) -> Response:

@@ -1,0 +1,31 @@
+"""Importing an adapter from a URI: policy check, fetch, then the upload's registration path.
+
+The tenant's grant is checked before the source is touched, so a refused import reads nothing
+with the store's credentials. The files are held in memory, bounded by the store's upload limit,
+and registered by :meth:`AdapterRepository.register_version`: the same validation and sha256 as
+an upload, nothing stored on any failure, a new version only when the content changed.
+"""
+
+from __future__ import annotations
+
+from services.adapter_store.import_policy import ImportPolicy
+from services.adapter_store.importers.by_scheme import open_source
+from services.adapter_store.importers.source import CONFIG_FILE, WEIGHTS_FILE, fetch_adapter_files
+from services.adapter_store.repository import AdapterRepository, Registration, check_name
+
+
+class AdapterImports:
+    def __init__(self, repository: AdapterRepository, policy: ImportPolicy):
+        self.repository = repository
+        self.policy = policy
+
+    def import_adapter(self, uri: str, name: str, owner: str, visibility: int) -> Registration:
+        """Blocking (network, disk, hashing): run it in a worker thread."""
+        check_name("name", name)
+        check_name("owner", owner)
+        self.policy.check(owner, uri)
+        files = fetch_adapter_files(open_source(uri), self.repository.limits.max_adapter_bytes)
+        tokenizer_files = {n: data for n, data in files.items() if n not in (CONFIG_FILE, WEIGHTS_FILE)}
+        return self.repository.register_version(
+            name, owner, visibility, files[CONFIG_FILE], files[WEIGHTS_FILE], tokenizer_files
+        )

@@ -1,0 +1,73 @@
+"""``file:///abs/path``: an adapter directory on the store's own machine.
+
+Which directories may be read is the import policy's (:mod:`services.adapter_store.import_policy`),
+checked on the resolved path, so ``..`` and a symbolic link out of an allowed directory are
+refused. Inside the directory the files are opened without following links (a link named
+``adapter_model.safetensors`` pointing at ``/etc/shadow`` is refused, not read), and each is
+checked against its listed size and mtime before and after the read.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from services.adapter_store.importers.source import (
+    IMPORTED_FILES,
+    REQUIRED_FILES,
+    AdapterSource,
+    SourceFile,
+    changed_during_import,
+    read_capped,
+)
+from services.adapter_store.importers.source_scope import file_path
+from services.runtime.errors import InvalidArgument, NotFound, PermissionDenied
+
+
+def _version(status: os.stat_result) -> str:
+    return f"size={status.st_size} mtime_ns={status.st_mtime_ns}"
+
+
+class FileSource(AdapterSource):
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.directory: Path = file_path(uri)
+
+    def _location(self, name: str) -> str:
+        return f"file://{self.directory / name}"
+
+    def list_files(self) -> list[SourceFile]:
+        if not self.directory.is_dir():
+            raise NotFound(f"directory {self.directory} not found ({self.uri})")
+        files = []
+        for name in IMPORTED_FILES:
+            try:
+                status = os.lstat(self.directory / name)
+            except FileNotFoundError:
+                if name in REQUIRED_FILES:
+                    raise NotFound(f"{self._location(name)} not found") from None
+                continue
+            if stat.S_ISLNK(status.st_mode):
+                raise PermissionDenied(f"{self._location(name)} is a symbolic link: links are not followed")
+            if not stat.S_ISREG(status.st_mode):
+                raise InvalidArgument(f"{self._location(name)} is not a regular file")
+            files.append(SourceFile(name, self._location(name), status.st_size, _version(status)))
+        return files
+
+    def read(self, file: SourceFile, max_bytes: int) -> bytes:
+        try:
+            fd = os.open(self.directory / file.name, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise changed_during_import(file, "it was removed") from None
+        except OSError as error:  # ELOOP: replaced by a link since the listing
+            raise PermissionDenied(
+                f"{file.location} cannot be opened without following a link: {error}"
+            ) from None
+        with os.fdopen(fd, "rb") as stream:
+            if _version(os.fstat(fd)) != file.version:
+                raise changed_during_import(file, f"listed {file.version}, opened {_version(os.fstat(fd))}")
+            data = read_capped(stream, max_bytes, file.location)
+            if _version(os.fstat(fd)) != file.version:
+                raise changed_during_import(file, f"listed {file.version}, now {_version(os.fstat(fd))}")
+        return data

@@ -1,0 +1,80 @@
+"""Importing through the gateway: the SDK's ``import_uri`` and the OpenAI ``load_lora_adapter``
+route reach a real adapter store, as the caller's tenant, under the store's import policy."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from grpc import aio
+
+from loramesh import AsyncClient, PermissionDenied
+from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from mesh_api.v1 import adapter_store_pb2_grpc, gateway_pb2_grpc
+from services.adapter_store.config import AdapterStoreConfig
+from services.adapter_store.service import AdapterStoreService
+from services.gateway.adapter_access import AdapterAccess
+from services.gateway.auth import ApiKeys
+from services.gateway.config import GatewayConfig
+from services.gateway.core import GatewayCore
+from services.gateway.openai.routes import build_app
+from services.gateway.servicer import GatewayServicer
+from services.model_files.tokenizer_loading import load_tokenizer
+from services.runtime.interceptors import ServiceInterceptor
+from services.runtime.server import start_service
+
+
+@pytest.fixture
+async def gateway(tmp_path, base_spec) -> AsyncIterator[tuple[str, GatewayCore]]:
+    """A gateway for tenants alice and bob over a real store granting alice ``tmp_path/granted``."""
+    write_peft_adapter(
+        tmp_path / "granted" / "a", base_spec, SampleAdapterSpec(rank=4, target_modules=("q_proj", "v_proj"))
+    )
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"tenants": {"alice": [f"file://{tmp_path / 'granted'}"]}}))
+    config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), grace_s=1, import_policy_file=str(policy))
+    store = await start_service(AdapterStoreService(config), config)
+    core = GatewayCore(GatewayConfig(), ApiKeys.from_config("key-alice=alice,key-bob=bob", ""))
+    server = aio.server(interceptors=[ServiceInterceptor()])
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    async with aio.insecure_channel(store.address) as channel:
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+        core.attach(load_tokenizer(), relay=None, access=AdapterAccess(None), store=stub)
+        await server.start()
+        try:
+            yield address, core
+        finally:
+            await server.stop(None)
+            await store.shutdown()
+
+
+async def test_import_uri_through_the_gateway(gateway, tmp_path):
+    address, _ = gateway
+    uri = f"file://{tmp_path / 'granted' / 'a'}"
+    async with AsyncClient(address, "key-alice") as alice:
+        first = await alice.adapters.import_uri(uri, "a")
+        assert first.changed and (first.adapter.owner, first.adapter.version) == ("alice", 1)
+        again = await alice.adapters.import_uri(uri, "a")
+        assert not again.changed and again.adapter.id == first.adapter.id
+    async with AsyncClient(address, "key-bob") as bob:
+        with pytest.raises(PermissionDenied, match="tenant 'bob' may not import from"):
+            await bob.adapters.import_uri(uri, "a")
+
+
+async def test_load_lora_adapter_takes_a_uri(gateway, tmp_path):
+    _, core = gateway
+    transport = httpx.ASGITransport(app=build_app(core))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        body = {"lora_name": "b", "lora_path": f"file://{tmp_path / 'granted' / 'a'}"}
+        reply = await client.post(
+            "/v1/load_lora_adapter", json=body, headers={"authorization": "Bearer key-alice"}
+        )
+        assert reply.status_code == 200, reply.text
+        body["lora_path"] = "s3://not-granted/a"
+        reply = await client.post(
+            "/v1/load_lora_adapter", json=body, headers={"authorization": "Bearer key-alice"}
+        )
+        assert reply.status_code == 403 and "s3://not-granted/a" in reply.text
