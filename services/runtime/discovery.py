@@ -37,6 +37,11 @@ class ChannelPool:
         self._channels.clear()
 
 
+LOOKUP_ATTEMPTS = 3
+"""etcd reads a lookup tries, each bounded by the membership call timeout, before the caller gets
+UNAVAILABLE: on a saturated machine one read can miss its timeout while etcd is fine."""
+
+
 class ServiceLocator:
     """The address of ``service``: ``fixed`` if given, else a random live member in etcd."""
 
@@ -69,9 +74,14 @@ class ServiceLocator:
     async def _discover(self) -> str:
         if not self.etcd_endpoints:
             raise Unavailable(f"no {self.service} address configured and no etcd to discover one")
-        members = await list_members(
-            MembershipConfig(etcd_endpoints=self.etcd_endpoints, tls=self.tls), self.service
-        )
+        config = MembershipConfig(etcd_endpoints=self.etcd_endpoints, tls=self.tls)
+        for attempt in range(LOOKUP_ATTEMPTS):
+            try:
+                members = await list_members(config, self.service)
+                break
+            except Unavailable:
+                if attempt == LOOKUP_ATTEMPTS - 1:
+                    raise
         if not members:
             raise Unavailable(f"no {self.service} is registered in etcd")
         self._cached = random.choice(members).address

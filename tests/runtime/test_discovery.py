@@ -35,3 +35,19 @@ async def test_a_burst_of_first_lookups_queries_etcd_once(etcd, membership_confi
     finally:
         await registration.stop()
     assert addresses == ["127.0.0.1:5001"] * 20 and len(queries) == 2  # the failure was not cached
+
+
+async def test_a_read_that_misses_its_timeout_is_tried_again_a_bounded_number_of_times(monkeypatch):
+    outcomes = [Unavailable("etcd unreachable (timed out)")] * (discovery.LOOKUP_ATTEMPTS - 1)
+
+    async def flaky(config, service):
+        if outcomes:
+            raise outcomes.pop()
+        return [MemberInfo("scheduler", "s-1", "127.0.0.1:5001", "", "test", 0.0)]
+
+    monkeypatch.setattr(discovery, "list_members", flaky)
+    locator = ServiceLocator("scheduler", etcd_endpoints="127.0.0.1:1")
+    assert await locator.address() == "127.0.0.1:5001"
+    outcomes.extend([Unavailable("etcd unreachable (timed out)")] * discovery.LOOKUP_ATTEMPTS)
+    with pytest.raises(Unavailable, match="timed out"):
+        await locator.address(refresh=True)

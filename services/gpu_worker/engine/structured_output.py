@@ -29,7 +29,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from services.runtime.errors import InvalidArgument
@@ -182,10 +181,13 @@ class MaskPlanner:
         rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
         if not rows:
             return None
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self._vocab_size)
+        # Not llguidance.torch: importing it runs torch.compile, which imports triton, and triton
+        # imported before TRITON_INTERPRET is set cannot interpret kernels (the CPU tests' mode).
+        bitmask = torch.full((len(rows), (self._vocab_size + 31) // 32), -1, dtype=torch.int32)
         matchers = [(grammars[row].matcher, k) for k, row in enumerate(rows)]
+        one_mask_bytes = bitmask.shape[1] * bitmask.element_size()
         done = self._thread.submit(
-            llguidance.torch.fill_next_token_bitmask_par, self._executor, matchers, bitmask
+            self._executor.unsafe_compute_mask_ptr, matchers, bitmask.data_ptr(), one_mask_bytes, len(rows)
         )
         return StepMasks(rows, bitmask, done)
 

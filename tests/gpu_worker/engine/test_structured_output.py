@@ -4,6 +4,8 @@ that parses and validates, whatever the logits prefer; bad schemas are refused b
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -116,3 +118,11 @@ def test_unpack_bitmask_maps_bit_j_of_word_w_to_token_32w_plus_j():
     bitmask = torch.tensor([[0b101, -(2**31)]], dtype=torch.int32)  # tokens 0, 2 and 63
     allowed = unpack_bitmask(bitmask, 70)
     assert allowed.shape == (1, 70) and allowed[0].nonzero().flatten().tolist() == [0, 2, 63]
+
+
+def test_the_engine_does_not_import_triton():
+    """Triton imported before a test sets TRITON_INTERPRET cannot interpret kernels: the engine
+    (and its grammar masks) must leave it to the kernels' first use."""
+    code = "import sys, services.gpu_worker.engine.engine; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
