@@ -9,6 +9,7 @@ import sqlite3
 
 import grpc
 import pytest
+from support.cli import COMMAND_TIMEOUT_S  # a hang guard, not a timing claim
 
 from mesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
@@ -116,7 +117,7 @@ def test_a_template_that_uses_what_the_sandbox_forbids_still_compiles_and_is_kep
 
 
 def register(stub, files, name="a1", owner="alice"):
-    return stub.RegisterAdapter(upload_requests(files, name, owner), timeout=60).adapter
+    return stub.RegisterAdapter(upload_requests(files, name, owner), timeout=COMMAND_TIMEOUT_S).adapter
 
 
 def test_the_store_keeps_the_template_and_gives_it_back_where_it_is_needed(store_stub, sample_files):

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.cli import COMMAND_TIMEOUT_S
 
 from loramesh_cli.main import build_parser, main
 from loramesh_cli.mesh_commands import _detached_argv, _service_processes
@@ -195,7 +196,7 @@ def test_a_service_that_cannot_start_is_one_line(tmp_path):
         [sys.executable, "-m", "loramesh_cli.main",
          "--state-dir", str(tmp_path / "state"), "up", "--model", str(tmp_path / "no-such-model.gguf"),
          "--workers", "1", "--gateways", "1", "--schedulers", "1", "--kv-managers", "1"],
-        capture_output=True, text=True, timeout=400, check=False,
+        capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False,
     )  # fmt: skip
     last = done.stderr.splitlines()[-1]
     assert done.returncode == 1 and last.startswith("loramesh: adapter_store did not start (log "), (
