@@ -397,6 +397,9 @@ def parse_body(raw: bytes, model: type[B]) -> B:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise OpenAIError(400, f"the request body is not valid JSON: {error}", None, "invalid_json") from None
+    except RecursionError:
+        # The decoder recurses per nesting level; no OpenAI field nests this deep.
+        raise OpenAIError(400, "the request body nests too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "the request body must be a JSON object", None, "invalid_json")
     try:

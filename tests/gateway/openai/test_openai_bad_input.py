@@ -39,6 +39,9 @@ def chat(**fields) -> dict:
 
 CASES = {
     "malformed JSON": BadRequest("/completions", 400, "not valid JSON", content=b'{"model": "x", '),
+    "deeply nested JSON": BadRequest(
+        "/completions", 400, "nests too deeply", content=b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    ),
     "not an object": BadRequest("/chat/completions", 400, "JSON object", content=b"[1, 2]"),
     "missing messages": BadRequest("/chat/completions", 400, "messages", json={"model": BASE_MODEL}, param="messages"),
     "unknown model": BadRequest("/completions", 404, "does not exist", json=completion(model="nope"), param="model"),
