@@ -1,13 +1,29 @@
-"""Scale run of the adapter store: register thousands of real-size PEFT adapters, then list,
-get and fetch every one; report registration rate, fetch latency and the store's memory.
+"""Adapters at 10,000 (issue 30): the adapter store's registration bound by bytes, a restart that
+serves at once, and what 10,000 registered adapters cost the mesh, in one run of two phases.
 
-    .venv/bin/python bench/adapter_store_scale.py --adapters 2000 --ram-budget-mib 256
+``bytes``
+    ``--real-size`` real-size PEFT adapters for SmolLM2-135M (ranks 8 and 16 alternating, half on
+    q/k/v/o and half also on gate/up/down, float16: 1.9 to 9.8 MB, 5.1 MB on average) uploaded to
+    a store process, ``--concurrency`` at a time. The disk's sequential write bandwidth is measured
+    with ``dd`` and fsync beside it, in the store's data directory, before and after: the
+    registration rate in MB/s is reported against it. Then the store is restarted over what it
+    holds and timed until it serves.
+``scale``
+    ``--adapters`` small adapters (rank 8 on q/v, ≈0.9 MB) into a store that serves a scheduler,
+    a worker and a gateway (each its own process, members of one etcd): ``--s3-imports`` of them imported
+    from S3 (moto's in-memory server, in this process) through ``ImportAdapter``, the rest
+    uploaded. Every other one is public; ten tenants own them in turn. Reported: the upload and
+    import rates; each service's resident memory per registered adapter (the slope of VmRSS
+    over the second half of the uploads, each point taken once the gateway lists them all) and
+    the gateway's index's own bytes per adapter (tracemalloc, in this process); the gateway's
+    ``/v1/models`` latency for a tenant that may use 6,000 of the adapters; paging the store;
+    fetching a sample of adapters (each verified against its sha256 on its first read from disk)
+    and the store's restart over all of them.
 
-Adapters are for SmolLM2-135M, ranks 8 and 16 alternating, half on q/k/v/o and half also on
-gate/up/down, float16. Four templates are generated with random weights; each adapter is a
-template with its first 64 weights set from its index, so every adapter has distinct bytes and
-its own sha256 at the template's real size. The store runs as a real process, so its resident
-memory (VmRSS from /proc) is measured apart from this driver's.
+Every adapter is a template with its first 64 weights set from its index, so each has its own
+bytes and sha256 at the template's real size.
+
+    .venv/bin/python bench/adapter_store_scale.py --adapters 10000 --s3-imports 1000 --real-size 1000
 """
 
 from __future__ import annotations
@@ -15,40 +31,80 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
+import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import tracemalloc
+import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import boto3
+import httpx
 import numpy as np
 from grpc import aio
+from moto.server import ThreadedMotoServer
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_id, upload_adapter
 from mesh_api.v1 import adapter_store_pb2 as pb
-from mesh_api.v1 import adapter_store_pb2_grpc
+from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
+from services.gateway.adapter_index import AdapterIndex
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS
+from services.runtime.etcd_server import EtcdServer
+from services.runtime.ports import free_port
 from services.runtime.process import ServiceProcess
 
 WEIGHTS = "adapter_model.safetensors"
+TENANTS = 10
+BUCKET = "adapters"
+API_KEY = "bench-key"
+MB = 1e6
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
 
-def rss_mib(pid: int) -> tuple[float, float]:
-    """(current, peak) resident set of a process in MiB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+def rss_mib(pid: int) -> float:
+    """Resident set of a process in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def templates(root: Path) -> list[dict[str, bytes]]:
+def cpu_model() -> str:
+    for line in subprocess.run(["lscpu"], check=True, capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def dd_write_mb_s(directory: Path, direct: bool) -> float:
+    """Sequential write of 1 GiB with fsync, as ``dd`` measures it (``oflag=direct conv=fsync``, or
+    through the page cache with ``conv=fdatasync``), in MB/s."""
+    target = directory / "dd.bin"
+    flags = ["oflag=direct", "conv=fsync"] if direct else ["conv=fdatasync"]
+    started = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=4M", "count=256", *flags],
+                   check=True, capture_output=True)  # fmt: skip
+    elapsed = time.perf_counter() - started
+    target.unlink()
+    return round(256 * 4 * 2**20 / elapsed / MB, 1)
+
+
+def dd_both(directory: Path) -> dict:
+    return {"direct_fsync": dd_write_mb_s(directory, True), "fdatasync": dd_write_mb_s(directory, False)}
+
+
+def real_size_templates(root: Path) -> list[dict[str, bytes]]:
     spec = load_base_model_spec()
-    kinds = [
-        (8, ATTENTION_PROJECTIONS),
-        (16, LORA_TARGETS),
-        (8, LORA_TARGETS),
-        (16, ATTENTION_PROJECTIONS),
-    ]
+    kinds = [(8, ATTENTION_PROJECTIONS), (16, LORA_TARGETS), (8, LORA_TARGETS), (16, ATTENTION_PROJECTIONS)]
     return [
         adapter_files(
             write_peft_adapter(root / f"t{i}", spec, SampleAdapterSpec(rank=r, target_modules=t, seed=i))
@@ -57,14 +113,37 @@ def templates(root: Path) -> list[dict[str, bytes]]:
     ]
 
 
+def small_template(root: Path) -> dict[str, bytes]:
+    spec = load_base_model_spec()
+    sample = SampleAdapterSpec(rank=8, target_modules=("q_proj", "v_proj"), seed=7)
+    return adapter_files(write_peft_adapter(root / "small", spec, sample))
+
+
 def variant(template: dict[str, bytes], index: int) -> dict[str, bytes]:
-    """The template with its first 64 float16 weights derived from ``index`` (distinct bytes)."""
-    weights = bytearray(template[WEIGHTS])
-    header_len = int.from_bytes(weights[:8], "little")
-    start = 8 + header_len
+    """The template with its first 64 float16 weights derived from ``index`` (distinct bytes;
+    one copy of the template, so the driver spends little of the CPU the store shares with it)."""
+    weights = memoryview(template[WEIGHTS])
+    start = 8 + int.from_bytes(weights[:8], "little")
     values = (np.arange(64, dtype=np.float32) + index % 9973) * 1e-4 + index * 1e-7
-    weights[start : start + 128] = values.astype(np.float16).tobytes()
-    return {**template, WEIGHTS: bytes(weights)}
+    return {
+        **template,
+        WEIGHTS: b"".join((weights[:start], values.astype(np.float16).tobytes(), weights[start + 128 :])),
+    }
+
+
+def owner_of(index: int) -> str:
+    return f"tenant-{index % TENANTS}"
+
+
+def visibility_of(index: int) -> int:
+    """Every other adapter is public: a tenant's ``/v1/models`` lists about half of them."""
+    return types_pb2.VISIBILITY_PUBLIC if index % 2 == 1 else types_pb2.VISIBILITY_PRIVATE
+
+
+def visible_to_first_tenant(count: int) -> int:
+    """How many of the first ``count`` adapters ``owner_of(0)`` may use (its own and the public)."""
+    public = types_pb2.VISIBILITY_PUBLIC
+    return sum(1 for i in range(count) if owner_of(i) == owner_of(0) or visibility_of(i) == public)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,123 +151,282 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def run(args) -> dict:
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="lm-scale-"))
-    data_dir = work / "store"
-    shutil.rmtree(data_dir, ignore_errors=True)
-    bases = templates(work / "templates")
-    store = ServiceProcess(
-        "adapter_store",
-        ["--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib)],
-        log_path=work / "store.log",
-    ).start()
+async def run_all(count: int, concurrency: int, one: Callable[[int], Awaitable[int]]) -> tuple[float, int]:
+    """``one(i)`` for i in range(count), ``concurrency`` at a time: (seconds, sum of what they return)."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(count):
+        queue.put_nowait(i)
+    total = 0
+
+    async def worker():
+        nonlocal total
+        while not queue.empty():
+            done = await one(queue.get_nowait())
+            total += done
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - started, total
+
+
+async def index_bytes_per_adapter(count: int) -> float:
+    """Python memory (tracemalloc) the gateway's adapter index holds per adapter, filled here
+    with ``count`` adapters shaped as the run's: corroborates the gateway's RSS slope."""
+
+    class Listing:
+        def __init__(self, messages):
+            self.messages = messages
+
+        async def watch(self, refresh: bool):
+            for message in self.messages:
+                yield message
+            await asyncio.Event().wait()
+
+    infos = [
+        types_pb2.AdapterInfo(id=uuid.uuid4().hex, name=f"a{i:05d}", owner=owner_of(i), visibility=visibility_of(i),
+                              base_model="SmolLM2-135M-Instruct", max_rank=8, created_unix_ms=1_700_000_000_000 + i)
+        for i in range(count)
+    ]  # fmt: skip
+    messages = [
+        pb.WatchAdaptersResponse(upserted=infos[i : i + 500], synced=i + 500 >= count)
+        for i in range(0, count, 500)
+    ]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = AdapterIndex(Listing(messages))
+    await index.usable(owner_of(0))
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    await index.stop()
+    return held / count
+
+
+def start(module: str, args: list[str], log: Path, env: dict | None = None) -> ServiceProcess:
+    return ServiceProcess(module, args, log_path=log, env=env).start()
+
+
+async def restart_s(args: list[str], log: Path) -> float:
+    """Seconds from starting a store over ``args``'s data directory until it serves."""
+    store = start("adapter_store", args, log)
+    started = time.perf_counter()
+    await store.wait_ready(600)
+    elapsed = time.perf_counter() - started
+    store.terminate()
+    return round(elapsed, 2)
+
+
+async def bytes_phase(args, work: Path) -> dict:
+    data_dir = work / "bytes-store"
+    store_args = ["--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib)]
+    bases = real_size_templates(work / "templates")
+    store = start("adapter_store", store_args, work / "bytes-store.log")
     await store.wait_ready(120)
-    baseline_rss, _ = rss_mib(store.pid)
-    result: dict = {
-        "adapters": args.adapters,
-        "ram_budget_mib": args.ram_budget_mib,
-        "rss_at_start_mib": baseline_rss,
+    dd_before = dd_both(data_dir)
+    async with aio.insecure_channel(store.address, options=GRPC_OPTIONS) as channel:
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+
+        async def register(i: int) -> int:
+            info = await upload_adapter(stub, variant(bases[i % len(bases)], i), f"real-{i:05d}", owner_of(i))
+            return info.size_bytes
+
+        elapsed, total = await run_all(args.real_size, args.concurrency, register)
+    store.terminate()
+    dd_after = dd_both(data_dir)
+    restart = await restart_s(store_args, work / "bytes-restart.log")
+    shutil.rmtree(data_dir, ignore_errors=True)
+    rate = total / elapsed / MB
+    dd = {k: round((dd_before[k] + dd_after[k]) / 2, 1) for k in dd_before}
+    return {
+        "adapters": args.real_size,
+        "concurrency": args.concurrency,
+        "mean_adapter_mb": round(total / args.real_size / MB, 2),
+        "registration_s": round(elapsed, 1),
+        "registrations_per_s": round(args.real_size / elapsed, 1),
+        "registered_mb_per_s": round(rate, 1),
+        "dd_mb_per_s_before": dd_before,
+        "dd_mb_per_s_after": dd_after,
+        "ratio_to_dd_direct_fsync": round(rate / dd["direct_fsync"], 2),
+        "ratio_to_dd_fdatasync": round(rate / dd["fdatasync"], 2),
+        "restart_to_serving_s": restart,
     }
 
-    async with aio.insecure_channel(
-        store.address, options=[("grpc.max_receive_message_length", 64 << 20)]
-    ) as ch:
-        stub = adapter_store_pb2_grpc.AdapterStoreStub(ch)
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(args.adapters):
-            queue.put_nowait(i)
-        ids: dict[int, str] = {}
-        total_bytes = 0
-        peak_rss_during = 0.0
 
-        async def uploader():
-            nonlocal total_bytes, peak_rss_during
-            while not queue.empty():
-                i = queue.get_nowait()
-                files = variant(bases[i % len(bases)], i)
-                info = await upload_adapter(stub, files, f"adapter-{i:05d}", f"tenant-{i % 10}")
-                ids[i] = info.id
-                total_bytes += info.size_bytes
-                if i % 100 == 0:
-                    peak_rss_during = max(peak_rss_during, rss_mib(store.pid)[0])
-                    print(f"registered {len(ids)}/{args.adapters}", flush=True)
+def put_s3_adapters(endpoint: str, template: dict[str, bytes], first: int, count: int) -> None:
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                      aws_access_key_id="bench", aws_secret_access_key="bench")  # fmt: skip
+    s3.create_bucket(Bucket=BUCKET)
+    for i in range(first, first + count):
+        for name, data in variant(template, i).items():
+            s3.put_object(Bucket=BUCKET, Key=f"a{i:05d}/{name}", Body=data)
 
-        started = time.perf_counter()
-        await asyncio.gather(*(uploader() for _ in range(args.concurrency)))
-        elapsed = time.perf_counter() - started
-        result.update(
-            registration_s=round(elapsed, 1),
-            registrations_per_s=round(args.adapters / elapsed, 1),
-            registered_mib_per_s=round(total_bytes / elapsed / 2**20, 1),
-            disk_gib=round(total_bytes / 2**30, 2),
-            rss_after_registration_mib=round(rss_mib(store.pid)[0], 1),
-        )
 
-        listed, token, pages = 0, "", 0
-        started = time.perf_counter()
+async def scale_phase(args, work: Path) -> dict:
+    template = small_template(work / "templates")
+    uploads = args.adapters - args.s3_imports
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    started = time.perf_counter()
+    await asyncio.to_thread(put_s3_adapters, endpoint, template, uploads, args.s3_imports)
+    s3_put_s = time.perf_counter() - started
+    policy = work / "import-policy.json"
+    policy.write_text(json.dumps({"tenants": {owner_of(t): [f"s3://{BUCKET}/"] for t in range(TENANTS)}}))
+    aws = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_REGION": "us-east-1"}  # fmt: skip
+    etcd = EtcdServer(work / "etcd").start()
+    mesh = ["--etcd-endpoints", etcd.endpoint]
+    data_dir = work / "scale-store"
+    store_args = [*mesh, "--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib),
+                  "--import-policy-file", str(policy)]  # fmt: skip
+    store = start("adapter_store", store_args, work / "scale-store.log", env=aws)
+    await store.wait_ready(120)
+    scheduler = start("scheduler", mesh, work / "scheduler.log")
+    worker = start("gpu_worker", [*mesh, "--pool-mib", "256"], work / "worker.log")
+    openai_port = free_port()
+    gateway = start(
+        "gateway", [*mesh, "--api-keys", f"{API_KEY}={owner_of(0)}", "--openai-port", str(openai_port)],
+        work / "gateway.log",
+    )  # fmt: skip
+    for service in (scheduler, worker, gateway):
+        await service.wait_ready(300)
+    services = {"adapter_store": store, "gateway": gateway, "scheduler": scheduler, "gpu_worker": worker}
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{openai_port}",
+                             headers={"authorization": f"Bearer {API_KEY}"}, timeout=60)  # fmt: skip
+
+    async def settled_rss(count: int) -> dict[str, float]:
+        """Each service's RSS once the gateway lists the first ``count`` adapters (and has
+        answered ``/v1/models`` over them)."""
+        deadline = time.monotonic() + 120
+        while len((await http.get("/v1/models")).json()["data"]) - 1 != visible_to_first_tenant(count):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not list {count} adapters in 120 s")
+            await asyncio.sleep(0.2)
+        return {name: rss_mib(s.pid) for name, s in services.items()}
+
+    rss_start = await settled_rss(0)
+    result: dict = {"adapters": args.adapters, "s3_imports": args.s3_imports, "uploads": uploads,
+                    "s3_put_s": round(s3_put_s, 1)}  # fmt: skip
+    ids: list[str] = []
+    async with aio.insecure_channel(store.address, options=GRPC_OPTIONS) as channel:
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+
+        async def register(i: int) -> int:
+            info = await upload_adapter(
+                stub, variant(template, i), f"a{i:05d}", owner_of(i), visibility_of(i)
+            )
+            ids.append(info.id)
+            return info.size_bytes
+
+        async def import_one(i: int) -> int:
+            i += uploads
+            request = pb.ImportAdapterRequest(uri=f"s3://{BUCKET}/a{i:05d}", name=f"a{i:05d}", owner=owner_of(i),
+                                              visibility=visibility_of(i))  # fmt: skip
+            reply = await stub.ImportAdapter(request, timeout=300)
+            ids.append(reply.adapter.id)
+            return reply.adapter.size_bytes
+
+        half = uploads // 2
+        first, size = await run_all(half, args.concurrency, register)
+        rss_half = await settled_rss(half)
+        second, more = await run_all(uploads - half, args.concurrency, lambda i: register(half + i))
+        elapsed, total = first + second, size + more
+        rss_uploaded = await settled_rss(uploads)
+        result.update(upload_s=round(elapsed, 1), uploads_per_s=round(uploads / elapsed, 1),
+                      upload_mb_per_s=round(total / elapsed / MB, 1))  # fmt: skip
+        elapsed, total = await run_all(args.s3_imports, args.concurrency, import_one)
+        result.update(import_s=round(elapsed, 1), imports_per_s=round(args.s3_imports / elapsed, 1),
+                      import_mb_per_s=round(total / elapsed / MB, 1))  # fmt: skip
+        rss_end = await settled_rss(args.adapters)
+        listed = len((await http.get("/v1/models")).json()["data"]) - 1  # the base model first
+        latencies = []
+        for _ in range(args.list_rounds):
+            t0 = time.perf_counter()
+            await http.get("/v1/models")
+            latencies.append((time.perf_counter() - t0) * 1000)
+        result.update(v1_models_listed=listed, v1_models_p50_ms=round(statistics.median(latencies), 1))
+        result["memory"] = {
+            name: {
+                "rss_start_mib": round(rss_start[name], 1),
+                f"rss_at_{half}_mib": round(rss_half[name], 1),
+                f"rss_at_{uploads}_mib": round(rss_uploaded[name], 1),
+                f"rss_at_{args.adapters}_mib": round(rss_end[name], 1),
+                # The second half of the uploads: start-up garbage and allocator warm-up are behind
+                # it, and the first import (which loads boto3 into the store) after it.
+                "kib_per_adapter": round((rss_uploaded[name] - rss_half[name]) * 1024 / (uploads - half), 2),
+            }
+            for name in services
+        }
+        result["gateway_index_bytes_per_adapter"] = round(await index_bytes_per_adapter(args.adapters))
+        token, pages, listed = "", 0, 0
+        t0 = time.perf_counter()
         while True:
-            page = await stub.ListAdapters(pb.ListAdaptersRequest(page_size=500, page_token=token))
-            listed += len(page.adapters)
-            pages += 1
-            token = page.next_page_token
+            page = await stub.ListAdapters(pb.ListAdaptersRequest(page_size=1000, page_token=token))
+            listed, pages, token = listed + len(page.adapters), pages + 1, page.next_page_token
             if not token:
                 break
-        result.update(listed=listed, list_pages=pages, list_all_s=round(time.perf_counter() - started, 2))
-
-        started = time.perf_counter()
-        for adapter_id in ids.values():
-            await stub.GetAdapter(pb.GetAdapterRequest(ref=ref_by_id(adapter_id)))
-        result["get_all_s"] = round(time.perf_counter() - started, 2)
-
-        latencies = []
-        order = list(ids.values())
-        np.random.default_rng(0).shuffle(order)
-        for n, adapter_id in enumerate(order):
+        result.update(
+            store_listed=listed, store_list_pages=pages, store_list_all_s=round(time.perf_counter() - t0, 2)
+        )
+        sample = np.random.default_rng(0).choice(
+            len(ids), size=min(args.fetch_sample, len(ids)), replace=False
+        )
+        fetches = []
+        for adapter_id in (ids[i] for i in sample):
             t0 = time.perf_counter()
             await fetch_adapter(stub, ref_by_id(adapter_id))  # raises on a checksum mismatch
-            latencies.append((time.perf_counter() - t0) * 1000)
-            if n % 100 == 0:
-                peak_rss_during = max(peak_rss_during, rss_mib(store.pid)[0])
-        stats = await stub.Stats(pb.StatsRequest())
-        result.update(
-            fetched_verified=len(latencies),
-            fetch_p50_ms=round(statistics.median(latencies), 1),
-            fetch_p99_ms=round(percentile(latencies, 99), 1),
-            ram_tier_mib=round(stats.ram_bytes / 2**20, 1),
-            ram_hits=stats.ram_hits,
-            ram_misses=stats.ram_misses,
-        )
-    current, peak = rss_mib(store.pid)
-    result.update(
-        rss_end_mib=round(current, 1),
-        rss_peak_mib=round(max(peak, peak_rss_during), 1),
-        rss_peak_minus_budget_mib=round(max(peak, peak_rss_during) - args.ram_budget_mib, 1),
-    )
-    store.terminate()
+            fetches.append((time.perf_counter() - t0) * 1000)
+        result.update(fetched_verified=len(fetches), fetch_p50_ms=round(statistics.median(fetches), 1),
+                      fetch_p99_ms=round(percentile(fetches, 99), 1))  # fmt: skip
+    await http.aclose()
+    for service in (gateway, worker, scheduler, store):
+        service.terminate()
+    result["restart_to_serving_s"] = await restart_s(store_args, work / "scale-restart.log")
+    result["disk_gb"] = round(sum(p.stat().st_size for p in (data_dir / "blobs").iterdir()) / 1e9, 2)
+    etcd.stop()
+    moto.stop()
+    return result
 
-    restarted = ServiceProcess(
-        "adapter_store",
-        ["--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib)],
-        log_path=work / "store-restart.log",
-    ).start()
-    started = time.perf_counter()
-    await restarted.wait_ready(600)
-    result["restart_with_sha256_verification_s"] = round(time.perf_counter() - started, 1)
-    restarted.terminate()
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
+
+async def run(args) -> dict:
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="lm-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "command": args.command}
+    try:
+        if args.real_size:
+            result["bytes"] = await bytes_phase(args, work)
+        if args.adapters:
+            result["scale"] = await scale_phase(args, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--adapters", type=int, default=2000)
+    parser.add_argument("--adapters", type=int, default=10000, help="scale phase: adapters in all (0: skip)")
+    parser.add_argument(
+        "--s3-imports", type=int, default=1000, help="scale phase: how many are imported from S3"
+    )
+    parser.add_argument(
+        "--real-size", type=int, default=1000, help="bytes phase: real-size adapters (0: skip)"
+    )
     parser.add_argument("--ram-budget-mib", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--list-rounds", type=int, default=10, help="/v1/models calls timed")
+    parser.add_argument("--fetch-sample", type=int, default=500, help="adapters fetched and verified")
     parser.add_argument("--work-dir", default="")
-    parser.add_argument("--keep", action="store_true", help="keep the data directory")
-    result = asyncio.run(run(parser.parse_args()))
-    print(json.dumps(result, indent=2))
+    parser.add_argument("--out", default="", help="also write the JSON result here")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+    args.command = "python bench/adapter_store_scale.py " + " ".join(sys.argv[1:])
+    result = asyncio.run(run(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,55 @@ def generate(spec: WorkloadSpec) -> list[TraceRequest]:
     ]
 
 
+def generate_shared_arrivals(spec: WorkloadSpec) -> list[TraceRequest]:
+    """A trace whose arrivals and lengths do not depend on ``n`` or ``α``: one process for all
+    adapters, each request's adapter drawn on its own from the power law.
+
+    :func:`generate` gives each adapter its own process, so two specs that differ only in ``n``
+    offer different requests (the quick profile's n-sweep offered 71 requests at n = 10 and 84
+    at n = 2,000 over the same 20 s): a throughput ratio between them mixes the load with the
+    adapters. Here the arrival times come from one Gamma process of rate ``R`` and coefficient of
+    variation ``cv`` (started ``WARMUP_GAPS`` gaps early, like each of :func:`generate`'s), the
+    lengths from U[Il, Iu] and U[Ol, Ou], all from one random stream seeded by ``seed`` alone;
+    request ``k``'s adapter is the power law's inverse CDF at the ``k``-th uniform of a second
+    stream, also seeded by ``seed`` alone. Two specs that differ only in ``adapters`` or ``alpha``
+    therefore offer exactly the same requests (times, lengths, ids) and differ only in which
+    adapter each one names; ``alpha = 0`` spreads them uniformly.
+
+    With cv = 1 this is S-LoRA's workload in distribution: a Poisson process whose requests are
+    marked independently with probabilities ``λ_i / R`` splits into independent Poisson processes
+    of rates ``λ_i``. With cv ≠ 1 the burstiness is the total's, not each adapter's.
+    """
+    if spec.adapters < 1 or spec.rate <= 0 or spec.cv <= 0 or spec.duration_s <= 0:
+        raise ValueError(f"adapters, rate, cv and duration must be positive: {spec}")
+    rng = np.random.default_rng([spec.seed, 0])
+    shape, scale = 1.0 / spec.cv**2, spec.cv**2 / spec.rate
+    warmup = WARMUP_GAPS / spec.rate
+    t, times = -warmup, []
+    while t < spec.duration_s:
+        size = max(16, int(spec.rate * (warmup + spec.duration_s)) + 16)
+        stamps = t + np.cumsum(rng.gamma(shape, scale, size=size))
+        times.extend(stamps[(stamps >= 0) & (stamps < spec.duration_s)].tolist())
+        t = float(stamps[-1])
+    inputs = rng.integers(spec.input_range[0], spec.input_range[1] + 1, size=len(times))
+    outputs = rng.integers(spec.output_range[0], spec.output_range[1] + 1, size=len(times))
+    weights = np.arange(1, spec.adapters + 1, dtype=np.float64) ** -spec.alpha
+    cdf = np.cumsum(weights) / weights.sum()
+    uniforms = np.random.default_rng([spec.seed, 1]).random(len(times))
+    adapters = np.minimum(np.searchsorted(cdf, uniforms, side="right"), spec.adapters - 1)
+    return [
+        TraceRequest(
+            time_s=round(time, 6),
+            adapter=int(adapters[i]),
+            rank=spec.ranks[int(adapters[i]) % len(spec.ranks)],
+            input_len=int(inputs[i]),
+            output_len=int(outputs[i]),
+            request_id=f"req-{i:06d}",
+        )
+        for i, time in enumerate(times)
+    ]
+
+
 def write_jsonl(requests: list[TraceRequest], path: str | Path) -> None:
     with open(path, "w") as f:
         f.writelines(json.dumps(asdict(request)) + "\n" for request in requests)

@@ -32,7 +32,16 @@ from loramesh.errors import (
     Unauthenticated,
     Unavailable,
 )
-from loramesh.types import Adapter, Completion, ImportedAdapter, Model, Sampling, TextDelta, Usage
+from loramesh.types import (
+    Adapter,
+    AdapterPage,
+    Completion,
+    ImportedAdapter,
+    Model,
+    Sampling,
+    TextDelta,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from loramesh.async_client import AsyncClient
@@ -41,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Adapter",
+    "AdapterPage",
     "AlreadyExists",
     "AsyncClient",
     "Client",

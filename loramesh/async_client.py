@@ -6,7 +6,7 @@ Request building, retry policy and conversions are :mod:`loramesh.client`'s.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -26,13 +26,16 @@ from loramesh.client import (
     import_request,
     imported_from,
     model_from,
+    page_from,
+    pin_request,
     resolve_targets,
     text_delta,
     upload_stream,
 )
+from loramesh.errors import Unavailable
 from loramesh.stream_resume import StreamProgress
 from loramesh.tls import ClientTLS, aio_channel
-from loramesh.types import Adapter, Completion, ImportedAdapter, Model, Sampling, TextDelta
+from loramesh.types import Adapter, AdapterPage, Completion, ImportedAdapter, Model, Sampling, TextDelta
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
 
 
@@ -132,6 +135,14 @@ class AsyncAdapters:
             if not token:
                 return adapters
 
+    async def list_page(
+        self, *, page_size: int = LIST_PAGE_SIZE, page_token: str = "", timeout: float | None = None
+    ) -> AdapterPage:
+        """One page of :meth:`list`, as :meth:`loramesh.Client.adapters.list_page
+        <loramesh.client.Adapters.list_page>`."""
+        request = adapter_store_pb2.ListAdaptersRequest(page_size=page_size, page_token=page_token)
+        return page_from(await self._client._unary("ListAdapters", request, timeout, retry=True))
+
     async def get(self, name: str, *, timeout: float | None = None) -> Adapter:
         """One adapter.
 
@@ -140,8 +151,8 @@ class AsyncAdapters:
             timeout: Seconds; None for the client's default.
 
         Raises:
-            NotFound: No such adapter.
-            PermissionDenied: It is another tenant's private adapter.
+            NotFound: No such adapter, or another tenant's private one (the gateway answers
+                both alike).
         """
         request = gateway_pb2.GatewayAdapterRequest(adapter=name)
         return adapter_from(await self._client._unary("GetAdapter", request, timeout, retry=True))
@@ -164,6 +175,18 @@ class AsyncAdapters:
         reply = await self._client._unary("DeleteAdapter", request, timeout, retry=False)
         return adapter_from(reply.adapter)
 
+    async def pin(self, name: str, *, timeout: float | None = None) -> Adapter:
+        """Pins one of the caller's adapters, as :meth:`loramesh.Client.adapters.pin
+        <loramesh.client.Adapters.pin>`."""
+        reply = await self._client._unary("SetAdapterPinned", pin_request(name, True), timeout, retry=True)
+        return adapter_from(reply.adapter)
+
+    async def unpin(self, name: str, *, timeout: float | None = None) -> Adapter:
+        """Unpins one of the caller's adapters, as :meth:`loramesh.Client.adapters.unpin
+        <loramesh.client.Adapters.unpin>`."""
+        reply = await self._client._unary("SetAdapterPinned", pin_request(name, False), timeout, retry=True)
+        return adapter_from(reply.adapter)
+
 
 class AsyncClient:
     """An asyncio connection to one or several loramesh gateways; create it inside the event loop
@@ -172,7 +195,8 @@ class AsyncClient:
     Same behaviour as :class:`loramesh.Client`: :class:`~loramesh.errors.LoraMeshError`
     subclasses on failure, ``UNAVAILABLE`` retried with backoff on the next gateway for reads
     and generations (a stream that broke mid-way continues there right after what it yielded,
-    whatever its sampling); never for uploads and deletes.
+    whatever its sampling), ``RESOURCE_EXHAUSTED`` with a retry delay retried on the same gateway
+    after it; never for uploads and deletes.
 
     Example:
         >>> from loramesh import AsyncClient
@@ -199,6 +223,8 @@ class AsyncClient:
         mesh_file: str | Path | None = None,
         tls: ClientTLS | None = None,
         on_retry: Callable[[RetryNotice], None] | None = None,
+        max_retry_after_s: float = 60.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         """Opens a channel per gateway (connecting lazily, on the first call).
 
@@ -210,15 +236,18 @@ class AsyncClient:
                 talking to that mesh's gateways).
             timeout: Default seconds per call (a stream's whole duration included, across its
                 retries); None for no deadline.
-            retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
+            retries: Times a call is retried after ``UNAVAILABLE``, or after
+                ``RESOURCE_EXHAUSTED`` with a retry delay (0: never).
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
             max_backoff_s: The wait between retries never grows beyond this.
             mesh_file: The local mesh's file written by ``loramesh up``; None for ``mesh.json``
                 in ``$LORAMESH_STATE_DIR``, else in ``.loramesh``.
             tls: Mutual TLS files for a mesh that requires them; None for the mesh file's
                 (``loramesh up --tls``), else plaintext.
-            on_retry: Called before each retry of an ``UNAVAILABLE`` failure, with a
-                :class:`~loramesh.client.RetryNotice`.
+            on_retry: Called before each retry, with a :class:`~loramesh.client.RetryNotice`.
+            max_retry_after_s: ``RESOURCE_EXHAUSTED`` is retried only when the server's retry
+                delay (``retry-after-s``) is at most this; 0 never retries it.
+            sleep: How the client waits between attempts (tests pass a fake).
 
         Raises:
             NoGatewayAddress: No address was given and the mesh file has none (a ``ValueError``).
@@ -226,7 +255,10 @@ class AsyncClient:
         """
         self.addresses, api_key, tls = resolve_targets(address, api_key, mesh_file, tls)
         self.address = self.addresses[0]
-        self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s, on_retry)
+        self._policy = _Policy(
+            api_key, timeout, retries, backoff_s, max_backoff_s, on_retry, max_retry_after_s
+        )
+        self._sleep = sleep
         self._gateways = GatewayRotation(self.addresses)
         self._channels = [aio_channel(a, tls) for a in self.addresses]
         self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
@@ -467,9 +499,10 @@ class AsyncClient:
                 delay = call.retry_delay(attempt, failure) if retry else None
                 if delay is None:
                     raise failure from error
-                self._gateways.failed(address)
+                if isinstance(failure, Unavailable):
+                    self._gateways.failed(address)
                 call.announce_retry(address, self._gateways.current(), attempt, delay, failure)
-            await asyncio.sleep(delay)
+            await self._sleep(delay)
             attempt += 1
 
     async def _stream(self, method: str, request: Any, timeout: float | None) -> AsyncIterator[TextDelta]:
@@ -495,9 +528,10 @@ class AsyncClient:
                 delay = call.retry_delay(attempt, failure)
                 if delay is None:
                     raise call.stream_failure(failure, progress) from error
-                self._gateways.failed(address)
+                if isinstance(failure, Unavailable):
+                    self._gateways.failed(address)
                 call.announce_retry(address, self._gateways.current(), attempt, delay, failure)
             finally:
                 responses.cancel()
-            await asyncio.sleep(delay)
+            await self._sleep(delay)
             attempt += 1

@@ -23,13 +23,23 @@ from loramesh.errors import (
     LoraMeshError,
     NoApiKey,
     NoGatewayAddress,
+    ResourceExhausted,
     StreamInterrupted,
     Unavailable,
     from_rpc_error,
 )
 from loramesh.stream_resume import StreamProgress
 from loramesh.tls import ClientTLS, sync_channel
-from loramesh.types import Adapter, Completion, ImportedAdapter, Model, Sampling, TextDelta, Usage
+from loramesh.types import (
+    Adapter,
+    AdapterPage,
+    Completion,
+    ImportedAdapter,
+    Model,
+    Sampling,
+    TextDelta,
+    Usage,
+)
 from mesh_api.adapter_transfer import read_adapter_dir, upload_requests
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
@@ -171,13 +181,15 @@ class GatewayRotation:
 
 @dataclass(frozen=True)
 class RetryNotice:
-    """An attempt failed with ``UNAVAILABLE`` and is about to be retried: what a client's
-    ``on_retry`` is called with (the CLI prints it, so a dead gateway is not silent)."""
+    """An attempt failed with ``UNAVAILABLE`` (or ``RESOURCE_EXHAUSTED`` with a retry delay) and is
+    about to be retried: what a client's ``on_retry`` is called with (the CLI prints it, so a
+    dead gateway is not silent)."""
 
     failed_address: str
     """The gateway the failed attempt went to."""
     next_address: str
-    """The gateway the retry goes to (the next one, when there are several)."""
+    """The gateway the retry goes to (the next one after ``UNAVAILABLE``, when there are several;
+    the same one after ``RESOURCE_EXHAUSTED``)."""
     retry: int
     """This retry's number, from 1."""
     retries: int
@@ -198,6 +210,8 @@ class _Policy:
     backoff_s: float
     max_backoff_s: float
     on_retry: Callable[[RetryNotice], None] | None = None
+    max_retry_after_s: float = 60.0
+    """A ``RESOURCE_EXHAUSTED`` whose retry delay is longer than this is not retried."""
 
     def start(self, timeout: float | None) -> _Call:
         """The bookkeeping of one logical call (all its attempts) with a per-call ``timeout``."""
@@ -231,16 +245,28 @@ class _Call:
     def retry_delay(self, attempt: int, failure: LoraMeshError) -> float | None:
         """Seconds to wait before the next attempt, or None when ``failure`` is final.
 
-        Final: not UNAVAILABLE, retries used up, or the backoff would outlast the deadline.
-        The backoff doubles per attempt, with jitter.
+        Final: retries used up; not UNAVAILABLE, nor RESOURCE_EXHAUSTED with a retry delay of
+        at most ``max_retry_after_s`` (a tenant's quota, a full mesh); or the wait would outlast
+        the deadline. After UNAVAILABLE the backoff doubles per attempt, with jitter; after
+        RESOURCE_EXHAUSTED the wait is the server's delay, never less, plus up to 10% (so that
+        clients refused together do not all come back at once).
 
         Args:
             attempt: The failed attempt's number, from 0.
             failure: What it failed with.
         """
-        if not isinstance(failure, Unavailable) or attempt >= self.policy.retries:
+        if attempt >= self.policy.retries:
             return None
-        delay = min(self.policy.backoff_s * 2**attempt, self.policy.max_backoff_s) * random.uniform(0.5, 1.0)
+        if isinstance(failure, ResourceExhausted):
+            if failure.retry_after_s is None or failure.retry_after_s > self.policy.max_retry_after_s:
+                return None
+            delay = max(failure.retry_after_s, 0.0) * random.uniform(1.0, 1.1)
+        elif isinstance(failure, Unavailable):
+            delay = min(self.policy.backoff_s * 2**attempt, self.policy.max_backoff_s) * random.uniform(
+                0.5, 1.0
+            )
+        else:
+            return None
         if self.deadline is not None and time.monotonic() + delay >= self.deadline:
             return None
         return delay
@@ -368,6 +394,7 @@ def adapter_from(info: types_pb2.AdapterInfo) -> Adapter:
         version=info.version,
         created_unix_ms=info.created_unix_ms,
         config_json=info.config_json,
+        pinned=info.pinned,
     )
 
 
@@ -410,6 +437,15 @@ def import_request(uri: str, name: str, public: bool) -> adapter_store_pb2.Impor
 
 def imported_from(reply: adapter_store_pb2.ImportAdapterResponse) -> ImportedAdapter:
     return ImportedAdapter(adapter_from(reply.adapter), reply.changed)
+
+
+def pin_request(name: str, pinned: bool) -> gateway_pb2.GatewayPinRequest:
+    """The ``SetAdapterPinned`` request for the caller's adapter ``name``."""
+    return gateway_pb2.GatewayPinRequest(adapter=name, pinned=pinned)
+
+
+def page_from(reply: adapter_store_pb2.ListAdaptersResponse) -> AdapterPage:
+    return AdapterPage(tuple(adapter_from(a) for a in reply.adapters), reply.next_page_token, reply.total)
 
 
 class Adapters:
@@ -511,6 +547,26 @@ class Adapters:
             if not token:
                 return adapters
 
+    def list_page(
+        self, *, page_size: int = LIST_PAGE_SIZE, page_token: str = "", timeout: float | None = None
+    ) -> AdapterPage:
+        """One page of :meth:`list`, for callers that hold thousands of adapters.
+
+        Args:
+            page_size: Adapters on the page (at most 1000).
+            page_token: ``next_page_token`` of the page before; "" for the first page.
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The page, in registration order: a token stays valid while adapters come and go
+            (one registered meanwhile shows on a later page, one deleted on none).
+
+        Raises:
+            InvalidArgument: ``page_size`` is over 1000, or ``page_token`` is not one the mesh issued.
+        """
+        request = adapter_store_pb2.ListAdaptersRequest(page_size=page_size, page_token=page_token)
+        return page_from(self._client._unary("ListAdapters", request, timeout, retry=True))
+
     def get(self, name: str, *, timeout: float | None = None) -> Adapter:
         """One adapter.
 
@@ -519,8 +575,8 @@ class Adapters:
             timeout: Seconds; None for the client's default.
 
         Raises:
-            NotFound: No such adapter.
-            PermissionDenied: It is another tenant's private adapter.
+            NotFound: No such adapter, or another tenant's private one (the gateway answers
+                both alike).
         """
         request = gateway_pb2.GatewayAdapterRequest(adapter=name)
         return adapter_from(self._client._unary("GetAdapter", request, timeout, retry=True))
@@ -543,6 +599,43 @@ class Adapters:
         reply = self._client._unary("DeleteAdapter", request, timeout, retry=False)
         return adapter_from(reply.adapter)
 
+    def pin(self, name: str, *, timeout: float | None = None) -> Adapter:
+        """Pins one of the caller's adapters: the adapter store's RAM tier, the workers' host
+        caches and their pools never evict it; it still counts against each of their budgets.
+        Retried like a read (pinning twice changes nothing).
+
+        Args:
+            name: The adapter's name.
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The adapter, ``pinned``.
+
+        Raises:
+            NotFound: No such adapter.
+            PermissionDenied: It belongs to another tenant.
+            ResourceExhausted: The pinned adapters would not fit in the store's RAM budget.
+        """
+        reply = self._client._unary("SetAdapterPinned", pin_request(name, True), timeout, retry=True)
+        return adapter_from(reply.adapter)
+
+    def unpin(self, name: str, *, timeout: float | None = None) -> Adapter:
+        """Unpins one of the caller's adapters: the caches may evict it again. Retried like a read.
+
+        Args:
+            name: The adapter's name.
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The adapter, no longer ``pinned``.
+
+        Raises:
+            NotFound: No such adapter.
+            PermissionDenied: It belongs to another tenant.
+        """
+        reply = self._client._unary("SetAdapterPinned", pin_request(name, False), timeout, retry=True)
+        return adapter_from(reply.adapter)
+
 
 class Client:
     """A synchronous connection to one or several loramesh gateways (thread-safe).
@@ -552,7 +645,9 @@ class Client:
     for calls that are safe to repeat: reads and generations. A stream that broke mid-way (its
     gateway died) continues on the next gateway right after what it yielded, whatever its
     sampling: the gateway is sent the tokens and text delivered and generates the rest
-    (:mod:`loramesh.stream_resume`). Uploads and deletes are never retried.
+    (:mod:`loramesh.stream_resume`). ``RESOURCE_EXHAUSTED`` with a retry delay (a tenant over its
+    quota, a mesh at capacity) is retried on the same gateway once the delay has passed, within
+    the same ``retries``. Uploads and deletes are never retried.
 
     Example:
         >>> from loramesh import Client
@@ -579,6 +674,8 @@ class Client:
         mesh_file: str | Path | None = None,
         tls: ClientTLS | None = None,
         on_retry: Callable[[RetryNotice], None] | None = None,
+        max_retry_after_s: float = 60.0,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         """Opens a channel per gateway (connecting lazily, on the first call).
 
@@ -590,15 +687,19 @@ class Client:
                 talking to that mesh's gateways).
             timeout: Default seconds per call (a stream's whole duration included, across its
                 retries); None for no deadline.
-            retries: Times an ``UNAVAILABLE`` failure is retried (0: never).
+            retries: Times a call is retried after ``UNAVAILABLE``, or after
+                ``RESOURCE_EXHAUSTED`` with a retry delay (0: never).
             backoff_s: Wait before the first retry; doubles on each next one (with jitter).
             max_backoff_s: The wait between retries never grows beyond this.
             mesh_file: The local mesh's file written by ``loramesh up``; None for ``mesh.json``
                 in ``$LORAMESH_STATE_DIR``, else in ``.loramesh``.
             tls: Mutual TLS files for a mesh that requires them; None for the mesh file's
                 (``loramesh up --tls``), else plaintext.
-            on_retry: Called before each retry of an ``UNAVAILABLE`` failure, with a
-                :class:`RetryNotice` (where, which retry, how long until it).
+            on_retry: Called before each retry, with a :class:`RetryNotice` (where, which
+                retry, how long until it).
+            max_retry_after_s: ``RESOURCE_EXHAUSTED`` is retried only when the server's retry
+                delay (``retry-after-s``) is at most this; 0 never retries it.
+            sleep: How the client waits between attempts (tests pass a fake).
 
         Raises:
             NoGatewayAddress: No address was given and the mesh file has none (a ``ValueError``).
@@ -606,7 +707,10 @@ class Client:
         """
         self.addresses, api_key, tls = resolve_targets(address, api_key, mesh_file, tls)
         self.address = self.addresses[0]
-        self._policy = _Policy(api_key, timeout, retries, backoff_s, max_backoff_s, on_retry)
+        self._policy = _Policy(
+            api_key, timeout, retries, backoff_s, max_backoff_s, on_retry, max_retry_after_s
+        )
+        self._sleep = sleep
         self._gateways = GatewayRotation(self.addresses)
         self._channels = [sync_channel(a, tls) for a in self.addresses]
         self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
@@ -831,7 +935,8 @@ class Client:
 
     def _unary_with(self, method: str, request: Any, call: _Call, *, retry: bool) -> Any:
         """Calls a unary-response RPC on the current gateway; when ``retry``, an UNAVAILABLE
-        one is retried on the next gateway."""
+        one is retried on the next gateway (a RESOURCE_EXHAUSTED one on the same, after its
+        delay)."""
         attempt = 0
         while True:
             address = self._gateways.current()
@@ -844,9 +949,10 @@ class Client:
                 delay = call.retry_delay(attempt, failure) if retry else None
                 if delay is None:
                     raise failure from error
-                self._gateways.failed(address)
+                if isinstance(failure, Unavailable):
+                    self._gateways.failed(address)
                 call.announce_retry(address, self._gateways.current(), attempt, delay, failure)
-            time.sleep(delay)
+            self._sleep(delay)
             attempt += 1
 
     def _stream(self, method: str, request: Any, timeout: float | None) -> Iterator[TextDelta]:
@@ -874,9 +980,10 @@ class Client:
                 delay = call.retry_delay(attempt, failure)
                 if delay is None:
                     raise call.stream_failure(failure, progress) from error
-                self._gateways.failed(address)
+                if isinstance(failure, Unavailable):
+                    self._gateways.failed(address)
                 call.announce_retry(address, self._gateways.current(), attempt, delay, failure)
             finally:
                 responses.cancel()
-            time.sleep(delay)
+            self._sleep(delay)
             attempt += 1

@@ -70,7 +70,8 @@ class InvalidArgument(LoraMeshError):
 
 
 class NotFound(LoraMeshError):
-    """No such adapter (or none the caller may see)."""
+    """No such adapter, or none the caller may see: another tenant's private adapter is
+    answered exactly as a missing one."""
 
     code = "NOT_FOUND"
 
@@ -82,7 +83,8 @@ class AlreadyExists(LoraMeshError):
 
 
 class PermissionDenied(LoraMeshError):
-    """Another tenant's private adapter, or a change to another tenant's adapter."""
+    """A change to another tenant's adapter (delete, pin), or an import the store's policy
+    does not grant."""
 
     code = "PERMISSION_DENIED"
 
@@ -94,10 +96,12 @@ class Unauthenticated(LoraMeshError):
 
 
 class ResourceExhausted(LoraMeshError):
-    """A limit was hit: the mesh is at capacity, or an upload is too large.
+    """A limit was hit: the tenant's quota (requests in flight, tokens per minute), the mesh is
+    at capacity, or an upload is too large.
 
-    Not retried by the client: when ``retry_after_s`` is set, the server expects a later retry
-    to succeed, and the caller decides whether to wait that long.
+    When ``retry_after_s`` is set, the server expects a later retry to succeed: the clients
+    retry after it (within their ``retries``, when it is at most their ``max_retry_after_s``)
+    and raise this once they give up. Without it (an upload too large) nothing is retried.
 
     Attributes:
         retry_after_s: Seconds after which trying again may work (the ``retry-after-s``

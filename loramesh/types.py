@@ -156,6 +156,26 @@ class Adapter:
     """Registration time, milliseconds since the Unix epoch."""
     config_json: str
     """``adapter_config.json`` as uploaded."""
+    pinned: bool = False
+    """Whether it is pinned: the mesh's caches never evict it (``client.adapters.pin``)."""
+
+
+@dataclass(frozen=True)
+class AdapterPage:
+    """One page of the adapters a caller may use, from ``client.adapters.list_page``.
+
+    Example:
+        >>> page = client.adapters.list_page(page_size=50)
+        >>> while page.next_page_token:
+        ...     page = client.adapters.list_page(page_size=50, page_token=page.next_page_token)
+    """
+
+    adapters: tuple[Adapter, ...]
+    """At most the page size, in registration order (a new version after every older adapter)."""
+    next_page_token: str
+    """Pass it back for the next page; "" on the last page."""
+    total: int
+    """Adapters on all the pages together, when this page was read."""
 
 
 @dataclass(frozen=True)

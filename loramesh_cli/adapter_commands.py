@@ -1,7 +1,8 @@
-"""``loramesh adapters upload|import|list|delete``: the calling tenant's adapters, through the gateway.
+"""``loramesh adapters upload|import|list|delete|pin|unpin``: the calling tenant's adapters, through
+the gateway.
 
 The CLI is a client like any other (:class:`loramesh.Client`): the gateway maps its API key to a
-tenant, which owns what it uploads and may list and delete only its own adapters (listings also
+tenant, which owns what it uploads and may list, delete and pin only its own adapters (listings also
 show every tenant's public ones). No flag names another owner: to act for tenant ``bob``, use
 bob's key. The local mesh's ``admin_api_key`` (mesh.json) is the ``admin`` tenant's key, nothing
 more.
@@ -14,9 +15,10 @@ sent to that mesh's own gateways).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from loramesh.client import check_adapter_dir
+from loramesh.client import LIST_PAGE_SIZE, check_adapter_dir
 from loramesh_cli.errors import CommandError
 from loramesh_cli.gateway_client import add_connection_flags, gateway_client
 from loramesh_cli.table import render_table
@@ -40,7 +42,7 @@ class _Removed(argparse.Action):
 def add_parsers(sub) -> None:
     adapters = sub.add_parser(
         "adapters",
-        help="upload, list and delete the calling tenant's LoRA adapters (through the gateway)",
+        help="upload, list, delete and pin the calling tenant's LoRA adapters (through the gateway)",
         description="The API key's tenant owns what it uploads; to act for another tenant, use its key.",
     )
     # Accepted before the verb and after it (the verb's copy only overrides when given).
@@ -67,11 +69,25 @@ def add_parsers(sub) -> None:
     listing = verbs.add_parser("list", help="the caller's adapters and every tenant's public ones")
     listing.add_argument("--all-owners", action=_Removed, nargs=0, instead="a tenant sees its own "
                          "adapters and the public ones, nothing more")  # fmt: skip
+    listing.add_argument("--page-size", type=int, default=0, metavar="N",
+                         help="list one page of at most N adapters (at most 1000) and the token of the "
+                              "next; 0: every page")  # fmt: skip
+    listing.add_argument("--page-token", default="", metavar="TOKEN",
+                         help="the page after the one that printed TOKEN (with --page-size)")  # fmt: skip
     listing.set_defaults(func=cmd_list)
     delete = verbs.add_parser("delete", help="delete one of the caller's adapters")
     delete.add_argument("name")
     delete.set_defaults(func=cmd_delete)
-    for verb in (upload, imported, listing, delete):
+    pin = verbs.add_parser("pin", help="pin one of the caller's adapters: the adapter store and the "
+                           "workers never evict it from their caches")  # fmt: skip
+    pin.add_argument("name")
+    pin.set_defaults(func=cmd_pin, pinned=True)
+    unpin = verbs.add_parser(
+        "unpin", help="unpin one of the caller's adapters: the caches may evict it again"
+    )
+    unpin.add_argument("name")
+    unpin.set_defaults(func=cmd_pin, pinned=False)
+    for verb in (upload, imported, listing, delete, pin, unpin):
         add_connection_flags(verb, override_only=True)
 
 
@@ -110,10 +126,23 @@ def cmd_import(args) -> int:
 
 
 def cmd_list(args) -> int:
+    paged = bool(args.page_size or args.page_token)
     with gateway_client(args) as client:
-        adapters = client.adapters.list()
-    if not adapters:
+        if paged:
+            page = client.adapters.list_page(
+                page_size=args.page_size or LIST_PAGE_SIZE, page_token=args.page_token
+            )
+            adapters, total = list(page.adapters), page.total
+        else:
+            adapters = client.adapters.list()
+            total = len(adapters)
+    if paged:  # on stderr: stdout stays the table alone
+        more = f"next page: --page-token {page.next_page_token}" if page.next_page_token else "last page"
+        print(f"{len(adapters)} of {total} adapters; {more}", file=sys.stderr)
+    if not total:
         print("no adapters: this tenant has none and no tenant has a public one")
+        return 0
+    if not adapters:
         return 0
     print(
         render_table(
@@ -134,6 +163,13 @@ def cmd_list(args) -> int:
             ],
         )
     )
+    return 0
+
+
+def cmd_pin(args) -> int:
+    with gateway_client(args) as client:
+        a = client.adapters.pin(args.name) if args.pinned else client.adapters.unpin(args.name)
+    print(f"{'pinned' if a.pinned else 'unpinned'} {a.owner}/{a.name} id={a.id} {a.size_bytes} bytes")
     return 0
 
 

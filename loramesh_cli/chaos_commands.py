@@ -308,6 +308,9 @@ def add_parsers(sub) -> None:
     chaos.add_argument("--max-tokens", type=int, default=12, help="tokens per request")
     chaos.add_argument("--retries", type=int, default=30,
                        help="SDK retries per request (0.2 s doubling to 5 s: over a minute in all)")  # fmt: skip
+    chaos.add_argument("--api-key", default="", metavar="KEY",
+                       help="the tenant the load is sent as (default: $LORAMESH_API_KEY, else "
+                            "mesh.json's admin key): a tenant with limits exercises the quotas")  # fmt: skip
     chaos.add_argument("--out", default="", help="also write the JSON report here")
     chaos.set_defaults(func=cmd_chaos)
 
@@ -333,13 +336,34 @@ def cmd_chaos(args) -> int:
 
 async def _run_chaos(args, state_dir: Path, plan: KillPlan) -> dict[str, object]:
     from loramesh.async_client import AsyncClient
+    from loramesh.client import RetryNotice
+    from loramesh.errors import ResourceExhausted
+    from loramesh_cli.gateway_client import API_KEY_ENV
+
+    quota_retries: Counter[str] = Counter()
+    """Retries after a tenant-quota refusal, by the limit that refused (gateway's message)."""
+
+    def count_quota_retry(notice: RetryNotice) -> None:
+        if isinstance(notice.failure, ResourceExhausted):
+            limit = (
+                "tokens_per_minute"
+                if "tokens per minute" in str(notice.failure)
+                else "max_concurrent_requests"
+            )
+            quota_retries[limit] += 1
 
     restarts_before = restarts_per_process(read_mesh(state_dir))
     async with AsyncClient(
-        mesh_file=MeshFile.path(state_dir), retries=args.retries, backoff_s=0.2, timeout=600
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        mesh_file=MeshFile.path(state_dir),
+        retries=args.retries,
+        backoff_s=0.2,
+        timeout=600,
+        on_retry=count_quota_retry,
     ) as sdk:
         expected = await reference_outputs(sdk, PROMPTS, args.max_tokens)
         failovers_before = sdk.failovers
+        quota_retries.clear()  # those of the reference outputs aside
         traffic = Traffic(sdk, expected, args.concurrency, args.max_tokens)
         traffic.start()
         plan.start()
@@ -354,15 +378,19 @@ async def _run_chaos(args, state_dir: Path, plan: KillPlan) -> dict[str, object]
         _log(f"{plan.elapsed_s():6.1f} s  no more kills; waiting for the requests in flight")
         tally = await traffic.stop()
         failovers = sdk.failovers - failovers_before
+        quota_refusals = dict(sorted(quota_retries.items()))
     all_back = await _wait_all_back(state_dir, killed)
     settings = {
         "duration_s": args.duration, "interval_s": [args.min_interval, args.max_interval],
         "seed": args.seed, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "sdk_retries": args.retries, "all_killed_processes_back": all_back,
     }  # fmt: skip
-    return chaos_report(
+    report = chaos_report(
         plan, tally, failovers, restarts_before, restarts_per_process(read_mesh(state_dir)), settings
     )
+    report["quota_refusals_retried"] = sum(quota_refusals.values())
+    report["quota_refusals_retried_per_limit"] = quota_refusals
+    return report
 
 
 async def _wait_all_back(state_dir: Path, killed: list[tuple[str, float]]) -> bool:

@@ -23,14 +23,17 @@ from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_
 from loramesh_cli.table import render_table
 from loramesh_cli.tls_options import cli_tls
 from services.adapter_store.config import AdapterStoreConfig
-from services.gateway.auth import ApiKeys, hashed_keys, is_hashed
+from services.gateway.auth import ApiKeys, TenantsFile, hashed_keys, is_hashed
 from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
 from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
 from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.errors import InvalidArgument
+from services.runtime.etcd_rbac import provision_etcd_rbac
 from services.runtime.etcd_server import EtcdServer
+from services.runtime.eviction import EVICTION_POLICIES
+from services.runtime.identity import MeshIdentity
 from services.runtime.membership import MembershipConfig, list_members, read_loads
 from services.runtime.ports import free_port
 from services.runtime.private_files import private_dir, write_private_text
@@ -46,6 +49,8 @@ ADMIN_TENANT = "admin"
 
 #: The certificate identity `loramesh` (CLI and SDK) presents to a `--tls` mesh.
 ADMIN_IDENTITY = "admin"
+#: The certificates of a `--tls` mesh beside each service's own: etcd's server and the operator's.
+MESH_IDENTITIES = ("etcd", ADMIN_IDENTITY)
 
 #: The supervisor's name for etcd's process.
 ETCD_UNIT = "etcd"
@@ -91,6 +96,10 @@ def add_parsers(sub) -> None:
     up.add_argument("--prefix-cache", default="", choices=["", "on", "off"],
                     help="each worker's prefix cache: requests sharing a prompt prefix and adapter "
                          "version reuse its KV (docs/operations.md; default: the worker's, on)")  # fmt: skip
+    up.add_argument("--eviction-policy", default="", choices=["", *sorted(EVICTION_POLICIES)],
+                    help="which adapters the adapter store's RAM tier and each worker's host cache and "
+                         "pool drop first when full: lru, lfu or fifo; pinned adapters never "
+                         "(docs/operations.md, \"Eviction and pinning\"; default: the services', lru)")  # fmt: skip
     up.add_argument("--kv-overflow", default="", choices=["", *KV_OVERFLOW_POLICIES],
                     help="what each worker does when its pool cannot hold a request's next KV block: "
                          "preempt (recompute it later) or borrow (DistKV-LLM: blocks lent by other "
@@ -116,7 +125,9 @@ def add_parsers(sub) -> None:
                     help="the schedulers' output-length predictor (Magnus; needs loramesh[predictor]; "
                          "default none)")  # fmt: skip
     up.add_argument("--api-keys-file", default="", metavar="FILE",
-                    help="JSON {api key: tenant} for the gateway, besides the admin key (default none)")  # fmt: skip
+                    help="the gateways' tenants file: JSON {api key: tenant}, or {\"keys\": {api key: tenant}, "
+                         "\"tenants\": {tenant: limits}} with per-tenant limits (docs/operations.md, "
+                         "\"Tenants and quotas\"), besides the admin key (default none)")  # fmt: skip
     up.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR|URI",
                     help="adapters to register once the mesh is ready, as vLLM's flag: NAME for the admin "
                          "tenant, OWNER/NAME for a tenant whose plain key is in --api-keys-file; DIR is a "
@@ -306,6 +317,7 @@ def _detached_argv(args, state_dir: Path) -> list[str]:
     ]
     argv += ["--dtype", args.dtype, "--quantization", args.quantization, "--pool-mib", str(args.pool_mib)]
     argv += _batch_policy_flags(args) + _prefix_cache_flags(args) + _kv_overflow_flags(args)
+    argv += _eviction_flags(args)
     if args.deterministic:
         argv += ["--deterministic"]
     argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers), *_scheduler_flags(args)]
@@ -332,10 +344,15 @@ def print_summary(mesh: MeshFile, state_dir: Path) -> None:
     """What `up` prints once the mesh is ready: every process's addresses, then where its state
     is and how to stop it (with the ``--state-dir`` it was started with)."""
     _log(f"mesh up (pid {mesh.up_pid}); etcd {mesh.etcd_endpoint}")
+    # With --tls the side ports and the OpenAI port speak HTTPS only (the mesh CA's certificates).
+    tls = mesh.tls_config().enabled
+    scheme = "https" if tls else "http"
     for name, entry in mesh.services.items():
-        _log(f"  {name:<14} grpc {entry.address}  http {entry.http_address}  log {entry.log}")
+        _log(f"  {name:<14} grpc {entry.address}  {scheme} {entry.http_address}  log {entry.log}")
         if entry.openai_address:
-            _log(f"  {'':<14} OpenAI API http://{entry.openai_address}/v1")
+            _log(f"  {'':<14} OpenAI API {scheme}://{entry.openai_address}/v1")
+    if tls and any(entry.openai_address for entry in mesh.services.values()):
+        _log(f"  (HTTPS with the mesh CA: e.g. curl --cacert {mesh.tls['ca_file']} ...)")
     _log(f"state in {MeshFile.path(state_dir).absolute()}; stop with `{command_line(state_dir, 'down')}`")
 
 
@@ -370,6 +387,11 @@ def _kv_overflow_flags(args) -> list[str]:
 def _prefix_cache_flags(args) -> list[str]:
     """``--prefix-cache on|off`` when `up` was given it; none leaves the workers' default."""
     return ["--prefix-cache", args.prefix_cache] if args.prefix_cache else []
+
+
+def _eviction_flags(args) -> list[str]:
+    """``--eviction-policy NAME`` when `up` was given it; none leaves the services' default."""
+    return ["--eviction-policy", args.eviction_policy] if args.eviction_policy else []
 
 
 def _deterministic_flags(args) -> list[str]:
@@ -408,7 +430,8 @@ def _service_processes(
 ) -> tuple[dict[str, ServiceProcess], dict[str, str]]:
     """Every service of the mesh, by name (also its instance id), the adapter store first, and
     each gateway's OpenAI API address. Ports are picked now and kept, so a restarted process
-    comes back at the same address. With ``certs``, each runs with mutual TLS as its kind.
+    comes back at the same address. With ``certs``, each runs with mutual TLS as its own
+    instance (``<kind>/<name>``: services/runtime/identity.py).
 
     Each process inherits the environment of `up`, so any setting `up` has no flag for reaches
     its services as their ``LORAMESH_*`` variable; a flag passed here wins over it."""
@@ -419,7 +442,7 @@ def _service_processes(
             [*flags, "--instance-id", name],
             log_path=log_dir / f"{name}.log",
             env=env,
-            tls=certs.tls_for(kind) if certs is not None else NO_TLS,
+            tls=_instance_tls(certs, MeshIdentity(kind, name)),
         )
 
     etcd_flags = ["--etcd-endpoints", etcd_endpoint]
@@ -428,7 +451,8 @@ def _service_processes(
         "adapter_store": service(
             "adapter_store", "adapter_store",
             [*etcd_flags, "--data-dir", str(state_dir / "adapter_store"),
-             "--ram-budget-mib", str(args.ram_budget_mib), *_max_rank_flags(args), *model_flags,
+             "--ram-budget-mib", str(args.ram_budget_mib), *_max_rank_flags(args), *_eviction_flags(args),
+             *model_flags,
              "--import-policy-file", _import_policy_file(args, state_dir)],
         )
     }  # fmt: skip
@@ -442,7 +466,7 @@ def _service_processes(
             [*etcd_flags, *store_flags, "--dtype", args.dtype, "--quantization", args.quantization,
              "--pool-mib", str(args.pool_mib),
              "--threads", str(threads), "--tp", str(args.tp), *_batch_policy_flags(args), *_deterministic_flags(args), *_prefix_cache_flags(args),
-             *_kv_overflow_flags(args), *model_flags],
+             *_kv_overflow_flags(args), *_eviction_flags(args), *model_flags],
         )  # fmt: skip
     # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
     for i in range(args.schedulers):
@@ -485,16 +509,19 @@ def _max_rank_flags(args) -> list[str]:
 
 
 def _gateway_keys_file(args, state_dir: Path, admin_api_key: str) -> Path:
-    """The gateways' API keys, hashed (services/gateway/auth.py), in a 0600 file: the admin key and
-    those of ``--api-keys-file``. No plain key reaches a gateway's argv, environment or disk."""
+    """The gateways' tenants file, keys hashed (services/gateway/auth.py), in a 0600 file: the admin
+    key and those of ``--api-keys-file``, with that file's tenant limits. No plain key reaches a
+    gateway's argv, environment or disk."""
     keys = {admin_api_key: ADMIN_TENANT}
+    given = TenantsFile({})
     if args.api_keys_file:
         try:
-            keys.update(ApiKeys.read_file(args.api_keys_file))
+            given = TenantsFile.read(args.api_keys_file)
         except (OSError, ValueError, InvalidArgument) as error:
             raise CommandError(f"--api-keys-file: {error}") from None
+        keys.update(given.keys)
     path = state_dir / "gateway-api-keys.json"
-    write_private_text(path, json.dumps(hashed_keys(keys), indent=2))
+    write_private_text(path, json.dumps(TenantsFile(hashed_keys(keys), given.quotas).to_json(), indent=2))
     return path.resolve()
 
 
@@ -563,14 +590,24 @@ def _client_tls_entry(certs: CertificateDirectory | None) -> dict[str, str]:
 
 
 def _mesh_certificates(args, state_dir: Path) -> CertificateDirectory | None:
-    """With ``--tls``: the state directory's certificates, made now if any is missing."""
+    """With ``--tls``: the state directory's CA and the etcd and admin certificates, made now if
+    any is missing (each service's own is made with its process: :func:`_instance_tls`)."""
     if not args.tls:
         return None
     certs = CertificateDirectory((state_dir / "certs").resolve())
-    if not certs.complete():
+    if not certs.complete(MESH_IDENTITIES):
         _log(f"creating the mesh CA and certificates in {certs.path}")
-        create_mesh_certificates(certs.path)
+        create_mesh_certificates(certs.path, MESH_IDENTITIES)
     return certs
+
+
+def _instance_tls(certs: CertificateDirectory | None, identity: MeshIdentity) -> TLSConfig:
+    """A process's TLS settings: its own instance's certificate (made if missing), or none."""
+    if certs is None:
+        return NO_TLS
+    if not certs.complete((identity,)):
+        create_mesh_certificates(certs.path, (identity,))
+    return certs.tls_for(identity)
 
 
 async def _wait_ready(name: str, process: ServiceProcess) -> None:
@@ -595,9 +632,12 @@ async def _up_foreground(args, state_dir: Path) -> int:
     admin_api_key = "lm-admin-" + secrets.token_urlsafe(18)
     keys_file = _gateway_keys_file(args, state_dir, admin_api_key)
     await asyncio.to_thread(etcd.start)
-    processes, openai_addresses = _service_processes(
-        args, state_dir, log_dir, etcd.endpoint, keys_file, certs
+    processes, openai_addresses = await asyncio.to_thread(
+        _service_processes, args, state_dir, log_dir, etcd.endpoint, keys_file, certs
     )
+    if certs is not None:  # etcd RBAC: each instance may write only its own keys
+        instances = [MeshIdentity(p.module, name) for name, p in processes.items()]
+        await provision_etcd_rbac(etcd.endpoint, certs.tls_for(ADMIN_IDENTITY), instances)
     units = [EtcdUnit(ETCD_UNIT, etcd), *(ServiceUnit(name, p) for name, p in processes.items())]
     ready = False
 

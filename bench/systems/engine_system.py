@@ -61,10 +61,20 @@ class EngineSystem:
         """Adapters read from disk during the last run (re-reads after a drop included)."""
         self.engine_stats: dict = {}
         """The engine's stats at the end of the last run (policy decisions included)."""
+        self.page_ins: list[float] = []
+        """Seconds each adapter page-in into the pool took during the last run."""
+        self.fetch_s: list[float] = []
+        """Seconds each adapter fetch (read from disk, parsed into a host copy) took in the last run."""
 
     def stats(self) -> dict:
         """What the last run did besides serving, for the results file."""
-        return {"adapter_fetches": self.adapter_fetches, **_policy_stats(self.engine_stats)}
+        return {
+            "adapter_fetches": self.adapter_fetches,
+            "adapter_page_ins": len(self.page_ins),
+            "adapter_page_in_s": round(sum(self.page_ins), 4),
+            "adapter_fetch_s": round(sum(self.fetch_s), 4),
+            **_policy_stats(self.engine_stats),
+        }
 
     def run(self, context: RunContext) -> list[RequestRecord]:
         loaded = load_model(context.model_path)
@@ -82,9 +92,13 @@ class EngineSystem:
             eos_token_ids=loaded.config.eos_token_ids,
             batch_policy=self.options.batch_policy() if self.options.batch_policy else None,
         )
+        self.page_ins = []
+        engine.adapters.on_paged_in = self.page_ins.append  # engine thread; list.append is atomic
         loader = AdapterLoader(
             DirectorySource(context.adapters.root), engine, dtype, int(context.host_cache_mib * 2**20)
         )
+        self.fetch_s = []
+        loader.on_loaded = self.fetch_s.append
         engine.start()
         try:
             records = asyncio.run(_Replay(context, engine, loader).run())

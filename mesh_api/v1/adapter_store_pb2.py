@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mesh_api.v1 import types_pb2 as loramesh_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1floramesh/v1/adapter_store.proto\x12\x0bloramesh.v1\x1a\x17loramesh/v1/types.proto\"O\n\nAdapterRef\x12\x0c\n\x02id\x18\x01 \x01(\tH\x00\x12,\n\nowned_name\x18\x02 \x01(\x0b\x32\x16.loramesh.v1.OwnedNameH\x00\x42\x05\n\x03ref\"(\n\tOwnedName\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\xb4\x02\n\x16RegisterAdapterRequest\x12<\n\x06header\x18\x01 \x01(\x0b\x32*.loramesh.v1.RegisterAdapterRequest.HeaderH\x00\x12>\n\x05\x63hunk\x18\x02 \x01(\x0b\x32-.loramesh.v1.RegisterAdapterRequest.FileChunkH\x00\x1ag\n\x06Header\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12+\n\nvisibility\x18\x03 \x01(\x0e\x32\x17.loramesh.v1.Visibility\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x1a+\n\tFileChunk\x12\x10\n\x08\x66ilename\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x42\x06\n\x04item\"D\n\x17RegisterAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\"m\n\x14ImportAdapterRequest\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12+\n\nvisibility\x18\x04 \x01(\x0e\x32\x17.loramesh.v1.Visibility\"S\n\x15ImportAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x08\"9\n\x11GetAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.loramesh.v1.AdapterRef\"c\n\x13ListAdaptersRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x16\n\x0einclude_public\x18\x02 \x01(\x08\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"j\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loramesh.v1.AdapterInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x04\"<\n\x14\x44\x65leteAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.loramesh.v1.AdapterRef\"B\n\x15\x44\x65leteAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\";\n\x13\x46\x65tchAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.loramesh.v1.AdapterRef\"\xc5\x01\n\x14\x46\x65tchAdapterResponse\x12:\n\x06header\x18\x01 \x01(\x0b\x32(.loramesh.v1.FetchAdapterResponse.HeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x1aX\n\x06Header\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\tB\x06\n\x04item\"\x0e\n\x0cStatsRequest\"\xb9\x01\n\rStatsResponse\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x01(\x04\x12\x12\n\ndisk_bytes\x18\x02 \x01(\x04\x12\x11\n\tram_bytes\x18\x03 \x01(\x04\x12\x18\n\x10ram_budget_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cram_adapters\x18\x05 \x01(\x04\x12\x10\n\x08ram_hits\x18\x06 \x01(\x04\x12\x12\n\nram_misses\x18\x07 \x01(\x04\x12\x19\n\x11uploads_in_flight\x18\x08 \x01(\x04\x32\xd2\x04\n\x0c\x41\x64\x61pterStore\x12^\n\x0fRegisterAdapter\x12#.loramesh.v1.RegisterAdapterRequest\x1a$.loramesh.v1.RegisterAdapterResponse(\x01\x12V\n\rImportAdapter\x12!.loramesh.v1.ImportAdapterRequest\x1a\".loramesh.v1.ImportAdapterResponse\x12\x46\n\nGetAdapter\x12\x1e.loramesh.v1.GetAdapterRequest\x1a\x18.loramesh.v1.AdapterInfo\x12S\n\x0cListAdapters\x12 .loramesh.v1.ListAdaptersRequest\x1a!.loramesh.v1.ListAdaptersResponse\x12V\n\rDeleteAdapter\x12!.loramesh.v1.DeleteAdapterRequest\x1a\".loramesh.v1.DeleteAdapterResponse\x12U\n\x0c\x46\x65tchAdapter\x12 .loramesh.v1.FetchAdapterRequest\x1a!.loramesh.v1.FetchAdapterResponse0\x01\x12>\n\x05Stats\x12\x19.loramesh.v1.StatsRequest\x1a\x1a.loramesh.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1floramesh/v1/adapter_store.proto\x12\x0bloramesh.v1\x1a\x17loramesh/v1/types.proto\"O\n\nAdapterRef\x12\x0c\n\x02id\x18\x01 \x01(\tH\x00\x12,\n\nowned_name\x18\x02 \x01(\x0b\x32\x16.loramesh.v1.OwnedNameH\x00\x42\x05\n\x03ref\"(\n\tOwnedName\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\xb4\x02\n\x16RegisterAdapterRequest\x12<\n\x06header\x18\x01 \x01(\x0b\x32*.loramesh.v1.RegisterAdapterRequest.HeaderH\x00\x12>\n\x05\x63hunk\x18\x02 \x01(\x0b\x32-.loramesh.v1.RegisterAdapterRequest.FileChunkH\x00\x1ag\n\x06Header\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12+\n\nvisibility\x18\x03 \x01(\x0e\x32\x17.loramesh.v1.Visibility\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x1a+\n\tFileChunk\x12\x10\n\x08\x66ilename\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x42\x06\n\x04item\"D\n\x17RegisterAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\"m\n\x14ImportAdapterRequest\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12+\n\nvisibility\x18\x04 \x01(\x0e\x32\x17.loramesh.v1.Visibility\"S\n\x15ImportAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x08\"9\n\x11GetAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.loramesh.v1.AdapterRef\"c\n\x13ListAdaptersRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x16\n\x0einclude_public\x18\x02 \x01(\x08\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"j\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loramesh.v1.AdapterInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x04\"\x16\n\x14WatchAdaptersRequest\"h\n\x15WatchAdaptersResponse\x12*\n\x08upserted\x18\x01 \x03(\x0b\x32\x18.loramesh.v1.AdapterInfo\x12\x13\n\x0b\x64\x65leted_ids\x18\x02 \x03(\t\x12\x0e\n\x06synced\x18\x03 \x01(\x08\"<\n\x14\x44\x65leteAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.loramesh.v1.AdapterRef\"B\n\x15\x44\x65leteAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\";\n\x13\x46\x65tchAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.loramesh.v1.AdapterRef\"\xc5\x01\n\x14\x46\x65tchAdapterResponse\x12:\n\x06header\x18\x01 \x01(\x0b\x32(.loramesh.v1.FetchAdapterResponse.HeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x1aX\n\x06Header\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\tB\x06\n\x04item\"O\n\x17SetAdapterPinnedRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.loramesh.v1.AdapterRef\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"E\n\x18SetAdapterPinnedResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loramesh.v1.AdapterInfo\"\x1b\n\x19ListPinnedAdaptersRequest\"1\n\x1aListPinnedAdaptersResponse\x12\x13\n\x0b\x61\x64\x61pter_ids\x18\x01 \x03(\t\"\x0e\n\x0cStatsRequest\"\xb9\x01\n\rStatsResponse\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x01(\x04\x12\x12\n\ndisk_bytes\x18\x02 \x01(\x04\x12\x11\n\tram_bytes\x18\x03 \x01(\x04\x12\x18\n\x10ram_budget_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cram_adapters\x18\x05 \x01(\x04\x12\x10\n\x08ram_hits\x18\x06 \x01(\x04\x12\x12\n\nram_misses\x18\x07 \x01(\x04\x12\x19\n\x11uploads_in_flight\x18\x08 \x01(\x04\x32\xf4\x06\n\x0c\x41\x64\x61pterStore\x12^\n\x0fRegisterAdapter\x12#.loramesh.v1.RegisterAdapterRequest\x1a$.loramesh.v1.RegisterAdapterResponse(\x01\x12V\n\rImportAdapter\x12!.loramesh.v1.ImportAdapterRequest\x1a\".loramesh.v1.ImportAdapterResponse\x12\x46\n\nGetAdapter\x12\x1e.loramesh.v1.GetAdapterRequest\x1a\x18.loramesh.v1.AdapterInfo\x12S\n\x0cListAdapters\x12 .loramesh.v1.ListAdaptersRequest\x1a!.loramesh.v1.ListAdaptersResponse\x12X\n\rWatchAdapters\x12!.loramesh.v1.WatchAdaptersRequest\x1a\".loramesh.v1.WatchAdaptersResponse0\x01\x12V\n\rDeleteAdapter\x12!.loramesh.v1.DeleteAdapterRequest\x1a\".loramesh.v1.DeleteAdapterResponse\x12U\n\x0c\x46\x65tchAdapter\x12 .loramesh.v1.FetchAdapterRequest\x1a!.loramesh.v1.FetchAdapterResponse0\x01\x12>\n\x05Stats\x12\x19.loramesh.v1.StatsRequest\x1a\x1a.loramesh.v1.StatsResponse\x12_\n\x10SetAdapterPinned\x12$.loramesh.v1.SetAdapterPinnedRequest\x1a%.loramesh.v1.SetAdapterPinnedResponse\x12\x65\n\x12ListPinnedAdapters\x12&.loramesh.v1.ListPinnedAdaptersRequest\x1a\'.loramesh.v1.ListPinnedAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,20 +54,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTADAPTERSREQUEST']._serialized_end=931
   _globals['_LISTADAPTERSRESPONSE']._serialized_start=933
   _globals['_LISTADAPTERSRESPONSE']._serialized_end=1039
-  _globals['_DELETEADAPTERREQUEST']._serialized_start=1041
-  _globals['_DELETEADAPTERREQUEST']._serialized_end=1101
-  _globals['_DELETEADAPTERRESPONSE']._serialized_start=1103
-  _globals['_DELETEADAPTERRESPONSE']._serialized_end=1169
-  _globals['_FETCHADAPTERREQUEST']._serialized_start=1171
-  _globals['_FETCHADAPTERREQUEST']._serialized_end=1230
-  _globals['_FETCHADAPTERRESPONSE']._serialized_start=1233
-  _globals['_FETCHADAPTERRESPONSE']._serialized_end=1430
-  _globals['_FETCHADAPTERRESPONSE_HEADER']._serialized_start=1334
-  _globals['_FETCHADAPTERRESPONSE_HEADER']._serialized_end=1422
-  _globals['_STATSREQUEST']._serialized_start=1432
-  _globals['_STATSREQUEST']._serialized_end=1446
-  _globals['_STATSRESPONSE']._serialized_start=1449
-  _globals['_STATSRESPONSE']._serialized_end=1634
-  _globals['_ADAPTERSTORE']._serialized_start=1637
-  _globals['_ADAPTERSTORE']._serialized_end=2231
+  _globals['_WATCHADAPTERSREQUEST']._serialized_start=1041
+  _globals['_WATCHADAPTERSREQUEST']._serialized_end=1063
+  _globals['_WATCHADAPTERSRESPONSE']._serialized_start=1065
+  _globals['_WATCHADAPTERSRESPONSE']._serialized_end=1169
+  _globals['_DELETEADAPTERREQUEST']._serialized_start=1171
+  _globals['_DELETEADAPTERREQUEST']._serialized_end=1231
+  _globals['_DELETEADAPTERRESPONSE']._serialized_start=1233
+  _globals['_DELETEADAPTERRESPONSE']._serialized_end=1299
+  _globals['_FETCHADAPTERREQUEST']._serialized_start=1301
+  _globals['_FETCHADAPTERREQUEST']._serialized_end=1360
+  _globals['_FETCHADAPTERRESPONSE']._serialized_start=1363
+  _globals['_FETCHADAPTERRESPONSE']._serialized_end=1560
+  _globals['_FETCHADAPTERRESPONSE_HEADER']._serialized_start=1464
+  _globals['_FETCHADAPTERRESPONSE_HEADER']._serialized_end=1552
+  _globals['_SETADAPTERPINNEDREQUEST']._serialized_start=1562
+  _globals['_SETADAPTERPINNEDREQUEST']._serialized_end=1641
+  _globals['_SETADAPTERPINNEDRESPONSE']._serialized_start=1643
+  _globals['_SETADAPTERPINNEDRESPONSE']._serialized_end=1712
+  _globals['_LISTPINNEDADAPTERSREQUEST']._serialized_start=1714
+  _globals['_LISTPINNEDADAPTERSREQUEST']._serialized_end=1741
+  _globals['_LISTPINNEDADAPTERSRESPONSE']._serialized_start=1743
+  _globals['_LISTPINNEDADAPTERSRESPONSE']._serialized_end=1792
+  _globals['_STATSREQUEST']._serialized_start=1794
+  _globals['_STATSREQUEST']._serialized_end=1808
+  _globals['_STATSRESPONSE']._serialized_start=1811
+  _globals['_STATSRESPONSE']._serialized_end=1996
+  _globals['_ADAPTERSTORE']._serialized_start=1999
+  _globals['_ADAPTERSTORE']._serialized_end=2883
 # @@protoc_insertion_point(module_scope)

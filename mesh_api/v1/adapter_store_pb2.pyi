@@ -103,6 +103,20 @@ class ListAdaptersResponse(_message.Message):
     total: int
     def __init__(self, adapters: _Optional[_Iterable[_Union[_types_pb2.AdapterInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
 
+class WatchAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchAdaptersResponse(_message.Message):
+    __slots__ = ("upserted", "deleted_ids", "synced")
+    UPSERTED_FIELD_NUMBER: _ClassVar[int]
+    DELETED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    upserted: _containers.RepeatedCompositeFieldContainer[_types_pb2.AdapterInfo]
+    deleted_ids: _containers.RepeatedScalarFieldContainer[str]
+    synced: bool
+    def __init__(self, upserted: _Optional[_Iterable[_Union[_types_pb2.AdapterInfo, _Mapping]]] = ..., deleted_ids: _Optional[_Iterable[str]] = ..., synced: _Optional[bool] = ...) -> None: ...
+
 class DeleteAdapterRequest(_message.Message):
     __slots__ = ("ref",)
     REF_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +151,30 @@ class FetchAdapterResponse(_message.Message):
     header: FetchAdapterResponse.Header
     chunk: bytes
     def __init__(self, header: _Optional[_Union[FetchAdapterResponse.Header, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class SetAdapterPinnedRequest(_message.Message):
+    __slots__ = ("ref", "pinned")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    ref: AdapterRef
+    pinned: bool
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class SetAdapterPinnedResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: _types_pb2.AdapterInfo
+    def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class ListPinnedAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPinnedAdaptersResponse(_message.Message):
+    __slots__ = ("adapter_ids",)
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -55,6 +55,11 @@ class AdapterStoreStub:
                 request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.WatchAdapters = channel.unary_stream(
+                '/loramesh.v1.AdapterStore/WatchAdapters',
+                request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.WatchAdaptersResponse.FromString,
+                _registered_method=True)
         self.DeleteAdapter = channel.unary_unary(
                 '/loramesh.v1.AdapterStore/DeleteAdapter',
                 request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.DeleteAdapterRequest.SerializeToString,
@@ -69,6 +74,16 @@ class AdapterStoreStub:
                 '/loramesh.v1.AdapterStore/Stats',
                 request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.StatsRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.StatsResponse.FromString,
+                _registered_method=True)
+        self.SetAdapterPinned = channel.unary_unary(
+                '/loramesh.v1.AdapterStore/SetAdapterPinned',
+                request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedResponse.FromString,
+                _registered_method=True)
+        self.ListPinnedAdapters = channel.unary_unary(
+                '/loramesh.v1.AdapterStore/ListPinnedAdapters',
+                request_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ListPinnedAdaptersRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.ListPinnedAdaptersResponse.FromString,
                 _registered_method=True)
 
 
@@ -99,7 +114,18 @@ class AdapterStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAdapters(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One page, in registration order (a new version of a name comes after every adapter
+        registered before it); a page token stays valid while adapters come and go.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchAdapters(self, request, context):
+        """The catalog as it changes, for a copy kept elsewhere (each gateway's index of adapters):
+        first every adapter, in registration order over several messages, the last of them with
+        `synced` set; then each change once it has committed, in commit order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -120,6 +146,23 @@ class AdapterStoreServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetAdapterPinned(self, request, context):
+        """Pin or unpin an adapter: a pinned adapter is never evicted from the store's RAM tier, nor
+        from the host cache or the pool of a worker, which reads ListPinnedAdapters every
+        --pin-refresh-s (and the pin in each FetchAdapter header). Pinned adapters count against
+        each budget: RESOURCE_EXHAUSTED, nothing pinned, when they would not fit the store's RAM.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPinnedAdapters(self, request, context):
+        """The ids of every pinned adapter.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -147,6 +190,11 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.ListAdaptersRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ListAdaptersResponse.SerializeToString,
             ),
+            'WatchAdapters': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAdapters,
+                    request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.WatchAdaptersResponse.SerializeToString,
+            ),
             'DeleteAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteAdapter,
                     request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.DeleteAdapterRequest.FromString,
@@ -161,6 +209,16 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.StatsRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.StatsResponse.SerializeToString,
+            ),
+            'SetAdapterPinned': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAdapterPinned,
+                    request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedResponse.SerializeToString,
+            ),
+            'ListPinnedAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPinnedAdapters,
+                    request_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.ListPinnedAdaptersRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.ListPinnedAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +340,33 @@ class AdapterStore:
             _registered_method=True)
 
     @staticmethod
+    def WatchAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/loramesh.v1.AdapterStore/WatchAdapters',
+            loramesh_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.SerializeToString,
+            loramesh_dot_v1_dot_adapter__store__pb2.WatchAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def DeleteAdapter(request,
             target,
             options=(),
@@ -352,6 +437,60 @@ class AdapterStore:
             '/loramesh.v1.AdapterStore/Stats',
             loramesh_dot_v1_dot_adapter__store__pb2.StatsRequest.SerializeToString,
             loramesh_dot_v1_dot_adapter__store__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAdapterPinned(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.AdapterStore/SetAdapterPinned',
+            loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedRequest.SerializeToString,
+            loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPinnedAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.AdapterStore/ListPinnedAdapters',
+            loramesh_dot_v1_dot_adapter__store__pb2.ListPinnedAdaptersRequest.SerializeToString,
+            loramesh_dot_v1_dot_adapter__store__pb2.ListPinnedAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

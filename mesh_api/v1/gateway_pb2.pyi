@@ -90,6 +90,14 @@ class GatewayAdapterRequest(_message.Message):
     adapter: str
     def __init__(self, adapter: _Optional[str] = ...) -> None: ...
 
+class GatewayPinRequest(_message.Message):
+    __slots__ = ("adapter", "pinned")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    pinned: bool
+    def __init__(self, adapter: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

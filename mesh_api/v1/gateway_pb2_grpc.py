@@ -71,6 +71,11 @@ class GatewayStub:
                 request_serializer=loramesh_dot_v1_dot_gateway__pb2.GatewayAdapterRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.DeleteAdapterResponse.FromString,
                 _registered_method=True)
+        self.SetAdapterPinned = channel.unary_unary(
+                '/loramesh.v1.Gateway/SetAdapterPinned',
+                request_serializer=loramesh_dot_v1_dot_gateway__pb2.GatewayPinRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/loramesh.v1.Gateway/ListModels',
                 request_serializer=loramesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
@@ -128,6 +133,13 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetAdapterPinned(self, request, context):
+        """Pin or unpin one of the caller's own adapters (the store's SetAdapterPinned).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """The base model and every adapter the caller may use.
         """
@@ -172,6 +184,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.DeleteAdapter,
                     request_deserializer=loramesh_dot_v1_dot_gateway__pb2.GatewayAdapterRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.DeleteAdapterResponse.SerializeToString,
+            ),
+            'SetAdapterPinned': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAdapterPinned,
+                    request_deserializer=loramesh_dot_v1_dot_gateway__pb2.GatewayPinRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -368,6 +385,33 @@ class Gateway:
             '/loramesh.v1.Gateway/DeleteAdapter',
             loramesh_dot_v1_dot_gateway__pb2.GatewayAdapterRequest.SerializeToString,
             loramesh_dot_v1_dot_adapter__store__pb2.DeleteAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAdapterPinned(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Gateway/SetAdapterPinned',
+            loramesh_dot_v1_dot_gateway__pb2.GatewayPinRequest.SerializeToString,
+            loramesh_dot_v1_dot_adapter__store__pb2.SetAdapterPinnedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,7 +39,7 @@ FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_MIGRATED: FinishReason
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("id", "name", "owner", "visibility", "base_model", "pet_type", "rank", "max_rank", "lora_alpha", "use_rslora", "target_modules", "dtype", "size_bytes", "sha256", "version", "created_unix_ms", "config_json", "chat_template", "tool_use_chat_template")
+    __slots__ = ("id", "name", "owner", "visibility", "base_model", "pet_type", "rank", "max_rank", "lora_alpha", "use_rslora", "target_modules", "dtype", "size_bytes", "sha256", "version", "created_unix_ms", "config_json", "chat_template", "tool_use_chat_template", "pinned")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class AdapterInfo(_message.Message):
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     TOOL_USE_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     owner: str
@@ -78,7 +79,8 @@ class AdapterInfo(_message.Message):
     config_json: str
     chat_template: str
     tool_use_chat_template: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., visibility: _Optional[_Union[Visibility, str]] = ..., base_model: _Optional[str] = ..., pet_type: _Optional[_Union[PetType, str]] = ..., rank: _Optional[int] = ..., max_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., config_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., tool_use_chat_template: _Optional[str] = ...) -> None: ...
+    pinned: bool
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., visibility: _Optional[_Union[Visibility, str]] = ..., base_model: _Optional[str] = ..., pet_type: _Optional[_Union[PetType, str]] = ..., rank: _Optional[int] = ..., max_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., config_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., tool_use_chat_template: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop_token_ids", "stop_strings", "ignore_eos", "top_logprobs", "presence_penalty", "frequency_penalty", "min_p", "logit_bias", "structured_output")

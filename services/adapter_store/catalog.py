@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ CREATE TABLE IF NOT EXISTS name_versions (
 _ADDED_COLUMNS = {
     "chat_template": "TEXT NOT NULL DEFAULT ''",
     "tool_use_chat_template": "TEXT NOT NULL DEFAULT ''",
+    "pinned": "INTEGER NOT NULL DEFAULT 0",
 }
 
 PRIVATE = 1
@@ -93,6 +95,9 @@ class AdapterRecord:
     """Its own chat template, uploaded with it; "": the base model's."""
     tool_use_chat_template: str = ""
     """Its own chat template for requests that offer tools; "": :attr:`chat_template`."""
+    pinned: bool = False
+    """Never evicted from the store's RAM tier, the workers' host caches or their pools
+    (``SetAdapterPinned``); a new version of the name keeps it."""
 
 
 _COLUMNS = [f for f in AdapterRecord.__dataclass_fields__]
@@ -101,6 +106,7 @@ _COLUMNS = [f for f in AdapterRecord.__dataclass_fields__]
 def _row_to_record(row: sqlite3.Row) -> AdapterRecord:
     values = {c: row[c] for c in _COLUMNS}
     values["use_rslora"] = bool(values["use_rslora"])
+    values["pinned"] = bool(values["pinned"])
     values["target_modules"] = tuple(json.loads(values["target_modules"]))
     return AdapterRecord(**values)
 
@@ -110,7 +116,10 @@ class DuplicateName(Exception):
 
 
 class Catalog:
-    """Thread-safe access to the SQLite catalog (one connection, one lock)."""
+    """Thread-safe access to the SQLite catalog: one connection writes, another reads, each
+    behind its own lock. In WAL mode a read never waits for a write's commit to reach the disk,
+    so looking an adapter up (every registration does, every fetch does) is not held up by the
+    flush of another registration's commit."""
 
     def __init__(self, path: Path):
         private_dir(path.parent)
@@ -125,61 +134,93 @@ class Catalog:
             for column, definition in _ADDED_COLUMNS.items():
                 if column not in present:
                     self._db.execute(f"ALTER TABLE adapters ADD COLUMN {column} {definition}")
+        self._reader = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._reader.row_factory = sqlite3.Row
+        self._reader.execute("PRAGMA query_only=1")
+        self._read_lock = threading.Lock()
 
     def close(self) -> None:
+        with self._read_lock:
+            self._reader.close()
         with self._lock:
             self._db.close()
 
     def next_version(self, owner: str, name: str) -> int:
-        with self._lock:
-            row = self._db.execute(
+        with self._read_lock:
+            row = self._reader.execute(
                 "SELECT last_version FROM name_versions WHERE owner=? AND name=?", (owner, name)
             ).fetchone()
         return (row[0] if row else 0) + 1
 
-    def insert(self, record: AdapterRecord, replacing: str = "") -> None:
-        """Commit ``record``; raises :class:`DuplicateName` if ``(owner, name)`` is taken.
+    def insert_many(self, entries: Sequence[tuple[AdapterRecord, str]]) -> list[DuplicateName | None]:
+        """Commit ``(record, replacing)`` pairs in one transaction (one flush of the WAL); for
+        each, :class:`DuplicateName` if its ``(owner, name)`` is taken (that row alone is left
+        out), else None.
 
-        ``replacing``: the id of the row ``record`` takes the place of, removed in the same
-        transaction, so readers see the old version or the new one, never neither."""
-        values = asdict(record)
-        values["use_rslora"] = int(record.use_rslora)
-        values["target_modules"] = json.dumps(list(record.target_modules))
-        placeholders = ", ".join(f":{c}" for c in _COLUMNS)
+        ``replacing``: the id of the row ``record`` takes the place of ("" for none), removed in
+        the same transaction, so readers see the old version or the new one, never neither."""
+        results: list[DuplicateName | None] = []
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
-                if replacing:
-                    self._db.execute("DELETE FROM adapters WHERE id=?", (replacing,))
-                self._db.execute(
-                    f"INSERT INTO adapters ({', '.join(_COLUMNS)}) VALUES ({placeholders})", values
-                )
-                self._db.execute(
-                    "INSERT INTO name_versions (owner, name, last_version) VALUES (?, ?, ?) "
-                    "ON CONFLICT (owner, name) DO UPDATE SET last_version = excluded.last_version",
-                    (record.owner, record.name, record.version),
-                )
+                for record, replacing in entries:
+                    results.append(self._insert_one(record, replacing))
                 self._db.execute("COMMIT")
-            except sqlite3.IntegrityError as error:
-                self._db.execute("ROLLBACK")
-                raise DuplicateName(f"{record.owner}/{record.name}") from error
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+        return results
+
+    def _insert_one(self, record: AdapterRecord, replacing: str) -> DuplicateName | None:
+        values = asdict(record)
+        values["use_rslora"] = int(record.use_rslora)
+        values["pinned"] = int(record.pinned)
+        values["target_modules"] = json.dumps(list(record.target_modules))
+        placeholders = ", ".join(f":{c}" for c in _COLUMNS)
+        self._db.execute("SAVEPOINT one")
+        try:
+            if replacing:
+                self._db.execute("DELETE FROM adapters WHERE id=?", (replacing,))
+            self._db.execute(f"INSERT INTO adapters ({', '.join(_COLUMNS)}) VALUES ({placeholders})", values)
+            self._db.execute(
+                "INSERT INTO name_versions (owner, name, last_version) VALUES (?, ?, ?) "
+                "ON CONFLICT (owner, name) DO UPDATE SET last_version = excluded.last_version",
+                (record.owner, record.name, record.version),
+            )
+        except sqlite3.IntegrityError as error:
+            self._db.execute("ROLLBACK TO one")
+            self._db.execute("RELEASE one")
+            duplicate = DuplicateName(f"{record.owner}/{record.name}")
+            duplicate.__cause__ = error
+            return duplicate
+        self._db.execute("RELEASE one")
+        return None
 
     def delete(self, adapter_id: str) -> bool:
         with self._lock:
             cursor = self._db.execute("DELETE FROM adapters WHERE id=?", (adapter_id,))
         return cursor.rowcount > 0
 
-    def get(self, adapter_id: str) -> AdapterRecord | None:
+    def set_pinned(self, adapter_id: str, pinned: bool) -> bool:
+        """Pin or unpin one adapter; False when there is no such adapter (any more)."""
         with self._lock:
-            row = self._db.execute("SELECT * FROM adapters WHERE id=?", (adapter_id,)).fetchone()
+            cursor = self._db.execute("UPDATE adapters SET pinned=? WHERE id=?", (int(pinned), adapter_id))
+        return cursor.rowcount > 0
+
+    def pinned_sizes(self) -> dict[str, int]:
+        """``{id: size_bytes}`` of every pinned adapter."""
+        with self._read_lock:
+            rows = self._reader.execute("SELECT id, size_bytes FROM adapters WHERE pinned=1").fetchall()
+        return {row["id"]: row["size_bytes"] for row in rows}
+
+    def get(self, adapter_id: str) -> AdapterRecord | None:
+        with self._read_lock:
+            row = self._reader.execute("SELECT * FROM adapters WHERE id=?", (adapter_id,)).fetchone()
         return _row_to_record(row) if row else None
 
     def get_by_name(self, owner: str, name: str) -> AdapterRecord | None:
-        with self._lock:
-            row = self._db.execute(
+        with self._read_lock:
+            row = self._reader.execute(
                 "SELECT * FROM adapters WHERE owner=? AND name=?", (owner, name)
             ).fetchone()
         return _row_to_record(row) if row else None
@@ -194,19 +235,25 @@ class Catalog:
                 where, params = "(owner=? OR visibility=?)", [owner, PUBLIC]
             else:
                 where, params = "owner=?", [owner]
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT * FROM adapters WHERE {where} AND seq > ? ORDER BY seq LIMIT ?",
-                [*params, after_seq, limit],
-            ).fetchall()
-            total = self._db.execute(f"SELECT COUNT(*) FROM adapters WHERE {where}", params).fetchone()[0]
+        with self._read_lock:
+            self._reader.execute("BEGIN")  # one snapshot for the page and its total
+            try:
+                rows = self._reader.execute(
+                    f"SELECT * FROM adapters WHERE {where} AND seq > ? ORDER BY seq LIMIT ?",
+                    [*params, after_seq, limit],
+                ).fetchall()
+                total = self._reader.execute(
+                    f"SELECT COUNT(*) FROM adapters WHERE {where}", params
+                ).fetchone()[0]
+            finally:
+                self._reader.execute("COMMIT")
         return [(r["seq"], _row_to_record(r)) for r in rows], total
 
     def all(self) -> list[AdapterRecord]:
-        with self._lock:
-            rows = self._db.execute("SELECT * FROM adapters ORDER BY seq").fetchall()
+        with self._read_lock:
+            rows = self._reader.execute("SELECT * FROM adapters ORDER BY seq").fetchall()
         return [_row_to_record(r) for r in rows]
 
     def count(self) -> int:
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM adapters").fetchone()[0]
+        with self._read_lock:
+            return self._reader.execute("SELECT COUNT(*) FROM adapters").fetchone()[0]

@@ -20,9 +20,16 @@ class AdapterStoreConfig(ServiceConfig):
     max_adapter_mib: int = 256
     """Largest upload accepted, config plus weights, in MiB."""
     ram_budget_mib: int = 1024
-    """Bytes of adapter weights kept hot in RAM (LRU); the rest is read from disk on demand."""
-    verify_on_start: str = "sha256"
-    """How blobs are checked when the catalog is reopened: ``sha256`` (full) or ``size``."""
+    """Bytes of adapter weights kept hot in RAM, pinned adapters included; the rest is read from
+    disk on demand."""
+    eviction_policy: str = "lru"
+    """Which adapters leave the RAM tier first when it is full: lru (least recently used), lfu
+    (least frequently used, ties least recent) or fifo; pinned adapters never
+    (docs/operations.md, "Eviction and pinning")."""
+    verify_on_start: str = "size"
+    """How blobs are checked when the catalog is reopened: ``size`` (a stat each; every blob's
+    sha256 is checked when it is first read, before it is served) or ``sha256`` (every blob read
+    and hashed before the store serves: minutes with thousands of adapters)."""
     import_policy_file: str = ""
     """JSON file of which tenant may import adapters from which s3://, hf:// and file:// source
     prefixes (docs/operations.md); "": no imports at all."""

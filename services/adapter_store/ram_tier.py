@@ -1,4 +1,5 @@
-"""The hot set of adapter weights in host RAM, bounded by bytes and evicted LRU.
+"""The hot set of adapter weights in host RAM, bounded by bytes, evicted in an eviction policy's
+order (``--eviction-policy``: least recently used first by default), pinned adapters never.
 
 S-LoRA keeps adapters in main memory; with thousands of them, RAM holds only the recently
 used ones and the rest come from disk. The budget bounds resident memory whatever the count.
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections import OrderedDict
+
+from services.runtime.eviction import EvictionPolicy, LRUEviction
 
 
 def to_anonymous_mapping(data) -> memoryview:
@@ -24,15 +26,19 @@ def to_anonymous_mapping(data) -> memoryview:
 
 
 class RamTier:
-    """Thread-safe LRU map ``adapter id -> read-only buffer``, values within ``budget_bytes``.
+    """Thread-safe map ``adapter id -> read-only buffer``, values within ``budget_bytes``.
 
     Eviction drops the tier's reference; a fetch still streaming an evicted entry keeps its own
     reference until it finishes, so the budget can be exceeded by fetches in flight only.
+    Pinned entries count against the budget and are never evicted: a value that fits only by
+    evicting one is not kept (it is read from disk when asked for).
     """
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, eviction: EvictionPolicy | None = None):
+        """``eviction``: the order entries go in (default least recently used first)."""
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, memoryview] = OrderedDict()
+        self._entries: dict[str, memoryview] = {}
+        self._eviction = eviction or LRUEviction()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -44,34 +50,62 @@ class RamTier:
             if data is None:
                 self.misses += 1
                 return None
-            self._entries.move_to_end(key)
+            self._eviction.touch(key)
             self.hits += 1
             return data
 
     def put(self, key: str, data) -> memoryview | None:
-        """Keep a copy of ``data`` as most recently used, evicting the least recently used to
-        fit; returns the kept buffer (a ready mapping is kept as it is). A value larger than the
-        whole budget is not kept (returns None)."""
+        """Keep a copy of ``data``, counted as a use, evicting in the policy's order to fit;
+        returns the kept buffer (a ready mapping is kept as it is). A value that does not fit
+        even after evicting every unpinned entry is not kept (returns None)."""
         if len(data) > self.budget_bytes:
             return None
         if not (isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap)):
             data = to_anonymous_mapping(data)
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= len(old)
-            while self._entries and self._bytes + len(data) > self.budget_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= len(evicted)
+            self._drop(key)
+            if not self._make_room(len(data)):
+                self._eviction.remove(key)
+                return None
             self._entries[key] = data
             self._bytes += len(data)
+            self._eviction.touch(key)
             return data
+
+    def _make_room(self, size: int) -> bool:
+        """Evict until ``size`` more bytes fit (under the lock); False, evicting nothing, when
+        even evicting every unpinned entry would not do."""
+        if self._bytes + size <= self.budget_bytes:
+            return True
+        pinned = self._eviction.pinned()
+        kept = sum(len(data) for key, data in self._entries.items() if key in pinned)
+        if kept + size > self.budget_bytes:
+            return False
+        for victim in self._eviction.victims(list(self._entries)):
+            if self._bytes + size <= self.budget_bytes:
+                break
+            self._drop(victim)
+            self._eviction.remove(victim)
+        return True
+
+    def _drop(self, key: str) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= len(old)
 
     def discard(self, key: str) -> None:
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= len(old)
+            self._drop(key)
+            self._eviction.remove(key)
+
+    def pin(self, key: str) -> None:
+        """Never evict ``key``'s entry (now or once put) until :meth:`unpin`."""
+        with self._lock:
+            self._eviction.pin(key)
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            self._eviction.unpin(key)
 
     @property
     def bytes_used(self) -> int:

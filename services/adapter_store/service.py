@@ -41,10 +41,15 @@ class AdapterStoreService:
             ValidationLimits(max_rank=cfg.max_rank, max_adapter_bytes=cfg.max_adapter_mib * MIB),
             ram_budget_bytes=cfg.ram_budget_mib * MIB,
             verify_on_open=cfg.verify_on_start,
+            eviction_policy=cfg.eviction_policy,
         )
         await asyncio.to_thread(repository.open)
         self.repository = repository
         self.servicer.attach(repository, AdapterImports(repository, policy))
+
+    async def end_streams(self) -> None:
+        """Shutdown begins: end the catalog watches (their gateways watch the next store)."""
+        self.servicer.end_watches()
 
     async def stop(self) -> None:
         if self.repository is not None:

@@ -7,6 +7,7 @@ only moves messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from grpc import aio
@@ -15,15 +16,18 @@ from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.adapter_imports import AdapterImports
 from services.adapter_store.catalog import AdapterRecord
+from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.chat_templates import TOKENIZER_FILES
-from services.adapter_store.owner_rule import check_owner_setter
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.runtime.tls import peer_identity_var
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 FETCH_CHUNK_BYTES = 1 << 20
+WATCH_PAGE_SIZE = 500
+"""Adapters per ``WatchAdapters`` message, in the first listing and in a burst of changes."""
+MAX_WATCH_BACKLOG = 100_000
+"""Changes a ``WatchAdapters`` stream may fall behind before it is ended (the watcher lists again)."""
 
 
 def record_to_proto(record: AdapterRecord, with_chat_templates: bool = True) -> types_pb2.AdapterInfo:
@@ -49,6 +53,7 @@ def record_to_proto(record: AdapterRecord, with_chat_templates: bool = True) -> 
         config_json=record.config_json,
         chat_template=record.chat_template if with_chat_templates else "",
         tool_use_chat_template=record.tool_use_chat_template if with_chat_templates else "",
+        pinned=record.pinned,
     )
 
 
@@ -61,11 +66,32 @@ def key_from_proto(ref: pb.AdapterRef) -> AdapterKey:
     raise InvalidArgument("ref is required: an adapter id or an owner and name")
 
 
+DRAIN_BYTES = 64 * 2**20
+"""After refusing an upload, the store still reads (and drops) up to this much more of it before
+it answers: an asyncio caller (the gateway) still sending when the answer comes would get grpc's
+``INTERNAL`` "Internal error from Core" for its failed write instead of the answer."""
+
+
 async def receive_upload(
     requests: AsyncIterator[pb.RegisterAdapterRequest], max_bytes: int
 ) -> tuple[pb.RegisterAdapterRequest.Header, dict[str, bytes]]:
     """Collect the header, the two adapter files and the tokenizer files the upload has
-    (optional), refusing oversize uploads early."""
+    (optional), refusing oversize uploads early (the answer waits for the rest of the stream,
+    up to :data:`DRAIN_BYTES`, which is not kept)."""
+    try:
+        return await _collect_upload(requests, max_bytes)
+    except (InvalidArgument, ResourceExhausted):
+        dropped = 0
+        async for message in requests:
+            dropped += message.ByteSize()
+            if dropped > DRAIN_BYTES:
+                break
+        raise
+
+
+async def _collect_upload(
+    requests: AsyncIterator[pb.RegisterAdapterRequest], max_bytes: int
+) -> tuple[pb.RegisterAdapterRequest.Header, dict[str, bytes]]:
     header = None
     parts: dict[str, list[bytes]] = {name: [] for name in (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)}
     received = 0
@@ -89,10 +115,11 @@ async def receive_upload(
             )
         if filename not in parts:
             continue  # README.md, training args and the like are not needed to serve
-        received += len(message.chunk.data)
+        data = message.chunk.data  # each read of the field is a copy of it
+        received += len(data)
         if received > max_bytes:
             raise ResourceExhausted(f"upload is over the size limit of {max_bytes} bytes")
-        parts[filename].append(message.chunk.data)
+        parts[filename].append(data)
     if header is None:
         raise InvalidArgument("RegisterAdapter received no header")
     files = {name: b"".join(chunks) for name, chunks in parts.items() if chunks}
@@ -109,10 +136,15 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         self._repository: AdapterRepository | None = None
         self._imports: AdapterImports | None = None
         self.uploads_in_flight = 0
+        self._closing = asyncio.Event()
+        """Set when shutdown begins: every ``WatchAdapters`` stream ends."""
 
     def attach(self, repository: AdapterRepository, imports: AdapterImports) -> None:
         self._repository = repository
         self._imports = imports
+
+    def end_watches(self) -> None:
+        self._closing.set()
 
     @property
     def repository(self) -> AdapterRepository:
@@ -124,9 +156,6 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         self.uploads_in_flight += 1
         try:
             header, files = await receive_upload(request_iterator, self.repository.limits.max_adapter_bytes)
-            # Checked once the (size-bounded) stream is read: a status sent while the client still
-            # writes can reach it as INTERNAL instead of the refusal.
-            check_owner_setter(peer_identity_var.get(), "register an adapter for an owner")
             record = await asyncio.to_thread(
                 self.repository.register,
                 header.name,
@@ -141,7 +170,6 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         return pb.RegisterAdapterResponse(adapter=record_to_proto(record))
 
     async def ImportAdapter(self, request: pb.ImportAdapterRequest, context):
-        check_owner_setter(peer_identity_var.get(), "import an adapter for an owner")
         imports = self._imports
         if imports is None:
             raise Unavailable("the adapter store is starting: its catalog is not loaded yet")
@@ -170,10 +198,76 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             total=total,
         )
 
+    async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context):
+        """Every adapter, then every change: subscribed before the listing starts, so a change
+        committed meanwhile is in the listing, in the changes after it, or both (applying a
+        change twice leaves a copy as once)."""
+        repository = self.repository
+        loop = asyncio.get_running_loop()
+        changes: asyncio.Queue[CatalogChange] = asyncio.Queue()
+
+        def deliver(change: CatalogChange) -> None:  # on the committing thread
+            with contextlib.suppress(RuntimeError):  # the loop is closing: the stream is gone
+                loop.call_soon_threadsafe(changes.put_nowait, change)
+
+        unsubscribe = repository.changes.subscribe(deliver)
+        try:
+            token = ""
+            while True:
+                records, token, _ = await asyncio.to_thread(
+                    repository.list, "", False, WATCH_PAGE_SIZE, token
+                )
+                yield pb.WatchAdaptersResponse(
+                    upserted=[record_to_proto(r, with_chat_templates=False) for r in records],
+                    synced=not token,
+                )
+                if not token:
+                    break
+            while (change := await self._next_change(changes)) is not None:
+                batch = [change]
+                while not changes.empty() and len(batch) < WATCH_PAGE_SIZE:
+                    batch.append(changes.get_nowait())
+                yield pb.WatchAdaptersResponse(
+                    upserted=[
+                        record_to_proto(c.upserted, with_chat_templates=False) for c in batch if c.upserted
+                    ],
+                    deleted_ids=[c.deleted_id for c in batch if c.deleted_id],
+                    synced=True,
+                )
+                if changes.qsize() > MAX_WATCH_BACKLOG:
+                    raise Unavailable(
+                        f"this watcher fell {changes.qsize()} changes behind the catalog: watch again"
+                    )
+        finally:
+            unsubscribe()
+
+    async def _next_change(self, changes: asyncio.Queue[CatalogChange]) -> CatalogChange | None:
+        """The next change, or None once shutdown has begun (:meth:`end_watches`)."""
+        if self._closing.is_set():
+            return None
+        getter = asyncio.ensure_future(changes.get())
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            done, _ = await asyncio.wait((getter, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not getter.done():
+                getter.cancel()
+        return getter.result() if getter in done else None
+
     async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context):
-        check_owner_setter(peer_identity_var.get(), "delete an owner's adapter")
         record = await asyncio.to_thread(self.repository.delete, key_from_proto(request.ref))
         return pb.DeleteAdapterResponse(adapter=record_to_proto(record))
+
+    async def SetAdapterPinned(self, request: pb.SetAdapterPinnedRequest, context):
+        record = await asyncio.to_thread(
+            self.repository.set_pinned, key_from_proto(request.ref), request.pinned
+        )
+        return pb.SetAdapterPinnedResponse(adapter=record_to_proto(record))
+
+    async def ListPinnedAdapters(self, request, context):
+        ids = await asyncio.to_thread(self.repository.pinned_ids)
+        return pb.ListPinnedAdaptersResponse(adapter_ids=ids)
 
     async def FetchAdapter(self, request: pb.FetchAdapterRequest, context):
         record = await asyncio.to_thread(self.repository.resolve, key_from_proto(request.ref))

@@ -26,6 +26,10 @@ failing later inside a worker in the middle of a batch. The checks run cheapest 
    (an IEEE value is NaN or Inf exactly when its exponent bits are all ones), so a 10 MB adapter
    is checked in a few milliseconds without converting anything.
 
+Checks 2 to 6 depend only on the config's targeting fields and the safetensors header, which
+adapters trained by one recipe share byte for byte, so their outcome is kept per distinct header
+and config (a few dozen): validating an adapter of a known shape is one pass over its bytes (7).
+
 This is pure domain code: it raises :mod:`services.runtime.errors` exceptions and needs only the
 standard library and numpy.
 """
@@ -33,12 +37,15 @@ standard library and numpy.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import re
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from re import _parser as regex_parser  # the stdlib's own regex parser, to bound matching cost
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -155,12 +162,14 @@ def validate_adapter(
             f"adapter is {size} bytes, over the limit max_adapter_bytes={limits.max_adapter_bytes}"
         )
     config = _parse_config(config_bytes, spec, limits)
-    targets = _targeted_modules(config, spec)
+    targeting = _targeting_key(config)
+    targets = _targeted_modules(targeting, spec)
     ranks = {path: pattern_value(config.get("rank_pattern"), path, config["r"]) for path in targets}
-    data_start, entries = _parse_safetensors(safetensors_bytes)
-    dtype = _check_dtype(entries)
-    _check_names(entries, targets, spec)
-    _check_shapes(entries, targets, ranks, spec)
+    data_start, header = _header(safetensors_bytes)
+    tensors = _checked_tensors(
+        header, len(safetensors_bytes) - data_start, targeting, tuple(ranks.items()), spec
+    )
+    entries, dtype = tensors.entries, tensors.dtype
     _check_finite(safetensors_bytes, data_start, entries, dtype)
     return ValidatedAdapter(
         rank=config["r"],
@@ -362,12 +371,36 @@ def _matches(names_or_regex: list[str] | str, path: str) -> bool:
     return any(path == name or path.endswith(f".{name}") for name in names_or_regex)
 
 
-def _targeted_modules(config: dict, spec: BaseModelSpec) -> dict[str, tuple[int, str]]:
+def _targeting_key(config: dict) -> str:
+    """The config's :data:`_TARGETING_FIELDS`, as a JSON list: what :func:`_targeted_modules` takes."""
+    return json.dumps([config.get(field) for field in _TARGETING_FIELDS])
+
+
+def _targeted_modules(targeting: str, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
     """Resolve ``target_modules`` as PEFT does: module path -> (layer, projection) it adapts.
 
     Refuses a target that reaches any module other than the seven projections (PEFT would
     wrap it, or fail), and a list entry that names no module of the base model at all.
+    Resolved once per distinct set of the four fields that decide it (``targeting``, from
+    :func:`_targeting_key`): adapters registered by the thousand mostly share them, and matching
+    every module path was most of validation's time.
     """
+    if len(targeting) > _MAX_CACHED_TARGETING:
+        return _resolve_targets.__wrapped__(targeting, spec)
+    return _resolve_targets(targeting, spec)
+
+
+#: The config fields that decide which modules an adapter targets.
+_TARGETING_FIELDS = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
+#: Longest :data:`_TARGETING_FIELDS` (as JSON) whose resolution is cached: bounds the cache's memory.
+_MAX_CACHED_TARGETING = 16 << 10
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_targets(fields: str, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
+    """:func:`_targeted_modules` of the config whose :data:`_TARGETING_FIELDS` are ``fields``
+    (a JSON list); read-only, shared by every caller."""
+    config = dict(zip(_TARGETING_FIELDS, json.loads(fields), strict=True))
     targets = config["target_modules"]
     if isinstance(targets, str) and targets.lower() == "all-linear":
         targets = list(LORA_TARGETS)
@@ -404,14 +437,50 @@ def _targeted_modules(config: dict, spec: BaseModelSpec) -> dict[str, tuple[int,
             f"adapter_config.json target_modules {config['target_modules']!r} (after "
             "layers_to_transform / exclude_modules) selects no module of the base model"
         )
-    return resolved
+    return MappingProxyType(resolved)
 
 
 # --- safetensors -----------------------------------------------------------------------------
 
 
-def _parse_safetensors(data: bytes) -> tuple[int, list[_TensorEntry]]:
-    """Parse and check the container; return where the data section starts and the tensors."""
+@dataclass(frozen=True)
+class _Tensors:
+    """A safetensors header's tensors, checked."""
+
+    entries: tuple[_TensorEntry, ...]
+    dtype: str
+    """Their one safetensors dtype."""
+
+
+def _checked_tensors(
+    header: bytes, data_len: int, targeting: str, ranks: tuple[tuple[str, int], ...], spec: BaseModelSpec
+) -> _Tensors:
+    """The header's tensors checked for layout, dtype, names and shapes against the targeted
+    modules and their ranks. Adapters of one recipe have the same header byte for byte (only
+    their data differs), so the result is kept per header and config: checking hundreds of
+    tensors in Python once, not once per adapter."""
+    if len(header) + len(targeting) > _MAX_CACHED_HEADER:
+        return _check_tensors.__wrapped__(header, data_len, targeting, ranks, spec)
+    return _check_tensors(header, data_len, targeting, ranks, spec)
+
+
+#: Longest header (with its targeting key) whose checked tensors are cached: bounds the cache.
+_MAX_CACHED_HEADER = 256 << 10
+
+
+@functools.lru_cache(maxsize=64)
+def _check_tensors(
+    header: bytes, data_len: int, targeting: str, ranks: tuple[tuple[str, int], ...], spec: BaseModelSpec
+) -> _Tensors:
+    entries = _parse_header(header, data_len)
+    dtype = _check_dtype(entries)
+    factors = _check_names(entries, _targeted_modules(targeting, spec), spec)
+    _check_shapes(factors, dict(ranks), spec)
+    return _Tensors(tuple(entries), dtype)
+
+
+def _header(data: bytes) -> tuple[int, bytes]:
+    """Where the data section starts, and the header's bytes (bounds checked)."""
     if len(data) < 8:
         raise InvalidArgument(
             f"adapter_model.safetensors is truncated: {len(data)} bytes, shorter than the 8-byte header length"
@@ -426,8 +495,13 @@ def _parse_safetensors(data: bytes) -> tuple[int, list[_TensorEntry]]:
             f"adapter_model.safetensors is truncated: header length {header_len} larger than the file "
             f"({len(data)} bytes)"
         )
+    return 8 + header_len, bytes(data[8 : 8 + header_len])
+
+
+def _parse_header(header_bytes: bytes, data_len: int) -> list[_TensorEntry]:
+    """Parse the JSON header and check that its tensors tile the ``data_len``-byte data section."""
     try:
-        header = json.loads(data[8 : 8 + header_len].decode("utf-8"))
+        header = json.loads(header_bytes.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidArgument(f"adapter_model.safetensors header is not UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -438,36 +512,41 @@ def _parse_safetensors(data: bytes) -> tuple[int, list[_TensorEntry]]:
     ):
         raise InvalidArgument("adapter_model.safetensors __metadata__ must map strings to strings")
     entries = [_parse_entry(name, info) for name, info in header.items()]
-    _check_layout(entries, len(data) - 8 - header_len)
-    return 8 + header_len, entries
+    _check_layout(entries, data_len)
+    return entries
 
 
 def _is_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A non-negative JSON integer (``bool`` is not one)."""
+    return type(value) is int and value >= 0
 
 
 def _parse_entry(name: str, info: Any) -> _TensorEntry:
-    """One header entry, with a consistent dtype, shape and byte size."""
-    where = f"adapter_model.safetensors tensor {name!r}"
+    """One header entry, with a consistent dtype, shape and byte size (called once per tensor:
+    the valid path does no more than it must)."""
     if not isinstance(info, dict):
-        raise InvalidArgument(f"{where}: header entry must be an object")
+        raise InvalidArgument(f"{_where(name)}: header entry must be an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _ITEMSIZE:
-        raise InvalidArgument(f"{where} has unknown dtype {dtype!r}; supported: F16, BF16, F32")
-    if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
-        raise InvalidArgument(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_index(o) for o in offsets)):
-        raise InvalidArgument(f"{where}: data_offsets must be [begin, end], got {offsets!r}")
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+        raise InvalidArgument(f"{_where(name)} has unknown dtype {dtype!r}; supported: F16, BF16, F32")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise InvalidArgument(f"{_where(name)}: shape must be a list of non-negative integers, got {shape!r}")
+    if not (type(offsets) is list and len(offsets) == 2 and _is_index(offsets[0]) and _is_index(offsets[1])):
+        raise InvalidArgument(f"{_where(name)}: data_offsets must be [begin, end], got {offsets!r}")
     begin, end = offsets
     if end < begin:
-        raise InvalidArgument(f"{where}: data_offsets [{begin}, {end}] end before begin")
+        raise InvalidArgument(f"{_where(name)}: data_offsets [{begin}, {end}] end before begin")
     expected = math.prod(shape) * _ITEMSIZE[dtype]
     if end - begin != expected:
         raise InvalidArgument(
-            f"{where}: data_offsets [{begin}, {end}] span {end - begin} bytes but shape {shape} "
+            f"{_where(name)}: data_offsets [{begin}, {end}] span {end - begin} bytes but shape {shape} "
             f"of {dtype} needs {expected}"
         )
     return _TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _where(name: str) -> str:
+    return f"adapter_model.safetensors tensor {name!r}"
 
 
 def _check_layout(entries: list[_TensorEntry], data_len: int) -> None:
@@ -531,10 +610,12 @@ def _unsupported_name(name: str) -> str | None:
 
 
 def _check_names(
-    entries: list[_TensorEntry], targets: dict[str, tuple[int, str]], spec: BaseModelSpec
-) -> None:
-    """Each tensor is a LoRA factor of a targeted module; each targeted module has A and B."""
+    entries: list[_TensorEntry], targets: Mapping[str, tuple[int, str]], spec: BaseModelSpec
+) -> list[tuple[_TensorEntry, str, str, str]]:
+    """Each tensor is a LoRA factor of a targeted module; each targeted module has A and B.
+    Returns each tensor with its module's path, its projection and its factor (A or B)."""
     factors: dict[str, set[str]] = {}
+    parsed_entries = []
     for entry in entries:
         reason = _unsupported_name(entry.name)
         if reason:
@@ -558,6 +639,7 @@ def _check_names(
                 "target_modules (with layers_to_transform / exclude_modules) does not target"
             )
         factors.setdefault(path, set()).add(factor)
+        parsed_entries.append((entry, path, module, factor))
     for path, (layer, module) in targets.items():
         for factor in ("A", "B"):
             if factor not in factors.get(path, ()):
@@ -565,19 +647,16 @@ def _check_names(
                     f"adapter_model.safetensors is missing tensor {tensor_name(layer, module, factor)!r} "
                     f"for targeted module {path}"
                 )
+    return parsed_entries
 
 
 def _check_shapes(
-    entries: list[_TensorEntry],
-    targets: dict[str, tuple[int, str]],
-    ranks: dict[str, int],
-    spec: BaseModelSpec,
+    factors: list[tuple[_TensorEntry, str, str, str]], ranks: dict[str, int], spec: BaseModelSpec
 ) -> None:
     """``lora_A`` is ``(r, in_features)`` and ``lora_B`` ``(out_features, r)`` of the projection."""
-    for entry in entries:
-        layer, module, factor = parse_tensor_name(entry.name)
-        path = module_path(layer, module)
-        in_features, out_features = spec.projection_shape(module)
+    shapes = {module: spec.projection_shape(module) for module in LORA_TARGETS}
+    for entry, path, module, factor in factors:
+        in_features, out_features = shapes[module]
         rank = ranks[path]
         expected = (rank, in_features) if factor == "A" else (out_features, rank)
         if entry.shape != expected:
@@ -588,16 +667,31 @@ def _check_shapes(
             )
 
 
-def _check_finite(data: bytes, data_start: int, entries: list[_TensorEntry], dtype: str) -> None:
-    """No NaN or Inf in any tensor: exponent bits all ones, tested on the raw data section at once."""
+def _check_finite(data: bytes, data_start: int, entries: Sequence[_TensorEntry], dtype: str) -> None:
+    """No NaN or Inf in any tensor: exponent bits all ones, tested on the raw data section.
+
+    With the sign bit cleared, a value is NaN or Inf exactly when its bits are at least the
+    exponent mask. The section is tested a slice at a time through one small buffer: no temporary
+    as large as the adapter (whose fresh pages cost more than the test itself)."""
     _, view, mask = _SERVED_DTYPES[dtype]
     itemsize = np.dtype(view).itemsize
     count = (len(data) - data_start) // itemsize
     bits = np.frombuffer(data, dtype=view, count=count, offset=data_start)
-    bad = (bits & np.array(mask, dtype=view)) == mask
-    if not bad.any():
-        return
-    first = int(bad.argmax()) * itemsize
+    magnitude = np.array((1 << (8 * itemsize - 1)) - 1, dtype=view)
+    buffer = np.empty(min(count, _FINITE_SLICE), dtype=view)
+    for start in range(0, count, _FINITE_SLICE):
+        part = buffer[: min(_FINITE_SLICE, count - start)]
+        np.bitwise_and(bits[start : start + len(part)], magnitude, out=part)
+        if part.max() >= mask:
+            _refuse_non_finite(start + int((part >= mask).argmax()), itemsize, entries)
+
+
+#: Elements :func:`_check_finite` tests at a time (256 KiB of float16: stays in cache).
+_FINITE_SLICE = 1 << 17
+
+
+def _refuse_non_finite(element: int, itemsize: int, entries: Sequence[_TensorEntry]) -> None:
+    first = element * itemsize
     ordered = sorted(entries, key=lambda e: (e.begin, e.end))
     entry = ordered[bisect.bisect_right([e.begin for e in ordered], first) - 1]
     raise InvalidArgument(

@@ -8,6 +8,11 @@ on each request, and the keys it is meant for are long random tokens (``loramesh
 bits), which no brute force reaches however fast the hash; the per-entry salt keeps equal keys
 from having equal hashes and defeats precomputed tables for the odd short key. No key, and no part
 of one, is ever logged or put in an error message.
+
+The keys come from the tenants file (``--api-keys-file``): either the plain ``{key: tenant}``
+object, or ``{"keys": {key: tenant}, "tenants": {tenant: limits}, "quota_window_s": 60}`` whose
+``tenants`` sets each tenant's limits (:mod:`services.gateway.tenant_quota`; docs/operations.md,
+"Tenants and quotas").
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import hashlib
 import hmac
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.gateway.tenant_quota import DEFAULT_WINDOW_S, QuotaConfig
 from services.runtime.errors import InvalidArgument, Unauthenticated
 
 HASH_SCHEME = "sha256"
@@ -69,28 +75,75 @@ class _HashedKey:
         return cls(salt, digest, tenant)
 
 
+TENANTS_FILE_FIELDS = ("keys", "tenants", "quota_window_s")
+
+
+@dataclass(frozen=True)
+class TenantsFile:
+    """What a tenants file holds: the API keys and the tenants' limits."""
+
+    keys: dict[str, str]
+    """API key (or its hash) -> tenant."""
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)
+
+    @classmethod
+    def parse(cls, loaded: object, path: str = "the tenants file") -> TenantsFile:
+        """From the file's JSON: ``{key: tenant}``, or ``{"keys": ..., "tenants": ...,
+        "quota_window_s": ...}`` (only ``keys`` required)."""
+        if isinstance(loaded, dict) and isinstance(loaded.get("keys"), dict):
+            unknown = sorted(set(loaded) - set(TENANTS_FILE_FIELDS))
+            if unknown:
+                raise InvalidArgument(
+                    f"{path} has unknown fields {unknown}; known: {list(TENANTS_FILE_FIELDS)}"
+                )
+            keys = loaded["keys"]
+            quotas = QuotaConfig.parse(
+                loaded.get("tenants", {}), loaded.get("quota_window_s", DEFAULT_WINDOW_S)
+            )
+        else:
+            keys, quotas = loaded, QuotaConfig()
+        if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+            raise InvalidArgument(
+                f"{path} must be a JSON object of api key (or its hash) -> tenant, or "
+                '{"keys": {api key: tenant}, "tenants": {tenant: limits}}'
+            )
+        return cls(keys, quotas)
+
+    @classmethod
+    def read(cls, path: str) -> TenantsFile:
+        return cls.parse(json.loads(Path(path).read_text()), path)
+
+    def to_json(self) -> dict:
+        """The file's JSON: the plain form unless some tenant has limits."""
+        if not self.quotas.limited and self.quotas.window_s == DEFAULT_WINDOW_S:
+            return dict(self.keys)
+        return {"keys": dict(self.keys), **self.quotas.to_json()}
+
+
 class ApiKeys:
-    def __init__(self, keys: dict[str, str]):
-        """``keys``: API key, or its :func:`hash_api_key`, -> tenant."""
+    def __init__(self, keys: dict[str, str], quotas: QuotaConfig | None = None):
+        """``keys``: API key, or its :func:`hash_api_key`, -> tenant; ``quotas``: the tenants'
+        limits (none by default), which the gateway's core enforces."""
         self._keys = [_HashedKey.parse(entry, tenant) for entry, tenant in keys.items()]
+        self.quotas = quotas or QuotaConfig()
 
     @staticmethod
     def read_file(path: str) -> dict[str, str]:
-        """A keys file's ``{API key or its hash: tenant}``."""
-        loaded = json.loads(Path(path).read_text())
-        if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
-            raise InvalidArgument(f"{path} must be a JSON object of api key (or its hash) -> tenant")
-        return loaded
+        """A tenants file's ``{API key or its hash: tenant}`` (its limits aside)."""
+        return TenantsFile.read(path).keys
 
     @classmethod
     def from_config(cls, pairs: str, path: str) -> ApiKeys:
-        keys: dict[str, str] = cls.read_file(path) if path else {}
+        """The keys of ``--api-keys`` (``key=tenant,...``) and of the tenants file ``path``, with
+        the file's limits."""
+        tenants = TenantsFile.read(path) if path else TenantsFile({})
+        keys: dict[str, str] = dict(tenants.keys)
         for pair in filter(None, (p.strip() for p in pairs.split(","))):
             key, sep, tenant = pair.rpartition("=")
             if not sep or not key or not tenant:
                 raise InvalidArgument("every api key entry must look like key=tenant")
             keys[key] = tenant
-        return cls(keys)
+        return cls(keys, tenants.quotas)
 
     def __len__(self) -> int:
         return len(self._keys)

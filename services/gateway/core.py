@@ -1,10 +1,11 @@
 """The gateway's one core, shared by its front ends (the gRPC servicer and the OpenAI HTTP API).
 
-API key → tenant, adapter access, chat template, tokenization, request limits, prompt and
-sampling validation (:mod:`services.runtime.request_validation`, the checks the workers make
-too), continuations of streams another gateway broke off (:mod:`services.gateway.continuation`),
-placement + relay with resume (which also detokenizes and honours stop strings),
-and adapter management passed to the adapter store with the caller's tenant as owner. A front
+API key → tenant, adapter access, chat template, tokenization, request limits, the tenants'
+limits on generations in flight and tokens per minute (:mod:`services.gateway.tenant_quota`),
+prompt and sampling validation (:mod:`services.runtime.request_validation`, the checks the
+workers make too), continuations of streams another gateway broke off
+(:mod:`services.gateway.continuation`), placement + relay with resume (which also detokenizes
+and honours stop strings), and adapter management passed to the adapter store with the caller's tenant as owner. A front
 end only translates its wire format to these calls and their results back; nothing here knows
 about a server context or an HTTP request.
 """
@@ -19,11 +20,13 @@ from collections.abc import AsyncIterator, Sequence
 from mesh_api.adapter_transfer import is_import_uri, read_adapter_dir, ref_by_name, upload_requests
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, types_pb2
 from services.gateway.adapter_access import AdapterAccess, split_reference
+from services.gateway.adapter_index import AdapterIndex, IndexedAdapter
 from services.gateway.adapter_load_dirs import load_roots, resolve_adapter_dir
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, resume_point
 from services.gateway.relay import Relay, RelayRequest
+from services.gateway.tenant_quota import TenantQuota
 from services.gateway.tool_calls import ChatMessage, ToolRequest, template_input
 from services.model_files.tokenizer import ChatTemplateError
 from services.model_files.tokenizer_loading import TokenizerBundle
@@ -37,9 +40,11 @@ ROLES = ("system", "user", "assistant", "tool")
 class GatewayCore:
     """Serves requests once :meth:`attach` has given it the tokenizer and its clients."""
 
-    def __init__(self, config: GatewayConfig, keys: ApiKeys):
+    def __init__(self, config: GatewayConfig, keys: ApiKeys, quota: TenantQuota | None = None):
+        """``quota``: the tenants' limits; None: those of the tenants file (``keys.quotas``)."""
         self.config = config
         self.keys = keys
+        self.quota = quota or TenantQuota(keys.quotas)
         self._ready = False
 
     def attach(self, text: TokenizerBundle, relay: Relay, access: AdapterAccess, store) -> None:
@@ -54,6 +59,9 @@ class GatewayCore:
             self.context_length,
         )
         self.relay, self.access, self.store = relay, access, store
+        self.adapter_index = AdapterIndex(store)
+        """Every adapter, from the store's catalog watch (started by the gateway service, or by
+        the first listing)."""
         self._ready = True
 
     @property
@@ -166,9 +174,13 @@ class GatewayCore:
         broke), the deltas are the rest of the generation, right after it; the usage counts
         the whole generation.
 
-        Every refusal (limits, sampling ranges, the continuation, adapter access, placement) is
-        raised before the first delta, so a front end that reads one delta before answering
-        answers with the right status.
+        Every refusal (limits, sampling ranges, the continuation, adapter access, the tenant's
+        quota, placement) is raised before the first delta, so a front end that reads one delta
+        before answering answers with the right status.
+
+        The tenant's quota admits the generation after every check of the request, charging it
+        prompt + ``max_tokens``; when it ends (or fails, or its reader goes away) it is settled
+        at prompt + the tokens generated here, or nothing if no delta came.
 
         ``first_token_deadline_ms`` (0: the gateway's default) bounds the time to the first token:
         the scheduler refuses a placement that cannot meet it, and the worker's ``early_abort``
@@ -193,10 +205,16 @@ class GatewayCore:
             start=start,
             prompt_text=self.tokenizer.decode(list(prompt_ids)),
         )
-        # Closed explicitly, so a front end that stops reading cancels the worker's request now.
-        async with contextlib.aclosing(self.relay.stream(request)) as replies:
-            async for reply in replies:
-                yield reply
+        admission = self.quota.admit(tenant, len(prompt_ids) + sampling.max_tokens)
+        replied, generated = False, 0
+        try:
+            # Closed explicitly, so a front end that stops reading cancels the worker's request now.
+            async with contextlib.aclosing(self.relay.stream(request)) as replies:
+                async for reply in replies:
+                    replied, generated = True, generated + len(reply.token_ids)
+                    yield reply
+        finally:
+            admission.settle(len(prompt_ids) + generated if replied else 0)
 
     # -- adapters and models ------------------------------------------------------------------
 
@@ -204,17 +222,32 @@ class GatewayCore:
         self, tenant: str, messages: AsyncIterator[adapter_store_pb2.RegisterAdapterRequest]
     ) -> adapter_store_pb2.RegisterAdapterResponse:
         """Register an adapter streamed by the caller; the caller's tenant owns it."""
+        failed: list[Exception] = []
 
         async def as_tenant():
             first = True
-            async for message in messages:
-                if first and message.WhichOneof("item") == "header":
-                    message.header.owner = tenant
-                first = False
-                yield message
+            try:
+                async for message in messages:
+                    if first and message.WhichOneof("item") == "header":
+                        message.header.owner = tenant
+                    first = False
+                    yield message
+            except Exception as error:  # a message that does not parse (INVALID_ARGUMENT)...
+                failed.append(error)
+                raise
 
-        reply = await self.store.RegisterAdapter(as_tenant())
+        try:
+            reply = await self.store.RegisterAdapter(as_tenant())
+        except asyncio.CancelledError:
+            # grpc's asyncio client cancels the store's call when its request stream raises, and
+            # awaiting it raises CancelledError: this RPC would end with no status (the caller
+            # waited out its deadline). The caller gets what the stream raised instead.
+            current = asyncio.current_task()
+            if failed and (current is None or not current.cancelling()):
+                raise failed[0] from None
+            raise
         self.access.forget(tenant, reply.adapter.name)
+        await self.adapter_index.wait_for(reply.adapter.id, present=True)
         return reply
 
     async def import_adapter(
@@ -227,6 +260,7 @@ class GatewayCore:
         forwarded.owner = tenant
         reply = await self.store.ImportAdapter(forwarded)
         self.access.forget(tenant, reply.adapter.name)
+        await self.adapter_index.wait_for(reply.adapter.id, present=True)
         return reply
 
     async def load_adapter(self, tenant: str, name: str, lora_path: str) -> types_pb2.AdapterInfo:
@@ -250,6 +284,7 @@ class GatewayCore:
 
         reply = await self.store.RegisterAdapter(messages())
         self.access.forget(tenant, name)
+        await self.adapter_index.wait_for(reply.adapter.id, present=True)
         return reply.adapter
 
     async def list_adapters(
@@ -274,24 +309,28 @@ class GatewayCore:
             adapter_store_pb2.DeleteAdapterRequest(ref=ref_by_name(owner, name))
         )
         self.access.forget(owner, name)
+        await self.adapter_index.wait_for(reply.adapter.id, present=False)
         return reply
 
-    async def usable_adapters(self, tenant: str) -> list[types_pb2.AdapterInfo]:
-        """Every adapter ``tenant`` may use: its own and every public one, all pages."""
-        adapters: list[types_pb2.AdapterInfo] = []
-        token = ""
-        while True:
-            page = await self.store.ListAdapters(
-                adapter_store_pb2.ListAdaptersRequest(
-                    owner=tenant, include_public=True, page_size=1000, page_token=token
-                )
-            )
-            adapters += page.adapters
-            token = page.next_page_token
-            if not token:
-                return adapters
+    async def set_adapter_pinned(
+        self, tenant: str, adapter: str, pinned: bool
+    ) -> adapter_store_pb2.SetAdapterPinnedResponse:
+        """Pin (or unpin) one of the caller's own adapters: the store and the workers never evict it."""
+        owner, name = split_reference(tenant, adapter)
+        if owner != tenant:
+            raise PermissionDenied(f"adapter {adapter!r} belongs to tenant {owner!r}")
+        reply = await self.store.SetAdapterPinned(
+            adapter_store_pb2.SetAdapterPinnedRequest(ref=ref_by_name(owner, name), pinned=pinned)
+        )
+        self.access.forget(owner, name)
+        return reply
+
+    async def usable_adapters(self, tenant: str) -> list[IndexedAdapter]:
+        """Every adapter ``tenant`` may use: its own and every public one, in registration order,
+        from the gateway's index of the catalog (not asked of the store per call)."""
+        return await self.adapter_index.usable(tenant)
 
 
-def model_id(tenant: str, info: types_pb2.AdapterInfo) -> str:
+def model_id(tenant: str, info: types_pb2.AdapterInfo | IndexedAdapter) -> str:
     """What ``tenant`` passes to name ``info``: ``name`` if it is its own, else ``owner/name``."""
     return info.name if info.owner == tenant else f"{info.owner}/{info.name}"

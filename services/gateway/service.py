@@ -50,6 +50,12 @@ class _Located:
                     raise
         raise AssertionError("unreachable")
 
+    async def stream(self, method: str, request, refresh: bool):
+        """A server-streamed call to the service; ``refresh``: look its address up again first."""
+        address = await self._locator.address(refresh=refresh)
+        async for message in getattr(self._stub_class(self._channels.get(address)), method)(request):
+            yield message
+
 
 class _StoreClient:
     """The adapter store calls the gateway makes."""
@@ -70,6 +76,13 @@ class _StoreClient:
     async def DeleteAdapter(self, request):
         return await self._located.call("DeleteAdapter", request, timeout=30)
 
+    async def SetAdapterPinned(self, request):
+        # A pin reads the adapter into the store's RAM (up to its size limit, from disk).
+        return await self._located.call("SetAdapterPinned", request, timeout=120)
+
+    def watch(self, refresh: bool):
+        return self._located.stream("WatchAdapters", adapter_store_pb2.WatchAdaptersRequest(), refresh)
+
     async def get(self, owner: str, name: str):
         request = adapter_store_pb2.GetAdapterRequest(ref=ref_by_name(owner, name))
         return await self._located.call("GetAdapter", request, timeout=30)
@@ -86,7 +99,7 @@ class GatewayService:
             log.warning("no API keys configured: every request will be refused (UNAUTHENTICATED)")
         self.core = GatewayCore(config, keys)
         self.servicer = GatewayServicer(self.core)
-        self.openai = OpenAIHttpServer(config.grace_s)
+        self.openai = OpenAIHttpServer(config.grace_s, config.tls())  # HTTPS only with TLS on
         self.metrics: ServiceMetrics | None = None
         self.channels = ChannelPool(config.tls())
 
@@ -121,11 +134,14 @@ class GatewayService:
             return await scheduler.call("ReportCompletion", request, timeout=10)
 
         relay = Relay(place, self.channels, cfg.max_resumes, report_completion)
-        access = AdapterAccess(store.get, cfg.adapter_cache_s)
+        access = AdapterAccess(store.get, cfg.adapter_cache_s, cfg.adapter_access_cache)
         self.core.attach(text, relay, access, store)
+        self.core.adapter_index.start()
         await self.openai.start(build_app(self.core, self.metrics), cfg.host, cfg.openai_port)
 
     async def stop(self) -> None:
+        if self.core.ready:
+            await self.core.adapter_index.stop()
         await self.openai.stop()
         await self.channels.close()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from grpc import aio
 
-from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 from services.gateway.continuation import Delivered
 from services.gateway.core import GatewayCore, model_id
 
@@ -59,6 +59,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def DeleteAdapter(self, request: gateway_pb2.GatewayAdapterRequest, context):
         return await self.core.delete_adapter(self._tenant(context), request.adapter)
 
+    async def SetAdapterPinned(self, request: gateway_pb2.GatewayPinRequest, context):
+        return await self.core.set_adapter_pinned(self._tenant(context), request.adapter, request.pinned)
+
     async def ListModels(self, request, context):
         tenant = self._tenant(context)
         models = [gateway_pb2.ModelInfo(id="", owner="", base_model=self.core.base_model, is_base=True)]
@@ -69,7 +72,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     owner=a.owner,
                     base_model=a.base_model,
                     rank=a.max_rank,
-                    visibility=a.visibility,
+                    visibility=types_pb2.VISIBILITY_PUBLIC if a.public else types_pb2.VISIBILITY_PRIVATE,
                 )
             )
         return gateway_pb2.ListModelsResponse(models=models)

@@ -5,8 +5,14 @@ loop, and the host copy is handed to the engine. S-LoRA §5.2's prefetch: a requ
 starts moving as soon as the request arrives, or earlier via ``Prefetch``.
 
 Host copies are reference counted (one reference per request between :meth:`acquire` and
-:meth:`release`); when their bytes exceed the budget, unreferenced ones are dropped least
-recently used first and fetched again (from the store's RAM tier or disk) when next asked for.
+:meth:`release`); when their bytes exceed the budget, unreferenced ones are dropped in the
+eviction policy's order (``--eviction-policy``: least recently used first by default) and
+fetched again (from the store's RAM tier or disk) when next asked for. Pinned adapters are never
+dropped: they count against the budget, and pins beyond it hold their copies over it.
+
+Pins reach the loader with each fetch (the store's FetchAdapter header) and as the whole pinned
+set (:meth:`AdapterLoader.set_pinned`, which the worker calls every ``--pin-refresh-s``), and
+the loader passes them on to the engine's device residency.
 """
 
 from __future__ import annotations
@@ -14,31 +20,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from services.gpu_worker.adapter_source import AdapterSource
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
+from services.runtime.eviction import EvictionPolicy, LRUEviction, set_pins
 
 log = logging.getLogger("loramesh.worker.adapters")
 
 
 class AdapterLoader:
     def __init__(
-        self, source: AdapterSource, engine: Engine, dtype: torch.dtype, host_budget_bytes: int | None = None
+        self,
+        source: AdapterSource,
+        engine: Engine,
+        dtype: torch.dtype,
+        host_budget_bytes: int | None = None,
+        eviction: EvictionPolicy | None = None,
     ):
-        """``host_budget_bytes``: RAM for host copies of adapters; None: unbounded."""
+        """``host_budget_bytes``: RAM for host copies of adapters; None: unbounded.
+        ``eviction``: the order unreferenced host copies are dropped in (default least recently
+        used first)."""
         self.source = source
         self.engine = engine
         self.dtype = dtype
         self.host_budget_bytes = host_budget_bytes
         self._inflight: dict[str, asyncio.Task[HostAdapter]] = {}
         self._refs: dict[str, int] = {}
-        self._lru: OrderedDict[str, int] = OrderedDict()
-        """Host copies this loader added, least recently used first, with their sizes."""
+        self._sizes: dict[str, int] = {}
+        """Host copies this loader added, with their sizes."""
+        self._eviction = eviction or LRUEviction()
         self.fetches = 0
         """Adapters pulled from the source so far (re-fetches after a drop included)."""
         self.on_loaded: Callable[[float], None] | None = None
@@ -46,14 +60,24 @@ class AdapterLoader:
 
     @property
     def host_bytes(self) -> int:
-        return sum(self._lru.values())
+        return sum(self._sizes.values())
+
+    def set_pinned(self, adapter_ids: Iterable[str]) -> None:
+        """Make ``adapter_ids`` the adapters pinned here, on the host and in the engine's pool
+        (copies an unpin lets go are dropped when over the budget)."""
+        adapter_ids = frozenset(adapter_ids)
+        if adapter_ids == self._eviction.pinned():
+            return
+        set_pins(self._eviction, adapter_ids)
+        self.engine.set_pinned_adapters(self._eviction.pinned())
+        self._shrink()
 
     async def ensure(self, adapter_id: str) -> HostAdapter:
         """The adapter's host copy, pulling it if this worker does not have it now."""
         existing = self.engine.host_adapters.get(adapter_id)
         if existing is not None:
-            if adapter_id in self._lru:
-                self._lru.move_to_end(adapter_id)
+            if adapter_id in self._sizes:
+                self._eviction.touch(adapter_id)
             return existing
         task = self._inflight.get(adapter_id)
         if task is None:
@@ -102,30 +126,53 @@ class AdapterLoader:
 
     async def _pull(self, adapter_id: str) -> HostAdapter:
         started = time.perf_counter()
-        config, weights = await self.source.fetch(adapter_id)
-        adapter = await asyncio.to_thread(parse_peft_adapter, adapter_id, config, weights, self.dtype)
-        self.engine.add_adapter(adapter)
+        fetched = await self.source.fetch(adapter_id)
+        pinned = self._eviction.pinned()
+        if fetched.pinned != (adapter_id in pinned):  # the store's word now: fresher than a refresh
+            self.set_pinned(pinned | {adapter_id} if fetched.pinned else pinned - {adapter_id})
+        # Parsing and the engine's footprint of it (a walk over every module) both run on the
+        # parse thread: neither holds the event loop (engine.add_adapter is thread-safe).
+        adapter = await asyncio.to_thread(self._parse_and_add, adapter_id, fetched.config, fetched.weights)
         if self.on_loaded is not None:
             self.on_loaded(time.perf_counter() - started)
         self.fetches += 1
-        self._lru[adapter_id] = adapter.nbytes
+        self._sizes[adapter_id] = adapter.nbytes
+        self._eviction.touch(adapter_id)
         self._shrink()
+        self._warn_if_pins_overflow()
         log.debug(
             "adapter %s on this worker (max rank %d, %d bytes)", adapter_id, adapter.max_rank, adapter.nbytes
         )
         return adapter
 
+    def _parse_and_add(self, adapter_id: str, config, weights) -> HostAdapter:
+        adapter = parse_peft_adapter(adapter_id, config, weights, self.dtype)
+        self.engine.add_adapter(adapter)
+        return adapter
+
+    def _warn_if_pins_overflow(self) -> None:
+        pinned = self._eviction.pinned()
+        pinned_bytes = sum(size for adapter_id, size in self._sizes.items() if adapter_id in pinned)
+        if self.host_budget_bytes is not None and pinned_bytes > self.host_budget_bytes:
+            log.warning(
+                "pinned adapters' host copies take %d bytes, over the --host-cache-mib budget of %d "
+                "bytes: they are all kept; unpin some or raise the budget",
+                pinned_bytes, self.host_budget_bytes,
+            )  # fmt: skip
+
     def _shrink(self) -> None:
-        """Drop unreferenced host copies, least recently used first, while over the budget."""
+        """Drop unreferenced, unpinned host copies, in eviction order, while over the budget."""
         if self.host_budget_bytes is None:
             return
         total = self.host_bytes
-        for adapter_id in list(self._lru):
+        if total <= self.host_budget_bytes:
+            return
+        idle = [a for a in self._sizes if not self._refs.get(a) and a not in self._inflight]
+        for adapter_id in self._eviction.victims(idle):
             if total <= self.host_budget_bytes:
                 break
-            if self._refs.get(adapter_id) or adapter_id in self._inflight:
-                continue
-            total -= self._lru.pop(adapter_id)
+            total -= self._sizes.pop(adapter_id)
+            self._eviction.remove(adapter_id)
             self.engine.remove_adapter(adapter_id)
 
 

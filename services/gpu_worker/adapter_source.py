@@ -1,23 +1,41 @@
-"""Where a worker gets an adapter's files: the adapter store, or a local directory."""
+"""Where a worker gets an adapter's files, and which adapters are pinned: the adapter store, or a
+local directory (which pins none)."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 
 from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter, ref_by_id
-from mesh_api.v1 import adapter_store_pb2_grpc
+from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 from services.runtime.discovery import ChannelPool, ServiceLocator
 from services.runtime.errors import DataLoss, NotFound, Unavailable
 from services.runtime.tls import NO_TLS, TLSConfig
 
 
+@dataclass(frozen=True)
+class FetchedAdapter:
+    """One adapter as a source hands it over."""
+
+    config: bytes
+    """``adapter_config.json``."""
+    weights: bytes
+    """``adapter_model.safetensors``."""
+    pinned: bool = False
+    """Pinned when it was fetched (never evicted from this worker's host cache or pool)."""
+
+
 class AdapterSource(Protocol):
-    async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:
-        """``(adapter_config.json, adapter_model.safetensors)`` of ``adapter_id``."""
+    async def fetch(self, adapter_id: str) -> FetchedAdapter:
+        """The files of ``adapter_id``, and whether it is pinned."""
+        ...
+
+    async def pinned_ids(self) -> frozenset[str]:
+        """The ids of every adapter pinned now."""
         ...
 
     def public_name(self, adapter_id: str) -> str:
@@ -33,7 +51,7 @@ class DirectorySource:
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:
+    async def fetch(self, adapter_id: str) -> FetchedAdapter:
         directory = self.root / adapter_id
         if "/" in adapter_id or adapter_id.startswith(".") or not directory.is_dir():
             raise NotFound(f"adapter {adapter_id!r} is not in {self.root}")
@@ -41,7 +59,10 @@ class DirectorySource:
         weights = directory / "adapter_model.safetensors"
         if not config.exists() or not weights.exists():
             raise NotFound(f"{directory} lacks adapter_config.json or adapter_model.safetensors")
-        return await asyncio.to_thread(lambda: (config.read_bytes(), weights.read_bytes()))
+        return await asyncio.to_thread(lambda: FetchedAdapter(config.read_bytes(), weights.read_bytes()))
+
+    async def pinned_ids(self) -> frozenset[str]:
+        return frozenset()  # no API pins a directory's adapters
 
     def public_name(self, adapter_id: str) -> str:
         return adapter_id  # its directory's name
@@ -58,7 +79,7 @@ class StoreSource:
         self._channels = ChannelPool(tls)
         self._names: dict[str, str] = {}
 
-    async def fetch(self, adapter_id: str) -> tuple[bytes, bytes]:
+    async def fetch(self, adapter_id: str) -> FetchedAdapter:
         address = await self._locator.address()
         stub = adapter_store_pb2_grpc.AdapterStoreStub(self._channels.get(address))
         try:
@@ -71,7 +92,18 @@ class StoreSource:
             await self._locator.address(refresh=True)  # the next pull may find another store
             raise Unavailable(f"adapter store: {error.code().name}: {error.details()}") from None
         self._names[adapter_id] = f"{info.owner}/{info.name}"
-        return info.config_json.encode(), data
+        return FetchedAdapter(info.config_json.encode(), data, info.pinned)
+
+    async def pinned_ids(self) -> frozenset[str]:
+        """The store's pinned adapters (Unavailable when it cannot be reached)."""
+        address = await self._locator.address()
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(self._channels.get(address))
+        try:
+            reply = await stub.ListPinnedAdapters(adapter_store_pb2.ListPinnedAdaptersRequest(), timeout=10)
+        except grpc.RpcError as error:
+            await self._locator.address(refresh=True)
+            raise Unavailable(f"adapter store: {error.code().name}: {error.details()}") from None
+        return frozenset(reply.adapter_ids)
 
     def public_name(self, adapter_id: str) -> str:
         """``owner/name``: the OpenAI ``model`` that names it for every tenant allowed to use it."""

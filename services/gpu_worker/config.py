@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.runtime.capped_labels import DEFAULT_CAP
 from services.runtime.config import ServiceConfig
 
 
@@ -37,8 +38,16 @@ class WorkerConfig(ServiceConfig):
     adapter_dir: str = ""
     """Standalone mode: serve adapters from this directory (one PEFT directory per adapter id)."""
     host_cache_mib: int = 4096
-    """Host RAM for adapter copies; beyond it, adapters no request uses are dropped least
-    recently used first and fetched again when asked for (0: unbounded)."""
+    """Host RAM for adapter copies; beyond it, adapters no request uses are dropped in
+    --eviction-policy order and fetched again when asked for; pinned ones stay (0: unbounded)."""
+    eviction_policy: str = "lru"
+    """Which idle adapters leave the host cache and the pool first: lru (least recently used), lfu
+    (least frequently used, ties least recent) or fifo; pinned adapters never (docs/operations.md,
+    "Eviction and pinning")."""
+    pin_refresh_s: float = 5.0
+    """How often the worker reads the adapter store's pinned adapters, so that a pin or unpin set
+    after it loaded an adapter applies within this many seconds (a fetch brings its pin at once;
+    0: only at fetch)."""
     threads: int = 0
     """torch CPU threads (0: torch's default); with --tp N, of the whole group, each rank taking
     threads // N."""
@@ -83,3 +92,7 @@ class WorkerConfig(ServiceConfig):
     """Prefix cache (on|off): requests with the same prompt prefix and the same adapter version
     share the KV of its whole blocks, and prefill only the rest; off with --kv-overflow borrow
     (docs/operations.md, "Prefix cache")."""
+    metric_adapter_labels: int = DEFAULT_CAP
+    """Adapters named in each per-adapter metric series: the top N by requests, the rest summed
+    under the label ``other``, so a worker's series stay bounded at 10,000 adapters (at least 1;
+    docs/metrics.md, "Per-adapter label cap")."""

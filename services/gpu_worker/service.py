@@ -21,10 +21,12 @@ from services.gpu_worker.kernels import cpu_quant
 from services.gpu_worker.kv_manager_directory import KvManagerDirectory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
+from services.gpu_worker.pin_refresh import refresh_pins
 from services.gpu_worker.quantization_setting import resolve_quantization
 from services.gpu_worker.servicer import WorkerServicer
 from services.gpu_worker.tp.group import start_group
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
+from services.runtime.eviction import make_eviction_policy
 from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_members
 from services.runtime.stop_window import StopStringTail
 from services.runtime.worker_load import worker_load_to_report
@@ -82,7 +84,7 @@ class WorkerService:
         self._watches: list[asyncio.Task] = []
         self._workers: set[str] = set()
         self._parts: WorkerParts | None = None
-        self.metrics = WorkerMetrics(lambda: self._parts)
+        self.metrics = WorkerMetrics(lambda: self._parts, config.metric_adapter_labels)
 
     def metric_collectors(self) -> tuple[WorkerMetrics, ...]:
         """Per-adapter, router-facing and DistKV series beside the load report's gauges."""
@@ -115,6 +117,7 @@ class WorkerService:
             preemption_policy=cfg.preemption_policy,
             deterministic=cfg.deterministic,
             prefix_cache=cfg.prefix_cache,
+            eviction_policy=cfg.eviction_policy,
         )
         model, executor = None, None
         if cfg.tp > 1:
@@ -155,8 +158,14 @@ class WorkerService:
         else:
             self.source = StoreSource(cfg.adapter_store, cfg.etcd_endpoints, cfg.tls())
         loader = AdapterLoader(
-            self.source, engine, dtype, cfg.host_cache_mib * 2**20 if cfg.host_cache_mib else None
+            self.source,
+            engine,
+            dtype,
+            cfg.host_cache_mib * 2**20 if cfg.host_cache_mib else None,
+            make_eviction_policy(cfg.eviction_policy),
         )
+        if cfg.pin_refresh_s > 0:
+            self._watches.append(asyncio.create_task(refresh_pins(self.source, loader, cfg.pin_refresh_s)))
         self.metrics.attach(engine, loader)
         self._parts = WorkerParts(engine, loader, loaded.config.name)
         describe = {

@@ -23,9 +23,10 @@ from services.gpu_worker.lending_proto import (
     tensor_to_proto,
 )
 from services.gpu_worker.memory.shared_lender import SharedLender
-from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from services.runtime.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, Unavailable
 from services.runtime.request_validation import check_first_token_deadline, check_request
 from services.runtime.sampling_proto import sampling_from_proto
+from services.runtime.tls import peer_identity_var
 
 FINISH_REASONS = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
@@ -220,43 +221,60 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # two workers borrowing from each other would wait for each other's step). Domain errors
     # become statuses in the runtime's interceptor; a bad call changes nothing for other debtors.
 
-    def _lending(self, debtor: str) -> SharedLender:
-        if not debtor:
-            raise InvalidArgument("debtor is empty: name the borrowing worker's instance id")
-        return self.engine.lending
+    def _lending(self, named: str) -> tuple[SharedLender, str]:
+        """The lender, and the debtor a lending call acts for. With mutual TLS that is the
+        caller's own instance, from its verified certificate (``gpu_worker/<instance id>``): a
+        worker can neither borrow, write, attend over, read nor free as another. In plaintext
+        there is no identity, and the request names the debtor."""
+        caller = peer_identity_var.get()
+        if caller is None:
+            if not named:
+                raise InvalidArgument("debtor is empty: name the borrowing worker's instance id")
+            return self.engine.lending, named
+        if not caller.instance:
+            raise PermissionDenied(
+                f"the {str(caller)!r} certificate names no instance: a debtor borrows with its own "
+                "certificate, gpu_worker/<instance id>"
+            )
+        if named and named != caller.instance:
+            raise PermissionDenied(
+                f"the {str(caller)!r} certificate may not act for debtor {named!r}: "
+                "a worker borrows, reads and frees blocks only as itself"
+            )
+        return self.engine.lending, caller.instance
 
     async def AllocateBlocks(self, request: worker_pb2.AllocateBlocksRequest, context):
-        lending = self._lending(request.debtor)
+        lending, debtor = self._lending(request.debtor)
         layout = layout_from_proto(request.layout)
-        ids = await asyncio.to_thread(lending.allocate, request.debtor, request.count, layout)
+        ids = await asyncio.to_thread(lending.allocate, debtor, request.count, layout)
         return worker_pb2.AllocateBlocksResponse(block_ids=ids, layout=layout_to_proto(lending.layout))
 
     async def WriteKv(self, request: worker_pb2.WriteKvRequest, context):
-        lending = self._lending(request.debtor)
+        lending, debtor = self._lending(request.debtor)
         device = self.engine.pool.device
         slots = tensor_from_proto(request.slots, "slots", device)
         keys = tensor_from_proto(request.keys, "keys", device)
         values = tensor_from_proto(request.values, "values", device)
         await asyncio.to_thread(
-            lending.write, request.debtor, request.layer, list(request.block_ids), slots, keys, values
+            lending.write, debtor, request.layer, list(request.block_ids), slots, keys, values
         )
         return worker_pb2.WriteKvResponse()
 
     async def FreeBlocks(self, request: worker_pb2.FreeBlocksRequest, context):
-        lending = self._lending(request.debtor)
-        await asyncio.to_thread(lending.free, request.debtor, list(request.block_ids))
+        lending, debtor = self._lending(request.debtor)
+        await asyncio.to_thread(lending.free, debtor, list(request.block_ids))
         return worker_pb2.FreeBlocksResponse()
 
     async def AttendRemote(self, request: worker_pb2.AttendRemoteRequest, context):
-        lending = self._lending(request.debtor)
+        lending, debtor = self._lending(request.debtor)
         device = self.engine.pool.device
         segments = [segment_from_proto(segment, device) for segment in request.segments]
-        partials = await asyncio.to_thread(lending.attend, request.debtor, request.layer, segments)
+        partials = await asyncio.to_thread(lending.attend, debtor, request.layer, segments)
         return partials_to_proto(partials)
 
     async def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context):
-        lending = self._lending(request.debtor)
-        keys, values = await asyncio.to_thread(lending.read, request.debtor, list(request.block_ids))
+        lending, debtor = self._lending(request.debtor)
+        keys, values = await asyncio.to_thread(lending.read, debtor, list(request.block_ids))
         return worker_pb2.ReadBlocksResponse(keys=tensor_to_proto(keys), values=tensor_to_proto(values))
 
     # -- DGFM (issue 13): the kv_manager leader has this worker bring its blocks home ----------

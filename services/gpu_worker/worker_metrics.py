@@ -6,6 +6,9 @@ the engine thread publishes after scheduling and after each step (``Engine.stats
 hand-over inbox and host copies (under the engine's lock), the lender (its own lock), and the
 adapter loader (the event loop's, where scrapes run). Series of adapters or peers that are gone
 are simply not yielded, so nothing lingers (a custom collector, not labelled Gauges).
+
+Every per-adapter series names the top adapters by requests and sums the rest under ``other``
+(``services/runtime/capped_labels.py``), so a worker's series stay bounded at 10,000 adapters.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.engine_stats import EngineStats
 from services.gpu_worker.memory.distkv_meter import DistKvTotals
+from services.runtime.capped_labels import DEFAULT_CAP, CappedLabels
 
 LOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 STEP_WAIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -46,9 +50,13 @@ class WorkerParts:
 class WorkerMetrics:
     """The collector of the worker's series, and the histograms it observes into."""
 
-    def __init__(self, parts: Callable[[], WorkerParts | None]):
-        """``parts``: the started worker's parts, None before it has started."""
+    def __init__(self, parts: Callable[[], WorkerParts | None], adapter_label_cap: int = DEFAULT_CAP):
+        """``parts``: the started worker's parts, None before it has started;
+        ``adapter_label_cap``: adapters named in each per-adapter series (the rest: ``other``)."""
         self._parts = parts
+        if adapter_label_cap < 1:  # refused at start, not at the first scrape
+            raise ValueError(f"the adapter label cap must be at least 1, got {adapter_label_cap}")
+        self.adapter_label_cap = adapter_label_cap
         self.adapter_load_seconds = Histogram(
             "loramesh_gpu_worker_adapter_load_seconds",
             "Adapter loads by level reached: cpu = pulled from the source and parsed into host RAM, "
@@ -88,21 +96,44 @@ class WorkerMetrics:
         waiting = [None if a is None else named(a) for a in waiting]
         resident = set(stats.resident_adapters)
         host = {named(a): a in resident for a in parts.engine.host_adapter_ids()}
-        tokens = {named(a): count for a, count in stats.tokens_by_adapter.items()}
-        yield from _router_series(parts, stats, running, waiting, host)
-        yield from _adapter_series(running, waiting, tokens)
+        usage = parts.engine.adapter_usage()
+        requests, tokens = _by_name(usage.requests, named), _by_name(usage.tokens, named)
+        labels = CappedLabels(
+            [*host, *tokens, *(a for a in (*running, *waiting) if a is not None)],
+            requests,
+            self.adapter_label_cap,
+        )
+        yield from _router_series(parts, stats, running, waiting, host, labels)
+        yield from _adapter_series(running, waiting, tokens, labels)
         yield from _lending_series(parts.engine.lending.lent_to(), stats.borrowed_blocks)
         yield from _compute_cap_series(parts.engine.distkv.totals())
         yield from _policy_series(parts.engine.config.batch_policy, stats)
         yield from _prefix_cache_series(stats)
 
 
+def _by_name(counts: dict[str, int], named: Callable[[str], str]) -> dict[str, int]:
+    """``counts`` per adapter id, per public name (an adapter's versions share its name)."""
+    by_name: dict[str, int] = {}
+    for adapter_id, count in counts.items():
+        name = named(adapter_id)
+        by_name[name] = by_name.get(name, 0) + count
+    return by_name
+
+
 def _router_series(
-    parts: WorkerParts, stats: EngineStats, running: list, waiting: list, host: dict[str, bool]
+    parts: WorkerParts,
+    stats: EngineStats,
+    running: list,
+    waiting: list,
+    host: dict[str, bool],
+    labels: CappedLabels,
 ) -> Iterator[Metric]:
     """The series the Gateway API Inference Extension's endpoint picker and llm-d read, with
     vLLM's names, help and labels. ``host``: each adapter with a host copy, and whether it is
-    also in the device pool."""
+    also in the device pool. ``vllm:lora_requests_info`` names every adapter running or waiting
+    (one series, which the picker reads for affinity; it is bounded by the queue, not by the
+    adapters registered); ``vllm:lora_adapter_loaded`` is per adapter, so capped: its ``other``
+    series count the adapters past the cap at each level."""
     engine_labels = ["model_name", "engine"]
     engine_values = [parts.model_name, ENGINE_INDEX]
     for name, documentation, value in (
@@ -127,8 +158,9 @@ def _router_series(
     )
     # An adapter's pages left in the pool after its host copy was dropped are not "loaded": a
     # request for it pulls it again (they are only reused, and otherwise evicted LRU).
-    for name, on_device in sorted(host.items()):
-        loaded.add_metric([*engine_values, name, GPU if on_device else CPU, "false"], 1)
+    levels = Counter((labels(name), GPU if on_device else CPU) for name, on_device in host.items())
+    for (name, level), count in sorted(levels.items()):
+        loaded.add_metric([*engine_values, name, level, "false"], count)
     yield loaded
     for level, count in ((GPU, sum(host.values())), (CPU, len(host))):
         family = GaugeMetricFamily(
@@ -157,7 +189,9 @@ def _names(adapters: Iterable[str | None]) -> str:
     return ",".join(sorted({a for a in adapters if a is not None}))
 
 
-def _adapter_series(running: list, waiting: list, tokens: dict[str, int]) -> Iterator[Metric]:
+def _adapter_series(
+    running: list, waiting: list, tokens: dict[str, int], labels: CappedLabels
+) -> Iterator[Metric]:
     for name, documentation, counts in (
         (
             "loramesh_gpu_worker_adapter_requests_running",
@@ -171,14 +205,14 @@ def _adapter_series(running: list, waiting: list, tokens: dict[str, int]) -> Ite
         ),
     ):
         family = GaugeMetricFamily(name, documentation, labels=["adapter"])
-        for adapter_id, count in sorted(Counter(a for a in counts if a is not None).items()):
-            family.add_metric([adapter_id], count)
+        for label, count in sorted(Counter(labels(a) for a in counts if a is not None).items()):
+            family.add_metric([label], count)
         yield family
     generated = CounterMetricFamily(
         "loramesh_gpu_worker_adapter_generated_tokens", "Tokens generated per adapter", labels=["adapter"]
     )
-    for adapter_id, count in sorted(tokens.items()):
-        generated.add_metric([adapter_id], count)
+    for label, count in sorted(labels.sum(tokens).items()):
+        generated.add_metric([label], count)
     yield generated
 
 

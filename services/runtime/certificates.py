@@ -1,18 +1,28 @@
-"""The mesh's certificate authority and one certificate per service identity (``loramesh certs``).
+"""The mesh's certificate authority and one certificate per identity (``loramesh certs``).
 
 A directory made by :func:`create_mesh_certificates` holds ``ca.pem`` (the CA certificate every
 peer trusts), ``ca-key.pem`` (kept to issue more; never mounted into a service) and, per
-identity, ``<identity>.pem`` + ``<identity>-key.pem``. Each certificate names its identity twice:
-``CN=<identity>`` and the URI SAN ``spiffe://loramesh/<identity>`` (what
-services.runtime.tls.peer_identity reads from a verified peer), and carries DNS/IP SANs for
-loopback and the Kubernetes Service names, so a client can verify the server it dialled. Keys are
-EC P-256, written ``0600`` in a ``0700`` directory.
+identity (services.runtime.identity), ``<kind>.pem`` + ``<kind>-key.pem`` for one a whole kind
+shares, ``<kind>/<instance>.pem`` + ``<kind>/<instance>-key.pem`` for one bound to an instance
+(what ``loramesh up --tls`` issues for each process it starts). Each certificate names its
+identity twice: ``CN=<kind>[/<instance>]`` (etcd's user, services.runtime.etcd_rbac) and the URI
+SAN ``spiffe://loramesh/<kind>[/<instance>]`` (what services.runtime.tls.peer_identity reads
+from a verified peer), and carries DNS/IP SANs for loopback and the kind's Kubernetes Service
+names, so a client can verify the server it dialled. Keys are EC P-256, written ``0600`` in
+``0700`` directories.
+
+Validity: the CA and, by default, the certificates are valid :data:`DEFAULT_VALIDITY_DAYS`;
+``validity`` issues short-lived certificates instead (``loramesh certs --hours``), which the
+services reload when the files are replaced (services.runtime.certificate_reload). The TLS
+handshake refuses an expired certificate: short lifetimes are the mesh's revocation
+(docs/security.md, "Rotation and expiry").
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +31,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from services.runtime.identity import KINDS, MeshIdentity
 from services.runtime.private_files import private_dir, write_private_text
-from services.runtime.tls import MESH_SERVER_NAME, SPIFFE_PREFIX, TLSConfig
+from services.runtime.tls import MESH_SERVER_NAME, TLSConfig
 
-#: Every identity ``loramesh certs`` issues a certificate for. ``admin`` is the operator's CLI
-#: and SDK (a client: it uploads adapters to the store and talks to the gateways).
-IDENTITIES = ("gateway", "scheduler", "adapter_store", "gpu_worker", "kv_manager", "etcd", "admin")
+Identity = MeshIdentity | str
+"""An identity, or its text (``gpu_worker``, ``gpu_worker/gpu_worker-0``)."""
 
 CA_FILE = "ca.pem"
 CA_KEY_FILE = "ca-key.pem"
@@ -44,11 +54,15 @@ K8S_SERVICE_NAMES = {
 }
 
 
-def dns_names(identity: str, namespace: str) -> list[str]:
-    """DNS SANs of ``identity``'s certificate: loopback, the mesh-wide name peers dialled by IP
-    are checked against (:data:`MESH_SERVER_NAME`), and its Services in ``namespace``."""
+def _identity(identity: Identity) -> MeshIdentity:
+    return identity if isinstance(identity, MeshIdentity) else MeshIdentity.parse(identity)
+
+
+def dns_names(kind: str, namespace: str) -> list[str]:
+    """DNS SANs of a certificate of ``kind``: loopback, the mesh-wide name peers dialled by IP
+    are checked against (:data:`MESH_SERVER_NAME`), and the kind's Services in ``namespace``."""
     names = ["localhost", MESH_SERVER_NAME]
-    for service in K8S_SERVICE_NAMES.get(identity, ()):
+    for service in K8S_SERVICE_NAMES.get(kind, ()):
         names += [service, f"{service}.{namespace}", f"{service}.{namespace}.svc"]
     return names
 
@@ -64,13 +78,20 @@ class CertificateDirectory:
     def ca_file(self) -> Path:
         return self.path / CA_FILE
 
-    def cert_file(self, identity: str) -> Path:
-        return self.path / f"{identity}.pem"
+    def cert_file(self, identity: Identity) -> Path:
+        return self._file(identity, ".pem")
 
-    def key_file(self, identity: str) -> Path:
-        return self.path / f"{identity}-key.pem"
+    def key_file(self, identity: Identity) -> Path:
+        return self._file(identity, "-key.pem")
 
-    def tls_for(self, identity: str) -> TLSConfig:
+    def _file(self, identity: Identity, suffix: str) -> Path:
+        """``<kind><suffix>``, or ``<kind>/<instance><suffix>`` for an instance's identity."""
+        who = _identity(identity)
+        if who.instance:
+            return self.path / who.kind / f"{who.instance}{suffix}"
+        return self.path / f"{who.kind}{suffix}"
+
+    def tls_for(self, identity: Identity) -> TLSConfig:
         """The TLS settings a process of ``identity`` runs with."""
         return TLSConfig(
             ca_file=str(self.ca_file),
@@ -78,7 +99,7 @@ class CertificateDirectory:
             key_file=str(self.key_file(identity)),
         )
 
-    def complete(self, identities: tuple[str, ...] = IDENTITIES) -> bool:
+    def complete(self, identities: Iterable[Identity] = KINDS) -> bool:
         """Whether the CA and every identity's certificate and key are there."""
         files = [self.ca_file, *(f(i) for i in identities for f in (self.cert_file, self.key_file))]
         return all(f.is_file() for f in files)
@@ -132,24 +153,26 @@ def _new_ca(common_name: str, days: int) -> tuple[x509.Certificate, ec.EllipticC
 
 
 def _issue(
-    identity: str,
+    identity: MeshIdentity,
     ca_cert: x509.Certificate,
     ca_key: ec.EllipticCurvePrivateKey,
     namespace: str,
-    days: int,
+    validity: datetime.timedelta,
+    not_before: datetime.datetime | None = None,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    start = not_before or _now() - datetime.timedelta(minutes=5)
     key = ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(SPIFFE_PREFIX + identity)]
-    sans += [x509.DNSName(n) for n in dns_names(identity, namespace)]
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.spiffe_id)]
+    sans += [x509.DNSName(n) for n in dns_names(identity.kind, namespace)]
     sans += [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("::1"))]
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity)]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(identity))]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - datetime.timedelta(minutes=5))
-        .not_valid_after(_now() + datetime.timedelta(days=days))
+        .not_valid_before(start)
+        .not_valid_after(start + validity)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         # Every service is a server to its callers and a client of etcd and of other services.
@@ -175,13 +198,23 @@ def _load_ca(directory: CertificateDirectory) -> tuple[x509.Certificate, ec.Elli
 
 def create_mesh_certificates(
     path: Path | str,
-    identities: tuple[str, ...] = IDENTITIES,
+    identities: Iterable[Identity] = KINDS,
     namespace: str = "loramesh",
     days: int = DEFAULT_VALIDITY_DAYS,
     ca_name: str = "loramesh mesh CA",
+    validity: datetime.timedelta | None = None,
+    not_before: datetime.datetime | None = None,
 ) -> CertificateDirectory:
     """Write a CA (unless ``path`` already has one: it is reused, so more identities can be
-    issued later) and a certificate and key for each of ``identities``. Returns the directory."""
+    issued later) and a certificate and key for each of ``identities``. Returns the directory.
+
+    A new CA is valid ``days``; the certificates ``validity`` (default: ``days`` too) from
+    ``not_before`` (default: 5 minutes ago, for clocks a little behind). A ``not_before`` more
+    than ``validity`` ago issues an expired certificate (a test's)."""
+    if validity is None:
+        validity = datetime.timedelta(days=days)
+    if validity <= datetime.timedelta(0):
+        raise ValueError(f"a certificate's validity must be positive, got {validity}")
     directory = CertificateDirectory(private_dir(path))
     if directory.ca_file.is_file() and (directory.path / CA_KEY_FILE).is_file():
         ca_cert, ca_key = _load_ca(directory)
@@ -189,8 +222,10 @@ def create_mesh_certificates(
         ca_cert, ca_key = _new_ca(ca_name, days)
         _write_key(directory.path / CA_KEY_FILE, ca_key)
         _write_cert(directory.ca_file, ca_cert)
-    for identity in identities:
-        cert, key = _issue(identity, ca_cert, ca_key, namespace, days)
+    for identity in map(_identity, identities):
+        cert, key = _issue(identity, ca_cert, ca_key, namespace, validity, not_before)
+        if identity.instance:
+            private_dir(directory.path / identity.kind)
         _write_key(directory.key_file(identity), key)
         _write_cert(directory.cert_file(identity), cert)
     return directory

@@ -4,10 +4,16 @@ Every service installs :class:`ServiceInterceptor`. It wraps each RPC handler so
 - the caller's ``x-request-id`` (or a new one) is bound to the logging context and echoed back
   in trailing metadata;
 - a :class:`~services.runtime.errors.DomainError` aborts the RPC with its status code and
-  message, and anything unexpected becomes ``INTERNAL`` with the request id to find it in logs;
+  message (cut to :data:`MAX_STATUS_MESSAGE_BYTES`), and anything unexpected becomes
+  ``INTERNAL`` with the request id to find it in logs;
+- a request (or a message of a request stream) whose bytes do not parse ends
+  ``INVALID_ARGUMENT``, not grpc's ``UNKNOWN``;
 - each RPC is counted and timed in the service's Prometheus metrics;
 - the caller's verified mesh identity (mutual TLS) is bound to
-  :data:`~services.runtime.tls.peer_identity_var` for the servicer (None over plaintext).
+  :data:`~services.runtime.tls.peer_identity_var` for the servicer (None over plaintext);
+- with mutual TLS on, the call is authorized by that identity against the one table
+  (services.runtime.authorization) before the servicer sees it: a caller outside the method's
+  row ends ``PERMISSION_DENIED``.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
-from services.runtime.errors import DomainError, ResourceExhausted, Unavailable
+from services.runtime.authorization import authorize
+from services.runtime.errors import DomainError, InvalidArgument, ResourceExhausted, Unavailable
+from services.runtime.identity import MeshIdentity
 from services.runtime.logs import request_id_var
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.tls import peer_identity, peer_identity_var
@@ -31,6 +40,11 @@ log = logging.getLogger("loramesh.rpc")
 
 REQUEST_ID_HEADER = "x-request-id"
 RETRY_AFTER_HEADER = "retry-after-s"
+MAX_STATUS_MESSAGE_BYTES = 1024
+"""A status message is cut to this many UTF-8 bytes. It travels percent-encoded in the trailing
+metadata, which a client refuses past 8 KiB (grpc's default): a message that echoes a long input
+(an adapter name of megabytes) would otherwise reach the caller as ``RESOURCE_EXHAUSTED``
+("metadata size exceeds soft limit") instead of its own status."""
 
 
 def status_code_for(error: DomainError) -> grpc.StatusCode:
@@ -60,10 +74,13 @@ class _RpcScope:
         self._token = None
         self._peer_token = None
 
-    def enter(self, context: aio.ServicerContext) -> None:
+    def enter(self, context: aio.ServicerContext) -> MeshIdentity | None:
+        """Bind the request id and the caller's identity; the identity."""
+        identity = peer_identity(context)
         self._token = request_id_var.set(self.request_id)
-        self._peer_token = peer_identity_var.set(peer_identity(context))
+        self._peer_token = peer_identity_var.set(identity)
         context.set_trailing_metadata(((REQUEST_ID_HEADER, self.request_id),))
+        return identity
 
     async def fail(self, error: BaseException, context: aio.ServicerContext) -> None:
         """Abort the RPC with the status that ``error`` stands for (always raises)."""
@@ -75,7 +92,7 @@ class _RpcScope:
                 trailing.append((RETRY_AFTER_HEADER, f"{error.retry_after_s:.3f}"))
             context.set_trailing_metadata(tuple(trailing))
             log.info("%s -> %s: %s", self.method, code.name, error.message)
-            await context.abort(code, error.message)
+            await context.abort(code, bounded(error.message))
         if isinstance(error, aio.AioRpcError):
             # A call to another service failed with a status of its own (a scheduler's
             # RESOURCE_EXHAUSTED, a worker's INVALID_ARGUMENT): pass it on as it is.
@@ -84,7 +101,12 @@ class _RpcScope:
             passed = [(k, v) for k, v in (error.trailing_metadata() or ()) if k == RETRY_AFTER_HEADER]
             context.set_trailing_metadata(((REQUEST_ID_HEADER, self.request_id), *passed))
             log.info("%s -> %s from upstream: %s", self.method, code.name, error.details())
-            await context.abort(code, error.details() or code.name)
+            await context.abort(code, bounded(error.details() or code.name))
+        if isinstance(error, NotImplementedError):
+            # A generated servicer's default body: a method of the proto this server lacks
+            # (grpc's asyncio health servicer has no List).
+            self.code = "UNIMPLEMENTED"
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.method} is not implemented here")
         self.code = "INTERNAL"
         log.exception("%s failed unexpectedly", self.method)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {self.request_id})")
@@ -105,14 +127,65 @@ class _RpcScope:
                 peer_identity_var.reset(self._peer_token)
 
 
+def bounded(message: str) -> str:
+    """``message`` within :data:`MAX_STATUS_MESSAGE_BYTES`, marked when cut."""
+    encoded = message.encode("utf-8", "replace")
+    if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    return encoded[: MAX_STATUS_MESSAGE_BYTES - 3].decode("utf-8", "ignore") + "..."
+
+
+class _Undecodable:
+    """A request whose bytes are no message of the method's type (what the deserializer said)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserializer):
+    """``deserializer``, returning :class:`_Undecodable` instead of raising: grpc would answer a
+    request it cannot parse ``UNKNOWN``; the wrapper below answers ``INVALID_ARGUMENT``."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            return _Undecodable(error)
+
+    return deserialize
+
+
+def _decoded(request):
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"the request is not a valid message of its type: {request.error}")
+    return request
+
+
+async def _decoded_stream(requests):
+    async for request in requests:
+        yield _decoded(request)
+
+
+def _requests(request_or_iterator):
+    """The request, or the stream of them, refused INVALID_ARGUMENT where one does not parse."""
+    if hasattr(request_or_iterator, "__aiter__"):
+        return _decoded_stream(request_or_iterator)
+    return _decoded(request_or_iterator)
+
+
 def _is_abort(error: BaseException) -> bool:
     # context.abort() raises this; it must pass through untouched.
     return isinstance(error, aio.AbortError)
 
 
 class ServiceInterceptor(aio.ServerInterceptor):
-    def __init__(self, metrics: ServiceMetrics | None = None):
+    def __init__(self, metrics: ServiceMetrics | None = None, enforce_authorization: bool = False):
+        """``enforce_authorization``: check every call against the authorization table (the
+        servers turn it on exactly when they run with mutual TLS; off, every caller is served)."""
         self._metrics = metrics
+        self._enforce = enforce_authorization
 
     async def intercept_service(
         self,
@@ -123,14 +196,17 @@ class ServiceInterceptor(aio.ServerInterceptor):
         if handler is None:
             return None
         method, metadata, metrics = details.method, details.invocation_metadata, self._metrics
+        enforce = self._enforce
 
         def unary_response(behavior):
             async def wrapped(request_or_iterator, context):
                 scope = _RpcScope(method, metadata, metrics)
-                scope.enter(context)
+                identity = scope.enter(context)
                 ended: BaseException | None = None
                 try:
-                    return await behavior(request_or_iterator, context)
+                    if enforce:
+                        authorize(method, identity)
+                    return await behavior(_requests(request_or_iterator), context)
                 except BaseException as error:
                     ended = error
                     if _is_abort(error) or not isinstance(error, Exception):
@@ -144,10 +220,12 @@ class ServiceInterceptor(aio.ServerInterceptor):
         def stream_response(behavior):
             async def wrapped(request_or_iterator, context):
                 scope = _RpcScope(method, metadata, metrics)
-                scope.enter(context)
+                identity = scope.enter(context)
                 ended: BaseException | None = None
                 try:
-                    result = behavior(request_or_iterator, context)
+                    if enforce:
+                        authorize(method, identity)
+                    result = behavior(_requests(request_or_iterator), context)
                     if hasattr(result, "__aiter__"):
                         async for response in result:
                             yield response
@@ -165,20 +243,24 @@ class ServiceInterceptor(aio.ServerInterceptor):
 
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                unary_response(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+                unary_response(handler.unary_unary),
+                _lenient(handler.request_deserializer),
+                handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 unary_response(handler.stream_unary),
-                handler.request_deserializer,
+                _lenient(handler.request_deserializer),
                 handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 stream_response(handler.unary_stream),
-                handler.request_deserializer,
+                _lenient(handler.request_deserializer),
                 handler.response_serializer,
             )
         return grpc.stream_stream_rpc_method_handler(
-            stream_response(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            stream_response(handler.stream_stream),
+            _lenient(handler.request_deserializer),
+            handler.response_serializer,
         )

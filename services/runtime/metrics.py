@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from ssl import SSLContext
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -92,16 +93,18 @@ class _Collected:
 
 
 class HttpSidePort:
-    """``/healthz``, ``/readyz`` and ``/metrics`` on their own port."""
+    """``/healthz``, ``/readyz`` and ``/metrics`` on their own port: HTTPS only with ``ssl``
+    (the service's TLS on: services.runtime.certificate_reload.server_ssl_context), else HTTP."""
 
-    def __init__(self, metrics: ServiceMetrics, is_ready: Callable[[], bool]):
+    def __init__(self, metrics: ServiceMetrics, is_ready: Callable[[], bool], ssl: SSLContext | None = None):
         self._metrics = metrics
         self._is_ready = is_ready
+        self._ssl = ssl
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._handle, host, port)
+        self._server = await asyncio.start_server(self._handle, host, port, ssl=self._ssl)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -122,20 +125,26 @@ class HttpSidePort:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
-            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request_line.decode("latin-1").split()
-            if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
-                status, ctype, body = 405, "text/plain", b"method not allowed\n"
+            try:
+                request_line = await asyncio.wait_for(reader.readline(), timeout=5)
+                while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b"\n", b""):
+                    pass
+            except ValueError:  # a line past the reader's limit (64 KiB): answered, not dropped
+                parts, (status, ctype, body) = [], (431, "text/plain", b"request line or header too long\n")
             else:
-                status, ctype, body = await self._route(parts[1].split("?", 1)[0])
-            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+                parts = request_line.decode("latin-1").split()
+                if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
+                    status, ctype, body = 405, "text/plain", b"method not allowed\n"
+                else:
+                    status, ctype, body = await self._route(parts[1].split("?", 1)[0])
+            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 431: "Request Header Fields Too Large",
+                      503: "Service Unavailable"}  # fmt: skip
             head = (
                 f"HTTP/1.1 {status} {reason[status]}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             )
-            writer.write(head.encode() + (body if parts and parts[0] == "GET" else b""))
+            # The body as Content-Length announces it, except to HEAD.
+            writer.write(head.encode() + (b"" if parts and parts[0] == "HEAD" else body))
             await writer.drain()
         except (TimeoutError, ConnectionError):
             pass

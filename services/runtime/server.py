@@ -26,6 +26,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.runtime.certificate_reload import server_ssl_context
 from services.runtime.config import ServiceConfig, parse_config
 from services.runtime.interceptors import ServiceInterceptor
 from services.runtime.logs import configure_logging
@@ -67,9 +68,16 @@ class ServiceHost:
         self.instance_id = config.resolved_instance_id(service.name)
         self.metrics = ServiceMetrics(service.name)
         self.health = health.aio.HealthServicer()
-        self.http = HttpSidePort(self.metrics, lambda: self.ready)
+        # With TLS on the side port serves HTTPS only, with this process's certificate (reloaded
+        # when its files change); a client certificate is optional there (Kubernetes' probes
+        # present none, and do not check the server's either).
+        tls = config.tls()
+        side_ssl = server_ssl_context(tls.ca_file, tls.cert_file, tls.key_file) if tls.enabled else None
+        self.http = HttpSidePort(self.metrics, lambda: self.ready, ssl=side_ssl)
         self.server = aio.server(
-            interceptors=[ServiceInterceptor(self.metrics)],
+            # With mutual TLS on, every call is authorized by the caller's identity
+            # (services/runtime/authorization.py); in plaintext there is none to check.
+            interceptors=[ServiceInterceptor(self.metrics, enforce_authorization=config.tls().enabled)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -138,6 +146,11 @@ class ServiceHost:
         await self.health.enter_graceful_shutdown()
         if self.registration is not None:
             await self.registration.stop()
+        # Streams that never end by themselves (the store's WatchAdapters) end now: the drain
+        # below would otherwise wait the whole grace for them.
+        end_streams = getattr(self.service, "end_streams", None)
+        if end_streams is not None:
+            await end_streams()
         await self.server.stop(self.config.grace_s)
         await self.service.stop()
         await self.http.stop()

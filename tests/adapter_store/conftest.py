@@ -51,7 +51,7 @@ class ServerThread:
 def store_server(tmp_path, request):
     marker = request.node.get_closest_marker("store_config")
     overrides = marker.kwargs if marker else {}
-    config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), grace_s=2, **overrides)
+    config = AdapterStoreConfig(**{"data_dir": str(tmp_path / "store"), "grace_s": 2, **overrides})
     server = ServerThread(config)
     yield server
     server.stop()

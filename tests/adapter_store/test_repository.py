@@ -90,12 +90,13 @@ def test_ram_tier_stays_within_budget_and_disk_serves_the_rest(open_repo, sample
     size = len(sample_files[WEIGHTS])
     repo = open_repo(ram_budget_bytes=int(size * 2.5))
     records = [add(repo, sample_files, f"a{i}") for i in range(6)]
-    assert repo.ram.bytes_used <= repo.ram.budget_bytes and len(repo.ram) == 2
+    assert len(repo.ram) == 0  # registering is not using: the hot set is left as it was
     for record in records:
         assert repo.read_weights(record) == sample_files[WEIGHTS]
         assert repo.ram.bytes_used <= repo.ram.budget_bytes
+    assert len(repo.ram) == 2
     stats = repo.stats()
-    assert stats.adapters == 6 and stats.disk_bytes == 6 * size and stats.ram_misses >= 4
+    assert stats.adapters == 6 and stats.disk_bytes == 6 * size and stats.ram_misses == 6
 
 
 def test_lru_keeps_the_recently_used():

@@ -85,7 +85,8 @@ def test_list_pages_through_everything(store_stub, sample_files):
 
 
 def test_stats_and_request_id(store_stub, sample_files):
-    register(store_stub, sample_files)
+    info = register(store_stub, sample_files)
+    fetch(store_stub, ref_by_id(info.id))  # into the RAM tier (registering leaves it as it was)
     stats = store_stub.Stats(pb.StatsRequest())
     assert (
         stats.adapters == 1 and stats.ram_bytes == len(sample_files[WEIGHTS]) and stats.uploads_in_flight == 0

@@ -68,9 +68,12 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
         return adapter_store_pb2.ImportAdapterResponse(adapter=self.adapters[owned], changed=changed)
 
     def ListAdapters(self, request, context):
-        tenant = self._tenant(context)
+        """Pages as the store does: a token is where the next page starts."""
+        owned = [a for a in self.adapters.values() if a.owner == self._tenant(context)]
+        start = int(request.page_token or 0)
+        end = start + (request.page_size or 100)
         return adapter_store_pb2.ListAdaptersResponse(
-            adapters=[a for a in self.adapters.values() if a.owner == tenant]
+            adapters=owned[start:end], next_page_token=str(end) if end < len(owned) else "", total=len(owned)
         )
 
     def GetAdapter(self, request, context):
@@ -114,6 +117,22 @@ def test_an_empty_list_says_so(gateway, tmp_path, capsys):
     servicer.adapters[("admin", "x")] = types_pb2.AdapterInfo(name="x", owner="admin", id="i")
     assert cli(tmp_path, address, "adapters", "list") == 0
     assert capsys.readouterr().out.splitlines()[0].split()[:2] == ["NAME", "OWNER"]
+
+
+def test_list_pages_with_a_page_size_and_says_the_next_token_on_stderr(gateway, tmp_path, capsys):
+    servicer, address = gateway
+    for name in ("a", "b", "c"):
+        servicer.adapters[("admin", name)] = types_pb2.AdapterInfo(name=name, owner="admin", id=f"id-{name}")
+    assert cli(tmp_path, address, "adapters", "list", "--page-size", "2") == 0
+    first = capsys.readouterr()
+    assert [line.split()[0] for line in first.out.splitlines()[1:]] == ["a", "b"]
+    assert first.err.strip() == "2 of 3 adapters; next page: --page-token 2"
+    assert cli(tmp_path, address, "adapters", "list", "--page-size", "2", "--page-token", "2") == 0
+    last = capsys.readouterr()
+    assert [line.split()[0] for line in last.out.splitlines()[1:]] == ["c"]
+    assert last.err.strip() == "1 of 3 adapters; last page"
+    assert cli(tmp_path, address, "adapters", "list") == 0  # no page size: every page
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["a", "b", "c"]
 
 
 @pytest.mark.parametrize(

@@ -129,8 +129,12 @@ async def test_tenants_keys_and_bad_input(mesh, adapter_dirs, tmp_path):
     ):
         await alice.adapters.upload(adapter_dirs["ad0"], "secret")
         await alice.adapters.upload(adapter_dirs["ad1"], "shared", public=True)
-        with pytest.raises(sdk_errors.PermissionDenied):
+        # Another tenant's private adapter answers exactly as a missing one does.
+        with pytest.raises(sdk_errors.NotFound) as private:
             await bob.generate("hi", adapter="alice/secret", max_tokens=2)
+        with pytest.raises(sdk_errors.NotFound) as missing:
+            await bob.generate("hi", adapter="alice/nothing", max_tokens=2)
+        assert str(private.value.details).replace("secret", "nothing") == str(missing.value.details)
         assert "alice/secret" not in {m.id for m in await bob.models()}
         assert [a.name for a in await bob.adapters.list()] == ["shared"]
         assert (await bob.generate("hi", adapter="alice/shared", max_tokens=2)).finish_reason in (

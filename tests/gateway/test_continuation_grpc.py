@@ -227,9 +227,9 @@ async def test_a_continuation_is_authenticated_and_authorized_as_any_request(mes
     request = generate(types_pb2.SamplingParams(max_tokens=4), continuation=delivered)
     error = await refused(mesh.stub, request, metadata=(("authorization", "Bearer forged"),))
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
-    request.adapter = "bob/secret"
+    request.adapter = "bob/secret"  # private: as if it did not exist
     error = await refused(mesh.stub, request)
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error.code() == grpc.StatusCode.NOT_FOUND
     assert not mesh.worker.requests
 
 

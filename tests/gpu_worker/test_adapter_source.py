@@ -6,28 +6,34 @@ from __future__ import annotations
 from grpc import aio
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
-from mesh_api.adapter_transfer import upload_adapter
-from mesh_api.v1 import adapter_store_pb2_grpc
+from mesh_api.adapter_transfer import ref_by_id, upload_adapter
+from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
 from services.gpu_worker.adapter_source import DirectorySource, StoreSource
 from services.runtime.server import start_service
 
 
-async def test_a_store_adapter_is_named_owner_slash_name_once_fetched(base_spec, tmp_path):
+async def test_a_store_adapter_is_named_owner_slash_name_once_fetched_and_its_pin_is_read(
+    base_spec, tmp_path
+):
     files = adapter_files(write_peft_adapter(tmp_path / "sql", base_spec, SampleAdapterSpec(rank=8)))
     config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), host="127.0.0.1", grace_s=1)
     store = await start_service(AdapterStoreService(config), config)
     source = StoreSource(store.address)
     try:
         async with aio.insecure_channel(store.address) as channel:
-            info = await upload_adapter(
-                adapter_store_pb2_grpc.AdapterStoreStub(channel), files, "sql", "alice"
+            stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+            info = await upload_adapter(stub, files, "sql", "alice")
+            assert source.public_name(info.id) == info.id  # not fetched yet: nothing better is known
+            fetched = await source.fetch(info.id)
+            assert fetched.weights == files["adapter_model.safetensors"] and not fetched.pinned
+            assert source.public_name(info.id) == "alice/sql" != info.id
+            assert await source.pinned_ids() == frozenset()
+            await stub.SetAdapterPinned(
+                adapter_store_pb2.SetAdapterPinnedRequest(ref=ref_by_id(info.id), pinned=True)
             )
-        assert source.public_name(info.id) == info.id  # not fetched yet: nothing better is known
-        _, weights = await source.fetch(info.id)
-        assert weights == files["adapter_model.safetensors"]
-        assert source.public_name(info.id) == "alice/sql" != info.id
+            assert await source.pinned_ids() == {info.id} and (await source.fetch(info.id)).pinned
     finally:
         await source.close()
         await store.shutdown()

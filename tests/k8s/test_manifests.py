@@ -23,6 +23,7 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.import_policy import load_import_policy
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
+from services.runtime.certificates import dns_names
 from services.runtime.config import ENV_PREFIX, ServiceConfig, parse_config
 from services.runtime.process import GRPC_SERVICE_NAMES
 from services.scheduler.config import SchedulerConfig
@@ -150,7 +151,11 @@ def test_secret_templates_validate_and_hold_only_placeholders():
     secrets = render(K8S / "secrets")
     errors = [error for obj in secrets for error in validation_errors(obj)]
     assert not errors, "\n".join(errors)
-    assert {s["metadata"]["name"] for s in secrets} >= {"loramesh-api-keys", "loramesh-tls-gateway"}
+    assert {s["metadata"]["name"] for s in secrets} >= {
+        "loramesh-api-keys",
+        "loramesh-mesh-ca",
+        "loramesh-tls-etcd",
+    }
     for secret in secrets:
         assert "data" not in secret
         for key, value in secret["stringData"].items():
@@ -264,14 +269,16 @@ def test_every_container_has_health_probes_and_resources(rendered, overlay):
         assert int(env["LORAMESH_PORT"]) == ports["grpc"], workload
         assert int(env["LORAMESH_HTTP_PORT"]) == ports["http"], workload
         assert env["LORAMESH_HOST"] == "0.0.0.0", workload
-        # HTTP on the side port: the gRPC port wants a mesh client certificate (mutual TLS),
-        # which the kubelet's gRPC probe cannot present.
+        # HTTPS on the side port: the gRPC port wants a mesh client certificate (mutual TLS),
+        # which the kubelet's gRPC probe cannot present; with TLS on, the side port speaks HTTPS
+        # only (the kubelet does not check the server's certificate).
         for probe, path in (
             ("startupProbe", "/healthz"),
             ("livenessProbe", "/healthz"),
             ("readinessProbe", "/readyz"),
         ):
-            assert container[probe]["httpGet"] == {"path": path, "port": "http"}, (workload, probe)
+            expected = {"path": path, "port": "http", "scheme": "HTTPS"}
+            assert container[probe]["httpGet"] == expected, (workload, probe)
         assert {"LORAMESH_TLS_CA", "LORAMESH_TLS_CERT", "LORAMESH_TLS_KEY"} <= env.keys(), workload
     assert seen == set(SERVICES)
 
@@ -369,6 +376,10 @@ def test_service_monitor_scrapes_every_component(rendered, overlay):
         w["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for w in workloads(objects).values()
     }
     assert scraped == components
+    # The side ports speak HTTPS only: scraped over it, checked against the mesh CA.
+    (side,) = [e for e in monitor["spec"]["endpoints"] if e["port"] == "http"]
+    assert side["scheme"] == "https" and side["tlsConfig"]["serverName"] == "mesh.loramesh"
+    assert side["tlsConfig"]["ca"]["secret"] == {"name": "loramesh-mesh-ca", "key": "tls.crt"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -385,25 +396,46 @@ def test_gateway_reads_the_api_keys_secret_the_template_defines(rendered, overla
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_service_mounts_its_own_tls_secret_where_its_settings_point(rendered, overlay):
+def test_every_pod_mounts_its_own_certificate_naming_its_instance_where_its_settings_point(rendered, overlay):
+    """cert-manager's csi-driver issues each pod a certificate naming ``<kind>/<pod name>``: the
+    instance id it registers as (LORAMESH_INSTANCE_ID from metadata.name), with the DNS names
+    `loramesh certs` gives the kind."""
     objects = rendered[overlay]
-    templates = by_kind(render(K8S / "secrets"), "Secret")
     for name, workload in workloads(objects).items():
         pod = workload["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        if loramesh_service(container) is None:
+        service = loramesh_service(container)
+        if service is None:
             continue
+        kind = service.module.removeprefix("services.")
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         env = env_of(container, objects)
+        (instance,) = [v for v in container["env"] if v["name"] == "LORAMESH_INSTANCE_ID"]
+        assert instance["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", name
         for setting, key in (("CA", "ca.crt"), ("CERT", "tls.crt"), ("KEY", "tls.key")):
             path = env[f"LORAMESH_TLS_{setting}"]
             (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
-            secret = volumes[mount["name"]]["secret"]["secretName"]
-            assert secret == f"loramesh-tls-{name}" and key in templates[secret]["stringData"], (
-                name,
-                setting,
-            )
-            assert path.removeprefix(mount["mountPath"] + "/") == key
+            assert path.removeprefix(mount["mountPath"] + "/") == key  # the driver's file names
+            csi = volumes[mount["name"]]["csi"]
+            assert csi["driver"] == "csi.cert-manager.io" and csi["readOnly"] is True, name
+            attributes = csi["volumeAttributes"]
+            assert attributes["csi.cert-manager.io/issuer-name"] == "loramesh-mesh-ca"
+            assert attributes["csi.cert-manager.io/common-name"] == f"{kind}/${{POD_NAME}}"
+            assert attributes["csi.cert-manager.io/uri-sans"] == f"spiffe://loramesh/{kind}/${{POD_NAME}}"
+            dns = attributes["csi.cert-manager.io/dns-names"].split(",")
+            assert dns == dns_names(kind, "${POD_NAMESPACE}"), name
+            assert set(attributes["csi.cert-manager.io/key-usages"].split(",")) >= {
+                "server auth",
+                "client auth",
+            }
+            assert int(attributes["csi.cert-manager.io/fs-group"]) == pod["securityContext"]["fsGroup"]
+            # Short-lived, renewed in place and reloaded by the service (docs/security.md).
+            assert attributes["csi.cert-manager.io/duration"] == "24h", name
+
+
+def test_the_mesh_ca_secret_template_is_what_the_issuer_reads():
+    templates = by_kind(render(K8S / "secrets"), "Secret")
+    assert templates["loramesh-mesh-ca"]["stringData"].keys() == {"tls.crt", "tls.key"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

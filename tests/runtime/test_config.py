@@ -42,4 +42,4 @@ def test_every_service_field_is_documented(capsys):
     with pytest.raises(SystemExit):
         parse_config(AdapterStoreConfig, ["--help"], environ={})
     out = capsys.readouterr().out
-    assert "--ram-budget-mib" in out and "LORAMESH_RAM_BUDGET_MIB" in out and "LRU" in out
+    assert "--ram-budget-mib" in out and "LORAMESH_RAM_BUDGET_MIB" in out and "least recently used" in out

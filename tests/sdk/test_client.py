@@ -499,6 +499,58 @@ def test_the_backoff_doubles_up_to_its_cap():
     assert all(0.5 <= d <= 1.0 for d in delays[4:10]) and delays[10] is None
 
 
+def test_resource_exhausted_waits_the_servers_delay_within_the_retries_and_the_deadline():
+    policy = _Policy("key", timeout=10.0, retries=2, backoff_s=0.1, max_backoff_s=1.0, max_retry_after_s=5.0)
+    call = policy.start(None)
+    delays = [
+        call.retry_delay(attempt, ResourceExhausted("quota", retry_after_s=2.0)) for attempt in range(3)
+    ]
+    assert all(2.0 <= d <= 2.2 for d in delays[:2]) and delays[2] is None  # never early; the retries
+    assert call.retry_delay(0, ResourceExhausted("too large")) is None  # no delay: not retried
+    over_the_cap, past_the_deadline = (
+        ResourceExhausted("later", retry_after_s=6.0),
+        ResourceExhausted("q", retry_after_s=2.0),
+    )
+    assert call.retry_delay(0, over_the_cap) is None  # over max_retry_after_s
+    assert policy.start(1.0).retry_delay(0, past_the_deadline) is None
+
+
+def test_resource_exhausted_is_retried_on_the_same_gateway_after_its_delay(server, gateway, no_mesh):
+    waits: list[float] = []
+    notices: list[RetryNotice] = []
+    with Client(
+        server.address, API_KEY, retries=2, mesh_file=no_mesh, sleep=waits.append, on_retry=notices.append
+    ) as client:
+        with pytest.raises(ResourceExhausted) as raised:
+            client.generate("status:RESOURCE_EXHAUSTED")
+        assert len(gateway.calls("Generate")) == 3 and client.failovers == 0
+    assert raised.value.retry_after_s == 1.5
+    assert len(waits) == 2 and all(1.5 <= w <= 1.65 for w in waits)
+    assert [(n.failed_address, n.next_address, n.retry) for n in notices] == [
+        (server.address, server.address, retry) for retry in (1, 2)
+    ]
+    with (
+        Client(
+            server.address, API_KEY, retries=2, mesh_file=no_mesh, sleep=waits.append, max_retry_after_s=1
+        ) as c,
+        pytest.raises(ResourceExhausted),
+    ):
+        c.generate("status:RESOURCE_EXHAUSTED")  # 1.5 s is over max_retry_after_s
+    assert len(gateway.calls("Generate")) == 4 and len(waits) == 2
+
+
+async def test_async_resource_exhausted_is_retried_after_its_delay(server, gateway, no_mesh):
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    async with AsyncClient(server.address, API_KEY, retries=1, mesh_file=no_mesh, sleep=sleep) as client:
+        with pytest.raises(ResourceExhausted):
+            await client.generate("status:RESOURCE_EXHAUSTED")
+    assert len(gateway.calls("Generate")) == 2 and len(waits) == 1 and 1.5 <= waits[0] <= 1.65
+
+
 def test_upload_and_delete_are_not_retried(client, gateway, tmp_path):
     write_adapter(tmp_path / "lora")
     gateway.unavailable_first = 2
@@ -519,6 +571,10 @@ def test_adapters_upload_list_get_delete(client, gateway, tmp_path):
     check_upload(gateway, files, client.adapters.upload(tmp_path / "lora", "mine", public=True))
     assert [a.name for a in client.adapters.list(page_size=2)] == ["a0", "a1", "a2", "a3", "a4"]
     assert [c.request.page_token for c in gateway.calls("ListAdapters")] == ["", "2", "4"]
+    page = client.adapters.list_page(page_size=3)
+    assert ([a.name for a in page.adapters], page.next_page_token, page.total) == (["a0", "a1", "a2"], "3", 5)
+    last = client.adapters.list_page(page_size=3, page_token=page.next_page_token)
+    assert ([a.name for a in last.adapters], last.next_page_token) == (["a3", "a4"], "")
     assert client.adapters.get("a3").id == "id-3"
     with pytest.raises(NotFound):
         client.adapters.get("nope")
@@ -737,6 +793,12 @@ async def test_async_adapters_and_models(aclient, gateway, tmp_path):
     check_upload(gateway, files, await aclient.adapters.upload(tmp_path / "lora", "mine", public=True))
     assert [a.name for a in await aclient.adapters.list(page_size=2)] == ["a0", "a1", "a2", "a3", "a4"]
     assert [c.request.page_token for c in gateway.calls("ListAdapters")] == ["", "2", "4"]
+    page = await aclient.adapters.list_page(page_size=4, page_token="1")
+    assert ([a.name for a in page.adapters], page.next_page_token, page.total) == (
+        ["a1", "a2", "a3", "a4"],
+        "",
+        5,
+    )
     assert (await aclient.adapters.get("a3")).id == "id-3"
     with pytest.raises(NotFound):
         await aclient.adapters.get("nope")

@@ -10,6 +10,7 @@ from pathlib import Path
 from loramesh.tls import ClientTLS
 from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.etcd_server import EtcdServer
+from services.runtime.identity import KINDS
 from services.runtime.ports import free_port
 from services.runtime.process import ServiceProcess
 from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
@@ -43,7 +44,9 @@ class Mesh:
 
     @property
     def openai_base_url(self) -> str:
-        return f"http://127.0.0.1:{self.openai_port}/v1"
+        """With TLS the port speaks HTTPS only (verify with ``admin_tls.ca_file``)."""
+        scheme = "https" if self.certs is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.openai_port}/v1"
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
@@ -63,7 +66,9 @@ async def start_mesh(
     with mutual TLS on certificates made in ``root/certs``."""
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    certs = create_mesh_certificates(root / "certs") if tls else None
+    # Each worker its own certificate (gpu_worker/<instance>), as `loramesh up --tls` issues.
+    instances = [f"gpu_worker/worker-{i}" for i in range(workers)]
+    certs = create_mesh_certificates(root / "certs", (*KINDS, *instances)) if tls else None
 
     def tls_for(identity: str) -> TLSConfig:
         return certs.tls_for(identity) if certs is not None else NO_TLS
@@ -95,7 +100,7 @@ async def start_mesh(
                 *worker_flags,
             ],
             log_path=logs / f"worker-{i}.log",
-            tls=tls_for("gpu_worker"),
+            tls=tls_for(instances[i]),
         )
         for i in range(workers)
     ]

@@ -8,15 +8,19 @@ from mesh_api.v1 import worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.servicer import WorkerServicer
 from services.runtime.interceptors import ServiceInterceptor
+from services.runtime.tls import NO_TLS, TLSConfig, add_server_port
 
 
-async def serve_worker(engine: Engine, model_name: str = "tiny-llama") -> tuple[aio.Server, str]:
+async def serve_worker(
+    engine: Engine, model_name: str = "tiny-llama", tls: TLSConfig = NO_TLS
+) -> tuple[aio.Server, str]:
     """A started server for ``engine`` (domain errors mapped to statuses) and its address;
-    stop it with ``await server.stop(None)``."""
+    stop it with ``await server.stop(None)``. With ``tls``: mutual TLS and the authorization
+    table enforced, as a worker of ``loramesh up --tls`` serves."""
     servicer = WorkerServicer()
     servicer.attach(engine, None, {"model": model_name, "dtype": "float32"})
-    server = aio.server(interceptors=[ServiceInterceptor()])
+    server = aio.server(interceptors=[ServiceInterceptor(enforce_authorization=tls.enabled)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_server_port(server, "127.0.0.1:0", tls)
     await server.start()
     return server, f"127.0.0.1:{port}"

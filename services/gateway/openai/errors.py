@@ -77,6 +77,8 @@ class ErrorBody:
         headers = {}
         if self.retry_after_s is not None:
             headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))  # whole seconds, never early
+            # OpenAI's own header, which its clients read before Retry-After: the exact delay.
+            headers["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
         return JSONResponse(self.json(), status_code=self.status, headers=headers)
 
     def sse_event(self) -> bytes:

@@ -13,12 +13,13 @@ import time
 from grpc import aio
 
 from mesh_api.v1 import types_pb2
+from services.gateway.adapter_index import IndexedAdapter
 from services.gateway.core import GatewayCore, model_id
 from services.gateway.openai.errors import OpenAIError, error_body
 from services.runtime.errors import DomainError
 
 #: Statuses of a lookup that mean "no such model for this caller" when retrieving one: missing
-#: (404), another tenant's private adapter (403: OpenAI does not say it exists), a malformed
+#: (404, another tenant's private adapter included), a refusal of access (403), a malformed
 #: reference (400: ``a/b/c`` names nothing).
 _NOT_VISIBLE = frozenset({400, 403, 404})
 
@@ -41,15 +42,18 @@ class ModelCatalog:
         return {"id": base, "object": "model", "created": self.started, "owned_by": "loramesh",
                 "root": base, "parent": None}  # fmt: skip
 
-    def _adapter_object(self, tenant: str, info: types_pb2.AdapterInfo) -> dict:
-        name = model_id(tenant, info)
-        return {"id": name, "object": "model", "created": info.created_unix_ms // 1000,
-                "owned_by": info.owner, "root": name, "parent": self.core.base_model}  # fmt: skip
+    def _adapter_object(
+        self, tenant: str, adapter: types_pb2.AdapterInfo | IndexedAdapter, created_s: int
+    ) -> dict:
+        name = model_id(tenant, adapter)
+        return {"id": name, "object": "model", "created": created_s,
+                "owned_by": adapter.owner, "root": name, "parent": self.core.base_model}  # fmt: skip
 
     async def models(self, tenant: str) -> list[dict]:
-        """Every model ``tenant`` may use: the base model first, then the adapters."""
+        """Every model ``tenant`` may use: the base model first, then the adapters in
+        registration order (from the gateway's index of the catalog)."""
         adapters = await self.core.usable_adapters(tenant)
-        return [self._base_object(), *(self._adapter_object(tenant, a) for a in adapters)]
+        return [self._base_object(), *(self._adapter_object(tenant, a, a.created_s) for a in adapters)]
 
     async def model(self, tenant: str, model: str) -> dict:
         """The model object ``model`` names; 404 when there is none ``tenant`` may see."""
@@ -61,12 +65,12 @@ class ModelCatalog:
             if error_body(error).status not in _NOT_VISIBLE:
                 raise
             raise model_not_found(model, "model") from None
-        return self._adapter_object(tenant, info)
+        return self._adapter_object(tenant, info, info.created_unix_ms // 1000)
 
     async def adapter(self, tenant: str, model: str, field: str = "model") -> str:
         """The adapter a request's ``field`` names ("" for the base model, or for no name);
-        404 naming ``field`` when there is none, 400 naming it when ``model`` is malformed.
-        Another tenant's private adapter stays a 403 here: the request named it explicitly."""
+        404 naming ``field`` when there is none (another tenant's private adapter included: the
+        core answers it as missing), 400 naming it when ``model`` is malformed."""
         if not model or model == self.core.base_model:
             return ""
         try:

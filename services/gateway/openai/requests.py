@@ -14,6 +14,7 @@ is docs/openai-fields.md.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -391,6 +392,11 @@ async def read_body(chunks: AsyncIterator[bytes], max_bytes: int = MAX_BODY_BYTE
     return bytes(body)
 
 
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A ``\\uD800``-``\\uDFFF`` escape: the only way a JSON body carries a surrogate (raw UTF-8 cannot);
+a pair of them is one character, one alone is refused."""
+
+
 def parse_body(raw: bytes, model: type[B]) -> B:
     """``raw`` as ``model``, or a 400 naming the first bad field."""
     try:
@@ -402,6 +408,17 @@ def parse_body(raw: bytes, model: type[B]) -> B:
         raise OpenAIError(400, "the request body nests too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "the request body must be a JSON object", None, "invalid_json")
+    if _MAYBE_SURROGATE.search(raw):
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            # "\ud800" alone is valid JSON but no Unicode text: nothing downstream can encode it.
+            raise OpenAIError(
+                400, "the request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff) in a string",
+                None, "invalid_json",
+            ) from None  # fmt: skip
+        except RecursionError:
+            raise OpenAIError(400, "the request body nests too deeply", None, "invalid_json") from None
     try:
         return model.model_validate(data)
     except ValidationError as error:

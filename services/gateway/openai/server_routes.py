@@ -1,7 +1,8 @@
 """The server routes vLLM's OpenAI server has beside ``/v1``, for the probes, scrapers and
 tools built against it: ``GET /health`` (200, empty body), ``GET|POST /ping`` (SageMaker's
-health check, the same), ``GET /version`` (``{"version": ...}``) and ``GET /metrics``
-(Prometheus text). Like vLLM's, they need no API key.
+health check, the same), ``GET /version`` (``{"version": ...}``), ``GET /metrics``
+(Prometheus text) and ``GET /openapi.json`` (every route's OpenAPI description,
+:mod:`.openapi`). Like vLLM's, they need no API key.
 
 ``/metrics`` serves the gateway's own registry, the one its HTTP side port serves, so the same
 series can be scraped from either port.
@@ -15,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.gateway.core import GatewayCore
+from services.gateway.openai.openapi import openapi_route
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.server import VERSION
 
@@ -33,6 +35,7 @@ def server_routes(core: GatewayCore, metrics: ServiceMetrics | None) -> list[Rou
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),
         Route("/version", version, methods=["GET"]),
+        openapi_route(),
     ]
     if metrics is not None:
 

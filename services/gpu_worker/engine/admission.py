@@ -10,7 +10,11 @@ The rules (S-LoRA's and vLLM's continuous batching):
 - a step prefills at most ``max_prefill_tokens`` context tokens, except that one longer context
   may start alone (else it could never start);
 - the first request that cannot start stops admission: a later one never overtakes it (no
-  starvation of long requests by short ones).
+  starvation of long requests by short ones);
+- except a request whose adapter finds no room in the pool (every resident adapter is held by
+  running requests): it keeps its place, and later candidates that need no adapter page-in may
+  still start; the caller lets no other adapter be paged in ahead of it (no starvation of new
+  adapters by resident ones).
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ class Start(Enum):
     """It does not run now but does not hold back later candidates (e.g. it ended, or its adapter
     is not the one merged into the base weights)."""
     BLOCKED = "blocked"
-    """It does not fit now (adapter or KV): admission stops here."""
+    """It does not fit now (its KV): admission stops here."""
+    NO_ADAPTER_ROOM = "no_adapter_room"
+    """Its adapter cannot be paged in now (every resident adapter is held): it keeps its place,
+    and later candidates are still tried (the caller starts none that would page in another
+    adapter ahead of it)."""
 
 
 def fits_prefill_budget(context_tokens: int, budget: int, max_prefill_tokens: int) -> bool:

@@ -8,7 +8,9 @@ The engine plans and its executor runs (``executor.py``). Every :meth:`Engine.st
 3. makes room for the running requests' next token: new KV pages, evicting idle adapters and,
    when the pool runs dry, preempting the preemption policy's victim (``request_scheduler.py``,
    ``kv_reservation.py``);
-4. admits waiting requests in the policy's order (``admission.py``);
+4. admits waiting requests in the policy's order (``admission.py``); a request whose adapter is
+   not in the pool gets its pages reserved and waits while the copier thread writes its rows
+   (``adapter_copier.py``), the running batch stepping on meanwhile;
 5. emits a :class:`StepPlan` of the chosen requests, which the executor runs into logits (a
    running request the policy leaves out pauses, its KV kept);
 6. samples, emits a :class:`TokenEvent` per request, retires finished requests, tells the
@@ -34,11 +36,13 @@ from services.gpu_worker.engine.block_recall import BlockRecalls
 from services.gpu_worker.engine.borrower import CreditorDirectory, TransportFactory
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.engine_stats import (
+    AdapterUsage,
     EngineStats,
     PoolTokens,
     TokenRate,
     pool_tokens,
     take_stats,
+    tokens_of_pages,
     with_pool_now,
 )
 from services.gpu_worker.engine.executor import Executor, LendingExecutor
@@ -76,6 +80,7 @@ from services.gpu_worker.memory.remote_block_allocator import CreditorRefused, C
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.runtime.eviction import make_eviction_policy
 from services.runtime.request_validation import check_request
 
 __all__ = ["Engine", "EngineConfig", "EventSink", "PoolTokens"]
@@ -152,9 +157,17 @@ class Engine:
         """Shared prompt-prefix KV blocks (None: off, or requests may borrow KV)."""
         if config.prefix_cache and self.prefix_cache is None:
             self.fallbacks = (*self.fallbacks, "prefix_cache->off")
-        self.adapters = AdapterPager(self.executor, self.prefix_cache)
+        self.adapters = AdapterPager(
+            self.executor,
+            self.prefix_cache,
+            on_copied=self.hand_over.wakeup.set,
+            eviction=make_eviction_policy(config.eviction_policy),
+        )
         self.residency = self.adapters.residency
         self.host_adapters: dict[str, HostAdapter] = {}
+        self._adapter_tokens: dict[str, int] = {}
+        """Each host adapter's footprint in the pool in KV tokens, were it paged in: computed once
+        when it arrives (it walks the adapter's rows), not per :meth:`memory_tokens` call."""
         self.events = RequestEvents(
             frozenset(eos_token_ids), detokenize, self.executor.config.max_position_embeddings
         )
@@ -181,6 +194,8 @@ class Engine:
         self._snapshot = EngineStats()
         self._rate = TokenRate()
         self.steps = 0
+        self._last_step_s = 0.0
+        """The last step's forward pass (what page-ins' share of a step is measured against)."""
         self._publish_stats()
 
     @property
@@ -203,15 +218,23 @@ class Engine:
     # -- called from any thread --------------------------------------------------------------
 
     def add_adapter(self, adapter: HostAdapter) -> None:
-        """Make an adapter available (host copy); it is paged into the pool when first used."""
+        """Make an adapter available (host copy); it is paged into the pool when first used.
+        Its footprint is computed here, on the caller's thread."""
+        tokens = tokens_of_pages(self.pool.layout, self.adapters.pages_needed(adapter))
         with self.hand_over.lock:
             self.host_adapters[adapter.adapter_id] = adapter
+            self._adapter_tokens[adapter.adapter_id] = tokens
 
     def remove_adapter(self, adapter_id: str) -> None:
         """Drop the host copy of an adapter no queued or running request uses (the caller
         counts its requests); its pages, if resident, are left to eviction."""
         with self.hand_over.lock:
             self.host_adapters.pop(adapter_id, None)
+            self._adapter_tokens.pop(adapter_id, None)
+
+    def set_pinned_adapters(self, adapter_ids: frozenset[str]) -> None:
+        """Make ``adapter_ids`` the adapters the pool never evicts; applied between two steps."""
+        self.between_steps(lambda: self.adapters.set_pinned(adapter_ids))
 
     def has_adapter(self, adapter_id: str) -> bool:
         return adapter_id in self.host_adapters
@@ -282,10 +305,16 @@ class Engine:
 
     def memory_tokens(self) -> PoolTokens:
         """The pool in KV-token units, as the scheduler's migration and prefetch policies count
-        it (any thread)."""
+        it (any thread). No work per host adapter but one copy of their footprints, which the
+        caller lists anyway."""
         with self.hand_over.lock:
-            adapters = list(self.host_adapters.values())
-        return pool_tokens(self.pool, {a.adapter_id: self.adapters.pages_needed(a) for a in adapters})
+            adapter_tokens = dict(self._adapter_tokens)
+        return pool_tokens(self.pool, adapter_tokens)
+
+    def adapter_usage(self) -> AdapterUsage:
+        """Requests and tokens per adapter since start (any thread: copying a dict of str to int
+        runs in C under the GIL, so the engine thread cannot change it half-way)."""
+        return AdapterUsage(dict(self.events.requests_by_adapter), dict(self.events.tokens_by_adapter))
 
     def start(self) -> None:
         """Run steps on a dedicated thread until :meth:`stop`."""
@@ -297,6 +326,7 @@ class Engine:
         self.hand_over.wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.adapters.close()
         self.executor.close()
         if self.masks is not None:
             self.masks.close()
@@ -323,11 +353,19 @@ class Engine:
     # -- engine thread -----------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.hand_over.pending() or self.recalls.frozen)
+        return bool(
+            self.running
+            or self.waiting
+            or self.hand_over.pending()
+            or self.recalls.frozen
+            or self.adapters.has_work()
+        )
 
     def step(self) -> int:
         """One iteration; returns the number of requests that stepped."""
+        self.adapters.begin_step(self._last_step_s if self.running else None)
         self._take_inbox()
+        self.adapters.settle()
         if self._apply_between_steps():
             self._publish_stats()
             return 0
@@ -377,6 +415,7 @@ class Engine:
             if masks is not None:
                 masks.wait()  # no grammar may advance while its mask is being computed
         now = time.monotonic()
+        self._last_step_s = now - started
         self._sample_and_emit(batch, logits, now, masks)
         self.steps += 1
         self.distkv.end_step()

@@ -10,6 +10,7 @@ from services.gpu_worker.memory.lend_compute_cap import (
     DEFAULT_LEND_COMPUTE_SHARE,
     DEFAULT_LEND_COMPUTE_WINDOW_S,
 )
+from services.runtime.eviction import EVICTION_POLICIES
 
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
 
@@ -76,7 +77,14 @@ class EngineConfig:
     Cached blocks nobody uses are evicted first when the pool needs pages. Off where requests
     may borrow KV (``kv_overflow="borrow"``); see services/gpu_worker/memory/prefix_cache.py."""
 
+    eviction_policy: str = "lru"
+    """The order idle adapters leave the pool in when it needs pages (``--eviction-policy``):
+    lru, lfu or fifo; pinned adapters never leave (services/runtime/eviction.py)."""
+
     def __post_init__(self) -> None:
+        if self.eviction_policy not in EVICTION_POLICIES:
+            known = ", ".join(sorted(EVICTION_POLICIES))
+            raise ValueError(f"eviction_policy must be one of {known}, got {self.eviction_policy!r}")
         if self.preemption_policy not in PREEMPTION_POLICIES:
             known = ", ".join(sorted(PREEMPTION_POLICIES))
             raise ValueError(f"preemption_policy must be one of {known}, got {self.preemption_policy!r}")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.memory.prefix_cache import PrefixCache
 from services.gpu_worker.memory.rmanager import RManager
-from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
 
 if TYPE_CHECKING:
     from services.gpu_worker.engine.engine import Engine
@@ -49,7 +49,7 @@ class EngineStats:
     resident_adapters: tuple[str, ...] = ()
     """Adapters paged into the pool, the first to be evicted first."""
     idle_adapter_pages: int = 0
-    """Pages of resident adapters no running request uses (evictable at once)."""
+    """Pages of resident adapters no running request uses and no pin keeps (evictable at once)."""
     preemptions: int = 0
     """Requests preempted since start (their KV freed, recomputed later)."""
     borrowed_blocks: dict[str, int] = field(default_factory=dict)
@@ -58,8 +58,6 @@ class EngineStats:
     """The adapter of each running request (None: the base model)."""
     waiting_adapters: tuple[str | None, ...] = ()
     """The adapter of each queued request taken up by the engine thread."""
-    tokens_by_adapter: dict[str, int] = field(default_factory=dict)
-    """Tokens generated per adapter id since start."""
     decode_steps: int = 0
     """Steps run since start."""
     tokens_per_s: float = 0.0
@@ -94,18 +92,17 @@ class EngineStats:
 
 def take_stats(engine: Engine) -> EngineStats:
     """``engine``'s snapshot, pool pages aside (engine thread, between steps)."""
-    running, waiting, residency = engine.running, engine.waiting, engine.residency
+    running, waiting, resident = engine.running, engine.waiting, engine.adapters.summary()
     return EngineStats(
         queue=len(waiting) + engine.hand_over.queued_requests(),
         running=len(running),
-        fragmentation=round(fragmentation(engine.pool, running, engine.adapters.wasted_elems()), 4),
-        resident_adapters=tuple(residency.ids()),
-        idle_adapter_pages=residency.idle_pages(),
+        fragmentation=round(fragmentation(engine.pool, running, resident.wasted_elems), 4),
+        resident_adapters=resident.ids,
+        idle_adapter_pages=resident.idle_pages,
         preemptions=engine.preemptions,
         borrowed_blocks=engine.rm.borrowed(),
         running_adapters=tuple(r.spec.adapter_id for r in running),
         waiting_adapters=waiting.adapter_ids(),
-        tokens_by_adapter=dict(engine.events.tokens_by_adapter),
         decode_steps=engine.steps,
         lora_mode_merged=int(engine.adapters.merged is not None),
         lora_mode_switches=engine.mode_switches,
@@ -147,6 +144,16 @@ def with_pool_now(stats: EngineStats, pool: UnifiedPool, rm: RManager, tokens_pe
 
 
 @dataclass(frozen=True)
+class AdapterUsage:
+    """What each adapter was asked for on this engine since start (per adapter id)."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    """Requests taken up by the engine thread."""
+    tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens generated."""
+
+
+@dataclass(frozen=True)
 class PoolTokens:
     """The unified pool in KV-token units."""
 
@@ -156,20 +163,20 @@ class PoolTokens:
     """Footprint of each adapter with a host copy here, were it paged in."""
 
 
-def pool_tokens(pool: UnifiedPool, adapter_pages: dict[str, int]) -> PoolTokens:
-    """The pool in KV-token units, as the scheduler's migration and prefetch policies count it:
-    one token of KV is ``num_layers / kv_block_tokens`` pages. ``adapter_pages``: the pages of
-    each adapter with a host copy, were it paged in."""
-    layout = pool.layout
+def tokens_of_pages(layout: PoolLayout, pages: int) -> int:
+    """``pages`` of the pool in KV tokens, as the scheduler's migration and prefetch policies
+    count memory: one token of KV is ``num_layers / kv_block_tokens`` pages."""
+    return pages * layout.kv_block_tokens // layout.num_layers
+
+
+def pool_tokens(pool: UnifiedPool, adapter_tokens: dict[str, int]) -> PoolTokens:
+    """The pool in KV-token units; ``adapter_tokens``: the footprint of each adapter with a host
+    copy, were it paged in (:func:`tokens_of_pages`)."""
     usage = pool.usage()
-
-    def tokens(pages: int) -> int:
-        return pages * layout.kv_block_tokens // layout.num_layers
-
     return PoolTokens(
-        total=tokens(usage.total_pages),
-        free=tokens(usage.free_pages),
-        adapter_tokens={adapter_id: tokens(pages) for adapter_id, pages in adapter_pages.items()},
+        total=tokens_of_pages(pool.layout, usage.total_pages),
+        free=tokens_of_pages(pool.layout, usage.free_pages),
+        adapter_tokens=adapter_tokens,
     )
 
 

@@ -43,7 +43,8 @@ class Executor(Protocol):
 
     def load_adapter(self, adapter: HostAdapter, resident: ResidentAdapter) -> None:
         """Write ``adapter``'s rows (the :meth:`prepare_adapter` copy) at the offsets the
-        engine's residency chose for it (``resident``)."""
+        engine's residency chose for it (``resident``). Called on the engine's copier thread
+        (``adapter_copier.py``), while steps run: no plan names these pages until it returns."""
 
     def evict_adapter(self, adapter_id: str) -> None:
         """The engine evicted ``adapter_id``: its pages are free for other use."""

@@ -12,7 +12,8 @@ EventSink = Callable[[TokenEvent], None]
 
 
 class RequestEvents:
-    """Sends requests' events to their sinks (engine thread) and counts the tokens generated."""
+    """Sends requests' events to their sinks (engine thread) and counts the requests and tokens
+    of each adapter."""
 
     def __init__(
         self,
@@ -27,6 +28,15 @@ class RequestEvents:
         self.tokens_generated = 0
         self.tokens_by_adapter: dict[str, int] = {}
         """Tokens generated per adapter id since start."""
+        self.requests_by_adapter: dict[str, int] = {}
+        """Requests taken up per adapter id since start (what ranks adapters for metric labels)."""
+
+    def arrived(self, request: EngineRequest, sink: EventSink) -> None:
+        """``request`` was taken up by the engine thread: its events go to ``sink``."""
+        self.sinks[request.request_id] = sink
+        adapter_id = request.spec.adapter_id
+        if adapter_id is not None:
+            self.requests_by_adapter[adapter_id] = self.requests_by_adapter.get(adapter_id, 0) + 1
 
     def token(self, request: EngineRequest, token: int, now: float) -> FinishReason | None:
         """Append ``request``'s new ``token`` and send its event, unless the token ends the

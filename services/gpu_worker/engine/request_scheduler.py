@@ -63,6 +63,23 @@ class RequestScheduler:
         self.running: list[EngineRequest] = []
         self.preemptions = 0
         self.aborted = 0
+        self._block_on_copies = False
+        """This admission round waits for adapters' copies (nothing was running)."""
+        self._copying = 0
+        """Requests this admission round passed over while their adapter's rows are copied in."""
+        self._room_waiter: EngineRequest | None = None
+        """This admission round's first request whose adapter found no room in the pool."""
+        self._room_refused = False
+        """A request found no room for its adapter this admission round."""
+        self.draining: str | None = None
+        """The held adapter taking no new requests while a request waits for adapter room: the
+        one whose running requests end soonest, so that its pages free for the waiting one."""
+        self._drain_for: str | None = None
+        """The request the draining adapter drains for."""
+        self._drained = False
+        """The draining adapter drained and that request still finds no room for its adapter (in
+        a unified pool the requests started meanwhile may have taken the pages): admission stops
+        at it, as at a request whose KV does not fit, until its adapter is paged in."""
 
     # -- the batch policy's view ---------------------------------------------------------------
 
@@ -169,17 +186,41 @@ class RequestScheduler:
 
     def admit(self, order: tuple[str, ...]) -> None:
         """Admit waiting requests in the policy's ``order`` (ids of running requests are skipped)
-        until one does not fit: a later one never overtakes it."""
+        until one does not fit (its KV, the prefill budget, ``max_running``): a later one never
+        overtakes it.
+
+        Except when a request's adapter finds no room in the pool (every resident adapter is
+        held by running requests): it keeps its place and admission goes on behind it, but only
+        for requests that need no page-in (their adapter is resident, or none): no other adapter
+        is paged in ahead of it. Meanwhile one held adapter drains: the one whose running requests
+        end soonest takes no new requests from behind the waiting one, so its pages free for it.
+        Should its adapter still find no room once that one drained (a unified pool's pages went to
+        the KV of requests started meanwhile), or should no held adapter be able to drain, the
+        waiting request stops admission like one whose KV does not fit, until it starts.
+
+        A request whose adapter's rows are still being copied in is passed over, its copy under
+        way, and keeps its place among the batch's slots (it counts as running for
+        ``max_running``): it starts at a step after its copy ends. Only when nothing runs does
+        admission wait for the copies instead, as nobody but the requests admitted waits then."""
         waiting = self.waiting
+        self._block_on_copies = not self.running
+        self._copying = 0
+        self._room_waiter, self._room_refused = None, False
+        if self.draining is not None and not any(
+            r.holds_adapter and r.spec.adapter_id == self.draining for r in self.running
+        ):
+            self.draining, self._drained = None, True  # its pages are idle, for the waiting one
         admit(  # lazily: admission stops at the first request that does not fit
             (r for r in map(waiting.get, order) if r is not None),
-            running=lambda: len(self.running),
+            running=lambda: len(self.running) + self._copying,
             max_running=self.config.max_running,
             max_prefill_tokens=self.config.max_prefill_tokens,
             context_tokens=lambda r: r.total_len,
             skip=self._passed_over,
             start=self._start,
         )
+        if not self._room_refused:  # nobody waits for adapter room (any more)
+            self.draining, self._drain_for, self._drained = None, None, False
 
     def _passed_over(self, request: EngineRequest) -> bool:
         adapter_id = request.spec.adapter_id
@@ -191,35 +232,76 @@ class RequestScheduler:
             return True
         return not self.adapters.runs_in_mode(request)
 
+    def _behind_room_waiter(self, request: EngineRequest) -> bool:
+        """Whether ``request`` waits behind this round's request that found no adapter room:
+        it would page in another adapter ahead of it, or its adapter is draining."""
+        if self._room_waiter is None:
+            return False
+        adapter_id = request.spec.adapter_id
+        if adapter_id is None:
+            return False
+        return adapter_id == self.draining or adapter_id not in self.adapters.residency
+
+    def _choose_draining(self) -> str | None:
+        """The held adapter whose running requests end soonest (fewest tokens left to its
+        longest one), the merged one aside; None when no running request holds one."""
+        ends: dict[str, int] = {}
+        for r in self.running:
+            adapter_id = r.spec.adapter_id
+            if r.holds_adapter and adapter_id is not None and adapter_id != self.adapters.merged:
+                ends[adapter_id] = max(ends.get(adapter_id, 0), self._tokens_left(r))
+        return min(ends, key=lambda a: (ends[a], a)) if ends else None
+
     def _start(self, request: EngineRequest) -> Start:
-        if not self._try_start(request):
+        if self._behind_room_waiter(request):
+            return Start.NO_ADAPTER_ROOM
+        outcome = self._try_start(request)
+        if outcome is Start.SKIPPED:
+            self._copying += 1
+        elif outcome is Start.NO_ADAPTER_ROOM:
             if self.kv.pool_can_never_hold(self.running):
                 self.waiting.remove(request)
                 self._finish_unservable(request)
                 return Start.SKIPPED
-            return Start.BLOCKED
-        self.waiting.remove(request)
-        return Start.STARTED
+            self._room_refused = True
+            if self._drain_for != request.request_id:  # another request waits now
+                self._drain_for, self._drained = request.request_id, False
+            if self.draining is None and not self._drained:
+                self.draining = self._choose_draining()
+            if self.draining is None:
+                return Start.BLOCKED  # nothing drains for it (any more): it stops admission
+            self._room_waiter = request
+        elif outcome is Start.BLOCKED and self.kv.pool_can_never_hold(self.running):
+            self.waiting.remove(request)
+            self._finish_unservable(request)
+            return Start.SKIPPED
+        elif outcome is Start.STARTED:
+            self.waiting.remove(request)
+        return outcome
 
-    def _try_start(self, request: EngineRequest) -> bool:
+    def _try_start(self, request: EngineRequest) -> Start:
+        """STARTED, NO_ADAPTER_ROOM, BLOCKED (no room for its KV) or SKIPPED (its adapter's rows
+        are being copied in)."""
         adapter_id = request.spec.adapter_id
         if adapter_id is not None:
             try:
-                self.adapters.acquire(request, self.host_adapters[adapter_id])
+                held = self.adapters.acquire(request, self.host_adapters[adapter_id], self._block_on_copies)
             except PoolExhausted:
-                return False
+                return Start.NO_ADAPTER_ROOM
+            if not held:
+                return Start.SKIPPED
         self.kv.reuse_prefix(request, self._prefix_key_space(request))
         try:
             self.kv.reserve(request, request.total_len)
         except PoolExhausted:
             self._release(request)  # what a partly grown block table holds, and its adapter
             request.num_computed = 0  # its cached prefix blocks went back with its KV
-            return False
+            return Start.BLOCKED
         request.state = RequestState.RUNNING
         if request.timings.scheduled is None:
             request.timings.scheduled = time.monotonic()
         self.running.append(request)
-        return True
+        return Start.STARTED
 
     def _prefix_key_space(self, request: EngineRequest) -> BlockKey | None:
         """The prefix-cache key space of ``request``'s adapter version (the base model's without
@@ -298,7 +380,7 @@ class RequestScheduler:
     def take_over(self, requests: list[tuple[EngineRequest, EventSink]], cancels: set[str]) -> None:
         """Queue the requests handed over (their events to their sinks), then apply cancels."""
         for request, sink in requests:
-            self.events.sinks[request.request_id] = sink
+            self.events.arrived(request, sink)
             self.waiting.append(request)
         if cancels:
             self.cancel(cancels)

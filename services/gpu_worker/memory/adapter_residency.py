@@ -1,19 +1,29 @@
 """Which adapters are paged into the unified pool, who is using them, and which goes first.
 
 One source of truth with explicit reference counts (the lesson of SGLang's LoRARegistry): a
-running request holds a reference to its adapter; only adapters with no reference may be
-evicted, in the order of an eviction policy (least recently used first by default, S-LoRA §5.1),
-when the pool needs pages.
+running request holds a reference to its adapter; only adapters with no reference and no pin
+may be evicted, in the order of an eviction policy (least recently used first by default,
+S-LoRA §5.1; ``--eviction-policy``), when the pool needs pages. A pinned adapter, once paged in,
+stays: its pages are not the pool's to give back, to adapters or to KV.
 
 Residency is accounting: it chooses the pages and the row offsets. Writing the rows there is the
 caller's (``write_rows``): by default into this pool's buffer; the engine passes its executor's,
 which may write a shard of them into the pool of every rank of a tensor-parallel group.
+
+A load costs the engine thread a walk over the adapter's modules, not its rows: the page bound
+and the placement are computed per module as runs of rows back to back (``_place``), and the
+per-row offsets (host tuples and the device tensors the kernels read) are built from those runs
+by whoever first asks for ``ResidentAdapter.modules``: the copier's thread, with the copy
+(``ResidentAdapter.materialize``), so a page-in beside a running batch does not spend a step's
+time on it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import threading
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +33,7 @@ from services.gpu_worker.lora.host_adapter import HostAdapter, ModuleKey
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.prefix_cache import PrefixCache
 from services.gpu_worker.memory.unified_pool import UnifiedPool
-from services.runtime.eviction import EvictionPolicy, LRUEviction
+from services.runtime.eviction import EvictionPolicy, LRUEviction, set_pins
 
 
 @dataclass(frozen=True)
@@ -36,45 +46,150 @@ class PlacedModule:
     """``rows.a_offsets`` on the host: where an executor writes the A rows (no device sync)."""
     b_offsets: tuple[int, ...]
     """``rows.b_offsets`` on the host."""
+    a_runs: tuple[tuple[int, int], ...] | None = None
+    """``(first offset, rows)`` of the A rows lying back to back (None: found from ``a_offsets``)."""
+    b_runs: tuple[tuple[int, int], ...] | None = None
+    """The same for the Bᵀ rows."""
 
 
-@dataclass
+ModuleRuns = tuple[ModuleKey, float, int, tuple[tuple[int, int], ...], int, tuple[tuple[int, int], ...]]
+"""One module's placement as runs: (key, scale, A width, A runs, Bᵀ width, Bᵀ runs)."""
+
+
 class ResidentAdapter:
-    adapter_id: str
-    pages: list[int]
-    modules: dict[ModuleKey, PlacedModule]
-    nbytes: int
-    placement: int
-    """Unique to this load: an adapter paged out and in again gets a new one, so (adapter,
-    placement) names where its rows are without comparing page lists."""
-    refcount: int = 0
-    """Running requests using it; evictable only at 0."""
+    """An adapter's load in the pool: its pages and where each module's rows are.
+
+    ``modules`` may be given as they are, or as ``runs`` (what :meth:`AdapterResidency.load`
+    computes on the engine thread): then the per-row offsets are built on first use, once
+    (:meth:`materialize`; the copier does it with the copy).
+    """
+
+    def __init__(
+        self,
+        adapter_id: str,
+        pages: list[int],
+        modules: dict[ModuleKey, PlacedModule] | None = None,
+        nbytes: int = 0,
+        placement: int = 0,
+        refcount: int = 0,
+        *,
+        runs: list[ModuleRuns] | None = None,
+        device: torch.device | None = None,
+    ):
+        if (modules is None) == (runs is None):
+            raise ValueError("ResidentAdapter takes its modules or their runs, one of the two")
+        self.adapter_id = adapter_id
+        self.pages = pages
+        self.nbytes = nbytes
+        self.placement = placement
+        """Unique to this load: an adapter paged out and in again gets a new one, so (adapter,
+        placement) names where its rows are without comparing page lists."""
+        self.refcount = refcount
+        """Running requests using it; evictable only at 0."""
+        self._modules = modules
+        self._runs = runs
+        self._device = device
+        self._lock = threading.Lock()
+
+    @property
+    def modules(self) -> dict[ModuleKey, PlacedModule]:
+        """Where each projection's rows are (built from the runs on first use)."""
+        modules = self._modules
+        if modules is None:
+            with self._lock:
+                if self._modules is None:
+                    self._modules = _materialize(self._runs, self._device)
+                    self._runs = None
+                modules = self._modules
+        return modules
+
+    def materialize(self) -> None:
+        """Build the per-row offsets now (the copier's thread, not the engine's)."""
+        self.modules  # noqa: B018
+
+    def __repr__(self) -> str:
+        return (
+            f"ResidentAdapter({self.adapter_id!r}, pages={len(self.pages)}, placement={self.placement}, "
+            f"refcount={self.refcount})"
+        )
+
+
+def _materialize(runs: list[ModuleRuns], device: torch.device | None) -> dict[ModuleKey, PlacedModule]:
+    """Per-row offsets of every module from its runs, in one vectorised pass (one host-to-device
+    copy; each module's rows are views of it)."""
+    starts: list[int] = []
+    counts: list[int] = []
+    widths: list[int] = []
+    for _, _, a_width, a_runs, b_width, b_runs in runs:
+        for width, factor_runs in ((a_width, a_runs), (b_width, b_runs)):
+            for start, count in factor_runs:
+                starts.append(start)
+                counts.append(count)
+                widths.append(width)
+    if not starts:
+        return {}
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    run_of_row = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), counts_t)
+    first_row = torch.cumsum(counts_t, 0) - counts_t
+    offsets = (
+        torch.tensor(starts, dtype=torch.int64)[run_of_row]
+        + (torch.arange(run_of_row.numel(), dtype=torch.int64) - first_row[run_of_row])
+        * torch.tensor(widths, dtype=torch.int64)[run_of_row]
+    )
+    host = offsets.tolist()
+    on_device = offsets if device is None or device.type == "cpu" else offsets.to(device)
+    modules = {}
+    row = 0
+    for key, scale, a_width, a_runs, b_width, b_runs in runs:
+        a_end = row + sum(n for _, n in a_runs)
+        b_end = a_end + sum(n for _, n in b_runs)
+        rows = AdapterRows(a_offsets=on_device[row:a_end], b_offsets=on_device[a_end:b_end])
+        rows._runs[("a", a_width)] = a_runs  # what rows.runs() would find from the offsets
+        rows._runs[("b", b_width)] = b_runs
+        modules[key] = PlacedModule(
+            rows=rows,
+            scale=scale,
+            a_offsets=tuple(host[row:a_end]),
+            b_offsets=tuple(host[a_end:b_end]),
+            a_runs=a_runs,
+            b_runs=b_runs,
+        )
+        row = b_end
+    return modules
 
 
 def _pages_upper_bound(adapter: HostAdapter, page_elems: int) -> int:
-    """Pages the adapter needs if no two of its pages are adjacent (no row may cross a page)."""
+    """Pages the adapter needs if no two of its pages are adjacent (no row may cross a page).
+
+    Per module and factor, not per row: fill the current page, then whole pages of
+    ``page_elems // width`` rows, then a last part-filled one.
+    """
     pages, offset = 1, 0
     for factors in adapter.modules.values():
-        for width, count in ((factors.a.shape[1], factors.rank), (factors.b_t.shape[1], factors.rank)):
+        count = factors.a.shape[0]
+        for width in (factors.a.shape[1], factors.b_t.shape[1]):
             if width > page_elems:
                 raise ValueError(f"a LoRA row of {width} elements does not fit a page of {page_elems}")
-            for _ in range(count):
-                if offset + width > page_elems:
-                    pages, offset = pages + 1, 0
-                offset += width
+            fit = min(count, (page_elems - offset) // width)
+            left = count - fit
+            if not left:
+                offset += fit * width
+                continue
+            per_page = page_elems // width
+            full, rest = divmod(left, per_page)
+            pages += full + (rest > 0)
+            offset = (rest or per_page) * width
     return pages
 
 
 def _regions(pages: list[int], page_elems: int) -> list[tuple[int, int]]:
     """Runs of physically adjacent pages as ``(first element, elements)``: rows may cross page
     boundaries inside a run, which keeps each projection's rows back to back (one view)."""
-    regions: list[list[int]] = []
-    for page in sorted(pages):
-        if regions and regions[-1][0] + regions[-1][1] == page * page_elems:
-            regions[-1][1] += page_elems
-        else:
-            regions.append([page * page_elems, page_elems])
-    return [(start, length) for start, length in regions]
+    ordered = sorted(pages)  # the allocator hands pages out in order: linear
+    if ordered[-1] - ordered[0] == len(ordered) - 1:  # distinct pages: one run
+        return [(ordered[0] * page_elems, len(ordered) * page_elems)]
+    starts = [0, *(i for i in range(1, len(ordered)) if ordered[i] != ordered[i - 1] + 1), len(ordered)]
+    return [(ordered[i] * page_elems, (j - i) * page_elems) for i, j in itertools.pairwise(starts)]
 
 
 RowWriter = Callable[[HostAdapter, ResidentAdapter], None]
@@ -85,20 +200,75 @@ def write_rows(buffer: torch.Tensor, adapter: HostAdapter, resident: ResidentAda
     """Copy ``adapter``'s A and B rows into ``buffer`` (a pool's) where ``resident`` placed them."""
     for key, factors in adapter.modules.items():
         placed = resident.modules[key]
-        _copy_rows(buffer, factors.a, placed.a_offsets)
-        _copy_rows(buffer, factors.b_t, placed.b_offsets)
+        _copy_rows(buffer, factors.a, placed.a_runs or _runs_of(placed.a_offsets, factors.a.shape[1]))
+        _copy_rows(buffer, factors.b_t, placed.b_runs or _runs_of(placed.b_offsets, factors.b_t.shape[1]))
 
 
-def _copy_rows(buffer: torch.Tensor, matrix: torch.Tensor, offsets: tuple[int, ...]) -> None:
+def _runs_of(offsets: tuple[int, ...], width: int) -> list[tuple[int, int]]:
+    """``(first offset, rows)`` of each run of rows placed back to back."""
+    runs: list[list[int]] = []
+    for offset in offsets:
+        if runs and runs[-1][0] + runs[-1][1] * width == offset:
+            runs[-1][1] += 1
+        else:
+            runs.append([offset, 1])
+    return [(o, n) for o, n in runs]
+
+
+def _copy_rows(buffer: torch.Tensor, matrix: torch.Tensor, runs) -> None:
     # Rows placed back to back are copied in one go.
     width = matrix.shape[1]
-    start = 0
-    while start < len(offsets):
-        end = start + 1
-        while end < len(offsets) and offsets[end] == offsets[start] + (end - start) * width:
-            end += 1
-        buffer[offsets[start] : offsets[start] + (end - start) * width].copy_(matrix[start:end].reshape(-1))
-        start = end
+    row = 0
+    for offset, count in runs:
+        buffer[offset : offset + count * width].copy_(matrix[row : row + count].reshape(-1))
+        row += count
+
+
+def _place(
+    adapter: HostAdapter, regions: list[tuple[int, int]], page_elems: int
+) -> tuple[list[ModuleRuns], list[int]]:
+    """Each module's rows as runs, A then Bᵀ, back to back in ``regions`` in order (a row that
+    does not fit the rest of a region starts the next one); and the pages the rows touch, in
+    order. The same offsets as placing row by row, at a cost per module, not per row."""
+    used_by_region: list[int] = []
+    index = 0
+    start, length = regions[0]
+    used = 0
+    placed: list[ModuleRuns] = []
+    for key, factors in adapter.modules.items():
+        count, a_width = factors.a.shape
+        b_width = factors.b_t.shape[1]
+        if used + count * (a_width + b_width) <= length:  # the module fits the region's rest
+            first = start + used
+            a_runs, b_runs = ((first, count),), ((first + count * a_width, count),)
+            placed.append((key, factors.scale, a_width, a_runs, b_width, b_runs))
+            used += count * (a_width + b_width)
+            continue
+        factor_runs = []
+        for width in (a_width, b_width):
+            runs = []
+            left = count
+            while left:
+                fit = min(left, (length - used) // width)
+                if fit:
+                    runs.append((start + used, fit))
+                    used += fit * width
+                    left -= fit
+                if left:
+                    used_by_region.append(used)
+                    index += 1
+                    start, length = regions[index]
+                    used = 0
+            factor_runs.append((width, tuple(runs)))
+        (a_width, a_runs), (b_width, b_runs) = factor_runs
+        placed.append((key, factors.scale, a_width, a_runs, b_width, b_runs))
+    used_by_region.append(used)
+    touched: list[int] = []
+    for (region_start, _), region_used in zip(regions, used_by_region):
+        if region_used:  # rows lie back to back from the region's start
+            first = region_start // page_elems
+            touched.extend(range(first, first + -(-region_used // page_elems)))
+    return placed, touched
 
 
 class AdapterResidency:
@@ -123,6 +293,9 @@ class AdapterResidency:
         self._eviction = eviction or LRUEviction()
         self._resident: dict[str, ResidentAdapter] = {}
         self._placements = itertools.count()
+        self._bounds: dict[str, tuple[weakref.ref, int]] = {}
+        """Page bound of each adapter object last asked about (``pages_needed`` runs where it
+        is added, off the engine thread; ``load`` finds it here)."""
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._resident
@@ -137,9 +310,19 @@ class AdapterResidency:
     def get(self, adapter_id: str) -> ResidentAdapter | None:
         return self._resident.get(adapter_id)
 
+    def set_pinned(self, adapter_ids: Iterable[str]) -> None:
+        """Make ``adapter_ids`` the adapters never evicted (resident now or once paged in)."""
+        set_pins(self._eviction, adapter_ids)
+
     def pages_needed(self, adapter: HostAdapter) -> int:
-        """Pages to have free before loading ``adapter`` (an upper bound; extras are returned)."""
-        return _pages_upper_bound(adapter, self.pool.page_elems)
+        """Pages to have free before loading ``adapter`` (an upper bound; extras are returned).
+        Any thread: the bound is kept for ``load``."""
+        cached = self._bounds.get(adapter.adapter_id)
+        if cached is not None and cached[0]() is adapter:
+            return cached[1]
+        bound = _pages_upper_bound(adapter, self.pool.page_elems)
+        self._bounds[adapter.adapter_id] = (weakref.ref(adapter), bound)
+        return bound
 
     def load(self, adapter: HostAdapter) -> ResidentAdapter:
         """Page ``adapter`` in (a no-op when resident), evicting idle adapters to make room.
@@ -151,44 +334,20 @@ class AdapterResidency:
             self._eviction.touch(adapter.adapter_id)
             return resident
         page_elems = self.pool.page_elems
-        needed = _pages_upper_bound(adapter, page_elems)
+        needed = self.pages_needed(adapter)
         self.make_room(needed)
         pages = self.pool.allocate(needed, PageUse.ADAPTER)
-        regions = iter(_regions(pages, page_elems))
-        region_start, region_len = next(regions)
-        used = 0
-        touched: set[int] = set()
-
-        def place(width: int, count: int) -> list[int]:
-            nonlocal region_start, region_len, used
-            offsets = []
-            for _ in range(count):
-                if used + width > region_len:
-                    region_start, region_len = next(regions)
-                    used = 0
-                offset = region_start + used
-                offsets.append(offset)
-                touched.update(range(offset // page_elems, (offset + width - 1) // page_elems + 1))
-                used += width
-            return offsets
-
-        modules = {}
-        for key, factors in adapter.modules.items():
-            a_offsets = place(factors.a.shape[1], factors.rank)
-            b_offsets = place(factors.b_t.shape[1], factors.rank)
-            device = self.pool.device
-            modules[key] = PlacedModule(
-                rows=AdapterRows(
-                    a_offsets=torch.tensor(a_offsets, dtype=torch.int64, device=device),
-                    b_offsets=torch.tensor(b_offsets, dtype=torch.int64, device=device),
-                ),
-                scale=factors.scale,
-                a_offsets=tuple(a_offsets),
-                b_offsets=tuple(b_offsets),
-            )
-        self.pool.free([p for p in pages if p not in touched])  # the upper bound's unused pages
+        runs, touched = _place(adapter, _regions(pages, page_elems), page_elems)
+        if len(touched) < len(pages):
+            kept = set(touched)
+            self.pool.free([p for p in pages if p not in kept])  # the upper bound's unused pages
         resident = ResidentAdapter(
-            adapter.adapter_id, sorted(touched), modules, adapter.nbytes, placement=next(self._placements)
+            adapter.adapter_id,
+            touched,
+            nbytes=adapter.nbytes,
+            placement=next(self._placements),
+            runs=runs,
+            device=self.pool.device,
         )
         self._write(adapter, resident)
         self._resident[adapter.adapter_id] = resident
@@ -207,13 +366,19 @@ class AdapterResidency:
             raise RuntimeError(f"adapter {adapter_id} released more often than acquired")
         resident.refcount -= 1
 
+    def _evictable(self) -> list[str]:
+        """Resident adapters no request uses and no pin keeps."""
+        pinned = self._eviction.pinned()
+        return [a for a, r in self._resident.items() if r.refcount == 0 and a not in pinned]
+
     def idle_pages(self) -> int:
-        return sum(len(r.pages) for r in self._resident.values() if r.refcount == 0)
+        """Pages eviction can give back now: those of adapters no request uses and no pin keeps."""
+        return sum(len(self._resident[a].pages) for a in self._evictable())
 
     def make_room(self, pages: int, use: PageUse = PageUse.ADAPTER) -> None:
-        """Evict unused cached prefix blocks, then idle adapters, each in its eviction order, until
-        ``pages`` are free for ``use`` (raises ``PoolExhausted``, evicting nothing, when even
-        evicting all of them is not enough).
+        """Evict unused cached prefix blocks, then idle unpinned adapters, each in its eviction
+        order, until ``pages`` are free for ``use`` (raises ``PoolExhausted``, evicting nothing,
+        when even evicting all of them is not enough).
 
         In a split pool evicting adapters frees nothing for KV, and cached KV blocks nothing for
         adapters.
@@ -231,8 +396,7 @@ class AdapterResidency:
             raise PoolExhausted(pages, allocator.free_pages_for(use))
         if cache is not None:
             cache.make_room(pages, use)
-        idle = [adapter_id for adapter_id, r in self._resident.items() if r.refcount == 0]
-        for adapter_id in self._eviction.victims(idle):
+        for adapter_id in self._eviction.victims(self._evictable()):
             if allocator.free_pages_for(use) >= pages:
                 break
             self.evict(adapter_id)

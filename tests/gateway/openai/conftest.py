@@ -24,7 +24,7 @@ from support.mesh import Mesh, start_mesh, wait_for_workers
 from loramesh import Client
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import adapter_store_pb2, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
-from services.gateway.adapter_access import AdapterAccess
+from services.gateway.adapter_access import AdapterAccess, missing_adapter
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
@@ -32,7 +32,6 @@ from services.gateway.openai.routes import build_app
 from services.gateway.relay import Relay
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
 from services.runtime.discovery import ChannelPool
-from services.runtime.errors import NotFound
 from services.runtime.metrics import ServiceMetrics
 
 
@@ -152,11 +151,16 @@ class InMemoryStore:
             ]
         )
 
+    async def watch(self, refresh: bool):
+        """The store's catalog watch: every adapter, then no change."""
+        yield adapter_store_pb2.WatchAdaptersResponse(upserted=self.adapters, synced=True)
+        await asyncio.Event().wait()
+
     async def get(self, owner: str, name: str) -> types_pb2.AdapterInfo:
         for a in self.adapters:
             if (a.owner, a.name) == (owner, name):
                 return a
-        raise NotFound(f"adapter {owner}/{name} not found")
+        raise missing_adapter(owner, name)  # the store's own words
 
 
 @dataclass
@@ -200,5 +204,6 @@ async def scripted_gateway(tokenizer_bundle) -> AsyncIterator[ScriptedGateway]:
         ) as http:
             yield ScriptedGateway(core, worker, metrics, http)
     finally:
+        await core.adapter_index.stop()
         await channels.close()
         await worker_server.stop(None)

@@ -240,7 +240,7 @@ REFUSED = {
     "a temperature that is no number": ({"temperature": "hot"}, 422, "parameters.temperature"),
     "an unknown adapter": ({"adapter_id": "nobody/nothing"}, 404, "adapter_id"),
     "a malformed adapter": ({"adapter_id": "a/b/c"}, 422, "adapter_id: adapter 'a/b/c' must be"),
-    "another tenant's private adapter": ({"adapter_id": "bob/secret"}, 403, "private to tenant 'bob'"),
+    "another tenant's private adapter": ({"adapter_id": "bob/secret"}, 404, "adapter_id"),
 }
 
 

@@ -49,8 +49,8 @@ CASES = {
     "bad key": BadRequest(
         "/chat/completions", 401, "invalid API key", json=chat(), headers={"Authorization": "Bearer wrong"}
     ),
-    "another tenant's adapter": BadRequest(
-        "/chat/completions", 403, "private to tenant 'bob'", json=chat(model="bob/secret")
+    "another tenant's private adapter, as a missing one": BadRequest(
+        "/chat/completions", 404, "'bob/secret' does not exist", json=chat(model="bob/secret"), param="model"
     ),
     "over-long prompt": BadRequest("/completions", 400, "the limit is 4096", json=completion(prompt="word " * 5000)),
     "negative max_tokens": BadRequest("/completions", 400, "max_tokens", json=completion(max_tokens=-5), param="max_tokens"),

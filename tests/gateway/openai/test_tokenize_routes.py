@@ -63,7 +63,7 @@ REFUSED = {
                                "continue_final_message"),
     "chat_template": ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ x }}"}, 400, "chat_template"),
     "an unknown model": ("/tokenize", {"model": "nobody/nothing", "prompt": "x"}, 404, "model"),
-    "another tenant's private adapter": ("/detokenize", {"model": "bob/secret", "tokens": [1]}, 403, None),
+    "another tenant's private adapter": ("/detokenize", {"model": "bob/secret", "tokens": [1]}, 404, "model"),
 }  # fmt: skip
 
 

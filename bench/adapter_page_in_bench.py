@@ -1,0 +1,324 @@
+"""Adapter page-in beside a running batch (issue 30): does a batch slow down while adapters page
+into the pool, and what does a cold adapter cost a request's first token?
+
+    .venv/bin/python -m bench.adapter_page_in_bench
+    .venv/bin/python -m bench.adapter_page_in_bench --quick        # 2 rounds of 12 steps
+
+SmolLM2-135M-Instruct (``--dtype``, bf16 by default), one in-process engine. ``--batch`` requests
+decode on resident adapters; ``--paging`` more adapters have host copies only. Steps alternate
+between two phases, round by round, who goes first alternating so that the host's drift hits
+both alike:
+- quiet: the batch steps, nothing else happens;
+- paging: the ``--paging`` adapters were evicted from the pool (untimed, between phases) and are
+  handed to the engine as preloads (the ``LoadAdapter`` RPC's path) just before the phase's first
+  step; the batch steps while they page in.
+The figure is paging ÷ quiet of the median step times (all rounds' steps pooled), with the
+per-round ratios, means and maxima beside it: a step that pays for page-ins shows in its max.
+The page-in work left on the engine thread (the residency choosing pages and offsets) is timed
+apart, per step, as what a contended machine's wall times cannot isolate.
+Each step's time is ``Engine.step`` as the engine thread runs it (admission, page-in placement,
+the forward pass, sampling); the copier thread writes the rows meanwhile.
+
+Then TTFT from the host tier: the batch ends, and each paging adapter serves one request alone,
+cold (evicted from the pool, host copy kept: paged in on arrival) and warm (resident), in
+alternating order; the figure is cold ÷ warm of the median TTFTs. TTFT is arrival on the engine
+to the first token.
+
+Other processes' CPU use is recorded per step (``CpuMonitor``) with the load average; rerun when
+the machine is busy. Results: markdown on stdout and ``bench/out/adapter_page_in_bench/results.json``.
+No timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.out_dir import default_out
+from bench.worker_bench import CpuMonitor, machine, make_prompts
+from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.request import GenerationRequest
+from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
+from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.model.loading import load_model
+from services.model_files.base_model import load_base_model_spec
+from services.model_files.peft_format import LORA_TARGETS
+
+PHASES = ("quiet", "paging")
+TARGETS = {"all": LORA_TARGETS, "qv": ("q_proj", "v_proj")}
+"""``--targets``: the projections every adapter adapts."""
+
+
+def make_adapters(
+    count: int, ranks: list[int], targets: tuple[str, ...], dtype: torch.dtype
+) -> list[HostAdapter]:
+    """``count`` PEFT adapters, ranks cycling through ``ranks``, parsed into host copies."""
+    spec = load_base_model_spec()
+    adapters = []
+    with tempfile.TemporaryDirectory() as root:
+        for i in range(count):
+            rank = ranks[i % len(ranks)]
+            sample = SampleAdapterSpec(
+                rank=rank, target_modules=targets, dtype=str(dtype).removeprefix("torch."), seed=200 + i
+            )
+            files = adapter_files(write_peft_adapter(Path(root) / f"a{i}", spec, sample))
+            config, weights = files["adapter_config.json"], files["adapter_model.safetensors"]
+            adapters.append(parse_peft_adapter(f"p{i}-r{rank}", config, weights, dtype))
+    return adapters
+
+
+def evict(engine: Engine, adapters: list[HostAdapter]) -> None:
+    """Take ``adapters`` out of the pool (their host copies stay), their copies finished first."""
+    for adapter in adapters:
+        engine.adapters.wait(adapter.adapter_id)
+        if adapter.adapter_id in engine.residency:
+            engine.residency.evict(adapter.adapter_id)
+
+
+class PlacementClock:
+    """Times the residency's page-in work on the engine thread (choosing pages and offsets: what
+    stays on the step's critical path), wrapping ``engine.residency.load``."""
+
+    def __init__(self, engine: Engine):
+        self.seconds = 0.0
+        load = engine.residency.load
+
+        def timed(adapter):
+            started = time.perf_counter()
+            try:
+                return load(adapter)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        engine.residency.load = timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def run_phase(
+    engine: Engine, steps: int, monitor: CpuMonitor, clock: PlacementClock, paging: list[HostAdapter]
+) -> dict:
+    """``steps`` timed steps of the batch, ``paging`` handed over as preloads before the first."""
+    batch = len(engine.running)
+    for adapter in paging:
+        engine.preload(adapter.adapter_id)
+    seconds, placing, others = [], [], []
+    for _ in range(steps):
+        monitor.tick()
+        clock.take()
+        started = time.perf_counter()
+        produced = engine.step()
+        seconds.append(time.perf_counter() - started)
+        placing.append(clock.take())
+        others.append(monitor.tick())
+        if produced != batch:
+            raise RuntimeError(f"a step produced {produced} tokens for a batch of {batch}")
+    # How many copies were still under way when the phase ended (0: all paged in beside it).
+    pending = sum(not engine.adapters.ready(a.adapter_id) for a in paging)
+    return {
+        "seconds": seconds,
+        "placement_s": placing,
+        "others_cpu_share": others,
+        "copies_pending_at_end": pending,
+    }
+
+
+def first_token_s(engine: Engine, request: GenerationRequest) -> float:
+    """Serve ``request`` alone; seconds from its arrival on the engine to its first token."""
+    first: list[float] = []
+
+    def sink(event) -> None:
+        if event.token_id is not None and not first:
+            first.append(event.timings.first_token - event.timings.arrived)
+
+    engine.submit(request, sink)
+    while engine.has_work():
+        engine.step()
+    return first[0]
+
+
+def summary(seconds: list[float]) -> dict:
+    return {
+        "steps": len(seconds),
+        "median_ms": 1e3 * statistics.median(seconds),
+        "mean_ms": 1e3 * statistics.fmean(seconds),
+        "max_ms": 1e3 * max(seconds),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8, help="requests decoding on resident adapters")
+    parser.add_argument("--paging", type=int, default=20, help="adapters paged in beside the batch")
+    parser.add_argument("--ranks", default="8,16,32,64", help="adapter ranks, cycled")
+    parser.add_argument("--targets", choices=sorted(TARGETS), default="all")
+    parser.add_argument("--rounds", type=int, default=6, help="quiet + paging phases each")
+    parser.add_argument("--steps", type=int, default=30, help="steps per phase")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--device", default="cpu", help="where the model and pool live (cuda: copies on a stream)"
+    )
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 12 steps, 4 TTFT adapters")
+    parser.add_argument("--out", type=Path, default=default_out("adapter_page_in_bench") / "results.json")
+    args = parser.parse_args(argv)
+    rounds, steps = (2, 12) if args.quick else (args.rounds, args.steps)
+    dtype = getattr(torch, args.dtype)
+
+    loaded = load_model()
+    model = LlamaModel(loaded.config, loaded.weights, dtype, device=args.device)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    adapters = make_adapters(args.batch + args.paging, ranks, TARGETS[args.targets], dtype)
+    running, paging = adapters[: args.batch], adapters[args.batch :]
+    adapter_mib = sum(a.nbytes for a in adapters) / 2**20
+    # Room for every adapter at once (page ends included) and the batch's KV: nothing is evicted
+    # but what the bench evicts.
+    pool_mib = 1.25 * adapter_mib + 128
+    engine = Engine(
+        model,
+        # No prefix cache: a TTFT request must prefill its whole prompt, cold or warm alike.
+        EngineConfig(pool_mib=pool_mib, max_running=args.batch + 1, prefix_cache=False),
+        eos_token_ids=loaded.config.eos_token_ids,
+    )
+    for adapter in adapters:
+        engine.add_adapter(adapter)
+    total_steps = 1 + 4 + 2 * rounds * steps
+    sampling = SamplingParams(max_tokens=total_steps + 8, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(loaded, args.batch, args.prompt_tokens)):
+        engine.submit(
+            GenerationRequest(f"run{i}", prompt, sampling, running[i].adapter_id), lambda event: None
+        )
+    engine.step()  # prefill: the batch's adapters are paged in here
+    for _ in range(4):  # warm-up
+        engine.step()
+    if len(engine.running) != args.batch:
+        raise RuntimeError(f"{len(engine.running)} of {args.batch} requests are running")
+
+    monitor, clock = CpuMonitor(), PlacementClock(engine)
+    phases: dict[str, list[dict]] = {name: [] for name in PHASES}
+    load_before = os.getloadavg()
+    for round_ in range(rounds):
+        for name in PHASES if round_ % 2 == 0 else reversed(PHASES):
+            evict(engine, paging)  # untimed: both phases start from the same pool
+            phases[name].append(run_phase(engine, steps, monitor, clock, paging if name == "paging" else []))
+    load_after = os.getloadavg()
+    pooled = {name: [s for phase in phases[name] for s in phase["seconds"]] for name in PHASES}
+    figures = {name: summary(pooled[name]) for name in PHASES}
+    ratio = figures["paging"]["median_ms"] / figures["quiet"]["median_ms"]
+    placing = [s for phase in phases["paging"] for s in phase["placement_s"] if s > 0]
+    placement = {
+        "steps_placing": len(placing),
+        "median_ms": 1e3 * statistics.median(placing),
+        "max_ms": 1e3 * max(placing),
+        "median_share_of_quiet_step": statistics.median(placing) / statistics.median(pooled["quiet"]),
+    }
+    round_ratios = [
+        statistics.median(p["seconds"]) / statistics.median(q["seconds"])
+        for p, q in zip(phases["paging"], phases["quiet"])
+    ]
+
+    for request_id in [r.request_id for r in engine.running]:
+        engine.cancel(request_id)
+    while engine.has_work():
+        engine.step()
+    ttft: dict[str, list[float]] = {"cold": [], "warm": []}
+    ttft_rank: dict[int, dict[str, list[float]]] = {}
+    measured = paging[:4] if args.quick else paging
+    prompts = iter(make_prompts(loaded, 2 * len(measured), args.prompt_tokens))
+    for i, adapter in enumerate(measured):
+        order = ("cold", "warm") if i % 2 == 0 else ("warm", "cold")
+        for kind in order:
+            prompt = next(prompts)
+            engine.adapters.wait(adapter.adapter_id)
+            if kind == "cold":
+                evict(engine, [adapter])
+            else:
+                engine.adapters.page_in(adapter)
+                engine.adapters.wait(adapter.adapter_id)
+            one = GenerationRequest(
+                f"ttft-{kind}-{i}", prompt, SamplingParams(max_tokens=1), adapter.adapter_id
+            )
+            seconds = first_token_s(engine, one)
+            ttft[kind].append(seconds)
+            rank = max(m.rank for m in adapter.modules.values())
+            ttft_rank.setdefault(rank, {"cold": [], "warm": []})[kind].append(seconds)
+    engine.stop()
+    ttft_ratio = statistics.median(ttft["cold"]) / statistics.median(ttft["warm"])
+
+    results = {
+        "machine": machine(),
+        "load_average_before_after": [load_before, load_after],
+        "others_cpu_share": monitor.total(),
+        "dtype": args.dtype,
+        "device": args.device,
+        "batch": args.batch,
+        "paging_adapters": len(paging),
+        "ranks": ranks,
+        "targets": args.targets,
+        "adapter_mib": [round(a.nbytes / 2**20, 2) for a in adapters],
+        "pool_mib": pool_mib,
+        "rounds": rounds,
+        "steps_per_phase": steps,
+        "step_figures": figures,
+        "step_ratio_paging_over_quiet": ratio,
+        "round_ratios": round_ratios,
+        "placement_on_engine_thread": placement,
+        "phases": phases,
+        "ttft_s": ttft,
+        "ttft_ratio_cold_over_warm": ttft_ratio,
+        "ttft_by_rank_s": {str(rank): kinds for rank, kinds in sorted(ttft_rank.items())},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    info = results["machine"]
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"CPU: {info.get('cpu')}, torch threads {info.get('torch_threads')}, {args.dtype} on {device}")
+    print(
+        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; other processes used "
+        f"{100 * results['others_cpu_share']:.0f}% of the CPUs during the steps"
+    )
+    print(
+        f"batch of {args.batch} decoding; {len(paging)} adapters paging in (ranks {args.ranks}, "
+        f"{args.targets} projections, {sum(a.nbytes for a in paging) / 2**20:.0f} MiB); "
+        f"{rounds} rounds x {steps} steps per phase\n"
+    )
+    print("| phase | median step (ms) | mean | max |")
+    print("|---|---:|---:|---:|")
+    for name in PHASES:
+        f = figures[name]
+        print(f"| {name} | {f['median_ms']:.1f} | {f['mean_ms']:.1f} | {f['max_ms']:.1f} |")
+    pending = [p["copies_pending_at_end"] for p in phases["paging"]]
+    print(
+        f"\nstep time paging / quiet (medians): {ratio:.3f}; per round {', '.join(f'{r:.3f}' for r in round_ratios)}"
+    )
+    print(f"copies still under way at the end of each paging phase: {pending}")
+    print(
+        f"page-in work on the engine thread (placement), in the {placement['steps_placing']} steps "
+        f"that had some: median {placement['median_ms']:.1f} ms, max {placement['max_ms']:.1f} ms = "
+        f"{100 * placement['median_share_of_quiet_step']:.1f}% of the median quiet step"
+    )
+    print("\n| adapter rank | cold TTFT (ms) | warm TTFT (ms) |")
+    print("|---:|---:|---:|")
+    for rank, kinds in sorted(ttft_rank.items()):
+        print(
+            f"| {rank} | {1e3 * statistics.median(kinds['cold']):.1f} | {1e3 * statistics.median(kinds['warm']):.1f} |"
+        )
+    print(f"\nTTFT cold (host tier) / warm (medians): {ttft_ratio:.3f}")
+    print(f"results: {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

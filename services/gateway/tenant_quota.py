@@ -1,0 +1,240 @@
+"""Per-tenant limits, enforced by the gateway's core for every generation, whichever front end
+(gRPC, the OpenAI API, LoRAX's routes) it came through.
+
+Two limits, each configured per tenant in the tenants file (``"tenants"``; ``"*"`` for every
+tenant not named; docs/operations.md, "Tenants and quotas"), each off (0) by default:
+
+- ``max_concurrent_requests``: generations of the tenant in flight at once. Each choice of an
+  OpenAI request with ``n`` > 1 is one generation. Refused with a retry hint of
+  :data:`CONCURRENCY_RETRY_AFTER_S` (when a generation in flight ends is not known in advance).
+- ``tokens_per_minute``: prompt plus generated tokens. A token bucket holding
+  ``tokens_per_minute × window_s / 60`` tokens (the whole minute's budget with the default
+  60 s window), full at first, refilled continuously at ``tokens_per_minute / 60`` per second.
+  A generation is charged at admission with its largest possible cost (prompt + ``max_tokens``)
+  and refunded when it ends down to what it used (prompt + tokens generated; nothing when it
+  failed before its first delta). The retry hint is when the bucket will hold that charge after
+  those of the requests refused before it still to come back (:meth:`_Bucket.queue_wait_s`). A
+  request larger than the whole bucket is admitted once the bucket is full, and leaves it in
+  debt, so no request is refused forever.
+
+Refusals are :class:`~services.runtime.errors.ResourceExhausted` with ``retry_after_s``: HTTP
+429 with ``Retry-After`` (and ``retry-after-ms``), gRPC ``RESOURCE_EXHAUSTED`` with the
+``retry-after-s`` trailing metadata. The clock is injected, so tests move time instead of
+sleeping. The counts are this gateway's: with several gateways, each enforces the limits on
+its own share of the traffic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from services.runtime.errors import InvalidArgument, ResourceExhausted
+
+DEFAULT_WINDOW_S = 60.0
+"""The quota window when the tenants file names none."""
+ALL_TENANTS = "*"
+"""The entry of the tenants file's ``"tenants"`` that applies to every tenant not named."""
+CONCURRENCY_RETRY_AFTER_S = 1.0
+"""The retry hint of a refusal for too many generations in flight: HTTP's smallest."""
+_SLACK = 1e-6
+"""Tokens of rounding error forgiven when a bucket is compared with a charge."""
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One tenant's limits; 0 is unlimited."""
+
+    max_concurrent_requests: int = 0
+    tokens_per_minute: int = 0
+
+    @classmethod
+    def parse(cls, tenant: str, value: object) -> TenantLimits:
+        """From the tenants file's entry for ``tenant``: an object of the fields above."""
+        if not isinstance(value, dict):
+            raise InvalidArgument(f"tenants[{tenant!r}] must be an object of limits")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise InvalidArgument(
+                f"tenants[{tenant!r}] has unknown fields {unknown}; known: {sorted(cls.__dataclass_fields__)}"
+            )
+        for name, limit in value.items():
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise InvalidArgument(
+                    f"tenants[{tenant!r}].{name} must be a whole number >= 0 (0: unlimited)"
+                )
+        return cls(**value)
+
+
+UNLIMITED = TenantLimits()
+
+
+@dataclass(frozen=True)
+class QuotaConfig:
+    """The limits of every tenant and the window of ``tokens_per_minute``."""
+
+    limits: Mapping[str, TenantLimits] = field(default_factory=dict)
+    """Tenant (or :data:`ALL_TENANTS`) -> its limits."""
+    window_s: float = DEFAULT_WINDOW_S
+
+    def __post_init__(self):
+        if not (
+            isinstance(self.window_s, int | float) and math.isfinite(self.window_s) and self.window_s > 0
+        ):
+            raise InvalidArgument(f"quota_window_s must be a number of seconds > 0, got {self.window_s!r}")
+
+    def for_tenant(self, tenant: str) -> TenantLimits:
+        return self.limits.get(tenant) or self.limits.get(ALL_TENANTS) or UNLIMITED
+
+    @property
+    def limited(self) -> bool:
+        """Some tenant has a limit."""
+        return any(limits != UNLIMITED for limits in self.limits.values())
+
+    @classmethod
+    def parse(cls, tenants: object, window_s: object = DEFAULT_WINDOW_S) -> QuotaConfig:
+        """From the tenants file's ``"tenants"`` and ``"quota_window_s"``."""
+        if not isinstance(tenants, dict):
+            raise InvalidArgument('"tenants" must be an object of tenant -> limits')
+        if isinstance(window_s, bool):
+            raise InvalidArgument(f"quota_window_s must be a number of seconds > 0, got {window_s!r}")
+        return cls({tenant: TenantLimits.parse(tenant, v) for tenant, v in tenants.items()}, window_s)
+
+    def to_json(self) -> dict:
+        """The tenants file's ``"tenants"`` and ``"quota_window_s"``."""
+        return {
+            "tenants": {tenant: vars(limits).copy() for tenant, limits in self.limits.items()},
+            "quota_window_s": self.window_s,
+        }
+
+
+@dataclass
+class _Bucket:
+    """A tenant's tokens per minute."""
+
+    capacity: float
+    rate_per_s: float
+    level: float
+    updated: float
+    queue_until: float = 0.0
+    """When the last request refused so far was told to come back (its charge in the bucket)."""
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate_per_s)
+        self.updated = now
+
+    def wait_s(self, need: float) -> float:
+        """Seconds until the bucket holds ``need`` tokens (0: it does), up to whole ms."""
+        deficit = need - self.level
+        if deficit <= _SLACK:
+            return 0.0
+        return max(math.ceil(deficit / self.rate_per_s * 1000 - _SLACK), 1) / 1000
+
+    def queue_wait_s(self, now: float, need: float) -> float:
+        """The retry hint of a request refused now for ``need`` tokens: after the requests refused
+        before it that are still to come back, each hint one charge after the last, so clients
+        refused together come back one by one, each to a bucket holding its charge, instead of
+        all at the one moment the first of them fits (where all but one are refused again, round
+        after round, until some run out of retries)."""
+        wait_s = self.wait_s(need)
+        if self.queue_until > now:
+            turn = math.ceil((self.queue_until - now + need / self.rate_per_s) * 1000 - _SLACK) / 1000
+            wait_s = max(wait_s, turn)
+        self.queue_until = now + wait_s
+        return wait_s
+
+
+class Admission:
+    """One admitted generation: it holds a slot and its charge until :meth:`settle`."""
+
+    def __init__(self, quota: TenantQuota | None, tenant: str, charged: int):
+        self._quota, self._tenant, self._charged = quota, tenant, charged
+
+    def settle(self, used_tokens: int) -> None:
+        """The generation ended having used ``used_tokens`` (prompt + generated): free its slot and
+        refund what it was charged beyond that. Later calls do nothing."""
+        quota, self._quota = self._quota, None
+        if quota is not None:
+            quota._settle(self._tenant, self._charged, used_tokens)
+
+
+class TenantQuota:
+    """Admits a tenant's generations within its limits (:class:`QuotaConfig`)."""
+
+    def __init__(
+        self,
+        config: QuotaConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        concurrency_retry_after_s: float = CONCURRENCY_RETRY_AFTER_S,
+    ):
+        """``clock``: seconds, monotonic (tests pass a fake one)."""
+        self.config = config or QuotaConfig()
+        self._clock = clock
+        self._concurrency_retry_after_s = concurrency_retry_after_s
+        self._in_flight: dict[str, int] = {}
+        self._buckets: dict[str, _Bucket] = {}
+
+    def in_flight(self, tenant: str) -> int:
+        return self._in_flight.get(tenant, 0)
+
+    def tokens_left(self, tenant: str) -> float | None:
+        """What ``tenant``'s bucket holds now (negative in debt); None when it has no token limit."""
+        bucket = self._bucket(tenant, self.config.for_tenant(tenant))
+        if bucket is None:
+            return None
+        bucket.refill(self._clock())
+        return bucket.level
+
+    def admit(self, tenant: str, max_tokens: int) -> Admission:
+        """Admit a generation that may use up to ``max_tokens`` (prompt + ``max_tokens``), or raise
+        :class:`ResourceExhausted` with a retry hint; settle the admission when it ends."""
+        limits = self.config.for_tenant(tenant)
+        if limits == UNLIMITED:
+            return Admission(None, tenant, 0)
+        running = self.in_flight(tenant)
+        if limits.max_concurrent_requests and running >= limits.max_concurrent_requests:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {running} requests in flight, its limit "
+                f"(max_concurrent_requests); retry once one of them has ended",
+                retry_after_s=self._concurrency_retry_after_s,
+            )
+        bucket = self._bucket(tenant, limits)
+        if bucket is not None:
+            now = self._clock()
+            bucket.refill(now)
+            need = min(max_tokens, bucket.capacity)
+            wait_s = bucket.wait_s(need)
+            if wait_s > 0:
+                wait_s = bucket.queue_wait_s(now, need)
+                raise ResourceExhausted(
+                    f"tenant {tenant!r} is over its quota of {limits.tokens_per_minute} tokens per minute: "
+                    f"this request may use {max_tokens} tokens (prompt + max_tokens) and "
+                    f"{max(int(bucket.level), 0)} are left; retry in {wait_s:.3f} s",
+                    retry_after_s=wait_s,
+                )
+            bucket.level -= max_tokens
+        self._in_flight[tenant] = running + 1
+        return Admission(self, tenant, max_tokens if bucket is not None else 0)
+
+    def _bucket(self, tenant: str, limits: TenantLimits) -> _Bucket | None:
+        if not limits.tokens_per_minute:
+            return None
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            capacity = limits.tokens_per_minute * self.config.window_s / 60.0
+            bucket = _Bucket(capacity, limits.tokens_per_minute / 60.0, capacity, self._clock())
+            self._buckets[tenant] = bucket
+        return bucket
+
+    def _settle(self, tenant: str, charged: int, used_tokens: int) -> None:
+        running = self._in_flight.get(tenant, 0) - 1
+        if running > 0:
+            self._in_flight[tenant] = running
+        else:
+            self._in_flight.pop(tenant, None)
+        bucket = self._buckets.get(tenant)
+        if bucket is not None and charged:
+            bucket.refill(self._clock())
+            bucket.level = min(bucket.capacity, bucket.level + charged - used_tokens)

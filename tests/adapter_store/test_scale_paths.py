@@ -1,0 +1,211 @@
+"""The store's paths that must not grow with the number of adapters (issue 30): a reopen that
+reads no blob (each is verified when first read, corruption still caught before it is served),
+group commit, paging while adapters come and go, and the change feed gateways index from."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from mesh_api.adapter_transfer import upload_requests
+from mesh_api.v1 import adapter_store_pb2 as pb
+from services.adapter_store import repository as repository_module
+from services.adapter_store.blob_store import BlobStore
+from services.adapter_store.catalog import PRIVATE, PUBLIC
+from services.adapter_store.catalog_changes import CatalogChange
+from services.adapter_store.group_commit import GroupCommit
+from services.adapter_store.repository import AdapterKey, AdapterRepository
+from services.adapter_store.validation import ValidationLimits
+from services.runtime.errors import AlreadyExists, DataLoss, NotFound
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@pytest.fixture
+def open_repo(tmp_path, base_spec):
+    opened = []
+
+    def open_repo(verify: str = "size") -> AdapterRepository:
+        repo = AdapterRepository(tmp_path / "store", base_spec, ValidationLimits(), 64 << 20, verify)
+        repo.open()
+        opened.append(repo)
+        return repo
+
+    yield open_repo
+    for repo in opened:
+        repo.close()
+
+
+def add(repo, files, name, visibility=PRIVATE):
+    return repo.register(name, "alice", visibility, files[CONFIG], files[WEIGHTS])
+
+
+@pytest.fixture
+def work_done(monkeypatch):
+    """Counts of sha256 computations and blob reads, from now on."""
+    counts = {"sha256": 0, "reads": 0}
+    hash_blob, read_blob = repository_module.sha256_hex, BlobStore.read
+
+    def counting_hash(data):
+        counts["sha256"] += 1
+        return hash_blob(data)
+
+    def counting_read(self, blob_id):
+        counts["reads"] += 1
+        return read_blob(self, blob_id)
+
+    monkeypatch.setattr(repository_module, "sha256_hex", counting_hash)
+    monkeypatch.setattr(BlobStore, "read", counting_read)
+    return counts
+
+
+def test_a_reopen_reads_no_blob_however_many_there_are(open_repo, sample_files, work_done):
+    repo = open_repo()
+    records = [add(repo, sample_files, f"a{i}") for i in range(24)]
+    repo.close()
+    work_done.update(sha256=0, reads=0)
+    again = open_repo()
+    assert again.stats().adapters == 24
+    assert work_done == {"sha256": 0, "reads": 0}
+    again.read_weights(again.resolve(AdapterKey(id=records[5].id)))
+    again.read_weights(again.resolve(AdapterKey(id=records[5].id)))  # verified once, then from RAM
+    assert work_done == {"sha256": 1, "reads": 1}
+    again.close()
+    work_done.update(sha256=0, reads=0)
+    open_repo(verify="sha256")  # the operator's choice: everything, before serving
+    assert work_done == {"sha256": 24, "reads": 24}
+
+
+def test_a_blob_corrupted_on_disk_is_caught_on_its_first_read_and_quarantined(open_repo, sample_files):
+    repo = open_repo()
+    good, bad = add(repo, sample_files, "good"), add(repo, sample_files, "bad")
+    repo.close()
+    path = repo.blobs.path(bad.id)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # same size: only the hash can tell
+    path.write_bytes(bytes(raw))
+    again = open_repo()
+    changes: list[CatalogChange] = []
+    again.changes.subscribe(changes.append)
+    assert again.stats().adapters == 2  # not read at open
+    with pytest.raises(DataLoss, match="sha256"):
+        again.read_weights(again.resolve(AdapterKey(id=bad.id)))
+    assert again.ram.get(bad.id) is None  # nothing of it served or cached
+    with pytest.raises(NotFound):
+        again.resolve(AdapterKey(id=bad.id))
+    assert (again.data_dir / "quarantine" / path.name).exists() and not path.exists()
+    assert changes == [CatalogChange(deleted_id=bad.id)]
+    assert again.read_weights(again.resolve(AdapterKey(id=good.id))) == sample_files[WEIGHTS]
+    assert again.stats().disk_bytes == good.size_bytes
+
+
+def test_a_page_token_stays_valid_while_adapters_come_and_go(open_repo, sample_files):
+    repo = open_repo()
+    for i in range(7):
+        add(repo, sample_files, f"n{i}")
+    first, token, total = repo.list("alice", page_size=3)
+    assert [r.name for r in first] == ["n0", "n1", "n2"] and total == 7
+    repo.delete(AdapterKey(owner="alice", name="n4"))
+    add(repo, sample_files, "n7")
+    repo.register_version("n1", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+    names = []
+    while token:
+        page, token, _ = repo.list("alice", page_size=3, page_token=token)
+        names += [r.name for r in page]
+    # Registration order: the new version of n1 comes after everything registered before it.
+    assert names == ["n3", "n5", "n6", "n7", "n1"]
+
+
+def test_the_change_feed_follows_every_commit_in_order(open_repo, sample_files):
+    repo = open_repo()
+    changes: list[CatalogChange] = []
+    unsubscribe = repo.changes.subscribe(changes.append)
+    a = add(repo, sample_files, "a")
+    b = repo.register_version("a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS]).record
+    same = repo.register_version("a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+    with pytest.raises(AlreadyExists):
+        add(repo, sample_files, "a")
+    repo.delete(AdapterKey(id=b.id))
+    unsubscribe()
+    add(repo, sample_files, "after")
+    assert not same.changed
+    assert changes == [
+        CatalogChange(upserted=a),
+        CatalogChange(deleted_id=a.id),
+        CatalogChange(upserted=b),
+        CatalogChange(deleted_id=b.id),
+    ]
+
+
+def test_group_commit_runs_everything_queued_behind_a_batch_as_one_batch():
+    release = threading.Event()
+    batches: list[list[str]] = []
+
+    def apply(items):
+        batches.append(list(items))
+        if items == ["first"]:
+            release.wait()
+        return [ValueError(i) if i == "bad" else None for i in items]
+
+    commits: GroupCommit[str] = GroupCommit(apply)
+    outcomes: dict[str, str] = {}
+
+    def submit(item: str) -> None:
+        try:
+            commits.submit(item)
+            outcomes[item] = "ok"
+        except ValueError:
+            outcomes[item] = "refused"
+
+    first = threading.Thread(target=submit, args=("first",))
+    first.start()
+    while batches != [["first"]]:  # the first batch runs, and holds the commit...
+        time.sleep(0.001)
+    others = [threading.Thread(target=submit, args=(i,)) for i in ("b", "bad", "d")]
+    for thread in others:
+        thread.start()
+    while len(commits._queue) < 3:  # ...while the others queue behind it
+        time.sleep(0.001)
+    release.set()
+    for thread in (first, *others):
+        thread.join()
+    assert batches[0] == ["first"] and sorted(batches[1]) == ["b", "bad", "d"] and commits.batches == 2
+    assert outcomes == {"first": "ok", "b": "ok", "bad": "refused", "d": "ok"}
+
+
+def test_concurrent_registrations_commit_together_and_a_duplicate_alone_is_refused(open_repo, sample_files):
+    repo = open_repo()
+    names = [f"c{i}" for i in range(6)] + ["c0"]
+    outcomes: list[str] = []
+
+    def register(name: str) -> None:
+        try:
+            add(repo, sample_files, name)
+            outcomes.append("ok")
+        except AlreadyExists:
+            outcomes.append("duplicate")
+
+    threads = [threading.Thread(target=register, args=(n,)) for n in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["duplicate"] + ["ok"] * 6
+    assert repo.catalog.count() == 6 and len(repo.blobs.ids()) == 6
+    assert list(repo.blobs.tmp_dir.iterdir()) == []
+
+
+@pytest.mark.store_config(grace_s=60)
+def test_shutdown_ends_the_catalog_watches_instead_of_waiting_out_its_grace(
+    store_server, store_stub, sample_files
+):
+    store_stub.RegisterAdapter(upload_requests(sample_files, "a", "alice"), timeout=60)
+    stream = store_stub.WatchAdapters(pb.WatchAdaptersRequest())
+    first = next(stream)
+    assert first.synced and [a.name for a in first.upserted] == ["a"]
+    store_server.run(store_server.running.shutdown())  # graceful: what SIGTERM does
+    # Ended by the store (OK), not cancelled when the 60 s grace ran out (CANCELLED).
+    assert list(stream) == [] and stream.code() == grpc.StatusCode.OK
