@@ -42,9 +42,11 @@ def certs(tmp_path_factory) -> CertificateDirectory:
 @pytest.fixture
 async def etcd(tmp_path, certs):
     server = EtcdServer(tmp_path / "etcd", tls=certs.tls_for("etcd")).start()
-    await provision_etcd_rbac(server.endpoint, certs.tls_for(OPERATOR), [WORKER, OTHER, SCHEDULER])
-    yield server
-    server.stop()
+    try:
+        await provision_etcd_rbac(server.endpoint, certs.tls_for(OPERATOR), [WORKER, OTHER, SCHEDULER])
+        yield server
+    finally:
+        server.stop()
 
 
 def config(etcd: EtcdServer, certs: CertificateDirectory, identity) -> MembershipConfig:
