@@ -23,10 +23,10 @@ from services.gpu_worker.lending_proto import (
     tensor_to_proto,
 )
 from services.gpu_worker.memory.shared_lender import SharedLender
-from services.runtime.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, Unavailable
+from services.runtime.acting_instance import acting_instance
+from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.runtime.request_validation import check_first_token_deadline, check_request
 from services.runtime.sampling_proto import sampling_from_proto
-from services.runtime.tls import peer_identity_var
 
 FINISH_REASONS = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
@@ -222,26 +222,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # become statuses in the runtime's interceptor; a bad call changes nothing for other debtors.
 
     def _lending(self, named: str) -> tuple[SharedLender, str]:
-        """The lender, and the debtor a lending call acts for. With mutual TLS that is the
-        caller's own instance, from its verified certificate (``gpu_worker/<instance id>``): a
-        worker can neither borrow, write, attend over, read nor free as another. In plaintext
-        there is no identity, and the request names the debtor."""
-        caller = peer_identity_var.get()
-        if caller is None:
-            if not named:
-                raise InvalidArgument("debtor is empty: name the borrowing worker's instance id")
-            return self.engine.lending, named
-        if not caller.instance:
-            raise PermissionDenied(
-                f"the {str(caller)!r} certificate names no instance: a debtor borrows with its own "
-                "certificate, gpu_worker/<instance id>"
-            )
-        if named and named != caller.instance:
-            raise PermissionDenied(
-                f"the {str(caller)!r} certificate may not act for debtor {named!r}: "
-                "a worker borrows, reads and frees blocks only as itself"
-            )
-        return self.engine.lending, caller.instance
+        """The lender, and the debtor a lending call acts for (the caller's own instance under
+        mutual TLS: :func:`~services.runtime.acting_instance.acting_instance`)."""
+        return self.engine.lending, acting_instance(named)
 
     async def AllocateBlocks(self, request: worker_pb2.AllocateBlocksRequest, context):
         lending, debtor = self._lending(request.debtor)

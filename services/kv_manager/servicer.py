@@ -17,6 +17,7 @@ from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import DefragPlan, DgfmConfig, plan_defragmentation
 from services.kv_manager.dgfm_execution import DefragOutcome
 from services.kv_manager.ledger import DebtLedger
+from services.runtime.acting_instance import acting_instance
 from services.runtime.errors import InvalidArgument, NotFound
 
 log = logging.getLogger("loramesh.kv_manager")
@@ -116,12 +117,13 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         self, request: pb.SuggestCreditorsRequest, context
     ) -> pb.SuggestCreditorsResponse:
         self.require_leader("SuggestCreditors")
-        candidates = self.index.suggest(self.ledger, request.debtor_id, request.blocks, self.clock())
+        debtor = acting_instance(request.debtor_id, required=False)
+        candidates = self.index.suggest(self.ledger, debtor, request.blocks, self.clock())
         self.suggestions += 1
         log.debug(
             "suggested %s to %s for %d blocks",
             [c.worker_id for c in candidates],
-            request.debtor_id,
+            debtor,
             request.blocks,
         )
         return pb.SuggestCreditorsResponse(candidates=[candidate_to_proto(c) for c in candidates])
@@ -130,10 +132,11 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         self.require_leader("ReportRefusal")
         if not request.creditor_id:
             raise InvalidArgument("ReportRefusal needs creditor_id: the worker that refused")
+        debtor = acting_instance(request.debtor_id, required=False)
         if not self.ledger.mark_refused(request.creditor_id):
             raise NotFound(f"creditor {request.creditor_id!r} is not in the ledger")
         log.info(
-            "%s refused %r: not suggested until its next heartbeat", request.creditor_id, request.debtor_id
+            "%s refused %r: not suggested until its next heartbeat", request.creditor_id, debtor
         )
         return pb.ReportRefusalResponse()
 
