@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from support.cli import COMMAND_TIMEOUT_S
 
 from mesh_api.adapter_transfer import upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
@@ -202,7 +203,7 @@ def test_concurrent_registrations_commit_together_and_a_duplicate_alone_is_refus
 def test_shutdown_ends_the_catalog_watches_instead_of_waiting_out_its_grace(
     store_server, store_stub, sample_files
 ):
-    store_stub.RegisterAdapter(upload_requests(sample_files, "a", "alice"), timeout=60)
+    store_stub.RegisterAdapter(upload_requests(sample_files, "a", "alice"), timeout=COMMAND_TIMEOUT_S)
     stream = store_stub.WatchAdapters(pb.WatchAdaptersRequest())
     first = next(stream)
     assert first.synced and [a.name for a in first.upserted] == ["a"]
