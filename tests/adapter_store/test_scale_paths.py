@@ -5,7 +5,6 @@ group commit, paging while adapters come and go, and the change feed gateways in
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -141,17 +140,31 @@ def test_the_change_feed_follows_every_commit_in_order(open_repo, sample_files):
     ]
 
 
+class WatchedLock(threading.Condition):
+    """A stand-in for GroupCommit's queue lock that wakes its waiters each time it is released,
+    so a test can wait for a state of the queue (read under this lock) without sleeping."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+
+    def __exit__(self, *exc_info):
+        self.notify_all()
+        return super().__exit__(*exc_info)
+
+
 def test_group_commit_runs_everything_queued_behind_a_batch_as_one_batch():
-    release = threading.Event()
+    release, first_running = threading.Event(), threading.Event()
     batches: list[list[str]] = []
 
     def apply(items):
         batches.append(list(items))
         if items == ["first"]:
+            first_running.set()
             release.wait()
         return [ValueError(i) if i == "bad" else None for i in items]
 
     commits: GroupCommit[str] = GroupCommit(apply)
+    commits._queue_lock = queue_lock = WatchedLock()
     outcomes: dict[str, str] = {}
 
     def submit(item: str) -> None:
@@ -161,18 +174,23 @@ def test_group_commit_runs_everything_queued_behind_a_batch_as_one_batch():
         except ValueError:
             outcomes[item] = "refused"
 
-    first = threading.Thread(target=submit, args=("first",))
+    first = threading.Thread(target=submit, args=("first",), daemon=True)
+    others = [threading.Thread(target=submit, args=(i,), daemon=True) for i in ("b", "bad", "d")]
     first.start()
-    while batches != [["first"]]:  # the first batch runs, and holds the commit...
-        time.sleep(0.001)
-    others = [threading.Thread(target=submit, args=(i,)) for i in ("b", "bad", "d")]
-    for thread in others:
-        thread.start()
-    while len(commits._queue) < 3:  # ...while the others queue behind it
-        time.sleep(0.001)
-    release.set()
+    try:
+        # The hang guards below are not timing claims: they only name a wait that never ends.
+        assert first_running.wait(COMMAND_TIMEOUT_S), "the first batch never started"
+        assert batches == [["first"]]  # the first batch runs, and holds the commit...
+        for thread in others:
+            thread.start()
+        with queue_lock:  # ...while the others queue behind it
+            queued = queue_lock.wait_for(lambda: len(commits._queue) >= 3, COMMAND_TIMEOUT_S)
+            assert queued, f"{len(commits._queue)} of 3 submissions queued after {COMMAND_TIMEOUT_S} s"
+    finally:
+        release.set()
     for thread in (first, *others):
-        thread.join()
+        thread.join(COMMAND_TIMEOUT_S)
+        assert not thread.is_alive(), f"a submission still running after {COMMAND_TIMEOUT_S} s"
     assert batches[0] == ["first"] and sorted(batches[1]) == ["b", "bad", "d"] and commits.batches == 2
     assert outcomes == {"first": "ok", "b": "ok", "bad": "refused", "d": "ok"}
 

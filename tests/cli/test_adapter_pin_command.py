@@ -4,10 +4,9 @@ gateway and store behind the same call: tests/gateway/test_adapter_pin_grpc.py."
 
 from __future__ import annotations
 
-from concurrent import futures
-
 import grpc
 import pytest
+from support.gateway_server import serve_gateway
 
 from loramesh_cli.main import main
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2_grpc, types_pb2
@@ -33,12 +32,8 @@ class PinningGateway(gateway_pb2_grpc.GatewayServicer):
 @pytest.fixture
 def gateway():
     servicer = PinningGateway()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(0)
+    with serve_gateway(servicer) as address:
+        yield servicer, address
 
 
 def test_pin_and_unpin_an_adapter(gateway, tmp_path, capsys):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
+from support.gateway_server import serve_gateway
 
 from loramesh_cli.errors import CommandError
 from loramesh_cli.lora_modules import parse_lora_modules, register_lora_modules
@@ -89,12 +89,8 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
 def gateway():
     """A fake gateway on a free loopback port; yields (its servicer, its address)."""
     servicer = FakeGateway()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(0)
+    with serve_gateway(servicer) as address:
+        yield servicer, address
 
 
 def adapter_dir(path: Path, rank: int = 8) -> Path:

@@ -31,12 +31,11 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2  # noqa: F401  (its descriptors in the pool)
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.cli import COMMAND_TIMEOUT_S
-from support.fuzz_gateway import ALICE_KEY, ALICE_OWN, BOB_PRIVATE, BOB_PUBLIC, FuzzGateway, Tally
+from support.fuzz_gateway import ALICE_KEY, ALICE_OWN, BOB_PRIVATE, BOB_PUBLIC, FUZZ, FuzzGateway, Tally
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc, types_pb2
 
 CALL_TIMEOUT_S = COMMAND_TIMEOUT_S
@@ -54,14 +53,6 @@ ENDLESS = {"grpc.health.v1.Health.Watch"}
 their first reply."""
 UNCLEAR = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS}
 """Codes that say the server failed rather than why the request was refused."""
-
-FUZZ = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=list(HealthCheck),
-)
 
 MODELS = st.sampled_from(
     ["", ALICE_OWN, f"alice/{ALICE_OWN}", f"bob/{BOB_PUBLIC}", f"bob/{BOB_PRIVATE}", BOB_PRIVATE, "nope", "bob/",
@@ -192,11 +183,8 @@ def raw_requests(draw, descriptor: Descriptor) -> bytes:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory, base_spec):
-    root = tmp_path_factory.mktemp("fuzz-grpc")
-    files = adapter_files(write_peft_adapter(root / "adapter", base_spec, SampleAdapterSpec(rank=8)))
-    running = FuzzGateway(root, files)
-    yield running
-    running.stop()
+    with FuzzGateway.with_sample_adapter(tmp_path_factory.mktemp("fuzz-grpc"), base_spec) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

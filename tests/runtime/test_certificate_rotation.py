@@ -105,6 +105,25 @@ async def plain_http_refused(address: str, path: str) -> bool:
     return False
 
 
+async def assert_refused(client: TLSConfig, address: str, https_address: str | None = None) -> None:
+    """A client presenting ``client``'s certificate (and trusting ``client.ca_file``) gets no TLS
+    connection: its health check on the gRPC port at ``address`` is UNAVAILABLE and, with
+    ``https_address``, its GET of that side port's /healthz fails in TLS (with TLS 1.3 the client
+    learns it at its first read: the server's alert)."""
+    async with aio_channel(address, client) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=HANG_GUARD_S
+            )
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    if https_address is not None:
+        async with httpx.AsyncClient(
+            verify=client_context(client, client.ca_file), timeout=HANG_GUARD_S
+        ) as http:
+            with pytest.raises(httpx.TransportError):
+                await http.get(f"https://{https_address}/healthz")
+
+
 @pytest.fixture
 def certs(tmp_path) -> CertificateDirectory:
     return create_mesh_certificates(tmp_path / "certs", KINDS)
@@ -207,17 +226,7 @@ async def test_the_ca_rotates_through_a_bundle_and_the_old_one_is_then_refused(t
 
         # The old CA's certificate is now refused (trusting the new CA's server, to be sure why).
         stale = TLSConfig(admin.ca_file, str(old_admin.cert_file("admin")), str(old_admin.key_file("admin")))
-        async with aio_channel(host.address, stale) as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=HANG_GUARD_S
-                )
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        async with httpx.AsyncClient(
-            verify=client_context(stale, admin.ca_file), timeout=HANG_GUARD_S
-        ) as http:
-            with pytest.raises(httpx.TransportError):
-                await http.get(f"https://{host.http_address}/healthz")
+        await assert_refused(stale, host.address, host.http_address)
         async with httpx.AsyncClient(
             verify=client_context(admin, admin.ca_file), timeout=HANG_GUARD_S
         ) as http:
@@ -322,20 +331,8 @@ async def test_an_expired_client_certificate_is_refused(certs):
                 health_pb2.HealthCheckRequest(), timeout=HANG_GUARD_S
             )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        stale = expired(certs, "admin/expired")
-        async with aio_channel(host.address, stale) as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=HANG_GUARD_S
-                )
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        # Optional on the HTTPS side port, but an expired one presented is refused there too
-        # (with TLS 1.3 the client learns it at its first read: the server's alert).
-        async with httpx.AsyncClient(
-            verify=client_context(stale, stale.ca_file), timeout=HANG_GUARD_S
-        ) as http:
-            with pytest.raises(httpx.TransportError):
-                await http.get(f"https://{host.http_address}/healthz")
+        # Optional on the HTTPS side port, but an expired one presented is refused there too.
+        await assert_refused(expired(certs, "admin/expired"), host.address, host.http_address)
     finally:
         await host.shutdown()
 
@@ -346,12 +343,7 @@ async def test_a_server_with_an_expired_certificate_is_refused(certs):
     port = server.add_secure_port("127.0.0.1:0", server_credentials(stale))
     await server.start()
     try:
-        async with aio_channel(f"127.0.0.1:{port}", certs.tls_for("admin")) as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=HANG_GUARD_S
-                )
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        await assert_refused(certs.tls_for("admin"), f"127.0.0.1:{port}")
     finally:
         await server.stop(None)
 

@@ -1,4 +1,4 @@
-"""A real gateway to fuzz, and the bookkeeping of a fuzz run.
+"""A real gateway to fuzz, the settings of a fuzz run, and its bookkeeping.
 
 :class:`FuzzGateway` runs, on one event loop in a background thread (so sync tests and
 hypothesis can call it): the real gateway service (``GatewayService`` under ``start_service``:
@@ -19,12 +19,15 @@ import asyncio
 import contextlib
 import threading
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc import aio
+from hypothesis import HealthCheck, settings
 
+from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import upload_requests
 from mesh_api.v1 import (
     gateway_pb2_grpc,
@@ -49,6 +52,16 @@ BOB_PRIVATE = "bob-hidden-q9z"
 
 START_TIMEOUT_S = 120
 """Not a timing claim: bounds starting and stopping the services, so a hang fails by name."""
+
+FUZZ = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=list(HealthCheck),
+)
+"""What every fuzz run is under (each sets its own ``max_examples`` on top): the same examples on
+every run, no example database, no deadline (no verdict on speed)."""
 
 
 class SteadyWorker(worker_pb2_grpc.WorkerServicer):
@@ -105,6 +118,19 @@ class FuzzGateway:
         except BaseException:
             self.stop()
             raise
+
+    @classmethod
+    @contextlib.contextmanager
+    def with_sample_adapter(cls, root: Path, base_spec) -> Iterator[FuzzGateway]:
+        """Started on ``root`` with one rank-8 sample adapter for ``base_spec`` (written under
+        ``root/adapter``) as the files of each of its adapters; stopped on exit: what the fuzz
+        suites run."""
+        files = adapter_files(write_peft_adapter(root / "adapter", base_spec, SampleAdapterSpec(rank=8)))
+        running = cls(root, files)
+        try:
+            yield running
+        finally:
+            running.stop()
 
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(START_TIMEOUT_S)

@@ -31,13 +31,12 @@ from typing import Any
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from support.cli import COMMAND_TIMEOUT_S
-from support.fuzz_gateway import ALICE_KEY, ALICE_OWN, BOB_PRIVATE, BOB_PUBLIC, FuzzGateway, Tally
+from support.fuzz_gateway import ALICE_KEY, ALICE_OWN, BOB_PRIVATE, BOB_PUBLIC, FUZZ, FuzzGateway, Tally
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gateway.openai.openapi import NO_BODY, REQUEST_BODIES, openapi_document, operations
 from services.gateway.openai.routes import build_app
 
@@ -49,14 +48,6 @@ SCHEMA_EXAMPLES = 25
 MUTATION_EXAMPLES = 40
 """Adversarial bodies per operation."""
 SIDE_PORT_EXAMPLES = 40
-
-FUZZ = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=list(HealthCheck),
-)
 
 MODELS = st.sampled_from(
     [BASE, ALICE_OWN, f"alice/{ALICE_OWN}", f"bob/{BOB_PUBLIC}", f"bob/{BOB_PRIVATE}", BOB_PRIVATE, "", "nope",
@@ -86,11 +77,8 @@ VALID_BODIES: dict[tuple[str, str], dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory, base_spec):
-    root = tmp_path_factory.mktemp("fuzz-http")
-    files = adapter_files(write_peft_adapter(root / "adapter", base_spec, SampleAdapterSpec(rank=8)))
-    running = FuzzGateway(root, files)
-    yield running
-    running.stop()
+    with FuzzGateway.with_sample_adapter(tmp_path_factory.mktemp("fuzz-http"), base_spec) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
