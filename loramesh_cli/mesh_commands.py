@@ -102,11 +102,15 @@ def add_parsers(sub) -> None:
                          "(docs/operations.md, \"Eviction and pinning\"; default: the services', lru)")  # fmt: skip
     up.add_argument("--kv-overflow", default="", choices=["", *KV_OVERFLOW_POLICIES],
                     help="what each worker does when its pool cannot hold a request's next KV block: "
-                         "preempt (recompute it later) or borrow (DistKV-LLM: blocks lent by other "
-                         "workers; docs/operations.md; default: the worker's, preempt)")  # fmt: skip
+                         "borrow (DistKV-LLM: blocks lent by other workers) or preempt (recompute "
+                         "it later); docs/operations.md; default: borrow, preempt with "
+                         "--kv-managers 0")  # fmt: skip
     up.add_argument("--lend-cap-blocks", type=int, default=None, metavar="N",
-                    help="KV blocks other workers may borrow from each worker's pool at most "
-                         "(default: the worker's, 0: lends nothing)")  # fmt: skip
+                    help="KV blocks other workers may borrow from each worker's pool at most; 0 lends "
+                         "nothing (default: the worker's, -1: three quarters of its pool)")  # fmt: skip
+    up.add_argument("--lending-lane", default="", choices=["", "on", "off"],
+                    help="borrowing steps reach creditors on the same host through their Unix-socket "
+                         "lane instead of gRPC (docs/operations.md; default: the worker's, on)")  # fmt: skip
     up.add_argument("--lend-compute-share", type=float, default=None, metavar="S",
                     help="share of its time, in [0, 1], each worker may spend computing attention over "
                          "lent blocks while it has requests of its own; beyond it debtors recompute "
@@ -197,8 +201,8 @@ def cmd_up(args) -> int:
     for flag in ("workers", "gateways", "schedulers", "kv_managers"):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.lend_cap_blocks is not None and args.lend_cap_blocks < 0:
-        raise CommandError(f"--lend-cap-blocks must be at least 0, got {args.lend_cap_blocks}")
+    if args.lend_cap_blocks is not None and args.lend_cap_blocks < -1:
+        raise CommandError(f"--lend-cap-blocks must be -1 (auto), 0 or more, got {args.lend_cap_blocks}")
     if args.lend_compute_share is not None and not 0 <= args.lend_compute_share <= 1:
         raise CommandError(f"--lend-compute-share must be in [0, 1], got {args.lend_compute_share}")
     if args.early_abort_slo_s is not None and not args.early_abort_slo_s > 0:
@@ -374,13 +378,17 @@ def _batch_policy_flags(args) -> list[str]:
 
 
 def _kv_overflow_flags(args) -> list[str]:
-    """``--kv-overflow preempt|borrow``, ``--lend-cap-blocks N`` and ``--lend-compute-share S``
-    when `up` was given them; none leaves the workers' defaults."""
-    flags = ["--kv-overflow", args.kv_overflow] if args.kv_overflow else []
+    """``--kv-overflow``: as given, else borrow wherever a kv_manager runs to suggest creditors
+    (preempt without one); ``--lend-cap-blocks N``, ``--lend-compute-share S`` and
+    ``--lending-lane`` when `up` was given them, else the workers' defaults."""
+    policy = args.kv_overflow or ("borrow" if args.kv_managers > 0 else "preempt")
+    flags = ["--kv-overflow", policy]
     if args.lend_cap_blocks is not None:
         flags += ["--lend-cap-blocks", str(args.lend_cap_blocks)]
     if args.lend_compute_share is not None:
         flags += ["--lend-compute-share", repr(args.lend_compute_share)]
+    if args.lending_lane:
+        flags += ["--lending-lane", args.lending_lane]
     return flags
 
 

@@ -245,14 +245,28 @@ class RemoteAttendSegment(_message.Message):
     def __init__(self, queries: _Optional[_Union[Tensor, _Mapping]] = ..., query_positions: _Optional[_Union[Tensor, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_first_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AttendRemoteRequest(_message.Message):
-    __slots__ = ("debtor", "layer", "segments")
+    __slots__ = ("debtor", "layer", "segments", "write")
     DEBTOR_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FIELD_NUMBER: _ClassVar[int]
     debtor: str
     layer: int
     segments: _containers.RepeatedCompositeFieldContainer[RemoteAttendSegment]
-    def __init__(self, debtor: _Optional[str] = ..., layer: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[RemoteAttendSegment, _Mapping]]] = ...) -> None: ...
+    write: KvRows
+    def __init__(self, debtor: _Optional[str] = ..., layer: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[RemoteAttendSegment, _Mapping]]] = ..., write: _Optional[_Union[KvRows, _Mapping]] = ...) -> None: ...
+
+class KvRows(_message.Message):
+    __slots__ = ("block_ids", "slots", "keys", "values")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slots: Tensor
+    keys: Tensor
+    values: Tensor
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Union[Tensor, _Mapping]] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RemotePartialAttention(_message.Message):
     __slots__ = ("output", "lse")
@@ -267,6 +281,20 @@ class AttendRemoteResponse(_message.Message):
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     partials: _containers.RepeatedCompositeFieldContainer[RemotePartialAttention]
     def __init__(self, partials: _Optional[_Iterable[_Union[RemotePartialAttention, _Mapping]]] = ...) -> None: ...
+
+class OpenLendingLaneRequest(_message.Message):
+    __slots__ = ("debtor",)
+    DEBTOR_FIELD_NUMBER: _ClassVar[int]
+    debtor: str
+    def __init__(self, debtor: _Optional[str] = ...) -> None: ...
+
+class OpenLendingLaneResponse(_message.Message):
+    __slots__ = ("path", "token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    token: str
+    def __init__(self, path: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
     __slots__ = ("debtor", "block_ids")

@@ -89,6 +89,11 @@ class WorkerStub:
                 request_serializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.FromString,
                 _registered_method=True)
+        self.OpenLendingLane = channel.unary_unary(
+                '/loramesh.v1.Worker/OpenLendingLane',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.OpenLendingLaneRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.OpenLendingLaneResponse.FromString,
+                _registered_method=True)
         self.RecallBlocks = channel.unary_unary(
                 '/loramesh.v1.Worker/RecallBlocks',
                 request_serializer=loramesh_dot_v1_dot_worker__pb2.RecallBlocksRequest.SerializeToString,
@@ -194,6 +199,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLendingLane(self, request, context):
+        """A same-host lane for the per-layer calls (AttendRemote, WriteKv): a Unix socket's path and a
+        token bound to the caller's own instance. An empty path: no lane (off, or no Unix sockets).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RecallBlocks(self, request, context):
         """DGFM (issue 13), called by the kv_manager leader to cancel a debt cycle. Each call runs on
         the engine thread between two steps, so no request's KV changes meanwhile. Blocks are this
@@ -280,6 +293,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReadBlocks,
                     request_deserializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.SerializeToString,
+            ),
+            'OpenLendingLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLendingLane,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.OpenLendingLaneRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.OpenLendingLaneResponse.SerializeToString,
             ),
             'RecallBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.RecallBlocks,
@@ -594,6 +612,33 @@ class Worker:
             '/loramesh.v1.Worker/ReadBlocks',
             loramesh_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
             loramesh_dot_v1_dot_worker__pb2.ReadBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLendingLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.Worker/OpenLendingLane',
+            loramesh_dot_v1_dot_worker__pb2.OpenLendingLaneRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.OpenLendingLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,9 +56,15 @@ class WorkerConfig(ServiceConfig):
     plans) and runs N−1 follower processes. Must divide the model's query heads, KV heads and
     hidden size (SmolLM2-135M: 1 or 3); a bad degree is refused at start with the sharding
     module's message. With N > 1: no dlora (fcfs), no KV borrowing (preempt), no lending."""
-    lend_cap_blocks: int = 0
+    lend_cap_blocks: int = -1
     """KV blocks (one page per layer each) other workers may borrow from this pool at most, all
-    together (DistKV-LLM's lending cap); 0 lends nothing."""
+    together (DistKV-LLM's lending cap); 0 lends nothing; −1 (default): three quarters of the
+    pool's KV blocks. Only free pages are lent: see docs/operations.md, "KV overflow and lending"."""
+    lending_lane: bool = True
+    """Borrowing steps call a creditor on the same host through its Unix-socket lane (the
+    per-layer attention and KV writes; ~25 µs a round trip instead of 1–2 ms over gRPC) when it
+    has one; off: every lending call over gRPC. Authorized like the lending RPCs (a token issued
+    over the mTLS-checked OpenLendingLane RPC); see services/gpu_worker/lending_lane.py."""
     lend_compute_share: float = 0.5
     """DistKV-LLM's compute cap (its SLA threshold): the share of wall time, over a sliding window
     of --lend-compute-window-s, this worker may spend computing attention over lent blocks for
@@ -90,8 +96,8 @@ class WorkerConfig(ServiceConfig):
     not with dlora; docs/operations.md, "Deterministic serving")."""
     prefix_cache: bool = True
     """Prefix cache (on|off): requests with the same prompt prefix and the same adapter version
-    share the KV of its whole blocks, and prefill only the rest; off with --kv-overflow borrow
-    (docs/operations.md, "Prefix cache")."""
+    share the KV of its whole blocks, and prefill only the rest (docs/operations.md, "Prefix
+    cache")."""
     metric_adapter_labels: int = DEFAULT_CAP
     """Adapters named in each per-adapter metric series: the top N by requests, the rest summed
     under the label ``other``, so a worker's series stay bounded at 10,000 adapters (at least 1;

@@ -14,23 +14,28 @@ serializing anything twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 import torch
 from google.protobuf.message import Message
 
 from mesh_api.v1 import worker_pb2
+from services.gpu_worker.lending_lane import ATTEND, WRITE, LaneClient
 from services.gpu_worker.lending_proto import (
     layout_from_proto,
     layout_to_proto,
     partials_from_proto,
+    rows_to_proto,
     segment_to_proto,
     tensor_from_proto,
     tensor_to_proto,
 )
 from services.gpu_worker.memory.distkv_meter import DistKvMeter
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.memory.remote_block_allocator import Pending
 from services.gpu_worker.memory.unified_pool import PoolLayout
 from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import (
@@ -63,6 +68,10 @@ _ERRORS: dict[grpc.StatusCode, type[DomainError]] = {
 }
 """Statuses the creditor's domain raised on purpose; every other status is ``Unavailable``."""
 
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
 _WORKER = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
 _LENDING_REPLIES: dict[str, type[Message]] = {
     "AllocateBlocks": worker_pb2.AllocateBlocksResponse,
@@ -70,6 +79,7 @@ _LENDING_REPLIES: dict[str, type[Message]] = {
     "FreeBlocks": worker_pb2.FreeBlocksResponse,
     "AttendRemote": worker_pb2.AttendRemoteResponse,
     "ReadBlocks": worker_pb2.ReadBlocksResponse,
+    "OpenLendingLane": worker_pb2.OpenLendingLaneResponse,
 }
 """The lending RPCs, by method name, with their reply types."""
 
@@ -85,10 +95,12 @@ class GrpcCreditorTransport:
         meter: DistKvMeter | None = None,
         deadline_s: float = 60.0,
         tls: TLSConfig = NO_TLS,
+        lane: bool = True,
     ):
         """``meter``: where the bytes sent and received are counted (the debtor's; None: one of
         its own). ``deadline_s`` bounds each call: a creditor that hangs is treated as dead, not
-        waited on. ``tls``: the worker's mutual TLS settings."""
+        waited on. ``tls``: the worker's mutual TLS settings. ``lane``: attend and write through
+        the creditor's same-host lane when it has one (``lending_lane``)."""
         self.creditor = creditor
         self.address = address
         self.layout = layout
@@ -103,6 +115,8 @@ class GrpcCreditorTransport:
             ],
         )
         self._calls = {name: self._counted_call(name, reply) for name, reply in _LENDING_REPLIES.items()}
+        self._lane: LaneClient | None = None
+        self._lane_asked = not lane
 
     def _counted_call(self, name: str, reply: type[Message]) -> grpc.UnaryUnaryMultiCallable:
         def serialize(request: Message) -> bytes:
@@ -119,7 +133,27 @@ class GrpcCreditorTransport:
         )
 
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         self._channel.close()
+
+    def _lane_of(self, debtor: str) -> LaneClient | None:
+        """The creditor's lane for ``debtor``, opened at the first call that can take it; None
+        where it has none (another host, lanes off, or it could not be opened: gRPC then)."""
+        if self._lane_asked:
+            return self._lane
+        self._lane_asked = True
+        try:
+            reply = self._call(
+                self._calls["OpenLendingLane"], worker_pb2.OpenLendingLaneRequest(debtor=debtor)
+            )
+            if reply.path:
+                self._lane = LaneClient(
+                    self.creditor, reply.path, reply.token, self.meter, _refusal, self.deadline_s
+                )
+        except (DomainError, OSError) as no_lane:
+            log.info("no lending lane to %s, using gRPC: %s", self.creditor, no_lane)
+        return self._lane
 
     def allocate(self, debtor: str, count: int) -> list[int]:
         reply = self._call(
@@ -140,17 +174,21 @@ class GrpcCreditorTransport:
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> None:
-        self._call(
-            self._calls["WriteKv"],
-            worker_pb2.WriteKvRequest(
-                debtor=debtor,
-                layer=layer,
-                block_ids=list(block_ids),
-                slots=tensor_to_proto(slots.to(torch.int64)),
-                keys=tensor_to_proto(keys),
-                values=tensor_to_proto(values),
-            ),
+        self.write_async(debtor, layer, KvRows(block_ids, slots, keys, values)).result()
+
+    def write_async(self, debtor: str, layer: int, rows: KvRows[int]) -> Pending[None]:
+        lane = self._lane_of(debtor)
+        request = worker_pb2.WriteKvRequest(
+            debtor=debtor,
+            layer=layer,
+            block_ids=list(rows.blocks),
+            slots=tensor_to_proto(rows.slots.to(torch.int64)),
+            keys=tensor_to_proto(rows.keys),
+            values=tensor_to_proto(rows.values),
         )
+        if lane is not None:
+            return lane.call(WRITE, request, lambda data: None)
+        return self._call_async(self._calls["WriteKv"], request, lambda reply: None)
 
     def free(self, debtor: str, block_ids: Sequence[int]) -> None:
         self._call(
@@ -158,20 +196,32 @@ class GrpcCreditorTransport:
         )
 
     def attend(
-        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
-    ) -> list[PartialAttention]:
-        reply = self._call(
-            self._calls["AttendRemote"],
-            worker_pb2.AttendRemoteRequest(
-                debtor=debtor, layer=layer, segments=[segment_to_proto(s) for s in segments]
-            ),
+        self,
+        debtor: str,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[int] | None = None,
+    ) -> Pending[list[PartialAttention]]:
+        request = worker_pb2.AttendRemoteRequest(
+            debtor=debtor, layer=layer, segments=[segment_to_proto(s) for s in segments]
         )
-        if len(reply.partials) != len(segments):
-            raise Unavailable(
-                f"creditor {self.creditor} answered {len(reply.partials)} partials for {len(segments)} segments"
-            )
+        if write is not None:
+            request.write.CopyFrom(rows_to_proto(write))
         device = segments[0].queries.device if segments else "cpu"
-        return partials_from_proto(reply, device)
+
+        def partials(reply: worker_pb2.AttendRemoteResponse) -> list[PartialAttention]:
+            if len(reply.partials) != len(segments):
+                raise Unavailable(
+                    f"creditor {self.creditor} answered {len(reply.partials)} partials for {len(segments)} segments"
+                )
+            return partials_from_proto(reply, device)
+
+        lane = self._lane_of(debtor)
+        if lane is not None:
+            return lane.call(
+                ATTEND, request, lambda data: partials(worker_pb2.AttendRemoteResponse.FromString(data))
+            )
+        return self._call_async(self._calls["AttendRemote"], request, partials)
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         reply = self._call(
@@ -183,9 +233,37 @@ class GrpcCreditorTransport:
         try:
             return method(request, timeout=self.deadline_s)
         except grpc.RpcError as error:
-            code = error.code()
-            cls = _ERRORS.get(code)
-            message = f"creditor {self.creditor} ({self.address}): {error.details() or code.name}"
-            if cls is None:
-                raise Unavailable(message) from error
-            raise cls(message) from error
+            raise self._domain_error(error) from error
+
+    def _call_async(self, method, request, parse: Callable[[Message], T]) -> Pending[T]:
+        """``method(request)`` sent now; its pending answer is ``parse(reply)``."""
+        future = method.future(request, timeout=self.deadline_s)
+        return _GrpcAnswer(self, future, parse)
+
+    def _domain_error(self, error: grpc.RpcError) -> DomainError:
+        code = error.code()
+        cls = _ERRORS.get(code)
+        message = f"creditor {self.creditor} ({self.address}): {error.details() or code.name}"
+        return Unavailable(message) if cls is None else cls(message)
+
+
+def _refusal(code_name: str, message: str) -> DomainError:
+    """The domain error of a lane's refusal named ``code_name``, as the RPC's status maps."""
+    cls = {cls.code_name: cls for cls in _ERRORS.values()}.get(code_name, Unavailable)
+    return cls(message)
+
+
+class _GrpcAnswer:
+    """A call in flight: ``result()`` waits for its reply, statuses mapped as for a blocking call."""
+
+    def __init__(self, transport: GrpcCreditorTransport, future: grpc.Future, parse: Callable[[Message], T]):
+        self.transport = transport
+        self.future = future
+        self.parse = parse
+
+    def result(self):
+        try:
+            reply = self.future.result()
+        except grpc.RpcError as error:
+            raise self.transport._domain_error(error) from error
+        return self.parse(reply)

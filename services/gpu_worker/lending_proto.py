@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from mesh_api.v1 import worker_pb2
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.memory.unified_pool import PoolLayout
 from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import InvalidArgument
@@ -88,6 +89,24 @@ def segment_from_proto(message: worker_pb2.RemoteAttendSegment, device: torch.de
     )
 
 
+def rows_to_proto(rows: KvRows[int]) -> worker_pb2.KvRows:
+    return worker_pb2.KvRows(
+        block_ids=list(rows.blocks),
+        slots=tensor_to_proto(rows.slots.to(torch.int64)),
+        keys=tensor_to_proto(rows.keys),
+        values=tensor_to_proto(rows.values),
+    )
+
+
+def rows_from_proto(message: worker_pb2.KvRows, device: torch.device) -> KvRows[int]:
+    return KvRows(
+        blocks=list(message.block_ids),
+        slots=tensor_from_proto(message.slots, "write.slots", device),
+        keys=tensor_from_proto(message.keys, "write.keys", device),
+        values=tensor_from_proto(message.values, "write.values", device),
+    )
+
+
 def partials_to_proto(partials: Sequence[PartialAttention]) -> worker_pb2.AttendRemoteResponse:
     return worker_pb2.AttendRemoteResponse(
         partials=[
@@ -106,3 +125,28 @@ def partials_from_proto(
         )
         for p in message.partials
     ]
+
+
+def answer_attend_remote(
+    lending: SharedLender, debtor: str, request: worker_pb2.AttendRemoteRequest, device: torch.device
+) -> worker_pb2.AttendRemoteResponse:
+    """The creditor's answer to ``request`` for ``debtor`` (whoever carried it: the RPC or the
+    lane): its write stored, then its segments attended over."""
+    segments = [segment_from_proto(segment, device) for segment in request.segments]
+    write = rows_from_proto(request.write, device) if request.HasField("write") else None
+    return partials_to_proto(lending.attend(debtor, request.layer, segments, write))
+
+
+def apply_write_kv(
+    lending: SharedLender, debtor: str, request: worker_pb2.WriteKvRequest, device: torch.device
+) -> worker_pb2.WriteKvResponse:
+    """``request``'s KV stored for ``debtor`` (the RPC's or the lane's)."""
+    lending.write(
+        debtor,
+        request.layer,
+        list(request.block_ids),
+        tensor_from_proto(request.slots, "slots", device),
+        tensor_from_proto(request.keys, "keys", device),
+        tensor_from_proto(request.values, "values", device),
+    )
+    return worker_pb2.WriteKvResponse()

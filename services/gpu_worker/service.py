@@ -19,6 +19,7 @@ from services.gpu_worker.engine.structured_output import GrammarCompiler
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.kernels import cpu_quant
 from services.gpu_worker.kv_manager_directory import KvManagerDirectory
+from services.gpu_worker.lending_lane import LaneServer
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.pin_refresh import refresh_pins
@@ -130,7 +131,9 @@ class WorkerService:
             model = await asyncio.to_thread(LlamaModel, loaded.config, loaded.weights, dtype, device)
 
         def connect(creditor: str, address: str) -> GrpcCreditorTransport:
-            return GrpcCreditorTransport(creditor, address, engine.pool.layout, engine.distkv, tls=cfg.tls())
+            return GrpcCreditorTransport(
+                creditor, address, engine.pool.layout, engine.distkv, tls=cfg.tls(), lane=cfg.lending_lane
+            )
 
         engine = Engine(
             model,
@@ -183,6 +186,8 @@ class WorkerService:
         if cfg.deterministic:
             log.info("deterministic serving: batch-invariant numerics")
         self.servicer.attach(engine, loader, describe)
+        if cfg.lending_lane and engine.lending.max_lent_blocks:
+            self.servicer.lane = LaneServer(engine.lending, engine.pool.device)
         log.info(
             "model %s on %s (%s, base weights %s); pool %d pages of %d elements",
             loaded.config.name, device, describe["dtype"], _weights_format(quantization),
@@ -208,6 +213,8 @@ class WorkerService:
             watch.cancel()
         await asyncio.gather(*self._watches, return_exceptions=True)
         self.directory.close()
+        if self.servicer.lane is not None:
+            self.servicer.lane.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self.source is not None:
@@ -235,7 +242,7 @@ class WorkerService:
                 total_blocks=stats.total_blocks,
                 lent_blocks=self.engine.lending.lent_to(),
                 borrowed_blocks=stats.borrowed_blocks,
-                lend_cap_blocks=self.config.lend_cap_blocks,
+                lend_cap_blocks=self.engine.lending.max_lent_blocks,
                 topology=self.config.topology,
                 remote_attention_s=distkv.remote_attention_s,
                 remote_attention_calls=distkv.remote_attention_calls,

@@ -14,12 +14,12 @@ from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import TokenLogprobs
+from services.gpu_worker.lending_lane import LaneServer
 from services.gpu_worker.lending_proto import (
+    answer_attend_remote,
+    apply_write_kv,
     layout_from_proto,
     layout_to_proto,
-    partials_to_proto,
-    segment_from_proto,
-    tensor_from_proto,
     tensor_to_proto,
 )
 from services.gpu_worker.memory.shared_lender import SharedLender
@@ -70,6 +70,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.describe: dict = {}
         self._hand_off_targets: dict[str, str] = {}
         """request id -> worker it is being handed off to, until its stream has said so."""
+        self.lane: LaneServer | None = None
+        """This worker's same-host lending lane (None: lanes are off)."""
 
     def attach(self, engine: Engine, loader: AdapterLoader, describe: dict) -> None:
         self._engine, self.loader, self.describe = engine, loader, describe
@@ -234,14 +236,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def WriteKv(self, request: worker_pb2.WriteKvRequest, context):
         lending, debtor = self._lending(request.debtor)
-        device = self.engine.pool.device
-        slots = tensor_from_proto(request.slots, "slots", device)
-        keys = tensor_from_proto(request.keys, "keys", device)
-        values = tensor_from_proto(request.values, "values", device)
-        await asyncio.to_thread(
-            lending.write, debtor, request.layer, list(request.block_ids), slots, keys, values
-        )
-        return worker_pb2.WriteKvResponse()
+        return await asyncio.to_thread(apply_write_kv, lending, debtor, request, self.engine.pool.device)
 
     async def FreeBlocks(self, request: worker_pb2.FreeBlocksRequest, context):
         lending, debtor = self._lending(request.debtor)
@@ -250,10 +245,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def AttendRemote(self, request: worker_pb2.AttendRemoteRequest, context):
         lending, debtor = self._lending(request.debtor)
-        device = self.engine.pool.device
-        segments = [segment_from_proto(segment, device) for segment in request.segments]
-        partials = await asyncio.to_thread(lending.attend, debtor, request.layer, segments)
-        return partials_to_proto(partials)
+        return await asyncio.to_thread(
+            answer_attend_remote, lending, debtor, request, self.engine.pool.device
+        )
+
+    async def OpenLendingLane(self, request: worker_pb2.OpenLendingLaneRequest, context):
+        _, debtor = self._lending(request.debtor)
+        if self.lane is None:
+            return worker_pb2.OpenLendingLaneResponse()
+        return worker_pb2.OpenLendingLaneResponse(path=self.lane.path, token=self.lane.issue(debtor))
 
     async def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context):
         lending, debtor = self._lending(request.debtor)

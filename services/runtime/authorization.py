@@ -91,6 +91,7 @@ TABLE: Mapping[tuple[str, str], Rule] = {
     (_WORKER, "FreeBlocks"): _rule("gpu_worker", _LENDING),
     (_WORKER, "AttendRemote"): _rule("gpu_worker", _LENDING),
     (_WORKER, "ReadBlocks"): _rule("gpu_worker", _LENDING),
+    (_WORKER, "OpenLendingLane"): _rule("gpu_worker", _LENDING),
     (_WORKER, "RecallBlocks"): _rule("kv_manager", _DGFM),
     (_WORKER, "StageOutBlocks"): _rule("kv_manager", _DGFM),
     (_WORKER, "StageInBlocks"): _rule("kv_manager", _DGFM),

@@ -1,6 +1,7 @@
 """`loramesh up --kv-overflow preempt|borrow` and `--lend-cap-blocks N` reach every gpu_worker's
-command line (the one the supervisor starts, and restarts) and the background `up` of `--detach`;
-without them the workers keep their own defaults (preempt, lending nothing)."""
+command line (the one the supervisor starts, and restarts) and the background `up` of `--detach`.
+Without them the workers borrow where a kv_manager runs (preempt with ``--kv-managers 0``) and
+keep their own lend cap (three quarters of the pool)."""
 
 from __future__ import annotations
 
@@ -19,20 +20,25 @@ def up_args(tmp_path, *flags: str):
 
 
 @pytest.mark.parametrize("policy", ["borrow", "preempt"])
-def test_the_overflow_policy_and_lend_cap_are_passed_to_every_worker(tmp_path, policy):
-    commands = worker_commands(tmp_path, "--kv-overflow", policy, "--lend-cap-blocks", "40")
+def test_the_overflow_policy_lend_cap_and_lane_are_passed_to_every_worker(tmp_path, policy):
+    commands = worker_commands(
+        tmp_path, "--kv-overflow", policy, "--lend-cap-blocks", "40", "--lending-lane", "off"
+    )
     assert len(commands) == 2
     assert all(flag_value(c, "--kv-overflow") == policy for c in commands)
     configs = [worker_config(c) for c in commands]
-    assert all(c.kv_overflow == policy and c.lend_cap_blocks == 40 for c in configs)
+    assert all(c.kv_overflow == policy and c.lend_cap_blocks == 40 and not c.lending_lane for c in configs)
+    assert all(worker_config(c).lending_lane for c in worker_commands(tmp_path))  # on by default
 
 
-def test_without_the_flags_the_workers_keep_their_defaults(tmp_path):
+def test_without_the_flags_the_workers_borrow_where_a_kv_manager_runs(tmp_path):
     commands = worker_commands(tmp_path)
-    assert all("--kv-overflow" not in c and "--lend-cap-blocks" not in c for c in commands)
+    assert all("--lend-cap-blocks" not in c for c in commands)
     configs = [worker_config(c) for c in commands]
-    assert all(c.kv_overflow == "preempt" and c.lend_cap_blocks == 0 for c in configs)
-    assert (WorkerConfig.kv_overflow, WorkerConfig.lend_cap_blocks) == ("preempt", 0)
+    assert all(c.kv_overflow == "borrow" and c.lend_cap_blocks == -1 for c in configs)
+    assert (WorkerConfig.kv_overflow, WorkerConfig.lend_cap_blocks) == ("preempt", -1)
+    alone = [worker_config(c) for c in worker_commands(tmp_path, "--kv-managers", "0")]
+    assert all(c.kv_overflow == "preempt" for c in alone)  # nobody to suggest creditors
 
 
 def test_detach_passes_them_to_the_background_up(tmp_path):
@@ -40,7 +46,7 @@ def test_detach_passes_them_to_the_background_up(tmp_path):
     again = build_parser().parse_args(argv[argv.index("--state-dir") :])
     assert (again.kv_overflow, again.lend_cap_blocks) == ("borrow", 7)
     plain = _detached_argv(up_args(tmp_path), tmp_path)
-    assert "--kv-overflow" not in plain and "--lend-cap-blocks" not in plain
+    assert flag_value(plain, "--kv-overflow") == "borrow" and "--lend-cap-blocks" not in plain
 
 
 def test_an_unknown_policy_and_a_negative_cap_are_refused_by_up(tmp_path, capsys):
@@ -48,4 +54,4 @@ def test_an_unknown_policy_and_a_negative_cap_are_refused_by_up(tmp_path, capsys
         build_parser().parse_args(["up", "--kv-overflow", "swap"])
     assert "invalid choice: 'swap'" in capsys.readouterr().err
     with pytest.raises(CommandError, match="--lend-cap-blocks"):
-        cmd_up(up_args(tmp_path, "--lend-cap-blocks", "-1"))
+        cmd_up(up_args(tmp_path, "--lend-cap-blocks", "-2"))

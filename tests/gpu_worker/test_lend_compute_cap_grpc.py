@@ -57,7 +57,7 @@ async def test_the_refusal_is_resource_exhausted_naming_the_cap(creditors, tiny_
     queries = torch.randn(1, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(2))
     with pytest.raises(ResourceExhausted, match="--lend-compute-share is 0") as refused:
         await asyncio.to_thread(
-            remote.attend, "debtor", 0, [AttendSegment(queries, torch.tensor([0]), ids, [0])]
+            lambda: remote.attend("debtor", 0, [AttendSegment(queries, torch.tensor([0]), ids, [0])]).result()
         )
     assert "creditor busy" in refused.value.message
     assert busy.distkv.totals().lent_attention_refused == 1

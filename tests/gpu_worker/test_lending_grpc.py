@@ -18,7 +18,7 @@ from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.lending_proto import tensor_from_proto, tensor_to_proto
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.memory.unified_pool import PoolLayout
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import (
@@ -70,7 +70,7 @@ async def test_lend_write_attend_read_free_match_the_lender_in_process(creditor,
     queries = torch.randn(3, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(2))
     positions = torch.tensor([block - 1, block + 2, 2 * block - 1])
     segment = AttendSegment(queries, positions, ids, [0, block])
-    (partial,) = await asyncio.to_thread(remote.attend, "debtor-a", 1, [segment])
+    (partial,) = await asyncio.to_thread(lambda: remote.attend("debtor-a", 1, [segment]).result())
     (expected,) = engine.lending.attend("debtor-a", 1, [segment])
     assert torch.equal(partial.output, expected.output) and torch.equal(partial.lse, expected.lse)
     read_keys, read_values = await asyncio.to_thread(remote.read, "debtor-a", ids)
@@ -78,6 +78,36 @@ async def test_lend_write_attend_read_free_match_the_lender_in_process(creditor,
     await asyncio.to_thread(remote.free, "debtor-a", ids)
     assert engine.lending.lent_to() == {}
     assert engine.rm.local.allocated_blocks == 0
+    remote.close()
+
+
+async def test_a_write_carried_by_the_attention_call_is_stored_first_or_not_at_all(creditor, tiny_llama):
+    """A decode step's tail-block KV travels with its query: one round trip. A bad write is
+    refused with the attention, and nothing of it is stored."""
+    engine, _ = creditor
+    remote = transport(creditor)
+    cfg, layout = tiny_llama.config, engine.pool.layout
+    (block_id,) = await asyncio.to_thread(remote.allocate, "debtor-a", 1)
+    keys, values = kv(3, layout.kv_dim, seed=4)
+    queries = torch.randn(1, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(5))
+    segment = AttendSegment(queries, torch.tensor([2]), [block_id], [0])
+    await asyncio.to_thread(
+        remote.write, "debtor-a", 0, [block_id] * 2, torch.tensor([0, 1]), keys[:2], values[:2]
+    )
+    write = KvRows([block_id], torch.tensor([2]), keys[2:], values[2:])
+
+    bad = KvRows([block_id], torch.tensor([layout.kv_block_tokens]), keys[2:], values[2:])
+    with pytest.raises(InvalidArgument, match="slots must be"):
+        await asyncio.to_thread(lambda: remote.attend("debtor-a", 0, [segment], bad).result())
+    before, _ = await asyncio.to_thread(remote.read, "debtor-a", [block_id])
+    assert not before[0, 2].any()  # the refused call stored nothing
+
+    (partial,) = await asyncio.to_thread(lambda: remote.attend("debtor-a", 0, [segment], write).result())
+    (expected,) = engine.lending.attend("debtor-a", 0, [segment])  # over what the call stored
+    assert torch.equal(partial.output, expected.output) and torch.equal(partial.lse, expected.lse)
+    stored, _ = await asyncio.to_thread(remote.read, "debtor-a", [block_id])
+    assert torch.equal(stored[0, :3], keys)
+    await asyncio.to_thread(remote.free, "debtor-a", [block_id])
     remote.close()
 
 
@@ -97,7 +127,7 @@ async def test_bad_calls_get_clear_statuses_and_other_debtors_are_served(credito
     queries = torch.randn(1, cfg.num_heads, cfg.head_dim)
     stolen = AttendSegment(queries, torch.tensor([0]), [theirs[0]], [0])
     with pytest.raises(PermissionDenied, match=f"block {theirs[0]} is not lent to debtor-a"):
-        await asyncio.to_thread(remote.attend, "debtor-a", 0, [stolen])
+        await asyncio.to_thread(lambda: remote.attend("debtor-a", 0, [stolen]).result())
     with pytest.raises(InvalidArgument, match="keys must be"):
         await asyncio.to_thread(
             remote.write, "debtor-a", 0, mine[1:2], torch.tensor([0]), keys[:, :3], values
@@ -107,7 +137,9 @@ async def test_bad_calls_get_clear_statuses_and_other_debtors_are_served(credito
     assert engine.lending.lent_to() == {"debtor-a": 3, "debtor-b": 1}
     await asyncio.to_thread(remote.write, "debtor-b", 0, theirs, torch.tensor([0]), keys, values)
     (partial,) = await asyncio.to_thread(
-        remote.attend, "debtor-b", 0, [AttendSegment(queries, torch.tensor([0]), theirs, [0])]
+        lambda: remote.attend(
+            "debtor-b", 0, [AttendSegment(queries, torch.tensor([0]), theirs, [0])]
+        ).result()
     )
     assert torch.isfinite(partial.lse).all()
     remote.close()

@@ -39,8 +39,10 @@ def test_the_workers_overflow_policy_lend_cap_and_slo_are_set(rendered):
     assert set(WORKER_KEYS) <= env.keys()
     config = parse_config(WorkerConfig, argv=[], environ={key: env[key] for key in WORKER_KEYS})
     assert config.kv_overflow in KV_OVERFLOW_POLICIES
+    # The overlays run a kv_manager, so the workers borrow (as `loramesh up` has them do).
+    assert any(o["kind"] == "Deployment" and o["metadata"]["name"] == "kv-manager" for o in rendered)
     assert (config.kv_overflow, config.lend_cap_blocks, config.early_abort_slo_s) == (
-        WorkerConfig.kv_overflow, WorkerConfig.lend_cap_blocks, WorkerConfig.early_abort_slo_s,
+        "borrow", WorkerConfig.lend_cap_blocks, WorkerConfig.early_abort_slo_s,
     )  # fmt: skip
 
 

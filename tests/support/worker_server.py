@@ -6,19 +6,22 @@ from grpc import aio
 
 from mesh_api.v1 import worker_pb2_grpc
 from services.gpu_worker.engine.engine import Engine
+from services.gpu_worker.lending_lane import LaneServer
 from services.gpu_worker.servicer import WorkerServicer
 from services.runtime.interceptors import ServiceInterceptor
 from services.runtime.tls import NO_TLS, TLSConfig, add_server_port
 
 
 async def serve_worker(
-    engine: Engine, model_name: str = "tiny-llama", tls: TLSConfig = NO_TLS
+    engine: Engine, model_name: str = "tiny-llama", tls: TLSConfig = NO_TLS, lane: LaneServer | None = None
 ) -> tuple[aio.Server, str]:
     """A started server for ``engine`` (domain errors mapped to statuses) and its address;
     stop it with ``await server.stop(None)``. With ``tls``: mutual TLS and the authorization
-    table enforced, as a worker of ``loramesh up --tls`` serves."""
+    table enforced, as a worker of ``loramesh up --tls`` serves. ``lane``: the lending lane its
+    OpenLendingLane hands out (None: none, every lending call over gRPC)."""
     servicer = WorkerServicer()
     servicer.attach(engine, None, {"model": model_name, "dtype": "float32"})
+    servicer.lane = lane
     server = aio.server(interceptors=[ServiceInterceptor(enforce_authorization=tls.enabled)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = add_server_port(server, "127.0.0.1:0", tls)

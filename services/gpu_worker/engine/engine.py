@@ -34,7 +34,7 @@ import torch
 from services.gpu_worker.engine.adapter_pager import AdapterPager, runnable_batch_policy
 from services.gpu_worker.engine.block_recall import BlockRecalls
 from services.gpu_worker.engine.borrower import CreditorDirectory, TransportFactory
-from services.gpu_worker.engine.engine_config import EngineConfig
+from services.gpu_worker.engine.engine_config import AUTO_LEND_SHARE, EngineConfig
 from services.gpu_worker.engine.engine_stats import (
     AdapterUsage,
     EngineStats,
@@ -126,8 +126,14 @@ class Engine:
             config,
             self.executor,
         )
-        lend_cap = config.max_lent_blocks if self.executor.supports_lending else 0
-        if config.max_lent_blocks and not lend_cap:
+        wanted = config.max_lent_blocks
+        if wanted < -1:
+            raise ValueError(f"max_lent_blocks must be -1 (auto), 0 or more, got {wanted}")
+        if wanted == -1:  # the default: lend where the executor can, quietly not where it cannot
+            wanted = int(AUTO_LEND_SHARE * self.pool.layout.num_pages // self.pool.layout.num_layers)
+            wanted = wanted if self.executor.supports_lending else 0
+        lend_cap = wanted if self.executor.supports_lending else 0
+        if wanted and not lend_cap:
             log.warning("this executor cannot lend KV blocks: the lending cap is 0")
             self.fallbacks = (*self.fallbacks, "lend->off")
         self.rm = RManager(config.worker_id, self.pool, LendingConfig(lend_cap), config.deterministic)
@@ -153,10 +159,8 @@ class Engine:
             self.borrower = make_borrower(self.rm, creditors, connect, self.distkv)
             cast(LendingExecutor, self.executor).lend_through(self.rm, self._borrowed_table)
         self.hand_over = HandOver()
-        self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache and self.borrower is None else None
-        """Shared prompt-prefix KV blocks (None: off, or requests may borrow KV)."""
-        if config.prefix_cache and self.prefix_cache is None:
-            self.fallbacks = (*self.fallbacks, "prefix_cache->off")
+        self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache else None
+        """Shared prompt-prefix KV blocks (None: off)."""
         self.adapters = AdapterPager(
             self.executor,
             self.prefix_cache,

@@ -15,6 +15,11 @@ from services.runtime.eviction import EVICTION_POLICIES
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
 
 
+AUTO_LEND_SHARE = 0.75
+"""Share of its pool's KV blocks a worker lends at most by default: three idle workers with
+1,090-token pools serve a 2,500-token prompt, and a quarter of each pool stays its own."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine limits."""
@@ -36,8 +41,10 @@ class EngineConfig:
     "no unified memory" ablation only."""
     worker_id: str = "local"
     """This worker's instance id: the debtor name its borrowed blocks are lent under."""
-    max_lent_blocks: int = 0
-    """KV blocks other workers may borrow from this pool at most, all together (0: none)."""
+    max_lent_blocks: int = -1
+    """KV blocks other workers may borrow from this pool at most, all together (0: none; −1:
+    ``AUTO_LEND_SHARE`` of the pool's KV blocks). A lender lends only free pages and keeps the
+    rest of the pool for its own requests; see docs/operations.md, "KV overflow and lending"."""
     lend_compute_share: float = DEFAULT_LEND_COMPUTE_SHARE
     """DistKV-LLM's compute cap (``--lend-compute-share``): the share of wall time, over a sliding
     window of ``lend_compute_window_s``, this worker may spend computing attention for debtors
@@ -74,8 +81,8 @@ class EngineConfig:
     prefix_cache: bool = True
     """Share the KV of whole prompt blocks between requests with the same prompt prefix and the
     same adapter version (``--prefix-cache on|off``): a hit skips that part of the prefill.
-    Cached blocks nobody uses are evicted first when the pool needs pages. Off where requests
-    may borrow KV (``kv_overflow="borrow"``); see services/gpu_worker/memory/prefix_cache.py."""
+    Cached blocks nobody uses are evicted first when the pool needs pages; a request that
+    borrows KV keeps reading its cached blocks; see services/gpu_worker/memory/prefix_cache.py."""
 
     eviction_policy: str = "lru"
     """The order idle adapters leave the pool in when it needs pages (``--eviction-policy``):

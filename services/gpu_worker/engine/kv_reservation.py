@@ -7,8 +7,9 @@ table of the rManager (``EngineRequest.table``).
 
 With a :class:`PrefixCache` a request starts with the cached blocks of its prompt's longest
 cached prefix and prefills from the first uncached position; once prefilled, its whole prompt
-blocks join the cache. The cache is off where requests may borrow: a borrowing request's blocks
-move to the rManager, which neither knows shared blocks nor keeps them read-only.
+blocks join the cache. A request that starts to borrow hands its blocks to the rManager; the
+cached ones stay the cache's (the request's ``KvTable`` keeps its references to them and the
+rManager reads them, never writes or frees them), and it adds no block to the cache.
 """
 
 from __future__ import annotations
@@ -45,9 +46,7 @@ class KvReservation:
     ):
         """``residency``: idle adapters (and unused cached blocks) are evicted to make room for
         KV; ``borrower``: where blocks are borrowed from when the pool runs dry (None: never);
-        ``prefix_cache``: where prompt blocks are shared (None: off; never with a borrower)."""
-        if borrower is not None and prefix_cache is not None:
-            raise ValueError("the prefix cache cannot be on where requests borrow KV blocks")
+        ``prefix_cache``: where prompt blocks are shared (None: off)."""
         self.rm = rm
         self.residency = residency
         self.borrower = borrower
@@ -96,7 +95,8 @@ class KvReservation:
                 raise
             # From now on its blocks are in a block table, local ones where they were.
             request.table = self.rm.new_table()
-            request.table.append(self.rm.local.adopt(request.kv.hand_over()))
+            cached = set(request.kv.shared)
+            request.table.append(self.rm.local.adopt(request.kv.hand_over(), cached))
             self._grow_borrowing(request, tokens)
 
     def _grow_borrowing(self, request: EngineRequest, tokens: int) -> None:
@@ -105,9 +105,10 @@ class KvReservation:
         missing = table.blocks_needed(tokens)
         if not missing:
             return
-        local = min(missing, self.rm.local.free_blocks)
+        local = min(missing, self.room_blocks())
         if local:
             try:
+                self.residency.make_room(local * self.rm.local.num_layers, PageUse.KV)
                 self.rm.reserve_local(table, table.capacity + local * table.block_tokens)
             except PoolExhausted:  # a lending call took the pages meanwhile
                 local = 0
@@ -119,7 +120,7 @@ class KvReservation:
     def release(self, request: EngineRequest) -> list[str]:
         """Free ``request``'s KV; the creditors found gone while returning borrowed blocks (the
         caller recomputes the requests that had blocks there)."""
-        request.kv.release()
+        request.kv.release()  # after a hand-over: only its references to cached blocks
         if request.table is None:
             return []
         table, request.table = request.table, None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.gpu_worker.memory.block_table import LocalBlock
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.gpu_worker.model.dist_attention import PartialAttention
@@ -99,17 +99,25 @@ class BlockLender:
         values: torch.Tensor,
     ) -> None:
         """Store ``debtor``'s KV: token ``i`` goes to slot ``slots[i]`` of block ``block_ids[i]``."""
-        blocks = self._owned(debtor, block_ids)
         self._check_layer(layer)
-        n, kv_dim = len(block_ids), self.local.pool.layout.kv_dim
-        for name, rows in (("keys", keys), ("values", values)):
-            if tuple(rows.shape) != (n, kv_dim):
-                raise InvalidArgument(f"{name} must be [{n}, {kv_dim}], got {list(rows.shape)}")
+        self._store(layer, self._checked_rows(debtor, KvRows(block_ids, slots, keys, values)))
+
+    def _checked_rows(self, debtor: str, rows: KvRows[int]) -> KvRows[LocalBlock]:
+        """``rows`` on the pages of ``debtor``'s blocks, every shape and slot checked."""
+        blocks = self._owned(debtor, rows.blocks)
+        n, kv_dim = len(blocks), self.local.pool.layout.kv_dim
+        for name, tensor in (("keys", rows.keys), ("values", rows.values)):
+            if tuple(tensor.shape) != (n, kv_dim):
+                raise InvalidArgument(f"{name} must be [{n}, {kv_dim}], got {list(tensor.shape)}")
+        slots = rows.slots
         if slots.shape != (n,) or (
             n and not (0 <= int(slots.min()) and int(slots.max()) < self.local.block_tokens)
         ):
             raise InvalidArgument(f"slots must be {n} values in [0, {self.local.block_tokens})")
-        self.local.write(layer, blocks, slots, keys, values)
+        return KvRows(blocks, slots, rows.keys, rows.values)
+
+    def _store(self, layer: int, rows: KvRows[LocalBlock]) -> None:
+        self.local.write(layer, rows.blocks, rows.slots, rows.keys, rows.values)
 
     def free(self, debtor: str, block_ids: Sequence[int]) -> None:
         """Take back ``debtor``'s ``block_ids``, all or none."""
@@ -131,10 +139,17 @@ class BlockLender:
         return len(ids)
 
     def attend(
-        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
+        self,
+        debtor: str,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[int] | None = None,
     ) -> list[PartialAttention]:
-        """Partial attention of each segment's queries over its blocks, all owned by ``debtor``."""
+        """Partial attention of each segment's queries over its blocks, all owned by ``debtor``;
+        ``write`` (the debtor's new tokens) is stored first. Everything is checked before
+        anything is stored."""
         self._check_layer(layer)
+        rows = self._checked_rows(debtor, write) if write is not None else None
         local_segments = []
         for segment in segments:
             blocks = self._owned(debtor, segment.blocks)
@@ -145,6 +160,8 @@ class BlockLender:
                     f"{len(blocks)} blocks but {len(segment.block_first_positions)} block positions"
                 )
             local_segments.append(AttendSegment(queries, positions, blocks, segment.block_first_positions))
+        if rows is not None:
+            self._store(layer, rows)
         return self.local.attend(layer, local_segments)
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

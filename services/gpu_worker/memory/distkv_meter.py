@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.gpu_worker.memory.block_lender import BlockLender
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.memory.lend_compute_cap import LendComputeCap, LendComputeExhausted
-from services.gpu_worker.memory.remote_block_allocator import CreditorTransport
+from services.gpu_worker.memory.remote_block_allocator import CreditorTransport, Pending
 from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.memory.unified_pool import PoolLayout
 from services.gpu_worker.model.dist_attention import PartialAttention
@@ -116,11 +116,27 @@ class MeteredTransport:
         return getattr(self.inner, name)
 
     def attend(
-        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
-    ) -> list[PartialAttention]:
+        self,
+        debtor: str,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[int] | None = None,
+    ) -> Pending[list[PartialAttention]]:
+        return _WaitMetered(self.inner.attend(debtor, layer, segments, write), self.meter)
+
+
+class _WaitMetered:
+    """A pending attention call whose caller's wait for it is timed into ``meter``: the time a
+    step spent blocked on a creditor, not the time the call overlapped local work."""
+
+    def __init__(self, pending: Pending[list[PartialAttention]], meter: DistKvMeter):
+        self.pending = pending
+        self.meter = meter
+
+    def result(self) -> list[PartialAttention]:
         started = self.meter.clock()
         try:
-            return self.inner.attend(debtor, layer, segments)
+            return self.pending.result()
         finally:
             self.meter.add_remote_attention(self.meter.clock() - started)
 
@@ -144,7 +160,11 @@ class MeteredLender(SharedLender):
         self.cap = cap
 
     def attend(
-        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
+        self,
+        debtor: str,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[int] | None = None,
     ) -> list[PartialAttention]:
         with self._lock:
             cap = self.cap
@@ -155,7 +175,7 @@ class MeteredLender(SharedLender):
                 raise
             metered = self.meter.clock()
             try:
-                partials = self.lender.attend(debtor, layer, segments)
+                partials = self.lender.attend(debtor, layer, segments, write)
             finally:
                 if cap is not None:
                     cap.done(started)

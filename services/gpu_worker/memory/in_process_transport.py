@@ -1,6 +1,7 @@
 """A :class:`CreditorTransport` that calls a creditor's ``BlockLender`` in the same process.
 
-Used by tests and single-process simulations of several workers. ``kill`` stands for the
+Used by tests and single-process simulations of several workers. Its calls are made at once:
+what it returns as pending is already answered. ``kill`` stands for the
 creditor's process dying: every later call fails as an unreachable creditor does over gRPC.
 """
 
@@ -11,7 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from services.gpu_worker.memory.block_lender import BlockLender
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.memory.remote_block_allocator import Pending, done
 from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import Unavailable
 
@@ -41,13 +43,22 @@ class InProcessTransport:
     ) -> None:
         self._reachable().write(debtor, layer, block_ids, slots, keys, values)
 
+    def write_async(self, debtor: str, layer: int, rows: KvRows[int]) -> Pending[None]:
+        return done(
+            lambda: self._reachable().write(debtor, layer, rows.blocks, rows.slots, rows.keys, rows.values)
+        )
+
     def free(self, debtor: str, block_ids: Sequence[int]) -> None:
         self._reachable().free(debtor, block_ids)
 
     def attend(
-        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
-    ) -> list[PartialAttention]:
-        return self._reachable().attend(debtor, layer, segments)
+        self,
+        debtor: str,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[int] | None = None,
+    ) -> Pending[list[PartialAttention]]:
+        return done(lambda: self._reachable().attend(debtor, layer, segments, write))
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self._reachable().read(debtor, block_ids)

@@ -33,6 +33,20 @@ class AttendSegment(Generic[BlockT]):
     """Token position of the first slot of each of ``blocks``."""
 
 
+@dataclass(frozen=True)
+class KvRows(Generic[BlockT]):
+    """KV rows to store: token ``i``'s ``keys[i]`` and ``values[i]`` at slot ``slots[i]`` of
+    ``blocks[i]``."""
+
+    blocks: Sequence[BlockT]
+    slots: torch.Tensor
+    """int64 [n]: slots within the blocks."""
+    keys: torch.Tensor
+    """[n, kv_dim]."""
+    values: torch.Tensor
+    """[n, kv_dim]."""
+
+
 class KvBlockAllocator(Protocol[BlockT]):
     """KV blocks of one holder (this worker's pool, or one creditor), as seen by a debtor."""
 

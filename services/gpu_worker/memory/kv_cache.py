@@ -61,7 +61,7 @@ class KvTable:
     def release(self) -> None:
         if self.shared:
             self.prefix_cache.release([self.shared[i] for i in sorted(self.shared)])
-        for index, block in enumerate(self.blocks):
+        for index, block in enumerate(self.blocks):  # none after a hand-over
             if index not in self.shared:
                 self.pool.free(block)
         self.blocks, self.shared = [], {}
@@ -69,10 +69,9 @@ class KvTable:
 
     def hand_over(self) -> list[list[int]]:
         """Empty the table without freeing its pages; returns them (per block, one page per layer)
-        for a new owner (the rManager, when the request starts to borrow). Shared blocks cannot
-        change owner: the prefix cache is off where requests borrow."""
-        if self.shared:
-            raise FailedPrecondition("a KV table with shared prefix blocks cannot hand them over")
+        for a new owner (the rManager, when the request starts to borrow). The shared blocks'
+        pages stay the prefix cache's: this table keeps their references (``shared``) and gives
+        them back at :meth:`release`, so the new owner must not free those."""
         blocks, self.blocks, self._table, self._frozen = self.blocks, [], None, None
         return blocks
 

@@ -109,7 +109,7 @@ class LendComputeCap:
         with self._lock:
             now = self.clock()
             self._served.append((started, now))
-            self._used(now)  # prune
+            self._prune(now)  # not the sum: calls come per layer, hundreds a second
             return now - started
 
     @contextmanager
@@ -122,11 +122,16 @@ class LendComputeCap:
             self.done(started)
 
     def _used(self, now: float) -> float:
+        since = self._prune(now)
+        return sum(end - max(start, since) for start, end in self._served)
+
+    def _prune(self, now: float) -> float:
+        """Forget the calls that ended before the window ending ``now``; its start."""
         since = now - self.window_s
         served = self._served
         while served and served[0][1] <= since:
             served.popleft()
-        return sum(end - max(start, since) for start, end in served)
+        return since
 
     def _retry_after(self, now: float, used: float) -> float:
         """Seconds until the lent time inside the window drops under the budget (nothing more lent)."""

@@ -7,7 +7,8 @@ this worker's own requests or lent to exactly one debtor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -26,6 +27,8 @@ class LocalBlockAllocator:
     def __init__(self, pool: UnifiedPool):
         self.pool = pool
         self._allocated: set[LocalBlock] = set()
+        self._cached: Counter[LocalBlock] = Counter()
+        """Prefix-cache blocks adopted by borrowing requests, with how many hold each."""
 
     @property
     def block_tokens(self) -> int:
@@ -54,14 +57,20 @@ class LocalBlockAllocator:
         self._allocated.update(blocks)
         return blocks
 
-    def adopt(self, pages: Sequence[Sequence[int]]) -> list[LocalBlock]:
+    def adopt(self, pages: Sequence[Sequence[int]], cached: Collection[int] = ()) -> list[LocalBlock]:
         """Take over KV blocks whose pages (one per layer each) were allocated from the pool
         directly, by an engine request's page table: its KV stays where it is when the request
-        starts to borrow."""
+        starts to borrow. The blocks at indices ``cached`` belong to the prefix cache, which the
+        request holds references in: attended over, never written nor freed here (a free only
+        forgets them), and several requests may hold the same one."""
         blocks = [LocalBlock(tuple(block)) for block in pages]
-        if any(len(block.pages) != self.num_layers or block in self._allocated for block in blocks):
+        own = [block for index, block in enumerate(blocks) if index not in cached]
+        if any(len(block.pages) != self.num_layers for block in blocks) or any(
+            block in self._allocated or block in self._cached for block in own
+        ):
             raise FailedPrecondition("adopted blocks must be new and have one page per layer")
-        self._allocated.update(blocks)
+        self._allocated.update(own)
+        self._cached.update(block for index, block in enumerate(blocks) if index in cached)
         return blocks
 
     def write(
@@ -73,6 +82,8 @@ class LocalBlockAllocator:
         values: torch.Tensor,
     ) -> None:
         self._check_held(blocks)
+        if any(block in self._cached for block in blocks):
+            raise FailedPrecondition("a cached prefix block is read-only")
         device = self.pool.device
         pages = torch.tensor([block.pages[layer] for block in blocks], dtype=torch.int64, device=device)
         slots = slots.to(device=device, dtype=torch.int64)
@@ -84,8 +95,11 @@ class LocalBlockAllocator:
         self._check_held(blocks)
         if len(set(blocks)) != len(blocks):
             raise FailedPrecondition("the same block is freed twice in one call")
-        self._allocated.difference_update(blocks)
-        self.pool.free([page for block in blocks for page in block.pages])
+        own = [block for block in blocks if block in self._allocated]
+        self._cached.subtract(block for block in blocks if block not in self._allocated)
+        self._cached = +self._cached  # the prefix cache frees those pages, when it evicts them
+        self._allocated.difference_update(own)
+        self.pool.free([page for block in own for page in block.pages])
 
     def attend(self, layer: int, segments: Sequence[AttendSegment[LocalBlock]]) -> list[PartialAttention]:
         self._check_held([block for segment in segments for block in segment.blocks])
@@ -112,5 +126,5 @@ class LocalBlockAllocator:
 
     def _check_held(self, blocks: Sequence[LocalBlock]) -> None:
         for block in blocks:
-            if block not in self._allocated:
+            if block not in self._allocated and block not in self._cached:
                 raise FailedPrecondition(f"local block {block.pages} is not allocated (freed already?)")

@@ -8,13 +8,14 @@ creditor dies, the blocks it held are known (and forgotten: there is nothing lef
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Protocol, TypeVar
 
 import torch
 
 from services.gpu_worker.memory.block_table import RemoteBlock
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 
@@ -36,6 +37,25 @@ class CreditorRefused(ResourceExhausted):
         self.creditor = creditor
 
 
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Pending(Protocol[T_co]):
+    """A call on its way to a creditor: ``result()`` waits for its answer (or raises its error)."""
+
+    def result(self) -> T_co: ...
+
+
+def done(call: Callable[[], object]) -> Future:
+    """``call()`` made now, as a :class:`Pending` (for transports that answer at once)."""
+    future: Future = Future()
+    try:
+        future.set_result(call())
+    except Exception as error:  # noqa: BLE001 -- handed to whoever waits for the result
+        future.set_exception(error)
+    return future
+
+
 class CreditorTransport(Protocol):
     """One creditor's lending API (see ``BlockLender``), called on behalf of ``debtor``.
 
@@ -55,11 +75,22 @@ class CreditorTransport(Protocol):
         values: torch.Tensor,
     ) -> None: ...
 
+    def write_async(self, debtor: str, layer: int, rows: KvRows[int]) -> Pending[None]:
+        """``write``, returning at once: a prefill ships its lent blocks' KV while it computes."""
+        ...
+
     def free(self, debtor: str, block_ids: Sequence[int]) -> None: ...
 
     def attend(
-        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
-    ) -> list[PartialAttention]: ...
+        self,
+        debtor: str,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[int] | None = None,
+    ) -> Pending[list[PartialAttention]]:
+        """Partial attention per segment, ``write`` stored first; returns at once, so that the
+        debtor attends over its local blocks while the creditor works."""
+        ...
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -93,29 +124,45 @@ class RemoteBlockAllocator:
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> None:
-        self._reach(self.transport.write, self.debtor, layer, self._ids(blocks), slots, keys, values)
+        self._reach(self.transport.write, self.debtor, layer, self.wire_ids(blocks), slots, keys, values)
 
     def free(self, blocks: Sequence[RemoteBlock]) -> None:
-        ids = self._ids(blocks)
+        ids = self.wire_ids(blocks)
         if len(set(ids)) != len(ids):
             raise FailedPrecondition("the same remote block is freed twice in one call")
         self._reach(self.transport.free, self.debtor, ids)
         self._held.difference_update(ids)
 
+    def write_async(self, layer: int, rows: KvRows[RemoteBlock]) -> Pending[None]:
+        wire = KvRows(self.wire_ids(rows.blocks), rows.slots, rows.keys, rows.values)
+        pending = self._reach(self.transport.write_async, self.debtor, layer, wire)
+        return _Answer(lambda: self._reach(pending.result))
+
     def attend(self, layer: int, segments: Sequence[AttendSegment[RemoteBlock]]) -> list[PartialAttention]:
         wire = [
-            AttendSegment(s.queries, s.query_positions, self._ids(s.blocks), s.block_first_positions)
+            AttendSegment(s.queries, s.query_positions, self.wire_ids(s.blocks), s.block_first_positions)
             for s in segments
         ]
-        try:
-            return self._reach(self.transport.attend, self.debtor, layer, wire)
-        except CreditorRefused:
-            raise
-        except ResourceExhausted as refused:  # its compute cap (LendComputeExhausted there)
-            raise CreditorRefused(self.creditor, refused.message) from refused
+        return self.attend_wire(layer, wire).result()
+
+    def attend_wire(
+        self,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[RemoteBlock] | None = None,
+    ) -> Pending[list[PartialAttention]]:
+        """Attention over ``segments``, whose blocks are named by :meth:`wire_ids`, and ``write``
+        stored first, in one call; returns at once."""
+        rows = (
+            None
+            if write is None
+            else KvRows(self.wire_ids(write.blocks), write.slots, write.keys, write.values)
+        )
+        pending = self._reach(self.transport.attend, self.debtor, layer, segments, rows)
+        return _Answer(lambda: self._attended(pending))
 
     def read(self, blocks: Sequence[RemoteBlock]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._reach(self.transport.read, self.debtor, self._ids(blocks))
+        return self._reach(self.transport.read, self.debtor, self.wire_ids(blocks))
 
     def creditor_lost(self) -> list[int]:
         """The creditor died: forget (and return) the ids of every block held there."""
@@ -131,7 +178,18 @@ class RemoteBlockAllocator:
         except Unavailable as unreachable:
             raise CreditorUnavailable(self.creditor, unreachable.message) from unreachable
 
-    def _ids(self, blocks: Sequence[RemoteBlock]) -> list[int]:
+    def _attended(self, pending: Pending[list[PartialAttention]]) -> list[PartialAttention]:
+        """The answer of an attention call; the creditor's refusal to compute it (its compute
+        cap, ``LendComputeExhausted`` there) is ``CreditorRefused``."""
+        try:
+            return self._reach(pending.result)
+        except CreditorRefused:
+            raise
+        except ResourceExhausted as refused:
+            raise CreditorRefused(self.creditor, refused.message) from refused
+
+    def wire_ids(self, blocks: Sequence[RemoteBlock]) -> list[int]:
+        """The creditor's ids of ``blocks``, each checked to be held there."""
         ids = []
         for block in blocks:
             if block.creditor != self.creditor:
@@ -142,3 +200,10 @@ class RemoteBlockAllocator:
                 )
             ids.append(block.block_id)
         return ids
+
+
+class _Answer:
+    """A pending call whose ``result()`` is ``wait()``: the call's answer, its errors named."""
+
+    def __init__(self, wait: Callable[[], object]):
+        self.result = wait

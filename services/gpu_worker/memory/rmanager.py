@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from services.gpu_worker.kernels.cpu_invariant import invariant_available
 from services.gpu_worker.memory.block_lender import BlockLender, LendingConfig
 from services.gpu_worker.memory.block_table import BlockRef, BlockTable, LocalBlock, LostBlock, RemoteBlock
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvBlockAllocator
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvBlockAllocator, KvRows
 from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
-from services.gpu_worker.memory.prefill_plan import PrefillPlan
-from services.gpu_worker.memory.remote_block_allocator import CreditorTransport, RemoteBlockAllocator
+from services.gpu_worker.memory.remote_block_allocator import CreditorTransport, Pending, RemoteBlockAllocator
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.chunked_attention import combine_in_block_order
-from services.gpu_worker.model.dist_attention import empty_partial, scale_reduce
+from services.gpu_worker.model.dist_attention import PartialAttention, empty_partial, scale_reduce
 from services.runtime.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 
@@ -53,6 +53,44 @@ class TableQueries:
     """[n, num_heads, head_dim]: the rotated queries of its new tokens."""
     positions: torch.Tensor
     """int64 [n]: their token positions."""
+    keys: torch.Tensor | None = None
+    """[n, kv_dim]: the new tokens' keys, stored before attending (None: stored already)."""
+    values: torch.Tensor | None = None
+    """[n, kv_dim]: their values, with ``keys``."""
+
+
+@dataclass(frozen=True)
+class _PlannedSegment:
+    """One request's blocks on one holder, as a step attends over them in every layer."""
+
+    request: int
+    """Index of the request in the step's list."""
+    blocks: list[BlockRef]
+    wire_blocks: list
+    """``blocks`` as their holder names them (local blocks, or a creditor's block ids)."""
+    firsts: list[int]
+    """Token position of each block's first slot."""
+    rows: torch.Tensor | None
+    """The request's queries that see one of the blocks (None: all of them)."""
+    positions: torch.Tensor
+    """The positions of the request's new tokens."""
+
+    def segment(self, queries: torch.Tensor) -> AttendSegment:
+        """The segment of this layer's ``queries`` (the request's, [n, heads, head_dim])."""
+        positions = self.positions
+        if self.rows is not None:
+            queries, positions = queries[self.rows], positions[self.rows]
+        return AttendSegment(queries, positions, self.wire_blocks, self.firsts)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """A step's attention over its borrowing requests' blocks, the same in every layer."""
+
+    writes: list[dict[str | None, tuple[list[BlockRef], torch.Tensor, torch.Tensor]]]
+    """Per request, per holder: the blocks its new tokens go to, their rows and slots."""
+    segments: dict[str | None, list[_PlannedSegment]]
+    """Per holder (None: this pool), the requests' blocks there."""
 
 
 class RManager:
@@ -66,6 +104,7 @@ class RManager:
         self.worker_id = worker_id
         self.batch_invariant = batch_invariant
         self.local = LocalBlockAllocator(pool)
+        self._native_combine = pool.device.type == "cpu" and invariant_available()
         self.lender = BlockLender(self.local, lending)
         self._creditors: dict[str, RemoteBlockAllocator] = {}
 
@@ -90,20 +129,33 @@ class RManager:
         """Borrow ``count`` blocks from ``creditor`` (its refusal, ``ResourceExhausted``, borrows none)."""
         return self._creditor(creditor).allocate(count)
 
-    def place_prefill(self, table: BlockTable, plan: PrefillPlan) -> None:
-        """Fill the empty ``table`` as ``plan`` says: its local blocks allocated here, its remote
-        ones (already granted) as planned; the granted blocks it does not need are given back."""
-        if len(table):
-            raise FailedPrecondition(f"a prefill plan fills an empty table; this one has {len(table)} blocks")
-        table.append(self.local.allocate(plan.local_blocks))
-        table.append([planned.remote for planned in plan.blocks[plan.local_blocks :]])
-        self.free([RemoteBlock(g.creditor, block_id) for g in plan.surplus for block_id in g.block_ids])
-
     def write(
         self, table: BlockTable, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Store one layer's ``keys``/``values`` [n, kv_dim] of the tokens at ``positions`` [n],
         each in its logical block, wherever that block lives (one call per holder)."""
+        for holder, (blocks, index, slots) in self._rows_by_holder(table, positions).items():
+            self._allocator(holder).write(layer, blocks, slots, keys[index], values[index])
+
+    def store(
+        self, table: BlockTable, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> list[Pending[None]]:
+        """:meth:`write` without waiting for creditors: the local rows are stored now, the remote
+        ones are on their way (one call per creditor), done when every returned call is."""
+        pending = []
+        for holder, (blocks, index, slots) in self._rows_by_holder(table, positions).items():
+            if holder is None:
+                self.local.write(layer, blocks, slots, keys[index], values[index])
+            else:
+                rows = KvRows(blocks, slots, keys[index], values[index])
+                pending.append(self._creditor(holder).write_async(layer, rows))
+        return pending
+
+    def _rows_by_holder(
+        self, table: BlockTable, positions: torch.Tensor
+    ) -> dict[str | None, tuple[list[BlockRef], torch.Tensor, torch.Tensor]]:
+        """Per holder, the blocks of the tokens at ``positions`` that it holds, the rows of those
+        tokens and their slots in the blocks."""
         by_holder: dict[str | None, list[int]] = {}
         blocks: list[BlockRef] = []
         for row, position in enumerate(positions.tolist()):
@@ -111,49 +163,98 @@ class RManager:
             blocks.append(block)
             by_holder.setdefault(self._holder(block), []).append(row)
         slots = positions % self.block_tokens
+        grouped = {}
         for holder, rows in by_holder.items():
             index = torch.tensor(rows, dtype=torch.int64, device=positions.device)
-            self._allocator(holder).write(
-                layer, [blocks[r] for r in rows], slots[index], keys[index], values[index]
-            )
+            grouped[holder] = ([blocks[r] for r in rows], index, slots[index])
+        return grouped
 
-    def attend(self, layer: int, requests: Sequence[TableQueries]) -> list[torch.Tensor]:
-        """Per request, float32 [n, num_heads, head_dim]: exact causal attention of its queries
-        over its whole context, as micro-attentions where its blocks are, scale-reduced here.
-        Each holder gets one call for all requests; blocks in every query's future are skipped.
-
-        Batch-invariant: one segment per block (the queries travel once per block), and the
-        block partials combined in block order (``chunked_attention``)."""
-        segments: dict[str | None, list[tuple[int, AttendSegment]]] = {}
-        for index, request in enumerate(requests):
-            horizon = int(request.positions.max()) if request.positions.numel() else -1
+    def plan_attention(self, requests: Sequence[tuple[BlockTable, torch.Tensor]]) -> AttentionPlan:
+        """Where each request's new rows go and which blocks its queries attend over, per holder,
+        for requests given as (block table, positions of their new tokens): the same in every
+        layer of a step, so a step plans once (walking a long context's blocks in Python per layer
+        cost ~20 ms a step)."""
+        writes = []
+        segments: dict[str | None, list[_PlannedSegment]] = {}
+        for index, (table, positions) in enumerate(requests):
+            writes.append(self._rows_by_holder(table, positions))
+            horizon = int(positions.max()) if positions.numel() else -1
+            groups: list[tuple[str | None, list[BlockRef], list[int]]] = []
             per_holder: dict[str | None, tuple[list[BlockRef], list[int]]] = {}
-            for logical in range(len(request.table)):
-                first = request.table.first_position(logical)
+            for logical in range(len(table)):
+                first = table.first_position(logical)
                 if first > horizon:
                     break
-                block = self._block_at(request.table, first)
+                block = self._block_at(table, first)
                 if self.batch_invariant:
-                    segment = AttendSegment(request.queries, request.positions, [block], [first])
-                    segments.setdefault(self._holder(block), []).append((index, segment))
+                    groups.append((self._holder(block), [block], [first]))
                     continue
                 held, firsts = per_holder.setdefault(self._holder(block), ([], []))
                 held.append(block)
                 firsts.append(first)
-            for holder, (held, firsts) in per_holder.items():
-                segment = AttendSegment(request.queries, request.positions, held, firsts)
-                segments.setdefault(holder, []).append((index, segment))
+            groups += [(holder, held, firsts) for holder, (held, firsts) in per_holder.items()]
+            for holder, held, firsts in groups:
+                seen = positions >= firsts[0]  # blocks come in position order
+                rows = None if bool(seen.all()) else seen.nonzero().squeeze(1)
+                wire = held if holder is None else self._creditor(holder).wire_ids(held)
+                segments.setdefault(holder, []).append(
+                    _PlannedSegment(index, held, wire, firsts, rows, positions)
+                )
+        return AttentionPlan(writes, segments)
+
+    def attend(
+        self, layer: int, requests: Sequence[TableQueries], plan: AttentionPlan | None = None
+    ) -> list[torch.Tensor]:
+        """Per request, float32 [n, num_heads, head_dim]: exact causal attention of its queries
+        over its whole context, as micro-attentions where its blocks are, scale-reduced here.
+        ``plan``: :meth:`plan_attention` of the same requests (None: planned here).
+
+        A request's new KV (``keys``/``values``) is stored first, its remote rows in the same
+        call as the attention there: one round trip per creditor for all requests, sent before
+        the local blocks are attended over so that the two overlap. Blocks in every query's
+        future are skipped, and a creditor gets only the queries that see its blocks.
+
+        Batch-invariant: one segment per block (the queries travel once per block), and the
+        block partials combined in block order (``chunked_attention``)."""
+        if plan is None:
+            plan = self.plan_attention([(r.table, r.positions) for r in requests])
+        writes: dict[str | None, list[KvRows]] = {}
+        for request, by_holder in zip(requests, plan.writes):
+            if request.keys is not None:
+                for holder, (blocks, index, slots) in by_holder.items():
+                    rows = KvRows(blocks, slots, request.keys[index], request.values[index])
+                    writes.setdefault(holder, []).append(rows)
+        for rows in writes.pop(None, []):
+            self.local.write(layer, rows.blocks, rows.slots, rows.keys, rows.values)
+        segments = {
+            holder: [planned.segment(requests[planned.request].queries) for planned in planned_segments]
+            for holder, planned_segments in plan.segments.items()
+        }
+        pending = {
+            holder: self._creditor(holder).attend_wire(
+                layer, segments.get(holder, []), _joined(writes.get(holder))
+            )
+            for holder in {*segments, *writes} - {None}
+        }
         partials: list[list] = [[] for _ in requests]
-        for holder, indexed in segments.items():
-            results = self._allocator(holder).attend(layer, [segment for _, segment in indexed])
-            for (index, segment), partial in zip(indexed, results):
-                partials[index].append((segment.block_first_positions[0], partial))
+
+        def collect(holder: str | None, results: list[PartialAttention]) -> None:
+            for planned, partial in zip(plan.segments.get(holder, []), results):
+                partial = _spread(partial, planned.rows, requests[planned.request].queries.shape[0])
+                partials[planned.request].append((planned.firsts[0], partial))
+
+        if None in segments:
+            collect(None, self.local.attend(layer, segments[None]))
+        for holder, answer in pending.items():
+            collect(holder, answer.result())
         outputs = []
         for request, parts in zip(requests, partials):
             n, heads, head_dim = request.queries.shape
             if not parts:
                 outputs.append(empty_partial(n, heads, head_dim, request.queries.device).output)
-            elif self.batch_invariant:  # one partial per block: in block order
+            elif self.batch_invariant or self._native_combine:
+                # In block order (what batch-invariant serving needs), in one native call where
+                # there is one: scale_reduce is ten torch ops, once per layer.
                 in_order = [partial for _, partial in sorted(parts, key=lambda part: part[0])]
                 outputs.append(combine_in_block_order(in_order).output)
             else:
@@ -274,3 +375,28 @@ class RManager:
         if allocator is None:
             raise NotFound(f"worker {self.worker_id} is not connected to creditor {creditor}")
         return allocator
+
+
+def _joined(rows: list[KvRows] | None) -> KvRows | None:
+    """Several requests' rows for one holder as one write (None: nothing to write)."""
+    if not rows:
+        return None
+    if len(rows) == 1:
+        return rows[0]
+    return KvRows(
+        [block for r in rows for block in r.blocks],
+        torch.cat([r.slots for r in rows]),
+        torch.cat([r.keys for r in rows]),
+        torch.cat([r.values for r in rows]),
+    )
+
+
+def _spread(partial: PartialAttention, rows: torch.Tensor | None, n: int) -> PartialAttention:
+    """``partial`` of the queries at ``rows`` as the partial of all ``n`` queries: the others saw
+    none of its keys (None: it is of all of them already)."""
+    if rows is None:
+        return partial
+    whole = empty_partial(n, partial.output.shape[1], partial.output.shape[2], partial.output.device)
+    whole.output[rows] = partial.output
+    whole.lse[rows] = partial.lse
+    return whole

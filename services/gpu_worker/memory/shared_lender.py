@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from services.gpu_worker.memory.block_lender import BlockLender
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.memory.unified_pool import PoolLayout
 from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import FailedPrecondition
@@ -71,10 +71,14 @@ class SharedLender:
             self.lender.free(debtor, block_ids)
 
     def attend(
-        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
+        self,
+        debtor: str,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[int] | None = None,
     ) -> list[PartialAttention]:
         with self._lock:
-            return self.lender.attend(debtor, layer, segments)
+            return self.lender.attend(debtor, layer, segments, write)
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:

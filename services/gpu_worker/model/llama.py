@@ -157,15 +157,9 @@ class LlamaModel:
 
     def _fused_glue(self, batch: StepBatch, native: bool) -> bool:
         """Whether this step runs :class:`NativeStepOps` (each op one prepared native call, the
-        LoRA deltas added into views of the fused outputs). Steps with borrowed KV (their k/v
-        also go to creditors) and tensor-parallel ranks keep :class:`TorchStepOps`."""
-        return (
-            native
-            and self.tp is None
-            and batch.remote is None
-            and batch.local_token_rows is None
-            and self.config.head_dim % 16 == 0
-        )
+        LoRA deltas added into views of the fused outputs). Tensor-parallel ranks keep
+        :class:`TorchStepOps`."""
+        return native and self.tp is None and self.config.head_dim % 16 == 0
 
     @staticmethod
     def _lora(batch: StepBatch, layer: int, names: tuple[str, ...], x: torch.Tensor, pool, *outs) -> None:
@@ -226,5 +220,7 @@ class LlamaModel:
                 h = ops.add_rms_norm(x, down, self.layers[index + 1].input_norm)
             else:
                 x.add_(down)
+        if batch.remote is not None:
+            batch.remote.finish()
         last = ops.rms_norm(x[batch.logits_rows], self.norm)
         return ops.linear("lm_head", last, self.lm_head).float()

@@ -13,8 +13,8 @@ was a quarter of the step (docs/benchmarks.md, "Quantized base"). Here:
 - every value is computed as :class:`~services.gpu_worker.model.step_ops.TorchStepOps` computes it
   with ``native`` on: the same bits (``tests/gpu_worker/model/test_fused_glue.py``).
 
-Used for steps with every KV block in this pool, no tensor parallelism, ``head_dim % 16 == 0``
-(``LlamaModel.forward`` decides).
+Used for steps without tensor parallelism where ``head_dim % 16 == 0`` (``LlamaModel.forward``
+decides), borrowing requests' rows included: their rotated K/V are staged for ``batch.remote``.
 """
 
 from __future__ import annotations
@@ -97,9 +97,13 @@ class NativeStepOps(TorchStepOps):
     def rotate_and_cache(
         self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q rotated [T, heads, head_dim]; k and v go to the cache only (returned k: unrotated)."""
+        """q rotated [T, heads, head_dim]; k and v go to the cache. Returned k: unrotated when
+        every row is cached; rotated when the step has borrowing requests (their rows' K/V go
+        to their blocks through ``batch.remote``, not to this pool)."""
         model, batch = self.model, self.batch
         cfg = model.config
+        if batch.local_token_rows is not None:
+            return self._rotate_through_staging(qkv, layer)
         keys, values = batch.write_key_rows[layer], batch.write_value_rows[layer]
         call = self._calls.get(("rope_kv",))
         if call is None:
@@ -111,6 +115,28 @@ class NativeStepOps(TorchStepOps):
         else:
             call.run(qkv=qkv.data_ptr(), key_rows=keys.data_ptr(), value_rows=values.data_ptr())
         return self._q.view(-1, cfg.num_heads, cfg.head_dim), k
+
+    def _rotate_through_staging(self, qkv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation into a staging buffer of every row's k and v (pool dtype, as the cache
+        holds them), then this pool's rows copied from it: the borrowing rows read theirs there."""
+        model, batch, pool = self.model, self.batch, self.pool
+        cfg, tokens = model.config, self._tokens
+        call = self._calls.get(("rope_kv_staged",))
+        if call is None:
+            self._staging = torch.empty(2 * tokens, model.kv_dim, dtype=pool.kv_rows.dtype)
+            self._staging_rows = torch.arange(2 * tokens)  # held: the prepared call keeps pointers
+            call = self._calls[("rope_kv_staged",)] = cpu_invariant.prepare_rope_kv(
+                qkv, batch.positions, model.rope.cos, model.rope.sin, cfg.num_heads, cfg.num_kv_heads,
+                self._q, self._staging, self._staging_rows[:tokens], self._staging_rows[tokens:],
+            )  # fmt: skip
+            call.run()
+        else:
+            call.run(qkv=qkv.data_ptr())
+        local = batch.local_token_rows
+        staged_keys, staged_values = self._staging[:tokens], self._staging[tokens:]
+        pool.kv_rows.index_copy_(0, batch.write_key_rows[layer], staged_keys[local])
+        pool.kv_rows.index_copy_(0, batch.write_value_rows[layer], staged_values[local])
+        return self._q.view(-1, cfg.num_heads, cfg.head_dim), staged_keys.view(tokens, -1, cfg.head_dim)
 
     def attention(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         model = self.model

@@ -59,6 +59,10 @@ class RemoteAttention(Protocol):
         ``q`` [T, heads, head_dim] over each request's whole context."""
         ...
 
+    def finish(self) -> None:
+        """After the last layer: wait until the KV stored without waiting is where it belongs."""
+        ...
+
 
 @dataclass(frozen=True)
 class StepBatch:

@@ -70,7 +70,9 @@ class Mesh:
             assert accounting.borrowed_blocks == {}, name
             assert accounting.lent_blocks == {}, name
             layout = engine.pool.layout
-            assert engine.pool.usage().free_pages == layout.num_pages, name
+            # Prompt blocks left in the prefix cache with no request using them are evictable.
+            cached = engine.prefix_cache.evictable_pages() if engine.prefix_cache is not None else 0
+            assert engine.pool.usage().free_pages + cached == layout.num_pages, name
 
 
 def run(engine: Engine, request: GenerationRequest, logits: dict | None = None) -> list[int]:

@@ -60,6 +60,9 @@ class CycleMesh:
                 worker_id=name,
                 max_lent_blocks=CAP,
                 kv_overflow="borrow",
+                # The cycle is built block by block: no prompt block may stay cached after its
+                # request, where a lender's free pages are counted.
+                prefix_cache=False,
             )
             engine = Engine(
                 model,

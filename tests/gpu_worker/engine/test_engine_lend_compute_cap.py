@@ -11,8 +11,9 @@ import torch
 
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.memory.in_process_transport import InProcessTransport
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.memory.lend_compute_cap import LendComputeCap
+from services.gpu_worker.memory.remote_block_allocator import Pending, done
 from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.model.dist_attention import PartialAttention
 from services.gpu_worker.model.llama import LlamaModel
@@ -27,10 +28,14 @@ class ThroughTheLender(InProcessTransport):
         self.shared: SharedLender = engine.lending
 
     def attend(
-        self, debtor: str, layer: int, segments: Sequence[AttendSegment[int]]
-    ) -> list[PartialAttention]:
+        self,
+        debtor: str,
+        layer: int,
+        segments: Sequence[AttendSegment[int]],
+        write: KvRows[int] | None = None,
+    ) -> Pending[list[PartialAttention]]:
         self._reachable()
-        return self.shared.attend(debtor, layer, segments)
+        return done(lambda: self.shared.attend(debtor, layer, segments, write))
 
 
 class Ticks:
@@ -64,7 +69,9 @@ def test_a_creditor_over_its_cap_refuses_and_the_debtor_recomputes_elsewhere(tin
     assert busy.distkv.totals().lent_attention_calls == 1
     assert debtor.distkv.totals().remote_attention_refused == 1
     assert debtor.preemptions == 1  # recomputed once, nothing lost
-    assert all(peers == {"w2"} for peers in borrowed_from)  # every token attended over w2 only
+    # The prefill attended over its KV in hand and shipped the lent part to w1; w1 refused the
+    # first decode step's attention, so every later token attended over w2 only.
+    assert borrowed_from[0] == {"w1"} and all(peers == {"w2"} for peers in borrowed_from[1:])
     mesh.assert_every_block_accounted_for()  # w1's blocks were given back, not leaked
 
 

@@ -53,12 +53,12 @@ def test_debtor_attention_is_timed_per_call_and_closed_per_step(tiny_llama):
     assert meter.end_step() is None and waits == []  # a step with no remote attention
 
     for _ in range(3):
-        transport.attend("debtor", 0, [segment(lender_engine, tiny_llama, block)])
+        transport.attend("debtor", 0, [segment(lender_engine, tiny_llama, block)]).result()
     assert meter.totals().remote_attention_calls == 3
-    assert meter.totals().remote_attention_s == 0.75  # each call read the clock twice
+    assert meter.totals().remote_attention_s == 0.75  # each wait read the clock twice
     assert meter.end_step() == 0.75 and waits == [0.75]
 
-    transport.attend("debtor", 1, [segment(lender_engine, tiny_llama, block)])
+    transport.attend("debtor", 1, [segment(lender_engine, tiny_llama, block)]).result()
     assert meter.end_step() == 0.25 and waits == [0.75, 0.25]
     assert meter.end_step() is None
     transport.free("debtor", [block])

@@ -8,6 +8,7 @@ import torch
 
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
+from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.prefix_cache import (
     BASE_MODEL_KEY_SPACE,
@@ -16,6 +17,7 @@ from services.gpu_worker.memory.prefix_cache import (
     block_keys,
 )
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.runtime.errors import FailedPrecondition
 from tests.gpu_worker.memory.test_unified_pool import adapter
 
 LAYOUT = PoolLayout(num_pages=16, kv_block_tokens=4, kv_dim=8, num_layers=2)
@@ -94,9 +96,26 @@ def test_pool_pressure_evicts_unused_cached_blocks_lru_before_idle_adapters():
     assert cache.refcount(new[0]) == 0 and cache.stats().evicted_blocks == 3
 
 
-def test_a_table_with_shared_blocks_cannot_hand_them_over():
+def test_a_table_handing_over_shared_blocks_keeps_their_references_and_the_new_owner_frees_only_its_own():
+    """A request that starts to borrow hands its pages to the rManager; its cached prompt blocks
+    stay the cache's: read-only there, forgotten (not freed) when the request ends, and released
+    to the cache by its KV table."""
     pool = UnifiedPool(LAYOUT, torch.float32)
     cache = PrefixCache(pool)
-    table = computed_table(pool, cache, block_keys(BASE_MODEL_KEY_SPACE, list(range(4)), 4))
-    with pytest.raises(Exception, match="shared prefix blocks"):
-        table.hand_over()
+    keys = block_keys(BASE_MODEL_KEY_SPACE, list(range(8)), 4)
+    table = computed_table(pool, cache, keys)
+    table.reserve(12)  # a third block of its own
+    local = LocalBlockAllocator(pool)
+    cached = set(table.shared)
+    blocks = local.adopt(table.hand_over(), cached)
+    assert cached == {0, 1} and len(blocks) == 3 and local.allocated_blocks == 1
+    with pytest.raises(FailedPrecondition, match="read-only"):
+        local.write(
+            0, blocks[:1], torch.tensor([0]), torch.ones(1, LAYOUT.kv_dim), torch.ones(1, LAYOUT.kv_dim)
+        )
+    assert all(cache.refcount(key) == 1 for key in keys)
+    free_before = pool.usage().free_pages
+    local.free(blocks)
+    assert pool.usage().free_pages == free_before + LAYOUT.num_layers  # its own block only
+    table.release()
+    assert all(cache.refcount(key) == 0 for key in keys) and cache.evictable_pages() == 2 * LAYOUT.num_layers

@@ -13,7 +13,6 @@ from services.gpu_worker.memory.block_lender import LendingConfig
 from services.gpu_worker.memory.block_table import BlockTable, LocalBlock, RemoteBlock
 from services.gpu_worker.memory.in_process_transport import InProcessTransport
 from services.gpu_worker.memory.page_allocator import PoolExhausted
-from services.gpu_worker.memory.prefill_plan import RemoteGrant, plan_prefill
 from services.gpu_worker.memory.rmanager import RManager, TableQueries
 from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
 from services.gpu_worker.model.dist_attention import micro_attention
@@ -99,11 +98,16 @@ def assert_exact_attention(rm: RManager, table: BlockTable, keys, values, querie
 
 
 def spread_request(mesh: Mesh, tokens: int, local: int, grants: dict[str, int]) -> BlockTable:
-    """A request on w0 whose prompt is planned over ``local`` local blocks and ``grants``."""
+    """A request on w0 whose prompt is placed as admission places it: its first ``local`` blocks
+    in the pool, the tail borrowed from ``grants`` in order (blocks it does not need given back)."""
     rm = mesh.workers["w0"]
-    granted = [RemoteGrant(c, tuple(b.block_id for b in rm.borrow(c, n))) for c, n in grants.items()]
     table = rm.new_table()
-    rm.place_prefill(table, plan_prefill(tokens, BLOCK, local, granted))
+    table.append(rm.local.allocate(local))
+    for creditor, count in grants.items():
+        borrowed = rm.borrow(creditor, count)
+        needed = table.blocks_needed(tokens)
+        table.append(borrowed[:needed])
+        rm.free(borrowed[needed:])
     return table
 
 

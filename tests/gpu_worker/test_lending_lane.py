@@ -1,0 +1,118 @@
+"""The same-host lending lane (``services/gpu_worker/lending_lane.py``): a debtor's transport opens
+it through the creditor's ``OpenLendingLane`` RPC, then attends and writes over a Unix socket with
+the same answers as over gRPC, the same refusals, and the debtor bound to the token the creditor
+issued to the caller; a creditor whose lane closes is unreachable, as a dead one is over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+from support.worker_server import serve_worker
+
+from mesh_api.v1 import worker_pb2
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport, _refusal
+from services.gpu_worker.lending_lane import ATTEND, HELLO, OK, LaneClient, LaneServer, _frame, _read_frame
+from services.gpu_worker.lending_proto import segment_to_proto
+from services.gpu_worker.memory.distkv_meter import DistKvMeter
+from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.model.llama import LlamaModel
+from services.runtime.errors import PermissionDenied, Unavailable
+
+
+@pytest.fixture
+async def creditor(tiny_llama):
+    """(engine, lane, address) of a lending worker serving its RPCs and its lane."""
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+    engine = Engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=8))
+    lane = LaneServer(engine.lending, engine.pool.device)
+    server, address = await serve_worker(engine, "tiny", lane=lane)
+    try:
+        yield engine, lane, address
+    finally:
+        lane.close()
+        await server.stop(None)
+
+
+def run(call):
+    return asyncio.to_thread(call)
+
+
+async def test_the_lane_answers_as_the_rpcs_do_and_counts_its_bytes(creditor, tiny_llama):
+    engine, _, address = creditor
+    layout, cfg = engine.pool.layout, tiny_llama.config
+    over_lane = GrpcCreditorTransport("creditor", address, layout)
+    over_grpc = GrpcCreditorTransport("creditor", address, layout, lane=False)
+    ids = await run(lambda: over_lane.allocate("debtor-a", 2))
+    block = layout.kv_block_tokens
+    keys = torch.randn(block, layout.kv_dim, generator=torch.Generator().manual_seed(1))
+    rows = KvRows([ids[0]] * block, torch.arange(block), keys, -keys)
+    await run(lambda: over_lane.write_async("debtor-a", 1, rows).result())
+    assert over_lane._lane is not None  # the write took the lane
+
+    queries = torch.randn(2, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(2))
+    segment = AttendSegment(queries, torch.tensor([3, block - 1]), [ids[0]], [0])
+    tail = KvRows([ids[1]], torch.tensor([0]), keys[:1] * 2, keys[:1])
+    sent_before = over_lane.meter.totals().remote_bytes_sent
+    (lane_partial,) = await run(lambda: over_lane.attend("debtor-a", 1, [segment], tail).result())
+    assert over_lane.meter.totals().remote_bytes_sent > sent_before
+    (grpc_partial,) = await run(lambda: over_grpc.attend("debtor-a", 1, [segment]).result())
+    assert torch.equal(lane_partial.output, grpc_partial.output) and torch.equal(
+        lane_partial.lse, grpc_partial.lse
+    )
+    stored, _ = await run(lambda: over_grpc.read("debtor-a", ids[1:]))
+    assert torch.equal(stored[1, 0], keys[0] * 2)  # the write carried by the lane's attention call
+
+    theirs = await run(lambda: over_grpc.allocate("debtor-b", 1))
+    stolen = AttendSegment(queries[:1], torch.tensor([0]), theirs, [0])
+    with pytest.raises(PermissionDenied, match=f"block {theirs[0]} is not lent to debtor-a"):
+        await run(lambda: over_lane.attend("debtor-a", 0, [stolen]).result())
+    (after,) = await run(lambda: over_lane.attend("debtor-a", 1, [segment]).result())  # still open
+    assert torch.equal(after.output, lane_partial.output)
+    await run(lambda: over_grpc.free("debtor-a", ids))
+    await run(lambda: over_grpc.free("debtor-b", theirs))
+    over_lane.close()
+    over_grpc.close()
+
+
+async def test_a_connection_acts_only_for_the_debtor_its_token_was_issued_to(creditor, tiny_llama):
+    engine, lane, address = creditor
+    with socket.socket(socket.AF_UNIX) as unknown:
+        unknown.connect(lane.path)
+        unknown.sendall(_frame(HELLO, b"0" * 32))
+        status, reply = _read_frame(unknown)
+    assert status != OK and reply.startswith(b"UNAUTHENTICATED")
+
+    over_grpc = GrpcCreditorTransport("creditor", address, engine.pool.layout, lane=False)
+    ids = await run(lambda: over_grpc.allocate("debtor-a", 1))
+    as_b = LaneClient("creditor", lane.path, lane.issue("debtor-b"), DistKvMeter(), _refusal, 10.0)
+    queries = torch.randn(1, tiny_llama.config.num_heads, tiny_llama.config.head_dim)
+    request = worker_pb2.AttendRemoteRequest(
+        debtor="debtor-a",  # the token's debtor counts, not the name in the message
+        layer=0,
+        segments=[segment_to_proto(AttendSegment(queries, torch.tensor([0]), ids, [0]))],
+    )
+    with pytest.raises(PermissionDenied, match=f"block {ids[0]} is not lent to debtor-b"):
+        await run(lambda: as_b.call(ATTEND, request, lambda data: data).result())
+    as_b.close()
+    await run(lambda: over_grpc.free("debtor-a", ids))
+    over_grpc.close()
+
+
+async def test_a_closed_lane_makes_the_creditor_unreachable(creditor, tiny_llama):
+    engine, lane, address = creditor
+    remote = GrpcCreditorTransport("creditor", address, engine.pool.layout)
+    ids = await run(lambda: remote.allocate("debtor-a", 1))
+    queries = torch.randn(1, tiny_llama.config.num_heads, tiny_llama.config.head_dim)
+    segment = AttendSegment(queries, torch.tensor([0]), ids, [0])
+    await run(lambda: remote.attend("debtor-a", 0, [segment]).result())
+    lane.close()
+    remote._lane._socket.shutdown(socket.SHUT_RDWR)  # what the creditor's death does to it
+    with pytest.raises(Unavailable, match="lending lane failed"):
+        await run(lambda: remote.attend("debtor-a", 0, [segment]).result())
+    with pytest.raises(Unavailable):
+        await run(lambda: remote.attend("debtor-a", 0, [segment]).result())  # it stays failed
+    remote.close()
