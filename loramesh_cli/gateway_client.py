@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from loramesh.client import Client, RetryNotice
-from loramesh.errors import NoApiKey, NoGatewayAddress
+from loramesh.errors import NoApiKey, NoGatewayAddress, ResourceExhausted
 from loramesh_cli.errors import CommandError
 from loramesh_cli.mesh_file import MeshFile, live_mesh
 from loramesh_cli.tls_options import sdk_tls
@@ -42,9 +42,13 @@ def add_connection_flags(parser: argparse.ArgumentParser, *, override_only: bool
 
 
 def announce_retry(notice: RetryNotice) -> None:
-    """One stderr line per retry, so an unreachable gateway is not silent for seconds."""
+    """One stderr line per retry, so an unreachable gateway or a quota wait is not silent."""
+    if isinstance(notice.failure, ResourceExhausted):
+        why = f"gateway {notice.failed_address} asked to wait ({notice.failure.details})"
+    else:
+        why = f"gateway {notice.failed_address} is unavailable"
     print(
-        f"loramesh: gateway {notice.failed_address} is unavailable; retrying on {notice.next_address} "
+        f"loramesh: {why}; retrying on {notice.next_address} "
         f"in {notice.delay_s:.1f} s (retry {notice.retry} of {notice.retries})",
         file=sys.stderr,
         flush=True,

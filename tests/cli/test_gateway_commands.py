@@ -15,7 +15,10 @@ import grpc
 import pytest
 from support.gateway_server import serve_gateway
 
+from loramesh.client import RetryNotice
+from loramesh.errors import ResourceExhausted
 from loramesh_cli.errors import CommandError
+from loramesh_cli.gateway_client import announce_retry
 from loramesh_cli.lora_modules import parse_lora_modules, register_lora_modules
 from loramesh_cli.main import main
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2_grpc, types_pb2
@@ -172,6 +175,16 @@ def test_each_retry_of_an_unreachable_gateway_is_one_stderr_line(tmp_path, capsy
     assert lines[1].startswith("loramesh: gateway 127.0.0.1:2 is unavailable; retrying on 127.0.0.1:1 in ")
     assert lines[1].endswith(" s (retry 2 of 2)")
     assert lines[2].startswith("loramesh: UNAVAILABLE: ")
+
+
+def test_a_quota_wait_is_announced_as_one_not_as_an_unavailable_gateway(capsys):
+    refusal = ResourceExhausted("tenant 'bob' is over 2 concurrent requests", retry_after_s=0.5)
+    announce_retry(RetryNotice("127.0.0.1:7", "127.0.0.1:7", 1, 3, 0.5, refusal))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "loramesh: gateway 127.0.0.1:7 asked to wait (tenant 'bob' is over 2 concurrent requests); "
+        "retrying on 127.0.0.1:7 in 0.5 s (retry 1 of 3)"
+    )
 
 
 def test_retries_must_not_be_negative(tmp_path, capsys):
