@@ -226,9 +226,9 @@ class Benchmark:
         while not outcome.token_times_s and not generation.done():
             await asyncio.sleep(0.05)
         first_token_wall = time.time()
-        at_first = await _heartbeat_after(mesh, debtor, first_token_wall)
+        at_first = await heartbeat_after(mesh, debtor, first_token_wall)
         await generation
-        at_end = await _heartbeat_after(mesh, debtor, time.time())
+        at_end = await heartbeat_after(mesh, debtor, time.time())
         borrowed = {c: int(n) for c, n in (at_first.get("borrowed_blocks") or {}).items()}
         context = request.prompt_tokens + request.new_tokens // 2
         traffic = decode_step_traffic(self.shape, borrowed, context)
@@ -247,7 +247,7 @@ class Benchmark:
         }
 
 
-async def _heartbeat_after(mesh: Mesh, worker_id: str, wall_time: float) -> dict:
+async def heartbeat_after(mesh: Mesh, worker_id: str, wall_time: float) -> dict:
     """The first heartbeat of ``worker_id`` written after ``wall_time`` (heartbeats come every
     second, so its counters include everything done before then)."""
     while True:

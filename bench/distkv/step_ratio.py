@@ -5,7 +5,8 @@ Two configurations run side by side as real processes: the borrowing mesh (a kv_
 workers with small pools, the request sent to worker 0, which borrows most of its KV from the
 other two) and one worker with a large pool. Rounds alternate between them; each round sends a
 fresh random prompt (no prefix is shared, so no cache helps either side) and measures the time
-to first token (the prefill) and the mean gap between its streamed tokens (the decode step).
+to first token (the prefill) and the mean gap between its streamed tokens (the decode step), and,
+from the debtor's heartbeats, how long its decode steps waited on creditors' answers.
 
 ```sh
 .venv/bin/python -m bench.distkv.step_ratio                  # 2,500-token prompts, 3 rounds
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from bench.distkv.client import WorkerClient
 from bench.distkv.config import MeshSettings
-from bench.distkv.experiment import load_average, machine, source_commit
+from bench.distkv.experiment import heartbeat_after, load_average, machine, source_commit
 from bench.distkv.mesh import ALL_LOCAL, BORROW, Mesh
 from bench.distkv.outcome import RequestOutcome
 from bench.distkv.workload import prompt_ids
@@ -66,7 +67,13 @@ async def run(args: argparse.Namespace) -> dict:
                 pair = {"load_before": load_average()}
                 order = [("borrow", debtor), ("all_local", alone)]
                 for name, client in order if index % 2 == 0 else reversed(order):
+                    if name == "borrow":
+                        before = await heartbeat_after(borrow, borrow.worker_ids[0], time.time())
                     pair[name] = await one_request(client, prompt, args.new_tokens, f"{name}-{index}")
+                    if name == "borrow":
+                        after = await heartbeat_after(borrow, borrow.worker_ids[0], time.time())
+                        waited = float(after["remote_attention_s"]) - float(before["remote_attention_s"])
+                        pair[name]["remote_wait_ms_per_decode_step"] = 1000 * waited / (args.new_tokens - 1)
                 rounds.append(pair)
                 print(json.dumps(pair), flush=True)
         finally:
