@@ -244,11 +244,19 @@ class RequestScheduler:
 
     def _choose_draining(self) -> str | None:
         """The held adapter whose running requests end soonest (fewest tokens left to its
-        longest one), the merged one aside; None when no running request holds one."""
+        longest one), the merged one and pinned ones aside (a pinned adapter is never evicted, so
+        draining it would hold its requests back for no room); None when no running request
+        holds one."""
         ends: dict[str, int] = {}
+        residency = self.adapters.residency
         for r in self.running:
             adapter_id = r.spec.adapter_id
-            if r.holds_adapter and adapter_id is not None and adapter_id != self.adapters.merged:
+            if (
+                r.holds_adapter
+                and adapter_id is not None
+                and adapter_id != self.adapters.merged
+                and not residency.is_pinned(adapter_id)
+            ):
                 ends[adapter_id] = max(ends.get(adapter_id, 0), self._tokens_left(r))
         return min(ends, key=lambda a: (ends[a], a)) if ends else None
 

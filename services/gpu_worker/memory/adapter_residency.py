@@ -314,6 +314,9 @@ class AdapterResidency:
         """Make ``adapter_ids`` the adapters never evicted (resident now or once paged in)."""
         set_pins(self._eviction, adapter_ids)
 
+    def is_pinned(self, adapter_id: str) -> bool:
+        return adapter_id in self._eviction.pinned()
+
     def pages_needed(self, adapter: HostAdapter) -> int:
         """Pages to have free before loading ``adapter`` (an upper bound; extras are returned).
         Any thread: the bound is kept for ``load``."""

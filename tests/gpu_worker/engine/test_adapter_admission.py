@@ -110,6 +110,23 @@ def test_requests_of_resident_adapters_pass_one_that_waits_for_adapter_room(tiny
     engine.stop()
 
 
+def test_a_pinned_adapter_is_never_the_one_drained(tiny_llama, adapters):
+    """b's running request ends soonest, but b is pinned: draining it would free nothing (it is
+    never evicted), so a drains and b's queued request still starts."""
+    engine = two_slot_engine(tiny_llama, adapters)
+    engine.residency.set_pinned(["b"])
+    engine.submit(request("a-long", "a", max_tokens=40), lambda event: None)
+    engine.submit(request("b-short", "b", max_tokens=6), lambda event: None)
+    while running_ids(engine) != {"a-long", "b-short"}:
+        engine.step()
+    engine.submit(request("c1", "c", max_tokens=4), lambda event: None)
+    engine.submit(request("b2", "b", max_tokens=4), lambda event: None)
+    engine.step()
+    assert engine.scheduler.draining == "a"
+    assert "b2" in running_ids(engine) and "c1" not in running_ids(engine)
+    engine.stop()
+
+
 def test_a_request_still_without_room_once_the_drain_is_over_stops_admission(tiny_llama, adapters):
     """In the split region "wide" (rank 12) fits alone but not beside a held rank-8 adapter: once
     b drained, its pages are not enough, and the waiting request stops admission (no request
