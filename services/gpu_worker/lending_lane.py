@@ -4,9 +4,9 @@
 Why: a decode step of a borrowing request waits for one answer per layer from each creditor. A
 gRPC round trip between two Python processes on loopback costs 1.3–2.5 ms on a 2-core machine,
 30 of them a step; the same protobuf messages framed on a Unix socket cost ~25 µs (measured:
-docs/benchmarks.md, "Borrowed KV at near-local speed"). Workers on one host (``loramesh up``, or
-pods of one node sharing a directory) take the lane; others, or a lane that fails to open, keep
-gRPC.
+docs/benchmarks.md, "Borrowed KV at near-local speed"). Workers on one host sharing its
+temporary directory (``loramesh up``) take the lane; others (pods, which do not share it), or a
+lane that fails to open, keep gRPC.
 
 Who may use it: the lane is opened with the ``OpenLendingLane`` RPC, which the authorization
 table and mutual TLS guard like every lending RPC. Its answer is the socket's path and a random
