@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,13 +51,19 @@ ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 
 
 class QuantKernels:
-    """One build of the kernels: compiled (or found in the cache) and loaded; never raises."""
+    """One build of the kernels: compiled (or found in the cache) and loaded; never raises.
 
-    def __init__(self, isa: str = "native"):
+    ``source``: another version of ``cpu_quant_matmul.c`` (benchmarks compare builds; it
+    includes this directory's ``cpu_invariant.h``).
+    """
+
+    def __init__(self, isa: str = "native", source: Path = SOURCE):
         extra = ISA_FLAGS[isa]
+        if source != SOURCE:
+            extra = (*extra, f"-I{HEADER.parent}")
         flag_sets = [(*flags[:2], *extra, *flags[2:]) for flags in FLAG_SETS]
         self._build = native_build.build_native(
-            f"cpu_quant_{isa}", [SOURCE], flag_sets, native_build.CACHE_DIR, headers=(HEADER,)
+            f"cpu_quant_{isa}", [source], flag_sets, native_build.CACHE_DIR, headers=(HEADER,)
         )
         library = self._build.library
         if library is None:
@@ -110,6 +118,20 @@ def kernels(isa: str = "native") -> QuantKernels:
         if isa not in _kernels:
             _kernels[isa] = QuantKernels(isa)
         return _kernels[isa]
+
+
+@contextmanager
+def using(build: QuantKernels, isa: str = "native") -> Iterator[None]:
+    """Calls prepared inside run ``build`` in place of ``isa``'s own (a prepared call keeps the
+    build it was prepared with)."""
+    own = kernels(isa)
+    with _lock:
+        _kernels[isa] = build
+    try:
+        yield
+    finally:
+        with _lock:
+            _kernels[isa] = own
 
 
 def _blocks(blocks: torch.Tensor, rows: int) -> int:

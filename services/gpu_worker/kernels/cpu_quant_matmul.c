@@ -73,8 +73,12 @@ static const char ISA[] = "avx2";
 #define WIDEN_MIN_ROWS 8 /* from this many rows a block of W is dequantized once per work item */
 /* Below this many weights x rows one thread is done before a second one would have started. */
 #define PARALLEL_MIN_WORK 65536
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 12
+/* How far ahead of a tile's reads the quantized paths prefetch. A tile's rows are consecutive
+ * rows of W, one contiguous run of bytes read front to back (its rows side by side): prefetching
+ * that run linearly covers the next tile's rows too, which a per-row distance (12 blocks in each
+ * row) left to the first reads of every tile, 18 blocks long at in_features 576. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
 #endif
 
 /* Which vector path this build runs ("avx512" or "avx2"). */
@@ -82,16 +86,30 @@ const char *quant_isa(void) { return ISA; }
 
 static inline int64_t block_bytes(int fmt) { return fmt == QF_Q4_1 ? 20 : 34; }
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
+/* Every fp16 value in fp32 (what vcvtph2ps gives), filled when the library loads. A block's fp16
+ * scales looked up here are broadcast straight from memory (a load, no vector instruction), where
+ * converting and broadcasting them took 7 of the 14 vector instructions per block and row of the
+ * batch-1 loop; the scales a model uses are a few thousand values, so the lookups stay in L2.
+ * The widening path converts instead: its lookups' lines only crowded its buffers out of L2
+ * (3-5% slower at 8 rows), for no gain. */
+static float half_table[1 << 16];
+
+__attribute__((constructor)) static void fill_half_table(void) {
+    for (int h = 0; h < 1 << 16; h++) half_table[h] = _cvtsh_ss((unsigned short)h);
 }
 
-/* The 32 weights of one block, as CHUNKS vectors. */
-static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, int fmt, vec w[CHUNKS]) {
+/* The fp16 at p in fp32: looked up (`lookup`, a constant of each inlined caller) or converted. */
+static inline __attribute__((always_inline)) float half_at(const uint8_t *p, const int lookup) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return lookup ? half_table[h] : _cvtsh_ss(h);
+}
+
+/* The 32 weights of one block, as CHUNKS vectors (`lookup`: how to read the scales, see half_table). */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, int fmt, vec w[CHUNKS],
+                                                                const int lookup) {
     if (fmt == QF_Q4_1) {
-        const vec d = VSET1(half_at(blk)), m = VSET1(half_at(blk + 2));
+        const vec d = VSET1(half_at(blk, lookup)), m = VSET1(half_at(blk + 2, lookup));
         const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
 #if VW == 16
         /* The block's 16 possible weights d * q + m in one register, looked up by each lane's
@@ -110,7 +128,7 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
         w[3] = VFMA(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
 #endif
     } else {
-        const vec d = VSET1(half_at(blk));
+        const vec d = VSET1(half_at(blk, lookup));
         const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
         const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
 #if VW == 16
@@ -141,13 +159,20 @@ static inline __attribute__((always_inline)) void reduce_tile(vec acc[TILE_ROWS]
     v8f halves[TILE_ROWS * TILE_COLS];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < TILE_COLS; j++) halves[i * TILE_COLS + j] = half_sum(acc[i][j]);
-    float sums[TILE_ROWS * TILE_COLS];
+    float sums[TILE_ROWS * TILE_COLS + 2]; /* + 2: the odd pair's hsum4 below stores four */
     const int count = MR * TILE_COLS; /* even: TILE_COLS is 2 or 4 */
     for (int g = 0; g + 3 < count; g += 4) hsum4(halves[g], halves[g + 1], halves[g + 2], halves[g + 3], sums + g);
     if (count % 4) /* TILE_COLS 2, an odd row count */
         hsum4(halves[count - 2], halves[count - 1], halves[count - 1], halves[count - 1], sums + count - 2);
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < TILE_COLS; j++) s[i][j] = sums[i * TILE_COLS + j];
+}
+
+/* Prefetch the bytes a tile reads PREFETCH_BYTES after those of its block b (its TILE_COLS rows
+ * are consecutive from `tile`, each bb bytes a block): what block b's step reads, one step on. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, int64_t b, int64_t bb) {
+    const uint8_t *ahead = tile + b * TILE_COLS * bb + PREFETCH_BYTES;
+    for (int64_t o = 0; o < TILE_COLS * bb; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
 }
 
 /* s[i][j] = dot(x[i], w[j]) for MR rows of fp32 x and TILE_COLS rows of W, either quantized (wq,
@@ -172,10 +197,10 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
                 }
             }
         } else {
+            prefetch_ahead(wq[0], b, bb);
             for (int j = 0; j < TILE_COLS; j++) {
                 vec w[CHUNKS];
-                if (PREFETCH_BLOCKS) _mm_prefetch((const char *)(wq[j] + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
-                dequant_block(wq[j] + b * bb, fmt, w);
+                dequant_block(wq[j] + b * bb, fmt, w, 1);
                 for (int c = 0; c < CHUNKS; c++)
                     for (int i = 0; i < MR; i++) acc[i][j] = VFMA(w[c], VLOAD(x[i] + b * QBLOCK + c * VW), acc[i][j]);
             }
@@ -211,8 +236,8 @@ static void dequant_row(const uint8_t *row, int fmt, int64_t blocks, float *dst)
     const int64_t bb = block_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
         vec w[CHUNKS];
-        if (fmt == QF_Q4_1) dequant_block(row + b * bb, QF_Q4_1, w);
-        else dequant_block(row + b * bb, QF_Q8_0, w);
+        if (fmt == QF_Q4_1) dequant_block(row + b * bb, QF_Q4_1, w, 0);
+        else dequant_block(row + b * bb, QF_Q8_0, w, 0);
         for (int c = 0; c < CHUNKS; c++) VSTORE(dst + b * QBLOCK + c * VW, w[c]);
     }
 }
@@ -225,10 +250,22 @@ static void dequant_row(const uint8_t *row, int fmt, int64_t blocks, float *dst)
  * takes this path for bf16 x, so it is batch-invariant too. */
 #define BF16_PATH 1
 
-/* A block's 32 weights as bf16, in order. */
-static inline __attribute__((always_inline)) __m512bh dequant_block_bf16(const uint8_t *blk, int fmt) {
+/* A block's 32 weights as bf16, in order. For Q4_1 the block's 16 possible weights are rounded to
+ * bf16 once and looked up by nibble (vpermw reads the low 5 bits of each 16-bit index: the
+ * table, twice over, answers a whole byte by its low nibble): rounding a looked-up weight is
+ * looking up the rounded one, so these are the same bits as converting the 32 fp32 weights, in
+ * fewer instructions. */
+static inline __attribute__((always_inline)) __m512bh dequant_block_bf16(const uint8_t *blk, int fmt,
+                                                                         const int lookup) {
+    if (fmt == QF_Q4_1) {
+        const vec d = VSET1(half_at(blk, lookup)), m = VSET1(half_at(blk + 2, lookup));
+        const vec table = VFMA(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d, m);
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+        return (__m512bh)_mm512_permutexvar_epi16(nibbles, (__m512i)_mm512_cvtne2ps_pbh(table, table));
+    }
     vec w[CHUNKS];
-    dequant_block(blk, fmt, w);
+    dequant_block(blk, fmt, w, lookup);
     return _mm512_cvtne2ps_pbh(w[1], w[0]);
 }
 
@@ -241,9 +278,9 @@ static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *
     const int64_t bb = block_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
         __m512bh w[TILE_COLS];
+        if (!wb) prefetch_ahead(wq[0], b, bb);
         for (int j = 0; j < TILE_COLS; j++) {
-            if (PREFETCH_BLOCKS && !wb) _mm_prefetch((const char *)(wq[j] + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
-            w[j] = wb ? (__m512bh)_mm512_loadu_si512(wb[j] + b * QBLOCK) : dequant_block_bf16(wq[j] + b * bb, fmt);
+            w[j] = wb ? (__m512bh)_mm512_loadu_si512(wb[j] + b * QBLOCK) : dequant_block_bf16(wq[j] + b * bb, fmt, 1);
         }
         for (int i = 0; i < MR; i++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[i] + b * QBLOCK);
@@ -274,7 +311,8 @@ static void dot_tile_rows_bf16(const uint16_t *const *x, int mr, const uint8_t *
 static void dequant_row_bf16(const uint8_t *row, int fmt, int64_t blocks, uint16_t *dst) {
     const int64_t bb = block_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
-        const __m512bh w = fmt == QF_Q4_1 ? dequant_block_bf16(row + b * bb, QF_Q4_1) : dequant_block_bf16(row + b * bb, QF_Q8_0);
+        const __m512bh w = fmt == QF_Q4_1 ? dequant_block_bf16(row + b * bb, QF_Q4_1, 0)
+                                          : dequant_block_bf16(row + b * bb, QF_Q8_0, 0);
         _mm512_storeu_si512(dst + b * QBLOCK, (__m512i)w);
     }
 }

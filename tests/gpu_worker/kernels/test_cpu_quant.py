@@ -75,6 +75,24 @@ def test_linear_matches_the_dequantized_matmul(isa, fmt, x_dtype):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_one_hot_rows_read_back_the_weights_bit_for_bit(isa, fmt, x_dtype):
+    # x = e_k gives column k of the weights the kernel multiplies, exactly: the fp32 dequantization,
+    # or (vdpbf16ps) its bf16 rounding, however the kernel builds them (the bf16 path looks a Q4_1
+    # block's 16 rounded values up by nibble).
+    weight = _weight(fmt, seed=1)
+    dense = weight.dequantize()
+    if x_dtype == torch.bfloat16 and cpu_quant.kernels(isa).isa.endswith("+bf16"):
+        dense = dense.bfloat16().float()
+    for columns in ([37], [0, 95, 64, 31, 32], list(range(96))):  # one row, a register tile, widened rows
+        x = torch.eye(96)[columns].to(x_dtype)
+        out = torch.empty(len(columns), 70)
+        cpu_quant.linear(x, weight.blocks, fmt, 70, None, out, isa=isa)
+        assert torch.equal(out, dense[:, columns].T), (fmt, len(columns))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_a_row_is_the_same_bits_in_any_batch(isa, fmt, x_dtype):
     weight = _weight(fmt, rows=100, cols=128)
     x = torch.randn(40, 128).to(x_dtype)
