@@ -13,7 +13,13 @@ import grpc
 
 from mesh_api.v1 import kv_manager_pb2, kv_manager_pb2_grpc
 from services.gpu_worker.engine.borrower import Candidate
-from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.runtime.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.runtime.tls import NO_TLS, TLSConfig, sync_channel
 
 log = logging.getLogger("loramesh.worker")
@@ -64,6 +70,8 @@ class KvManagerDirectory:
                     raise NotFound(last) from error
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidArgument(last) from error
+                if code == grpc.StatusCode.FAILED_PRECONDITION:  # more than the mesh ever lends
+                    raise FailedPrecondition(last) from error
         raise Unavailable(f"no kv_manager leader answered (last: {last})")
 
     def _channel(self, address: str) -> grpc.Channel:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.kv_manager.ledger import DebtLedger
-from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,9 @@ class CreditorIndex:
         """Up to ``max_candidates`` creditors for ``blocks`` blocks of ``debtor_id``, best first.
 
         Raises InvalidArgument (no debtor, ``blocks`` < 1), NotFound (the debtor has no row in
-        the ledger: it is not a live worker) and ResourceExhausted (no other worker can lend).
+        the ledger: it is not a live worker), FailedPrecondition (``blocks`` is more than every
+        other worker together would ever lend: waiting cannot help) and ResourceExhausted (no
+        other worker can lend now).
         """
         if not debtor_id:
             raise InvalidArgument("SuggestCreditors needs debtor_id: the worker that wants to borrow")
@@ -95,6 +97,13 @@ class CreditorIndex:
         if debtor is None:
             raise NotFound(
                 f"debtor {debtor_id!r} is not in the ledger: no live gpu_worker with a load report has that id"
+            )
+        ceiling = sum(row.lend_ceiling for row in ledger.rows() if row.worker_id != debtor_id)
+        if blocks > ceiling:
+            raise FailedPrecondition(
+                f"{debtor_id!r} needs {blocks} KV blocks more than its pool; the other workers lend "
+                f"at most {ceiling} together (their lend caps): more workers, larger pools or larger "
+                "--lend-cap-blocks would serve it"
             )
         self._maybe_resort(ledger, now)
         local: list[CreditorCandidate] = []

@@ -60,6 +60,13 @@ class WorkerBlocks:
         return sum(self.lent.values())
 
     @property
+    def lend_ceiling(self) -> int:
+        """Most blocks the worker would ever lend: its lending cap, or its whole pool without one
+        (at least what it has free and lent now, should a report leave the total out)."""
+        pool = max(self.total_blocks, self.free_blocks + self.lent_total)
+        return pool if self.lend_cap_blocks is None else min(pool, self.lend_cap_blocks)
+
+    @property
     def lendable_blocks(self) -> int:
         """Blocks the worker could lend now: its free blocks, within its lending cap."""
         if self.lend_cap_blocks is None:

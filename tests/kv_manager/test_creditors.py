@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from services.kv_manager.creditors import CreditorConfig, CreditorIndex
 from services.kv_manager.ledger import DebtLedger, WorkerBlocks
-from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 
 def ledger_of(*rows: WorkerBlocks) -> DebtLedger:
@@ -47,6 +47,23 @@ def test_full_refused_and_the_debtor_itself_are_never_suggested():
     ledger.mark_refused("ok")
     with pytest.raises(ResourceExhausted, match="no worker other than 'd'"):
         index.suggest(ledger, "d", 1, now=0.0)
+
+
+def test_more_than_every_other_worker_would_ever_lend_is_refused_as_hopeless():
+    """Waiting helps when lenders are busy (RESOURCE_EXHAUSTED), not when the blocks asked for
+    exceed what the others lend even when idle (their caps, or whole pools without one)."""
+    ledger = ledger_of(
+        w("d", 0), w("a", 10, lend_cap_blocks=30), w("b", 0, lend_cap_blocks=40, lent={"x": 40})
+    )
+    index = CreditorIndex()
+    assert ids(index.suggest(ledger, "d", 70, now=0.0)) == ["a"]  # 70 <= 30 + 40: worth waiting
+    with pytest.raises(FailedPrecondition, match="needs 71 KV blocks .* at most 70 together"):
+        index.suggest(ledger, "d", 71, now=0.0)
+    uncapped = ledger_of(w("d", 0), w("a", 0))
+    with pytest.raises(ResourceExhausted):
+        index.suggest(uncapped, "d", 100, now=0.0)  # a's whole pool, once free
+    with pytest.raises(FailedPrecondition):
+        index.suggest(uncapped, "d", 101, now=0.0)
 
 
 def test_bad_input_names_the_problem():
@@ -107,6 +124,10 @@ def test_suggestions_are_at_most_three_distinct_lenders_never_the_debtor(rows, d
     blocks = data.draw(st.integers(1, 64))
     lenders = [r for r in rows if r.worker_id != debtor and ledger.lendable(r.worker_id) > 0]
     index = CreditorIndex()
+    if blocks > sum(r.lend_ceiling for r in rows if r.worker_id != debtor):
+        with pytest.raises(FailedPrecondition):
+            index.suggest(ledger, debtor, blocks, now=0.0)
+        return
     if not lenders:
         with pytest.raises(ResourceExhausted):
             index.suggest(ledger, debtor, blocks, now=0.0)

@@ -16,7 +16,7 @@ from typing import Protocol
 from services.gpu_worker.memory.block_table import RemoteBlock
 from services.gpu_worker.memory.remote_block_allocator import CreditorTransport
 from services.gpu_worker.memory.rmanager import RManager
-from services.runtime.errors import DomainError, ResourceExhausted, Unavailable
+from services.runtime.errors import DomainError, FailedPrecondition, ResourceExhausted, Unavailable
 
 log = logging.getLogger("loramesh.engine")
 
@@ -49,6 +49,11 @@ TransportFactory = Callable[[str, str], CreditorTransport]
 """(creditor id, address) -> a transport to that creditor."""
 
 
+class MeshCannotLend(ResourceExhausted):
+    """More blocks are needed than every other worker together would ever lend (the gManager
+    says so: FailedPrecondition): waiting for lenders cannot help."""
+
+
 class Borrower:
     """Borrows blocks for ``rm``'s worker, from the creditors ``directory`` suggests."""
 
@@ -72,7 +77,10 @@ class Borrower:
                 return borrowed
             try:
                 candidates = self.directory.suggest(me, missing)
-            except DomainError as no_lender:  # none can lend, or no gManager to ask
+            except FailedPrecondition as beyond_the_mesh:
+                self.rm.free(borrowed)
+                raise MeshCannotLend(beyond_the_mesh.message) from beyond_the_mesh
+            except DomainError as no_lender:  # none can lend now, or no gManager to ask
                 log.info("no creditor for %d blocks: %s", missing, no_lender)
                 break
             for candidate in candidates:

@@ -14,7 +14,7 @@ rManager reads them, never writes or frees them), and it adds no block to the ca
 
 from __future__ import annotations
 
-from services.gpu_worker.engine.borrower import Borrower, CreditorDirectory, TransportFactory
+from services.gpu_worker.engine.borrower import Borrower, CreditorDirectory, MeshCannotLend, TransportFactory
 from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.distkv_meter import DistKvMeter, metered_connect
@@ -51,6 +51,9 @@ class KvReservation:
         self.residency = residency
         self.borrower = borrower
         self.prefix_cache = prefix_cache
+        self.beyond_the_mesh: str | None = None
+        """Why the last borrow failed when it asked for more than the other workers would ever
+        lend (None: it did not); :meth:`pool_can_never_hold` refuses such a request."""
 
     def reuse_prefix(self, request: EngineRequest, key_space: BlockKey | None) -> None:
         """Start a waiting request's KV with the cached blocks of its longest cached prompt prefix
@@ -112,8 +115,12 @@ class KvReservation:
                 self.rm.reserve_local(table, table.capacity + local * table.block_tokens)
             except PoolExhausted:  # a lending call took the pages meanwhile
                 local = 0
+        self.beyond_the_mesh = None
         try:
             table.append(self.borrower.borrow(missing - local))
+        except MeshCannotLend as beyond:
+            self.beyond_the_mesh = beyond.message
+            raise PoolExhausted(missing - local, 0) from beyond
         except ResourceExhausted as no_lender:
             raise PoolExhausted(missing - local, 0) from no_lender
 
@@ -140,5 +147,8 @@ class KvReservation:
 
     def pool_can_never_hold(self, running: list[EngineRequest]) -> bool:
         """A request that does not fit now never will: nothing runs, nothing is lent out (idle
-        adapters were evicted to make room) and no other worker lends to this one."""
-        return not running and self.borrower is None and not self.rm.lender.lent_blocks
+        adapters were evicted to make room), and no other worker lends to this one or they
+        would never lend enough together."""
+        if running or self.rm.lender.lent_blocks:
+            return False
+        return self.borrower is None or self.beyond_the_mesh is not None

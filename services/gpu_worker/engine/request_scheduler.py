@@ -331,12 +331,10 @@ class RequestScheduler:
             )
             self.finish(request, FinishReason.LENGTH, None)
         else:
-            self.finish(
-                request,
-                FinishReason.ERROR,
-                None,
-                f"its {request.total_len} prompt tokens and adapter do not fit in this worker's pool",
-            )
+            why = f"its {request.total_len} prompt tokens and adapter do not fit in this worker's pool"
+            if self.kv.beyond_the_mesh is not None:
+                why += f", nor in what the other workers lend ({self.kv.beyond_the_mesh})"
+            self.finish(request, FinishReason.ERROR, None, why)
 
     # -- queries and hand-offs ------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.memory.in_process_transport import InProcessTransport
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.errors import ResourceExhausted
+from services.runtime.errors import FailedPrecondition, ResourceExhausted
 
 BLOCK = 4
 SMALL_POOL_MIB = (
@@ -170,3 +170,33 @@ def test_the_policy_is_checked(tiny_llama, policy):
         assert Engine(model, EngineConfig(kv_overflow=policy)).borrower is None
     with pytest.raises(ValueError, match="kv_overflow must be one of"):
         EngineConfig(kv_overflow="steal")
+
+
+class HopelessDirectory:
+    """A gManager that knows the other workers would never lend enough together."""
+
+    def suggest(self, debtor: str, blocks: int) -> list[Candidate]:
+        raise FailedPrecondition(f"{debtor!r} needs {blocks} KV blocks more than its pool; the others lend 6")
+
+    def report_refusal(self, debtor: str, creditor: str) -> None:
+        pass
+
+
+def test_a_prompt_beyond_what_the_mesh_ever_lends_is_refused_at_once_not_kept_waiting(tiny_llama):
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+    config = EngineConfig(
+        pool_mib=SMALL_POOL_MIB, kv_block_tokens=BLOCK, worker_id="w0", kv_overflow="borrow"
+    )
+    engine = Engine(model, config, creditors=HopelessDirectory(), connect=lambda creditor, address: None)
+    events = []
+    engine.submit(greedy(prompt_len=60, max_tokens=4), events.append)
+    for _ in range(3):  # a bound, not a clock: it is refused in the first step
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work()
+    (last,) = [e for e in events if e.finish_reason is not None]
+    assert last.finish_reason is FinishReason.ERROR and not [e for e in events if e.token_id is not None]
+    assert "do not fit in this worker's pool, nor in what the other workers lend" in last.error
+    assert "the others lend 6" in last.error
+    assert engine.pool.usage().free_pages == engine.pool.layout.num_pages  # nothing kept
