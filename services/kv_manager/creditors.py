@@ -86,8 +86,8 @@ class CreditorIndex:
 
         Raises InvalidArgument (no debtor, ``blocks`` < 1), NotFound (the debtor has no row in
         the ledger: it is not a live worker), FailedPrecondition (``blocks`` is more than every
-        other worker together would ever lend: waiting cannot help) and ResourceExhausted (no
-        other worker can lend now).
+        other worker together would ever lend, every live worker having reported: waiting cannot
+        help) and ResourceExhausted (no other worker can lend now).
         """
         if not debtor_id:
             raise InvalidArgument("SuggestCreditors needs debtor_id: the worker that wants to borrow")
@@ -99,7 +99,7 @@ class CreditorIndex:
                 f"debtor {debtor_id!r} is not in the ledger: no live gpu_worker with a load report has that id"
             )
         ceiling = sum(row.lend_ceiling for row in ledger.rows() if row.worker_id != debtor_id)
-        if blocks > ceiling:
+        if blocks > ceiling and not ledger.unreported - {debtor_id}:  # every lender's cap known
             raise FailedPrecondition(
                 f"{debtor_id!r} needs {blocks} KV blocks more than its pool; the other workers lend "
                 f"at most {ceiling} together (their lend caps): more workers, larger pools or larger "

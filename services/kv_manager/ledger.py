@@ -85,6 +85,8 @@ class DebtLedger:
     def __init__(self) -> None:
         self._rows: dict[str, WorkerBlocks] = {}
         self._refused_at: dict[str, float] = {}
+        self.unreported: frozenset[str] = frozenset()
+        """Live workers with no load report yet: what they could lend is unknown."""
         self.version = 0
         """Bumped on every change, so readers can tell whether to sort again."""
 
@@ -94,12 +96,14 @@ class DebtLedger:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._rows
 
-    def replace(self, rows: Iterable[WorkerBlocks]) -> None:
+    def replace(self, rows: Iterable[WorkerBlocks], unreported: Iterable[str] = ()) -> None:
         """The live workers are exactly those of ``rows`` (one row each); others are dropped.
+        ``unreported``: live workers with no load report yet (what they could lend is unknown).
 
         A refusal mark lasts until the worker sends a heartbeat other than the one the mark was
         made under (a different ``reported_at``).
         """
+        self.unreported = frozenset(unreported)
         new_rows = {row.worker_id: row for row in rows}
         for worker_id in self._rows.keys() - new_rows.keys():
             log.info("worker %s left the ledger", worker_id)

@@ -145,11 +145,15 @@ class KVManagerService:
 
     def _set_workers(self, members: Mapping[str, MemberInfo]) -> None:
         self._addresses = {worker_id: m.address for worker_id, m in members.items()}
-        self.ledger.replace(ledger_rows(self._addresses, self._reports))
+        self._replace_rows()
 
     def _set_reports(self, reports: Mapping[str, Mapping[str, Any]]) -> None:
         self._reports = reports
-        self.ledger.replace(ledger_rows(self._addresses, self._reports))
+        self._replace_rows()
+
+    def _replace_rows(self) -> None:
+        rows = ledger_rows(self._addresses, self._reports)
+        self.ledger.replace(rows, unreported=self._addresses.keys() - {row.worker_id for row in rows})
 
     def _set_replicas(self, members: Mapping[str, MemberInfo]) -> None:
         self._replicas = {instance_id: m.address for instance_id, m in members.items()}

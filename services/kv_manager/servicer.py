@@ -135,9 +135,7 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         debtor = acting_instance(request.debtor_id, required=False)
         if not self.ledger.mark_refused(request.creditor_id):
             raise NotFound(f"creditor {request.creditor_id!r} is not in the ledger")
-        log.info(
-            "%s refused %r: not suggested until its next heartbeat", request.creditor_id, debtor
-        )
+        log.info("%s refused %r: not suggested until its next heartbeat", request.creditor_id, debtor)
         return pb.ReportRefusalResponse()
 
     async def Ledger(self, request: pb.LedgerRequest, context) -> pb.LedgerResponse:

@@ -64,6 +64,9 @@ def test_more_than_every_other_worker_would_ever_lend_is_refused_as_hopeless():
         index.suggest(uncapped, "d", 100, now=0.0)  # a's whole pool, once free
     with pytest.raises(FailedPrecondition):
         index.suggest(uncapped, "d", 101, now=0.0)
+    uncapped.replace(uncapped.rows(), unreported=["starting"])  # a live worker not heard from yet
+    with pytest.raises(ResourceExhausted):
+        index.suggest(uncapped, "d", 101, now=0.0)  # it may lend: worth waiting
 
 
 def test_bad_input_names_the_problem():
