@@ -10,6 +10,7 @@ import asyncio
 import grpc
 import pytest
 from support.mesh import start_mesh, wait_for_workers
+from support.polling import poll_until
 
 from loramesh import AsyncClient
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
@@ -118,8 +119,13 @@ async def test_co_migration_moves_queued_requests_off_an_overloaded_worker(base_
             for stream in streams:
                 stream.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
-            view = await scheduler_pb2_grpc.SchedulerStub(scheduler_channel).ClusterView(
-                scheduler_pb2.ClusterViewRequest()
+            scheduler = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
+            # The scheduler counts a migration once its HandOff call returns, which may be just
+            # after the handed-off stream ended here: wait for the count, not a moment.
+            view = await poll_until(
+                lambda: scheduler.ClusterView(scheduler_pb2.ClusterViewRequest()),
+                lambda view: view.activity.migrations >= 1,
+                "the scheduler counts the migration",
             )
     finally:
         mesh.stop()
