@@ -1,6 +1,7 @@
 """``loramesh status``'s DistKV-LLM table: per worker, the KV blocks it lends and borrows per peer,
 what lending costs it, from the cumulative figures of its heartbeat (``WorkerLoad``), and the KV
-overflow policy in force (the heartbeat's ``kv_overflow`` key, beside WorkerLoad's fields)."""
+overflow policy in force (the heartbeat's ``kv_overflow`` and ``lending_lane`` keys, beside
+WorkerLoad's fields)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ DISTKV_KEYS = frozenset(
 )
 """WorkerLoad keys of the heartbeat this table shows, left out of the status table's LOAD column."""
 
-POLICY_KEY = "kv_overflow"
-"""The heartbeat key (beside WorkerLoad's fields) of the worker's KV overflow policy in force:
-``preempt`` or ``borrow``; the table's OVERFLOW column, also left out of the LOAD column."""
+POLICY_KEYS = frozenset({"kv_overflow", "lending_lane"})
+"""The heartbeat keys (beside WorkerLoad's fields) of the worker's KV overflow policy in force
+(``preempt`` or ``borrow``) and of how it reaches same-host creditors (``shared-memory``,
+``socket`` or ``off``): the table's OVERFLOW column (``borrow/shared-memory``), also left out of
+the LOAD column."""
 
 HEADERS = [
     "WORKER",
@@ -58,7 +61,7 @@ def _row(instance: str, load: Mapping) -> list[str]:
         f"{1000 * waited / steps:.2f}ms" if steps else "-",
         f"{_bytes(sent / steps)}/{_bytes(received / steps)}" if steps else "-",
         f"{float(load.get('lent_attention_s', 0.0)):.3f}s",
-        str(load.get(POLICY_KEY, "-")),
+        "/".join(str(load[key]) for key in ("kv_overflow", "lending_lane") if key in load) or "-",
     ]
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from loramesh.tls import ClientTLS
-from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEY, distkv_table
+from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEYS, distkv_table
 from loramesh_cli.errors import CommandError
 from loramesh_cli.lora_modules import LoraModule, import_grants, parse_lora_modules, register_lora_modules
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, command_line, live_mesh, pid_alive, why_not_live
@@ -108,9 +108,11 @@ def add_parsers(sub) -> None:
     up.add_argument("--lend-cap-blocks", type=int, default=None, metavar="N",
                     help="KV blocks other workers may borrow from each worker's pool at most; 0 lends "
                          "nothing (default: the worker's, -1: three quarters of its pool)")  # fmt: skip
-    up.add_argument("--lending-lane", default="", choices=["", "on", "off"],
-                    help="borrowing steps reach creditors on the same host through their Unix-socket "
-                         "lane instead of gRPC (docs/operations.md; default: the worker's, on)")  # fmt: skip
+    up.add_argument("--lending-lane", default="", choices=["", "shared-memory", "socket", "off"],
+                    help="how borrowing steps reach creditors on the same host: shared-memory (their "
+                         "pools mapped, borrowed blocks attended in place; the socket with --tls), "
+                         "socket (per-layer calls over their Unix-socket lane) or off (gRPC); "
+                         "docs/operations.md; default: the worker's, shared-memory")  # fmt: skip
     up.add_argument("--lend-compute-share", type=float, default=None, metavar="S",
                     help="share of its time, in [0, 1], each worker may spend computing attention over "
                          "lent blocks while it has requests of its own; beyond it debtors recompute "
@@ -763,7 +765,7 @@ def cmd_status(args) -> int:
                     " ".join(
                         f"{k}={len(v) if isinstance(v, list) else v}"
                         for k, v in r["load"].items()
-                        if k not in DISTKV_KEYS and k != POLICY_KEY
+                        if k not in DISTKV_KEYS and k not in POLICY_KEYS
                     ),
                 ]
                 for r in rows

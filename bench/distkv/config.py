@@ -23,6 +23,8 @@ class MeshSettings:
     threads each would only oversubscribe them."""
     workers: int = 3
     """gpu_workers of the mesh."""
+    lending_lane: str = "shared-memory"
+    """Every worker's ``--lending-lane``: how a debtor reaches its creditors on this host."""
 
 
 @dataclass(frozen=True)

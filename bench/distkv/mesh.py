@@ -93,7 +93,7 @@ class Mesh:
             flags = [
                 *etcd_flags, "--instance-id", worker_id, "--adapter-dir", str(adapters),
                 "--dtype", settings.dtype, "--pool-mib", str(pool), "--threads", str(settings.threads),
-                "--kv-overflow", config.kv_overflow,
+                "--kv-overflow", config.kv_overflow, "--lending-lane", settings.lending_lane,
                 "--lend-cap-blocks", str(settings.lend_cap_blocks if config.lends else 0),
                 "--lease-ttl-s", "30",  # a busy 2-core machine must not expire a worker's lease
             ]  # fmt: skip

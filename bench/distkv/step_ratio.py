@@ -11,6 +11,7 @@ from the debtor's heartbeats, how long its decode steps waited on creditors' ans
 ```sh
 .venv/bin/python -m bench.distkv.step_ratio                  # 2,500-token prompts, 3 rounds
 .venv/bin/python -m bench.distkv.step_ratio --prompt-tokens 1500 --rounds 2
+.venv/bin/python -m bench.distkv.step_ratio --lending-lane socket   # per-layer calls, no mapped pools
 ```
 """
 
@@ -54,6 +55,7 @@ async def run(args: argparse.Namespace) -> dict:
         local_pool_mib=args.local_pool_mib,
         lend_cap_blocks=args.lend_cap_blocks,
         threads=args.threads,
+        lending_lane=args.lending_lane,
     )
     log_dir = OUT / "logs"
     rounds: list[dict] = []
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lend-cap-blocks", type=int, default=51, help="each creditor's lend cap")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--seed", type=int, default=28)
+    parser.add_argument("--lending-lane", default="shared-memory", choices=["shared-memory", "socket", "off"],
+                        help="every worker's --lending-lane")  # fmt: skip
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))

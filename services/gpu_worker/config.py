@@ -60,11 +60,13 @@ class WorkerConfig(ServiceConfig):
     """KV blocks (one page per layer each) other workers may borrow from this pool at most, all
     together (DistKV-LLM's lending cap); 0 lends nothing; −1 (default): three quarters of the
     pool's KV blocks. Only free pages are lent: see docs/operations.md, "KV overflow and lending"."""
-    lending_lane: bool = True
-    """Borrowing steps call a creditor on the same host through its Unix-socket lane (the
-    per-layer attention and KV writes; ~25 µs a round trip instead of 1–2 ms over gRPC) when it
-    has one; off: every lending call over gRPC. Authorized like the lending RPCs (a token issued
-    over the mTLS-checked OpenLendingLane RPC); see services/gpu_worker/lending_lane.py."""
+    lending_lane: str = "shared-memory"
+    """How a borrowing step reaches a creditor on the same host. shared-memory (default): the
+    creditor's pool is mapped and the borrowed blocks are written and attended over in place, no
+    call per layer (CPU pools; with --tls the socket instead, since a mapped pool is readable
+    whole); socket: the per-layer attention and KV writes over the creditor's Unix-socket lane
+    (~25 µs a round trip instead of 1–2 ms over gRPC); off: every lending call over gRPC. Lanes
+    are opened with the mTLS-checked OpenLendingLane RPC; see services/gpu_worker/lending_lane.py."""
     lend_compute_share: float = 0.5
     """DistKV-LLM's compute cap (its SLA threshold): the share of wall time, over a sliding window
     of --lend-compute-window-s, this worker may spend computing attention over lent blocks for

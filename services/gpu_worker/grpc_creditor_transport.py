@@ -35,7 +35,8 @@ from services.gpu_worker.lending_proto import (
 )
 from services.gpu_worker.memory.distkv_meter import DistKvMeter
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.memory.remote_block_allocator import Pending
+from services.gpu_worker.memory.remote_block_allocator import Pending, done
+from services.gpu_worker.memory.shared_creditor_pool import SharedCreditorPool
 from services.gpu_worker.memory.unified_pool import PoolLayout
 from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import (
@@ -95,12 +96,14 @@ class GrpcCreditorTransport:
         meter: DistKvMeter | None = None,
         deadline_s: float = 60.0,
         tls: TLSConfig = NO_TLS,
-        lane: bool = True,
+        lane: str = "shared-memory",
+        dtype: torch.dtype = torch.float32,
     ):
         """``meter``: where the bytes sent and received are counted (the debtor's; None: one of
         its own). ``deadline_s`` bounds each call: a creditor that hangs is treated as dead, not
-        waited on. ``tls``: the worker's mutual TLS settings. ``lane``: attend and write through
-        the creditor's same-host lane when it has one (``lending_lane``)."""
+        waited on. ``tls``: the worker's mutual TLS settings. ``lane``: how to reach a creditor on
+        the same host (``lending_lane.LANE_MODES``): its pool mapped when it shares one in
+        ``dtype`` (our KV's), else its Unix socket, else gRPC; "off": always gRPC."""
         self.creditor = creditor
         self.address = address
         self.layout = layout
@@ -115,8 +118,11 @@ class GrpcCreditorTransport:
             ],
         )
         self._calls = {name: self._counted_call(name, reply) for name, reply in _LENDING_REPLIES.items()}
+        self.dtype = dtype
+        self._mode = lane
         self._lane: LaneClient | None = None
-        self._lane_asked = not lane
+        self._lane_asked = lane == "off"
+        self._shared: SharedCreditorPool | None = None
 
     def _counted_call(self, name: str, reply: type[Message]) -> grpc.UnaryUnaryMultiCallable:
         def serialize(request: Message) -> bytes:
@@ -133,6 +139,7 @@ class GrpcCreditorTransport:
         )
 
     def close(self) -> None:
+        self._shared = None  # unmapped once its last tensor goes
         if self._lane is not None:
             self._lane.close()
         self._channel.close()
@@ -151,6 +158,8 @@ class GrpcCreditorTransport:
                 self._lane = LaneClient(
                     self.creditor, reply.path, reply.token, self.meter, _refusal, self.deadline_s
                 )
+                if self._mode == "shared-memory":
+                    self._shared = self._lane.map_pool(self.dtype)
         except (DomainError, OSError) as no_lane:
             log.info("no lending lane to %s, using gRPC: %s", self.creditor, no_lane)
         return self._lane
@@ -163,7 +172,11 @@ class GrpcCreditorTransport:
         lender = layout_from_proto(reply.layout)
         if not self.layout.same_blocks(lender):
             raise FailedPrecondition(f"creditor {self.creditor} lends blocks shaped {lender}, not like ours")
-        return list(reply.block_ids)
+        block_ids = list(reply.block_ids)
+        lane = self._lane_of(debtor)
+        if self._shared is not None:
+            self._shared.learn(block_ids, lane.pages(block_ids))
+        return block_ids
 
     def write(
         self,
@@ -178,6 +191,8 @@ class GrpcCreditorTransport:
 
     def write_async(self, debtor: str, layer: int, rows: KvRows[int]) -> Pending[None]:
         lane = self._lane_of(debtor)
+        if self._shared is not None:
+            return done(lambda: self._shared.write(layer, rows))
         request = worker_pb2.WriteKvRequest(
             debtor=debtor,
             layer=layer,
@@ -191,6 +206,8 @@ class GrpcCreditorTransport:
         return self._call_async(self._calls["WriteKv"], request, lambda reply: None)
 
     def free(self, debtor: str, block_ids: Sequence[int]) -> None:
+        if self._shared is not None:
+            self._shared.forget(block_ids)
         self._call(
             self._calls["FreeBlocks"], worker_pb2.FreeBlocksRequest(debtor=debtor, block_ids=list(block_ids))
         )
@@ -202,6 +219,8 @@ class GrpcCreditorTransport:
         segments: Sequence[AttendSegment[int]],
         write: KvRows[int] | None = None,
     ) -> Pending[list[PartialAttention]]:
+        if self._lane_of(debtor) is not None and self._shared is not None:
+            return done(lambda: self._shared.attend(layer, segments, write))
         request = worker_pb2.AttendRemoteRequest(
             debtor=debtor, layer=layer, segments=[segment_to_proto(s) for s in segments]
         )

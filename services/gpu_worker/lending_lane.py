@@ -4,33 +4,40 @@
 Why: a decode step of a borrowing request waits for one answer per layer from each creditor. A
 gRPC round trip between two Python processes on loopback costs 1.3–2.5 ms on a 2-core machine,
 30 of them a step; the same protobuf messages framed on a Unix socket cost ~25 µs (measured:
-docs/benchmarks.md, "Borrowed KV at near-local speed"). Workers on one host sharing its
-temporary directory (``loramesh up``) take the lane; others (pods, which do not share it), or a
-lane that fails to open, keep gRPC.
+docs/benchmarks.md, "Borrowed KV at near-local speed"). Workers in one network namespace
+of one host (``loramesh up``) take the lane; others (pods, which each have their own), or a lane
+that fails to open, keep gRPC.
 
 Who may use it: the lane is opened with the ``OpenLendingLane`` RPC, which the authorization
 table and mutual TLS guard like every lending RPC. Its answer is the socket's path and a random
 128-bit token bound to the caller's own instance; a connection's first frame must be a token the
 creditor issued, and every call on it acts for that debtor, whatever the message names. The
-socket lives in a directory only this user can enter, and its traffic never leaves the kernel.
+socket has a random name in Linux's abstract namespace (nothing on disk, reachable from this
+host's network namespace only), and its traffic never leaves the kernel.
 
 Frames, both ways: one byte (a call kind, or a status), four bytes of little-endian length, then
 the serialized protobuf message (the RPCs' own request and reply messages). A refused call's
 reply is ``CODE_NAME`` and the message, as the RPC's status would be.
+
+Shared memory (``--lending-lane shared-memory``, the default): a creditor whose pool is in shared
+memory answers ``POOL`` with its pool's shape (JSON) and the pool's memfd (``SCM_RIGHTS``), and
+``PAGES`` (block ids as little-endian int64) with the pages of those of the debtor's blocks (int64,
+one per layer each). The debtor then writes and attends over its borrowed blocks in place
+(``memory/shared_creditor_pool.py``) and sends no per-layer call at all. Only offered with mutual
+TLS off: a mapped pool is readable whole, which the per-identity checks of TLS would not allow.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import secrets
-import shutil
 import socket
 import struct
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -39,15 +46,22 @@ from google.protobuf.message import Message
 from mesh_api.v1 import worker_pb2
 from services.gpu_worker.lending_proto import answer_attend_remote, apply_write_kv
 from services.gpu_worker.memory.distkv_meter import DistKvMeter
+from services.gpu_worker.memory.shared_creditor_pool import SharedCreditorPool
 from services.gpu_worker.memory.shared_lender import SharedLender
-from services.runtime.errors import DomainError, Unavailable
+from services.gpu_worker.memory.shared_memory import map_shared
+from services.gpu_worker.memory.unified_pool import PoolLayout, PoolView, UnifiedPool
+from services.runtime.errors import DomainError, FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-HELLO, ATTEND, WRITE = 0, 1, 2
-"""Call kinds: the token that opens a connection, ``AttendRemote``, ``WriteKv``."""
+HELLO, ATTEND, WRITE, POOL, PAGES = 0, 1, 2, 3, 4
+"""Call kinds: the token that opens a connection, ``AttendRemote``, ``WriteKv``, the shared pool,
+the pages of blocks."""
+LANE_MODES = ("shared-memory", "socket", "off")
+"""``--lending-lane``: the pool mapped (calls on the socket for the rest), every call on the
+socket, or no lane (gRPC)."""
 OK, REFUSED = 0, 1
 """Reply statuses."""
 _HEADER = struct.Struct("<BI")
@@ -81,11 +95,14 @@ class LaneServer:
     """A creditor's lane: a Unix socket serving ``lending``'s attend and write, one thread per
     connected debtor (each debtor's calls in order, as its engine thread makes them)."""
 
-    def __init__(self, lending: SharedLender, device: torch.device):
+    def __init__(self, lending: SharedLender, device: torch.device, shared_pool: UnifiedPool | None = None):
+        """``shared_pool``: the pool debtors may map (its buffer in shared memory), or None."""
         self.lending = lending
         self.device = device
-        self._directory = Path(tempfile.mkdtemp(prefix="loramesh-lane-"))  # mode 0700
-        self.path = str(self._directory / "lend.sock")
+        self.shared_pool = shared_pool if shared_pool is not None and shared_pool.shared_fd is not None else None
+        # In Linux's abstract namespace (a leading NUL): no file to leave behind when a worker is
+        # killed; reachable from this host's network namespace only, and useless without a token.
+        self.path = f"\0loramesh-lane-{secrets.token_hex(8)}"
         self._tokens: dict[bytes, str] = {}
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -108,7 +125,6 @@ class LaneServer:
         except OSError:
             pass
         self._listener.close()
-        shutil.rmtree(self._directory, ignore_errors=True)
 
     def _accept(self) -> None:
         while not self._closed:
@@ -132,12 +148,34 @@ class LaneServer:
                 connection.sendall(_frame(OK, b""))
                 while True:
                     kind, payload = _read_frame(connection)
-                    connection.sendall(self._answer(debtor, kind, payload))
+                    if kind == POOL and self.shared_pool is not None:
+                        socket.send_fds(connection, [_frame(OK, self._pool_shape())], [self.shared_pool.shared_fd])
+                    else:
+                        connection.sendall(self._answer(debtor, kind, payload))
             except (ConnectionError, OSError):
                 return  # the debtor went away: its blocks are reclaimed when its lease ends
 
+    def _pool_shape(self) -> bytes:
+        pool = self.shared_pool
+        layout = pool.layout
+        return json.dumps(
+            {
+                "num_pages": layout.num_pages,
+                "kv_block_tokens": layout.kv_block_tokens,
+                "kv_dim": layout.kv_dim,
+                "num_layers": layout.num_layers,
+                "dtype": str(pool.dtype).removeprefix("torch."),
+            }
+        ).encode()
+
     def _answer(self, debtor: str, kind: int, payload: bytes) -> bytes:
         try:
+            if kind == POOL:
+                raise FailedPrecondition("this worker's pool is not in shared memory")
+            if kind == PAGES:
+                block_ids = torch.frombuffer(bytearray(payload), dtype=torch.int64).tolist() if payload else []
+                pages = self.lending.pages_of(debtor, block_ids)
+                return _frame(OK, torch.tensor(pages, dtype=torch.int64).numpy().tobytes() if pages else b"")
             request = _REQUESTS[kind].FromString(payload)
             if kind == ATTEND:
                 reply = answer_attend_remote(self.lending, debtor, request, self.device)
@@ -182,7 +220,10 @@ class LaneClient:
         self._broken: str | None = None
 
     def call(self, kind: int, request: Message, parse: Callable[[bytes], T]) -> _LaneCall:
-        data = _frame(kind, request.SerializeToString())
+        return self._send(kind, request.SerializeToString(), parse)
+
+    def _send(self, kind: int, payload: bytes, parse: Callable[[bytes], T]) -> _LaneCall:
+        data = _frame(kind, payload)
         call = _LaneCall(self, parse)
         with self._lock:
             self._check()
@@ -196,6 +237,44 @@ class LaneClient:
 
     def close(self) -> None:
         self._socket.close()
+
+    def map_pool(self, dtype: torch.dtype) -> SharedCreditorPool | None:
+        """The creditor's pool mapped here, or None where it offers none (a private pool, TLS
+        on) or its dtype is not ``dtype``. Called before any other call on the lane."""
+        with self._lock:
+            self._socket.sendall(_frame(POOL, b""))
+            header, fds, _, _ = socket.recv_fds(self._socket, _HEADER.size, 1)
+            try:
+                if len(header) < _HEADER.size:
+                    header += _read_exactly(self._socket, _HEADER.size - len(header))
+                status, size = _HEADER.unpack(header)
+                payload = _read_exactly(self._socket, size)
+                if status != OK or not fds:
+                    log.info("creditor %s shares no pool: %s", self.creditor, payload.decode(errors="replace"))
+                    return None
+                shape = json.loads(payload)
+                if shape["dtype"] != str(dtype).removeprefix("torch."):
+                    log.info("creditor %s's pool is %s, not %s: not mapped", self.creditor, shape["dtype"], dtype)
+                    return None
+                layout = PoolLayout(
+                    num_pages=shape["num_pages"],
+                    kv_block_tokens=shape["kv_block_tokens"],
+                    kv_dim=shape["kv_dim"],
+                    num_layers=shape["num_layers"],
+                )
+                buffer = map_shared(fds[0], layout.num_pages * layout.page_elems, dtype)
+                return SharedCreditorPool(self.creditor, PoolView(layout, dtype, buffer))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def pages(self, block_ids: list[int]) -> list[tuple[int, ...]]:
+        """The pages (one per layer) of our blocks ``block_ids`` in the creditor's pool."""
+        if not block_ids:
+            return []
+        request = torch.tensor(block_ids, dtype=torch.int64).numpy().tobytes()
+        flat = self._send(PAGES, request, lambda data: torch.frombuffer(bytearray(data), dtype=torch.int64)).result()
+        return [tuple(row) for row in flat.view(len(block_ids), -1).tolist()]
 
     def _result(self, call: _LaneCall):
         with self._lock:

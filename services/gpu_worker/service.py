@@ -19,7 +19,7 @@ from services.gpu_worker.engine.structured_output import GrammarCompiler
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.kernels import cpu_quant
 from services.gpu_worker.kv_manager_directory import KvManagerDirectory
-from services.gpu_worker.lending_lane import LaneServer
+from services.gpu_worker.lending_lane import LANE_MODES, LaneServer
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.pin_refresh import refresh_pins
@@ -60,6 +60,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
+def lane_mode(requested: str, tls: bool, device: torch.device) -> str:
+    """The ``--lending-lane`` in force: shared memory only for a CPU pool with TLS off (a mapped
+    pool is readable whole, which TLS's per-identity checks would not allow), else the socket."""
+    if requested not in LANE_MODES:
+        raise ValueError(f"--lending-lane must be one of {', '.join(LANE_MODES)}, not {requested!r}")
+    if requested == "shared-memory" and (tls or device.type != "cpu"):
+        log.info("--lending-lane shared-memory needs a CPU pool and TLS off: the socket lane instead")
+        return "socket"
+    return requested
+
+
 def _weights_format(quantization: str) -> str:
     """How the base weights are multiplied, for the start-up log: the format and, quantized, the
     vector path the native kernels were built for."""
@@ -78,6 +89,8 @@ class WorkerService:
         self.config = config
         self.servicer = WorkerServicer()
         self.engine: Engine | None = None
+        self.lane = config.lending_lane
+        """The --lending-lane in force (resolved at start: see :func:`lane_mode`)."""
         self.source: AdapterSource | None = None
         self.directory = KvManagerDirectory(
             (config.kv_manager,) if config.kv_manager else (), tls=config.tls()
@@ -102,6 +115,7 @@ class WorkerService:
         dtype = resolve_dtype(cfg.dtype, device)
         quantization = resolve_quantization(cfg.quantization, device.type, cfg.tp)
         loaded = await asyncio.to_thread(load_model, cfg.model or None, quantization=quantization)
+        lane = self.lane = lane_mode(cfg.lending_lane, tls=cfg.tls().enabled, device=device)
         engine_config = EngineConfig(
             pool_mib=cfg.pool_mib,
             kv_block_tokens=cfg.kv_block_tokens,
@@ -119,6 +133,7 @@ class WorkerService:
             deterministic=cfg.deterministic,
             prefix_cache=cfg.prefix_cache,
             eviction_policy=cfg.eviction_policy,
+            shared_pool=lane == "shared-memory" and cfg.tp == 1,
         )
         model, executor = None, None
         if cfg.tp > 1:
@@ -132,7 +147,7 @@ class WorkerService:
 
         def connect(creditor: str, address: str) -> GrpcCreditorTransport:
             return GrpcCreditorTransport(
-                creditor, address, engine.pool.layout, engine.distkv, tls=cfg.tls(), lane=cfg.lending_lane
+                creditor, address, engine.pool.layout, engine.distkv, tls=cfg.tls(), lane=lane, dtype=dtype
             )
 
         engine = Engine(
@@ -186,8 +201,8 @@ class WorkerService:
         if cfg.deterministic:
             log.info("deterministic serving: batch-invariant numerics")
         self.servicer.attach(engine, loader, describe)
-        if cfg.lending_lane and engine.lending.max_lent_blocks:
-            self.servicer.lane = LaneServer(engine.lending, engine.pool.device)
+        if lane != "off" and engine.lending.max_lent_blocks:
+            self.servicer.lane = LaneServer(engine.lending, engine.pool.device, shared_pool=engine.pool)
         log.info(
             "model %s on %s (%s, base weights %s); pool %d pages of %d elements",
             loaded.config.name, device, describe["dtype"], _weights_format(quantization),
@@ -256,7 +271,7 @@ class WorkerService:
         )
         # Beside WorkerLoad's fields (readers ignore unknown keys; `loramesh status` prints them):
         # a tensor-parallel group's degree, what the engine could not do and fell back from, and
-        # its KV overflow policy.
+        # its KV overflow policy and lending lane.
         if self.config.tp > 1:
             report["tp"] = self.config.tp
         if stats.fallbacks:
@@ -264,4 +279,5 @@ class WorkerService:
         # The KV overflow policy in force: borrow only where the engine runs a borrower (a
         # tensor-parallel group falls back to preempt).
         report["kv_overflow"] = "borrow" if self.engine.borrower is not None else "preempt"
+        report["lending_lane"] = self.lane
         return report

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEY, distkv_table
+from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEYS, distkv_table
 from mesh_api.v1.types_pb2 import WorkerLoad
 from services.runtime.worker_load import worker_load_to_report
 
@@ -19,6 +19,7 @@ def test_workers_show_blocks_per_peer_and_lending_costs_per_step():
         )
     )  # fmt: skip
     debtor["kv_overflow"] = "borrow"  # beside WorkerLoad's fields, as the worker's heartbeat has it
+    debtor["lending_lane"] = "shared-memory"
     creditor = worker_load_to_report(WorkerLoad(lent_blocks={"w0": 3}, lent_attention_s=0.25))
     creditor["kv_overflow"] = "preempt"
     table = distkv_table(
@@ -35,11 +36,11 @@ def test_workers_show_blocks_per_peer_and_lending_costs_per_step():
         "25.00ms",
         "4.0KiB/2.0KiB",
         "0.000s",
-        "borrow",
+        "borrow/shared-memory",
     ]
     assert second.split() == ["w1", "w0:3", "-", "0.000s/0", "calls", "-", "-", "0.250s", "preempt"]
     assert header.split()[-1] == "OVERFLOW"
-    assert DISTKV_KEYS | {POLICY_KEY} <= debtor.keys()  # every key it takes out of LOAD is a heartbeat's
+    assert DISTKV_KEYS | POLICY_KEYS <= debtor.keys()  # every key it takes out of LOAD is a heartbeat's
 
 
 def test_a_worker_without_the_policy_key_shows_a_dash():

@@ -27,8 +27,9 @@ def test_the_overflow_policy_lend_cap_and_lane_are_passed_to_every_worker(tmp_pa
     assert len(commands) == 2
     assert all(flag_value(c, "--kv-overflow") == policy for c in commands)
     configs = [worker_config(c) for c in commands]
-    assert all(c.kv_overflow == policy and c.lend_cap_blocks == 40 and not c.lending_lane for c in configs)
-    assert all(worker_config(c).lending_lane for c in worker_commands(tmp_path))  # on by default
+    assert all(c.kv_overflow == policy and c.lend_cap_blocks == 40 and c.lending_lane == "off" for c in configs)
+    defaults = [worker_config(c).lending_lane for c in worker_commands(tmp_path)]
+    assert defaults == ["shared-memory"] * 2  # the pools mapped by default
 
 
 def test_without_the_flags_the_workers_borrow_where_a_kv_manager_runs(tmp_path):

@@ -70,4 +70,4 @@ def test_a_prompt_longer_than_any_pool_is_served_by_the_default_mesh_as_one_big_
     assert int(usage.group(1)) == len(prompt_ids) and PROMPT_TOKENS <= len(prompt_ids) < PROMPT_TOKENS + 20
     expected = one_worker_with_a_big_pool(loaded, prompt_ids)
     assert done.stdout.rstrip("\n") == loaded.tokenizer.decode(expected)
-    assert "borrow" in status.stdout  # the policy in force, as `loramesh status` shows it
+    assert "borrow/shared-memory" in status.stdout  # the policy in force, as `loramesh status` shows it

@@ -57,7 +57,7 @@ def size(message) -> int:
 async def test_bytes_are_the_serialized_requests_and_replies(creditor, tiny_llama):
     lender, address = creditor
     layout = lender.pool.layout
-    remote = GrpcCreditorTransport("creditor", address, layout, lane=False)
+    remote = GrpcCreditorTransport("creditor", address, layout, lane="off")
     ids = await asyncio.to_thread(remote.allocate, "debtor", 2)
     sent = size(worker_pb2.AllocateBlocksRequest(debtor="debtor", count=2, layout=layout_to_proto(layout)))
     received = size(worker_pb2.AllocateBlocksResponse(block_ids=ids, layout=layout_to_proto(layout)))

@@ -20,7 +20,8 @@ from services.gpu_worker.lending_proto import segment_to_proto
 from services.gpu_worker.memory.distkv_meter import DistKvMeter
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.errors import PermissionDenied, Unavailable
+from services.gpu_worker.service import lane_mode
+from services.runtime.errors import FailedPrecondition, PermissionDenied, Unavailable
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ async def test_the_lane_answers_as_the_rpcs_do_and_counts_its_bytes(creditor, ti
     engine, _, address = creditor
     layout, cfg = engine.pool.layout, tiny_llama.config
     over_lane = GrpcCreditorTransport("creditor", address, layout)
-    over_grpc = GrpcCreditorTransport("creditor", address, layout, lane=False)
+    over_grpc = GrpcCreditorTransport("creditor", address, layout, lane="off")
     ids = await run(lambda: over_lane.allocate("debtor-a", 2))
     block = layout.kv_block_tokens
     keys = torch.randn(block, layout.kv_dim, generator=torch.Generator().manual_seed(1))
@@ -86,7 +87,7 @@ async def test_a_connection_acts_only_for_the_debtor_its_token_was_issued_to(cre
         status, reply = _read_frame(unknown)
     assert status != OK and reply.startswith(b"UNAUTHENTICATED")
 
-    over_grpc = GrpcCreditorTransport("creditor", address, engine.pool.layout, lane=False)
+    over_grpc = GrpcCreditorTransport("creditor", address, engine.pool.layout, lane="off")
     ids = await run(lambda: over_grpc.allocate("debtor-a", 1))
     as_b = LaneClient("creditor", lane.path, lane.issue("debtor-b"), DistKvMeter(), _refusal, 10.0)
     queries = torch.randn(1, tiny_llama.config.num_heads, tiny_llama.config.head_dim)
@@ -116,3 +117,67 @@ async def test_a_closed_lane_makes_the_creditor_unreachable(creditor, tiny_llama
     with pytest.raises(Unavailable):
         await run(lambda: remote.attend("debtor-a", 0, [segment]).result())  # it stays failed
     remote.close()
+
+
+@pytest.fixture
+async def shared_creditor(tiny_llama):
+    """(engine, address) of a lending worker whose pool is in shared memory, offered on its lane."""
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+    engine = Engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=8, shared_pool=True))
+    lane = LaneServer(engine.lending, engine.pool.device, shared_pool=engine.pool)
+    server, address = await serve_worker(engine, "tiny", lane=lane)
+    try:
+        yield engine, address
+    finally:
+        lane.close()
+        await server.stop(None)
+        engine.stop()
+
+
+async def test_a_shared_pool_is_written_and_attended_in_place_with_the_answers_of_the_rpcs(
+    shared_creditor, tiny_llama
+):
+    engine, address = shared_creditor
+    layout, cfg = engine.pool.layout, tiny_llama.config
+    mapped = GrpcCreditorTransport("creditor", address, layout)
+    over_grpc = GrpcCreditorTransport("creditor", address, layout, lane="off")
+    ids = await run(lambda: mapped.allocate("debtor-a", 2))
+    assert mapped._shared is not None  # the creditor's pool is mapped here
+    block = layout.kv_block_tokens
+    keys = torch.randn(block, layout.kv_dim, generator=torch.Generator().manual_seed(1))
+    await run(lambda: mapped.write_async("debtor-a", 1, KvRows([ids[0]] * block, torch.arange(block), keys, -keys)).result())
+
+    queries = torch.randn(2, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(2))
+    segment = AttendSegment(queries, torch.tensor([3, block - 1]), [ids[0]], [0])
+    tail = KvRows([ids[1]], torch.tensor([0]), keys[:1] * 2, keys[:1])
+    sent_before = mapped.meter.totals().remote_bytes_sent
+    (in_place,) = await run(lambda: mapped.attend("debtor-a", 1, [segment], tail).result())
+    assert mapped.meter.totals().remote_bytes_sent == sent_before  # no message for the attention
+    (over_rpc,) = await run(lambda: over_grpc.attend("debtor-a", 1, [segment]).result())
+    assert torch.equal(in_place.output, over_rpc.output) and torch.equal(in_place.lse, over_rpc.lse)
+    stored, values = await run(lambda: over_grpc.read("debtor-a", ids))
+    assert torch.equal(stored[1, :block], keys) and torch.equal(values[1, :block], -keys)  # the creditor's
+    assert torch.equal(stored[1, block], keys[0] * 2)
+
+    theirs = await run(lambda: over_grpc.allocate("debtor-b", 1))
+    with pytest.raises(PermissionDenied, match=f"block {theirs[0]} is not lent to debtor-a"):
+        await run(lambda: mapped._lane.pages(theirs))  # the creditor names only our blocks' pages
+    stolen = AttendSegment(queries[:1], torch.tensor([0]), theirs, [0])
+    with pytest.raises(FailedPrecondition, match=f"block {theirs[0]} of creditor creditor is not lent"):
+        await run(lambda: mapped.attend("debtor-a", 0, [stolen]).result())
+    await run(lambda: mapped.free("debtor-a", ids))
+    with pytest.raises(FailedPrecondition, match="is not lent to this worker"):
+        await run(lambda: mapped.attend("debtor-a", 1, [segment]).result())  # forgotten once freed
+    await run(lambda: over_grpc.free("debtor-b", theirs))
+    mapped.close()
+    over_grpc.close()
+
+
+def test_shared_memory_falls_back_to_the_socket_with_tls_or_off_the_cpu():
+    cpu = torch.device("cpu")
+    assert lane_mode("shared-memory", tls=False, device=cpu) == "shared-memory"
+    assert lane_mode("shared-memory", tls=True, device=cpu) == "socket"
+    assert lane_mode("shared-memory", tls=False, device=torch.device("cuda")) == "socket"
+    assert lane_mode("off", tls=False, device=cpu) == "off"
+    with pytest.raises(ValueError, match="--lending-lane must be one of shared-memory, socket, off"):
+        lane_mode("on", tls=False, device=cpu)

@@ -45,6 +45,10 @@ class EngineConfig:
     """KV blocks other workers may borrow from this pool at most, all together (0: none; −1:
     ``AUTO_LEND_SHARE`` of the pool's KV blocks). A lender lends only free pages and keeps the
     rest of the pool for its own requests; see docs/operations.md, "KV overflow and lending"."""
+    shared_pool: bool = False
+    """The pool lives in shared memory (a memfd; CPU only), so that debtors on this host can map
+    it and attend over the blocks they borrowed from it in place (``--lending-lane
+    shared-memory``). Otherwise a private buffer."""
     lend_compute_share: float = DEFAULT_LEND_COMPUTE_SHARE
     """DistKV-LLM's compute cap (``--lend-compute-share``): the share of wall time, over a sliding
     window of ``lend_compute_window_s``, this worker may spend computing attention for debtors

@@ -45,7 +45,7 @@ class LocalExecutor:
             if config.adapter_region_share is None
             else max(1, round(layout.num_pages * config.adapter_region_share))
         )
-        self.pool = UnifiedPool(layout, model.dtype, model.device, adapter_region)
+        self.pool = UnifiedPool(layout, model.dtype, model.device, adapter_region, shared=config.shared_pool)
         if config.deterministic:  # refuse at start what would fail every step
             model.check_batch_invariant()
             resolve_backend(config.lora_backend, self.pool.buffer, batch_invariant=True)
@@ -81,4 +81,5 @@ class LocalExecutor:
         self.merged.unmerge()
 
     def close(self) -> None:
-        """Nothing to release: the pool and weights go with the object."""
+        """The shared pool's descriptor closed; the buffer and weights go with the object."""
+        self.pool.close()

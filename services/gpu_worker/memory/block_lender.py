@@ -168,6 +168,11 @@ class BlockLender:
         """The KV of ``debtor``'s ``block_ids`` in every layer, for the debtor to move them."""
         return self.local.read(self._owned(debtor, block_ids))
 
+    def pages_of(self, debtor: str, block_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        """The pages (one per layer) of ``debtor``'s ``block_ids``, for a debtor that maps this
+        pool (the shared-memory lane)."""
+        return [block.pages for block in self._owned(debtor, block_ids)]
+
     def _owned(self, debtor: str, block_ids: Sequence[int]) -> list[LocalBlock]:
         """The blocks behind ``block_ids``, each checked to be lent to ``debtor``."""
         blocks = []

@@ -84,12 +84,7 @@ class LocalBlockAllocator:
         self._check_held(blocks)
         if any(block in self._cached for block in blocks):
             raise FailedPrecondition("a cached prefix block is read-only")
-        device = self.pool.device
-        pages = torch.tensor([block.pages[layer] for block in blocks], dtype=torch.int64, device=device)
-        slots = slots.to(device=device, dtype=torch.int64)
-        dtype = self.pool.dtype
-        self.pool.kv_rows.index_copy_(0, self.pool.key_rows(pages, slots), keys.to(device, dtype))
-        self.pool.kv_rows.index_copy_(0, self.pool.value_rows(pages, slots), values.to(device, dtype))
+        self.pool.write_kv([block.pages[layer] for block in blocks], slots, keys, values)
 
     def free(self, blocks: Sequence[LocalBlock]) -> None:
         self._check_held(blocks)
@@ -113,6 +108,13 @@ class LocalBlockAllocator:
             )
             for segment in segments
         ]
+
+    def page_table(self, blocks: Sequence[LocalBlock]) -> torch.Tensor:
+        """int64 [num_layers, len(blocks)]: each block's page in each layer, the blocks checked
+        once (a step's plan attends over the same blocks in every layer)."""
+        self._check_held(blocks)
+        pages = torch.tensor([block.pages for block in blocks], dtype=torch.int64, device=self.pool.device)
+        return pages.reshape(len(blocks), self.num_layers).T.contiguous()
 
     def read(self, blocks: Sequence[LocalBlock]) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_held(blocks)

@@ -26,6 +26,7 @@ from services.gpu_worker.memory.remote_block_allocator import CreditorTransport,
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.chunked_attention import combine_in_block_order
 from services.gpu_worker.model.dist_attention import PartialAttention, empty_partial, scale_reduce
+from services.gpu_worker.model.pool_block_attention import attend_pool_blocks
 from services.runtime.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 
@@ -74,6 +75,10 @@ class _PlannedSegment:
     """The request's queries that see one of the blocks (None: all of them)."""
     positions: torch.Tensor
     """The positions of the request's new tokens."""
+    pages: torch.Tensor | None
+    """Local blocks: their pages, int64 [num_layers, blocks] (None on a creditor)."""
+    first_positions: torch.Tensor
+    """``firsts`` as int64."""
 
     def segment(self, queries: torch.Tensor) -> AttendSegment:
         """The segment of this layer's ``queries`` (the request's, [n, heads, head_dim])."""
@@ -197,8 +202,18 @@ class RManager:
                 seen = positions >= firsts[0]  # blocks come in position order
                 rows = None if bool(seen.all()) else seen.nonzero().squeeze(1)
                 wire = held if holder is None else self._creditor(holder).wire_ids(held)
+                pages = self.local.page_table(held) if holder is None else None
                 segments.setdefault(holder, []).append(
-                    _PlannedSegment(index, held, wire, firsts, rows, positions)
+                    _PlannedSegment(
+                        index,
+                        held,
+                        wire,
+                        firsts,
+                        rows,
+                        positions,
+                        pages,
+                        torch.tensor(firsts, dtype=torch.int64),
+                    )
                 )
         return AttentionPlan(writes, segments)
 
@@ -243,8 +258,20 @@ class RManager:
                 partial = _spread(partial, planned.rows, requests[planned.request].queries.shape[0])
                 partials[planned.request].append((planned.firsts[0], partial))
 
-        if None in segments:
-            collect(None, self.local.attend(layer, segments[None]))
+        if None in segments:  # its blocks checked and their pages looked up by the plan
+            collect(
+                None,
+                [
+                    attend_pool_blocks(
+                        self.local.pool,
+                        planned.pages[layer],
+                        planned.first_positions,
+                        s.queries,
+                        s.query_positions,
+                    )
+                    for planned, s in zip(plan.segments[None], segments[None])
+                ],
+            )
         for holder, answer in pending.items():
             collect(holder, answer.result())
         outputs = []

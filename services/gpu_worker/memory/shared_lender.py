@@ -84,6 +84,10 @@ class SharedLender:
         with self._lock:
             return self.lender.read(debtor, block_ids)
 
+    def pages_of(self, debtor: str, block_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        with self._lock:
+            return self.lender.pages_of(debtor, block_ids)
+
     def reclaim(self, debtor: str) -> int:
         """Free every block lent to ``debtor`` (its lease expired); how many."""
         with self._lock:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from services.gpu_worker.kernels import cpu_invariant
-from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.memory.unified_pool import PoolView
 from services.gpu_worker.model.dist_attention import PartialAttention
 from services.gpu_worker.model.step_batch import StepBatch
 
@@ -79,7 +79,7 @@ def attend_locally(
     groups: Sequence[LocalQueries],
     positions: torch.Tensor,
     layer: int,
-    pool: UnifiedPool,
+    pool: PoolView,
     num_kv_heads: int,
 ) -> torch.Tensor:
     """Attention of the ``groups``' rows of ``q`` [T, heads, head_dim] (at ``positions`` [T]) over
@@ -97,9 +97,9 @@ def attend_locally(
 
 
 def attend_blocks(
-    pool: UnifiedPool,
-    pages: Sequence[int],
-    block_first_positions: Sequence[int],
+    pool: PoolView,
+    pages: Sequence[int] | torch.Tensor,
+    block_first_positions: Sequence[int] | torch.Tensor,
     queries: torch.Tensor,
     query_positions: torch.Tensor,
 ) -> PartialAttention:
@@ -108,10 +108,10 @@ def attend_blocks(
     ``block_first_positions[i]`` on): the block partials combined in the order given. Over one
     page, exactly the block partial the local pass computes."""
     head_dim = queries.shape[-1]
-    page_ids = torch.as_tensor(list(pages), dtype=torch.int64)
+    page_ids = torch.as_tensor(pages, dtype=torch.int64)
     outputs, lse = cpu_invariant.block_partials(
         queries.contiguous(), query_positions.to(torch.int64).contiguous(), pool.buffer, 2 * page_ids,
-        torch.as_tensor(list(block_first_positions), dtype=torch.int64), pool.layout.kv_dim // head_dim,
+        torch.as_tensor(block_first_positions, dtype=torch.int64).contiguous(), pool.layout.kv_dim // head_dim,
         pool.layout.kv_block_tokens,
     )  # fmt: skip
     output, total = cpu_invariant.combine_partials(outputs, lse)

@@ -16,15 +16,15 @@ from collections.abc import Sequence
 import torch
 
 from services.gpu_worker.kernels.cpu_invariant import invariant_available
-from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.memory.unified_pool import PoolView
 from services.gpu_worker.model.chunked_attention import attend_blocks
 from services.gpu_worker.model.dist_attention import PartialAttention, micro_attention
 
 
 def attend_pool_blocks(
-    pool: UnifiedPool,
-    pages: Sequence[int],
-    block_first_positions: Sequence[int],
+    pool: PoolView,
+    pages: Sequence[int] | torch.Tensor,
+    block_first_positions: Sequence[int] | torch.Tensor,
     queries: torch.Tensor,
     query_positions: torch.Tensor,
 ) -> PartialAttention:
@@ -43,11 +43,11 @@ def attend_pool_blocks(
         return attend_blocks(pool, pages, block_first_positions, queries, query_positions)
     num_kv_heads = pool.layout.kv_dim // head_dim
     device = pool.device
-    page_ids = torch.as_tensor(list(pages), dtype=torch.int64, device=device)
+    page_ids = torch.as_tensor(pages, dtype=torch.int64, device=device)
     # The pool as blocks of kv_block_tokens rows: page p holds key block 2p and value block 2p + 1.
     blocks = pool.buffer.view(-1, block * pool.layout.kv_dim)
     keys = blocks.index_select(0, 2 * page_ids).view(-1, num_kv_heads, head_dim)
     values = blocks.index_select(0, 2 * page_ids + 1).view(-1, num_kv_heads, head_dim)
-    firsts = torch.as_tensor(list(block_first_positions), dtype=torch.int64, device=device)
+    firsts = torch.as_tensor(block_first_positions, dtype=torch.int64, device=device)
     key_positions = (firsts[:, None] + torch.arange(block, device=device)[None, :]).reshape(-1)
     return micro_attention(queries, keys, values, query_positions.to(device), key_positions)
