@@ -44,6 +44,7 @@ import torch
 from google.protobuf.message import Message
 
 from mesh_api.v1 import worker_pb2
+from services.gpu_worker.engine.side_threads import confine_to_one_thread
 from services.gpu_worker.lending_proto import answer_attend_remote, apply_write_kv
 from services.gpu_worker.memory.distkv_meter import DistKvMeter
 from services.gpu_worker.memory.shared_creditor_pool import SharedCreditorPool
@@ -137,6 +138,7 @@ class LaneServer:
             ).start()
 
     def _serve(self, connection: socket.socket) -> None:
+        confine_to_one_thread()
         with connection:
             try:
                 kind, token = _read_frame(connection)

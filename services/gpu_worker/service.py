@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.side_threads import side_thread_pool
 from services.gpu_worker.engine.structured_output import GrammarCompiler
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.kernels import cpu_quant
@@ -111,6 +113,11 @@ class WorkerService:
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        # Every to_thread call (model loading, adapter parsing, lending RPCs) on confined threads:
+        # only the engine's thread may start an OpenMP team (engine/side_threads.py).
+        asyncio.get_running_loop().set_default_executor(
+            side_thread_pool(min(32, (os.cpu_count() or 1) + 4), "worker-io")
+        )
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         quantization = resolve_quantization(cfg.quantization, device.type, cfg.tp)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
+from services.gpu_worker.engine.side_threads import side_thread_pool
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter, RowWriter
 
@@ -33,7 +34,7 @@ class AdapterCopier:
         self._write = write
         self._on_done = on_done
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loramesh-page-in")
+        self._thread = side_thread_pool(1, "loramesh-page-in")
 
     def start(self, adapter: HostAdapter, resident: ResidentAdapter) -> Future[float]:
         """Copy ``adapter``'s rows where ``resident`` placed them; the future gets the seconds from

@@ -25,12 +25,13 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import llguidance
 import torch
 
+from services.gpu_worker.engine.side_threads import side_thread_pool
 from services.runtime.errors import InvalidArgument
 
 #: How JSON is written under a grammar (see the module docstring).
@@ -173,7 +174,7 @@ class MaskPlanner:
 
     def __init__(self, vocab_size: int):
         self._vocab_size = vocab_size
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        self._thread = side_thread_pool(1, "grammar-masks")
         self._executor = llguidance.LLExecutor(num_threads=1)
 
     def start(self, grammars: Sequence[RequestGrammar | None]) -> StepMasks | None:
