@@ -34,7 +34,7 @@ class AdapterCopier:
         self._write = write
         self._on_done = on_done
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._thread = side_thread_pool(1, "loramesh-page-in")
+        self._thread = side_thread_pool(1, "loramesh-page-in", background=True)
 
     def start(self, adapter: HostAdapter, resident: ResidentAdapter) -> Future[float]:
         """Copy ``adapter``'s rows where ``resident`` placed them; the future gets the seconds from

@@ -11,7 +11,7 @@ import threading
 import torch
 
 from services.gpu_worker.engine.adapter_copier import AdapterCopier
-from services.gpu_worker.engine.side_threads import confine_to_one_thread
+from services.gpu_worker.engine.side_threads import BACKGROUND_NICE, confine_to_one_thread
 
 LARGE = 4 * 2**20
 """Elements: far above torch's grain size (32,768), so an unconfined copy runs in parallel."""
@@ -49,5 +49,7 @@ def test_the_page_in_thread_starts_no_openmp_team():
         before = os_threads()
         assert copier._thread.submit(large_copy).result() == 1
         assert os_threads() == before
+        native_id = copier._thread.submit(threading.get_native_id).result()
+        assert os.getpriority(os.PRIO_PROCESS, native_id) == BACKGROUND_NICE  # it gives way to the steps
     finally:
         copier.close()
