@@ -192,6 +192,7 @@ class GrpcCreditorTransport:
     def write_async(self, debtor: str, layer: int, rows: KvRows[int]) -> Pending[None]:
         lane = self._lane_of(debtor)
         if self._shared is not None:
+            lane.check_open()
             return done(lambda: self._shared.write(layer, rows))
         request = worker_pb2.WriteKvRequest(
             debtor=debtor,
@@ -219,7 +220,9 @@ class GrpcCreditorTransport:
         segments: Sequence[AttendSegment[int]],
         write: KvRows[int] | None = None,
     ) -> Pending[list[PartialAttention]]:
-        if self._lane_of(debtor) is not None and self._shared is not None:
+        lane = self._lane_of(debtor)
+        if self._shared is not None:
+            lane.check_open()  # a dead creditor's blocks are recomputed, as over gRPC
             return done(lambda: self._shared.attend(layer, segments, write))
         request = worker_pb2.AttendRemoteRequest(
             debtor=debtor, layer=layer, segments=[segment_to_proto(s) for s in segments]
@@ -235,7 +238,6 @@ class GrpcCreditorTransport:
                 )
             return partials_from_proto(reply, device)
 
-        lane = self._lane_of(debtor)
         if lane is not None:
             return lane.call(
                 ATTEND, request, lambda data: partials(worker_pb2.AttendRemoteResponse.FromString(data))

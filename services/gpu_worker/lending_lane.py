@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -269,6 +270,21 @@ class LaneClient:
             finally:
                 for fd in fds:
                     os.close(fd)
+
+    def check_open(self) -> None:
+        """Raise ``Unavailable`` if the creditor closed the lane (it died: a killed process's
+        socket closes). A debtor working on a mapped pool sends nothing per layer, so this is how
+        it learns of the death at its next step rather than at the lease's expiry."""
+        with self._lock:
+            self._check()
+            readable, _, _ = select.select([self._socket], [], [], 0)
+            if readable and not self._waiting:
+                try:
+                    closed = self._socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except OSError as error:
+                    self._break(error)
+                if closed:
+                    self._break(ConnectionError("the creditor closed the lane"))
 
     def pages(self, block_ids: list[int]) -> list[tuple[int, ...]]:
         """The pages (one per layer) of our blocks ``block_ids`` in the creditor's pool."""

@@ -173,6 +173,19 @@ async def test_a_shared_pool_is_written_and_attended_in_place_with_the_answers_o
     over_grpc.close()
 
 
+async def test_a_debtor_on_a_shared_pool_finds_its_creditor_dead_at_its_next_call(shared_creditor, tiny_llama):
+    engine, address = shared_creditor
+    mapped = GrpcCreditorTransport("creditor", address, engine.pool.layout)
+    ids = await run(lambda: mapped.allocate("debtor-c", 1))
+    queries = torch.randn(1, tiny_llama.config.num_heads, tiny_llama.config.head_dim)
+    segment = AttendSegment(queries, torch.tensor([0]), ids, [0])
+    await run(lambda: mapped.attend("debtor-c", 0, [segment]).result())
+    mapped._lane._socket.shutdown(socket.SHUT_RDWR)  # what the creditor's death does to it
+    with pytest.raises(Unavailable, match="lending lane failed"):
+        await run(lambda: mapped.attend("debtor-c", 0, [segment]).result())  # recomputed, not read on
+    mapped.close()
+
+
 def test_shared_memory_falls_back_to_the_socket_with_tls_or_off_the_cpu():
     cpu = torch.device("cpu")
     assert lane_mode("shared-memory", tls=False, device=cpu) == "shared-memory"
