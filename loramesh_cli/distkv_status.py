@@ -23,7 +23,7 @@ DISTKV_KEYS = frozenset(
 )
 """WorkerLoad keys of the heartbeat this table shows, left out of the status table's LOAD column."""
 
-POLICY_KEYS = frozenset({"kv_overflow", "lending_lane"})
+POLICY_KEYS = ("kv_overflow", "lending_lane")
 """The heartbeat keys (beside WorkerLoad's fields) of the worker's KV overflow policy in force
 (``preempt`` or ``borrow``) and of how it reaches same-host creditors (``shared-memory``,
 ``socket`` or ``off``): the table's OVERFLOW column (``borrow/shared-memory``), also left out of
@@ -61,7 +61,7 @@ def _row(instance: str, load: Mapping) -> list[str]:
         f"{1000 * waited / steps:.2f}ms" if steps else "-",
         f"{_bytes(sent / steps)}/{_bytes(received / steps)}" if steps else "-",
         f"{float(load.get('lent_attention_s', 0.0)):.3f}s",
-        "/".join(str(load[key]) for key in ("kv_overflow", "lending_lane") if key in load) or "-",
+        "/".join(str(load[key]) for key in POLICY_KEYS if key in load) or "-",
     ]
 
 

@@ -40,7 +40,7 @@ def test_workers_show_blocks_per_peer_and_lending_costs_per_step():
     ]
     assert second.split() == ["w1", "w0:3", "-", "0.000s/0", "calls", "-", "-", "0.250s", "preempt"]
     assert header.split()[-1] == "OVERFLOW"
-    assert DISTKV_KEYS | POLICY_KEYS <= debtor.keys()  # every key it takes out of LOAD is a heartbeat's
+    assert DISTKV_KEYS | set(POLICY_KEYS) <= debtor.keys()  # every key it takes out of LOAD is a heartbeat's
 
 
 def test_a_worker_without_the_policy_key_shows_a_dash():

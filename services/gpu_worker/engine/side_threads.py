@@ -5,7 +5,7 @@ Why: torch (and the native kernels, which share its libgomp) run parallel work o
 thread's own OpenMP team. A second thread that runs one large torch op (an adapter page-in's
 copy, a loader's dtype conversion) gets a team of its own, and from then on the process manages
 more OpenMP threads than the machine has cores, so libgomp stops spinning between parallel
-regions everywhere: batch-1 decode on the 2-core development machine fell from 113–125 to 58–66
+regions everywhere: batch-1 decode on the 2-core development machine fell from 111–113 to 54–58
 tokens/s after one 5M-element copy on a side thread, and stayed there (docs/benchmarks.md,
 "Batch 1 against llama-server"). Confined side threads run their ops serially: they are copies
 and bookkeeping, never the step.
@@ -59,7 +59,7 @@ def _confine_in_background() -> None:
 
 def side_thread_pool(max_workers: int, thread_name_prefix: str, background: bool = False) -> ThreadPoolExecutor:
     """A thread pool whose threads are confined to one torch thread; ``background``: and run at
-    the lowest priority (work that must not slow the steps down, such as adapter page-in)."""
+    :data:`BACKGROUND_NICE` (work that must not slow the steps down, such as adapter page-in)."""
     return ThreadPoolExecutor(
         max_workers=max_workers,
         thread_name_prefix=thread_name_prefix,

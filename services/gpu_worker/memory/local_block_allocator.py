@@ -117,10 +117,8 @@ class LocalBlockAllocator:
         return pages.reshape(len(blocks), self.num_layers).T.contiguous()
 
     def read(self, blocks: Sequence[LocalBlock]) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_held(blocks)
         layout = self.pool.layout
-        pages = torch.tensor([block.pages for block in blocks], dtype=torch.int64, device=self.pool.device)
-        pages = pages.reshape(len(blocks), layout.num_layers).T  # [layers, blocks]
+        pages = self.page_table(blocks)
         # The pool as blocks of kv_block_tokens rows: page p holds key block 2p and value block 2p + 1.
         rows = self.pool.buffer.view(-1, layout.kv_block_tokens * layout.kv_dim)
         shape = (layout.num_layers, -1, layout.kv_dim)
