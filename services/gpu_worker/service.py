@@ -16,7 +16,7 @@ from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.engine import Engine, EngineConfig
-from services.gpu_worker.engine.side_threads import side_thread_pool
+from services.gpu_worker.engine.side_threads import confine_to_one_thread, side_thread_pool
 from services.gpu_worker.engine.structured_output import GrammarCompiler
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.kernels import cpu_quant
@@ -113,6 +113,9 @@ class WorkerService:
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        # The event loop's thread serial too (the engine's constructor fills its pool here): a team
+        # of its own would idle beside the engine's and throttle every barrier of every step.
+        confine_to_one_thread()
         # Every to_thread call (model loading, adapter parsing, lending RPCs) on confined threads:
         # only the engine's thread may start an OpenMP team (engine/side_threads.py).
         asyncio.get_running_loop().set_default_executor(

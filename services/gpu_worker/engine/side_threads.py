@@ -9,6 +9,11 @@ regions everywhere: batch-1 decode on the 2-core development machine fell from 1
 tokens/s after one 5M-element copy on a side thread, and stayed there (docs/benchmarks.md,
 "Batch 1 against llama-server"). Confined side threads run their ops serially: they are copies
 and bookkeeping, never the step.
+
+MKL, linked into torch, counts its threads apart from OpenMP's per-thread setting and starts a
+team through the same libgomp: the rotary tables' ``torch.cos`` (MKL's vector math) on the
+loader's thread made a team there, and ``loramesh up``'s served batch-1 decode ran at half the
+in-process rate. So confining also sets MKL's thread-local count.
 """
 
 from __future__ import annotations
@@ -31,12 +36,22 @@ def _omp_set_num_threads():
         return None
 
 
+@functools.cache
+def _mkl_set_num_threads_local():
+    """MKL's C ``MKL_Set_Num_Threads_Local``, exported by torch's CPU library (None: no MKL
+    there). The lower-case names are Fortran's: they take a pointer."""
+    try:
+        return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):
+        return None
+
+
 def confine_to_one_thread() -> None:
     """This thread's torch ops run serially from now on (other threads keep their settings)."""
-    torch.get_num_threads()  # torch's per-thread set-up first, so that it cannot undo the next line
-    set_threads = _omp_set_num_threads()
-    if set_threads is not None:
-        set_threads(1)
+    torch.get_num_threads()  # torch's per-thread set-up first, so that it cannot undo the next lines
+    for set_threads in (_omp_set_num_threads(), _mkl_set_num_threads_local()):
+        if set_threads is not None:
+            set_threads(1)
 
 
 BACKGROUND_NICE = 10

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -53,3 +54,18 @@ def test_the_page_in_thread_starts_no_openmp_team():
         assert os.getpriority(os.PRIO_PROCESS, native_id) == BACKGROUND_NICE  # it gives way to the steps
     finally:
         copier.close()
+
+
+def test_a_confined_thread_starts_no_team_through_mkl_either():
+    """MKL's vector math (float64 ``cos``: the rotary tables) keeps its own thread count, which
+    ``torch.set_num_threads`` sets for the whole process, as the worker's ``--threads`` does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ThreadPoolExecutor(1, initializer=confine_to_one_thread) as side:
+            side.submit(lambda: None).result()
+            before = os_threads()
+            side.submit(lambda: torch.arange(LARGE, dtype=torch.float64).cos()).result()
+            assert os_threads() == before
+    finally:
+        torch.set_num_threads(threads)
