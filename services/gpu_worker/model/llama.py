@@ -18,9 +18,12 @@ IEEE operations, the same for every position already. CPU only.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from services.gpu_worker.kernels.cpu_invariant import invariant_available, invariant_error
+from services.gpu_worker.memory.huge_pages import gather_in_huge_pages
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.base_matmul import BaseMatmul
 from services.gpu_worker.model.chunked_attention import local_queries
@@ -109,6 +112,8 @@ class LlamaModel:
         self.layers = [
             _Layer(weights, f"model.layers.{i}", config, dtype, self.device) for i in range(config.num_layers)
         ]
+        if self.device.type == "cpu":
+            self._gather_weights_in_huge_pages()
         qkv = self.layers[0].qkv if self.layers else None
         self.quantization = qkv.format if isinstance(qkv, QuantizedWeight) else "none"
         """The projections' block format (``quantization.py``); ``none``: dequantized weights."""
@@ -143,6 +148,19 @@ class LlamaModel:
         they are instead of gathering them for torch's SDPA, which halved the decode step at
         batch 32 on a 2-core EPYC (docs/benchmarks.md, "Quantized base")."""
 
+
+    def _gather_weights_in_huge_pages(self) -> None:
+        """Every matrix a decode step streams (the projections and the output head) in one region
+        backed by huge pages (``memory/huge_pages.py``): fewer TLB misses as a step streams them."""
+        slots = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        slots.append((self, "lm_head"))
+        weights = [getattr(owner, name) for owner, name in slots]
+        tied = self.lm_head is self.embed
+        copies = gather_in_huge_pages([w.blocks if isinstance(w, QuantizedWeight) else w for w in weights])
+        for (owner, name), weight, copy in zip(slots, weights, copies):
+            setattr(owner, name, replace(weight, blocks=copy) if isinstance(weight, QuantizedWeight) else copy)
+        if tied:
+            self.embed = self.lm_head
     def check_batch_invariant(self) -> None:
         """Raise ValueError/RuntimeError when this model cannot run batch-invariant steps."""
         if self.device.type != "cpu":
