@@ -205,7 +205,7 @@ class GatewayCore:
             start=start,
             prompt_text=self.tokenizer.decode(list(prompt_ids)),
         )
-        admission = self.quota.admit(tenant, len(prompt_ids) + sampling.max_tokens)
+        admission = await self.quota.acquire(tenant, len(prompt_ids) + sampling.max_tokens)
         replied, generated = False, 0
         try:
             # Closed explicitly, so a front end that stops reading cancels the worker's request now.

@@ -5,7 +5,12 @@ Two limits, each configured per tenant in the tenants file (``"tenants"``; ``"*"
 tenant not named; docs/operations.md, "Tenants and quotas"), each off (0) by default:
 
 - ``max_concurrent_requests``: generations of the tenant in flight at once. Each choice of an
-  OpenAI request with ``n`` > 1 is one generation. Refused with a retry hint of
+  OpenAI request with ``n`` > 1 is one generation. Past the limit a generation waits for a slot,
+  first come first served, in a waiting room of ``max_waiting_requests`` places (as many as
+  ``max_concurrent_requests`` unless set; 0: nobody waits): a freed slot goes to the oldest
+  waiter, never to a newcomer or a retry that happened to ask first, so a client running a few
+  more streams than its limit is served in turn instead of being refused until its retries run
+  out. A generation that finds the room full is refused with a retry hint of
   :data:`CONCURRENCY_RETRY_AFTER_S` (when a generation in flight ends is not known in advance).
 - ``tokens_per_minute``: prompt plus generated tokens. A token bucket holding
   ``tokens_per_minute × window_s / 60`` tokens (the whole minute's budget with the default
@@ -26,8 +31,10 @@ its own share of the traffic.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -48,7 +55,19 @@ class TenantLimits:
     """One tenant's limits; 0 is unlimited."""
 
     max_concurrent_requests: int = 0
+    """Generations in flight at once."""
     tokens_per_minute: int = 0
+    """Prompt plus generated tokens per minute (a token bucket over the quota window)."""
+    max_waiting_requests: int | None = None
+    """Generations that wait for one of the ``max_concurrent_requests`` slots, first come first
+    served; None: as many as ``max_concurrent_requests``; 0: none (refused at once)."""
+
+    @property
+    def waiting_room(self) -> int:
+        """Places for generations waiting for a slot (0 without a concurrency limit)."""
+        if not self.max_concurrent_requests:
+            return 0
+        return self.max_concurrent_requests if self.max_waiting_requests is None else self.max_waiting_requests
 
     @classmethod
     def parse(cls, tenant: str, value: object) -> TenantLimits:
@@ -66,6 +85,10 @@ class TenantLimits:
                     f"tenants[{tenant!r}].{name} must be a whole number >= 0 (0: unlimited)"
                 )
         return cls(**value)
+
+    def to_json(self) -> dict[str, int]:
+        """The tenants file's entry: the fields that are set."""
+        return {name: limit for name, limit in vars(self).items() if limit is not None}
 
 
 UNLIMITED = TenantLimits()
@@ -105,7 +128,7 @@ class QuotaConfig:
     def to_json(self) -> dict:
         """The tenants file's ``"tenants"`` and ``"quota_window_s"``."""
         return {
-            "tenants": {tenant: vars(limits).copy() for tenant, limits in self.limits.items()},
+            "tenants": {tenant: limits.to_json() for tenant, limits in self.limits.items()},
             "quota_window_s": self.window_s,
         }
 
@@ -174,6 +197,9 @@ class TenantQuota:
         self._clock = clock
         self._concurrency_retry_after_s = concurrency_retry_after_s
         self._in_flight: dict[str, int] = {}
+        """Generations holding a slot, per tenant (counted only for tenants with limits)."""
+        self._waiting: dict[str, deque[asyncio.Future]] = {}
+        """Per tenant, the generations waiting for a slot, oldest first."""
         self._buckets: dict[str, _Bucket] = {}
 
     def in_flight(self, tenant: str) -> int:
@@ -187,19 +213,65 @@ class TenantQuota:
         bucket.refill(self._clock())
         return bucket.level
 
+    def waiting(self, tenant: str) -> int:
+        """The tenant's generations waiting for a slot."""
+        return len(self._waiting.get(tenant, ()))
+
     def admit(self, tenant: str, max_tokens: int) -> Admission:
-        """Admit a generation that may use up to ``max_tokens`` (prompt + ``max_tokens``), or raise
-        :class:`ResourceExhausted` with a retry hint; settle the admission when it ends."""
+        """Admit a generation that may use up to ``max_tokens`` (prompt + ``max_tokens``) now, or
+        raise :class:`ResourceExhausted` with a retry hint; settle the admission when it ends.
+        Over the concurrency limit (or behind generations waiting for a slot) it is refused:
+        :meth:`acquire` waits instead."""
         limits = self.config.for_tenant(tenant)
         if limits == UNLIMITED:
             return Admission(None, tenant, 0)
-        running = self.in_flight(tenant)
-        if limits.max_concurrent_requests and running >= limits.max_concurrent_requests:
-            raise ResourceExhausted(
-                f"tenant {tenant!r} has {running} requests in flight, its limit "
-                f"(max_concurrent_requests); retry once one of them has ended",
-                retry_after_s=self._concurrency_retry_after_s,
-            )
+        if self._slot_is_free(tenant, limits):
+            self._in_flight[tenant] = self.in_flight(tenant) + 1
+        else:
+            self._refuse_for_concurrency(tenant)
+        return self._charge(tenant, limits, max_tokens)
+
+    async def acquire(self, tenant: str, max_tokens: int) -> Admission:
+        """:meth:`admit`, waiting in the tenant's waiting room for a slot when the concurrency limit
+        is reached; refused only when the room is full (or for tokens per minute)."""
+        limits = self.config.for_tenant(tenant)
+        if limits == UNLIMITED or self._slot_is_free(tenant, limits):
+            return self.admit(tenant, max_tokens)
+        room = self._waiting.setdefault(tenant, deque())
+        if len(room) >= limits.waiting_room:
+            self._refuse_for_concurrency(tenant)
+        slot = asyncio.get_running_loop().create_future()
+        room.append(slot)
+        try:
+            await slot
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():
+                self._free_slot(tenant)  # handed over as the waiter went: the next one takes it
+            else:
+                room.remove(slot)
+                if not room:
+                    self._waiting.pop(tenant, None)
+            raise
+        return self._charge(tenant, limits, max_tokens)
+
+    def _slot_is_free(self, tenant: str, limits: TenantLimits) -> bool:
+        """A slot is free and nobody waits for one (so no newcomer goes ahead of a waiter)."""
+        if not limits.max_concurrent_requests:
+            return True
+        return self.in_flight(tenant) < limits.max_concurrent_requests and not self._waiting.get(tenant)
+
+    def _refuse_for_concurrency(self, tenant: str) -> None:
+        limits = self.config.for_tenant(tenant)
+        raise ResourceExhausted(
+            f"tenant {tenant!r} has {self.in_flight(tenant)} requests in flight, its limit "
+            f"(max_concurrent_requests), and {self.waiting(tenant)} waiting, its waiting room "
+            f"(max_waiting_requests {limits.waiting_room}); retry once one of them has ended",
+            retry_after_s=self._concurrency_retry_after_s,
+        )
+
+    def _charge(self, tenant: str, limits: TenantLimits, max_tokens: int) -> Admission:
+        """Charge the generation, which holds a slot, to the tenant's bucket (freeing the slot when
+        the bucket refuses it)."""
         bucket = self._bucket(tenant, limits)
         if bucket is not None:
             now = self._clock()
@@ -208,6 +280,7 @@ class TenantQuota:
             wait_s = bucket.wait_s(need)
             if wait_s > 0:
                 wait_s = bucket.queue_wait_s(now, need)
+                self._free_slot(tenant)
                 raise ResourceExhausted(
                     f"tenant {tenant!r} is over its quota of {limits.tokens_per_minute} tokens per minute: "
                     f"this request may use {max_tokens} tokens (prompt + max_tokens) and "
@@ -215,8 +288,24 @@ class TenantQuota:
                     retry_after_s=wait_s,
                 )
             bucket.level -= max_tokens
-        self._in_flight[tenant] = running + 1
         return Admission(self, tenant, max_tokens if bucket is not None else 0)
+
+    def _free_slot(self, tenant: str) -> None:
+        """A generation let go of its slot: the oldest waiter takes it, else it is free."""
+        room = self._waiting.get(tenant)
+        while room:
+            slot = room.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                if not room:
+                    self._waiting.pop(tenant, None)
+                return
+        self._waiting.pop(tenant, None)
+        running = self._in_flight.get(tenant, 0) - 1
+        if running > 0:
+            self._in_flight[tenant] = running
+        else:
+            self._in_flight.pop(tenant, None)
 
     def _bucket(self, tenant: str, limits: TenantLimits) -> _Bucket | None:
         if not limits.tokens_per_minute:
@@ -229,11 +318,7 @@ class TenantQuota:
         return bucket
 
     def _settle(self, tenant: str, charged: int, used_tokens: int) -> None:
-        running = self._in_flight.get(tenant, 0) - 1
-        if running > 0:
-            self._in_flight[tenant] = running
-        else:
-            self._in_flight.pop(tenant, None)
+        self._free_slot(tenant)
         bucket = self._buckets.get(tenant)
         if bucket is not None and charged:
             bucket.refill(self._clock())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from argparse import Namespace
 
@@ -98,6 +99,97 @@ def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket_and_leaves_it_
     with pytest.raises(ResourceExhausted) as refused:
         q.admit("alice", 1)
     assert refused.value.retry_after_s == pytest.approx(14.1)
+
+
+async def _waiter(q: TenantQuota, order: list[str], name: str):
+    """A generation that waits for alice's slot, noting when it got it."""
+    admission = await q.acquire("alice", 10)
+    order.append(name)
+    return admission
+
+
+async def _settled_loop() -> None:
+    """Let every task that can run, run (the waiters' wake-ups)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_past_the_limit_generations_wait_in_turn_and_a_full_room_is_refused():
+    q = quota(FakeClock(), max_concurrent_requests=2, max_waiting_requests=2)
+    running = [await q.acquire("alice", 10), await q.acquire("alice", 10)]
+    order: list[str] = []
+    third = asyncio.create_task(_waiter(q, order, "third"))
+    await _settled_loop()
+    fourth = asyncio.create_task(_waiter(q, order, "fourth"))
+    await _settled_loop()
+    assert q.waiting("alice") == 2 and order == []
+    with pytest.raises(ResourceExhausted, match="max_waiting_requests 2") as refused:
+        await q.acquire("alice", 10)  # the room is full
+    assert refused.value.retry_after_s == 1.0
+    with pytest.raises(ResourceExhausted):
+        q.admit("alice", 10)  # no newcomer goes ahead of a waiter
+    running[0].settle(10)
+    await _settled_loop()
+    assert order == ["third"] and q.in_flight("alice") == 2  # the slot was handed over, not freed
+    # A slot freed while someone waits is not up for grabs, even for a caller that asks first.
+    running[1].settle(10)
+    with pytest.raises(ResourceExhausted):
+        q.admit("alice", 10)
+    await _settled_loop()
+    assert order == ["third", "fourth"]
+    (await third).settle(10), (await fourth).settle(10)
+    assert q.in_flight("alice") == 0 and q.waiting("alice") == 0
+
+
+async def test_a_waiter_that_goes_leaves_its_place_and_a_slot_handed_to_it_passes_on():
+    q = quota(FakeClock(), max_concurrent_requests=1)  # a room as large as the limit: 1
+    holder = await q.acquire("alice", 10)
+    order: list[str] = []
+    gone = asyncio.create_task(_waiter(q, order, "gone"))
+    await _settled_loop()
+    gone.cancel()  # its client disconnected while it waited
+    await _settled_loop()
+    assert q.waiting("alice") == 0
+    next_one = asyncio.create_task(_waiter(q, order, "next"))
+    await _settled_loop()
+    late = asyncio.create_task(_waiter(q, order, "late"))  # refused: the room holds one
+    await _settled_loop()
+    assert late.done() and isinstance(late.exception(), ResourceExhausted)
+    holder.settle(10)
+    next_one.cancel()  # cancelled in the same turn as its slot was handed to it
+    await _settled_loop()
+    assert next_one.cancelled() and order == []
+    assert q.in_flight("alice") == 0  # the slot it was handed is free again
+    (await q.acquire("alice", 10)).settle(10)
+
+
+async def test_no_waiting_room_refuses_at_once_and_a_token_refusal_frees_the_slot_it_waited_for():
+    q = quota(FakeClock(), max_concurrent_requests=1, max_waiting_requests=0)
+    held = await q.acquire("alice", 10)
+    with pytest.raises(ResourceExhausted, match="max_concurrent_requests"):
+        await q.acquire("alice", 10)
+    held.settle(10)
+    q = quota(FakeClock(), max_concurrent_requests=1, tokens_per_minute=60)  # a bucket of 60
+    held = await q.acquire("alice", 50)
+    waiter = asyncio.create_task(q.acquire("alice", 40))
+    await _settled_loop()
+    assert q.waiting("alice") == 1
+    held.settle(50)  # the slot goes to the waiter, whose 40 tokens the bucket's 10 do not hold
+    await _settled_loop()
+    assert isinstance(waiter.exception(), ResourceExhausted)
+    assert q.in_flight("alice") == 0 and q.waiting("alice") == 0
+
+
+def test_the_waiting_room_defaults_to_the_concurrency_limit_and_round_trips():
+    assert TenantLimits(max_concurrent_requests=3).waiting_room == 3
+    assert TenantLimits(max_concurrent_requests=3, max_waiting_requests=0).waiting_room == 0
+    assert TenantLimits(tokens_per_minute=5).waiting_room == 0
+    config = QuotaConfig({"alice": TenantLimits(2, 0, 7), "bob": TenantLimits(1)})
+    assert config.to_json()["tenants"] == {
+        "alice": {"max_concurrent_requests": 2, "tokens_per_minute": 0, "max_waiting_requests": 7},
+        "bob": {"max_concurrent_requests": 1, "tokens_per_minute": 0},
+    }
+    assert QuotaConfig.parse(config.to_json()["tenants"]) == config
 
 
 def test_unlimited_by_default_and_the_star_entry_covers_every_other_tenant():

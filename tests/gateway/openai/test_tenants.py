@@ -158,7 +158,7 @@ async def test_another_tenants_private_adapter_answers_over_grpc_as_a_missing_on
 
 
 async def test_over_the_concurrency_limit_http_answers_429_with_retry_after(scripted_gateway):
-    limit_alice(scripted_gateway, max_concurrent_requests=1)
+    limit_alice(scripted_gateway, max_concurrent_requests=1, max_waiting_requests=0)
     http = scripted_gateway.http
     held = await hold_a_generation(scripted_gateway)
     refused = await http.post("/v1/completions", json=completion(scripted_gateway))
@@ -177,6 +177,23 @@ async def test_over_the_concurrency_limit_http_answers_429_with_retry_after(scri
     await held.aclose()  # its slot is free again
     assert (await http.post("/v1/completions", json=completion(scripted_gateway))).status_code == 200
     assert scripted_gateway.core.quota.in_flight("alice") == 0
+
+
+async def test_past_the_concurrency_limit_http_requests_wait_their_turn(scripted_gateway):
+    limit_alice(scripted_gateway, max_concurrent_requests=1)  # one running, one waiting
+    http = scripted_gateway.http
+    held = await hold_a_generation(scripted_gateway)
+    waiting = asyncio.create_task(http.post("/v1/completions", json=completion(scripted_gateway)))
+    quota = scripted_gateway.core.quota
+    while quota.waiting("alice") == 0:
+        await asyncio.sleep(0)
+    refused = await http.post("/v1/completions", json=completion(scripted_gateway))
+    assert refused.status_code == 429 and "max_waiting_requests 1" in refused.json()["error"]["message"]
+    assert not waiting.done()
+    await held.aclose()  # its slot goes to the waiting request
+    answer = await waiting
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+    assert quota.in_flight("alice") == 0 and quota.waiting("alice") == 0
 
 
 async def test_over_the_token_quota_http_answers_429_until_the_window_refills(scripted_gateway):
@@ -253,7 +270,7 @@ async def test_the_openai_client_retries_after_retry_after_once_the_window_refil
 
 async def test_the_openai_client_retries_once_a_concurrent_request_ends(scripted_gateway, openai_client):
     client, seen = openai_client
-    limit_alice(scripted_gateway, max_concurrent_requests=1)
+    limit_alice(scripted_gateway, max_concurrent_requests=1, max_waiting_requests=0)
     held = await hold_a_generation(scripted_gateway)
 
     async def sleep(seconds: float) -> None:
@@ -272,7 +289,7 @@ async def test_the_openai_client_retries_once_a_concurrent_request_ends(scripted
 
 
 async def test_over_a_limit_grpc_answers_resource_exhausted_with_retry_after(scripted_gateway, grpc_address):
-    clock = limit_alice(scripted_gateway, max_concurrent_requests=1, tokens_per_minute=20)
+    clock = limit_alice(scripted_gateway, max_concurrent_requests=1, tokens_per_minute=20, max_waiting_requests=0)
     request = gateway_pb2.GenerateTextRequest(prompt="Hi", sampling=types_pb2.SamplingParams(max_tokens=8))
     async with aio.insecure_channel(grpc_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -317,7 +334,7 @@ async def test_the_sdk_retries_resource_exhausted_after_its_delay(scripted_gatew
 
 
 async def test_the_sync_sdk_retries_once_a_concurrent_request_ends(scripted_gateway, grpc_address, tmp_path):
-    limit_alice(scripted_gateway, max_concurrent_requests=1)
+    limit_alice(scripted_gateway, max_concurrent_requests=1, max_waiting_requests=0)
     held = await hold_a_generation(scripted_gateway)
     loop = asyncio.get_running_loop()
     waits: list[float] = []
