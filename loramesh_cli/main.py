@@ -15,6 +15,7 @@ from loramesh_cli import (
     bench_commands,
     cert_commands,
     chaos_commands,
+    etcd_rbac_commands,
     generate_commands,
     mesh_commands,
 )
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands.add_parsers(sub)
     chaos_commands.add_parsers(sub)
     cert_commands.add_parsers(sub)
+    etcd_rbac_commands.add_parsers(sub)
     return parser
 
 

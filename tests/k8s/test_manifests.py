@@ -25,6 +25,7 @@ from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
 from services.runtime.certificates import dns_names
 from services.runtime.config import ENV_PREFIX, ServiceConfig, parse_config
+from services.runtime.etcd_rbac_sync import KIND_OF_APP
 from services.runtime.process import GRPC_SERVICE_NAMES
 from services.scheduler.config import SchedulerConfig
 
@@ -38,6 +39,8 @@ CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR_S
 
 MESH_LABEL = {"app.kubernetes.io/part-of": "loramesh"}
 METRICS_PORTS = {9100, 2381}
+CONTROLLER = "etcd-rbac-sync"
+"""The one workload that serves nothing: it gives each pod its etcd user (no port, no probe)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +260,9 @@ def test_every_container_has_health_probes_and_resources(rendered, overlay):
     for workload, container in containers(objects):
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= container["resources"].get(kind, {}).keys(), (workload, kind)
+        if workload == CONTROLLER:
+            assert "ports" not in container  # its etcd and API calls are bounded (CALL_TIMEOUT_S)
+            continue
         service = loramesh_service(container)
         if service is None:
             # etcd: HTTP, because its gRPC health has no separate readiness (k8s/base/etcd.yaml).
@@ -373,7 +379,9 @@ def test_service_monitor_scrapes_every_component(rendered, overlay):
         and scraped_ports & {p["name"] for p in s["spec"]["ports"]}
     }
     components = {
-        w["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for w in workloads(objects).values()
+        w["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]
+        for name, w in workloads(objects).items()
+        if name != CONTROLLER
     }
     assert scraped == components
     # The side ports speak HTTPS only: scraped over it, checked against the mesh CA.
@@ -448,3 +456,32 @@ def test_the_gateway_service_publishes_the_openai_port(rendered, overlay):
         p["name"]: p["targetPort"] for p in by_kind(objects, "Service")["gateway"]["spec"]["ports"]
     }
     assert service_ports == {"grpc": "grpc", "openai": "openai"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_pod_gets_its_etcd_user_from_a_controller_that_may_only_list_pods(rendered, overlay):
+    """etcd RBAC per pod (docs/security.md, "etcd"): the controller maps every mesh pod's name
+    label to the kind its certificate names, holds the admin certificate from the Secret the
+    template defines, and its service account may list pods and nothing else."""
+    objects = rendered[overlay]
+    controller = workloads(objects)[CONTROLLER]["spec"]["template"]["spec"]
+    (container,) = controller["containers"]
+    assert container["command"][0] == "loramesh" and "etcd-rbac-sync" in container["command"]
+    assert env_of(container, objects)["LORAMESH_ETCD_ENDPOINTS"]
+    flags = dict(zip(container["command"][1::2], container["command"][2::2]))
+    (mount,) = container["volumeMounts"][:1]
+    secret = {v["name"]: v for v in controller["volumes"]}[mount["name"]]["secret"]["secretName"]
+    template = by_kind(render(K8S / "secrets"), "Secret")[secret]
+    for flag, key in (("--tls-ca", "ca.crt"), ("--tls-cert", "tls.crt"), ("--tls-key", "tls.key")):
+        assert flags[flag] == f"{mount['mountPath']}/{key}" and key in template["stringData"]
+    account = controller["serviceAccountName"]
+    (binding,) = [b for b in by_kind(objects, "RoleBinding").values() if b["subjects"][0]["name"] == account]
+    role = by_kind(objects, "Role")[binding["roleRef"]["name"]]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    assert not by_kind(objects, "ClusterRoleBinding")
+    # Every pod whose certificate names a kind is one the controller knows by its label.
+    for name, workload in workloads(objects).items():
+        service = loramesh_service(workload["spec"]["template"]["spec"]["containers"][0])
+        if service is not None:
+            app = workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+            assert KIND_OF_APP[app] == service.module.removeprefix("services."), name
