@@ -57,6 +57,8 @@ class NativeStepOps(TorchStepOps):
         self._outputs: dict[str, torch.Tensor] = {}
         """The quantized projections' outputs, by projection name."""
         self._calls: dict[tuple, PreparedCall] = {}
+        self._views: dict[tuple[int, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        """Split sizes -> (the buffer split, its views)."""
 
     def linear(self, name: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(weight, QuantizedWeight) or x.shape[0] != self._tokens:
@@ -80,8 +82,14 @@ class NativeStepOps(TorchStepOps):
         return self._outputs[name]
 
     def split(self, fused: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
-        """Views: the LoRA kernels add into rows of the fused output where they are."""
-        return fused.split(sizes, dim=-1)
+        """Views: the LoRA kernels add into rows of the fused output where they are. Every layer
+        splits the same output buffer the same way: its views are made once per step."""
+        cached = self._views.get(tuple(sizes))
+        if cached is not None and cached[0] is fused:
+            return cached[1]
+        views = fused.split(sizes, dim=-1)
+        self._views[tuple(sizes)] = (fused, views)
+        return views
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         call = self._calls.get(("add_rms_norm",))

@@ -8,6 +8,7 @@ bit for bit gguf-py's dequantization of those bytes (``kernels/cpu_quant_matmul.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -47,8 +48,9 @@ class QuantizedWeight:
         if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != expected:
             raise ValueError(f"{self.format} rows of {self.in_features} weights are {expected} uint8 bytes")
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``; kept: a step asks it of every projection it runs."""
         return (self.blocks.shape[0], self.in_features)
 
     def numel(self) -> int:
