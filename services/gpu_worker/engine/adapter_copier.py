@@ -46,6 +46,17 @@ class AdapterCopier:
             copy.add_done_callback(lambda _: on_done())  # once done() is true, not before
         return copy
 
+    def copy_here(self, adapter: HostAdapter, resident: ResidentAdapter) -> Future[float]:
+        """The copy :meth:`start` would make, made now on the calling thread (the engine's, when no
+        running batch would wait for it): the copier thread gives way to the engine's spinning
+        team, so a copy the engine waits for would take several times as long there."""
+        done: Future[float] = Future()
+        try:
+            done.set_result(self._copy(adapter, resident, time.perf_counter()))
+        except Exception as error:  # noqa: BLE001 - settled as a failed copy, as on the copier thread
+            done.set_exception(error)
+        return done
+
     def _copy(self, adapter: HostAdapter, resident: ResidentAdapter, asked: float) -> float:
         if self._stream is None:
             resident.materialize()

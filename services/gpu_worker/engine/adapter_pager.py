@@ -101,6 +101,8 @@ class AdapterPager:
         """Page-ins started this step."""
         self._deferred: list[str] = []
         """Preloads past a step's budget, started at the next steps."""
+        self._copy_here = False
+        """The page-in under way copies on the engine thread (no running batch would wait)."""
 
     def begin_step(self, step_s: float | None) -> None:
         """A step begins; ``step_s``: how long the step before took while a batch runs (None:
@@ -138,7 +140,9 @@ class AdapterPager:
         return False
 
     def _copy_later(self, adapter: HostAdapter, resident: ResidentAdapter) -> None:
-        self._copies[adapter.adapter_id] = self.copier.start(adapter, resident)
+        copier = self.copier
+        start = copier.copy_here if self._copy_here else copier.start
+        self._copies[adapter.adapter_id] = start(adapter, resident)
 
     def ready(self, adapter_id: str) -> bool:
         """Whether ``adapter_id``'s rows are in the pool (it is resident and not being copied)."""
@@ -204,7 +208,12 @@ class AdapterPager:
         """Hold ``request``'s adapter for as long as the request runs, if its rows are in the
         pool; else start paging it in and return False (``block``: wait for the rows instead,
         when no running batch would wait with the caller). ``PoolExhausted``."""
-        if not self.page_in(adapter, budgeted=not block):
+        self._copy_here = block  # nothing runs that the copy could overlap: make it here, now
+        try:
+            paged_in = self.page_in(adapter, budgeted=not block)
+        finally:
+            self._copy_here = False
+        if not paged_in:
             if not block:
                 return False
             self.wait(adapter.adapter_id)

@@ -49,10 +49,22 @@ class HostAdapter:
     """sha256 of the bytes it was parsed from (config and weights): names this version of the
     adapter in the prefix cache's keys. Empty: unknown (built in memory), and its requests
     bypass the prefix cache."""
+    rows: torch.Tensor | None = None
+    """Every module's A rows then Bᵀ rows, in ``modules``' order, back to back (1-D): the factors
+    are views of it, so a placement that keeps that order is written in one copy. None: the
+    factors are tensors of their own (built in memory)."""
 
     @property
     def nbytes(self) -> int:
         return sum(f.a.nbytes + f.b_t.nbytes for f in self.modules.values())
+
+    def __reduce__(self):
+        # Pickled (to a tensor-parallel rank's process) as its rows once and each factor's shape:
+        # pickling the factors themselves would send the whole of ``rows`` once per view.
+        if self.rows is None:
+            return (HostAdapter, (self.adapter_id, self.modules, self.content_sha256))
+        shapes = [(key, tuple(f.a.shape), tuple(f.b_t.shape), f.scale) for key, f in self.modules.items()]
+        return (_from_rows, (self.adapter_id, self.content_sha256, self.rows, shapes))
 
     @property
     def max_rank(self) -> int:
@@ -80,14 +92,37 @@ def parse_peft_adapter(
         rank = pattern_value(config.get("rank_pattern"), path, r)
         module_alpha = pattern_value(config.get("alpha_pattern"), path, alpha)
         scale = module_alpha / math.sqrt(rank) if rslora else module_alpha / rank
-        modules[(layer, module)] = LoraFactors(
-            a=factors["A"].to(dtype).contiguous(),
-            b_t=factors["B"].t().to(dtype).contiguous(),
-            scale=float(scale),
-        )
-    return HostAdapter(
-        adapter_id=adapter_id, modules=modules, content_sha256=content_sha256(config_json, weights)
-    )
+        modules[(layer, module)] = LoraFactors(a=factors["A"], b_t=factors["B"].t(), scale=float(scale))
+    return with_rows(HostAdapter(adapter_id, modules, content_sha256(config_json, weights)), dtype)
+
+
+def _from_rows(adapter_id: str, content_sha256: str, rows: torch.Tensor, shapes) -> HostAdapter:
+    """What :meth:`HostAdapter.__reduce__` sends, as the adapter: its factors views of ``rows``."""
+    modules, offset = {}, 0
+    for key, a_shape, b_shape, scale in shapes:
+        views = []
+        for shape in (a_shape, b_shape):
+            numel = shape[0] * shape[1]
+            views.append(rows[offset : offset + numel].view(shape))
+            offset += numel
+        modules[key] = LoraFactors(a=views[0], b_t=views[1], scale=scale)
+    return HostAdapter(adapter_id, modules, content_sha256, rows)
+
+
+def with_rows(adapter: HostAdapter, dtype: torch.dtype) -> HostAdapter:
+    """``adapter`` with its factors in ``dtype`` gathered into one buffer (:attr:`HostAdapter.rows`),
+    each a view of it."""
+    rows = torch.empty(sum(f.a.numel() + f.b_t.numel() for f in adapter.modules.values()), dtype=dtype)
+    modules, offset = {}, 0
+    for key, factors in adapter.modules.items():
+        views = []
+        for matrix in (factors.a, factors.b_t):
+            view = rows[offset : offset + matrix.numel()].view(matrix.shape)
+            view.copy_(matrix)
+            views.append(view)
+            offset += matrix.numel()
+        modules[key] = LoraFactors(a=views[0], b_t=views[1], scale=factors.scale)
+    return HostAdapter(adapter.adapter_id, modules, adapter.content_sha256, rows)
 
 
 def content_sha256(config_json: bytes | str, weights: bytes) -> str:

@@ -163,3 +163,29 @@ def test_a_burst_of_preloads_beside_a_batch_is_spread_over_steps(tiny_llama, ada
     assert engine.step() == 1
     assert "c" in engine.residency
     engine.stop()
+
+
+def test_an_idle_engine_copies_the_adapter_it_waits_for_itself(tiny_llama, adapters):
+    """With no batch running the copy overlaps nothing: the engine's thread makes it, rather than
+    wait on the copier thread, which gives way to the engine's spinning OpenMP team."""
+    engine = make_engine(tiny_llama, adapters)
+    copier_threads: list[str] = []
+    load_adapter = engine.executor.load_adapter
+
+    def seen(adapter, resident) -> None:
+        copier_threads.append(threading.current_thread().name)
+        load_adapter(adapter, resident)
+
+    engine.adapters.copier._write = seen
+    out: list[int] = []
+    engine.submit(request("cold", "b", max_tokens=3), lambda e: out.append(e.token_id) if e.token_id is not None else None)
+    engine.step()  # the prefill: b paged in, then run, in this one step
+    assert copier_threads == [threading.current_thread().name] and len(out) == 1
+    engine.preload("c")  # a preload, with nothing waiting on it: the copier thread's
+    engine.step()
+    engine.adapters.wait("c")
+    assert copier_threads[1].startswith("loramesh-page-in")
+    while engine.has_work():
+        engine.step()
+    assert out == tokens_alone(make_engine(tiny_llama, adapters), request("cold", "b", max_tokens=3))
+    engine.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -47,3 +48,25 @@ def test_a_name_the_store_would_refuse_is_refused(name):
     weights = save({name: torch.zeros(8, SPEC.hidden_size)})
     with pytest.raises(InvalidArgument, match="unexpected tensor"):
         parse_peft_adapter("a", config, weights, torch.float32)
+
+
+def test_the_factors_are_views_of_one_buffer_sent_once_when_pickled(tmp_path):
+    """One buffer, so that a placement in its order is written in one copy; pickled (to a
+    tensor-parallel rank) as that buffer once, not once per factor viewing it."""
+    sample = SampleAdapterSpec(rank=4, target_modules=("q_proj", "v_proj", "down_proj"))
+    adapter = read_peft_directory("a", write_peft_adapter(tmp_path, SPEC, sample), torch.bfloat16)
+    assert adapter.rows is not None and adapter.rows.dtype == torch.bfloat16
+    assert adapter.rows.numel() * 2 == adapter.nbytes
+    offset = 0
+    for factors in adapter.modules.values():
+        for matrix in (factors.a, factors.b_t):
+            assert matrix.data_ptr() == adapter.rows.data_ptr() + 2 * offset  # in modules' order
+            offset += matrix.numel()
+    sent = pickle.dumps(adapter)
+    assert len(sent) < 2 * adapter.nbytes
+    again = pickle.loads(sent)
+    assert again.adapter_id == adapter.adapter_id and again.content_sha256 == adapter.content_sha256
+    for key, factors in adapter.modules.items():
+        assert torch.equal(again.modules[key].a, factors.a) and torch.equal(again.modules[key].b_t, factors.b_t)
+        assert again.modules[key].scale == factors.scale
+        assert again.modules[key].a.untyped_storage().data_ptr() == again.rows.untyped_storage().data_ptr()

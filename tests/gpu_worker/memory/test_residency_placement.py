@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
+from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors, with_rows
 from services.gpu_worker.memory.adapter_residency import (
     AdapterResidency,
     _pages_upper_bound,
@@ -120,3 +120,22 @@ def test_offsets_are_built_on_first_use_not_at_load():
     assert resident._modules is None  # the engine thread computed runs only
     write_rows(pool.buffer, host, written[0])  # the copier's write builds them
     assert resident._modules is not None and set(resident.modules) == set(host.modules)
+
+
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_an_adapter_placed_in_its_own_order_is_written_in_one_copy_and_every_row_lands(fragmented):
+    rng = random.Random(7)
+    pool = UnifiedPool(LAYOUT, torch.float32)
+    if fragmented:  # every other page taken: no adapter fits one run of pages
+        taken = pool.allocate(LAYOUT.num_pages, PageUse.KV)
+        pool.free(taken[::2])
+    residency = AdapterResidency(pool)
+    for i in range(3):
+        host = with_rows(_adapter(rng, f"a{i}"), torch.float32)
+        resident = residency.load(host)
+        assert (resident.back_to_back_from is None) == fragmented
+        for key, factors in host.modules.items():
+            placed = resident.modules[key]
+            for matrix, offsets in ((factors.a, placed.a_offsets), (factors.b_t, placed.b_offsets)):
+                width = matrix.shape[1]
+                assert torch.equal(torch.stack([pool.buffer[o : o + width] for o in offsets]), matrix)
