@@ -41,7 +41,7 @@ def _mkl_set_num_threads_local():
     """MKL's C ``MKL_Set_Num_Threads_Local``, exported by torch's CPU library (None: no MKL
     there). The lower-case names are Fortran's: they take a pointer."""
     try:
-        return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).MKL_Set_Num_Threads_Local
+        return ctypes.CDLL("libtorch_cpu.so").MKL_Set_Num_Threads_Local  # the loaded one, by soname
     except (OSError, AttributeError):
         return None
 

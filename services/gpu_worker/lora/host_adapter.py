@@ -63,8 +63,7 @@ class HostAdapter:
         # pickling the factors themselves would send the whole of ``rows`` once per view.
         if self.rows is None:
             return (HostAdapter, (self.adapter_id, self.modules, self.content_sha256))
-        shapes = [(key, tuple(f.a.shape), tuple(f.b_t.shape), f.scale) for key, f in self.modules.items()]
-        return (_from_rows, (self.adapter_id, self.content_sha256, self.rows, shapes))
+        return (_from_rows, (self.adapter_id, self.content_sha256, self.rows, _layout(self.modules)))
 
     @property
     def max_rank(self) -> int:
@@ -96,32 +95,39 @@ def parse_peft_adapter(
     return with_rows(HostAdapter(adapter_id, modules, content_sha256(config_json, weights)), dtype)
 
 
-def _from_rows(adapter_id: str, content_sha256: str, rows: torch.Tensor, shapes) -> HostAdapter:
-    """What :meth:`HostAdapter.__reduce__` sends, as the adapter: its factors views of ``rows``."""
+FactorLayout = list[tuple[ModuleKey, torch.Size, torch.Size, float]]
+"""Each module's key, A shape, Bᵀ shape and scale, in ``modules``' order."""
+
+
+def _layout(modules: dict[ModuleKey, LoraFactors]) -> FactorLayout:
+    return [(key, f.a.shape, f.b_t.shape, f.scale) for key, f in modules.items()]
+
+
+def _views(rows: torch.Tensor, layout: FactorLayout) -> dict[ModuleKey, LoraFactors]:
+    """The factors of ``layout`` as views of ``rows``, A then Bᵀ per module, back to back."""
     modules, offset = {}, 0
-    for key, a_shape, b_shape, scale in shapes:
-        views = []
-        for shape in (a_shape, b_shape):
-            numel = shape[0] * shape[1]
-            views.append(rows[offset : offset + numel].view(shape))
-            offset += numel
-        modules[key] = LoraFactors(a=views[0], b_t=views[1], scale=scale)
-    return HostAdapter(adapter_id, modules, content_sha256, rows)
+    for key, a_shape, b_shape, scale in layout:
+        a = rows[offset : offset + a_shape.numel()].view(a_shape)
+        offset += a_shape.numel()
+        b_t = rows[offset : offset + b_shape.numel()].view(b_shape)
+        offset += b_shape.numel()
+        modules[key] = LoraFactors(a=a, b_t=b_t, scale=scale)
+    return modules
+
+
+def _from_rows(adapter_id: str, content_sha256: str, rows: torch.Tensor, layout: FactorLayout) -> HostAdapter:
+    """What :meth:`HostAdapter.__reduce__` sends, as the adapter: its factors views of ``rows``."""
+    return HostAdapter(adapter_id, _views(rows, layout), content_sha256, rows)
 
 
 def with_rows(adapter: HostAdapter, dtype: torch.dtype) -> HostAdapter:
     """``adapter`` with its factors in ``dtype`` gathered into one buffer (:attr:`HostAdapter.rows`),
     each a view of it."""
     rows = torch.empty(sum(f.a.numel() + f.b_t.numel() for f in adapter.modules.values()), dtype=dtype)
-    modules, offset = {}, 0
+    modules = _views(rows, _layout(adapter.modules))
     for key, factors in adapter.modules.items():
-        views = []
-        for matrix in (factors.a, factors.b_t):
-            view = rows[offset : offset + matrix.numel()].view(matrix.shape)
-            view.copy_(matrix)
-            views.append(view)
-            offset += matrix.numel()
-        modules[key] = LoraFactors(a=views[0], b_t=views[1], scale=factors.scale)
+        modules[key].a.copy_(factors.a)
+        modules[key].b_t.copy_(factors.b_t)
     return HostAdapter(adapter.adapter_id, modules, adapter.content_sha256, rows)
 
 

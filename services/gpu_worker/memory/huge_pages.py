@@ -11,6 +11,7 @@ are ordinary ones.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 from collections.abc import Sequence
 
@@ -22,15 +23,20 @@ ALIGNMENT = 64
 """Each gathered tensor starts on a cache line (the native kernels' vector loads)."""
 
 
+@functools.cache
+def _madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
 def advise_huge_pages(address: int, nbytes: int) -> bool:
     """Ask the kernel to back ``[address, address + nbytes)`` (page-aligned ``address``) with huge
     pages as it is first touched; False where the kernel refuses (or has no such advice)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes <= 0:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(address, nbytes, advice) == 0
+    return _madvise()(address, nbytes, advice) == 0
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
