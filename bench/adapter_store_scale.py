@@ -16,7 +16,10 @@ serves at once, and what 10,000 registered adapters cost the mesh, in one run of
     import rates; each service's resident memory per registered adapter (the slope of VmRSS
     over the second half of the uploads, each point taken once the gateway lists them all) and
     the gateway's index's own bytes per adapter (tracemalloc, in this process); the gateway's
-    ``/v1/models`` latency for a tenant that may use 6,000 of the adapters; paging the store;
+    ``/v1/models`` latency for a tenant that may use 6,000 of the adapters; the first token of
+    ``--ttft-sample`` S3-imported adapters' first request (cold: the worker pulls the adapter
+    from the store, which reads it from disk, and pages it in) against their second (warm:
+    resident), through the gateway's OpenAI API, streamed; paging the store;
     fetching a sample of adapters (each verified against its sha256 on its first read from disk)
     and the store's restart over all of them.
 
@@ -144,6 +147,49 @@ def visible_to_first_tenant(count: int) -> int:
     """How many of the first ``count`` adapters ``owner_of(0)`` may use (its own and the public)."""
     public = types_pb2.VISIBILITY_PUBLIC
     return sum(1 for i in range(count) if owner_of(i) == owner_of(0) or visibility_of(i) == public)
+
+
+TTFT_PROMPT = "Write one sentence about the sea, the wind and a lighthouse keeper's long night."
+
+
+async def first_token_s(http: httpx.AsyncClient, model: str) -> float:
+    """Seconds from sending a streamed completion for ``model`` to its first token's chunk."""
+    body = {"model": model, "prompt": TTFT_PROMPT, "max_tokens": 2, "temperature": 0, "stream": True}
+    started = time.perf_counter()
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{model}: HTTP {response.status_code} {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                return time.perf_counter() - started
+    raise RuntimeError(f"{model}: the stream ended without a token")
+
+
+async def s3_ttft(http: httpx.AsyncClient, first_import: int, count: int, sample: int) -> dict:
+    """Cold and warm first tokens of ``sample`` adapters imported from S3 that the bench's tenant
+    may use, each served once cold (never served before) and once warm, in turn."""
+    listed = (await http.get("/v1/models")).json()["data"]
+    await first_token_s(http, listed[0]["id"])  # the base model: the engine's first step warmed up
+    models = {m["id"] for m in listed}
+    chosen = []
+    for i in range(first_import, first_import + count):
+        name = f"a{i:05d}" if owner_of(i) == owner_of(0) else f"{owner_of(i)}/a{i:05d}"
+        if name in models:
+            chosen.append(name)
+        if len(chosen) == sample:
+            break
+    cold, warm = [], []
+    for model in chosen:
+        cold.append(await first_token_s(http, model))
+        warm.append(await first_token_s(http, model))
+    return {
+        "adapters": len(chosen),
+        "cold_ms": [round(1e3 * s, 1) for s in cold],
+        "warm_ms": [round(1e3 * s, 1) for s in warm],
+        "cold_p50_ms": round(1e3 * statistics.median(cold), 1),
+        "warm_p50_ms": round(1e3 * statistics.median(warm), 1),
+        "cold_over_warm_p50": round(statistics.median(cold) / statistics.median(warm), 3),
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -339,6 +385,8 @@ async def scale_phase(args, work: Path) -> dict:
         result.update(import_s=round(elapsed, 1), imports_per_s=round(args.s3_imports / elapsed, 1),
                       import_mb_per_s=round(total / elapsed / MB, 1))  # fmt: skip
         rss_end = await settled_rss(args.adapters)
+        if args.ttft_sample:
+            result["s3_first_token"] = await s3_ttft(http, uploads, args.s3_imports, args.ttft_sample)
         listed = len((await http.get("/v1/models")).json()["data"]) - 1  # the base model first
         latencies = []
         for _ in range(args.list_rounds):
@@ -416,6 +464,9 @@ def main() -> None:
     parser.add_argument("--ram-budget-mib", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--list-rounds", type=int, default=10, help="/v1/models calls timed")
+    parser.add_argument(
+        "--ttft-sample", type=int, default=20, help="S3-imported adapters served cold, then warm"
+    )
     parser.add_argument("--fetch-sample", type=int, default=500, help="adapters fetched and verified")
     parser.add_argument("--work-dir", default="")
     parser.add_argument("--out", default="", help="also write the JSON result here")

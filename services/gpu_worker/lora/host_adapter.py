@@ -69,6 +69,15 @@ class HostAdapter:
     def max_rank(self) -> int:
         return max((f.rank for f in self.modules.values()), default=0)
 
+    def pinned(self) -> HostAdapter:
+        """This adapter with its rows in page-locked host memory, from where a GPU copies them
+        asynchronously, without the driver staging them through a buffer of its own (which, on an
+        H100, made a running batch's steps 1.5x slower while adapters paged in). Itself when its
+        factors are not one buffer of rows. Needs CUDA."""
+        if self.rows is None:
+            return self
+        return _from_rows(self.adapter_id, self.content_sha256, self.rows.pin_memory(), _layout(self.modules))
+
 
 def parse_peft_adapter(
     adapter_id: str, config_json: bytes | str, weights: bytes, dtype: torch.dtype

@@ -75,7 +75,7 @@ class ResidentAdapter:
         *,
         runs: list[ModuleRuns] | None = None,
         device: torch.device | None = None,
-        back_to_back_from: int | None = None,
+        row_chunks: tuple[tuple[int, int], ...] | None = None,
     ):
         if (modules is None) == (runs is None):
             raise ValueError("ResidentAdapter takes its modules or their runs, one of the two")
@@ -87,9 +87,10 @@ class ResidentAdapter:
         placement) names where its rows are without comparing page lists."""
         self.refcount = refcount
         """Running requests using it; evictable only at 0."""
-        self.back_to_back_from = back_to_back_from
-        """Where the rows start when they all lie back to back in the adapter's module order, A
-        then Bᵀ (its ``HostAdapter.rows`` order), so that one copy writes them; None otherwise."""
+        self.row_chunks = row_chunks
+        """``(pool offset, elements)`` of each region's share of the rows, in the adapter's module
+        order, A then Bᵀ (its ``HostAdapter.rows`` order): the chunks are consecutive slices of
+        those rows, so one copy each writes them. None: placed otherwise (given as ``modules``)."""
         self._modules = modules
         self._runs = runs
         self._device = device
@@ -202,12 +203,14 @@ RowWriter = Callable[[HostAdapter, ResidentAdapter], None]
 
 def write_rows(buffer: torch.Tensor, adapter: HostAdapter, resident: ResidentAdapter) -> None:
     """Copy ``adapter``'s A and B rows into ``buffer`` (a pool's) where ``resident`` placed them:
-    in one copy when both lie back to back in the same order (a copy per run costs ~3 µs of
-    Python each, 420 of them for an adapter on SmolLM2's seven projections: most of a rank-8
-    adapter's page-in)."""
-    start = resident.back_to_back_from
-    if start is not None and adapter.rows is not None:
-        buffer[start : start + adapter.rows.numel()].copy_(adapter.rows)
+    one copy per region of adjacent pages the placement spans, usually one (a copy per run of rows
+    costs ~3 µs of Python each, 420 of them for an adapter on SmolLM2's seven projections, and
+    each is a transfer of its own to a GPU)."""
+    if resident.row_chunks is not None and adapter.rows is not None:
+        source = 0
+        for start, length in resident.row_chunks:
+            buffer[start : start + length].copy_(adapter.rows[source : source + length], non_blocking=True)
+            source += length
         return
     for key, factors in adapter.modules.items():
         placed = resident.modules[key]
@@ -237,12 +240,12 @@ def _copy_rows(buffer: torch.Tensor, matrix: torch.Tensor, runs) -> None:
 
 def _place(
     adapter: HostAdapter, regions: list[tuple[int, int]], page_elems: int
-) -> tuple[list[ModuleRuns], list[int], int | None]:
+) -> tuple[list[ModuleRuns], list[int], tuple[tuple[int, int], ...]]:
     """Each module's rows as runs, A then Bᵀ, back to back in ``regions`` in order (a row that
     does not fit the rest of a region starts the next one); and the pages the rows touch, in
-    order. The same offsets as placing row by row, at a cost per module, not per row. Third: where
-    every row lies back to back in module order, A then Bᵀ, when they all fit the first region
-    (None when they spread over several)."""
+    order. The same offsets as placing row by row, at a cost per module, not per row. Third: the
+    ``(first element, elements)`` each region holds, from its start: in module order, A then Bᵀ,
+    the rows are those chunks one after the other."""
     used_by_region: list[int] = []
     index = 0
     start, length = regions[0]
@@ -277,11 +280,13 @@ def _place(
         placed.append((key, factors.scale, a_width, a_runs, b_width, b_runs))
     used_by_region.append(used)
     touched: list[int] = []
+    chunks = []
     for (region_start, _), region_used in zip(regions, used_by_region):
         if region_used:  # rows lie back to back from the region's start
             first = region_start // page_elems
             touched.extend(range(first, first + -(-region_used // page_elems)))
-    return placed, touched, regions[0][0] if index == 0 else None
+            chunks.append((region_start, region_used))
+    return placed, touched, tuple(chunks)
 
 
 class AdapterResidency:
@@ -353,7 +358,7 @@ class AdapterResidency:
         needed = self.pages_needed(adapter)
         self.make_room(needed)
         pages = self.pool.allocate(needed, PageUse.ADAPTER)
-        runs, touched, back_to_back_from = _place(adapter, _regions(pages, page_elems), page_elems)
+        runs, touched, row_chunks = _place(adapter, _regions(pages, page_elems), page_elems)
         if len(touched) < len(pages):
             kept = set(touched)
             self.pool.free([p for p in pages if p not in kept])  # the upper bound's unused pages
@@ -364,7 +369,7 @@ class AdapterResidency:
             placement=next(self._placements),
             runs=runs,
             device=self.pool.device,
-            back_to_back_from=back_to_back_from,
+            row_chunks=row_chunks,
         )
         self._write(adapter, resident)
         self._resident[adapter.adapter_id] = resident

@@ -67,6 +67,22 @@ def test_the_factors_are_views_of_one_buffer_sent_once_when_pickled(tmp_path):
     again = pickle.loads(sent)
     assert again.adapter_id == adapter.adapter_id and again.content_sha256 == adapter.content_sha256
     for key, factors in adapter.modules.items():
-        assert torch.equal(again.modules[key].a, factors.a) and torch.equal(again.modules[key].b_t, factors.b_t)
+        assert torch.equal(again.modules[key].a, factors.a) and torch.equal(
+            again.modules[key].b_t, factors.b_t
+        )
         assert again.modules[key].scale == factors.scale
         assert again.modules[key].a.untyped_storage().data_ptr() == again.rows.untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked host memory needs CUDA")
+def test_a_pinned_copy_keeps_every_factor_as_a_view_of_its_page_locked_rows(tmp_path):
+    sample = SampleAdapterSpec(rank=4, target_modules=("q_proj", "v_proj"))
+    adapter = read_peft_directory("a", write_peft_adapter(tmp_path, SPEC, sample), torch.bfloat16)
+    pinned = adapter.pinned()
+    assert pinned.rows.is_pinned() and torch.equal(pinned.rows, adapter.rows)
+    assert pinned.adapter_id == adapter.adapter_id and pinned.content_sha256 == adapter.content_sha256
+    for key, factors in pinned.modules.items():
+        assert factors.a.untyped_storage().data_ptr() == pinned.rows.untyped_storage().data_ptr()
+        assert (
+            torch.equal(factors.b_t, adapter.modules[key].b_t) and factors.scale == adapter.modules[key].scale
+        )
