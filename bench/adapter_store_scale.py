@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -57,7 +58,7 @@ from moto.server import ThreadedMotoServer
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_id, upload_adapter
 from mesh_api.v1 import adapter_store_pb2 as pb
-from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
+from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.adapter_index import AdapterIndex
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS
@@ -152,9 +153,12 @@ def visible_to_first_tenant(count: int) -> int:
 TTFT_PROMPT = "Write one sentence about the sea, the wind and a lighthouse keeper's long night."
 
 
-async def first_token_s(http: httpx.AsyncClient, model: str) -> float:
-    """Seconds from sending a streamed completion for ``model`` to its first token's chunk."""
-    body = {"model": model, "prompt": TTFT_PROMPT, "max_tokens": 2, "temperature": 0, "stream": True}
+async def first_token_s(http: httpx.AsyncClient, model: str, nonce: int) -> float:
+    """Seconds from sending a streamed completion for ``model`` to its first token's chunk. The
+    prompt starts with ``nonce``, so that no request finds another's prompt in the prefix cache
+    (a warm request that did would skip its prefill)."""
+    prompt = f"{nonce}. {TTFT_PROMPT}"
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
     started = time.perf_counter()
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -165,11 +169,32 @@ async def first_token_s(http: httpx.AsyncClient, model: str) -> float:
     raise RuntimeError(f"{model}: the stream ended without a token")
 
 
-async def s3_ttft(http: httpx.AsyncClient, first_import: int, count: int, sample: int) -> dict:
+LOAD_METRIC = "loramesh_gpu_worker_adapter_load_seconds"
+
+
+async def adapter_loads(worker_http: str) -> dict[str, tuple[float, float]]:
+    """The worker's adapter-load histogram: ``{labels: (sum of seconds, count)}`` (the cpu tier:
+    pulled from the store and parsed; the gpu tier: paged into the pool)."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"http://{worker_http}/metrics")).text
+    loads: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for index, suffix in enumerate(("_sum{", "_count{")):
+            if line.startswith(LOAD_METRIC + suffix):
+                labels, value = line[len(LOAD_METRIC + suffix) :].rsplit("} ", 1)
+                loads.setdefault(labels, [0.0, 0.0])[index] = float(value)
+    return {labels: (total, count) for labels, (total, count) in loads.items()}
+
+
+async def s3_ttft(
+    http: httpx.AsyncClient, worker_http: str, first_import: int, count: int, sample: int
+) -> dict:
     """Cold and warm first tokens of ``sample`` adapters imported from S3 that the bench's tenant
-    may use, each served once cold (never served before) and once warm, in turn."""
+    may use, each served once cold (never served before) and once warm, in turn; with the
+    worker's mean adapter load times over the cold requests."""
     listed = (await http.get("/v1/models")).json()["data"]
-    await first_token_s(http, listed[0]["id"])  # the base model: the engine's first step warmed up
+    nonces = itertools.count()
+    await first_token_s(http, listed[0]["id"], next(nonces))  # the base model: the engine warmed up
     models = {m["id"] for m in listed}
     chosen = []
     for i in range(first_import, first_import + count):
@@ -179,10 +204,18 @@ async def s3_ttft(http: httpx.AsyncClient, first_import: int, count: int, sample
         if len(chosen) == sample:
             break
     cold, warm = [], []
+    before = await adapter_loads(worker_http)
     for model in chosen:
-        cold.append(await first_token_s(http, model))
-        warm.append(await first_token_s(http, model))
+        cold.append(await first_token_s(http, model, next(nonces)))
+        warm.append(await first_token_s(http, model, next(nonces)))
+    after = await adapter_loads(worker_http)
+    mean_load_ms = {
+        labels: round(1e3 * (total - before.get(labels, (0, 0))[0]) / (n - before.get(labels, (0, 0))[1]), 2)
+        for labels, (total, n) in after.items()
+        if n > before.get(labels, (0, 0))[1]
+    }
     return {
+        "worker_mean_adapter_load_ms": mean_load_ms,
         "adapters": len(chosen),
         "cold_ms": [round(1e3 * s, 1) for s in cold],
         "warm_ms": [round(1e3 * s, 1) for s in warm],
@@ -190,6 +223,48 @@ async def s3_ttft(http: httpx.AsyncClient, first_import: int, count: int, sample
         "warm_p50_ms": round(1e3 * statistics.median(warm), 1),
         "cold_over_warm_p50": round(statistics.median(cold) / statistics.median(warm), 3),
     }
+
+
+TTFT_PROMPT_IDS = tuple(range(1000, 1016))
+"""The worker-direct requests' prompt after its nonce: 17 token ids in all, as many as
+``TTFT_PROMPT`` tokenized."""
+
+
+async def worker_first_token(stub, adapter_id: str, nonce: int) -> tuple[float, float]:
+    """A request straight to the worker: seconds to its first token as sent, and the engine's own
+    first-token time from the request's arrival on the engine (after the adapter's pull). The
+    prompt's first token is ``nonce`` (no prefix cache hit)."""
+    request = worker_pb2.GenerateRequest(
+        prompt_token_ids=(nonce, *TTFT_PROMPT_IDS),
+        adapter_id=adapter_id,
+        sampling=types_pb2.SamplingParams(max_tokens=2),
+    )
+    started, first = time.perf_counter(), None
+    async for reply in stub.Generate(request, timeout=60):
+        if reply.token_ids and first is None:
+            first = time.perf_counter() - started
+        if reply.HasField("timings"):
+            return first, reply.timings.first_token_ms / 1e3
+    raise RuntimeError(f"{adapter_id}: the worker's stream ended without timings")
+
+
+async def worker_ttft(worker_address: str, adapter_ids: list[str]) -> dict:
+    """Cold then warm first tokens of ``adapter_ids`` sent to the worker itself (no gateway, no
+    scheduler): what the worker's pull and page-in add, apart from the mesh's hops."""
+    async with aio.insecure_channel(worker_address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        runs = {"cold": [], "warm": []}
+        nonces = itertools.count(2000)
+        for adapter_id in adapter_ids:
+            runs["cold"].append(await worker_first_token(stub, adapter_id, next(nonces)))
+            runs["warm"].append(await worker_first_token(stub, adapter_id, next(nonces)))
+    out: dict = {"adapters": len(adapter_ids)}
+    for kind, pairs in runs.items():
+        out[f"{kind}_p50_ms"] = round(1e3 * statistics.median(p[0] for p in pairs), 1)
+        out[f"{kind}_engine_p50_ms"] = round(1e3 * statistics.median(p[1] for p in pairs), 1)
+    out["cold_over_warm_p50"] = round(out["cold_p50_ms"] / out["warm_p50_ms"], 3)
+    out["cold_over_warm_engine_p50"] = round(out["cold_engine_p50_ms"] / out["warm_engine_p50_ms"], 3)
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -355,6 +430,7 @@ async def scale_phase(args, work: Path) -> dict:
     result: dict = {"adapters": args.adapters, "s3_imports": args.s3_imports, "uploads": uploads,
                     "s3_put_s": round(s3_put_s, 1)}  # fmt: skip
     ids: list[str] = []
+    id_of: dict[str, str] = {}
     async with aio.insecure_channel(store.address, options=GRPC_OPTIONS) as channel:
         stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
 
@@ -363,6 +439,7 @@ async def scale_phase(args, work: Path) -> dict:
                 stub, variant(template, i), f"a{i:05d}", owner_of(i), visibility_of(i)
             )
             ids.append(info.id)
+            id_of[f"a{i:05d}"] = info.id
             return info.size_bytes
 
         async def import_one(i: int) -> int:
@@ -371,6 +448,7 @@ async def scale_phase(args, work: Path) -> dict:
                                               visibility=visibility_of(i))  # fmt: skip
             reply = await stub.ImportAdapter(request, timeout=300)
             ids.append(reply.adapter.id)
+            id_of[f"a{i:05d}"] = reply.adapter.id
             return reply.adapter.size_bytes
 
         half = uploads // 2
@@ -386,7 +464,12 @@ async def scale_phase(args, work: Path) -> dict:
                       import_mb_per_s=round(total / elapsed / MB, 1))  # fmt: skip
         rss_end = await settled_rss(args.adapters)
         if args.ttft_sample:
-            result["s3_first_token"] = await s3_ttft(http, uploads, args.s3_imports, args.ttft_sample)
+            result["s3_first_token"] = await s3_ttft(
+                http, worker.http_address, uploads, args.s3_imports, args.ttft_sample
+            )
+            # Others imported from S3, never served yet: the same, straight to the worker.
+            unserved = [id_of[f"a{i:05d}"] for i in range(args.adapters - args.ttft_sample, args.adapters)]
+            result["s3_first_token_worker_direct"] = await worker_ttft(worker.address, unserved)
         listed = len((await http.get("/v1/models")).json()["data"]) - 1  # the base model first
         latencies = []
         for _ in range(args.list_rounds):

@@ -76,19 +76,33 @@ class PageAllocator:
         free = self._free[use]
         if count > len(free):
             raise PoolExhausted(count, len(free))
-        pages = [free.pop() for _ in range(count)]
-        for page in pages:
-            self._use[page] = use
+        if count == 0:
+            return []
+        # Slices and a dict update, not a Python step per page: an adapter takes thousands of
+        # pages, and its page-in runs on the engine thread.
+        pages = free[-count:]
+        pages.reverse()  # the order pops from the end would give: lowest ids first
+        del free[-count:]
+        self._use.update(dict.fromkeys(pages, use))
         self._counts[use] += count
         return pages
 
     def free(self, pages: list[int]) -> None:
-        for page in pages:
-            use = self._use.pop(page, None)
-            if use is None:
-                raise ValueError(f"page {page} is not allocated")
-            self._counts[use] -= 1
-            self._free[use].append(page)
+        use_of = self._use
+        missing = [page for page in pages if page not in use_of]
+        if missing:
+            raise ValueError(f"page {missing[0]} is not allocated")
+        if len(set(pages)) != len(pages):
+            raise ValueError("a page is freed twice in one call")
+        uses = list(map(use_of.pop, pages))
+        kv = uses.count(PageUse.KV)
+        self._counts[PageUse.KV] -= kv
+        self._counts[PageUse.ADAPTER] -= len(uses) - kv
+        if self.unified:  # one free list, in the order freed
+            self._free[PageUse.KV].extend(pages)
+            return
+        for use in (PageUse.KV, PageUse.ADAPTER):
+            self._free[use].extend(page for page, used in zip(pages, uses) if used is use)
 
     def usage(self) -> PoolUsage:
         return PoolUsage(

@@ -40,6 +40,19 @@ def test_allocation_is_all_or_nothing_and_accounted_by_use():
         allocator.free(kv)
 
 
+def test_a_refused_free_changes_nothing_and_pages_come_back_lowest_first():
+    allocator = PageAllocator(8)
+    pages = allocator.allocate(5, PageUse.ADAPTER)
+    assert pages == [0, 1, 2, 3, 4]
+    for wrong in ([pages[0], 7], [pages[1], pages[1]]):  # one never allocated; one listed twice
+        with pytest.raises(ValueError):
+            allocator.free(wrong)
+        assert allocator.usage().adapter_pages == 5 and allocator.free_pages == 3
+    allocator.free(list(reversed(pages)))
+    assert allocator.allocate(2, PageUse.KV) == [0, 1]
+    assert (allocator.usage().kv_pages, allocator.usage().adapter_pages) == (2, 0)
+
+
 def test_kv_rows_address_one_layer_block_per_page():
     pool = UnifiedPool(LAYOUT, torch.float32)
     table = KvTable(pool)
