@@ -21,9 +21,11 @@ Each step's time is ``Engine.step`` as the engine thread runs it (admission, pag
 the forward pass, sampling); the copier thread writes the rows meanwhile.
 
 Then TTFT from the host tier: the batch ends, and each paging adapter serves one request alone,
-cold (evicted from the pool, host copy kept: paged in on arrival) and warm (resident), in
-alternating order; the figure is cold ÷ warm of the median TTFTs. TTFT is arrival on the engine
-to the first token.
+cold (evicted from the pool, host copy kept: paged in on arrival) and warm (resident), so
+interleaved that no request follows one of its own adapter (a request right after one of its own
+adapter and prompt length would find that step's LoRA segments built, as no request joining a
+batch does); the figure is cold ÷ warm of the median TTFTs. TTFT is arrival on the engine to the
+first token.
 
 Other processes' CPU use is recorded per step (``CpuMonitor``) with the load average; rerun when
 the machine is busy. Results: markdown on stdout and ``bench/out/adapter_page_in_bench/results.json``.
@@ -306,23 +308,29 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
     ttft: dict[str, list[float]] = {"cold": [], "warm": []}
     ttft_rank: dict[int, dict[str, list[float]]] = {}
-    for i, adapter in enumerate(measured):
-        order = ("cold", "warm") if i % 2 == 0 else ("warm", "cold")
-        for kind in order:
-            prompt = next(prompts)
+    # No request follows one of its own adapter: a step whose batch is the step before's reuses
+    # that step's LoRA segments, which a request joining a batch never finds. So: cold a0, cold
+    # a1, warm a0, cold a2, warm a1, ...
+    sequence = []
+    for i in range(len(measured) + 1):
+        if i < len(measured):
+            sequence.append(("cold", i))
+        if i > 0:
+            sequence.append(("warm", i - 1))
+    for kind, i in sequence:
+        adapter = measured[i]
+        prompt = next(prompts)
+        engine.adapters.wait(adapter.adapter_id)
+        if kind == "cold":
+            evict(engine, [adapter])
+        else:
+            engine.adapters.page_in(adapter)
             engine.adapters.wait(adapter.adapter_id)
-            if kind == "cold":
-                evict(engine, [adapter])
-            else:
-                engine.adapters.page_in(adapter)
-                engine.adapters.wait(adapter.adapter_id)
-            one = GenerationRequest(
-                f"ttft-{kind}-{i}", prompt, SamplingParams(max_tokens=1), adapter.adapter_id
-            )
-            seconds = first_token_s(engine, one)
-            ttft[kind].append(seconds)
-            rank = max(m.rank for m in adapter.modules.values())
-            ttft_rank.setdefault(rank, {"cold": [], "warm": []})[kind].append(seconds)
+        one = GenerationRequest(f"ttft-{kind}-{i}", prompt, SamplingParams(max_tokens=1), adapter.adapter_id)
+        seconds = first_token_s(engine, one)
+        ttft[kind].append(seconds)
+        rank = max(m.rank for m in adapter.modules.values())
+        ttft_rank.setdefault(rank, {"cold": [], "warm": []})[kind].append(seconds)
     engine.stop()
     ttft_ratio = statistics.median(ttft["cold"]) / statistics.median(ttft["warm"])
 
