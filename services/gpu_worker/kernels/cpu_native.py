@@ -235,7 +235,9 @@ class NativeCall:
         if any(seg.num_tokens != num_tokens for seg in present):
             raise ValueError("cpu_native: every problem of one call must cover the same tokens")
         self.x_shape = (num_tokens, in_features)
-        self.active = tuple(i for i, seg in enumerate(segments) if seg is not None and seg.groups)
+        self.active = tuple(
+            i for i, seg in enumerate(segments) if seg is not None and seg.group_first_segments
+        )
         """Indices of the segments with adapter work; the others add nothing."""
         self._segments = segments
         """Held because the C structs point into their tensors (row offsets, plans): a call must
