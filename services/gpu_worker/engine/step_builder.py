@@ -12,7 +12,7 @@ from services.gpu_worker.engine.distributed_kv import DistributedKv, Distributed
 from services.gpu_worker.engine.step_plan import PlannedRequest, StepPlan
 from services.gpu_worker.kernels.dispatch import StepLora
 from services.gpu_worker.kernels.lora_segments import LoraSegments
-from services.gpu_worker.memory.adapter_residency import ResidentAdapter
+from services.gpu_worker.memory.adapter_residency import NOT_TARGETED, ResidentAdapter
 from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
@@ -193,28 +193,64 @@ class StepBuilder:
         if key == self._lora_key:
             return self._lora
         placed_adapters = [resident(s.adapter_id) if s is not None else None for s in slots]
+        modules = [r.modules if r is not None else None for r in placed_adapters]
+        num_layers = self.model.config.num_layers
+        # A projection that each adapter of the batch adapts with one rank and scale in every
+        # layer (or in none) has the same structure in every layer: checked once per adapter and
+        # projection, not per layer and segment. Otherwise each layer's is compared.
+        # Such a projection's row offsets are gathered for all layers in one cat per factor, not
+        # one per layer (each layer's are then a row of the result).
+        uniform: dict[str, tuple] = {}
+        layer_offsets: dict[str, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        for module in LORA_TARGETS:
+            signatures = [
+                NOT_TARGETED if r is None else r.signature(module, num_layers) for r in placed_adapters
+            ]
+            if all(sig is not None for sig in signatures):
+                uniform[module] = tuple(None if sig is NOT_TARGETED else sig for sig in signatures)
+                present = [
+                    r.layer_offsets(module, num_layers)
+                    for r, sig in zip(placed_adapters, signatures)
+                    if sig is not NOT_TARGETED
+                ]
+                if present:
+                    layer_offsets[module] = (
+                        torch.cat([a for a, _ in present], dim=1).unbind(0),
+                        torch.cat([b for _, b in present], dim=1).unbind(0),
+                    )
         # A projection's work has the same structure in every layer where its adapters have the
         # same ranks and scales (all of them, but for rank_pattern/alpha_pattern or
         # layers_to_transform): built once (``template``), then given each layer's rows.
         templates: dict[str, tuple[tuple, LoraSegments]] = {}
         layers = []
-        for layer in range(self.model.config.num_layers):
+        for layer in range(num_layers):
             per_module = {}
             for module in LORA_TARGETS:
-                placed = [r.modules.get((layer, module)) if r is not None else None for r in placed_adapters]
-                if all(p is None for p in placed):
-                    continue
-                rows = [p.rows if p is not None else None for p in placed]
-                signature = tuple((p.rows.rank, p.scale) if p is not None else None for p in placed)
+                module_key = (layer, module)
+                signature = uniform.get(module)
+                if signature is not None:
+                    if not any(signature):
+                        continue
+                    rows = [
+                        m[module_key].rows if sig is not None else None for m, sig in zip(modules, signature)
+                    ]
+                else:
+                    placed = [m.get(module_key) if m is not None else None for m in modules]
+                    if all(p is None for p in placed):
+                        continue
+                    rows = [p.rows if p is not None else None for p in placed]
+                    signature = tuple((p.rows.rank, p.scale) if p is not None else None for p in placed)
                 template = templates.get(module)
                 if template is not None and template[0] == signature:
-                    per_module[module] = template[1].with_rows(rows)
+                    gathered = layer_offsets.get(module)
+                    offsets = None if gathered is None else (gathered[0][layer], gathered[1][layer])
+                    per_module[module] = template[1].with_rows(rows, offsets)
                     continue
                 in_features, out_features = self.shapes[module]
                 per_module[module] = LoraSegments.build(
                     counts,
                     rows,
-                    [p.scale if p is not None else 0.0 for p in placed],
+                    [sig[1] if sig is not None else 0.0 for sig in signature],
                     in_features,
                     out_features,
                     self.pool.device,

@@ -206,17 +206,28 @@ class LoraSegments:
             _groups=groups,
         )
 
-    def with_rows(self, adapters: list[AdapterRows | None]) -> LoraSegments:
+    def with_rows(
+        self,
+        adapters: list[AdapterRows | None],
+        offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> LoraSegments:
         """These segments served by ``adapters`` instead: another layer's rows of the same
         adapters, each of the same rank, in the same segments (one ``AdapterRows`` object per
         adapter, as for these). Shares everything but the row offsets, so a step builds the
-        structure of a projection's work once, not once per layer."""
-        present = [a for a in adapters if a is not None]
+        structure of a projection's work once, not once per layer. ``offsets``: the adapters'
+        A and Bᵀ offsets already concatenated in segment order (the caller gathered every
+        layer's at once); by default concatenated here."""
+        if offsets is None:
+            present = [a for a in adapters if a is not None]
+            offsets = (
+                torch.cat([a.a_offsets for a in present]).to(self.a_offsets.device),
+                torch.cat([a.b_offsets for a in present]).to(self.b_offsets.device),
+            )
         return LoraSegments(
             seg_starts=self.seg_starts,
             rank_starts=self.rank_starts,
-            a_offsets=torch.cat([a.a_offsets for a in present]).to(self.a_offsets.device),
-            b_offsets=torch.cat([a.b_offsets for a in present]).to(self.b_offsets.device),
+            a_offsets=offsets[0],
+            b_offsets=offsets[1],
             scales=self.scales,
             max_rank=self.max_rank,
             max_seg_len=self.max_seg_len,

@@ -52,6 +52,9 @@ class PlacedModule:
     """The same for the Bᵀ rows."""
 
 
+NOT_TARGETED = object()
+"""What :meth:`ResidentAdapter.signature` answers for a projection the adapter adapts in no layer."""
+
 ModuleRuns = tuple[ModuleKey, float, int, tuple[tuple[int, int], ...], int, tuple[tuple[int, int], ...]]
 """One module's placement as runs: (key, scale, A width, A runs, Bᵀ width, Bᵀ runs)."""
 
@@ -95,6 +98,8 @@ class ResidentAdapter:
         self._runs = runs
         self._device = device
         self._lock = threading.Lock()
+        self._signatures: dict[str, object] = {}
+        self._layer_offsets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def modules(self) -> dict[ModuleKey, PlacedModule]:
@@ -111,6 +116,34 @@ class ResidentAdapter:
     def materialize(self) -> None:
         """Build the per-row offsets now (the copier's thread, not the engine's)."""
         self.modules  # noqa: B018
+
+    def signature(self, module: str, num_layers: int) -> tuple[int, float] | object | None:
+        """``(rank, scale)`` of projection ``module`` when all ``num_layers`` layers have it with
+        that rank and scale (the usual adapter), :data:`NOT_TARGETED` when none has it, None when
+        they differ (``rank_pattern``, ``alpha_pattern``, ``layers_to_transform``). Computed once:
+        the step builder asks at every change of the batch."""
+        cached = self._signatures.get(module)
+        if cached is None and module not in self._signatures:
+            modules = self.modules
+            found = set()
+            for layer in range(num_layers):
+                placed = modules.get((layer, module))
+                found.add(NOT_TARGETED if placed is None else (placed.rows.rank, placed.scale))
+            cached = self._signatures[module] = found.pop() if len(found) == 1 else None
+        return cached
+
+    def layer_offsets(self, module: str, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The A and Bᵀ row offsets of projection ``module`` in every layer, ``[num_layers, rank]``
+        each, for a projection whose :meth:`signature` is one rank in all layers: a step gathers
+        a projection's offsets for all layers in one ``cat`` of these. Computed once."""
+        cached = self._layer_offsets.get(module)
+        if cached is None:
+            placed = [self.modules[(layer, module)].rows for layer in range(num_layers)]
+            cached = self._layer_offsets[module] = (
+                torch.stack([rows.a_offsets for rows in placed]),
+                torch.stack([rows.b_offsets for rows in placed]),
+            )
+        return cached
 
     def __repr__(self) -> str:
         return (

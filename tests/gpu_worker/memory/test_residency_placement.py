@@ -11,6 +11,7 @@ import torch
 
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors, with_rows
 from services.gpu_worker.memory.adapter_residency import (
+    NOT_TARGETED,
     AdapterResidency,
     _pages_upper_bound,
     _regions,
@@ -140,3 +141,24 @@ def test_an_adapter_is_written_in_one_copy_per_region_of_pages_and_every_row_lan
             for matrix, offsets in ((factors.a, placed.a_offsets), (factors.b_t, placed.b_offsets)):
                 width = matrix.shape[1]
                 assert torch.equal(torch.stack([pool.buffer[o : o + width] for o in offsets]), matrix)
+
+
+def test_a_projection_with_one_rank_in_every_layer_has_its_offsets_gathered_by_layer():
+    """What the step builder gathers all layers' offsets of a projection from, in one cat."""
+    pool = UnifiedPool(LAYOUT, torch.float32)
+    residency = AdapterResidency(pool)
+    modules = {}
+    for layer in range(3):
+        modules[(layer, "q_proj")] = LoraFactors(torch.randn(4, 16), torch.randn(4, 16), 0.5)
+        modules[(layer, "v_proj")] = LoraFactors(torch.randn(2 + layer, 16), torch.randn(2 + layer, 8), 0.5)
+    modules[(1, "k_proj")] = LoraFactors(torch.randn(4, 16), torch.randn(4, 8), 0.5)  # layers_to_transform
+    resident = residency.load(HostAdapter("a", modules))
+    assert resident.signature("q_proj", 3) == (4, 0.5)
+    assert resident.signature("v_proj", 3) is None  # ranks differ by layer (rank_pattern)
+    assert resident.signature("k_proj", 3) is None  # one layer only
+    assert resident.signature("up_proj", 3) is NOT_TARGETED
+    a, b = resident.layer_offsets("q_proj", 3)
+    assert a.shape == b.shape == (3, 4)
+    for layer in range(3):
+        rows = resident.modules[(layer, "q_proj")].rows
+        assert torch.equal(a[layer], rows.a_offsets) and torch.equal(b[layer], rows.b_offsets)
