@@ -195,32 +195,11 @@ class StepBuilder:
         placed_adapters = [resident(s.adapter_id) if s is not None else None for s in slots]
         modules = [r.modules if r is not None else None for r in placed_adapters]
         num_layers = self.model.config.num_layers
-        # A projection that each adapter of the batch adapts with one rank and scale in every
-        # layer (or in none) has the same structure in every layer: checked once per adapter and
-        # projection, not per layer and segment. Otherwise each layer's is compared.
-        # Such a projection's row offsets are gathered for all layers in one cat per factor, not
-        # one per layer (each layer's are then a row of the result).
-        uniform: dict[str, tuple] = {}
-        layer_offsets: dict[str, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
-        for module in LORA_TARGETS:
-            signatures = [
-                NOT_TARGETED if r is None else r.signature(module, num_layers) for r in placed_adapters
-            ]
-            if all(sig is not None for sig in signatures):
-                uniform[module] = tuple(None if sig is NOT_TARGETED else sig for sig in signatures)
-                present = [
-                    r.layer_offsets(module, num_layers)
-                    for r, sig in zip(placed_adapters, signatures)
-                    if sig is not NOT_TARGETED
-                ]
-                if present:
-                    layer_offsets[module] = (
-                        torch.cat([a for a, _ in present], dim=1).unbind(0),
-                        torch.cat([b for _, b in present], dim=1).unbind(0),
-                    )
+        uniform, layer_offsets = _uniform_projections(placed_adapters, num_layers)
         # A projection's work has the same structure in every layer where its adapters have the
         # same ranks and scales (all of them, but for rank_pattern/alpha_pattern or
-        # layers_to_transform): built once (``template``), then given each layer's rows.
+        # layers_to_transform): built once (``template``), then given each layer's rows (gathered
+        # for all layers at once where ``uniform`` says every layer is alike).
         templates: dict[str, tuple[tuple, LoraSegments]] = {}
         layers = []
         for layer in range(num_layers):
@@ -259,3 +238,35 @@ class StepBuilder:
             layers.append(per_module)
         self._lora_key, self._lora = key, StepLora(layers)
         return self._lora
+
+
+GatheredOffsets = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+"""Per layer, a projection's A and Bᵀ row offsets of a batch, segment after segment."""
+
+
+def _uniform_projections(
+    placed_adapters: list[ResidentAdapter | None], num_layers: int
+) -> tuple[dict[str, tuple], dict[str, GatheredOffsets]]:
+    """The projections that each adapter of a batch (one per segment, None: base model) adapts
+    with one rank and scale in every layer, or in none: such a projection has the same structure
+    in every layer, checked once per adapter, not per layer and segment. For each: the segments'
+    ``(rank, scale)`` signature (None where no adapter), and the row offsets of every layer,
+    gathered in one ``cat`` per factor instead of two per layer."""
+    signatures_by_module: dict[str, tuple] = {}
+    offsets_by_module: dict[str, GatheredOffsets] = {}
+    for module in LORA_TARGETS:
+        signatures = [NOT_TARGETED if r is None else r.signature(module, num_layers) for r in placed_adapters]
+        if any(sig is None for sig in signatures):
+            continue  # ranks or scales differ by layer: compared layer by layer
+        signatures_by_module[module] = tuple(None if sig is NOT_TARGETED else sig for sig in signatures)
+        present = [
+            r.layer_offsets(module, num_layers)
+            for r, sig in zip(placed_adapters, signatures)
+            if sig is not NOT_TARGETED
+        ]
+        if present:
+            offsets_by_module[module] = (
+                torch.cat([a for a, _ in present], dim=1).unbind(0),
+                torch.cat([b for _, b in present], dim=1).unbind(0),
+            )
+    return signatures_by_module, offsets_by_module
