@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -322,8 +323,15 @@ async def index_bytes_per_adapter(count: int) -> float:
     return held / count
 
 
+STARTED: list[Callable[[], object]] = []
+"""How to stop what the bench started (each idempotent), called however a run ends: a phase that
+fails part way must not leave a mesh running beside whatever is measured next."""
+
+
 def start(module: str, args: list[str], log: Path, env: dict | None = None) -> ServiceProcess:
-    return ServiceProcess(module, args, log_path=log, env=env).start()
+    process = ServiceProcess(module, args, log_path=log, env=env).start()
+    STARTED.append(process.terminate)
+    return process
 
 
 async def restart_s(args: list[str], log: Path) -> float:
@@ -387,6 +395,7 @@ async def scale_phase(args, work: Path) -> dict:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
+    STARTED.append(moto.stop)
     host, port = moto.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     started = time.perf_counter()
@@ -397,6 +406,7 @@ async def scale_phase(args, work: Path) -> dict:
     aws = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "AWS_REGION": "us-east-1"}  # fmt: skip
     etcd = EtcdServer(work / "etcd").start()
+    STARTED.append(etcd.stop)
     mesh = ["--etcd-endpoints", etcd.endpoint]
     data_dir = work / "scale-store"
     store_args = [*mesh, "--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib),
@@ -530,6 +540,9 @@ async def run(args) -> dict:
         if args.adapters:
             result["scale"] = await scale_phase(args, work)
     finally:
+        for stop in reversed(STARTED):
+            with contextlib.suppress(Exception):
+                stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return result
