@@ -122,15 +122,14 @@ class ResidentAdapter:
         that rank and scale (the usual adapter), :data:`NOT_TARGETED` when none has it, None when
         they differ (``rank_pattern``, ``alpha_pattern``, ``layers_to_transform``). Computed once:
         the step builder asks at every change of the batch."""
-        cached = self._signatures.get(module)
-        if cached is None and module not in self._signatures:
+        if module not in self._signatures:
             modules = self.modules
             found = set()
             for layer in range(num_layers):
                 placed = modules.get((layer, module))
                 found.add(NOT_TARGETED if placed is None else (placed.rows.rank, placed.scale))
-            cached = self._signatures[module] = found.pop() if len(found) == 1 else None
-        return cached
+            self._signatures[module] = found.pop() if len(found) == 1 else None
+        return self._signatures[module]
 
     def layer_offsets(self, module: str, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The A and Bᵀ row offsets of projection ``module`` in every layer, ``[num_layers, rank]``
