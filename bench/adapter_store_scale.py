@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -63,6 +64,7 @@ from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb
 from services.gateway.adapter_index import AdapterIndex
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS
+from services.runtime.allocator import retain_freed_memory
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.ports import free_port
 from services.runtime.process import ServiceProcess
@@ -344,9 +346,21 @@ async def restart_s(args: list[str], log: Path) -> float:
     return round(elapsed, 2)
 
 
-async def bytes_phase(args, work: Path) -> dict:
+def process_cpu(pid: int) -> tuple[float, int]:
+    """User plus system CPU seconds a process has used so far, and its minor page faults."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def bytes_phase(args, work: Path, retain_freed_memory: bool = True) -> dict:
     data_dir = work / "bytes-store"
-    store_args = ["--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib)]
+    store_args = ["--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib),
+                  "--retain-freed-memory", str(retain_freed_memory).lower()]  # fmt: skip
     bases = real_size_templates(work / "templates")
     store = start("adapter_store", store_args, work / "bytes-store.log")
     await store.wait_ready(120)
@@ -358,7 +372,10 @@ async def bytes_phase(args, work: Path) -> dict:
             info = await upload_adapter(stub, variant(bases[i % len(bases)], i), f"real-{i:05d}", owner_of(i))
             return info.size_bytes
 
+        (store_cpu, store_faults), driver_cpu = process_cpu(store.pid), own_cpu_s()
         elapsed, total = await run_all(args.real_size, args.concurrency, register)
+        (store_cpu_after, store_faults_after), driver_cpu = process_cpu(store.pid), own_cpu_s() - driver_cpu
+        store_cpu, store_faults = store_cpu_after - store_cpu, store_faults_after - store_faults
     store.terminate()
     dd_after = dd_both(data_dir)
     restart = await restart_s(store_args, work / "bytes-restart.log")
@@ -368,10 +385,14 @@ async def bytes_phase(args, work: Path) -> dict:
     return {
         "adapters": args.real_size,
         "concurrency": args.concurrency,
+        "store_retains_freed_memory": retain_freed_memory,
         "mean_adapter_mb": round(total / args.real_size / MB, 2),
         "registration_s": round(elapsed, 1),
         "registrations_per_s": round(args.real_size / elapsed, 1),
         "registered_mb_per_s": round(rate, 1),
+        "store_cpu_ms_per_mb": round(store_cpu * 1e3 / (total / MB), 2),
+        "driver_cpu_ms_per_mb": round(driver_cpu * 1e3 / (total / MB), 2),
+        "store_page_faults_per_mb": round(store_faults / (total / MB), 1),
         "dd_mb_per_s_before": dd_before,
         "dd_mb_per_s_after": dd_after,
         "ratio_to_dd_direct_fsync": round(rate / dd["direct_fsync"], 2),
@@ -536,7 +557,11 @@ async def run(args) -> dict:
     result: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "command": args.command}
     try:
         if args.real_size:
-            result["bytes"] = await bytes_phase(args, work)
+            for round_ in range(args.retain_ablation):
+                result[f"bytes_without_retain_{round_}"] = await bytes_phase(args, work, False)
+                result[f"bytes_with_retain_{round_}"] = await bytes_phase(args, work, True)
+            if not args.retain_ablation:
+                result["bytes"] = await bytes_phase(args, work)
         if args.adapters:
             result["scale"] = await scale_phase(args, work)
     finally:
@@ -558,7 +583,13 @@ def main() -> None:
         "--real-size", type=int, default=1000, help="bytes phase: real-size adapters (0: skip)"
     )
     parser.add_argument("--ram-budget-mib", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8, help="uploads (or imports) at a time")
+    parser.add_argument(
+        "--retain-ablation",
+        type=int,
+        default=0,
+        help="bytes phase: this many rounds of a store without, then with, --retain-freed-memory",
+    )
     parser.add_argument("--list-rounds", type=int, default=10, help="/v1/models calls timed")
     parser.add_argument(
         "--ttft-sample", type=int, default=20, help="S3-imported adapters served cold, then warm"
@@ -569,6 +600,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
     args.command = "python bench/adapter_store_scale.py " + " ".join(sys.argv[1:])
+    # The driver stands in for clients on other machines: its own page faults for each upload's
+    # buffers would take CPU from the store it measures on the same cores.
+    retain_freed_memory()
     result = asyncio.run(run(args))
     text = json.dumps(result, indent=2)
     print(text)

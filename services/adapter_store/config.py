@@ -30,6 +30,8 @@ class AdapterStoreConfig(ServiceConfig):
     """How blobs are checked when the catalog is reopened: ``size`` (a stat each; every blob's
     sha256 is checked when it is first read, before it is served) or ``sha256`` (every blob read
     and hashed before the store serves: minutes with thousands of adapters)."""
+    retain_freed_memory: bool = True
+    """On here (off in the other services): every upload passes through megabyte-sized buffers."""
     import_policy_file: str = ""
     """JSON file of which tenant may import adapters from which s3://, hf:// and file:// source
     prefixes (docs/operations.md); "": no imports at all."""

@@ -11,6 +11,8 @@ from services.runtime.config import ServiceConfig
 class GatewayConfig(ServiceConfig):
     """loramesh gateway: the public API (auth, tenants, text in/out, streaming, resume)."""
 
+    retain_freed_memory: bool = True
+    """On here (off in the other services): every upload passes through megabyte-sized buffers."""
     api_keys: str = ""
     """Comma-separated ``key=tenant`` pairs (for a test mesh; prefer --api-keys-file)."""
     api_keys_file: str = ""

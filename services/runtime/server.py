@@ -26,6 +26,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.runtime.allocator import retain_freed_memory
 from services.runtime.certificate_reload import server_ssl_context
 from services.runtime.config import ServiceConfig, parse_config
 from services.runtime.interceptors import ServiceInterceptor
@@ -191,6 +192,8 @@ def run_service(
 
     config = parse_config(config_cls, argv, prog=f"python -m services.{service_name}")
     configure_logging(config.log_format, config.log_level, service_name)
+    if config.retain_freed_memory and not retain_freed_memory():
+        log.warning("--retain-freed-memory: this C library has no mallopt; nothing changed")
     service = build(config)
     sys.exit(uvloop.run(serve(service, config)))
 
