@@ -44,6 +44,19 @@ class AdapterRows:
         if self.a_offsets.numel() == 0:
             raise ValueError("AdapterRows: rank 0; pass None for a segment without adapter")
 
+    @classmethod
+    def placed(
+        cls, a_offsets: torch.Tensor, b_offsets: torch.Tensor, runs: dict[tuple[str, int], tuple]
+    ) -> AdapterRows:
+        """Rows a placement computed (views of one int64 offsets tensor, rank ≥ 1, their
+        :meth:`runs` known): built without the checks, which cost more than the rest of an
+        adapter's bookkeeping at page-in (one object per layer and projection, 210 on SmolLM2)."""
+        rows = object.__new__(cls)
+        object.__setattr__(rows, "a_offsets", a_offsets)
+        object.__setattr__(rows, "b_offsets", b_offsets)
+        object.__setattr__(rows, "_runs", runs)
+        return rows
+
     @property
     def rank(self) -> int:
         """The LoRA rank r (number of rows of A and of B^T)."""

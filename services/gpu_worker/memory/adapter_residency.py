@@ -153,36 +153,43 @@ class ResidentAdapter:
 
 def _materialize(runs: list[ModuleRuns], device: torch.device | None) -> dict[ModuleKey, PlacedModule]:
     """Per-row offsets of every module from its runs, in one vectorised pass (one host-to-device
-    copy; each module's rows are views of it)."""
+    copy; each module's rows are views of it, split off in one call)."""
     starts: list[int] = []
     counts: list[int] = []
     widths: list[int] = []
+    factor_rows: list[int] = []
+    """Rows of each module's A, then of its Bᵀ, module after module."""
     for _, _, a_width, a_runs, b_width, b_runs in runs:
         for width, factor_runs in ((a_width, a_runs), (b_width, b_runs)):
             for start, count in factor_runs:
                 starts.append(start)
                 counts.append(count)
                 widths.append(width)
+            factor_rows.append(sum(count for _, count in factor_runs))
     if not starts:
         return {}
+    # Row i of a run starting at row f of all rows lies at start + (i - f) * width: each run's
+    # start - f * width and width repeated over its rows, no gather by row.
     counts_t = torch.tensor(counts, dtype=torch.int64)
-    run_of_row = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), counts_t)
+    widths_t = torch.tensor(widths, dtype=torch.int64)
     first_row = torch.cumsum(counts_t, 0) - counts_t
-    offsets = (
-        torch.tensor(starts, dtype=torch.int64)[run_of_row]
-        + (torch.arange(run_of_row.numel(), dtype=torch.int64) - first_row[run_of_row])
-        * torch.tensor(widths, dtype=torch.int64)[run_of_row]
+    total = sum(counts)
+    offsets = torch.repeat_interleave(
+        torch.tensor(starts, dtype=torch.int64) - first_row * widths_t, counts_t, output_size=total
+    ) + torch.arange(total, dtype=torch.int64) * torch.repeat_interleave(
+        widths_t, counts_t, output_size=total
     )
     host = offsets.tolist()
     on_device = offsets if device is None or device.type == "cpu" else offsets.to(device)
+    views = on_device.split(factor_rows)
     modules = {}
     row = 0
-    for key, scale, a_width, a_runs, b_width, b_runs in runs:
-        a_end = row + sum(n for _, n in a_runs)
-        b_end = a_end + sum(n for _, n in b_runs)
-        rows = AdapterRows(a_offsets=on_device[row:a_end], b_offsets=on_device[a_end:b_end])
-        rows._runs[("a", a_width)] = a_runs  # what rows.runs() would find from the offsets
-        rows._runs[("b", b_width)] = b_runs
+    for index, (key, scale, a_width, a_runs, b_width, b_runs) in enumerate(runs):
+        a_end = row + factor_rows[2 * index]
+        b_end = a_end + factor_rows[2 * index + 1]
+        rows = AdapterRows.placed(
+            views[2 * index], views[2 * index + 1], {("a", a_width): a_runs, ("b", b_width): b_runs}
+        )
         modules[key] = PlacedModule(
             rows=rows,
             scale=scale,
