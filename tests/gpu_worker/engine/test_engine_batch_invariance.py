@@ -144,7 +144,7 @@ def test_outputs_are_the_same_alone_and_in_batches_and_after_a_re_prefill(loaded
 def test_deterministic_logits_stay_those_of_transformers_and_peft(loaded, adapter_dirs):
     """fp32: the invariant kernels change roundings, not results (HF fed the engine's tokens)."""
     from peft import PeftModel
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from support.hf_llama import hf_llama
 
     model = LlamaModel(loaded.config, loaded.weights, torch.float32)
     ids = loaded.tokenizer.encode(TEXT)
@@ -153,9 +153,7 @@ def test_deterministic_logits_stay_those_of_transformers_and_peft(loaded, adapte
         run = Run(model, adapter_dirs, torch.float32)
         run.submit("r", prompt, adapter)
         run.until_done()
-        base = LlamaForCausalLM(LlamaConfig(**loaded.config.to_hf_config()))
-        base.load_state_dict(loaded.weights, strict=False)
-        base.tie_weights()
+        base = hf_llama(loaded)
         hf = (base if adapter is None else PeftModel.from_pretrained(base, str(adapter_dirs[adapter]))).eval()
         with torch.no_grad():
             full = torch.tensor([prompt + run.tokens["r"][:-1]])

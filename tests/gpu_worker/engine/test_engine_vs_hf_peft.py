@@ -108,25 +108,18 @@ def run_engine(loaded, adapter_dirs, quantization: str = "none") -> tuple[dict, 
 
 
 def hf_reference(loaded, adapter_dirs, prompt: list[int], adapter: str | None, forced: list[int]):
-    """HF + peft logits at each step when fed ``forced`` tokens (the engine's)."""
+    """HF + peft logits at each step when fed ``forced`` tokens (the engine's): one forward of
+    the prompt and the forced tokens, whose causal logits at each position are those of the
+    step that produced the next token (one pass instead of a cached decode step per token)."""
     from peft import PeftModel
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from support.hf_llama import hf_llama
 
-    base = LlamaForCausalLM(LlamaConfig(**loaded.config.to_hf_config()))
-    base.load_state_dict(loaded.weights, strict=False)
-    base.tie_weights()
+    base = hf_llama(loaded)
     model = base if adapter is None else PeftModel.from_pretrained(base, str(adapter_dirs[adapter]))
     model.eval()
-    steps = []
     with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        steps.append(out.logits[0, -1].float())
-        past = out.past_key_values
-        for token in forced[:-1]:
-            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            steps.append(out.logits[0, -1].float())
-    return steps
+        logits = model(torch.tensor([prompt + forced[:-1]])).logits[0, len(prompt) - 1 :].float()
+    return list(logits)
 
 
 @pytest.mark.parametrize("quantization", ["none", "q4_1"])
