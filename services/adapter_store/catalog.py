@@ -10,7 +10,7 @@ import json
 import sqlite3
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.runtime.private_files import private_dir
@@ -172,7 +172,7 @@ class Catalog:
         return results
 
     def _insert_one(self, record: AdapterRecord, replacing: str) -> DuplicateName | None:
-        values = asdict(record)
+        values = {column: getattr(record, column) for column in _COLUMNS}  # asdict deep-copies
         values["use_rslora"] = int(record.use_rslora)
         values["pinned"] = int(record.pinned)
         values["target_modules"] = json.dumps(list(record.target_modules))
