@@ -157,8 +157,7 @@ def _materialize(runs: list[ModuleRuns], device: torch.device | None) -> dict[Mo
     starts: list[int] = []
     counts: list[int] = []
     widths: list[int] = []
-    factor_rows: list[int] = []
-    """Rows of each module's A, then of its Bᵀ, module after module."""
+    factor_rows: list[int] = []  # rows of each module's A, then of its Bᵀ, module after module
     for _, _, a_width, a_runs, b_width, b_runs in runs:
         for width, factor_runs in ((a_width, a_runs), (b_width, b_runs)):
             for start, count in factor_runs:
