@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -352,15 +351,11 @@ def process_cpu(pid: int) -> tuple[float, int]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
 
 
-def own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-async def bytes_phase(args, work: Path, retain_freed_memory: bool = True) -> dict:
+async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
+    """``retain``: the store's ``--retain-freed-memory``."""
     data_dir = work / "bytes-store"
     store_args = ["--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib),
-                  "--retain-freed-memory", str(retain_freed_memory).lower()]  # fmt: skip
+                  "--retain-freed-memory", str(retain).lower()]  # fmt: skip
     bases = real_size_templates(work / "templates")
     store = start("adapter_store", store_args, work / "bytes-store.log")
     await store.wait_ready(120)
@@ -372,10 +367,10 @@ async def bytes_phase(args, work: Path, retain_freed_memory: bool = True) -> dic
             info = await upload_adapter(stub, variant(bases[i % len(bases)], i), f"real-{i:05d}", owner_of(i))
             return info.size_bytes
 
-        (store_cpu, store_faults), driver_cpu = process_cpu(store.pid), own_cpu_s()
+        store_before, driver_before = process_cpu(store.pid), time.process_time()
         elapsed, total = await run_all(args.real_size, args.concurrency, register)
-        (store_cpu_after, store_faults_after), driver_cpu = process_cpu(store.pid), own_cpu_s() - driver_cpu
-        store_cpu, store_faults = store_cpu_after - store_cpu, store_faults_after - store_faults
+        store_after, driver_cpu = process_cpu(store.pid), time.process_time() - driver_before
+        store_cpu, store_faults = (after - before for after, before in zip(store_after, store_before))
     store.terminate()
     dd_after = dd_both(data_dir)
     restart = await restart_s(store_args, work / "bytes-restart.log")
@@ -385,7 +380,7 @@ async def bytes_phase(args, work: Path, retain_freed_memory: bool = True) -> dic
     return {
         "adapters": args.real_size,
         "concurrency": args.concurrency,
-        "store_retains_freed_memory": retain_freed_memory,
+        "store_retains_freed_memory": retain,
         "mean_adapter_mb": round(total / args.real_size / MB, 2),
         "registration_s": round(elapsed, 1),
         "registrations_per_s": round(args.real_size / elapsed, 1),

@@ -193,7 +193,9 @@ def run_service(
     config = parse_config(config_cls, argv, prog=f"python -m services.{service_name}")
     configure_logging(config.log_format, config.log_level, service_name)
     if config.retain_freed_memory and not retain_freed_memory():
-        log.warning("--retain-freed-memory: this C library has no mallopt; nothing changed")
+        log.warning(
+            "--retain-freed-memory: the C library did not take the setting (not glibc?); nothing changed"
+        )
     service = build(config)
     sys.exit(uvloop.run(serve(service, config)))
 
