@@ -13,8 +13,10 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.import_policy import load_import_policy
 from services.adapter_store.repository import AdapterRepository
 from services.adapter_store.servicer import AdapterStoreServicer
+from services.adapter_store.upload_messages import read_upload_message
 from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import load_base_model_spec
+from services.runtime.method_handlers import add_servicer_with_readers
 
 MIB = 2**20
 
@@ -29,7 +31,12 @@ class AdapterStoreService:
         self.servicer = AdapterStoreServicer()
 
     def add_to_server(self, server: aio.Server) -> None:
-        adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(self.servicer, server)
+        add_servicer_with_readers(
+            server,
+            adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server,
+            self.servicer,
+            {"RegisterAdapter": read_upload_message},
+        )
 
     async def start(self) -> None:
         cfg = self.config

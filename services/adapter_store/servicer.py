@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from grpc import aio
 
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.adapter_imports import AdapterImports
+from services.adapter_store.blob_store import page_aligned_join
 from services.adapter_store.catalog import AdapterRecord
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.chat_templates import TOKENIZER_FILES
 from services.adapter_store.repository import AdapterKey, AdapterRepository
+from services.adapter_store.upload_messages import UploadMessage
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 CONFIG_FILE = "adapter_config.json"
@@ -72,9 +75,25 @@ it answers: an asyncio caller (the gateway) still sending when the answer comes 
 ``INTERNAL`` "Internal error from Core" for its failed write instead of the answer."""
 
 
-async def receive_upload(
-    requests: AsyncIterator[pb.RegisterAdapterRequest], max_bytes: int
-) -> tuple[pb.RegisterAdapterRequest.Header, dict[str, bytes]]:
+@dataclass(frozen=True)
+class ReceivedUpload:
+    """An upload's header and its files' chunks as they arrived (views, not yet joined)."""
+
+    header: pb.RegisterAdapterRequest.Header
+    chunks: dict[str, list[memoryview]]
+
+    def file(self, name: str) -> bytes:
+        return b"".join(self.chunks[name])
+
+    def weights(self) -> memoryview:
+        """The weights file joined where the blob store writes it from without another copy."""
+        return page_aligned_join(self.chunks[WEIGHTS_FILE])
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return {name: self.file(name) for name in TOKENIZER_FILES if self.chunks[name]}
+
+
+async def receive_upload(requests: AsyncIterator[UploadMessage], max_bytes: int) -> ReceivedUpload:
     """Collect the header, the two adapter files and the tokenizer files the upload has
     (optional), refusing oversize uploads early (the answer waits for the rest of the stream,
     up to :data:`DRAIN_BYTES`, which is not kept)."""
@@ -83,22 +102,19 @@ async def receive_upload(
     except (InvalidArgument, ResourceExhausted):
         dropped = 0
         async for message in requests:
-            dropped += message.ByteSize()
+            dropped += message.wire_bytes
             if dropped > DRAIN_BYTES:
                 break
         raise
 
 
-async def _collect_upload(
-    requests: AsyncIterator[pb.RegisterAdapterRequest], max_bytes: int
-) -> tuple[pb.RegisterAdapterRequest.Header, dict[str, bytes]]:
+async def _collect_upload(requests: AsyncIterator[UploadMessage], max_bytes: int) -> ReceivedUpload:
     header = None
-    parts: dict[str, list[bytes]] = {name: [] for name in (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)}
+    chunks: dict[str, list[memoryview]] = {name: [] for name in (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)}
     received = 0
     async for message in requests:
-        kind = message.WhichOneof("item")
         if header is None:
-            if kind != "header":
+            if message.header is None:
                 raise InvalidArgument("the first message of RegisterAdapter must be a header")
             header = message.header
             if header.total_bytes > max_bytes:
@@ -106,27 +122,25 @@ async def _collect_upload(
                     f"upload of {header.total_bytes} bytes is over the size limit of {max_bytes} bytes"
                 )
             continue
-        if kind != "chunk":
+        if message.header is not None:
             raise InvalidArgument("only one header is allowed, as the first message")
-        filename = message.chunk.filename
+        filename = message.filename
         if filename == "adapter_model.bin":
             raise InvalidArgument(
                 "adapter_model.bin (pickle) is not accepted: upload adapter_model.safetensors"
             )
-        if filename not in parts:
+        if filename not in chunks:
             continue  # README.md, training args and the like are not needed to serve
-        data = message.chunk.data  # each read of the field is a copy of it
-        received += len(data)
+        received += len(message.data)
         if received > max_bytes:
             raise ResourceExhausted(f"upload is over the size limit of {max_bytes} bytes")
-        parts[filename].append(data)
+        chunks[filename].append(message.data)
     if header is None:
         raise InvalidArgument("RegisterAdapter received no header")
-    files = {name: b"".join(chunks) for name, chunks in parts.items() if chunks}
     for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not files.get(name):
+        if not any(chunks[name]):
             raise InvalidArgument(f"the upload has no {name}")
-    return header, files
+    return ReceivedUpload(header, chunks)
 
 
 class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
@@ -155,19 +169,23 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     async def RegisterAdapter(self, request_iterator, context: aio.ServicerContext):
         self.uploads_in_flight += 1
         try:
-            header, files = await receive_upload(request_iterator, self.repository.limits.max_adapter_bytes)
-            record = await asyncio.to_thread(
-                self.repository.register,
-                header.name,
-                header.owner,
-                int(header.visibility),
-                files[CONFIG_FILE],
-                files[WEIGHTS_FILE],
-                {name: files[name] for name in TOKENIZER_FILES if name in files},
-            )
+            upload = await receive_upload(request_iterator, self.repository.limits.max_adapter_bytes)
+            record = await asyncio.to_thread(self._register, upload)
         finally:
             self.uploads_in_flight -= 1
         return pb.RegisterAdapterResponse(adapter=record_to_proto(record))
+
+    def _register(self, upload: ReceivedUpload) -> AdapterRecord:
+        """On a worker thread: joining the files is a copy the event loop does not make."""
+        header = upload.header
+        return self.repository.register(
+            header.name,
+            header.owner,
+            int(header.visibility),
+            upload.file(CONFIG_FILE),
+            upload.weights(),
+            upload.tokenizer_files(),
+        )
 
     async def ImportAdapter(self, request: pb.ImportAdapterRequest, context):
         imports = self._imports

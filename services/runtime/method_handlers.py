@@ -1,0 +1,73 @@
+"""A generated servicer added to a server with some of its requests read by the service's own
+reader instead of protobuf's ``FromString``.
+
+Why: a method whose requests carry bulk bytes (``RegisterAdapter``'s chunks) can read them as
+views, where protobuf's parse copies them (:mod:`services.adapter_store.upload_messages`). The
+generated ``add_*_to_server`` fixes every deserializer; this takes its handlers and replaces
+the named methods' ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import grpc
+from grpc import aio
+
+RequestReader = Callable[[bytes], object]
+"""Reads one request's bytes; raises protobuf's ``DecodeError`` for bytes it cannot read (the
+runtime's interceptor answers those ``INVALID_ARGUMENT``)."""
+
+_HANDLER_FACTORIES = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+class _HandlerCapture:
+    """Stands in for the server while a generated ``add_*_to_server`` hands over its handlers."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        """The generated code also registers its methods by name (below): those are the ones used."""
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.services[service] = dict(handlers)
+
+
+def _with_reader(handler: grpc.RpcMethodHandler, reader: RequestReader) -> grpc.RpcMethodHandler:
+    for kind, factory in _HANDLER_FACTORIES.items():
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            return factory(
+                behavior, request_deserializer=reader, response_serializer=handler.response_serializer
+            )
+    raise ValueError("a method handler with no behavior")
+
+
+def add_servicer_with_readers(
+    server: aio.Server,
+    add_generated: Callable[[object, object], None],
+    servicer: object,
+    readers: Mapping[str, RequestReader],
+) -> None:
+    """``add_generated(servicer, server)``, except that each method named in ``readers`` (by its
+    short name, ``"RegisterAdapter"``) reads its requests with that reader."""
+    capture = _HandlerCapture()
+    add_generated(servicer, capture)
+    if len(capture.services) != 1:
+        raise ValueError(f"{add_generated.__name__} registered {len(capture.services)} services, not one")
+    ((service, handlers),) = capture.services.items()
+    unknown = set(readers) - set(handlers)
+    if unknown:
+        raise ValueError(f"{service} has no method {sorted(unknown)}")
+    for method, reader in readers.items():
+        handlers[method] = _with_reader(handlers[method], reader)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
