@@ -6,8 +6,10 @@ serves at once, and what 10,000 registered adapters cost the mesh, in one run of
     q/k/v/o and half also on gate/up/down, float16: 1.9 to 9.8 MB, 5.1 MB on average) uploaded to
     a store process, ``--concurrency`` at a time. The disk's sequential write bandwidth is measured
     with ``dd`` and fsync beside it, in the store's data directory, before and after: the
-    registration rate in MB/s is reported against it. Then the store is restarted over what it
-    holds and timed until it serves.
+    registration rate in MB/s is reported against it, with the CPU the store (and the driver)
+    spent per MB. ``--via gateway`` uploads through a gateway process instead, as the SDK does
+    (its CPU per MB reported too). Then the store is restarted over what it holds and timed
+    until it serves.
 ``scale``
     ``--adapters`` small adapters (rank 8 on q/v, ≈0.9 MB) into a store that serves a scheduler,
     a worker and a gateway (each its own process, members of one etcd): ``--s3-imports`` of them imported
@@ -58,6 +60,7 @@ from moto.server import ThreadedMotoServer
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_id, upload_adapter
+from mesh_api.upload_wire import WireUploadAdapterStoreStub, WireUploadGatewayStub, upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.adapter_index import AdapterIndex
@@ -359,19 +362,38 @@ async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
     bases = real_size_templates(work / "templates")
     store = start("adapter_store", store_args, work / "bytes-store.log")
     await store.wait_ready(120)
+    measured = {"store": store}
+    target, metadata = store.address, ()
+    if args.via == "gateway":
+        gateway = start("gateway", ["--adapter-store", store.address, "--api-keys", f"{API_KEY}={owner_of(0)}",
+                                    "--openai-port", str(free_port())], work / "bytes-gateway.log")  # fmt: skip
+        await gateway.wait_ready(120)
+        measured["gateway"] = gateway
+        target = gateway.address
+        metadata = (("authorization", f"Bearer {API_KEY}"),)
     dd_before = dd_both(data_dir)
-    async with aio.insecure_channel(store.address, options=GRPC_OPTIONS) as channel:
-        stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+    async with aio.insecure_channel(target, options=GRPC_OPTIONS) as channel:
+        if target == store.address:
+            upload = WireUploadAdapterStoreStub(channel).RegisterAdapter
+        else:
+            upload = WireUploadGatewayStub(channel).UploadAdapter
 
         async def register(i: int) -> int:
-            info = await upload_adapter(stub, variant(bases[i % len(bases)], i), f"real-{i:05d}", owner_of(i))
-            return info.size_bytes
+            files = variant(bases[i % len(bases)], i)
+            reply = await upload(
+                upload_wire(files, f"real-{i:05d}", owner_of(0)), metadata=metadata, timeout=120
+            )
+            return reply.adapter.size_bytes
 
-        store_before, driver_before = process_cpu(store.pid), time.process_time()
+        before = {name: process_cpu(s.pid) for name, s in measured.items()}
+        driver_before = time.process_time()
         elapsed, total = await run_all(args.real_size, args.concurrency, register)
-        store_after, driver_cpu = process_cpu(store.pid), time.process_time() - driver_before
-        store_cpu, store_faults = (after - before for after, before in zip(store_after, store_before))
-    store.terminate()
+        driver_cpu = time.process_time() - driver_before
+        spent = {
+            name: [a - b for a, b in zip(process_cpu(s.pid), before[name])] for name, s in measured.items()
+        }
+    for service in measured.values():
+        service.terminate()
     dd_after = dd_both(data_dir)
     restart = await restart_s(store_args, work / "bytes-restart.log")
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -381,13 +403,17 @@ async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
         "adapters": args.real_size,
         "concurrency": args.concurrency,
         "store_retains_freed_memory": retain,
+        "via": args.via,
         "mean_adapter_mb": round(total / args.real_size / MB, 2),
         "registration_s": round(elapsed, 1),
         "registrations_per_s": round(args.real_size / elapsed, 1),
         "registered_mb_per_s": round(rate, 1),
-        "store_cpu_ms_per_mb": round(store_cpu * 1e3 / (total / MB), 2),
+        **{f"{name}_cpu_ms_per_mb": round(cpu * 1e3 / (total / MB), 2) for name, (cpu, _) in spent.items()},
         "driver_cpu_ms_per_mb": round(driver_cpu * 1e3 / (total / MB), 2),
-        "store_page_faults_per_mb": round(store_faults / (total / MB), 1),
+        **{
+            f"{name}_page_faults_per_mb": round(faults / (total / MB), 1)
+            for name, (_, faults) in spent.items()
+        },
         "dd_mb_per_s_before": dd_before,
         "dd_mb_per_s_after": dd_after,
         "ratio_to_dd_direct_fsync": round(rate / dd["direct_fsync"], 2),
@@ -578,6 +604,9 @@ def main() -> None:
         "--real-size", type=int, default=1000, help="bytes phase: real-size adapters (0: skip)"
     )
     parser.add_argument("--ram-budget-mib", type=int, default=256)
+    parser.add_argument(
+        "--via", choices=("store", "gateway"), default="store", help="bytes phase: whom the uploads go to"
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="uploads (or imports) at a time")
     parser.add_argument(
         "--retain-ablation",

@@ -36,7 +36,8 @@ from loramesh.errors import Unavailable
 from loramesh.stream_resume import StreamProgress
 from loramesh.tls import ClientTLS, aio_channel
 from loramesh.types import Adapter, AdapterPage, Completion, ImportedAdapter, Model, Sampling, TextDelta
-from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc
+from mesh_api.upload_wire import WireUploadGatewayStub
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2
 
 
 class AsyncAdapters:
@@ -261,7 +262,7 @@ class AsyncClient:
         self._sleep = sleep
         self._gateways = GatewayRotation(self.addresses)
         self._channels = [aio_channel(a, tls) for a in self.addresses]
-        self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
+        self._stubs = {a: WireUploadGatewayStub(c) for a, c in zip(self.addresses, self._channels)}
         self.adapters = AsyncAdapters(self)
 
     async def __aenter__(self) -> Self:

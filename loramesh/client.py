@@ -40,8 +40,9 @@ from loramesh.types import (
     TextDelta,
     Usage,
 )
-from mesh_api.adapter_transfer import read_adapter_dir, upload_requests
-from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
+from mesh_api.adapter_transfer import read_adapter_dir
+from mesh_api.upload_wire import WireUploadGatewayStub, upload_wire
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2, types_pb2
 
 STATE_DIR_ENV = "LORAMESH_STATE_DIR"
 """The local mesh's state directory, where ``loramesh up`` writes ``mesh.json``: the default of the
@@ -410,10 +411,9 @@ def model_from(info: gateway_pb2.ModelInfo) -> Model:
     )
 
 
-def upload_stream(
-    path: str | Path, name: str, public: bool
-) -> Iterator[adapter_store_pb2.RegisterAdapterRequest]:
-    """The ``UploadAdapter`` messages for a PEFT adapter directory.
+def upload_stream(path: str | Path, name: str, public: bool) -> Iterator[bytes]:
+    """The ``UploadAdapter`` messages for a PEFT adapter directory, serialized (the clients'
+    stubs send them as they are: each chunk is copied once, see ``mesh_api.upload_wire``).
 
     A header, then ≤ 1 MiB chunks of ``adapter_config.json`` and ``adapter_model.safetensors``,
     and of ``tokenizer_config.json`` and ``chat_template.jinja`` when the directory has them (the
@@ -426,7 +426,7 @@ def upload_stream(
     check_adapter_dir(path)
     visibility = types_pb2.VISIBILITY_PUBLIC if public else types_pb2.VISIBILITY_PRIVATE
     # The owner is left empty: the gateway sets the caller's tenant.
-    return upload_requests(read_adapter_dir(path), name, owner="", visibility=visibility)
+    return upload_wire(read_adapter_dir(path), name, owner="", visibility=visibility)
 
 
 def import_request(uri: str, name: str, public: bool) -> adapter_store_pb2.ImportAdapterRequest:
@@ -713,7 +713,7 @@ class Client:
         self._sleep = sleep
         self._gateways = GatewayRotation(self.addresses)
         self._channels = [sync_channel(a, tls) for a in self.addresses]
-        self._stubs = {a: gateway_pb2_grpc.GatewayStub(c) for a, c in zip(self.addresses, self._channels)}
+        self._stubs = {a: WireUploadGatewayStub(c) for a, c in zip(self.addresses, self._channels)}
         self.adapters = Adapters(self)
 
     def __enter__(self) -> Self:

@@ -12,10 +12,10 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from mesh_api.upload_wire import UPLOAD_CHUNK_BYTES
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 
-UPLOAD_CHUNK_BYTES = 1 << 20
 UPLOAD_FILES = (
     "adapter_config.json",
     "adapter_model.safetensors",

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from grpc import aio
 
+from mesh_api.upload_wire import read_upload_message
 from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.adapter_imports import AdapterImports
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.import_policy import load_import_policy
 from services.adapter_store.repository import AdapterRepository
 from services.adapter_store.servicer import AdapterStoreServicer
-from services.adapter_store.upload_messages import read_upload_message
 from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import load_base_model_spec
 from services.runtime.method_handlers import add_servicer_with_readers

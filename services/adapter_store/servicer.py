@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from grpc import aio
 
+from mesh_api.upload_wire import UploadMessage
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.adapter_imports import AdapterImports
@@ -21,7 +22,6 @@ from services.adapter_store.catalog import AdapterRecord
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.chat_templates import TOKENIZER_FILES
 from services.adapter_store.repository import AdapterKey, AdapterRepository
-from services.adapter_store.upload_messages import UploadMessage
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 CONFIG_FILE = "adapter_config.json"
@@ -69,12 +69,6 @@ def key_from_proto(ref: pb.AdapterRef) -> AdapterKey:
     raise InvalidArgument("ref is required: an adapter id or an owner and name")
 
 
-DRAIN_BYTES = 64 * 2**20
-"""After refusing an upload, the store still reads (and drops) up to this much more of it before
-it answers: an asyncio caller (the gateway) still sending when the answer comes would get grpc's
-``INTERNAL`` "Internal error from Core" for its failed write instead of the answer."""
-
-
 @dataclass(frozen=True)
 class ReceivedUpload:
     """An upload's header and its files' chunks as they arrived (views, not yet joined)."""
@@ -95,20 +89,8 @@ class ReceivedUpload:
 
 async def receive_upload(requests: AsyncIterator[UploadMessage], max_bytes: int) -> ReceivedUpload:
     """Collect the header, the two adapter files and the tokenizer files the upload has
-    (optional), refusing oversize uploads early (the answer waits for the rest of the stream,
-    up to :data:`DRAIN_BYTES`, which is not kept)."""
-    try:
-        return await _collect_upload(requests, max_bytes)
-    except (InvalidArgument, ResourceExhausted):
-        dropped = 0
-        async for message in requests:
-            dropped += message.wire_bytes
-            if dropped > DRAIN_BYTES:
-                break
-        raise
-
-
-async def _collect_upload(requests: AsyncIterator[UploadMessage], max_bytes: int) -> ReceivedUpload:
+    (optional), refusing oversize uploads early (the runtime's interceptor reads the rest of a
+    refused stream before the answer goes)."""
     header = None
     chunks: dict[str, list[memoryview]] = {name: [] for name in (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)}
     received = 0

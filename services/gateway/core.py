@@ -17,7 +17,8 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from mesh_api.adapter_transfer import is_import_uri, read_adapter_dir, ref_by_name, upload_requests
+from mesh_api.adapter_transfer import is_import_uri, read_adapter_dir, ref_by_name
+from mesh_api.upload_wire import UploadMessage, header_wire, upload_wire
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, types_pb2
 from services.gateway.adapter_access import AdapterAccess, split_reference
 from services.gateway.adapter_index import AdapterIndex, IndexedAdapter
@@ -219,19 +220,24 @@ class GatewayCore:
     # -- adapters and models ------------------------------------------------------------------
 
     async def upload_adapter(
-        self, tenant: str, messages: AsyncIterator[adapter_store_pb2.RegisterAdapterRequest]
+        self, tenant: str, messages: AsyncIterator[UploadMessage]
     ) -> adapter_store_pb2.RegisterAdapterResponse:
-        """Register an adapter streamed by the caller; the caller's tenant owns it."""
+        """Register an adapter streamed by the caller; the caller's tenant owns it. Chunks go on
+        to the store as the bytes they arrived as (:mod:`mesh_api.upload_wire`)."""
         failed: list[Exception] = []
 
         async def as_tenant():
             first = True
             try:
                 async for message in messages:
-                    if first and message.WhichOneof("item") == "header":
-                        message.header.owner = tenant
+                    if first and message.header is not None:
+                        header = adapter_store_pb2.RegisterAdapterRequest.Header()
+                        header.CopyFrom(message.header)
+                        header.owner = tenant
+                        yield header_wire(header)
+                    else:
+                        yield message.wire
                     first = False
-                    yield message
             except Exception as error:  # a message that does not parse (INVALID_ARGUMENT)...
                 failed.append(error)
                 raise
@@ -279,7 +285,7 @@ class GatewayCore:
         files = await asyncio.to_thread(read_adapter_dir, directory)
 
         async def messages():
-            for message in upload_requests(files, name, owner=tenant):
+            for message in upload_wire(files, name, owner=tenant):
                 yield message
 
         reply = await self.store.RegisterAdapter(messages())

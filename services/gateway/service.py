@@ -9,9 +9,9 @@ import grpc
 from grpc import aio
 
 from mesh_api.adapter_transfer import ref_by_name
+from mesh_api.upload_wire import WireUploadAdapterStoreStub, read_upload_message
 from mesh_api.v1 import (
     adapter_store_pb2,
-    adapter_store_pb2_grpc,
     gateway_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
@@ -26,6 +26,7 @@ from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.discovery import ChannelPool, ServiceLocator
+from services.runtime.method_handlers import add_servicer_with_readers
 from services.runtime.metrics import ServiceMetrics
 
 log = logging.getLogger("loramesh.gateway")
@@ -64,6 +65,7 @@ class _StoreClient:
         self._located = located
 
     async def RegisterAdapter(self, requests):
+        """``requests``: the messages as wire bytes (:mod:`mesh_api.upload_wire`)."""
         return await self._located.call("RegisterAdapter", requests, timeout=300)
 
     async def ImportAdapter(self, request):
@@ -108,7 +110,12 @@ class GatewayService:
         self.metrics = metrics
 
     def add_to_server(self, server: aio.Server) -> None:
-        gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
+        add_servicer_with_readers(
+            server,
+            gateway_pb2_grpc.add_GatewayServicer_to_server,
+            self.servicer,
+            {"UploadAdapter": read_upload_message},
+        )
 
     async def start(self) -> None:
         cfg = self.config
@@ -123,7 +130,7 @@ class GatewayService:
             _Located(
                 ServiceLocator("adapter_store", cfg.adapter_store, cfg.etcd_endpoints, cfg.tls()),
                 self.channels,
-                adapter_store_pb2_grpc.AdapterStoreStub,
+                WireUploadAdapterStoreStub,
             )
         )
 

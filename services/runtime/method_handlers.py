@@ -2,7 +2,7 @@
 reader instead of protobuf's ``FromString``.
 
 Why: a method whose requests carry bulk bytes (``RegisterAdapter``'s chunks) can read them as
-views, where protobuf's parse copies them (:mod:`services.adapter_store.upload_messages`). The
+views, where protobuf's parse copies them (:mod:`mesh_api.upload_wire`). The
 generated ``add_*_to_server`` fixes every deserializer; this takes its handlers and replaces
 the named methods' ones.
 """

@@ -14,6 +14,7 @@ from support.polling import poll_until
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import ref_by_name, upload_requests
+from mesh_api.upload_wire import WireUploadAdapterStoreStub, read_upload_message, upload_wire
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
@@ -97,8 +98,8 @@ async def test_a_listing_before_the_first_sync_is_unavailable():
 class CountingStore:
     """The store calls the gateway makes, over a real store's stub, counting listings."""
 
-    def __init__(self, stub: adapter_store_pb2_grpc.AdapterStoreStub):
-        self.stub = stub
+    def __init__(self, channel: aio.Channel):
+        self.stub = WireUploadAdapterStoreStub(channel)
         self.listings = 0
 
     async def RegisterAdapter(self, requests):
@@ -125,7 +126,7 @@ async def test_v1_models_is_served_from_the_index_and_follows_registrations_and_
     core = GatewayCore(GatewayConfig(), ApiKeys.from_config("key-alice=alice,key-bob=bob", ""))
     async with aio.insecure_channel(store.address) as channel:
         stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
-        client = CountingStore(stub)
+        client = CountingStore(channel)
         core.attach(load_tokenizer(), relay=None, access=AdapterAccess(client.get), store=client)
         await stub.RegisterAdapter(upload_requests(files, "shared", "bob", PUBLIC))
         transport = httpx.ASGITransport(app=build_app(core))
@@ -143,8 +144,8 @@ async def test_v1_models_is_served_from_the_index_and_follows_registrations_and_
 
                 async def upload(name: str):
                     async def messages():
-                        for message in upload_requests(files, name, owner=""):
-                            yield message
+                        for raw in upload_wire(files, name, owner=""):
+                            yield read_upload_message(raw)
 
                     return await core.upload_adapter("alice", messages())
 

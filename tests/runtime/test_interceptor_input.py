@@ -11,10 +11,12 @@ import pytest
 from grpc import aio
 
 from mesh_api.v1 import gateway_pb2
-from services.runtime.errors import NotFound
+from services.runtime import interceptors
+from services.runtime.errors import NotFound, PermissionDenied
 from services.runtime.interceptors import MAX_STATUS_MESSAGE_BYTES, ServiceInterceptor
 
 SERVICE = "test.Input"
+HANG_GUARD_S = 60
 Request = gateway_pb2.GatewayAdapterRequest
 
 
@@ -31,6 +33,15 @@ async def _not_found(request: Request, context) -> Request:
     raise NotFound(f"adapter {request.adapter!r} not found")
 
 
+async def _refuse_at_once(requests, context) -> Request:
+    raise PermissionDenied("refused before the stream is read")
+
+
+async def _refuse_after_one(requests, context) -> Request:
+    async for _ in requests:
+        raise PermissionDenied("refused after one message")
+
+
 @pytest.fixture
 async def channel():
     server = aio.server(interceptors=[ServiceInterceptor()])
@@ -43,6 +54,8 @@ async def channel():
                     "Echo": grpc.unary_unary_rpc_method_handler(_echo, parse, write),
                     "Count": grpc.stream_unary_rpc_method_handler(_count, parse, write),
                     "NotFound": grpc.unary_unary_rpc_method_handler(_not_found, parse, write),
+                    "RefuseAtOnce": grpc.stream_unary_rpc_method_handler(_refuse_at_once, parse, write),
+                    "RefuseAfterOne": grpc.stream_unary_rpc_method_handler(_refuse_after_one, parse, write),
                 },
             )
         ]
@@ -79,3 +92,36 @@ async def test_a_refusal_echoing_a_huge_input_keeps_its_status(channel):
     details = refused.value.details()
     assert details.startswith("adapter '\\n") and details.endswith("...")
     assert len(details.encode()) <= MAX_STATUS_MESSAGE_BYTES
+
+
+def upload_like(messages: int):
+    """An upload's shape: 64 KiB messages, far past the connection's first flow-control window."""
+    chunk = Request(adapter="x" * 65536).SerializeToString()
+    return (chunk for _ in range(messages))
+
+
+@pytest.mark.parametrize("method", ["RefuseAtOnce", "RefuseAfterOne"])
+async def test_a_refused_request_stream_gets_its_own_status_while_the_caller_still_sends(channel, method):
+    """The refusal waits for the rest of the stream: without that, 2 to 5 uploads in 300 ended
+    INTERNAL ("Internal error from Core": the caller's write failed) instead of their status."""
+    refuse = channel.stream_unary(f"/{SERVICE}/{method}")
+    codes = []
+    for _ in range(100):
+        with pytest.raises(aio.AioRpcError) as refused:
+            await refuse(upload_like(32))
+        codes.append(refused.value.code())
+    assert set(codes) == {grpc.StatusCode.PERMISSION_DENIED}
+
+
+async def test_an_endless_refused_stream_is_read_only_so_far(channel, monkeypatch):
+    """Past the bound the answer goes anyway (the caller may then see its write fail)."""
+    monkeypatch.setattr(interceptors, "DRAIN_BYTES", 1 << 20)
+
+    def endless():
+        chunk = Request(adapter="x" * 65536).SerializeToString()
+        while True:
+            yield chunk
+
+    with pytest.raises(aio.AioRpcError) as refused:
+        await channel.stream_unary(f"/{SERVICE}/RefuseAtOnce")(endless(), timeout=HANG_GUARD_S)
+    assert refused.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INTERNAL)

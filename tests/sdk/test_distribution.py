@@ -17,7 +17,7 @@ from support.sdk_wheel import ISOLATED, REPO, build_sdk_wheel, clean_env, sdk_ve
 SDK_FILES = {
     f"loramesh/{name}.py"
     for name in ("__init__", "client", "async_client", "errors", "stream_resume", "tls", "types")
-} | {"mesh_api/__init__.py", "mesh_api/adapter_transfer.py"}
+} | {"mesh_api/__init__.py", "mesh_api/adapter_transfer.py", "mesh_api/upload_wire.py"}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""RegisterAdapter's requests read from their wire bytes (chunk data as views) mean exactly what
-protobuf reads in them, for every shape a client may send."""
+"""RegisterAdapter's requests as wire bytes: read (chunk data as views), they mean exactly what
+protobuf reads in them, for every shape a client may send; written by hand, protobuf reads them
+as the messages it would have built."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh_api.adapter_transfer import upload_requests
+from mesh_api.upload_wire import chunk_wire, read_upload_message, upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
-from services.adapter_store.upload_messages import read_upload_message
 
 Chunk = pb.RegisterAdapterRequest.FileChunk
 
@@ -24,7 +25,7 @@ def assert_reads_as_protobuf(raw: bytes) -> None:
         assert read.header == message.header
     assert read.filename == message.chunk.filename
     assert bytes(read.data) == message.chunk.data
-    assert read.wire_bytes == len(raw)
+    assert read.wire is raw
 
 
 @given(filename=st.text(max_size=40), data=st.binary(max_size=3000))
@@ -86,3 +87,23 @@ def test_bytes_that_are_no_message_are_refused_as_protobuf_refuses_them(raw):
         pb.RegisterAdapterRequest.FromString(raw)
     with pytest.raises(DecodeError):
         read_upload_message(raw)
+
+
+@given(filename=st.text(max_size=40), data=st.binary(max_size=70000))
+def test_a_chunk_written_by_hand_is_the_message_protobuf_would_build(filename, data):
+    built = pb.RegisterAdapterRequest(chunk=Chunk(filename=filename, data=data))
+    assert pb.RegisterAdapterRequest.FromString(chunk_wire(filename, memoryview(data))) == built
+
+
+def test_an_upload_written_by_hand_is_the_stream_protobuf_would_build():
+    files = {
+        "adapter_config.json": b"{}",
+        "adapter_model.safetensors": bytes(range(256)) * 9000,
+        "empty": b"",
+    }
+    built = list(upload_requests(files, "name", "owner", visibility=2))
+    written = [
+        pb.RegisterAdapterRequest.FromString(raw) for raw in upload_wire(files, "name", "owner", visibility=2)
+    ]
+    assert written == built
+    assert len(built) == 1 + 1 + 3 + 1  # a header, the config, three chunks of the weights, the empty file
