@@ -59,10 +59,10 @@ from grpc import aio
 from moto.server import ThreadedMotoServer
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
-from mesh_api.adapter_transfer import fetch_adapter, ref_by_id, upload_adapter
+from mesh_api.adapter_transfer import fetch_adapter, ref_by_id
 from mesh_api.upload_wire import WireUploadAdapterStoreStub, WireUploadGatewayStub, upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
-from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.adapter_index import AdapterIndex
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS
@@ -484,12 +484,11 @@ async def scale_phase(args, work: Path) -> dict:
     ids: list[str] = []
     id_of: dict[str, str] = {}
     async with aio.insecure_channel(store.address, options=GRPC_OPTIONS) as channel:
-        stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+        stub = WireUploadAdapterStoreStub(channel)
 
         async def register(i: int) -> int:
-            info = await upload_adapter(
-                stub, variant(template, i), f"a{i:05d}", owner_of(i), visibility_of(i)
-            )
+            messages = upload_wire(variant(template, i), f"a{i:05d}", owner_of(i), visibility_of(i))
+            info = (await stub.RegisterAdapter(messages, timeout=120)).adapter
             ids.append(info.id)
             id_of[f"a{i:05d}"] = info.id
             return info.size_bytes
