@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -43,6 +44,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +63,7 @@ from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.peft_format import LORA_TARGETS
+from services.runtime.garbage_collection import freeze_startup_objects
 
 PHASES = ("quiet", "paging")
 TARGETS = {"all": LORA_TARGETS, "qv": ("q_proj", "v_proj")}
@@ -130,6 +133,27 @@ class CopierClock:
         taken = {"materialize_s": self.materialize_s, "write_s": self.write_s}
         self.materialize_s = self.write_s = 0.0
         return taken
+
+
+class GcPauses:
+    """The garbage collector's full (generation 2) passes while installed: each one's milliseconds
+    (they hold the GIL, so whichever thread runs one stalls the engine's step)."""
+
+    def __init__(self):
+        self.full_ms: list[float] = []
+        self._started: dict[int, float] = {}
+        gc.callbacks.append(self._record)
+
+    def _record(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started[threading.get_ident()] = time.perf_counter()
+        elif (started := self._started.pop(threading.get_ident(), None)) is not None:
+            self.full_ms.append(1e3 * (time.perf_counter() - started))
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._record)
 
 
 class PlacementClock:
@@ -231,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="cpu", help="where the model and pool live (cuda: copies on a stream)"
     )
+    parser.add_argument(
+        "--freeze-startup-objects", choices=("true", "false"), default="true",
+        help="gc.freeze() once the engine is warm, as the worker process does (--freeze-startup-objects)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="2 rounds of 12 steps, 4 TTFT adapters")
     parser.add_argument("--profile", action="store_true", help="cProfile the steps, by phase")
     parser.add_argument("--out", type=Path, default=default_out("adapter_page_in_bench") / "results.json")
@@ -269,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
     if len(engine.running) != args.batch:
         raise RuntimeError(f"{len(engine.running)} of {args.batch} requests are running")
+    if args.freeze_startup_objects == "true":
+        freeze_startup_objects()
+    gc_pauses = GcPauses()
 
     monitor, clocks = CpuMonitor(), (PlacementClock(engine), CopierClock(engine))
     phases: dict[str, list[dict]] = {name: [] for name in PHASES}
@@ -283,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             if profile:
                 profile.disable()
     load_after = os.getloadavg()
+    gc_pauses.close()
     pooled = {name: [s for phase in phases[name] for s in phase["seconds"]] for name in PHASES}
     figures = {name: summary(pooled[name]) for name in PHASES}
     ratio = figures["paging"]["median_ms"] / figures["quiet"]["median_ms"]
@@ -353,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         "step_ratio_paging_over_quiet": ratio,
         "round_ratios": round_ratios,
         "placement_on_engine_thread": placement,
+        "startup_objects_frozen": args.freeze_startup_objects == "true",
+        "full_gc_pauses_ms": [round(ms, 1) for ms in gc_pauses.full_ms],
         "copier_thread_per_adapter_s": copier,
         "phases": phases,
         "ttft_s": ttft,
@@ -387,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         f"page-in work on the engine thread (placement), in the {placement['steps_placing']} steps "
         f"that had some: median {placement['median_ms']:.1f} ms, max {placement['max_ms']:.1f} ms = "
         f"{100 * placement['median_share_of_quiet_step']:.1f}% of the median quiet step"
+    )
+    print(
+        f"full garbage collections during the phases (start-up objects frozen: "
+        f"{args.freeze_startup_objects}): {len(gc_pauses.full_ms)}, longest "
+        f"{max(gc_pauses.full_ms, default=0):.1f} ms"
     )
     print(
         f"copier thread per adapter (median phase): offsets {1e3 * copier['materialize_s']:.2f} ms, "

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from services.runtime.allocator import retain_freed_memory
 from services.runtime.certificate_reload import server_ssl_context
 from services.runtime.config import ServiceConfig, parse_config
+from services.runtime.garbage_collection import freeze_startup_objects
 from services.runtime.interceptors import ServiceInterceptor
 from services.runtime.logs import configure_logging
 from services.runtime.membership import MemberInfo, MembershipConfig, Registration
@@ -173,6 +174,8 @@ async def serve(service: Service, config: ServiceConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     running = await start_service(service, config)
+    if config.freeze_startup_objects:
+        freeze_startup_objects()
     await stop.wait()
     await running.shutdown()
     return 0
