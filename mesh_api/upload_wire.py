@@ -63,6 +63,7 @@ def read_upload_message(raw: bytes) -> UploadMessage:
 
 
 def header_wire(header: pb.RegisterAdapterRequest.Header) -> bytes:
+    """The ``RegisterAdapterRequest`` carrying ``header``, serialized."""
     return pb.RegisterAdapterRequest(header=header).SerializeToString()
 
 

@@ -101,9 +101,24 @@ def test_an_upload_written_by_hand_is_the_stream_protobuf_would_build():
         "adapter_model.safetensors": bytes(range(256)) * 9000,
         "empty": b"",
     }
-    built = list(upload_requests(files, "name", "owner", visibility=2))
+    weights = files["adapter_model.safetensors"]
+    header = pb.RegisterAdapterRequest.Header(
+        name="name", owner="owner", visibility=2, total_bytes=2 + len(weights)
+    )
+    built = [
+        pb.RegisterAdapterRequest(header=header),
+        pb.RegisterAdapterRequest(chunk=Chunk(filename="adapter_config.json", data=b"{}")),
+        *(
+            pb.RegisterAdapterRequest(
+                chunk=Chunk(filename="adapter_model.safetensors", data=weights[i : i + 2**20])
+            )
+            for i in range(0, len(weights), 2**20)
+        ),
+        pb.RegisterAdapterRequest(chunk=Chunk(filename="empty", data=b"")),
+    ]
+    assert len(built) == 1 + 1 + 3 + 1  # a header, the config, three chunks of the weights, the empty file
     written = [
         pb.RegisterAdapterRequest.FromString(raw) for raw in upload_wire(files, "name", "owner", visibility=2)
     ]
     assert written == built
-    assert len(built) == 1 + 1 + 3 + 1  # a header, the config, three chunks of the weights, the empty file
+    assert list(upload_requests(files, "name", "owner", visibility=2)) == built
