@@ -231,10 +231,8 @@ class GatewayCore:
             try:
                 async for message in messages:
                     if first and message.header is not None:
-                        header = adapter_store_pb2.RegisterAdapterRequest.Header()
-                        header.CopyFrom(message.header)
-                        header.owner = tenant
-                        yield header_wire(header)
+                        message.header.owner = tenant
+                        yield header_wire(message.header)
                     else:
                         yield message.wire
                     first = False

@@ -18,13 +18,6 @@ RequestReader = Callable[[bytes], object]
 """Reads one request's bytes; raises protobuf's ``DecodeError`` for bytes it cannot read (the
 runtime's interceptor answers those ``INVALID_ARGUMENT``)."""
 
-_HANDLER_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
-
 
 class _HandlerCapture:
     """Stands in for the server while a generated ``add_*_to_server`` hands over its handlers."""
@@ -39,16 +32,6 @@ class _HandlerCapture:
         self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
     ) -> None:
         self.services[service] = dict(handlers)
-
-
-def _with_reader(handler: grpc.RpcMethodHandler, reader: RequestReader) -> grpc.RpcMethodHandler:
-    for kind, factory in _HANDLER_FACTORIES.items():
-        behavior = getattr(handler, kind)
-        if behavior is not None:
-            return factory(
-                behavior, request_deserializer=reader, response_serializer=handler.response_serializer
-            )
-    raise ValueError("a method handler with no behavior")
 
 
 def add_servicer_with_readers(
@@ -68,6 +51,6 @@ def add_servicer_with_readers(
     if unknown:
         raise ValueError(f"{service} has no method {sorted(unknown)}")
     for method, reader in readers.items():
-        handlers[method] = _with_reader(handlers[method], reader)
+        handlers[method] = handlers[method]._replace(request_deserializer=reader)  # grpc's is a namedtuple
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
