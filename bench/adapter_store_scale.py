@@ -8,7 +8,8 @@ serves at once, and what 10,000 registered adapters cost the mesh, in one run of
     with ``dd`` and fsync beside it, in the store's data directory, before and after: the
     registration rate in MB/s is reported against it, with the CPU the store (and the driver)
     spent per MB. ``--via gateway`` uploads through a gateway process instead, as the SDK does
-    (its CPU per MB reported too). Then the store is restarted over what it holds and timed
+    (its CPU per MB reported too); ``--via file`` has the store import them from ``file://``
+    directories written (and flushed) beforehand, no bytes on the wire. Then the store is restarted over what it holds and timed
     until it serves.
 ``scale``
     ``--adapters`` small adapters (rank 8 on q/v, ≈0.9 MB) into a store that serves a scheduler,
@@ -120,6 +121,17 @@ def real_size_templates(root: Path) -> list[dict[str, bytes]]:
         )
         for i, (r, t) in enumerate(kinds)
     ]
+
+
+def write_file_sources(root: Path, bases: list[dict[str, bytes]], count: int) -> None:
+    """``count`` adapter directories for ``file://`` imports, flushed to disk before the store
+    starts (they stay in the page cache: an import reads them from memory)."""
+    for i in range(count):
+        directory = root / f"real-{i:05d}"
+        directory.mkdir(parents=True)
+        for name, data in variant(bases[i % len(bases)], i).items():
+            (directory / name).write_bytes(data)
+    os.sync()
 
 
 def small_template(root: Path) -> dict[str, bytes]:
@@ -360,6 +372,12 @@ async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
     store_args = ["--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib),
                   "--retain-freed-memory", str(retain).lower()]  # fmt: skip
     bases = real_size_templates(work / "templates")
+    sources = work / "file-sources"
+    if args.via == "file":
+        write_file_sources(sources, bases, args.real_size)
+        policy = work / "import-policy.json"
+        policy.write_text(json.dumps({"tenants": {owner_of(0): [f"file://{sources}"]}}))
+        store_args += ["--import-policy-file", str(policy)]
     store = start("adapter_store", store_args, work / "bytes-store.log")
     await store.wait_ready(120)
     measured = {"store": store}
@@ -374,11 +392,16 @@ async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
     dd_before = dd_both(data_dir)
     async with aio.insecure_channel(target, options=GRPC_OPTIONS) as channel:
         if target == store.address:
-            upload = WireUploadAdapterStoreStub(channel).RegisterAdapter
+            store_stub = WireUploadAdapterStoreStub(channel)
+            upload = store_stub.RegisterAdapter
         else:
             upload = WireUploadGatewayStub(channel).UploadAdapter
 
         async def register(i: int) -> int:
+            if args.via == "file":
+                request = pb.ImportAdapterRequest(uri=f"file://{sources / f'real-{i:05d}'}",
+                                                  name=f"real-{i:05d}", owner=owner_of(0))  # fmt: skip
+                return (await store_stub.ImportAdapter(request, timeout=120)).adapter.size_bytes
             files = variant(bases[i % len(bases)], i)
             reply = await upload(
                 upload_wire(files, f"real-{i:05d}", owner_of(0)), metadata=metadata, timeout=120
@@ -397,6 +420,7 @@ async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
     dd_after = dd_both(data_dir)
     restart = await restart_s(store_args, work / "bytes-restart.log")
     shutil.rmtree(data_dir, ignore_errors=True)
+    shutil.rmtree(sources, ignore_errors=True)
     rate = total / elapsed / MB
     dd = {k: round((dd_before[k] + dd_after[k]) / 2, 1) for k in dd_before}
     return {
@@ -604,7 +628,10 @@ def main() -> None:
     )
     parser.add_argument("--ram-budget-mib", type=int, default=256)
     parser.add_argument(
-        "--via", choices=("store", "gateway"), default="store", help="bytes phase: whom the uploads go to"
+        "--via",
+        choices=("store", "gateway", "file"),
+        default="store",
+        help="bytes phase: uploads to the store or through a gateway, or file:// imports by the store",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="uploads (or imports) at a time")
     parser.add_argument(

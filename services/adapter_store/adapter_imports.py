@@ -25,7 +25,11 @@ class AdapterImports:
         check_name("owner", owner)
         self.policy.check(owner, uri)
         files = fetch_adapter_files(open_source(uri), self.repository.limits.max_adapter_bytes)
-        tokenizer_files = {n: data for n, data in files.items() if n not in (CONFIG_FILE, WEIGHTS_FILE)}
+        # The weights stay in the page-aligned memory they were read into; the small files are
+        # parsed as bytes.
+        tokenizer_files = {
+            n: bytes(data) for n, data in files.items() if n not in (CONFIG_FILE, WEIGHTS_FILE)
+        }
         return self.repository.register_version(
-            name, owner, visibility, files[CONFIG_FILE], files[WEIGHTS_FILE], tokenizer_files
+            name, owner, visibility, bytes(files[CONFIG_FILE]), files[WEIGHTS_FILE], tokenizer_files
         )

@@ -8,8 +8,9 @@ either exists whole under its final name or not at all. Leftover temp files are 
 Writes bypass the page cache (``O_DIRECT``): copying every byte into freshly allocated
 page-cache pages cost more CPU than hashing them (issue 30: registration was bound by requests,
 not bytes). ``O_DIRECT`` takes whole pages from page-aligned memory: an upload is assembled in
-such memory (:func:`page_aligned_join`) and written from it, anything else (an import's bytes)
-goes through a small aligned buffer each writing thread keeps. A file system that refuses
+such memory (:func:`page_aligned_join`), an import is read into it (:func:`page_aligned_empty`),
+and either is written from it; anything else goes through a small aligned buffer each writing
+thread keeps. A file system that refuses
 ``O_DIRECT`` is written through the page cache instead, with the same durability.
 """
 
@@ -22,6 +23,7 @@ import mmap
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,15 +51,41 @@ def _address(data) -> int:
     return np.frombuffer(data, dtype=np.uint8).ctypes.data
 
 
-def page_aligned_join(parts: Sequence) -> memoryview:
-    """``parts`` (bytes-like) joined into memory that starts on a page boundary, so that
-    :meth:`BlobStore.write` sends its whole pages to the disk without another copy. The memory
-    comes from the heap, where a store that retains freed memory reuses it without page faults
+_PADDED_BLOCKS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+"""The blocks :func:`page_aligned_empty` made, by id: the memory after a view of one, up to
+its last page's end, is nobody else's, so the view is written as whole pages from it."""
+
+
+def page_aligned_empty(size: int) -> memoryview:
+    """``size`` writable bytes (uninitialised) that start on a page boundary and are followed by
+    the rest of their last page, so that :meth:`BlobStore.write` sends them (or any prefix of
+    them) to the disk as whole pages in one write, without another copy. The memory comes from
+    the heap, where a store that retains freed memory reuses it without page faults
     (:mod:`services.runtime.allocator`)."""
-    size = sum(len(part) for part in parts)
-    block = np.empty(size + _PAGE, dtype=np.uint8)
+    block = np.empty(_pages(size) + _PAGE, dtype=np.uint8)
+    _PADDED_BLOCKS[id(block)] = block
     start = -block.ctypes.data % _PAGE
-    joined = memoryview(block[start : start + size])
+    return memoryview(block)[start : start + size]
+
+
+def _whole_pages(data: memoryview) -> memoryview | None:
+    """``data`` and the rest of its last page, zeroed, when ``data`` is a page-aligned view of
+    a :func:`page_aligned_empty` block; else None."""
+    block = _PADDED_BLOCKS.get(id(data.obj))
+    if block is not data.obj or not data.contiguous:
+        return None
+    address = _address(data)
+    offset = address - block.ctypes.data
+    whole = memoryview(block)[offset : offset + _pages(len(data))]
+    if address % _PAGE or len(whole) != _pages(len(data)):
+        return None
+    whole[len(data) :] = bytes(len(whole) - len(data))
+    return whole
+
+
+def page_aligned_join(parts: Sequence) -> memoryview:
+    """``parts`` (bytes-like) joined into :func:`page_aligned_empty` memory."""
+    joined = page_aligned_empty(sum(len(part) for part in parts))
     position = 0
     for part in parts:
         joined[position : position + len(part)] = part
@@ -129,9 +157,21 @@ class BlobStore:
             os.close(fd)
 
     def _write_direct(self, fd: int, data: memoryview) -> None:
-        """Whole pages (``O_DIRECT``'s rule): straight from ``data`` when it starts on a page,
-        else through the aligned buffer; the last page padded with zeros, then the file cut to
-        ``data``'s size."""
+        """Whole pages (``O_DIRECT``'s rule), the last padded with zeros, then the file cut to
+        ``data``'s size: in one write from ``data``'s own memory when :func:`page_aligned_empty`
+        made it, else through :meth:`_write_through_buffer`."""
+        whole = _whole_pages(data)
+        if whole is not None:
+            _write_all(fd, whole)
+        else:
+            self._write_through_buffer(fd, data)
+        if len(data) % _PAGE:
+            os.ftruncate(fd, len(data))
+        os.fdatasync(fd)
+
+    def _write_through_buffer(self, fd: int, data: memoryview) -> None:
+        """Straight from ``data`` as far as its whole pages go when it starts on a page, the rest
+        through this thread's aligned buffer."""
         buffer = self._buffer()
         first = 0
         if _address(data) % _PAGE == 0:
@@ -143,9 +183,6 @@ class BlobStore:
             buffer[:size] = part
             buffer[size:padded] = bytes(padded - size)
             _write_all(fd, buffer[:padded])
-        if len(data) % _PAGE:
-            os.ftruncate(fd, len(data))
-        os.fdatasync(fd)
 
     def _buffer(self) -> memoryview:
         """This thread's aligned buffer (a mapping starts on a page)."""

@@ -1,5 +1,6 @@
-"""Blobs on disk hold exactly the bytes given, whichever way they reach the disk: whole pages
-straight from an upload joined in page-aligned memory, or through the writing thread's buffer."""
+"""Blobs on disk hold exactly the bytes given, whichever way they reach the disk: whole pages in
+one write from memory the store allocated for them (an upload joined, an import read), or
+through the writing thread's buffer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from services.adapter_store import blob_store
-from services.adapter_store.blob_store import BlobStore, page_aligned_join
+from services.adapter_store.blob_store import BlobStore, page_aligned_empty, page_aligned_join
 
 PAGE = mmap.PAGESIZE
 SIZES = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, blob_store.BOUNCE_BYTES + PAGE + 5]
@@ -27,19 +28,52 @@ def test_a_join_lands_on_a_page_and_holds_the_parts_in_order():
     assert bytes(joined) == b"".join(bytes(part) for part in parts)
 
 
+def in_store_memory(data: bytes) -> memoryview:
+    """``data`` as an import reads it: a prefix of a larger page_aligned_empty block, whose
+    bytes after it are not zero."""
+    block = page_aligned_empty(len(data) + 2 * PAGE + 1)
+    block[:] = b"\xff" * len(block)
+    block[: len(data)] = data
+    return block[: len(data)]
+
+
+def in_a_mapping(data: bytes) -> memoryview:
+    """Page-aligned memory the store did not allocate: what follows it is not the store's."""
+    mapping = mmap.mmap(-1, len(data))
+    mapping[:] = data
+    return memoryview(mapping)
+
+
+MEMORY = {
+    "upload joined": lambda data: page_aligned_join([data]),
+    "import read": in_store_memory,
+    "page-aligned mapping": in_a_mapping,
+    "other bytes": bytes,
+}
+
+
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("aligned", [True, False], ids=["page-aligned upload", "other bytes"])
-def test_a_blob_holds_exactly_its_bytes(tmp_path, size, aligned):
+@pytest.mark.parametrize("memory", MEMORY)
+def test_a_blob_holds_exactly_its_bytes(tmp_path, size, memory):
     data = payload(size)
     blobs = BlobStore(tmp_path)
-    blobs.write("a", page_aligned_join([data]) if aligned else data)
+    blobs.write("a", MEMORY[memory](data))
     assert blobs.path("a").read_bytes() == data
     assert bytes(blobs.read("a")) == data
     assert os.listdir(blobs.tmp_dir) == []
 
 
-def test_whole_pages_of_an_aligned_upload_skip_the_bounce_buffer(tmp_path, monkeypatch):
-    """Only the last, partial page goes through the buffer (on a file system that takes O_DIRECT)."""
+@pytest.mark.parametrize(
+    ("memory", "writes", "through_buffer"),
+    [("upload joined", 1, []), ("import read", 1, []), ("page-aligned mapping", 2, [17, PAGE - 17])],
+)
+def test_only_memory_the_store_allocated_is_written_whole_in_one_go(
+    tmp_path, monkeypatch, memory, writes, through_buffer
+):
+    """The store's own blocks are written as whole pages from their memory (the last page
+    completed with zeros from the block); other aligned memory sends its whole pages straight
+    and its last, partial page through the buffer: its 17 bytes, then zeros (on a file system
+    that takes O_DIRECT)."""
     blobs = BlobStore(tmp_path)
     copied: list[int] = []
     buffer = blobs._buffer()
@@ -55,10 +89,19 @@ def test_whole_pages_of_an_aligned_upload_skip_the_bounce_buffer(tmp_path, monke
         def __getitem__(self, key):
             return buffer[key]
 
+    sizes: list[int] = []
+    write = os.write
+
+    def counting_write(fd, view):
+        sizes.append(len(view))
+        return write(fd, view)
+
     monkeypatch.setattr(blobs, "_buffer", CountingBuffer)
+    monkeypatch.setattr(blob_store.os, "write", counting_write)
     data = payload(3 * PAGE + 17)
-    blobs.write("a", page_aligned_join([data]))
+    blobs.write("a", MEMORY[memory](data))
+    assert blobs.path("a").read_bytes() == data
     if not blobs._direct:
         pytest.skip(f"{tmp_path} refuses O_DIRECT: blobs go through the page cache")
-    assert copied[0] == 17
-    assert blobs.path("a").read_bytes() == data
+    assert (len(sizes), copied) == (writes, through_buffer)
+    assert all(size % PAGE == 0 for size in sizes)

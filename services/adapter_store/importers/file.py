@@ -55,7 +55,7 @@ class FileSource(AdapterSource):
             files.append(SourceFile(name, self._location(name), status.st_size, _version(status)))
         return files
 
-    def read(self, file: SourceFile, max_bytes: int) -> bytes:
+    def read(self, file: SourceFile, max_bytes: int) -> memoryview:
         try:
             fd = os.open(self.directory / file.name, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
@@ -67,7 +67,7 @@ class FileSource(AdapterSource):
         with os.fdopen(fd, "rb") as stream:
             if _version(os.fstat(fd)) != file.version:
                 raise changed_during_import(file, f"listed {file.version}, opened {_version(os.fstat(fd))}")
-            data = read_capped(stream, max_bytes, file.location)
+            data = read_capped(stream, file, max_bytes)
             if _version(os.fstat(fd)) != file.version:
                 raise changed_during_import(file, f"listed {file.version}, now {_version(os.fstat(fd))}")
         return data

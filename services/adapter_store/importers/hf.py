@@ -113,7 +113,7 @@ class HubSource(AdapterSource):
             files.append(SourceFile(name, self._location(name), size, info.commit_hash))
         return files
 
-    def read(self, file: SourceFile, max_bytes: int) -> bytes:
+    def read(self, file: SourceFile, max_bytes: int) -> memoryview:
         try:
             path = self._download(file.name, file.version, dry_run=False)
         except _HUB_ERRORS as error:
@@ -122,7 +122,7 @@ class HubSource(AdapterSource):
             size = os.fstat(stream.fileno()).st_size
             if size != file.size:
                 raise changed_during_import(file, f"listed with {file.size} bytes, downloaded {size}")
-            return read_capped(stream, max_bytes, file.location)
+            return read_capped(stream, file, max_bytes)
 
     def _error(self, error: Exception, name: str) -> DomainError:
         # GatedRepoError and RevisionNotFoundError subclass RepositoryNotFoundError: test them first.

@@ -92,7 +92,7 @@ class S3Source(AdapterSource):
             files.append(SourceFile(name, self._location(item["Key"]), item["Size"], item["ETag"]))
         return files
 
-    def read(self, file: SourceFile, max_bytes: int) -> bytes:
+    def read(self, file: SourceFile, max_bytes: int) -> memoryview:
         key = self._key(file.name)
         try:
             reply = self._client.get_object(Bucket=self.bucket, Key=key, IfMatch=file.version)
@@ -104,7 +104,7 @@ class S3Source(AdapterSource):
         try:
             if reply.get("ETag", file.version) != file.version:
                 raise changed_during_import(file, f"ETag {file.version} became {reply['ETag']}")
-            return read_capped(body, max_bytes, file.location)
+            return read_capped(body, file, max_bytes)
         finally:
             body.close()
 

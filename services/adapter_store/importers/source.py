@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from mesh_api.adapter_transfer import UPLOAD_FILES
+from services.adapter_store.blob_store import page_aligned_empty
 from services.runtime.errors import FailedPrecondition, ResourceExhausted
 
 CONFIG_FILE = "adapter_config.json"
@@ -21,7 +22,6 @@ REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 """Without these a source holds no PEFT adapter; the other ``UPLOAD_FILES`` are optional."""
 IMPORTED_FILES = UPLOAD_FILES
 """What an import takes from a source: exactly what an upload sends."""
-READ_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,12 @@ class AdapterSource(ABC):
         or lacks a ``REQUIRED_FILES`` entry."""
 
     @abstractmethod
-    def read(self, file: SourceFile, max_bytes: int) -> bytes:
-        """The bytes of ``file``, refusing more than ``max_bytes``; FailedPrecondition when its
-        content is no longer the listed ``file.version``."""
+    def read(self, file: SourceFile, max_bytes: int) -> memoryview:
+        """The bytes of ``file`` (read by :func:`read_capped`), refusing more than ``max_bytes``;
+        FailedPrecondition when its content is no longer the listed ``file.version``."""
 
 
-def fetch_adapter_files(source: AdapterSource, max_bytes: int) -> dict[str, bytes]:
+def fetch_adapter_files(source: AdapterSource, max_bytes: int) -> dict[str, memoryview]:
     """The adapter's files by name, at most ``max_bytes`` in all (the store's upload limit)."""
     listed = source.list_files()
     total = sum(f.size for f in listed)
@@ -66,7 +66,7 @@ def fetch_adapter_files(source: AdapterSource, max_bytes: int) -> dict[str, byte
             f"{source.uri} holds {total} bytes of adapter files (largest {largest.location}, "
             f"{largest.size} bytes), over the size limit of {max_bytes} bytes"
         )
-    files: dict[str, bytes] = {}
+    files: dict[str, memoryview] = {}
     for file in listed:
         data = source.read(file, max_bytes - sum(len(d) for d in files.values()))
         if len(data) != file.size:
@@ -75,16 +75,20 @@ def fetch_adapter_files(source: AdapterSource, max_bytes: int) -> dict[str, byte
     return files
 
 
-def read_capped(stream: BinaryIO, max_bytes: int, location: str) -> bytes:
-    """All of ``stream``, refused (ResourceExhausted) as soon as it passes ``max_bytes``."""
-    chunks: list[bytes] = []
+def read_capped(stream: BinaryIO, file: SourceFile, max_bytes: int) -> memoryview:
+    """``file``'s ``stream`` to its end, or to one byte past its listed size (enough to tell
+    that it grew since the listing), refused (ResourceExhausted) once it passes ``max_bytes``.
+
+    Read straight into page-aligned memory (one copy), from which the blob store writes its
+    whole pages to disk without another: an import costs the CPU of its hash, not of its copies."""
+    limit = min(file.size, max_bytes) + 1
+    buffer = page_aligned_empty(limit)
     received = 0
-    while chunk := stream.read(READ_CHUNK_BYTES):
-        received += len(chunk)
-        if received > max_bytes:
-            raise ResourceExhausted(f"{location} is over the size limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    while received < limit and (count := stream.readinto(buffer[received:])):
+        received += count
+    if received > max_bytes:
+        raise ResourceExhausted(f"{file.location} is over the size limit of {max_bytes} bytes")
+    return buffer[:received]
 
 
 def changed_during_import(file: SourceFile, how: str) -> FailedPrecondition:
