@@ -124,14 +124,27 @@ class BlobStore:
         return self.blob_dir / f"{blob_id}{self.SUFFIX}"
 
     def write(self, blob_id: str, data) -> None:
-        """Store ``data`` as ``blob_id``: temp file, ``fdatasync``, rename. Durable once
-        :meth:`sync_dir` has run after it."""
-        tmp = self.tmp_dir / f"{blob_id}.{uuid.uuid4().hex[:8]}.part"
+        """Store ``data`` as ``blob_id``: :meth:`write_temp`, then :meth:`publish`."""
+        self.publish(self.write_temp(data), blob_id)
+
+    def write_temp(self, data) -> Path:
+        """``data`` in a new file under ``tmp/``, ``fdatasync``'d: no blob until
+        :meth:`publish` names it one (a crash leaves it to :meth:`clean_temp`)."""
+        tmp = self.tmp_dir / f"{uuid.uuid4().hex}.part"
         try:
             self._write_file(tmp, memoryview(data))
-            os.replace(tmp, self.path(blob_id))
-        finally:
+        except BaseException:
             tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def publish(self, temp: Path, blob_id: str) -> None:
+        """Rename ``temp`` (from :meth:`write_temp`) to blob ``blob_id``; durable once
+        :meth:`sync_dir` has run after it."""
+        try:
+            os.replace(temp, self.path(blob_id))
+        finally:
+            temp.unlink(missing_ok=True)
 
     def _write_file(self, path: Path, data: memoryview) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL

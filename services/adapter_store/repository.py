@@ -3,8 +3,9 @@
 Combines the catalog (source of truth), the blob files and the RAM tier. Every operation is
 synchronous and may block on disk: the servicer runs them in a worker thread.
 
-Registration order is what makes it crash-safe: validate everything in memory, write the blob
-durably (temp, fdatasync, rename, directory fsync), then commit the catalog row; the directory
+Registration order is what makes it crash-safe: validate everything in memory (while the weights
+are written to a temp file and flushed, :mod:`services.adapter_store.blob_writes`), make the blob
+durable (rename, directory fsync), then commit the catalog row; the directory
 fsync and the commit are shared by the registrations that finish together (group commit), and
 a registration is acknowledged only once both are done. A crash before the commit leaves an
 orphan blob that :meth:`AdapterRepository.open` removes; a reader never sees an adapter whose
@@ -31,6 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from services.adapter_store.blob_store import BlobStore, sha256_hex
+from services.adapter_store.blob_writes import BlobWrites, PendingBlob
 from services.adapter_store.catalog import PRIVATE, PUBLIC, AdapterRecord, Catalog, DuplicateName
 from services.adapter_store.catalog_changes import CatalogChange, CatalogChanges
 from services.adapter_store.chat_templates import read_chat_templates
@@ -147,6 +149,7 @@ class AdapterRepository:
         # Held from a catalog change's commit to its publication: changes publish in commit order.
         self._change_lock = threading.Lock()
         self._commits: GroupCommit[tuple[AdapterRecord, str]] = GroupCommit(self._commit_batch)
+        self._blob_writes = BlobWrites(self.blobs)
 
     def open(self) -> OpenReport:
         """Reload the catalog and reconcile it with the blobs on disk."""
@@ -179,6 +182,7 @@ class AdapterRepository:
         return report
 
     def close(self) -> None:
+        self._blob_writes.close()
         self.catalog.close()
 
     def _restore_pins(self) -> None:
@@ -237,8 +241,13 @@ class AdapterRepository:
         check_name("owner", owner)
         if self.catalog.get_by_name(owner, name) is not None:
             raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}")
-        record = self._validated_record(name, owner, visibility, config_bytes, weights, tokenizer_files)
-        self._commit(record, weights)
+        written = self._blob_writes.start(weights)
+        try:
+            record = self._validated_record(name, owner, visibility, config_bytes, weights, tokenizer_files)
+        except BaseException:
+            written.discard()
+            raise
+        self._commit(record, weights, written)
         return record
 
     def register_version(
@@ -256,12 +265,20 @@ class AdapterRepository:
         check_name("name", name)
         check_name("owner", owner)
         current = self.catalog.get_by_name(owner, name)
-        record = self._validated_record(name, owner, visibility, config_bytes, weights, tokenizer_files)
+        # A name already registered is most often imported again unchanged: its weights are
+        # written only once they are known to differ.
+        written = self._blob_writes.start(weights) if current is None else None
+        try:
+            record = self._validated_record(name, owner, visibility, config_bytes, weights, tokenizer_files)
+        except BaseException:
+            if written is not None:
+                written.discard()
+            raise
         if current is not None and _content(current) == _content(record):
             return Registration(current, changed=False)
         if current is not None:
             record = replace(record, pinned=current.pinned)  # a pin is the name's, not a version's
-        self._commit(record, weights, replacing=current)
+        self._commit(record, weights, written or self._blob_writes.start(weights), replacing=current)
         return Registration(record, changed=True)
 
     def _validated_record(
@@ -299,8 +316,15 @@ class AdapterRepository:
             tool_use_chat_template=templates.tool_use_chat_template,
         )
 
-    def _commit(self, record: AdapterRecord, weights: bytes, replacing: AdapterRecord | None = None) -> None:
-        """Blob first, then the catalog row (in place of ``replacing``'s), then the old blob goes.
+    def _commit(
+        self,
+        record: AdapterRecord,
+        weights: bytes,
+        written: PendingBlob,
+        replacing: AdapterRecord | None = None,
+    ) -> None:
+        """Blob first (``written``, the weights' file, published as ``record``'s blob), then the
+        catalog row (in place of ``replacing``'s), then the old blob goes.
 
         The blob directory's flush and the row's commit are shared with the registrations
         committing at the same time (:mod:`services.adapter_store.group_commit`); this returns
@@ -308,7 +332,7 @@ class AdapterRepository:
 
         Only a pinned adapter goes into the RAM tier here: the others enter it when first
         fetched, so registering thousands does not evict the adapters in use."""
-        self.blobs.write(record.id, weights)
+        written.publish(record.id)
         try:
             self._commits.submit((record, replacing.id if replacing else ""))
         except DuplicateName:
