@@ -9,9 +9,9 @@ Writes bypass the page cache (``O_DIRECT``): copying every byte into freshly all
 page-cache pages cost more CPU than hashing them (issue 30: registration was bound by requests,
 not bytes). ``O_DIRECT`` takes whole pages from page-aligned memory: an upload is assembled in
 such memory (:func:`page_aligned_join`), an import is read into it (:func:`page_aligned_empty`),
-and either is written from it; anything else goes through a small aligned buffer each writing
-thread keeps. A file system that refuses
-``O_DIRECT`` is written through the page cache instead, with the same durability.
+and either is written from it in one write; anything else goes through a small aligned buffer
+each writing thread keeps. A file system that refuses ``O_DIRECT`` is written through the page
+cache instead, with the same durability.
 """
 
 from __future__ import annotations
