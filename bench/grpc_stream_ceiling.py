@@ -115,8 +115,9 @@ def main() -> None:
     server = multiprocessing.Process(target=serve, args=(port, ready), daemon=True)
     server.start()
     try:
-        if not ready.wait(60):
-            raise SystemExit("the server did not start")
+        while not ready.wait(1):  # no deadline: only a server that died stops the wait
+            if not server.is_alive():
+                raise SystemExit(f"the server exited ({server.exitcode}) before it served")
         rounds = [asyncio.run(one_round(port, server.pid, args)) for _ in range(args.rounds)]
     finally:
         server.terminate()

@@ -5,19 +5,18 @@ nothing behind."""
 from __future__ import annotations
 
 import errno
-import threading
 
 import pytest
 
 from services.adapter_store import repository as repository_module
 from services.adapter_store.blob_store import BlobStore
+from services.adapter_store.blob_writes import BlobWrites, PendingBlob
 from services.adapter_store.catalog import PRIVATE
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import InvalidArgument
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-SAFETY_S = 60  # only a broken implementation waits this long
 
 
 @pytest.fixture
@@ -33,28 +32,30 @@ def on_disk(repo: AdapterRepository) -> tuple[list[str], list[str]]:
 
 
 def checks_that_wait_for_the_write(monkeypatch, repo, refuse: bool):
-    """Validation that returns (or refuses) only once the weights' temp file is written: a
-    repository that wrote after validating would never get there. Records what was on disk
-    then."""
-    written = threading.Event()
-    write_temp = BlobStore.write_temp
+    """Validation that first waits for the weights' write, when one was begun before it, and
+    records what was on disk then (a repository that writes after validating has begun none:
+    nothing to wait for, and ``seen`` says so). No clock: the write ends on its own thread."""
+    begun: list[PendingBlob] = []
+    start = BlobWrites.start
 
-    def recording_write_temp(self, data):
-        path = write_temp(self, data)
-        written.set()
-        return path
+    def recording_start(self, weights):
+        pending = start(self, weights)
+        begun.append(pending)
+        return pending
 
     seen: dict = {}
     validate = repository_module.validate_adapter
 
     def waiting_validate(*args, **kwargs):
-        assert written.wait(SAFETY_S), "the weights were not written while the adapter was checked"
-        seen["during_checks"] = on_disk(repo)
+        seen["writes_begun_before_checks"] = len(begun)
+        if begun:
+            begun[0].written.result()
+            seen["during_checks"] = on_disk(repo)
         if refuse:
             raise InvalidArgument("refused for the test")
         return validate(*args, **kwargs)
 
-    monkeypatch.setattr(BlobStore, "write_temp", recording_write_temp)
+    monkeypatch.setattr(BlobWrites, "start", recording_start)
     monkeypatch.setattr(repository_module, "validate_adapter", waiting_validate)
     return seen
 
@@ -62,6 +63,7 @@ def checks_that_wait_for_the_write(monkeypatch, repo, refuse: bool):
 def test_the_weights_are_written_while_the_adapter_is_checked(monkeypatch, repo, sample_files):
     seen = checks_that_wait_for_the_write(monkeypatch, repo, refuse=False)
     record = repo.register("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
+    assert seen["writes_begun_before_checks"] == 1
     temps, blobs = seen["during_checks"]
     assert len(temps) == 1 and blobs == [], "a temp file, not yet a blob"
     assert on_disk(repo) == ([], [record.id])
@@ -69,9 +71,10 @@ def test_the_weights_are_written_while_the_adapter_is_checked(monkeypatch, repo,
 
 
 def test_a_refused_adapter_leaves_no_file(monkeypatch, repo, sample_files):
-    checks_that_wait_for_the_write(monkeypatch, repo, refuse=True)
+    seen = checks_that_wait_for_the_write(monkeypatch, repo, refuse=True)
     with pytest.raises(InvalidArgument, match="refused for the test"):
         repo.register("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
+    assert len(seen["during_checks"][0]) == 1, "refused after its weights were written"
     assert on_disk(repo) == ([], [])
     assert repo.catalog.get_by_name("alice", "a") is None
 

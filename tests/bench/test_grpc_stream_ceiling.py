@@ -1,5 +1,5 @@
 """The gRPC transport's own bench (issue 30) runs end to end and counts every byte it streamed
-(no timing verdict)."""
+(no timing verdict; a hang is pytest-timeout's to end)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ def test_a_small_run_reports_each_round_per_mb():
         [sys.executable, "-m", "bench.grpc_stream_ceiling", *arguments],
         capture_output=True,
         text=True,
-        timeout=120,
         check=True,
     )
     report = json.loads(run.stdout)
