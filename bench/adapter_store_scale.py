@@ -9,8 +9,9 @@ serves at once, and what 10,000 registered adapters cost the mesh, in one run of
     registration rate in MB/s is reported against it, with the CPU the store (and the driver)
     spent per MB. ``--via gateway`` uploads through a gateway process instead, as the SDK does
     (its CPU per MB reported too); ``--via file`` has the store import them from ``file://``
-    directories written (and flushed) beforehand, no bytes on the wire. Then the store is restarted over what it holds and timed
-    until it serves.
+    directories written (and flushed) beforehand, no bytes on the wire. Beside them, the store's
+    disk path alone (the same weights hashed and written by its ``BlobStore``, no service around
+    it). Then the store is restarted over what it holds and timed until it serves.
 ``scale``
     ``--adapters`` small adapters (rank 8 on q/v, ≈0.9 MB) into a store that serves a scheduler,
     a worker and a gateway (each its own process, members of one etcd): ``--s3-imports`` of them imported
