@@ -11,7 +11,9 @@ serves at once, and what 10,000 registered adapters cost the mesh, in one run of
     (its CPU per MB reported too); ``--via file`` has the store import them from ``file://``
     directories written (and flushed) beforehand, no bytes on the wire. Beside them, the store's
     disk path alone (the same weights hashed and written by its ``BlobStore``, no service around
-    it). Then the store is restarted over what it holds and timed until it serves.
+    it), and the registration's work alone (the same with the store's validation, and the
+    source read for ``--via file``). Then the store is restarted over what it holds and timed
+    until it serves.
 ``scale``
     ``--adapters`` small adapters (rank 8 on q/v, ≈0.9 MB) into a store that serves a scheduler,
     a worker and a gateway (each its own process, members of one etcd): ``--s3-imports`` of them imported
@@ -67,8 +69,9 @@ from mesh_api.adapter_transfer import fetch_adapter, ref_by_id
 from mesh_api.upload_wire import WireUploadAdapterStoreStub, WireUploadGatewayStub, upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.adapter_store.blob_store import BlobStore, page_aligned_join
+from services.adapter_store.blob_store import BlobStore, page_aligned_empty, page_aligned_join
 from services.adapter_store.importers.source import WEIGHTS_FILE
+from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.gateway.adapter_index import AdapterIndex
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS
@@ -113,27 +116,53 @@ def dd_write_mb_s(directory: Path, direct: bool) -> float:
     return round(256 * 4 * 2**20 / elapsed / MB, 1)
 
 
-def blob_path_mb_per_s(directory: Path, bases: list[dict[str, bytes]], count: int, threads: int) -> float:
-    """The store's disk path alone, in this process: ``count`` adapters' weights, already in
-    page-aligned memory, each hashed (sha256) and written as a blob (``O_DIRECT``, ``fdatasync``,
-    rename, the directory's ``fsync``) by ``threads`` threads, in MB/s. What registration
-    cannot beat on this machine whatever the service does around it: no transfer, no
-    validation, no catalog."""
+def work_alone_mb_per_s(
+    directory: Path, bases: list[dict[str, bytes]], count: int, threads: int, sources: Path | None = None
+) -> dict:
+    """In MB/s, in this process, ``threads`` threads over ``count`` adapters' weights:
+
+    - ``bare``: the store's disk path alone: each hashed (sha256) and written as a blob
+      (``O_DIRECT``, ``fdatasync``, rename, the directory's ``fsync``). No transfer, no
+      validation, no catalog: what registration cannot beat on this machine whatever the
+      service does around it.
+    - ``with_checks``: all the work a registration must do to its bytes, still without a
+      service: read from ``sources`` (``--via file``: into page-aligned memory from the page
+      cache, as an import reads) or already in memory (an upload), the store's whole validation
+      (header, shapes, the NaN/Inf scan), sha256, the blob and its flushes."""
     weights = [page_aligned_join([variant(bases[i % len(bases)], i)[WEIGHTS_FILE]]) for i in range(count)]
+    configs = [bases[i % len(bases)]["adapter_config.json"] for i in range(count)]
+    spec, limits = load_base_model_spec(), ValidationLimits()
     blobs = BlobStore(directory / "blob-path")
 
-    def one(i: int) -> int:
+    def bare(i: int) -> int:
         hashlib.sha256(weights[i]).hexdigest()
         blobs.write(f"b{i:05d}", weights[i])
         blobs.sync_dir()
         return len(weights[i])
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(one, range(count)))
-    elapsed = time.perf_counter() - started
-    shutil.rmtree(directory / "blob-path")
-    return round(total / elapsed / MB, 1)
+    def with_checks(i: int) -> int:
+        data = weights[i]
+        if sources is not None:
+            path = sources / f"real-{i:05d}" / WEIGHTS_FILE
+            data = page_aligned_empty(path.stat().st_size)
+            with path.open("rb", buffering=0) as stream:
+                stream.readinto(data)
+        validate_adapter(configs[i], data, spec, limits)
+        hashlib.sha256(data).hexdigest()
+        blobs.write(f"c{i:05d}", data)
+        blobs.sync_dir()
+        return len(data)
+
+    rates = {}
+    try:
+        for name, one in (("bare", bare), ("with_checks", with_checks)):
+            started = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                total = sum(pool.map(one, range(count)))
+            rates[name] = round(total / (time.perf_counter() - started) / MB, 1)
+    finally:
+        shutil.rmtree(directory / "blob-path")
+    return rates
 
 
 def dd_both(directory: Path) -> dict:
@@ -446,7 +475,10 @@ async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
     for service in measured.values():
         service.terminate()
     dd_after = dd_both(data_dir)
-    blob_path = blob_path_mb_per_s(work, bases, min(args.real_size, 600), args.concurrency)
+    alone = work_alone_mb_per_s(
+        work, bases, min(args.real_size, 600), args.concurrency, sources if args.via == "file" else None
+    )
+    blob_path = alone["bare"]
     restart = await restart_s(store_args, work / "bytes-restart.log")
     shutil.rmtree(data_dir, ignore_errors=True)
     shutil.rmtree(sources, ignore_errors=True)
@@ -473,6 +505,11 @@ async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
         "blob_path_alone_mb_per_s": blob_path,
         "blob_path_alone_ratio_to_dd_direct_fsync": round(blob_path / dd["direct_fsync"], 2),
         "ratio_to_blob_path_alone": round(rate / blob_path, 2),
+        "registration_work_alone_mb_per_s": alone["with_checks"],
+        "registration_work_alone_ratio_to_dd_direct_fsync": round(
+            alone["with_checks"] / dd["direct_fsync"], 2
+        ),
+        "ratio_to_registration_work_alone": round(rate / alone["with_checks"], 2),
         "ratio_to_dd_fdatasync": round(rate / dd["fdatasync"], 2),
         "restart_to_serving_s": restart,
     }
