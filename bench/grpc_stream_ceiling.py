@@ -11,6 +11,11 @@ message limits the mesh uses. Reported per round: MB/s, and the CPU each side sp
 server's from ``/proc``, the client's own process time). On a machine where both share the same
 cores, 2 cores ÷ (server + client ms per MB) bounds any upload path; the store's upload rate
 ÷ this rate is how much of the transport's ceiling its own work leaves.
+
+Both processes retain freed memory (``services.runtime.allocator``), as the adapter store, the
+gateway and the scale bench's driver do: without it every 4 MiB message lands in freshly mapped
+pages, and the page faults cost the server as much as the rest of its work
+(``--retain-freed-memory false`` measures that).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
+from services.runtime.allocator import retain_freed_memory
 from services.runtime.ports import free_port
 from services.runtime.server import MAX_MESSAGE_BYTES
 
@@ -37,7 +43,10 @@ OPTIONS = [
 METHOD = "/bench.Bytes/Count"
 
 
-def serve(port: int, ready) -> None:
+def serve(port: int, ready, retain: bool) -> None:
+    if retain:
+        retain_freed_memory()
+
     async def count(request_iterator, context) -> bytes:
         received = 0
         async for chunk in request_iterator:
@@ -109,10 +118,19 @@ def main() -> None:
     parser.add_argument("--chunk-kib", type=int, default=4096, help="KiB per message")
     parser.add_argument("--concurrency", type=int, default=8, help="streams at a time")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--retain-freed-memory",
+        choices=("true", "false"),
+        default="true",
+        help="both processes keep freed buffers for reuse, as the store and the gateway do",
+    )
     args = parser.parse_args()
+    retain = args.retain_freed_memory == "true"
+    if retain:
+        retain_freed_memory()
     port = free_port()
     ready = multiprocessing.Event()
-    server = multiprocessing.Process(target=serve, args=(port, ready), daemon=True)
+    server = multiprocessing.Process(target=serve, args=(port, ready, retain), daemon=True)
     server.start()
     try:
         while not ready.wait(1):  # no deadline: only a server that died stops the wait
