@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh_api.adapter_transfer import upload_requests
-from mesh_api.upload_wire import chunk_wire, read_upload_message, upload_wire
+from mesh_api.upload_wire import UPLOAD_CHUNK_BYTES, chunk_wire, read_upload_message, upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
 
 Chunk = pb.RegisterAdapterRequest.FileChunk
@@ -98,7 +98,7 @@ def test_a_chunk_written_by_hand_is_the_message_protobuf_would_build(filename, d
 def test_an_upload_written_by_hand_is_the_stream_protobuf_would_build():
     files = {
         "adapter_config.json": b"{}",
-        "adapter_model.safetensors": bytes(range(256)) * 9000,
+        "adapter_model.safetensors": bytes(range(256)) * (UPLOAD_CHUNK_BYTES * 9 // 4 // 256),
         "empty": b"",
     }
     weights = files["adapter_model.safetensors"]
@@ -110,9 +110,9 @@ def test_an_upload_written_by_hand_is_the_stream_protobuf_would_build():
         pb.RegisterAdapterRequest(chunk=Chunk(filename="adapter_config.json", data=b"{}")),
         *(
             pb.RegisterAdapterRequest(
-                chunk=Chunk(filename="adapter_model.safetensors", data=weights[i : i + 2**20])
+                chunk=Chunk(filename="adapter_model.safetensors", data=weights[i : i + UPLOAD_CHUNK_BYTES])
             )
-            for i in range(0, len(weights), 2**20)
+            for i in range(0, len(weights), UPLOAD_CHUNK_BYTES)
         ),
         pb.RegisterAdapterRequest(chunk=Chunk(filename="empty", data=b"")),
     ]

@@ -40,6 +40,7 @@ from loramesh import (
 from loramesh.client import STATE_DIR_ENV, RetryNotice, _Policy, resolve_targets
 from loramesh.errors import NoGatewayAddress
 from loramesh.tls import ClientTLS
+from mesh_api.upload_wire import UPLOAD_CHUNK_BYTES
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
 
 API_KEY = "sk-test"
@@ -336,11 +337,11 @@ def check_status(
 
 
 def write_adapter(directory: Path) -> dict[str, bytes]:
-    """A fake PEFT directory whose weights span three 1 MiB chunks (the fake does not validate)."""
+    """A fake PEFT directory whose weights span three upload chunks (the fake does not validate)."""
     directory.mkdir()
     files = {
         "adapter_config.json": json.dumps({"peft_type": "LORA", "r": 8}).encode(),
-        "adapter_model.safetensors": bytes(range(256)) * (10 * 1024 + 7),
+        "adapter_model.safetensors": bytes(range(256)) * (UPLOAD_CHUNK_BYTES * 5 // 2 // 256 + 7),
     }
     for name, data in files.items():
         (directory / name).write_bytes(data)
@@ -353,7 +354,7 @@ def check_upload(gateway: FakeGateway, files: dict[str, bytes], adapter: lorames
     assert upload.header.visibility == types_pb2.VISIBILITY_PUBLIC
     assert upload.header.total_bytes == sum(len(d) for d in files.values())
     assert upload.files == files
-    assert upload.chunks == 4  # the config, then the 2.5 MiB weights in 1 MiB chunks
+    assert upload.chunks == 4  # the config, then the weights (2.5 chunks' worth) in three
     assert adapter.name == "mine" and adapter.public and adapter.owner == TENANT
     assert adapter.sha256 == hashlib.sha256(files["adapter_model.safetensors"]).hexdigest()
 
