@@ -145,7 +145,7 @@ def work_alone_mb_per_s(
         if sources is not None:
             path = sources / f"real-{i:05d}" / WEIGHTS_FILE
             data = page_aligned_empty(path.stat().st_size)
-            with path.open("rb", buffering=0) as stream:
+            with path.open("rb") as stream:  # buffered: reads until full (or the end), straight in
                 stream.readinto(data)
         validate_adapter(configs[i], data, spec, limits)
         hashlib.sha256(data).hexdigest()
