@@ -415,9 +415,10 @@ def upload_stream(path: str | Path, name: str, public: bool) -> Iterator[bytes]:
     """The ``UploadAdapter`` messages for a PEFT adapter directory, serialized (the clients'
     stubs send them as they are: each chunk is copied once, see ``mesh_api.upload_wire``).
 
-    A header, then chunks of ≤ 4 MiB less a page of ``adapter_config.json`` and ``adapter_model.safetensors``,
-    and of ``tokenizer_config.json`` and ``chat_template.jinja`` when the directory has them (the
-    adapter is then served with their chat template).
+    A header, then chunks (``mesh_api.upload_wire.UPLOAD_CHUNK_BYTES`` at most) of
+    ``adapter_config.json`` and ``adapter_model.safetensors``, and of ``tokenizer_config.json``
+    and ``chat_template.jinja`` when the directory has them (the adapter is then served with
+    their chat template).
 
     Raises:
         FileNotFoundError: ``path`` does not exist or lacks a file (:func:`check_adapter_dir`).
