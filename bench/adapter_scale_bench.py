@@ -189,11 +189,12 @@ def slot_region_pages(model_path: str | None, adapter_dir: Path, pool_mib: float
     the one in ``adapter_dir``, and check it in a pool of that shape: ``slots`` distinct adapters,
     all held, fit; one more does not; and after 200 random releases and loads of other adapters
     ``slots`` still fit (pages freed out of order may not be adjacent)."""
+    from services.gpu_worker.attention.pool_view import PoolLayout
     from services.gpu_worker.engine.engine_config import EngineConfig
     from services.gpu_worker.lora.host_adapter import parse_peft_adapter
     from services.gpu_worker.memory.adapter_residency import AdapterResidency
     from services.gpu_worker.memory.page_allocator import PoolExhausted
-    from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+    from services.gpu_worker.memory.unified_pool import UnifiedPool
     from services.gpu_worker.service import resolve_dtype
 
     spec = load_base_model_spec(model_path)

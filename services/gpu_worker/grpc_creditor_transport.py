@@ -23,6 +23,8 @@ import torch
 from google.protobuf.message import Message
 
 from mesh_api.v1 import worker_pb2
+from services.gpu_worker.attention.dist_attention import PartialAttention
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.lending_lane import ATTEND, WRITE, LaneClient
 from services.gpu_worker.lending_proto import (
     layout_from_proto,
@@ -37,8 +39,6 @@ from services.gpu_worker.memory.distkv_meter import DistKvMeter
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.memory.remote_block_allocator import Pending, done
 from services.gpu_worker.memory.shared_creditor_pool import SharedCreditorPool
-from services.gpu_worker.memory.unified_pool import PoolLayout
-from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import (
     AlreadyExists,
     DataLoss,

@@ -45,13 +45,14 @@ import torch
 from google.protobuf.message import Message
 
 from mesh_api.v1 import worker_pb2
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.engine.side_threads import confine_to_one_thread
 from services.gpu_worker.lending_proto import answer_attend_remote, apply_write_kv
 from services.gpu_worker.memory.distkv_meter import DistKvMeter
 from services.gpu_worker.memory.shared_creditor_pool import SharedCreditorPool
 from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.memory.shared_memory import map_shared
-from services.gpu_worker.memory.unified_pool import PoolLayout, PoolView, UnifiedPool
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import DomainError, FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)

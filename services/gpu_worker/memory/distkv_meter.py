@@ -18,13 +18,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.gpu_worker.attention.dist_attention import PartialAttention
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.memory.block_lender import BlockLender
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.memory.lend_compute_cap import LendComputeCap, LendComputeExhausted
 from services.gpu_worker.memory.remote_block_allocator import CreditorTransport, Pending
 from services.gpu_worker.memory.shared_lender import SharedLender
-from services.gpu_worker.memory.unified_pool import PoolLayout
-from services.gpu_worker.model.dist_attention import PartialAttention
 
 Clock = Callable[[], float]
 Connect = Callable[[str, str], CreditorTransport]

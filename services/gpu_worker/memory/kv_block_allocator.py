@@ -14,7 +14,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from services.gpu_worker.model.dist_attention import PartialAttention
+from services.gpu_worker.attention.dist_attention import PartialAttention
 
 BlockT = TypeVar("BlockT")
 

@@ -12,12 +12,12 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from services.gpu_worker.attention.dist_attention import PartialAttention
+from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
 from services.gpu_worker.memory.block_table import LocalBlock
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.gpu_worker.memory.unified_pool import UnifiedPool
-from services.gpu_worker.model.dist_attention import PartialAttention
-from services.gpu_worker.model.pool_block_attention import attend_pool_blocks
 from services.runtime.errors import FailedPrecondition, InvalidArgument
 
 

@@ -14,9 +14,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.memory.block_table import RemoteBlock
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 
 

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
+from services.gpu_worker.attention.dist_attention import PartialAttention
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.memory.block_lender import BlockLender
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.memory.unified_pool import PoolLayout
-from services.gpu_worker.model.dist_attention import PartialAttention
 from services.runtime.errors import FailedPrecondition
 
 

@@ -22,12 +22,12 @@ from dataclasses import replace
 
 import torch
 
+from services.gpu_worker.attention.chunked_attention import local_queries
+from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.kernels.cpu_invariant import invariant_available, invariant_error
-from services.gpu_worker.memory.huge_pages import gather_in_huge_pages
-from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.base_matmul import BaseMatmul
-from services.gpu_worker.model.chunked_attention import local_queries
 from services.gpu_worker.model.compute_dtype import resolve_compute_dtype
+from services.gpu_worker.model.huge_pages import gather_in_huge_pages
 from services.gpu_worker.model.invariant_matmul import InvariantMatmul
 from services.gpu_worker.model.native_step_ops import NativeStepOps
 from services.gpu_worker.model.quantized_weight import QuantizedWeight
@@ -188,7 +188,7 @@ class LlamaModel:
             )
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, pool: UnifiedPool) -> torch.Tensor:
+    def forward(self, batch: StepBatch, pool: PoolView) -> torch.Tensor:
         """Logits ``[R, vocab]`` (float32) of each request's last token; fills the KV cache.
 
         With a tensor-parallel context, the LoRA deltas go through it and o/down (row-parallel,

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.gpu_worker.attention.chunked_attention import LocalQueries
+from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.kernels import cpu_invariant, cpu_quant
 from services.gpu_worker.kernels.cpu_invariant import PreparedCall
-from services.gpu_worker.memory.unified_pool import UnifiedPool
-from services.gpu_worker.model.chunked_attention import LocalQueries
 from services.gpu_worker.model.quantized_weight import QuantizedWeight
 from services.gpu_worker.model.step_batch import StepBatch
 from services.gpu_worker.model.step_ops import Linear, TorchStepOps
@@ -42,7 +42,7 @@ class NativeStepOps(TorchStepOps):
         self,
         model: LlamaModel,
         batch: StepBatch,
-        pool: UnifiedPool,
+        pool: PoolView,
         linear: Linear,
         queries: list[LocalQueries],
     ):

@@ -3,7 +3,7 @@ attends to, and the LoRA segments. Built by the engine from its requests' page t
 
 Context is addressed by KV block: viewing the pool as blocks of ``kv_block_tokens`` rows of
 ``kv_dim`` elements, page ``p`` holds one layer's key block ``2p`` and value block ``2p + 1``
-(see ``UnifiedPool``). Gathering a request's context one block at a time moves 16 rows per index
+(see ``attention/pool_view.py``). Gathering a request's context one block at a time moves 16 rows per index
 instead of one.
 """
 

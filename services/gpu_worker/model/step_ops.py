@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.attention.chunked_attention import LocalQueries, attend_locally
+from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.model import invariant_rowwise
-from services.gpu_worker.model.chunked_attention import LocalQueries, attend_locally
 from services.gpu_worker.model.step_batch import StepBatch
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class TorchStepOps:
         self,
         model: LlamaModel,
         batch: StepBatch,
-        pool: UnifiedPool,
+        pool: PoolView,
         linear: Linear,
         native: bool,
         queries: list[LocalQueries] | None,

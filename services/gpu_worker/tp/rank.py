@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency, ResidentAdapter
-from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.tp.context import TensorParallelContext
 from services.gpu_worker.tp.sharding import TensorParallelLayout, shard_adapter, shard_base_weights

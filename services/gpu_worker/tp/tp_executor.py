@@ -22,13 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.kernels.lora_segments import AdapterRows
 from services.gpu_worker.lora.host_adapter import HostAdapter, ModuleKey
 from services.gpu_worker.memory.adapter_residency import PlacedModule, ResidentAdapter, write_rows
-from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.tp.collectives import TorchDistributedCollectives
 from services.gpu_worker.tp.context import TensorParallelContext

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
@@ -16,7 +17,7 @@ from services.gpu_worker.memory.prefix_cache import (
     adapter_key_space,
     block_keys,
 )
-from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import FailedPrecondition
 from tests.gpu_worker.memory.test_unified_pool import adapter
 

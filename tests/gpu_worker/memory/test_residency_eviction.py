@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
-from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.eviction import LFUEviction
 
 LAYOUT = PoolLayout(num_pages=64, kv_block_tokens=4, kv_dim=8, num_layers=2)

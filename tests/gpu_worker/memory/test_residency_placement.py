@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors, with_rows
 from services.gpu_worker.memory.adapter_residency import (
     NOT_TARGETED,
@@ -18,7 +19,7 @@ from services.gpu_worker.memory.adapter_residency import (
     write_rows,
 )
 from services.gpu_worker.memory.page_allocator import PageUse
-from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 
 LAYOUT = PoolLayout(num_pages=512, kv_block_tokens=8, kv_dim=8, num_layers=2)  # 128 elements a page
 TARGETS = {"q_proj": (24, 24), "k_proj": (24, 8), "v_proj": (24, 8), "o_proj": (24, 24),

@@ -11,18 +11,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.engine.engine import Engine, EngineConfig
-from services.gpu_worker.engine.request import GenerationRequest
-from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.kernels.cpu_invariant import invariant_available, invariant_error
-from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
-from services.gpu_worker.model import invariant_rowwise
-from services.gpu_worker.model.chunked_attention import (
+from services.gpu_worker.attention.chunked_attention import (
     LocalQueries,
     attend_blocks,
     attend_locally,
     combine_in_block_order,
 )
+from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.request import GenerationRequest
+from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.kernels.cpu_invariant import invariant_available, invariant_error
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model import invariant_rowwise
 from services.gpu_worker.model.invariant_matmul import InvariantMatmul
 from services.gpu_worker.model.llama import LlamaModel
 

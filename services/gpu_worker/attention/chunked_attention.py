@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from services.gpu_worker.attention.dist_attention import PartialAttention
+from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.kernels import cpu_invariant
-from services.gpu_worker.memory.unified_pool import PoolView
-from services.gpu_worker.model.dist_attention import PartialAttention
 from services.gpu_worker.model.step_batch import StepBatch
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.gpu_worker.memory.huge_pages import (
+from services.gpu_worker.model.huge_pages import (
     ALIGNMENT,
     HUGE_PAGE_BYTES,
     gather_in_huge_pages,

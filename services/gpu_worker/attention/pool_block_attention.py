@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
+from services.gpu_worker.attention.chunked_attention import attend_blocks
+from services.gpu_worker.attention.dist_attention import PartialAttention, micro_attention
+from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.kernels.cpu_invariant import invariant_available
-from services.gpu_worker.memory.unified_pool import PoolView
-from services.gpu_worker.model.chunked_attention import attend_blocks
-from services.gpu_worker.model.dist_attention import PartialAttention, micro_attention
 
 
 def attend_pool_blocks(

@@ -11,20 +11,21 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gpu_worker.engine.request import EngineRequest, GenerationRequest
-from services.gpu_worker.engine.step_builder import StepBuilder
-from services.gpu_worker.engine.step_plan import StepPlan
-from services.gpu_worker.memory.kv_cache import KvTable
-from services.gpu_worker.memory.unified_pool import PoolLayout, UnifiedPool
-from services.gpu_worker.model import dist_attention
-from services.gpu_worker.model.dist_attention import (
+from services.gpu_worker.attention import dist_attention
+from services.gpu_worker.attention.dist_attention import (
     PartialAttention,
     empty_partial,
     micro_attention,
     scale_reduce,
 )
+from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
+from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.engine.request import EngineRequest, GenerationRequest
+from services.gpu_worker.engine.step_builder import StepBuilder
+from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.memory.kv_cache import KvTable
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.model.pool_block_attention import attend_pool_blocks
 from services.gpu_worker.model.step_ops import TorchStepOps
 from services.model_files.model_config import ModelConfig
 
