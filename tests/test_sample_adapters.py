@@ -85,7 +85,7 @@ def test_the_store_accepts_the_sample_adapter(spec, tmp_path):
     assert result.max_rank == 12
     assert result.layers == (0, 1)
     assert result.target_modules == tuple(sorted(LORA_TARGETS))
-    assert result.use_rslora
+    assert result.config.use_rslora
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

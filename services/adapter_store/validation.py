@@ -7,7 +7,8 @@ failing later inside a worker in the middle of a batch. The checks run cheapest 
 
 1. **Size**: both files together within ``ValidationLimits.max_adapter_bytes``
    (``ResourceExhausted``), before anything is parsed.
-2. **Config**: a LoRA (``peft_type`` "LORA") for a causal LM whose targets are only the seven
+2. **Config**, parsed once into a :class:`~services.model_files.peft_format.PeftConfig`: a LoRA
+   (``peft_type`` "LORA") for a causal LM whose targets are only the seven
    Llama projections (q/k/v/o/gate/up/down), with ``r`` and every ``rank_pattern`` rank within
    ``ValidationLimits.max_rank``. Features the worker's kernels do not implement (embedding or
    ``lm_head`` LoRA, ``modules_to_save``, DoRA, LoRA bias, ``fan_in_fan_out``...) are refused by
@@ -44,18 +45,19 @@ import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from re import _parser as regex_parser  # the stdlib's own regex parser, to bound matching cost
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
+from services.adapter_store.regex_cost import UnboundedRegex, count_repeats
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.peft_format import (
     LORA_TARGETS,
+    ModuleTargeting,
+    PeftConfig,
     module_path,
     parse_tensor_name,
-    pattern_value,
     tensor_name,
 )
 from services.runtime.errors import InvalidArgument, ResourceExhausted
@@ -66,9 +68,6 @@ MAX_HEADER_BYTES = 100 * 2**20
 #: Most repetitions (``.*``, ``\d+``...) one user-supplied regex may contain. Module names are
 #: matched by backtracking, so each repetition multiplies the worst-case cost by a path's length.
 MAX_REGEX_REPEATS = 3
-
-_REPEAT_OPS = (regex_parser.MAX_REPEAT, regex_parser.MIN_REPEAT, regex_parser.POSSESSIVE_REPEAT)
-_ONE_CHAR_OPS = (regex_parser.LITERAL, regex_parser.NOT_LITERAL, regex_parser.ANY, regex_parser.IN)
 
 #: Bytes per element of every safetensors dtype, so sizes can be checked before dtypes.
 _ITEMSIZE = {
@@ -83,21 +82,6 @@ _SERVED_DTYPES = {
     "F16": ("float16", "<u2", 0x7C00),
     "BF16": ("bfloat16", "<u2", 0x7F80),
     "F32": ("float32", "<u4", 0x7F800000),
-}
-
-#: Config fields naming features the worker cannot serve: refused whenever set (truthy).
-_UNSUPPORTED_FIELDS = {
-    "modules_to_save": "full copies of extra modules are not served",
-    "use_dora": "DoRA is not supported",
-    "fan_in_fan_out": "transposed (Conv1D) weights are not supported",
-    "lora_bias": "a bias on lora_B is not supported",
-    "use_qalora": "QA-LoRA is not supported",
-    "use_bdlora": "block-diagonal LoRA is not supported",
-    "alora_invocation_tokens": "activated LoRA is not supported",
-    "trainable_token_indices": "trainable embedding tokens are not supported",
-    "layer_replication": "layer replication is not supported",
-    "target_parameters": "LoRA on parameters (rather than modules) is not supported",
-    "arrow_config": "Arrow routing is not supported",
 }
 
 
@@ -115,14 +99,10 @@ class ValidationLimits:
 class ValidatedAdapter:
     """What validation learnt about an adapter: the catalog's facts, read once."""
 
-    rank: int
-    """The config's ``r``, the rank of every module ``rank_pattern`` does not override."""
+    config: PeftConfig
+    """The parsed ``adapter_config.json`` (its rank, alpha, rsLoRA and patterns)."""
     max_rank: int
     """Largest rank among the modules the adapter carries (what a worker must make room for)."""
-    lora_alpha: float
-    """The config's ``lora_alpha`` (``alpha_pattern`` may override it per module)."""
-    use_rslora: bool
-    """Scale by ``alpha / sqrt(r)`` instead of ``alpha / r``."""
     target_modules: tuple[str, ...]
     """Projections that carry LoRA weights in at least one layer, a sorted subset of LORA_TARGETS."""
     dtype: str
@@ -131,8 +111,6 @@ class ValidatedAdapter:
     """Number of tensors in the safetensors file (two per adapted module)."""
     layers: tuple[int, ...]
     """Sorted indices of the layers that carry LoRA weights."""
-    config: dict
-    """The parsed ``adapter_config.json``."""
 
 
 @dataclass(frozen=True)
@@ -161,10 +139,11 @@ def validate_adapter(
         raise ResourceExhausted(
             f"adapter is {size} bytes, over the limit max_adapter_bytes={limits.max_adapter_bytes}"
         )
-    config = _parse_config(config_bytes, spec, limits)
-    targeting = _targeting_key(config)
+    config = PeftConfig.from_json(config_bytes)
+    _check_limits(config, spec, limits)
+    targeting = config.targeting
     targets = _targeted_modules(targeting, spec)
-    ranks = {path: pattern_value(config.get("rank_pattern"), path, config["r"]) for path in targets}
+    ranks = {path: config.module_rank(path) for path in targets}
     data_start, header = _header(safetensors_bytes)
     tensors = _checked_tensors(
         header, len(safetensors_bytes) - data_start, targeting, tuple(ranks.items()), spec
@@ -172,148 +151,58 @@ def validate_adapter(
     entries, dtype = tensors.entries, tensors.dtype
     _check_finite(safetensors_bytes, data_start, entries, dtype)
     return ValidatedAdapter(
-        rank=config["r"],
+        config=config,
         max_rank=max(ranks.values()),
-        lora_alpha=float(config["lora_alpha"]),
-        use_rslora=config.get("use_rslora", False),
         target_modules=tuple(sorted({module for _, module in targets.values()})),
         dtype=_SERVED_DTYPES[dtype][0],
         num_tensors=len(entries),
         layers=tuple(sorted({layer for layer, _ in targets.values()})),
-        config=config,
     )
 
 
 # --- adapter_config.json ---------------------------------------------------------------------
 
 
-def _parse_config(config_bytes: bytes, spec: BaseModelSpec, limits: ValidationLimits) -> dict:
-    """Parse ``adapter_config.json`` and check every field that decides what is served."""
-    try:
-        config = json.loads(config_bytes.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"adapter_config.json is not valid UTF-8: {exc}") from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidArgument(f"adapter_config.json is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise InvalidArgument(f"adapter_config.json must be a JSON object, got {type(config).__name__}")
-    if config.get("peft_type") != "LORA":
-        raise InvalidArgument(
-            f"adapter_config.json peft_type is {config.get('peft_type')!r}; only 'LORA' is supported"
-        )
-    if config.get("task_type") not in (None, "CAUSAL_LM"):
-        raise InvalidArgument(
-            f"adapter_config.json task_type is {config['task_type']!r}; expected 'CAUSAL_LM' or null"
-        )
-    for name in ("r", "lora_alpha", "target_modules"):
-        if config.get(name) is None:
-            raise InvalidArgument(f"adapter_config.json has no {name}")
-    _check_rank("r", config["r"], limits)
-    _check_alpha("lora_alpha", config["lora_alpha"])
-    for key, rank in _pattern(config, "rank_pattern", spec).items():
-        _check_rank(f"rank_pattern[{key!r}]", rank, limits)
-    for key, alpha in _pattern(config, "alpha_pattern", spec).items():
-        _check_alpha(f"alpha_pattern[{key!r}]", alpha)
-    if not isinstance(config.get("use_rslora", False), bool):
-        raise InvalidArgument(
-            f"adapter_config.json use_rslora must be true or false, got {config['use_rslora']!r}"
-        )
-    if config.get("bias", "none") != "none":
-        raise InvalidArgument(
-            f"adapter_config.json bias is {config['bias']!r}; only 'none' is supported "
-            "(trained biases of the base model are not served)"
-        )
-    for field, reason in _UNSUPPORTED_FIELDS.items():
-        if config.get(field):
-            raise InvalidArgument(
-                f"adapter_config.json {field} is {config[field]!r}: {reason}; it must be unset"
-            )
-    return config
-
-
-def _pattern(config: dict, field: str, spec: BaseModelSpec) -> dict:
-    """A ``rank_pattern``/``alpha_pattern`` dict (null: empty) whose keys are valid regexes.
-
-    It may have at most one key per projection of the base model: more could only be redundant,
-    and every key is matched against every module.
-    """
-    pattern = config.get(field) or {}
-    if not isinstance(pattern, dict):
-        raise InvalidArgument(f"adapter_config.json {field} must be an object, got {pattern!r}")
+def _check_limits(config: PeftConfig, spec: BaseModelSpec, limits: ValidationLimits) -> None:
+    """Ranks within ``limits``, and patterns with at most one key per projection of the base model
+    and cheap regexes (more keys could only be redundant, and every key is matched against every
+    module)."""
+    _check_rank("r", config.rank, limits)
     modules = spec.num_layers * len(LORA_TARGETS)
-    if len(pattern) > modules:
-        raise InvalidArgument(
-            f"adapter_config.json {field} has {len(pattern)} keys, more than the {modules} projections "
-            f"of {spec.name}"
-        )
-    for key in pattern:
-        _check_regex(f"{field} key", key)
-    return pattern
+    for field, pattern in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
+        if len(pattern) > modules:
+            raise InvalidArgument(
+                f"adapter_config.json {field} has {len(pattern)} keys, more than the {modules} projections "
+                f"of {spec.name}"
+            )
+        for key in pattern:
+            _check_regex(f"{field} key", key)
+    for key, rank in config.rank_pattern.items():
+        _check_rank(f"rank_pattern[{key!r}]", rank, limits)
 
 
-def _check_rank(field: str, value: Any, limits: ValidationLimits) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgument(f"adapter_config.json {field} must be a positive integer, got {value!r}")
+def _check_rank(field: str, value: int, limits: ValidationLimits) -> None:
     if value > limits.max_rank:
         raise InvalidArgument(
             f"adapter_config.json {field}={value} exceeds the maximum rank {limits.max_rank}"
         )
 
 
-def _check_alpha(field: str, value: Any) -> None:
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidArgument(f"adapter_config.json {field} must be a positive number, got {value!r}")
-
-
-def _check_regex(field: str, pattern: Any) -> None:
-    if not isinstance(pattern, str):
-        raise InvalidArgument(f"adapter_config.json {field} must be a string, got {pattern!r}")
+def _check_regex(field: str, pattern: str) -> None:
+    """A valid regex whose matching stays cheap (``regex_cost.py``)."""
     try:
-        parsed = regex_parser.parse(pattern)
+        repeats = count_repeats(pattern)
     except re.error as exc:
         raise InvalidArgument(
             f"adapter_config.json {field} {pattern!r} is not a valid regex: {exc}"
         ) from None
-    repeats = _count_repeats(parsed, f"adapter_config.json {field} {pattern!r}")
+    except UnboundedRegex as exc:
+        raise InvalidArgument(f"adapter_config.json {field} {pattern!r} {exc}") from None
     if repeats > MAX_REGEX_REPEATS:
         raise InvalidArgument(
             f"adapter_config.json {field} {pattern!r} has {repeats} repetitions; at most "
             f"{MAX_REGEX_REPEATS} (like .* or \\d+) are accepted, to keep matching fast"
         )
-
-
-def _count_repeats(subpattern: Any, where: str) -> int:
-    """Repetitions in a parsed regex; refuses repeating anything longer than one character.
-
-    A repeated group (``(a|ab)*``, ``(.*)*``) can make backtracking exponential in the length
-    of the module name: a registration must not be able to pin a CPU.
-    """
-    count = 0
-    for op, arg in subpattern:
-        if op in _REPEAT_OPS:
-            _, most, body = arg
-            if most > 1 and not (len(body) == 1 and body[0][0] in _ONE_CHAR_OPS):
-                raise InvalidArgument(
-                    f"{where} repeats a group; only single characters or classes may be repeated "
-                    "(like .* or \\d+), to keep matching fast"
-                )
-            count += (most > 1) + _count_repeats(body, where)
-        elif op is regex_parser.BRANCH:
-            count += sum(_count_repeats(branch, where) for branch in arg[1])
-        elif op is regex_parser.SUBPATTERN:
-            count += _count_repeats(arg[-1], where)
-        elif op in (regex_parser.ASSERT, regex_parser.ASSERT_NOT):
-            count += _count_repeats(arg[1], where)
-        elif op is regex_parser.ATOMIC_GROUP:
-            count += _count_repeats(arg, where)
-        elif op is regex_parser.GROUPREF_EXISTS:
-            count += sum(_count_repeats(branch, where) for branch in arg[1:] if branch)
-    return count
 
 
 def _model_modules(spec: BaseModelSpec) -> list[str]:
@@ -327,98 +216,72 @@ def _model_modules(spec: BaseModelSpec) -> list[str]:
     return paths
 
 
-def _layer_filter(config: dict, spec: BaseModelSpec) -> set[int] | None:
+def _layer_filter(targeting: ModuleTargeting, spec: BaseModelSpec) -> set[int] | None:
     """The layers ``layers_to_transform`` keeps (None: all), checked against the base model."""
-    layers = config.get("layers_to_transform")
-    if layers is None or layers == []:
+    layers = targeting.layers_to_transform
+    if layers is None:
         return None
-    wanted = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
-    if not isinstance(wanted, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < spec.num_layers for i in wanted
-    ):
+    if not all(0 <= i < spec.num_layers for i in layers):
         raise InvalidArgument(
             f"adapter_config.json layers_to_transform must be null or a list of layer indices in "
-            f"[0, {spec.num_layers}), got {layers!r}"
-        )
-    pattern = config.get("layers_pattern")
-    patterns = [pattern] if isinstance(pattern, str) else pattern or []
-    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
-        raise InvalidArgument(
-            f"adapter_config.json layers_pattern must be null, a string or a list of strings, got {pattern!r}"
+            f"[0, {spec.num_layers}), got {list(layers)!r}"
         )
     # PEFT finds a module's layer index with ``layers_pattern`` (a name before the index); our only
     # indexed container is ``model.layers``, so a pattern other than "layers" matches no module.
-    if patterns and "layers" not in patterns:
+    if targeting.layers_pattern and "layers" not in targeting.layers_pattern:
         return set()
-    return set(wanted)
+    return set(layers)
 
 
-def _names_or_regex(field: str, value: Any) -> list[str] | str:
-    """Check ``target_modules``/``exclude_modules``: a list of module names or one regex."""
-    if isinstance(value, str):
-        _check_regex(field, value)
-    elif not (isinstance(value, list) and all(isinstance(name, str) for name in value)):
-        raise InvalidArgument(
-            f"adapter_config.json {field} must be a list of module names or a regex, got {value!r}"
-        )
-    return value
-
-
-def _matches(names_or_regex: list[str] | str, path: str) -> bool:
+def _matches(names_or_regex: tuple[str, ...] | str, path: str) -> bool:
     """PEFT's module matching: a regex must match the whole path, a name its last components."""
     if isinstance(names_or_regex, str):
         return re.fullmatch(names_or_regex, path) is not None
     return any(path == name or path.endswith(f".{name}") for name in names_or_regex)
 
 
-def _targeting_key(config: dict) -> str:
-    """The config's :data:`_TARGETING_FIELDS`, as a JSON list: what :func:`_targeted_modules` takes."""
-    return json.dumps([config.get(field) for field in _TARGETING_FIELDS])
-
-
-def _targeted_modules(targeting: str, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
+def _targeted_modules(targeting: ModuleTargeting, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
     """Resolve ``target_modules`` as PEFT does: module path -> (layer, projection) it adapts.
 
     Refuses a target that reaches any module other than the seven projections (PEFT would
     wrap it, or fail), and a list entry that names no module of the base model at all.
-    Resolved once per distinct set of the four fields that decide it (``targeting``, from
-    :func:`_targeting_key`): adapters registered by the thousand mostly share them, and matching
-    every module path was most of validation's time.
+    Resolved once per distinct ``targeting``: adapters registered by the thousand mostly share
+    it, and matching every module path was most of validation's time.
     """
-    if len(targeting) > _MAX_CACHED_TARGETING:
+    if _size(targeting) > _MAX_CACHED_TARGETING:
         return _resolve_targets.__wrapped__(targeting, spec)
     return _resolve_targets(targeting, spec)
 
 
-#: The config fields that decide which modules an adapter targets.
-_TARGETING_FIELDS = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
-#: Longest :data:`_TARGETING_FIELDS` (as JSON) whose resolution is cached: bounds the cache's memory.
+def _size(targeting: ModuleTargeting) -> int:
+    """Characters of ``targeting`` written out: what keeping it in a cache costs, roughly."""
+    return len(repr(targeting))
+
+
+#: Largest :func:`_size` of a targeting whose resolution is cached: bounds the cache's memory.
 _MAX_CACHED_TARGETING = 16 << 10
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve_targets(fields: str, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
-    """:func:`_targeted_modules` of the config whose :data:`_TARGETING_FIELDS` are ``fields``
-    (a JSON list); read-only, shared by every caller."""
-    config = dict(zip(_TARGETING_FIELDS, json.loads(fields), strict=True))
-    targets = config["target_modules"]
-    if isinstance(targets, str) and targets.lower() == "all-linear":
-        targets = list(LORA_TARGETS)
-    targets = _names_or_regex("target_modules", targets)
-    exclude = _names_or_regex("exclude_modules", config.get("exclude_modules") or [])
+def _resolve_targets(targeting: ModuleTargeting, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
+    """:func:`_targeted_modules`, kept per ``targeting``; read-only, shared by every caller."""
+    targets, exclude = targeting.target_modules, targeting.exclude_modules
+    for field, value in (("target_modules", targets), ("exclude_modules", exclude)):
+        if isinstance(value, str):
+            _check_regex(field, value)
     paths = _model_modules(spec)
     if isinstance(targets, str):
         matched = [p for p in paths if _matches(targets, p)]
         layers = None  # PEFT applies layers_to_transform only to a list of names
     else:
         for name in targets:
-            if not any(_matches([name], p) for p in paths):
+            if not any(_matches((name,), p) for p in paths):
                 raise InvalidArgument(
                     f"adapter_config.json target_modules entry {name!r} is not a module of the base "
                     f"model; LoRA may target {', '.join(LORA_TARGETS)}"
                 )
         matched = [p for p in paths if _matches(targets, p)]
-        layers = _layer_filter(config, spec)
+        layers = _layer_filter(targeting, spec)
     resolved = {}
     for path in matched:
         if _matches(exclude, path):
@@ -434,7 +297,7 @@ def _resolve_targets(fields: str, spec: BaseModelSpec) -> Mapping[str, tuple[int
             resolved[path] = (layer, parts[-1])
     if not resolved:
         raise InvalidArgument(
-            f"adapter_config.json target_modules {config['target_modules']!r} (after "
+            f"adapter_config.json target_modules {targets!r} (after "
             "layers_to_transform / exclude_modules) selects no module of the base model"
         )
     return MappingProxyType(resolved)
@@ -453,13 +316,17 @@ class _Tensors:
 
 
 def _checked_tensors(
-    header: bytes, data_len: int, targeting: str, ranks: tuple[tuple[str, int], ...], spec: BaseModelSpec
+    header: bytes,
+    data_len: int,
+    targeting: ModuleTargeting,
+    ranks: tuple[tuple[str, int], ...],
+    spec: BaseModelSpec,
 ) -> _Tensors:
     """The header's tensors checked for layout, dtype, names and shapes against the targeted
     modules and their ranks. Adapters of one recipe have the same header byte for byte (only
     their data differs), so the result is kept per header and config: checking hundreds of
     tensors in Python once, not once per adapter."""
-    if len(header) + len(targeting) > _MAX_CACHED_HEADER:
+    if len(header) + _size(targeting) > _MAX_CACHED_HEADER:
         return _check_tensors.__wrapped__(header, data_len, targeting, ranks, spec)
     return _check_tensors(header, data_len, targeting, ranks, spec)
 
@@ -470,7 +337,11 @@ _MAX_CACHED_HEADER = 256 << 10
 
 @functools.lru_cache(maxsize=64)
 def _check_tensors(
-    header: bytes, data_len: int, targeting: str, ranks: tuple[tuple[str, int], ...], spec: BaseModelSpec
+    header: bytes,
+    data_len: int,
+    targeting: ModuleTargeting,
+    ranks: tuple[tuple[str, int], ...],
+    spec: BaseModelSpec,
 ) -> _Tensors:
     entries = _parse_header(header, data_len)
     dtype = _check_dtype(entries)

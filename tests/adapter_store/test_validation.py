@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import struct
 
 import numpy as np
@@ -17,7 +16,7 @@ from support.adapter_bytes import join, poke, split, with_config
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.model_files.base_model import load_base_model_spec
-from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS, tensor_name
+from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS, PeftConfig, tensor_name
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
 LIMITS = ValidationLimits()
@@ -90,15 +89,15 @@ def test_valid_adapter_passes(make, spec, sample, max_rank):
     config, data = make(**sample)
     result = validate_adapter(config, data, spec, LIMITS)
     sample = SampleAdapterSpec(**sample)
-    assert result.rank == sample.rank
+    assert result.config.rank == sample.rank
     assert result.max_rank == max_rank
-    assert result.lora_alpha == sample.lora_alpha
-    assert result.use_rslora == sample.use_rslora
+    assert result.config.alpha == sample.lora_alpha
+    assert result.config.use_rslora == sample.use_rslora
     assert result.target_modules == tuple(sorted(sample.target_modules))
     assert result.dtype == sample.dtype
     assert result.num_tensors == 2 * len(sample.target_modules) * spec.num_layers
     assert result.layers == tuple(range(spec.num_layers))
-    assert result.config == json.loads(config)
+    assert result.config == PeftConfig.from_json(config)
 
 
 def test_rank_pattern_sets_each_module_rank(make, spec):
@@ -179,7 +178,7 @@ def test_size_over_the_limit(good, spec):
         limits=limits,
         error=ResourceExhausted,
     )
-    assert validate_adapter(config, data, spec, ValidationLimits(max_adapter_bytes=size)).rank == 8
+    assert validate_adapter(config, data, spec, ValidationLimits(max_adapter_bytes=size)).config.rank == 8
 
 
 # --- config ------------------------------------------------------------------------------------------
@@ -239,7 +238,7 @@ def test_bad_config_field(good, spec, changes, needles):
 
 def test_unknown_config_fields_are_ignored(good, spec):
     config = with_config(good[0], lora_dropout=0.3, some_future_field={"x": 1}, task_type=None)
-    assert validate_adapter(config, good[1], spec, LIMITS).rank == 8
+    assert validate_adapter(config, good[1], spec, LIMITS).config.rank == 8
 
 
 def test_rank_above_the_maximum(make, spec):

@@ -76,11 +76,11 @@ def test_a_few_steps_give_a_peft_folder_the_store_accepts(tmp_path):
     validated = validate_adapter((directory / "adapter_config.json").read_bytes(),
                                  (directory / "adapter_model.safetensors").read_bytes(),
                                  spec, ValidationLimits())  # fmt: skip
-    assert validated.rank == 8 and validated.lora_alpha == 16.0
+    assert validated.config.rank == 8 and validated.config.alpha == 16.0
     assert validated.target_modules == tuple(sorted(LORA_TARGETS))
     assert validated.layers == tuple(range(spec.num_layers))
     assert validated.dtype == "float32"
-    assert validated.config["base_model_name_or_path"] == spec.name
+    assert validated.config.base_model_name_or_path == spec.name
 
     from safetensors.torch import load_file
 

@@ -1,23 +1,20 @@
 """A PEFT LoRA adapter parsed into per-(layer, projection) factors, ready to page in.
 
 The adapter arrives as the bytes the adapter store serves (validated there); here it becomes
-``A`` (r × in) and ``Bᵀ`` (r × out) per targeted projection, with its scale:
-``lora_alpha / r`` or, with ``use_rslora``, ``lora_alpha / sqrt(r)`` — where ``r`` and
-``lora_alpha`` follow PEFT's ``rank_pattern``/``alpha_pattern`` for that module.
+``A`` (r × in) and ``Bᵀ`` (r × out) per targeted projection, with the scale its
+:class:`~services.model_files.peft_format.PeftConfig` gives that module.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-from services.model_files.peft_format import module_path, parse_tensor_name, pattern_value
+from services.model_files.peft_format import PeftConfig, module_path, parse_tensor_name
 from services.runtime.errors import InvalidArgument
 
 ModuleKey = tuple[int, str]
@@ -83,9 +80,7 @@ def parse_peft_adapter(
     adapter_id: str, config_json: bytes | str, weights: bytes, dtype: torch.dtype
 ) -> HostAdapter:
     """Build a :class:`HostAdapter` from ``adapter_config.json`` and safetensors bytes."""
-    config = json.loads(config_json)
-    r, alpha = config["r"], config["lora_alpha"]
-    rslora = bool(config.get("use_rslora", False))
+    config = PeftConfig.from_json(config_json)
     tensors = load_safetensors(bytes(weights))
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
@@ -96,11 +91,8 @@ def parse_peft_adapter(
         pairs.setdefault((layer, module), {})[factor] = tensor
     modules = {}
     for (layer, module), factors in sorted(pairs.items()):
-        path = module_path(layer, module)
-        rank = pattern_value(config.get("rank_pattern"), path, r)
-        module_alpha = pattern_value(config.get("alpha_pattern"), path, alpha)
-        scale = module_alpha / math.sqrt(rank) if rslora else module_alpha / rank
-        modules[(layer, module)] = LoraFactors(a=factors["A"], b_t=factors["B"].t(), scale=float(scale))
+        scale = config.scale(module_path(layer, module))
+        modules[(layer, module)] = LoraFactors(a=factors["A"], b_t=factors["B"].t(), scale=scale)
     return with_rows(HostAdapter(adapter_id, modules, content_sha256(config_json, weights)), dtype)
 
 

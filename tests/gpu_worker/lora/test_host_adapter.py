@@ -44,7 +44,7 @@ def test_ranks_and_scales_follow_the_patterns(tmp_path):
     ],
 )
 def test_a_name_the_store_would_refuse_is_refused(name):
-    config = json.dumps({"r": 8, "lora_alpha": 16.0})
+    config = json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16.0, "target_modules": ["q_proj"]})
     weights = save({name: torch.zeros(8, SPEC.hidden_size)})
     with pytest.raises(InvalidArgument, match="unexpected tensor"):
         parse_peft_adapter("a", config, weights, torch.float32)
