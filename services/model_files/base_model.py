@@ -1,8 +1,10 @@
-"""The base model's identity and dimensions, read from its files without loading weights.
+"""The base model's identity and dimensions, without loading weights.
 
 Every service needs to know which base model the mesh serves: the adapter store validates
-adapter shapes against it, the worker builds the model from it. Reading the GGUF header or a
-HF ``config.json`` is cheap, so this never dequantizes anything.
+adapter shapes against it, the worker builds the model from it. The files are read by one
+reader, :class:`~services.model_files.model_config.ModelConfig`'s; the spec is the part of
+that config adapters are checked against, kept on disk for a GGUF (whose header takes seconds
+to parse).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from services.model_files.cache_dir import default_cache_dir
+from services.model_files.model_config import ModelConfig, read_hf_config
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,20 @@ class BaseModelSpec:
     """Per-head width; ``hidden_size // num_heads`` unless the model says otherwise."""
     vocab_size: int
     """Tokenizer vocabulary size."""
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> BaseModelSpec:
+        """The spec of the model ``config`` describes."""
+        return cls(
+            name=config.name,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+        )
 
     def projection_shape(self, module: str) -> tuple[int, int]:
         """``(in_features, out_features)`` of one projection in every layer."""
@@ -81,9 +98,9 @@ def load_base_model_spec(path: str | Path | None = None) -> BaseModelSpec:
 def _load_spec(path: Path) -> BaseModelSpec:
     # Parsing a GGUF header takes seconds; the spec is immutable, so read each file once.
     if path.is_dir():
-        return _spec_from_hf_config(path / "config.json")
+        return BaseModelSpec.of(read_hf_config(path))
     if path.suffix == ".json":
-        return _spec_from_hf_config(path)
+        return BaseModelSpec.of(ModelConfig.from_hf_config(json.loads(path.read_text()), path.parent.name))
     return _spec_from_gguf_cached(path)
 
 
@@ -111,53 +128,7 @@ def _spec_from_gguf_cached(gguf_path: Path) -> BaseModelSpec:
     return spec
 
 
-def _spec_from_hf_config(config_path: Path) -> BaseModelSpec:
-    cfg = json.loads(config_path.read_text())
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    return BaseModelSpec(
-        name=str(cfg.get("_name_or_path") or config_path.parent.name),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        vocab_size=int(cfg["vocab_size"]),
-    )
-
-
 def _spec_from_gguf(gguf_path: Path) -> BaseModelSpec:
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf_path))
-
-    def field(key: str):
-        f = reader.fields.get(key)
-        if f is None:
-            return None
-        value = f.parts[f.data[0]]
-        if f.types and f.types[0].name == "STRING":
-            return bytes(value).decode()
-        return value.tolist()[0] if hasattr(value, "tolist") else value
-
-    arch = field("general.architecture") or "llama"
-    heads = int(field(f"{arch}.attention.head_count"))
-    hidden = int(field(f"{arch}.embedding_length"))
-    kv_heads = field(f"{arch}.attention.head_count_kv") or heads
-    head_dim = field(f"{arch}.attention.key_length") or hidden // heads
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = field(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0)
-    # The file stem without its quantization suffix ("SmolLM2-135M-Instruct.Q4_1") is the tag
-    # people recognise; general.name in community GGUFs is often a training-run label.
-    name = gguf_path.stem.split(".")[0]
-    return BaseModelSpec(
-        name=str(name),
-        hidden_size=hidden,
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),
-        num_layers=int(field(f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        vocab_size=int(vocab),
-    )
+    return BaseModelSpec.of(ModelConfig.from_gguf(GGUFReader(str(gguf_path))))

@@ -1,4 +1,8 @@
-"""The decoder's hyperparameters, read from a HF ``config.json`` or a GGUF header."""
+"""The decoder's hyperparameters, read from a HF ``config.json`` or a GGUF header.
+
+The one reader of a model's configuration: the base model spec (``base_model.py``) is taken
+from it. (A tokenizer reads only its own fields: a vocabulary-only GGUF has no model to configure.)
+"""
 
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     """Every token that ends generation (Llama 3 instruct has several)."""
     name: str
-    """Short tag adapters are registered against; the same as ``BaseModelSpec.name``."""
+    """Short tag adapters are registered against (``BaseModelSpec.name`` is taken from it)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:

@@ -1,4 +1,4 @@
-"""The base model spec read from the real GGUF file, and its cache file."""
+"""The base model spec read from the real GGUF file, and its cache file; from a HF directory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import json
 import pytest
 
 from services.model_files import base_model
-from services.model_files.base_model import default_model_path, load_base_model_spec, spec_cache_path
+from services.model_files.base_model import (
+    BaseModelSpec,
+    default_model_path,
+    load_base_model_spec,
+    spec_cache_path,
+)
 from services.model_files.cache_dir import CACHE_ENV
 
 
@@ -40,3 +45,15 @@ def test_a_bad_cache_file_is_read_again_from_the_model(fresh, base_spec):
         base_model._load_spec.cache_clear()
         assert load_base_model_spec() == base_spec
         assert json.loads(cache.read_text())["vocab_size"] == base_spec.vocab_size
+
+
+def test_a_hf_directory_gives_its_model_config_s_dimensions(tmp_path):
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = BaseModelSpec(
+        tmp_path.name, 64, 128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256
+    )
+    assert load_base_model_spec(tmp_path) == load_base_model_spec(tmp_path / "config.json") == spec
