@@ -1,5 +1,6 @@
 """Every adapter the store holds, kept in the gateway by watching the store's catalog: what
-``/v1/models`` and ``ListModels`` list, without asking the store on each call.
+``/v1/models`` and ``ListModels`` list, without asking the store on each call. The listing half
+of the gateway's adapter catalog (:mod:`services.gateway.adapter_catalog`).
 
 OpenAI clients do not page, so ``/v1/models`` lists every adapter a tenant may use. Paging them
 out of the store on every call cost one round trip per thousand adapters; instead the index
@@ -21,7 +22,7 @@ import heapq
 import itertools
 import logging
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,9 +101,16 @@ class _Contents:
 class AdapterIndex:
     """The catalog as the store last published it; call :meth:`start` on the event loop."""
 
-    def __init__(self, store: CatalogWatch, timeouts: IndexTimeouts = IndexTimeouts()):
+    def __init__(
+        self,
+        store: CatalogWatch,
+        timeouts: IndexTimeouts = IndexTimeouts(),
+        on_change: Callable[[str, str], None] | None = None,
+    ):
+        """``on_change``: told ``(owner, name)`` of each adapter the watch registers or deletes."""
         self._store = store
         self._timeouts = timeouts
+        self._on_change = on_change
         self._contents = _Contents()
         self._listing: _Contents | None = None
         """A listing being received: it replaces the contents once complete."""
@@ -150,10 +158,16 @@ class AdapterIndex:
     def _apply(self, message: adapter_store_pb2.WatchAdaptersResponse) -> None:
         """One message of a watch: part of its first listing, or changes after it."""
         target = self._listing if self._listing is not None else self._contents
+        names = [(info.owner, info.name) for info in message.upserted]
         for info in message.upserted:
             target.upsert(self._entry(info, target.by_id.get(info.id)))
         for adapter_id in message.deleted_ids:
+            if (entry := target.by_id.get(adapter_id)) is not None:
+                names.append((entry.owner, entry.name))
             target.delete(adapter_id)
+        if self._on_change is not None:
+            for owner, name in names:
+                self._on_change(owner, name)
         if message.synced and self._listing is not None:
             self._contents, self._listing = self._listing, None
             self._live = True

@@ -37,7 +37,7 @@ class GatewayConfig(ServiceConfig):
     adapter_cache_s: float = 2.0
     """How long an adapter lookup is reused before asking the store again."""
     adapter_access_cache: int = 4096
-    """Adapter lookups (owner, name) cached at most (adapter_access.DEFAULT_MAX_ENTRIES); past it
+    """Adapter lookups (owner, name) cached at most (adapter_catalog.DEFAULT_MAX_ENTRIES); past it
     the least recently used tenth is dropped at once. At least 1."""
     openai_port: int = 0
     """Port of the OpenAI-compatible HTTP API (on ``--host``); 0 picks a free one."""

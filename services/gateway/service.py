@@ -16,12 +16,14 @@ from mesh_api.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.gateway.adapter_access import AdapterAccess
+from services.gateway.adapter_admin import AdapterAdmin
+from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
-from services.gateway.openai.routes import build_app
-from services.gateway.openai.server import OpenAIHttpServer
+from services.gateway.http.app import build_app
+from services.gateway.http.server import OpenAIHttpServer
+from services.gateway.parts import GatewayParts
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
@@ -99,11 +101,20 @@ class GatewayService:
         keys = ApiKeys.from_config(config.api_keys, config.api_keys_file)
         if not len(keys):
             log.warning("no API keys configured: every request will be refused (UNAUTHENTICATED)")
+        self.channels = ChannelPool(config.tls())
+        store = _StoreClient(
+            _Located(
+                ServiceLocator("adapter_store", config.adapter_store, config.etcd_endpoints, config.tls()),
+                self.channels,
+                WireUploadAdapterStoreStub,
+            )
+        )
         self.core = GatewayCore(config, keys)
-        self.servicer = GatewayServicer(self.core)
+        catalog = AdapterCatalog(store, config.adapter_cache_s, config.adapter_access_cache)
+        self.parts = GatewayParts(self.core, catalog, AdapterAdmin(store, catalog, config.adapter_load_dirs))
+        self.servicer = GatewayServicer(self.parts)
         self.openai = OpenAIHttpServer(config.grace_s, config.tls())  # HTTPS only with TLS on
         self.metrics: ServiceMetrics | None = None
-        self.channels = ChannelPool(config.tls())
 
     def serve_metrics(self, metrics: ServiceMetrics) -> None:
         """The service host's registry, which the OpenAI port serves at ``/metrics`` too."""
@@ -126,13 +137,6 @@ class GatewayService:
             self.channels,
             scheduler_pb2_grpc.SchedulerStub,
         )
-        store = _StoreClient(
-            _Located(
-                ServiceLocator("adapter_store", cfg.adapter_store, cfg.etcd_endpoints, cfg.tls()),
-                self.channels,
-                WireUploadAdapterStoreStub,
-            )
-        )
 
         async def place(request: scheduler_pb2.PlaceRequest) -> scheduler_pb2.PlaceResponse:
             return await scheduler.call("Place", request, timeout=10)
@@ -141,14 +145,12 @@ class GatewayService:
             return await scheduler.call("ReportCompletion", request, timeout=10)
 
         relay = Relay(place, self.channels, cfg.max_resumes, report_completion)
-        access = AdapterAccess(store.get, cfg.adapter_cache_s, cfg.adapter_access_cache)
-        self.core.attach(text, relay, access, store)
-        self.core.adapter_index.start()
-        await self.openai.start(build_app(self.core, self.metrics), cfg.host, cfg.openai_port)
+        self.core.attach(text, relay)
+        self.parts.catalog.start()
+        await self.openai.start(build_app(self.parts, self.metrics), cfg.host, cfg.openai_port)
 
     async def stop(self) -> None:
-        if self.core.ready:
-            await self.core.adapter_index.stop()
+        await self.parts.catalog.stop()
         await self.openai.stop()
         await self.channels.close()
 

@@ -1,17 +1,18 @@
-"""``loramesh.v1.Gateway``: proto <-> the gateway's core (:mod:`services.gateway.core`), nothing more."""
+"""``loramesh.v1.Gateway``: proto <-> the gateway's parts (:mod:`services.gateway.parts`), nothing more."""
 
 from __future__ import annotations
 
 from grpc import aio
 
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
+from services.gateway.adapter_reference import chat_template, model_id
 from services.gateway.continuation import Delivered
-from services.gateway.core import GatewayCore, model_id
+from services.gateway.parts import GatewayParts
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, core: GatewayCore):
-        self.core = core
+    def __init__(self, parts: GatewayParts):
+        self.core, self.catalog, self.admin = parts.core, parts.catalog, parts.admin
 
     def _tenant(self, context: aio.ServicerContext) -> str:
         return self.core.tenant(dict(context.invocation_metadata() or ()).get("authorization", ""))
@@ -21,7 +22,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         async for reply in self.core.generate(
             tenant,
             self.core.encode(request.prompt),
-            request.adapter,
+            await self.catalog.resolve(tenant, request.adapter),
             request.sampling,
             request.first_token_deadline_ms,
             _delivered(request.continuation),
@@ -30,14 +31,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context):
         tenant = self._tenant(context)
-        template = await self.core.chat_template(tenant, request.adapter)  # the adapter's own, if any
+        adapter = await self.catalog.resolve(tenant, request.adapter)
         prompt_ids = self.core.chat_prompt(
-            [(m.role, m.content) for m in request.messages], chat_template=template
+            [(m.role, m.content) for m in request.messages], chat_template=chat_template(adapter)
         )
         async for reply in self.core.generate(
             tenant,
             prompt_ids,
-            request.adapter,
+            adapter,
             self.core.chat_sampling(request.sampling),
             request.first_token_deadline_ms,
             _delivered(request.continuation),
@@ -45,27 +46,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             yield reply
 
     async def UploadAdapter(self, request_iterator, context):
-        return await self.core.upload_adapter(self._tenant(context), request_iterator)
+        return await self.admin.upload_adapter(self._tenant(context), request_iterator)
 
     async def ImportAdapter(self, request: adapter_store_pb2.ImportAdapterRequest, context):
-        return await self.core.import_adapter(self._tenant(context), request)
+        return await self.admin.import_adapter(self._tenant(context), request)
 
     async def ListAdapters(self, request: adapter_store_pb2.ListAdaptersRequest, context):
-        return await self.core.list_adapters(self._tenant(context), request)
+        return await self.catalog.page(self._tenant(context), request)
 
     async def GetAdapter(self, request: gateway_pb2.GatewayAdapterRequest, context):
-        return await self.core.get_adapter(self._tenant(context), request.adapter)
+        return await self.catalog.info(self._tenant(context), request.adapter)
 
     async def DeleteAdapter(self, request: gateway_pb2.GatewayAdapterRequest, context):
-        return await self.core.delete_adapter(self._tenant(context), request.adapter)
+        return await self.admin.delete_adapter(self._tenant(context), request.adapter)
 
     async def SetAdapterPinned(self, request: gateway_pb2.GatewayPinRequest, context):
-        return await self.core.set_adapter_pinned(self._tenant(context), request.adapter, request.pinned)
+        return await self.admin.set_adapter_pinned(self._tenant(context), request.adapter, request.pinned)
 
     async def ListModels(self, request, context):
         tenant = self._tenant(context)
         models = [gateway_pb2.ModelInfo(id="", owner="", base_model=self.core.base_model, is_base=True)]
-        for a in await self.core.usable_adapters(tenant):
+        for a in await self.catalog.usable(tenant):
             models.append(
                 gateway_pb2.ModelInfo(
                     id=model_id(tenant, a),

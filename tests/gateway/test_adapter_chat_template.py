@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from mesh_api.v1 import types_pb2
-from services.gateway.adapter_access import AdapterAccess
-from services.gateway.auth import ApiKeys
-from services.gateway.config import GatewayConfig
+from services.gateway.adapter_reference import chat_template
 from services.gateway.core import GatewayCore
+from services.gateway.parts import GatewayParts
 from services.gateway.tool_calls import ChatMessage, ToolCall, parse_tool_request
 from services.model_files.tokenizer_loading import load_tokenizer
-from services.runtime.errors import InvalidArgument, NotFound
+from services.runtime.errors import InvalidArgument
+from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 ADAPTER_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }} (tuned)\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -46,39 +46,41 @@ ADAPTERS = {
 WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 
-async def lookup(owner: str, name: str) -> types_pb2.AdapterInfo:
-    if owner != "alice" or name not in ADAPTERS:
-        raise NotFound(f"no adapter {owner}/{name}")
-    return ADAPTERS[name]
+@pytest.fixture(scope="module")
+def parts() -> GatewayParts:
+    return gateway_parts("key-alice=alice", InMemoryStore(list(ADAPTERS.values())), load_tokenizer())
 
 
 @pytest.fixture(scope="module")
-def core() -> GatewayCore:
-    core = GatewayCore(GatewayConfig(), ApiKeys.from_config("key-alice=alice", ""))
-    core.attach(load_tokenizer(), relay=None, access=AdapterAccess(lookup), store=None)
-    return core
+def core(parts) -> GatewayCore:
+    return parts.core
+
+
+async def template_of(parts: GatewayParts, adapter: str, with_tools: bool = False) -> str | None:
+    """The template a chat with alice's ``adapter`` is prompted with, resolved as a request does."""
+    return chat_template(await parts.catalog.resolve("alice", adapter), with_tools)
 
 
 def text(core: GatewayCore, ids: list[int]) -> str:
     return core.tokenizer.decode(ids)
 
 
-async def test_an_adapter_with_its_own_template_is_prompted_with_it(core):
-    template = await core.chat_template("alice", "tuned")
+async def test_an_adapter_with_its_own_template_is_prompted_with_it(parts, core):
+    template = await template_of(parts, "tuned")
     assert template == ADAPTER_TEMPLATE
     prompt = text(core, core.chat_prompt([("user", "Hi")], chat_template=template))
     assert prompt == "<|im_start|>user (tuned)\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
-async def test_an_adapter_without_one_and_the_base_model_use_the_base_template(core):
-    assert await core.chat_template("alice", "plain") is None
-    assert await core.chat_template("alice", "") is None
+async def test_an_adapter_without_one_and_the_base_model_use_the_base_template(parts, core):
+    assert await template_of(parts, "plain") is None
+    assert await template_of(parts, "") is None
     prompt = text(core, core.chat_prompt([("user", "Hi")], chat_template=None))
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
-async def test_a_request_with_tools_uses_the_adapter_s_tool_use_template(core):
-    template = await core.chat_template("alice", "tuned", with_tools=True)
+async def test_a_request_with_tools_uses_the_adapter_s_tool_use_template(parts, core):
+    template = await template_of(parts, "tuned", with_tools=True)
     assert template == TOOL_USE_TEMPLATE
     history = [
         ChatMessage("user", "Weather?"),
@@ -98,8 +100,8 @@ async def test_the_base_template_learns_the_tools_from_a_system_message(core):
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text(core, ids)
 
 
-async def test_a_template_that_refuses_the_messages_is_an_invalid_argument(core):
-    template = await core.chat_template("alice", "strict")
+async def test_a_template_that_refuses_the_messages_is_an_invalid_argument(parts, core):
+    template = await template_of(parts, "strict")
     with pytest.raises(
         InvalidArgument, match="messages: the chat template refused them: .*Only user and assistant"
     ):

@@ -15,19 +15,17 @@ from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import adapter_store_pb2_grpc, gateway_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
-from services.gateway.adapter_access import AdapterAccess
-from services.gateway.auth import ApiKeys
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GatewayCore
-from services.gateway.openai.routes import build_app
+from services.gateway.http.app import build_app
+from services.gateway.parts import GatewayParts
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.interceptors import ServiceInterceptor
 from services.runtime.server import start_service
+from tests.gateway.in_memory_store import gateway_parts
 
 
 @pytest.fixture
-async def gateway(tmp_path, base_spec) -> AsyncIterator[tuple[str, GatewayCore]]:
+async def gateway(tmp_path, base_spec) -> AsyncIterator[tuple[str, GatewayParts]]:
     """A gateway for tenants alice and bob over a real store granting alice ``tmp_path/granted``."""
     write_peft_adapter(
         tmp_path / "granted" / "a", base_spec, SampleAdapterSpec(rank=4, target_modules=("q_proj", "v_proj"))
@@ -36,16 +34,15 @@ async def gateway(tmp_path, base_spec) -> AsyncIterator[tuple[str, GatewayCore]]
     policy.write_text(json.dumps({"tenants": {"alice": [f"file://{tmp_path / 'granted'}"]}}))
     config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), grace_s=1, import_policy_file=str(policy))
     store = await start_service(AdapterStoreService(config), config)
-    core = GatewayCore(GatewayConfig(), ApiKeys.from_config("key-alice=alice,key-bob=bob", ""))
     server = aio.server(interceptors=[ServiceInterceptor()])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     async with aio.insecure_channel(store.address) as channel:
         stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
-        core.attach(load_tokenizer(), relay=None, access=AdapterAccess(None), store=stub)
+        parts = gateway_parts("key-alice=alice,key-bob=bob", stub, load_tokenizer())
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(parts), server)
         await server.start()
         try:
-            yield address, core
+            yield address, parts
         finally:
             await server.stop(None)
             await store.shutdown()
@@ -65,8 +62,8 @@ async def test_import_uri_through_the_gateway(gateway, tmp_path):
 
 
 async def test_load_lora_adapter_takes_a_uri(gateway, tmp_path):
-    _, core = gateway
-    transport = httpx.ASGITransport(app=build_app(core))
+    _, parts = gateway
+    transport = httpx.ASGITransport(app=build_app(parts))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
         body = {"lora_name": "b", "lora_path": f"file://{tmp_path / 'granted' / 'a'}"}
         reply = await client.post(

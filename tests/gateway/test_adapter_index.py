@@ -18,15 +18,12 @@ from mesh_api.upload_wire import WireUploadAdapterStoreStub, read_upload_message
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
-from services.gateway.adapter_access import AdapterAccess
 from services.gateway.adapter_index import AdapterIndex, IndexTimeouts
-from services.gateway.auth import ApiKeys
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GatewayCore
-from services.gateway.openai.routes import build_app
+from services.gateway.http.app import build_app
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.errors import Unavailable
 from services.runtime.server import start_service
+from tests.gateway.in_memory_store import gateway_parts
 
 PUBLIC, PRIVATE = types_pb2.VISIBILITY_PUBLIC, types_pb2.VISIBILITY_PRIVATE
 
@@ -123,13 +120,12 @@ async def test_v1_models_is_served_from_the_index_and_follows_registrations_and_
     files = adapter_files(write_peft_adapter(tmp_path / "a", base_spec, SampleAdapterSpec(rank=4)))
     config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), grace_s=1)
     store = await start_service(AdapterStoreService(config), config)
-    core = GatewayCore(GatewayConfig(), ApiKeys.from_config("key-alice=alice,key-bob=bob", ""))
     async with aio.insecure_channel(store.address) as channel:
         stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
         client = CountingStore(channel)
-        core.attach(load_tokenizer(), relay=None, access=AdapterAccess(client.get), store=client)
+        parts = gateway_parts("key-alice=alice,key-bob=bob", client, load_tokenizer())
         await stub.RegisterAdapter(upload_requests(files, "shared", "bob", PUBLIC))
-        transport = httpx.ASGITransport(app=build_app(core))
+        transport = httpx.ASGITransport(app=build_app(parts))
         try:
             async with httpx.AsyncClient(
                 transport=transport, base_url="http://gateway", headers={"authorization": "Bearer key-alice"}
@@ -147,11 +143,11 @@ async def test_v1_models_is_served_from_the_index_and_follows_registrations_and_
                         for raw in upload_wire(files, name, owner=""):
                             yield read_upload_message(raw)
 
-                    return await core.upload_adapter("alice", messages())
+                    return await parts.admin.upload_adapter("alice", messages())
 
                 await upload("mine")  # through this gateway: listed as soon as the call returns
                 assert await listed() == ["bob/shared", "mine"]
-                await core.delete_adapter("alice", "mine")
+                await parts.admin.delete_adapter("alice", "mine")
                 assert await listed() == ["bob/shared"]
                 # Through the store directly (another gateway, an import): the watch brings it.
                 await stub.RegisterAdapter(upload_requests(files, "elsewhere", "alice"))
@@ -164,5 +160,5 @@ async def test_v1_models_is_served_from_the_index_and_follows_registrations_and_
                 await poll_until(listed, lambda ids: ids == ["elsewhere"], "the watched delete")
                 assert client.listings == 0  # never paged out of the store per call
         finally:
-            await core.adapter_index.stop()
+            await parts.catalog.stop()
             await store.shutdown()

@@ -19,16 +19,13 @@ from grpc import aio
 
 from loramesh import AsyncClient
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
-from services.gateway.adapter_access import AdapterAccess
-from services.gateway.auth import ApiKeys
-from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
 from services.runtime.discovery import ChannelPool
-from services.runtime.errors import NotFound
 from services.runtime.interceptors import ServiceInterceptor
+from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 KEYS = "key-alice=alice,key-bob=bob"
 ALICE = (("authorization", "Bearer key-alice"),)
@@ -83,10 +80,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
                 return
 
 
-async def private_adapters(owner: str, name: str) -> types_pb2.AdapterInfo:
-    if (owner, name) != ("bob", "secret"):
-        raise NotFound(f"no adapter {owner}/{name}")
-    return types_pb2.AdapterInfo(id="id-secret", name=name, owner=owner)
+PRIVATE_ADAPTERS = [types_pb2.AdapterInfo(id="id-secret", name="secret", owner="bob")]
 
 
 @dataclass
@@ -103,13 +97,13 @@ async def serve_gateway(text: TokenizerBundle, worker_address: str) -> Gateway:
         return scheduler_pb2.PlaceResponse(worker_id="scripted", address=worker_address)
 
     channels = ChannelPool()
-    core = GatewayCore(GatewayConfig(), ApiKeys.from_config(KEYS, ""))
-    core.attach(text, Relay(place, channels, max_resumes=1), AdapterAccess(private_adapters), store=None)
+    relay = Relay(place, channels, max_resumes=1)
+    parts = gateway_parts(KEYS, InMemoryStore(list(PRIVATE_ADAPTERS)), text, relay)
     server = aio.server(interceptors=[ServiceInterceptor()])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core), server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(parts), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return Gateway(core, server, f"127.0.0.1:{port}", channels)
+    return Gateway(parts.core, server, f"127.0.0.1:{port}", channels)
 
 
 @dataclass

@@ -16,17 +16,14 @@ from grpc import aio
 
 from loramesh import AsyncClient
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
-from services.gateway.adapter_access import AdapterAccess
-from services.gateway.auth import ApiKeys
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GatewayCore
-from services.gateway.openai.routes import build_app
+from services.gateway.http.app import build_app
+from services.gateway.parts import GatewayParts
 from services.gateway.relay import MIN_WORKER_DEADLINE_MS, Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
 from services.runtime.discovery import ChannelPool
-from services.runtime.errors import NotFound
 from services.runtime.interceptors import ServiceInterceptor
+from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 KEYS = "key-alice=alice"
 ALICE = (("authorization", "Bearer key-alice"),)
@@ -64,13 +61,9 @@ class RecordingWorker(worker_pb2_grpc.WorkerServicer):
         )
 
 
-async def no_adapters(owner: str, name: str) -> types_pb2.AdapterInfo:
-    raise NotFound(f"no adapter {owner}/{name}")
-
-
 @dataclass
 class Gateway:
-    core: GatewayCore
+    parts: GatewayParts
     worker: RecordingWorker
     stub: gateway_pb2_grpc.GatewayStub
     address: str
@@ -94,16 +87,15 @@ async def gateway(text) -> AsyncIterator[Gateway]:
         return scheduler_pb2.PlaceResponse(worker_id="w1", address=worker_address)
 
     channels = ChannelPool()
-    core = GatewayCore(GatewayConfig(), ApiKeys.from_config(KEYS, ""))
     relay = Relay(place, channels, max_resumes=3, clock=lambda: now[0])
-    core.attach(text, relay, AdapterAccess(no_adapters), store=None)
+    parts = gateway_parts(KEYS, InMemoryStore(), text, relay)
     server = aio.server(interceptors=[ServiceInterceptor()])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core), server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(parts), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     try:
         async with aio.insecure_channel(address) as channel:
-            yield Gateway(core, worker, gateway_pb2_grpc.GatewayStub(channel), address, places)
+            yield Gateway(parts, worker, gateway_pb2_grpc.GatewayStub(channel), address, places)
     finally:
         await server.stop(None)
         await channels.close()
@@ -168,13 +160,13 @@ async def test_a_bad_grpc_deadline_is_invalid_argument_naming_the_field(gateway,
 
 
 async def post(gateway: Gateway, path: str, body: dict) -> httpx.Response:
-    transport = httpx.ASGITransport(app=build_app(gateway.core))
+    transport = httpx.ASGITransport(app=build_app(gateway.parts))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
         return await client.post(path, json=body, headers={"authorization": "Bearer key-alice"})
 
 
 async def test_the_openai_extension_field_reaches_the_worker(gateway):
-    base = gateway.core.base_model
+    base = gateway.parts.core.base_model
     completion = {"model": base, "prompt": "Say hello:", "max_tokens": 1, "first_token_deadline_ms": 250}
     assert (await post(gateway, "/v1/completions", completion)).status_code == 200
     chat = {"model": base, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
@@ -189,7 +181,7 @@ async def test_the_openai_extension_field_reaches_the_worker(gateway):
 @pytest.mark.parametrize("bad", [-5, "soon", True, [250]])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_a_bad_openai_deadline_is_a_400_naming_the_field(gateway, bad, path):
-    body = {"model": gateway.core.base_model, "max_tokens": 1, "first_token_deadline_ms": bad}
+    body = {"model": gateway.parts.core.base_model, "max_tokens": 1, "first_token_deadline_ms": bad}
     body.update(
         {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
     )

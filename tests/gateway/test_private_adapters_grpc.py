@@ -18,7 +18,7 @@ from mesh_api.v1 import adapter_store_pb2_grpc, gateway_pb2, gateway_pb2_grpc, t
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
 from services.gateway.config import GatewayConfig
-from services.gateway.openai.routes import build_app
+from services.gateway.http.app import build_app
 from services.gateway.service import GatewayService
 from services.gateway.tenant_quota import TenantLimits
 from services.runtime.server import start_service
@@ -85,7 +85,7 @@ async def test_a_private_adapter_is_answered_as_the_store_answers_a_missing_one(
         assert sorted(m.id for m in bobs.models if not m.is_base) == ["secret", "shared"]
 
     core = gateway.service.core
-    transport = httpx.ASGITransport(app=build_app(core))
+    transport = httpx.ASGITransport(app=build_app(gateway.service.parts))
     async with httpx.AsyncClient(transport=transport, base_url="http://g", headers=dict(ALICE)) as http:
         private, missing = [await http.get(f"/v1/models/bob/{name}") for name in ("secret", "ghost")]
         assert private.status_code == missing.status_code == 404

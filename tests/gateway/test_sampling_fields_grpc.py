@@ -14,16 +14,12 @@ import pytest
 from grpc import aio
 
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
-from services.gateway.adapter_access import AdapterAccess
-from services.gateway.auth import ApiKeys
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GatewayCore
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
 from services.runtime.discovery import ChannelPool
-from services.runtime.errors import NotFound
 from services.runtime.interceptors import ServiceInterceptor
+from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 ALICE = (("authorization", "Bearer key-alice"),)
 
@@ -65,14 +61,10 @@ async def gateway(text) -> AsyncIterator[Gateway]:
     async def place(request: scheduler_pb2.PlaceRequest) -> scheduler_pb2.PlaceResponse:
         return scheduler_pb2.PlaceResponse(worker_id="recording", address=worker_address)
 
-    async def no_adapters(owner: str, name: str) -> types_pb2.AdapterInfo:
-        raise NotFound(f"no adapter {owner}/{name}")
-
     channels = ChannelPool()
-    core = GatewayCore(GatewayConfig(), ApiKeys.from_config("key-alice=alice", ""))
-    core.attach(text, Relay(place, channels, max_resumes=0), AdapterAccess(no_adapters), store=None)
+    parts = gateway_parts("key-alice=alice", InMemoryStore(), text, Relay(place, channels, max_resumes=0))
     server = aio.server(interceptors=[ServiceInterceptor()])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core), server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(parts), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

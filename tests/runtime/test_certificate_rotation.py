@@ -28,7 +28,7 @@ from loramesh_cli.main import main
 from loramesh_cli.mesh_commands import print_summary
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry
 from services.gateway.config import GatewayConfig
-from services.gateway.openai.server import OpenAIHttpServer
+from services.gateway.http.server import OpenAIHttpServer
 from services.gateway.service import GatewayService
 from services.runtime.certificate_reload import CertificateFiles, check_all
 from services.runtime.certificates import CertificateDirectory, create_mesh_certificates

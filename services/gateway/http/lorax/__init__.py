@@ -1,0 +1,1 @@
+"""LoRAX's REST API: ``POST /``, ``/generate``, ``/generate_stream``."""
