@@ -11,7 +11,7 @@ from __future__ import annotations
 from services.adapter_store.import_policy import ImportPolicy
 from services.adapter_store.importers.by_scheme import open_source
 from services.adapter_store.importers.source import CONFIG_FILE, WEIGHTS_FILE, fetch_adapter_files
-from services.adapter_store.repository import AdapterRepository, Registration, check_name
+from services.adapter_store.repository import AdapterRegistration, AdapterRepository, check_name
 
 
 class AdapterImports:
@@ -19,7 +19,7 @@ class AdapterImports:
         self.repository = repository
         self.policy = policy
 
-    def import_adapter(self, uri: str, name: str, owner: str, visibility: int) -> Registration:
+    def import_adapter(self, uri: str, name: str, owner: str, visibility: int) -> AdapterRegistration:
         """Blocking (network, disk, hashing): run it in a worker thread."""
         check_name("name", name)
         check_name("owner", owner)

@@ -83,7 +83,7 @@ class RepositoryStats:
 
 
 @dataclass(frozen=True)
-class Registration:
+class AdapterRegistration:
     """What registering content under a name did."""
 
     record: AdapterRecord
@@ -258,7 +258,7 @@ class AdapterRepository:
         config_bytes: bytes,
         weights: bytes,
         tokenizer_files: Mapping[str, bytes] = MappingProxyType({}),
-    ) -> Registration:
+    ) -> AdapterRegistration:
         """As :meth:`register`, but a name already registered is not refused: the same content
         is kept as it is, other content replaces it as the next version (a new id, so no cache
         keyed by id serves the old weights under it). What an import does."""
@@ -275,11 +275,11 @@ class AdapterRepository:
                 written.discard()
             raise
         if current is not None and _content(current) == _content(record):
-            return Registration(current, changed=False)
+            return AdapterRegistration(current, changed=False)
         if current is not None:
             record = replace(record, pinned=current.pinned)  # a pin is the name's, not a version's
         self._commit(record, weights, written or self._blob_writes.start(weights), replacing=current)
-        return Registration(record, changed=True)
+        return AdapterRegistration(record, changed=True)
 
     def _validated_record(
         self,

@@ -6,7 +6,7 @@ Keys (DESIGN §4)::
     <prefix>/load/<instance_id>               -> load report dict + "ts"
 
 Both keys live under one lease (TTL ``ttl_s``, refreshed every TTL/3 by our own loop), so a
-member whose process dies disappears within the TTL. A :class:`Registration` re-registers by
+member whose process dies disappears within the TTL. A :class:`MemberRegistration` re-registers by
 itself (new lease, both keys put again) when etcd comes back after being down, restarted or
 wiped. Every etcd call is bounded by a timeout: a dead etcd never hangs a service.
 
@@ -70,7 +70,7 @@ class MembershipConfig:
     call_timeout_s: float = 2.0
     """Upper bound on any single etcd call (also capped at TTL/3 for the refresh loop)."""
     register_timeout_s: float = 20.0
-    """How long :meth:`Registration.start` keeps trying every endpoint (with a short backoff)
+    """How long :meth:`MemberRegistration.start` keeps trying every endpoint (with a short backoff)
     before it gives up: one call can miss ``call_timeout_s`` on a busy machine or while etcd
     elects a leader, and a service should not die of that. 0: one try per endpoint."""
     tls: TLSConfig = NO_TLS
@@ -299,7 +299,7 @@ class LeaseLost(Exception):
 # -- registration ----------------------------------------------------------------------------
 
 
-class Registration:
+class MemberRegistration:
     """Keeps one member (and its load report) registered in etcd while the process lives.
 
     ``await start()`` grants a lease, puts both keys under it and starts one background task that
@@ -343,7 +343,7 @@ class Registration:
 
     def __repr__(self) -> str:
         return (
-            f"Registration({self.member.service}/{self.member.instance_id}, "
+            f"MemberRegistration({self.member.service}/{self.member.instance_id}, "
             f"registered={self._registered}, lease={self._lease_id})"
         )
 
@@ -747,8 +747,8 @@ __all__ = [
     "LeaseLost",
     "LoadFn",
     "MemberInfo",
+    "MemberRegistration",
     "MembershipConfig",
-    "Registration",
     "follow",
     "list_members",
     "load_key",

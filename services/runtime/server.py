@@ -32,7 +32,7 @@ from services.runtime.config import ServiceConfig, parse_config
 from services.runtime.garbage_collection import freeze_startup_objects
 from services.runtime.interceptors import ServiceInterceptor
 from services.runtime.logs import configure_logging
-from services.runtime.membership import MemberInfo, MembershipConfig, Registration
+from services.runtime.membership import MemberInfo, MemberRegistration, MembershipConfig
 from services.runtime.metrics import HttpSidePort, ServiceMetrics
 from services.runtime.tls import NO_TLS, TLSConfig, add_server_port, aio_channel
 
@@ -86,7 +86,7 @@ class ServiceHost:
             ],
         )
         self.metrics.export_service(service)
-        self.registration: Registration | None = None
+        self.registration: MemberRegistration | None = None
         self.address = ""
         self.http_address = ""
         self.ready = False
@@ -119,7 +119,7 @@ class ServiceHost:
         self.ready = True
         await self.health.set(self.service.grpc_service_name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.etcd_endpoints:
-            self.registration = Registration(
+            self.registration = MemberRegistration(
                 MembershipConfig(
                     etcd_endpoints=self.config.etcd_endpoints,
                     ttl_s=self.config.lease_ttl_s,

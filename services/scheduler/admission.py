@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from services.runtime.errors import ResourceExhausted
 from services.scheduler.cluster_view import ClusterSnapshot
-from services.scheduler.placement import Placement, PlacementRequest, WaitModel, eligible
+from services.scheduler.placement import PlacementDecision, PlacementRequest, WaitModel, eligible
 from services.scheduler.policies.interface import PlacementPolicy
 
 
@@ -45,7 +45,7 @@ class AdmissionConfig:
             raise ValueError(f"min_retry_after_s must be >= 0, got {self.min_retry_after_s}")
 
 
-class Admission:
+class AdmissionControl:
     """Wraps a placement policy with early rejection; :meth:`place` is what the service calls."""
 
     def __init__(self, config: AdmissionConfig | None = None, model: WaitModel | None = None):
@@ -80,7 +80,7 @@ class Admission:
             retry_after_s=self._retry(retry_ms),
         )
 
-    def check_deadline(self, request: PlacementRequest, placement: Placement) -> None:
+    def check_deadline(self, request: PlacementRequest, placement: PlacementDecision) -> None:
         """ResourceExhausted when ``placement`` cannot start the request before its deadline."""
         deadline = self.deadline_ms(request)
         if deadline <= 0 or placement.estimated_wait_ms <= deadline:
@@ -95,7 +95,7 @@ class Admission:
 
     def place(
         self, policy: PlacementPolicy, snapshot: ClusterSnapshot, request: PlacementRequest
-    ) -> Placement:
+    ) -> PlacementDecision:
         """Admit and place: open workers only, the policy's pick (or the migration target the
         request prefers, while it is open), then the deadline check."""
         open_workers = self.open_snapshot(snapshot, request)

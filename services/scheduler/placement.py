@@ -47,7 +47,7 @@ class PlacementRequest:
 
 
 @dataclass(frozen=True)
-class Placement:
+class PlacementDecision:
     """The decision: where the request goes and what the policy expects there."""
 
     worker_id: str
@@ -158,15 +158,15 @@ class WaitModel:
 
     def estimate(
         self, snapshot: ClusterSnapshot, worker: WorkerState, request: PlacementRequest
-    ) -> Placement:
-        """The wait on ``worker`` for ``request``, as the :class:`Placement` it would be."""
+    ) -> PlacementDecision:
+        """The wait on ``worker`` for ``request``, as the :class:`PlacementDecision` it would be."""
         resident = not request.adapter_id or snapshot.will_have(worker.worker_id, request.adapter_id)
         ahead = self.ahead(snapshot, worker)
         batch = worker.running + snapshot.placed(worker.worker_id)
         interval = self.service_interval_ms(worker, snapshot.predicted_output_tokens.get(worker.worker_id))
         queue_ms = ahead * interval + batch * self.per_request_step_ms
         load_ms = 0.0 if resident else self.load_ms(request)
-        return Placement(
+        return PlacementDecision(
             worker_id=worker.worker_id,
             address=worker.address,
             estimated_wait_ms=queue_ms + load_ms,

@@ -18,7 +18,7 @@ from services.runtime.errors import Unavailable
 from services.runtime.leader_election import LeaderElection
 from services.runtime.membership import MembershipConfig, follow, watch_loads, watch_members
 from services.runtime.tasks import cancel_and_wait
-from services.scheduler.admission import Admission, AdmissionConfig
+from services.scheduler.admission import AdmissionConfig, AdmissionControl
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live_prediction import make_length_predictions, prediction_report
@@ -61,7 +61,7 @@ class SchedulerService:
             make_prefetch(config.prefetch),
             DemandWindow(config.demand_window_s),
         )
-        self.admission = Admission(
+        self.admission = AdmissionControl(
             AdmissionConfig(
                 max_queue_per_worker=config.max_queue_per_worker,
                 default_deadline_ms=config.default_deadline_ms,

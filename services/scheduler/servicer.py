@@ -13,10 +13,10 @@ import logging
 from mesh_api.v1 import scheduler_pb2 as pb
 from mesh_api.v1 import scheduler_pb2_grpc
 from services.runtime.errors import InvalidArgument
-from services.scheduler.admission import Admission
+from services.scheduler.admission import AdmissionControl
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView
 from services.scheduler.live_prediction import LivePredictions
-from services.scheduler.placement import Placement, PlacementRequest
+from services.scheduler.placement import PlacementDecision, PlacementRequest
 from services.scheduler.policies.interface import PlacementPolicy
 from services.scheduler.rebalancing import Rebalancer
 
@@ -35,7 +35,7 @@ def request_from_proto(request: pb.PlaceRequest) -> PlacementRequest:
     )
 
 
-def placement_to_proto(placement: Placement) -> pb.PlaceResponse:
+def placement_to_proto(placement: PlacementDecision) -> pb.PlaceResponse:
     return pb.PlaceResponse(
         worker_id=placement.worker_id,
         address=placement.address,
@@ -72,7 +72,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self,
         view: ClusterView,
         policy: PlacementPolicy,
-        admission: Admission,
+        admission: AdmissionControl,
         rebalancer: Rebalancer,
         predictions: LivePredictions | None = None,
     ):

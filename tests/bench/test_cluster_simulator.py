@@ -14,7 +14,7 @@ from bench.cluster_sim.validate import fit_steps, step_model_ratio, step_shape
 from bench.cluster_sim.worker import WorkerSpec
 from bench.workload import TraceRequest, WorkloadSpec, generate
 from services.scheduler.cluster_view import ClusterSnapshot
-from services.scheduler.placement import Placement, PlacementRequest, WaitModel
+from services.scheduler.placement import PlacementDecision, PlacementRequest, WaitModel
 from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
 from services.scheduler.policies.replica_load import ClusterLoad, Migration
 from services.scheduler.policies.round_robin import RoundRobin
@@ -35,8 +35,8 @@ class Always:
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
 
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement:
-        return Placement(self.worker_id, "", 0.0, True)
+    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> PlacementDecision:
+        return PlacementDecision(self.worker_id, "", 0.0, True)
 
 
 class MoveOnce:
@@ -202,8 +202,8 @@ def test_a_migrated_request_joins_the_back_of_the_queue_or_keeps_its_arrival_ord
     class Split:
         name = "split"
 
-        def place(self, snapshot: ClusterSnapshot, wanted: PlacementRequest) -> Placement:
-            return Placement("w000" if wanted.request_id == "early" else "w001", "", 0.0, True)
+        def place(self, snapshot: ClusterSnapshot, wanted: PlacementRequest) -> PlacementDecision:
+            return PlacementDecision("w000" if wanted.request_id == "early" else "w001", "", 0.0, True)
 
     def finish_order(keep_place: bool) -> list[str]:
         config = SimConfig(workers=2, worker=spec, migrated_keep_place=keep_place)

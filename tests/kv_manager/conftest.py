@@ -6,7 +6,7 @@ import pytest
 from support.polling import poll_until
 
 from mesh_api.v1.types_pb2 import WorkerLoad
-from services.runtime.membership import MemberInfo, MembershipConfig, Registration
+from services.runtime.membership import MemberInfo, MemberRegistration, MembershipConfig
 from services.runtime.worker_load import worker_load_to_report
 
 TTL_S = 2
@@ -27,7 +27,7 @@ class SimulatedWorker:
         self.worker_id = worker_id
         self.address = f"127.0.0.1:{50000 + sum(map(ord, worker_id))}"
         self.load = load
-        self.registration = Registration(
+        self.registration = MemberRegistration(
             MembershipConfig(etcd_endpoints=etcd_endpoint, ttl_s=TTL_S, load_interval_s=load_interval_s),
             MemberInfo.create("gpu_worker", self.address, instance_id=worker_id),
             load_fn=lambda: worker_load_to_report(self.load),

@@ -10,7 +10,7 @@ import pytest
 from services.runtime import discovery
 from services.runtime.discovery import ServiceLocator
 from services.runtime.errors import Unavailable
-from services.runtime.membership import MemberInfo, Registration
+from services.runtime.membership import MemberInfo, MemberRegistration
 
 
 async def test_a_burst_of_first_lookups_queries_etcd_once(etcd, membership_config, monkeypatch):
@@ -26,7 +26,7 @@ async def test_a_burst_of_first_lookups_queries_etcd_once(etcd, membership_confi
     with pytest.raises(Unavailable, match="no scheduler is registered"):
         await asyncio.gather(*(locator.address() for _ in range(3)))
     assert len(queries) == 1
-    registration = Registration(
+    registration = MemberRegistration(
         membership_config, MemberInfo("scheduler", "s-1", "127.0.0.1:5001", "", "test", 0.0)
     )
     await registration.start()

@@ -17,7 +17,13 @@ from services.runtime.etcd_rbac import LEADER_ELECTIONS, OPERATOR, provision_etc
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.identity import MeshIdentity
 from services.runtime.leader_election import LeaderElection, leader_key
-from services.runtime.membership import MemberInfo, MembershipConfig, Registration, list_members, read_loads
+from services.runtime.membership import (
+    MemberInfo,
+    MemberRegistration,
+    MembershipConfig,
+    list_members,
+    read_loads,
+)
 from services.runtime.tls import etcd_client
 from services.scheduler.service import REBALANCER_ELECTION
 
@@ -60,14 +66,14 @@ def member(identity: MeshIdentity) -> MemberInfo:
 
 
 async def test_an_instance_registers_as_itself_and_not_as_another(etcd, certs):
-    mine = await Registration(config(etcd, certs, WORKER), member(WORKER), lambda: {"queue": 1}).start()
+    mine = await MemberRegistration(config(etcd, certs, WORKER), member(WORKER), lambda: {"queue": 1}).start()
     try:
         with pytest.raises(Unavailable, match="permission denied"):
-            await Registration(config(etcd, certs, WORKER), member(OTHER)).start()
+            await MemberRegistration(config(etcd, certs, WORKER), member(OTHER)).start()
         with pytest.raises(Unavailable, match="permission denied"):  # a scheduler posing as a worker
-            await Registration(config(etcd, certs, SCHEDULER), member(WORKER)).start()
+            await MemberRegistration(config(etcd, certs, SCHEDULER), member(WORKER)).start()
         with pytest.raises(Unavailable):  # a kind's shared certificate has no etcd user
-            await Registration(config(etcd, certs, "gpu_worker"), member(WORKER)).start()
+            await MemberRegistration(config(etcd, certs, "gpu_worker"), member(WORKER)).start()
         # Every instance reads the mesh; the operator too.
         for reader in (OTHER, OPERATOR):
             listed = await list_members(config(etcd, certs, reader))
@@ -97,7 +103,7 @@ async def test_provisioning_again_on_an_etcd_with_auth_on_adds_what_is_missing(e
     late = MeshIdentity("gpu_worker", "gpu_worker-9")
     late_certs = create_mesh_certificates(certs.path, [late])
     await provision_etcd_rbac(etcd.endpoint, certs.tls_for(OPERATOR), [WORKER, late])
-    registration = await Registration(config(etcd, late_certs, late), member(late)).start()
+    registration = await MemberRegistration(config(etcd, late_certs, late), member(late)).start()
     await registration.stop()
 
 

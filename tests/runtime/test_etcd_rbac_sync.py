@@ -21,7 +21,7 @@ from services.runtime.etcd_rbac import OPERATOR
 from services.runtime.etcd_rbac_sync import EtcdRbacSync, KubernetesPods, identities_of_pods, instance_users
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.identity import MeshIdentity
-from services.runtime.membership import MemberInfo, MembershipConfig, Registration
+from services.runtime.membership import MemberInfo, MemberRegistration, MembershipConfig
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,7 @@ async def registers(etcd: EtcdServer, certs: CertificateDirectory, identity: Mes
     config = MembershipConfig(etcd_endpoints=etcd.endpoint, tls=certs.tls_for(identity), register_timeout_s=0)
     info = MemberInfo(identity.kind, identity.instance, "127.0.0.1:1", "127.0.0.1:2", "0", time.time())
     try:
-        registration = await Registration(config, info).start()
+        registration = await MemberRegistration(config, info).start()
     except Unavailable:
         return False
     await registration.stop()

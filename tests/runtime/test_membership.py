@@ -27,8 +27,8 @@ from services.runtime.errors import Unavailable
 from services.runtime.etcd_server import EtcdServer
 from services.runtime.membership import (
     MemberInfo,
+    MemberRegistration,
     MembershipConfig,
-    Registration,
     list_members,
     load_key,
     member_key,
@@ -125,7 +125,7 @@ async def test_start_without_etcd_raises_unavailable() -> None:
     cfg = MembershipConfig(
         etcd_endpoints=f"127.0.0.1:{free_port()}", call_timeout_s=1.0, register_timeout_s=0
     )
-    reg = Registration(cfg, member())
+    reg = MemberRegistration(cfg, member())
     with pytest.raises(Unavailable, match="cannot register"):
         await asyncio.wait_for(reg.start(), HANG_GUARD_S)
     assert not reg.registered and reg.task is None
@@ -141,7 +141,7 @@ async def test_register_list_load_and_stop(membership_config: MembershipConfig) 
     cfg = membership_config
     load = {"queue": 1}
     m = member()
-    reg = Registration(cfg, m, load_fn=lambda: dict(load))
+    reg = MemberRegistration(cfg, m, load_fn=lambda: dict(load))
     await reg.start()
     try:
         assert reg.registered and reg.lease_id
@@ -188,7 +188,7 @@ async def test_start_keeps_trying_until_etcd_answers(tmp_path: Path) -> None:
     server = EtcdServer(tmp_path / "late-etcd", client_port=free_port(), peer_port=free_port())
     cfg = MembershipConfig(etcd_endpoints=server.endpoint, ttl_s=2, register_timeout_s=HANG_GUARD_S)
     m = member()
-    reg = Registration(cfg, m)
+    reg = MemberRegistration(cfg, m)
     starting = asyncio.create_task(reg.start())  # its first tries meet a closed port
     try:
         await asyncio.to_thread(server.start)
@@ -204,7 +204,7 @@ async def test_start_keeps_trying_until_etcd_answers(tmp_path: Path) -> None:
 async def test_crashed_registration_expires_within_ttl(membership_config: MembershipConfig) -> None:
     cfg = membership_config
     m = member()
-    reg = Registration(cfg, m, load_fn=lambda: {"queue": 0})
+    reg = MemberRegistration(cfg, m, load_fn=lambda: {"queue": 0})
     await reg.start()
     assert reg.task is not None
     # Checked while the registration still refreshes: after the crash the keys may expire at any moment.
@@ -228,7 +228,7 @@ async def test_reregisters_after_etcd_restart(
 ) -> None:
     cfg = membership_config
     m = member()
-    reg = Registration(cfg, m, load_fn=lambda: {"queue": 3})
+    reg = MemberRegistration(cfg, m, load_fn=lambda: {"queue": 3})
     await reg.start()
     try:
         first_lease = reg.lease_id
@@ -271,7 +271,7 @@ async def test_reregisters_after_etcd_restart(
 async def test_stop_is_bounded_when_etcd_is_gone(
     etcd: EtcdServer, membership_config: MembershipConfig
 ) -> None:
-    reg = Registration(membership_config, member())
+    reg = MemberRegistration(membership_config, member())
     await reg.start()
     etcd.kill()
     await asyncio.wait_for(reg.stop(), HANG_GUARD_S)
@@ -282,7 +282,7 @@ async def test_stop_is_bounded_when_etcd_is_gone(
 async def test_second_endpoint_used_when_first_is_dead(etcd: EtcdServer) -> None:
     cfg = MembershipConfig(etcd_endpoints=f"127.0.0.1:{free_port()},{etcd.endpoint}", ttl_s=2)
     m = member()
-    async with Registration(cfg, m) as reg:
+    async with MemberRegistration(cfg, m) as reg:
         assert reg.registered
         assert await list_members(cfg) == [m]
     assert await list_members(cfg) == []
@@ -292,7 +292,7 @@ async def test_second_endpoint_used_when_first_is_dead(etcd: EtcdServer) -> None
 async def test_watch_members_yields_join_and_leave(membership_config: MembershipConfig) -> None:
     cfg = membership_config
     a, b, g = member(instance_id="w-a"), member(instance_id="w-b", port=6000), member("gateway", "g-1")
-    regs: list[Registration] = []
+    regs: list[MemberRegistration] = []
 
     async def step(gen: Any, expected: set[str]) -> dict[str, MemberInfo]:
         while True:
@@ -303,10 +303,10 @@ async def test_watch_members_yields_join_and_leave(membership_config: Membership
     async with contextlib.aclosing(watch_members(cfg, "worker")) as gen:
         try:
             assert await asyncio.wait_for(anext(gen), HANG_GUARD_S) == {}
-            regs.append(await Registration(cfg, a).start())
+            regs.append(await MemberRegistration(cfg, a).start())
             assert (await step(gen, {"w-a"}))["w-a"] == a
-            regs.append(await Registration(cfg, g).start())  # another service: not in this watch
-            regs.append(await Registration(cfg, b).start())
+            regs.append(await MemberRegistration(cfg, g).start())  # another service: not in this watch
+            regs.append(await MemberRegistration(cfg, b).start())
             snapshot = await step(gen, {"w-a", "w-b"})
             assert snapshot == {"w-a": a, "w-b": b}
             await regs[0].stop()  # graceful leave
@@ -338,11 +338,11 @@ async def test_watch_survives_etcd_restart(etcd: EtcdServer, membership_config: 
 
     consumer = asyncio.create_task(consume())
     try:
-        async with Registration(cfg, a) as reg_a:
+        async with MemberRegistration(cfg, a) as reg_a:
             assert set(await until(seen, lambda ms: "w-a" in ms)) == {"w-a"}
             await asyncio.to_thread(etcd.restart, wipe=True)
             # A member joining after the restart is seen: the watch was re-established.
-            async with Registration(cfg, b):
+            async with MemberRegistration(cfg, b):
                 got = await until(seen, lambda ms: set(ms) == {"w-a", "w-b"})
                 assert got == {"w-a": a, "w-b": b}
             await until(seen, lambda ms: set(ms) == {"w-a"})
@@ -355,12 +355,12 @@ async def test_watch_survives_etcd_restart(etcd: EtcdServer, membership_config: 
 
 CHILD = """
 import asyncio, sys
-from services.runtime.membership import MemberInfo, MembershipConfig, Registration
+from services.runtime.membership import MemberInfo, MembershipConfig, MemberRegistration
 
 async def main():
     cfg = MembershipConfig(etcd_endpoints=sys.argv[1], ttl_s=int(sys.argv[3]))
     member = MemberInfo.create("worker", "127.0.0.1:1", instance_id=sys.argv[2])
-    await Registration(cfg, member, load_fn=lambda: {"queue": 0}).start()
+    await MemberRegistration(cfg, member, load_fn=lambda: {"queue": 0}).start()
     print("registered", flush=True)
     await asyncio.sleep(3600)
 

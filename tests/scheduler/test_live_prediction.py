@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mesh_api.v1 import scheduler_pb2 as pb
-from services.scheduler.admission import Admission
+from services.scheduler.admission import AdmissionControl
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView, WorkerState
 from services.scheduler.length_prediction import LengthPredictor, LengthPredictorConfig
 from services.scheduler.live_prediction import LivePredictionConfig, LivePredictions, make_length_predictions
@@ -111,7 +111,7 @@ async def test_place_returns_the_prediction_and_report_completion_teaches_the_pr
     view.update_loads({"w0": {"queue": 0, "running": 0, "tokens_per_s": 50.0}})
     predictions = live()
     servicer = SchedulerServicer(
-        view, LeastEstimatedWait(WaitModel()), Admission(), Rebalancer(NoWorkers()), predictions
+        view, LeastEstimatedWait(WaitModel()), AdmissionControl(), Rebalancer(NoWorkers()), predictions
     )
     for i, (prompt, length) in enumerate([(SHORT, 2), (LONG, 200), (SHORT, 3), (LONG, 190)]):
         reply = await servicer.Place(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.scheduler.admission import Admission, AdmissionConfig
+from services.scheduler.admission import AdmissionConfig, AdmissionControl
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView, WorkerState, worker_state
-from services.scheduler.placement import Placement, PlacementRequest, WaitModel
+from services.scheduler.placement import PlacementDecision, PlacementRequest, WaitModel
 from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
 
 # 128 tokens per request at 128 tokens/s: one completion per second on a busy worker.
@@ -35,8 +35,10 @@ def worker(worker_id: str, queue=0, running=0, resident=(), tokens_per_s=128.0, 
     )
 
 
-def place(snapshot: ClusterSnapshot, admission: Admission | None = None, **request) -> Placement:
-    admission = admission or Admission(AdmissionConfig(max_queue_per_worker=8), MODEL)
+def place(
+    snapshot: ClusterSnapshot, admission: AdmissionControl | None = None, **request
+) -> PlacementDecision:
+    admission = admission or AdmissionControl(AdmissionConfig(max_queue_per_worker=8), MODEL)
     return admission.place(LeastEstimatedWait(MODEL), snapshot, PlacementRequest(**request))
 
 
@@ -158,7 +160,7 @@ def test_no_live_worker_is_unavailable():
 
 
 def test_full_queues_are_skipped_and_all_full_is_resource_exhausted_with_a_retry_hint():
-    admission = Admission(AdmissionConfig(max_queue_per_worker=4), MODEL)
+    admission = AdmissionControl(AdmissionConfig(max_queue_per_worker=4), MODEL)
     # w1 has the adapter and the shortest reported queue, but 2 unreported placements fill it.
     snap = ClusterSnapshot.of([worker("w1", queue=2, resident={"sql"}), worker("w2", queue=3)], {"w1": 2})
     assert place(snap, admission, adapter_id="sql").worker_id == "w2"
@@ -182,7 +184,7 @@ def test_deadline_that_no_worker_can_meet_is_refused_at_once():
 
 
 def test_default_deadline_applies_to_requests_without_one():
-    admission = Admission(AdmissionConfig(default_deadline_ms=100), MODEL)
+    admission = AdmissionControl(AdmissionConfig(default_deadline_ms=100), MODEL)
     snap = ClusterSnapshot.of([worker("w1", queue=1)])
     with pytest.raises(ResourceExhausted, match="deadline of 100 ms"):
         place(snap, admission)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime.membership import MemberInfo, MembershipConfig, Registration
+from services.runtime.membership import MemberInfo, MemberRegistration, MembershipConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 
@@ -15,7 +15,7 @@ HANG_GUARD_S = 120.0  # not a timing claim: only keeps a broken build from hangi
 
 
 async def test_only_the_elected_replica_runs_migration_rounds(etcd):
-    worker = Registration(
+    worker = MemberRegistration(
         MembershipConfig(etcd_endpoints=etcd.endpoint, ttl_s=5),
         MemberInfo.create("gpu_worker", "127.0.0.1:1", instance_id="w1"),
         load_fn=lambda: {"queue": 0, "running": 0},

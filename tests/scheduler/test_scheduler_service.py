@@ -17,7 +17,7 @@ from grpc import aio
 
 from mesh_api.v1 import scheduler_pb2 as pb
 from mesh_api.v1 import scheduler_pb2_grpc
-from services.runtime.membership import MemberInfo, MembershipConfig, Registration, read_loads
+from services.runtime.membership import MemberInfo, MemberRegistration, MembershipConfig, read_loads
 from services.runtime.process import ServiceProcess, ServiceStartError
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ class SimulatedWorker:
             "fragmentation": 0.0,
         }  # fmt: skip
         self.report.update(report)
-        self.registration = Registration(
+        self.registration = MemberRegistration(
             MembershipConfig(etcd_endpoints=etcd_endpoint, ttl_s=TTL_S, load_interval_s=0.2),
             MemberInfo.create("gpu_worker", self.address, instance_id=worker_id),
             load_fn=lambda: dict(self.report),

@@ -16,7 +16,7 @@ from pathlib import Path
 from services.adapter_store.importers.source import (
     IMPORTED_FILES,
     REQUIRED_FILES,
-    AdapterSource,
+    AdapterImportSource,
     SourceFile,
     changed_during_import,
     read_capped,
@@ -29,7 +29,7 @@ def _version(status: os.stat_result) -> str:
     return f"size={status.st_size} mtime_ns={status.st_mtime_ns}"
 
 
-class FileSource(AdapterSource):
+class FileSource(AdapterImportSource):
     def __init__(self, uri: str):
         self.uri = uri
         self.directory: Path = file_path(uri)

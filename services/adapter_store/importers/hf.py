@@ -28,7 +28,7 @@ from huggingface_hub.errors import (
 from services.adapter_store.importers.source import (
     IMPORTED_FILES,
     REQUIRED_FILES,
-    AdapterSource,
+    AdapterImportSource,
     SourceFile,
     changed_during_import,
     read_capped,
@@ -59,7 +59,7 @@ def _cache_dir() -> str | None:
     return str(Path(os.environ["HF_HOME"]) / "hub") if os.environ.get("HF_HOME") else None
 
 
-class HubSource(AdapterSource):
+class HubSource(AdapterImportSource):
     def __init__(self, uri: str):
         org, repo, revision, subdir = split_hf(uri)
         if not repo:

@@ -20,7 +20,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from services.adapter_store.importers.source import (
     IMPORTED_FILES,
     REQUIRED_FILES,
-    AdapterSource,
+    AdapterImportSource,
     SourceFile,
     changed_during_import,
     read_capped,
@@ -53,7 +53,7 @@ def _client_for(environment: tuple[str | None, ...]):
     return session.client("s3", endpoint_url=values["AWS_ENDPOINT_URL"] or None)
 
 
-class S3Source(AdapterSource):
+class S3Source(AdapterImportSource):
     def __init__(self, uri: str, client=None):
         bucket, _, prefix = uri[len("s3://") :].partition("/")
         if not bucket:

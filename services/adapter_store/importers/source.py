@@ -39,7 +39,7 @@ class SourceFile:
     finds another version refuses the import."""
 
 
-class AdapterSource(ABC):
+class AdapterImportSource(ABC):
     """An adapter directory somewhere the store can read (a bucket prefix, a Hub repo, a path)."""
 
     uri: str
@@ -56,7 +56,7 @@ class AdapterSource(ABC):
         FailedPrecondition when its content is no longer the listed ``file.version``."""
 
 
-def fetch_adapter_files(source: AdapterSource, max_bytes: int) -> dict[str, memoryview]:
+def fetch_adapter_files(source: AdapterImportSource, max_bytes: int) -> dict[str, memoryview]:
     """The adapter's files by name, at most ``max_bytes`` in all (the store's upload limit)."""
     listed = source.list_files()
     total = sum(f.size for f in listed)

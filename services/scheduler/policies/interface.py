@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from services.scheduler.cluster_view import ClusterSnapshot
-from services.scheduler.placement import Placement, PlacementRequest
+from services.scheduler.placement import PlacementDecision, PlacementRequest
 
 
 class PlacementPolicy(Protocol):
@@ -20,4 +20,4 @@ class PlacementPolicy(Protocol):
     name: str
     """The policy's name in config, flags and bench tables."""
 
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement: ...
+    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> PlacementDecision: ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.scheduler.cluster_view import ClusterSnapshot
-from services.scheduler.placement import Placement, PlacementRequest, WaitModel, eligible
+from services.scheduler.placement import PlacementDecision, PlacementRequest, WaitModel, eligible
 
 
 class LeastEstimatedWait:
@@ -19,15 +19,15 @@ class LeastEstimatedWait:
     def __init__(self, model: WaitModel | None = None):
         self.model = model or WaitModel()
 
-    def estimates(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[Placement]:
+    def estimates(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> list[PlacementDecision]:
         """Every eligible worker's estimate, best first."""
         workers = {w.worker_id: w for w in eligible(snapshot, request)}
 
-        def key(p: Placement) -> tuple[float, int, str]:
+        def key(p: PlacementDecision) -> tuple[float, int, str]:
             w = workers[p.worker_id]
             return (round(p.estimated_wait_ms, 6), w.running + snapshot.placed(w.worker_id), w.worker_id)
 
         return sorted((self.model.estimate(snapshot, w, request) for w in workers.values()), key=key)
 
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement:
+    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> PlacementDecision:
         return self.estimates(snapshot, request)[0]

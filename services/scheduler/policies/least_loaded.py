@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.scheduler.cluster_view import ClusterSnapshot
-from services.scheduler.placement import Placement, PlacementRequest, WaitModel, eligible
+from services.scheduler.placement import PlacementDecision, PlacementRequest, WaitModel, eligible
 
 
 class LeastLoaded:
@@ -16,7 +16,7 @@ class LeastLoaded:
     def __init__(self, model: WaitModel | None = None):
         self.model = model or WaitModel()
 
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement:
+    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> PlacementDecision:
         chosen = min(
             eligible(snapshot, request),
             key=lambda w: (w.queue + w.running + snapshot.placed(w.worker_id), w.worker_id),

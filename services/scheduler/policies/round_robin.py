@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.scheduler.cluster_view import ClusterSnapshot
-from services.scheduler.placement import Placement, PlacementRequest, WaitModel, eligible
+from services.scheduler.placement import PlacementDecision, PlacementRequest, WaitModel, eligible
 
 
 class RoundRobin:
@@ -19,7 +19,7 @@ class RoundRobin:
         self.model = model or WaitModel()
         self._last = ""
 
-    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> Placement:
+    def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> PlacementDecision:
         workers = eligible(snapshot, request)  # sorted by id
         chosen = next((w for w in workers if w.worker_id > self._last), workers[0])
         self._last = chosen.worker_id
