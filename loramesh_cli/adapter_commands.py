@@ -24,7 +24,8 @@ from loramesh_cli.gateway_client import add_connection_flags, gateway_client
 from loramesh_cli.table import render_table
 
 UPLOAD_TIMEOUT_S = 300.0
-"""The whole upload (up to the store's size limit, 256 MiB by default, in 1 MiB chunks)."""
+"""The whole upload (up to the store's size limit, 256 MiB by default, in messages of
+``mesh_api.upload_wire.UPLOAD_CHUNK_BYTES``)."""
 
 
 class _Removed(argparse.Action):

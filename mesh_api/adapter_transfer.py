@@ -1,6 +1,6 @@
 """How an adapter crosses the wire: a PEFT directory as a ``RegisterAdapter`` message stream
-(header, then chunks of at most 1 MiB), adapter references, and a fetch verified against the
-store's sha256.
+(header, then chunks of at most ``upload_wire.UPLOAD_CHUNK_BYTES``), adapter references, and a
+fetch verified against the store's sha256.
 
 The one copy of these rules: the SDK builds its uploads with it (through the gateway), the gateway
 forwards with it, the workers fetch with it.

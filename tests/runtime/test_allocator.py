@@ -19,12 +19,13 @@ from services.runtime.config import parse_config
 
 FAULTS_PER_UPLOAD = """
 import resource, sys
+from mesh_api.upload_wire import UPLOAD_CHUNK_BYTES as CHUNK
 from services.runtime.allocator import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 message = bytes(5 << 20)
-def upload():  # as the store receives one: 1 MiB messages joined into one buffer, then freed
-    parts = [message[start : start + (1 << 20)] for start in range(0, len(message), 1 << 20)]
+def upload():  # as the store receives one: its messages' chunks joined into one buffer, then freed
+    parts = [message[start : start + CHUNK] for start in range(0, len(message), CHUNK)]
     joined = b"".join(parts)
     del parts, joined
 upload()
@@ -47,7 +48,7 @@ def faults_per_upload(mode: str) -> float:
 )
 def test_retained_buffers_are_reused_without_page_faults():
     plain, retained = faults_per_upload("plain"), faults_per_upload("retain")
-    pages_per_upload = (10 << 20) // 4096  # five chunks and the joined copy
+    pages_per_upload = (10 << 20) // 4096  # the chunks and the joined copy
     assert plain > pages_per_upload / 4, f"glibc mapped fresh pages for {plain} of an upload's pages"
     assert retained < pages_per_upload / 50, f"{retained} page faults per upload with freed memory retained"
 
