@@ -5,6 +5,10 @@ Each service declares a dataclass that extends :class:`ServiceConfig`; every fie
 the default). The attribute docstring under each field is its ``--help`` text, so a field is
 documented exactly once. Nothing is read at import time: :func:`parse_config` reads ``argv``
 and ``environ`` when the service starts.
+
+A service config may also take its settings from a dataclass its service builds (the worker's
+engine limits: ``EngineConfig``) with :func:`settings_of`, so each is still declared once: in
+that dataclass, and :func:`part_of` builds it back from the config.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import inspect
 import itertools
 import os
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, get_type_hints
 
 from services.runtime.membership import new_instance_id
@@ -25,6 +29,13 @@ from services.runtime.tls import TLSConfig
 ENV_PREFIX = "LORAMESH_"
 
 C = TypeVar("C", bound="ServiceConfig")
+P = TypeVar("P")
+
+SETTING = "loramesh.setting"
+"""Key of a part's field metadata: the name of the service setting the field is (:func:`setting`)."""
+DOC = "loramesh.doc"
+"""Key of a field's metadata holding its docstring, for fields :func:`settings_of` adds (their
+source is the part's, not the config's)."""
 
 
 @dataclasses.dataclass
@@ -80,9 +91,52 @@ class ServiceConfig:
         return TLSConfig(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
 
+def setting(name: str | None) -> dict[str, str | None]:
+    """Metadata of a part's field (``field(metadata=setting(...))``): the service setting is named
+    ``name`` (its flag ``--name``) instead of the field's own name, or, with None, the field is no
+    setting: the service derives it (e.g. the engine's worker id, from the instance id)."""
+    return {SETTING: name}
+
+
+def _setting_name(part_field: dataclasses.Field) -> str | None:
+    return part_field.metadata.get(SETTING, part_field.name)
+
+
+def settings_of(part: type) -> Callable[[type[C]], type[C]]:
+    """Class decorator, under ``@dataclass``: the config takes each field of the dataclass
+    ``part`` as a setting of its own (a flag, an env var, a keyword), with the field's type,
+    default and docstring, under its :func:`setting` name. A name the config declares itself is
+    refused: each setting has one declaration."""
+
+    def add(cls: type[C]) -> type[C]:
+        hints = get_type_hints(part)
+        docs = field_docs(part)
+        annotations = inspect.get_annotations(cls)
+        for f in dataclasses.fields(part):
+            if (name := _setting_name(f)) is None:
+                continue
+            if any(name in inspect.get_annotations(base) for base in cls.__mro__):
+                raise TypeError(f"{cls.__name__}.{name} is declared by {part.__name__} already")
+            annotations[name] = hints[f.name]
+            setattr(cls, name, dataclasses.field(default=f.default, metadata={DOC: docs.get(f.name, "")}))
+        cls.__annotations__ = annotations
+        return cls
+
+    return add
+
+
+def part_of(config: ServiceConfig, part: type[P], **derived: Any) -> P:
+    """``part`` built from the settings ``config`` took from it (:func:`settings_of`), and the
+    fields that are no setting from ``derived``."""
+    values = {f.name: getattr(config, name) for f in dataclasses.fields(part) if (name := _setting_name(f))}
+    return part(**values, **derived)
+
+
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass and its bases (the string literal under a field)."""
-    docs: dict[str, str] = {}
+    """Attribute docstrings of a dataclass and its bases (the string literal under a field, or the
+    one :func:`settings_of` took from a part)."""
+    fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+    docs = {f.name: f.metadata[DOC] for f in fields if DOC in f.metadata}
     for klass in reversed(cls.__mro__):
         if klass is object or not dataclasses.is_dataclass(klass):
             continue

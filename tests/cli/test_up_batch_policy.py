@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 
 from loramesh_cli.main import build_parser
-from loramesh_cli.mesh_commands import _service_processes
+from loramesh_cli.mesh_layout import service_processes
 
 
 def worker_commands(tmp_path, *flags: str) -> list[list[str]]:
     args = build_parser().parse_args(["--state-dir", str(tmp_path), "up", "--workers", "2", *flags])
-    processes, _ = _service_processes(
-        args, tmp_path, tmp_path, "127.0.0.1:2379", tmp_path / "keys.json", None
-    )
+    processes, _ = service_processes(args, tmp_path, tmp_path, "127.0.0.1:2379", tmp_path / "keys.json", None)
     return [p.command() for name, p in processes.items() if name.startswith("gpu_worker")]
 
 

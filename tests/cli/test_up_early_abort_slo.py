@@ -8,7 +8,8 @@ import pytest
 
 from loramesh_cli.errors import CommandError
 from loramesh_cli.main import build_parser
-from loramesh_cli.mesh_commands import _detached_argv, cmd_up
+from loramesh_cli.mesh_commands import cmd_up
+from loramesh_cli.up_arguments import detached_argv
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.policies import make_batch_policy
 from services.runtime.config import parse_config
@@ -31,7 +32,7 @@ def test_without_the_flag_the_workers_keep_their_default(tmp_path):
 
 def test_detach_passes_it_to_the_background_up(tmp_path):
     args = build_parser().parse_args(["--state-dir", str(tmp_path), "up", "--early-abort-slo-s", "3"])
-    argv = _detached_argv(args, tmp_path)
+    argv = detached_argv(args, tmp_path)
     assert build_parser().parse_args(argv[argv.index("--state-dir") :]).early_abort_slo_s == 3.0
 
 

@@ -5,7 +5,8 @@ own default (lru)."""
 from __future__ import annotations
 
 from loramesh_cli.main import build_parser
-from loramesh_cli.mesh_commands import _detached_argv, _service_processes
+from loramesh_cli.mesh_layout import service_processes
+from loramesh_cli.up_arguments import detached_argv
 from services.adapter_store.config import AdapterStoreConfig
 from services.gpu_worker.config import WorkerConfig
 from services.runtime.config import parse_config
@@ -14,9 +15,7 @@ from services.runtime.config import parse_config
 def service_configs(tmp_path, *flags: str) -> list[AdapterStoreConfig | WorkerConfig]:
     """The settings the store and each of two workers parse from the command lines `up` builds."""
     args = build_parser().parse_args(["--state-dir", str(tmp_path), "up", "--workers", "2", *flags])
-    processes, _ = _service_processes(
-        args, tmp_path, tmp_path, "127.0.0.1:2379", tmp_path / "keys.json", None
-    )
+    processes, _ = service_processes(args, tmp_path, tmp_path, "127.0.0.1:2379", tmp_path / "keys.json", None)
     configs = []
     for process in processes.values():
         command = process.command()
@@ -37,5 +36,5 @@ def test_the_policy_reaches_the_store_and_every_worker(tmp_path):
 
 def test_detach_passes_it_to_the_background_up(tmp_path):
     args = build_parser().parse_args(["--state-dir", str(tmp_path), "up", "--eviction-policy", "lfu"])
-    argv = _detached_argv(args, tmp_path)
+    argv = detached_argv(args, tmp_path)
     assert build_parser().parse_args(argv[argv.index("--state-dir") :]).eviction_policy == "lfu"

@@ -9,7 +9,8 @@ import pytest
 
 from loramesh_cli.errors import CommandError
 from loramesh_cli.main import build_parser
-from loramesh_cli.mesh_commands import _detached_argv, cmd_up
+from loramesh_cli.mesh_commands import cmd_up
+from loramesh_cli.up_arguments import detached_argv
 from services.gpu_worker.config import WorkerConfig
 from tests.cli.test_up_batch_policy import flag_value, worker_commands
 from tests.cli.test_up_deterministic import worker_config
@@ -27,7 +28,9 @@ def test_the_overflow_policy_lend_cap_and_lane_are_passed_to_every_worker(tmp_pa
     assert len(commands) == 2
     assert all(flag_value(c, "--kv-overflow") == policy for c in commands)
     configs = [worker_config(c) for c in commands]
-    assert all(c.kv_overflow == policy and c.lend_cap_blocks == 40 and c.lending_lane == "off" for c in configs)
+    assert all(
+        c.kv_overflow == policy and c.lend_cap_blocks == 40 and c.lending_lane == "off" for c in configs
+    )
     defaults = [worker_config(c).lending_lane for c in worker_commands(tmp_path)]
     assert defaults == ["shared-memory"] * 2  # the pools mapped by default
 
@@ -43,11 +46,14 @@ def test_without_the_flags_the_workers_borrow_where_a_kv_manager_runs(tmp_path):
 
 
 def test_detach_passes_them_to_the_background_up(tmp_path):
-    argv = _detached_argv(up_args(tmp_path, "--kv-overflow", "borrow", "--lend-cap-blocks", "7"), tmp_path)
+    argv = detached_argv(up_args(tmp_path, "--kv-overflow", "borrow", "--lend-cap-blocks", "7"), tmp_path)
     again = build_parser().parse_args(argv[argv.index("--state-dir") :])
     assert (again.kv_overflow, again.lend_cap_blocks) == ("borrow", 7)
-    plain = _detached_argv(up_args(tmp_path), tmp_path)
-    assert flag_value(plain, "--kv-overflow") == "borrow" and "--lend-cap-blocks" not in plain
+    plain = detached_argv(up_args(tmp_path), tmp_path)
+    assert "--kv-overflow" not in plain and "--lend-cap-blocks" not in plain
+    # The background `up` decides as this one would (borrow, with its 2 kv_managers: above).
+    again = build_parser().parse_args(plain[plain.index("--state-dir") :])
+    assert (again.kv_overflow, again.kv_managers) == (None, 2)
 
 
 def test_an_unknown_policy_and_a_negative_cap_are_refused_by_up(tmp_path, capsys):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from loramesh_cli.errors import CommandError
-from loramesh_cli.mesh_commands import _detached_argv, cmd_up
+from loramesh_cli.mesh_commands import cmd_up
+from loramesh_cli.up_arguments import detached_argv
 from services.gpu_worker.config import WorkerConfig
 from tests.cli.test_up_batch_policy import flag_value, worker_commands
 from tests.cli.test_up_deterministic import worker_config
@@ -29,9 +30,9 @@ def test_without_it_the_workers_keep_their_default(tmp_path):
 
 
 def test_detach_passes_it_to_the_background_up(tmp_path):
-    argv = _detached_argv(up_args(tmp_path, "--lend-compute-share", "1"), tmp_path)
+    argv = detached_argv(up_args(tmp_path, "--lend-compute-share", "1"), tmp_path)
     assert argv[argv.index("--lend-compute-share") + 1] == "1.0"
-    assert "--lend-compute-share" not in _detached_argv(up_args(tmp_path), tmp_path)
+    assert "--lend-compute-share" not in detached_argv(up_args(tmp_path), tmp_path)
 
 
 @pytest.mark.parametrize("share", ["-0.1", "1.5"])

@@ -13,6 +13,7 @@ from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.quantization_setting import resolve_quantization
 from services.runtime.config import parse_config
 from tests.cli.test_up_batch_policy import flag_value, worker_commands
+from tests.cli.test_up_deterministic import worker_config
 
 OVERLAYS = Path(__file__).resolve().parents[2] / "k8s" / "overlays"
 
@@ -23,8 +24,10 @@ def test_the_format_is_passed_to_every_worker(tmp_path, value):
     assert len(commands) == 2 and all(flag_value(c, "--quantization") == value for c in commands)
 
 
-def test_auto_by_default(tmp_path):
-    assert all(flag_value(c, "--quantization") == "auto" for c in worker_commands(tmp_path))
+def test_the_workers_default_auto_by_default(tmp_path):
+    commands = worker_commands(tmp_path)
+    assert all(flag_value(c, "--quantization") is None for c in commands)
+    assert all(worker_config(c).quantization == "auto" for c in commands)
 
 
 def test_an_unknown_format_is_refused_by_up(capsys):

@@ -20,7 +20,8 @@ import pytest
 from support.cli import COMMAND_TIMEOUT_S
 
 from loramesh_cli.main import build_parser, main
-from loramesh_cli.mesh_commands import _detached_argv, _service_processes
+from loramesh_cli.mesh_layout import service_processes
+from loramesh_cli.up_arguments import detached_argv
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
 from services.runtime import process as process_module
@@ -33,7 +34,7 @@ def up_args(tmp_path, *flags: str):
 
 
 def processes_of(tmp_path, *flags: str):
-    processes, openai_addresses = _service_processes(
+    processes, openai_addresses = service_processes(
         up_args(tmp_path, *flags), tmp_path, tmp_path, "127.0.0.1:2379", tmp_path / "keys.json", None
     )
     return processes, openai_addresses
@@ -134,7 +135,7 @@ def test_detach_passes_them_to_the_background_up_with_absolute_paths(tmp_path, m
         tmp_path, "--adapter-load-dirs", "loras", "--lora-modules", "bot=bot", "--max-lora-rank", "8",
         "--openai-port", "8123",
     )  # fmt: skip
-    argv = _detached_argv(args, tmp_path / "state")
+    argv = detached_argv(args, tmp_path / "state")
     again = build_parser().parse_args(argv[argv.index("--state-dir") :])
     assert again.adapter_load_dirs == str(tmp_path / "loras")
     assert again.lora_modules == [f"admin/bot={tmp_path / 'bot'}"]
@@ -180,7 +181,7 @@ def test_a_tenants_module_needs_its_plain_key(tmp_path, monkeypatch, capsys):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"lm-bob": "bob", "sha256:00:11": "carol"}))
     args = up_args(tmp_path, "--api-keys-file", str(keys), "--lora-modules", "bob/a=a")
-    assert "bob/a=" + str(tmp_path / "a") in _detached_argv(args, tmp_path / "state")
+    assert "bob/a=" + str(tmp_path / "a") in detached_argv(args, tmp_path / "state")
     # A hashed key cannot be presented: carol's module is refused.
     assert (
         main(["--state-dir", "state", "up", "--api-keys-file", str(keys), "--lora-modules", "carol/a=a"]) == 1

@@ -1,8 +1,9 @@
-"""The engine's limits and policies (the gpu_worker's flags of the same names)."""
+"""The engine's limits and policies: declared here once, they are the gpu_worker's settings too
+(``WorkerConfig`` takes each as its flag and env var: ``--pool-mib``, ``LORAMESH_POOL_MIB``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
@@ -10,6 +11,7 @@ from services.gpu_worker.memory.lend_compute_cap import (
     DEFAULT_LEND_COMPUTE_SHARE,
     DEFAULT_LEND_COMPUTE_WINDOW_S,
 )
+from services.runtime.config import setting
 from services.runtime.eviction import EVICTION_POLICIES
 
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
@@ -22,10 +24,12 @@ AUTO_LEND_SHARE = 0.75
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine limits."""
+    """Engine limits and policies; each field but those marked ``setting(None)`` is a gpu_worker
+    setting of the same name (or the one ``setting`` gives), its docstring the flag's help."""
 
-    pool_mib: float = 512
-    """Size of the unified pool (KV pages + adapter pages), allocated once at start."""
+    pool_mib: float = 1024
+    """Unified pool for KV cache and adapter weights (KV pages + adapter pages), allocated once
+    at start."""
     kv_block_tokens: int = 16
     """Tokens per KV page (per layer)."""
     max_running: int = 64
@@ -35,62 +39,66 @@ class EngineConfig:
     lora_backend: str = "auto"
     """Kernel backend for LoRA deltas: auto (triton on CUDA, else cpu_native, else torch), cpu_native,
     torch, padded_bmm or triton."""
-    adapter_region_share: float | None = None
+    # The ablation is the benchmarks' alone; the worker derives its id and pool kind.
+    adapter_region_share: float | None = field(default=None, metadata=setting(None))
     """None: one unified pool (KV and adapter pages from one free list). A share in (0, 1): a
     fixed region of the pool for adapter weights and the rest for KV, for the S-LoRA
     "no unified memory" ablation only."""
-    worker_id: str = "local"
+    worker_id: str = field(default="local", metadata=setting(None))
     """This worker's instance id: the debtor name its borrowed blocks are lent under."""
-    max_lent_blocks: int = -1
-    """KV blocks other workers may borrow from this pool at most, all together (0: none; −1:
-    ``AUTO_LEND_SHARE`` of the pool's KV blocks). A lender lends only free pages and keeps the
-    rest of the pool for its own requests; see docs/operations.md, "KV overflow and lending"."""
-    shared_pool: bool = False
+    max_lent_blocks: int = field(default=-1, metadata=setting("lend_cap_blocks"))
+    """KV blocks (one page per layer each) other workers may borrow from this pool at most, all
+    together (DistKV-LLM's lending cap); 0 lends nothing; −1 (default): ``AUTO_LEND_SHARE``, three
+    quarters, of the pool's KV blocks. A lender lends only free pages and keeps the rest of the
+    pool for its own requests; see docs/operations.md, "KV overflow and lending"."""
+    shared_pool: bool = field(default=False, metadata=setting(None))
     """The pool lives in shared memory (a memfd; CPU only), so that debtors on this host can map
     it and attend over the blocks they borrowed from it in place (``--lending-lane
     shared-memory``). Otherwise a private buffer."""
     lend_compute_share: float = DEFAULT_LEND_COMPUTE_SHARE
-    """DistKV-LLM's compute cap (``--lend-compute-share``): the share of wall time, over a sliding
-    window of ``lend_compute_window_s``, this worker may spend computing attention for debtors
-    while it has requests of its own; beyond it AttendRemote is refused (RESOURCE_EXHAUSTED) and
-    the debtor recomputes. 1: no cap; 0: none while busy. See memory/lend_compute_cap.py."""
+    """DistKV-LLM's compute cap (its SLA threshold): the share of wall time, over a sliding window
+    of ``lend_compute_window_s``, this worker may spend computing attention for debtors while it
+    has requests of its own; beyond it AttendRemote is refused (RESOURCE_EXHAUSTED) and the
+    debtor recomputes. 0.5 keeps its own steps within about 2x; 1: no cap; 0: none while busy;
+    an idle worker is not capped. See memory/lend_compute_cap.py."""
     lend_compute_window_s: float = DEFAULT_LEND_COMPUTE_WINDOW_S
-    """The sliding window of ``lend_compute_share``, seconds (``--lend-compute-window-s``)."""
+    """The sliding window of ``lend_compute_share``, seconds."""
     kv_overflow: str = "preempt"
-    """When the pool cannot hold a request's next KV block: ``preempt`` (free the newest
+    """When the pool cannot hold a request's next KV block: ``preempt`` (free a running
     request's pages and recompute it later) or ``borrow`` (DistKV-LLM: borrow blocks from other
-    workers, and preempt only when none lends)."""
+    workers, suggested by the kv_manager, and preempt only when none lends)."""
 
     batch_policy: str = "fcfs"
-    """Which requests run each step and in which LoRA mode (``--batch-policy``): fcfs, lcfs,
-    early_abort (S-LoRA), adapter_clustering (S-LoRA), dlora (merged/unmerged switching), pets
-    (coordinated prefill batching) or hrrn (Magnus); see services/gpu_worker/engine/policies."""
+    """Which requests run each step and in which LoRA mode: fcfs, lcfs, early_abort (S-LoRA),
+    adapter_clustering (S-LoRA), dlora (merged/unmerged switching), pets (coordinated prefill
+    batching) or hrrn (Magnus); docs/batch-policies.md."""
     early_abort_slo_s: float = 6.0
-    """First-token SLO of the early_abort batch policy (``--early-abort-slo-s``), in seconds from
-    a request's arrival: a queued request whose first token can no longer come within it is
-    aborted while newer ones can still make theirs (S-LoRA's evaluation uses 6 s). Only read
-    with ``batch_policy="early_abort"``."""
+    """First-token SLO of the early_abort batch policy, in seconds from a request's arrival: a
+    queued request whose first token can no longer come within it is aborted (DEADLINE_EXCEEDED)
+    while newer ones can still make theirs (S-LoRA's evaluation uses 6 s). Only read with
+    ``batch_policy="early_abort"``."""
     deterministic: bool = False
-    """Batch-invariant numerics (``--deterministic``): a request's logits do not depend on what
-    else is in its batch, nor on whether its KV came from prefill or decode, so greedy output is
-    the same alone or batched, and a request re-prefilled elsewhere continues identically. CPU
-    workers with the native kernels; not with the dlora policy (a merged adapter changes its
-    requests' base matmuls). Costs: docs/benchmarks.md, "Deterministic serving"."""
+    """Batch-invariant numerics: a request's logits do not depend on what else is in its batch,
+    nor on whether its KV came from prefill or decode, so greedy output is the same alone or
+    batched, and a request re-prefilled elsewhere (a failover) continues identically. CPU workers
+    with the native kernels; not with the dlora policy (a merged adapter changes its requests'
+    base matmuls). docs/operations.md, "Deterministic serving"."""
 
     preemption_policy: str = "newest"
-    """Which running request gives its KV back when the pool runs dry (``--preemption-policy``):
-    newest (the last started) or fewest_computed (the shortest context: the cheapest recompute);
-    see services/gpu_worker/engine/policies/preemption.py."""
+    """Which running request gives its KV back when the pool runs dry: newest (the last started)
+    or fewest_computed (the shortest context: the cheapest recompute); see
+    services/gpu_worker/engine/policies/preemption.py."""
 
     prefix_cache: bool = True
     """Share the KV of whole prompt blocks between requests with the same prompt prefix and the
-    same adapter version (``--prefix-cache on|off``): a hit skips that part of the prefill.
+    same adapter version (on|off): a hit skips that part of the prefill.
     Cached blocks nobody uses are evicted first when the pool needs pages; a request that
     borrows KV keeps reading its cached blocks; see services/gpu_worker/memory/prefix_cache.py."""
 
     eviction_policy: str = "lru"
-    """The order idle adapters leave the pool in when it needs pages (``--eviction-policy``):
-    lru, lfu or fifo; pinned adapters never leave (services/runtime/eviction.py)."""
+    """Which idle adapters leave the pool when it needs pages, and the worker's host cache when
+    full, first: lru (least recently used), lfu (least frequently used, ties least recent) or
+    fifo; pinned adapters never (docs/operations.md, "Eviction and pinning")."""
 
     def __post_init__(self) -> None:
         if self.eviction_policy not in EVICTION_POLICIES:

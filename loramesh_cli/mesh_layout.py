@@ -1,0 +1,135 @@
+"""The processes of a local mesh (`loramesh up`): their names, and each one's command line from
+`up`'s flags."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from loramesh_cli.config_flags import setting_flags
+from loramesh_cli.lora_modules import import_grants
+from loramesh_cli.up_arguments import (
+    ADMIN_TENANT,
+    GATEWAY_SETTINGS,
+    SCHEDULER_SETTINGS,
+    STORE_SETTINGS,
+    WORKER_SETTINGS,
+    adapter_load_dirs,
+    lora_modules,
+)
+from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
+from services.runtime.identity import MeshIdentity
+from services.runtime.ports import free_port
+from services.runtime.private_files import write_private_text
+from services.runtime.process import ServiceProcess
+from services.runtime.tls import NO_TLS, TLSConfig
+
+#: The supervisor's name for etcd's process.
+ETCD_UNIT = "etcd"
+
+
+def replica_name(kind: str, index: int) -> str:
+    """The first replica keeps the kind's name (what single-instance readers of mesh.json look
+    up); the others are ``<kind>-<index>``."""
+    return kind if index == 0 else f"{kind}-{index}"
+
+
+def service_processes(
+    args,
+    state_dir: Path,
+    log_dir: Path,
+    etcd_endpoint: str,
+    keys_file: Path,
+    certs: CertificateDirectory | None,
+) -> tuple[dict[str, ServiceProcess], dict[str, str]]:
+    """Every service of the mesh, by name (also its instance id), the adapter store first, and
+    each gateway's OpenAI API address. Ports are picked now and kept, so a restarted process
+    comes back at the same address. With ``certs``, each runs with mutual TLS as its own
+    instance (``<kind>/<name>``: services/runtime/identity.py).
+
+    Each process inherits the environment of `up`, so any setting `up` has no flag for reaches
+    its services as their ``LORAMESH_*`` variable; a flag passed here wins over it."""
+
+    def service(kind: str, name: str, flags: list[str]) -> ServiceProcess:
+        return ServiceProcess(
+            kind,
+            [*flags, "--instance-id", name],
+            log_path=log_dir / f"{name}.log",
+            tls=instance_tls(certs, MeshIdentity(kind, name)),
+        )
+
+    etcd_flags = ["--etcd-endpoints", etcd_endpoint]
+    processes = {
+        "adapter_store": service(
+            "adapter_store", "adapter_store",
+            [*etcd_flags, "--data-dir", str(state_dir / "adapter_store"), *setting_flags(args, [STORE_SETTINGS]),
+             *_max_rank_flags(args), "--import-policy-file", _import_policy_file(args, state_dir)],
+        )
+    }  # fmt: skip
+    store_flags = ["--adapter-store", processes["adapter_store"].address]
+    # Workers sharing one machine's cores split them rather than oversubscribe (CPU serving); a
+    # tensor-parallel group splits its share again between its ranks.
+    threads = max(1, (os.cpu_count() or 1) // max(1, args.workers))
+    for i in range(args.workers):
+        processes[f"gpu_worker-{i}"] = service(
+            "gpu_worker", f"gpu_worker-{i}", [*etcd_flags, *store_flags, "--threads", str(threads), *_worker_flags(args)]
+        )  # fmt: skip
+    # Schedulers are stateless replicas: each gateway finds a live one in etcd (docs/operations.md).
+    for i in range(args.schedulers):
+        name = replica_name("scheduler", i)
+        processes[name] = service(
+            "scheduler", name, [*etcd_flags, *setting_flags(args, [SCHEDULER_SETTINGS])]
+        )
+    # DistKV-LLM's gManager: the workers' KV-block debt ledger; the replicas elect one leader.
+    for i in range(args.kv_managers):
+        name = replica_name("kv_manager", i)
+        processes[name] = service("kv_manager", name, etcd_flags)
+    gateway_flags = [*etcd_flags, *store_flags, *setting_flags(args, [GATEWAY_SETTINGS]), "--api-keys-file", str(keys_file)]  # fmt: skip
+    if load_dirs := adapter_load_dirs(args):
+        gateway_flags += ["--adapter-load-dirs", load_dirs]
+    openai_addresses = {}
+    for i in range(args.gateways):
+        name = replica_name("gateway", i)
+        openai_port = args.openai_port if i == 0 and args.openai_port else free_port()
+        processes[name] = service("gateway", name, [*gateway_flags, "--openai-port", str(openai_port)])
+        openai_addresses[name] = f"{processes[name].host}:{openai_port}"
+    return processes, openai_addresses
+
+
+def _worker_flags(args) -> list[str]:
+    """The workers' settings `up` was given; ``--kv-overflow`` as given, else borrow wherever a
+    kv_manager runs to suggest creditors (preempt without one)."""
+    flags = setting_flags(args, [WORKER_SETTINGS])
+    if args.kv_overflow is None:
+        flags += ["--kv-overflow", "borrow" if args.kv_managers > 0 else "preempt"]
+    return flags
+
+
+def _max_rank_flags(args) -> list[str]:
+    """The store's ``--max-rank N`` when `up` was given ``--max-lora-rank N``; none leaves the
+    store's default (or its ``LORAMESH_MAX_RANK``)."""
+    return ["--max-rank", str(args.max_lora_rank)] if args.max_lora_rank is not None else []
+
+
+def _import_policy_file(args, state_dir: Path) -> str:
+    """The store's import policy: ``--import-policy-file`` as given, else one `up` writes that
+    grants each ``--lora-modules`` URI to its owner and the admin tenant ``file://`` under each
+    ``--adapter-load-dirs`` directory (the directories the operator already opened to loading)."""
+    if args.import_policy_file:
+        return str(Path(args.import_policy_file).resolve())
+    grants = import_grants(lora_modules(args))
+    for directory in filter(None, adapter_load_dirs(args).split(",")):
+        grants.setdefault(ADMIN_TENANT, []).append(Path(directory).as_uri())
+    path = state_dir / "import-policy.json"
+    write_private_text(path, json.dumps({"tenants": grants}, indent=2))
+    return str(path.resolve())
+
+
+def instance_tls(certs: CertificateDirectory | None, identity: MeshIdentity) -> TLSConfig:
+    """A process's TLS settings: its own instance's certificate (made if missing), or none."""
+    if certs is None:
+        return NO_TLS
+    if not certs.complete((identity,)):
+        create_mesh_certificates(certs.path, (identity,))
+    return certs.tls_for(identity)

@@ -1,0 +1,247 @@
+"""`loramesh up`'s command line: its own flags, the services' settings it passes on (their flags,
+help and defaults derived from the services' config classes: :mod:`loramesh_cli.config_flags`),
+the checks made before anything starts, and the command line of the background `up` of
+``--detach``."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from loramesh_cli.config_flags import ForwardedSettings, add_setting_options, setting_flags
+from loramesh_cli.errors import CommandError
+from loramesh_cli.lora_modules import LoraModule, parse_lora_modules
+from loramesh_cli.restart_policy import RestartPolicy
+from services.adapter_store.config import AdapterStoreConfig
+from services.gateway.auth import ApiKeys, is_hashed
+from services.gateway.config import GatewayConfig
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES
+from services.gpu_worker.engine.policies import BATCH_POLICIES
+from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
+from services.gpu_worker.lending_lane import LANE_MODES
+from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
+from services.runtime.errors import InvalidArgument
+from services.runtime.eviction import EVICTION_POLICIES
+from services.runtime.process import ServiceProcess
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.live_prediction import LivePredictions
+from services.scheduler.policies import MIGRATION_POLICIES, PLACEMENT_POLICIES, PREFETCH_POLICIES
+
+#: Tenant of the local admin key that `loramesh up` writes to mesh.json.
+ADMIN_TENANT = "admin"
+
+WORKER_SETTINGS = ForwardedSettings(
+    WorkerConfig,
+    "gpu_worker",
+    (
+        "model",
+        "tp",
+        "dtype",
+        "quantization",
+        "pool_mib",
+        "batch_policy",
+        "early_abort_slo_s",
+        "preemption_policy",
+        "prefix_cache",
+        "eviction_policy",
+        "kv_overflow",
+        "lend_cap_blocks",
+        "lending_lane",
+        "lend_compute_share",
+        "deterministic",
+    ),
+    # Half the service's 1024: a local mesh's workers share one machine with the other services.
+    defaults={"pool_mib": 512},
+    # Borrowing needs a kv_manager to suggest creditors: mesh_layout decides from --kv-managers.
+    default_words={"kv_overflow": "borrow, preempt with --kv-managers 0"},
+    choices={
+        "dtype": ("auto", "bfloat16", "float32", "float16"),
+        "quantization": QUANTIZATION_CHOICES,
+        "batch_policy": BATCH_POLICIES,
+        "preemption_policy": PREEMPTION_POLICIES,
+        "eviction_policy": EVICTION_POLICIES,
+        "kv_overflow": KV_OVERFLOW_POLICIES,
+        "lending_lane": LANE_MODES,
+    },
+)
+STORE_SETTINGS = ForwardedSettings(
+    AdapterStoreConfig, "adapter_store", ("model", "ram_budget_mib", "eviction_policy")
+)
+GATEWAY_SETTINGS = ForwardedSettings(GatewayConfig, "gateway", ("model",))
+SCHEDULER_SETTINGS = ForwardedSettings(
+    SchedulerConfig,
+    "scheduler",
+    ("placement", "migration", "prefetch", "length_predictor"),
+    choices={
+        "placement": PLACEMENT_POLICIES,
+        "migration": ("none", *MIGRATION_POLICIES),
+        "prefetch": ("none", *PREFETCH_POLICIES),
+        "length_predictor": ("none", LivePredictions.name),
+    },
+)
+SERVICE_SETTINGS = (WORKER_SETTINGS, STORE_SETTINGS, GATEWAY_SETTINGS, SCHEDULER_SETTINGS)
+"""The services' settings `up` takes, each under the service's flag name."""
+
+
+def add_up_parser(sub) -> argparse.ArgumentParser:
+    up = sub.add_parser(
+        "up",
+        help="start etcd and every service on loopback and supervise them (in the foreground, or "
+        "in the background with --detach)",
+        description="Every flag's help says its default. Any other setting of a service reaches it "
+        "through its LORAMESH_* variable in the environment of `loramesh up` (docs/operations.md).",
+    )
+    up.add_argument("--workers", type=int, default=1,
+                    help="gpu_workers (default 1); with --tp N, tensor-parallel groups")  # fmt: skip
+    add_setting_options(up, SERVICE_SETTINGS)
+    up.add_argument("--api-keys-file", default="", metavar="FILE",
+                    help="the gateways' tenants file: JSON {api key: tenant}, or {\"keys\": {api key: tenant}, "
+                         "\"tenants\": {tenant: limits}} with per-tenant limits (docs/operations.md, "
+                         "\"Tenants and quotas\"), besides the admin key (default none)")  # fmt: skip
+    up.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR|URI",
+                    help="adapters to register once the mesh is ready, as vLLM's flag: NAME for the admin "
+                         "tenant, OWNER/NAME for a tenant whose plain key is in --api-keys-file; DIR is a "
+                         "PEFT directory, relative to the working directory; a URI (s3://, hf://, file://) "
+                         "is imported by the adapter store (default none)")  # fmt: skip
+    up.add_argument("--import-policy-file", default="", metavar="FILE",
+                    help="the adapter store's import policy (which tenant may import from which s3://, "
+                         "hf://, file:// sources; docs/operations.md); default: one up writes, granting "
+                         "each --lora-modules URI to its owner and the admin tenant file:// under each "
+                         "--adapter-load-dirs directory, nothing else")  # fmt: skip
+    up.add_argument("--adapter-load-dirs", default="", metavar="DIR[,DIR...]",
+                    help="directories under which the gateways' POST /v1/load_lora_adapter may read a "
+                         "lora_path, comma-separated, relative to the working directory (default none: "
+                         "loading by path is refused)")  # fmt: skip
+    up.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
+                    help="largest LoRA rank the adapter store accepts at registration (default: the "
+                         f"store's, {AdapterStoreConfig.max_rank})")  # fmt: skip
+    up.add_argument("--openai-port", type=int, default=0, metavar="PORT",
+                    help="the first gateway's OpenAI-compatible HTTP port on 127.0.0.1; the other "
+                         "gateways take free ports (default 0: a free port)")  # fmt: skip
+    up.add_argument("--detach", action="store_true",
+                    help="run in the background; return once ready (default off: in the foreground "
+                         "until Ctrl-C)")  # fmt: skip
+    up.add_argument("--tls", action="store_true",
+                    help="mutual TLS between every service, to etcd and from clients; certificates "
+                         "in <state dir>/certs, made if absent (`loramesh certs`; default off)")  # fmt: skip
+    up.add_argument("--gateways", type=int, default=2,
+                    help="gateway processes (default 2: one can die while the other serves)")  # fmt: skip
+    up.add_argument("--schedulers", type=int, default=2, help="scheduler replicas (default 2)")
+    up.add_argument("--kv-managers", type=int, default=2,
+                    help="kv_manager replicas, one active (default 2)")  # fmt: skip
+    defaults = RestartPolicy()
+    up.add_argument("--restart-backoff-s", type=float, default=defaults.initial_backoff_s,
+                    help=f"wait before restarting a process that died (default {defaults.initial_backoff_s:g})")  # fmt: skip
+    up.add_argument("--restart-backoff-max-s", type=float, default=defaults.max_backoff_s,
+                    help="cap of the restart wait, which doubles per crash in a row "
+                         f"(default {defaults.max_backoff_s:g})")  # fmt: skip
+    up.add_argument("--restart-healthy-s", type=float, default=defaults.healthy_after_s,
+                    help=f"a run this long resets the restart wait (default {defaults.healthy_after_s:g})")  # fmt: skip
+    return up
+
+
+def check_up_args(args) -> None:
+    """Refuses a bad setting in one line, before anything starts: every count, range, path and
+    port named on the command line."""
+    for flag in ("workers", "gateways", "schedulers", "kv_managers"):
+        if getattr(args, flag) < 1:
+            raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.lend_cap_blocks is not None and args.lend_cap_blocks < -1:
+        raise CommandError(f"--lend-cap-blocks must be -1 (auto), 0 or more, got {args.lend_cap_blocks}")
+    if args.lend_compute_share is not None and not 0 <= args.lend_compute_share <= 1:
+        raise CommandError(f"--lend-compute-share must be in [0, 1], got {args.lend_compute_share}")
+    if args.early_abort_slo_s is not None and not args.early_abort_slo_s > 0:
+        raise CommandError(f"--early-abort-slo-s must be more than 0, got {args.early_abort_slo_s}")
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        raise CommandError(f"--max-lora-rank must be at least 1, got {args.max_lora_rank}")
+    try:
+        restart_policy(args)
+    except ValueError as error:
+        raise CommandError(f"restart backoff: {error}") from None
+    lora_modules(args)
+    adapter_load_dirs(args)
+    if args.import_policy_file and not Path(args.import_policy_file).is_file():
+        raise CommandError(f"--import-policy-file: {Path(args.import_policy_file).resolve()} is not a file")
+    _check_openai_port(args.openai_port)
+
+
+def restart_policy(args) -> RestartPolicy:
+    return RestartPolicy(
+        initial_backoff_s=args.restart_backoff_s,
+        max_backoff_s=args.restart_backoff_max_s,
+        healthy_after_s=args.restart_healthy_s,
+    )
+
+
+def lora_modules(args) -> list[LoraModule]:
+    """``--lora-modules``, each directory checked and made absolute."""
+    return parse_lora_modules(args.lora_modules, ADMIN_TENANT, plain_keys_by_tenant(args))
+
+
+def adapter_load_dirs(args) -> str:
+    """``--adapter-load-dirs`` as the gateways take it: comma-separated, each directory checked
+    and made absolute (a service's working directory need not be the user's)."""
+    directories = [
+        Path(d.strip()).expanduser().resolve() for d in args.adapter_load_dirs.split(",") if d.strip()
+    ]
+    for directory in directories:
+        if not directory.is_dir():
+            raise CommandError(f"--adapter-load-dirs: {directory} is not a directory")
+    return ",".join(str(d) for d in directories)
+
+
+def plain_keys_by_tenant(args) -> dict[str, str]:
+    """Tenant → API key of ``--api-keys-file``'s plain (unhashed) keys: what `up` can register a
+    tenant's ``--lora-modules`` with."""
+    if not args.api_keys_file:
+        return {}
+    try:
+        keys = ApiKeys.read_file(args.api_keys_file)
+    except (OSError, ValueError, InvalidArgument) as error:
+        raise CommandError(f"--api-keys-file: {error}") from None
+    return {tenant: key for key, tenant in keys.items() if not is_hashed(key)}
+
+
+def _check_openai_port(port: int) -> None:
+    """Refuses an ``--openai-port`` out of range or taken, before anything starts (a gateway that
+    cannot bind it would only fail in its log)."""
+    if not 0 <= port <= 65535:
+        raise CommandError(f"--openai-port must be in [0, 65535], got {port}")
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway's server binds
+        try:
+            probe.bind((ServiceProcess.host, port))
+        except OSError as error:
+            raise CommandError(
+                f"--openai-port {port}: {ServiceProcess.host}:{port} is taken ({error.strerror})"
+            ) from None
+
+
+def detached_argv(args, state_dir: Path) -> list[str]:
+    """The foreground `up` that `up --detach` runs in the background, with the same settings
+    (paths made absolute)."""
+    argv = [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state_dir), "up"]
+    argv += ["--workers", str(args.workers), *setting_flags(args, SERVICE_SETTINGS)]
+    argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers)]
+    argv += ["--kv-managers", str(args.kv_managers), "--restart-backoff-s", str(args.restart_backoff_s)]
+    argv += ["--restart-backoff-max-s", str(args.restart_backoff_max_s)]
+    argv += ["--restart-healthy-s", str(args.restart_healthy_s)]
+    if args.api_keys_file:
+        argv += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
+    if modules := lora_modules(args):
+        argv += ["--lora-modules", *(f"{m.owner}/{m.name}={m.source}" for m in modules)]
+    if args.import_policy_file:
+        argv += ["--import-policy-file", str(Path(args.import_policy_file).resolve())]
+    if load_dirs := adapter_load_dirs(args):
+        argv += ["--adapter-load-dirs", load_dirs]
+    if args.max_lora_rank is not None:
+        argv += ["--max-lora-rank", str(args.max_lora_rank)]
+    argv += ["--openai-port", str(args.openai_port)]
+    if args.tls:
+        argv += ["--tls"]
+    return argv
