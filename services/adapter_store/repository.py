@@ -242,11 +242,9 @@ class AdapterRepository:
         if self.catalog.get_by_name(owner, name) is not None:
             raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}")
         written = self._blob_writes.start(weights)
-        try:
-            record = self._validated_record(name, owner, visibility, config_bytes, weights, tokenizer_files)
-        except BaseException:
-            written.discard()
-            raise
+        record = self._validated_record(
+            written, name, owner, visibility, config_bytes, weights, tokenizer_files
+        )
         self._commit(record, weights, written)
         return record
 
@@ -268,12 +266,9 @@ class AdapterRepository:
         # A name already registered is most often imported again unchanged: its weights are
         # written only once they are known to differ.
         written = self._blob_writes.start(weights) if current is None else None
-        try:
-            record = self._validated_record(name, owner, visibility, config_bytes, weights, tokenizer_files)
-        except BaseException:
-            if written is not None:
-                written.discard()
-            raise
+        record = self._validated_record(
+            written, name, owner, visibility, config_bytes, weights, tokenizer_files
+        )
         if current is not None and _content(current) == _content(record):
             return AdapterRegistration(current, changed=False)
         if current is not None:
@@ -283,6 +278,7 @@ class AdapterRepository:
 
     def _validated_record(
         self,
+        written: PendingBlob | None,
         name: str,
         owner: str,
         visibility: int,
@@ -290,31 +286,38 @@ class AdapterRepository:
         weights: bytes,
         tokenizer_files: Mapping[str, bytes],
     ) -> AdapterRecord:
+        """The record of a valid adapter. When anything fails, ``written`` (the write of its
+        weights, if started) is discarded before the error goes on."""
         if visibility not in (PRIVATE, PUBLIC):
             visibility = PRIVATE
-        validated = validate_adapter(config_bytes, weights, self.spec, self.limits)
-        templates = read_chat_templates(tokenizer_files)
-        return AdapterRecord(
-            id=uuid.uuid4().hex,
-            name=name,
-            owner=owner,
-            visibility=visibility,
-            base_model=self.spec.name,
-            pet_type="lora",
-            rank=validated.config.rank,
-            max_rank=validated.max_rank,
-            lora_alpha=validated.config.alpha,
-            use_rslora=validated.config.use_rslora,
-            target_modules=tuple(validated.target_modules),
-            dtype=validated.dtype,
-            size_bytes=len(weights),
-            sha256=sha256_hex(weights),
-            version=self.catalog.next_version(owner, name),
-            created_ms=int(time.time() * 1000),
-            config_json=config_bytes.decode("utf-8"),
-            chat_template=templates.chat_template,
-            tool_use_chat_template=templates.tool_use_chat_template,
-        )
+        try:
+            validated = validate_adapter(config_bytes, weights, self.spec, self.limits)
+            templates = read_chat_templates(tokenizer_files)
+            return AdapterRecord(
+                id=uuid.uuid4().hex,
+                name=name,
+                owner=owner,
+                visibility=visibility,
+                base_model=self.spec.name,
+                pet_type="lora",
+                rank=validated.config.rank,
+                max_rank=validated.max_rank,
+                lora_alpha=validated.config.alpha,
+                use_rslora=validated.config.use_rslora,
+                target_modules=tuple(validated.target_modules),
+                dtype=validated.dtype,
+                size_bytes=len(weights),
+                sha256=sha256_hex(weights),
+                version=self.catalog.next_version(owner, name),
+                created_ms=int(time.time() * 1000),
+                config_json=config_bytes.decode("utf-8"),
+                chat_template=templates.chat_template,
+                tool_use_chat_template=templates.tool_use_chat_template,
+            )
+        except BaseException:
+            if written is not None:
+                written.discard()
+            raise
 
     def _commit(
         self,
