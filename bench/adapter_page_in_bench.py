@@ -54,6 +54,7 @@ from bench.gpu_checklist import load_base
 from bench.out_dir import default_out
 from bench.worker_bench import CpuMonitor, machine, make_prompts
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     # Room for every adapter at once (page ends included) and the batch's KV: nothing is evicted
     # but what the bench evicts.
     pool_mib = 1.25 * adapter_mib + 128
-    engine = Engine(
+    engine = local_engine(
         model,
         # No prefix cache: a TTFT request must prefill its whole prompt, cold or warm alike.
         EngineConfig(pool_mib=pool_mib, max_running=args.batch + 1, prefix_cache=False),

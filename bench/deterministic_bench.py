@@ -33,6 +33,7 @@ import torch
 
 from bench.out_dir import default_out
 from bench.worker_bench import CpuMonitor, machine, make_adapters, make_prompts
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         adapters = make_adapters(4, dtype, adapters_root / dtype_name)
         for batch in batches:
             engines = {
-                mode: Engine(
+                mode: local_engine(
                     model,
                     EngineConfig(pool_mib=512, max_running=batch, deterministic=mode == "deterministic"),
                 )

@@ -80,6 +80,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -294,7 +295,7 @@ def run_engine(engine: Engine, requests: list[GenerationRequest], sink=None) -> 
     while engine.has_work():
         engine.step()
         steps += 1
-    if engine.model.device.type == "cuda":
+    if engine.executor.model.device.type == "cuda":
         torch.cuda.synchronize()
     return tokens, steps, time.perf_counter() - t
 
@@ -412,7 +413,7 @@ def part1_engine(ctx: Ctx, dtype: torch.dtype, new_tokens: int) -> dict:
     logits: dict[str, list[torch.Tensor]] = {}
     model = engine_model(ctx, dtype)
     compute_dtype = str(model.compute_dtype).removeprefix("torch.")
-    engine = Engine(
+    engine = local_engine(
         model,
         EngineConfig(pool_mib=256),
         on_logits=lambda rid, row: logits.setdefault(rid, []).append(row.float().cpu()),
@@ -636,7 +637,7 @@ def part2(ctx: Ctx) -> dict:
 
 def _engine(ctx: Ctx, model: LlamaModel, pool_mib: float, max_running: int, max_prefill: int) -> Engine:
     config = ctx.model()["config"]
-    return Engine(
+    return local_engine(
         model,
         EngineConfig(pool_mib=pool_mib, max_running=max_running, max_prefill_tokens=max_prefill),
         eos_token_ids=config.eos_token_ids,
@@ -996,7 +997,7 @@ def part5_structured(ctx: Ctx) -> dict:
     model = engine_model(ctx, dtype)
     kv = _kv_mib(ctx, max(batches), max(map(len, prompts.values())) + MAX_TOKENS, dtype)
     engines = {
-        name: Engine(
+        name: local_engine(
             model,
             EngineConfig(pool_mib=kv + 32, max_running=max(batches), max_prefill_tokens=4096, prefix_cache=False),
             eos_token_ids=config.eos_token_ids,
@@ -1153,7 +1154,7 @@ def part5_prefix_cache(ctx: Ctx) -> dict:
             kv = _kv_mib(ctx, 2 * len(adapters) + 2, prompt_len + new, dtype)
             engines = {}
             for name, cached in (("uncached", False), ("cached", True)):
-                engines[name] = Engine(
+                engines[name] = local_engine(
                     model,
                     EngineConfig(pool_mib=kv + 1.3 * adapter_bytes / 2**20 + 32, max_running=4,
                                  max_prefill_tokens=max(2048, prompt_len), prefix_cache=cached),
@@ -1262,7 +1263,7 @@ def part5_deterministic(ctx: Ctx) -> dict:
     out: dict = {"batch": batch, "new_tokens": new, "probes": list(probes), "adapters": ids}
     for mode in ("deterministic", "default"):
         try:
-            engine = Engine(
+            engine = local_engine(
                 model,
                 EngineConfig(pool_mib=kv + 1.3 * adapter_mib + 32, max_running=batch, max_prefill_tokens=4096,
                              deterministic=mode == "deterministic", prefix_cache=False),

@@ -30,6 +30,7 @@ import torch
 
 from bench.out_dir import default_out
 from bench.worker_bench import machine, make_adapters
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         adapters = make_adapters(args.adapters, torch.float32, Path(root))
     engines = {}
     for name, cached in MODES.items():
-        engines[name] = Engine(model, EngineConfig(pool_mib=256, prefix_cache=cached))
+        engines[name] = local_engine(model, EngineConfig(pool_mib=256, prefix_cache=cached))
         for adapter in adapters:
             engines[name].add_adapter(adapter)
     systems = [system_prompt(loaded.tokenizer, i, args.system_tokens) for i in range(len(adapters))]

@@ -48,6 +48,7 @@ import torch
 
 from bench.out_dir import default_out
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -106,7 +107,7 @@ def read_bandwidth_gib_s(mib: int = 512, repeats: int = 5) -> float:
 
 
 def prefilled_engine(model: LlamaModel, batch: int, adapter_dir: Path | None, new_tokens: int) -> Engine:
-    engine = Engine(model, EngineConfig(pool_mib=256, max_running=max(batch, 1)))
+    engine = local_engine(model, EngineConfig(pool_mib=256, max_running=max(batch, 1)))
     adapter_id = None
     if adapter_dir is not None:
         engine.add_adapter(read_peft_directory("bench-r16", adapter_dir, model.dtype))

@@ -37,6 +37,7 @@ import services.gpu_worker.engine.engine as engine_module
 from bench.out_dir import default_out
 from bench.worker_bench import machine, make_prompts
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest, SamplingParams
@@ -280,7 +281,7 @@ def start_engine(
     model: LlamaModel, prompts: list[tuple[int, ...]], adapters: list[HostAdapter | None], max_tokens: int
 ) -> Engine:
     """An engine with one request per prompt (request i on ``adapters[i]``), prefilled."""
-    engine = Engine(
+    engine = local_engine(
         model,
         EngineConfig(pool_mib=_pool_mib(model, prompts, adapters, max_tokens), max_running=len(prompts)),
     )

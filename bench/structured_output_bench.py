@@ -28,6 +28,7 @@ import torch
 
 from bench.out_dir import default_out
 from bench.worker_bench import machine, make_adapters
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.structured_output import GrammarCompiler
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     engines = {}
     for name in ("constrained", "free"):
-        engines[name] = Engine(
+        engines[name] = local_engine(
             model, EngineConfig(pool_mib=512), eos_token_ids=loaded.config.eos_token_ids, grammars=grammars
         )
         for adapter in adapters:

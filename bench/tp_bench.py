@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from bench.out_dir import default_out
+from bench.tp_rank_group import GroupSpec, LocalRunner, RankGroup
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
-from services.gpu_worker.tp.rank_group import GroupSpec, LocalRunner, RankGroup
 from services.gpu_worker.tp.sharding import TensorParallelLayout
 from services.model_files.model_config import ModelConfig
 from services.runtime.sampling_params import SamplingParams

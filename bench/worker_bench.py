@@ -60,6 +60,7 @@ import torch
 
 from bench.out_dir import default_out
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -246,7 +247,7 @@ class EngineRun:
         pool_mib: float,
         sink=None,
     ) -> EngineRun:
-        engine = Engine(
+        engine = local_engine(
             model,
             EngineConfig(pool_mib=pool_mib, max_running=len(prompts)),
             eos_token_ids=loaded.config.eos_token_ids,
@@ -551,7 +552,7 @@ def profile_step(run: EngineRun, backend: str) -> dict:
     """Profile one decode step and split its wall time by kind of work (self CPU time)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    cfg = run.engine.model.config
+    cfg = run.engine.executor.model.config
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     base_dims = {cfg.hidden_size, cfg.intermediate_size, 2 * cfg.intermediate_size, cfg.vocab_size}
     base_dims |= {q_dim, q_dim + 2 * kv_dim}

@@ -36,6 +36,7 @@ from bench.cluster_sim.cost_model import (
 )
 from bench.out_dir import default_out
 from bench.serving.adapters import ensure_adapter_set, evict_from_page_cache
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -123,7 +124,7 @@ def adapter_load_ms(engine: Engine, root: Path, repeats: int) -> float:
         evict_from_page_cache(adapters)
         adapter_id = f"load-{index}"
         began = time.perf_counter()
-        host = read_peft_directory(adapter_id, adapters.directory(index), engine.model.dtype)
+        host = read_peft_directory(adapter_id, adapters.directory(index), engine.executor.model.dtype)
         engine.add_adapter(host)
         engine.submit(GenerationRequest(adapter_id, (1, 2, 3), SamplingParams(max_tokens=1), adapter_id),
                       lambda event: None)  # fmt: skip
@@ -138,7 +139,7 @@ def calibrate(adapter_root: Path, quick: bool) -> Calibration:
     loaded = load_model(None)
     dtype = resolve_dtype("auto", torch.device("cpu"))
     model = LlamaModel(loaded.config, loaded.weights, dtype)
-    engine = Engine(model, EngineConfig(pool_mib=512, max_running=64, max_prefill_tokens=4096))
+    engine = local_engine(model, EngineConfig(pool_mib=512, max_running=64, max_prefill_tokens=4096))
     spec = load_base_model_spec()
     disk = ensure_adapter_set(adapter_root, spec, 32, RANKS)
     ranks: dict[str, int] = {}

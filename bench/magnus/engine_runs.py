@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.magnus.static_batching import StaticBatch, StaticRequest, StaticScheduler, overflow_step, split
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.policies.batch_policy import BatchPolicy
 from services.gpu_worker.engine.request import GenerationRequest, TokenEvent
 from services.gpu_worker.model.llama import LlamaModel
@@ -43,7 +44,7 @@ class EngineRunner:
     """One engine on its thread; runs static batches or a continuous trace."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, batch_policy: BatchPolicy | None = None):
-        self.engine = Engine(
+        self.engine = local_engine(
             LlamaModel(loaded.config, loaded.weights, torch.float32),
             config,
             eos_token_ids=loaded.config.eos_token_ids,

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from demo_adapters.data import DEMO_QUESTIONS, TOPICS
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest, TokenEvent
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
@@ -92,7 +93,7 @@ def generate_lengths(
     loaded = load_model()
     tokenizer = loaded.tokenizer
     prompts = [chat_ids(tokenizer, m) for m in messages]
-    engine = Engine(
+    engine = local_engine(
         LlamaModel(loaded.config, loaded.weights, torch.float32),
         EngineConfig(max_running=max_running),
         eos_token_ids=loaded.config.eos_token_ids,

@@ -17,6 +17,7 @@ import time
 import torch
 
 from bench.systems.base import AdapterSet
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -51,7 +52,7 @@ def measure(adapters: AdapterSet, batch: int, rounds: int) -> dict:
     """BAx/Wx for one shared adapter and for ``batch`` distinct ones, and t_M (medians)."""
     loaded = load_model(None)
     model = LlamaModel(loaded.config, loaded.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=256, max_running=batch))
+    engine = local_engine(model, EngineConfig(pool_mib=256, max_running=batch))
     hosts = [
         read_peft_directory(adapters.name(i), adapters.directory(i), torch.float32) for i in range(batch)
     ]

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -46,7 +47,7 @@ def batching_ceiling(model_path: str | None, max_batch: int) -> dict:
     loaded = load_model(model_path)
     dtype = resolve_dtype("auto", torch.device("cpu"))
     model = LlamaModel(loaded.config, loaded.weights, dtype)
-    engine = Engine(model, EngineConfig(pool_mib=256, max_running=max_batch))
+    engine = local_engine(model, EngineConfig(pool_mib=256, max_running=max_batch))
     decode_tokens_per_s(engine, 1, "warmup")
     single = decode_tokens_per_s(engine, 1, "single")
     full = decode_tokens_per_s(engine, max_batch, "full")

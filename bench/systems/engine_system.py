@@ -21,6 +21,7 @@ from bench.systems.clock import time_left
 from bench.workload import TraceRequest
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import DirectorySource
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.policies.batch_policy import BatchPolicy
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
@@ -80,7 +81,7 @@ class EngineSystem:
         loaded = load_model(context.model_path)
         dtype = resolve_dtype(self.options.dtype, torch.device("cpu"))
         model = LlamaModel(loaded.config, loaded.weights, dtype)
-        engine = Engine(
+        engine = local_engine(
             model,
             EngineConfig(
                 pool_mib=context.pool_mib,

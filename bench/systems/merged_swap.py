@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.systems.base import AdapterSet, RequestRecord, RunContext
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -108,7 +109,7 @@ class MergedSwapSystem:
     def run(self, context: RunContext) -> list[RequestRecord]:
         loaded = load_model(context.model_path)
         self.model = LlamaModel(loaded.config, loaded.weights, torch.float32)
-        engine = Engine(self.model, EngineConfig(pool_mib=context.pool_mib, max_running=context.max_batch))
+        engine = local_engine(self.model, EngineConfig(pool_mib=context.pool_mib, max_running=context.max_batch))
         self.switches, self.switch_s, self.load_s, self.outputs = 0, 0.0, 0.0, {}
         replay = _Replay(self, context, engine)
         try:
@@ -128,7 +129,7 @@ class _Replay:
         self.context = context
         self.clock = context.clock
         self.engine = engine
-        self.weights = MergedWeights(engine.model)
+        self.weights = MergedWeights(engine.executor.model)
         self.cache = _HostCache(context.adapters, int(context.host_cache_mib * 2**20))
         self.records = [
             RequestRecord(r.request_id, r.adapter, r.time_s, r.input_len, r.output_len) for r in context.trace

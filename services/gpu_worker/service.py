@@ -14,20 +14,19 @@ from mesh_api.v1 import worker_pb2_grpc
 from mesh_api.v1.types_pb2 import WorkerLoad
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
+from services.gpu_worker.build import build_executor
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.side_threads import confine_to_one_thread, side_thread_pool
 from services.gpu_worker.engine.structured_output import GrammarCompiler
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.kernels import cpu_quant
 from services.gpu_worker.kv_manager_directory import KvManagerDirectory
 from services.gpu_worker.lending_lane import LANE_MODES, LaneServer
-from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.pin_refresh import refresh_pins
 from services.gpu_worker.quantization_setting import resolve_quantization
 from services.gpu_worker.servicer import WorkerServicer
-from services.gpu_worker.tp.group import start_group
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
 from services.runtime.eviction import make_eviction_policy
 from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_members
@@ -126,34 +125,11 @@ class WorkerService:
         quantization = resolve_quantization(cfg.quantization, device.type, cfg.tp)
         loaded = await asyncio.to_thread(load_model, cfg.model or None, quantization=quantization)
         lane = self.lane = lane_mode(cfg.lending_lane, tls=cfg.tls().enabled, device=device)
-        engine_config = EngineConfig(
-            pool_mib=cfg.pool_mib,
-            kv_block_tokens=cfg.kv_block_tokens,
-            max_running=cfg.max_running,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            lora_backend=cfg.lora_backend,
-            worker_id=cfg.instance_id,
-            max_lent_blocks=cfg.lend_cap_blocks,
-            lend_compute_share=cfg.lend_compute_share,
-            lend_compute_window_s=cfg.lend_compute_window_s,
-            kv_overflow=cfg.kv_overflow,
-            batch_policy=cfg.batch_policy,
-            early_abort_slo_s=cfg.early_abort_slo_s,
-            preemption_policy=cfg.preemption_policy,
-            deterministic=cfg.deterministic,
-            prefix_cache=cfg.prefix_cache,
-            eviction_policy=cfg.eviction_policy,
-            shared_pool=lane == "shared-memory" and cfg.tp == 1,
-        )
-        model, executor = None, None
-        if cfg.tp > 1:
-            # Rank 0 of a tensor-parallel group; refuses a degree the model does not divide.
-            executor = await asyncio.to_thread(
-                start_group, loaded.config, loaded.weights, engine_config, cfg.tp,
-                model_path=cfg.model, dtype=dtype, device=str(device), threads=cfg.threads,
-            )  # fmt: skip
-        else:
-            model = await asyncio.to_thread(LlamaModel, loaded.config, loaded.weights, dtype, device)
+        engine_config = cfg.engine_config(shared_pool=lane == "shared-memory" and cfg.tp == 1)
+        executor = await asyncio.to_thread(
+            build_executor, loaded, engine_config,
+            tp=cfg.tp, dtype=dtype, device=device, model_path=cfg.model, threads=cfg.threads,
+        )  # fmt: skip
 
         def connect(creditor: str, address: str) -> GrpcCreditorTransport:
             return GrpcCreditorTransport(
@@ -161,14 +137,13 @@ class WorkerService:
             )
 
         engine = Engine(
-            model,
+            executor,
             engine_config,
             eos_token_ids=loaded.config.eos_token_ids,
             # The engine only looks for stop strings in this text: a bounded tail, not the whole output.
             detokenize=StopStringTail(loaded.tokenizer.id_to_bytes),
             creditors=self.directory,
             connect=connect,
-            executor=executor,
             grammars=GrammarCompiler(
                 loaded.tokenizer.backend.to_str(), loaded.config.vocab_size, loaded.config.eos_token_ids
             ),

@@ -12,7 +12,8 @@ from bench.systems.clock import TickClock
 from bench.systems.merged_swap import MergedSwapOptions, MergedSwapSystem
 from bench.workload import TraceRequest
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
@@ -55,7 +56,7 @@ def fresh_model(model_dir) -> LlamaModel:
 
 def engine_tokens(model_dir, adapters: AdapterSet, context: RunContext, lora: bool) -> dict:
     """Every request's greedy tokens from the engine's unmerged LoRA path (``lora``) or the base model."""
-    engine = Engine(fresh_model(model_dir), EngineConfig(pool_mib=8))
+    engine = local_engine(fresh_model(model_dir), EngineConfig(pool_mib=8))
     for index in range(adapters.count):
         engine.add_adapter(
             read_peft_directory(adapters.name(index), adapters.directory(index), torch.float32)

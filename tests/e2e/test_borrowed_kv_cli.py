@@ -12,7 +12,8 @@ import pytest
 import torch
 from support.cli import loramesh
 
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
@@ -41,7 +42,7 @@ def prompt_text(tokenizer) -> str:
 def one_worker_with_a_big_pool(loaded, prompt_ids: list[int]) -> list[int]:
     """Greedy tokens of one engine whose 512 MiB pool holds the whole prompt."""
     model = LlamaModel(loaded.config, loaded.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=512), eos_token_ids=loaded.config.eos_token_ids)
+    engine = local_engine(model, EngineConfig(pool_mib=512), eos_token_ids=loaded.config.eos_token_ids)
     tokens: list[int] = []
     engine.submit(
         GenerationRequest(

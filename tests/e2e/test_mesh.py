@@ -16,7 +16,8 @@ from loramesh import AsyncClient
 from loramesh import errors as sdk_errors
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
@@ -56,7 +57,7 @@ def adapter_dirs(base_spec, tmp_path_factory):
 
 def in_process(loaded, adapter_dirs, jobs: list[tuple[str, str | None]], max_tokens: int) -> list[list[int]]:
     """The engine's own greedy output for (prompt, adapter) jobs, all batched in one engine."""
-    engine = Engine(
+    engine = local_engine(
         LlamaModel(loaded.config, loaded.weights, torch.float32),
         EngineConfig(pool_mib=256),
         eos_token_ids=loaded.config.eos_token_ids,

@@ -26,7 +26,8 @@ from support.polling import poll_until
 
 from loramesh_cli.mesh_file import MeshFile, pid_alive
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
@@ -124,7 +125,7 @@ def one_process(
     """What ``--tp 1`` computes: the engine over one process's model (LocalExecutor), every job
     batched together, greedy, in float32; and the tokenizer."""
     loaded = load_model()
-    engine = Engine(LlamaModel(loaded.config, loaded.weights, torch.float32), EngineConfig(pool_mib=256),
+    engine = local_engine(LlamaModel(loaded.config, loaded.weights, torch.float32), EngineConfig(pool_mib=256),
                     eos_token_ids=loaded.config.eos_token_ids)  # fmt: skip
     for name, directory in adapter_dirs.items():
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))

@@ -12,7 +12,8 @@ import torch
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import FetchedAdapter
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.eviction import LFUEviction
 
@@ -47,7 +48,7 @@ def source_files(tiny_llama, tmp_path_factory):
 
 
 def make_loader(tiny_llama, files, budget: int | None, eviction=None):
-    engine = Engine(
+    engine = local_engine(
         LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), EngineConfig(pool_mib=2)
     )
     return AdapterLoader(CountingSource(files), engine, torch.float32, budget, eviction)

@@ -12,6 +12,7 @@ import torch
 from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig
@@ -34,7 +35,7 @@ SMALL_POOL_MIB = 1 / 64  # tiny Llama: 16 pages of 4 tokens = 8 blocks of 2 laye
 
 
 def engine(tiny_llama, config: EngineConfig, **kwargs) -> Engine:
-    return Engine(LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), config, **kwargs)
+    return local_engine(LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), config, **kwargs)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 import torch
 from support.worker_server import serve_worker
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -26,7 +27,7 @@ SMALL_POOL_MIB = 1 / 64  # tiny Llama: 16 pages of 4 tokens = 8 blocks of 2 laye
 
 
 def engine(tiny_llama, config: EngineConfig, **kwargs) -> Engine:
-    return Engine(LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), config, **kwargs)
+    return local_engine(LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), config, **kwargs)
 
 
 def lender(tiny_llama, name: str) -> Engine:

@@ -16,7 +16,8 @@ from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.attention.pool_view import PoolLayout
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.lending_proto import tensor_from_proto, tensor_to_proto
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
@@ -36,7 +37,7 @@ CAP = 6
 async def creditor(tiny_llama):
     """(engine, address) of a worker lending up to CAP blocks, serving on loopback."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=CAP))
+    engine = local_engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=CAP))
     server, address = await serve_worker(engine, "tiny")
     try:
         yield engine, address

@@ -12,6 +12,7 @@ import pytest
 import torch
 from support.worker_server import serve_worker
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -27,7 +28,7 @@ FIRST, SECOND, CREDITOR = "gpu_worker-0", "gpu_worker-1", "gpu_worker-2"
 
 
 def engine(tiny_llama, config: EngineConfig, **kwargs) -> Engine:
-    return Engine(LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), config, **kwargs)
+    return local_engine(LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), config, **kwargs)
 
 
 @pytest.fixture(scope="module")

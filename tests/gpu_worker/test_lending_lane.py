@@ -13,7 +13,8 @@ import torch
 from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport, _refusal
 from services.gpu_worker.lending_lane import ATTEND, HELLO, OK, LaneClient, LaneServer, _frame, _read_frame
 from services.gpu_worker.lending_proto import segment_to_proto
@@ -28,7 +29,7 @@ from services.runtime.errors import FailedPrecondition, PermissionDenied, Unavai
 async def creditor(tiny_llama):
     """(engine, lane, address) of a lending worker serving its RPCs and its lane."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=8))
+    engine = local_engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=8))
     lane = LaneServer(engine.lending, engine.pool.device)
     server, address = await serve_worker(engine, "tiny", lane=lane)
     try:
@@ -123,7 +124,7 @@ async def test_a_closed_lane_makes_the_creditor_unreachable(creditor, tiny_llama
 async def shared_creditor(tiny_llama):
     """(engine, address) of a lending worker whose pool is in shared memory, offered on its lane."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=8, shared_pool=True))
+    engine = local_engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=8, shared_pool=True))
     lane = LaneServer(engine.lending, engine.pool.device, shared_pool=engine.pool)
     server, address = await serve_worker(engine, "tiny", lane=lane)
     try:

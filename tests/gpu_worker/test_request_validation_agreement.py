@@ -12,7 +12,8 @@ from mesh_api.v1 import types_pb2, worker_pb2
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
@@ -23,7 +24,7 @@ from services.runtime.request_validation import InvalidField
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama):
-    engine = Engine(
+    engine = local_engine(
         LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), EngineConfig(pool_mib=1)
     )
     servicer = WorkerServicer()
@@ -36,7 +37,7 @@ def gateway(tiny_llama):
     smollm2 = load_tokenizer()
     core = GatewayCore(GatewayConfig(max_prompt_tokens=100_000), ApiKeys.from_config("k=t", ""))
     text = TokenizerBundle(smollm2.tokenizer, "tiny", tiny_llama.config.max_position_embeddings, "test")
-    core.attach(text, relay=None, access=None, store=None)
+    core.attach(text, relay=None)
     return core
 
 
@@ -101,7 +102,7 @@ async def test_ids_outside_each_side_s_vocabulary_are_named_with_its_size(worker
 
 def test_the_engine_itself_refuses_with_the_same_checks(tiny_llama):
     """Engine.submit (in-process callers, no servicer in front) runs the shared checks too."""
-    engine = Engine(
+    engine = local_engine(
         LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), EngineConfig(pool_mib=1)
     )
     vocab, context = tiny_llama.config.vocab_size, tiny_llama.config.max_position_embeddings

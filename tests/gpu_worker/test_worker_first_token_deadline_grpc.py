@@ -13,7 +13,8 @@ from grpc import aio
 from support.worker_server import serve_worker
 
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.policies.batch_policy import BatchPlan, BatchView
 from services.gpu_worker.engine.policies.early_abort import EarlyAbort, EarlyAbortConfig
 from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostConfig, StepCostModel
@@ -43,7 +44,7 @@ class RecordingEarlyAbort(EarlyAbort):
 async def worker(tiny_llama):
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     policy = RecordingEarlyAbort()
-    engine = Engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4), batch_policy=policy)
+    engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4), batch_policy=policy)
     engine.start()
     server, address = await serve_worker(engine)
     try:

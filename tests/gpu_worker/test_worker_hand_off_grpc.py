@@ -11,7 +11,8 @@ from grpc import aio
 from support.worker_server import serve_worker
 
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.model.llama import LlamaModel
 
 LONG = types_pb2.SamplingParams(max_tokens=100_000, ignore_eos=True)
@@ -21,7 +22,7 @@ LONG = types_pb2.SamplingParams(max_tokens=100_000, ignore_eos=True)
 @pytest.fixture
 async def worker(tiny_llama):
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=1))
+    engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=1))
     engine.start()
     server, address = await serve_worker(engine)
     try:

@@ -7,8 +7,9 @@ import json
 
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.service import WorkerService
 from services.kv_manager.heartbeats import ledger_rows
@@ -21,7 +22,7 @@ def test_load_report_is_a_worker_load_with_kv_blocks(tiny_llama):
     service = WorkerService(config)
     assert service.load_report() == {"ready": False}  # before the model is loaded
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=1, worker_id="gpu_worker-a", max_lent_blocks=5))
+    engine = local_engine(model, EngineConfig(pool_mib=1, worker_id="gpu_worker-a", max_lent_blocks=5))
     service.engine = engine
     engine.lending.allocate("gpu_worker-b", 3, engine.pool.layout)
     engine.lending.allocate("gpu_worker-c", 1, engine.pool.layout)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
@@ -21,7 +22,7 @@ PER_ADAPTER = (
 
 
 def test_per_adapter_series_name_the_top_adapter_and_sum_the_rest_as_other(tiny_llama, tmp_path):
-    engine = Engine(
+    engine = local_engine(
         LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32),
         EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=1),
     )

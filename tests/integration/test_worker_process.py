@@ -15,7 +15,8 @@ from support.polling import poll_until as until
 from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import upload_adapter
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
@@ -62,7 +63,7 @@ def worker(tmp_path, adapter_root):
 
 
 def in_process_tokens(loaded, adapter_root, prompt, adapter, max_tokens) -> list[int]:
-    engine = Engine(LlamaModel(loaded.config, loaded.weights, torch.float32), EngineConfig(pool_mib=128))
+    engine = local_engine(LlamaModel(loaded.config, loaded.weights, torch.float32), EngineConfig(pool_mib=128))
     if adapter:
         engine.add_adapter(read_peft_directory(adapter, adapter_root / adapter, torch.float32))
     tokens: list[int] = []

@@ -16,7 +16,8 @@ from support.polling import HANG_GUARD_S
 from support.polling import poll_until as until
 
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
@@ -38,7 +39,7 @@ def long_prompt(loaded, tokens: int = 1000) -> list[int]:
 def one_big_pool(loaded, prompt: list[int], new_tokens: int) -> tuple[list[int], list]:
     """Greedy tokens and per-step log-probabilities of one in-process engine whose pool holds it all."""
     model = LlamaModel(loaded.config, loaded.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=256))
+    engine = local_engine(model, EngineConfig(pool_mib=256))
     events = []
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, top_logprobs=TOP_LOGPROBS)
     engine.submit(GenerationRequest("ref", tuple(prompt), params), events.append)

@@ -48,7 +48,6 @@ from services.gpu_worker.engine.engine_stats import (
 from services.gpu_worker.engine.executor import Executor, LendingExecutor
 from services.gpu_worker.engine.hand_over import HandOver
 from services.gpu_worker.engine.kv_reservation import KvReservation, make_borrower
-from services.gpu_worker.engine.local_executor import LocalExecutor
 from services.gpu_worker.engine.policies import make_batch_policy
 from services.gpu_worker.engine.policies.batch_policy import UNMERGED, BatchPolicy, LoraMode, StepOutcome
 from services.gpu_worker.engine.policies.preemption import make_preemption_policy
@@ -78,7 +77,6 @@ from services.gpu_worker.memory.lend_compute_cap import LendComputeCap
 from services.gpu_worker.memory.prefix_cache import PrefixCache
 from services.gpu_worker.memory.remote_block_allocator import CreditorRefused, CreditorUnavailable
 from services.gpu_worker.memory.rmanager import RManager
-from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.runtime.eviction import make_eviction_policy
 from services.runtime.request_validation import check_request
@@ -93,26 +91,25 @@ T = TypeVar("T")
 class Engine:
     def __init__(
         self,
-        model: LlamaModel | None,
+        executor: Executor,
         config: EngineConfig | None = None,
+        *,
         eos_token_ids: tuple[int, ...] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         on_logits: Callable[[str, torch.Tensor], None] | None = None,
         creditors: CreditorDirectory | None = None,
         connect: TransportFactory | None = None,
         batch_policy: BatchPolicy | None = None,
-        executor: Executor | None = None,
         grammars: GrammarCompiler | None = None,
     ):
         """``creditors`` and ``connect``: where to borrow KV blocks and how to reach a creditor;
         required with ``kv_overflow="borrow"``. ``batch_policy``: a configured policy instead of
         ``config.batch_policy`` with its defaults (benchmarks and tests tune its knobs).
-        ``executor``: what runs the plans (None: a :class:`LocalExecutor` over ``model``).
+        ``executor``: what runs the plans (``services/gpu_worker/build.py`` makes one).
         ``grammars``: the model's structured-output grammars (None: constrained requests are
         refused)."""
         config = config or EngineConfig()
-        self.model = model
-        self.executor = executor or LocalExecutor(model, config)
+        self.executor = executor
         self.pool = self.executor.pool
         self.config = config
         self.lora_backend = config.lora_backend

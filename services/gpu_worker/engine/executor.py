@@ -4,22 +4,28 @@ The engine keeps every decision and all accounting: which requests run, their KV
 each adapter's rows go (its ``AdapterResidency``), merged mode, sampling. An executor owns the
 model weights and the pool memory, and carries the decisions out: it writes adapter rows where
 the engine placed them, runs a :class:`StepPlan` and returns logits. ``LocalExecutor`` runs on
-one device; a tensor-parallel executor runs the same plan on every rank of its group.
+one device; a tensor-parallel executor runs the same plan on every rank of its group (both in
+``services/gpu_worker/executor/``). This contract names no implementation: the worker is
+assembled by ``services/gpu_worker/build.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from services.gpu_worker.engine.step_builder import BorrowedLookup
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter
+from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.model_files.model_config import ModelConfig
+
+BorrowedLookup = Callable[[str], BlockTable]
+"""A borrowed request's rManager block table, by request id."""
 
 
 class Executor(Protocol):

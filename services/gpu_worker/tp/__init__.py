@@ -3,9 +3,8 @@
 Modules: ``sharding`` (layout, base and adapter shards, padding), ``collectives`` (all-reduce /
 all-gather with ring-model byte counts), ``context`` (what a rank's ``LlamaModel`` does: the
 LoRA collectives and the base all-reduces), ``rank`` (build a rank's model and pool, page a
-shard), ``tp_executor`` / ``follower`` (the serving executor: the engine's ``StepPlan`` broadcast
-and built by every rank's ``StepBuilder``), ``rank_group`` (N local gloo processes for tests and
-the bench, driven with the same ``StepPlan``).
+shard). The group's executor, its followers and their processes live in
+``services/gpu_worker/executor/`` (``tensor_parallel``, ``follower``, ``tp_group``).
 
 Communication per step (N ranks, T tokens, hidden h, element size e; ring model, bytes each rank
 sends), per layer:

@@ -21,8 +21,8 @@ from services.gpu_worker.attention.dist_attention import (
 from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.engine.request import EngineRequest, GenerationRequest
-from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel

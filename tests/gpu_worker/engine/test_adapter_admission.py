@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -40,7 +41,7 @@ def adapters(tiny_llama, tmp_path_factory):
 def two_slot_engine(tiny_llama, adapters) -> Engine:
     """An engine whose pool's adapter region holds exactly two of ``adapters``."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    probe = Engine(model, BASE)
+    probe = local_engine(model, BASE)
     probe.add_adapter(adapters["a"])
     probe.preload("a")
     probe.step()
@@ -52,7 +53,7 @@ def two_slot_engine(tiny_llama, adapters) -> Engine:
     region = used + upper  # two fit (the second at its upper bound); a third does not
     assert region < 3 * used
     config = EngineConfig(**{**BASE.__dict__, "adapter_region_share": region / pages})
-    engine = Engine(model, config)
+    engine = local_engine(model, config)
     for adapter in adapters.values():
         engine.add_adapter(adapter)
     return engine

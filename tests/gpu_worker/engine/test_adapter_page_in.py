@@ -17,9 +17,9 @@ from support.polling import HANG_GUARD_S
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.engine import adapter_pager
 from services.gpu_worker.engine.engine import Engine, EngineConfig
-from services.gpu_worker.engine.local_executor import LocalExecutor
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.executor.local import LocalExecutor
 from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.model_files.peft_format import LORA_TARGETS
@@ -57,8 +57,8 @@ def adapters(tiny_llama, tmp_path_factory):
 
 
 def make_engine(tiny_llama, adapters, executor: LocalExecutor | None = None) -> Engine:
-    model = executor.model if executor else LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, CONFIG, executor=executor)
+    executor = executor or LocalExecutor(LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), CONFIG)
+    engine = Engine(executor, CONFIG)
     for adapter in adapters.values():
         engine.add_adapter(adapter)
     return engine

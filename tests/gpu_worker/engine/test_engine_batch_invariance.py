@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.kernels.cpu_invariant import invariant_available, invariant_error
@@ -64,7 +65,7 @@ class Run:
     def __init__(self, model: LlamaModel, adapter_dirs: dict, dtype: torch.dtype):
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.tokens: dict[str, list[int]] = {}
-        self.engine = Engine(
+        self.engine = local_engine(
             model,
             EngineConfig(pool_mib=256, deterministic=True),
             on_logits=lambda rid, row: self.logits.setdefault(rid, []).append(row.clone()),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.batch_policy import UNMERGED, Merged
@@ -35,7 +36,7 @@ def adapter_dirs(tiny_llama, tmp_path_factory):
 
 def make_engine(tiny_llama, adapter_dirs, policy=None, pool_mib: float = 4, **config) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, **config), batch_policy=policy)
+    engine = local_engine(model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, **config), batch_policy=policy)
     for name, directory in adapter_dirs.items():
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     return engine
@@ -73,7 +74,7 @@ def always_merge() -> DynamicBatching:
 
 def fixed_weights(engine: Engine) -> list[torch.Tensor]:
     return [
-        t.clone() for layer in engine.model.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        t.clone() for layer in engine.executor.model.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
 
 
@@ -162,7 +163,7 @@ def test_the_early_abort_slo_is_the_engine_configs(tiny_llama):
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
 
     def slo(**config) -> float:
-        engine = Engine(
+        engine = local_engine(
             model, EngineConfig(pool_mib=1, kv_block_tokens=4, batch_policy="early_abort", **config)
         )
         return engine.policy.config.first_token_slo_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
@@ -40,7 +41,7 @@ class Mesh:
                 max_lent_blocks=CAP,
                 kv_overflow="borrow",
             )
-            self.engines[name] = Engine(model, config, creditors=self, connect=self._connect)
+            self.engines[name] = local_engine(model, config, creditors=self, connect=self._connect)
             self.transports[name] = InProcessTransport(name, self.engines[name].rm.lender)
 
     def suggest(self, debtor: str, blocks: int) -> list[Candidate]:
@@ -100,7 +101,7 @@ def greedy(prompt_len: int, max_tokens: int) -> GenerationRequest:
 def reference(tiny_llama, request: GenerationRequest) -> tuple[list[int], list[torch.Tensor]]:
     logits: list[torch.Tensor] = []
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(
+    engine = local_engine(
         model, EngineConfig(pool_mib=4, kv_block_tokens=BLOCK), on_logits=lambda _, row: logits.append(row)
     )
     return run(engine, request), logits
@@ -165,9 +166,9 @@ def test_the_policy_is_checked(tiny_llama, policy):
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     if policy == "borrow":
         with pytest.raises(ValueError, match="needs a creditor directory"):
-            Engine(model, EngineConfig(kv_overflow=policy))
+            local_engine(model, EngineConfig(kv_overflow=policy))
     else:
-        assert Engine(model, EngineConfig(kv_overflow=policy)).borrower is None
+        assert local_engine(model, EngineConfig(kv_overflow=policy)).borrower is None
     with pytest.raises(ValueError, match="kv_overflow must be one of"):
         EngineConfig(kv_overflow="steal")
 
@@ -187,7 +188,7 @@ def test_a_prompt_beyond_what_the_mesh_ever_lends_is_refused_at_once_not_kept_wa
     config = EngineConfig(
         pool_mib=SMALL_POOL_MIB, kv_block_tokens=BLOCK, worker_id="w0", kv_overflow="borrow"
     )
-    engine = Engine(model, config, creditors=HopelessDirectory(), connect=lambda creditor, address: None)
+    engine = local_engine(model, config, creditors=HopelessDirectory(), connect=lambda creditor, address: None)
     events = []
     engine.submit(greedy(prompt_len=60, max_tokens=4), events.append)
     for _ in range(3):  # a bound, not a clock: it is refused in the first step

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -37,7 +38,7 @@ class Lenders:
                 pool_mib=SMALL_POOL_MIB, kv_block_tokens=BLOCK, worker_id=name, max_lent_blocks=6,
                 kv_overflow="borrow", deterministic=True,
             )  # fmt: skip
-            self.engines[name] = Engine(model, config, creditors=self, connect=self._connect)
+            self.engines[name] = local_engine(model, config, creditors=self, connect=self._connect)
             self.transports[name] = InProcessTransport(name, self.engines[name].rm.lender)
 
     def suggest(self, debtor: str, blocks: int) -> list[Candidate]:
@@ -79,7 +80,7 @@ def test_borrowed_blocks_give_the_bits_of_one_big_pool(tiny_llama, prompt_len, m
     prompt = tuple((11 * j + 5) % 250 + 1 for j in range(prompt_len))
     request = GenerationRequest("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    local = Engine(model, EngineConfig(pool_mib=4, kv_block_tokens=BLOCK, deterministic=True))
+    local = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=BLOCK, deterministic=True))
     expected, _ = logits_of(local, request)
     debtor = Lenders(tiny_llama).engines["w0"]
     got, borrowed = logits_of(debtor, request)

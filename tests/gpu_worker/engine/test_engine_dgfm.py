@@ -17,6 +17,7 @@ from grpc import aio
 from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.borrower import Candidate
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
@@ -64,7 +65,7 @@ class CycleMesh:
                 # request, where a lender's free pages are counted.
                 prefix_cache=False,
             )
-            engine = Engine(
+            engine = local_engine(
                 model,
                 config,
                 creditors=self,
@@ -152,7 +153,7 @@ def request(worker: str) -> GenerationRequest:
 def undisturbed(tiny_llama, spec: GenerationRequest) -> tuple[list[int], list[torch.Tensor]]:
     logits: list[torch.Tensor] = []
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(
+    engine = local_engine(
         model, EngineConfig(pool_mib=4, kv_block_tokens=BLOCK), on_logits=lambda _, row: logits.append(row)
     )
     tokens: list[int] = []

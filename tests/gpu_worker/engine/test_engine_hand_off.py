@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -19,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 def new_engine(tiny_llama, max_running: int = 4) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    return Engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=max_running))
+    return local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=max_running))
 
 
 def run(engine: Engine) -> None:

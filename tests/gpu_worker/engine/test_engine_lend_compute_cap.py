@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.memory.in_process_transport import InProcessTransport
 from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
@@ -77,7 +78,7 @@ def test_a_creditor_over_its_cap_refuses_and_the_debtor_recomputes_elsewhere(tin
 
 def test_the_config_reaches_the_cap_and_an_idle_worker_is_not_capped(tiny_llama):
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(lend_compute_share=0.0, lend_compute_window_s=3.0))
+    engine = local_engine(model, EngineConfig(lend_compute_share=0.0, lend_compute_window_s=3.0))
     cap = engine.lending.cap
     assert (cap.share, cap.window_s) == (0.0, 3.0)
     cap.done(cap.admit())  # nothing of its own runs or waits: lending costs no SLA

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
@@ -25,7 +26,7 @@ def run(tiny_llama, penalised: SamplingParams) -> tuple[dict[str, list[int]], di
     """Tokens and raw logits of ``a`` and ``b`` (plain greedy) and ``p`` (``penalised``), batched."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     rows: dict[str, list[torch.Tensor]] = {}
-    engine = Engine(
+    engine = local_engine(
         model,
         EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=8),
         on_logits=lambda rid, row: rows.setdefault(rid, []).append(row.float().clone()),
@@ -59,7 +60,7 @@ def test_a_penalised_request_does_not_change_its_plain_neighbours(tiny_llama):
 
 
 def test_a_logit_bias_outside_the_vocabulary_is_refused_by_name_one_inside_forces_its_token(tiny_llama):
-    engine = Engine(
+    engine = local_engine(
         LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), EngineConfig(pool_mib=4)
     )
     vocab = tiny_llama.config.vocab_size

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -57,7 +58,7 @@ def make_engine(
     model, adapter_dirs, prefix_cache: bool, versions: dict[str, str] | None = None, **config
 ) -> Engine:
     """An engine with ``versions`` (adapter id -> the sample its content comes from) loaded."""
-    engine = Engine(
+    engine = local_engine(
         model, EngineConfig(pool_mib=64, kv_block_tokens=BLOCK, prefix_cache=prefix_cache, **config)
     )
     for adapter_id, sample in (versions or {"sql": "sql", "chat": "chat"}).items():
@@ -173,7 +174,7 @@ def test_deterministic_serving_gives_the_same_bits_with_cached_prefixes(loaded, 
 
 def test_pool_pressure_evicts_cached_blocks_before_preempting(tiny_llama):
     tiny = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(tiny, EngineConfig(pool_mib=0.25, kv_block_tokens=4, max_running=4))
+    engine = local_engine(tiny, EngineConfig(pool_mib=0.25, kv_block_tokens=4, max_running=4))
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)
     blocks = engine.pool.layout.num_pages // engine.pool.layout.num_layers
 

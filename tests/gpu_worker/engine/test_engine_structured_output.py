@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.structured_output import GrammarCompiler
@@ -83,7 +84,7 @@ def make_engine(model, loaded, adapters) -> Engine:
     grammars = GrammarCompiler(
         loaded.tokenizer.backend.to_str(), loaded.config.vocab_size, loaded.config.eos_token_ids
     )
-    engine = Engine(
+    engine = local_engine(
         model, EngineConfig(pool_mib=64), eos_token_ids=loaded.config.eos_token_ids, grammars=grammars
     )
     for adapter in adapters:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -37,7 +38,7 @@ def adapter_dirs(tiny_llama, tmp_path_factory):
 
 def make_engine(tiny_llama, adapter_dirs, pool_mib: float = 4, **kwargs) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, **kwargs))
+    engine = local_engine(model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, **kwargs))
     for name, directory in adapter_dirs.items():
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     return engine

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.lora.host_adapter import read_peft_directory
@@ -77,7 +78,7 @@ def run_engine(loaded, adapter_dirs, quantization: str = "none") -> tuple[dict, 
     model = LlamaModel(loaded.config, weights, torch.float32)
     assert model.quantization == quantization
     logits: dict[str, list[torch.Tensor]] = {}
-    engine = Engine(
+    engine = local_engine(
         model,
         EngineConfig(pool_mib=256),
         on_logits=lambda rid, row: logits.setdefault(rid, []).append(row.clone()),

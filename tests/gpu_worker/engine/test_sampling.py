@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import (
@@ -96,23 +97,23 @@ def run(engine: Engine, params: SamplingParams, prompt=(5, 6, 7)):
 def test_stop_tokens_eos_and_stop_strings_end_generation(tiny_llama):
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     free_run, reason = run(
-        Engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=6, ignore_eos=True)
+        local_engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=6, ignore_eos=True)
     )
     assert reason is FinishReason.LENGTH and len(free_run) == 6
     stop_at = free_run[2]
     first = free_run.index(stop_at)
 
     tokens, reason = run(
-        Engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=6, stop_token_ids=(stop_at,))
+        local_engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=6, stop_token_ids=(stop_at,))
     )
     assert reason is FinishReason.STOP and tokens == free_run[: first + 1]
 
-    eos_engine = Engine(model, EngineConfig(pool_mib=4), eos_token_ids=(stop_at,))
+    eos_engine = local_engine(model, EngineConfig(pool_mib=4), eos_token_ids=(stop_at,))
     assert run(eos_engine, SamplingParams(max_tokens=6))[1] is FinishReason.STOP
     assert run(eos_engine, SamplingParams(max_tokens=6, ignore_eos=True))[1] is FinishReason.LENGTH
 
     text = {t: f"<{t}>" for t in range(256)}
-    string_engine = Engine(
+    string_engine = local_engine(
         model, EngineConfig(pool_mib=4), detokenize=lambda ids: "".join(text[i] for i in ids)
     )
     tokens, reason = run(string_engine, SamplingParams(max_tokens=6, stop_strings=(f"<{stop_at}>",)))
@@ -123,13 +124,13 @@ def test_stop_string_across_tokens_found_in_the_bounded_tail_as_in_the_whole_tex
     """The worker's stop check reads only the output's tail (StopStringTail): a stop string that
     starts inside one token and ends inside a later one stops at the token a whole decode does."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    free_run, _ = run(Engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=40, ignore_eos=True))
+    free_run, _ = run(local_engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=40, ignore_eos=True))
     piece = {t: f"<{t}>".encode() for t in range(256)}
     whole = b"".join(piece[t] for t in free_run).decode()
     stop = f"{free_run[30]}><{free_run[31]}"  # from inside token 30 to inside token 31
     expected = next(n for n in range(1, 41) if stop in b"".join(piece[t] for t in free_run[:n]).decode())
     assert stop in whole and expected <= 32
-    tail_engine = Engine(model, EngineConfig(pool_mib=4), detokenize=StopStringTail(piece.__getitem__))
+    tail_engine = local_engine(model, EngineConfig(pool_mib=4), detokenize=StopStringTail(piece.__getitem__))
     tokens, reason = run(tail_engine, SamplingParams(max_tokens=40, ignore_eos=True, stop_strings=(stop,)))
     assert reason is FinishReason.STOP and tokens == free_run[:expected]
 
@@ -145,7 +146,7 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits_with_the_most_likely_fir
 
 
 def test_a_request_asking_for_logprobs_gets_them_with_every_token(tiny_llama):
-    engine = Engine(
+    engine = local_engine(
         LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), EngineConfig(pool_mib=4)
     )
     events, rows = [], []

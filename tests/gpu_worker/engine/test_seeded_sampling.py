@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import SamplingParams, draw_generator, request_seed
@@ -29,7 +30,7 @@ OTHERS = [
 
 def new_engine(tiny_llama) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    return Engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=8))
+    return local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=8))
 
 
 def tokens(events: list[TokenEvent]) -> list[int]:

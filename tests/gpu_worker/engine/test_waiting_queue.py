@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import EngineRequest, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.engine.waiting_queue import WaitingQueue
@@ -59,7 +60,7 @@ def test_a_long_queue_is_described_once_per_request_over_many_steps(tiny_llama, 
     """1,000 queued requests, 2 running: stepping reads the queue every step, but each request's
     policy view is made once (when it joined), not once per step."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = Engine(model, EngineConfig(pool_mib=4, max_running=2))
+    engine = local_engine(model, EngineConfig(pool_mib=4, max_running=2))
     made = _Counting()
     describe = engine.scheduler._queued_view
     monkeypatch.setattr(engine.scheduler.waiting, "_describe", lambda r: (made(r), describe(r))[1])

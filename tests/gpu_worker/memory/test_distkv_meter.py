@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.memory.distkv_meter import DistKvMeter, DistKvTotals, MeteredTransport
 from services.gpu_worker.memory.in_process_transport import InProcessTransport
@@ -29,7 +30,7 @@ class TickingClock:
 
 def creditor(tiny_llama) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    return Engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=4))
+    return local_engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=4))
 
 
 def segment(engine: Engine, tiny_llama, block_id: int) -> AttendSegment[int]:

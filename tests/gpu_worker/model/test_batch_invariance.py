@@ -18,6 +18,7 @@ from services.gpu_worker.attention.chunked_attention import (
     combine_in_block_order,
 )
 from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -227,7 +228,7 @@ def test_the_tiny_model_gives_a_request_the_same_logits_alone_and_batched(tiny_l
     requests = [GenerationRequest(f"r{i}", p, sampling) for i, p in enumerate(prompts)]
 
     def engine() -> Engine:
-        return Engine(model, EngineConfig(pool_mib=4, kv_block_tokens=BLOCK, deterministic=True))
+        return local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=BLOCK, deterministic=True))
 
     batched = logits_of(engine(), requests, stagger=2)
     for request in requests[:3]:

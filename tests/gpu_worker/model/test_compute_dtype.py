@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model import compute_dtype
@@ -26,7 +27,7 @@ def generate(model: LlamaModel, prompts: list[list[int]], new_tokens: int, block
     """Greedy tokens and every step's logits per request."""
     logits: dict[str, list[torch.Tensor]] = {}
     tokens: dict[str, list[int]] = {}
-    engine = Engine(
+    engine = local_engine(
         model,
         EngineConfig(pool_mib=64, kv_block_tokens=block),
         on_logits=lambda rid, row: logits.setdefault(rid, []).append(row.clone()),
@@ -70,7 +71,7 @@ def test_bf16_model_stores_bf16_and_computes_as_resolved(tiny_llama) -> None:
         for weight in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm, layer.post_norm):
             assert weight.dtype == torch.bfloat16
     assert model.embed.dtype == model.lm_head.dtype == model.norm.dtype == torch.bfloat16
-    engine = Engine(model, EngineConfig(pool_mib=4))
+    engine = local_engine(model, EngineConfig(pool_mib=4))
     assert engine.pool.buffer.dtype == torch.bfloat16
 
 

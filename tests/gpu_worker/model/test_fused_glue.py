@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.kernels import cpu_invariant
@@ -76,7 +77,7 @@ def test_the_fused_glue_gives_the_torch_glues_logits(tiny_llama, tiny_spec_dir, 
     assert model.native_kernels
 
     def run() -> dict[str, list[torch.Tensor]]:
-        engine = Engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4))
+        engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4))
         engine.add_adapter(read_peft_directory("all", tiny_spec_dir, compute))
         logits: dict[str, list[torch.Tensor]] = {}
         engine.on_logits = lambda rid, row: logits.setdefault(rid, []).append(row.clone())

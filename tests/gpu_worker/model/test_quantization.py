@@ -57,7 +57,8 @@ def test_default_model_q4_1_serves_the_files_own_blocks():
 def test_tiny_model_forward_over_quantized_weights(tiny_llama, quantization):
     """Quantizing fp32 weights (gguf-py's quantizer) and serving the blocks gives the logits of
     the dense model over the dequantized blocks."""
-    from services.gpu_worker.engine.engine import Engine, EngineConfig
+    from services.gpu_worker.build import local_engine
+    from services.gpu_worker.engine.engine import EngineConfig
     from services.gpu_worker.engine.request import GenerationRequest
     from services.gpu_worker.engine.sampling import SamplingParams
 
@@ -68,7 +69,7 @@ def test_tiny_model_forward_over_quantized_weights(tiny_llama, quantization):
         model = LlamaModel(tiny_llama.config, weights, torch.float32)
         assert model.quantization == (quantization if label == "blocks" else "none")
         logits: list[torch.Tensor] = []
-        engine = Engine(
+        engine = local_engine(
             model, EngineConfig(pool_mib=8), on_logits=lambda rid, row, kept=logits: kept.append(row.clone())
         )
         engine.submit(

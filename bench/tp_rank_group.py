@@ -20,7 +20,6 @@ Processes are bounded: every reply is awaited with a timeout (a hang guard, not 
 
 from __future__ import annotations
 
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -29,18 +28,56 @@ from typing import Self
 
 import torch
 
-from services.gpu_worker.engine.step_builder import StepBuilder
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.executor.step_builder import StepBuilder
+from services.gpu_worker.executor.tensor_parallel import lora_shapes
 from services.gpu_worker.lora.host_adapter import HostAdapter
-from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.adapter_residency import AdapterResidency, ResidentAdapter
 from services.gpu_worker.memory.kv_cache import KvTable
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.tp.collectives import SingleProcess, TorchDistributedCollectives
 from services.gpu_worker.tp.context import TensorParallelContext
-from services.gpu_worker.tp.rank import build_rank_model, build_rank_pool, page_adapter, placement_fingerprint
-from services.gpu_worker.tp.sharding import TensorParallelLayout
-from services.gpu_worker.tp.tp_executor import lora_shapes
+from services.gpu_worker.tp.rank import build_rank_model
+from services.gpu_worker.tp.sharding import TensorParallelLayout, shard_adapter
 from services.model_files.model_config import ModelConfig
+from services.runtime.ports import free_port
+
+
+def build_rank_pool(
+    config: ModelConfig,
+    layout: TensorParallelLayout,
+    num_pages: int,
+    kv_block_tokens: int,
+    dtype: torch.dtype,
+    device="cpu",
+) -> UnifiedPool:
+    """The rank's pool: ``num_pages`` (the same on every rank) pages of its ``kv_dim``."""
+    return UnifiedPool(
+        PoolLayout(num_pages=num_pages, kv_block_tokens=kv_block_tokens, kv_dim=layout.kv_dim,
+                   num_layers=config.num_layers),
+        dtype,
+        device,
+    )  # fmt: skip
+
+
+def page_adapter(
+    residency: AdapterResidency, adapter: HostAdapter, layout: TensorParallelLayout
+) -> ResidentAdapter:
+    """Page the rank's shard of ``adapter`` (the full adapter; sharded here, or as is at N = 1)."""
+    return residency.load(shard_adapter(adapter, layout) if layout.size > 1 else adapter)
+
+
+def placement_fingerprint(resident: ResidentAdapter) -> tuple:
+    """Pages and row offsets of a resident adapter: equal on every rank of a group."""
+    return (
+        tuple(resident.pages),
+        tuple(
+            (key, tuple(m.rows.a_offsets.tolist()), tuple(m.rows.b_offsets.tolist()))
+            for key, m in sorted(resident.modules.items())
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -149,12 +186,6 @@ def _rank_main(rank: int, spec: GroupSpec, port: int, conn) -> None:
         conn.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RankGroupError(RuntimeError):
     pass
 
@@ -168,7 +199,7 @@ class RankGroup:
         self.spec = spec
         self.reply_timeout_s = reply_timeout_s
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._conns, self._procs = [], []
         try:
             for rank in range(spec.size):

@@ -1,4 +1,4 @@
-"""A follower rank of a tensor-parallel group: ``python -m services.gpu_worker.tp.follower ...``.
+"""A follower rank of a tensor-parallel group: ``python -m services.gpu_worker.executor.follower ...``.
 
 Spawned by the driver (rank 0, the gpu_worker; ``tp.group``). It joins the group's process group,
 loads the model as the worker does (``load_model``), builds its shard model and pool (as many
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from services.gpu_worker.executor.tensor_parallel import OpChannel, build_rank_state
     from services.gpu_worker.model.loading import load_model
     from services.gpu_worker.tp.sharding import TensorParallelLayout
-    from services.gpu_worker.tp.tp_executor import OpChannel, build_rank_state
 
     torch.set_num_threads(max(1, args.threads))
     device = device_of(args.device, args.rank)

@@ -10,13 +10,15 @@ returned. Adapters: the engine places rank 0's shard (:meth:`prepare_adapter`); 
 adapter is sent once per load with that placement, and every follower shards it itself
 (:func:`shard_adapter`, equal shapes on every rank) and writes its rows at the same offsets.
 
-Followers (:mod:`services.gpu_worker.tp.follower`) run the same :class:`StepBuilder` over the
-same :class:`StepPlan`. Merged mode (dLoRA) and KV lending/borrowing are not supported: the
+Followers (:mod:`services.gpu_worker.executor.follower`) run the same :class:`StepBuilder` over the
+same :class:`StepPlan`, which they rebuild from what changed since the last step
+(``plan_delta.py``: a request's data once, then its new tokens and blocks). Merged mode (dLoRA) and KV lending/borrowing are not supported: the
 engine falls back (``EngineStats.fallbacks``).
 """
 
 from __future__ import annotations
 
+import pickle
 import threading
 from dataclasses import dataclass
 
@@ -24,8 +26,9 @@ import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.engine.engine_config import EngineConfig
-from services.gpu_worker.engine.step_builder import StepBuilder
 from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.executor.plan_delta import PlanDecoder, PlanDelta, PlanEncoder
+from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.kernels.lora_segments import AdapterRows
 from services.gpu_worker.lora.host_adapter import HostAdapter, ModuleKey
 from services.gpu_worker.memory.adapter_residency import PlacedModule, ResidentAdapter, write_rows
@@ -84,7 +87,8 @@ class EvictOp:
 
 @dataclass(frozen=True)
 class StepOp:
-    plan: StepPlan
+    delta: PlanDelta
+    """The step's plan as what changed since the last one (``plan_delta.py``)."""
 
 
 @dataclass(frozen=True)
@@ -93,21 +97,26 @@ class StopOp:
 
 
 class OpChannel:
-    """Rank 0's operations to its followers, in order, over the default process group."""
+    """Rank 0's operations to its followers, in order, over the default process group. Each is
+    pickled once here, so what it costs each follower is counted (:attr:`bytes_sent`)."""
 
     def __init__(self, device: torch.device | None = None):
         import torch.distributed as dist
 
         self._dist = dist
         self._device = device if device is not None and device.type == "cuda" else None
+        self.bytes_sent = 0
+        """Pickled bytes of every operation sent so far (each follower receives them all)."""
 
     def send(self, op) -> None:
-        self._dist.broadcast_object_list([op], src=0, device=self._device)
+        payload = pickle.dumps(op, protocol=pickle.HIGHEST_PROTOCOL)
+        self.bytes_sent += len(payload)
+        self._dist.broadcast_object_list([payload], src=0, device=self._device)
 
     def recv(self):
         box = [None]
         self._dist.broadcast_object_list(box, src=0, device=self._device)
-        return box[0]
+        return pickle.loads(box[0])
 
 
 def pool_pages(config: ModelConfig, layout: TensorParallelLayout, engine_config: EngineConfig, dtype) -> int:
@@ -130,6 +139,8 @@ class RankState:
         self.model, self.pool, self.layout = model, pool, layout
         self.builder = StepBuilder(model, pool, shapes=lora_shapes(layout))
         self.resident: dict[str, ResidentAdapter] = {}
+        self.plans = PlanDecoder()
+        """A follower's mirror of the requests rank 0 sent (rank 0 runs its plans as they are)."""
 
     def load(self, shard: HostAdapter, resident: ResidentAdapter) -> None:
         write_rows(self.pool.buffer, shard, resident)
@@ -144,7 +155,7 @@ class RankState:
     def handle(self, op) -> bool:
         """Run a follower's operation; False on stop."""
         if isinstance(op, StepOp):
-            self.step(op.plan)
+            self.step(self.plans.decode(op.delta))
         elif isinstance(op, LoadOp):
             self.load(shard_adapter(op.adapter, self.layout), op.placement.resident(self.pool.device))
         elif isinstance(op, EvictOp):
@@ -213,6 +224,7 @@ class TensorParallelExecutor:
         )
         self.model, self.pool = self.rank.model, self.rank.pool
         self.channel = OpChannel(device)
+        self._plans = PlanEncoder()
         self._lock = threading.Lock()
         """Keeps each broadcast and its local run together, in one order on every rank."""
         self._prepared: dict[str, tuple[HostAdapter, HostAdapter]] = {}
@@ -244,7 +256,7 @@ class TensorParallelExecutor:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         with self._lock:
             try:
-                self.channel.send(StepOp(plan))
+                self.channel.send(StepOp(self._plans.encode(plan)))
                 return self.rank.step(plan)
             except RuntimeError as error:  # a collective failed: a peer rank is gone
                 if self.group is not None and not self._closed:

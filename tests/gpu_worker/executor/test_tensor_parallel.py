@@ -1,5 +1,5 @@
 """An ``Engine`` over a 3-rank ``TensorParallelExecutor`` (this process is rank 0, the followers
-are real ``python -m services.gpu_worker.tp.follower`` processes) equals an ``Engine`` over the
+are real ``python -m services.gpu_worker.executor.follower`` processes) equals an ``Engine`` over the
 single-device ``LocalExecutor`` on the same SmolLM2-135M weights, in fp32.
 
 A batch mixes 5 adapters (ranks 8/16/32/64, one rsLoRA, MLP targets, a rank pattern) and the base
@@ -18,12 +18,13 @@ import signal
 import pytest
 import torch
 
+from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.executor.tp_group import FollowerMonitor, rank_threads, start_group
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
-from services.gpu_worker.tp.group import FollowerMonitor, rank_threads, start_group
 from tests.gpu_worker.tp.test_tp_exactness import load_adapters
 
 pytestmark = pytest.mark.model
@@ -79,7 +80,7 @@ def run(engine: Engine, adapters, all_prompts) -> tuple[dict, dict]:
 def test_engine_over_tp3_equals_local_executor(loaded, adapters):
     all_prompts = prompts(loaded)
     local_logits: dict[str, list[torch.Tensor]] = {}
-    local = Engine(
+    local = local_engine(
         LlamaModel(loaded.config, loaded.weights, torch.float32),
         EngineConfig(pool_mib=64),
         on_logits=lambda rid, row: local_logits.setdefault(rid, []).append(row.clone()),
@@ -97,10 +98,9 @@ def test_engine_over_tp3_equals_local_executor(loaded, adapters):
         assert executor.layout.size == N and len(executor.group.pids) == N - 1
         tp_logits: dict[str, list[torch.Tensor]] = {}
         engine = Engine(
-            None,
+            executor,
             config,
             on_logits=lambda rid, row: tp_logits.setdefault(rid, []).append(row.clone()),
-            executor=executor,
         )
         assert engine.stats().fallbacks == ("dlora->fcfs", "borrow->preempt")
         assert engine.policy.name == "fcfs" and engine.borrower is None

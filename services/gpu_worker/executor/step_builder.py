@@ -9,11 +9,11 @@ from collections.abc import Callable
 import torch
 
 from services.gpu_worker.engine.distributed_kv import DistributedKv, DistributedSpan
+from services.gpu_worker.engine.executor import BorrowedLookup
 from services.gpu_worker.engine.step_plan import PlannedRequest, StepPlan
 from services.gpu_worker.kernels.dispatch import StepLora
 from services.gpu_worker.kernels.lora_segments import LoraSegments
 from services.gpu_worker.memory.adapter_residency import NOT_TARGETED, ResidentAdapter
-from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
@@ -22,7 +22,6 @@ from services.model_files.peft_format import LORA_TARGETS
 
 ResidentLookup = Callable[[str], ResidentAdapter | None]
 """Adapter id -> its load in force (the placement a plan's :class:`AdapterSlot` names)."""
-BorrowedLookup = Callable[[str], BlockTable]
 """Request id -> the block table of a request whose KV is borrowed."""
 
 

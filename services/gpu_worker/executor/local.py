@@ -10,8 +10,9 @@ import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.engine.engine_config import EngineConfig
-from services.gpu_worker.engine.step_builder import BorrowedLookup, StepBuilder
+from services.gpu_worker.engine.executor import BorrowedLookup
 from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.kernels.dispatch import resolve_backend
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.lora.merged_weights import MergedWeights

@@ -1,6 +1,6 @@
 """A tensor-parallel group's lifecycle, from its driver (rank 0: the gpu_worker with ``--tp N``).
 
-The driver spawns N−1 follower processes (``python -m services.gpu_worker.tp.follower``) that
+The driver spawns N−1 follower processes (``python -m services.gpu_worker.executor.follower``) that
 meet it at a TCP store on a free loopback port (gloo on CPU; NCCL on CUDA, rank ``k`` on
 ``cuda:k``), then joins the process group itself and builds its :class:`TensorParallelExecutor`.
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -24,10 +23,11 @@ from collections.abc import Callable
 import torch
 
 from services.gpu_worker.engine.engine_config import EngineConfig
-from services.gpu_worker.tp.follower import GROUP_TIMEOUT, device_of
+from services.gpu_worker.executor.follower import GROUP_TIMEOUT, device_of
+from services.gpu_worker.executor.tensor_parallel import TensorParallelExecutor, pool_pages
 from services.gpu_worker.tp.sharding import TensorParallelLayout
-from services.gpu_worker.tp.tp_executor import TensorParallelExecutor, pool_pages
 from services.model_files.model_config import ModelConfig
+from services.runtime.ports import free_port
 
 log = logging.getLogger("loramesh.tp")
 
@@ -47,12 +47,6 @@ def exit_group(rank: int, code: int) -> None:
 def rank_threads(threads: int, size: int) -> int:
     """CPU threads of each rank when the group has ``threads`` (0: torch's default, split)."""
     return max(1, (threads or torch.get_num_threads()) // size)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FollowerMonitor:
@@ -108,7 +102,7 @@ class TensorParallelGroup:
         dtype_name = str(dtype).removeprefix("torch.")
         for rank in range(1, size):
             command = [
-                sys.executable, "-m", "services.gpu_worker.tp.follower", "--rank", str(rank), "--size", str(size),
+                sys.executable, "-m", "services.gpu_worker.executor.follower", "--rank", str(rank), "--size", str(size),
                 "--port", str(self.port), "--model", model_path, "--dtype", dtype_name, "--device", str(device),
                 "--num-pages", str(num_pages), "--kv-block-tokens", str(kv_block_tokens), "--threads", str(threads),
             ]  # fmt: skip
