@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo protos bench lint clean k8s-render-cpu k8s-render-gpu
+.PHONY: setup test demo protos sdk-sync bench lint clean k8s-render-cpu k8s-render-gpu
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ demo: setup
 
 protos: setup
 	$(PY) protos/generate.py
+
+# loramesh/client.py, the synchronous client, from loramesh/async_client.py (standard library only:
+# no setup needed); tests/sdk/test_generated_sync_client.py fails while it is stale.
+sdk-sync:
+	$(PYTHON) tools/generate_sync_client.py
 
 bench: setup
 	$(VENV)/bin/loramesh bench --profile quick

@@ -1,6 +1,11 @@
-"""The asyncio client of the loramesh gateway: :class:`loramesh.Client`'s API with ``await``.
+"""The asyncio client of the loramesh gateway: :class:`AsyncClient` and its :class:`AsyncAdapters`.
 
-Request building, retry policy and conversions are :mod:`loramesh.client`'s.
+The source of both clients: ``make sdk-sync`` generates ``loramesh/client.py`` from this file.
+
+What the clients share besides their calls lives beside them: where to connect
+(:mod:`loramesh.targets`), how calls are retried (:mod:`loramesh.retry`), the messages
+(:mod:`loramesh.convert`), uploads (:mod:`loramesh.adapter_upload`) and the sampling keywords
+(:mod:`loramesh.sampling_keywords`).
 """
 
 from __future__ import annotations
@@ -12,13 +17,14 @@ from typing import Any, Self
 
 from grpc import aio
 
-from loramesh.client import (
-    LIST_PAGE_SIZE,
+from loramesh.adapter_upload import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    check_adapter_dir,
+    upload_stream,
+)
+from loramesh.convert import (
     ChatMessages,
-    GatewayRotation,
-    RetryNotice,
-    _Call,
-    _Policy,
     adapter_from,
     chat_request,
     completion,
@@ -28,23 +34,50 @@ from loramesh.client import (
     model_from,
     page_from,
     pin_request,
-    resolve_targets,
     text_delta,
-    upload_stream,
 )
 from loramesh.errors import Unavailable
+from loramesh.retry import Call, CallPolicy, GatewayRotation, RetryNotice
+from loramesh.sampling_keywords import sampling_keywords
 from loramesh.stream_resume import StreamProgress
+from loramesh.targets import (
+    DEFAULT_STATE_DIR,
+    MESH_FILE_NAME,
+    STATE_DIR_ENV,
+    default_state_dir,
+    resolve_targets,
+)
 from loramesh.tls import ClientTLS, aio_channel
 from loramesh.types import Adapter, AdapterPage, Completion, ImportedAdapter, Model, Sampling, TextDelta
 from mesh_api.upload_wire import WireUploadGatewayStub
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2
 
+# The clients, and the names the CLI and earlier callers import from loramesh.client (defined beside it).
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "DEFAULT_STATE_DIR",
+    "LIST_PAGE_SIZE",
+    "MESH_FILE_NAME",
+    "STATE_DIR_ENV",
+    "AsyncAdapters",
+    "AsyncClient",
+    "RetryNotice",
+    "check_adapter_dir",
+    "default_state_dir",
+    "generate_request",
+    "resolve_targets",
+]
+
+LIST_PAGE_SIZE = 100
+"""Adapters per request of ``adapters.list`` and ``adapters.list_page`` unless told."""
+
 
 class AsyncAdapters:
-    """The caller's tenant's adapters, as ``client.adapters`` of an :class:`AsyncClient`.
+    """The caller's tenant's adapters, as ``client.adapters`` (made by :class:`AsyncClient`).
 
     Example:
-        >>> adapter = await client.adapters.upload("./my-lora", "support-bot")
+        >>> adapter = await client.adapters.upload("./my-lora", "support-bot", public=False)
         >>> [a.name for a in await client.adapters.list()]
         ['support-bot']
         >>> await client.adapters.delete("support-bot")
@@ -57,7 +90,10 @@ class AsyncAdapters:
     async def upload(
         self, path: str | Path, name: str, *, public: bool = False, timeout: float | None = None
     ) -> Adapter:
-        """Registers a PEFT LoRA adapter directory under the caller's tenant. Never retried.
+        """Registers a PEFT LoRA adapter directory under the caller's tenant.
+
+        Never retried (an upload is not idempotent). Nothing is stored unless the whole adapter
+        validates against the base model.
 
         Args:
             path: Directory with ``adapter_config.json`` and ``adapter_model.safetensors``;
@@ -139,8 +175,20 @@ class AsyncAdapters:
     async def list_page(
         self, *, page_size: int = LIST_PAGE_SIZE, page_token: str = "", timeout: float | None = None
     ) -> AdapterPage:
-        """One page of :meth:`list`, as :meth:`loramesh.Client.adapters.list_page
-        <loramesh.client.Adapters.list_page>`."""
+        """One page of :meth:`list`, for callers that hold thousands of adapters.
+
+        Args:
+            page_size: Adapters on the page (at most 1000).
+            page_token: ``next_page_token`` of the page before; "" for the first page.
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The page, in registration order: a token stays valid while adapters come and go
+            (one registered meanwhile shows on a later page, one deleted on none).
+
+        Raises:
+            InvalidArgument: ``page_size`` is over 1000, or ``page_token`` is not one the mesh issued.
+        """
         request = adapter_store_pb2.ListAdaptersRequest(page_size=page_size, page_token=page_token)
         return page_from(await self._client._unary("ListAdapters", request, timeout, retry=True))
 
@@ -177,33 +225,61 @@ class AsyncAdapters:
         return adapter_from(reply.adapter)
 
     async def pin(self, name: str, *, timeout: float | None = None) -> Adapter:
-        """Pins one of the caller's adapters, as :meth:`loramesh.Client.adapters.pin
-        <loramesh.client.Adapters.pin>`."""
+        """Pins one of the caller's adapters: the adapter store's RAM tier, the workers' host
+        caches and their pools never evict it; it still counts against each of their budgets.
+        Retried like a read (pinning twice changes nothing).
+
+        Args:
+            name: The adapter's name.
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The adapter, ``pinned``.
+
+        Raises:
+            NotFound: No such adapter.
+            PermissionDenied: It belongs to another tenant.
+            ResourceExhausted: The pinned adapters would not fit in the store's RAM budget.
+        """
         reply = await self._client._unary("SetAdapterPinned", pin_request(name, True), timeout, retry=True)
         return adapter_from(reply.adapter)
 
     async def unpin(self, name: str, *, timeout: float | None = None) -> Adapter:
-        """Unpins one of the caller's adapters, as :meth:`loramesh.Client.adapters.unpin
-        <loramesh.client.Adapters.unpin>`."""
+        """Unpins one of the caller's adapters: the caches may evict it again. Retried like a read.
+
+        Args:
+            name: The adapter's name.
+            timeout: Seconds; None for the client's default.
+
+        Returns:
+            The adapter, no longer ``pinned``.
+
+        Raises:
+            NotFound: No such adapter.
+            PermissionDenied: It belongs to another tenant.
+        """
         reply = await self._client._unary("SetAdapterPinned", pin_request(name, False), timeout, retry=True)
         return adapter_from(reply.adapter)
 
 
 class AsyncClient:
-    """An asyncio connection to one or several loramesh gateways; create it inside the event loop
-    it is used on.
+    """An asyncio connection to one or several loramesh gateways, made inside the loop it runs on.
 
-    Same behaviour as :class:`loramesh.Client`: :class:`~loramesh.errors.LoraMeshError`
-    subclasses on failure, ``UNAVAILABLE`` retried with backoff on the next gateway for reads
-    and generations (a stream that broke mid-way continues there right after what it yielded,
-    whatever its sampling), ``RESOURCE_EXHAUSTED`` with a retry delay retried on the same gateway
-    after it; never for uploads and deletes.
+    Calls fail with :class:`~loramesh.errors.LoraMeshError` subclasses. ``UNAVAILABLE`` is
+    retried ``retries`` times with exponential backoff and jitter, each time on the next gateway,
+    for calls that are safe to repeat: reads and generations. A stream that broke mid-way (its
+    gateway died) continues on the next gateway right after what it yielded, whatever its
+    sampling: the gateway is sent the tokens and text delivered and generates the rest
+    (:mod:`loramesh.stream_resume`). ``RESOURCE_EXHAUSTED`` with a retry delay (a tenant over its
+    quota, a mesh at capacity) is retried on the same gateway once the delay has passed, within
+    the same ``retries``. Uploads and deletes are never retried.
 
     Example:
         >>> from loramesh import AsyncClient
         >>> async with AsyncClient(["10.0.0.1:50051", "10.0.0.2:50051"], api_key="sk-...") as client:
-        ...     print((await client.generate("Hello,", max_tokens=16)).text)
-        ...     async for delta in client.chat_stream([("user", "Hi!")]):
+        ...     completion = await client.generate("Hello,", max_tokens=16)
+        ...     print(completion.text)
+        ...     async for delta in client.chat_stream([("user", "Hi!")], adapter="support-bot"):
         ...         print(delta.text, end="")
 
     Attributes:
@@ -245,7 +321,8 @@ class AsyncClient:
                 in ``$LORAMESH_STATE_DIR``, else in ``.loramesh``.
             tls: Mutual TLS files for a mesh that requires them; None for the mesh file's
                 (``loramesh up --tls``), else plaintext.
-            on_retry: Called before each retry, with a :class:`~loramesh.client.RetryNotice`.
+            on_retry: Called before each retry, with a :class:`~loramesh.retry.RetryNotice`
+                (where, which retry, how long until it).
             max_retry_after_s: ``RESOURCE_EXHAUSTED`` is retried only when the server's retry
                 delay (``retry-after-s``) is at most this; 0 never retries it.
             sleep: How the client waits between attempts (tests pass a fake).
@@ -256,7 +333,7 @@ class AsyncClient:
         """
         self.addresses, api_key, tls = resolve_targets(address, api_key, mesh_file, tls)
         self.address = self.addresses[0]
-        self._policy = _Policy(
+        self._policy = CallPolicy(
             api_key, timeout, retries, backoff_s, max_backoff_s, on_retry, max_retry_after_s
         )
         self._sleep = sleep
@@ -284,20 +361,13 @@ class AsyncClient:
         for channel in self._channels:
             await channel.close()
 
+    @sampling_keywords
     async def generate(
         self,
         prompt: str,
         *,
         adapter: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool | None = None,
+        sampling: Sampling,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
@@ -307,18 +377,9 @@ class AsyncClient:
             prompt: The text to continue.
             adapter: ``"name"`` (the caller's adapter), ``"owner/name"`` (another tenant's
                 public one), or None for the base model.
-            max_tokens: Most tokens to generate; None for the server's default (128).
-            temperature: None or 0 for greedy decoding.
-            top_k: Sample among the k likeliest tokens; None for off.
-            top_p: Nucleus sampling mass; None for off.
-            repetition_penalty: None for off.
-            seed: Sampler seed, for reproducible sampling: each token's random draw is keyed
-                by the seed and the token's position, not by the batch it ran in, so a failover
-                continues with the tokens the unbroken stream would have had.
-            stop: Strings that end the generation.
-            stop_token_ids: Token ids that end the generation.
-            ignore_eos: Keep generating past the model's end-of-sequence token (to
-                ``max_tokens``), as benchmarks do.
+            **sampling: The fields of :class:`~loramesh.types.Sampling`, which documents them,
+                one keyword each (``max_tokens=16, temperature=0.7, seed=7``); each left
+                None takes the server's default (greedy, 128 tokens).
             deadline_ms: Time-to-first-token objective the gateway schedules for; None for its
                 default.
             timeout: Seconds for the whole call; None for the client's default.
@@ -329,27 +390,17 @@ class AsyncClient:
         Raises:
             LoraMeshError: A subclass per failure (see :mod:`loramesh.errors`).
         """
-        sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
-        )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
         deltas = self._stream("Generate", request, timeout)
         return completion([d async for d in deltas])
 
+    @sampling_keywords
     def stream(
         self,
         prompt: str,
         *,
         adapter: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool | None = None,
+        sampling: Sampling,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[TextDelta]:
@@ -358,46 +409,28 @@ class AsyncClient:
         The request is sent when iteration starts. A stream that breaks after yielding text
         continues on the next gateway right after what it yielded (never repeating or skipping
         text); when the retries run out it raises :class:`~loramesh.errors.StreamInterrupted`.
-        To cancel the call at once when leaving the loop early, iterate under
-        ``contextlib.aclosing``.
+        To cancel the call at once when leaving the loop early, iterate under ``contextlib.aclosing``.
 
         Args:
             prompt: The text to continue.
             adapter: As for :meth:`generate`.
-            max_tokens: As for :meth:`generate`.
-            temperature: As for :meth:`generate`.
-            top_k: As for :meth:`generate`.
-            top_p: As for :meth:`generate`.
-            repetition_penalty: As for :meth:`generate`.
-            seed: As for :meth:`generate`.
-            stop: As for :meth:`generate`.
-            stop_token_ids: As for :meth:`generate`.
+            **sampling: As for :meth:`generate`.
             deadline_ms: As for :meth:`generate`.
             timeout: Seconds for the whole stream; None for the client's default.
 
         Yields:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
-        sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
-        )
         request = generate_request(prompt, adapter, sampling, deadline_ms)
         return self._stream("Generate", request, timeout)
 
+    @sampling_keywords
     async def chat(
         self,
         messages: ChatMessages,
         *,
         adapter: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool | None = None,
+        sampling: Sampling,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
@@ -407,41 +440,25 @@ class AsyncClient:
             messages: ``{"role": ..., "content": ...}`` dicts or ``(role, content)`` tuples;
                 roles are ``system``, ``user`` and ``assistant``.
             adapter: As for :meth:`generate`.
-            max_tokens: As for :meth:`generate`.
-            temperature: As for :meth:`generate`.
-            top_k: As for :meth:`generate`.
-            top_p: As for :meth:`generate`.
-            repetition_penalty: As for :meth:`generate`.
-            seed: As for :meth:`generate`.
-            stop: As for :meth:`generate`.
-            stop_token_ids: As for :meth:`generate` (the model's end-of-turn tokens always stop).
+            **sampling: As for :meth:`generate` (the model's end-of-turn tokens always stop, as
+                well as ``stop_token_ids``).
             deadline_ms: As for :meth:`generate`.
             timeout: Seconds for the whole call; None for the client's default.
 
         Returns:
             The assistant's reply.
         """
-        sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
-        )
         request = chat_request(messages, adapter, sampling, deadline_ms)
         deltas = self._stream("Chat", request, timeout)
         return completion([d async for d in deltas])
 
+    @sampling_keywords
     def chat_stream(
         self,
         messages: ChatMessages,
         *,
         adapter: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool | None = None,
+        sampling: Sampling,
         deadline_ms: float | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[TextDelta]:
@@ -450,23 +467,13 @@ class AsyncClient:
         Args:
             messages: As for :meth:`chat`.
             adapter: As for :meth:`generate`.
-            max_tokens: As for :meth:`generate`.
-            temperature: As for :meth:`generate`.
-            top_k: As for :meth:`generate`.
-            top_p: As for :meth:`generate`.
-            repetition_penalty: As for :meth:`generate`.
-            seed: As for :meth:`generate`.
-            stop: As for :meth:`generate`.
-            stop_token_ids: As for :meth:`chat`.
+            **sampling: As for :meth:`chat`.
             deadline_ms: As for :meth:`generate`.
             timeout: Seconds for the whole stream; None for the client's default.
 
         Yields:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
-        sampling = Sampling(
-            max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, stop_token_ids, ignore_eos
-        )
         request = chat_request(messages, adapter, sampling, deadline_ms)
         return self._stream("Chat", request, timeout)
 
@@ -485,9 +492,10 @@ class AsyncClient:
     async def _unary(self, method: str, request: Any, timeout: float | None, *, retry: bool) -> Any:
         return await self._unary_with(method, request, self._policy.start(timeout), retry=retry)
 
-    async def _unary_with(self, method: str, request: Any, call: _Call, *, retry: bool) -> Any:
+    async def _unary_with(self, method: str, request: Any, call: Call, *, retry: bool) -> Any:
         """Calls a unary-response RPC on the current gateway; when ``retry``, an UNAVAILABLE
-        one is retried on the next gateway."""
+        one is retried on the next gateway (a RESOURCE_EXHAUSTED one on the same, after its
+        delay)."""
         attempt = 0
         while True:
             address = self._gateways.current()
@@ -507,7 +515,9 @@ class AsyncClient:
             attempt += 1
 
     async def _stream(self, method: str, request: Any, timeout: float | None) -> AsyncIterator[TextDelta]:
-        """Calls a server-streaming RPC; retries and continues as :meth:`loramesh.Client._stream`."""
+        """Calls a server-streaming RPC. UNAVAILABLE is retried on the next gateway; once the
+        stream has yielded something, the retry continues the generation right after it
+        (:mod:`loramesh.stream_resume`), so nothing is yielded twice or lost."""
         call = self._policy.start(timeout)
         progress = StreamProgress()
         attempt = 0

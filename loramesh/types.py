@@ -15,8 +15,11 @@ from dataclasses import dataclass
 class Sampling:
     """How to pick each next token. ``None`` everywhere means the server's default.
 
-    The keyword arguments of ``generate``/``stream``/``chat``/``chat_stream`` are these fields,
-    so a preset can be kept as one value and spread into calls.
+    These fields are the sampling keywords of both clients' ``generate``/``stream``/``chat``/
+    ``chat_stream`` (:mod:`loramesh.sampling_keywords`), declared here only: a field added here
+    is a keyword of each, sent as the ``SamplingParams`` field of its name
+    (:func:`loramesh.convert.sampling_params`). A preset can be kept as one value and spread
+    into calls.
 
     Example:
         >>> creative = Sampling(temperature=0.9, top_p=0.95, max_tokens=200)

@@ -37,8 +37,9 @@ from loramesh import (
     Unauthenticated,
     Unavailable,
 )
-from loramesh.client import STATE_DIR_ENV, RetryNotice, _Policy, resolve_targets
+from loramesh.client import STATE_DIR_ENV, RetryNotice, resolve_targets
 from loramesh.errors import NoGatewayAddress
+from loramesh.retry import CallPolicy
 from loramesh.tls import ClientTLS
 from mesh_api.upload_wire import UPLOAD_CHUNK_BYTES
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
@@ -492,7 +493,7 @@ def test_unary_calls_fail_over_and_writes_do_not(server, server_b, gateway, gate
 
 
 def test_the_backoff_doubles_up_to_its_cap():
-    policy = _Policy("key", timeout=None, retries=10, backoff_s=0.1, max_backoff_s=1.0)
+    policy = CallPolicy("key", timeout=None, retries=10, backoff_s=0.1, max_backoff_s=1.0)
     call = policy.start(None)
     failure = Unavailable("down")
     delays = [call.retry_delay(attempt, failure) for attempt in range(11)]
@@ -501,7 +502,9 @@ def test_the_backoff_doubles_up_to_its_cap():
 
 
 def test_resource_exhausted_waits_the_servers_delay_within_the_retries_and_the_deadline():
-    policy = _Policy("key", timeout=10.0, retries=2, backoff_s=0.1, max_backoff_s=1.0, max_retry_after_s=5.0)
+    policy = CallPolicy(
+        "key", timeout=10.0, retries=2, backoff_s=0.1, max_backoff_s=1.0, max_retry_after_s=5.0
+    )
     call = policy.start(None)
     delays = [
         call.retry_delay(attempt, ResourceExhausted("quota", retry_after_s=2.0)) for attempt in range(3)

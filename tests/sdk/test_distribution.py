@@ -16,7 +16,20 @@ from support.sdk_wheel import ISOLATED, REPO, build_sdk_wheel, clean_env, sdk_ve
 
 SDK_FILES = {
     f"loramesh/{name}.py"
-    for name in ("__init__", "client", "async_client", "errors", "stream_resume", "tls", "types")
+    for name in (
+        "__init__",
+        "adapter_upload",
+        "async_client",
+        "client",
+        "convert",
+        "errors",
+        "retry",
+        "sampling_keywords",
+        "stream_resume",
+        "targets",
+        "tls",
+        "types",
+    )
 } | {"mesh_api/__init__.py", "mesh_api/adapter_transfer.py", "mesh_api/upload_wire.py"}
 
 
