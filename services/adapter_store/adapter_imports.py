@@ -2,7 +2,7 @@
 
 The tenant's grant is checked before the source is touched, so a refused import reads nothing
 with the store's credentials. The files are held in memory, bounded by the store's upload limit,
-and registered by :meth:`AdapterRepository.register_version`: the same validation and sha256 as
+and registered by :meth:`AdapterRegistrar.register_version`: the same validation and sha256 as
 an upload, nothing stored on any failure, a new version only when the content changed.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 from services.adapter_store.import_policy import ImportPolicy
 from services.adapter_store.importers.by_scheme import open_source
 from services.adapter_store.importers.source import CONFIG_FILE, WEIGHTS_FILE, fetch_adapter_files
-from services.adapter_store.repository import AdapterRegistration, AdapterRepository, check_name
+from services.adapter_store.registrar import AdapterRegistration, check_name
+from services.adapter_store.repository import AdapterRepository
 
 
 class AdapterImports:
@@ -30,6 +31,6 @@ class AdapterImports:
         tokenizer_files = {
             n: bytes(data) for n, data in files.items() if n not in (CONFIG_FILE, WEIGHTS_FILE)
         }
-        return self.repository.register_version(
+        return self.repository.registrar.register_version(
             name, owner, visibility, bytes(files[CONFIG_FILE]), files[WEIGHTS_FILE], tokenizer_files
         )

@@ -160,7 +160,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     def _register(self, upload: ReceivedUpload) -> AdapterRecord:
         """On a worker thread: joining the files is a copy the event loop does not make."""
         header = upload.header
-        return self.repository.register(
+        return self.repository.registrar.register(
             header.name,
             header.owner,
             int(header.visibility),

@@ -166,7 +166,7 @@ def test_a_catalog_from_before_templates_gets_them_when_opened(tmp_path, base_sp
         return repo
 
     repo = opened()
-    old = repo.register(
+    old = repo.registrar.register(
         "old",
         "alice",
         PRIVATE,
@@ -183,7 +183,7 @@ def test_a_catalog_from_before_templates_gets_them_when_opened(tmp_path, base_sp
     repo = opened()
     try:
         assert repo.resolve(AdapterKey(id=old.id)) == old
-        new = repo.register(
+        new = repo.registrar.register(
             "new",
             "alice",
             PRIVATE,

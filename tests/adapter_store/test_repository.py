@@ -32,7 +32,7 @@ def open_repo(tmp_path, base_spec):
 
 
 def add(repo, files, name):
-    return repo.register(name, "alice", PRIVATE, files[CONFIG], files[WEIGHTS])
+    return repo.registrar.register(name, "alice", PRIVATE, files[CONFIG], files[WEIGHTS])
 
 
 def test_reopen_restores_every_adapter_byte_identical(open_repo, sample_files):

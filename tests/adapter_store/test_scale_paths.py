@@ -40,7 +40,7 @@ def open_repo(tmp_path, base_spec):
 
 
 def add(repo, files, name, visibility=PRIVATE):
-    return repo.register(name, "alice", visibility, files[CONFIG], files[WEIGHTS])
+    return repo.registrar.register(name, "alice", visibility, files[CONFIG], files[WEIGHTS])
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_a_page_token_stays_valid_while_adapters_come_and_go(open_repo, sample_f
     assert [r.name for r in first] == ["n0", "n1", "n2"] and total == 7
     repo.delete(AdapterKey(owner="alice", name="n4"))
     add(repo, sample_files, "n7")
-    repo.register_version("n1", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+    repo.registrar.register_version("n1", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
     names = []
     while token:
         page, token, _ = repo.list("alice", page_size=3, page_token=token)
@@ -124,8 +124,10 @@ def test_the_change_feed_follows_every_commit_in_order(open_repo, sample_files):
     changes: list[CatalogChange] = []
     unsubscribe = repo.changes.subscribe(changes.append)
     a = add(repo, sample_files, "a")
-    b = repo.register_version("a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS]).record
-    same = repo.register_version("a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+    b = repo.registrar.register_version(
+        "a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS]
+    ).record
+    same = repo.registrar.register_version("a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
     with pytest.raises(AlreadyExists):
         add(repo, sample_files, "a")
     repo.delete(AdapterKey(id=b.id))
