@@ -220,7 +220,31 @@ class CoMigration:
     ) -> list[Migration]:
         """The relaxed LP over ``replicas`` moving requests of ``sources``, rounded and repaired."""
         cfg = self.config
-        movable = sorted(
+        movable = self._movable(sources)
+        if not movable:
+            return []
+        lp = _Variables(movable, replicas)
+        a_ub, b_ub = _constraints(lp, sizes, cfg)
+        a_eq = coo_matrix(
+            (np.ones(lp.n_x), ([i for i in range(len(movable)) for _ in lp.cols], list(range(lp.n_x)))),
+            shape=(len(movable), lp.z + 1),
+        )
+        bounds = [(0.0, 1.0)] * (lp.n_x + len(lp.y_index)) + [(0.0, None)] * (len(lp.cols) + 1)
+        solved = linprog(_objective(lp), A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(len(movable)),
+                         bounds=bounds, method="highs")  # fmt: skip
+        if solved.status != 0:
+            return []
+        x = solved.x[: lp.n_x].reshape(len(movable), len(lp.cols))
+        moves = self._round(x, movable, lp.cols, lp.by_id, sizes)
+        before, _ = makespan(replicas, [], cfg, sizes)
+        after, fits = makespan(replicas, moves, cfg, sizes)
+        return moves if fits and after < before - EPSILON else []
+
+    def _movable(self, sources: list[ReplicaLoad]) -> list[tuple[str, RequestLoad]]:
+        """The requests the LP may move, (source, request), the largest first, at most
+        ``max_requests``."""
+        cfg = self.config
+        return sorted(
             (
                 (src.worker_id, q)
                 for src in sources
@@ -229,80 +253,6 @@ class CoMigration:
             ),
             key=lambda item: (-item[1].remaining_tokens, item[0], item[1].request_id),
         )[: cfg.max_requests]
-        if not movable:
-            return []
-        cols = [r.worker_id for r in replicas]
-        by_id = {r.worker_id: r for r in replicas}
-        n_x = len(movable) * len(cols)
-        needs = sorted({(w, q.adapter_id) for _, q in movable for w in cols
-                        if q.adapter_id and q.adapter_id not in by_id[w].resident_adapters})  # fmt: skip
-        y_index = {key: n_x + i for i, key in enumerate(needs)}
-        q_var = {w: n_x + len(needs) + j for j, w in enumerate(cols)}
-        z = n_x + len(needs) + len(cols)
-        c = np.zeros(z + 1)
-        c[z] = 1.0
-        for var in q_var.values():
-            c[var] = DELTA
-        fixed = {w: sum(request_cost(q, False, by_id[w], cfg) for q in by_id[w].requests) for w in cols}
-        for w, q in movable:
-            fixed[w] -= request_cost(q, False, by_id[w], cfg)
-        rows, data, cells, bounds_ub = [], [], [], []
-
-        def add(row: int, var: int, value: float) -> None:
-            rows.append(row)
-            cells.append(var)
-            data.append(value)
-
-        row = 0
-        # Wait rows: Σ cost x + Σ load y − q_j ≤ slack_j − fixed_j, and q_j − z ≤ 0.
-        for j, w in enumerate(cols):
-            for i, (src, q) in enumerate(movable):
-                add(row, i * len(cols) + j, request_cost(q, src != w, by_id[w], cfg))
-                if src != w:
-                    c[i * len(cols) + j] = EPSILON
-            for (target, _), var in y_index.items():
-                if target == w:
-                    add(row, var, cfg.adapter_load_s)
-            add(row, q_var[w], -1.0)
-            bounds_ub.append(slack_s(by_id[w], cfg) - fixed[w])
-            add(row + 1, q_var[w], 1.0)
-            add(row + 1, z, -1.0)
-            bounds_ub.append(0.0)
-            row += 2
-        # Memory rows: incoming adapters and running requests' KV fit the free pool.
-        for j, w in enumerate(cols):
-            for i, (src, q) in enumerate(movable):
-                if src != w and q.running:
-                    add(row, i * len(cols) + j, q.context_tokens)
-            for (target, adapter), var in y_index.items():
-                if target == w:
-                    add(row, var, sizes.get(adapter, by_id[w].adapter_tokens.get(adapter, 0)))
-            bounds_ub.append(max(0, by_id[w].free_tokens))
-            row += 1
-        # A request only where its adapter is: x_rj − y_lj ≤ 0.
-        for i, (_, q) in enumerate(movable):
-            for j, w in enumerate(cols):
-                var = y_index.get((w, q.adapter_id))
-                if var is not None:
-                    add(row, i * len(cols) + j, 1.0)
-                    add(row, var, -1.0)
-                    bounds_ub.append(0.0)
-                    row += 1
-        a_ub = coo_matrix((data, (rows, cells)), shape=(row, z + 1))
-        a_eq = coo_matrix(
-            (np.ones(n_x), ([i for i in range(len(movable)) for _ in cols], list(range(n_x)))),
-            shape=(len(movable), z + 1),
-        )
-        bounds = [(0.0, 1.0)] * (n_x + len(needs)) + [(0.0, None)] * (len(cols) + 1)
-        solved = linprog(c, A_ub=a_ub, b_ub=bounds_ub, A_eq=a_eq, b_eq=np.ones(len(movable)),
-                         bounds=bounds, method="highs")  # fmt: skip
-        if solved.status != 0:
-            return []
-        x = solved.x[:n_x].reshape(len(movable), len(cols))
-        moves = self._round(x, movable, cols, by_id, sizes)
-        before, _ = makespan(replicas, [], cfg, sizes)
-        after, fits = makespan(replicas, moves, cfg, sizes)
-        return moves if fits and after < before - EPSILON else []
 
     def _round(
         self, x: np.ndarray, movable: list[tuple[str, RequestLoad]], cols: list[str],
@@ -358,3 +308,97 @@ class CoMigration:
                 arriving.add((target, q.adapter_id))
             moves.append(Migration(q.request_id, q.adapter_id, src, target))
         return moves
+
+
+class _Variables:
+    """The LP's variables, in this order: ``x_rj`` (movable request ``i`` to column ``j``), then
+    ``y_lj`` (an adapter that column ``j`` does not hold, fetched there), then ``q_j``, then ``z``."""
+
+    def __init__(self, movable: list[tuple[str, RequestLoad]], replicas: list[ReplicaLoad]):
+        self.movable = movable
+        self.cols = [r.worker_id for r in replicas]
+        self.by_id = {r.worker_id: r for r in replicas}
+        self.n_x = len(movable) * len(self.cols)
+        needs = sorted({(w, q.adapter_id) for _, q in movable for w in self.cols
+                        if q.adapter_id and q.adapter_id not in self.by_id[w].resident_adapters})  # fmt: skip
+        self.y_index = {key: self.n_x + i for i, key in enumerate(needs)}
+        self.q_var = {w: self.n_x + len(needs) + j for j, w in enumerate(self.cols)}
+        self.z = self.n_x + len(needs) + len(self.cols)
+
+    def x(self, i: int, j: int) -> int:
+        return i * len(self.cols) + j
+
+
+class _Rows:
+    """The inequality rows ``A_ub·v ≤ b_ub``, built one row at a time."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.cells: list[int] = []
+        self.data: list[float] = []
+        self.bounds: list[float] = []
+
+    def add(self, var: int, value: float) -> None:
+        """A coefficient of the row being built."""
+        self.rows.append(len(self.bounds))
+        self.cells.append(var)
+        self.data.append(value)
+
+    def close(self, bound: float) -> None:
+        """Ends the row being built with its upper bound."""
+        self.bounds.append(bound)
+
+
+def _objective(lp: _Variables) -> np.ndarray:
+    """``z + δ·Σ_j q_j + ε·Σ_{r, j≠src(r)} x_rj``."""
+    c = np.zeros(lp.z + 1)
+    c[lp.z] = 1.0
+    for var in lp.q_var.values():
+        c[var] = DELTA
+    for i, (src, _) in enumerate(lp.movable):
+        for j, w in enumerate(lp.cols):
+            if src != w:
+                c[lp.x(i, j)] = EPSILON
+    return c
+
+
+def _constraints(
+    lp: _Variables, sizes: dict[str, int], cfg: CoMigrationConfig
+) -> tuple[coo_matrix, list[float]]:
+    """``A_ub`` and ``b_ub``: the wait rows, the memory rows, then a request only where its adapter is."""
+    by_id = lp.by_id
+    fixed = {w: sum(request_cost(q, False, by_id[w], cfg) for q in by_id[w].requests) for w in lp.cols}
+    for w, q in lp.movable:
+        fixed[w] -= request_cost(q, False, by_id[w], cfg)
+    rows = _Rows()
+    # Wait rows: Σ cost x + Σ load y − q_j ≤ slack_j − fixed_j, and q_j − z ≤ 0.
+    for j, w in enumerate(lp.cols):
+        for i, (src, q) in enumerate(lp.movable):
+            rows.add(lp.x(i, j), request_cost(q, src != w, by_id[w], cfg))
+        for (target, _), var in lp.y_index.items():
+            if target == w:
+                rows.add(var, cfg.adapter_load_s)
+        rows.add(lp.q_var[w], -1.0)
+        rows.close(slack_s(by_id[w], cfg) - fixed[w])
+        rows.add(lp.q_var[w], 1.0)
+        rows.add(lp.z, -1.0)
+        rows.close(0.0)
+    # Memory rows: incoming adapters and running requests' KV fit the free pool.
+    for j, w in enumerate(lp.cols):
+        for i, (src, q) in enumerate(lp.movable):
+            if src != w and q.running:
+                rows.add(lp.x(i, j), q.context_tokens)
+        for (target, adapter), var in lp.y_index.items():
+            if target == w:
+                rows.add(var, sizes.get(adapter, by_id[w].adapter_tokens.get(adapter, 0)))
+        rows.close(max(0, by_id[w].free_tokens))
+    # A request only where its adapter is: x_rj − y_lj ≤ 0.
+    for i, (_, q) in enumerate(lp.movable):
+        for j, w in enumerate(lp.cols):
+            var = lp.y_index.get((w, q.adapter_id))
+            if var is not None:
+                rows.add(lp.x(i, j), 1.0)
+                rows.add(var, -1.0)
+                rows.close(0.0)
+    a_ub = coo_matrix((rows.data, (rows.rows, rows.cells)), shape=(len(rows.bounds), lp.z + 1))
+    return a_ub, rows.bounds
