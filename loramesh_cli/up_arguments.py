@@ -21,7 +21,7 @@ from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
-from services.gpu_worker.lending_lane import LANE_MODES
+from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES
 from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
 from services.runtime.errors import InvalidArgument
 from services.runtime.eviction import EVICTION_POLICIES

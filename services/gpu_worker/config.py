@@ -51,7 +51,7 @@ class WorkerConfig(ServiceConfig):
     call per layer (CPU pools; with --tls the socket instead, since a mapped pool is readable
     whole); socket: the per-layer attention and KV writes over the creditor's Unix-socket lane
     (~25 µs a round trip instead of 1–2 ms over gRPC); off: every lending call over gRPC. Lanes
-    are opened with the mTLS-checked OpenLendingLane RPC; see services/gpu_worker/lending_lane.py."""
+    are opened with the mTLS-checked OpenLendingLane RPC; see services/gpu_worker/distkv/transport/lending_lane.py."""
     topology: str = ""
     """Locality label (node, rack, zone): the kv_manager suggests creditors with the same label first."""
     kv_manager: str = ""

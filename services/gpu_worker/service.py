@@ -16,13 +16,13 @@ from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
 from services.gpu_worker.build import build_executor
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
+from services.gpu_worker.distkv.transport.kv_manager_directory import KvManagerDirectory
+from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES, LaneServer
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.side_threads import confine_to_one_thread, side_thread_pool
 from services.gpu_worker.engine.structured_output import GrammarCompiler
-from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.kernels import cpu_quant
-from services.gpu_worker.kv_manager_directory import KvManagerDirectory
-from services.gpu_worker.lending_lane import LANE_MODES, LaneServer
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.pin_refresh import refresh_pins
 from services.gpu_worker.quantization_setting import resolve_quantization

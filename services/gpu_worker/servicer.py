@@ -11,18 +11,18 @@ from grpc import aio
 
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.adapter_loader import AdapterLoader
-from services.gpu_worker.engine.engine import Engine
-from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
-from services.gpu_worker.engine.sampling import TokenLogprobs
-from services.gpu_worker.lending_lane import LaneServer
-from services.gpu_worker.lending_proto import (
+from services.gpu_worker.distkv import SharedLender
+from services.gpu_worker.distkv.transport.lending_lane import LaneServer
+from services.gpu_worker.distkv.transport.lending_proto import (
     answer_attend_remote,
     apply_write_kv,
     layout_from_proto,
     layout_to_proto,
     tensor_to_proto,
 )
-from services.gpu_worker.memory.shared_lender import SharedLender
+from services.gpu_worker.engine.engine import Engine
+from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
+from services.gpu_worker.engine.sampling import TokenLogprobs
 from services.runtime.acting_instance import acting_instance
 from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.runtime.request_validation import check_first_token_deadline, check_request

@@ -22,9 +22,9 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.gpu_worker.adapter_loader import AdapterLoader
+from services.gpu_worker.distkv import DistKvTotals
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.engine_stats import EngineStats
-from services.gpu_worker.memory.distkv_meter import DistKvTotals
 from services.runtime.capped_labels import DEFAULT_CAP, CappedLabels
 
 LOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

@@ -31,10 +31,18 @@ from typing import TypeVar, cast
 
 import torch
 
+from services.gpu_worker.distkv import (
+    BlockRecalls,
+    BlockTable,
+    CreditorDirectory,
+    CreditorRefused,
+    CreditorUnavailable,
+    DistKv,
+    DistKvSettings,
+    TransportFactory,
+)
 from services.gpu_worker.engine.adapter_pager import AdapterPager, runnable_batch_policy
-from services.gpu_worker.engine.block_recall import BlockRecalls
-from services.gpu_worker.engine.borrower import CreditorDirectory, TransportFactory
-from services.gpu_worker.engine.engine_config import AUTO_LEND_SHARE, EngineConfig
+from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.engine_stats import (
     AdapterUsage,
     EngineStats,
@@ -47,7 +55,7 @@ from services.gpu_worker.engine.engine_stats import (
 )
 from services.gpu_worker.engine.executor import Executor, LendingExecutor
 from services.gpu_worker.engine.hand_over import HandOver
-from services.gpu_worker.engine.kv_reservation import KvReservation, make_borrower
+from services.gpu_worker.engine.kv_reservation import KvReservation
 from services.gpu_worker.engine.policies import make_batch_policy
 from services.gpu_worker.engine.policies.batch_policy import UNMERGED, BatchPolicy, LoraMode, StepOutcome
 from services.gpu_worker.engine.policies.preemption import make_preemption_policy
@@ -69,14 +77,8 @@ from services.gpu_worker.engine.structured_output import (
     StepMasks,
 )
 from services.gpu_worker.lora.host_adapter import HostAdapter
-from services.gpu_worker.memory.block_lender import LendingConfig
-from services.gpu_worker.memory.block_table import BlockTable
-from services.gpu_worker.memory.distkv_meter import DistKvMeter, MeteredLender
 from services.gpu_worker.memory.kv_cache import KvTable
-from services.gpu_worker.memory.lend_compute_cap import LendComputeCap
 from services.gpu_worker.memory.prefix_cache import PrefixCache
-from services.gpu_worker.memory.remote_block_allocator import CreditorRefused, CreditorUnavailable
-from services.gpu_worker.memory.rmanager import RManager
 from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.runtime.eviction import make_eviction_policy
 from services.runtime.request_validation import check_request
@@ -123,37 +125,27 @@ class Engine:
             config,
             self.executor,
         )
-        wanted = config.max_lent_blocks
-        if wanted < -1:
-            raise ValueError(f"max_lent_blocks must be -1 (auto), 0 or more, got {wanted}")
-        if wanted == -1:  # the default: lend where the executor can, quietly not where it cannot
-            wanted = int(AUTO_LEND_SHARE * self.pool.layout.num_pages // self.pool.layout.num_layers)
-            wanted = wanted if self.executor.supports_lending else 0
-        lend_cap = wanted if self.executor.supports_lending else 0
-        if wanted and not lend_cap:
-            log.warning("this executor cannot lend KV blocks: the lending cap is 0")
-            self.fallbacks = (*self.fallbacks, "lend->off")
-        self.rm = RManager(config.worker_id, self.pool, LendingConfig(lend_cap), config.deterministic)
-        self.distkv = DistKvMeter()
-        """This worker's lending traffic, as debtor and as creditor (heartbeat and metrics)."""
-        self.lending = MeteredLender(
-            self.rm.lender,
-            self.pool.layout,
-            self.distkv,
-            LendComputeCap(
-                config.lend_compute_share,
-                config.lend_compute_window_s,
-                # The SLA it protects is its own requests': an idle worker lends all its compute.
-                busy=lambda: bool(self.running or self.waiting),
+        self.wing = DistKv(
+            DistKvSettings(
+                worker_id=config.worker_id,
+                max_lent_blocks=config.max_lent_blocks,
+                lend_compute_share=config.lend_compute_share,
+                lend_compute_window_s=config.lend_compute_window_s,
+                borrow=config.kv_overflow == "borrow",
+                deterministic=config.deterministic,
             ),
+            self.pool,
+            self.executor.supports_lending,
+            # The SLA it protects is its own requests': an idle worker lends all its compute.
+            busy=lambda: bool(self.running or self.waiting),
+            creditors=creditors,
+            connect=connect,
         )
-        """The lender as the lending RPCs reach it, from their own threads."""
-        self.borrower = None
-        if config.kv_overflow == "borrow" and not self.executor.supports_lending:
-            log.warning("this executor cannot run borrowed KV: the pool overflows by preemption")
-            self.fallbacks = (*self.fallbacks, "borrow->preempt")
-        elif config.kv_overflow == "borrow":
-            self.borrower = make_borrower(self.rm, creditors, connect, self.distkv)
+        """DistKV-LLM on this worker; ``rm``, ``distkv``, ``lending`` and ``borrower`` are its parts."""
+        self.fallbacks = (*self.fallbacks, *self.wing.fallbacks)
+        self.rm, self.distkv = self.wing.rm, self.wing.meter
+        self.lending, self.borrower = self.wing.lending, self.wing.borrower
+        if self.borrower is not None:
             cast(LendingExecutor, self.executor).lend_through(self.rm, self._borrowed_table)
         self.hand_over = HandOver()
         self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache else None

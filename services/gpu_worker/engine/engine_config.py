@@ -5,21 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.gpu_worker.distkv import DEFAULT_LEND_COMPUTE_SHARE, DEFAULT_LEND_COMPUTE_WINDOW_S
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
-from services.gpu_worker.memory.lend_compute_cap import (
-    DEFAULT_LEND_COMPUTE_SHARE,
-    DEFAULT_LEND_COMPUTE_WINDOW_S,
-)
 from services.runtime.config import setting
 from services.runtime.eviction import EVICTION_POLICIES
 
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
-
-
-AUTO_LEND_SHARE = 0.75
-"""Share of its pool's KV blocks a worker lends at most by default: three idle workers with
-1,090-token pools serve a 2,500-token prompt, and a quarter of each pool stays its own."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +40,7 @@ class EngineConfig:
     """This worker's instance id: the debtor name its borrowed blocks are lent under."""
     max_lent_blocks: int = field(default=-1, metadata=setting("lend_cap_blocks"))
     """KV blocks (one page per layer each) other workers may borrow from this pool at most, all
-    together (DistKV-LLM's lending cap); 0 lends nothing; −1 (default): ``AUTO_LEND_SHARE``, three
+    together (DistKV-LLM's lending cap); 0 lends nothing; −1 (default): ``distkv.wing.AUTO_LEND_SHARE``, three
     quarters, of the pool's KV blocks. A lender lends only free pages and keeps the rest of the
     pool for its own requests; see docs/operations.md, "KV overflow and lending"."""
     shared_pool: bool = field(default=False, metadata=setting(None))
@@ -60,7 +52,7 @@ class EngineConfig:
     of ``lend_compute_window_s``, this worker may spend computing attention for debtors while it
     has requests of its own; beyond it AttendRemote is refused (RESOURCE_EXHAUSTED) and the
     debtor recomputes. 0.5 keeps its own steps within about 2x; 1: no cap; 0: none while busy;
-    an idle worker is not capped. See memory/lend_compute_cap.py."""
+    an idle worker is not capped. See distkv/lend_compute_cap.py."""
     lend_compute_window_s: float = DEFAULT_LEND_COMPUTE_WINDOW_S
     """The sliding window of ``lend_compute_share``, seconds."""
     kv_overflow: str = "preempt"

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.distkv import RManager
 from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.memory.prefix_cache import PrefixCache
-from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 
 if TYPE_CHECKING:

@@ -16,11 +16,10 @@ from typing import Protocol
 
 import torch
 
+from services.gpu_worker.distkv import BlockTable, RManager
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter
-from services.gpu_worker.memory.block_table import BlockTable
-from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.model_files.model_config import ModelConfig
 

@@ -14,24 +14,12 @@ rManager reads them, never writes or frees them), and it adds no block to the ca
 
 from __future__ import annotations
 
-from services.gpu_worker.engine.borrower import Borrower, CreditorDirectory, MeshCannotLend, TransportFactory
+from services.gpu_worker.distkv import Borrower, MeshCannotLend, RManager
 from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
-from services.gpu_worker.memory.distkv_meter import DistKvMeter, metered_connect
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.prefix_cache import BlockKey, PrefixCache, block_keys
-from services.gpu_worker.memory.rmanager import RManager
 from services.runtime.errors import ResourceExhausted
-
-
-def make_borrower(
-    rm: RManager, creditors: CreditorDirectory | None, connect: TransportFactory | None, meter: DistKvMeter
-) -> Borrower:
-    """The borrower of ``kv_overflow="borrow"``: ``creditors`` say where to borrow, ``connect``
-    reaches one (its traffic counted by ``meter``)."""
-    if creditors is None or connect is None:
-        raise ValueError("kv_overflow='borrow' needs a creditor directory and a transport factory")
-    return Borrower(rm, creditors, metered_connect(connect, meter))
 
 
 class KvReservation:

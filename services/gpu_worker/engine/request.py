@@ -9,10 +9,10 @@ from enum import Enum
 
 import torch
 
+from services.gpu_worker.distkv import BlockTable
 from services.gpu_worker.engine.sampling import SamplingParams, TokenLogprobs, draw_generator, request_seed
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest
 from services.gpu_worker.engine.structured_output import RequestGrammar
-from services.gpu_worker.memory.block_table import BlockTable
 from services.gpu_worker.memory.kv_cache import KvTable
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from services.gpu_worker.distkv import BlockTable, RemoteBlock
 from services.gpu_worker.engine.adapter_pager import AdapterPager
 from services.gpu_worker.engine.admission import Start, admit
 from services.gpu_worker.engine.engine_config import EngineConfig
@@ -29,7 +30,6 @@ from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvent
 from services.gpu_worker.engine.sampling import token_logprobs
 from services.gpu_worker.engine.waiting_queue import WaitingQueue
 from services.gpu_worker.lora.host_adapter import HostAdapter
-from services.gpu_worker.memory.block_table import BlockTable, RemoteBlock
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.gpu_worker.memory.prefix_cache import BASE_MODEL_KEY_SPACE, BlockKey, adapter_key_space
 from services.runtime.errors import NotFound

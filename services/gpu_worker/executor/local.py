@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.distkv import RManager
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.executor import BorrowedLookup
 from services.gpu_worker.engine.step_plan import StepPlan
@@ -17,7 +18,6 @@ from services.gpu_worker.kernels.dispatch import resolve_backend
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter, write_rows
-from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 

@@ -8,13 +8,12 @@ from collections.abc import Callable
 
 import torch
 
-from services.gpu_worker.engine.distributed_kv import DistributedKv, DistributedSpan
+from services.gpu_worker.distkv import DistributedKv, DistributedSpan, RManager
 from services.gpu_worker.engine.executor import BorrowedLookup
 from services.gpu_worker.engine.step_plan import PlannedRequest, StepPlan
 from services.gpu_worker.kernels.dispatch import StepLora
 from services.gpu_worker.kernels.lora_segments import LoraSegments
 from services.gpu_worker.memory.adapter_residency import NOT_TARGETED, ResidentAdapter
-from services.gpu_worker.memory.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.step_batch import DecodeGroup, PrefillSpan, StepBatch

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from services.gpu_worker.build import local_engine
-from services.gpu_worker.engine.borrower import Candidate
+from services.gpu_worker.distkv.borrower import Candidate
+from services.gpu_worker.distkv.in_process_transport import InProcessTransport
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.memory.in_process_transport import InProcessTransport
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import FailedPrecondition, ResourceExhausted
 

@@ -18,11 +18,11 @@ from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.build import local_engine
-from services.gpu_worker.engine.borrower import Candidate
+from services.gpu_worker.distkv.borrower import Candidate
+from services.gpu_worker.distkv.in_process_transport import InProcessTransport
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.memory.in_process_transport import InProcessTransport
 from services.gpu_worker.model.llama import LlamaModel
 from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import CycleSwap, DgfmConfig, plan_defragmentation

@@ -11,12 +11,12 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.build import local_engine
+from services.gpu_worker.distkv.in_process_transport import InProcessTransport
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap
+from services.gpu_worker.distkv.remote_block_allocator import Pending, done
+from services.gpu_worker.distkv.shared_lender import SharedLender
 from services.gpu_worker.engine.engine import Engine, EngineConfig
-from services.gpu_worker.memory.in_process_transport import InProcessTransport
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.memory.lend_compute_cap import LendComputeCap
-from services.gpu_worker.memory.remote_block_allocator import Pending, done
-from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.model.llama import LlamaModel
 from tests.gpu_worker.engine.test_engine_borrow import Mesh, greedy, reference, run
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
-from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.prefix_cache import (
     BASE_MODEL_KEY_SPACE,

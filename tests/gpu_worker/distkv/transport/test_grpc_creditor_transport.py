@@ -14,18 +14,18 @@ from support.worker_server import serve_worker
 from mesh_api.v1 import worker_pb2
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.engine.borrower import Candidate
-from services.gpu_worker.engine.engine import Engine, EngineConfig
-from services.gpu_worker.engine.request import GenerationRequest
-from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
-from services.gpu_worker.lending_proto import (
+from services.gpu_worker.distkv.borrower import Candidate
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
+from services.gpu_worker.distkv.transport.lending_proto import (
     layout_to_proto,
     partials_to_proto,
     segment_to_proto,
     tensor_to_proto,
 )
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.request import GenerationRequest
+from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.service import WorkerService
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts

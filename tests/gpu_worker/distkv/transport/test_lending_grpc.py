@@ -17,10 +17,10 @@ from support.worker_server import serve_worker
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.build import local_engine
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
+from services.gpu_worker.distkv.transport.lending_proto import tensor_from_proto, tensor_to_proto
 from services.gpu_worker.engine.engine import EngineConfig
-from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
-from services.gpu_worker.lending_proto import tensor_from_proto, tensor_to_proto
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import (
     FailedPrecondition,

@@ -23,7 +23,7 @@ Shared memory (``--lending-lane shared-memory``, the default): a creditor whose 
 memory answers ``POOL`` with its pool's shape (JSON) and the pool's memfd (``SCM_RIGHTS``), and
 ``PAGES`` (block ids as little-endian int64) with the pages of those of the debtor's blocks (int64,
 one per layer each). The debtor then writes and attends over its borrowed blocks in place
-(``memory/shared_creditor_pool.py``) and sends no per-layer call at all. Only offered with mutual
+(``distkv/shared_creditor_pool.py``) and sends no per-layer call at all. Only offered with mutual
 TLS off: a mapped pool is readable whole, which the per-identity checks of TLS would not allow.
 """
 
@@ -46,11 +46,11 @@ from google.protobuf.message import Message
 
 from mesh_api.v1 import worker_pb2
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
+from services.gpu_worker.distkv.distkv_meter import DistKvMeter
+from services.gpu_worker.distkv.shared_creditor_pool import SharedCreditorPool
+from services.gpu_worker.distkv.shared_lender import SharedLender
+from services.gpu_worker.distkv.transport.lending_proto import answer_attend_remote, apply_write_kv
 from services.gpu_worker.engine.side_threads import confine_to_one_thread
-from services.gpu_worker.lending_proto import answer_attend_remote, apply_write_kv
-from services.gpu_worker.memory.distkv_meter import DistKvMeter
-from services.gpu_worker.memory.shared_creditor_pool import SharedCreditorPool
-from services.gpu_worker.memory.shared_lender import SharedLender
 from services.gpu_worker.memory.shared_memory import map_shared
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import DomainError, FailedPrecondition, Unavailable

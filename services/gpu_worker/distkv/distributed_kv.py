@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.memory.block_table import BlockTable
-from services.gpu_worker.memory.remote_block_allocator import Pending
-from services.gpu_worker.memory.rmanager import AttentionPlan, RManager, TableQueries
+from services.gpu_worker.distkv.block_table import BlockTable
+from services.gpu_worker.distkv.remote_block_allocator import Pending
+from services.gpu_worker.distkv.rmanager import AttentionPlan, RManager, TableQueries
 
 
 @dataclass(frozen=True)

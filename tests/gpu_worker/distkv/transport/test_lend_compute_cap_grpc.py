@@ -12,13 +12,13 @@ import torch
 from support.worker_server import serve_worker
 
 from services.gpu_worker.build import local_engine
-from services.gpu_worker.engine.borrower import Candidate
+from services.gpu_worker.distkv.borrower import Candidate
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap
+from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
-from services.gpu_worker.memory.lend_compute_cap import LendComputeCap
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import ResourceExhausted
 

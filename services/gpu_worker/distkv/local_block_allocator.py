@@ -14,8 +14,8 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
-from services.gpu_worker.memory.block_table import LocalBlock
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.block_table import LocalBlock
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import FailedPrecondition, InvalidArgument

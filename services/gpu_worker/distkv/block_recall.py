@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.engine.borrower import Borrower
-from services.gpu_worker.memory.block_table import BlockRef, BlockTable, LostBlock, RemoteBlock
+from services.gpu_worker.distkv.block_table import BlockRef, BlockTable, LostBlock, RemoteBlock
+from services.gpu_worker.distkv.borrower import Borrower
+from services.gpu_worker.distkv.rmanager import RManager
 from services.gpu_worker.memory.page_allocator import PoolExhausted
-from services.gpu_worker.memory.rmanager import RManager
 from services.runtime.errors import (
     DomainError,
     FailedPrecondition,

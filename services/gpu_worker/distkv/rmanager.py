@@ -20,12 +20,12 @@ import torch
 from services.gpu_worker.attention.chunked_attention import combine_in_block_order
 from services.gpu_worker.attention.dist_attention import PartialAttention, empty_partial, scale_reduce
 from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
+from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig
+from services.gpu_worker.distkv.block_table import BlockRef, BlockTable, LocalBlock, LostBlock, RemoteBlock
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvBlockAllocator, KvRows
+from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
+from services.gpu_worker.distkv.remote_block_allocator import CreditorTransport, Pending, RemoteBlockAllocator
 from services.gpu_worker.kernels.cpu_invariant import invariant_available
-from services.gpu_worker.memory.block_lender import BlockLender, LendingConfig
-from services.gpu_worker.memory.block_table import BlockRef, BlockTable, LocalBlock, LostBlock, RemoteBlock
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvBlockAllocator, KvRows
-from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
-from services.gpu_worker.memory.remote_block_allocator import CreditorTransport, Pending, RemoteBlockAllocator
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 

@@ -1,4 +1,4 @@
-"""The same-host lending lane (``services/gpu_worker/lending_lane.py``): a debtor's transport opens
+"""The same-host lending lane (``services/gpu_worker/distkv/transport/lending_lane.py``): a debtor's transport opens
 it through the creditor's ``OpenLendingLane`` RPC, then attends and writes over a Unix socket with
 the same answers as over gRPC, the same refusals, and the debtor bound to the token the creditor
 issued to the caller; a creditor whose lane closes is unreachable, as a dead one is over gRPC."""
@@ -14,12 +14,20 @@ from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2
 from services.gpu_worker.build import local_engine
+from services.gpu_worker.distkv.distkv_meter import DistKvMeter
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport, _refusal
+from services.gpu_worker.distkv.transport.lending_lane import (
+    ATTEND,
+    HELLO,
+    OK,
+    LaneClient,
+    LaneServer,
+    _frame,
+    _read_frame,
+)
+from services.gpu_worker.distkv.transport.lending_proto import segment_to_proto
 from services.gpu_worker.engine.engine import EngineConfig
-from services.gpu_worker.grpc_creditor_transport import GrpcCreditorTransport, _refusal
-from services.gpu_worker.lending_lane import ATTEND, HELLO, OK, LaneClient, LaneServer, _frame, _read_frame
-from services.gpu_worker.lending_proto import segment_to_proto
-from services.gpu_worker.memory.distkv_meter import DistKvMeter
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.service import lane_mode
 from services.runtime.errors import FailedPrecondition, PermissionDenied, Unavailable

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gpu_worker.memory.lend_compute_cap import LendComputeCap, LendComputeExhausted
+from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap, LendComputeExhausted
 from services.runtime.errors import ResourceExhausted
 
 

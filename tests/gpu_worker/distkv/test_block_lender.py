@@ -8,9 +8,9 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import micro_attention
 from services.gpu_worker.attention.pool_view import PoolLayout
-from services.gpu_worker.memory.block_lender import BlockLender, LendingConfig
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
-from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
+from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted

@@ -9,10 +9,10 @@ import threading
 import torch
 
 from services.gpu_worker.build import local_engine
+from services.gpu_worker.distkv.distkv_meter import DistKvMeter, DistKvTotals, MeteredTransport
+from services.gpu_worker.distkv.in_process_transport import InProcessTransport
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
 from services.gpu_worker.engine.engine import Engine, EngineConfig
-from services.gpu_worker.memory.distkv_meter import DistKvMeter, DistKvTotals, MeteredTransport
-from services.gpu_worker.memory.in_process_transport import InProcessTransport
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment
 from services.gpu_worker.model.llama import LlamaModel
 
 

@@ -20,8 +20,8 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_view import PoolLayout
-from services.gpu_worker.memory.block_lender import BlockLender
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.block_lender import BlockLender
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
 from services.runtime.errors import FailedPrecondition
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
 from services.gpu_worker.attention.pool_view import PoolView
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
 from services.runtime.errors import FailedPrecondition
 
 

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from services.gpu_worker.attention.dist_attention import micro_attention
 from services.gpu_worker.attention.pool_view import PoolLayout
-from services.gpu_worker.memory.block_lender import LendingConfig
-from services.gpu_worker.memory.block_table import BlockTable, LocalBlock, RemoteBlock
-from services.gpu_worker.memory.in_process_transport import InProcessTransport
+from services.gpu_worker.distkv.block_lender import LendingConfig
+from services.gpu_worker.distkv.block_table import BlockTable, LocalBlock, RemoteBlock
+from services.gpu_worker.distkv.in_process_transport import InProcessTransport
+from services.gpu_worker.distkv.rmanager import RManager, TableQueries
 from services.gpu_worker.memory.page_allocator import PoolExhausted
-from services.gpu_worker.memory.rmanager import RManager, TableQueries
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import FailedPrecondition, ResourceExhausted, Unavailable
 

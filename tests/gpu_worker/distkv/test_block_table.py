@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gpu_worker.memory.block_table import BlockTable, LocalBlock, LostBlock, RemoteBlock
+from services.gpu_worker.distkv.block_table import BlockTable, LocalBlock, LostBlock, RemoteBlock
 from services.runtime.errors import FailedPrecondition
 
 

@@ -15,8 +15,8 @@ import torch
 from mesh_api.v1 import worker_pb2
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_view import PoolLayout
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.memory.shared_lender import SharedLender
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.shared_lender import SharedLender
 from services.runtime.errors import InvalidArgument
 
 WIRE_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "int64", "int32")}

@@ -25,8 +25,12 @@ from google.protobuf.message import Message
 from mesh_api.v1 import worker_pb2
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_view import PoolLayout
-from services.gpu_worker.lending_lane import ATTEND, WRITE, LaneClient
-from services.gpu_worker.lending_proto import (
+from services.gpu_worker.distkv.distkv_meter import DistKvMeter
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.remote_block_allocator import Pending, done
+from services.gpu_worker.distkv.shared_creditor_pool import SharedCreditorPool
+from services.gpu_worker.distkv.transport.lending_lane import ATTEND, WRITE, LaneClient
+from services.gpu_worker.distkv.transport.lending_proto import (
     layout_from_proto,
     layout_to_proto,
     partials_from_proto,
@@ -35,10 +39,6 @@ from services.gpu_worker.lending_proto import (
     tensor_from_proto,
     tensor_to_proto,
 )
-from services.gpu_worker.memory.distkv_meter import DistKvMeter
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.memory.remote_block_allocator import Pending, done
-from services.gpu_worker.memory.shared_creditor_pool import SharedCreditorPool
 from services.runtime.errors import (
     AlreadyExists,
     DataLoss,

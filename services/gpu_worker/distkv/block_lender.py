@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
-from services.gpu_worker.memory.block_table import LocalBlock
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.memory.local_block_allocator import LocalBlockAllocator
+from services.gpu_worker.distkv.block_table import LocalBlock
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.runtime.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 

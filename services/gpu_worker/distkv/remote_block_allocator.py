@@ -15,8 +15,8 @@ from typing import Protocol, TypeVar
 import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
-from services.gpu_worker.memory.block_table import RemoteBlock
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.block_table import RemoteBlock
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 
 

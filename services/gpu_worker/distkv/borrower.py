@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.gpu_worker.memory.block_table import RemoteBlock
-from services.gpu_worker.memory.remote_block_allocator import CreditorTransport
-from services.gpu_worker.memory.rmanager import RManager
+from services.gpu_worker.distkv.block_table import RemoteBlock
+from services.gpu_worker.distkv.remote_block_allocator import CreditorTransport
+from services.gpu_worker.distkv.rmanager import RManager
 from services.runtime.errors import DomainError, FailedPrecondition, ResourceExhausted, Unavailable
 
 log = logging.getLogger("loramesh.engine")

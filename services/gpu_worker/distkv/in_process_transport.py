@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
-from services.gpu_worker.memory.block_lender import BlockLender
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.memory.remote_block_allocator import Pending, done
+from services.gpu_worker.distkv.block_lender import BlockLender
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.remote_block_allocator import Pending, done
 from services.runtime.errors import Unavailable
 
 

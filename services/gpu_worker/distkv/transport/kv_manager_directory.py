@@ -12,7 +12,7 @@ import logging
 import grpc
 
 from mesh_api.v1 import kv_manager_pb2, kv_manager_pb2_grpc
-from services.gpu_worker.engine.borrower import Candidate
+from services.gpu_worker.distkv.borrower import Candidate
 from services.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,

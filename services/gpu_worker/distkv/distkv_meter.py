@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_view import PoolLayout
-from services.gpu_worker.memory.block_lender import BlockLender
-from services.gpu_worker.memory.kv_block_allocator import AttendSegment, KvRows
-from services.gpu_worker.memory.lend_compute_cap import LendComputeCap, LendComputeExhausted
-from services.gpu_worker.memory.remote_block_allocator import CreditorTransport, Pending
-from services.gpu_worker.memory.shared_lender import SharedLender
+from services.gpu_worker.distkv.block_lender import BlockLender
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap, LendComputeExhausted
+from services.gpu_worker.distkv.remote_block_allocator import CreditorTransport, Pending
+from services.gpu_worker.distkv.shared_lender import SharedLender
 
 Clock = Callable[[], float]
 Connect = Callable[[str, str], CreditorTransport]

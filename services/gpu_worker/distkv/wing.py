@@ -1,0 +1,102 @@
+"""DistKV-LLM on one worker, built in one place: its rManager (requests' KV blocks, local and
+borrowed), the lender other workers borrow from (metered, under the compute cap), and, with
+``kv_overflow: borrow``, the borrower that asks other workers for blocks when the pool runs dry.
+
+The engine builds one :class:`DistKv` and reaches DistKV through it and the names
+``services.gpu_worker.distkv`` exports; nothing outside the package imports its modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.gpu_worker.distkv.block_lender import LendingConfig
+from services.gpu_worker.distkv.borrower import Borrower, CreditorDirectory, TransportFactory
+from services.gpu_worker.distkv.distkv_meter import DistKvMeter, MeteredLender, metered_connect
+from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap
+from services.gpu_worker.distkv.rmanager import RManager
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+
+log = logging.getLogger("loramesh.engine")
+
+AUTO_LEND_SHARE = 0.75
+"""Share of its pool's KV blocks a worker lends at most by default (``max_lent_blocks`` −1):
+three idle workers with 1,090-token pools serve a 2,500-token prompt, and a quarter of each pool
+stays its own."""
+
+
+@dataclass(frozen=True)
+class DistKvSettings:
+    """The engine's DistKV settings (``EngineConfig``'s, resolved)."""
+
+    worker_id: str
+    """This worker's instance id: what creditors and the gManager's ledger know it by."""
+    max_lent_blocks: int
+    """KV blocks other workers may borrow at most, all together; −1: :data:`AUTO_LEND_SHARE` of
+    the pool's blocks."""
+    lend_compute_share: float
+    """Share of wall time spent attending over lent blocks while busy (the compute cap)."""
+    lend_compute_window_s: float
+    """The compute cap's sliding window, in seconds."""
+    borrow: bool
+    """Borrow blocks from other workers when the pool runs dry (else preempt)."""
+    deterministic: bool
+    """Batch-invariant attention over block tables."""
+
+
+class DistKv:
+    """One worker's DistKV parts. ``supports_lending``: whether the executor can run requests
+    whose KV is in rManager block tables; without it nothing is lent and the pool overflows by
+    preemption, each fallback named in :attr:`fallbacks`."""
+
+    def __init__(
+        self,
+        settings: DistKvSettings,
+        pool: UnifiedPool,
+        supports_lending: bool,
+        busy: Callable[[], bool],
+        creditors: CreditorDirectory | None = None,
+        connect: TransportFactory | None = None,
+    ):
+        """``busy``: whether the worker has requests of its own (an idle worker lends all its
+        compute). ``creditors`` and ``connect``: where to borrow and how to reach a creditor;
+        required when ``settings.borrow``."""
+        self.fallbacks: tuple[str, ...] = ()
+        """DistKV settings this executor cannot honour, as ``setting->what runs instead``."""
+        self.rm = RManager(
+            settings.worker_id, pool, LendingConfig(self._lend_cap(settings, pool, supports_lending)),
+            settings.deterministic,
+        )  # fmt: skip
+        self.meter = DistKvMeter()
+        """This worker's lending traffic, as debtor and as creditor (heartbeat and metrics)."""
+        self.lending = MeteredLender(
+            self.rm.lender,
+            pool.layout,
+            self.meter,
+            LendComputeCap(settings.lend_compute_share, settings.lend_compute_window_s, busy=busy),
+        )
+        """The lender as the lending RPCs reach it, from their own threads."""
+        self.borrower: Borrower | None = None
+        """Where blocks are borrowed from when the pool runs dry (None: the pool preempts)."""
+        if settings.borrow and not supports_lending:
+            log.warning("this executor cannot run borrowed KV: the pool overflows by preemption")
+            self.fallbacks += ("borrow->preempt",)
+        elif settings.borrow:
+            if creditors is None or connect is None:
+                raise ValueError("kv_overflow='borrow' needs a creditor directory and a transport factory")
+            self.borrower = Borrower(self.rm, creditors, metered_connect(connect, self.meter))
+
+    def _lend_cap(self, settings: DistKvSettings, pool: UnifiedPool, supports_lending: bool) -> int:
+        wanted = settings.max_lent_blocks
+        if wanted < -1:
+            raise ValueError(f"max_lent_blocks must be -1 (auto), 0 or more, got {wanted}")
+        if wanted == -1:  # the default: lend where the executor can, quietly not where it cannot
+            layout = pool.layout
+            wanted = int(AUTO_LEND_SHARE * layout.num_pages // layout.num_layers) if supports_lending else 0
+        if wanted and not supports_lending:
+            log.warning("this executor cannot lend KV blocks: the lending cap is 0")
+            self.fallbacks += ("lend->off",)
+            return 0
+        return wanted
