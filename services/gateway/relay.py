@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -74,6 +74,34 @@ class RelayRequest:
     """The prompt as text, for the scheduler's length predictor ("": none)."""
 
 
+@dataclass
+class _Progress:
+    """One request's progress over its placements."""
+
+    request: RelayRequest
+    started: float
+    """When the relay began, on its clock."""
+    generated: list[int]
+    """Every token generated so far, those of ``request.start`` included."""
+    excluded: list[str] = field(default_factory=list)
+    """The workers that failed it, not to be placed on again."""
+    first_token_ms: float | None = None
+    resumes: int = 0
+    """Placements after a worker failure."""
+    migrations: int = 0
+    """Placements after a migration."""
+    predicted: int = 0
+    """The scheduler's predicted output length at the first placement (0: none)."""
+    prefer: str = ""
+    """The worker a migration named, for the next placement."""
+    finished: bool = False
+
+    @property
+    def placements(self) -> int:
+        """Placements before the next one."""
+        return self.resumes + self.migrations
+
+
 class Relay:
     def __init__(
         self,
@@ -92,109 +120,134 @@ class Relay:
         self._max_resumes = max_resumes
 
     async def stream(self, request: RelayRequest) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
-        started = self._clock()
-        detok, stop_ids = request.start.detokenizer, request.start.stop_ids
-        generated = list(request.start.generated)
-        excluded: list[str] = []
-        first_token_ms: float | None = None
-        resumes = migrations = 0
-        predicted = 0
-        prefer = ""
-
-        def usage() -> gateway_pb2.Usage:
-            return gateway_pb2.Usage(
-                prompt_tokens=len(request.prompt_ids),
-                completion_tokens=len(generated),
-                first_token_ms=first_token_ms or 0.0,
-                total_ms=(self._clock() - started) * 1000,
-                resumes=resumes,
-                migrations=migrations,
-            )
-
+        run = _Progress(request, started=self._clock(), generated=list(request.start.generated))
         if request.start.finished:  # a continuation of a generation that had already ended
             yield gateway_pb2.GenerateTextResponse(
-                finish_reason=request.start.finished, request_id=request.request_id, usage=usage()
+                finish_reason=request.start.finished, request_id=request.request_id, usage=self._usage(run)
             )
             return
         while True:
-            placements = resumes + migrations
-            placement = await self._place(
-                scheduler_pb2.PlaceRequest(
-                    request_id=request.request_id,
-                    adapter_id=request.adapter_id,
-                    prompt_tokens=len(request.prompt_ids) + len(generated),
-                    max_tokens=request.sampling.max_tokens - len(generated),
-                    first_token_deadline_ms=request.first_token_deadline_ms if not generated else 0.0,
-                    exclude_workers=excluded,
-                    prompt_text=request.prompt_text if not placements else "",
-                    prefer_worker=prefer,
-                )
-            )
-            if not placements:
-                predicted = placement.predicted_output_tokens
-            sampling = types_pb2.SamplingParams()
-            sampling.CopyFrom(request.sampling)
-            sampling.max_tokens = request.sampling.max_tokens - len(generated)
-            stub = worker_pb2_grpc.WorkerStub(self._channels.get(placement.address))
-            call = stub.Generate(
-                worker_pb2.GenerateRequest(
-                    request_id=f"{request.request_id}.{placements}",
-                    prompt_token_ids=[*request.prompt_ids, *generated],
-                    adapter_id=request.adapter_id,
-                    sampling=sampling,
-                    predicted_output_tokens=max(1, predicted - len(generated)) if predicted else 0,
-                    first_token_deadline_ms=0.0 if generated else self._deadline_left_ms(request, started),
-                    resumed_output_tokens=len(generated),
-                )
-            )
+            placement = await self._place_next(run)
+            call = self._generate(run, placement)
             try:
                 async for reply in call:
                     if reply.finish_reason == types_pb2.FINISH_REASON_ERROR:
                         raise WorkerFailed(placement.worker_id)
                     if reply.finish_reason == types_pb2.FINISH_REASON_MIGRATED:
-                        migrations += 1
-                        prefer = reply.migrated_to
+                        run.migrations += 1
+                        run.prefer = reply.migrated_to
                         break
-                    ids = list(reply.token_ids)
-                    if ids and first_token_ms is None:
-                        first_token_ms = (self._clock() - started) * 1000
-                    generated += ids
-                    finish = reply.finish_reason
-                    ended_by_token = finish == types_pb2.FINISH_REASON_STOP and ids and ids[-1] in stop_ids
-                    text = detok.add(ids[:-1] if ended_by_token else ids)
-                    if detok.stopped:
-                        call.cancel()
-                        finish = types_pb2.FINISH_REASON_STOP
-                    if finish:
-                        text += detok.flush()
-                        self._report(request.request_id, len(generated))
-                        yield gateway_pb2.GenerateTextResponse(
-                            text=text,
-                            token_ids=ids,
-                            logprobs=reply.logprobs,
-                            finish_reason=finish,
-                            request_id=request.request_id,
-                            usage=usage(),
-                        )
+                    response = self._relay_reply(run, reply, call)
+                    if response is not None:
+                        yield response
+                    if run.finished:
                         return
-                    if ids:
-                        yield gateway_pb2.GenerateTextResponse(
-                            text=text, token_ids=ids, logprobs=reply.logprobs, request_id=request.request_id
-                        )
             except (grpc.RpcError, WorkerFailed) as error:
-                if isinstance(error, grpc.RpcError) and error.code() not in RESUMABLE:
-                    raise
-                if resumes >= self._max_resumes:
-                    raise Unavailable(
-                        f"request {request.request_id} failed on {resumes + 1} workers; last: {placement.worker_id}"
-                    ) from None
-                resumes += 1
-                prefer = ""
-                excluded.append(placement.worker_id)
+                self._count_failure(run, placement, error)
             finally:
                 # A client that goes away (cancellation, a closed generator) cancels the worker's
                 # request too, which frees its pages there at once.
                 call.cancel()
+
+    async def _place_next(self, run: _Progress) -> scheduler_pb2.PlaceResponse:
+        """A worker for the rest of the request; the first placement's length prediction is kept."""
+        request, generated = run.request, run.generated
+        placement = await self._place(
+            scheduler_pb2.PlaceRequest(
+                request_id=request.request_id,
+                adapter_id=request.adapter_id,
+                prompt_tokens=len(request.prompt_ids) + len(generated),
+                max_tokens=request.sampling.max_tokens - len(generated),
+                first_token_deadline_ms=request.first_token_deadline_ms if not generated else 0.0,
+                exclude_workers=run.excluded,
+                prompt_text=request.prompt_text if not run.placements else "",
+                prefer_worker=run.prefer,
+            )
+        )
+        if not run.placements:
+            run.predicted = placement.predicted_output_tokens
+        return placement
+
+    def _generate(self, run: _Progress, placement: scheduler_pb2.PlaceResponse) -> grpc.aio.UnaryStreamCall:
+        """The worker's stream of the rest: the prompt and the tokens so far, the tokens left."""
+        request, generated = run.request, run.generated
+        sampling = types_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.max_tokens = request.sampling.max_tokens - len(generated)
+        stub = worker_pb2_grpc.WorkerStub(self._channels.get(placement.address))
+        return stub.Generate(
+            worker_pb2.GenerateRequest(
+                request_id=f"{request.request_id}.{run.placements}",
+                prompt_token_ids=[*request.prompt_ids, *generated],
+                adapter_id=request.adapter_id,
+                sampling=sampling,
+                predicted_output_tokens=max(1, run.predicted - len(generated)) if run.predicted else 0,
+                first_token_deadline_ms=0.0 if generated else self._deadline_left_ms(request, run.started),
+                resumed_output_tokens=len(generated),
+            )
+        )
+
+    def _relay_reply(
+        self, run: _Progress, reply: worker_pb2.GenerateResponse, call: grpc.aio.UnaryStreamCall
+    ) -> gateway_pb2.GenerateTextResponse | None:
+        """The client's message for a worker's reply (None: nothing to say); the last one, with
+        the usage, when the generation ends (``run.finished``)."""
+        ids = list(reply.token_ids)
+        if ids and run.first_token_ms is None:
+            run.first_token_ms = (self._clock() - run.started) * 1000
+        run.generated += ids
+        detok, request_id = run.request.start.detokenizer, run.request.request_id
+        finish = reply.finish_reason
+        ended_by_token = (
+            finish == types_pb2.FINISH_REASON_STOP and ids and ids[-1] in run.request.start.stop_ids
+        )
+        text = detok.add(ids[:-1] if ended_by_token else ids)
+        if detok.stopped:
+            call.cancel()
+            finish = types_pb2.FINISH_REASON_STOP
+        if finish:
+            text += detok.flush()
+            run.finished = True
+            self._report(request_id, len(run.generated))
+            return gateway_pb2.GenerateTextResponse(
+                text=text,
+                token_ids=ids,
+                logprobs=reply.logprobs,
+                finish_reason=finish,
+                request_id=request_id,
+                usage=self._usage(run),
+            )
+        if ids:
+            return gateway_pb2.GenerateTextResponse(
+                text=text, token_ids=ids, logprobs=reply.logprobs, request_id=request_id
+            )
+        return None
+
+    def _count_failure(
+        self, run: _Progress, placement: scheduler_pb2.PlaceResponse, error: grpc.RpcError | WorkerFailed
+    ) -> None:
+        """A resumable failure excludes its worker from the next placement; any other, or one
+        past ``max_resumes``, ends the request."""
+        if isinstance(error, grpc.RpcError) and error.code() not in RESUMABLE:
+            raise error
+        if run.resumes >= self._max_resumes:
+            raise Unavailable(
+                f"request {run.request.request_id} failed on {run.resumes + 1} workers; "
+                f"last: {placement.worker_id}"
+            ) from None
+        run.resumes += 1
+        run.prefer = ""
+        run.excluded.append(placement.worker_id)
+
+    def _usage(self, run: _Progress) -> gateway_pb2.Usage:
+        return gateway_pb2.Usage(
+            prompt_tokens=len(run.request.prompt_ids),
+            completion_tokens=len(run.generated),
+            first_token_ms=run.first_token_ms or 0.0,
+            total_ms=(self._clock() - run.started) * 1000,
+            resumes=run.resumes,
+            migrations=run.migrations,
+        )
 
     def _deadline_left_ms(self, request: RelayRequest, started: float) -> float:
         """What is left of the request's first-token deadline now (0: it has none). A deadline
