@@ -23,6 +23,7 @@ from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.chat_templates import TOKENIZER_FILES
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.runtime.field_copy import message_of
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -36,27 +37,13 @@ MAX_WATCH_BACKLOG = 100_000
 def record_to_proto(record: AdapterRecord, with_chat_templates: bool = True) -> types_pb2.AdapterInfo:
     """``with_chat_templates`` false leaves the templates out (listings and fetches, which do not
     need them, stay small)."""
-    return types_pb2.AdapterInfo(
-        id=record.id,
-        name=record.name,
-        owner=record.owner,
-        visibility=record.visibility,
-        base_model=record.base_model,
+    return message_of(
+        types_pb2.AdapterInfo,
+        record,
         pet_type=types_pb2.PET_TYPE_LORA,
-        rank=record.rank,
-        max_rank=record.max_rank,
-        lora_alpha=record.lora_alpha,
-        use_rslora=record.use_rslora,
-        target_modules=list(record.target_modules),
-        dtype=record.dtype,
-        size_bytes=record.size_bytes,
-        sha256=record.sha256,
-        version=record.version,
         created_unix_ms=record.created_ms,
-        config_json=record.config_json,
         chat_template=record.chat_template if with_chat_templates else "",
         tool_use_chat_template=record.tool_use_chat_template if with_chat_templates else "",
-        pinned=record.pinned,
     )
 
 
@@ -285,13 +272,4 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Stats(self, request, context):
         stats = await asyncio.to_thread(self.repository.stats)
-        return pb.StatsResponse(
-            adapters=stats.adapters,
-            disk_bytes=stats.disk_bytes,
-            ram_bytes=stats.ram_bytes,
-            ram_budget_bytes=stats.ram_budget_bytes,
-            ram_adapters=stats.ram_adapters,
-            ram_hits=stats.ram_hits,
-            ram_misses=stats.ram_misses,
-            uploads_in_flight=self.uploads_in_flight,
-        )
+        return message_of(pb.StatsResponse, stats, uploads_in_flight=self.uploads_in_flight)

@@ -13,6 +13,7 @@ import logging
 from mesh_api.v1 import scheduler_pb2 as pb
 from mesh_api.v1 import scheduler_pb2_grpc
 from services.runtime.errors import InvalidArgument
+from services.runtime.field_copy import dataclass_of, message_of
 from services.scheduler.admission import AdmissionControl
 from services.scheduler.cluster_view import ClusterSnapshot, ClusterView
 from services.scheduler.live_prediction import LivePredictions
@@ -24,39 +25,21 @@ log = logging.getLogger("loramesh.scheduler")
 
 
 def request_from_proto(request: pb.PlaceRequest) -> PlacementRequest:
-    return PlacementRequest(
-        request_id=request.request_id,
-        adapter_id=request.adapter_id,
-        prompt_tokens=request.prompt_tokens,
-        max_tokens=request.max_tokens,
-        first_token_deadline_ms=request.first_token_deadline_ms,
-        exclude_workers=frozenset(request.exclude_workers),
-        prefer_worker=request.prefer_worker,
-    )
+    return dataclass_of(PlacementRequest, request, exclude_workers=frozenset(request.exclude_workers))
 
 
 def placement_to_proto(placement: PlacementDecision) -> pb.PlaceResponse:
-    return pb.PlaceResponse(
-        worker_id=placement.worker_id,
-        address=placement.address,
-        estimated_wait_ms=placement.estimated_wait_ms,
-        adapter_resident=placement.adapter_resident,
-    )
+    return message_of(pb.PlaceResponse, placement)
 
 
 def snapshot_to_proto(snapshot: ClusterSnapshot, activity: pb.SchedulerActivity) -> pb.ClusterViewResponse:
     return pb.ClusterViewResponse(
         activity=activity,
         workers=[
-            pb.WorkerView(
-                worker_id=w.worker_id,
-                address=w.address,
-                queue=w.queue,
-                running=w.running,
-                free_pages=w.free_pages,
-                total_pages=w.total_pages,
+            message_of(
+                pb.WorkerView,
+                w,
                 resident_adapters=sorted(w.resident_adapters),
-                tokens_per_s=w.tokens_per_s,
                 placed_since_report=snapshot.placed(w.worker_id),
                 report_age_ms=max(0.0, (snapshot.taken_at - w.report_ts) * 1000) if w.report_ts else 0.0,
             )
