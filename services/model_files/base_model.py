@@ -19,6 +19,7 @@ from pathlib import Path
 
 from services.model_files.cache_dir import default_cache_dir
 from services.model_files.model_config import ModelConfig, read_hf_config
+from services.runtime.field_copy import dataclass_of
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,7 @@ class BaseModelSpec:
     @classmethod
     def of(cls, config: ModelConfig) -> BaseModelSpec:
         """The spec of the model ``config`` describes."""
-        return cls(
-            name=config.name,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_layers,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            vocab_size=config.vocab_size,
-        )
+        return dataclass_of(cls, config)
 
     def projection_shape(self, module: str) -> tuple[int, int]:
         """``(in_features, out_features)`` of one projection in every layer."""
