@@ -20,13 +20,13 @@ INSTALL_BENCH = (
 
 
 def add_parsers(sub) -> None:
-    bench = sub.add_parser(
+    bench = _bench_parser(
+        sub,
         "bench",
-        help="reproduce S-LoRA's evaluation here: loramesh vs PEFT and merged baselines, ablations, plots",
+        "reproduce S-LoRA's evaluation here: loramesh vs PEFT and merged baselines, ablations, plots",
+        out_default="bench/out/<profile>",
+        profile_help="quick: ≈10 min on 2 cores; full: longer traces and every sweep point",
     )
-    bench.add_argument("--profile", default="quick", choices=["quick", "full"],
-                       help="quick: ≈10 min on 2 cores; full: longer traces and every sweep point")  # fmt: skip
-    bench.add_argument("--out", default="", help="results folder (default bench/out/<profile>)")
     bench.add_argument(
         "--model", default="", help="base model: GGUF file or HF directory (default SmolLM2-135M)"
     )
@@ -42,25 +42,42 @@ def add_parsers(sub) -> None:
                        help="run the selected experiments this many rounds, alternating the systems")  # fmt: skip
     bench.set_defaults(func=cmd_bench)
 
-    distkv = sub.add_parser(
+    distkv = _bench_parser(
+        sub,
         "bench-distkv",
-        help="DistKV-LLM long context: 3 workers borrowing KV vs preempt, each alone, all KV local",
+        "DistKV-LLM long context: 3 workers borrowing KV vs preempt, each alone, all KV local",
+        out_default="bench/out/distkv[-quick]",
     )
-    distkv.add_argument("--profile", default="quick", choices=["quick", "full"],
-                        help="quick: a smoke run; full: the figures of docs/benchmarks.md")  # fmt: skip
-    distkv.add_argument("--out", default="", help="results folder (default bench/out/distkv[-quick])")
     distkv.set_defaults(func=cmd_bench_distkv)
 
-    policies = sub.add_parser(
+    policies = _bench_parser(
+        sub,
         "bench-policies",
-        help="batch policies: dLoRA skew sweep, S-LoRA abort vs FCFS/LCFS, clustering, PetS prefill",
+        "batch policies: dLoRA skew sweep, S-LoRA abort vs FCFS/LCFS, clustering, PetS prefill",
+        out_default="bench/out/policies[-quick]",
     )
-    policies.add_argument("--profile", default="quick", choices=["quick", "full"],
-                          help="quick: a smoke run; full: the figures of docs/benchmarks.md")  # fmt: skip
-    policies.add_argument("--out", default="", help="results folder (default bench/out/policies[-quick])")
     policies.add_argument("--only", nargs="+", default=None, choices=["skew", "abort", "clustering", "pets"],
                           help="run only these experiments")  # fmt: skip
     policies.set_defaults(func=cmd_bench_policies)
+
+
+def _bench_parser(
+    sub,
+    name: str,
+    summary: str,
+    out_default: str,
+    profile_help: str = "quick: a smoke run; full: the figures of docs/benchmarks.md",
+):
+    """A bench command's parser with the ``--profile`` and ``--out`` every one takes."""
+    parser = sub.add_parser(name, help=summary)
+    parser.add_argument("--profile", default="quick", choices=["quick", "full"], help=profile_help)
+    parser.add_argument("--out", default="", help=f"results folder (default {out_default})")
+    return parser
+
+
+def _profile_argv(args) -> list[str]:
+    """``--profile`` and ``--out`` as given, for a bench's own ``main``."""
+    return ["--profile", args.profile, *(["--out", args.out] if args.out else [])]
 
 
 def bench_not_importable(error: ImportError) -> CommandError:
@@ -120,7 +137,7 @@ def cmd_bench_distkv(args) -> int:
         from bench.distkv.experiment import main as run_distkv
     except ImportError as error:
         raise bench_not_importable(error) from None
-    return run_distkv(["--profile", args.profile, *(["--out", args.out] if args.out else [])])
+    return run_distkv(_profile_argv(args))
 
 
 def cmd_bench_policies(args) -> int:
@@ -128,5 +145,4 @@ def cmd_bench_policies(args) -> int:
         from bench.policies.runner import main as run_policies
     except ImportError as error:
         raise bench_not_importable(error) from None
-    argv = ["--profile", args.profile, *(["--out", args.out] if args.out else [])]
-    return run_policies([*argv, *(["--only", *args.only] if args.only else [])])
+    return run_policies([*_profile_argv(args), *(["--only", *args.only] if args.only else [])])
