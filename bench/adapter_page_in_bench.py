@@ -64,7 +64,7 @@ from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.peft_format import LORA_TARGETS
-from services.runtime.garbage_collection import freeze_startup_objects
+from services.runtime.process.garbage_collection import freeze_startup_objects
 
 PHASES = ("quiet", "paging")
 TARGETS = {"all": LORA_TARGETS, "qv": ("q_proj", "v_proj")}

@@ -75,10 +75,10 @@ from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.gateway.adapter_index import AdapterIndex
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS
-from services.runtime.allocator import retain_freed_memory
-from services.runtime.etcd_server import EtcdServer
-from services.runtime.ports import free_port
-from services.runtime.process import ServiceProcess
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.process.allocator import retain_freed_memory
+from services.runtime.process.ports import free_port
+from services.runtime.process.process import ServiceProcess
 
 WEIGHTS = "adapter_model.safetensors"
 TENANTS = 10

@@ -984,7 +984,7 @@ def part5_structured(ctx: Ctx) -> dict:
     their schemas."""
     from bench.structured_output_bench import MAX_TOKENS, PROMPTS, SCHEMAS
     from services.gpu_worker.engine.structured_output import GrammarCompiler, GrammarKey, MaskPlanner
-    from services.runtime.sampling_params import StructuredOutput
+    from services.runtime.sampling.sampling_params import StructuredOutput
 
     dtype = torch.bfloat16
     config = ctx.model()["config"]

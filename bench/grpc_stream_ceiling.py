@@ -12,7 +12,7 @@ server's from ``/proc``, the client's own process time). On a machine where both
 cores, 2 cores ÷ (server + client ms per MB) bounds any upload path; the store's upload rate
 ÷ this rate is how much of the transport's ceiling its own work leaves.
 
-Both processes retain freed memory (``services.runtime.allocator``), as the adapter store, the
+Both processes retain freed memory (``services.runtime.process.allocator``), as the adapter store, the
 gateway and the scale bench's driver do: without it every 4 MiB message lands in freshly mapped
 pages, and the page faults cost the server as much as the rest of its work
 (``--retain-freed-memory false`` measures that).
@@ -31,9 +31,9 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from services.runtime.allocator import retain_freed_memory
-from services.runtime.ports import free_port
-from services.runtime.server import MAX_MESSAGE_BYTES
+from services.runtime.process.allocator import retain_freed_memory
+from services.runtime.process.ports import free_port
+from services.runtime.rpc.server import MAX_MESSAGE_BYTES
 
 MB = 1 << 20
 OPTIONS = [

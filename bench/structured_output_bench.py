@@ -35,7 +35,7 @@ from services.gpu_worker.engine.structured_output import GrammarCompiler
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.quantization_setting import resolve_quantization
-from services.runtime.sampling_params import SamplingParams, StructuredOutput
+from services.runtime.sampling.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMAS = {
     "person": {

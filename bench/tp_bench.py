@@ -37,7 +37,7 @@ from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, St
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
 from services.gpu_worker.tp.sharding import TensorParallelLayout
 from services.model_files.model_config import ModelConfig
-from services.runtime.sampling_params import SamplingParams
+from services.runtime.sampling.sampling_params import SamplingParams
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 

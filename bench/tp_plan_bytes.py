@@ -24,7 +24,7 @@ from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.executor.tp_group import start_group
 from services.gpu_worker.model.loading import load_model
-from services.runtime.sampling_params import SamplingParams
+from services.runtime.sampling.sampling_params import SamplingParams
 
 
 def measure(tp: int, batch: int, prompt_tokens: int, decode_steps: int) -> dict:

@@ -42,7 +42,7 @@ from services.gpu_worker.tp.context import TensorParallelContext
 from services.gpu_worker.tp.rank import build_rank_model
 from services.gpu_worker.tp.sharding import TensorParallelLayout, shard_adapter
 from services.model_files.model_config import ModelConfig
-from services.runtime.ports import free_port
+from services.runtime.process.ports import free_port
 
 
 def build_rank_pool(

@@ -7,8 +7,8 @@ import datetime
 from pathlib import Path
 
 from loramesh_cli.errors import CommandError
-from services.runtime.certificates import DEFAULT_VALIDITY_DAYS, create_mesh_certificates
-from services.runtime.identity import KINDS, MeshIdentity
+from services.runtime.security.certificates import DEFAULT_VALIDITY_DAYS, create_mesh_certificates
+from services.runtime.security.identity import KINDS, MeshIdentity
 
 
 def add_parsers(sub) -> None:

@@ -248,7 +248,7 @@ def kill_one(state_dir: Path, plan: KillPlan) -> tuple[Kill, float] | None:
 async def registered_since(mesh: MeshFile, name: str, since_unix: float) -> bool:
     """Whether ``name`` is back: etcd answering (for etcd), or the process registered in etcd by a
     run started after ``since_unix``."""
-    from services.runtime.membership import MembershipConfig, list_members
+    from services.runtime.etcd.membership import MembershipConfig, list_members
 
     try:
         members = await list_members(

@@ -1,5 +1,5 @@
 """``loramesh etcd-rbac-sync``: the controller that gives each pod of a Kubernetes mesh its own
-etcd user, and takes it away when the pod is gone (``services/runtime/etcd_rbac_sync.py``)."""
+etcd user, and takes it away when the pod is gone (``services/runtime/etcd/etcd_rbac_sync.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 from loramesh_cli.errors import CommandError
 from loramesh_cli.tls_options import cli_tls
-from services.runtime.etcd_rbac_sync import API_SERVER, DEFAULT_INTERVAL_S, EtcdRbacSync, KubernetesPods
+from services.runtime.etcd.etcd_rbac_sync import API_SERVER, DEFAULT_INTERVAL_S, EtcdRbacSync, KubernetesPods
 
 ETCD_ENDPOINTS_ENV = "LORAMESH_ETCD_ENDPOINTS"
 

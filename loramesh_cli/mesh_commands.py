@@ -31,14 +31,14 @@ from loramesh_cli.up_arguments import (
     restart_policy,
 )
 from services.gateway.auth import TenantsFile, hashed_keys
-from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.errors import InvalidArgument
-from services.runtime.etcd_rbac import provision_etcd_rbac
-from services.runtime.etcd_server import EtcdServer
-from services.runtime.identity import MeshIdentity
-from services.runtime.private_files import private_dir, write_private_text
-from services.runtime.process import ServiceProcess, ServiceStartError
-from services.runtime.tls import NO_TLS
+from services.runtime.etcd.etcd_rbac import provision_etcd_rbac
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.process.process import ServiceProcess, ServiceStartError
+from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
+from services.runtime.security.identity import MeshIdentity
+from services.runtime.security.private_files import private_dir, write_private_text
+from services.runtime.security.tls import NO_TLS
 
 #: The certificate identity `loramesh` (CLI and SDK) presents to a `--tls` mesh.
 ADMIN_IDENTITY = "admin"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from loramesh.client import DEFAULT_STATE_DIR, MESH_FILE_NAME, STATE_DIR_ENV
 from loramesh_cli.errors import CommandError
-from services.runtime.private_files import private_dir, write_private_text
-from services.runtime.tls import NO_TLS, TLSConfig
+from services.runtime.security.private_files import private_dir, write_private_text
+from services.runtime.security.tls import NO_TLS, TLSConfig
 
 
 @dataclass

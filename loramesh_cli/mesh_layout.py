@@ -18,12 +18,12 @@ from loramesh_cli.up_arguments import (
     adapter_load_dirs,
     lora_modules,
 )
-from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
-from services.runtime.identity import MeshIdentity
-from services.runtime.ports import free_port
-from services.runtime.private_files import write_private_text
-from services.runtime.process import ServiceProcess
-from services.runtime.tls import NO_TLS, TLSConfig
+from services.runtime.process.ports import free_port
+from services.runtime.process.process import ServiceProcess
+from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
+from services.runtime.security.identity import MeshIdentity
+from services.runtime.security.private_files import write_private_text
+from services.runtime.security.tls import NO_TLS, TLSConfig
 
 #: The supervisor's name for etcd's process.
 ETCD_UNIT = "etcd"
@@ -46,7 +46,7 @@ def service_processes(
     """Every service of the mesh, by name (also its instance id), the adapter store first, and
     each gateway's OpenAI API address. Ports are picked now and kept, so a restarted process
     comes back at the same address. With ``certs``, each runs with mutual TLS as its own
-    instance (``<kind>/<name>``: services/runtime/identity.py).
+    instance (``<kind>/<name>``: services/runtime/security/identity.py).
 
     Each process inherits the environment of `up`, so any setting `up` has no flag for reaches
     its services as their ``LORAMESH_*`` variable; a flag passed here wins over it."""

@@ -14,10 +14,10 @@ from loramesh_cli.mesh_file import MeshFile, ServiceEntry, live_mesh
 from loramesh_cli.mesh_layout import ETCD_UNIT
 from loramesh_cli.table import render_table
 from loramesh_cli.tls_options import cli_tls
-from services.runtime.membership import MembershipConfig, list_members, read_loads
-from services.runtime.process import GRPC_SERVICE_NAMES
-from services.runtime.server import check_health
-from services.runtime.tls import NO_TLS, TLSConfig
+from services.runtime.etcd.membership import MembershipConfig, list_members, read_loads
+from services.runtime.process.process import GRPC_SERVICE_NAMES
+from services.runtime.rpc.server import check_health
+from services.runtime.security.tls import NO_TLS, TLSConfig
 
 
 def add_status_parser(sub) -> None:

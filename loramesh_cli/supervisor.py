@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from loramesh_cli.restart_policy import RestartPolicy, RestartTracker
-from services.runtime.etcd_server import EtcdServer, EtcdStartError
-from services.runtime.process import ServiceProcess
+from services.runtime.etcd.etcd_server import EtcdServer, EtcdStartError
+from services.runtime.process.process import ServiceProcess
 
 log = logging.getLogger("loramesh.supervisor")
 

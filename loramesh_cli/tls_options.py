@@ -9,7 +9,7 @@ from pathlib import Path
 from loramesh.tls import ClientTLS
 from loramesh_cli.errors import CommandError
 from loramesh_cli.mesh_file import MeshFile
-from services.runtime.tls import NO_TLS, TLSConfig
+from services.runtime.security.tls import NO_TLS, TLSConfig
 
 
 def add_tls_flags(parser) -> None:

@@ -18,14 +18,14 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.auth import ApiKeys, is_hashed
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES
 from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
-from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES
 from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
 from services.runtime.errors import InvalidArgument
 from services.runtime.eviction import EVICTION_POLICIES
-from services.runtime.process import ServiceProcess
+from services.runtime.process.process import ServiceProcess
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live_prediction import LivePredictions
 from services.scheduler.policies import MIGRATION_POLICIES, PLACEMENT_POLICIES, PREFETCH_POLICIES

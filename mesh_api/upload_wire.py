@@ -13,7 +13,7 @@ differs from protobuf's reading.
 
 Senders use stubs whose upload call takes wire bytes (:class:`WireUploadGatewayStub`, the SDK's;
 :class:`WireUploadAdapterStoreStub`, the gateway's); receivers add their servicer with
-:func:`read_upload_message` as the upload's request reader (``services.runtime.method_handlers``).
+:func:`read_upload_message` as the upload's request reader (``services.runtime.rpc.method_handlers``).
 """
 
 from __future__ import annotations

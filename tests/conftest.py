@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from services.model_files.base_model import load_base_model_spec
-from services.runtime.etcd_server import EtcdServer
-from services.runtime.membership import MembershipConfig
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.etcd.membership import MembershipConfig
 
 
 @pytest.fixture

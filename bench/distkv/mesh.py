@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Self
 
 from bench.distkv.config import MeshSettings
-from services.runtime.etcd_server import EtcdServer
-from services.runtime.membership import MembershipConfig, read_loads
-from services.runtime.process import ServiceProcess
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.etcd.membership import MembershipConfig, read_loads
+from services.runtime.process.process import ServiceProcess
 
 READY_GUARD_S = 300.0
 """Hang guard for starting the processes (a loaded 2-core machine loads three models slowly)."""

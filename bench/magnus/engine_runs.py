@@ -24,7 +24,7 @@ from services.gpu_worker.engine.policies.batch_policy import BatchPolicy
 from services.gpu_worker.engine.request import GenerationRequest, TokenEvent
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import LoadedModel
-from services.runtime.sampling_params import SamplingParams
+from services.runtime.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from services.gpu_worker.engine.request import GenerationRequest, TokenEvent
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.tokenizer import Tokenizer
-from services.runtime.sampling_params import SamplingParams
+from services.runtime.sampling.sampling_params import SamplingParams
 
 KINDS = ("animals", "fruits", "countries", "colours", "cities", "sports", "musical instruments", "vegetables")
 

@@ -24,8 +24,8 @@ from bench.systems.clock import time_left
 from loramesh.async_client import AsyncClient
 from loramesh.errors import LoraMeshError
 from services.model_files.tokenizer_loading import load_tokenizer
-from services.runtime.etcd_server import EtcdServer
-from services.runtime.process import ServiceProcess
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.process.process import ServiceProcess
 
 UPLOAD_CONCURRENCY = 4
 

@@ -29,7 +29,7 @@ from bench.systems.completion_protocols import LlamaServerCompletion
 from bench.systems.http_replay import replay_over_http
 from bench.systems.llamacpp_adapters import find_converter, gguf_adapters
 from services.model_files.base_model import default_model_path, load_base_model_spec
-from services.runtime.ports import free_port
+from services.runtime.process.ports import free_port
 
 HOST = "127.0.0.1"
 SLOT_CONTEXT_ROUNDING = 256

@@ -2,7 +2,7 @@
 
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
-from services.runtime.server import run_service
+from services.runtime.rpc.server import run_service
 
 if __name__ == "__main__":
     run_service(AdapterStoreConfig, AdapterStoreService, "adapter_store")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.runtime.private_files import PRIVATE_FILE_MODE, private_dir
+from services.runtime.security.private_files import PRIVATE_FILE_MODE, private_dir
 
 log = logging.getLogger("loramesh.adapter_store")
 
@@ -61,7 +61,7 @@ def page_aligned_empty(size: int) -> memoryview:
     the rest of their last page, so that :meth:`BlobStore.write` sends them (or any prefix of
     them) to the disk as whole pages in one write, without another copy. The memory comes from
     the heap, where a store that retains freed memory reuses it without page faults
-    (:mod:`services.runtime.allocator`)."""
+    (:mod:`services.runtime.process.allocator`)."""
     block = np.empty(_pages(size) + _PAGE, dtype=np.uint8)
     _PADDED_BLOCKS[id(block)] = block
     start = -block.ctypes.data % _PAGE

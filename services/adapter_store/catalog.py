@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.runtime.private_files import private_dir
+from services.runtime.security.private_files import private_dir
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS adapters (

@@ -30,7 +30,7 @@ from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import BaseModelSpec
 from services.runtime.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
 from services.runtime.eviction import make_eviction_policy
-from services.runtime.private_files import private_dir
+from services.runtime.security.private_files import private_dir
 
 log = logging.getLogger("loramesh.adapter_store")
 

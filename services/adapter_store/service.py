@@ -1,4 +1,4 @@
-"""The adapter store as a runtime :class:`~services.runtime.server.Service`."""
+"""The adapter store as a runtime :class:`~services.runtime.rpc.server.Service`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from services.adapter_store.repository import AdapterRepository
 from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import load_base_model_spec
-from services.runtime.method_handlers import add_servicer_with_readers
+from services.runtime.rpc.method_handlers import add_servicer_with_readers
 
 MIB = 2**20
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from mesh_api.v1 import types_pb2
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.runtime.request_validation import InvalidField
+from services.runtime.sampling.request_validation import InvalidField
 
 TOKENS_FIELD = "continuation.token_ids"
 TEXT_FIELD = "continuation.text"

@@ -2,7 +2,7 @@
 
 API key → tenant, chat template, tokenization, request limits, the tenants' limits on
 generations in flight and tokens per minute (:mod:`services.gateway.tenant_quota`), prompt and
-sampling validation (:mod:`services.runtime.request_validation`, the checks the workers make
+sampling validation (:mod:`services.runtime.sampling.request_validation`, the checks the workers make
 too), continuations of streams another gateway broke off (:mod:`services.gateway.continuation`),
 placement + relay with resume (which also detokenizes and honours stop strings). The adapter a
 request names comes resolved (:mod:`services.gateway.adapter_catalog`); adapter administration
@@ -27,8 +27,8 @@ from services.gateway.tool_calls import ChatMessage, ToolRequest, template_input
 from services.model_files.tokenizer import ChatTemplateError
 from services.model_files.tokenizer_loading import TokenizerBundle
 from services.runtime.errors import InvalidArgument, Unavailable
-from services.runtime.request_validation import check_first_token_deadline, check_request
-from services.runtime.sampling_proto import sampling_from_proto
+from services.runtime.sampling.request_validation import check_first_token_deadline, check_request
+from services.runtime.sampling.sampling_proto import sampling_from_proto
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -38,8 +38,8 @@ import grpc
 
 from mesh_api.v1 import gateway_pb2, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.continuation import ResumePoint
-from services.runtime.discovery import ChannelPool
 from services.runtime.errors import Unavailable
+from services.runtime.etcd.discovery import ChannelPool
 
 log = logging.getLogger("loramesh.gateway")
 

@@ -1,4 +1,4 @@
-"""The gateway as a runtime :class:`~services.runtime.server.Service`."""
+"""The gateway as a runtime :class:`~services.runtime.rpc.server.Service`."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from services.gateway.parts import GatewayParts
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
-from services.runtime.discovery import ChannelPool, ServiceLocator
-from services.runtime.method_handlers import add_servicer_with_readers
+from services.runtime.etcd.discovery import ChannelPool, ServiceLocator
 from services.runtime.metrics import ServiceMetrics
+from services.runtime.rpc.method_handlers import add_servicer_with_readers
 
 log = logging.getLogger("loramesh.gateway")
 

@@ -2,7 +2,7 @@
 
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.service import WorkerService
-from services.runtime.server import run_service
+from services.runtime.rpc.server import run_service
 
 if __name__ == "__main__":
     run_service(WorkerConfig, WorkerService, "gpu_worker")

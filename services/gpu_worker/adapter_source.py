@@ -12,9 +12,9 @@ import grpc
 
 from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter, ref_by_id
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc
-from services.runtime.discovery import ChannelPool, ServiceLocator
 from services.runtime.errors import DataLoss, NotFound, Unavailable
-from services.runtime.tls import NO_TLS, TLSConfig
+from services.runtime.etcd.discovery import ChannelPool, ServiceLocator
+from services.runtime.security.tls import NO_TLS, TLSConfig
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The gpu_worker as a runtime :class:`~services.runtime.server.Service`."""
+"""The gpu_worker as a runtime :class:`~services.runtime.rpc.server.Service`."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from services.gpu_worker.pin_refresh import refresh_pins
 from services.gpu_worker.quantization_setting import resolve_quantization
 from services.gpu_worker.servicer import WorkerServicer
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
+from services.runtime.etcd.membership import MemberInfo, MembershipConfig, follow, watch_members
+from services.runtime.etcd.worker_load import worker_load_to_report
 from services.runtime.eviction import make_eviction_policy
-from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_members
-from services.runtime.stop_window import StopStringTail
-from services.runtime.worker_load import worker_load_to_report
+from services.runtime.sampling.stop_window import StopStringTail
 
 log = logging.getLogger("loramesh.worker")
 

@@ -23,10 +23,10 @@ from services.gpu_worker.distkv.transport.lending_proto import (
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import TokenLogprobs
-from services.runtime.acting_instance import acting_instance
 from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from services.runtime.request_validation import check_first_token_deadline, check_request
-from services.runtime.sampling_proto import sampling_from_proto
+from services.runtime.sampling.request_validation import check_first_token_deadline, check_request
+from services.runtime.sampling.sampling_proto import sampling_from_proto
+from services.runtime.security.acting_instance import acting_instance
 
 FINISH_REASONS = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
@@ -225,7 +225,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _lending(self, named: str) -> tuple[SharedLender, str]:
         """The lender, and the debtor a lending call acts for (the caller's own instance under
-        mutual TLS: :func:`~services.runtime.acting_instance.acting_instance`)."""
+        mutual TLS: :func:`~services.runtime.security.acting_instance.acting_instance`)."""
         return self.engine.lending, acting_instance(named)
 
     async def AllocateBlocks(self, request: worker_pb2.AllocateBlocksRequest, context):

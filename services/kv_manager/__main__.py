@@ -2,7 +2,7 @@
 
 from services.kv_manager.config import KVManagerConfig
 from services.kv_manager.service import KVManagerService
-from services.runtime.server import run_service
+from services.runtime.rpc.server import run_service
 
 if __name__ == "__main__":
     run_service(KVManagerConfig, KVManagerService, "kv_manager")

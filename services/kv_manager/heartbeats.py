@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.kv_manager.ledger import WorkerBlocks
-from services.runtime.worker_load import worker_load_from_report
+from services.runtime.etcd.worker_load import worker_load_from_report
 
 log = logging.getLogger("loramesh.kv_manager.heartbeats")
 

@@ -1,4 +1,4 @@
-"""The kv_manager as a runtime :class:`~services.runtime.server.Service`.
+"""The kv_manager as a runtime :class:`~services.runtime.rpc.server.Service`.
 
 ``start()`` follows three etcd watches -- gpu_worker members, load reports (the workers'
 ``WorkerLoad`` heartbeats) and the kv_manager replicas -- and campaigns for leadership of
@@ -31,9 +31,9 @@ from services.kv_manager.ledger import DebtLedger
 from services.kv_manager.servicer import KVManagerServicer
 from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import Unavailable
-from services.runtime.leader_election import LeaderElection
-from services.runtime.membership import MemberInfo, MembershipConfig, follow, watch_loads, watch_members
-from services.runtime.tasks import cancel_and_wait
+from services.runtime.etcd.leader_election import LeaderElection
+from services.runtime.etcd.membership import MemberInfo, MembershipConfig, follow, watch_loads, watch_members
+from services.runtime.process.tasks import cancel_and_wait
 
 log = logging.getLogger("loramesh.kv_manager")
 

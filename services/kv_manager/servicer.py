@@ -17,8 +17,8 @@ from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import DefragPlan, DgfmConfig, plan_defragmentation
 from services.kv_manager.dgfm_execution import DefragOutcome
 from services.kv_manager.ledger import DebtLedger
-from services.runtime.acting_instance import acting_instance
 from services.runtime.errors import InvalidArgument, NotFound
+from services.runtime.security.acting_instance import acting_instance
 
 log = logging.getLogger("loramesh.kv_manager")
 

@@ -14,8 +14,8 @@ from grpc import aio
 
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.runtime.errors import NotFound
-from services.runtime.interceptors import error_from_status
-from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
+from services.runtime.rpc.interceptors import error_from_status
+from services.runtime.security.tls import NO_TLS, TLSConfig, aio_channel
 
 
 class GrpcRecallWorkers:

@@ -23,8 +23,8 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, get_type_hints
 
-from services.runtime.membership import new_instance_id
-from services.runtime.tls import TLSConfig
+from services.runtime.etcd.membership import new_instance_id
+from services.runtime.security.tls import TLSConfig
 
 ENV_PREFIX = "LORAMESH_"
 
@@ -65,12 +65,12 @@ class ServiceConfig:
     freeze_startup_objects: bool = True
     """Once the service is ready, exempt every object alive (its model, tokenizer, libraries)
     from the garbage collector's full passes (``gc.freeze``), which otherwise traverse them all
-    and stalled the worker's decode step by 73 to 130 ms each (services.runtime.garbage_collection).
+    and stalled the worker's decode step by 73 to 130 ms each (services.runtime.process.garbage_collection).
     Applies to ``python -m services.<name>``, not to services started inside another process."""
     retain_freed_memory: bool = False
     """Keep freed buffers of up to 32 MiB in the process heap for reuse instead of returning
     them to the kernel (glibc ``mallopt``): no page faults for each megabyte-sized transient
-    buffer, at the price of a heap that stays at its peak (services.runtime.allocator). On
+    buffer, at the price of a heap that stays at its peak (services.runtime.process.allocator). On
     where adapter bytes pass through: the adapter store and the gateway."""
     tls_ca: str = ""
     """PEM of the mesh CA (``loramesh certs``); with ``tls_cert`` and ``tls_key`` turns on mutual

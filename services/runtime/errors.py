@@ -1,7 +1,7 @@
 """Domain errors. Domain code raises these; one interceptor maps them to gRPC status codes.
 
 Domain modules never import grpc: they raise a subclass of :class:`DomainError` with a message
-that names what is wrong, and ``services.runtime.interceptors`` turns it into a status.
+that names what is wrong, and ``services.runtime.rpc.interceptors`` turns it into a status.
 """
 
 from __future__ import annotations

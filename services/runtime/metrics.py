@@ -94,7 +94,7 @@ class _Collected:
 
 class HttpSidePort:
     """``/healthz``, ``/readyz`` and ``/metrics`` on their own port: HTTPS only with ``ssl``
-    (the service's TLS on: services.runtime.certificate_reload.server_ssl_context), else HTTP."""
+    (the service's TLS on: services.runtime.security.certificate_reload.server_ssl_context), else HTTP."""
 
     def __init__(self, metrics: ServiceMetrics, is_ready: Callable[[], bool], ssl: SSLContext | None = None):
         self._metrics = metrics

@@ -1,6 +1,6 @@
 """``python -m services.scheduler [--flags]``: run the scheduler until SIGTERM."""
 
-from services.runtime.server import run_service
+from services.runtime.rpc.server import run_service
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 

@@ -1,4 +1,4 @@
-"""The scheduler as a runtime :class:`~services.runtime.server.Service`.
+"""The scheduler as a runtime :class:`~services.runtime.rpc.server.Service`.
 
 ``start()`` follows two etcd watches — gpu_worker members and load reports — into the
 :class:`~services.scheduler.cluster_view.ClusterView` and returns once both have delivered their
@@ -13,11 +13,11 @@ import logging
 from grpc import aio
 
 from mesh_api.v1 import scheduler_pb2_grpc
-from services.runtime.discovery import ChannelPool
 from services.runtime.errors import Unavailable
-from services.runtime.leader_election import LeaderElection
-from services.runtime.membership import MembershipConfig, follow, watch_loads, watch_members
-from services.runtime.tasks import cancel_and_wait
+from services.runtime.etcd.discovery import ChannelPool
+from services.runtime.etcd.leader_election import LeaderElection
+from services.runtime.etcd.membership import MembershipConfig, follow, watch_loads, watch_members
+from services.runtime.process.tasks import cancel_and_wait
 from services.scheduler.admission import AdmissionConfig, AdmissionControl
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig

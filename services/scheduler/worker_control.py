@@ -12,8 +12,8 @@ from types import MappingProxyType
 from grpc import aio
 
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
-from services.runtime.discovery import ChannelPool
-from services.runtime.interceptors import error_from_status
+from services.runtime.etcd.discovery import ChannelPool
+from services.runtime.rpc.interceptors import error_from_status
 from services.scheduler.policies.replica_load import RequestLoad
 from services.scheduler.rebalancing import WorkerRequests
 

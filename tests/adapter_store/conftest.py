@@ -15,7 +15,7 @@ from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write
 from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
-from services.runtime.server import ServiceHost, start_service
+from services.runtime.rpc.server import ServiceHost, start_service
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Mutual TLS against real servers: an adapter store with mTLS on, registered in an etcd that
 runs with ``--client-cert-auth``. A caller without a mesh certificate, or with one from another
 CA, is refused at the handshake; a worker's certificate may pull adapters but not act for an
-owner; the gateway's and admin's may (services/runtime/authorization.py)."""
+owner; the gateway's and admin's may (services/runtime/security/authorization.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
-from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.errors import Unavailable
-from services.runtime.etcd_server import EtcdServer
-from services.runtime.membership import MembershipConfig, list_members
-from services.runtime.server import start_service
-from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.etcd.membership import MembershipConfig, list_members
+from services.runtime.rpc.server import start_service
+from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
+from services.runtime.security.tls import NO_TLS, TLSConfig, aio_channel
 
 pytestmark = pytest.mark.integration
 

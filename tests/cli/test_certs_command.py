@@ -10,8 +10,8 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from loramesh_cli.main import main
-from services.runtime.certificates import CertificateDirectory
-from services.runtime.identity import KINDS
+from services.runtime.security.certificates import CertificateDirectory
+from services.runtime.security.identity import KINDS
 
 
 def test_certs_writes_a_ca_and_one_certificate_per_identity(tmp_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEYS, distkv_table
 from mesh_api.v1.types_pb2 import WorkerLoad
-from services.runtime.worker_load import worker_load_to_report
+from services.runtime.etcd.worker_load import worker_load_to_report
 
 
 def row(service: str, instance: str, load: dict) -> dict:

@@ -24,9 +24,9 @@ from loramesh_cli.mesh_layout import service_processes
 from loramesh_cli.up_arguments import detached_argv
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
-from services.runtime import process as process_module
 from services.runtime.config import parse_config
-from services.runtime.ports import free_port
+from services.runtime.process import process as process_module
+from services.runtime.process.ports import free_port
 
 
 def up_args(tmp_path, *flags: str):

@@ -38,8 +38,8 @@ from loramesh_cli.mesh_file import MeshFile, ServiceEntry, pid_alive
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc
 from services.model_files.peft_format import LORA_TARGETS
-from services.runtime.membership import MembershipConfig, list_members
-from services.runtime.tls import aio_channel, etcd_client
+from services.runtime.etcd.membership import MembershipConfig, list_members
+from services.runtime.security.tls import aio_channel, etcd_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

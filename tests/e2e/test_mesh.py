@@ -24,7 +24,7 @@ from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS
-from services.runtime.tls import aio_channel
+from services.runtime.security.tls import aio_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

@@ -11,7 +11,7 @@ from support.mesh import start_mesh, wait_for_workers
 
 from loramesh import AsyncClient
 from mesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.runtime.tls import aio_channel
+from services.runtime.security.tls import aio_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

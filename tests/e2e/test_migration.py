@@ -16,7 +16,7 @@ from loramesh import AsyncClient
 from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.model_files.peft_format import LORA_TARGETS
-from services.runtime.tls import aio_channel
+from services.runtime.security.tls import aio_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

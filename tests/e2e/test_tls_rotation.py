@@ -2,8 +2,9 @@
 speaks TLS only, and a stream survives the rotation of every certificate of the mesh.
 
 The fast, in-process versions (the CA's rotation, expired certificates, channels following the
-rotation) are in tests/runtime/test_certificate_rotation.py; this one checks the wiring in the
-real processes: each server takes its new certificate at its next handshake, without a restart.
+rotation) are in tests/runtime/security/test_certificate_rotation.py; this one checks the wiring
+in the real processes: each server takes its new certificate at its next handshake, without a
+restart.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pytest
 from cryptography import x509
 
 from loramesh import AsyncClient
-from services.runtime.certificates import create_mesh_certificates
-from services.runtime.identity import KINDS
+from services.runtime.security.certificates import create_mesh_certificates
+from services.runtime.security.identity import KINDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

@@ -19,8 +19,8 @@ from services.gateway.http.app import build_app
 from services.gateway.parts import GatewayParts
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
-from services.runtime.interceptors import ServiceInterceptor
-from services.runtime.server import start_service
+from services.runtime.rpc.interceptors import ServiceInterceptor
+from services.runtime.rpc.server import start_service
 from tests.gateway.in_memory_store import gateway_parts
 
 

@@ -22,7 +22,7 @@ from services.gateway.adapter_index import AdapterIndex, IndexTimeouts
 from services.gateway.http.app import build_app
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.errors import Unavailable
-from services.runtime.server import start_service
+from services.runtime.rpc.server import start_service
 from tests.gateway.in_memory_store import gateway_parts
 
 PUBLIC, PRIVATE = types_pb2.VISIBILITY_PUBLIC, types_pb2.VISIBILITY_PRIVATE

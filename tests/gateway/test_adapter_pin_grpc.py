@@ -17,7 +17,7 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
 from services.gateway.config import GatewayConfig
 from services.gateway.service import GatewayService
-from services.runtime.server import start_service
+from services.runtime.rpc.server import start_service
 
 
 @pytest.fixture

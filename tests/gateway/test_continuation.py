@@ -12,7 +12,7 @@ import pytest
 from mesh_api.v1 import types_pb2
 from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, ResumePoint, resume_point
 from services.model_files.tokenizer_loading import load_tokenizer
-from services.runtime.request_validation import InvalidField
+from services.runtime.sampling.request_validation import InvalidField
 
 STOP = types_pb2.FINISH_REASON_STOP
 LENGTH = types_pb2.FINISH_REASON_LENGTH

@@ -23,8 +23,8 @@ from services.gateway.core import GatewayCore
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
-from services.runtime.discovery import ChannelPool
-from services.runtime.interceptors import ServiceInterceptor
+from services.runtime.etcd.discovery import ChannelPool
+from services.runtime.rpc.interceptors import ServiceInterceptor
 from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 KEYS = "key-alice=alice,key-bob=bob"

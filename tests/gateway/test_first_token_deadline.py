@@ -21,8 +21,8 @@ from services.gateway.parts import GatewayParts
 from services.gateway.relay import MIN_WORKER_DEADLINE_MS, Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
-from services.runtime.discovery import ChannelPool
-from services.runtime.interceptors import ServiceInterceptor
+from services.runtime.etcd.discovery import ChannelPool
+from services.runtime.rpc.interceptors import ServiceInterceptor
 from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 KEYS = "key-alice=alice"

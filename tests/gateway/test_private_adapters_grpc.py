@@ -21,7 +21,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http.app import build_app
 from services.gateway.service import GatewayService
 from services.gateway.tenant_quota import TenantLimits
-from services.runtime.server import start_service
+from services.runtime.rpc.server import start_service
 
 ALICE = (("authorization", "Bearer key-alice"),)
 

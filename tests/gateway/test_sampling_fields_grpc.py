@@ -17,8 +17,8 @@ from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, types_pb2,
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
-from services.runtime.discovery import ChannelPool
-from services.runtime.interceptors import ServiceInterceptor
+from services.runtime.etcd.discovery import ChannelPool
+from services.runtime.rpc.interceptors import ServiceInterceptor
 from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 ALICE = (("authorization", "Bearer key-alice"),)

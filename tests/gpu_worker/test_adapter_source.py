@@ -11,7 +11,7 @@ from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
 from services.gpu_worker.adapter_source import DirectorySource, StoreSource
-from services.runtime.server import start_service
+from services.runtime.rpc.server import start_service
 
 
 async def test_a_store_adapter_is_named_owner_slash_name_once_fetched_and_its_pin_is_read(

@@ -1,5 +1,5 @@
 """The gateway and a worker refuse the same bad request with the same words: both run the shared
-checks (services.runtime.request_validation) before anything is placed or queued. The worker is
+checks (services.runtime.sampling.request_validation) before anything is placed or queued. The worker is
 its real servicer over a real engine (tiny model); the gateway is its real core, given a
 tokenizer bundle with the same context length and no relay (nothing valid reaches one here)."""
 
@@ -19,7 +19,7 @@ from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.servicer import WorkerServicer
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
-from services.runtime.request_validation import InvalidField
+from services.runtime.sampling.request_validation import InvalidField
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.service import WorkerService
 from services.kv_manager.heartbeats import ledger_rows
-from services.runtime.worker_load import worker_load_from_report
+from services.runtime.etcd.worker_load import worker_load_from_report
 from services.scheduler.cluster_view import worker_state
 
 

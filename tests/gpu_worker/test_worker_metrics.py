@@ -28,7 +28,7 @@ from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.service import WorkerService
 from services.model_files.peft_format import LORA_TARGETS
-from services.runtime.server import ServiceHost
+from services.runtime.rpc.server import ServiceHost
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "loramesh-dashboard.json"
 MAX_TOKENS = 6

@@ -17,8 +17,8 @@ from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_name, upload_adapter, upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc
-from services.runtime.membership import MembershipConfig, list_members, member_key, read_loads
-from services.runtime.process import ServiceProcess
+from services.runtime.etcd.membership import MembershipConfig, list_members, member_key, read_loads
+from services.runtime.process.process import ServiceProcess
 
 pytestmark = pytest.mark.integration
 

@@ -31,7 +31,7 @@ from support.distkv_mesh import (
 from support.polling import poll_until as until
 
 from mesh_api.v1 import types_pb2
-from services.runtime.membership import MembershipConfig, read_loads
+from services.runtime.etcd.membership import MembershipConfig, read_loads
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

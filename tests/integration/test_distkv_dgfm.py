@@ -36,8 +36,8 @@ from support.polling import poll_until as until
 from support.step_gate import StepGate
 
 from mesh_api.v1 import kv_manager_pb2, kv_manager_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
-from services.runtime.membership import MembershipConfig, read_loads
-from services.runtime.process import ServiceProcess
+from services.runtime.etcd.membership import MembershipConfig, read_loads
+from services.runtime.process.process import ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

@@ -23,8 +23,8 @@ from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS
-from services.runtime.membership import MembershipConfig, list_members, read_loads
-from services.runtime.process import ServiceProcess
+from services.runtime.etcd.membership import MembershipConfig, list_members, read_loads
+from services.runtime.process.process import ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

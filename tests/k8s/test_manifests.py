@@ -23,10 +23,10 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.import_policy import load_import_policy
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
-from services.runtime.certificates import dns_names
 from services.runtime.config import ENV_PREFIX, ServiceConfig, parse_config
-from services.runtime.etcd_rbac_sync import KIND_OF_APP
-from services.runtime.process import GRPC_SERVICE_NAMES
+from services.runtime.etcd.etcd_rbac_sync import KIND_OF_APP
+from services.runtime.process.process import GRPC_SERVICE_NAMES
+from services.runtime.security.certificates import dns_names
 from services.scheduler.config import SchedulerConfig
 
 K8S = Path(__file__).resolve().parents[2] / "k8s"

@@ -6,8 +6,8 @@ import pytest
 from support.polling import poll_until
 
 from mesh_api.v1.types_pb2 import WorkerLoad
-from services.runtime.membership import MemberInfo, MemberRegistration, MembershipConfig
-from services.runtime.worker_load import worker_load_to_report
+from services.runtime.etcd.membership import MemberInfo, MemberRegistration, MembershipConfig
+from services.runtime.etcd.worker_load import worker_load_to_report
 
 TTL_S = 2
 

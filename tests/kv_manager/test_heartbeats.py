@@ -7,7 +7,7 @@ import pytest
 from mesh_api.v1.types_pb2 import WorkerLoad
 from services.kv_manager.heartbeats import ledger_rows
 from services.kv_manager.ledger import WorkerBlocks
-from services.runtime.worker_load import worker_load_from_report, worker_load_to_report
+from services.runtime.etcd.worker_load import worker_load_from_report, worker_load_to_report
 
 
 def test_worker_load_json_keeps_the_design_keys_and_round_trips():

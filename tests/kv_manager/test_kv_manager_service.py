@@ -14,7 +14,7 @@ from mesh_api.v1 import kv_manager_pb2 as pb
 from mesh_api.v1 import kv_manager_pb2_grpc
 from services.kv_manager.config import KVManagerConfig
 from services.kv_manager.service import KVManagerService
-from services.runtime.server import ServiceHost, check_health, start_service
+from services.runtime.rpc.server import ServiceHost, check_health, start_service
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.runtime.leader_election import LeaderElection
+from services.runtime.etcd.leader_election import LeaderElection
 
 pytestmark = pytest.mark.integration
 

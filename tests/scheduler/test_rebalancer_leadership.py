@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime.membership import MemberInfo, MemberRegistration, MembershipConfig
+from services.runtime.etcd.membership import MemberInfo, MemberRegistration, MembershipConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 

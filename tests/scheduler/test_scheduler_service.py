@@ -17,8 +17,8 @@ from grpc import aio
 
 from mesh_api.v1 import scheduler_pb2 as pb
 from mesh_api.v1 import scheduler_pb2_grpc
-from services.runtime.membership import MemberInfo, MemberRegistration, MembershipConfig, read_loads
-from services.runtime.process import ServiceProcess, ServiceStartError
+from services.runtime.etcd.membership import MemberInfo, MemberRegistration, MembershipConfig, read_loads
+from services.runtime.process.process import ServiceProcess, ServiceStartError
 
 pytestmark = pytest.mark.integration
 

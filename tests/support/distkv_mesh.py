@@ -21,8 +21,8 @@ from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.membership import MembershipConfig, read_loads
-from services.runtime.process import ServiceProcess
+from services.runtime.etcd.membership import MembershipConfig, read_loads
+from services.runtime.process.process import ServiceProcess
 
 TOP_LOGPROBS = 5
 """Log-probabilities compared per step: the chosen token's and the 5 most likely (fp32)."""

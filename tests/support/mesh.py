@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramesh.tls import ClientTLS
-from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
-from services.runtime.etcd_server import EtcdServer
-from services.runtime.identity import KINDS
-from services.runtime.ports import free_port
-from services.runtime.process import ServiceProcess
-from services.runtime.tls import NO_TLS, TLSConfig, aio_channel
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.process.ports import free_port
+from services.runtime.process.process import ServiceProcess
+from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
+from services.runtime.security.identity import KINDS
+from services.runtime.security.tls import NO_TLS, TLSConfig, aio_channel
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 

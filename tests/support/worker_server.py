@@ -8,8 +8,8 @@ from mesh_api.v1 import worker_pb2_grpc
 from services.gpu_worker.distkv.transport.lending_lane import LaneServer
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.servicer import WorkerServicer
-from services.runtime.interceptors import ServiceInterceptor
-from services.runtime.tls import NO_TLS, TLSConfig, add_server_port
+from services.runtime.rpc.interceptors import ServiceInterceptor
+from services.runtime.security.tls import NO_TLS, TLSConfig, add_server_port
 
 
 async def serve_worker(

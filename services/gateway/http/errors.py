@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from services.runtime.errors import DomainError, ResourceExhausted
-from services.runtime.interceptors import RETRY_AFTER_HEADER
-from services.runtime.request_validation import InvalidField
+from services.runtime.rpc.interceptors import RETRY_AFTER_HEADER
+from services.runtime.sampling.request_validation import InvalidField
 
 log = logging.getLogger("loramesh.gateway.openai")
 

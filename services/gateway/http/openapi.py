@@ -25,7 +25,7 @@ from services.gateway.http.lorax.requests import LoraxGenerateBody
 from services.gateway.http.openai.requests import ChatCompletionBody, CompletionBody
 from services.gateway.http.vllm.adapter_routes import LoadLoraAdapterBody, UnloadLoraAdapterBody
 from services.gateway.http.vllm.tokenize_routes import DetokenizeBody, TokenizeBody
-from services.runtime.server import VERSION
+from services.runtime.rpc.server import VERSION
 
 PATH = "/openapi.json"
 

@@ -5,7 +5,7 @@ driving ``startup`` / ``main_loop`` / ``shutdown`` ourselves leaves signals to t
 bootstrap, which stops this server from the gateway's ``stop()``.
 
 With the gateway's TLS on, the port speaks HTTPS only, with the gateway's certificate (reloaded
-when its files change, services.runtime.certificate_reload): a plain HTTP request fails the
+when its files change, services.runtime.security.certificate_reload): a plain HTTP request fails the
 handshake. A client certificate is optional (tenants authenticate with their API key); one that
 is presented must be the mesh CA's and unexpired.
 """
@@ -19,8 +19,8 @@ import socket
 import uvicorn
 from starlette.applications import Starlette
 
-from services.runtime.certificate_reload import server_ssl_context
-from services.runtime.tls import NO_TLS, TLSConfig
+from services.runtime.security.certificate_reload import server_ssl_context
+from services.runtime.security.tls import NO_TLS, TLSConfig
 
 log = logging.getLogger("loramesh.gateway.openai")
 

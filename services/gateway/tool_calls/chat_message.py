@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.tool_calls.tool_call import ToolCall
-from services.runtime.request_validation import InvalidField
+from services.runtime.sampling.request_validation import InvalidField
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from services.runtime.request_validation import InvalidField
+from services.runtime.sampling.request_validation import InvalidField
 
 MAX_TOOLS = 128
 """Most tools one request may define (OpenAI's limit)."""

@@ -81,7 +81,7 @@ from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.prefix_cache import PrefixCache
 from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.runtime.eviction import make_eviction_policy
-from services.runtime.request_validation import check_request
+from services.runtime.sampling.request_validation import check_request
 
 __all__ = ["Engine", "EngineConfig", "EventSink", "PoolTokens"]
 

@@ -25,7 +25,7 @@ from typing import TypeAlias
 
 import torch
 
-from services.runtime.sampling_params import SamplingParams
+from services.runtime.sampling.sampling_params import SamplingParams
 
 History: TypeAlias = tuple[Sequence[int], Sequence[int]]
 """A request's (prompt ids, output ids), as the penalties read them."""

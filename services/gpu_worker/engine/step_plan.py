@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.runtime.sampling_params import SamplingParams
+from services.runtime.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from services.gpu_worker.executor.follower import GROUP_TIMEOUT, device_of
 from services.gpu_worker.executor.tensor_parallel import TensorParallelExecutor, pool_pages
 from services.gpu_worker.tp.sharding import TensorParallelLayout
 from services.model_files.model_config import ModelConfig
-from services.runtime.ports import free_port
+from services.runtime.process.ports import free_port
 
 log = logging.getLogger("loramesh.tp")
 

@@ -29,7 +29,7 @@ from services.gateway.http.app import build_app
 from services.gateway.parts import GatewayParts
 from services.gateway.relay import Relay
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
-from services.runtime.discovery import ChannelPool
+from services.runtime.etcd.discovery import ChannelPool
 from services.runtime.metrics import ServiceMetrics
 from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 

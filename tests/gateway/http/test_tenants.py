@@ -21,7 +21,7 @@ from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc, types_pb2
 from services.gateway.http.app import build_app
 from services.gateway.servicer import GatewayServicer
 from services.gateway.tenant_quota import QuotaConfig, TenantLimits, TenantQuota
-from services.runtime.interceptors import ServiceInterceptor
+from services.runtime.rpc.interceptors import ServiceInterceptor
 
 ALICE = (("authorization", "Bearer key-alice"),)
 BOB_HTTP = {"authorization": "Bearer key-bob"}

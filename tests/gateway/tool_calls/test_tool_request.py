@@ -7,7 +7,7 @@ import pytest
 
 from services.gateway.tool_calls import FunctionTool, parse_message_tool_calls, parse_tool_request
 from services.gateway.tool_calls.tool_request import MAX_TOOLS, NO_PARAMETERS
-from services.runtime.request_validation import InvalidField
+from services.runtime.sampling.request_validation import InvalidField
 
 WEATHER_PARAMETERS = {
     "type": "object",

@@ -12,7 +12,7 @@ from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.request_validation import InvalidField
+from services.runtime.sampling.request_validation import InvalidField
 
 MAX_TOKENS = 16
 PLAIN = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)

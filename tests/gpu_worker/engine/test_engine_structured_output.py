@@ -21,7 +21,7 @@ from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS
 from services.runtime.errors import InvalidArgument
-from services.runtime.sampling_params import SamplingParams, StructuredOutput
+from services.runtime.sampling.sampling_params import SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.model
 

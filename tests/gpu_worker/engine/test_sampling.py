@@ -19,7 +19,7 @@ from services.gpu_worker.engine.sampling import (
 )
 from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import InvalidArgument
-from services.runtime.stop_window import StopStringTail
+from services.runtime.sampling.stop_window import StopStringTail
 
 
 def logits() -> torch.Tensor:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
 from services.gpu_worker.executor.plan_delta import ContinuedRequest, NewRequest, PlanDecoder, PlanEncoder
-from services.runtime.sampling_params import SamplingParams
+from services.runtime.sampling.sampling_params import SamplingParams
 
 LAYERS = 30
 BLOCK = 16

@@ -30,7 +30,7 @@ from services.gpu_worker.tp.sharding import COLUMN_PARALLEL, TensorParallelLayou
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.model_config import ModelConfig
 from services.model_files.peft_format import LORA_TARGETS
-from services.runtime.sampling_params import SamplingParams
+from services.runtime.sampling.sampling_params import SamplingParams
 
 N = 3
 ATOL = 1e-4

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mesh_api.v1 import types_pb2
 from services.gateway.http.response_format import ResponseFormat
-from services.runtime.request_validation import InvalidField, check_sampling
+from services.runtime.sampling.request_validation import InvalidField, check_sampling
 
 #: The names the shared checks use for the fields LoRAX spells otherwise.
 _LORAX_NAMES = {"max_tokens": "max_new_tokens", "top_logprobs": "return_k_alternatives"}

@@ -30,7 +30,7 @@ from services.gateway.tool_calls import (
     parse_message_tool_calls,
     parse_tool_request,
 )
-from services.runtime.request_validation import (
+from services.runtime.sampling.request_validation import (
     MAX_CHOICES,
     MAX_TOP_LOGPROBS,
     InvalidField,

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from services.gateway.core import GatewayCore
 from services.gateway.http.openapi import openapi_route
 from services.runtime.metrics import ServiceMetrics
-from services.runtime.server import VERSION
+from services.runtime.rpc.server import VERSION
 
 
 def server_routes(core: GatewayCore, metrics: ServiceMetrics | None) -> list[Route]:

@@ -23,7 +23,7 @@ from services.gateway.http.model_names import requested_adapter
 from services.gateway.http.openai.requests import ChatMessageBody, chat_messages
 from services.gateway.http.reading import parse_body, read_body, tenant
 from services.gateway.parts import GatewayParts
-from services.runtime.request_validation import check_token_ids
+from services.runtime.sampling.request_validation import check_token_ids
 
 
 class _ModelBody(BaseModel):

@@ -51,8 +51,8 @@ from services.runtime.errors import (
     Unauthenticated,
     Unavailable,
 )
-from services.runtime.server import MAX_MESSAGE_BYTES
-from services.runtime.tls import NO_TLS, TLSConfig, sync_channel
+from services.runtime.rpc.server import MAX_MESSAGE_BYTES
+from services.runtime.security.tls import NO_TLS, TLSConfig, sync_channel
 
 _ERRORS: dict[grpc.StatusCode, type[DomainError]] = {
     getattr(grpc.StatusCode, cls.code_name): cls

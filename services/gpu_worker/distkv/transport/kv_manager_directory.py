@@ -20,7 +20,7 @@ from services.runtime.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.runtime.tls import NO_TLS, TLSConfig, sync_channel
+from services.runtime.security.tls import NO_TLS, TLSConfig, sync_channel
 
 log = logging.getLogger("loramesh.worker")
 

@@ -8,7 +8,7 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway.http.app import build_app
-from services.runtime.server import VERSION
+from services.runtime.rpc.server import VERSION
 from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 NO_KEY = {"authorization": ""}

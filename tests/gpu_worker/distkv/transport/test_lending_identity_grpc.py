@@ -19,8 +19,8 @@ from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
-from services.runtime.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.errors import PermissionDenied
+from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
 
 BLOCK = 4
 SMALL_POOL_MIB = 1 / 64  # tiny Llama: 16 pages of 4 tokens = 8 blocks of 2 layers = 32 tokens

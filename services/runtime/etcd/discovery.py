@@ -1,0 +1,88 @@
+"""Find another service's address: a fixed one from config, or a live member from etcd.
+Channels are kept per address and reused."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from grpc import aio
+
+from services.runtime.errors import Unavailable
+from services.runtime.etcd.membership import MembershipConfig, list_members
+from services.runtime.security.tls import NO_TLS, TLSConfig, aio_channel
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+class ChannelPool:
+    """One ``grpc.aio`` channel per address, created on first use (mutual TLS when ``tls`` is on)."""
+
+    def __init__(self, tls: TLSConfig = NO_TLS) -> None:
+        self.tls = tls
+        self._channels: dict[str, aio.Channel] = {}
+
+    def get(self, address: str) -> aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = aio_channel(address, self.tls, CHANNEL_OPTIONS)
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+LOOKUP_ATTEMPTS = 3
+"""etcd reads a lookup tries, each bounded by the membership call timeout, before the caller gets
+UNAVAILABLE: on a saturated machine one read can miss its timeout while etcd is fine."""
+
+
+class ServiceLocator:
+    """The address of ``service``: ``fixed`` if given, else a random live member in etcd."""
+
+    def __init__(self, service: str, fixed: str = "", etcd_endpoints: str = "", tls: TLSConfig = NO_TLS):
+        self.service = service
+        self.fixed = fixed
+        self.etcd_endpoints = etcd_endpoints
+        self.tls = tls
+        self._cached = ""
+        self._lookup: asyncio.Future[str] | None = None
+        """The etcd lookup in flight: callers arriving meanwhile share it, so a burst of first
+        requests opens one etcd connection, not one each."""
+
+    async def address(self, refresh: bool = False) -> str:
+        if self.fixed:
+            return self.fixed
+        if self._cached and not refresh:
+            return self._cached
+        if self._lookup is None:
+            self._lookup = asyncio.ensure_future(self._discover())
+            self._lookup.add_done_callback(self._lookup_done)
+        # Shielded: one caller cancelled (its client went away) does not cancel the others' lookup.
+        return await asyncio.shield(self._lookup)
+
+    def _lookup_done(self, lookup: asyncio.Future[str]) -> None:
+        self._lookup = None
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: every waiter may have gone, and the next call retries
+
+    async def _discover(self) -> str:
+        if not self.etcd_endpoints:
+            raise Unavailable(f"no {self.service} address configured and no etcd to discover one")
+        config = MembershipConfig(etcd_endpoints=self.etcd_endpoints, tls=self.tls)
+        for attempt in range(LOOKUP_ATTEMPTS):
+            try:
+                members = await list_members(config, self.service)
+                break
+            except Unavailable:
+                if attempt == LOOKUP_ATTEMPTS - 1:
+                    raise
+        if not members:
+            raise Unavailable(f"no {self.service} is registered in etcd")
+        self._cached = random.choice(members).address
+        return self._cached

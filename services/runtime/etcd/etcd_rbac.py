@@ -1,0 +1,112 @@
+"""etcd's own authorization for the mesh: one etcd user per instance identity, each allowed to
+write only its own keys (``loramesh up --tls``).
+
+etcd runs with ``--client-cert-auth``; once its auth is on, it takes the CN of a client's
+verified certificate as the user, with no password. :func:`provision_etcd_rbac` gives each
+instance identity ``<kind>/<instance>`` (services.runtime.security.identity) a user and a role of that
+name, which may
+
+- read every key under ``<prefix>/`` (members find each other, read load reports, watch);
+- write its member key ``<prefix>/members/<kind>/<instance>``, its load key
+  ``<prefix>/load/<instance>`` and, for a kind that elects a leader, that election's key.
+
+So no certificate can register as another instance, rewrite another's load report, or revoke
+another's lease (etcd revokes a lease only for a user that may write every key on it). The
+``admin`` identity (the operator's CLI: ``loramesh status``) has the root role, and so has the
+user ``root``, which etcd needs before it turns auth on (its password is random and thrown away:
+nobody logs in with a password). Any other certificate of the mesh CA, a kind's shared one
+(``gpu_worker``) or the etcd server's own, has no user and etcd refuses its requests.
+
+Idempotent: run again against an etcd whose auth is on already (``up`` restarted on the same
+state directory), it adds what is missing, as ``admin``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+
+import grpc
+from aetcd.rpc import auth_pb2, rpc_pb2, rpc_pb2_grpc
+
+from services.runtime.etcd.leader_election import leader_key
+from services.runtime.etcd.membership import MembershipConfig, load_key, member_key
+from services.runtime.security.identity import MeshIdentity
+from services.runtime.security.tls import TLSConfig, aio_channel
+
+ROOT_ROLE = "root"
+ROOT_USER = "root"
+OPERATOR = MeshIdentity("admin")
+"""The identity with etcd's root role: the operator's CLI."""
+
+LEADER_ELECTIONS: dict[str, tuple[str, ...]] = {
+    "scheduler": ("scheduler-rebalancer",),
+    "kv_manager": ("kv_manager",),
+}
+"""The elections each kind campaigns in (``<prefix>/leader/<election>``); a test keeps these
+equal to the services' own names."""
+
+MESH_KEYS = MembershipConfig()
+"""Where the services keep their keys (the default ``key_prefix``, as every service runs)."""
+
+CALL_TIMEOUT_S = 10.0
+"""Bound on each etcd auth call."""
+
+
+def readable_range(config: MembershipConfig) -> tuple[bytes, bytes]:
+    """``[key, range_end)`` of every key the mesh keeps: ``<prefix>/`` and below."""
+    return f"{config.key_prefix}/".encode(), f"{config.key_prefix}0".encode()
+
+
+def writable_keys(config: MembershipConfig, identity: MeshIdentity) -> list[str]:
+    """The keys ``identity`` (an instance) may write: its member and load keys, its elections."""
+    if not identity.instance:
+        raise ValueError(f"{identity} names no instance: etcd users are per instance")
+    keys = [member_key(config, identity.kind, identity.instance), load_key(config, identity.instance)]
+    return keys + [leader_key(config, election) for election in LEADER_ELECTIONS.get(identity.kind, ())]
+
+
+async def provision_etcd_rbac(
+    endpoint: str,
+    operator_tls: TLSConfig,
+    identities: Iterable[MeshIdentity],
+    config: MembershipConfig = MESH_KEYS,
+) -> None:
+    """Create the users and roles of ``identities`` (each with an instance) and of the operator
+    in the etcd at ``endpoint``, then turn its auth on. ``operator_tls``: the ``admin``
+    certificate (root once auth is on). ``config``: where the mesh's keys are (its prefix)."""
+    read_from, read_to = readable_range(config)
+    async with aio_channel(endpoint, operator_tls) as channel:
+        auth = rpc_pb2_grpc.AuthStub(channel)
+
+        async def call(method, request) -> None:
+            try:
+                await method(request, timeout=CALL_TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                if "already exists" not in (error.details() or ""):
+                    raise
+
+        for user in (ROOT_USER, str(OPERATOR)):
+            await call(
+                auth.UserAdd, rpc_pb2.AuthUserAddRequest(name=user, password=secrets.token_urlsafe(24))
+            )
+            await call(auth.UserGrantRole, rpc_pb2.AuthUserGrantRoleRequest(user=user, role=ROOT_ROLE))
+        for identity in identities:
+            name = str(identity)
+            grants = [
+                auth_pb2.Permission(permType=auth_pb2.Permission.READ, key=read_from, range_end=read_to)
+            ]
+            grants += [
+                auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=key.encode())
+                for key in writable_keys(config, identity)
+            ]
+            await call(auth.RoleAdd, rpc_pb2.AuthRoleAddRequest(name=name))
+            for grant in grants:
+                await call(
+                    auth.RoleGrantPermission, rpc_pb2.AuthRoleGrantPermissionRequest(name=name, perm=grant)
+                )
+            await call(
+                auth.UserAdd, rpc_pb2.AuthUserAddRequest(name=name, password=secrets.token_urlsafe(24))
+            )
+            await call(auth.UserGrantRole, rpc_pb2.AuthUserGrantRoleRequest(user=name, role=name))
+        await call(auth.AuthEnable, rpc_pb2.AuthEnableRequest())

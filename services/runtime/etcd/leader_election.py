@@ -1,0 +1,164 @@
+"""One active replica among several: leader election on an etcd key.
+
+The leader holds ``<prefix>/leader/<service>`` (value: its instance id) under a lease of its
+own, refreshed every TTL/3. Every candidate runs the same round every TTL/3: refresh its lease,
+then put-if-absent on the key in one transaction (``version == 0`` -> put, else read the
+holder). So a leader that stops cleanly (lease revoked) is replaced within one round, one that
+dies within its TTL plus one round, and any etcd failure makes a candidate step down at once
+(a replica that cannot reach etcd cannot know it still leads).
+
+This module only talks to etcd; it has no gRPC-server code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.runtime.etcd.membership import MembershipConfig, _Connection, _describe
+from services.runtime.process.tasks import cancel_and_wait
+
+log = logging.getLogger("loramesh.leader")
+
+
+def leader_key(config: MembershipConfig, service: str) -> str:
+    """``<prefix>/leader/<service>``."""
+    if not service or "/" in service:
+        raise ValueError(f"service must be non-empty and contain no '/': {service!r}")
+    return f"{config.key_prefix}/leader/{service}"
+
+
+class LeaderElection:
+    """This instance's candidacy for leading ``service``; ``leader_id`` is who leads now."""
+
+    def __init__(self, config: MembershipConfig, service: str, instance_id: str):
+        self.config = config
+        self.service = service
+        self.instance_id = instance_id
+        self.key = leader_key(config, service)
+        self.leader_id = ""
+        """Instance id of the leader as of the last round; empty while unknown (etcd failing)."""
+        self.terms = 0
+        """How many times this instance became the leader."""
+        self._conn = _Connection(config)
+        self._lease_id: int | None = None
+        self._decided = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader_id == self.instance_id
+
+    def _interval(self) -> float:
+        return max(0.2, self.config.ttl_s / 3.0)
+
+    async def start(self) -> None:
+        """Start campaigning (in the background)."""
+        if self._task is not None:
+            raise RuntimeError(f"election of {self.instance_id} for {self.key} already started")
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"leader-election:{self.service}/{self.instance_id}"
+        )
+
+    async def wait_decided(self) -> None:
+        """Return once a round has told who leads (this instance or another)."""
+        await self._decided.wait()
+
+    async def stop(self) -> None:
+        """Stop campaigning and revoke the lease: if this instance led, the key goes at once
+        (bounded; when etcd is gone the key expires after the TTL)."""
+        await self._cancel_task()
+        lease_id, self._lease_id = self._lease_id, None
+        self._set_leader("")
+        if lease_id is not None:
+            try:
+                await self._conn.call(lambda c: c.revoke_lease(lease_id))
+            except Exception as e:  # noqa: BLE001 - the lease expires by itself
+                log.warning("could not revoke the %s election lease: %s", self.key, _describe(e))
+        await self._conn.close()
+
+    async def abandon(self) -> None:
+        """Stop campaigning *without* revoking: a key this instance holds stays until its lease
+        expires, as if the process had crashed."""
+        await self._cancel_task()
+        self._lease_id = None
+        self._set_leader("")
+        await self._conn.close()
+
+    async def _cancel_task(self) -> None:
+        task, self._task = self._task, None
+        await cancel_and_wait([task])
+
+    def _set_leader(self, leader_id: str) -> None:
+        if leader_id == self.leader_id:
+            return
+        was_leader = self.is_leader
+        self.leader_id = leader_id
+        if self.is_leader:
+            self.terms += 1
+            log.info("%s is now the leader of %s", self.instance_id, self.service)
+        elif was_leader:
+            log.warning(
+                "%s is no longer the leader of %s (now %r)", self.instance_id, self.service, leader_id
+            )
+        else:
+            log.info("the leader of %s is %r", self.service, leader_id)
+
+    async def _run(self) -> None:
+        failing = False
+        while True:
+            try:
+                self._set_leader(await self._round())
+                self._decided.set()
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure: step down and try again
+                if not failing:
+                    log.warning("leader election on %s failed (%s); stepping down", self.key, _describe(e))
+                    failing = True
+                self._set_leader("")
+                self._lease_id = None  # a live old lease expires by itself
+                await self._conn.reset()
+            await asyncio.sleep(self._interval())
+
+    async def _round(self) -> str:
+        """Keep our lease alive and try to take the key; returns the leader's instance id."""
+        timeout = min(self.config.call_timeout_s, self._interval())
+        if self._lease_id is not None:
+            lease_id = self._lease_id
+            reply = await self._conn.call(lambda c: c.refresh_lease(lease_id), timeout)
+            if getattr(reply, "TTL", 0) <= 0:
+                log.warning("election lease %x of %s expired", lease_id, self.instance_id)
+                self._lease_id = None
+        if self._lease_id is None:
+            lease = await self._conn.call(lambda c: c.lease(self.config.ttl_s), timeout)
+            self._lease_id = int(lease.id)
+        key, me, lease_id = self.key.encode(), self.instance_id.encode(), self._lease_id
+
+        def take_if_free(c):
+            return c.transaction(
+                compare=[c.transactions.version(key) == 0],
+                success=[c.transactions.put(key, me, lease=lease_id)],
+                failure=[c.transactions.get(key)],
+            )
+
+        taken, responses = await self._conn.call(take_if_free, timeout)
+        if taken:
+            return self.instance_id
+        holder = responses[0][0][1] if responses and responses[0] else None
+        if holder is None:
+            return ""
+        if holder.value == me and holder.lease != lease_id:
+            # Ours under an older lease (a refresh failed while that lease lived on): move the
+            # key to the current lease, if it is still ours.
+            def keep_if_mine(c):
+                return c.transaction(
+                    compare=[c.transactions.value(key) == me],
+                    success=[c.transactions.put(key, me, lease=lease_id)],
+                    failure=[],
+                )
+
+            kept, _ = await self._conn.call(keep_if_mine, timeout)
+            return self.instance_id if kept else ""
+        return holder.value.decode()

@@ -1,0 +1,111 @@
+"""etcd RBAC from the certificates' CNs (a real etcd with ``--client-cert-auth``): each instance
+registers, reports its load and campaigns as itself, and no certificate can register as another
+instance; the operator reads everything; a certificate without a user is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aetcd.exceptions import ClientError
+
+from services.kv_manager.service import KVManagerService
+from services.runtime.errors import Unavailable
+from services.runtime.etcd.etcd_rbac import LEADER_ELECTIONS, OPERATOR, provision_etcd_rbac
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.etcd.leader_election import LeaderElection, leader_key
+from services.runtime.etcd.membership import (
+    MemberInfo,
+    MemberRegistration,
+    MembershipConfig,
+    list_members,
+    read_loads,
+)
+from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
+from services.runtime.security.identity import MeshIdentity
+from services.runtime.security.tls import etcd_client
+from services.scheduler.service import REBALANCER_ELECTION
+
+pytestmark = pytest.mark.integration
+
+HANG_GUARD_S = 30
+"""Hang guard only."""
+
+WORKER, OTHER, SCHEDULER = (
+    MeshIdentity("gpu_worker", "gpu_worker-0"),
+    MeshIdentity("gpu_worker", "gpu_worker-1"),
+    MeshIdentity("scheduler", "scheduler-0"),
+)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> CertificateDirectory:
+    identities = [WORKER, OTHER, SCHEDULER, "gpu_worker", "etcd", "admin"]
+    return create_mesh_certificates(tmp_path_factory.mktemp("certs"), identities)
+
+
+@pytest.fixture
+async def etcd(tmp_path, certs):
+    server = EtcdServer(tmp_path / "etcd", tls=certs.tls_for("etcd")).start()
+    try:
+        await provision_etcd_rbac(server.endpoint, certs.tls_for(OPERATOR), [WORKER, OTHER, SCHEDULER])
+        yield server
+    finally:
+        server.stop()
+
+
+def config(etcd: EtcdServer, certs: CertificateDirectory, identity) -> MembershipConfig:
+    return MembershipConfig(
+        etcd_endpoints=etcd.endpoint, tls=certs.tls_for(identity), register_timeout_s=0, ttl_s=2
+    )
+
+
+def member(identity: MeshIdentity) -> MemberInfo:
+    return MemberInfo(identity.kind, identity.instance, "127.0.0.1:1", "127.0.0.1:2", "0", time.time())
+
+
+async def test_an_instance_registers_as_itself_and_not_as_another(etcd, certs):
+    mine = await MemberRegistration(config(etcd, certs, WORKER), member(WORKER), lambda: {"queue": 1}).start()
+    try:
+        with pytest.raises(Unavailable, match="permission denied"):
+            await MemberRegistration(config(etcd, certs, WORKER), member(OTHER)).start()
+        with pytest.raises(Unavailable, match="permission denied"):  # a scheduler posing as a worker
+            await MemberRegistration(config(etcd, certs, SCHEDULER), member(WORKER)).start()
+        with pytest.raises(Unavailable):  # a kind's shared certificate has no etcd user
+            await MemberRegistration(config(etcd, certs, "gpu_worker"), member(WORKER)).start()
+        # Every instance reads the mesh; the operator too.
+        for reader in (OTHER, OPERATOR):
+            listed = await list_members(config(etcd, certs, reader))
+            assert [(m.service, m.instance_id) for m in listed] == [("gpu_worker", WORKER.instance)]
+        assert (await read_loads(config(etcd, certs, OTHER)))[WORKER.instance]["queue"] == 1
+    finally:
+        await mine.stop()
+    assert await list_members(config(etcd, certs, OPERATOR)) == []  # its own lease, revoked
+
+
+async def test_a_scheduler_campaigns_in_its_election_only(etcd, certs):
+    scheduler = config(etcd, certs, SCHEDULER)
+    election = LeaderElection(scheduler, REBALANCER_ELECTION, SCHEDULER.instance)
+    await election.start()
+    try:
+        await asyncio.wait_for(election.wait_decided(), HANG_GUARD_S)
+        assert election.is_leader
+    finally:
+        await election.stop()
+    host, port = scheduler.endpoints()[0]
+    async with etcd_client(host, port, scheduler.tls, timeout=HANG_GUARD_S) as client:
+        with pytest.raises(ClientError, match="permission denied"):
+            await client.put(leader_key(scheduler, KVManagerService.name).encode(), b"scheduler-0")
+
+
+async def test_provisioning_again_on_an_etcd_with_auth_on_adds_what_is_missing(etcd, certs, tmp_path):
+    late = MeshIdentity("gpu_worker", "gpu_worker-9")
+    late_certs = create_mesh_certificates(certs.path, [late])
+    await provision_etcd_rbac(etcd.endpoint, certs.tls_for(OPERATOR), [WORKER, late])
+    registration = await MemberRegistration(config(etcd, late_certs, late), member(late)).start()
+    await registration.stop()
+
+
+def test_the_elections_are_the_services_own():
+    assert LEADER_ELECTIONS == {"scheduler": (REBALANCER_ELECTION,), "kv_manager": (KVManagerService.name,)}
