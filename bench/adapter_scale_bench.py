@@ -189,7 +189,7 @@ def slot_region_pages(model_path: str | None, adapter_dir: Path, pool_mib: float
     the one in ``adapter_dir``, and check it in a pool of that shape: ``slots`` distinct adapters,
     all held, fit; one more does not; and after 200 random releases and loads of other adapters
     ``slots`` still fit (pages freed out of order may not be adjacent)."""
-    from services.gpu_worker.attention.pool_view import PoolLayout
+    from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
     from services.gpu_worker.engine.engine_config import EngineConfig
     from services.gpu_worker.lora.host_adapter import parse_peft_adapter
     from services.gpu_worker.memory.adapter_residency import AdapterResidency
@@ -208,7 +208,7 @@ def slot_region_pages(model_path: str | None, adapter_dir: Path, pool_mib: float
 
     def residency(region: int) -> AdapterResidency:
         layout = PoolLayout(region + 1, block_tokens, kv_dim, spec.num_layers)  # one KV page
-        return AdapterResidency(UnifiedPool(layout, dtype, "cpu", adapter_region_pages=region))
+        return AdapterResidency(UnifiedPool(PoolView.zeros(layout, dtype, "cpu"), region))
 
     probe = residency(4096)
     one = adapter(0)

@@ -28,7 +28,7 @@ from typing import Self
 
 import torch
 
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.executor.tensor_parallel import lora_shapes
@@ -54,12 +54,10 @@ def build_rank_pool(
     device="cpu",
 ) -> UnifiedPool:
     """The rank's pool: ``num_pages`` (the same on every rank) pages of its ``kv_dim``."""
-    return UnifiedPool(
-        PoolLayout(num_pages=num_pages, kv_block_tokens=kv_block_tokens, kv_dim=layout.kv_dim,
-                   num_layers=config.num_layers),
-        dtype,
-        device,
-    )  # fmt: skip
+    pool_layout = PoolLayout(
+        num_pages=num_pages, kv_block_tokens=kv_block_tokens, kv_dim=layout.kv_dim, num_layers=config.num_layers
+    )
+    return UnifiedPool(PoolView.zeros(pool_layout, dtype, device))
 
 
 def page_adapter(

@@ -1,12 +1,15 @@
 """A pool's layout and its buffer's address arithmetic: what attention and KV writes need.
 
 :class:`PoolLayout` is the pool's shape, derived from the model; :class:`PoolView` is a buffer of
-that shape without the page allocator (``memory/unified_pool.py`` adds it), so the model and the
-attention over pool blocks read and write pages without knowing who hands them out.
+that shape without the page allocator. An executor owns its buffers as views; the engine's
+:class:`~services.gpu_worker.memory.unified_pool.UnifiedPool` puts its page allocator over the
+executor's view, so the model and the attention over pool blocks read and write pages without
+knowing who hands them out.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,10 +50,14 @@ class PoolLayout:
 
 class PoolView:
     """A pool's buffer and the address arithmetic of its pages, without the allocator: what
-    attention and KV writes need. A same-host debtor holds one over a creditor's shared pool
-    (``SharedCreditorPool``); the pool's own process holds the :class:`UnifiedPool`."""
+    attention and KV writes need. An executor holds its pool as one; a same-host debtor holds one
+    over a creditor's shared pool (``SharedCreditorPool``)."""
 
-    def __init__(self, layout: PoolLayout, dtype: torch.dtype, buffer: torch.Tensor):
+    def __init__(
+        self, layout: PoolLayout, dtype: torch.dtype, buffer: torch.Tensor, shared_fd: int | None = None
+    ):
+        """``shared_fd``: the memfd behind ``buffer`` when it lives in shared memory, so that
+        debtors on this host can map it (owned by the view: :meth:`close`)."""
         if buffer.numel() != layout.num_pages * layout.page_elems or buffer.dtype != dtype:
             raise ValueError(
                 f"a buffer of {buffer.numel()} {buffer.dtype} elements is not a pool of "
@@ -61,6 +68,23 @@ class PoolView:
         self.device = buffer.device
         self.buffer = buffer
         self.kv_rows = buffer.view(-1, layout.kv_dim)
+        self._shared_fd = shared_fd
+
+    @classmethod
+    def zeros(cls, layout: PoolLayout, dtype: torch.dtype, device: torch.device | str = "cpu") -> PoolView:
+        """A view over a new zero-filled private buffer of ``layout``'s size."""
+        return cls(layout, dtype, torch.zeros(layout.num_pages * layout.page_elems, dtype=dtype, device=device))
+
+    @property
+    def shared_fd(self) -> int | None:
+        """The memfd behind a shared buffer (None: a private one)."""
+        return self._shared_fd
+
+    def close(self) -> None:
+        """Let go of the shared memory's descriptor (the mappings stay valid while they live)."""
+        if self._shared_fd is not None:
+            os.close(self._shared_fd)
+            self._shared_fd = None
 
     @property
     def page_elems(self) -> int:

@@ -13,9 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.gpu_worker.distkv.block_lender import LendingConfig
+from services.gpu_worker.distkv.block_recall import BlockRecalls
+from services.gpu_worker.distkv.block_table import BlockTable
 from services.gpu_worker.distkv.borrower import Borrower, CreditorDirectory, TransportFactory
 from services.gpu_worker.distkv.distkv_meter import DistKvMeter, MeteredLender, metered_connect
 from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap
+from services.gpu_worker.distkv.remote_block_allocator import CreditorRefused, CreditorUnavailable
 from services.gpu_worker.distkv.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 
@@ -87,6 +90,34 @@ class DistKv:
             if creditors is None or connect is None:
                 raise ValueError("kv_overflow='borrow' needs a creditor directory and a transport factory")
             self.borrower = Borrower(self.rm, creditors, metered_connect(connect, self.meter))
+
+    def recalls(
+        self, tables: Callable[[], list[BlockTable]], recompute: Callable[[BlockTable], None]
+    ) -> BlockRecalls:
+        """DGFM's recalls of this worker's blocks: ``tables`` are the running requests' block
+        tables, ``recompute`` starts over a request whose blocks could not come back."""
+        return BlockRecalls(self.rm, self.borrower, tables, recompute)
+
+    def step_failed(
+        self,
+        failure: CreditorUnavailable | CreditorRefused,
+        lost: Callable[[str], None],
+        refused: Callable[[str], None],
+    ) -> None:
+        """A step met a creditor that could not serve it, and nothing of the step was kept (no
+        token emitted, nothing counted as computed). Unreachable: ``lost(creditor)`` recomputes
+        the requests that had blocks there, the others redo the step. Over its compute cap
+        (DistKV-LLM's SLA threshold): ``refused(creditor)`` has those requests give their blocks
+        back and recompute, and it is not asked again until its next heartbeat."""
+        if isinstance(failure, CreditorUnavailable):
+            log.warning("creditor %s is unreachable: %s", failure.creditor, failure.message)
+            lost(failure.creditor)
+            return
+        log.info("creditor %s refused remote attention: %s", failure.creditor, failure.message)
+        self.meter.add_remote_refusal()
+        refused(failure.creditor)
+        if self.borrower is not None:
+            self.borrower.refused(failure.creditor)
 
     def _lend_cap(self, settings: DistKvSettings, pool: UnifiedPool, supports_lending: bool) -> int:
         wanted = settings.max_lent_blocks

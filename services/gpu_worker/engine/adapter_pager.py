@@ -28,6 +28,7 @@ from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency, ResidentAdapter
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.gpu_worker.memory.prefix_cache import PrefixCache
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.eviction import EvictionPolicy
 
 log = logging.getLogger("loramesh.engine")
@@ -72,18 +73,19 @@ class AdapterPager:
     def __init__(
         self,
         executor: Executor,
+        pool: UnifiedPool,
         prefix_cache: PrefixCache | None = None,
         on_copied: Callable[[], None] | None = None,
         eviction: EvictionPolicy | None = None,
     ):
-        """``prefix_cache``: cached KV blocks, evicted before idle adapters when the pool needs
+        """``pool``: the engine's pool over the executor's buffer; ``prefix_cache``: cached KV blocks, evicted before idle adapters when the pool needs
         room; ``on_copied``: told (on the copier's thread) when an adapter's rows are in;
         ``eviction``: the order idle adapters leave the pool in (default least recently used)."""
         self.executor = executor
         self.residency = AdapterResidency(
-            executor.pool, self._copy_later, self._evicted, eviction=eviction, prefix_cache=prefix_cache
+            pool, self._copy_later, self._evicted, eviction=eviction, prefix_cache=prefix_cache
         )
-        self.copier = AdapterCopier(executor.load_adapter, executor.pool.device, on_copied)
+        self.copier = AdapterCopier(executor.load_adapter, pool.device, on_copied)
         self._copies: dict[str, Future[float]] = {}
         """Adapters whose rows are being written, each held (refcount) by its copy so that it is
         not evicted half-written; settled on the engine thread."""

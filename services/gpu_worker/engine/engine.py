@@ -32,17 +32,16 @@ from typing import TypeVar, cast
 import torch
 
 from services.gpu_worker.distkv import (
-    BlockRecalls,
     BlockTable,
     CreditorDirectory,
     CreditorRefused,
     CreditorUnavailable,
     DistKv,
-    DistKvSettings,
     TransportFactory,
 )
 from services.gpu_worker.engine.adapter_pager import AdapterPager, runnable_batch_policy
 from services.gpu_worker.engine.engine_config import EngineConfig
+from services.gpu_worker.engine.engine_loop import run_steps
 from services.gpu_worker.engine.engine_stats import (
     AdapterUsage,
     EngineStats,
@@ -57,31 +56,25 @@ from services.gpu_worker.engine.executor import Executor, LendingExecutor
 from services.gpu_worker.engine.hand_over import HandOver
 from services.gpu_worker.engine.kv_reservation import KvReservation
 from services.gpu_worker.engine.policies import make_batch_policy
-from services.gpu_worker.engine.policies.batch_policy import UNMERGED, BatchPolicy, LoraMode, StepOutcome
+from services.gpu_worker.engine.policies.batch_policy import UNMERGED, BatchPolicy, StepOutcome
 from services.gpu_worker.engine.policies.preemption import make_preemption_policy
 from services.gpu_worker.engine.request import (
-    EngineRequest,
-    FinishReason,
     GenerationRequest,
     RequestSummary,
 )
+from services.gpu_worker.engine.request_intake import RequestIntake
 from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvents
 from services.gpu_worker.engine.request_scheduler import RequestScheduler
-from services.gpu_worker.engine.sampling import sample_batch
 from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.engine.step_sampling import sample_and_emit
 from services.gpu_worker.engine.structured_output import (
     GrammarCompiler,
-    GrammarKey,
     MaskPlanner,
-    RequestGrammar,
-    StepMasks,
 )
 from services.gpu_worker.lora.host_adapter import HostAdapter
-from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.prefix_cache import PrefixCache
-from services.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.eviction import make_eviction_policy
-from services.runtime.sampling.request_validation import check_request
 
 __all__ = ["Engine", "EngineConfig", "EventSink", "PoolTokens"]
 
@@ -112,51 +105,34 @@ class Engine:
         refused)."""
         config = config or EngineConfig()
         self.executor = executor
-        self.pool = self.executor.pool
+        self.pool = UnifiedPool(executor.view, config.adapter_region_pages(executor.view.layout.num_pages))
+        """The pages of the executor's buffer and their allocator: all the engine's accounting."""
         self.config = config
         self.lora_backend = config.lora_backend
         """The LoRA kernel backend plans ask for (benchmarks switch it between runs)."""
         self.on_logits = on_logits
         """Observer of each request's float32 logits before sampling (tests compare them to HF)."""
-        self.grammars = grammars
         self.masks = MaskPlanner(self.executor.config.vocab_size) if grammars is not None else None
         self.policy, self.fallbacks = runnable_batch_policy(
             batch_policy or make_batch_policy(config.batch_policy, config.early_abort_slo_s),
             config,
             self.executor,
         )
-        self.wing = DistKv(
-            DistKvSettings(
-                worker_id=config.worker_id,
-                max_lent_blocks=config.max_lent_blocks,
-                lend_compute_share=config.lend_compute_share,
-                lend_compute_window_s=config.lend_compute_window_s,
-                borrow=config.kv_overflow == "borrow",
-                deterministic=config.deterministic,
-            ),
-            self.pool,
-            self.executor.supports_lending,
-            # The SLA it protects is its own requests': an idle worker lends all its compute.
-            busy=lambda: bool(self.running or self.waiting),
-            creditors=creditors,
-            connect=connect,
-        )
-        """DistKV-LLM on this worker; ``rm``, ``distkv``, ``lending`` and ``borrower`` are its parts."""
-        self.fallbacks = (*self.fallbacks, *self.wing.fallbacks)
-        self.rm, self.distkv = self.wing.rm, self.wing.meter
-        self.lending, self.borrower = self.wing.lending, self.wing.borrower
-        if self.borrower is not None:
-            cast(LendingExecutor, self.executor).lend_through(self.rm, self._borrowed_table)
+        self._build_distkv(config, creditors, connect)
         self.hand_over = HandOver()
         self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache else None
         """Shared prompt-prefix KV blocks (None: off)."""
         self.adapters = AdapterPager(
             self.executor,
+            self.pool,
             self.prefix_cache,
             on_copied=self.hand_over.wakeup.set,
             eviction=make_eviction_policy(config.eviction_policy),
         )
         self.residency = self.adapters.residency
+        self.intake = RequestIntake(
+            executor.config, self.pool, self.prefix_cache, grammars, borrowing=self.borrower is not None
+        )
         self.host_adapters: dict[str, HostAdapter] = {}
         self._adapter_tokens: dict[str, int] = {}
         """Each host adapter's footprint in the pool in KV tokens, were it paged in: computed once
@@ -175,15 +151,13 @@ class Engine:
         )
         self.running, self.waiting = self.scheduler.running, self.scheduler.waiting
         """The running batch and the queue (the scheduler's, as tests and benchmarks read them)."""
-        self.recalls = BlockRecalls(
-            self.rm,
-            self.borrower,
-            lambda: [r.table for r in self.running if r.table is not None],
-            self.scheduler.recompute_table,
+        self.recalls = self.wing.recalls(
+            lambda: [r.table for r in self.running if r.table is not None], self.scheduler.recompute_table
         )
         """DGFM recalls of this worker's blocks, applied through :meth:`between_steps`."""
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self.stopping = False
+        """Set by :meth:`stop`: the engine thread ends after its current step."""
         self._snapshot = EngineStats()
         self._rate = TokenRate()
         self.steps = 0
@@ -191,22 +165,29 @@ class Engine:
         """The last step's forward pass (what page-ins' share of a step is measured against)."""
         self._publish_stats()
 
+    def _build_distkv(
+        self, config: EngineConfig, creditors: CreditorDirectory | None, connect: TransportFactory | None
+    ) -> None:
+        self.wing = DistKv(
+            config.distkv_settings(),
+            self.pool,
+            self.executor.supports_lending,
+            # The SLA it protects is its own requests': an idle worker lends all its compute.
+            busy=lambda: bool(self.running or self.waiting),
+            creditors=creditors,
+            connect=connect,
+        )
+        """DistKV-LLM on this worker; ``rm``, ``distkv``, ``lending`` and ``borrower`` are its parts."""
+        self.fallbacks = (*self.fallbacks, *self.wing.fallbacks)
+        self.rm, self.distkv = self.wing.rm, self.wing.meter
+        self.lending, self.borrower = self.wing.lending, self.wing.borrower
+        if self.borrower is not None:
+            cast(LendingExecutor, self.executor).lend_through(self.rm, self._borrowed_table)
+
     @property
-    def preemptions(self) -> int:  # the scheduler's and pager's counters, as tests read them
+    def preemptions(self) -> int:
+        """Requests preempted since start (recomputed later)."""
         return self.scheduler.preemptions
-
-    @property
-    def aborted(self) -> int:
-        return self.scheduler.aborted
-
-    @property
-    def mode(self) -> LoraMode:
-        """The LoRA mode the base weights are in."""
-        return self.adapters.mode
-
-    @property
-    def mode_switches(self) -> int:
-        return self.adapters.mode_switches
 
     # -- called from any thread --------------------------------------------------------------
 
@@ -246,30 +227,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Queue a request; ``sink`` receives its events on the engine thread."""
-        config = self.executor.config
-        check_request(request.prompt_ids, request.sampling, config.vocab_size, config.max_position_embeddings)
-        if request.adapter_id is not None and request.adapter_id not in self.host_adapters:
-            raise NotFound(f"adapter {request.adapter_id!r} is not loaded on this worker")
-        kv = KvTable(self.pool, self.prefix_cache)
-        if (
-            self.borrower is None
-            and kv.pages_needed(len(request.prompt_ids) + 1) > self.pool.layout.num_pages
-        ):
-            raise ResourceExhausted(
-                f"prompt of {len(request.prompt_ids)} tokens needs more KV pages than the whole pool has"
-            )
-        self.hand_over.request(EngineRequest(spec=request, kv=kv, grammar=self._grammar(request)), sink)
-
-    def _grammar(self, request: GenerationRequest) -> RequestGrammar | None:
-        """The request's structured-output grammar, past what it generated before (compiled on
-        the caller's thread: a bad schema is the caller's INVALID_ARGUMENT)."""
-        constraint = request.sampling.structured_output
-        if constraint is None:
-            return None
-        if self.grammars is None:
-            raise InvalidArgument("structured_output: this worker was started without grammar support")
-        key = GrammarKey(constraint.kind, constraint.schema)
-        return self.grammars.matcher(key, generated=request.resumed_ids)
+        self.hand_over.request(self.intake.take(request, self.host_adapters), sink)
 
     def preload(self, adapter_id: str) -> None:
         """Page a registered adapter into the pool at the next step, if there is room."""
@@ -313,11 +271,11 @@ class Engine:
 
     def start(self) -> None:
         """Run steps on a dedicated thread until :meth:`stop`."""
-        self._thread = threading.Thread(target=self._loop, name="loramesh-engine", daemon=True)
+        self._thread = threading.Thread(target=run_steps, args=(self,), name="loramesh-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        self._stopping = True
+        self.stopping = True
         self.hand_over.wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -325,25 +283,6 @@ class Engine:
         self.executor.close()
         if self.masks is not None:
             self.masks.close()
-
-    def _loop(self) -> None:
-        while not self._stopping:
-            if not self.has_work():
-                self.hand_over.wakeup.wait(0.5)
-                self.hand_over.wakeup.clear()
-                continue
-            try:
-                self.step()
-                if self.recalls.frozen or not self.running and self.waiting and self.borrower is not None:
-                    # Frozen by DGFM until its stage closes, or nothing runs and the head of the
-                    # queue found no lender: look again after a pause (or at the next hand-over),
-                    # not in a tight loop.
-                    self.hand_over.wakeup.wait(0.5)
-                    self.hand_over.wakeup.clear()
-            except Exception:  # a bug must not kill the thread silently: fail the batch, go on
-                log.exception("engine step failed; failing the running requests")
-                for request in list(self.running):
-                    self.scheduler.finish(request, FinishReason.ERROR, None, "engine step failed")
 
     # -- engine thread -----------------------------------------------------------------------
 
@@ -388,22 +327,8 @@ class Engine:
         try:
             plan = tuple(r.planned(adapters.slot(r)) for r in batch)
             logits = self.executor.execute(StepPlan(plan, self.lora_backend, self.config.deterministic))
-        except CreditorUnavailable as gone:
-            # Nothing of this step is kept (no token emitted, nothing counted as computed): the
-            # requests that had blocks there are recomputed, the others redo the step.
-            log.warning("creditor %s is unreachable: %s", gone.creditor, gone.message)
-            scheduler.creditor_lost(gone.creditor)
-            self._publish_stats()
-            return 0
-        except CreditorRefused as busy:
-            # Over its compute cap (DistKV-LLM's SLA threshold): as above, nothing of the step is
-            # kept; the requests with blocks there give them back and are recomputed, and the
-            # gManager stops suggesting it until its next heartbeat.
-            log.info("creditor %s refused remote attention: %s", busy.creditor, busy.message)
-            self.distkv.add_remote_refusal()
-            scheduler.creditor_refused(busy.creditor)
-            if self.borrower is not None:
-                self.borrower.refused(busy.creditor)
+        except (CreditorUnavailable, CreditorRefused) as failure:
+            self.wing.step_failed(failure, lost=scheduler.creditor_lost, refused=scheduler.creditor_refused)
             self._publish_stats()
             return 0
         finally:
@@ -411,7 +336,7 @@ class Engine:
                 masks.wait()  # no grammar may advance while its mask is being computed
         now = time.monotonic()
         self._last_step_s = now - started
-        self._sample_and_emit(batch, logits, now, masks)
+        sample_and_emit(batch, logits, masks, scheduler, now, self.on_logits)
         self.steps += 1
         self.distkv.end_step()
         self.policy.observe(  # what the step cost: dLoRA tunes its thresholds, the cost model fits
@@ -427,32 +352,6 @@ class Engine:
         )
         self._publish_stats()
         return len(batch)
-
-    def _sample_and_emit(
-        self, batch: list[EngineRequest], logits: torch.Tensor, now: float, masks: StepMasks | None
-    ) -> None:
-        if self.on_logits is not None:
-            for request, row in zip(batch, logits):
-                self.on_logits(request.request_id, row)
-        tokens = sample_batch(
-            logits if masks is None else masks.apply(logits),
-            [r.spec.sampling for r in batch],
-            lambda i: (batch[i].spec.original_prompt_ids, [*batch[i].spec.resumed_ids, *batch[i].output_ids]),
-            [r.next_draw_generator() for r in batch],
-        )
-        kept = [
-            i
-            for i, (r, token) in enumerate(zip(batch, tokens))
-            if r.grammar is None or r.grammar.accept(token)
-        ]
-        if len(kept) < len(batch):  # only a grammar that allows no token at all gets here
-            for request in (r for i, r in enumerate(batch) if i not in kept):
-                self.scheduler.finish(
-                    request, FinishReason.ERROR, None, f"structured_output: {request.grammar.error}"
-                )
-            batch, tokens, logits = [batch[i] for i in kept], [tokens[i] for i in kept], logits[kept]
-        # Logprobs are of the raw logits, as without a grammar (OpenAI's semantics).
-        self.scheduler.emit(batch, tokens, logits, now)
 
     def _borrowed_table(self, request_id: str) -> BlockTable:
         """The block table of a running request whose KV is borrowed (the executor's lookup)."""

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gpu_worker.distkv import DEFAULT_LEND_COMPUTE_SHARE, DEFAULT_LEND_COMPUTE_WINDOW_S
+from services.gpu_worker.distkv import (
+    DEFAULT_LEND_COMPUTE_SHARE,
+    DEFAULT_LEND_COMPUTE_WINDOW_S,
+    DistKvSettings,
+)
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
 from services.runtime.config import setting
@@ -91,6 +95,22 @@ class EngineConfig:
     """Which idle adapters leave the pool when it needs pages, and the worker's host cache when
     full, first: lru (least recently used), lfu (least frequently used, ties least recent) or
     fifo; pinned adapters never (docs/operations.md, "Eviction and pinning")."""
+
+    def distkv_settings(self) -> DistKvSettings:
+        """This engine's DistKV settings, as the DistKV wing takes them."""
+        return DistKvSettings(
+            worker_id=self.worker_id,
+            max_lent_blocks=self.max_lent_blocks,
+            lend_compute_share=self.lend_compute_share,
+            lend_compute_window_s=self.lend_compute_window_s,
+            borrow=self.kv_overflow == "borrow",
+            deterministic=self.deterministic,
+        )
+
+    def adapter_region_pages(self, num_pages: int) -> int | None:
+        """The fixed adapter-only region of a pool of ``num_pages`` (None: unified)."""
+        share = self.adapter_region_share
+        return None if share is None else max(1, round(num_pages * share))
 
     def __post_init__(self) -> None:
         if self.eviction_policy not in EVICTION_POLICIES:

@@ -1,10 +1,11 @@
 """The interface between the engine, which plans steps, and what runs them on devices.
 
-The engine keeps every decision and all accounting: which requests run, their KV pages, where
-each adapter's rows go (its ``AdapterResidency``), merged mode, sampling. An executor owns the
-model weights and the pool memory, and carries the decisions out: it writes adapter rows where
-the engine placed them, runs a :class:`StepPlan` and returns logits. ``LocalExecutor`` runs on
-one device; a tensor-parallel executor runs the same plan on every rank of its group (both in
+The engine keeps every decision and all accounting: which requests run, their KV pages (its
+``UnifiedPool``'s page allocator), where each adapter's rows go (its ``AdapterResidency``),
+merged mode, sampling. An executor owns the model weights and the pool's buffer (a
+``PoolView``), and carries the decisions out: it writes adapter rows where the engine placed
+them, runs a :class:`StepPlan` and returns logits. ``LocalExecutor`` runs on one device; a
+tensor-parallel executor runs the same plan on every rank of its group (both in
 ``services/gpu_worker/executor/``). This contract names no implementation: the worker is
 assembled by ``services/gpu_worker/build.py``.
 """
@@ -16,11 +17,11 @@ from typing import Protocol
 
 import torch
 
+from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.distkv import BlockTable, RManager
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter
-from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.model_files.model_config import ModelConfig
 
 BorrowedLookup = Callable[[str], BlockTable]
@@ -32,9 +33,10 @@ class Executor(Protocol):
 
     config: ModelConfig
     """The full model's config (vocabulary, context length, layers), whatever the sharding."""
-    pool: UnifiedPool
-    """The pool the engine does its page accounting on; for a tensor-parallel group rank 0's
-    shard pool (the same page ids on every rank)."""
+    view: PoolView
+    """The buffer its pool's pages live in, which the engine's allocator hands out
+    (``UnifiedPool``); for a tensor-parallel group rank 0's shard buffer (every rank has the same
+    pages)."""
     supports_merging: bool
     """Whether :meth:`merge` works (dLoRA's merged mode); the engine refuses the dlora policy
     without it."""

@@ -1,4 +1,4 @@
-"""The single-device executor: one model, one unified pool, plans run as they are.
+"""The single-device executor: one model, one pool buffer, plans run as they are.
 
 Today's path of every worker: the step builder turns a plan into the model's batch, the model
 runs it over the pool; merged mode folds one adapter into the model's own weights.
@@ -13,12 +13,12 @@ from services.gpu_worker.distkv import RManager
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.executor import BorrowedLookup
 from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.executor.pool_buffer import pool_buffer
 from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.kernels.dispatch import resolve_backend
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter, write_rows
-from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 
 
@@ -42,16 +42,11 @@ class LocalExecutor:
             kv_dim=kv_dim,
             num_layers=cfg.num_layers,
         )
-        adapter_region = (
-            None
-            if config.adapter_region_share is None
-            else max(1, round(layout.num_pages * config.adapter_region_share))
-        )
-        self.pool = UnifiedPool(layout, model.dtype, model.device, adapter_region, shared=config.shared_pool)
+        self.view = pool_buffer(layout, model.dtype, model.device, shared=config.shared_pool)
         if config.deterministic:  # refuse at start what would fail every step
             model.check_batch_invariant()
-            resolve_backend(config.lora_backend, self.pool.buffer, batch_invariant=True)
-        self.builder = StepBuilder(model, self.pool)
+            resolve_backend(config.lora_backend, self.view.buffer, batch_invariant=True)
+        self.builder = StepBuilder(model, self.view)
         self.merged = MergedWeights(model)
         """The adapter folded into the base weights in merged mode (dLoRA), if any."""
         self._resident: dict[str, ResidentAdapter] = {}
@@ -62,7 +57,7 @@ class LocalExecutor:
         return adapter
 
     def load_adapter(self, adapter: HostAdapter, resident: ResidentAdapter) -> None:
-        write_rows(self.pool.buffer, adapter, resident)
+        write_rows(self.view.buffer, adapter, resident)
         self._resident[adapter.adapter_id] = resident
 
     def evict_adapter(self, adapter_id: str) -> None:
@@ -74,7 +69,7 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         batch = self.builder.build(plan, self._resident.get, self._borrowed)
-        return self.model.forward(batch, self.pool)
+        return self.model.forward(batch, self.view)
 
     def merge(self, adapter: HostAdapter) -> None:
         self.merged.merge(adapter)
@@ -84,4 +79,4 @@ class LocalExecutor:
 
     def close(self) -> None:
         """The shared pool's descriptor closed; the buffer and weights go with the object."""
-        self.pool.close()
+        self.view.close()

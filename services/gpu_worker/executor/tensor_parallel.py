@@ -1,8 +1,8 @@
 """The tensor-parallel executor: rank 0 (the driver) of a group runs the engine's plans with its
 followers.
 
-Rank 0 holds its shard model and its shard pool — the pool the engine does its accounting on;
-every rank's pool has the same number of pages, so page ids and adapter row offsets chosen on
+Rank 0 holds its shard model and its shard pool buffer — the one the engine's allocator hands
+pages of; every rank's pool has the same number of pages, so page ids and adapter row offsets chosen on
 rank 0 are valid on every rank. Each operation is first broadcast to the followers
 (``torch.distributed.broadcast_object_list`` from rank 0: plans hold no tensors), then run
 locally; a step's collectives make every rank compute the same logits, of which rank 0's are
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.executor.plan_delta import PlanDecoder, PlanDelta, PlanEncoder
@@ -32,7 +32,6 @@ from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.kernels.lora_segments import AdapterRows
 from services.gpu_worker.lora.host_adapter import HostAdapter, ModuleKey
 from services.gpu_worker.memory.adapter_residency import PlacedModule, ResidentAdapter, write_rows
-from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.tp.collectives import TorchDistributedCollectives
 from services.gpu_worker.tp.context import TensorParallelContext
@@ -135,29 +134,29 @@ class RankState:
     """What every rank of a group holds and does, rank 0 and followers alike: its shard model, its
     pool, the resident adapters' placements, and the step builder that turns plans into batches."""
 
-    def __init__(self, model: LlamaModel, pool: UnifiedPool, layout: TensorParallelLayout):
-        self.model, self.pool, self.layout = model, pool, layout
-        self.builder = StepBuilder(model, pool, shapes=lora_shapes(layout))
+    def __init__(self, model: LlamaModel, view: PoolView, layout: TensorParallelLayout):
+        self.model, self.view, self.layout = model, view, layout
+        self.builder = StepBuilder(model, view, shapes=lora_shapes(layout))
         self.resident: dict[str, ResidentAdapter] = {}
         self.plans = PlanDecoder()
         """A follower's mirror of the requests rank 0 sent (rank 0 runs its plans as they are)."""
 
     def load(self, shard: HostAdapter, resident: ResidentAdapter) -> None:
-        write_rows(self.pool.buffer, shard, resident)
+        write_rows(self.view.buffer, shard, resident)
         self.resident[shard.adapter_id] = resident
 
     def evict(self, adapter_id: str) -> None:
         self.resident.pop(adapter_id, None)
 
     def step(self, plan: StepPlan) -> torch.Tensor:
-        return self.model.forward(self.builder.build(plan, self.resident.get), self.pool)
+        return self.model.forward(self.builder.build(plan, self.resident.get), self.view)
 
     def handle(self, op) -> bool:
         """Run a follower's operation; False on stop."""
         if isinstance(op, StepOp):
             self.step(self.plans.decode(op.delta))
         elif isinstance(op, LoadOp):
-            self.load(shard_adapter(op.adapter, self.layout), op.placement.resident(self.pool.device))
+            self.load(shard_adapter(op.adapter, self.layout), op.placement.resident(self.view.device))
         elif isinstance(op, EvictOp):
             self.evict(op.adapter_id)
         elif isinstance(op, StopOp):
@@ -175,7 +174,6 @@ def build_rank_state(
     kv_block_tokens: int,
     dtype: torch.dtype,
     device,
-    adapter_region: int | None = None,
 ) -> RankState:
     """A rank of the default process group (initialized): its shard model and pool."""
     ctx = TensorParallelContext(layout, TorchDistributedCollectives())
@@ -186,7 +184,7 @@ def build_rank_state(
         kv_dim=layout.kv_dim,
         num_layers=config.num_layers,
     )
-    return RankState(model, UnifiedPool(pool_layout, dtype, device, adapter_region), layout)
+    return RankState(model, PoolView.zeros(pool_layout, dtype, device), layout)
 
 
 class TensorParallelExecutor:
@@ -214,15 +212,10 @@ class TensorParallelExecutor:
         self.layout = TensorParallelLayout.for_config(config, size, 0)
         device = torch.device(device)
         num_pages = pool_pages(config, self.layout, engine_config, dtype)
-        region = (
-            None
-            if engine_config.adapter_region_share is None
-            else max(1, round(num_pages * engine_config.adapter_region_share))
-        )
         self.rank = build_rank_state(
-            config, weights, self.layout, num_pages, engine_config.kv_block_tokens, dtype, device, region
+            config, weights, self.layout, num_pages, engine_config.kv_block_tokens, dtype, device
         )
-        self.model, self.pool = self.rank.model, self.rank.pool
+        self.model, self.view = self.rank.model, self.rank.view
         self.channel = OpChannel(device)
         self._plans = PlanEncoder()
         self._lock = threading.Lock()

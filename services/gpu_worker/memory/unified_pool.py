@@ -16,51 +16,31 @@ idle adapters make room for KV and the reverse (DESIGN §5).
 
 from __future__ import annotations
 
-import os
 import threading
 
-import torch
-
-from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
+from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.memory.page_allocator import PageAllocator, PageUse, PoolUsage
-from services.gpu_worker.memory.shared_memory import shared_zeros
 
 
 class UnifiedPool(PoolView):
-    """The buffer, its allocator, and the address arithmetic of both kinds of page."""
+    """The engine's pool: the page allocator over an executor's buffer (its :class:`PoolView`),
+    with the address arithmetic of both kinds of page. The executor owns the buffer and closes
+    it; the engine owns the allocator and does all page accounting here."""
 
-    def __init__(
-        self,
-        layout: PoolLayout,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        adapter_region_pages: int | None = None,
-        shared: bool = False,
-    ):
+    def __init__(self, view: PoolView, adapter_region_pages: int | None = None):
         """``adapter_region_pages``: None (unified) or the size of a fixed adapter-only region
-        (see :class:`PageAllocator`; only the no-unified-memory ablation sets it). ``shared``: the
-        buffer lives in shared memory (a CPU pool only), so that debtors on this host can map it
-        (``shared_fd``)."""
-        numel = layout.num_pages * layout.page_elems
-        self.shared_fd: int | None = None
-        """The memfd behind a shared buffer (None: a private one)."""
-        if shared:
-            if torch.device(device).type != "cpu":
-                raise ValueError(f"only a CPU pool can be shared with other processes, not {device}")
-            buffer, self.shared_fd = shared_zeros(numel, dtype, "loramesh-unified-pool")
-        else:
-            buffer = torch.zeros(numel, dtype=dtype, device=device)
-        super().__init__(layout, dtype, buffer)
-        self.allocator = PageAllocator(layout.num_pages, adapter_region_pages)
+        (see :class:`PageAllocator`; only the no-unified-memory ablation sets it)."""
+        super().__init__(view.layout, view.dtype, view.buffer)
+        self.view = view
+        """The executor's buffer this pool allocates pages of."""
+        self.allocator = PageAllocator(view.layout.num_pages, adapter_region_pages)
         # The engine thread and the lending RPCs (blocks lent to other workers) both take and
         # give back pages; PageAllocator itself is not thread-safe.
         self._lock = threading.Lock()
 
-    def close(self) -> None:
-        """Let go of the shared memory's descriptor (the mappings stay valid while they live)."""
-        if self.shared_fd is not None:
-            os.close(self.shared_fd)
-            self.shared_fd = None
+    @property
+    def shared_fd(self) -> int | None:
+        return self.view.shared_fd
 
     def allocate(self, count: int, use: PageUse) -> list[int]:
         with self._lock:

@@ -19,7 +19,7 @@ from services.gpu_worker.attention.dist_attention import (
     scale_reduce,
 )
 from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.engine.request import EngineRequest, GenerationRequest
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.executor.step_builder import StepBuilder
@@ -216,8 +216,8 @@ def test_split_pool_blocks_match_the_engines_paged_attention():
     request's pool pages (``attend_pool_blocks``, what a creditor runs), scale-reduced."""
     model = smollm2_shaped_model()
     block = 4
-    pool = UnifiedPool(PoolLayout(num_pages=64, kv_block_tokens=block, kv_dim=KV_HEADS * HEAD_DIM, num_layers=1),
-                       torch.float32)  # fmt: skip
+    layout = PoolLayout(num_pages=64, kv_block_tokens=block, kv_dim=KV_HEADS * HEAD_DIM, num_layers=1)
+    pool = UnifiedPool(PoolView.zeros(layout, torch.float32))
     generator = torch.Generator().manual_seed(5)
     # (prompt length, output so far, computed): a prefill of 11, decodes at 9 and 14 tokens.
     shapes = [(11, 0, 0), (6, 3, 8), (10, 4, 13)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.gpu_worker.attention.dist_attention import micro_attention
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig
 from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
@@ -20,7 +20,7 @@ LAYOUT = PoolLayout(num_pages=20, kv_block_tokens=BLOCK, kv_dim=KV_HEADS * HEAD_
 
 
 def lender(cap: int = 6, dtype: torch.dtype = torch.float32) -> BlockLender:
-    return BlockLender(LocalBlockAllocator(UnifiedPool(LAYOUT, dtype)), LendingConfig(max_lent_blocks=cap))
+    return BlockLender(LocalBlockAllocator(UnifiedPool(PoolView.zeros(LAYOUT, dtype))), LendingConfig(max_lent_blocks=cap))
 
 
 def kv_rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +154,7 @@ def test_a_bf16_pool_stores_bf16_and_attends_in_fp32():
 
 
 def test_local_allocator_frees_all_or_nothing():
-    local = LocalBlockAllocator(UnifiedPool(LAYOUT, torch.float32))
+    local = LocalBlockAllocator(UnifiedPool(PoolView.zeros(LAYOUT, torch.float32)))
     blocks = local.allocate(3)
     assert all(len(b.pages) == LAYERS for b in blocks) and local.free_blocks == 7
     with pytest.raises(PoolExhausted):

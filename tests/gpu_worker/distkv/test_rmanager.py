@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.gpu_worker.attention.dist_attention import micro_attention
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.distkv.block_lender import LendingConfig
 from services.gpu_worker.distkv.block_table import BlockTable, LocalBlock, RemoteBlock
 from services.gpu_worker.distkv.in_process_transport import InProcessTransport
@@ -32,7 +32,7 @@ class Mesh:
 
     def __init__(self, cap: int = 6):
         self.workers = {
-            w: RManager(w, UnifiedPool(LAYOUT, torch.float32), LendingConfig(max_lent_blocks=cap))
+            w: RManager(w, UnifiedPool(PoolView.zeros(LAYOUT, torch.float32)), LendingConfig(max_lent_blocks=cap))
             for w in WORKERS
         }
         self.transports = {w: InProcessTransport(w, rm.lender) for w, rm in self.workers.items()}
@@ -45,7 +45,7 @@ class Mesh:
         """``worker`` comes back with an empty pool (after the others processed its death)."""
         old = self.workers[worker]
         self.transports[worker].kill()
-        rm = RManager(worker, UnifiedPool(LAYOUT, torch.float32), old.lender.config)
+        rm = RManager(worker, UnifiedPool(PoolView.zeros(LAYOUT, torch.float32)), old.lender.config)
         self.workers[worker] = rm
         self.transports[worker] = InProcessTransport(worker, rm.lender)
         for other, transport in self.transports.items():

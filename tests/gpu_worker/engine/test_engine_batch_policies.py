@@ -89,14 +89,14 @@ def test_a_merged_step_gives_the_unmerged_tokens_and_logits_and_unmerging_restor
     base = fixed_weights(engine)
     merged_logits: dict = {}
     merged = tokens(run(engine, requests, merged_logits))
-    assert engine.mode == Merged("a") and engine.mode_switches == 1
+    assert engine.adapters.mode == Merged("a") and engine.adapters.mode_switches == 1
     assert merged == unmerged
     for rid, rows in unmerged_logits.items():
         for got, want in zip(merged_logits[rid], rows, strict=True):
             assert torch.allclose(got, want, atol=1e-3, rtol=0)
 
     run(engine, [request(9, None)])  # a base-model request: the policy unmerges
-    assert engine.mode == UNMERGED
+    assert engine.adapters.mode == UNMERGED
     assert all(torch.equal(now, before) for now, before in zip(fixed_weights(engine), base))
 
 
@@ -112,7 +112,7 @@ def test_switching_under_load_never_loses_or_duplicates_a_token(tiny_llama, adap
     for r in load:
         (last,) = [e for e in events[r.request_id] if e.finish_reason is not None]
         assert last.finish_reason is FinishReason.LENGTH and last.output_len == r.sampling.max_tokens
-    assert engine.mode_switches >= 2 and policy.merged_steps > 0
+    assert engine.adapters.mode_switches >= 2 and policy.merged_steps > 0
 
 
 @pytest.mark.parametrize("name", sorted(BATCH_POLICIES))
@@ -139,7 +139,7 @@ def test_an_early_abort_finishes_the_request_with_the_reason(tiny_llama, adapter
     for rid in ("r0", "r1"):
         assert finals[rid].finish_reason is FinishReason.ABORTED and "50 s SLO" in finals[rid].error
         assert not [e for e in events[rid] if e.token_id is not None]
-    assert engine.aborted == 2 and engine.stats().aborted_requests == 2
+    assert engine.scheduler.aborted == 2 and engine.stats().aborted_requests == 2
 
 
 def test_an_unknown_policy_is_refused():

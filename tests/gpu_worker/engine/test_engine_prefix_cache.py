@@ -185,10 +185,10 @@ def test_pool_pressure_evicts_cached_blocks_before_preempting(tiny_llama):
     for i in range(blocks // 2):
         run(engine, [GenerationRequest(f"fill{i}", prompt_of(i, 15), sampling)])
     filled = engine.prefix_cache.stats()
-    assert filled.evicted_blocks > 0 and engine.preemptions == 0
+    assert filled.evicted_blocks > 0 and engine.scheduler.preemptions == 0
     # Two requests that need half the pool each run side by side: room comes from cached blocks.
     big = [GenerationRequest(f"big{i}", prompt_of(100 + i, blocks * 2 - 8), sampling) for i in range(2)]
     run(engine, big)
-    assert engine.preemptions == 0
+    assert engine.scheduler.preemptions == 0
     assert engine.prefix_cache.stats().evicted_blocks > filled.evicted_blocks
     assert_no_references_left(engine)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
@@ -47,7 +47,7 @@ def test_keys_are_chained_whole_blocks_and_differ_by_key_space():
 
 
 def test_shared_blocks_are_reference_counted_and_stay_cached_when_unused():
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     cache = PrefixCache(pool)
     keys = block_keys(BASE_MODEL_KEY_SPACE, list(range(8)), 4)
     first = computed_table(pool, cache, keys)
@@ -65,7 +65,7 @@ def test_shared_blocks_are_reference_counted_and_stay_cached_when_unused():
 
 
 def test_the_lookup_stops_at_the_first_uncached_block():
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     cache = PrefixCache(pool)
     keys = block_keys(BASE_MODEL_KEY_SPACE, list(range(12)), 4)
     computed_table(pool, cache, [keys[0]]).release()
@@ -74,7 +74,7 @@ def test_the_lookup_stops_at_the_first_uncached_block():
 
 
 def test_pool_pressure_evicts_unused_cached_blocks_lru_before_idle_adapters():
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     cache = PrefixCache(pool)
     residency = AdapterResidency(pool, prefix_cache=cache)
     residency.load(adapter("a", rank=2))  # idle adapter: its pages are evictable too
@@ -101,7 +101,7 @@ def test_a_table_handing_over_shared_blocks_keeps_their_references_and_the_new_o
     """A request that starts to borrow hands its pages to the rManager; its cached prompt blocks
     stay the cache's: read-only there, forgotten (not freed) when the request ends, and released
     to the cache by its KV table."""
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     cache = PrefixCache(pool)
     keys = block_keys(BASE_MODEL_KEY_SPACE, list(range(8)), 4)
     table = computed_table(pool, cache, keys)

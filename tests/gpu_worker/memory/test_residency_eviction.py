@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
@@ -24,7 +24,7 @@ def adapter(adapter_id: str) -> HostAdapter:
 
 def full_residency(eviction=None) -> tuple[AdapterResidency, int]:
     """Adapters a, b, c resident in a pool whose other pages hold KV; the pages of one adapter."""
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     residency = AdapterResidency(pool, eviction=eviction)
     for name in "abc":
         residency.load(adapter(name))

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors, with_rows
 from services.gpu_worker.memory.adapter_residency import (
     NOT_TARGETED,
@@ -81,7 +81,7 @@ def _adapter(rng: random.Random, adapter_id: str) -> HostAdapter:
 @pytest.mark.parametrize("seed", range(6))
 def test_placements_equal_the_row_by_row_algorithm(seed):
     rng = random.Random(seed)
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     if seed % 2:  # fragment the pool: KV holds a random half of the pages
         taken = pool.allocate(LAYOUT.num_pages, PageUse.KV)
         pool.free(rng.sample(taken, LAYOUT.num_pages // 2))
@@ -114,7 +114,7 @@ def test_placements_equal_the_row_by_row_algorithm(seed):
 
 
 def test_offsets_are_built_on_first_use_not_at_load():
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     written = []
     residency = AdapterResidency(pool, write=lambda adapter, resident: written.append(resident))
     host = _adapter(random.Random(1), "a")
@@ -127,7 +127,7 @@ def test_offsets_are_built_on_first_use_not_at_load():
 @pytest.mark.parametrize("fragmented", [False, True])
 def test_an_adapter_is_written_in_one_copy_per_region_of_pages_and_every_row_lands(fragmented):
     rng = random.Random(7)
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     if fragmented:  # every other page taken: no adapter fits one run of pages
         taken = pool.allocate(LAYOUT.num_pages, PageUse.KV)
         pool.free(taken[::2])
@@ -146,7 +146,7 @@ def test_an_adapter_is_written_in_one_copy_per_region_of_pages_and_every_row_lan
 
 def test_a_projection_with_one_rank_in_every_layer_has_its_offsets_gathered_by_layer():
     """What the step builder gathers all layers' offsets of a projection from, in one cat."""
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     residency = AdapterResidency(pool)
     modules = {}
     for layer in range(3):

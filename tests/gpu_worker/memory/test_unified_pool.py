@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
@@ -55,7 +55,7 @@ def test_a_refused_free_changes_nothing_and_pages_come_back_lowest_first():
 
 
 def test_kv_rows_address_one_layer_block_per_page():
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     table = KvTable(pool)
     table.reserve(9)  # 3 blocks of 4 tokens x 2 layers
     assert len(table.blocks) == 3 and pool.usage().kv_pages == 6 and table.capacity == 12
@@ -72,7 +72,7 @@ def test_kv_rows_address_one_layer_block_per_page():
 
 
 def test_adapter_rows_in_the_pool_equal_its_factors_and_are_contiguous():
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     residency = AdapterResidency(pool)
     host = adapter("a", rank=5)
     resident = residency.load(host)
@@ -88,7 +88,7 @@ def test_adapter_rows_in_the_pool_equal_its_factors_and_are_contiguous():
 
 
 def test_rows_never_cross_into_a_non_adjacent_page():
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     taken = pool.allocate(64, PageUse.KV)
     pool.free(taken[::2])  # only every other page is free: no two free pages are adjacent
     residency = AdapterResidency(pool)
@@ -105,7 +105,7 @@ def test_rows_never_cross_into_a_non_adjacent_page():
 
 
 def test_only_idle_adapters_are_evicted_lru():
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     residency = AdapterResidency(pool)
     for name in "abc":
         residency.load(adapter(name, rank=4))
@@ -142,7 +142,7 @@ def test_split_allocator_keeps_kv_and_adapter_regions_apart():
 
 
 def test_split_pool_does_not_evict_adapters_for_kv():
-    pool = UnifiedPool(LAYOUT, torch.float32, adapter_region_pages=32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32), 32)
     residency = AdapterResidency(pool)
     residency.load(adapter("idle", rank=4))
     pool.allocate(pool.allocator.free_pages_for(PageUse.KV), PageUse.KV)
@@ -156,7 +156,7 @@ def test_split_pool_does_not_evict_adapters_for_kv():
 def test_a_reloaded_adapter_gets_a_new_placement_even_on_the_same_pages():
     # The step builder reuses a step's LoRA segments while every (adapter, placement) is unchanged;
     # a reload must look different even when the allocator hands back the very same pages.
-    pool = UnifiedPool(LAYOUT, torch.float32)
+    pool = UnifiedPool(PoolView.zeros(LAYOUT, torch.float32))
     residency = AdapterResidency(pool)
     first = residency.load(adapter("a", rank=4))
     assert residency.load(adapter("a", rank=4)) is first  # resident: the same placement

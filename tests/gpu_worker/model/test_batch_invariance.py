@@ -17,7 +17,7 @@ from services.gpu_worker.attention.chunked_attention import (
     attend_locally,
     combine_in_block_order,
 )
-from services.gpu_worker.attention.pool_view import PoolLayout
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -132,7 +132,7 @@ def attend(pool, contexts_and_rows: list[tuple[Context, list[int]]], dtype) -> l
 
 def make_pool(dtype) -> UnifiedPool:
     layout = PoolLayout(num_pages=64, kv_block_tokens=BLOCK, kv_dim=KV_HEADS * HEAD_DIM, num_layers=1)
-    return UnifiedPool(layout, dtype)
+    return UnifiedPool(PoolView.zeros(layout, dtype))
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
