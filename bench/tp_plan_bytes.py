@@ -48,8 +48,8 @@ def measure(tp: int, batch: int, prompt_tokens: int, decode_steps: int) -> dict:
         for i in range(batch):
             prompt = tuple(ids[i : i + prompt_tokens])
             engine.submit(GenerationRequest(f"request-{i}", prompt, sampling, None), lambda event: None)
-        while engine.waiting or any(r.num_computed < len(r.prompt_ids) for r in engine.running):
-            engine.step()  # the prefills
+        while len(engine.running) < batch or not all(r.output_ids for r in engine.running):
+            engine.step()  # the prefills, until every request runs and has its first token
         sent, plans = [], []
         for _ in range(decode_steps):
             before = executor.channel.bytes_sent
@@ -67,6 +67,8 @@ def measure(tp: int, batch: int, prompt_tokens: int, decode_steps: int) -> dict:
         "whole_plan_bytes_per_step": statistics.median(plans),
         "delta_bytes_per_step": statistics.median(sent),
         "reduction": round(sum(plans) / sum(sent), 1),
+        "whole_plan_bytes": plans,
+        "delta_bytes": sent,
     }
 
 
