@@ -14,14 +14,13 @@ from mesh_api.v1 import worker_pb2_grpc
 from mesh_api.v1.types_pb2 import WorkerLoad
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import AdapterSource, DirectorySource, StoreSource
-from services.gpu_worker.build import build_executor
+from services.gpu_worker.build import build_engine
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.distkv.transport.kv_manager_directory import KvManagerDirectory
 from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES, LaneServer
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.side_threads import confine_to_one_thread, side_thread_pool
-from services.gpu_worker.engine.structured_output import GrammarCompiler
 from services.gpu_worker.kernels import cpu_quant
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.pin_refresh import refresh_pins
@@ -31,7 +30,6 @@ from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
 from services.runtime.etcd.membership import MemberInfo, MembershipConfig, follow, watch_members
 from services.runtime.etcd.worker_load import worker_load_to_report
 from services.runtime.eviction import make_eviction_policy
-from services.runtime.sampling.stop_window import StopStringTail
 
 log = logging.getLogger("loramesh.worker")
 
@@ -125,29 +123,16 @@ class WorkerService:
         quantization = resolve_quantization(cfg.quantization, device.type, cfg.tp)
         loaded = await asyncio.to_thread(load_model, cfg.model or None, quantization=quantization)
         lane = self.lane = lane_mode(cfg.lending_lane, tls=cfg.tls().enabled, device=device)
-        engine_config = cfg.engine_config(shared_pool=lane == "shared-memory" and cfg.tp == 1)
-        executor = await asyncio.to_thread(
-            build_executor, loaded, engine_config,
-            tp=cfg.tp, dtype=dtype, device=device, model_path=cfg.model, threads=cfg.threads,
-        )  # fmt: skip
 
         def connect(creditor: str, address: str) -> GrpcCreditorTransport:
             return GrpcCreditorTransport(
                 creditor, address, engine.pool.layout, engine.distkv, tls=cfg.tls(), lane=lane, dtype=dtype
             )
 
-        engine = Engine(
-            executor,
-            engine_config,
-            eos_token_ids=loaded.config.eos_token_ids,
-            # The engine only looks for stop strings in this text: a bounded tail, not the whole output.
-            detokenize=StopStringTail(loaded.tokenizer.id_to_bytes),
-            creditors=self.directory,
-            connect=connect,
-            grammars=GrammarCompiler(
-                loaded.tokenizer.backend.to_str(), loaded.config.vocab_size, loaded.config.eos_token_ids
-            ),
-        )
+        engine = await asyncio.to_thread(
+            build_engine, cfg, loaded, device=device, dtype=dtype,
+            shared_pool=lane == "shared-memory" and cfg.tp == 1, creditors=self.directory, connect=connect,
+        )  # fmt: skip
         engine.start()
         self.engine = engine
         if cfg.etcd_endpoints:

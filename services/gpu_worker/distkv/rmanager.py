@@ -166,7 +166,7 @@ class RManager:
         for row, position in enumerate(positions.tolist()):
             block = self._block_at(table, position)
             blocks.append(block)
-            by_holder.setdefault(self._holder(block), []).append(row)
+            by_holder.setdefault(_holder(block), []).append(row)
         slots = positions % self.block_tokens
         grouped = {}
         for holder, rows in by_holder.items():
@@ -192,9 +192,9 @@ class RManager:
                     break
                 block = self._block_at(table, first)
                 if self.batch_invariant:
-                    groups.append((self._holder(block), [block], [first]))
+                    groups.append((_holder(block), [block], [first]))
                     continue
-                held, firsts = per_holder.setdefault(self._holder(block), ([], []))
+                held, firsts = per_holder.setdefault(_holder(block), ([], []))
                 held.append(block)
                 firsts.append(first)
             groups += [(holder, held, firsts) for holder, (held, firsts) in per_holder.items()]
@@ -295,7 +295,7 @@ class RManager:
         by_holder: dict[str | None, list[BlockRef]] = {}
         for block in table.take_all():
             if not isinstance(block, LostBlock):
-                by_holder.setdefault(self._holder(block), []).append(block)
+                by_holder.setdefault(_holder(block), []).append(block)
         unreachable = []
         for holder, held in by_holder.items():
             try:
@@ -308,7 +308,7 @@ class RManager:
         """Free ``blocks`` where they live, one call per holder."""
         by_holder: dict[str | None, list[BlockRef]] = {}
         for block in blocks:
-            by_holder.setdefault(self._holder(block), []).append(block)
+            by_holder.setdefault(_holder(block), []).append(block)
         for holder, held in by_holder.items():
             self._allocator(holder).free(held)
 
@@ -317,14 +317,14 @@ class RManager:
         creditor), their KV copied bit for bit and the old blocks freed: DGFM's recall and swap
         (§4.5). All or none: if ``to`` refuses or a copy fails, the table is as it was. Returns
         how many blocks moved (those already at ``to`` stay)."""
-        moving = [i for i in dict.fromkeys(indices) if self._holder(self._live(table, i)) != to]
+        moving = [i for i in dict.fromkeys(indices) if _holder(_live(table, i)) != to]
         if not moving:
             return 0
         destination = self._allocator(to)
         fresh = dict(zip(moving, destination.allocate(len(moving))))
         by_holder: dict[str | None, list[int]] = {}
         for index in moving:
-            by_holder.setdefault(self._holder(self._live(table, index)), []).append(index)
+            by_holder.setdefault(_holder(_live(table, index)), []).append(index)
         try:
             for holder, held in by_holder.items():
                 keys, values = self._allocator(holder).read([table[i] for i in held])
@@ -342,7 +342,7 @@ class RManager:
 
     def read(self, blocks: Sequence[BlockRef]) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of ``blocks``, all on one holder, in every layer (DGFM's staged recall)."""
-        holders = {self._holder(block) for block in blocks}
+        holders = {_holder(block) for block in blocks}
         if len(holders) != 1:
             raise InvalidArgument(f"read takes the blocks of one holder, got {len(holders)} holders")
         return self._allocator(holders.pop()).read(list(blocks))
@@ -377,22 +377,7 @@ class RManager:
         index = position // self.block_tokens
         if not 0 <= index < len(table):
             raise InvalidArgument(f"position {position} is outside the request's {table.capacity} tokens")
-        return self._live(table, index)
-
-    @staticmethod
-    def _live(table: BlockTable, index: int) -> BlockRef:
-        """Block ``index`` of ``table``, which must not be lost."""
-        block = table[index]
-        if isinstance(block, LostBlock):
-            raise FailedPrecondition(
-                f"block {index} was lost with creditor {block.creditor}; recompute it before using it"
-            )
-        return block
-
-    @staticmethod
-    def _holder(block: BlockRef) -> str | None:
-        """None for a local block, else its creditor."""
-        return None if isinstance(block, LocalBlock) else block.creditor
+        return _live(table, index)
 
     def _allocator(self, holder: str | None) -> KvBlockAllocator:
         return self.local if holder is None else self._creditor(holder)
@@ -402,6 +387,19 @@ class RManager:
         if allocator is None:
             raise NotFound(f"worker {self.worker_id} is not connected to creditor {creditor}")
         return allocator
+
+
+def _live(table: BlockTable, index: int) -> BlockRef:
+    """Block ``index`` of ``table``, which must not be lost."""
+    block = table[index]
+    if isinstance(block, LostBlock):
+        raise FailedPrecondition(f"block {index} was lost with creditor {block.creditor}; recompute it before using it")
+    return block
+
+
+def _holder(block: BlockRef) -> str | None:
+    """None for a local block, else its creditor."""
+    return None if isinstance(block, LocalBlock) else block.creditor
 
 
 def _joined(rows: list[KvRows] | None) -> KvRows | None:

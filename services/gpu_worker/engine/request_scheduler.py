@@ -15,18 +15,15 @@ import torch
 
 from services.gpu_worker.distkv import BlockTable, RemoteBlock
 from services.gpu_worker.engine.adapter_pager import AdapterPager
+from services.gpu_worker.engine.adapter_room import AdapterRoom
 from services.gpu_worker.engine.admission import Start, admit
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.kv_reservation import KvReservation
-from services.gpu_worker.engine.policies.batch_policy import (
-    Abort,
-    BatchView,
-    QueuedRequest,
-    RunningRequest,
-)
+from services.gpu_worker.engine.policies.batch_policy import Abort, BatchView
 from services.gpu_worker.engine.policies.preemption import PreemptionPolicy
 from services.gpu_worker.engine.request import EngineRequest, FinishReason, RequestState, RequestSummary
 from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvents
+from services.gpu_worker.engine.request_views import queued_view, running_view, tokens_left
 from services.gpu_worker.engine.sampling import token_logprobs
 from services.gpu_worker.engine.waiting_queue import WaitingQueue
 from services.gpu_worker.lora.host_adapter import HostAdapter
@@ -59,7 +56,7 @@ class RequestScheduler:
         self.preemption = preemption
         self.host_adapters = host_adapters
         self.on_end = on_end
-        self.waiting = WaitingQueue(self._queued_view)
+        self.waiting = WaitingQueue(lambda r: queued_view(r, events.max_positions))
         self.running: list[EngineRequest] = []
         self.preemptions = 0
         self.aborted = 0
@@ -67,19 +64,8 @@ class RequestScheduler:
         """This admission round waits for adapters' copies (nothing was running)."""
         self._copying = 0
         """Requests this admission round passed over while their adapter's rows are copied in."""
-        self._room_waiter: EngineRequest | None = None
-        """This admission round's first request whose adapter found no room in the pool."""
-        self._room_refused = False
-        """A request found no room for its adapter this admission round."""
-        self.draining: str | None = None
-        """The held adapter taking no new requests while a request waits for adapter room: the
-        one whose running requests end soonest, so that its pages free for the waiting one."""
-        self._drain_for: str | None = None
-        """The request the draining adapter drains for."""
-        self._drained = False
-        """The draining adapter drained and that request still finds no room for its adapter (in
-        a unified pool the requests started meanwhile may have taken the pages): admission stops
-        at it, as at a request whose KV does not fit, until its adapter is paged in."""
+        self.room = AdapterRoom(adapters, lambda r: tokens_left(r, events.max_positions))
+        """Room for a waiting request's adapter when every resident one is held (the slot cliff)."""
 
     # -- the batch policy's view ---------------------------------------------------------------
 
@@ -88,39 +74,12 @@ class RequestScheduler:
             now_s=time.monotonic(),
             waiting=self.waiting.view(),
             waiting_ids=self.waiting.ids(),
-            running=tuple(self._running_view(r) for r in self.running),
+            running=tuple(running_view(r, self.events.max_positions) for r in self.running),
             max_running=self.config.max_running,
             mode=self.adapters.mode,
             max_prefill_tokens=self.config.max_prefill_tokens,
             kv_room_tokens=self.kv.room_blocks() * self.config.kv_block_tokens,
         )
-
-    def _queued_view(self, r: EngineRequest) -> QueuedRequest:
-        return QueuedRequest(
-            r.request_id,
-            r.spec.adapter_id,
-            r.timings.arrived,
-            r.total_len,
-            started=r.timings.first_token is not None,
-            predicted_output_tokens=r.spec.predicted_output_tokens,
-            max_new_tokens=self._tokens_left(r),
-            first_token_deadline_s=r.spec.first_token_deadline_s,
-        )
-
-    def _running_view(self, request: EngineRequest) -> RunningRequest:
-        return RunningRequest(
-            request.request_id,
-            request.spec.adapter_id,
-            request.timings.arrived,
-            remaining_tokens=self._tokens_left(request),
-            context_tokens=request.total_len,
-        )
-
-    def _tokens_left(self, request: EngineRequest) -> int:
-        """Tokens ``request`` may still generate (``max_tokens`` or the context ends it first)."""
-        by_max_tokens = request.spec.sampling.max_tokens - len(request.output_ids)
-        by_context = self.events.max_positions - request.total_len
-        return max(1, min(by_max_tokens, by_context))
 
     # -- running -------------------------------------------------------------------------------
 
@@ -141,7 +100,7 @@ class RequestScheduler:
                         break
 
     def _victim(self) -> EngineRequest:
-        chosen = self.preemption.victim([self._running_view(r) for r in self.running])
+        chosen = self.preemption.victim([running_view(r, self.events.max_positions) for r in self.running])
         return next(r for r in self.running if r.request_id == chosen.request_id)
 
     def preempt(self, request: EngineRequest) -> None:
@@ -187,16 +146,7 @@ class RequestScheduler:
     def admit(self, order: tuple[str, ...]) -> None:
         """Admit waiting requests in the policy's ``order`` (ids of running requests are skipped)
         until one does not fit (its KV, the prefill budget, ``max_running``): a later one never
-        overtakes it.
-
-        Except when a request's adapter finds no room in the pool (every resident adapter is
-        held by running requests): it keeps its place and admission goes on behind it, but only
-        for requests that need no page-in (their adapter is resident, or none): no other adapter
-        is paged in ahead of it. Meanwhile one held adapter drains: the one whose running requests
-        end soonest takes no new requests from behind the waiting one, so its pages free for it.
-        Should its adapter still find no room once that one drained (a unified pool's pages went to
-        the KV of requests started meanwhile), or should no held adapter be able to drain, the
-        waiting request stops admission like one whose KV does not fit, until it starts.
+        overtakes it, except behind a request whose adapter finds no room (``adapter_room.py``).
 
         A request whose adapter's rows are still being copied in is passed over, its copy under
         way, and keeps its place among the batch's slots (it counts as running for
@@ -205,11 +155,7 @@ class RequestScheduler:
         waiting = self.waiting
         self._block_on_copies = not self.running
         self._copying = 0
-        self._room_waiter, self._room_refused = None, False
-        if self.draining is not None and not any(
-            r.holds_adapter and r.spec.adapter_id == self.draining for r in self.running
-        ):
-            self.draining, self._drained = None, True  # its pages are idle, for the waiting one
+        self.room.begin_round(self.running)
         admit(  # lazily: admission stops at the first request that does not fit
             (r for r in map(waiting.get, order) if r is not None),
             running=lambda: len(self.running) + self._copying,
@@ -219,8 +165,7 @@ class RequestScheduler:
             skip=self._passed_over,
             start=self._start,
         )
-        if not self._room_refused:  # nobody waits for adapter room (any more)
-            self.draining, self._drain_for, self._drained = None, None, False
+        self.room.end_round()
 
     def _passed_over(self, request: EngineRequest) -> bool:
         adapter_id = request.spec.adapter_id
@@ -232,36 +177,8 @@ class RequestScheduler:
             return True
         return not self.adapters.runs_in_mode(request)
 
-    def _behind_room_waiter(self, request: EngineRequest) -> bool:
-        """Whether ``request`` waits behind this round's request that found no adapter room:
-        it would page in another adapter ahead of it, or its adapter is draining."""
-        if self._room_waiter is None:
-            return False
-        adapter_id = request.spec.adapter_id
-        if adapter_id is None:
-            return False
-        return adapter_id == self.draining or adapter_id not in self.adapters.residency
-
-    def _choose_draining(self) -> str | None:
-        """The held adapter whose running requests end soonest (fewest tokens left to its
-        longest one), the merged one and pinned ones aside (a pinned adapter is never evicted, so
-        draining it would hold its requests back for no room); None when no running request
-        holds one."""
-        ends: dict[str, int] = {}
-        residency = self.adapters.residency
-        for r in self.running:
-            adapter_id = r.spec.adapter_id
-            if (
-                r.holds_adapter
-                and adapter_id is not None
-                and adapter_id != self.adapters.merged
-                and not residency.is_pinned(adapter_id)
-            ):
-                ends[adapter_id] = max(ends.get(adapter_id, 0), self._tokens_left(r))
-        return min(ends, key=lambda a: (ends[a], a)) if ends else None
-
     def _start(self, request: EngineRequest) -> Start:
-        if self._behind_room_waiter(request):
+        if self.room.holds_back(request):
             return Start.NO_ADAPTER_ROOM
         outcome = self._try_start(request)
         if outcome is Start.SKIPPED:
@@ -271,14 +188,8 @@ class RequestScheduler:
                 self.waiting.remove(request)
                 self._finish_unservable(request)
                 return Start.SKIPPED
-            self._room_refused = True
-            if self._drain_for != request.request_id:  # another request waits now
-                self._drain_for, self._drained = request.request_id, False
-            if self.draining is None and not self._drained:
-                self.draining = self._choose_draining()
-            if self.draining is None:
+            if not self.room.refused(request, self.running):
                 return Start.BLOCKED  # nothing drains for it (any more): it stops admission
-            self._room_waiter = request
         elif outcome is Start.BLOCKED and self.kv.pool_can_never_hold(self.running):
             self.waiting.remove(request)
             self._finish_unservable(request)

@@ -95,7 +95,7 @@ def test_requests_of_resident_adapters_pass_one_that_waits_for_adapter_room(tiny
     # ahead of c.
     assert running_ids(engine) >= {"a-long", "a2", "a3", "base"}
     assert {"c1", "b2", "d1"}.isdisjoint(running_ids(engine))
-    assert engine.scheduler.draining == "b"
+    assert engine.scheduler.room.draining == "b"
     assert "d" not in engine.residency
 
     while "c1" not in firsts:
@@ -107,7 +107,7 @@ def test_requests_of_resident_adapters_pass_one_that_waits_for_adapter_room(tiny
     while engine.has_work():
         engine.step()
     assert set(firsts) == {"a-long", "b-short", "c1", "a2", "b2", "base", "d1", "a3"}
-    assert engine.scheduler.draining is None
+    assert engine.scheduler.room.draining is None
     engine.stop()
 
 
@@ -123,7 +123,7 @@ def test_a_pinned_adapter_is_never_the_one_drained(tiny_llama, adapters):
     engine.submit(request("c1", "c", max_tokens=4), lambda event: None)
     engine.submit(request("b2", "b", max_tokens=4), lambda event: None)
     engine.step()
-    assert engine.scheduler.draining == "a"
+    assert engine.scheduler.room.draining == "a"
     assert "b2" in running_ids(engine) and "c1" not in running_ids(engine)
     engine.stop()
 
@@ -148,7 +148,7 @@ def test_a_request_still_without_room_once_the_drain_is_over_stops_admission(tin
     engine.submit(request("w1", "wide", max_tokens=4), sink)
     engine.submit(request("a2", "a", max_tokens=4), sink)
     engine.step()
-    assert "a2" in running_ids(engine) and engine.scheduler.draining == "b"
+    assert "a2" in running_ids(engine) and engine.scheduler.room.draining == "b"
     while "b-short" in running_ids(engine):
         engine.step()
     engine.submit(request("a3", "a", max_tokens=4), sink)

@@ -62,7 +62,7 @@ def test_a_long_queue_is_described_once_per_request_over_many_steps(tiny_llama, 
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     engine = local_engine(model, EngineConfig(pool_mib=4, max_running=2))
     made = _Counting()
-    describe = engine.scheduler._queued_view
+    describe = engine.scheduler.waiting._describe
     monkeypatch.setattr(engine.scheduler.waiting, "_describe", lambda r: (made(r), describe(r))[1])
     sampling = SamplingParams(max_tokens=50, ignore_eos=True)
     for i in range(1000):
