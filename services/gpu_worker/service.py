@@ -30,6 +30,7 @@ from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
 from services.runtime.etcd.membership import MemberInfo, MembershipConfig, follow, watch_members
 from services.runtime.etcd.worker_load import worker_load_to_report
 from services.runtime.eviction import make_eviction_policy
+from services.runtime.field_copy import message_of
 
 log = logging.getLogger("loramesh.worker")
 
@@ -209,36 +210,18 @@ class WorkerService:
         """The heartbeat: a ``WorkerLoad`` as JSON (DESIGN §4 keys plus the KV block ledger's)."""
         if self.engine is None:
             return {"ready": False}
-        stats = self.engine.stats()
-        distkv = self.engine.distkv.totals()
-        report = worker_load_to_report(
-            WorkerLoad(
-                queue=stats.queue,
-                running=stats.running,
-                free_pages=stats.free_pages,
-                total_pages=stats.total_pages,
-                kv_pages=stats.kv_pages,
-                adapter_pages=stats.adapter_pages,
-                resident_adapters=list(stats.resident_adapters),
-                tokens_per_s=stats.tokens_per_s,
-                preemptions=stats.preemptions,
-                fragmentation=stats.fragmentation,
-                free_blocks=stats.free_blocks,
-                total_blocks=stats.total_blocks,
-                lent_blocks=self.engine.lending.lent_to(),
-                borrowed_blocks=stats.borrowed_blocks,
-                lend_cap_blocks=self.engine.lending.max_lent_blocks,
-                topology=self.config.topology,
-                remote_attention_s=distkv.remote_attention_s,
-                remote_attention_calls=distkv.remote_attention_calls,
-                remote_bytes_sent=distkv.remote_bytes_sent,
-                remote_bytes_received=distkv.remote_bytes_received,
-                lent_attention_s=distkv.lent_attention_s,
-                decode_steps=stats.decode_steps,
-                dgfm_recalls=self.engine.recalls.recalls,
-                dgfm_blocks_recalled=self.engine.recalls.blocks_recalled,
-            )
+        engine, stats = self.engine, self.engine.stats()
+        load = message_of(
+            WorkerLoad,
+            stats,
+            lent_blocks=engine.lending.lent_to(),
+            lend_cap_blocks=engine.lending.max_lent_blocks,
+            topology=self.config.topology,
+            dgfm_recalls=engine.recalls.recalls,
+            dgfm_blocks_recalled=engine.recalls.blocks_recalled,
         )
+        load.MergeFrom(message_of(WorkerLoad, engine.distkv.totals()))  # the DistKV traffic's fields
+        report = worker_load_to_report(load)
         # Beside WorkerLoad's fields (readers ignore unknown keys; `loramesh status` prints them):
         # a tensor-parallel group's degree, what the engine could not do and fell back from, and
         # its KV overflow policy and lending lane.

@@ -24,6 +24,7 @@ from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import TokenLogprobs
 from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from services.runtime.field_copy import message_of
 from services.runtime.sampling.request_validation import check_first_token_deadline, check_request
 from services.runtime.sampling.sampling_proto import sampling_from_proto
 from services.runtime.security.acting_instance import acting_instance
@@ -201,17 +202,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.HandOffResponse(generated_tokens=generated)
 
     async def Stats(self, request, context):
-        stats = self.engine.stats()
-        return worker_pb2.WorkerStatsResponse(
-            queue=stats.queue,
-            running=stats.running,
-            free_pages=stats.free_pages,
-            total_pages=stats.total_pages,
-            kv_pages=stats.kv_pages,
-            adapter_pages=stats.adapter_pages,
-            resident_adapters=stats.resident_adapters,
-            tokens_per_s=stats.tokens_per_s,
-            preemptions=stats.preemptions,
+        return message_of(
+            worker_pb2.WorkerStatsResponse,
+            self.engine.stats(),
             model=self.describe["model"],
             dtype=self.describe["dtype"],
             dgfm_recalls=self.engine.recalls.recalls,

@@ -89,10 +89,10 @@ def attend_locally(
     flat = q.reshape(tokens, heads * head_dim)
     out = torch.empty_like(flat)
     for group in groups:
-        cpu_invariant.attention(
+        cpu_invariant.prepare_attention(
             flat, out, pool.buffer, num_kv_heads, head_dim, pool.layout.kv_block_tokens,
             group.rows, positions, group.tables[layer], group.table_of_row,
-        )  # fmt: skip
+        ).run()  # fmt: skip
     return out
 
 

@@ -348,27 +348,6 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def attention(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    pool: torch.Tensor,
-    num_kv_heads: int,
-    head_dim: int,
-    block_tokens: int,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    tables: torch.Tensor,
-    table_of_row: torch.Tensor,
-) -> None:
-    """Causal attention of the queries in ``rows`` of ``q`` [T, heads * head_dim] into the same
-    rows of ``out``: query ``rows[i]`` at ``positions[rows[i]]`` attends over the KV blocks
-    ``tables[table_of_row[i], 0 ..= position // block_tokens]`` (key block ids of the pool viewed
-    as blocks of ``block_tokens`` rows; the value block is the next one)."""
-    prepare_attention(
-        q, out, pool, num_kv_heads, head_dim, block_tokens, rows, positions, tables, table_of_row
-    ).run()
-
-
 def prepare_attention(
     q: torch.Tensor,
     out: torch.Tensor,
@@ -381,8 +360,12 @@ def prepare_attention(
     tables: torch.Tensor,
     table_of_row: torch.Tensor,
 ) -> PreparedCall:
-    """:func:`attention` checked and prepared (fields ``q``, ``out``, ``tables``: another
-    layer's tables of the same shape)."""
+    """Causal attention of the queries in ``rows`` of ``q`` [T, heads * head_dim] into the same
+    rows of ``out``, checked and prepared (``.run()`` computes it): query ``rows[i]`` at
+    ``positions[rows[i]]`` attends over the KV blocks ``tables[table_of_row[i], 0 ..= position //
+    block_tokens]`` (key block ids of the pool viewed as blocks of ``block_tokens`` rows; the value
+    block is the next one). Fields ``q``, ``out``, ``tables`` take another layer's tables of the
+    same shape."""
     width = q.shape[1]
     if width % head_dim or out.shape[1] != width:
         raise ValueError(f"cpu_invariant: q and out must be [T, heads * {head_dim}]")
@@ -432,7 +415,7 @@ def block_partials(
 def combine_partials(outputs: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The partial of each query over all its blocks from their partials ``outputs``
     [n, B, heads, head_dim] and ``lse`` [n, B, heads] (float32, block ``b`` = logical block ``b``
-    of the context), combined along the same tree as :func:`attention`: float32 outputs
+    of the context), combined along the same tree as :func:`prepare_attention`: float32 outputs
     [n, heads, head_dim] and log-sum-exps [n, heads]."""
     n, blocks, heads, head_dim = outputs.shape
     if outputs.dtype != torch.float32 or lse.dtype != torch.float32 or lse.shape != (n, blocks, heads):

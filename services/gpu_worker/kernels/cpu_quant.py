@@ -145,20 +145,6 @@ def _blocks(blocks: torch.Tensor, rows: int) -> int:
     return blocks.data_ptr()
 
 
-def linear(
-    x: torch.Tensor,
-    blocks: torch.Tensor,
-    format: str,
-    out_features: int,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    isa: str = "native",
-) -> None:
-    """``out = x @ dequant(W)^T (+ bias)``: ``x`` [M, K] float, ``blocks`` the [N, K/32 * block
-    bytes] uint8 rows of W in ``format``, ``out`` [M, N]; math in fp32."""
-    prepare_linear(x, blocks, format, out_features, bias, out, isa).run()
-
-
 def prepare_linear(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -168,8 +154,10 @@ def prepare_linear(
     out: torch.Tensor,
     isa: str = "native",
 ) -> PreparedCall:
-    """:func:`linear` checked and prepared (fields ``x``, ``w``, ``bias``, ``y``: another
-    weight of the same shape and format, other tensors like these)."""
+    """``out = x @ dequant(W)^T (+ bias)``, checked and prepared (``.run()`` computes it): ``x``
+    [M, K] float, ``blocks`` the [N, K/32 * block bytes] uint8 rows of W in ``format``, ``out``
+    [M, N]; math in fp32. Fields ``x``, ``w``, ``bias``, ``y`` take another weight of the same
+    shape and format, other tensors like these."""
     k = x.shape[1]
     if out.shape[0] != x.shape[0]:
         raise ValueError(f"cpu_quant: x has {x.shape[0]} rows, out {out.shape[0]}")

@@ -11,6 +11,7 @@ does one ``torch.cat`` per offset kind and no Python work per rank.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,13 +71,7 @@ class AdapterRows:
         cached = self._runs.get(key)
         if cached is None:
             offsets = (self.a_offsets if factor == "a" else self.b_offsets).tolist()
-            runs: list[list[int]] = []
-            for offset in offsets:
-                if runs and runs[-1][0] + runs[-1][1] * width == offset:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([offset, 1])
-            cached = self._runs[key] = tuple((o, n) for o, n in runs)
+            cached = self._runs[key] = runs_of(offsets, width)
         return cached
 
 
@@ -287,3 +282,14 @@ def _group(
         for key, s in first_segment.items()
     )
     return groups, tuple(first_segment.values())
+
+
+def runs_of(offsets: Sequence[int], width: int) -> tuple[tuple[int, int], ...]:
+    """``(first offset, rows)`` of each run of ``width``-element rows placed back to back."""
+    runs: list[list[int]] = []
+    for offset in offsets:
+        if runs and runs[-1][0] + runs[-1][1] * width == offset:
+            runs[-1][1] += 1
+        else:
+            runs.append([offset, 1])
+    return tuple((o, n) for o, n in runs)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.kernels.lora_segments import AdapterRows
+from services.gpu_worker.kernels.lora_segments import AdapterRows, runs_of
 from services.gpu_worker.lora.host_adapter import HostAdapter, ModuleKey
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.prefix_cache import PrefixCache
@@ -252,19 +252,8 @@ def write_rows(buffer: torch.Tensor, adapter: HostAdapter, resident: ResidentAda
         return
     for key, factors in adapter.modules.items():
         placed = resident.modules[key]
-        _copy_rows(buffer, factors.a, placed.a_runs or _runs_of(placed.a_offsets, factors.a.shape[1]))
-        _copy_rows(buffer, factors.b_t, placed.b_runs or _runs_of(placed.b_offsets, factors.b_t.shape[1]))
-
-
-def _runs_of(offsets: tuple[int, ...], width: int) -> list[tuple[int, int]]:
-    """``(first offset, rows)`` of each run of rows placed back to back."""
-    runs: list[list[int]] = []
-    for offset in offsets:
-        if runs and runs[-1][0] + runs[-1][1] * width == offset:
-            runs[-1][1] += 1
-        else:
-            runs.append([offset, 1])
-    return [(o, n) for o, n in runs]
+        _copy_rows(buffer, factors.a, placed.a_runs or runs_of(placed.a_offsets, factors.a.shape[1]))
+        _copy_rows(buffer, factors.b_t, placed.b_runs or runs_of(placed.b_offsets, factors.b_t.shape[1]))
 
 
 def _copy_rows(buffer: torch.Tensor, matrix: torch.Tensor, runs) -> None:

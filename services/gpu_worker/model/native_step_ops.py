@@ -38,14 +38,7 @@ if TYPE_CHECKING:
 class NativeStepOps(TorchStepOps):
     """:class:`TorchStepOps`' interface (``native`` on), each op one prepared native call."""
 
-    def __init__(
-        self,
-        model: LlamaModel,
-        batch: StepBatch,
-        pool: PoolView,
-        linear: Linear,
-        queries: list[LocalQueries],
-    ):
+    def __init__(self, model: LlamaModel, batch: StepBatch, pool: PoolView, linear: Linear, queries: list[LocalQueries]):
         super().__init__(model, batch, pool, linear, True, queries)
         tokens, dtype = batch.token_ids.numel(), model.compute_dtype
         self._tokens = tokens

@@ -89,7 +89,7 @@ class QuantizedWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """``x @ W^T (+ bias)`` for ``x`` [T, in], in ``out_dtype`` (math in fp32)."""
         out = torch.empty(x.shape[0], self.blocks.shape[0], dtype=out_dtype)
-        cpu_quant.linear(x, self.blocks, self.format, self.blocks.shape[0], bias, out)
+        cpu_quant.prepare_linear(x, self.blocks, self.format, self.blocks.shape[0], bias, out).run()
         return out
 
     def rows(self, indices: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def test_linear_matches_the_dequantized_matmul(isa, fmt, x_dtype):
     for rows in (1, 3, 5, 17, 130):  # register tiles and their edges; the widening path from 8 rows
         x = torch.randn(rows, 96).to(x_dtype)
         out = torch.empty(rows, 70)
-        cpu_quant.linear(x, weight.blocks, fmt, 70, bias, out, isa=isa)
+        cpu_quant.prepare_linear(x, weight.blocks, fmt, 70, bias, out, isa=isa).run()
         expected = x.double() @ dense.T + bias.double()
         assert (out.double() - expected).abs().max().item() < 1e-4, (fmt, rows)
 
@@ -86,7 +86,7 @@ def test_one_hot_rows_read_back_the_weights_bit_for_bit(isa, fmt, x_dtype):
     for columns in ([37], [0, 95, 64, 31, 32], list(range(96))):  # one row, a register tile, widened rows
         x = torch.eye(96)[columns].to(x_dtype)
         out = torch.empty(len(columns), 70)
-        cpu_quant.linear(x, weight.blocks, fmt, 70, None, out, isa=isa)
+        cpu_quant.prepare_linear(x, weight.blocks, fmt, 70, None, out, isa=isa).run()
         assert torch.equal(out, dense[:, columns].T), (fmt, len(columns))
 
 
@@ -97,10 +97,10 @@ def test_a_row_is_the_same_bits_in_any_batch(isa, fmt, x_dtype):
     weight = _weight(fmt, rows=100, cols=128)
     x = torch.randn(40, 128).to(x_dtype)
     alone = torch.empty(1, 100)
-    cpu_quant.linear(x[7:8], weight.blocks, fmt, 100, None, alone, isa=isa)
+    cpu_quant.prepare_linear(x[7:8], weight.blocks, fmt, 100, None, alone, isa=isa).run()
     for rows in (8, 16, 40):  # in a register tile, and among rows that take the widening path
         batch = torch.empty(rows, 100)
-        cpu_quant.linear(x[:rows], weight.blocks, fmt, 100, None, batch, isa=isa)
+        cpu_quant.prepare_linear(x[:rows], weight.blocks, fmt, 100, None, batch, isa=isa).run()
         assert torch.equal(batch[7], alone[0]), rows
 
 
@@ -111,6 +111,6 @@ def test_bad_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="unknown block format"):
         QuantizedWeight(weight.blocks, "q3_k", 96)
     with pytest.raises(ValueError, match="rows"):
-        cpu_quant.linear(torch.randn(2, 96), weight.blocks, "q4_1", 71, None, torch.empty(2, 71))
+        cpu_quant.prepare_linear(torch.randn(2, 96), weight.blocks, "q4_1", 71, None, torch.empty(2, 71)).run()
     with pytest.raises(IndexError):
         weight.rows(torch.tensor([70]))
