@@ -11,7 +11,7 @@ from __future__ import annotations
 from services.adapter_store.import_policy import ImportPolicy
 from services.adapter_store.importers.by_scheme import open_source
 from services.adapter_store.importers.source import CONFIG_FILE, WEIGHTS_FILE, fetch_adapter_files
-from services.adapter_store.registrar import AdapterRegistration, check_name
+from services.adapter_store.registrar import AdapterRegistration, AdapterUpload, check_name
 from services.adapter_store.repository import AdapterRepository
 
 
@@ -32,5 +32,7 @@ class AdapterImports:
             n: bytes(data) for n, data in files.items() if n not in (CONFIG_FILE, WEIGHTS_FILE)
         }
         return self.repository.registrar.register_version(
-            name, owner, visibility, bytes(files[CONFIG_FILE]), files[WEIGHTS_FILE], tokenizer_files
+            AdapterUpload(
+                name, owner, visibility, bytes(files[CONFIG_FILE]), files[WEIGHTS_FILE], tokenizer_files
+            )
         )

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from services.adapter_store.blob_store import BlobStore, sha256_hex
@@ -42,6 +42,25 @@ class AdapterRegistration:
     changed: bool
     """False: the name already held this very content (weights, config, templates, visibility),
     which was kept as it was, same id and version."""
+
+
+@dataclass(frozen=True)
+class AdapterUpload:
+    """An adapter's files and the name it is registered under: what a registration takes."""
+
+    name: str
+    """The adapter's name, unique within its owner's."""
+    owner: str
+    """The tenant it belongs to."""
+    visibility: int
+    """``PRIVATE`` or ``PUBLIC``; any other value registers it private."""
+    config_bytes: bytes
+    """``adapter_config.json``."""
+    weights: bytes
+    """``adapter_model.safetensors``."""
+    tokenizer_files: Mapping[str, bytes] = field(default_factory=lambda: MappingProxyType({}))
+    """The uploaded tokenizer files by name, whose chat template the adapter is served with
+    (:mod:`services.adapter_store.chat_templates`)."""
 
 
 def check_name(field: str, value: str) -> None:
@@ -84,52 +103,30 @@ class AdapterRegistrar:
     def close(self) -> None:
         self._blob_writes.close()
 
-    def register(
-        self,
-        name: str,
-        owner: str,
-        visibility: int,
-        config_bytes: bytes,
-        weights: bytes,
-        tokenizer_files: Mapping[str, bytes] = MappingProxyType({}),
-    ) -> AdapterRecord:
-        """Validate, store durably and commit one adapter. Nothing is kept if any step fails.
-
-        ``tokenizer_files``: the uploaded tokenizer files by name, whose chat template the
-        adapter is served with (:mod:`services.adapter_store.chat_templates`).
-        """
+    def register(self, upload: AdapterUpload) -> AdapterRecord:
+        """Validate, store durably and commit one adapter. Nothing is kept if any step fails."""
+        name, owner = upload.name, upload.owner
         check_name("name", name)
         check_name("owner", owner)
         if self.catalog.get_by_name(owner, name) is not None:
             raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}")
-        written = self._blob_writes.start(weights)
-        record = self._validated_record(
-            written, name, owner, visibility, config_bytes, weights, tokenizer_files
-        )
-        self._commit(record, weights, written)
+        written = self._blob_writes.start(upload.weights)
+        record = self._validated_record(written, upload)
+        self._commit(record, upload.weights, written)
         return record
 
-    def register_version(
-        self,
-        name: str,
-        owner: str,
-        visibility: int,
-        config_bytes: bytes,
-        weights: bytes,
-        tokenizer_files: Mapping[str, bytes] = MappingProxyType({}),
-    ) -> AdapterRegistration:
+    def register_version(self, upload: AdapterUpload) -> AdapterRegistration:
         """As :meth:`register`, but a name already registered is not refused: the same content
         is kept as it is, other content replaces it as the next version (a new id, so no cache
         keyed by id serves the old weights under it). What an import does."""
-        check_name("name", name)
-        check_name("owner", owner)
-        current = self.catalog.get_by_name(owner, name)
+        check_name("name", upload.name)
+        check_name("owner", upload.owner)
+        current = self.catalog.get_by_name(upload.owner, upload.name)
+        weights = upload.weights
         # A name already registered is most often imported again unchanged: its weights are
         # written only once they are known to differ.
         written = self._blob_writes.start(weights) if current is None else None
-        record = self._validated_record(
-            written, name, owner, visibility, config_bytes, weights, tokenizer_files
-        )
+        record = self._validated_record(written, upload)
         if current is not None and _content(current) == _content(record):
             return AdapterRegistration(current, changed=False)
         if current is not None:
@@ -137,23 +134,14 @@ class AdapterRegistrar:
         self._commit(record, weights, written or self._blob_writes.start(weights), replacing=current)
         return AdapterRegistration(record, changed=True)
 
-    def _validated_record(
-        self,
-        written: PendingBlob | None,
-        name: str,
-        owner: str,
-        visibility: int,
-        config_bytes: bytes,
-        weights: bytes,
-        tokenizer_files: Mapping[str, bytes],
-    ) -> AdapterRecord:
+    def _validated_record(self, written: PendingBlob | None, upload: AdapterUpload) -> AdapterRecord:
         """The record of a valid adapter. When anything fails, ``written`` (the write of its
         weights, if started) is discarded before the error goes on."""
-        if visibility not in (PRIVATE, PUBLIC):
-            visibility = PRIVATE
+        name, owner, weights, config_bytes = upload.name, upload.owner, upload.weights, upload.config_bytes
+        visibility = upload.visibility if upload.visibility in (PRIVATE, PUBLIC) else PRIVATE
         try:
             validated = validate_adapter(config_bytes, weights, self.spec, self.limits)
-            templates = read_chat_templates(tokenizer_files)
+            templates = read_chat_templates(upload.tokenizer_files)
             return AdapterRecord(
                 id=uuid.uuid4().hex,
                 name=name,

@@ -21,6 +21,7 @@ from services.adapter_store.blob_store import page_aligned_join
 from services.adapter_store.catalog import AdapterRecord
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.chat_templates import TOKENIZER_FILES
+from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.runtime.field_copy import message_of
@@ -148,12 +149,14 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         """On a worker thread: joining the files is a copy the event loop does not make."""
         header = upload.header
         return self.repository.registrar.register(
-            header.name,
-            header.owner,
-            int(header.visibility),
-            upload.file(CONFIG_FILE),
-            upload.weights(),
-            upload.tokenizer_files(),
+            AdapterUpload(
+                header.name,
+                header.owner,
+                int(header.visibility),
+                upload.file(CONFIG_FILE),
+                upload.weights(),
+                upload.tokenizer_files(),
+            )
         )
 
     async def ImportAdapter(self, request: pb.ImportAdapterRequest, context):

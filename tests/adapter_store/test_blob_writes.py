@@ -12,6 +12,7 @@ from services.adapter_store import registrar as registrar_module
 from services.adapter_store.blob_store import BlobStore
 from services.adapter_store.blob_writes import BlobWrites, PendingBlob
 from services.adapter_store.catalog import PRIVATE
+from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import InvalidArgument
@@ -62,7 +63,9 @@ def checks_that_wait_for_the_write(monkeypatch, repo, refuse: bool):
 
 def test_the_weights_are_written_while_the_adapter_is_checked(monkeypatch, repo, sample_files):
     seen = checks_that_wait_for_the_write(monkeypatch, repo, refuse=False)
-    record = repo.registrar.register("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
+    record = repo.registrar.register(
+        AdapterUpload("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
+    )
     assert seen["writes_begun_before_checks"] == 1
     temps, blobs = seen["during_checks"]
     assert len(temps) == 1 and blobs == [], "a temp file, not yet a blob"
@@ -73,7 +76,9 @@ def test_the_weights_are_written_while_the_adapter_is_checked(monkeypatch, repo,
 def test_a_refused_adapter_leaves_no_file(monkeypatch, repo, sample_files):
     seen = checks_that_wait_for_the_write(monkeypatch, repo, refuse=True)
     with pytest.raises(InvalidArgument, match="refused for the test"):
-        repo.registrar.register("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
+        repo.registrar.register(
+            AdapterUpload("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
+        )
     assert len(seen["during_checks"][0]) == 1, "refused after its weights were written"
     assert on_disk(repo) == ([], [])
     assert repo.catalog.get_by_name("alice", "a") is None
@@ -86,14 +91,16 @@ def test_a_failed_write_fails_the_registration_and_leaves_no_file(monkeypatch, r
 
     monkeypatch.setattr(BlobStore, "_write_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        repo.registrar.register("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
+        repo.registrar.register(
+            AdapterUpload("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
+        )
     assert on_disk(repo) == ([], [])
     assert repo.catalog.get_by_name("alice", "a") is None
 
 
 def test_an_unchanged_reimport_writes_nothing(monkeypatch, repo, sample_files):
     first = repo.registrar.register_version(
-        "a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS]
+        AdapterUpload("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
     )
     writes = []
     write_temp = BlobStore.write_temp
@@ -101,7 +108,7 @@ def test_an_unchanged_reimport_writes_nothing(monkeypatch, repo, sample_files):
         BlobStore, "write_temp", lambda self, data: writes.append(1) or write_temp(self, data)
     )
     again = repo.registrar.register_version(
-        "a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS]
+        AdapterUpload("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
     )
     assert (again.changed, again.record.id, writes) == (False, first.record.id, [])
     assert on_disk(repo) == ([], [first.record.id])

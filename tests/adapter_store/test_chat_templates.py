@@ -19,6 +19,7 @@ from services.adapter_store.chat_templates import (
     AdapterChatTemplates,
     read_chat_templates,
 )
+from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import InvalidArgument
@@ -167,11 +168,13 @@ def test_a_catalog_from_before_templates_gets_them_when_opened(tmp_path, base_sp
 
     repo = opened()
     old = repo.registrar.register(
-        "old",
-        "alice",
-        PRIVATE,
-        sample_files["adapter_config.json"],
-        sample_files["adapter_model.safetensors"],
+        AdapterUpload(
+            "old",
+            "alice",
+            PRIVATE,
+            sample_files["adapter_config.json"],
+            sample_files["adapter_model.safetensors"],
+        )
     )
     repo.close()
     db = sqlite3.connect(tmp_path / "store" / "catalog.sqlite3")
@@ -184,12 +187,14 @@ def test_a_catalog_from_before_templates_gets_them_when_opened(tmp_path, base_sp
     try:
         assert repo.resolve(AdapterKey(id=old.id)) == old
         new = repo.registrar.register(
-            "new",
-            "alice",
-            PRIVATE,
-            sample_files["adapter_config.json"],
-            sample_files["adapter_model.safetensors"],
-            {"chat_template.jinja": CHATML.encode()},
+            AdapterUpload(
+                "new",
+                "alice",
+                PRIVATE,
+                sample_files["adapter_config.json"],
+                sample_files["adapter_model.safetensors"],
+                {"chat_template.jinja": CHATML.encode()},
+            )
         )
         assert repo.resolve(AdapterKey(id=new.id)).chat_template == CHATML
     finally:

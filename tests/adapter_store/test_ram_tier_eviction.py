@@ -8,6 +8,7 @@ import pytest
 
 from services.adapter_store.catalog import PRIVATE, PUBLIC
 from services.adapter_store.ram_tier import RamTier
+from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import ResourceExhausted
@@ -62,7 +63,7 @@ def repo(tmp_path, base_spec, sample_files):
 
 
 def add(repo, files, name):
-    return repo.registrar.register(name, "alice", PRIVATE, files[CONFIG], files[WEIGHTS])
+    return repo.registrar.register(AdapterUpload(name, "alice", PRIVATE, files[CONFIG], files[WEIGHTS]))
 
 
 def test_a_pinned_adapter_stays_in_ram_and_a_pin_over_the_budget_is_refused(repo, sample_files):
@@ -91,7 +92,7 @@ def test_pins_survive_a_restart_and_a_new_version(repo, sample_files):
         assert reopened.pinned_ids() == [first.id]
         # A new version (here: the same files made public) is pinned in the old one's place.
         second = reopened.registrar.register_version(
-            "a0", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS]
+            AdapterUpload("a0", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
         )
         assert second.changed and second.record.pinned and reopened.pinned_ids() == [second.record.id]
         for i in range(1, 4):  # each read would evict the pinned one, were it not pinned

@@ -9,6 +9,7 @@ import pytest
 
 from services.adapter_store.catalog import PRIVATE
 from services.adapter_store.ram_tier import RamTier
+from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
@@ -32,7 +33,7 @@ def open_repo(tmp_path, base_spec):
 
 
 def add(repo, files, name):
-    return repo.registrar.register(name, "alice", PRIVATE, files[CONFIG], files[WEIGHTS])
+    return repo.registrar.register(AdapterUpload(name, "alice", PRIVATE, files[CONFIG], files[WEIGHTS]))
 
 
 def test_reopen_restores_every_adapter_byte_identical(open_repo, sample_files):

@@ -17,6 +17,7 @@ from services.adapter_store.blob_store import BlobStore
 from services.adapter_store.catalog import PRIVATE, PUBLIC
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.group_commit import GroupCommit
+from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import AlreadyExists, DataLoss, NotFound
@@ -40,7 +41,7 @@ def open_repo(tmp_path, base_spec):
 
 
 def add(repo, files, name, visibility=PRIVATE):
-    return repo.registrar.register(name, "alice", visibility, files[CONFIG], files[WEIGHTS])
+    return repo.registrar.register(AdapterUpload(name, "alice", visibility, files[CONFIG], files[WEIGHTS]))
 
 
 @pytest.fixture
@@ -110,7 +111,9 @@ def test_a_page_token_stays_valid_while_adapters_come_and_go(open_repo, sample_f
     assert [r.name for r in first] == ["n0", "n1", "n2"] and total == 7
     repo.delete(AdapterKey(owner="alice", name="n4"))
     add(repo, sample_files, "n7")
-    repo.registrar.register_version("n1", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+    repo.registrar.register_version(
+        AdapterUpload("n1", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+    )
     names = []
     while token:
         page, token, _ = repo.list("alice", page_size=3, page_token=token)
@@ -125,9 +128,11 @@ def test_the_change_feed_follows_every_commit_in_order(open_repo, sample_files):
     unsubscribe = repo.changes.subscribe(changes.append)
     a = add(repo, sample_files, "a")
     b = repo.registrar.register_version(
-        "a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS]
+        AdapterUpload("a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
     ).record
-    same = repo.registrar.register_version("a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+    same = repo.registrar.register_version(
+        AdapterUpload("a", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+    )
     with pytest.raises(AlreadyExists):
         add(repo, sample_files, "a")
     repo.delete(AdapterKey(id=b.id))
