@@ -18,29 +18,21 @@ from services.kv_manager.dgfm import DefragPlan, DgfmConfig, plan_defragmentatio
 from services.kv_manager.dgfm_execution import DefragOutcome
 from services.kv_manager.ledger import DebtLedger
 from services.runtime.errors import InvalidArgument, NotFound
+from services.runtime.field_copy import message_of
 from services.runtime.security.acting_instance import acting_instance
 
 log = logging.getLogger("loramesh.kv_manager")
 
 
 def candidate_to_proto(candidate: CreditorCandidate) -> pb.CreditorCandidate:
-    return pb.CreditorCandidate(
-        worker_id=candidate.worker_id,
-        address=candidate.address,
-        lendable_blocks=candidate.lendable_blocks,
-        topology=candidate.topology,
-        same_topology=candidate.same_topology,
-    )
+    return message_of(pb.CreditorCandidate, candidate)
 
 
 def ledger_to_proto(ledger: DebtLedger, now: float) -> list[pb.LedgerEntry]:
     return [
-        pb.LedgerEntry(
-            worker_id=row.worker_id,
-            address=row.address,
-            topology=row.topology,
-            free_blocks=row.free_blocks,
-            total_blocks=row.total_blocks,
+        message_of(
+            pb.LedgerEntry,
+            row,
             lent_blocks=dict(row.lent),
             lendable_blocks=ledger.lendable(row.worker_id),
             refused=ledger.refused(row.worker_id),
@@ -51,22 +43,12 @@ def ledger_to_proto(ledger: DebtLedger, now: float) -> list[pb.LedgerEntry]:
 
 
 def plan_to_proto(plan: DefragPlan) -> pb.PlanDefragmentationResponse:
-    return pb.PlanDefragmentationResponse(
-        swaps=[
-            pb.CycleSwap(
-                cycle=list(swap.cycle),
-                blocks=swap.blocks,
-                recalls=[
-                    pb.BlockRecall(owner_id=r.owner_id, holder_id=r.holder_id, blocks=r.blocks)
-                    for r in swap.recalls
-                ],
-            )
-            for swap in plan.swaps
-        ],
-        frozen_workers=sorted(plan.frozen_workers),
-        blocks_moved=plan.blocks_moved,
-        remote_blocks_before=plan.remote_blocks_before,
-        remote_blocks_after=plan.remote_blocks_after,
+    swaps = [
+        message_of(pb.CycleSwap, swap, recalls=[message_of(pb.BlockRecall, r) for r in swap.recalls])
+        for swap in plan.swaps
+    ]
+    return message_of(
+        pb.PlanDefragmentationResponse, plan, swaps=swaps, frozen_workers=sorted(plan.frozen_workers)
     )
 
 

@@ -13,27 +13,18 @@ from grpc import aio
 
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.runtime.etcd.discovery import ChannelPool
+from services.runtime.field_copy import dataclass_of
 from services.runtime.rpc.interceptors import error_from_status
 from services.scheduler.policies.replica_load import RequestLoad
 from services.scheduler.rebalancing import WorkerRequests
 
 
 def worker_requests_from_proto(reply: worker_pb2.ListRequestsResponse) -> WorkerRequests:
-    return WorkerRequests(
-        requests=tuple(
-            RequestLoad(
-                request_id=r.request_id,
-                adapter_id=r.adapter_id,
-                remaining_tokens=r.remaining_tokens,
-                context_tokens=r.context_tokens,
-                running=r.running,
-            )
-            for r in reply.requests
-        ),
+    return dataclass_of(
+        WorkerRequests,
+        reply,
+        requests=tuple(dataclass_of(RequestLoad, r) for r in reply.requests),
         waited_s=MappingProxyType({r.request_id: r.waited_s for r in reply.requests}),
-        memory_tokens=reply.memory_tokens,
-        free_tokens=reply.free_tokens,
-        max_running=reply.max_running,
         held_adapters=frozenset(reply.held_adapters),
         adapter_tokens=MappingProxyType(dict(reply.adapter_tokens)),
     )
