@@ -32,7 +32,7 @@ from services.kv_manager.servicer import KVManagerServicer
 from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.leader_election import LeaderElection
-from services.runtime.etcd.membership import MemberInfo, MembershipConfig, follow, watch_loads, watch_members
+from services.runtime.etcd.membership import MemberInfo, follow, listed_within, watch_loads, watch_members
 from services.runtime.process.tasks import cancel_and_wait
 
 log = logging.getLogger("loramesh.kv_manager")
@@ -94,12 +94,10 @@ class KVManagerService:
 
     async def start(self) -> None:
         cfg = self.config
-        if not cfg.etcd_endpoints:
-            raise ValueError(
-                "the kv_manager needs --etcd-endpoints (env LORAMESH_ETCD_ENDPOINTS): its ledger is fed "
-                "by the gpu_workers' heartbeats there and its replicas elect a leader there"
-            )
-        membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints, ttl_s=cfg.lease_ttl_s, tls=cfg.tls())
+        membership = cfg.required_membership(
+            "kv_manager",
+            "its ledger is fed by the gpu_workers' heartbeats there and its replicas elect a leader there",
+        )
         self.election = LeaderElection(membership, self.name, cfg.instance_id)
         workers_listed, loads_listed = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -128,16 +126,17 @@ class KVManagerService:
             )
         await self.election.start()
         try:
-            await asyncio.wait_for(
-                asyncio.gather(workers_listed.wait(), loads_listed.wait(), self.election.wait_decided()),
+            await listed_within(
+                membership,
                 cfg.start_timeout_s,
+                "the workers and the leader",
+                workers_listed.wait(),
+                loads_listed.wait(),
+                self.election.wait_decided(),
             )
-        except TimeoutError:
+        except Unavailable:
             await self.stop()
-            raise Unavailable(
-                f"etcd at {cfg.etcd_endpoints} did not list the workers and the leader "
-                f"within {cfg.start_timeout_s:.1f}s"
-            ) from None
+            raise
         log.info(
             "following %d gpu_worker(s) from etcd at %s; leader %s",
             len(self.ledger), cfg.etcd_endpoints, self.election.leader_id,

@@ -23,7 +23,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, get_type_hints
 
-from services.runtime.etcd.membership import new_instance_id
+from services.runtime.etcd.membership import MembershipConfig, new_instance_id
 from services.runtime.security.tls import TLSConfig
 
 ENV_PREFIX = "LORAMESH_"
@@ -89,6 +89,15 @@ class ServiceConfig:
     def tls(self) -> TLSConfig:
         """The mutual TLS settings every server, channel and etcd client of the service uses."""
         return TLSConfig(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
+
+    def required_membership(self, service: str, needed_for: str) -> MembershipConfig:
+        """The etcd registry of a service that cannot run standalone (``needed_for``: what it
+        finds there); a ValueError naming the flag when ``etcd_endpoints`` is empty."""
+        if not self.etcd_endpoints:
+            raise ValueError(
+                f"the {service} needs --etcd-endpoints (env {ENV_PREFIX}ETCD_ENDPOINTS): {needed_for}"
+            )
+        return MembershipConfig(etcd_endpoints=self.etcd_endpoints, ttl_s=self.lease_ttl_s, tls=self.tls())
 
 
 def setting(name: str | None) -> dict[str, str | None]:

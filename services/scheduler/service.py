@@ -16,7 +16,7 @@ from mesh_api.v1 import scheduler_pb2_grpc
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.discovery import ChannelPool
 from services.runtime.etcd.leader_election import LeaderElection
-from services.runtime.etcd.membership import MembershipConfig, follow, watch_loads, watch_members
+from services.runtime.etcd.membership import follow, listed_within, watch_loads, watch_members
 from services.runtime.process.tasks import cancel_and_wait
 from services.scheduler.admission import AdmissionConfig, AdmissionControl
 from services.scheduler.cluster_view import ClusterView
@@ -83,12 +83,9 @@ class SchedulerService:
 
     async def start(self) -> None:
         cfg = self.config
-        if not cfg.etcd_endpoints:
-            raise ValueError(
-                "the scheduler needs --etcd-endpoints (env LORAMESH_ETCD_ENDPOINTS): "
-                "it places requests on the gpu_workers it finds registered there"
-            )
-        membership = MembershipConfig(etcd_endpoints=cfg.etcd_endpoints, ttl_s=cfg.lease_ttl_s, tls=cfg.tls())
+        membership = cfg.required_membership(
+            "scheduler", "it places requests on the gpu_workers it finds registered there"
+        )
         members_listed, loads_listed = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -106,14 +103,12 @@ class SchedulerService:
             ),
         ]
         try:
-            await asyncio.wait_for(
-                asyncio.gather(members_listed.wait(), loads_listed.wait()), cfg.start_timeout_s
+            await listed_within(
+                membership, cfg.start_timeout_s, "the workers", members_listed.wait(), loads_listed.wait()
             )
-        except TimeoutError:
+        except Unavailable:
             await self.stop()
-            raise Unavailable(
-                f"etcd at {cfg.etcd_endpoints} did not list the workers within {cfg.start_timeout_s:.1f}s"
-            ) from None
+            raise
         log.info("following %d gpu_worker(s) from etcd at %s", len(self.view), cfg.etcd_endpoints)
         rebalancer = self.rebalancer
         if rebalancer.migration is None and rebalancer.prefetch is None:

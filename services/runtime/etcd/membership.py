@@ -743,6 +743,21 @@ async def follow(
         await updates.aclose()  # type: ignore[attr-defined]
 
 
+async def listed_within(
+    config: MembershipConfig, timeout_s: float, what: str, *listed: Awaitable[object]
+) -> None:
+    """Wait until every one of ``listed`` is done (the :class:`asyncio.Event` waits of
+    :func:`follow`'s first updates, an election decided): how a service that follows etcd starts.
+    :class:`~services.runtime.errors.Unavailable` naming ``what`` etcd did not list within
+    ``timeout_s``."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*listed), timeout_s)
+    except TimeoutError:
+        raise Unavailable(
+            f"etcd at {config.etcd_endpoints} did not list {what} within {timeout_s:.1f}s"
+        ) from None
+
+
 __all__ = [
     "LeaseLost",
     "LoadFn",
@@ -751,6 +766,7 @@ __all__ = [
     "MembershipConfig",
     "follow",
     "list_members",
+    "listed_within",
     "load_key",
     "loads_prefix",
     "member_key",
