@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from services.runtime.errors import FailedPrecondition, NotFound
+from services.runtime.field_copy import dataclass_of
 from services.scheduler.cluster_view import ClusterSnapshot
 from services.scheduler.policies.replica_load import (
     ClusterLoad,
@@ -121,16 +122,13 @@ class RebalanceActivity:
 def replica_load(worker_id: str, listed: WorkerRequests, invocations: Mapping[str, int]) -> ReplicaLoad:
     """One worker as the policies see it."""
     queued = [listed.waited_s.get(q.request_id, 0.0) for q in listed.requests if not q.running]
-    return ReplicaLoad(
+    return dataclass_of(
+        ReplicaLoad,
+        listed,
         worker_id=worker_id,
-        requests=listed.requests,
         resident_adapters=listed.held_adapters,
-        memory_tokens=listed.memory_tokens,
-        free_tokens=listed.free_tokens,
-        adapter_tokens=listed.adapter_tokens,
         invocations=MappingProxyType(dict(invocations)),
         queue_delay_s=sum(queued) / len(queued) if queued else 0.0,
-        max_running=listed.max_running,
     )
 
 
