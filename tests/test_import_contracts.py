@@ -1,5 +1,6 @@
 """The import contracts of pyproject.toml hold, and they can fail: a copy of the tree with one
-wrong-way import (a service importing the SDK) is refused, naming the broken contract."""
+wrong-way import (a service importing the SDK, the worker's planner importing an executor, ...)
+is refused, naming the broken contract."""
 
 from __future__ import annotations
 
@@ -59,6 +60,36 @@ def test_the_repository_keeps_its_contracts():
             "services/gateway/core.py",
             "import services.gpu_worker.config",
             "Services are independent, on the model files, on the runtime",
+        ),
+        (
+            "services/gpu_worker/engine/engine.py",
+            "import services.gpu_worker.executor.local",
+            "The planner imports no executor, model, kernels or tensor-parallel code",
+        ),
+        (
+            "services/gpu_worker/engine/admission.py",
+            "import services.gpu_worker.model.llama",
+            "The planner imports no executor, model, kernels or tensor-parallel code",
+        ),
+        (
+            "services/gpu_worker/engine/adapter_pager.py",
+            "import services.gpu_worker.kernels.dispatch",
+            "The planner imports no executor, model, kernels or tensor-parallel code",
+        ),
+        (
+            "services/gpu_worker/model/llama.py",
+            "import services.gpu_worker.memory.unified_pool",
+            "The model and attention do not import the worker's memory",
+        ),
+        (
+            "services/gpu_worker/engine/kv_reservation.py",
+            "import services.gpu_worker.distkv.rmanager",
+            "DistKV is reached only through its interface",
+        ),
+        (
+            "services/gpu_worker/memory/kv_cache.py",
+            "import services.gpu_worker.distkv",
+            "The worker's memory, model, attention and kernels do not know DistKV",
         ),
     ],
 )
