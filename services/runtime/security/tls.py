@@ -160,24 +160,24 @@ def add_server_port(server: aio.Server | grpc.Server, address: str, tls: TLSConf
 
 def aio_channel(address: str, tls: TLSConfig, options: ChannelOptions = ()) -> aio.Channel:
     """An asyncio channel to another mesh member (one that follows certificate rotation)."""
-    if tls.enabled:
-        opts = _options(tls, options)
-        return _RotatingAioChannel(
-            tls.files(),
-            lambda certs: aio.secure_channel(address, channel_credentials(tls, certs), options=opts),
-        )
-    return aio.insecure_channel(address, options=list(options))
+    return _channel(aio, _RotatingAioChannel, address, tls, options)
 
 
 def sync_channel(address: str, tls: TLSConfig, options: ChannelOptions = ()) -> grpc.Channel:
     """A blocking channel to another mesh member (for code on worker threads)."""
-    if tls.enabled:
-        opts = _options(tls, options)
-        return _RotatingSyncChannel(
-            tls.files(),
-            lambda certs: grpc.secure_channel(address, channel_credentials(tls, certs), options=opts),
-        )
-    return grpc.insecure_channel(address, options=list(options))
+    return _channel(grpc, _RotatingSyncChannel, address, tls, options)
+
+
+def _channel(channels, rotating: type, address: str, tls: TLSConfig, options: ChannelOptions):
+    """A channel from ``channels`` (the module ``grpc`` or ``grpc.aio``): plaintext, or with
+    mutual TLS behind ``rotating`` (its rotating channel class), made anew for new certificates."""
+    if not tls.enabled:
+        return channels.insecure_channel(address, options=list(options))
+    opts = _options(tls, options)
+    return rotating(
+        tls.files(),
+        lambda certs: channels.secure_channel(address, channel_credentials(tls, certs), options=opts),
+    )
 
 
 class _Rotation:
