@@ -209,6 +209,31 @@ def _is_abort(error: BaseException) -> bool:
     return isinstance(error, aio.AbortError)
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    method: str, metadata, metrics: ServiceMetrics | None, enforce: bool, context, refused_stream=None
+):
+    """One RPC's handling around its handler: the request id and the caller's identity bound,
+    the call authorized (with ``enforce``), an error turned into its status, the RPC counted.
+    ``refused_stream``: the request stream, read on (:func:`_drain`) when the call is refused."""
+    scope = _RpcScope(method, metadata, metrics)
+    identity = scope.enter(context)
+    ended: BaseException | None = None
+    try:
+        if enforce:
+            authorize(method, identity)
+        yield
+    except BaseException as error:
+        ended = error
+        if _is_abort(error) or not isinstance(error, Exception):
+            raise
+        if refused_stream is not None:
+            await _drain(refused_stream)
+        await scope.fail(error, context)
+    finally:
+        scope.exit(context, ended)
+
+
 class ServiceInterceptor(aio.ServerInterceptor):
     def __init__(self, metrics: ServiceMetrics | None = None, enforce_authorization: bool = False):
         """``enforce_authorization``: check every call against the authorization table (the
@@ -229,46 +254,21 @@ class ServiceInterceptor(aio.ServerInterceptor):
 
         def unary_response(behavior, request_streaming: bool):
             async def wrapped(request_or_iterator, context):
-                scope = _RpcScope(method, metadata, metrics)
-                identity = scope.enter(context)
-                ended: BaseException | None = None
-                try:
-                    if enforce:
-                        authorize(method, identity)
+                refused_stream = request_or_iterator if request_streaming else None
+                async with _serving(method, metadata, metrics, enforce, context, refused_stream):
                     return await behavior(_requests(request_or_iterator), context)
-                except BaseException as error:
-                    ended = error
-                    if _is_abort(error) or not isinstance(error, Exception):
-                        raise
-                    if request_streaming:
-                        await _drain(request_or_iterator)
-                    await scope.fail(error, context)
-                finally:
-                    scope.exit(context, ended)
 
             return wrapped
 
         def stream_response(behavior):
             async def wrapped(request_or_iterator, context):
-                scope = _RpcScope(method, metadata, metrics)
-                identity = scope.enter(context)
-                ended: BaseException | None = None
-                try:
-                    if enforce:
-                        authorize(method, identity)
+                async with _serving(method, metadata, metrics, enforce, context):
                     result = behavior(_requests(request_or_iterator), context)
                     if hasattr(result, "__aiter__"):
                         async for response in result:
                             yield response
                     else:  # a handler that writes with context.write() (grpc's health Watch)
                         await result
-                except BaseException as error:
-                    ended = error
-                    if _is_abort(error) or not isinstance(error, Exception):
-                        raise
-                    await scope.fail(error, context)
-                finally:
-                    scope.exit(context, ended)
 
             return wrapped
 
