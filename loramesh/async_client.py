@@ -4,8 +4,8 @@ The source of both clients: ``make sdk-sync`` generates ``loramesh/client.py`` f
 
 What the clients share besides their calls lives beside them: where to connect
 (:mod:`loramesh.targets`), how calls are retried (:mod:`loramesh.retry`), the messages
-(:mod:`loramesh.convert`), uploads (:mod:`loramesh.adapter_upload`) and the sampling keywords
-(:mod:`loramesh.sampling_keywords`).
+(:mod:`loramesh.convert`), uploads (:mod:`loramesh.adapter_upload`) and the keywords of the
+generating calls (:mod:`loramesh.sampling_keywords`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from loramesh.convert import (
 )
 from loramesh.errors import Unavailable
 from loramesh.retry import Call, CallPolicy, GatewayRotation, RetryNotice
-from loramesh.sampling_keywords import sampling_keywords
+from loramesh.sampling_keywords import CallKeywords, call_keywords
 from loramesh.stream_resume import StreamProgress
 from loramesh.targets import (
     DEFAULT_STATE_DIR,
@@ -48,7 +48,7 @@ from loramesh.targets import (
     resolve_targets,
 )
 from loramesh.tls import ClientTLS, aio_channel
-from loramesh.types import Adapter, AdapterPage, Completion, ImportedAdapter, Model, Sampling, TextDelta
+from loramesh.types import Adapter, AdapterPage, Completion, ImportedAdapter, Model, TextDelta
 from mesh_api.upload_wire import WireUploadGatewayStub
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2
 
@@ -361,15 +361,12 @@ class AsyncClient:
         for channel in self._channels:
             await channel.close()
 
-    @sampling_keywords
+    @call_keywords
     async def generate(
         self,
         prompt: str,
         *,
-        adapter: str | None = None,
-        sampling: Sampling,
-        deadline_ms: float | None = None,
-        timeout: float | None = None,
+        call: CallKeywords,
     ) -> Completion:
         """Completes a raw prompt (no chat template) and waits for the whole text.
 
@@ -390,19 +387,15 @@ class AsyncClient:
         Raises:
             LoraMeshError: A subclass per failure (see :mod:`loramesh.errors`).
         """
-        request = generate_request(prompt, adapter, sampling, deadline_ms)
-        deltas = self._stream("Generate", request, timeout)
-        return completion([d async for d in deltas])
+        request = generate_request(prompt, call.adapter, call.sampling, call.deadline_ms)
+        return completion([d async for d in self._stream("Generate", request, call.timeout)])
 
-    @sampling_keywords
+    @call_keywords
     def stream(
         self,
         prompt: str,
         *,
-        adapter: str | None = None,
-        sampling: Sampling,
-        deadline_ms: float | None = None,
-        timeout: float | None = None,
+        call: CallKeywords,
     ) -> AsyncIterator[TextDelta]:
         """Completes a raw prompt, yielding text as it is generated (``async for``, no ``await``).
 
@@ -421,18 +414,15 @@ class AsyncClient:
         Yields:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
-        request = generate_request(prompt, adapter, sampling, deadline_ms)
-        return self._stream("Generate", request, timeout)
+        request = generate_request(prompt, call.adapter, call.sampling, call.deadline_ms)
+        return self._stream("Generate", request, call.timeout)
 
-    @sampling_keywords
+    @call_keywords
     async def chat(
         self,
         messages: ChatMessages,
         *,
-        adapter: str | None = None,
-        sampling: Sampling,
-        deadline_ms: float | None = None,
-        timeout: float | None = None,
+        call: CallKeywords,
     ) -> Completion:
         """Answers a conversation through the model's chat template and waits for the reply.
 
@@ -448,19 +438,15 @@ class AsyncClient:
         Returns:
             The assistant's reply.
         """
-        request = chat_request(messages, adapter, sampling, deadline_ms)
-        deltas = self._stream("Chat", request, timeout)
-        return completion([d async for d in deltas])
+        request = chat_request(messages, call.adapter, call.sampling, call.deadline_ms)
+        return completion([d async for d in self._stream("Chat", request, call.timeout)])
 
-    @sampling_keywords
+    @call_keywords
     def chat_stream(
         self,
         messages: ChatMessages,
         *,
-        adapter: str | None = None,
-        sampling: Sampling,
-        deadline_ms: float | None = None,
-        timeout: float | None = None,
+        call: CallKeywords,
     ) -> AsyncIterator[TextDelta]:
         """Answers a conversation, yielding the reply as it is generated (see :meth:`stream`).
 
@@ -474,8 +460,8 @@ class AsyncClient:
         Yields:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
-        request = chat_request(messages, adapter, sampling, deadline_ms)
-        return self._stream("Chat", request, timeout)
+        request = chat_request(messages, call.adapter, call.sampling, call.deadline_ms)
+        return self._stream("Chat", request, call.timeout)
 
     async def models(self, *, timeout: float | None = None) -> list[Model]:
         """The base model and every adapter the caller may generate with.
