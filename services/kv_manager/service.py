@@ -95,7 +95,7 @@ class KVManagerService:
     async def start(self) -> None:
         cfg = self.config
         membership = cfg.required_membership(
-            "kv_manager",
+            self.name,
             "its ledger is fed by the gpu_workers' heartbeats there and its replicas elect a leader there",
         )
         self.election = LeaderElection(membership, self.name, cfg.instance_id)

@@ -84,7 +84,7 @@ class SchedulerService:
     async def start(self) -> None:
         cfg = self.config
         membership = cfg.required_membership(
-            "scheduler", "it places requests on the gpu_workers it finds registered there"
+            self.name, "it places requests on the gpu_workers it finds registered there"
         )
         members_listed, loads_listed = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
