@@ -52,8 +52,8 @@ import torch
 
 from bench.gpu_checklist import load_base
 from bench.out_dir import default_out
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from bench.worker_bench import CpuMonitor, machine, make_prompts
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest

@@ -49,10 +49,10 @@ import numpy as np
 import torch
 
 from bench.out_dir import default_out
+from bench.sample_adapters import CONFIG_FILE, WEIGHTS_FILE, SampleAdapterSpec, write_peft_adapter
 from bench.serving.metrics import summarize
 from bench.systems.base import AdapterSet, RequestRecord, RunContext
 from bench.workload import TraceRequest, WorkloadSpec, generate_shared_arrivals
-from loramesh_cli.sample_adapters import CONFIG_FILE, WEIGHTS_FILE, SampleAdapterSpec, write_peft_adapter
 from services.model_files.base_model import BaseModelSpec, load_base_model_spec
 
 RANK = 8

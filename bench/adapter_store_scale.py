@@ -64,7 +64,7 @@ import numpy as np
 from grpc import aio
 from moto.server import ThreadedMotoServer
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_id
 from mesh_api.upload_wire import WireUploadAdapterStoreStub, WireUploadGatewayStub, upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb

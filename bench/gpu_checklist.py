@@ -79,7 +79,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, read_peft_directory, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -87,12 +87,7 @@ from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.kernels.lora_segments import AdapterRows, LoraSegments
 from services.gpu_worker.kernels.padded_bmm import lora_delta_padded_bmm
 from services.gpu_worker.kernels.torch_reference import lora_delta_torch
-from services.gpu_worker.lora.host_adapter import (
-    HostAdapter,
-    parse_peft_adapter,
-    read_peft_directory,
-    with_rows,
-)
+from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter, with_rows
 from services.gpu_worker.model.llama import LlamaModel
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.model_config import ModelConfig

@@ -47,16 +47,15 @@ from pathlib import Path
 import torch
 
 from bench.out_dir import default_out
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.kernels import cpu_quant
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
-from services.gpu_worker.model.quantization import weight_bytes
+from services.gpu_worker.model.quantized_weight import QuantizedWeight
 from services.model_files.base_model import default_model_path, load_base_model_spec
 from services.model_files.peft_format import LORA_TARGETS
 
@@ -93,6 +92,13 @@ class FormatRow:
     def adapter_over_base(self) -> float:
         """Adapter tokens/s ÷ base tokens/s (goal ≥ 0.9)."""
         return self.base_step_ms / self.adapter_step_ms
+
+
+def weight_bytes(weights: dict[str, torch.Tensor | QuantizedWeight]) -> int:
+    """Bytes of all weights as stored (what a step that uses every weight reads)."""
+    return sum(
+        w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in weights.values()
+    )
 
 
 def read_bandwidth_gib_s(mib: int = 512, repeats: int = 5) -> float:

@@ -35,8 +35,8 @@ import torch
 
 import services.gpu_worker.engine.engine as engine_module
 from bench.out_dir import default_out
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from bench.worker_bench import machine, make_prompts
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.engine_config import EngineConfig

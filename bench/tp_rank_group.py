@@ -37,12 +37,22 @@ from services.gpu_worker.memory.adapter_residency import AdapterResidency, Resid
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.tp.collectives import SingleProcess, TorchDistributedCollectives
+from services.gpu_worker.tp.collectives import Collectives, TorchDistributedCollectives
 from services.gpu_worker.tp.context import TensorParallelContext
 from services.gpu_worker.tp.rank import build_rank_model
 from services.gpu_worker.tp.sharding import TensorParallelLayout, shard_adapter
 from services.model_files.model_config import ModelConfig
 from services.runtime.process.ports import free_port
+
+
+class SingleProcess(Collectives):
+    """N = 1: nothing to exchange (and 0 bytes counted)."""
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
 
 
 def build_rank_pool(

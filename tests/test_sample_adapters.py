@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import LORA_TARGETS

@@ -35,12 +35,12 @@ from bench.cluster_sim.cost_model import (
     shape_of,
 )
 from bench.out_dir import default_out
+from bench.sample_adapters import read_peft_directory
 from bench.serving.adapters import ensure_adapter_set, evict_from_page_cache
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.service import resolve_dtype

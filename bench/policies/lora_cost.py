@@ -16,12 +16,12 @@ import time
 
 import torch
 
+from bench.sample_adapters import read_peft_directory
 from bench.systems.base import AdapterSet
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model

@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from bench.systems.base import AdapterSet
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.model_files.base_model import BaseModelSpec
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -31,12 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.sample_adapters import read_peft_directory
 from bench.systems.base import AdapterSet, RequestRecord, RunContext
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import HostAdapter, read_peft_directory
+from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model

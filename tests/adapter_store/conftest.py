@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService

@@ -16,7 +16,7 @@ from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 from support.adapter_bytes import poke, with_config
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import ref_by_id, ref_by_name, upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import types_pb2

@@ -13,7 +13,7 @@ from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 from support.adapter_bytes import join, poke, split, with_config
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import ATTENTION_PROJECTIONS, LORA_TARGETS, PeftConfig, tensor_name

@@ -7,16 +7,15 @@ import pytest
 import torch
 from support.tiny_hf_model import SPEC
 
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from bench.systems.base import AdapterSet, RunContext
 from bench.systems.clock import TickClock
 from bench.systems.merged_swap import MergedSwapOptions, MergedSwapSystem
 from bench.workload import TraceRequest
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model

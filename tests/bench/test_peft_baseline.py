@@ -7,11 +7,11 @@ import pytest
 import torch
 from support.tiny_hf_model import SPEC
 
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from bench.systems.base import AdapterSet, RunContext
 from bench.systems.clock import TickClock
 from bench.systems.peft_baseline import PeftBaselineSystem
 from bench.workload import TraceRequest
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 
 RANKS = (8, 16, 8)  # adapters 0 and 2 share a configuration, so one swaps the other's weights in
 

@@ -15,8 +15,8 @@ import pytest
 from grpc import aio
 from support.cli import loramesh
 
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh_cli.mesh_file import pid_alive
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.model_files.peft_format import LORA_TARGETS
 

@@ -32,10 +32,10 @@ import pytest
 from support.cli import loramesh, supervised_mesh_up
 from support.polling import poll_until
 
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh import AsyncClient, LoraMeshError, Sampling
 from loramesh.client import generate_request
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, pid_alive
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc
 from services.model_files.peft_format import LORA_TARGETS
 from services.runtime.etcd.membership import MembershipConfig, list_members

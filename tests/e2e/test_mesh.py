@@ -12,15 +12,14 @@ import pytest
 import torch
 from support.mesh import start_mesh, wait_for_workers
 
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from loramesh import AsyncClient
 from loramesh import errors as sdk_errors
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS

@@ -12,8 +12,8 @@ import pytest
 from support.mesh import start_mesh, wait_for_workers
 from support.polling import poll_until
 
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh import AsyncClient
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.model_files.peft_format import LORA_TARGETS
 from services.runtime.security.tls import aio_channel

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 from support.sdk_wheel import ISOLATED, build_sdk_wheel, clean_env, sdk_venv
 
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh import AsyncClient
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

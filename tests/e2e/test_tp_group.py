@@ -24,13 +24,12 @@ import torch
 from support.cli import loramesh
 from support.polling import poll_until
 
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from loramesh_cli.mesh_file import MeshFile, pid_alive
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS

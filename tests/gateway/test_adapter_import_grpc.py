@@ -10,8 +10,8 @@ import httpx
 import pytest
 from grpc import aio
 
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh import AsyncClient, PermissionDenied
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import adapter_store_pb2_grpc, gateway_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService

@@ -12,7 +12,7 @@ import pytest
 from grpc import aio
 from support.polling import poll_until
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import ref_by_name, upload_requests
 from mesh_api.upload_wire import WireUploadAdapterStoreStub, read_upload_message, upload_wire
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2

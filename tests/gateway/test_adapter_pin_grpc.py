@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from grpc import aio
 
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from loramesh import AsyncClient, PermissionDenied, ResourceExhausted
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_name, upload_adapter
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from grpc import aio
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import upload_adapter
 from mesh_api.v1 import adapter_store_pb2_grpc, gateway_pb2, gateway_pb2_grpc, types_pb2
 from services.adapter_store.config import AdapterStoreConfig

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.adapter_source import FetchedAdapter
 from services.gpu_worker.build import local_engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from grpc import aio
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import ref_by_id, upload_adapter
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 from services.adapter_store.config import AdapterStoreConfig

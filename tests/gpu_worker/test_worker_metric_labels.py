@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
 

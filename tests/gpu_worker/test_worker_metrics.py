@@ -23,7 +23,7 @@ from support.polling import HANG_GUARD_S, poll_until
 from support.prometheus_scrape import scrape
 from support.tiny_hf_model import SPEC, write_tiny_hf_model
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.service import WorkerService

@@ -12,8 +12,8 @@ import pytest
 from grpc import aio
 from support.etcd_lease import key_lease, lease_alive
 
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from loramesh_cli.main import main as cli
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_name, upload_adapter, upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc

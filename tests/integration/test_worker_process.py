@@ -12,14 +12,13 @@ from grpc import aio
 from support.polling import HANG_GUARD_S
 from support.polling import poll_until as until
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, read_peft_directory, write_peft_adapter
 from mesh_api.adapter_transfer import upload_adapter
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS

@@ -27,7 +27,7 @@ import grpc
 from grpc import aio
 from hypothesis import HealthCheck, settings
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import upload_requests
 from mesh_api.v1 import (
     gateway_pb2_grpc,

@@ -16,8 +16,6 @@ work to library matmuls whose kernel depends on the shapes, so they refuse it.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from services.gpu_worker.kernels.cpu_native import NativeCall, lora_delta_cpu_native, native_available
@@ -29,21 +27,6 @@ BACKENDS = ("torch", "padded_bmm", "cpu_native", "triton")
 """Explicit backend names :func:`add_lora_delta` accepts besides ``auto``."""
 BATCH_INVARIANT_BACKENDS = ("cpu_native", "triton")
 """Backends whose deltas can be batch-invariant."""
-
-
-def available_backends() -> tuple[str, ...]:
-    """Backends that can run in this process: ``torch`` and ``padded_bmm`` always, ``cpu_native``
-    when the C kernel compiled, ``triton`` with CUDA or with the Triton interpreter
-    (``TRITON_INTERPRET=1``) on."""
-    found = ["torch", "padded_bmm"]
-    if native_available():
-        found.append("cpu_native")
-    if importlib.util.find_spec("triton") is not None:
-        from triton import knobs
-
-        if torch.cuda.is_available() or knobs.runtime.interpret:
-            found.append("triton")
-    return tuple(found)
 
 
 def resolve_backend(backend: str, pool: torch.Tensor, batch_invariant: bool = False) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -141,11 +140,3 @@ def content_sha256(config_json: bytes | str, weights: bytes) -> str:
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
     return digest.hexdigest()
-
-
-def read_peft_directory(adapter_id: str, directory: str | Path, dtype: torch.dtype) -> HostAdapter:
-    """Parse the PEFT adapter saved in ``directory`` (``save_pretrained`` output)."""
-    directory = Path(directory)
-    config = (directory / "adapter_config.json").read_bytes()
-    weights = (directory / "adapter_model.safetensors").read_bytes()
-    return parse_peft_adapter(adapter_id, config, weights, dtype)

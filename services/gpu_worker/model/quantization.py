@@ -66,10 +66,3 @@ def quantize_weights(
         else:
             out[name] = QuantizedWeight.quantize(weight, fmt)
     return out
-
-
-def weight_bytes(weights: dict[str, torch.Tensor | QuantizedWeight]) -> int:
-    """Bytes of all weights as stored (what a step that uses every weight reads)."""
-    return sum(
-        w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in weights.values()
-    )

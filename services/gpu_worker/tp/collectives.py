@@ -96,16 +96,6 @@ class Collectives:
         raise NotImplementedError
 
 
-class SingleProcess(Collectives):
-    """N = 1: nothing to exchange (and 0 bytes counted)."""
-
-    def _all_reduce(self, tensor: torch.Tensor) -> None:
-        pass
-
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-
 class TorchDistributedCollectives(Collectives):
     """Over the default ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA)."""
 

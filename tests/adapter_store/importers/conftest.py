@@ -9,7 +9,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 from support.hub_mirror import HubMirror
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.adapter_store.adapter_imports import AdapterImports
 from services.adapter_store.import_policy import ImportPolicy
 from services.adapter_store.repository import AdapterRepository

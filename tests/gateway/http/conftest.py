@@ -21,8 +21,8 @@ import pytest
 from grpc import aio
 from support.mesh import Mesh, start_mesh, wait_for_workers
 
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh import Client
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.core import GatewayCore
 from services.gateway.http.app import build_app

@@ -14,13 +14,12 @@ import pytest
 import torch
 from support.polling import HANG_GUARD_S
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from services.gpu_worker.engine import adapter_pager
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.executor.local import LocalExecutor
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.model_files.peft_format import LORA_TARGETS
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.policies import BATCH_POLICIES
@@ -18,7 +18,6 @@ from services.gpu_worker.engine.policies.early_abort import EarlyAbort, EarlyAbo
 from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostConfig, StepCostModel
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.model_files.peft_format import LORA_TARGETS
 

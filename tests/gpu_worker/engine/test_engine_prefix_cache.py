@@ -13,13 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.kernels.cpu_invariant import invariant_available
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS

@@ -8,12 +8,11 @@ import random
 import pytest
 import torch
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.gpu_worker.model.llama import LlamaModel
 from services.model_files.peft_format import LORA_TARGETS

@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from support.kernel_backends import available_backends
 from test_lora_kernels import ADAPTER_RANKS, Case, make_case
 
 from services.gpu_worker.kernels import cpu_native, dispatch
@@ -84,7 +85,7 @@ def test_failed_build_names_the_compiler_error_and_auto_falls_back_to_torch(
         assert not cpu_native.native_available()
     assert "error" in cpu_native.native_error() and "-fopenmp" in cpu_native.native_error()
     assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
-    assert "cpu_native" not in dispatch.available_backends()
+    assert "cpu_native" not in available_backends()
     case = make_case(*DECODE_32, 64, 80, torch.float32)
     got = case.run(lambda *a: dispatch.add_lora_delta(*a, backend="auto"))
     close_to_reference(got, case, case.run(lora_delta_torch))

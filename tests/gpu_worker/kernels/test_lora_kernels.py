@@ -19,9 +19,10 @@ from types import ModuleType
 
 import pytest
 import torch
+from support.kernel_backends import available_backends
 
 from services.gpu_worker.kernels.cpu_native import lora_delta_cpu_native
-from services.gpu_worker.kernels.dispatch import BACKENDS, add_lora_delta, available_backends
+from services.gpu_worker.kernels.dispatch import BACKENDS, add_lora_delta
 from services.gpu_worker.kernels.lora_segments import AdapterRows, LoraSegments, SegmentGroup
 from services.gpu_worker.kernels.padded_bmm import lora_delta_padded_bmm
 from services.gpu_worker.kernels.torch_reference import lora_delta_torch

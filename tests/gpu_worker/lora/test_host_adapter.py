@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from services.gpu_worker.lora.host_adapter import parse_peft_adapter, read_peft_directory
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
+from services.gpu_worker.lora.host_adapter import parse_peft_adapter
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.peft_format import tensor_name
 from services.runtime.errors import InvalidArgument

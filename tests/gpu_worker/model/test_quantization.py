@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.quantized_bench import weight_bytes
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
-from services.gpu_worker.model.quantization import quantize_weights, wanted_format, weight_bytes
+from services.gpu_worker.model.quantization import quantize_weights, wanted_format
 from services.gpu_worker.model.quantized_weight import QuantizedWeight
 from services.gpu_worker.quantization_setting import resolve_quantization
 

@@ -22,10 +22,9 @@ from fractions import Fraction
 import pytest
 import torch
 
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from bench.tp_rank_group import GroupSpec, LocalRunner, RankGroup
-from loramesh_cli.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
-from services.gpu_worker.lora.host_adapter import read_peft_directory
 from services.gpu_worker.tp.sharding import COLUMN_PARALLEL, TensorParallelLayout
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.model_config import ModelConfig

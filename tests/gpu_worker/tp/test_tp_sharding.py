@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from bench.tp_rank_group import SingleProcess
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
-from services.gpu_worker.tp.collectives import SingleProcess
 from services.gpu_worker.tp.sharding import TensorParallelLayout, shard_adapter, shard_base_weights
 from services.model_files.model_config import ModelConfig
 

@@ -1,6 +1,6 @@
 """Write synthetic LoRA adapters in exactly the form PEFT's ``save_pretrained`` produces.
 
-Tests, the demo and the benchmarks need many adapters of chosen ranks, targets and dtypes without
+Tests and the benchmarks need many adapters of chosen ranks, targets and dtypes without
 training any. The files have the layout PEFT saves for a ``LlamaForCausalLM`` LoRA
 (``adapter_config.json`` with PEFT's field names and defaults, ``adapter_model.safetensors`` with
 ``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight`` tensors, A of
@@ -8,7 +8,7 @@ shape ``(r, in_features)`` and B ``(out_features, r)``), so real PEFT loads them
 store validates them like any upload. Weights are random (B too, unlike PEFT's zero init, so an
 adapter visibly changes the model's output) and deterministic given the seed.
 
-Only numpy and safetensors are needed; torch is imported only to write bfloat16.
+:func:`read_peft_directory` reads one back as the worker holds it (a ``HostAdapter``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors.numpy import save_file
 
+from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.peft_format import LORA_TARGETS, module_path, pattern_value, tensor_name
 
@@ -136,10 +138,17 @@ def _save(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
     """Save like PEFT (metadata ``{"format": "pt"}``), converting float32 to ``dtype``."""
     metadata = {"format": "pt"}
     if dtype == "bfloat16":  # numpy has no bfloat16
-        import torch
         from safetensors.torch import save_file as save_torch
 
         bf16 = {name: torch.from_numpy(t).to(torch.bfloat16) for name, t in tensors.items()}
         save_torch(bf16, str(path), metadata=metadata)
     else:
         save_file({name: t.astype(dtype) for name, t in tensors.items()}, str(path), metadata=metadata)
+
+
+def read_peft_directory(adapter_id: str, directory: str | Path, dtype: torch.dtype) -> HostAdapter:
+    """Parse the PEFT adapter saved in ``directory`` (``save_pretrained`` output)."""
+    directory = Path(directory)
+    config = (directory / "adapter_config.json").read_bytes()
+    weights = (directory / "adapter_model.safetensors").read_bytes()
+    return parse_peft_adapter(adapter_id, config, weights, dtype)
