@@ -7,7 +7,7 @@ places it), so both read zero values and ranges the same way.
 from __future__ import annotations
 
 from mesh_api.v1 import types_pb2
-from services.runtime.field_copy import dataclass_of, message_of
+from services.runtime.field_copy import dataclass_of
 from services.runtime.sampling.sampling_params import SamplingParams, StructuredOutput
 
 DEFAULT_MAX_TOKENS = 128
@@ -38,21 +38,3 @@ def structured_from_proto(p: types_pb2.StructuredOutput) -> StructuredOutput:
     if p.WhichOneof("kind") == "json_object":
         return StructuredOutput("json_object")
     return StructuredOutput("json_schema", p.json_schema)
-
-
-def sampling_to_proto(params: SamplingParams) -> types_pb2.SamplingParams:
-    """The wire message of ``params``; :func:`sampling_from_proto` reads it back equal. A field
-    left None (``seed``, ``top_logprobs``, ``structured_output``) is left unset."""
-    structured = params.structured_output
-    return message_of(
-        types_pb2.SamplingParams,
-        params,
-        logit_bias=dict(params.logit_bias),
-        structured_output=None if structured is None else structured_to_proto(structured),
-    )
-
-
-def structured_to_proto(structured: StructuredOutput) -> types_pb2.StructuredOutput:
-    if structured.kind == "json_object":
-        return types_pb2.StructuredOutput(json_object=True)
-    return types_pb2.StructuredOutput(json_schema=structured.schema)

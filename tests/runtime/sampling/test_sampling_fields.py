@@ -9,6 +9,7 @@ import math
 import pytest
 
 from mesh_api.v1 import types_pb2
+from services.runtime.field_copy import message_of
 from services.runtime.sampling.request_validation import (
     MAX_LOGIT_BIAS_ENTRIES,
     InvalidField,
@@ -16,7 +17,7 @@ from services.runtime.sampling.request_validation import (
     check_sampling,
 )
 from services.runtime.sampling.sampling_params import SamplingParams, StructuredOutput
-from services.runtime.sampling.sampling_proto import sampling_from_proto, sampling_to_proto
+from services.runtime.sampling.sampling_proto import sampling_from_proto
 
 BASE = {
     "max_tokens": 16,
@@ -28,6 +29,26 @@ BASE = {
     "stop_strings": [],
 }
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}})
+
+
+# What a sender writes (the services only read these messages): the inverse of
+# sampling_from_proto, so a round trip checks the reader field by field.
+def sampling_to_proto(params: SamplingParams) -> types_pb2.SamplingParams:
+    """The wire message of ``params``; :func:`sampling_from_proto` reads it back equal. A field
+    left None (``seed``, ``top_logprobs``, ``structured_output``) is left unset."""
+    structured = params.structured_output
+    return message_of(
+        types_pb2.SamplingParams,
+        params,
+        logit_bias=dict(params.logit_bias),
+        structured_output=None if structured is None else structured_to_proto(structured),
+    )
+
+
+def structured_to_proto(structured: StructuredOutput) -> types_pb2.StructuredOutput:
+    if structured.kind == "json_object":
+        return types_pb2.StructuredOutput(json_object=True)
+    return types_pb2.StructuredOutput(json_schema=structured.schema)
 
 
 def refusal(**changes) -> InvalidField:
