@@ -32,7 +32,6 @@ from typing import TypeVar, cast
 import torch
 
 from services.gpu_worker.distkv import (
-    BlockTable,
     CreditorDirectory,
     CreditorRefused,
     CreditorUnavailable,
@@ -84,6 +83,9 @@ T = TypeVar("T")
 
 
 class Engine:
+    """Continuous batching of many adapters over one unified pool, planned here and run by its
+    executor (the steps above); one engine per worker."""
+
     def __init__(
         self,
         executor: Executor,
@@ -182,7 +184,9 @@ class Engine:
         self.rm, self.distkv = self.wing.rm, self.wing.meter
         self.lending, self.borrower = self.wing.lending, self.wing.borrower
         if self.borrower is not None:
-            cast(LendingExecutor, self.executor).lend_through(self.rm, self._borrowed_table)
+            cast(LendingExecutor, self.executor).lend_through(  # a borrowing request's table, by id
+                self.rm, lambda request_id: next(r.table for r in self.running if r.request_id == request_id)
+            )
 
     @property
     def preemptions(self) -> int:
@@ -296,12 +300,20 @@ class Engine:
         )
 
     def step(self) -> int:
-        """One iteration; returns the number of requests that stepped."""
+        """One iteration; returns the number of requests that stepped. Its stats are taken when
+        it ends (and before its forward pass, for scrapes during a long one)."""
+        try:
+            return self._step()
+        finally:
+            self._publish_stats()
+
+    def _step(self) -> int:
         self.adapters.begin_step(self._last_step_s if self.running else None)
         self._take_inbox()
         self.adapters.settle()
-        if self._apply_between_steps():
-            self._publish_stats()
+        self.hand_over.run_calls()  # what :meth:`between_steps` was handed
+        self.recalls.close_expired()
+        if self.recalls.frozen:  # DGFM holds KV out of every pool (a stage is open): nothing steps
             return 0
         scheduler, adapters = self.scheduler, self.adapters
         decision = self.policy.plan(scheduler.view())
@@ -329,7 +341,6 @@ class Engine:
             logits = self.executor.execute(StepPlan(plan, self.lora_backend, self.config.deterministic))
         except (CreditorUnavailable, CreditorRefused) as failure:
             self.wing.step_failed(failure, lost=scheduler.creditor_lost, refused=scheduler.creditor_refused)
-            self._publish_stats()
             return 0
         finally:
             if masks is not None:
@@ -350,12 +361,7 @@ class Engine:
                 switch_seconds=switch_s,
             )
         )
-        self._publish_stats()
         return len(batch)
-
-    def _borrowed_table(self, request_id: str) -> BlockTable:
-        """The block table of a running request whose KV is borrowed (the executor's lookup)."""
-        return next(r.table for r in self.running if r.request_id == request_id)
 
     def _take_inbox(self) -> None:
         taken = self.hand_over.take()
@@ -363,13 +369,6 @@ class Engine:
             self.scheduler.creditor_lost(worker_id)
         self.adapters.preload(taken.preloads, self.host_adapters)
         self.scheduler.take_over(taken.requests, taken.cancels)
-
-    def _apply_between_steps(self) -> bool:
-        """Run the calls handed to :meth:`between_steps`; True while DGFM holds KV out of every
-        pool (a stage is open), when no request may step."""
-        self.hand_over.run_calls()
-        self.recalls.close_expired()
-        return self.recalls.frozen
 
     # -- stats -------------------------------------------------------------------------------
 
