@@ -19,7 +19,7 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.distkv.block_table import LocalBlock
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.runtime.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
@@ -89,18 +89,10 @@ class BlockLender:
         self._by_debtor.setdefault(debtor, set()).update(ids)
         return ids
 
-    def write(
-        self,
-        debtor: str,
-        layer: int,
-        block_ids: Sequence[int],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        """Store ``debtor``'s KV: token ``i`` goes to slot ``slots[i]`` of block ``block_ids[i]``."""
+    def write(self, debtor: str, layer: int, rows: KvRows[int]) -> None:
+        """Store ``debtor``'s KV: token ``i`` goes to slot ``rows.slots[i]`` of block ``rows.blocks[i]``."""
         self._check_layer(layer)
-        self._store(layer, self._checked_rows(debtor, KvRows(block_ids, slots, keys, values)))
+        self.local.write(layer, self._checked_rows(debtor, rows))
 
     def _checked_rows(self, debtor: str, rows: KvRows[int]) -> KvRows[LocalBlock]:
         """``rows`` on the pages of ``debtor``'s blocks, every shape and slot checked."""
@@ -115,9 +107,6 @@ class BlockLender:
         ):
             raise InvalidArgument(f"slots must be {n} values in [0, {self.local.block_tokens})")
         return KvRows(blocks, slots, rows.keys, rows.values)
-
-    def _store(self, layer: int, rows: KvRows[LocalBlock]) -> None:
-        self.local.write(layer, rows.blocks, rows.slots, rows.keys, rows.values)
 
     def free(self, debtor: str, block_ids: Sequence[int]) -> None:
         """Take back ``debtor``'s ``block_ids``, all or none."""
@@ -138,20 +127,15 @@ class BlockLender:
             self.free(debtor, ids)
         return len(ids)
 
-    def attend(
-        self,
-        debtor: str,
-        layer: int,
-        segments: Sequence[AttendSegment[int]],
-        write: KvRows[int] | None = None,
-    ) -> list[PartialAttention]:
+    def attend(self, debtor: str, call: AttendCall[int]) -> list[PartialAttention]:
         """Partial attention of each segment's queries over its blocks, all owned by ``debtor``;
-        ``write`` (the debtor's new tokens) is stored first. Everything is checked before
-        anything is stored."""
+        the call's ``write`` (the debtor's new tokens) is stored first. Everything is checked
+        before anything is stored."""
+        layer = call.layer
         self._check_layer(layer)
-        rows = self._checked_rows(debtor, write) if write is not None else None
+        rows = self._checked_rows(debtor, call.write) if call.write is not None else None
         local_segments = []
-        for segment in segments:
+        for segment in call.segments:
             blocks = self._owned(debtor, segment.blocks)
             queries, positions = segment.queries, segment.query_positions
             self._check_queries(queries, positions)
@@ -161,7 +145,7 @@ class BlockLender:
                 )
             local_segments.append(AttendSegment(queries, positions, blocks, segment.block_first_positions))
         if rows is not None:
-            self._store(layer, rows)
+            self.local.write(layer, rows)
         return self.local.attend(layer, local_segments)
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ import torch
 
 from services.gpu_worker.distkv.block_table import BlockRef, BlockTable, LostBlock, RemoteBlock
 from services.gpu_worker.distkv.borrower import Borrower
-from services.gpu_worker.distkv.rmanager import RManager
+from services.gpu_worker.distkv.rmanager import RManager, write_whole_blocks
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.runtime.errors import (
     DomainError,
@@ -110,8 +110,7 @@ class BlockRecalls:
                 f"no room to recall {count} blocks from {holder}: {self.rm.local.free_blocks} free ({full})"
             ) from full
         try:
-            keys, values = self.rm.read([site.table[site.index] for site in sites])
-            self._write_local(fresh, keys, values)
+            write_whole_blocks(self.rm.local, fresh, self.rm.read([site.table[site.index] for site in sites]))
         except DomainError:
             self.rm.local.free(fresh)
             raise
@@ -196,14 +195,6 @@ class BlockRecalls:
                 f"{count} to recall (the ledger was older than its tables)"
             )
         return sites[:count]
-
-    def _write_local(self, blocks: Sequence, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Whole ``blocks``' KV from ``keys``/``values`` [layers, len(blocks) * B, kv_dim]."""
-        block_tokens = self.rm.block_tokens
-        targets = [block for block in blocks for _ in range(block_tokens)]
-        slots = torch.arange(block_tokens).repeat(len(blocks))
-        for layer in range(keys.shape[0]):
-            self.rm.local.write(layer, targets, slots, keys[layer], values[layer])
 
     def _homes(self, count: int) -> tuple[list[BlockRef] | None, int]:
         """``count`` blocks for staged KV: local ones, else borrowed; (None, 0) if neither."""

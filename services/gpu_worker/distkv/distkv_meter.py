@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.distkv.block_lender import BlockLender
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall
 from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap, LendComputeExhausted
 from services.gpu_worker.distkv.remote_block_allocator import CreditorTransport, Pending
 from services.gpu_worker.distkv.shared_lender import SharedLender
@@ -115,14 +115,8 @@ class MeteredTransport:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def attend(
-        self,
-        debtor: str,
-        layer: int,
-        segments: Sequence[AttendSegment[int]],
-        write: KvRows[int] | None = None,
-    ) -> Pending[list[PartialAttention]]:
-        return _WaitMetered(self.inner.attend(debtor, layer, segments, write), self.meter)
+    def attend(self, debtor: str, call: AttendCall[int]) -> Pending[list[PartialAttention]]:
+        return _WaitMetered(self.inner.attend(debtor, call), self.meter)
 
 
 class _WaitMetered:
@@ -159,13 +153,7 @@ class MeteredLender(SharedLender):
         self.meter = meter
         self.cap = cap
 
-    def attend(
-        self,
-        debtor: str,
-        layer: int,
-        segments: Sequence[AttendSegment[int]],
-        write: KvRows[int] | None = None,
-    ) -> list[PartialAttention]:
+    def attend(self, debtor: str, call: AttendCall[int]) -> list[PartialAttention]:
         with self._lock:
             cap = self.cap
             try:
@@ -175,7 +163,7 @@ class MeteredLender(SharedLender):
                 raise
             metered = self.meter.clock()
             try:
-                partials = self.lender.attend(debtor, layer, segments, write)
+                partials = self.lender.attend(debtor, call)
             finally:
                 if cap is not None:
                     cap.done(started)

@@ -13,7 +13,7 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.distkv.block_lender import BlockLender
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, KvRows
 from services.gpu_worker.distkv.remote_block_allocator import Pending, done
 from services.runtime.errors import Unavailable
 
@@ -32,33 +32,14 @@ class InProcessTransport:
     def allocate(self, debtor: str, count: int) -> list[int]:
         return self._reachable().allocate(debtor, count)
 
-    def write(
-        self,
-        debtor: str,
-        layer: int,
-        block_ids: Sequence[int],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        self._reachable().write(debtor, layer, block_ids, slots, keys, values)
-
     def write_async(self, debtor: str, layer: int, rows: KvRows[int]) -> Pending[None]:
-        return done(
-            lambda: self._reachable().write(debtor, layer, rows.blocks, rows.slots, rows.keys, rows.values)
-        )
+        return done(lambda: self._reachable().write(debtor, layer, rows))
 
     def free(self, debtor: str, block_ids: Sequence[int]) -> None:
         self._reachable().free(debtor, block_ids)
 
-    def attend(
-        self,
-        debtor: str,
-        layer: int,
-        segments: Sequence[AttendSegment[int]],
-        write: KvRows[int] | None = None,
-    ) -> Pending[list[PartialAttention]]:
-        return done(lambda: self._reachable().attend(debtor, layer, segments, write))
+    def attend(self, debtor: str, call: AttendCall[int]) -> Pending[list[PartialAttention]]:
+        return done(lambda: self._reachable().attend(debtor, call))
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self._reachable().read(debtor, block_ids)

@@ -47,6 +47,18 @@ class KvRows(Generic[BlockT]):
     """[n, kv_dim]."""
 
 
+@dataclass(frozen=True)
+class AttendCall(Generic[BlockT]):
+    """One layer's attention over one holder's blocks, for several requests in one call."""
+
+    layer: int
+    """The layer attended over (and written)."""
+    segments: Sequence[AttendSegment[BlockT]]
+    """Per request, its queries and the blocks of its context on this holder."""
+    write: KvRows[BlockT] | None = None
+    """The requests' new KV rows on this holder, stored before attending (None: nothing to store)."""
+
+
 class KvBlockAllocator(Protocol[BlockT]):
     """KV blocks of one holder (this worker's pool, or one creditor), as seen by a debtor."""
 
@@ -54,16 +66,9 @@ class KvBlockAllocator(Protocol[BlockT]):
         """``count`` blocks, all or none (each holds ``kv_block_tokens`` tokens in every layer)."""
         ...
 
-    def write(
-        self,
-        layer: int,
-        blocks: Sequence[BlockT],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        """Store token ``i``'s ``keys[i]`` and ``values[i]`` ([n, kv_dim]) of ``layer`` at slot
-        ``slots[i]`` of ``blocks[i]``."""
+    def write(self, layer: int, rows: KvRows[BlockT]) -> None:
+        """Store ``rows`` of ``layer``: token ``i``'s ``keys[i]`` and ``values[i]`` ([n, kv_dim])
+        at slot ``slots[i]`` of ``blocks[i]``."""
         ...
 
     def free(self, blocks: Sequence[BlockT]) -> None:

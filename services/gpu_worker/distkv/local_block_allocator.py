@@ -15,7 +15,7 @@ import torch
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
 from services.gpu_worker.distkv.block_table import LocalBlock
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import FailedPrecondition, InvalidArgument
@@ -73,18 +73,12 @@ class LocalBlockAllocator:
         self._cached.update(block for index, block in enumerate(blocks) if index in cached)
         return blocks
 
-    def write(
-        self,
-        layer: int,
-        blocks: Sequence[LocalBlock],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
+    def write(self, layer: int, rows: KvRows[LocalBlock]) -> None:
+        blocks = rows.blocks
         self._check_held(blocks)
         if any(block in self._cached for block in blocks):
             raise FailedPrecondition("a cached prefix block is read-only")
-        self.pool.write_kv([block.pages[layer] for block in blocks], slots, keys, values)
+        self.pool.write_kv([block.pages[layer] for block in blocks], rows.slots, rows.keys, rows.values)
 
     def free(self, blocks: Sequence[LocalBlock]) -> None:
         self._check_held(blocks)

@@ -16,7 +16,7 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.distkv.block_table import RemoteBlock
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 
 
@@ -65,31 +65,16 @@ class CreditorTransport(Protocol):
 
     def allocate(self, debtor: str, count: int) -> list[int]: ...
 
-    def write(
-        self,
-        debtor: str,
-        layer: int,
-        block_ids: Sequence[int],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None: ...
-
     def write_async(self, debtor: str, layer: int, rows: KvRows[int]) -> Pending[None]:
-        """``write``, returning at once: a prefill ships its lent blocks' KV while it computes."""
+        """Store ``rows`` (``BlockLender.write``), returning at once: a prefill ships its lent
+        blocks' KV while it computes (``result()`` waits for a write that must be done)."""
         ...
 
     def free(self, debtor: str, block_ids: Sequence[int]) -> None: ...
 
-    def attend(
-        self,
-        debtor: str,
-        layer: int,
-        segments: Sequence[AttendSegment[int]],
-        write: KvRows[int] | None = None,
-    ) -> Pending[list[PartialAttention]]:
-        """Partial attention per segment, ``write`` stored first; returns at once, so that the
-        debtor attends over its local blocks while the creditor works."""
+    def attend(self, debtor: str, call: AttendCall[int]) -> Pending[list[PartialAttention]]:
+        """Partial attention per segment, the call's ``write`` stored first; returns at once, so
+        that the debtor attends over its local blocks while the creditor works."""
         ...
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -116,15 +101,8 @@ class RemoteBlockAllocator:
         self._held.update(ids)
         return [RemoteBlock(self.creditor, block_id) for block_id in ids]
 
-    def write(
-        self,
-        layer: int,
-        blocks: Sequence[RemoteBlock],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        self._reach(self.transport.write, self.debtor, layer, self.wire_ids(blocks), slots, keys, values)
+    def write(self, layer: int, rows: KvRows[RemoteBlock]) -> None:
+        self.write_async(layer, rows).result()
 
     def free(self, blocks: Sequence[RemoteBlock]) -> None:
         ids = self.wire_ids(blocks)
@@ -134,8 +112,7 @@ class RemoteBlockAllocator:
         self._held.difference_update(ids)
 
     def write_async(self, layer: int, rows: KvRows[RemoteBlock]) -> Pending[None]:
-        wire = KvRows(self.wire_ids(rows.blocks), rows.slots, rows.keys, rows.values)
-        pending = self._reach(self.transport.write_async, self.debtor, layer, wire)
+        pending = self._reach(self.transport.write_async, self.debtor, layer, self._wire_rows(rows))
         return _Answer(lambda: self._reach(pending.result))
 
     def attend(self, layer: int, segments: Sequence[AttendSegment[RemoteBlock]]) -> list[PartialAttention]:
@@ -153,12 +130,8 @@ class RemoteBlockAllocator:
     ) -> Pending[list[PartialAttention]]:
         """Attention over ``segments``, whose blocks are named by :meth:`wire_ids`, and ``write``
         stored first, in one call; returns at once."""
-        rows = (
-            None
-            if write is None
-            else KvRows(self.wire_ids(write.blocks), write.slots, write.keys, write.values)
-        )
-        pending = self._reach(self.transport.attend, self.debtor, layer, segments, rows)
+        call = AttendCall(layer, segments, None if write is None else self._wire_rows(write))
+        pending = self._reach(self.transport.attend, self.debtor, call)
         return _Answer(lambda: self._attended(pending))
 
     def read(self, blocks: Sequence[RemoteBlock]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +160,9 @@ class RemoteBlockAllocator:
             raise
         except ResourceExhausted as refused:
             raise CreditorRefused(self.creditor, refused.message) from refused
+
+    def _wire_rows(self, rows: KvRows[RemoteBlock]) -> KvRows[int]:
+        return KvRows(self.wire_ids(rows.blocks), rows.slots, rows.keys, rows.values)
 
     def wire_ids(self, blocks: Sequence[RemoteBlock]) -> list[int]:
         """The creditor's ids of ``blocks``, each checked to be held there."""

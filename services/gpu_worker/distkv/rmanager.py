@@ -22,7 +22,7 @@ from services.gpu_worker.attention.dist_attention import PartialAttention, empty
 from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
 from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig
 from services.gpu_worker.distkv.block_table import BlockRef, BlockTable, LocalBlock, LostBlock, RemoteBlock
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvBlockAllocator, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, BlockT, KvBlockAllocator, KvRows
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.distkv.remote_block_allocator import CreditorTransport, Pending, RemoteBlockAllocator
 from services.gpu_worker.kernels.cpu_invariant import invariant_available
@@ -140,7 +140,7 @@ class RManager:
         """Store one layer's ``keys``/``values`` [n, kv_dim] of the tokens at ``positions`` [n],
         each in its logical block, wherever that block lives (one call per holder)."""
         for holder, (blocks, index, slots) in self._rows_by_holder(table, positions).items():
-            self._allocator(holder).write(layer, blocks, slots, keys[index], values[index])
+            self._allocator(holder).write(layer, KvRows(blocks, slots, keys[index], values[index]))
 
     def store(
         self, table: BlockTable, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -149,10 +149,10 @@ class RManager:
         ones are on their way (one call per creditor), done when every returned call is."""
         pending = []
         for holder, (blocks, index, slots) in self._rows_by_holder(table, positions).items():
+            rows = KvRows(blocks, slots, keys[index], values[index])
             if holder is None:
-                self.local.write(layer, blocks, slots, keys[index], values[index])
+                self.local.write(layer, rows)
             else:
-                rows = KvRows(blocks, slots, keys[index], values[index])
                 pending.append(self._creditor(holder).write_async(layer, rows))
         return pending
 
@@ -240,7 +240,7 @@ class RManager:
                     rows = KvRows(blocks, slots, request.keys[index], request.values[index])
                     writes.setdefault(holder, []).append(rows)
         for rows in writes.pop(None, []):
-            self.local.write(layer, rows.blocks, rows.slots, rows.keys, rows.values)
+            self.local.write(layer, rows)
         segments = {
             holder: [planned.segment(requests[planned.request].queries) for planned in planned_segments]
             for holder, planned_segments in plan.segments.items()
@@ -327,11 +327,8 @@ class RManager:
             by_holder.setdefault(_holder(_live(table, index)), []).append(index)
         try:
             for holder, held in by_holder.items():
-                keys, values = self._allocator(holder).read([table[i] for i in held])
-                targets = [fresh[i] for i in held for _ in range(self.block_tokens)]
-                slots = torch.arange(self.block_tokens, device=keys.device).repeat(len(held))
-                for layer in range(keys.shape[0]):
-                    destination.write(layer, targets, slots, keys[layer], values[layer])
+                kv = self._allocator(holder).read([table[i] for i in held])
+                write_whole_blocks(destination, [fresh[i] for i in held], kv)
         except DomainError:
             # An unreachable destination frees its blocks when its death is processed.
             with contextlib.suppress(Unavailable):
@@ -395,6 +392,19 @@ def _live(table: BlockTable, index: int) -> BlockRef:
     if isinstance(block, LostBlock):
         raise FailedPrecondition(f"block {index} was lost with creditor {block.creditor}; recompute it before using it")
     return block
+
+
+def write_whole_blocks(
+    allocator: KvBlockAllocator[BlockT], blocks: Sequence[BlockT], kv: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """Fill every slot of ``blocks`` in every layer with ``kv``, what ``read`` returned for as many
+    blocks: keys and values [num_layers, len(blocks) * kv_block_tokens, kv_dim]."""
+    keys, values = kv
+    block_tokens = keys.shape[1] // len(blocks) if blocks else 0
+    targets = [block for block in blocks for _ in range(block_tokens)]
+    slots = torch.arange(block_tokens, device=keys.device).repeat(len(blocks))
+    for layer in range(keys.shape[0]):
+        allocator.write(layer, KvRows(targets, slots, keys[layer], values[layer]))
 
 
 def _holder(block: BlockRef) -> str | None:

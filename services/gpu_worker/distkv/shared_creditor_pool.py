@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_block_attention import attend_pool_blocks
 from services.gpu_worker.attention.pool_view import PoolView
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, KvRows
 from services.runtime.errors import FailedPrecondition
 
 
@@ -52,16 +52,14 @@ class SharedCreditorPool:
     def write(self, layer: int, rows: KvRows[int]) -> None:
         self.view.write_kv(self._layer_pages(layer, rows.blocks), rows.slots, rows.keys, rows.values)
 
-    def attend(
-        self, layer: int, segments: Sequence[AttendSegment[int]], write: KvRows[int] | None = None
-    ) -> list[PartialAttention]:
-        """``write`` stored, then each segment's partial attention over its blocks."""
-        pages = [self._layer_pages(layer, segment.blocks) for segment in segments]
-        if write is not None:
-            self.write(layer, write)
+    def attend(self, call: AttendCall[int]) -> list[PartialAttention]:
+        """The call's ``write`` stored, then each segment's partial attention over its blocks."""
+        pages = [self._layer_pages(call.layer, segment.blocks) for segment in call.segments]
+        if call.write is not None:
+            self.write(call.layer, call.write)
         return [
             attend_pool_blocks(
                 self.view, segment_pages, segment.block_first_positions, segment.queries, segment.query_positions
             )
-            for segment, segment_pages in zip(segments, pages, strict=True)
+            for segment, segment_pages in zip(call.segments, pages, strict=True)
         ]

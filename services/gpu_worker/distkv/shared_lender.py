@@ -21,7 +21,7 @@ import torch
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.distkv.block_lender import BlockLender
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, KvRows
 from services.runtime.errors import FailedPrecondition
 
 
@@ -54,31 +54,17 @@ class SharedLender:
         with self._lock:
             return self.lender.allocate(debtor, count)
 
-    def write(
-        self,
-        debtor: str,
-        layer: int,
-        block_ids: Sequence[int],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
+    def write(self, debtor: str, layer: int, rows: KvRows[int]) -> None:
         with self._lock:
-            self.lender.write(debtor, layer, block_ids, slots, keys, values)
+            self.lender.write(debtor, layer, rows)
 
     def free(self, debtor: str, block_ids: Sequence[int]) -> None:
         with self._lock:
             self.lender.free(debtor, block_ids)
 
-    def attend(
-        self,
-        debtor: str,
-        layer: int,
-        segments: Sequence[AttendSegment[int]],
-        write: KvRows[int] | None = None,
-    ) -> list[PartialAttention]:
+    def attend(self, debtor: str, call: AttendCall[int]) -> list[PartialAttention]:
         with self._lock:
-            return self.lender.attend(debtor, layer, segments, write)
+            return self.lender.attend(debtor, call)
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:

@@ -9,7 +9,7 @@ import torch
 from services.gpu_worker.attention.dist_attention import micro_attention
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.unified_pool import UnifiedPool
@@ -58,22 +58,22 @@ def test_bad_requests_get_clear_errors_and_change_nothing():
     keys, values = kv_rows(1)
     slots = torch.tensor([0])
     with pytest.raises(PermissionDenied, match=f"block {theirs[0]} is not lent to a"):
-        creditor.write("a", 0, theirs, slots, keys, values)
+        creditor.write("a", 0, KvRows(theirs, slots, keys, values))
     with pytest.raises(PermissionDenied):
         creditor.free("a", [mine[0], theirs[0]])
     query = AttendSegment(torch.randn(1, HEADS, HEAD_DIM), torch.tensor([0]), theirs, [0])
     with pytest.raises(PermissionDenied):
-        creditor.attend("a", 0, [query])
+        creditor.attend("a", AttendCall(0, [query]))
     with pytest.raises(PermissionDenied):
         creditor.read("a", theirs)
     with pytest.raises(InvalidArgument, match="never lent"):
-        creditor.write("a", 0, [99], slots, keys, values)
+        creditor.write("a", 0, KvRows([99], slots, keys, values))
     with pytest.raises(InvalidArgument, match="layer 2"):
-        creditor.write("a", 2, mine[:1], slots, keys, values)
+        creditor.write("a", 2, KvRows(mine[:1], slots, keys, values))
     with pytest.raises(InvalidArgument, match="slots"):
-        creditor.write("a", 0, mine[:1], torch.tensor([BLOCK]), keys, values)
+        creditor.write("a", 0, KvRows(mine[:1], torch.tensor([BLOCK]), keys, values))
     with pytest.raises(InvalidArgument, match="keys must be"):
-        creditor.write("a", 0, mine, torch.tensor([0, 1]), keys, values)
+        creditor.write("a", 0, KvRows(mine, torch.tensor([0, 1]), keys, values))
     with pytest.raises(InvalidArgument, match="twice"):
         creditor.free("a", [mine[0], mine[0]])
     with pytest.raises(InvalidArgument, match="at least one block"):
@@ -88,13 +88,13 @@ def test_freed_blocks_are_reported_as_freed_and_never_reused():
     creditor.free("a", ids[:1])
     keys, values = kv_rows(1)
     with pytest.raises(FailedPrecondition, match=f"block {ids[0]} was freed"):
-        creditor.write("a", 0, ids[:1], torch.tensor([0]), keys, values)
+        creditor.write("a", 0, KvRows(ids[:1], torch.tensor([0]), keys, values))
     with pytest.raises(FailedPrecondition, match="was freed"):
         creditor.free("a", ids[:1])  # double free
     again = creditor.allocate("b", 1)
     assert again[0] not in ids  # the page is reused, the id is not: a stale id never aliases b's block
     with pytest.raises(FailedPrecondition):
-        creditor.write("a", 0, ids[:1], torch.tensor([0]), keys, values)
+        creditor.write("a", 0, KvRows(ids[:1], torch.tensor([0]), keys, values))
     assert creditor.lent_to() == {"a": 1, "b": 1}
 
 
@@ -122,13 +122,12 @@ def test_attention_over_a_debtors_blocks_only():
     firsts = [4, 12]
     for layer in range(LAYERS):
         keys, values = kv_rows(2 * BLOCK, seed=layer)
-        creditor.write(
-            "a", layer, [ids[0]] * BLOCK + [ids[1]] * BLOCK, torch.arange(2 * BLOCK) % BLOCK, keys, values
-        )
-        creditor.write("b", layer, other * BLOCK, torch.arange(BLOCK), *kv_rows(BLOCK, seed=9))
+        both = [ids[0]] * BLOCK + [ids[1]] * BLOCK
+        creditor.write("a", layer, KvRows(both, torch.arange(2 * BLOCK) % BLOCK, keys, values))
+        creditor.write("b", layer, KvRows(other * BLOCK, torch.arange(BLOCK), *kv_rows(BLOCK, seed=9)))
     queries = torch.randn(3, HEADS, HEAD_DIM)
     positions = torch.tensor([5, 13, 20])
-    (partial,) = creditor.attend("a", 1, [AttendSegment(queries, positions, ids, firsts)])
+    (partial,) = creditor.attend("a", AttendCall(1, [AttendSegment(queries, positions, ids, firsts)]))
     keys, values = kv_rows(2 * BLOCK, seed=1)
     expected = micro_attention(
         queries, keys.view(-1, KV_HEADS, HEAD_DIM), values.view(-1, KV_HEADS, HEAD_DIM), positions,
@@ -137,16 +136,18 @@ def test_attention_over_a_debtors_blocks_only():
     assert torch.allclose(partial.output, expected.output, atol=1e-6)
     assert torch.allclose(partial.lse, expected.lse, atol=1e-6)
     with pytest.raises(InvalidArgument, match="queries must be"):
-        creditor.attend("a", 0, [AttendSegment(torch.randn(3, 5, HEAD_DIM), positions, ids, firsts)])
+        creditor.attend(
+            "a", AttendCall(0, [AttendSegment(torch.randn(3, 5, HEAD_DIM), positions, ids, firsts)])
+        )
 
 
 def test_a_bf16_pool_stores_bf16_and_attends_in_fp32():
     creditor = lender(dtype=torch.bfloat16)
     ids = creditor.allocate("a", 1)
     keys, values = kv_rows(BLOCK, seed=3)
-    creditor.write("a", 0, ids * BLOCK, torch.arange(BLOCK), keys, values)
+    creditor.write("a", 0, KvRows(ids * BLOCK, torch.arange(BLOCK), keys, values))
     queries, positions = torch.randn(2, HEADS, HEAD_DIM), torch.tensor([1, 3])
-    (partial,) = creditor.attend("a", 0, [AttendSegment(queries, positions, ids, [0])])
+    (partial,) = creditor.attend("a", AttendCall(0, [AttendSegment(queries, positions, ids, [0])]))
     stored = [rows.to(torch.bfloat16).float().view(BLOCK, KV_HEADS, HEAD_DIM) for rows in (keys, values)]
     expected = micro_attention(queries, *stored, positions, torch.arange(BLOCK))
     assert partial.output.dtype == torch.float32

@@ -11,7 +11,7 @@ import torch
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.distkv.distkv_meter import DistKvMeter, DistKvTotals, MeteredTransport
 from services.gpu_worker.distkv.in_process_transport import InProcessTransport
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.model.llama import LlamaModel
 
@@ -49,17 +49,17 @@ def test_debtor_attention_is_timed_per_call_and_closed_per_step(tiny_llama):
     (block,) = transport.allocate("debtor", 1)
     layout = lender_engine.pool.layout
     keys = torch.ones(2, layout.kv_dim)
-    transport.write("debtor", 0, [block, block], torch.tensor([0, 1]), keys, keys)
+    transport.write_async("debtor", 0, KvRows([block, block], torch.tensor([0, 1]), keys, keys)).result()
     assert meter.totals() == DistKvTotals()  # only attention is timed
     assert meter.end_step() is None and waits == []  # a step with no remote attention
 
     for _ in range(3):
-        transport.attend("debtor", 0, [segment(lender_engine, tiny_llama, block)]).result()
+        transport.attend("debtor", AttendCall(0, [segment(lender_engine, tiny_llama, block)])).result()
     assert meter.totals().remote_attention_calls == 3
     assert meter.totals().remote_attention_s == 0.75  # each wait read the clock twice
     assert meter.end_step() == 0.75 and waits == [0.75]
 
-    transport.attend("debtor", 1, [segment(lender_engine, tiny_llama, block)]).result()
+    transport.attend("debtor", AttendCall(1, [segment(lender_engine, tiny_llama, block)])).result()
     assert meter.end_step() == 0.25 and waits == [0.75, 0.25]
     assert meter.end_step() is None
     transport.free("debtor", [block])
@@ -71,10 +71,8 @@ def test_the_creditor_times_the_attention_it_computes_for_debtors(tiny_llama):
     engine.distkv.clock = TickingClock(0.5)
     lending = engine.lending
     (block,) = lending.allocate("debtor", 1, engine.pool.layout)
-    threads = [
-        threading.Thread(target=lending.attend, args=("debtor", 0, [segment(engine, tiny_llama, block)]))
-        for _ in range(4)
-    ]
+    call = AttendCall(0, [segment(engine, tiny_llama, block)])
+    threads = [threading.Thread(target=lending.attend, args=("debtor", call)) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:

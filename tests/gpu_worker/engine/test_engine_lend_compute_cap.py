@@ -5,14 +5,12 @@ single big-pool engine; every block is accounted for and both sides count the re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.distkv.in_process_transport import InProcessTransport
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall
 from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap
 from services.gpu_worker.distkv.remote_block_allocator import Pending, done
 from services.gpu_worker.distkv.shared_lender import SharedLender
@@ -28,15 +26,9 @@ class ThroughTheLender(InProcessTransport):
         super().__init__(creditor, engine.rm.lender)
         self.shared: SharedLender = engine.lending
 
-    def attend(
-        self,
-        debtor: str,
-        layer: int,
-        segments: Sequence[AttendSegment[int]],
-        write: KvRows[int] | None = None,
-    ) -> Pending[list[PartialAttention]]:
+    def attend(self, debtor: str, call: AttendCall[int]) -> Pending[list[PartialAttention]]:
         self._reachable()
-        return done(lambda: self.shared.attend(debtor, layer, segments, write))
+        return done(lambda: self.shared.attend(debtor, call))
 
 
 class Ticks:

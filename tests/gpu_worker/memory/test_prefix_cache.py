@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
+from services.gpu_worker.distkv.kv_block_allocator import KvRows
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.kv_cache import KvTable
@@ -110,10 +111,9 @@ def test_a_table_handing_over_shared_blocks_keeps_their_references_and_the_new_o
     cached = set(table.shared)
     blocks = local.adopt(table.hand_over(), cached)
     assert cached == {0, 1} and len(blocks) == 3 and local.allocated_blocks == 1
+    ones = torch.ones(1, LAYOUT.kv_dim)
     with pytest.raises(FailedPrecondition, match="read-only"):
-        local.write(
-            0, blocks[:1], torch.tensor([0]), torch.ones(1, LAYOUT.kv_dim), torch.ones(1, LAYOUT.kv_dim)
-        )
+        local.write(0, KvRows(blocks[:1], torch.tensor([0]), ones, ones))
     assert all(cache.refcount(key) == 1 for key in keys)
     free_before = pool.usage().free_pages
     local.free(blocks)

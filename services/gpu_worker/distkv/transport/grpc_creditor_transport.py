@@ -26,7 +26,7 @@ from mesh_api.v1 import worker_pb2
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.distkv.distkv_meter import DistKvMeter
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, KvRows
 from services.gpu_worker.distkv.remote_block_allocator import Pending, done
 from services.gpu_worker.distkv.shared_creditor_pool import SharedCreditorPool
 from services.gpu_worker.distkv.transport.lending_lane import ATTEND, WRITE, LaneClient
@@ -37,7 +37,6 @@ from services.gpu_worker.distkv.transport.lending_proto import (
     rows_to_proto,
     segment_to_proto,
     tensor_from_proto,
-    tensor_to_proto,
 )
 from services.runtime.errors import (
     AlreadyExists,
@@ -178,30 +177,12 @@ class GrpcCreditorTransport:
             self._shared.learn(block_ids, lane.pages(block_ids))
         return block_ids
 
-    def write(
-        self,
-        debtor: str,
-        layer: int,
-        block_ids: Sequence[int],
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        self.write_async(debtor, layer, KvRows(block_ids, slots, keys, values)).result()
-
     def write_async(self, debtor: str, layer: int, rows: KvRows[int]) -> Pending[None]:
         lane = self._lane_of(debtor)
         if self._shared is not None:
             lane.check_open()
             return done(lambda: self._shared.write(layer, rows))
-        request = worker_pb2.WriteKvRequest(
-            debtor=debtor,
-            layer=layer,
-            block_ids=list(rows.blocks),
-            slots=tensor_to_proto(rows.slots.to(torch.int64)),
-            keys=tensor_to_proto(rows.keys),
-            values=tensor_to_proto(rows.values),
-        )
+        request = rows_to_proto(rows, worker_pb2.WriteKvRequest, debtor=debtor, layer=layer)
         if lane is not None:
             return lane.call(WRITE, request, lambda data: None)
         return self._call_async(self._calls["WriteKv"], request, lambda reply: None)
@@ -213,22 +194,17 @@ class GrpcCreditorTransport:
             self._calls["FreeBlocks"], worker_pb2.FreeBlocksRequest(debtor=debtor, block_ids=list(block_ids))
         )
 
-    def attend(
-        self,
-        debtor: str,
-        layer: int,
-        segments: Sequence[AttendSegment[int]],
-        write: KvRows[int] | None = None,
-    ) -> Pending[list[PartialAttention]]:
+    def attend(self, debtor: str, call: AttendCall[int]) -> Pending[list[PartialAttention]]:
         lane = self._lane_of(debtor)
         if self._shared is not None:
             lane.check_open()  # a dead creditor's blocks are recomputed, as over gRPC
-            return done(lambda: self._shared.attend(layer, segments, write))
+            return done(lambda: self._shared.attend(call))
+        segments = call.segments
         request = worker_pb2.AttendRemoteRequest(
-            debtor=debtor, layer=layer, segments=[segment_to_proto(s) for s in segments]
+            debtor=debtor, layer=call.layer, segments=[segment_to_proto(s) for s in segments]
         )
-        if write is not None:
-            request.write.CopyFrom(rows_to_proto(write))
+        if call.write is not None:
+            request.write.CopyFrom(rows_to_proto(call.write))
         device = segments[0].queries.device if segments else "cpu"
 
         def partials(reply: worker_pb2.AttendRemoteResponse) -> list[PartialAttention]:

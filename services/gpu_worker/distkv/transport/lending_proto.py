@@ -8,16 +8,22 @@ bytes do not match its dtype and shape is ``InvalidArgument``), the debtor's
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
+from google.protobuf.message import Message
 
 from mesh_api.v1 import worker_pb2
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.attention.pool_view import PoolLayout
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.shared_lender import SharedLender
 from services.runtime.errors import InvalidArgument
+
+D = TypeVar("D", AttendSegment, KvRows)
+M = TypeVar("M", bound=Message)
 
 WIRE_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "int64", "int32")}
 """The dtypes a tensor may have on the wire: KV and queries in any model dtype, indices."""
@@ -71,40 +77,57 @@ def layout_from_proto(message: worker_pb2.KvBlockLayout) -> PoolLayout:
     )
 
 
+_WIRE_NAMES = {"blocks": "block_ids"}
+"""Fields of ``AttendSegment`` and ``KvRows`` whose message field is named otherwise."""
+_ID_LISTS = {"blocks", "block_first_positions"}
+"""Their fields that travel as lists of integers; the others are tensors."""
+_INDEX_TENSORS = {"query_positions", "slots"}
+"""Their tensors of indices, which travel as int64 whatever their dtype here."""
+
+
+def _fields_to_proto(value: AttendSegment[int] | KvRows[int]) -> dict[str, object]:
+    """The message fields that carry ``value``."""
+    fields: dict[str, object] = {}
+    for field in dataclasses.fields(value):
+        item = getattr(value, field.name)
+        if field.name in _ID_LISTS:
+            item = list(item)
+        else:
+            item = tensor_to_proto(item.to(torch.int64) if field.name in _INDEX_TENSORS else item)
+        fields[_WIRE_NAMES.get(field.name, field.name)] = item
+    return fields
+
+
+def _fields_from_proto(cls: type[D], message: Message, device: torch.device, what: str = "") -> D:
+    """The ``cls`` (``AttendSegment`` or ``KvRows``) ``message`` carries; a tensor that does not
+    decode is named ``what`` + its field."""
+    fields: dict[str, object] = {}
+    for field in dataclasses.fields(cls):
+        item = getattr(message, _WIRE_NAMES.get(field.name, field.name))
+        fields[field.name] = (
+            list(item) if field.name in _ID_LISTS else tensor_from_proto(item, what + field.name, device)
+        )
+    return cls(**fields)
+
+
 def segment_to_proto(segment: AttendSegment[int]) -> worker_pb2.RemoteAttendSegment:
-    return worker_pb2.RemoteAttendSegment(
-        queries=tensor_to_proto(segment.queries),
-        query_positions=tensor_to_proto(segment.query_positions.to(torch.int64)),
-        block_ids=list(segment.blocks),
-        block_first_positions=list(segment.block_first_positions),
-    )
+    return worker_pb2.RemoteAttendSegment(**_fields_to_proto(segment))
 
 
 def segment_from_proto(message: worker_pb2.RemoteAttendSegment, device: torch.device) -> AttendSegment[int]:
-    return AttendSegment(
-        queries=tensor_from_proto(message.queries, "queries", device),
-        query_positions=tensor_from_proto(message.query_positions, "query_positions", device),
-        blocks=list(message.block_ids),
-        block_first_positions=list(message.block_first_positions),
-    )
+    return _fields_from_proto(AttendSegment, message, device)
 
 
-def rows_to_proto(rows: KvRows[int]) -> worker_pb2.KvRows:
-    return worker_pb2.KvRows(
-        block_ids=list(rows.blocks),
-        slots=tensor_to_proto(rows.slots.to(torch.int64)),
-        keys=tensor_to_proto(rows.keys),
-        values=tensor_to_proto(rows.values),
-    )
+def rows_to_proto(rows: KvRows[int], message: type[M] = worker_pb2.KvRows, **others: object) -> M:
+    """``rows`` in a ``message``: a ``KvRows``, or a ``WriteKvRequest`` with its ``others``."""
+    return message(**_fields_to_proto(rows), **others)
 
 
-def rows_from_proto(message: worker_pb2.KvRows, device: torch.device) -> KvRows[int]:
-    return KvRows(
-        blocks=list(message.block_ids),
-        slots=tensor_from_proto(message.slots, "write.slots", device),
-        keys=tensor_from_proto(message.keys, "write.keys", device),
-        values=tensor_from_proto(message.values, "write.values", device),
-    )
+def rows_from_proto(
+    message: worker_pb2.KvRows | worker_pb2.WriteKvRequest, device: torch.device, what: str = "write."
+) -> KvRows[int]:
+    """The rows ``message`` carries (``what``: how its tensors are named in errors)."""
+    return _fields_from_proto(KvRows, message, device, what)
 
 
 def partials_to_proto(partials: Sequence[PartialAttention]) -> worker_pb2.AttendRemoteResponse:
@@ -134,19 +157,12 @@ def answer_attend_remote(
     lane): its write stored, then its segments attended over."""
     segments = [segment_from_proto(segment, device) for segment in request.segments]
     write = rows_from_proto(request.write, device) if request.HasField("write") else None
-    return partials_to_proto(lending.attend(debtor, request.layer, segments, write))
+    return partials_to_proto(lending.attend(debtor, AttendCall(request.layer, segments, write)))
 
 
 def apply_write_kv(
     lending: SharedLender, debtor: str, request: worker_pb2.WriteKvRequest, device: torch.device
 ) -> worker_pb2.WriteKvResponse:
     """``request``'s KV stored for ``debtor`` (the RPC's or the lane's)."""
-    lending.write(
-        debtor,
-        request.layer,
-        list(request.block_ids),
-        tensor_from_proto(request.slots, "slots", device),
-        tensor_from_proto(request.keys, "keys", device),
-        tensor_from_proto(request.values, "values", device),
-    )
+    lending.write(debtor, request.layer, rows_from_proto(request, device, what=""))
     return worker_pb2.WriteKvResponse()

@@ -15,7 +15,7 @@ from mesh_api.v1 import worker_pb2
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.distkv.borrower import Candidate
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.distkv.transport.lending_proto import (
     layout_to_proto,
@@ -69,7 +69,8 @@ async def test_bytes_are_the_serialized_requests_and_replies(creditor, tiny_llam
 
     slots = torch.arange(BLOCK)
     keys = torch.randn(BLOCK, layout.kv_dim, generator=torch.Generator().manual_seed(1))
-    await asyncio.to_thread(remote.write, "debtor", 0, [ids[0]] * BLOCK, slots, keys, -keys)
+    rows = KvRows([ids[0]] * BLOCK, slots, keys, -keys)
+    await asyncio.to_thread(lambda: remote.write_async("debtor", 0, rows).result())
     sent += size(
         worker_pb2.WriteKvRequest(
             debtor="debtor", layer=0, block_ids=[ids[0]] * BLOCK, slots=tensor_to_proto(slots),
@@ -79,7 +80,7 @@ async def test_bytes_are_the_serialized_requests_and_replies(creditor, tiny_llam
     cfg = tiny_llama.config
     queries = torch.randn(3, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(2))
     attend = AttendSegment(queries, torch.tensor([1, 2, 3]), [ids[0]], [0])
-    partials = await asyncio.to_thread(lambda: remote.attend("debtor", 0, [attend]).result())
+    partials = await asyncio.to_thread(lambda: remote.attend("debtor", AttendCall(0, [attend])).result())
     sent += size(
         worker_pb2.AttendRemoteRequest(debtor="debtor", layer=0, segments=[segment_to_proto(attend)])
     )

@@ -13,7 +13,7 @@ from support.worker_server import serve_worker
 
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.distkv.borrower import Candidate
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment
 from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.engine.engine import Engine, EngineConfig
@@ -58,7 +58,9 @@ async def test_the_refusal_is_resource_exhausted_naming_the_cap(creditors, tiny_
     queries = torch.randn(1, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(2))
     with pytest.raises(ResourceExhausted, match="--lend-compute-share is 0") as refused:
         await asyncio.to_thread(
-            lambda: remote.attend("debtor", 0, [AttendSegment(queries, torch.tensor([0]), ids, [0])]).result()
+            lambda: remote.attend(
+                "debtor", AttendCall(0, [AttendSegment(queries, torch.tensor([0]), ids, [0])])
+            ).result()
         )
     assert "creditor busy" in refused.value.message
     assert busy.distkv.totals().lent_attention_refused == 1

@@ -17,7 +17,7 @@ from support.worker_server import serve_worker
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.build import local_engine
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.distkv.transport.lending_proto import tensor_from_proto, tensor_to_proto
 from services.gpu_worker.engine.engine import EngineConfig
@@ -50,6 +50,11 @@ def transport(creditor) -> GrpcCreditorTransport:
     return GrpcCreditorTransport("creditor", address, engine.pool.layout)
 
 
+async def store(remote: GrpcCreditorTransport, debtor: str, layer: int, rows: KvRows[int]) -> None:
+    """``rows`` stored through ``remote``, off the event loop (as the engine thread calls it)."""
+    await asyncio.to_thread(lambda: remote.write_async(debtor, layer, rows).result())
+
+
 def kv(n: int, kv_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(n, kv_dim, generator=generator), torch.randn(n, kv_dim, generator=generator)
@@ -67,12 +72,12 @@ async def test_lend_write_attend_read_free_match_the_lender_in_process(creditor,
     targets = [ids[0]] * block + [ids[1]] * block
     slots = torch.arange(block).repeat(2)
     for layer in range(layout.num_layers):
-        await asyncio.to_thread(remote.write, "debtor-a", layer, targets, slots, keys + layer, values - layer)
+        await store(remote, "debtor-a", layer, KvRows(targets, slots, keys + layer, values - layer))
     queries = torch.randn(3, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(2))
     positions = torch.tensor([block - 1, block + 2, 2 * block - 1])
     segment = AttendSegment(queries, positions, ids, [0, block])
-    (partial,) = await asyncio.to_thread(lambda: remote.attend("debtor-a", 1, [segment]).result())
-    (expected,) = engine.lending.attend("debtor-a", 1, [segment])
+    (partial,) = await asyncio.to_thread(lambda: remote.attend("debtor-a", AttendCall(1, [segment])).result())
+    (expected,) = engine.lending.attend("debtor-a", AttendCall(1, [segment]))
     assert torch.equal(partial.output, expected.output) and torch.equal(partial.lse, expected.lse)
     read_keys, read_values = await asyncio.to_thread(remote.read, "debtor-a", ids)
     assert torch.equal(read_keys[1], keys + 1) and torch.equal(read_values[0], values)
@@ -92,19 +97,19 @@ async def test_a_write_carried_by_the_attention_call_is_stored_first_or_not_at_a
     keys, values = kv(3, layout.kv_dim, seed=4)
     queries = torch.randn(1, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(5))
     segment = AttendSegment(queries, torch.tensor([2]), [block_id], [0])
-    await asyncio.to_thread(
-        remote.write, "debtor-a", 0, [block_id] * 2, torch.tensor([0, 1]), keys[:2], values[:2]
-    )
+    await store(remote, "debtor-a", 0, KvRows([block_id] * 2, torch.tensor([0, 1]), keys[:2], values[:2]))
     write = KvRows([block_id], torch.tensor([2]), keys[2:], values[2:])
 
     bad = KvRows([block_id], torch.tensor([layout.kv_block_tokens]), keys[2:], values[2:])
     with pytest.raises(InvalidArgument, match="slots must be"):
-        await asyncio.to_thread(lambda: remote.attend("debtor-a", 0, [segment], bad).result())
+        await asyncio.to_thread(lambda: remote.attend("debtor-a", AttendCall(0, [segment], bad)).result())
     before, _ = await asyncio.to_thread(remote.read, "debtor-a", [block_id])
     assert not before[0, 2].any()  # the refused call stored nothing
 
-    (partial,) = await asyncio.to_thread(lambda: remote.attend("debtor-a", 0, [segment], write).result())
-    (expected,) = engine.lending.attend("debtor-a", 0, [segment])  # over what the call stored
+    (partial,) = await asyncio.to_thread(
+        lambda: remote.attend("debtor-a", AttendCall(0, [segment], write)).result()
+    )
+    (expected,) = engine.lending.attend("debtor-a", AttendCall(0, [segment]))  # over what the call stored
     assert torch.equal(partial.output, expected.output) and torch.equal(partial.lse, expected.lse)
     stored, _ = await asyncio.to_thread(remote.read, "debtor-a", [block_id])
     assert torch.equal(stored[0, :3], keys)
@@ -124,22 +129,20 @@ async def test_bad_calls_get_clear_statuses_and_other_debtors_are_served(credito
     await asyncio.to_thread(remote.free, "debtor-a", mine[:1])
     keys, values = kv(1, layout.kv_dim, seed=3)
     with pytest.raises(FailedPrecondition, match=f"block {mine[0]} was freed"):
-        await asyncio.to_thread(remote.write, "debtor-a", 0, mine[:1], torch.tensor([0]), keys, values)
+        await store(remote, "debtor-a", 0, KvRows(mine[:1], torch.tensor([0]), keys, values))
     queries = torch.randn(1, cfg.num_heads, cfg.head_dim)
     stolen = AttendSegment(queries, torch.tensor([0]), [theirs[0]], [0])
     with pytest.raises(PermissionDenied, match=f"block {theirs[0]} is not lent to debtor-a"):
-        await asyncio.to_thread(lambda: remote.attend("debtor-a", 0, [stolen]).result())
+        await asyncio.to_thread(lambda: remote.attend("debtor-a", AttendCall(0, [stolen])).result())
     with pytest.raises(InvalidArgument, match="keys must be"):
-        await asyncio.to_thread(
-            remote.write, "debtor-a", 0, mine[1:2], torch.tensor([0]), keys[:, :3], values
-        )
+        await store(remote, "debtor-a", 0, KvRows(mine[1:2], torch.tensor([0]), keys[:, :3], values))
 
     # Nothing above changed the loans, and debtor-b is still served.
     assert engine.lending.lent_to() == {"debtor-a": 3, "debtor-b": 1}
-    await asyncio.to_thread(remote.write, "debtor-b", 0, theirs, torch.tensor([0]), keys, values)
+    await store(remote, "debtor-b", 0, KvRows(theirs, torch.tensor([0]), keys, values))
     (partial,) = await asyncio.to_thread(
         lambda: remote.attend(
-            "debtor-b", 0, [AttendSegment(queries, torch.tensor([0]), theirs, [0])]
+            "debtor-b", AttendCall(0, [AttendSegment(queries, torch.tensor([0]), theirs, [0])])
         ).result()
     )
     assert torch.isfinite(partial.lse).all()

@@ -15,7 +15,7 @@ from support.worker_server import serve_worker
 from mesh_api.v1 import worker_pb2
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.distkv.distkv_meter import DistKvMeter
-from services.gpu_worker.distkv.kv_block_allocator import AttendSegment, KvRows
+from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport, _refusal
 from services.gpu_worker.distkv.transport.lending_lane import (
     ATTEND,
@@ -67,9 +67,9 @@ async def test_the_lane_answers_as_the_rpcs_do_and_counts_its_bytes(creditor, ti
     segment = AttendSegment(queries, torch.tensor([3, block - 1]), [ids[0]], [0])
     tail = KvRows([ids[1]], torch.tensor([0]), keys[:1] * 2, keys[:1])
     sent_before = over_lane.meter.totals().remote_bytes_sent
-    (lane_partial,) = await run(lambda: over_lane.attend("debtor-a", 1, [segment], tail).result())
+    (lane_partial,) = await run(lambda: over_lane.attend("debtor-a", AttendCall(1, [segment], tail)).result())
     assert over_lane.meter.totals().remote_bytes_sent > sent_before
-    (grpc_partial,) = await run(lambda: over_grpc.attend("debtor-a", 1, [segment]).result())
+    (grpc_partial,) = await run(lambda: over_grpc.attend("debtor-a", AttendCall(1, [segment])).result())
     assert torch.equal(lane_partial.output, grpc_partial.output) and torch.equal(
         lane_partial.lse, grpc_partial.lse
     )
@@ -79,8 +79,9 @@ async def test_the_lane_answers_as_the_rpcs_do_and_counts_its_bytes(creditor, ti
     theirs = await run(lambda: over_grpc.allocate("debtor-b", 1))
     stolen = AttendSegment(queries[:1], torch.tensor([0]), theirs, [0])
     with pytest.raises(PermissionDenied, match=f"block {theirs[0]} is not lent to debtor-a"):
-        await run(lambda: over_lane.attend("debtor-a", 0, [stolen]).result())
-    (after,) = await run(lambda: over_lane.attend("debtor-a", 1, [segment]).result())  # still open
+        await run(lambda: over_lane.attend("debtor-a", AttendCall(0, [stolen])).result())
+    # the lane is still open
+    (after,) = await run(lambda: over_lane.attend("debtor-a", AttendCall(1, [segment])).result())
     assert torch.equal(after.output, lane_partial.output)
     await run(lambda: over_grpc.free("debtor-a", ids))
     await run(lambda: over_grpc.free("debtor-b", theirs))
@@ -118,13 +119,13 @@ async def test_a_closed_lane_makes_the_creditor_unreachable(creditor, tiny_llama
     ids = await run(lambda: remote.allocate("debtor-a", 1))
     queries = torch.randn(1, tiny_llama.config.num_heads, tiny_llama.config.head_dim)
     segment = AttendSegment(queries, torch.tensor([0]), ids, [0])
-    await run(lambda: remote.attend("debtor-a", 0, [segment]).result())
+    await run(lambda: remote.attend("debtor-a", AttendCall(0, [segment])).result())
     lane.close()
     remote._lane._socket.shutdown(socket.SHUT_RDWR)  # what the creditor's death does to it
     with pytest.raises(Unavailable, match="lending lane failed"):
-        await run(lambda: remote.attend("debtor-a", 0, [segment]).result())
+        await run(lambda: remote.attend("debtor-a", AttendCall(0, [segment])).result())
     with pytest.raises(Unavailable):
-        await run(lambda: remote.attend("debtor-a", 0, [segment]).result())  # it stays failed
+        await run(lambda: remote.attend("debtor-a", AttendCall(0, [segment])).result())  # it stays failed
     remote.close()
 
 
@@ -160,9 +161,9 @@ async def test_a_shared_pool_is_written_and_attended_in_place_with_the_answers_o
     segment = AttendSegment(queries, torch.tensor([3, block - 1]), [ids[0]], [0])
     tail = KvRows([ids[1]], torch.tensor([0]), keys[:1] * 2, keys[:1])
     sent_before = mapped.meter.totals().remote_bytes_sent
-    (in_place,) = await run(lambda: mapped.attend("debtor-a", 1, [segment], tail).result())
+    (in_place,) = await run(lambda: mapped.attend("debtor-a", AttendCall(1, [segment], tail)).result())
     assert mapped.meter.totals().remote_bytes_sent == sent_before  # no message for the attention
-    (over_rpc,) = await run(lambda: over_grpc.attend("debtor-a", 1, [segment]).result())
+    (over_rpc,) = await run(lambda: over_grpc.attend("debtor-a", AttendCall(1, [segment])).result())
     assert torch.equal(in_place.output, over_rpc.output) and torch.equal(in_place.lse, over_rpc.lse)
     stored, values = await run(lambda: over_grpc.read("debtor-a", ids))
     assert torch.equal(stored[1, :block], keys) and torch.equal(values[1, :block], -keys)  # the creditor's
@@ -173,10 +174,11 @@ async def test_a_shared_pool_is_written_and_attended_in_place_with_the_answers_o
         await run(lambda: mapped._lane.pages(theirs))  # the creditor names only our blocks' pages
     stolen = AttendSegment(queries[:1], torch.tensor([0]), theirs, [0])
     with pytest.raises(FailedPrecondition, match=f"block {theirs[0]} of creditor creditor is not lent"):
-        await run(lambda: mapped.attend("debtor-a", 0, [stolen]).result())
+        await run(lambda: mapped.attend("debtor-a", AttendCall(0, [stolen])).result())
     await run(lambda: mapped.free("debtor-a", ids))
     with pytest.raises(FailedPrecondition, match="is not lent to this worker"):
-        await run(lambda: mapped.attend("debtor-a", 1, [segment]).result())  # forgotten once freed
+        # forgotten once freed
+        await run(lambda: mapped.attend("debtor-a", AttendCall(1, [segment])).result())
     await run(lambda: over_grpc.free("debtor-b", theirs))
     mapped.close()
     over_grpc.close()
@@ -188,10 +190,11 @@ async def test_a_debtor_on_a_shared_pool_finds_its_creditor_dead_at_its_next_cal
     ids = await run(lambda: mapped.allocate("debtor-c", 1))
     queries = torch.randn(1, tiny_llama.config.num_heads, tiny_llama.config.head_dim)
     segment = AttendSegment(queries, torch.tensor([0]), ids, [0])
-    await run(lambda: mapped.attend("debtor-c", 0, [segment]).result())
+    await run(lambda: mapped.attend("debtor-c", AttendCall(0, [segment])).result())
     mapped._lane._socket.shutdown(socket.SHUT_RDWR)  # what the creditor's death does to it
     with pytest.raises(Unavailable, match="lending lane failed"):
-        await run(lambda: mapped.attend("debtor-c", 0, [segment]).result())  # recomputed, not read on
+        # recomputed, not read on
+        await run(lambda: mapped.attend("debtor-c", AttendCall(0, [segment])).result())
     mapped.close()
 
 
