@@ -54,7 +54,7 @@ def test_the_page_trains_an_adapter_the_mesh_serves_as_peft_does(tmp_path, base_
         base_spec,
         ValidationLimits(),
     )
-    assert validated.rank == 8 and len(validated.target_modules) == 7
+    assert validated.config.rank == 8 and len(validated.target_modules) == 7
     peft_reply = (tmp_path / "peft-reply.txt").read_text()
     assert peft_reply.startswith("ROGER."), peft_reply  # the page's training taught its style
 
