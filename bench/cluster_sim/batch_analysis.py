@@ -59,7 +59,7 @@ def analyze(workers: int, trace_name: str, trace, policies, calibration, model) 
     p99 = np.percentile(latency, 99)
     top = [r for r in done if r.finish_s - r.arrival_s >= 0.97 * p99 and r.request_id in per_request]
 
-    base_s = calibration.model.base_ms / 1000.0
+    base_s = calibration.model["base_ms"] / 1000.0
     cells = int(np.ceil(max(end for _, _, end, _ in steps) / GRID_S))
     batch = np.zeros((workers, cells))
     excess = np.zeros((workers, cells))  # step time over the fixed part
@@ -121,8 +121,8 @@ def main() -> None:
         adapter_load_ms=calibration.adapter_load_ms,
         mean_output_tokens=sum(ex.OUTPUT_RANGE) / 2,
         max_running_hint=ex.WORKER.max_running,
-        per_request_step_ms=calibration.model.per_token_ms
-        + calibration.model.per_rank_token_ms * sum(ex.RANKS) / len(ex.RANKS),
+        per_request_step_ms=calibration.model["per_token_ms"]
+        + calibration.model["per_rank_token_ms"] * sum(ex.RANKS) / len(ex.RANKS),
     )
     policies = next(p for p in ex.POLICY_SETS if p.name == name)
     out = {}

@@ -3,8 +3,10 @@
 For a grid of batch shapes (requests, prompt length, distinct adapters, rank) it submits the
 requests to a real :class:`~services.gpu_worker.engine.engine.Engine`, times the prefill step
 and a few decode steps with ``perf_counter``, records each step's :class:`StepShape`, and fits
-:class:`StepCostModel` by least squares (``numpy.linalg.lstsq``; a coefficient that comes out
-negative is dropped and the rest refitted, so the model never predicts cheaper work as slower).
+the step-cost model (:class:`LinearCost` over ``SHAPE_TERMS``) by non-negative least squares (no
+coefficient is negative, so the model never predicts cheaper work as slower; the committed
+calibrations were fitted by dropping a negative coefficient and refitting the rest, which gives
+the same fit, up to rounding, when at most one comes out negative, as in each of them).
 Adapter load time is the median of reading a PEFT adapter from disk (page cache dropped first),
 parsing it and paging it into the pool: what a worker does after the store's bytes arrive, minus
 the network.
@@ -26,19 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.cluster_sim.cost_model import (
-    FEATURES,
-    Calibration,
-    StepCostModel,
-    StepShape,
-    feature_row,
-    shape_of,
-)
+from bench.cluster_sim.cost_model import SHAPE_TERMS, Calibration, StepShape, shape_of
 from bench.out_dir import default_out
 from bench.sample_adapters import read_peft_directory
 from bench.serving.adapters import ensure_adapter_set, evict_from_page_cache
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
@@ -98,20 +94,11 @@ def fastest(
     return [(shape, min(run[i][1] for run in runs)) for i, (shape, _) in enumerate(runs[0])]
 
 
-def fit(samples: list[tuple[StepShape, float]]) -> tuple[StepCostModel, float]:
-    """Least squares over the samples, dropping negative coefficients; and the mean |error| %."""
-    x = np.array([feature_row(shape) for shape, _ in samples])
-    y = np.array([ms for _, ms in samples])
-    active = list(range(len(FEATURES)))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        negative = [i for i, c in zip(active, coef, strict=True) if c < 0]
-        if not negative:
-            break
-        active.remove(negative[0])
-    values = dict.fromkeys(FEATURES, 0.0) | {FEATURES[i]: float(c) for i, c in zip(active, coef, strict=True)}
-    model = StepCostModel(**values)
-    errors = [abs(model.step_ms(shape) - ms) / ms for shape, ms in samples]
+def fit(samples: list[tuple[StepShape, float]]) -> tuple[LinearCost, float]:
+    """Non-negative least squares over the samples; and the mean |error| %."""
+    rows = [shape.row() for shape, _ in samples]
+    model = LinearCost.named(SHAPE_TERMS).fit(rows, [ms for _, ms in samples], nonnegative=True)
+    errors = [abs(model.predict(row) - ms) / ms for row, (_, ms) in zip(rows, samples, strict=True)]
     return model, 100.0 * float(np.mean(errors))
 
 

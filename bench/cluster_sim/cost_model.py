@@ -1,4 +1,5 @@
-"""The simulated worker's step time: a linear model of one continuous-batching step's shape.
+"""The simulated worker's step time: the step-cost model (:class:`LinearCost`) over one
+continuous-batching step's shape.
 
     step_ms = base_ms + per_token_ms · tokens + per_adapter_ms · adapters
               + per_rank_token_ms · rank_tokens + per_attention_ms · attention_units / 1000
@@ -6,9 +7,9 @@
 ``tokens`` are the tokens computed in the step (whole prompts being prefilled plus one per
 decoding request), ``adapters`` the distinct adapters in it, ``rank_tokens`` Σ tokens × rank of
 their adapter (the LoRA FLOPs), ``attention_units`` Σ new tokens × their mean context length (the
-attention FLOPs). The coefficients are fitted on the real engine by ``bench.cluster_sim.calibrate``
-and stored with the CPU model in a JSON file; the committed ones, which the experiments and the
-validation read, are in ``bench/cluster_sim/calibrations/``.
+attention FLOPs). The coefficients (:data:`SHAPE_TERMS`) are fitted on the real engine by
+``bench.cluster_sim.calibrate`` and stored with the CPU model in a JSON file; the committed ones,
+which the experiments and the validation read, are in ``bench/cluster_sim/calibrations/``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 
 DEFAULT_CALIBRATION = Path(__file__).parent / "calibrations" / "grid_busy.json"
 """The calibration experiments and validations simulate with unless ``--calibration`` names another."""
@@ -34,6 +37,10 @@ class StepShape:
     attention_units: float
     """Σ over requests of new tokens × mean context they attend over."""
 
+    def row(self) -> tuple[float, ...]:
+        """The step's features, in the order of :data:`SHAPE_TERMS`."""
+        return (1.0, self.tokens, self.adapters, self.rank_tokens, self.attention_units / 1000.0)
+
 
 def shape_of(parts: list[tuple[int, int, int, str]]) -> StepShape:
     """The shape of a step over ``(new_tokens, context_before, rank, adapter)`` per request."""
@@ -45,47 +52,19 @@ def shape_of(parts: list[tuple[int, int, int, str]]) -> StepShape:
     )
 
 
-@dataclass(frozen=True)
-class StepCostModel:
-    """Coefficients of the step-time model, ms."""
-
-    base_ms: float = 0.0
-    """Fixed cost of a step (weights read, Python, sampling)."""
-    per_token_ms: float = 0.0
-    """Base-model cost of each computed token."""
-    per_adapter_ms: float = 0.0
-    """Cost of each distinct adapter in the step (gathering its pages, one kernel segment)."""
-    per_rank_token_ms: float = 0.0
-    """LoRA cost per token per unit of rank."""
-    per_attention_ms: float = 0.0
-    """Attention cost per 1,000 attention units (token × context)."""
-
-    def step_ms(self, shape: StepShape) -> float:
-        """Predicted duration of a step of this shape (never below zero)."""
-        return max(
-            0.0,
-            self.base_ms
-            + self.per_token_ms * shape.tokens
-            + self.per_adapter_ms * shape.adapters
-            + self.per_rank_token_ms * shape.rank_tokens
-            + self.per_attention_ms * shape.attention_units / 1000.0,
-        )
-
-
-FEATURES = ("base_ms", "per_token_ms", "per_adapter_ms", "per_rank_token_ms", "per_attention_ms")
-"""Model coefficients in the order of :func:`feature_row`."""
-
-
-def feature_row(shape: StepShape) -> list[float]:
-    """The regressors of one step, in the order of :data:`FEATURES`."""
-    return [1.0, shape.tokens, shape.adapters, shape.rank_tokens, shape.attention_units / 1000.0]
+SHAPE_TERMS = ("base_ms", "per_token_ms", "per_adapter_ms", "per_rank_token_ms", "per_attention_ms")
+"""The step-time model's terms (named by their coefficient, ms), in the order of :meth:`StepShape.row`:
+the fixed cost of a step (weights read, Python, sampling), the base-model cost of each computed
+token, the cost of each distinct adapter in the step (gathering its pages, one kernel segment),
+the LoRA cost per token per unit of rank, the attention cost per 1,000 attention units."""
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """A fitted cost model and where it was measured."""
+    """A fitted step-time model and where it was measured."""
 
-    model: StepCostModel
+    model: LinearCost
+    """Over :data:`SHAPE_TERMS`, ms."""
     adapter_load_ms: float
     """Measured time to fetch an adapter and page it in (median)."""
     cpu_model: str
@@ -97,9 +76,10 @@ class Calibration:
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        raw = {**asdict(self), "model": self.model.as_dict()}
+        Path(path).write_text(json.dumps(raw, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         raw = json.loads(Path(path).read_text())
-        return cls(**{**raw, "model": StepCostModel(**raw["model"])})
+        return cls(**{**raw, "model": LinearCost.named(SHAPE_TERMS, **raw["model"])})

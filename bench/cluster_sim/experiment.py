@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.cluster_sim.cost_model import DEFAULT_CALIBRATION, Calibration, StepCostModel, shape_of
+from bench.cluster_sim.cost_model import DEFAULT_CALIBRATION, Calibration, shape_of
 from bench.cluster_sim.report import write_report
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
 from bench.cluster_sim.summary import summarize
@@ -26,6 +26,7 @@ from bench.cluster_sim.traces import shifted
 from bench.cluster_sim.worker import WorkerSpec
 from bench.out_dir import default_out
 from bench.workload import TraceRequest, WorkloadSpec, generate
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.scheduler.placement import WaitModel
 from services.scheduler.policies import make_placement
 from services.scheduler.policies.batch_balancing import BatchBalancing, BatchBalancingConfig
@@ -75,7 +76,7 @@ POLICY_SETS = (
 
 
 def capacity_rps(
-    cost: StepCostModel,
+    cost: LinearCost,
     spec: WorkerSpec,
     input_range: tuple[int, int] = INPUT_RANGE,
     output_range: tuple[int, int] = OUTPUT_RANGE,
@@ -90,7 +91,9 @@ def capacity_rps(
     prefills = batch / mean_out  # prompts per step in steady state
     parts = [(1, int(mean_in + mean_out / 2), int(rank), f"a{i}") for i in range(batch)]
     decode = shape_of(parts)
-    step_ms = cost.step_ms(decode) + prefills * mean_in * (cost.per_token_ms + cost.per_rank_token_ms * rank)
+    step_ms = cost.predict(decode.row()) + prefills * mean_in * (
+        cost["per_token_ms"] + cost["per_rank_token_ms"] * rank
+    )
     return prefills / (step_ms / 1000.0)
 
 
@@ -112,12 +115,12 @@ def co_migration_config(calibration: Calibration, workers: int) -> CoMigrationCo
     """Co-migration's runtime model from the same calibration as the simulated workers: a step of
     a full batch of requests of distinct adapters of the mean rank."""
     model = calibration.model
-    rank_ms = model.per_rank_token_ms * sum(RANKS) / len(RANKS)
+    rank_ms = model["per_rank_token_ms"] * sum(RANKS) / len(RANKS)
     return CoMigrationConfig(
         top_k=max(2, workers // 8),
-        step_base_ms=model.base_ms,
-        step_per_request_ms=model.per_token_ms + model.per_adapter_ms + rank_ms,
-        prefill_token_ms=model.per_token_ms + rank_ms,
+        step_base_ms=model["base_ms"],
+        step_per_request_ms=model["per_token_ms"] + model["per_adapter_ms"] + rank_ms,
+        prefill_token_ms=model["per_token_ms"] + rank_ms,
         adapter_load_s=calibration.adapter_load_ms / 1000.0,
         max_running=WORKER.max_running,
         mean_remaining_tokens=sum(OUTPUT_RANGE) / 2,
@@ -130,11 +133,11 @@ def batch_balancing_config(
 ) -> BatchBalancingConfig:
     """Batch balancing's step model from the same calibration as the simulated workers."""
     model = calibration.model
-    rank_ms = model.per_rank_token_ms * sum(RANKS) / len(RANKS)
+    rank_ms = model["per_rank_token_ms"] * sum(RANKS) / len(RANKS)
     return BatchBalancingConfig(
-        step_token_ms=model.per_token_ms + rank_ms,
-        step_adapter_ms=model.per_adapter_ms,
-        prefill_token_ms=model.per_token_ms + rank_ms,
+        step_token_ms=model["per_token_ms"] + rank_ms,
+        step_adapter_ms=model["per_adapter_ms"],
+        prefill_token_ms=model["per_token_ms"] + rank_ms,
         adapter_load_s=calibration.adapter_load_ms / 1000.0,
         default_max_running=WORKER.max_running,
         min_gap=min_gap,
@@ -195,18 +198,22 @@ def main() -> None:
     per_worker = capacity_rps(calibration.model, WORKER)
     mean_rank = sum(RANKS) / len(RANKS)
     idle_prefill = shape_of([(int(sum(INPUT_RANGE) / 2), 0, int(mean_rank), "a")])
-    slo_s = args.slo_s or 10 * (calibration.model.step_ms(idle_prefill) + calibration.adapter_load_ms) / 1000
+    slo_s = (
+        args.slo_s
+        or 10 * (calibration.model.predict(idle_prefill.row()) + calibration.adapter_load_ms) / 1000
+    )
     model = WaitModel(
         adapter_load_ms=calibration.adapter_load_ms,
         mean_output_tokens=sum(OUTPUT_RANGE) / 2,
         max_running_hint=WORKER.max_running,
-        per_request_step_ms=calibration.model.per_token_ms + calibration.model.per_rank_token_ms * mean_rank,
+        per_request_step_ms=calibration.model["per_token_ms"]
+        + calibration.model["per_rank_token_ms"] * mean_rank,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"cpu_model": calibration.cpu_model, "capacity_rps_per_worker": per_worker, "slo_s": slo_s,
             "load": args.load, "duration_s": args.duration, "adapters": args.adapters, "seeds": args.seeds,
-            "adapter_load_ms": calibration.adapter_load_ms, "cost_model": asdict(calibration.model),
+            "adapter_load_ms": calibration.adapter_load_ms, "cost_model": calibration.model.as_dict(),
             "batch_min_gap": args.batch_min_gap}  # fmt: skip
     rows = []
     for seed in args.seeds:

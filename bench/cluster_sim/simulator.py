@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from bench.cluster_sim.cost_model import StepCostModel
 from bench.cluster_sim.worker import SimRequest, SimWorker, WorkerSpec
 from bench.workload import TraceRequest
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.placement import PlacementRequest
 from services.scheduler.policies.interface import PlacementPolicy
@@ -70,7 +70,7 @@ class ClusterSimulator:
     def __init__(
         self,
         config: SimConfig,
-        cost: StepCostModel,
+        cost: LinearCost,
         placement: PlacementPolicy,
         migration: MigrationPolicy | None = None,
         prefetch: PrefetchPolicy | None = None,

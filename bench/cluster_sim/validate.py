@@ -53,7 +53,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from multiprocessing.managers import BarrierProxy
 from pathlib import Path
 
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from bench.cluster_sim.calibrate import cpu_model, fit
-from bench.cluster_sim.cost_model import DEFAULT_CALIBRATION, Calibration, StepCostModel, StepShape
+from bench.cluster_sim.cost_model import DEFAULT_CALIBRATION, SHAPE_TERMS, Calibration, StepShape
 from bench.cluster_sim.experiment import capacity_rps
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
 from bench.cluster_sim.worker import WorkerSpec
@@ -72,6 +72,7 @@ from bench.systems.engine_system import EngineSystem, EngineSystemOptions
 from bench.workload import TraceRequest, WorkloadSpec, generate
 from services.gpu_worker.engine.policies.batch_policy import BatchPlan, BatchView, StepOutcome
 from services.gpu_worker.engine.policies.fcfs import Fcfs
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.model_files.base_model import load_base_model_spec
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.placement import PlacementRequest
@@ -131,14 +132,14 @@ def step_shape(tokens: int, adapters: int) -> StepShape:
     return StepShape(tokens, adapters, int(tokens * sum(RANKS) / len(RANKS)), 0.0)
 
 
-def fit_steps(steps: list[list[float]]) -> tuple[StepCostModel, float]:
+def fit_steps(steps: list[list[float]]) -> tuple[LinearCost, float]:
     """The step-cost model fitted on a validation run's recorded steps (see the module docstring)."""
     return fit([(step_shape(int(t), int(a)), 1000.0 * s) for t, a, s in steps])
 
 
-def step_model_ratio(model: StepCostModel, steps: list[list[float]]) -> float:
+def step_model_ratio(model: LinearCost, steps: list[list[float]]) -> float:
     """Mean of measured over predicted step time."""
-    return float(np.mean([1000.0 * s / model.step_ms(step_shape(int(t), int(a))) for t, a, s in steps]))
+    return float(np.mean([1000.0 * s / model.predict(step_shape(int(t), int(a)).row()) for t, a, s in steps]))
 
 
 def steps_by_worker(result: dict) -> dict[str, list[list[float]]]:
@@ -154,7 +155,9 @@ def pooled(steps: dict[str, list[list[float]]]) -> list[list[float]]:
 
 def worker_ids(workers: int) -> list[str]:
     """The simulated workers' ids, as :class:`ClusterSimulator` names them."""
-    return list(ClusterSimulator(SimConfig(workers=workers), StepCostModel(), RoundRobin()).workers)
+    return list(
+        ClusterSimulator(SimConfig(workers=workers), LinearCost.named(SHAPE_TERMS), RoundRobin()).workers
+    )
 
 
 def place(trace: list[TraceRequest], workers: int, policy: PlacementPolicy) -> list[str]:
@@ -293,7 +296,7 @@ def main() -> None:
     result = {"workers": args.workers, "requests": len(trace), "rate_rps": rate, "measured": real,
               "simulated": sim, "error": error, "measured_by_worker": real_by_worker,
               "simulated_by_worker": sim_by_worker, "start_skew_s": skew,
-              "step_model": asdict(model), "step_model_from": fitted_on,
+              "step_model": model.as_dict(), "step_model_from": fitted_on,
               "measured_over_calibrated_step": step_model_ratio(simulated_with.model, pooled(steps)),
               "measured_over_calibrated_step_by_worker":
                   {w: step_model_ratio(simulated_with.model, s) for w, s in steps.items()},

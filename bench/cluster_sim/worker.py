@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from bench.cluster_sim.cost_model import StepCostModel, StepShape, shape_of
+from bench.cluster_sim.cost_model import StepShape, shape_of
 from services.gpu_worker.engine.admission import Start, admit
 from services.gpu_worker.engine.policies.batch_policy import RunningRequest
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.gpu_worker.engine.policies.preemption import make_preemption_policy
 
 
@@ -103,7 +104,7 @@ class Step:
 class SimWorker:
     worker_id: str
     spec: WorkerSpec
-    cost: StepCostModel
+    cost: LinearCost
     fetching: dict[str, list[SimRequest]] = field(default_factory=dict)
     """Adapters being fetched -> the requests waiting for them (not in the engine yet)."""
     queue: list[SimRequest] = field(default_factory=list)
@@ -323,7 +324,7 @@ class SimWorker:
         parts = [(r.context_tokens, 0, r.rank, r.adapter) for r in admitted]
         parts += [(1, r.context_tokens, r.rank, r.adapter) for r in decode]
         shape = shape_of(parts)
-        self.step = Step(now + self.cost.step_ms(shape) / 1000.0, admitted, decode, shape)
+        self.step = Step(now + self.cost.predict(shape.row()) / 1000.0, admitted, decode, shape)
         return self.step
 
     def finish_step(self) -> list[SimRequest]:

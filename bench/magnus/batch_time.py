@@ -1,5 +1,5 @@
-"""Magnus' batch-time estimator for static batches (SEED-SPECS §3 step 3), fitted from measured
-batches.
+"""Magnus' batch time for static batches (SEED-SPECS §3 step 3): the step-cost model
+(:class:`LinearCost`) over a static batch's shape, fitted from measured batches.
 
 A static batch of ``bs`` requests prefills them (``bs·L`` tokens, L the longest prompt) and then
 decodes ``G`` steps (G the longest output: the batch ends with its longest request), each step
@@ -9,20 +9,23 @@ attending over a context that grows from L to L + G:
 
 Magnus fits a KNN regressor on (bs, L, G); on a CPU with a few dozen measured batches a KNN
 cannot extrapolate to sizes it has not seen, so the same inputs go into this cost form, fitted by
-non-negative least squares (every term is a cost). Refitted after each observed batch.
+non-negative least squares (every term is a cost) over every batch so far, refitted after each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-from scipy.optimize import nnls
+from services.gpu_worker.engine.policies.linear_cost import FitConfig, OnlineFit
+
+BATCH_TERMS = ("fixed", "per_prompt_token", "per_step", "per_decode_token", "per_context_token")
+"""The batch time's terms (named by their coefficient, seconds: a, b, c, d, e above), in the order
+of :meth:`BatchShape.row`."""
 
 
 @dataclass(frozen=True)
 class BatchShape:
-    """What the estimator sees of a static batch."""
+    """What the batch-time model sees of a static batch."""
 
     size: int
     """Requests in the batch (bs)."""
@@ -31,31 +34,22 @@ class BatchShape:
     output_tokens: int
     """The longest output, G(B) (predicted before it runs, measured after)."""
 
+    def row(self) -> tuple[float, ...]:
+        """The batch's features, in the order of :data:`BATCH_TERMS`."""
+        bs, prompt, out = self.size, self.prompt_tokens, self.output_tokens
+        return (1.0, bs * prompt, out, out * bs, out * bs * (prompt + out / 2))
 
-def _terms(shape: BatchShape) -> np.ndarray:
-    bs, prompt, out = shape.size, shape.prompt_tokens, shape.output_tokens
-    return np.array([1.0, bs * prompt, out, out * bs, out * bs * (prompt + out / 2)], dtype=np.float64)
+
+MeasuredBatch = tuple[BatchShape, float]
+"""A batch's shape and the seconds it took."""
 
 
-class BatchTimeEstimator:
-    """Seconds a static batch takes, fitted from the batches measured so far."""
+def _measured(batch: MeasuredBatch) -> tuple[tuple[float, ...], float]:
+    shape, seconds = batch
+    return shape.row(), seconds
 
-    def __init__(self) -> None:
-        self._rows: list[np.ndarray] = []
-        self._seconds: list[float] = []
-        self._coef: np.ndarray | None = None
 
-    @property
-    def fitted(self) -> bool:
-        return self._coef is not None
-
-    def observe(self, shape: BatchShape, seconds: float) -> None:
-        """A measured batch; refits on every batch so far."""
-        self._rows.append(_terms(shape))
-        self._seconds.append(seconds)
-        self._coef, _ = nnls(np.array(self._rows), np.array(self._seconds))
-
-    def seconds(self, shape: BatchShape) -> float:
-        if self._coef is None:
-            raise RuntimeError("the batch-time estimator has seen no batch")
-        return float(_terms(shape) @ self._coef)
+def batch_time_model() -> OnlineFit[MeasuredBatch]:
+    """Seconds a static batch takes, fitted (NNLS) on every measured batch so far; no estimate
+    (``cost`` raises) before the first."""
+    return OnlineFit(BATCH_TERMS, _measured, FitConfig(nonnegative=True))

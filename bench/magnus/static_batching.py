@@ -9,7 +9,7 @@ the instance is idle:
 - :class:`MagnusStatic`: each arriving request joins the queued batch whose WMA (wasted memory
   access, from the *predicted* lengths G′) stays lowest and under Φ, if its memory
   ``size·(L(B)+G(B))`` stays under Θ, else opens a new batch; the idle instance takes the batch
-  with the highest response ratio ``(T_w + T_p) / T_p`` (T_p from the batch-time estimator).
+  with the highest response ratio ``(T_w + T_p) / T_p`` (T_p from the batch-time model, ``batch_time.py``).
 
 A batch whose real lengths overflow Θ (an under-prediction) fails at the step its KV no longer
 fits: :func:`overflow_step` finds it, and :func:`split` halves the batch for a requeue (Magnus'
@@ -22,7 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bench.magnus.batch_time import BatchShape, BatchTimeEstimator
+from bench.magnus.batch_time import BatchShape, MeasuredBatch
+from services.gpu_worker.engine.policies.linear_cost import OnlineFit
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class MagnusStatic:
 
     name = "static Magnus (WMA + HRRN + predictor)"
 
-    def __init__(self, config: MagnusStaticConfig, estimator: BatchTimeEstimator):
+    def __init__(self, config: MagnusStaticConfig, estimator: OnlineFit[MeasuredBatch]):
         self.config = config
         self.estimator = estimator
         self._batches: list[StaticBatch] = []
@@ -199,11 +200,11 @@ class MagnusStatic:
     def response_ratio(self, batch: StaticBatch, now_s: float) -> float:
         if not self.estimator.fitted:
             return now_s - batch.oldest_arrival_s
-        service = max(1e-6, self.estimator.seconds(batch.shape(batch.predicted_tokens)))
+        service = max(1e-6, self.estimator.cost.predict(batch.shape(batch.predicted_tokens).row()))
         return (max(0.0, now_s - batch.oldest_arrival_s) + service) / service
 
     def requeue(self, batches: tuple[StaticBatch, ...]) -> None:
         self._failed.extendleft(reversed(batches))
 
     def observe(self, shape: BatchShape, seconds: float) -> None:
-        self.estimator.observe(shape, seconds)
+        self.estimator.observe((shape, seconds))

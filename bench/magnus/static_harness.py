@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from bench.magnus import length_dataset
-from bench.magnus.batch_time import BatchShape, BatchTimeEstimator
+from bench.magnus.batch_time import BatchShape, MeasuredBatch, batch_time_model
 from bench.magnus.engine_runs import (
     EngineRunner,
     kv_bytes_per_token,
@@ -42,6 +42,7 @@ from bench.magnus.static_batching import (
 )
 from bench.magnus.trace import cross_fitted_predictions, poisson_trace
 from services.gpu_worker.engine.engine import EngineConfig
+from services.gpu_worker.engine.policies.linear_cost import OnlineFit
 from services.gpu_worker.model.loading import load_model
 
 CALIBRATION = ((1, 8), (4, 8), (16, 8), (1, 48), (4, 48), (16, 48))
@@ -52,7 +53,7 @@ VALIDATION = ((2, 24), (8, 32), (12, 16))
 
 def calibrate(
     runner: EngineRunner, trace: list[StaticRequest], seed: int
-) -> tuple[BatchTimeEstimator, float]:
+) -> tuple[OnlineFit[MeasuredBatch], float]:
     """An estimator fitted on measured batches, and its mean relative error on other batches."""
     rng = np.random.default_rng(seed)
 
@@ -60,10 +61,12 @@ def calibrate(
         batch = StaticBatch([trace[int(i)] for i in rng.choice(len(trace), size=size, replace=False)])
         return batch.shape(steps), runner.run_batch(batch, steps)
 
-    estimator = BatchTimeEstimator()
+    estimator = batch_time_model()
     for size, steps in CALIBRATION:
-        estimator.observe(*measured(size, steps))
-    errors = [abs(estimator.seconds(shape) - s) / s for shape, s in (measured(*v) for v in VALIDATION)]
+        estimator.observe(measured(size, steps))
+    errors = [
+        abs(estimator.cost.predict(shape.row()) - s) / s for shape, s in (measured(*v) for v in VALIDATION)
+    ]
     return estimator, float(np.mean(errors))
 
 

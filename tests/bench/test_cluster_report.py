@@ -6,8 +6,9 @@ import json
 import sys
 
 from bench.cluster_sim import report
-from bench.cluster_sim.cost_model import Calibration, StepCostModel
+from bench.cluster_sim.cost_model import SHAPE_TERMS, Calibration
 from bench.cluster_sim.experiment import POLICY_SETS, batch_balancing_config, simulator_factory
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.scheduler.placement import WaitModel
 from services.scheduler.policies.batch_balancing import BatchBalancing
 
@@ -33,7 +34,9 @@ def test_one_ratio_table_per_combination_present(tmp_path):
 
 
 def test_the_batch_balancing_sets_use_the_calibrated_step_model():
-    model = StepCostModel(base_ms=200.0, per_token_ms=8.0, per_adapter_ms=18.0, per_rank_token_ms=0.01)
+    model = LinearCost.named(
+        SHAPE_TERMS, base_ms=200.0, per_token_ms=8.0, per_adapter_ms=18.0, per_rank_token_ms=0.01
+    )
     calibration = Calibration(
         model, adapter_load_ms=600.0, cpu_model="test", samples=1, mean_abs_error_pct=0.0
     )

@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cluster_sim.cost_model import StepCostModel, StepShape, shape_of
+from bench.cluster_sim.cost_model import DEFAULT_CALIBRATION, SHAPE_TERMS, Calibration, StepShape, shape_of
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
 from bench.cluster_sim.summary import summarize
 from bench.cluster_sim.validate import fit_steps, step_model_ratio, step_shape
 from bench.cluster_sim.worker import WorkerSpec
 from bench.workload import TraceRequest, WorkloadSpec, generate
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.scheduler.cluster_view import ClusterSnapshot
 from services.scheduler.placement import PlacementDecision, PlacementRequest, WaitModel
 from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
 from services.scheduler.policies.replica_load import ClusterLoad, Migration
 from services.scheduler.policies.round_robin import RoundRobin
 
-COST = StepCostModel(base_ms=10.0, per_token_ms=1.0)
+COST = LinearCost.named(SHAPE_TERMS, base_ms=10.0, per_token_ms=1.0)
 SPEC = WorkerSpec(max_running=8, memory_tokens=10_000, adapter_load_ms=100.0)
 
 
@@ -71,7 +72,7 @@ def test_step_shape_counts_tokens_adapters_rank_tokens_and_attention():
     assert shape == StepShape(
         tokens=7, adapters=2, rank_tokens=5 * 8 + 16 + 8, attention_units=12.5 + 20.5 + 30.5
     )
-    assert COST.step_ms(shape) == 17.0
+    assert COST.predict(shape.row()) == 17.0
 
 
 def test_one_request_waits_for_its_adapter_then_prefills_and_decodes():
@@ -217,9 +218,19 @@ def test_a_migrated_request_joins_the_back_of_the_queue_or_keeps_its_arrival_ord
 
 
 def test_a_step_model_fitted_on_recorded_steps_predicts_them():
-    truth = StepCostModel(base_ms=200.0, per_token_ms=5.0, per_adapter_ms=20.0)
-    steps = [[t, a, truth.step_ms(step_shape(t, a)) / 1000.0] for t in (1, 8, 16, 64) for a in (1, 4, 8)]
+    truth = LinearCost.named(SHAPE_TERMS, base_ms=200.0, per_token_ms=5.0, per_adapter_ms=20.0)
+    steps = [
+        [t, a, truth.predict(step_shape(t, a).row()) / 1000.0] for t in (1, 8, 16, 64) for a in (1, 4, 8)
+    ]
     model, error_pct = fit_steps(steps)
     assert error_pct == pytest.approx(0.0, abs=1e-6)
     assert step_model_ratio(model, steps) == pytest.approx(1.0)
     assert step_model_ratio(truth, [[t, a, 2 * s] for t, a, s in steps]) == pytest.approx(2.0)
+
+
+def test_the_committed_calibrations_load_and_save_back_unchanged(tmp_path):
+    for path in sorted(DEFAULT_CALIBRATION.parent.glob("*.json")):
+        calibration = Calibration.load(path)
+        assert calibration.model.terms == SHAPE_TERMS and calibration.model["base_ms"] > 0
+        calibration.save(tmp_path / path.name)
+        assert (tmp_path / path.name).read_text() == path.read_text()

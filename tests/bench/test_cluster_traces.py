@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bench.cluster_sim.cost_model import StepCostModel
+from bench.cluster_sim.cost_model import SHAPE_TERMS
 from bench.cluster_sim.experiment import capacity_rps
 from bench.cluster_sim.traces import shifted
 from bench.cluster_sim.worker import WorkerSpec
 from bench.workload import WorkloadSpec
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 
 
 def test_the_shift_trace_changes_which_adapters_are_hot_half_way():
@@ -25,6 +26,6 @@ def test_the_shift_trace_changes_which_adapters_are_hot_half_way():
 
 def test_capacity_falls_as_steps_get_dearer():
     spec = WorkerSpec(max_running=32)
-    cheap = capacity_rps(StepCostModel(base_ms=10, per_token_ms=0.5), spec)
-    dear = capacity_rps(StepCostModel(base_ms=10, per_token_ms=1.0), spec)
+    cheap = capacity_rps(LinearCost.named(SHAPE_TERMS, base_ms=10, per_token_ms=0.5), spec)
+    dear = capacity_rps(LinearCost.named(SHAPE_TERMS, base_ms=10, per_token_ms=1.0), spec)
     assert cheap > dear > 0

@@ -3,12 +3,13 @@ shared timeline of two workers' replays. Nothing here runs an engine or reads a 
 
 from __future__ import annotations
 
-from bench.cluster_sim.cost_model import StepCostModel
+from bench.cluster_sim.cost_model import SHAPE_TERMS
 from bench.cluster_sim.simulator import ClusterSimulator, SimConfig
 from bench.cluster_sim.validate import Share, place, pooled, steps_by_worker, worker_ids
 from bench.cluster_sim.worker import WorkerSpec
 from bench.systems.base import RequestRecord
 from bench.workload import WorkloadSpec, generate
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.scheduler.policies.round_robin import RoundRobin
 
 
@@ -22,7 +23,9 @@ def test_round_robin_replayed_on_the_real_side_places_as_in_the_simulator():
     real = place(requests, 2, RoundRobin())
     assert real == [worker_ids(2)[i % 2] for i in range(len(requests))]
     spec = WorkerSpec(max_running=2, memory_tokens=4_000, adapter_load_ms=300.0)
-    simulated = ClusterSimulator(SimConfig(workers=2, worker=spec), StepCostModel(base_ms=50.0), RoundRobin())
+    simulated = ClusterSimulator(
+        SimConfig(workers=2, worker=spec), LinearCost.named(SHAPE_TERMS, base_ms=50.0), RoundRobin()
+    )
     assert real == [r.worker for r in simulated.run(requests).requests]
 
 

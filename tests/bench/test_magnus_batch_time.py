@@ -1,10 +1,10 @@
-"""Magnus' batch-time estimator fitted from measured batches (here: times drawn from known costs)."""
+"""Magnus' batch-time model fitted from measured batches (here: times drawn from known costs)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.magnus.batch_time import BatchShape, BatchTimeEstimator
+from bench.magnus.batch_time import BatchShape, batch_time_model
 
 
 def true_seconds(shape: BatchShape) -> float:
@@ -13,18 +13,18 @@ def true_seconds(shape: BatchShape) -> float:
 
 
 def test_it_recovers_the_cost_of_batches_it_never_saw():
-    estimator = BatchTimeEstimator()
+    estimator = batch_time_model()
     for size in (1, 4, 16):
         for prompt in (20, 100):
             for out in (8, 64):
                 shape = BatchShape(size, prompt, out)
-                estimator.observe(shape, true_seconds(shape))
+                estimator.observe((shape, true_seconds(shape)))
     for unseen in (BatchShape(8, 60, 32), BatchShape(32, 150, 128), BatchShape(2, 10, 4)):
-        assert estimator.seconds(unseen) == pytest.approx(true_seconds(unseen), rel=0.01)
+        assert estimator.cost.predict(unseen.row()) == pytest.approx(true_seconds(unseen), rel=0.01)
 
 
 def test_no_estimate_before_a_batch_was_seen():
-    estimator = BatchTimeEstimator()
+    estimator = batch_time_model()
     assert not estimator.fitted
-    with pytest.raises(RuntimeError, match="seen no batch"):
-        estimator.seconds(BatchShape(1, 1, 1))
+    with pytest.raises(RuntimeError, match="seen no observation"):
+        estimator.cost.predict(BatchShape(1, 1, 1).row())

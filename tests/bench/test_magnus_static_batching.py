@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.magnus.batch_time import BatchShape, BatchTimeEstimator
+from bench.magnus.batch_time import BatchShape, MeasuredBatch, batch_time_model
 from bench.magnus.static_batching import (
     FcfsStatic,
     MagnusStatic,
@@ -16,6 +16,7 @@ from bench.magnus.static_batching import (
     split,
     wma,
 )
+from services.gpu_worker.engine.policies.linear_cost import OnlineFit
 
 
 def request(
@@ -24,11 +25,11 @@ def request(
     return StaticRequest(rid, at, tuple(range(prompt)), output, output if predicted is None else predicted)
 
 
-def fitted_estimator() -> BatchTimeEstimator:
+def fitted_estimator() -> OnlineFit[MeasuredBatch]:
     """Seconds ≈ 0.01 per decode step, whatever the batch."""
-    estimator = BatchTimeEstimator()
+    estimator = batch_time_model()
     for out in (1, 10, 100):
-        estimator.observe(BatchShape(1, 0, out), 0.01 * out)
+        estimator.observe((BatchShape(1, 0, out), 0.01 * out))
     return estimator
 
 

@@ -17,7 +17,8 @@ from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.policies.batch_policy import BatchPlan, BatchView
 from services.gpu_worker.engine.policies.early_abort import EarlyAbort, EarlyAbortConfig
-from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostConfig, StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import FitConfig, LinearCost
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.model.llama import LlamaModel
 
@@ -30,7 +31,7 @@ class RecordingEarlyAbort(EarlyAbort):
     def __init__(self):
         super().__init__(
             EarlyAbortConfig(first_token_slo_s=1000.0),
-            StepCostModel(StepCostConfig(min_steps=10**9), StepCost(1.0, 0.0, 0.0, 0.0)),
+            step_cost_model(FitConfig(min_rows=10**9), LinearCost(STEP_TERMS, (1.0, 0.0, 0.0, 0.0))),
         )
         self.deadlines: dict[str, float | None] = {}
 

@@ -15,7 +15,8 @@ from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.batch_policy import UNMERGED, Merged
 from services.gpu_worker.engine.policies.dlora import DloraConfig, DynamicBatching
 from services.gpu_worker.engine.policies.early_abort import EarlyAbort, EarlyAbortConfig
-from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostConfig, StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import FitConfig, LinearCost
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
@@ -129,7 +130,7 @@ def test_an_early_abort_finishes_the_request_with_the_reason(tiny_llama, adapter
     # 10 tokens hold the slot for 10 steps): of three requests queued at once only one can make
     # it, so the two older ones are aborted before running (the 10 s of slack only has to cover
     # handing the requests to the engine).
-    cost = StepCostModel(StepCostConfig(min_steps=10**9), StepCost(40.0, 0.0, 0.0, 0.0))
+    cost = step_cost_model(FitConfig(min_rows=10**9), LinearCost(STEP_TERMS, (40.0, 0.0, 0.0, 0.0)))
     policy = EarlyAbort(EarlyAbortConfig(first_token_slo_s=50.0), cost)
     engine = make_engine(tiny_llama, adapter_dirs, policy, max_running=1)
     events = run(engine, [request(i, "a") for i in range(3)])

@@ -32,7 +32,8 @@ from services.gpu_worker.engine.policies.batch_policy import (
     StepOutcome,
     fcfs_batch,
 )
-from services.gpu_worker.engine.policies.step_cost_model import StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import OnlineFit
+from services.gpu_worker.engine.policies.step_cost_model import step_cost_model, step_row
 
 Request = QueuedRequest | RunningRequest
 
@@ -93,9 +94,9 @@ class DynamicBatching:
 
     name = "dlora"
 
-    def __init__(self, config: DloraConfig = DloraConfig(), cost: StepCostModel | None = None):
+    def __init__(self, config: DloraConfig = DloraConfig(), cost: OnlineFit[StepOutcome] | None = None):
         self.config = config
-        self.cost = cost or StepCostModel()
+        self.cost = cost or step_cost_model()
         self.alpha = config.alpha
         self.beta = config.beta
         self.mode: LoraMode = UNMERGED
@@ -198,9 +199,11 @@ class DynamicBatching:
         batch = [r for r in requests if r.adapter_id == candidate][:max_running]
         steps = sum(_tokens_left(r) for r in batch) / len(batch)
         cost = self.cost.cost
-        merged = _rate(len(batch) * steps, steps * cost.seconds(0, len(batch), 0) + 2 * self.switch_s)
+        merged = _rate(
+            len(batch) * steps, steps * cost.predict(step_row(0, len(batch), 0)) + 2 * self.switch_s
+        )
         adapters = len({r.adapter_id for r in fcfs} - {None})
-        return merged > _rate(len(fcfs), cost.seconds(0, len(fcfs), adapters))
+        return merged > _rate(len(fcfs), cost.predict(step_row(0, len(fcfs), adapters)))
 
     # -- starvation prevention --------------------------------------------------------------
 
@@ -222,14 +225,14 @@ class DynamicBatching:
         prefill = sum(r.prefill_tokens for r in batch if isinstance(r, QueuedRequest))
         decode = sum(isinstance(r, RunningRequest) for r in batch)
         adapters = len({r.adapter_id for r in batch if r.adapter_id is not None})
-        return self.cost.cost.seconds(prefill, decode, adapters)
+        return self.cost.cost.predict(step_row(prefill, decode, adapters))
 
     def _merged_seconds(self, batch: list[Request]) -> float:
         if not batch:
             return 0.0
         prefill = sum(r.prefill_tokens for r in batch if isinstance(r, QueuedRequest))
         decode = sum(isinstance(r, RunningRequest) for r in batch)
-        return self.cost.cost.seconds(prefill, decode, 0)
+        return self.cost.cost.predict(step_row(prefill, decode, 0))
 
     def _tune(self, merged_now: bool) -> None:
         """Compare merged and unmerged throughput over the period and move the threshold of

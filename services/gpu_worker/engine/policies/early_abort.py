@@ -35,7 +35,8 @@ from services.gpu_worker.engine.policies.batch_policy import (
     QueuedRequest,
     StepOutcome,
 )
-from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import LinearCost, OnlineFit
+from services.gpu_worker.engine.policies.step_cost_model import step_cost_model, step_row
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class _Slot:
 
 
 def first_token_times(
-    view: BatchView, queue: list[QueuedRequest], cost: StepCost, deadline_s: float | None = None
+    view: BatchView, queue: list[QueuedRequest], cost: LinearCost, deadline_s: float | None = None
 ) -> list[float]:
     """When each request of ``queue`` (served in this order after the running batch) gets its
     first token, replaying the engine's steps from ``view``. With ``deadline_s`` the replay stops
@@ -90,7 +91,7 @@ def first_token_times(
             budget -= request.prefill_tokens
             admitted.append(request)
         adapters = {s.adapter_id for s in running} | {r.adapter_id for r in admitted}
-        now += cost.seconds(view.max_prefill_tokens - budget, len(running), len(adapters - {None}))
+        now += cost.predict(step_row(view.max_prefill_tokens - budget, len(running), len(adapters - {None})))
         for request in admitted:
             if (
                 deadline_s is not None
@@ -121,9 +122,11 @@ class EarlyAbort:
 
     name = "early_abort"
 
-    def __init__(self, config: EarlyAbortConfig = EarlyAbortConfig(), cost: StepCostModel | None = None):
+    def __init__(
+        self, config: EarlyAbortConfig = EarlyAbortConfig(), cost: OnlineFit[StepOutcome] | None = None
+    ):
         self.config = config
-        self.cost = cost or StepCostModel()
+        self.cost = cost or step_cost_model()
         self.aborted = 0
         """Requests aborted so far (exported as a metric)."""
 

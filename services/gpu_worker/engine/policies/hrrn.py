@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.gpu_worker.engine.policies.batch_policy import BatchPlan, BatchView, QueuedRequest, StepOutcome
-from services.gpu_worker.engine.policies.step_cost_model import StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import OnlineFit
+from services.gpu_worker.engine.policies.step_cost_model import step_cost_model, step_row
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,9 @@ class Hrrn:
 
     name = "hrrn"
 
-    def __init__(self, config: HrrnConfig = HrrnConfig(), cost: StepCostModel | None = None):
+    def __init__(self, config: HrrnConfig = HrrnConfig(), cost: OnlineFit[StepOutcome] | None = None):
         self.config = config
-        self.cost = cost or StepCostModel()
+        self.cost = cost or step_cost_model()
         self.reordered = 0
         """Steps whose admission order differed from FCFS (exported as a metric)."""
 
@@ -61,8 +62,8 @@ class Hrrn:
         """Predicted seconds from its admission to its last token, beside ``decodes`` requests."""
         adapters = 0 if request.adapter_id is None else 1
         tokens = request.predicted_output_tokens or self.config.default_output_tokens
-        prefill = self.cost.cost.seconds(request.prefill_tokens, decodes - 1, adapters)
-        step = self.cost.cost.seconds(0, decodes, adapters)
+        prefill = self.cost.cost.predict(step_row(request.prefill_tokens, decodes - 1, adapters))
+        step = self.cost.cost.predict(step_row(0, decodes, adapters))
         return max(1e-6, prefill + tokens * step)
 
     def response_ratio(self, request: QueuedRequest, now_s: float, decodes: int) -> float:

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.gpu_worker.engine.policies.batch_policy import BatchPlan, BatchView, QueuedRequest, StepOutcome
-from services.gpu_worker.engine.policies.step_cost_model import StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import OnlineFit
+from services.gpu_worker.engine.policies.step_cost_model import step_cost_model
 
 Cost = Callable[[int, int], float]
 """(prompts, padded length) -> seconds."""
@@ -96,17 +97,19 @@ class PetsPrefill:
 
     name = "pets"
 
-    def __init__(self, config: PetsPrefillConfig = PetsPrefillConfig(), cost: StepCostModel | None = None):
+    def __init__(
+        self, config: PetsPrefillConfig = PetsPrefillConfig(), cost: OnlineFit[StepOutcome] | None = None
+    ):
         self.config = config
-        self.cost = cost or StepCostModel()
+        self.cost = cost or step_cost_model()
 
     def alpha(self, prompts: int, padded_len: int) -> float:
         c = self.cost.cost
-        return c.fixed + c.per_prefill_token * prompts * padded_len
+        return c["fixed"] + c["per_prefill_token"] * prompts * padded_len
 
     def beta(self, prompts: int, padded_len: int) -> float:
         c = self.cost.cost
-        return c.per_adapter + self.config.lora_token_share * c.per_prefill_token * prompts * padded_len
+        return c["per_adapter"] + self.config.lora_token_share * c["per_prefill_token"] * prompts * padded_len
 
     def plan(self, view: BatchView) -> BatchPlan:
         started = [r for r in view.waiting if r.started]

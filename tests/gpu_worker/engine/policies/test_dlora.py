@@ -20,13 +20,16 @@ from services.gpu_worker.engine.policies.batch_policy import (
     Unmerged,
 )
 from services.gpu_worker.engine.policies.dlora import DloraConfig, DynamicBatching
-from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostConfig, StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import FitConfig, LinearCost, OnlineFit
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 
 MERGED_S, PER_ADAPTER_S = 0.01, 0.005
 
 
-def fixed_cost() -> StepCostModel:
-    return StepCostModel(StepCostConfig(min_steps=10**9), StepCost(0.0, 0.0, MERGED_S, PER_ADAPTER_S))
+def fixed_cost() -> OnlineFit[StepOutcome]:
+    return step_cost_model(
+        FitConfig(min_rows=10**9), LinearCost(STEP_TERMS, (0.0, 0.0, MERGED_S, PER_ADAPTER_S))
+    )
 
 
 @dataclass
@@ -140,7 +143,7 @@ def test_a_merge_waits_until_the_cost_model_says_it_pays_for_its_switches():
 
 
 def test_where_a_merged_step_is_no_faster_it_never_merges():
-    free_lora = StepCostModel(StepCostConfig(min_steps=10**9), StepCost(0.0, 0.0, MERGED_S, 0.0))
+    free_lora = step_cost_model(FitConfig(min_rows=10**9), LinearCost(STEP_TERMS, (0.0, 0.0, MERGED_S, 0.0)))
     engine = SimEngine(DynamicBatching(DloraConfig(), free_lora))
     for i in range(16):
         engine.add(f"hot{i}", "hot", tokens=10**6)
@@ -189,7 +192,7 @@ def test_without_credits_the_rare_adapter_would_starve():
 def test_alpha_falls_when_merging_paid_and_rises_when_it_did_not():
     config = DloraConfig(alpha=0.8, beta=0.5, period_steps=4)
     cheap_merge = DynamicBatching(
-        config, StepCostModel(StepCostConfig(min_steps=10**9), StepCost(0, 0, 0.01, 0.05))
+        config, step_cost_model(FitConfig(min_rows=10**9), LinearCost(STEP_TERMS, (0, 0, 0.01, 0.05)))
     )
     view = BatchView(
         0.0,
@@ -205,7 +208,7 @@ def test_alpha_falls_when_merging_paid_and_rises_when_it_did_not():
     assert cheap_merge.alpha == config.alpha - config.gamma_dec
 
     costly_merge = DynamicBatching(
-        config, StepCostModel(StepCostConfig(min_steps=10**9), StepCost(5.0, 0, 0, 0))
+        config, step_cost_model(FitConfig(min_rows=10**9), LinearCost(STEP_TERMS, (5.0, 0, 0, 0)))
     )
     for _ in range(4):
         costly_merge.plan(view)

@@ -16,15 +16,16 @@ from services.gpu_worker.engine.policies.batch_policy import (
     RunningRequest,
 )
 from services.gpu_worker.engine.policies.early_abort import EarlyAbort, EarlyAbortConfig, first_token_times
-from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostConfig, StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import FitConfig, LinearCost
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 
-ONE_SECOND_A_STEP = StepCost(1.0, 0.0, 0.0, 0.0)
+ONE_SECOND_A_STEP = LinearCost.named(STEP_TERMS, fixed=1.0)
 
 
-def policy(slo_s: float, cost: StepCost = ONE_SECOND_A_STEP) -> EarlyAbort:
+def policy(slo_s: float, cost: LinearCost = ONE_SECOND_A_STEP) -> EarlyAbort:
     """A fixed cost model that never refits."""
     return EarlyAbort(
-        EarlyAbortConfig(first_token_slo_s=slo_s), StepCostModel(StepCostConfig(min_steps=10**9), cost)
+        EarlyAbortConfig(first_token_slo_s=slo_s), step_cost_model(FitConfig(min_rows=10**9), cost)
     )
 
 
@@ -87,7 +88,7 @@ def test_pool_room_holds_the_next_prompts_back_until_admitted_ones_end():
 
 def test_step_cost_follows_the_decodes_and_prefill_tokens_of_each_step():
     # 0.1 s a step + 0.01 s a prompt token + 0.5 s a decode: one running request decoding.
-    cost = StepCost(0.1, 0.01, 0.5, 0.0)
+    cost = LinearCost(STEP_TERMS, (0.1, 0.01, 0.5, 0.0))
     running = [RunningRequest("r", "a", 0.0, remaining_tokens=9, context_tokens=20)]
     v = view(10.0, queue(9.0, 9.0), running, max_prefill_tokens=16)
     # Step 1: q0's 16 tokens + 1 decode = 0.1 + 0.16 + 0.5; step 2: q1's + 2 decodes.

@@ -12,14 +12,15 @@ from services.gpu_worker.engine.policies.batch_policy import (
     RunningRequest,
 )
 from services.gpu_worker.engine.policies.hrrn import Hrrn, HrrnConfig
-from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostModel
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 
-COST = StepCost(fixed=0.01, per_prefill_token=0.0, per_decode_token=0.0, per_adapter=0.0)
+COST = LinearCost.named(STEP_TERMS, fixed=0.01)
 """Every step takes 10 ms: a request's service time is (1 + G′) steps."""
 
 
 def hrrn() -> Hrrn:
-    return Hrrn(HrrnConfig(default_output_tokens=100), StepCostModel(prior=COST))
+    return Hrrn(HrrnConfig(default_output_tokens=100), step_cost_model(prior=COST))
 
 
 def snapshot(now_s: float, *waiting: QueuedRequest) -> BatchView:

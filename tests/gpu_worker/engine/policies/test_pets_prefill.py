@@ -14,8 +14,9 @@ from services.gpu_worker.engine.policies.batch_policy import (
     QueuedRequest,
     RunningRequest,
 )
+from services.gpu_worker.engine.policies.linear_cost import FitConfig, LinearCost
 from services.gpu_worker.engine.policies.pets_prefill import PetsPrefill, coordinated_batches, split_by_cost
-from services.gpu_worker.engine.policies.step_cost_model import StepCost, StepCostConfig, StepCostModel
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 
 
 def padded(fixed: float, per_token: float):
@@ -78,7 +79,7 @@ def test_each_adapter_s_prompts_form_its_own_mini_batches():
 
 
 def test_the_policy_admits_the_first_step_after_the_running_and_preempted_requests():
-    cost = StepCostModel(StepCostConfig(min_steps=10**9), StepCost(0.01, 0.001, 0.0, 0.0))
+    cost = step_cost_model(FitConfig(min_rows=10**9), LinearCost(STEP_TERMS, (0.01, 0.001, 0.0, 0.0)))
     waiting = (
         QueuedRequest("pre", "a", 0.0, 700, started=True),
         QueuedRequest("long", "a", 1.0, 600),
