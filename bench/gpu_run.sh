@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checklist (shared/GPU.md) on a lent CUDA machine, in one call from the repository root:
 #
-#     bash bench/gpu_run.sh --parts 1,5          # any bench/gpu_checklist.py arguments
+#     bash bench/gpu_run.sh --parts 1,5          # any python -m bench.gpu_checklist arguments
 #
 # The machine has no network: what its image lacks travels in .whl/ (ignored by git, so name it
 # in the device call's carry): the wheels of gguf and llguidance for its Python (3.12, x86_64
@@ -23,5 +23,5 @@ export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import torch, triton, transformers, peft, llguidance; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'llguidance', llguidance.__version__)"
 timeout 120 python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu_worker/kernels/test_lora_kernels.py -k cuda
-timeout 420 python3 bench/gpu_checklist.py --device cuda --model random --tokenizer .whl/smollm2-135m-tokenizer.json \
+timeout 420 python3 -m bench.gpu_checklist --device cuda --model random --tokenizer .whl/smollm2-135m-tokenizer.json \
     --out "$OUT" "$@" | tee "$OUT/gpu_checklist.md"

@@ -1,4 +1,4 @@
-"""bench/gpu_checklist.py runs end to end on a CPU (its dry run before GPU time is spent)."""
+"""`python -m bench.gpu_checklist` runs end to end on a CPU (its dry run before GPU time is spent)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_cpu_quick_dry_run_writes_the_expected_json(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
-        [sys.executable, "bench/gpu_checklist.py", "--device", "cpu", "--quick", "--parts", "1",
+        [sys.executable, "-m", "bench.gpu_checklist", "--device", "cpu", "--quick", "--parts", "1",
          "--model", "random", "--out", str(tmp_path)],
         check=False, cwd=ROOT, env=env, capture_output=True, text=True,
     )  # fmt: skip
