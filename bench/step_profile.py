@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-import services.gpu_worker.engine.engine as engine_module
 from bench.out_dir import default_out
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from bench.worker_bench import machine, make_prompts
 from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine import step_sampling
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest, SamplingParams
@@ -239,9 +239,9 @@ class StepTimers:
 
         Instance attributes shadow the model's methods (``forward`` looks them up on ``self`` every
         step); the step ops' methods are wrapped on their classes (an ops object lives one step);
-        ``sample_batch`` is a module global of the engine."""
+        ``sample_batch`` is a module global of the engine's step sampling."""
         model = engine.executor.model
-        saved_sample = engine_module.sample_batch
+        saved_sample = step_sampling.sample_batch
         saved_ops = {
             (cls, name): cls.__dict__[name]
             for cls in (TorchStepOps, NativeStepOps)
@@ -252,11 +252,11 @@ class StepTimers:
             setattr(cls, name, self.wrap(parts[name], method))
         model._lora = self.wrap("lora", LlamaModel._lora)
         model.forward = self.wrap("forward", model.forward)
-        engine_module.sample_batch = self.wrap("sampling", saved_sample)
+        step_sampling.sample_batch = self.wrap("sampling", saved_sample)
         try:
             yield
         finally:
-            engine_module.sample_batch = saved_sample
+            step_sampling.sample_batch = saved_sample
             for (cls, name), method in saved_ops.items():
                 setattr(cls, name, method)
             for name in ("_lora", "forward"):
