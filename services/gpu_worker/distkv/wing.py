@@ -18,6 +18,7 @@ from services.gpu_worker.distkv.block_table import BlockTable
 from services.gpu_worker.distkv.borrower import Borrower, CreditorDirectory, TransportFactory
 from services.gpu_worker.distkv.distkv_meter import DistKvMeter, MeteredLender, metered_connect
 from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap
+from services.gpu_worker.distkv.overflow import Borrowing, KvOverflow, Preemption
 from services.gpu_worker.distkv.remote_block_allocator import CreditorRefused, CreditorUnavailable
 from services.gpu_worker.distkv.rmanager import RManager
 from services.gpu_worker.memory.unified_pool import UnifiedPool
@@ -90,6 +91,14 @@ class DistKv:
             if creditors is None or connect is None:
                 raise ValueError("kv_overflow='borrow' needs a creditor directory and a transport factory")
             self.borrower = Borrower(self.rm, creditors, metered_connect(connect, self.meter))
+
+    def kv_overflow(self, make_room: Callable[[int], None], room_blocks: Callable[[], int]) -> KvOverflow:
+        """Where a request's KV goes when the pool cannot hold it: borrowed blocks with a
+        borrower (``make_room(pages)`` and ``room_blocks()``: the pool's own room, used first),
+        else preemption."""
+        if self.borrower is None:
+            return Preemption()
+        return Borrowing(self.rm, self.borrower, make_room, room_blocks)
 
     def recalls(
         self, tables: Callable[[], list[BlockTable]], recompute: Callable[[BlockTable], None]

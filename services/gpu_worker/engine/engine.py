@@ -139,12 +139,11 @@ class Engine:
         self._adapter_tokens: dict[str, int] = {}
         """Each host adapter's footprint in the pool in KV tokens, were it paged in: computed once
         when it arrives (it walks the adapter's rows), not per :meth:`memory_tokens` call."""
-        self.events = RequestEvents(
-            frozenset(eos_token_ids), detokenize, self.executor.config.max_position_embeddings
-        )
+        self.events = RequestEvents(frozenset(eos_token_ids), detokenize, executor.config.max_position_embeddings)
+        self.kv = KvReservation(self.rm, self.residency, self.prefix_cache, overflow=self.wing.kv_overflow)
         self.scheduler = RequestScheduler(
             config,
-            KvReservation(self.rm, self.residency, self.borrower, self.prefix_cache),
+            self.kv,
             self.adapters,
             self.events,
             make_preemption_policy(config.preemption_policy),

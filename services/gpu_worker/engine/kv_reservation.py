@@ -1,5 +1,6 @@
-"""Requests' KV: pages reserved in the local pool, grown per token, borrowed from other workers
-when the pool runs dry (DistKV-LLM, ``kv_overflow: borrow``), and released.
+"""Requests' KV: pages reserved in the local pool, grown per token, handed to the KV overflow
+when the pool runs dry (``distkv/overflow.py``: preemption, or DistKV-LLM's borrowing from other
+workers with ``kv_overflow: borrow``), and released.
 
 A request's KV is in its ``KvTable`` (local pages, the fast path) until the pool cannot hold its
 next block while borrowing is on: from then on all its blocks, local and remote, are in a block
@@ -14,34 +15,34 @@ rManager reads them, never writes or frees them), and it adds no block to the ca
 
 from __future__ import annotations
 
-from services.gpu_worker.distkv import Borrower, MeshCannotLend, RManager
+from collections.abc import Callable
+
+from services.gpu_worker.distkv import KvOverflow, Preemption, RManager
 from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
 from services.gpu_worker.memory.prefix_cache import BlockKey, PrefixCache, block_keys
-from services.runtime.errors import ResourceExhausted
 
 
 class KvReservation:
-    """Reserves, grows and releases requests' KV in the pool and, with a borrower, beyond it."""
+    """Reserves, grows and releases requests' KV in the pool and, through its overflow, beyond it."""
 
     def __init__(
         self,
         rm: RManager,
         residency: AdapterResidency,
-        borrower: Borrower | None,
         prefix_cache: PrefixCache | None = None,
+        overflow: Callable[[Callable[[int], None], Callable[[], int]], KvOverflow] | None = None,
     ):
         """``residency``: idle adapters (and unused cached blocks) are evicted to make room for
-        KV; ``borrower``: where blocks are borrowed from when the pool runs dry (None: never);
-        ``prefix_cache``: where prompt blocks are shared (None: off)."""
+        KV; ``prefix_cache``: where prompt blocks are shared (None: off); ``overflow``: makes the
+        KV overflow from this pool's :meth:`make_room` and :meth:`room_blocks` (the DistKV wing's
+        ``DistKv.kv_overflow``; None: preemption)."""
         self.rm = rm
         self.residency = residency
-        self.borrower = borrower
         self.prefix_cache = prefix_cache
-        self.beyond_the_mesh: str | None = None
-        """Why the last borrow failed when it asked for more than the other workers would ever
-        lend (None: it did not); :meth:`pool_can_never_hold` refuses such a request."""
+        self.overflow: KvOverflow = Preemption() if overflow is None else overflow(self.make_room, self.room_blocks)
+        """Where a request's KV goes when the pool cannot hold it: preemption or borrowing."""
 
     def reuse_prefix(self, request: EngineRequest, key_space: BlockKey | None) -> None:
         """Start a waiting request's KV with the cached blocks of its longest cached prompt prefix
@@ -72,61 +73,32 @@ class KvReservation:
 
     def reserve(self, request: EngineRequest, tokens: int) -> None:
         """Make ``request``'s KV hold ``tokens`` tokens (``PoolExhausted``: it could not)."""
-        if request.table is not None:
-            self._grow_borrowing(request, tokens)
+        if request.table is not None:  # spilled: it grows where its overflow keeps it
+            self.overflow.spill(request, tokens)
             return
         needed = request.kv.pages_needed(tokens)
         if not needed:
             return
         try:
-            self.residency.make_room(needed, PageUse.KV)
+            self.make_room(needed)
             request.kv.reserve(tokens)
         except PoolExhausted:
-            if self.borrower is None:
-                raise
-            # From now on its blocks are in a block table, local ones where they were.
-            request.table = self.rm.new_table()
-            cached = set(request.kv.shared)
-            request.table.append(self.rm.local.adopt(request.kv.hand_over(), cached))
-            self._grow_borrowing(request, tokens)
+            self.overflow.spill(request, tokens)
 
-    def _grow_borrowing(self, request: EngineRequest, tokens: int) -> None:
-        """Grow a borrowing request's table: local blocks while the pool has them, then borrowed."""
-        table = request.table
-        missing = table.blocks_needed(tokens)
-        if not missing:
-            return
-        local = min(missing, self.room_blocks())
-        if local:
-            try:
-                self.residency.make_room(local * self.rm.local.num_layers, PageUse.KV)
-                self.rm.reserve_local(table, table.capacity + local * table.block_tokens)
-            except PoolExhausted:  # a lending call took the pages meanwhile
-                local = 0
-        self.beyond_the_mesh = None
-        try:
-            table.append(self.borrower.borrow(missing - local))
-        except MeshCannotLend as beyond:
-            self.beyond_the_mesh = beyond.message
-            raise PoolExhausted(missing - local, 0) from beyond
-        except ResourceExhausted as no_lender:
-            raise PoolExhausted(missing - local, 0) from no_lender
+    def make_room(self, pages: int) -> None:
+        """Free ``pages`` pages for KV, evicting unused cached blocks and idle adapters."""
+        self.residency.make_room(pages, PageUse.KV)
 
     def release(self, request: EngineRequest) -> list[str]:
         """Free ``request``'s KV; the creditors found gone while returning borrowed blocks (the
         caller recomputes the requests that had blocks there)."""
         request.kv.release()  # after a hand-over: only its references to cached blocks
-        if request.table is None:
-            return []
-        table, request.table = request.table, None
-        return self.rm.release(table)
+        return self.overflow.release(request)
 
     def lost_with(self, creditor: str, running: list[EngineRequest]) -> list[EngineRequest]:
         """``creditor`` is gone with the blocks it held: the ``running`` requests that had some
         (to recompute)."""
-        borrowing = [r for r in running if r.table is not None]
-        lost = self.rm.creditor_died(creditor, [r.table for r in borrowing])
-        return [borrowing[index] for index in lost]
+        return self.overflow.lost_with(creditor, running)
 
     def room_blocks(self) -> int:
         """KV blocks the pool could give now: free ones and unused cached ones."""
@@ -139,4 +111,4 @@ class KvReservation:
         would never lend enough together."""
         if running or self.rm.lender.lent_blocks:
             return False
-        return self.borrower is None or self.beyond_the_mesh is not None
+        return self.overflow.hopeless()

@@ -243,8 +243,8 @@ class RequestScheduler:
             self.finish(request, FinishReason.LENGTH, None)
         else:
             why = f"its {request.total_len} prompt tokens and adapter do not fit in this worker's pool"
-            if self.kv.beyond_the_mesh is not None:
-                why += f", nor in what the other workers lend ({self.kv.beyond_the_mesh})"
+            if self.kv.overflow.refusal is not None:
+                why += f", nor in what the other workers lend ({self.kv.overflow.refusal})"
             self.finish(request, FinishReason.ERROR, None, why)
 
     # -- queries and hand-offs ------------------------------------------------------------------
