@@ -25,7 +25,7 @@ from services.runtime.errors import PermissionDenied
 from services.runtime.eviction import EvictionPolicy, LRUEviction
 
 
-class AdapterSource(CatalogWatch, Protocol):
+class CatalogStore(CatalogWatch, Protocol):
     """The adapter store's reads the catalog makes."""
 
     async def get(self, owner: str, name: str) -> types_pb2.AdapterInfo:
@@ -56,7 +56,7 @@ class AdapterCatalog:
 
     def __init__(
         self,
-        store: AdapterSource,
+        store: CatalogStore,
         ttl_s: float = 2.0,
         max_entries: int = DEFAULT_MAX_ENTRIES,
         eviction: EvictionPolicy | None = None,
