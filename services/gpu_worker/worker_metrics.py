@@ -87,7 +87,8 @@ class WorkerMetrics:
             return
         stats = parts.engine.stats()
         running = list(stats.running_adapters)
-        waiting = [*stats.waiting_adapters, *parts.engine.handed_over_adapters()]
+        # Requests handed over but not yet taken up by the engine thread are queued too.
+        waiting = [*stats.waiting_adapters, *parts.engine.hand_over.queued_adapters()]
         if parts.loader is not None:
             waiting += [a for a, count in parts.loader.fetch_waiters().items() for _ in range(count)]
         # Labels name adapters as users do (the store's owner/name), not by their ids.

@@ -223,11 +223,6 @@ class Engine:
         with self.hand_over.lock:
             return list(self.host_adapters)
 
-    def handed_over_adapters(self) -> list[str | None]:
-        """The adapter of each request submitted and not yet taken up by the engine thread
-        (None: the base model): queued too, but in no snapshot yet."""
-        return self.hand_over.queued_adapters()
-
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Queue a request; ``sink`` receives its events on the engine thread."""
         self.hand_over.request(self.intake.take(request, self.host_adapters), sink)
@@ -310,9 +305,7 @@ class Engine:
         self.adapters.begin_step(self._last_step_s if self.running else None)
         self._take_inbox()
         self.adapters.settle()
-        self.hand_over.run_calls()  # what :meth:`between_steps` was handed
-        self.recalls.close_expired()
-        if self.recalls.frozen:  # DGFM holds KV out of every pool (a stage is open): nothing steps
+        if self._apply_between_steps():
             return 0
         scheduler, adapters = self.scheduler, self.adapters
         decision = self.policy.plan(scheduler.view())
@@ -368,6 +361,13 @@ class Engine:
             self.scheduler.creditor_lost(worker_id)
         self.adapters.preload(taken.preloads, self.host_adapters)
         self.scheduler.take_over(taken.requests, taken.cancels)
+
+    def _apply_between_steps(self) -> bool:
+        """Run the calls handed to :meth:`between_steps`; True while DGFM holds KV out of every
+        pool (a stage is open), when no request may step."""
+        self.hand_over.run_calls()
+        self.recalls.close_expired()
+        return self.recalls.frozen
 
     # -- stats -------------------------------------------------------------------------------
 
