@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 
 import torch
+from support.in_process_transport import InProcessTransport
 
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.distkv.distkv_meter import DistKvMeter, DistKvTotals, MeteredTransport
-from services.gpu_worker.distkv.in_process_transport import InProcessTransport
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.model.llama import LlamaModel

@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.in_process_transport import InProcessTransport
 
 from services.gpu_worker.attention.dist_attention import micro_attention
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.distkv.block_lender import LendingConfig
 from services.gpu_worker.distkv.block_table import BlockTable, LocalBlock, RemoteBlock
-from services.gpu_worker.distkv.in_process_transport import InProcessTransport
 from services.gpu_worker.distkv.rmanager import RManager, TableQueries
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.gpu_worker.memory.unified_pool import UnifiedPool

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.in_process_transport import InProcessTransport
 
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.distkv.borrower import Candidate
-from services.gpu_worker.distkv.in_process_transport import InProcessTransport
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams

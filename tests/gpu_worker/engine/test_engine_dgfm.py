@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 from grpc import aio
+from support.in_process_transport import InProcessTransport
 from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.distkv.borrower import Candidate
-from services.gpu_worker.distkv.in_process_transport import InProcessTransport
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams

@@ -6,10 +6,10 @@ single big-pool engine; every block is accounted for and both sides count the re
 from __future__ import annotations
 
 import torch
+from support.in_process_transport import InProcessTransport
 
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.build import local_engine
-from services.gpu_worker.distkv.in_process_transport import InProcessTransport
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall
 from services.gpu_worker.distkv.lend_compute_cap import LendComputeCap
 from services.gpu_worker.distkv.remote_block_allocator import Pending, done

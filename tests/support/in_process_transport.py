@@ -1,6 +1,6 @@
 """A :class:`CreditorTransport` that calls a creditor's ``BlockLender`` in the same process.
 
-Used by tests and single-process simulations of several workers. Its calls are made at once:
+Test support: several workers in one process. Its calls are made at once:
 what it returns as pending is already answered. ``kill`` stands for the
 creditor's process dying: every later call fails as an unreachable creditor does over gRPC.
 """
