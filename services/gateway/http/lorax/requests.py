@@ -130,18 +130,14 @@ class LoraxParameters(_Body):
         values = self._values()
         if not self.samples:
             values.update(temperature=0.0, top_p=1.0, top_k=0)
-        sampling = types_pb2.SamplingParams(
+        return types_pb2.SamplingParams(
             max_tokens=self.max_new_tokens or 0,  # 0: the gateway's default
             ignore_eos=self.ignore_eos_token,
             top_logprobs=self.return_k_alternatives or 0,
+            seed=self.seed,  # protobuf leaves a field given None unset: no seed
+            structured_output=self.structured_output(),  # None: free text
             **values,
         )
-        if self.seed is not None:
-            sampling.seed = self.seed
-        structured = self.structured_output()
-        if structured is not None:
-            sampling.structured_output.CopyFrom(structured)
-        return sampling
 
     def structured_output(self) -> types_pb2.StructuredOutput | None:
         """What ``response_format`` constrains the output to; None: free text."""

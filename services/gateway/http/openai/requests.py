@@ -164,18 +164,14 @@ class _GenerationBody(_Body):
 
     def sampling(self) -> types_pb2.SamplingParams:
         """The engine's sampling parameters (after :meth:`check`)."""
-        sampling = types_pb2.SamplingParams(
+        return types_pb2.SamplingParams(
             max_tokens=self.max_tokens or 0,  # 0: the gateway's default
             ignore_eos=self.ignore_eos,
             logit_bias=dict(self.logit_bias_pairs()),
+            seed=self.seed,  # protobuf leaves a field given None unset: no seed
+            structured_output=self.structured_output(),  # None: free text
             **self._sampling_values(),
         )
-        if self.seed is not None:
-            sampling.seed = self.seed
-        structured = self.structured_output()
-        if structured is not None:
-            sampling.structured_output.CopyFrom(structured)
-        return sampling
 
 
 class CompletionBody(_GenerationBody):
