@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Protocol
 
+from services.runtime.choices import choose
+
 
 class EvictionPolicy(Protocol):
     """The eviction order of a cache's items (keys), and the keys that never go."""
@@ -218,8 +220,4 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
 
 def make_eviction_policy(name: str) -> EvictionPolicy:
     """A fresh eviction policy by name; ValueError naming the known ones otherwise."""
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
-        known = ", ".join(sorted(EVICTION_POLICIES))
-        raise ValueError(f"unknown eviction policy {name!r}; known: {known}") from None
+    return choose(EVICTION_POLICIES, name, "eviction policy")()

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from services.gpu_worker.engine.policies.batch_policy import RunningRequest
+from services.runtime.choices import choose
 
 
 class PreemptionPolicy(Protocol):
@@ -49,8 +50,4 @@ PREEMPTION_POLICIES: dict[str, Callable[[], PreemptionPolicy]] = {
 
 def make_preemption_policy(name: str) -> PreemptionPolicy:
     """A preemption policy by name; ValueError naming the known ones otherwise."""
-    try:
-        return PREEMPTION_POLICIES[name]()
-    except KeyError:
-        known = ", ".join(sorted(PREEMPTION_POLICIES))
-        raise ValueError(f"unknown preemption policy {name!r}; known: {known}") from None
+    return choose(PREEMPTION_POLICIES, name, "preemption policy")()

@@ -27,6 +27,8 @@ def test_fewest_computed_preempts_the_cheapest_recompute_the_newest_among_equals
 
 def test_policies_are_chosen_by_name_and_the_config_checks_it():
     assert isinstance(make_preemption_policy("fewest_computed"), FewestComputed)
+    with pytest.raises(ValueError, match="known: fewest_computed, newest"):
+        make_preemption_policy("oldest")
     assert EngineConfig().preemption_policy == "newest"
     with pytest.raises(ValueError, match="preemption_policy must be one of fewest_computed, newest"):
         EngineConfig(preemption_policy="oldest")
