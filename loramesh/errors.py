@@ -197,22 +197,10 @@ class NoApiKey(ValueError):
         self.addresses = addresses
 
 
-_BY_CODE: dict[str, type[LoraMeshError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgument,
-        NotFound,
-        AlreadyExists,
-        PermissionDenied,
-        Unauthenticated,
-        ResourceExhausted,
-        Unavailable,
-        DeadlineExceeded,
-        FailedPrecondition,
-        DataLoss,
-        InternalError,
-    )
-}
+_BY_CODE: dict[str, type[LoraMeshError]] = {cls.code: cls for cls in LoraMeshError.__subclasses__()}
+"""A status name -> its class: every class above declares one status (``StreamInterrupted``, an
+``Unavailable``, is not a status of its own), so a class added above is mapped without a list to
+keep in step."""
 
 
 def from_rpc_error(error: grpc.RpcError, request_id: str | None = None) -> LoraMeshError:
