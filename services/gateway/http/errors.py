@@ -59,9 +59,31 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class ErrorPayload:
+    """A failure in some dialect's JSON (:meth:`json`), sent as a response, with ``Retry-After``
+    when the client should come back later, or as an SSE ``error`` event."""
+
+    status: int
+    retry_after_s: float | None
+
+    def json(self) -> dict:
+        raise NotImplementedError
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}  # whole seconds, never early
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.json(), status_code=self.status, headers=self.headers())
+
+    def sse_event(self) -> bytes:
+        return f"data: {json.dumps(self.json())}\n\n".encode()
+
+
 @dataclass(frozen=True)
-class ErrorBody:
-    """One failure, ready to be sent as a response or as an SSE ``error`` event."""
+class ErrorBody(ErrorPayload):
+    """One failure as OpenAI's error JSON."""
 
     status: int
     message: str
@@ -73,16 +95,12 @@ class ErrorBody:
     def json(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        headers = {}
+    def headers(self) -> dict[str, str]:
+        headers = super().headers()
         if self.retry_after_s is not None:
-            headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))  # whole seconds, never early
             # OpenAI's own header, which its clients read before Retry-After: the exact delay.
             headers["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
-        return JSONResponse(self.json(), status_code=self.status, headers=headers)
-
-    def sse_event(self) -> bytes:
-        return f"data: {json.dumps(self.json())}\n\n".encode()
+        return headers
 
 
 def error_body(error: BaseException) -> ErrorBody:

@@ -14,15 +14,11 @@ Failures are ``{"error": message, "error_type": kind}``; a refused request is a 
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from starlette.responses import JSONResponse
-
 from mesh_api.v1 import gateway_pb2, types_pb2
-from services.gateway.http.errors import error_body
+from services.gateway.http.errors import ErrorPayload, error_body
 
 Reply = gateway_pb2.GenerateTextResponse
 
@@ -40,7 +36,7 @@ _ERROR_TYPES = {
 
 
 @dataclass(frozen=True)
-class LoraxError:
+class LoraxError(ErrorPayload):
     status: int
     message: str
     error_type: str
@@ -48,15 +44,6 @@ class LoraxError:
 
     def json(self) -> dict:
         return {"error": self.message, "error_type": self.error_type}
-
-    def response(self) -> JSONResponse:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
-        return JSONResponse(self.json(), status_code=self.status, headers=headers)
-
-    def sse_event(self) -> bytes:
-        return f"data: {json.dumps(self.json())}\n\n".encode()
 
 
 #: Fields the OpenAI API's verdicts name that LoRAX's request spells otherwise.
