@@ -43,10 +43,10 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -124,6 +124,28 @@ class _TensorEntry:
     """Offset of its first byte in the data section."""
     end: int
     """Offset one past its last byte in the data section."""
+
+
+T = TypeVar("T")
+
+
+def _cached_unless_large(
+    maxsize: int, cost: Callable[..., int], max_cost: int
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """``functools.lru_cache(maxsize)`` for the calls whose arguments ``cost`` at most
+    ``max_cost`` (roughly, characters); a larger call runs uncached, so what the cache holds on
+    to stays bounded."""
+
+    def decorate(function: Callable[..., T]) -> Callable[..., T]:
+        cached = functools.lru_cache(maxsize=maxsize)(function)
+
+        @functools.wraps(function)
+        def call(*args: Any) -> T:
+            return cached(*args) if cost(*args) <= max_cost else function(*args)
+
+        return call
+
+    return decorate
 
 
 def validate_adapter(
@@ -240,19 +262,6 @@ def _matches(names_or_regex: tuple[str, ...] | str, path: str) -> bool:
     return any(path == name or path.endswith(f".{name}") for name in names_or_regex)
 
 
-def _targeted_modules(targeting: ModuleTargeting, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
-    """Resolve ``target_modules`` as PEFT does: module path -> (layer, projection) it adapts.
-
-    Refuses a target that reaches any module other than the seven projections (PEFT would
-    wrap it, or fail), and a list entry that names no module of the base model at all.
-    Resolved once per distinct ``targeting``: adapters registered by the thousand mostly share
-    it, and matching every module path was most of validation's time.
-    """
-    if _size(targeting) > _MAX_CACHED_TARGETING:
-        return _resolve_targets.__wrapped__(targeting, spec)
-    return _resolve_targets(targeting, spec)
-
-
 def _size(targeting: ModuleTargeting) -> int:
     """Characters of ``targeting`` written out: what keeping it in a cache costs, roughly."""
     return len(repr(targeting))
@@ -262,9 +271,16 @@ def _size(targeting: ModuleTargeting) -> int:
 _MAX_CACHED_TARGETING = 16 << 10
 
 
-@functools.lru_cache(maxsize=256)
-def _resolve_targets(targeting: ModuleTargeting, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
-    """:func:`_targeted_modules`, kept per ``targeting``; read-only, shared by every caller."""
+@_cached_unless_large(256, lambda targeting, spec: _size(targeting), _MAX_CACHED_TARGETING)
+def _targeted_modules(targeting: ModuleTargeting, spec: BaseModelSpec) -> Mapping[str, tuple[int, str]]:
+    """Resolve ``target_modules`` as PEFT does: module path -> (layer, projection) it adapts.
+
+    Refuses a target that reaches any module other than the seven projections (PEFT would
+    wrap it, or fail), and a list entry that names no module of the base model at all.
+    Resolved once per distinct ``targeting``: adapters registered by the thousand mostly share
+    it, and matching every module path was most of validation's time. Read-only: the one
+    result is shared by every caller.
+    """
     targets, exclude = targeting.target_modules, targeting.exclude_modules
     for field, value in (("target_modules", targets), ("exclude_modules", exclude)):
         if isinstance(value, str):
@@ -315,6 +331,13 @@ class _Tensors:
     """Their one safetensors dtype."""
 
 
+#: Longest header (with its targeting key) whose checked tensors are cached: bounds the cache.
+_MAX_CACHED_HEADER = 256 << 10
+
+
+@_cached_unless_large(
+    64, lambda header, _data_len, targeting, *_: len(header) + _size(targeting), _MAX_CACHED_HEADER
+)
 def _checked_tensors(
     header: bytes,
     data_len: int,
@@ -326,23 +349,6 @@ def _checked_tensors(
     modules and their ranks. Adapters of one recipe have the same header byte for byte (only
     their data differs), so the result is kept per header and config: checking hundreds of
     tensors in Python once, not once per adapter."""
-    if len(header) + _size(targeting) > _MAX_CACHED_HEADER:
-        return _check_tensors.__wrapped__(header, data_len, targeting, ranks, spec)
-    return _check_tensors(header, data_len, targeting, ranks, spec)
-
-
-#: Longest header (with its targeting key) whose checked tensors are cached: bounds the cache.
-_MAX_CACHED_HEADER = 256 << 10
-
-
-@functools.lru_cache(maxsize=64)
-def _check_tensors(
-    header: bytes,
-    data_len: int,
-    targeting: ModuleTargeting,
-    ranks: tuple[tuple[str, int], ...],
-    spec: BaseModelSpec,
-) -> _Tensors:
     entries = _parse_header(header, data_len)
     dtype = _check_dtype(entries)
     factors = _check_names(entries, _targeted_modules(targeting, spec), spec)
