@@ -211,17 +211,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     n, k = weight.shape
     if not weight.is_contiguous():
         raise ValueError("cpu_invariant: the weight must be contiguous")
+    call = linear_call(_LinearCall, x, k, weight.data_ptr(), dtype_code("weight", weight), n, bias, out)
+    _run("invariant_linear", call)
+
+
+def linear_call(
+    struct: type[ctypes.Structure],
+    x: torch.Tensor,
+    in_features: int,
+    weight: int,
+    weight_code: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> ctypes.Structure:
+    """A call to a kernel computing ``out = x @ W^T (+ bias)`` whose struct is laid out as
+    ``_LinearCall`` (x, W, bias, out): ``x`` [M, in_features], ``bias`` and ``out`` [M,
+    out_features] checked here; W, the pointer ``weight`` with ``weight_code`` (its dtype or
+    block-format code), checked by the caller."""
     if out.shape[0] != x.shape[0]:
         raise ValueError(f"cpu_invariant: x has {x.shape[0]} rows, out {out.shape[0]}")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"cpu_invariant: bias must be a contiguous [{n}]")
-    call = _LinearCall(
-        x.data_ptr(), dtype_code("x", x), row_stride("x", x, k), x.shape[0], k,
-        weight.data_ptr(), dtype_code("weight", weight), n,
+    if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()):
+        raise ValueError(f"cpu_invariant: bias must be a contiguous [{out_features}]")
+    return struct(
+        x.data_ptr(), dtype_code("x", x), row_stride("x", x, in_features), x.shape[0], in_features,
+        weight, weight_code, out_features,
         None if bias is None else bias.data_ptr(), 0 if bias is None else dtype_code("bias", bias),
-        out.data_ptr(), dtype_code("out", out), row_stride("out", out, n), torch.get_num_threads(),
+        out.data_ptr(), dtype_code("out", out), row_stride("out", out, out_features), torch.get_num_threads(),
     )  # fmt: skip
-    _run("invariant_linear", call)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:

@@ -19,13 +19,7 @@ from pathlib import Path
 import torch
 
 from services.gpu_worker.kernels import native_build
-from services.gpu_worker.kernels.cpu_invariant import (
-    HEADER,
-    PreparedCall,
-    call_struct,
-    dtype_code,
-    row_stride,
-)
+from services.gpu_worker.kernels.cpu_invariant import HEADER, PreparedCall, call_struct, linear_call
 
 log = logging.getLogger("loramesh.kernels")
 
@@ -158,17 +152,8 @@ def prepare_linear(
     [M, K] float, ``blocks`` the [N, K/32 * block bytes] uint8 rows of W in ``format``, ``out``
     [M, N]; math in fp32. Fields ``x``, ``w``, ``bias``, ``y`` take another weight of the same
     shape and format, other tensors like these."""
-    k = x.shape[1]
-    if out.shape[0] != x.shape[0]:
-        raise ValueError(f"cpu_quant: x has {x.shape[0]} rows, out {out.shape[0]}")
-    if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()):
-        raise ValueError(f"cpu_quant: bias must be a contiguous [{out_features}]")
-    call = _QuantLinearCall(
-        x.data_ptr(), dtype_code("x", x), row_stride("x", x, k), x.shape[0], k,
-        _blocks(blocks, out_features), FORMAT_CODES[format], out_features,
-        None if bias is None else bias.data_ptr(), 0 if bias is None else dtype_code("bias", bias),
-        out.data_ptr(), dtype_code("out", out), row_stride("out", out, out_features), torch.get_num_threads(),
-    )  # fmt: skip
+    weight = _blocks(blocks, out_features)
+    call = linear_call(_QuantLinearCall, x, x.shape[1], weight, FORMAT_CODES[format], out_features, bias, out)
     return kernels(isa).prepared("quant_linear", call)
 
 
