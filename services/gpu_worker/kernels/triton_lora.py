@@ -41,6 +41,47 @@ INVARIANT_BLOCK_R = 16
 
 
 @triton.jit
+def _segment(seg_starts_ptr, rank_starts_ptr, s):
+    """Segment ``s``'s tokens ``[seg_start, seg_end)``, its first row in the offset tables and its rank."""
+    seg_start = tl.load(seg_starts_ptr + s)
+    seg_end = tl.load(seg_starts_ptr + s + 1)
+    rank_start = tl.load(rank_starts_ptr + s)
+    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
+    return seg_start, seg_end, rank_start, rank
+
+
+@triton.jit
+def _mbgmv_token(seg_starts_ptr, token_segs_ptr, PER_TOKEN: tl.constexpr):
+    """This MBGMV program's segment and token row: axis 0 numbers segments (each its first token),
+    or with ``PER_TOKEN`` token rows (each in its segment)."""
+    if PER_TOKEN:
+        token = tl.program_id(0)
+        s = tl.load(token_segs_ptr + token)
+    else:
+        s = tl.program_id(0)
+        token = tl.load(seg_starts_ptr + s)
+    return s, token
+
+
+@triton.jit
+def _dot_pool_tile(lhs, w, acc, DOT_FP32: tl.constexpr):
+    """``acc + lhs @ w`` for a tile ``w`` of pool weights: exact fp32 dots (not tf32), or dots in the
+    pool's dtype (tensor cores on GPUs) accumulated in fp32."""
+    if DOT_FP32:
+        acc = tl.dot(lhs.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(lhs.to(w.dtype), w, acc)
+    return acc
+
+
+@triton.jit
+def _add_scaled(out_ptrs, mask, delta, scale):
+    """``out += scale * delta``: summed in fp32, stored in ``out``'s dtype."""
+    o = tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, (o.to(tl.float32) + delta * scale).to(o.dtype), mask=mask)
+
+
+@triton.jit
 def _mbgmm_shrink(
     x_ptr,
     pool_ptr,
@@ -57,11 +98,8 @@ def _mbgmm_shrink(
     DOT_FP32: tl.constexpr,
 ):
     """Program (segment, token block, rank block): ``h[t, r] = x[t] . A[r]``."""
-    s = tl.program_id(0)
-    t0 = tl.load(seg_starts_ptr + s) + tl.program_id(1) * BLOCK_T
-    seg_end = tl.load(seg_starts_ptr + s + 1)
-    rank_start = tl.load(rank_starts_ptr + s)
-    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
+    seg_start, seg_end, rank_start, rank = _segment(seg_starts_ptr, rank_starts_ptr, tl.program_id(0))
+    t0 = seg_start + tl.program_id(1) * BLOCK_T
     r0 = tl.program_id(2) * BLOCK_R
     if (t0 >= seg_end) | (r0 >= rank):
         return
@@ -81,10 +119,7 @@ def _mbgmm_shrink(
         at = tl.load(
             pool_ptr + a_off[None, :] + k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0
         )
-        if DOT_FP32:
-            acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt.to(at.dtype), at, acc)
+        acc = _dot_pool_tile(xt, at, acc, DOT_FP32)
     tl.store(h_ptr + t[:, None] * stride_h + r[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
 
 
@@ -107,10 +142,8 @@ def _mbgmm_expand(
 ):
     """Program (segment, token block, output block): ``out[t, n] += scale * h[t, :r] . B^T[:r, n]``."""
     s = tl.program_id(0)
-    t0 = tl.load(seg_starts_ptr + s) + tl.program_id(1) * BLOCK_T
-    seg_end = tl.load(seg_starts_ptr + s + 1)
-    rank_start = tl.load(rank_starts_ptr + s)
-    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
+    seg_start, seg_end, rank_start, rank = _segment(seg_starts_ptr, rank_starts_ptr, s)
+    t0 = seg_start + tl.program_id(1) * BLOCK_T
     if (t0 >= seg_end) | (rank == 0):
         return
     t = t0 + tl.arange(0, BLOCK_T)
@@ -128,15 +161,9 @@ def _mbgmm_expand(
         bt = tl.load(
             pool_ptr + b_off[:, None] + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0
         )
-        if DOT_FP32:
-            acc = tl.dot(ht, bt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(ht.to(bt.dtype), bt, acc)
-    scale = tl.load(scales_ptr + s)
+        acc = _dot_pool_tile(ht, bt, acc, DOT_FP32)
     o_ptrs = out_ptr + t[:, None] * stride_out + n[None, :]
-    o_mask = t_mask[:, None] & n_mask[None, :]
-    o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
+    _add_scaled(o_ptrs, t_mask[:, None] & n_mask[None, :], acc, tl.load(scales_ptr + s))
 
 
 @triton.jit
@@ -147,26 +174,20 @@ def _mbgmv_shrink(
     seg_starts_ptr,
     rank_starts_ptr,
     a_offsets_ptr,
-    token_segs_ptr,
     in_features,
     stride_x,
     stride_h,
+    token_segs_ptr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PER_TOKEN: tl.constexpr,
 ):
     """Program (segment, rank block): ``h[tok, r] = x[tok] . A[r]`` for the segment's one token;
     with ``PER_TOKEN``, program (token, rank block) over segments of any length."""
-    if PER_TOKEN:
-        token = tl.program_id(0)
-        s = tl.load(token_segs_ptr + token)
-    else:
-        s = tl.program_id(0)
-        token = tl.load(seg_starts_ptr + s)
-    rank_start = tl.load(rank_starts_ptr + s)
-    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
+    s, token = _mbgmv_token(seg_starts_ptr, token_segs_ptr, PER_TOKEN)
+    _, seg_end, rank_start, rank = _segment(seg_starts_ptr, rank_starts_ptr, s)
     r0 = tl.program_id(1) * BLOCK_R
-    if (token == tl.load(seg_starts_ptr + s + 1)) | (r0 >= rank):
+    if (token == seg_end) | (r0 >= rank):
         return
     r = r0 + tl.arange(0, BLOCK_R)
     r_mask = r < rank
@@ -190,25 +211,19 @@ def _mbgmv_expand(
     rank_starts_ptr,
     b_offsets_ptr,
     scales_ptr,
-    token_segs_ptr,
     out_features,
     stride_h,
     stride_out,
+    token_segs_ptr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_TOKEN: tl.constexpr,
 ):
     """Program (segment, output block): ``out[tok, n] += scale * h[tok, :r] . B^T[:r, n]``; with
     ``PER_TOKEN``, program (token, output block)."""
-    if PER_TOKEN:
-        token = tl.program_id(0)
-        s = tl.load(token_segs_ptr + token)
-    else:
-        s = tl.program_id(0)
-        token = tl.load(seg_starts_ptr + s)
-    rank_start = tl.load(rank_starts_ptr + s)
-    rank = tl.load(rank_starts_ptr + s + 1) - rank_start
-    if (token == tl.load(seg_starts_ptr + s + 1)) | (rank == 0):
+    s, token = _mbgmv_token(seg_starts_ptr, token_segs_ptr, PER_TOKEN)
+    _, seg_end, rank_start, rank = _segment(seg_starts_ptr, rank_starts_ptr, s)
+    if (token == seg_end) | (rank == 0):
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < out_features
@@ -220,10 +235,7 @@ def _mbgmv_expand(
         hr = tl.load(h_ptr + token * stride_h + r, mask=r_mask, other=0.0)
         b = tl.load(pool_ptr + b_off[:, None] + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.sum(hr[:, None] * b.to(tl.float32), axis=0)
-    scale = tl.load(scales_ptr + s)
-    o_ptrs = out_ptr + token * stride_out + n
-    o = tl.load(o_ptrs, mask=n_mask, other=0.0)
-    tl.store(o_ptrs, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=n_mask)
+    _add_scaled(out_ptr + token * stride_out + n, n_mask, acc, tl.load(scales_ptr + s))
 
 
 def mbgmm(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Tensor) -> None:
@@ -240,31 +252,14 @@ def mbgmm(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Ten
     dot_fp32 = INTERPRETED or pool.dtype == torch.float32
     t_blocks = triton.cdiv(seg.max_seg_len, block_t)
     _mbgmm_shrink[(seg.num_segments, t_blocks, triton.cdiv(seg.max_rank, block_r))](
-        x,
-        pool,
-        h,
-        seg.seg_starts,
-        seg.rank_starts,
-        seg.a_offsets,
-        seg.in_features,
-        x.stride(0),
-        h.stride(0),
+        *_shrink_args(x, pool, h, seg),
         BLOCK_T=block_t,
         BLOCK_R=block_r,
         BLOCK_K=MBGMM_BLOCK_K,
         DOT_FP32=dot_fp32,
     )
     _mbgmm_expand[(seg.num_segments, t_blocks, triton.cdiv(seg.out_features, MBGMM_BLOCK_N))](
-        h,
-        pool,
-        out,
-        seg.seg_starts,
-        seg.rank_starts,
-        seg.b_offsets,
-        seg.scales,
-        seg.out_features,
-        h.stride(0),
-        out.stride(0),
+        *_expand_args(h, pool, out, seg),
         BLOCK_T=block_t,
         BLOCK_R=block_r,
         BLOCK_N=MBGMM_BLOCK_N,
@@ -289,21 +284,41 @@ def mbgmv(
     programs = seg.num_tokens if batch_invariant else seg.num_segments
     token_segs = _token_segments(seg) if batch_invariant else seg.seg_starts
     _mbgmv_shrink[(programs, triton.cdiv(seg.max_rank, block_r))](
+        *_shrink_args(x, pool, h, seg),
+        token_segs,
+        BLOCK_R=block_r,
+        BLOCK_K=MBGMV_BLOCK_K,
+        PER_TOKEN=batch_invariant,
+    )
+    _mbgmv_expand[(programs, triton.cdiv(seg.out_features, MBGMV_BLOCK_N))](
+        *_expand_args(h, pool, out, seg),
+        token_segs,
+        BLOCK_R=block_r,
+        BLOCK_N=MBGMV_BLOCK_N,
+        PER_TOKEN=batch_invariant,
+    )
+
+
+def _shrink_args(x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, seg: LoraSegments) -> tuple:
+    """The arguments MBGMM's and MBGMV's shrink kernels share, in their order: x, the pool, the h
+    scratch, the segment and A-row tables, and the sizes and strides they index by."""
+    return (
         x,
         pool,
         h,
         seg.seg_starts,
         seg.rank_starts,
         seg.a_offsets,
-        token_segs,
         seg.in_features,
         x.stride(0),
         h.stride(0),
-        BLOCK_R=block_r,
-        BLOCK_K=MBGMV_BLOCK_K,
-        PER_TOKEN=batch_invariant,
     )
-    _mbgmv_expand[(programs, triton.cdiv(seg.out_features, MBGMV_BLOCK_N))](
+
+
+def _expand_args(h: torch.Tensor, pool: torch.Tensor, out: torch.Tensor, seg: LoraSegments) -> tuple:
+    """The arguments MBGMM's and MBGMV's expand kernels share, in their order: h, the pool, out,
+    the segment, B-row and scale tables, and the sizes and strides they index by."""
+    return (
         h,
         pool,
         out,
@@ -311,13 +326,9 @@ def mbgmv(
         seg.rank_starts,
         seg.b_offsets,
         seg.scales,
-        token_segs,
         seg.out_features,
         h.stride(0),
         out.stride(0),
-        BLOCK_R=block_r,
-        BLOCK_N=MBGMV_BLOCK_N,
-        PER_TOKEN=batch_invariant,
     )
 
 
