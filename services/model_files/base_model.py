@@ -2,8 +2,9 @@
 
 Every service needs to know which base model the mesh serves: the adapter store validates
 adapter shapes against it, the worker builds the model from it. The files are read by one
-reader, :class:`~services.model_files.model_config.ModelConfig`'s; the spec is the part of
-that config adapters are checked against, kept on disk for a GGUF (whose header takes seconds
+reader, :class:`~services.model_files.model_config.ModelConfig`'s; the spec
+(:class:`~services.model_files.model_config.BaseModelSpec`, which the config extends) is the part
+of that config adapters are checked against, kept on disk for a GGUF (whose header takes seconds
 to parse).
 """
 
@@ -14,54 +15,11 @@ import functools
 import importlib.util
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from services.model_files.cache_dir import default_cache_dir
-from services.model_files.model_config import ModelConfig, read_hf_config
-from services.runtime.field_copy import dataclass_of
-
-
-@dataclass(frozen=True)
-class BaseModelSpec:
-    """Dimensions of a Llama-family decoder, enough to know every projection's shape."""
-
-    name: str
-    """Short tag adapters are registered against (PetS's base model tag)."""
-    hidden_size: int
-    """Width of the residual stream (``embedding_length`` in GGUF)."""
-    intermediate_size: int
-    """Width of the MLP (``feed_forward_length`` in GGUF)."""
-    num_layers: int
-    """Number of decoder blocks."""
-    num_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key/value heads (GQA when fewer than ``num_heads``)."""
-    head_dim: int
-    """Per-head width; ``hidden_size // num_heads`` unless the model says otherwise."""
-    vocab_size: int
-    """Tokenizer vocabulary size."""
-
-    @classmethod
-    def of(cls, config: ModelConfig) -> BaseModelSpec:
-        """The spec of the model ``config`` describes."""
-        return dataclass_of(cls, config)
-
-    def projection_shape(self, module: str) -> tuple[int, int]:
-        """``(in_features, out_features)`` of one projection in every layer."""
-        q_out = self.num_heads * self.head_dim
-        kv_out = self.num_kv_heads * self.head_dim
-        shapes = {
-            "q_proj": (self.hidden_size, q_out),
-            "k_proj": (self.hidden_size, kv_out),
-            "v_proj": (self.hidden_size, kv_out),
-            "o_proj": (q_out, self.hidden_size),
-            "gate_proj": (self.hidden_size, self.intermediate_size),
-            "up_proj": (self.hidden_size, self.intermediate_size),
-            "down_proj": (self.intermediate_size, self.hidden_size),
-        }
-        return shapes[module]
+from services.model_files.model_config import BaseModelSpec, ModelConfig, read_hf_config
 
 
 def default_model_path() -> Path:

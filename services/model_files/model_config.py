@@ -1,7 +1,8 @@
 """The decoder's hyperparameters, read from a HF ``config.json`` or a GGUF header.
 
-The one reader of a model's configuration: the base model spec (``base_model.py``) is taken
-from it. (A tokenizer reads only its own fields: a vocabulary-only GGUF has no model to configure.)
+The one reader of a model's configuration: the base model spec (``base_model.py`` loads and
+caches it) is the part of the config adapters are checked against, and the config extends it.
+(A tokenizer reads only its own fields: a vocabulary-only GGUF has no model to configure.)
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from services.runtime.field_copy import dataclass_of
 
 #: Architectures the worker's Llama-family model runs, as HF ``model_type`` / GGUF
 #: ``general.architecture`` spell them.
@@ -30,17 +33,15 @@ _LLAMA3_ROPE_DEFAULTS = {
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Everything needed to build the Llama-family decoder and check its weights' shapes."""
+class BaseModelSpec:
+    """Dimensions of a Llama-family decoder, enough to know every projection's shape."""
 
-    architecture: str
-    """``"llama"``, ``"mistral"`` or ``"qwen2"``."""
-    vocab_size: int
-    """Rows of the token embedding (may exceed the tokenizer's vocabulary, e.g. Qwen2 padding)."""
+    name: str
+    """Short tag adapters are registered against (PetS's base model tag)."""
     hidden_size: int
-    """Width of the residual stream."""
+    """Width of the residual stream (``embedding_length`` in GGUF)."""
     intermediate_size: int
-    """Width of the SwiGLU MLP."""
+    """Width of the SwiGLU MLP (``feed_forward_length`` in GGUF)."""
     num_layers: int
     """Number of decoder blocks."""
     num_heads: int
@@ -49,6 +50,37 @@ class ModelConfig:
     """Key/value heads (GQA when fewer than ``num_heads``)."""
     head_dim: int
     """Per-head width; not always ``hidden_size // num_heads`` (e.g. Mistral Nemo)."""
+    vocab_size: int
+    """Rows of the token embedding (may exceed the tokenizer's vocabulary, e.g. Qwen2 padding)."""
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> BaseModelSpec:
+        """The spec of the model ``config`` describes (its spec fields alone)."""
+        return dataclass_of(cls, config)
+
+    def projection_shape(self, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of one projection in every layer."""
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden_size, q_out),
+            "k_proj": (self.hidden_size, kv_out),
+            "v_proj": (self.hidden_size, kv_out),
+            "o_proj": (q_out, self.hidden_size),
+            "gate_proj": (self.hidden_size, self.intermediate_size),
+            "up_proj": (self.hidden_size, self.intermediate_size),
+            "down_proj": (self.intermediate_size, self.hidden_size),
+        }
+        return shapes[module]
+
+
+@dataclass(frozen=True)
+class ModelConfig(BaseModelSpec):
+    """Everything needed to build the Llama-family decoder and check its weights' shapes: the
+    spec's dimensions and the rest of the hyperparameters."""
+
+    architecture: str
+    """``"llama"``, ``"mistral"`` or ``"qwen2"``."""
     rms_norm_eps: float
     """Epsilon of every RMSNorm."""
     rope_theta: float
@@ -67,8 +99,6 @@ class ModelConfig:
     """Beginning-of-sequence token, if the model has one."""
     eos_token_ids: tuple[int, ...]
     """Every token that ends generation (Llama 3 instruct has several)."""
-    name: str
-    """Short tag adapters are registered against (``BaseModelSpec.name`` is taken from it)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
