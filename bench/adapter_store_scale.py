@@ -9,11 +9,13 @@ serves at once, and what 10,000 registered adapters cost the mesh, in one run of
     registration rate in MB/s is reported against it, with the CPU the store (and the driver)
     spent per MB. ``--via gateway`` uploads through a gateway process instead, as the SDK does
     (its CPU per MB reported too); ``--via file`` has the store import them from ``file://``
-    directories written (and flushed) beforehand, no bytes on the wire. Beside them, the store's
-    disk path alone (the same weights hashed and written by its ``BlobStore``, no service around
-    it), and the registration's work alone (the same with the store's validation, and the
-    source read for ``--via file``). Then the store is restarted over what it holds and timed
-    until it serves.
+    directories written (and flushed) beforehand, no bytes on the wire. The store's catalog is in
+    an etcd the bench starts for the phase (in its work directory), its blobs in its data
+    directory (``sha256/<sha256>``). Beside them, the store's disk path alone (the same weights
+    hashed and written by its ``LocalDirectoryBlobs``, no service and no catalog around it), and
+    the registration's work alone (the same with the store's validation, and the source read
+    for ``--via file``). Then the store is restarted over what it holds and timed until it
+    serves.
 ``scale``
     ``--adapters`` small adapters (rank 8 on q/v, ≈0.9 MB) into a store that serves a scheduler,
     a worker and a gateway (each its own process, members of one etcd): ``--s3-imports`` of them imported
@@ -69,7 +71,8 @@ from mesh_api.adapter_transfer import fetch_adapter, ref_by_id
 from mesh_api.upload_wire import WireUploadAdapterStoreStub, WireUploadGatewayStub, upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.adapter_store.blob_store import BlobStore, page_aligned_empty, page_aligned_join
+from services.adapter_store.blobs.local_directory import LocalDirectoryBlobs
+from services.adapter_store.blobs.page_aligned import page_aligned_empty, page_aligned_join
 from services.adapter_store.importers.source import WEIGHTS_FILE
 from services.adapter_store.validation import ValidationLimits, validate_adapter
 from services.gateway.adapter_index import AdapterIndex
@@ -121,10 +124,11 @@ def work_alone_mb_per_s(
 ) -> dict:
     """In MB/s, in this process, ``threads`` threads over ``count`` adapters' weights:
 
-    - ``bare``: the store's disk path alone: each hashed (sha256) and written as a blob
-      (``O_DIRECT``, ``fdatasync``, rename, the directory's ``fsync``). No transfer, no
-      validation, no catalog: what registration cannot beat on this machine whatever the
-      service does around it.
+    - ``bare``: the store's disk path alone: each hashed (sha256) and written as the blob of that
+      digest (staged with ``O_DIRECT`` and ``fdatasync``, renamed, the directory's ``fsync``
+      shared by the renames that finish together, as in the store). No transfer, no validation,
+      no catalog: what registration cannot beat on this machine whatever the service does
+      around it.
     - ``with_checks``: all the work a registration must do to its bytes, still without a
       service: read from ``sources`` (``--via file``: into page-aligned memory from the page
       cache, as an import reads) or already in memory (an upload), the store's whole validation
@@ -132,12 +136,11 @@ def work_alone_mb_per_s(
     weights = [page_aligned_join([variant(bases[i % len(bases)], i)[WEIGHTS_FILE]]) for i in range(count)]
     configs = [bases[i % len(bases)]["adapter_config.json"] for i in range(count)]
     spec, limits = load_base_model_spec(), ValidationLimits()
-    blobs = BlobStore(directory / "blob-path")
+    # One blob directory each: the same weights (the same digests) are written by both figures.
+    blobs = {name: LocalDirectoryBlobs(directory / "blob-path" / name) for name in ("bare", "with_checks")}
 
     def bare(i: int) -> int:
-        hashlib.sha256(weights[i]).hexdigest()
-        blobs.write(f"b{i:05d}", weights[i])
-        blobs.sync_dir()
+        blobs["bare"].put(hashlib.sha256(weights[i]).hexdigest(), weights[i])
         return len(weights[i])
 
     def with_checks(i: int) -> int:
@@ -148,9 +151,7 @@ def work_alone_mb_per_s(
             with path.open("rb") as stream:  # buffered: reads until full (or the end), straight in
                 stream.readinto(data)
         validate_adapter(configs[i], data, spec, limits)
-        hashlib.sha256(data).hexdigest()
-        blobs.write(f"c{i:05d}", data)
-        blobs.sync_dir()
+        blobs["with_checks"].put(hashlib.sha256(data).hexdigest(), data)
         return len(data)
 
     rates = {}
@@ -161,6 +162,8 @@ def work_alone_mb_per_s(
                 total = sum(pool.map(one, range(count)))
             rates[name] = round(total / (time.perf_counter() - started) / MB, 1)
     finally:
+        for store in blobs.values():
+            store.close()
         shutil.rmtree(directory / "blob-path")
     return rates
 
@@ -424,9 +427,14 @@ def process_cpu(pid: int) -> tuple[float, int]:
 
 
 async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
-    """``retain``: the store's ``--retain-freed-memory``."""
+    """``retain``: the store's ``--retain-freed-memory``. The store's catalog is in an etcd of
+    the phase's own, wiped with the store's data directory at its end."""
     data_dir = work / "bytes-store"
-    store_args = ["--data-dir", str(data_dir), "--ram-budget-mib", str(args.ram_budget_mib),
+    etcd_dir = work / "bytes-etcd"
+    etcd = EtcdServer(etcd_dir).start()
+    STARTED.append(etcd.stop)
+    store_args = ["--etcd-endpoints", etcd.endpoint, "--data-dir", str(data_dir),
+                  "--ram-budget-mib", str(args.ram_budget_mib),
                   "--retain-freed-memory", str(retain).lower()]  # fmt: skip
     bases = real_size_templates(work / "templates")
     sources = work / "file-sources"
@@ -480,6 +488,8 @@ async def bytes_phase(args, work: Path, retain: bool = True) -> dict:
     )
     blob_path = alone["bare"]
     restart = await restart_s(store_args, work / "bytes-restart.log")
+    etcd.stop()
+    shutil.rmtree(etcd_dir, ignore_errors=True)
     shutil.rmtree(data_dir, ignore_errors=True)
     shutil.rmtree(sources, ignore_errors=True)
     rate = total / elapsed / MB
@@ -658,7 +668,7 @@ async def scale_phase(args, work: Path) -> dict:
     for service in (gateway, worker, scheduler, store):
         service.terminate()
     result["restart_to_serving_s"] = await restart_s(store_args, work / "scale-restart.log")
-    result["disk_gb"] = round(sum(p.stat().st_size for p in (data_dir / "blobs").iterdir()) / 1e9, 2)
+    result["disk_gb"] = round(sum(p.stat().st_size for p in (data_dir / "sha256").iterdir()) / 1e9, 2)
     etcd.stop()
     moto.stop()
     return result

@@ -68,7 +68,19 @@ WORKER_SETTINGS = ForwardedSettings(
     },
 )
 STORE_SETTINGS = ForwardedSettings(
-    AdapterStoreConfig, "adapter_store", ("model", "ram_budget_mib", "eviction_policy")
+    AdapterStoreConfig,
+    "adapter_store",
+    (
+        "model",
+        "ram_budget_mib",
+        "eviction_policy",
+        # Its catalog is in up's etcd; its blobs in <state dir>/adapter_store unless --blob-store.
+        "blob_store",
+        "blob_cache_mib",
+        "collect_interval_s",
+        "collect_grace_s",
+    ),
+    default_words={"blob_store": "<state dir>/adapter_store, the store's --data-dir"},
 )
 GATEWAY_SETTINGS = ForwardedSettings(GatewayConfig, "gateway", ("model",))
 SCHEDULER_SETTINGS = ForwardedSettings(
@@ -157,6 +169,7 @@ def check_up_args(args) -> None:
         raise CommandError(f"--early-abort-slo-s must be more than 0, got {args.early_abort_slo_s}")
     if args.max_lora_rank is not None and args.max_lora_rank < 1:
         raise CommandError(f"--max-lora-rank must be at least 1, got {args.max_lora_rank}")
+    _check_store_settings(args)
     try:
         restart_policy(args)
     except ValueError as error:
@@ -166,6 +179,21 @@ def check_up_args(args) -> None:
     if args.import_policy_file and not Path(args.import_policy_file).is_file():
         raise CommandError(f"--import-policy-file: {Path(args.import_policy_file).resolve()} is not a file")
     _check_openai_port(args.openai_port)
+
+
+def _check_store_settings(args) -> None:
+    """The adapter store's blob settings that would only fail (or spin) in its log."""
+    location = args.blob_store or ""
+    if "://" in location and not location.startswith(("s3://", "file://")):
+        raise CommandError(
+            f"--blob-store {location!r}: expected a directory, file:///path or s3://bucket/prefix"
+        )
+    if args.blob_cache_mib is not None and args.blob_cache_mib < 0:
+        raise CommandError(f"--blob-cache-mib must be 0 or more, got {args.blob_cache_mib}")
+    if args.collect_interval_s is not None and not args.collect_interval_s > 0:
+        raise CommandError(f"--collect-interval-s must be more than 0, got {args.collect_interval_s}")
+    if args.collect_grace_s is not None and args.collect_grace_s < 0:
+        raise CommandError(f"--collect-grace-s must be 0 or more, got {args.collect_grace_s}")
 
 
 def restart_policy(args) -> RestartPolicy:

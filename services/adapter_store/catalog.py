@@ -1,259 +1,450 @@
-"""The adapter catalog: one SQLite database in WAL mode, the single source of truth.
+"""The adapter catalog in etcd: the single source of truth every store replica shares.
 
-A row exists only for an adapter whose blob was durably written first, so a crash between the
-two leaves at worst an orphan blob, which start-up removes. ``(owner, name)`` is unique.
+Writes are etcd transactions (:mod:`.catalog_keys` names the keys):
+
+- a registration commits its row, its name, its version and its blob references at once, only if
+  the name is free (or still serves the version it replaces), the name's version counter is as it
+  was read, and no collector has touched the blobs it relies on since it read their marks. Two
+  replicas registering one name at once therefore yield one adapter and one
+  :class:`~.adapter_record.DuplicateName`;
+- a collector marks a blob ``collecting`` only if nothing references it, so a blob a committed
+  row names is never deleted (:mod:`.blob_collector`).
+
+Reads are served from a :class:`~.catalog_mirror.CatalogMirror` kept current by a watch; a
+replica's own write returns once its mirror has seen it, so the writer reads it back at once, and
+a lookup the mirror misses asks etcd before answering NOT_FOUND (another replica may have just
+committed it). Cut off from etcd, a replica refuses writes (UNAVAILABLE, saying why) and goes on
+serving reads of what it holds.
+
+The repository is synchronous and runs in worker threads; the etcd client is asyncio. The
+catalog runs its own event loop on a thread of its own, and each call submits a coroutine to it.
 """
 
 from __future__ import annotations
 
-import json
-import sqlite3
+import asyncio
+import contextlib
+import logging
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
-from services.runtime.security.private_files import private_dir
+import aetcd
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS adapters (
-    seq            INTEGER PRIMARY KEY AUTOINCREMENT,
-    id             TEXT NOT NULL UNIQUE,
-    name           TEXT NOT NULL,
-    owner          TEXT NOT NULL,
-    visibility     INTEGER NOT NULL,
-    base_model     TEXT NOT NULL,
-    pet_type       TEXT NOT NULL,
-    rank           INTEGER NOT NULL,
-    max_rank       INTEGER NOT NULL,
-    lora_alpha     REAL NOT NULL,
-    use_rslora     INTEGER NOT NULL,
-    target_modules TEXT NOT NULL,
-    dtype          TEXT NOT NULL,
-    size_bytes     INTEGER NOT NULL,
-    sha256         TEXT NOT NULL,
-    version        INTEGER NOT NULL,
-    created_ms     INTEGER NOT NULL,
-    config_json    TEXT NOT NULL,
-    UNIQUE (owner, name)
-);
-CREATE INDEX IF NOT EXISTS adapters_by_owner ON adapters (owner, seq);
-CREATE TABLE IF NOT EXISTS name_versions (
-    owner        TEXT NOT NULL,
-    name         TEXT NOT NULL,
-    last_version INTEGER NOT NULL,
-    PRIMARY KEY (owner, name)
-);
-"""
+from services.adapter_store.adapter_record import AdapterRecord, DuplicateName
+from services.adapter_store.catalog_changes import CatalogChanges
+from services.adapter_store.catalog_keys import (
+    BlobMark,
+    CatalogKeys,
+    decode_row,
+    encode_row,
+    record_digests,
+)
+from services.adapter_store.catalog_mirror import CatalogMirror
+from services.runtime.errors import Unavailable
+from services.runtime.etcd.membership import EtcdConnection, MembershipConfig, describe_etcd_error
 
-#: Columns added since the first schema, with their definitions, added to any catalog that
-#: lacks them when it is opened (a catalog's adapters from before have no template of their own).
-_ADDED_COLUMNS = {
-    "chat_template": "TEXT NOT NULL DEFAULT ''",
-    "tool_use_chat_template": "TEXT NOT NULL DEFAULT ''",
-    "pinned": "INTEGER NOT NULL DEFAULT 0",
-}
+log = logging.getLogger("loramesh.adapter_store")
 
-PRIVATE = 1
-PUBLIC = 2
+T = TypeVar("T")
+
+MIRROR_WAIT_S = 10.0
+"""How long a write waits for the replica's own mirror to show it before returning anyway."""
+_MAX_BACKOFF_S = 1.0
+
+
+class CatalogConflict(Exception):
+    """The keys a write was prepared against changed before it committed: prepare again."""
 
 
 @dataclass(frozen=True)
-class AdapterRecord:
-    """One registered adapter, as the catalog stores it."""
+class BlobState:
+    """One blob's collector mark as a registration read it."""
 
-    id: str
-    """Stable id, also the blob's file name."""
-    name: str
-    """Unique per owner."""
-    owner: str
-    """Owner tenant."""
-    visibility: int
-    """``PRIVATE`` (1) or ``PUBLIC`` (2), the proto enum's values."""
-    base_model: str
-    """Base model tag the adapter was validated against."""
-    pet_type: str
-    """Kind of fine-tune; ``lora``."""
-    rank: int
-    """The config's ``r``."""
-    max_rank: int
-    """Largest rank over ``rank_pattern``."""
-    lora_alpha: float
-    use_rslora: bool
-    target_modules: tuple[str, ...]
-    dtype: str
-    size_bytes: int
-    """Bytes of the safetensors blob."""
-    sha256: str
-    """Hex digest of the safetensors blob."""
-    version: int
-    """1 for the first registration of ``(owner, name)``; +1 each time it is registered again."""
-    created_ms: int
-    config_json: str
-    """``adapter_config.json`` as uploaded."""
-    chat_template: str = ""
-    """Its own chat template, uploaded with it; "": the base model's."""
-    tool_use_chat_template: str = ""
-    """Its own chat template for requests that offer tools; "": :attr:`chat_template`."""
-    pinned: bool = False
-    """Never evicted from the store's RAM tier, the workers' host caches or their pools
-    (``SetAdapterPinned``); a new version of the name keeps it."""
+    mod_revision: int
+    """0: no mark (never collected)."""
+    mark: BlobMark | None
 
 
-_COLUMNS = [f for f in AdapterRecord.__dataclass_fields__]
+@dataclass(frozen=True)
+class PreparedRegistration:
+    """What a registration of ``(owner, name)`` read before it publishes its blobs and commits."""
 
+    serving_id: str
+    """Id of the adapter the name serves now; "" when it is free."""
+    last_version: int
+    """The name's version counter (0: never registered)."""
+    version_mod_revision: int
+    blobs: dict[str, BlobState]
+    """By digest."""
 
-def _row_to_record(row: sqlite3.Row) -> AdapterRecord:
-    values = {c: row[c] for c in _COLUMNS}
-    values["use_rslora"] = bool(values["use_rslora"])
-    values["pinned"] = bool(values["pinned"])
-    values["target_modules"] = tuple(json.loads(values["target_modules"]))
-    return AdapterRecord(**values)
-
-
-class DuplicateName(Exception):
-    """``(owner, name)`` is already registered."""
+    def collecting(self, now_ms: int, stall_ms: int) -> list[str]:
+        """Digests a collector is deleting now (a mark older than ``stall_ms`` is abandoned)."""
+        return [
+            digest
+            for digest, state in self.blobs.items()
+            if state.mark is not None
+            and state.mark.state == "collecting"
+            and now_ms - state.mark.since_ms < stall_ms
+        ]
 
 
 class Catalog:
-    """Thread-safe access to the SQLite catalog: one connection writes, another reads, each
-    behind its own lock. In WAL mode a read never waits for a write's commit to reach the disk,
-    so looking an adapter up (every registration does, every fetch does) is not held up by the
-    flush of another registration's commit."""
+    """The etcd catalog with its in-memory mirror. ``read_text(sha256) -> str`` reads the text
+    parts of rows (config, chat templates) from the blob tier."""
 
-    def __init__(self, path: Path):
-        private_dir(path.parent)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
-            present = {row["name"] for row in self._db.execute("PRAGMA table_info(adapters)")}
-            for column, definition in _ADDED_COLUMNS.items():
-                if column not in present:
-                    self._db.execute(f"ALTER TABLE adapters ADD COLUMN {column} {definition}")
-        self._reader = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._reader.row_factory = sqlite3.Row
-        self._reader.execute("PRAGMA query_only=1")
-        self._read_lock = threading.Lock()
+    def __init__(self, config: MembershipConfig, read_text: Callable[[str], str], replica_id: str):
+        self.config = config
+        self.keys = CatalogKeys.under(config.key_prefix)
+        self.replica_id = replica_id
+        self.mirror = CatalogMirror()
+        self.changes = CatalogChanges()
+        """Every change of the catalog, this replica's and the others', in etcd's order."""
+        self.problem = ""
+        """Why the catalog cannot take writes now ("" while it can): for the health check."""
+        self._read_text = read_text
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="etcd-catalog", daemon=True)
+        self._conn = EtcdConnection(config)
+        self._watch_task: asyncio.Task[None] | None = None
+        self._listed = threading.Event()
+
+    # -- lifecycle --
+
+    def open(self, timeout_s: float = 30.0) -> None:
+        """List the catalog into the mirror and start watching it; Unavailable when etcd cannot
+        be read within ``timeout_s``. Opening an open catalog does nothing."""
+        if self._thread.is_alive():
+            return
+        self._thread.start()
+        self._submit(self._start_watch()).result()
+        if not self._listed.wait(timeout_s):
+            raise Unavailable(
+                f"cannot list the adapter catalog from etcd within {timeout_s:g} s: {self.problem}"
+            )
 
     def close(self) -> None:
-        with self._read_lock:
-            self._reader.close()
-        with self._lock:
-            self._db.close()
+        if not self._thread.is_alive():
+            return
+        self._submit(self._stop()).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
-    def next_version(self, owner: str, name: str) -> int:
-        with self._read_lock:
-            row = self._reader.execute(
-                "SELECT last_version FROM name_versions WHERE owner=? AND name=?", (owner, name)
-            ).fetchone()
-        return (row[0] if row else 0) + 1
+    async def _start_watch(self) -> None:
+        self._watch_task = asyncio.get_running_loop().create_task(self._follow(), name="catalog-watch")
 
-    def insert_many(self, entries: Sequence[tuple[AdapterRecord, str]]) -> list[DuplicateName | None]:
-        """Commit ``(record, replacing)`` pairs in one transaction (one flush of the WAL); for
-        each, :class:`DuplicateName` if its ``(owner, name)`` is taken (that row alone is left
-        out), else None.
+    async def _stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        await self._conn.close()
 
-        ``replacing``: the id of the row ``record`` takes the place of ("" for none), removed in
-        the same transaction, so readers see the old version or the new one, never neither."""
-        results: list[DuplicateName | None] = []
-        with self._lock:
+    def _submit(self, coro: Awaitable[T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+
+    def _call(self, fn: Callable[[aetcd.Client], Awaitable[T]], what: str) -> T:
+        """``fn(client)`` on the catalog's loop, bounded by the call timeout; Unavailable (naming
+        ``what`` and the cause) when etcd does not answer."""
+
+        async def call() -> T:
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                for record, replacing in entries:
-                    results.append(self._insert_one(record, replacing))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                return await self._conn.call(fn)
+            except asyncio.CancelledError:
                 raise
-        return results
+            except Exception as error:  # noqa: BLE001 - every etcd failure is the same to a caller
+                endpoint = self._conn.endpoint
+                await self._conn.reset()
+                self.problem = f"etcd at {endpoint} unreachable ({describe_etcd_error(error)})"
+                raise Unavailable(f"adapter catalog: cannot {what}: {self.problem}") from None
 
-    def _insert_one(self, record: AdapterRecord, replacing: str) -> DuplicateName | None:
-        values = {column: getattr(record, column) for column in _COLUMNS}  # asdict deep-copies
-        values["use_rslora"] = int(record.use_rslora)
-        values["pinned"] = int(record.pinned)
-        values["target_modules"] = json.dumps(list(record.target_modules))
-        placeholders = ", ".join(f":{c}" for c in _COLUMNS)
-        self._db.execute("SAVEPOINT one")
-        try:
-            if replacing:
-                self._db.execute("DELETE FROM adapters WHERE id=?", (replacing,))
-            self._db.execute(f"INSERT INTO adapters ({', '.join(_COLUMNS)}) VALUES ({placeholders})", values)
-            self._db.execute(
-                "INSERT INTO name_versions (owner, name, last_version) VALUES (?, ?, ?) "
-                "ON CONFLICT (owner, name) DO UPDATE SET last_version = excluded.last_version",
-                (record.owner, record.name, record.version),
-            )
-        except sqlite3.IntegrityError as error:
-            self._db.execute("ROLLBACK TO one")
-            self._db.execute("RELEASE one")
-            duplicate = DuplicateName(f"{record.owner}/{record.name}")
-            duplicate.__cause__ = error
-            return duplicate
-        self._db.execute("RELEASE one")
-        return None
+        return self._submit(call()).result()
 
-    def delete(self, adapter_id: str) -> bool:
-        with self._lock:
-            cursor = self._db.execute("DELETE FROM adapters WHERE id=?", (adapter_id,))
-        return cursor.rowcount > 0
+    # -- the watch --
 
-    def set_pinned(self, adapter_id: str, pinned: bool) -> bool:
-        """Pin or unpin one adapter; False when there is no such adapter (any more)."""
-        with self._lock:
-            cursor = self._db.execute("UPDATE adapters SET pinned=? WHERE id=?", (int(pinned), adapter_id))
-        return cursor.rowcount > 0
+    async def _follow(self) -> None:
+        """List, then watch from the next revision; on any failure list again (with backoff)."""
+        backoff = 0.1
+        while True:
+            watch = None
+            try:
+                listing = await self._conn.call(
+                    lambda c: c.get_prefix(self.keys.rows.encode(), sort_target="create")
+                )
+                revision = listing.header.revision
+                rows = await asyncio.to_thread(self._decode_all, listing)
+                for change in self.mirror.replace(rows, revision):
+                    self.changes.publish(change)
+                self._listed.set()
+                self.problem, backoff = "", 0.1
+                watch = await self._conn.call(
+                    lambda c, start=revision + 1: c.watch_prefix(
+                        self.keys.rows.encode(), start_revision=start
+                    )
+                )
+                async for event in watch:
+                    await self._apply(event)
+                raise ConnectionError("watch stream ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any failure: list again
+                self.problem = f"etcd at {self._conn.endpoint} unreachable ({describe_etcd_error(error)})"
+                log.warning("adapter catalog watch failed: %s; listing again", self.problem)
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), self.config.call_timeout_s)
+                await self._conn.reset()
+                await asyncio.sleep(backoff)
+                backoff = min(_MAX_BACKOFF_S, backoff * 2)
 
-    def pinned_sizes(self) -> dict[str, int]:
-        """``{id: size_bytes}`` of every pinned adapter."""
-        with self._read_lock:
-            rows = self._reader.execute("SELECT id, size_bytes FROM adapters WHERE pinned=1").fetchall()
-        return {row["id"]: row["size_bytes"] for row in rows}
+    def _decode_all(self, listing: Any) -> list[tuple[int, AdapterRecord]]:
+        return [(kv.create_revision, decode_row(kv.value, self._read_text)) for kv in listing]
+
+    async def _apply(self, event: Any) -> None:
+        kv = event.kv
+        if event.kind == aetcd.EventKind.PUT:
+            record = await asyncio.to_thread(decode_row, kv.value, self._read_text)
+            change = self.mirror.upsert(kv.create_revision, record, kv.mod_revision)
+        else:
+            change = self.mirror.remove(self.keys.row_id(kv.key), kv.mod_revision)
+        if change is not None:
+            self.changes.publish(change)
+
+    def _await_mirror(self, shows: Callable[[], bool], what: str) -> None:
+        """Wait for this replica's mirror to show its own write (so the writer reads it back)."""
+        if not self.mirror.wait_until(shows, MIRROR_WAIT_S):
+            log.warning("the catalog mirror does not show %s after %g s", what, MIRROR_WAIT_S)
+
+    # -- reads --
 
     def get(self, adapter_id: str) -> AdapterRecord | None:
-        with self._read_lock:
-            row = self._reader.execute("SELECT * FROM adapters WHERE id=?", (adapter_id,)).fetchone()
-        return _row_to_record(row) if row else None
+        record = self.mirror.get(adapter_id)
+        if record is None:
+            record = self._read_through(adapter_id)
+        return record
+
+    def _read_through(self, adapter_id: str) -> AdapterRecord | None:
+        """A row the mirror lacks, read from etcd: another replica may have just committed it.
+        With etcd unreachable the mirror's answer stands."""
+        try:
+            found = self._call(lambda c: c.get(self.keys.row(adapter_id).encode()), "read a row")
+        except Unavailable:
+            return None
+        return decode_row(found.value, self._read_text) if found else None
 
     def get_by_name(self, owner: str, name: str) -> AdapterRecord | None:
-        with self._read_lock:
-            row = self._reader.execute(
-                "SELECT * FROM adapters WHERE owner=? AND name=?", (owner, name)
-            ).fetchone()
-        return _row_to_record(row) if row else None
+        record = self.mirror.get_by_name(owner, name)
+        if record is None:
+            try:
+                found = self._call(lambda c: c.get(self.keys.name(owner, name).encode()), "read a name")
+            except Unavailable:
+                return None
+            if found:
+                record = self.get(found.value.decode())
+        return record
 
     def page(
         self, owner: str | None, include_public: bool, after_seq: int, limit: int
     ) -> tuple[list[tuple[int, AdapterRecord]], int]:
-        """``(seq, record)`` pairs after ``after_seq`` in registration order, and the total matching."""
-        where, params = "1=1", []
-        if owner:
-            if include_public:
-                where, params = "(owner=? OR visibility=?)", [owner, PUBLIC]
-            else:
-                where, params = "owner=?", [owner]
-        with self._read_lock:
-            self._reader.execute("BEGIN")  # one snapshot for the page and its total
-            try:
-                rows = self._reader.execute(
-                    f"SELECT * FROM adapters WHERE {where} AND seq > ? ORDER BY seq LIMIT ?",
-                    [*params, after_seq, limit],
-                ).fetchall()
-                total = self._reader.execute(
-                    f"SELECT COUNT(*) FROM adapters WHERE {where}", params
-                ).fetchone()[0]
-            finally:
-                self._reader.execute("COMMIT")
-        return [(r["seq"], _row_to_record(r)) for r in rows], total
+        return self.mirror.page(owner, include_public, after_seq, limit)
 
     def all(self) -> list[AdapterRecord]:
-        with self._read_lock:
-            rows = self._reader.execute("SELECT * FROM adapters ORDER BY seq").fetchall()
-        return [_row_to_record(r) for r in rows]
+        return self.mirror.all()
 
     def count(self) -> int:
-        with self._read_lock:
-            return self._reader.execute("SELECT COUNT(*) FROM adapters").fetchone()[0]
+        return self.mirror.count()
+
+    def pinned_sizes(self) -> dict[str, int]:
+        return self.mirror.pinned_sizes()
+
+    # -- registration --
+
+    def prepare(self, owner: str, name: str, digests: set[str]) -> PreparedRegistration:
+        """Read, in one revision, what a registration of ``(owner, name)`` relying on the blobs
+        ``digests`` will be committed against."""
+        ordered = sorted(digests)
+        gets = [
+            aetcd.transactions.Get(self.keys.name(owner, name).encode()),
+            aetcd.transactions.Get(self.keys.version(owner, name).encode()),
+            *(aetcd.transactions.Get(self.keys.blob_mark(d).encode()) for d in ordered),
+        ]
+        _, responses = self._call(
+            lambda c: c.transaction(compare=[], success=gets, failure=[]), "read a name"
+        )
+        named, version, *marks = (response[0][1] if response else None for response in responses)
+        return PreparedRegistration(
+            serving_id=named.value.decode() if named else "",
+            last_version=int(version.value) if version else 0,
+            version_mod_revision=version.mod_revision if version else 0,
+            blobs={
+                digest: BlobState(mark.mod_revision, BlobMark.decode(mark.value))
+                if mark
+                else BlobState(0, None)
+                for digest, mark in zip(ordered, marks, strict=True)
+            },
+        )
+
+    def commit(
+        self, record: AdapterRecord, prepared: PreparedRegistration, replacing: AdapterRecord | None
+    ) -> None:
+        """Commit ``record`` (in place of ``replacing``, the version the name served when
+        prepared, or as a new name); :class:`DuplicateName` when the name was taken meanwhile,
+        :class:`CatalogConflict` when anything else it was prepared against changed."""
+        t = aetcd.transactions
+        keys = self.keys
+        name_key = keys.name(record.owner, record.name).encode()
+        compare = [
+            t.Value(name_key) == replacing.id.encode() if replacing else t.Create(name_key) == 0,
+            t.Mod(keys.version(record.owner, record.name).encode()) == prepared.version_mod_revision,
+            *(t.Mod(keys.blob_mark(d).encode()) == state.mod_revision for d, state in prepared.blobs.items()),
+        ]
+        # The version replaced goes first: a watcher sees its removal, then the new row.
+        success = self._row_removal(replacing, with_name=False) if replacing is not None else []
+        success += [
+            t.Put(keys.row(record.id).encode(), encode_row(record)),
+            t.Put(name_key, record.id.encode()),
+            t.Put(keys.version(record.owner, record.name).encode(), str(record.version).encode()),
+            *(t.Put(keys.ref(d, record.id).encode(), b"") for d in set(record_digests(record).values())),
+        ]
+        succeeded, responses = self._call(
+            lambda c: c.transaction(compare=compare, success=success, failure=[t.Get(name_key)]),
+            "commit a registration",
+        )
+        if not succeeded:
+            named = responses[0][0][1] if responses and responses[0] else None
+            if named is not None and (replacing is None or named.value.decode() != replacing.id):
+                raise DuplicateName(f"{record.owner}/{record.name}")
+            raise CatalogConflict(f"{record.owner}/{record.name}")
+        self._await_mirror(lambda: self.mirror.get(record.id) is not None, f"adapter {record.id}")
+
+    def _row_removal(self, record: AdapterRecord, with_name: bool) -> list:
+        t = aetcd.transactions
+        ops = [t.Delete(self.keys.row(record.id).encode())]
+        ops += [t.Delete(self.keys.ref(d, record.id).encode()) for d in set(record_digests(record).values())]
+        if with_name:
+            ops.append(t.Delete(self.keys.name(record.owner, record.name).encode()))
+        return ops
+
+    def import_row(self, record: AdapterRecord, last_version: int) -> str:
+        """Commit a row migrated from elsewhere with its own id and version (its blobs already
+        published); "" when it is in the catalog now (or was already), else why not."""
+        t = aetcd.transactions
+        row_key = self.keys.row(record.id).encode()
+        name_key = self.keys.name(record.owner, record.name).encode()
+        success = [
+            t.Put(row_key, encode_row(record)),
+            t.Put(name_key, record.id.encode()),
+            t.Put(self.keys.version(record.owner, record.name).encode(), str(last_version).encode()),
+            *(t.Put(self.keys.ref(d, record.id).encode(), b"") for d in set(record_digests(record).values())),
+        ]
+        succeeded, responses = self._call(
+            lambda c: c.transaction(
+                compare=[t.Version(row_key) == 0, t.Create(name_key) == 0],
+                success=success,
+                failure=[t.Get(row_key)],
+            ),
+            "migrate a row",
+        )
+        if succeeded:
+            self._await_mirror(lambda: self.mirror.get(record.id) is not None, f"adapter {record.id}")
+            return ""
+        return "" if responses and responses[0] else "its name is taken by another adapter in etcd"
+
+    # -- other writes --
+
+    def delete(self, record: AdapterRecord) -> bool:
+        """Remove ``record``'s row, name and references; False when it was gone already."""
+        t = aetcd.transactions
+        row_key = self.keys.row(record.id).encode()
+        succeeded, _ = self._call(
+            lambda c: c.transaction(
+                compare=[t.Version(row_key) > 0], success=self._row_removal(record, True), failure=[]
+            ),
+            "delete an adapter",
+        )
+        if succeeded:
+            self._await_mirror(lambda: self.mirror.get(record.id) is None, f"adapter {record.id} deleted")
+        return succeeded
+
+    def set_pinned(self, record: AdapterRecord, pinned: bool) -> bool:
+        """Rewrite ``record``'s row with ``pinned``; False when it is no longer in the catalog."""
+        t = aetcd.transactions
+        row_key = self.keys.row(record.id).encode()
+        succeeded, _ = self._call(
+            lambda c: c.transaction(
+                compare=[t.Version(row_key) > 0],
+                success=[t.Put(row_key, encode_row(replace(record, pinned=pinned)))],
+                failure=[],
+            ),
+            "pin an adapter",
+        )
+        if succeeded:
+            self._await_mirror(
+                lambda: _pinned(self.mirror.get(record.id)) in (pinned, None), f"adapter {record.id} pinned"
+            )
+        return succeeded
+
+    # -- the collector's marks --
+
+    def mark_collecting(self, digest: str) -> int:
+        """Mark blob ``digest`` ``collecting`` if no row references it, in one transaction with
+        that check; returns the mark's revision, 0 when it may not be collected now."""
+        t = aetcd.transactions
+        mark_key = self.keys.blob_mark(digest).encode()
+        refs = self.keys.refs(digest)
+        found = self._call(lambda c: c.get(mark_key), "read a blob mark")
+        mark = BlobMark("collecting", int(time.time() * 1000), self.replica_id)
+        succeeded, responses = self._call(
+            lambda c: c.transaction(
+                compare=[
+                    t.Mod(mark_key) == (found.mod_revision if found else 0),
+                    t.Version(refs.encode(), range_end=_prefix_end(refs)) == 0,
+                ],
+                success=[t.Put(mark_key, mark.encode())],
+                failure=[],
+            ),
+            "mark a blob for collection",
+        )
+        return _revision(responses[0]) if succeeded else 0
+
+    def mark_collected(self, digest: str, mark_revision: int) -> bool:
+        """Record that blob ``digest`` was deleted under the mark set at ``mark_revision``; False
+        when a registration took the mark over meanwhile (it found the mark abandoned)."""
+        t = aetcd.transactions
+        mark_key = self.keys.blob_mark(digest).encode()
+        mark = BlobMark("collected", int(time.time() * 1000), self.replica_id)
+        succeeded, _ = self._call(
+            lambda c: c.transaction(
+                compare=[t.Mod(mark_key) == mark_revision],
+                success=[t.Put(mark_key, mark.encode())],
+                failure=[],
+            ),
+            "record a collected blob",
+        )
+        return succeeded
+
+    def still_marked(self, digest: str, mark_revision: int) -> bool:
+        """Whether the collector's mark set at ``mark_revision`` still stands."""
+        found = self._call(lambda c: c.get(self.keys.blob_mark(digest).encode()), "read a blob mark")
+        return found is not None and found.mod_revision == mark_revision
+
+
+def _prefix_end(prefix: str) -> bytes:
+    """The end of the key range holding every key that starts with ``prefix``."""
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return bytes(raw)
+
+
+def _pinned(record: AdapterRecord | None) -> bool | None:
+    return None if record is None else record.pinned
+
+
+def _revision(response: Any) -> int:
+    """The revision a transaction's put or delete was committed at."""
+    which = response.WhichOneof("response")
+    return getattr(response, which).header.revision

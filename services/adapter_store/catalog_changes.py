@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.adapter_store.catalog import AdapterRecord
+from services.adapter_store.adapter_record import AdapterRecord
 
 
 @dataclass(frozen=True)

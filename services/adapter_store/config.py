@@ -9,10 +9,25 @@ from services.runtime.config import ServiceConfig
 
 @dataclass
 class AdapterStoreConfig(ServiceConfig):
-    """loramesh adapter store: durable catalog, blobs on disk, hot set in RAM."""
+    """loramesh adapter store: catalog in etcd, blobs in a directory or a bucket, hot set in RAM.
+    Run several replicas for availability: they share the catalog and the blob tier."""
 
     data_dir: str = ".loramesh/adapter_store"
-    """Directory for the SQLite catalog and the blob files (a PVC in Kubernetes)."""
+    """Local directory of this replica: the blobs when ``blob_store`` is empty, the disk cache
+    in front of a bucket otherwise (an emptyDir is enough in Kubernetes then). A catalog of the
+    single-replica store found here (``catalog.sqlite3``) is migrated into etcd once."""
+    blob_store: str = ""
+    """Where blobs live: "" for ``data_dir`` itself, a directory path (replicas on one host may
+    share it), or ``s3://bucket/prefix`` (AWS S3, GCS's S3 API, MinIO, Ceph RGW; credentials
+    from the standard AWS environment, docs/deploy.md)."""
+    blob_cache_mib: int = 4096
+    """Bytes of blobs kept on local disk in front of an ``s3://`` blob store, in MiB."""
+    collect_interval_s: float = 600.0
+    """How often this replica removes blobs no adapter references (deleted adapters, replaced
+    versions, uploads interrupted by a crash)."""
+    collect_grace_s: float = 3600.0
+    """Unreferenced blobs and staged writes younger than this are left alone: a registration
+    may have written its blob and not yet committed its row."""
     model: str = ""
     """Base model the adapters must fit: GGUF file or HF directory (default: SmolLM2-135M)."""
     max_rank: int = 64
@@ -35,3 +50,11 @@ class AdapterStoreConfig(ServiceConfig):
     import_policy_file: str = ""
     """JSON file of which tenant may import adapters from which s3://, hf:// and file:// source
     prefixes (docs/operations.md); "": no imports at all."""
+
+    def __post_init__(self) -> None:
+        if self.collect_interval_s <= 0:
+            raise ValueError(f"--collect-interval-s must be > 0, got {self.collect_interval_s:g}")
+        if self.collect_grace_s < 0:
+            raise ValueError(f"--collect-grace-s must be >= 0, got {self.collect_grace_s:g}")
+        if self.blob_cache_mib < 0:
+            raise ValueError(f"--blob-cache-mib must be >= 0, got {self.blob_cache_mib}")

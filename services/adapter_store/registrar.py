@@ -1,34 +1,33 @@
-"""The adapter repository's registration path: validate, write the blob durably, commit the row.
+"""The adapter repository's registration path: validate, publish the blobs, commit the row.
 
 Registration order is what makes it crash-safe: validate everything in memory (while the weights
-are written to a temp file and flushed, :mod:`services.adapter_store.blob_writes`), make the blob
-durable (rename, directory fsync), then commit the catalog row; the directory fsync and the
-commit are shared by the registrations that finish together (group commit), and a registration is
-acknowledged only once both are done. A crash before the commit leaves an orphan blob that
-:meth:`AdapterRepository.open` removes; a reader never sees an adapter whose bytes are not all on
-disk.
+are written to a staging file and flushed, :meth:`BlobBackend.stage`), read what the commit will
+be checked against (:meth:`Catalog.prepare`), make the blobs durable, then commit the catalog row
+in one etcd transaction. A registration is acknowledged only once both are done. A crash before
+the commit leaves at most an orphan blob, which the collector removes later
+(:mod:`services.adapter_store.blob_collector`); a reader never sees an adapter whose bytes are
+not all stored.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
-import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from services.adapter_store.blob_store import BlobStore, sha256_hex
-from services.adapter_store.blob_writes import BlobWrites, PendingBlob
-from services.adapter_store.catalog import PRIVATE, PUBLIC, AdapterRecord, Catalog, DuplicateName
-from services.adapter_store.catalog_changes import CatalogChange, CatalogChanges
-from services.adapter_store.chat_templates import read_chat_templates
-from services.adapter_store.group_commit import GroupCommit
+from services.adapter_store.adapter_record import PRIVATE, PUBLIC, AdapterRecord, DuplicateName
+from services.adapter_store.blobs.backend import BlobBackend, StagedBlob
+from services.adapter_store.catalog import Catalog, CatalogConflict, PreparedRegistration
+from services.adapter_store.catalog_keys import record_digests, record_texts
+from services.adapter_store.chat_templates import AdapterChatTemplates, read_chat_templates
 from services.adapter_store.ram_tier import RamTier
-from services.adapter_store.validation import ValidationLimits, validate_adapter
+from services.adapter_store.validation import ValidatedAdapter, ValidationLimits, validate_adapter
 from services.model_files.base_model import BaseModelSpec
-from services.runtime.errors import AlreadyExists, InvalidArgument
+from services.runtime.errors import AlreadyExists, InvalidArgument, Unavailable
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -71,49 +70,65 @@ def check_name(field: str, value: str) -> None:
         )
 
 
-class AdapterRegistrar:
-    """Registers adapters into the repository's catalog, blobs and RAM tier.
+def sha256_hex(data) -> str:
+    return hashlib.sha256(data).hexdigest()
 
-    ``change_lock`` is the repository's: held from a catalog change's commit to its publication
-    on ``changes``, so changes publish in commit order. ``count_disk_bytes`` adds to (or, given a
-    negative number, takes from) the repository's count of bytes on disk."""
+
+MAX_COMMIT_ATTEMPTS = 50
+"""Commits a registration tries while what it was prepared against keeps changing (another
+replica registering the same name, a collector marking one of its blobs)."""
+COLLECTOR_STALL_MS = 60_000
+"""A collector's mark older than this is taken as abandoned (its replica died mid-collection)."""
+
+
+@dataclass
+class _Publication:
+    """The blobs one registration must make durable, staged weights first."""
+
+    staged: StagedBlob | None
+    weights: object
+    texts: dict[str, bytes]
+
+
+class AdapterRegistrar:
+    """Registers adapters into the catalog, the blob tier and the RAM tier.
+
+    ``sleep`` waits between commit attempts while a collector holds a blob, ``clock`` (Unix
+    seconds) ages the collectors' marks: both injected by tests."""
 
     def __init__(
         self,
         spec: BaseModelSpec,
         limits: ValidationLimits,
-        blobs: BlobStore,
+        blobs: BlobBackend,
         catalog: Catalog,
         ram: RamTier,
-        changes: CatalogChanges,
-        change_lock: threading.Lock,
-        count_disk_bytes: Callable[[int], None],
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
     ):
         self.spec = spec
         self.limits = limits
         self.blobs = blobs
         self.catalog = catalog
         self.ram = ram
-        self._changes = changes
-        self._change_lock = change_lock
-        self._count_disk_bytes = count_disk_bytes
-        self._commits: GroupCommit[tuple[AdapterRecord, str]] = GroupCommit(self._commit_batch)
-        self._blob_writes = BlobWrites(self.blobs)
-
-    def close(self) -> None:
-        self._blob_writes.close()
+        self._sleep = sleep
+        self._clock = clock
 
     def register(self, upload: AdapterUpload) -> AdapterRecord:
-        """Validate, store durably and commit one adapter. Nothing is kept if any step fails."""
-        name, owner = upload.name, upload.owner
-        check_name("name", name)
-        check_name("owner", owner)
-        if self.catalog.get_by_name(owner, name) is not None:
-            raise AlreadyExists(f"adapter {name!r} already exists for owner {owner!r}")
-        written = self._blob_writes.start(upload.weights)
-        record = self._validated_record(written, upload)
-        self._commit(record, upload.weights, written)
-        return record
+        """Validate, store durably and commit one adapter under a new name. Nothing is kept if
+        any step fails."""
+        check_name("name", upload.name)
+        check_name("owner", upload.owner)
+        if self.catalog.mirror.get_by_name(upload.owner, upload.name) is not None:
+            raise _already_exists(upload)  # early, from this replica's copy; the commit decides
+        staged = self.blobs.stage(upload.weights)
+        try:
+            validated = self._validate(upload)
+        except BaseException:
+            staged.discard()
+            raise
+        return self._commit(upload, validated, _Publication(staged, upload.weights, {}), replacing=None)
 
     def register_version(self, upload: AdapterUpload) -> AdapterRegistration:
         """As :meth:`register`, but a name already registered is not refused: the same content
@@ -122,101 +137,139 @@ class AdapterRegistrar:
         check_name("name", upload.name)
         check_name("owner", upload.owner)
         current = self.catalog.get_by_name(upload.owner, upload.name)
-        weights = upload.weights
         # A name already registered is most often imported again unchanged: its weights are
         # written only once they are known to differ.
-        written = self._blob_writes.start(weights) if current is None else None
-        record = self._validated_record(written, upload)
-        if current is not None and _content(current) == _content(record):
-            return AdapterRegistration(current, changed=False)
+        staged = self.blobs.stage(upload.weights) if current is None else None
+        try:
+            validated = self._validate(upload)
+        except BaseException:
+            if staged is not None:
+                staged.discard()
+            raise
         if current is not None:
-            record = replace(record, pinned=current.pinned)  # a pin is the name's, not a version's
-        self._commit(record, weights, written or self._blob_writes.start(weights), replacing=current)
+            unchanged = self._record(upload, validated, version=current.version)
+            if _content(current) == _content(unchanged):
+                self._heal(current, upload.weights)
+                return AdapterRegistration(current, changed=False)
+        record = self._commit(upload, validated, _Publication(staged, upload.weights, {}), replacing=current)
         return AdapterRegistration(record, changed=True)
 
-    def _validated_record(self, written: PendingBlob | None, upload: AdapterUpload) -> AdapterRecord:
-        """The record of a valid adapter. When anything fails, ``written`` (the write of its
-        weights, if started) is discarded before the error goes on."""
-        name, owner, weights, config_bytes = upload.name, upload.owner, upload.weights, upload.config_bytes
-        visibility = upload.visibility if upload.visibility in (PRIVATE, PUBLIC) else PRIVATE
-        try:
-            validated = validate_adapter(config_bytes, weights, self.spec, self.limits)
-            templates = read_chat_templates(upload.tokenizer_files)
-            return AdapterRecord(
-                id=uuid.uuid4().hex,
-                name=name,
-                owner=owner,
-                visibility=visibility,
-                base_model=self.spec.name,
-                pet_type="lora",
-                rank=validated.config.rank,
-                max_rank=validated.max_rank,
-                lora_alpha=validated.config.alpha,
-                use_rslora=validated.config.use_rslora,
-                target_modules=tuple(validated.target_modules),
-                dtype=validated.dtype,
-                size_bytes=len(weights),
-                sha256=sha256_hex(weights),
-                version=self.catalog.next_version(owner, name),
-                created_ms=int(time.time() * 1000),
-                config_json=config_bytes.decode("utf-8"),
-                chat_template=templates.chat_template,
-                tool_use_chat_template=templates.tool_use_chat_template,
-            )
-        except BaseException:
-            if written is not None:
-                written.discard()
-            raise
+    def _validate(self, upload: AdapterUpload) -> tuple[ValidatedAdapter, AdapterChatTemplates]:
+        validated = validate_adapter(upload.config_bytes, upload.weights, self.spec, self.limits)
+        return validated, read_chat_templates(upload.tokenizer_files)
+
+    def _record(
+        self, upload: AdapterUpload, validated: tuple[ValidatedAdapter, AdapterChatTemplates], version: int
+    ) -> AdapterRecord:
+        adapter, templates = validated
+        return AdapterRecord(
+            id=uuid.uuid4().hex,
+            name=upload.name,
+            owner=upload.owner,
+            visibility=upload.visibility if upload.visibility in (PRIVATE, PUBLIC) else PRIVATE,
+            base_model=self.spec.name,
+            pet_type="lora",
+            rank=adapter.config.rank,
+            max_rank=adapter.max_rank,
+            lora_alpha=adapter.config.alpha,
+            use_rslora=adapter.config.use_rslora,
+            target_modules=tuple(adapter.target_modules),
+            dtype=adapter.dtype,
+            size_bytes=len(upload.weights),
+            sha256=sha256_hex(upload.weights),
+            version=version,
+            created_ms=int(time.time() * 1000),
+            config_json=upload.config_bytes.decode("utf-8"),
+            chat_template=templates.chat_template,
+            tool_use_chat_template=templates.tool_use_chat_template,
+        )
 
     def _commit(
         self,
-        record: AdapterRecord,
-        weights: bytes,
-        written: PendingBlob,
-        replacing: AdapterRecord | None = None,
-    ) -> None:
-        """Blob first (``written``, the weights' file, published as ``record``'s blob), then the
-        catalog row (in place of ``replacing``'s), then the old blob goes.
+        upload: AdapterUpload,
+        validated: tuple[ValidatedAdapter, AdapterChatTemplates],
+        publication: _Publication,
+        replacing: AdapterRecord | None,
+    ) -> AdapterRecord:
+        """Prepare, publish the blobs, commit; again while what it was prepared against changes.
 
-        The blob directory's flush and the row's commit are shared with the registrations
-        committing at the same time (:mod:`services.adapter_store.group_commit`); this returns
-        once both are durable.
+        The blobs are published after :meth:`Catalog.prepare` read their collector marks and the
+        commit requires the marks unchanged, so no collector deletes a blob between its
+        publication here and the commit (:mod:`services.adapter_store.blob_collector`). A blob
+        already present is not written again.
 
         Only a pinned adapter goes into the RAM tier here: the others enter it when first
         fetched, so registering thousands does not evict the adapters in use."""
-        written.publish(record.id)
+        record = self._record(upload, validated, version=0)
+        publication.texts = record_texts(record)
+        digests = set(record_digests(record).values())
         try:
-            self._commits.submit((record, replacing.id if replacing else ""))
-        except DuplicateName:
-            self.blobs.delete(record.id)
-            raise AlreadyExists(
-                f"adapter {record.name!r} already exists for owner {record.owner!r}"
-            ) from None
-        except BaseException:
-            self.blobs.delete(record.id)
-            raise
-        self._count_disk_bytes(record.size_bytes)
+            for _ in range(MAX_COMMIT_ATTEMPTS):
+                prepared = self.catalog.prepare(upload.owner, upload.name, digests)
+                if prepared.serving_id != (replacing.id if replacing else ""):
+                    if replacing is None or not prepared.serving_id:
+                        raise _already_exists(upload)
+                    replacing = self.catalog.get(prepared.serving_id)  # another version won: replace it
+                    if replacing is None:
+                        continue
+                if self._wait_for_collectors(prepared):
+                    continue
+                record = replace(
+                    record,
+                    version=prepared.last_version + 1,
+                    pinned=replacing.pinned if replacing else False,  # a pin is the name's
+                )
+                self._publish(record, publication)
+                try:
+                    self.catalog.commit(record, prepared, replacing)
+                except CatalogConflict:
+                    continue
+                except DuplicateName:
+                    raise _already_exists(upload) from None
+                break
+            else:
+                raise Unavailable(
+                    f"adapter {upload.name!r} of owner {upload.owner!r}: the catalog changed under "
+                    f"{MAX_COMMIT_ATTEMPTS} commits in a row; try again"
+                )
+        finally:
+            if publication.staged is not None:
+                publication.staged.discard()
         if record.pinned:
-            self.ram.pin(record.id)
-            self.ram.put(record.id, weights)
-        if replacing is not None:
-            self.blobs.delete(replacing.id)
-            self.ram.discard(replacing.id)
-            self.ram.unpin(replacing.id)
-            self._count_disk_bytes(-replacing.size_bytes)
+            self.ram.pin(record.sha256)
+            self.ram.put(record.sha256, upload.weights)
+        return record
 
-    def _commit_batch(self, entries: Sequence[tuple[AdapterRecord, str]]) -> list[DuplicateName | None]:
-        """One group of registrations: their blobs' renames made durable, then their rows
-        committed in one transaction and published."""
-        self.blobs.sync_dir()
-        with self._change_lock:
-            results = self.catalog.insert_many(entries)
-            for (record, replacing), result in zip(entries, results, strict=True):
-                if result is None:
-                    if replacing:
-                        self._changes.publish(CatalogChange(deleted_id=replacing))
-                    self._changes.publish(CatalogChange(upserted=record))
-        return results
+    def _wait_for_collectors(self, prepared: PreparedRegistration) -> bool:
+        """True (after a short wait) when a collector is deleting one of the blobs now."""
+        if prepared.collecting(int(self._clock() * 1000), COLLECTOR_STALL_MS):
+            self._sleep(0.05)
+            return True
+        return False
+
+    def _publish(self, record: AdapterRecord, publication: _Publication) -> None:
+        """Make every blob of ``record`` durable; the staged weights are used once."""
+        staged, publication.staged = publication.staged, None
+        if staged is not None and not self.blobs.exists(record.sha256):
+            staged.publish(record.sha256)
+        else:
+            if staged is not None:
+                staged.discard()
+            if not self.blobs.exists(record.sha256):
+                self.blobs.put(record.sha256, publication.weights)
+        for digest, data in publication.texts.items():
+            if not self.blobs.exists(digest):
+                self.blobs.put(digest, data)
+
+    def _heal(self, record: AdapterRecord, weights) -> None:
+        """Write back a blob of a registered adapter found missing (a referenced blob is never
+        collected, so this only repairs a blob lost outside the store)."""
+        if not self.blobs.exists(record.sha256):
+            self.blobs.put(record.sha256, weights)
+
+
+def _already_exists(upload: AdapterUpload) -> AlreadyExists:
+    return AlreadyExists(f"adapter {upload.name!r} already exists for owner {upload.owner!r}")
 
 
 def _content(record: AdapterRecord) -> tuple:

@@ -1,36 +1,40 @@
 """The adapter repository (PetS's parameter repository, S-LoRA's host-memory adapter store).
 
-Combines the catalog (source of truth), the blob files and the RAM tier. Every operation is
-synchronous and may block on disk: the servicer runs them in a worker thread.
+Combines the catalog (in etcd, the source of truth every replica shares), the blob tier (a local
+directory or an S3 bucket, content-addressed) and the RAM tier in front of it. Every operation
+is synchronous and may block on disk, network or etcd: the servicer runs them in worker threads.
 
 Registration (validation, the durable blob write, the group commit) is
 :class:`services.adapter_store.registrar.AdapterRegistrar`'s, reached as ``repository.registrar``.
 
-Reopening does not read the blobs (by default it checks their sizes): a blob's sha256 is checked
-when it is first read from disk, before any of its bytes are served, so a restart takes the same
-time with 10 or 10,000 adapters.
+Reopening does not read the blobs (by default it lists them once and checks their sizes): a
+blob's sha256 is checked when it is first read, before any of its bytes are served, so a restart
+takes about the same time with 10 or 10,000 adapters.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
+import functools
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from services.adapter_store.blob_store import BlobStore, sha256_hex
-from services.adapter_store.catalog import AdapterRecord, Catalog
-from services.adapter_store.catalog_changes import CatalogChange, CatalogChanges
+from services.adapter_store.adapter_record import AdapterRecord
+from services.adapter_store.blob_collector import BlobCollector
+from services.adapter_store.blobs.backend import BlobBackend, BlobMissing
+from services.adapter_store.catalog import Catalog
+from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.ram_tier import RamTier
-from services.adapter_store.registrar import AdapterRegistrar
+from services.adapter_store.registrar import AdapterRegistrar, sha256_hex
 from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import BaseModelSpec
 from services.runtime.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
+from services.runtime.etcd.membership import MembershipConfig
 from services.runtime.eviction import make_eviction_policy
-from services.runtime.security.private_files import private_dir
 
 log = logging.getLogger("loramesh.adapter_store")
 
@@ -54,8 +58,11 @@ class OpenReport:
     adapters: int
     """Adapters in the catalog whose blobs passed verification."""
     orphan_blobs_removed: int
+    """Blobs no row references, older than the collector's grace period."""
     temp_files_removed: int
+    """Staged writes abandoned by a crash, older than the same grace period."""
     corrupt_quarantined: int
+    """Adapters removed because their weights blob was missing or did not match."""
 
 
 @dataclass(frozen=True)
@@ -85,123 +92,138 @@ def decode_page_token(token: str) -> int:
         raise InvalidArgument(f"page_token {token!r} is not a token this store issued") from None
 
 
+@dataclass(frozen=True)
+class RepositorySettings:
+    """How a repository keeps and checks what it stores."""
+
+    ram_budget_bytes: int = 64 << 20
+    """Bytes of adapter weights kept hot in RAM, pinned adapters included."""
+    verify_on_open: str = "size"
+    """What :meth:`AdapterRepository.open` checks of every weights blob: ``size`` (one listing;
+    each blob's sha256 is checked when it is first read, before any byte is served) or ``sha256``
+    (every blob read and hashed before the store serves)."""
+    eviction_policy: str = "lru"
+    """The RAM tier's order of eviction (services/runtime/eviction.py)."""
+    collect_grace_s: float = 3600.0
+    """Blobs no row references and staged writes are removed only once older than this: longer
+    than any registration takes between writing its blob and committing its row."""
+    replica_id: str = "adapter_store"
+    """This replica's name in the collector's marks and the logs."""
+
+    def __post_init__(self) -> None:
+        if self.verify_on_open not in ("sha256", "size"):
+            raise ValueError(f"verify_on_open must be 'sha256' or 'size', not {self.verify_on_open!r}")
+
+
 class AdapterRepository:
     def __init__(
         self,
-        data_dir: Path,
+        blobs: BlobBackend,
+        catalog_config: MembershipConfig,
         spec: BaseModelSpec,
         limits: ValidationLimits,
-        ram_budget_bytes: int,
-        verify_on_open: str = "size",
-        eviction_policy: str = "lru",
+        settings: RepositorySettings = RepositorySettings(),
+        *,
+        clock: Callable[[], float] = time.time,
     ):
-        """``verify_on_open``: what :meth:`open` checks of every blob: ``size`` (a ``stat``; each
-        blob's sha256 is checked when it is first read from disk, before any byte is served) or
-        ``sha256`` (every blob read and hashed before the store serves).
-        ``eviction_policy``: the RAM tier's order of eviction (services/runtime/eviction.py)."""
-        if verify_on_open not in ("sha256", "size"):
-            raise ValueError(f"verify_on_open must be 'sha256' or 'size', not {verify_on_open!r}")
-        self.data_dir = Path(data_dir)
+        """``clock``: Unix seconds, for the ages of blobs and staged writes (injected by tests)."""
+        self.blobs = blobs
         self.spec = spec
         self.limits = limits
-        self.verify_on_open = verify_on_open
-        self.blobs = BlobStore(self.data_dir)
-        self.catalog = Catalog(self.data_dir / "catalog.sqlite3")
-        self.ram = RamTier(ram_budget_bytes, make_eviction_policy(eviction_policy))
-        self._pin_lock = threading.Lock()
-        self._quarantine = self.data_dir / "quarantine"
-        self._disk_bytes = 0
-        self._disk_lock = threading.Lock()
-        self.changes = CatalogChanges()
+        self.settings = settings
+        self.catalog = Catalog(catalog_config, self._read_text, settings.replica_id)
+        self.changes = self.catalog.changes
         """Every committed change of the catalog, in commit order (``WatchAdapters``)."""
-        # Held from a catalog change's commit to its publication: changes publish in commit order.
-        self._change_lock = threading.Lock()
-        self.registrar = AdapterRegistrar(
-            spec,
-            limits,
-            self.blobs,
-            self.catalog,
-            self.ram,
-            self.changes,
-            self._change_lock,
-            self._count_disk_bytes,
-        )
+        self.ram = RamTier(settings.ram_budget_bytes, make_eviction_policy(settings.eviction_policy))
+        self.collector = BlobCollector(self.catalog, blobs, settings.collect_grace_s, clock)
+        self._clock = clock
+        self._pin_lock = threading.Lock()
+        self.registrar = AdapterRegistrar(spec, limits, blobs, self.catalog, self.ram)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - texts are few and shared; the cache lives as long as the repository
+    def _read_text(self, digest: str) -> str:
+        """A row's text part (config, chat template), checked against its digest."""
+        data = self.blobs.get(digest)
+        if sha256_hex(data) != digest:
+            raise DataLoss(f"text blob {digest} fails its sha256 check")
+        return bytes(data).decode("utf-8")
 
     def open(self) -> OpenReport:
-        """Reload the catalog and reconcile it with the blobs on disk."""
-        temp_removed = self.blobs.clean_temp()
+        """Read the catalog and reconcile it with the blob tier."""
+        self.catalog.open()
+        self.changes.subscribe(self._follow_pins)
+        temp_removed = self.blobs.collect_staging(self.settings.collect_grace_s, self._clock())
         records = self.catalog.all()
-        on_disk = self.blobs.ids()
-        known = {r.id for r in records}
-        orphans = on_disk - known
-        for blob_id in orphans:
-            self.blobs.delete(blob_id)
+        sizes = {entry.digest: entry.size for entry in self.blobs.listing()}
         corrupt = 0
-        disk_bytes = 0
         for record in records:
-            problem = self._verify_blob(record)
+            problem = self._verify_blob(record, sizes.get(record.sha256))
             if problem:
                 corrupt += 1
                 log.error("adapter %s (%s/%s) %s: quarantined", record.id, record.owner, record.name, problem)
-                self._quarantine_blob(record)
-            else:
-                disk_bytes += record.size_bytes
-        self._disk_bytes = disk_bytes
+                self._quarantine(record)
+        orphans = self.collector.collect()
         self._restore_pins()
         report = OpenReport(
             adapters=len(records) - corrupt,
-            orphan_blobs_removed=len(orphans),
+            orphan_blobs_removed=orphans,
             temp_files_removed=temp_removed,
             corrupt_quarantined=corrupt,
         )
-        log.info("catalog opened: %s", report)
+        log.info("catalog opened (blobs: %s): %s", self.blobs.description, report)
         return report
 
     def close(self) -> None:
-        self.registrar.close()
         self.catalog.close()
-
-    def _count_disk_bytes(self, delta: int) -> None:
-        with self._disk_lock:
-            self._disk_bytes += delta
+        self.blobs.close()
 
     def _restore_pins(self) -> None:
         """Pin the catalog's pinned adapters in the RAM tier (kept there once read)."""
         pinned = self.catalog.pinned_sizes()
-        for adapter_id in pinned:
-            self.ram.pin(adapter_id)
+        for record in self.catalog.all():
+            if record.pinned:
+                self.ram.pin(record.sha256)
         if sum(pinned.values()) > self.ram.budget_bytes:
             log.warning(
                 "the %d pinned adapters take %d bytes, over the RAM budget of %d bytes: those that "
-                "do not fit are read from disk; unpin some or raise --ram-budget-mib",
+                "do not fit are read from the blob tier; unpin some or raise --ram-budget-mib",
                 len(pinned), sum(pinned.values()), self.ram.budget_bytes,
             )  # fmt: skip
 
-    def _verify_blob(self, record: AdapterRecord) -> str | None:
-        try:
-            size = self.blobs.path(record.id).stat().st_size
-        except FileNotFoundError:
+    def _follow_pins(self, change: CatalogChange) -> None:
+        """Pins set on other replicas reach this one's RAM tier."""
+        record = change.upserted
+        if record is not None:
+            if record.pinned:
+                self.ram.pin(record.sha256)
+            elif not self._pinned_elsewhere(record):
+                self.ram.unpin(record.sha256)
+
+    def _pinned_elsewhere(self, record: AdapterRecord) -> bool:
+        return any(r.pinned and r.sha256 == record.sha256 and r.id != record.id for r in self.catalog.all())
+
+    def _verify_blob(self, record: AdapterRecord, size: int | None) -> str | None:
+        if size is None:
             return "blob missing"
         if size != record.size_bytes:
             return f"blob has {size} bytes, catalog says {record.size_bytes}"
-        if self.verify_on_open == "sha256" and sha256_hex(self.blobs.read(record.id)) != record.sha256:
+        if (
+            self.settings.verify_on_open == "sha256"
+            and sha256_hex(self.blobs.get(record.sha256)) != record.sha256
+        ):
             return "blob sha256 mismatch"
         return None
 
-    def _quarantine_blob(self, record: AdapterRecord) -> bool:
-        """Move the blob aside and drop its row; False if another caller did first."""
-        private_dir(self._quarantine)
-        path = self.blobs.path(record.id)
-        with contextlib.suppress(FileNotFoundError):
-            path.rename(self._quarantine / path.name)
-        return self._delete_row(record.id)
-
-    def _delete_row(self, adapter_id: str) -> bool:
-        with self._change_lock:
-            deleted = self.catalog.delete(adapter_id)
-            if deleted:
-                self.changes.publish(CatalogChange(deleted_id=adapter_id))
-        return deleted
+    def _quarantine(self, record: AdapterRecord) -> bool:
+        """Drop the row of an adapter whose weights are lost or corrupt, and the corrupt blob
+        (so registering the same weights again writes them afresh); False if another caller
+        removed the row first."""
+        removed = self.catalog.delete(record)
+        self.ram.discard(record.sha256)
+        blob = self.blobs.get(record.sha256) if self.blobs.exists(record.sha256) else None
+        if blob is not None and sha256_hex(blob) != record.sha256:
+            self.blobs.delete(record.sha256)
+        return removed
 
     def resolve(self, key: AdapterKey) -> AdapterRecord:
         if key.id:
@@ -231,13 +253,11 @@ class AdapterRepository:
         return [record for _, record in rows], next_token, total
 
     def delete(self, key: AdapterKey) -> AdapterRecord:
-        """Remove from the catalog first (invisible at once), then the blob and RAM copy."""
+        """Remove from the catalog (invisible at once to this replica, to the others once their
+        watch delivers it); the blob goes when the collector finds it unreferenced."""
         record = self.resolve(key)
-        if self._delete_row(record.id):
-            self.blobs.delete(record.id)
-            self.ram.discard(record.id)
-            self.ram.unpin(record.id)
-            self._count_disk_bytes(-record.size_bytes)
+        if self.catalog.delete(record) and not self._pinned_elsewhere(record):
+            self.ram.unpin(record.sha256)
         return record
 
     def set_pinned(self, key: AdapterKey, pinned: bool) -> AdapterRecord:
@@ -249,59 +269,67 @@ class AdapterRepository:
             if pinned == record.pinned:
                 return record
             if not pinned:
-                found = self.catalog.set_pinned(record.id, False)
-                self.ram.unpin(record.id)
+                found = self.catalog.set_pinned(record, False)
+                if not self._pinned_elsewhere(record):
+                    self.ram.unpin(record.sha256)
             else:
-                pinned_bytes = sum(self.catalog.pinned_sizes().values()) + record.size_bytes
+                pinned_bytes = self._pinned_bytes_with(record)
                 if pinned_bytes > self.ram.budget_bytes:
                     raise ResourceExhausted(
                         f"pinning adapter {record.name!r} of owner {record.owner!r} ({record.size_bytes} "
                         f"bytes) would pin {pinned_bytes} bytes, over the store's RAM budget of "
                         f"{self.ram.budget_bytes} bytes (--ram-budget-mib): unpin another adapter first"
                     )
-                self.ram.pin(record.id)
+                self.ram.pin(record.sha256)
                 found = False
                 try:
                     self.read_weights(record)  # hot from now on
-                    found = self.catalog.set_pinned(record.id, True)
+                    found = self.catalog.set_pinned(record, True)
                 finally:
-                    if not found:  # unreadable or deleted meanwhile: nothing pinned
-                        self.ram.unpin(record.id)
+                    if not found and not self._pinned_elsewhere(record):  # nothing pinned
+                        self.ram.unpin(record.sha256)
             if not found:
                 raise NotFound(f"adapter id {record.id!r} was deleted")
             return replace(record, pinned=pinned)
+
+    def _pinned_bytes_with(self, record: AdapterRecord) -> int:
+        """Bytes the RAM tier would hold pinned with ``record`` pinned too: adapters with the same
+        weights share one entry."""
+        pinned = {r.sha256: r.size_bytes for r in self.catalog.all() if r.pinned}
+        return sum((pinned | {record.sha256: record.size_bytes}).values())
 
     def pinned_ids(self) -> list[str]:
         """The ids of every pinned adapter."""
         return list(self.catalog.pinned_sizes())
 
     def read_weights(self, record: AdapterRecord) -> memoryview:
-        """The safetensors bytes (read-only): from RAM if hot, else from disk, verified against
-        the catalog's sha256 before it is cached or served. A blob that fails is quarantined
-        (its row removed, as :meth:`open` does with ``verify_on_open="sha256"``): DataLoss."""
-        data = self.ram.get(record.id)
+        """The safetensors bytes (read-only): from RAM if hot, else from the blob tier, verified
+        against the catalog's sha256 before they are cached or served. A blob that fails is
+        quarantined (the row removed, as :meth:`open` does with ``verify_on_open="sha256"``):
+        DataLoss."""
+        data = self.ram.get(record.sha256)
         if data is not None:
             return data
         try:
-            data = self.blobs.read(record.id)
-        except FileNotFoundError:
+            data = self.blobs.get(record.sha256)
+        except BlobMissing:
             if self.catalog.get(record.id) is None:
                 raise NotFound(f"adapter id {record.id!r} was deleted") from None
-            raise DataLoss(f"adapter {record.id!r}: blob missing on disk") from None
+            raise DataLoss(f"adapter {record.id!r}: weights blob {record.sha256} missing") from None
         if sha256_hex(data) != record.sha256:
             log.error(
                 "adapter %s (%s/%s) blob sha256 mismatch: quarantined", record.id, record.owner, record.name
             )
-            if self._quarantine_blob(record):
-                self._count_disk_bytes(-record.size_bytes)
-            raise DataLoss(f"adapter {record.id!r}: blob on disk fails its sha256 check; quarantined")
-        self.ram.put(record.id, data)
+            self._quarantine(record)
+            raise DataLoss(f"adapter {record.id!r}: its weights blob fails its sha256 check; quarantined")
+        self.ram.put(record.sha256, data)
         return data
 
     def stats(self) -> RepositoryStats:
+        records = self.catalog.all()
         return RepositoryStats(
-            adapters=self.catalog.count(),
-            disk_bytes=self._disk_bytes,
+            adapters=len(records),
+            disk_bytes=sum({r.sha256: r.size_bytes for r in records}.values()),
             ram_bytes=self.ram.bytes_used,
             ram_budget_bytes=self.ram.budget_bytes,
             ram_adapters=len(self.ram),

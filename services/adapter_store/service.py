@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import socket
 from pathlib import Path
 
 from grpc import aio
@@ -10,15 +14,18 @@ from grpc import aio
 from mesh_api.upload_wire import read_upload_message
 from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.adapter_imports import AdapterImports
+from services.adapter_store.blobs.open_backend import open_blob_backend
 from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.import_policy import load_import_policy
-from services.adapter_store.repository import AdapterRepository
+from services.adapter_store.repository import AdapterRepository, RepositorySettings
 from services.adapter_store.servicer import AdapterStoreServicer
+from services.adapter_store.sqlite_migration import migrate_sqlite_catalog
 from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import load_base_model_spec
 from services.runtime.rpc.method_handlers import add_servicer_with_readers
 
 MIB = 2**20
+log = logging.getLogger("loramesh.adapter_store")
 
 
 class AdapterStoreService:
@@ -29,6 +36,7 @@ class AdapterStoreService:
         self.config = config
         self.repository: AdapterRepository | None = None
         self.servicer = AdapterStoreServicer()
+        self._collecting: asyncio.Task[None] | None = None
 
     def add_to_server(self, server: aio.Server) -> None:
         add_servicer_with_readers(
@@ -42,31 +50,57 @@ class AdapterStoreService:
         cfg = self.config
         policy = load_import_policy(cfg.import_policy_file)
         spec = await asyncio.to_thread(load_base_model_spec, cfg.model or None)
+        data_dir = Path(cfg.data_dir)
+        blobs = await asyncio.to_thread(open_blob_backend, cfg.blob_store, data_dir, cfg.blob_cache_mib * MIB)
         repository = AdapterRepository(
-            Path(cfg.data_dir),
+            blobs,
+            cfg.required_membership("adapter store", "its catalog lives in etcd"),
             spec,
             ValidationLimits(max_rank=cfg.max_rank, max_adapter_bytes=cfg.max_adapter_mib * MIB),
-            ram_budget_bytes=cfg.ram_budget_mib * MIB,
-            verify_on_open=cfg.verify_on_start,
-            eviction_policy=cfg.eviction_policy,
+            RepositorySettings(
+                ram_budget_bytes=cfg.ram_budget_mib * MIB,
+                verify_on_open=cfg.verify_on_start,
+                eviction_policy=cfg.eviction_policy,
+                collect_grace_s=cfg.collect_grace_s,
+                replica_id=cfg.instance_id or f"{socket.gethostname()}:{os.getpid()}",
+            ),
         )
+        await asyncio.to_thread(repository.catalog.open)
+        await asyncio.to_thread(migrate_sqlite_catalog, data_dir, repository.catalog, blobs)
         await asyncio.to_thread(repository.open)
         self.repository = repository
         self.servicer.attach(repository, AdapterImports(repository, policy))
+        self._collecting = asyncio.get_running_loop().create_task(self._collect_periodically())
+
+    async def _collect_periodically(self) -> None:
+        """Remove unreferenced blobs every ``collect_interval_s`` (any replica may; they agree
+        through etcd)."""
+        while True:
+            await asyncio.sleep(self.config.collect_interval_s)
+            try:
+                await asyncio.to_thread(self.repository.collector.collect)
+            except Exception as error:  # noqa: BLE001 - etcd or the blob tier away: next round
+                log.warning("blob collection failed: %s", error)
 
     async def end_streams(self) -> None:
         """Shutdown begins: end the catalog watches (their gateways watch the next store)."""
         self.servicer.end_watches()
 
     async def stop(self) -> None:
+        if self._collecting is not None:
+            self._collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._collecting
         if self.repository is not None:
-            self.repository.close()
+            await asyncio.to_thread(self.repository.close)
 
     def load_report(self) -> dict:
         if self.repository is None:
             return {"ready": False}
         stats = self.repository.stats()
         return {
+            "catalog": self.repository.catalog.problem or "ok",
+            "blob_store": self.repository.blobs.description,
             "adapters": stats.adapters,
             "ram_bytes": stats.ram_bytes,
             "ram_budget_bytes": stats.ram_budget_bytes,

@@ -17,8 +17,8 @@ from mesh_api.upload_wire import UploadMessage
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
 from services.adapter_store.adapter_imports import AdapterImports
-from services.adapter_store.blob_store import page_aligned_join
-from services.adapter_store.catalog import AdapterRecord
+from services.adapter_store.adapter_record import AdapterRecord
+from services.adapter_store.blobs.page_aligned import page_aligned_join
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.chat_templates import TOKENIZER_FILES
 from services.adapter_store.registrar import AdapterUpload

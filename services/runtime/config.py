@@ -203,4 +203,7 @@ def parse_config(
     args = parser.parse_args(argv)
     for f in dataclasses.fields(cls):
         values[f.name] = getattr(args, f.name)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as error:  # a config's own check: one line naming the flag, exit status 2
+        parser.error(str(error))

@@ -4,7 +4,6 @@ gRPC adapter store served from a background thread (so sync tests and hypothesis
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import threading
 from pathlib import Path
 
@@ -13,8 +12,13 @@ import pytest
 
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.v1 import adapter_store_pb2_grpc
+from services.adapter_store.blobs.local_directory import LocalDirectoryBlobs
+from services.adapter_store.catalog_keys import CatalogKeys
 from services.adapter_store.config import AdapterStoreConfig
+from services.adapter_store.repository import AdapterRepository, RepositorySettings
 from services.adapter_store.service import AdapterStoreService
+from services.adapter_store.validation import ValidationLimits
+from services.runtime.etcd.membership import EtcdConnection, MembershipConfig
 from services.runtime.rpc.server import ServiceHost, start_service
 
 
@@ -25,6 +29,22 @@ def sample_files(base_spec, tmp_path_factory) -> dict[str, bytes]:
         tmp_path_factory.mktemp("sample") / "a", base_spec, SampleAdapterSpec(rank=8)
     )
     return adapter_files(directory)
+
+
+@pytest.fixture(scope="session")
+def seeded_files(base_spec, tmp_path_factory):
+    """``seeded_files(seed)``: a rank-8 adapter whose weights differ with the seed (blobs are
+    shared by content, so distinct adapters need distinct bytes)."""
+    root = tmp_path_factory.mktemp("seeded")
+    made: dict[int, dict[str, bytes]] = {}
+
+    def files(seed: int) -> dict[str, bytes]:
+        if seed not in made:
+            directory = write_peft_adapter(root / f"s{seed}", base_spec, SampleAdapterSpec(rank=8, seed=seed))
+            made[seed] = adapter_files(directory)
+        return made[seed]
+
+    return files
 
 
 class ServerThread:
@@ -48,10 +68,44 @@ class ServerThread:
 
 
 @pytest.fixture
-def store_server(tmp_path, request):
+def catalog_config(etcd) -> MembershipConfig:
+    """Where a test's adapter catalog lives: the test's own etcd."""
+    return MembershipConfig(etcd_endpoints=etcd.endpoint)
+
+
+@pytest.fixture
+def open_repository(tmp_path, base_spec, catalog_config):
+    """``open_repository(**settings)``: a repository (a replica) on the test's etcd and blob
+    directory, opened; every one is closed after the test. Its ``open_report`` is ``open()``'s."""
+    opened = []
+
+    def open_repository(
+        blob_dir: Path | None = None, limits: ValidationLimits | None = None, clock=None, **settings
+    ) -> AdapterRepository:
+        repository = AdapterRepository(
+            LocalDirectoryBlobs(blob_dir or tmp_path / "store"),
+            catalog_config,
+            base_spec,
+            limits or ValidationLimits(),
+            RepositorySettings(**settings),
+            **({"clock": clock} if clock else {}),
+        )
+        opened.append(repository)
+        repository.open_report = repository.open()
+        return repository
+
+    yield open_repository
+    for repository in opened:
+        repository.close()
+
+
+@pytest.fixture
+def store_server(tmp_path, request, etcd):
     marker = request.node.get_closest_marker("store_config")
     overrides = marker.kwargs if marker else {}
-    config = AdapterStoreConfig(**{"data_dir": str(tmp_path / "store"), "grace_s": 2, **overrides})
+    config = AdapterStoreConfig(
+        **{"data_dir": str(tmp_path / "store"), "grace_s": 2, "etcd_endpoints": etcd.endpoint, **overrides}
+    )
     server = ServerThread(config)
     yield server
     server.stop()
@@ -66,19 +120,28 @@ def store_stub(store_server):
 
 @pytest.fixture
 def traces():
-    """``traces(server_or_data_dir)``: blob files, temp files and catalog rows on disk."""
+    """``traces(server)``: blob files, staged files and catalog rows (in etcd) of a store."""
     return store_traces
 
 
-def store_traces(where: ServerThread | Path) -> dict[str, int]:
-    data_dir = Path(where.config.data_dir) if isinstance(where, ServerThread) else Path(where)
-    db = sqlite3.connect(data_dir / "catalog.sqlite3")
-    try:
-        rows = db.execute("SELECT COUNT(*) FROM adapters").fetchone()[0]
-    finally:
-        db.close()
+def catalog_rows(endpoint: str) -> int:
+    """Rows of the adapter catalog in the etcd at ``endpoint``, counted in etcd itself."""
+
+    async def count() -> int:
+        connection = EtcdConnection(MembershipConfig(etcd_endpoints=endpoint))
+        try:
+            rows = await connection.call(lambda c: c.get_prefix(CatalogKeys.under("/loramesh").rows.encode()))
+            return len(list(rows))
+        finally:
+            await connection.close()
+
+    return asyncio.run(count())
+
+
+def store_traces(server: ServerThread) -> dict[str, int]:
+    data_dir = Path(server.config.data_dir)
     return {
-        "blobs": len(list((data_dir / "blobs").glob("*"))),
-        "temp": len(list((data_dir / "tmp").glob("*"))),
-        "rows": rows,
+        "blobs": len(list((data_dir / "sha256").glob("*"))),
+        "temp": len(list((data_dir / "staging").glob("*"))),
+        "rows": catalog_rows(server.config.etcd_endpoints),
     }

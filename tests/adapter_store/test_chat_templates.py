@@ -5,7 +5,6 @@ does not compile, and added to a catalog written before templates existed."""
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import grpc
 import pytest
@@ -13,15 +12,11 @@ from support.cli import COMMAND_TIMEOUT_S  # a hang guard, not a timing claim
 
 from mesh_api.adapter_transfer import read_adapter_dir, ref_by_name, upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
-from services.adapter_store.catalog import PRIVATE
 from services.adapter_store.chat_templates import (
     MAX_CHAT_TEMPLATE_BYTES,
     AdapterChatTemplates,
     read_chat_templates,
 )
-from services.adapter_store.registrar import AdapterUpload
-from services.adapter_store.repository import AdapterKey, AdapterRepository
-from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import InvalidArgument
 
 CHATML = (
@@ -158,44 +153,3 @@ def test_a_template_that_does_not_compile_is_refused_and_leaves_no_trace(
         "tokenizer_config.json.chat_template does not compile as a Jinja template" in refused.value.details()
     )
     assert traces(store_server) == {"blobs": 0, "temp": 0, "rows": 0}
-
-
-def test_a_catalog_from_before_templates_gets_them_when_opened(tmp_path, base_spec, sample_files):
-    def opened() -> AdapterRepository:
-        repo = AdapterRepository(tmp_path / "store", base_spec, ValidationLimits(), 64 << 20)
-        repo.open()
-        return repo
-
-    repo = opened()
-    old = repo.registrar.register(
-        AdapterUpload(
-            "old",
-            "alice",
-            PRIVATE,
-            sample_files["adapter_config.json"],
-            sample_files["adapter_model.safetensors"],
-        )
-    )
-    repo.close()
-    db = sqlite3.connect(tmp_path / "store" / "catalog.sqlite3")
-    db.execute("ALTER TABLE adapters DROP COLUMN chat_template")
-    db.execute("ALTER TABLE adapters DROP COLUMN tool_use_chat_template")
-    db.commit()
-    db.close()
-
-    repo = opened()
-    try:
-        assert repo.resolve(AdapterKey(id=old.id)) == old
-        new = repo.registrar.register(
-            AdapterUpload(
-                "new",
-                "alice",
-                PRIVATE,
-                sample_files["adapter_config.json"],
-                sample_files["adapter_model.safetensors"],
-                {"chat_template.jinja": CHATML.encode()},
-            )
-        )
-        assert repo.resolve(AdapterKey(id=new.id)).chat_template == CHATML
-    finally:
-        repo.close()

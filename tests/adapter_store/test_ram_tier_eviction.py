@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.adapter_store.catalog import PRIVATE, PUBLIC
+from services.adapter_store.adapter_record import PRIVATE, PUBLIC
 from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
-from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import ResourceExhausted
 from services.runtime.eviction import LFUEviction
 
@@ -45,35 +44,30 @@ def test_a_pinned_entry_is_never_evicted_and_counts_against_the_budget():
 
 
 @pytest.fixture
-def repo(tmp_path, base_spec, sample_files):
+def repo(open_repository, seeded_files):
     """A repository whose RAM holds one sample adapter (LFU order)."""
-    size = len(sample_files[WEIGHTS])
+    size = len(seeded_files(0)[WEIGHTS])
 
     def open_repo() -> AdapterRepository:
-        repository = AdapterRepository(
-            tmp_path / "store", base_spec, ValidationLimits(), int(size * 1.5), eviction_policy="lfu"
-        )
-        repository.open()
-        return repository
+        return open_repository(ram_budget_bytes=int(size * 1.5), eviction_policy="lfu")
 
     repository = open_repo()
     repository.reopen = open_repo
-    yield repository
-    repository.close()
+    return repository
 
 
 def add(repo, files, name):
     return repo.registrar.register(AdapterUpload(name, "alice", PRIVATE, files[CONFIG], files[WEIGHTS]))
 
 
-def test_a_pinned_adapter_stays_in_ram_and_a_pin_over_the_budget_is_refused(repo, sample_files):
-    records = [add(repo, sample_files, f"a{i}") for i in range(2)]
+def test_a_pinned_adapter_stays_in_ram_and_a_pin_over_the_budget_is_refused(repo, seeded_files):
+    records = [add(repo, seeded_files(i), f"a{i}") for i in range(2)]
     pinned = repo.set_pinned(AdapterKey(owner="alice", name="a0"), True)
     assert pinned.pinned and repo.resolve(AdapterKey(id=records[0].id)).pinned
     with pytest.raises(ResourceExhausted, match="over the store's RAM budget"):
         repo.set_pinned(AdapterKey(id=records[1].id), True)
     for i in range(2, 5):
-        add(repo, sample_files, f"a{i}")
+        add(repo, seeded_files(i), f"a{i}")
         repo.read_weights(repo.resolve(AdapterKey(owner="alice", name=f"a{i}")))
     misses = repo.ram.misses
     repo.read_weights(records[0])
@@ -83,8 +77,8 @@ def test_a_pinned_adapter_stays_in_ram_and_a_pin_over_the_budget_is_refused(repo
     assert repo.pinned_ids() == []
 
 
-def test_pins_survive_a_restart_and_a_new_version(repo, sample_files):
-    first = add(repo, sample_files, "a0")
+def test_pins_survive_a_restart_and_a_new_version(repo, seeded_files):
+    first = add(repo, seeded_files(0), "a0")
     repo.set_pinned(AdapterKey(id=first.id), True)
     repo.close()
     reopened = repo.reopen()
@@ -92,11 +86,11 @@ def test_pins_survive_a_restart_and_a_new_version(repo, sample_files):
         assert reopened.pinned_ids() == [first.id]
         # A new version (here: the same files made public) is pinned in the old one's place.
         second = reopened.registrar.register_version(
-            AdapterUpload("a0", "alice", PUBLIC, sample_files[CONFIG], sample_files[WEIGHTS])
+            AdapterUpload("a0", "alice", PUBLIC, seeded_files(0)[CONFIG], seeded_files(0)[WEIGHTS])
         )
         assert second.changed and second.record.pinned and reopened.pinned_ids() == [second.record.id]
         for i in range(1, 4):  # each read would evict the pinned one, were it not pinned
-            reopened.read_weights(add(reopened, sample_files, f"a{i}"))
+            reopened.read_weights(add(reopened, seeded_files(i), f"a{i}"))
         misses = reopened.ram.misses
         reopened.read_weights(second.record)
         assert reopened.ram.misses == misses

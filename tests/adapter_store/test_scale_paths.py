@@ -1,6 +1,7 @@
 """The store's paths that must not grow with the number of adapters (issue 30): a reopen that
 reads no blob (each is verified when first read, corruption still caught before it is served),
-group commit, paging while adapters come and go, and the change feed gateways index from."""
+concurrent registrations, paging while adapters come and go, and the change feed gateways index
+from."""
 
 from __future__ import annotations
 
@@ -13,31 +14,25 @@ from support.cli import COMMAND_TIMEOUT_S
 from mesh_api.adapter_transfer import upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
 from services.adapter_store import repository as repository_module
-from services.adapter_store.blob_store import BlobStore
-from services.adapter_store.catalog import PRIVATE, PUBLIC
+from services.adapter_store.adapter_record import PRIVATE, PUBLIC
+from services.adapter_store.blobs.local_directory import LocalDirectoryBlobs
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.group_commit import GroupCommit
 from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
-from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import AlreadyExists, DataLoss, NotFound
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+WEIGHTS_BYTES = 64 << 10
+"""Larger than any config, smaller than any adapter's weights here."""
 
 
 @pytest.fixture
-def open_repo(tmp_path, base_spec):
-    opened = []
-
+def open_repo(open_repository):
     def open_repo(verify: str = "size") -> AdapterRepository:
-        repo = AdapterRepository(tmp_path / "store", base_spec, ValidationLimits(), 64 << 20, verify)
-        repo.open()
-        opened.append(repo)
-        return repo
+        return open_repository(verify_on_open=verify)
 
-    yield open_repo
-    for repo in opened:
-        repo.close()
+    return open_repo
 
 
 def add(repo, files, name, visibility=PRIVATE):
@@ -46,20 +41,22 @@ def add(repo, files, name, visibility=PRIVATE):
 
 @pytest.fixture
 def work_done(monkeypatch):
-    """Counts of sha256 computations and blob reads, from now on."""
+    """Counts of sha256 computations and blob reads of weights (``WEIGHTS_BYTES`` or more; the
+    small config blobs rows name are read once per distinct content), from now on."""
     counts = {"sha256": 0, "reads": 0}
-    hash_blob, read_blob = repository_module.sha256_hex, BlobStore.read
+    hash_blob, read_blob = repository_module.sha256_hex, LocalDirectoryBlobs.get
 
     def counting_hash(data):
-        counts["sha256"] += 1
+        counts["sha256"] += len(data) >= WEIGHTS_BYTES
         return hash_blob(data)
 
-    def counting_read(self, blob_id):
-        counts["reads"] += 1
-        return read_blob(self, blob_id)
+    def counting_read(self, digest):
+        data = read_blob(self, digest)
+        counts["reads"] += len(data) >= WEIGHTS_BYTES
+        return data
 
     monkeypatch.setattr(repository_module, "sha256_hex", counting_hash)
-    monkeypatch.setattr(BlobStore, "read", counting_read)
+    monkeypatch.setattr(LocalDirectoryBlobs, "get", counting_read)
     return counts
 
 
@@ -80,11 +77,11 @@ def test_a_reopen_reads_no_blob_however_many_there_are(open_repo, sample_files, 
     assert work_done == {"sha256": 24, "reads": 24}
 
 
-def test_a_blob_corrupted_on_disk_is_caught_on_its_first_read_and_quarantined(open_repo, sample_files):
+def test_a_blob_corrupted_on_disk_is_caught_on_its_first_read_and_quarantined(open_repo, seeded_files):
     repo = open_repo()
-    good, bad = add(repo, sample_files, "good"), add(repo, sample_files, "bad")
+    good, bad = add(repo, seeded_files(0), "good"), add(repo, seeded_files(1), "bad")
     repo.close()
-    path = repo.blobs.path(bad.id)
+    path = repo.blobs.path(bad.sha256)
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x01  # same size: only the hash can tell
     path.write_bytes(bytes(raw))
@@ -94,12 +91,12 @@ def test_a_blob_corrupted_on_disk_is_caught_on_its_first_read_and_quarantined(op
     assert again.stats().adapters == 2  # not read at open
     with pytest.raises(DataLoss, match="sha256"):
         again.read_weights(again.resolve(AdapterKey(id=bad.id)))
-    assert again.ram.get(bad.id) is None  # nothing of it served or cached
+    assert again.ram.get(bad.sha256) is None  # nothing of it served or cached
     with pytest.raises(NotFound):
         again.resolve(AdapterKey(id=bad.id))
-    assert (again.data_dir / "quarantine" / path.name).exists() and not path.exists()
+    assert not path.exists()  # registering the same weights again writes them afresh
     assert changes == [CatalogChange(deleted_id=bad.id)]
-    assert again.read_weights(again.resolve(AdapterKey(id=good.id))) == sample_files[WEIGHTS]
+    assert again.read_weights(again.resolve(AdapterKey(id=good.id))) == seeded_files(0)[WEIGHTS]
     assert again.stats().disk_bytes == good.size_bytes
 
 
@@ -220,8 +217,8 @@ def test_concurrent_registrations_commit_together_and_a_duplicate_alone_is_refus
     for thread in threads:
         thread.join()
     assert sorted(outcomes) == ["duplicate"] + ["ok"] * 6
-    assert repo.catalog.count() == 6 and len(repo.blobs.ids()) == 6
-    assert list(repo.blobs.tmp_dir.iterdir()) == []
+    assert repo.catalog.count() == 6 and len(list(repo.blobs.listing())) == 2  # one weights, one config
+    assert list(repo.blobs.staging_dir.iterdir()) == []
 
 
 @pytest.mark.store_config(grace_s=60)

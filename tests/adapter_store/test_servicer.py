@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 from support.adapter_bytes import poke, with_config
+from support.blob_collection import collect_unreferenced_blobs
 
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import ref_by_id, ref_by_name, upload_requests
@@ -132,6 +133,8 @@ BAD_UPLOADS = {
 @pytest.mark.parametrize("case", list(BAD_UPLOADS))
 def test_bad_upload_is_refused_and_leaves_no_trace(case, store_stub, store_server, sample_files, traces):
     register(store_stub, sample_files, name="keep")
+    kept = traces(store_server)
+    assert kept == {"blobs": 2, "temp": 0, "rows": 1}  # its weights and its config
     transform, code, needles = BAD_UPLOADS[case]
     config, weights = transform(sample_files[CONFIG], sample_files[WEIGHTS])
     with pytest.raises(grpc.RpcError) as err:
@@ -139,7 +142,7 @@ def test_bad_upload_is_refused_and_leaves_no_trace(case, store_stub, store_serve
     assert err.value.code().name == code, err.value.details()
     for needle in needles:
         assert needle in err.value.details(), err.value.details()
-    assert traces(store_server) == {"blobs": 1, "temp": 0, "rows": 1}
+    assert traces(store_server) == kept
     names = [a.name for a in store_stub.ListAdapters(pb.ListAdaptersRequest()).adapters]
     assert names == ["keep"]
 
@@ -159,7 +162,7 @@ def test_duplicate_name_for_the_same_owner(store_stub, store_server, sample_file
     with pytest.raises(grpc.RpcError) as err:
         register(store_stub, sample_files)
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "'a1'" in err.value.details()
-    assert traces(store_server) == {"blobs": 1, "temp": 0, "rows": 1}
+    assert traces(store_server) == {"blobs": 2, "temp": 0, "rows": 1}
     assert store_stub.GetAdapter(pb.GetAdapterRequest(ref=ref_by_name("alice", "a1"))).id == first.id
 
 
@@ -244,8 +247,9 @@ def test_fuzzed_uploads_never_crash_nor_leave_partial_adapters(payload, target, 
         register(store_stub, files, name="fuzz")
     except grpc.RpcError as error:
         assert error.code() in ALLOWED, (error.code(), error.details())
-        assert traces(store_server)["rows"] == traces(store_server)["blobs"]
+        assert traces(store_server) == {"blobs": 0, "temp": 0, "rows": 0}
     else:
         store_stub.DeleteAdapter(pb.DeleteAdapterRequest(ref=ref_by_name("alice", "fuzz")))
+    collect_unreferenced_blobs(store_server.service.repository)
     assert traces(store_server) == {"blobs": 0, "temp": 0, "rows": 0}
     assert store_stub.Stats(pb.StatsRequest()).adapters == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import stat
@@ -36,6 +37,8 @@ def mesh(tmp_path):
         state, "up", "--detach", "--workers", "2", "--dtype", "float32", "--pool-mib", "64",
         "--migration", "pets", "--prefetch", "burst-tolerance", "--length-predictor", "magnus",
         "--api-keys-file", str(keys_file),
+        # The store's collector runs often enough to watch: a blob no adapter names is gone in seconds.
+        "--collect-interval-s", "0.5", "--collect-grace-s", "2",
     )  # fmt: skip
     yield state
     loramesh(state, "down", check=False)
@@ -55,6 +58,10 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     )
     out = loramesh(mesh, "adapters", "upload", str(directory), "--name", "mine").stdout
     assert "registered admin/mine" in out and "rank=16" in out
+    # The catalog is in up's etcd; the weights are a blob named by their sha256 in the state directory.
+    weights = (directory / "adapter_model.safetensors").read_bytes()
+    blob = mesh / "adapter_store" / "sha256" / hashlib.sha256(weights).hexdigest()
+    assert blob.read_bytes() == weights
     listing = loramesh(mesh, "adapters", "list").stdout.splitlines()
     assert listing[0].split()[:3] == ["NAME", "OWNER", "RANK"] and listing[1].split()[:3] == [
         "mine",
@@ -109,6 +116,12 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert "deleted admin/mine" in loramesh(mesh, "adapters", "delete", "mine").stdout
     gone = loramesh(mesh, "adapters", "delete", "mine", check=False)
     assert gone.returncode != 0 and "NOT_FOUND" in gone.stderr
+    # No adapter names those weights any more (admin/shared and bob/mine, the same bytes, went
+    # before): the store's collector removes the blob (up's --collect-interval-s, --collect-grace-s).
+    deadline = time.monotonic() + 30
+    while blob.exists():
+        assert time.monotonic() < deadline, f"{blob} still there 30 s after its last adapter was deleted"
+        time.sleep(0.2)
 
     second_up = loramesh(mesh, "up", "--detach", check=False)
     assert second_up.returncode != 0 and "already up" in second_up.stderr
@@ -214,7 +227,8 @@ def test_down_returns_when_up_exited_but_was_never_reaped_and_state_is_owner_onl
             return stat.S_IMODE(path.stat().st_mode)
 
         assert mode(mesh_json) == 0o600  # it holds the admin API key
-        for directory in (state, state / "logs", state / "etcd", state / "adapter_store"):
+        store = state / "adapter_store"
+        for directory in (state, state / "logs", state / "etcd", store, store / "sha256", store / "staging"):
             assert mode(directory) == 0o700, directory
 
         started = time.monotonic()

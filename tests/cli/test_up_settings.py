@@ -1,8 +1,9 @@
 """`loramesh up` sets what its services can: ``--adapter-load-dirs`` (the gateways'),
 ``--max-lora-rank`` (the store's ``--max-rank``), ``--openai-port`` (the first gateway's) and
-``--lora-modules NAME=DIR`` (registered once the mesh is ready). Paths are resolved against the
-working directory of ``up`` and checked before anything starts; any other setting reaches the
-services through its ``LORAMESH_*`` variable, which every process inherits from ``up``.
+``--lora-modules NAME=DIR`` (registered once the mesh is ready), and the store's blob tier
+(``--blob-store`` and its collection; its catalog is in up's etcd). Paths are resolved against
+the working directory of ``up`` and checked before anything starts; any other setting reaches
+the services through its ``LORAMESH_*`` variable, which every process inherits from ``up``.
 
 Each setting is read back the way the service reads it: :func:`parse_config` of the command line
 `up` builds, with the environment the process is started with.
@@ -104,6 +105,49 @@ def test_without_the_flags_the_services_keep_their_defaults(tmp_path):
     assert gateway.adapter_load_dirs == "" and gateway.openai_port != 0  # a free port, picked by up
 
 
+def blob_settings(settings) -> tuple:
+    """The store's blob settings in a config or in `up`'s parsed arguments."""
+    return (
+        settings.blob_store,
+        settings.blob_cache_mib,
+        settings.collect_interval_s,
+        settings.collect_grace_s,
+    )
+
+
+def test_the_store_keeps_its_catalog_in_ups_etcd_and_its_blobs_where_told(tmp_path):
+    """The store's catalog is in etcd (it does not start without one): `up` gives it its own. Its
+    blobs are under its data directory in the state directory (``sha256/<sha256>``) unless
+    ``--blob-store`` names a directory or a bucket; the blob settings reach the store alone."""
+    processes, _ = processes_of(tmp_path)
+    store = parse_config(AdapterStoreConfig, service_flags(processes["adapter_store"]), environ={})
+    assert store.etcd_endpoints == "127.0.0.1:2379"
+    assert (store.data_dir, store.blob_store) == (str(tmp_path / "adapter_store"), "")
+    assert blob_settings(store)[1:] == blob_settings(AdapterStoreConfig)[1:]
+    flags = ("--blob-store", "s3://loras/mesh-a", "--blob-cache-mib", "64",
+             "--collect-interval-s", "30", "--collect-grace-s", "120")  # fmt: skip
+    processes, _ = processes_of(tmp_path, *flags)
+    store = parse_config(AdapterStoreConfig, service_flags(processes["adapter_store"]), environ={})
+    assert store.data_dir == str(tmp_path / "adapter_store")  # the disk cache in front of the bucket
+    assert blob_settings(store) == ("s3://loras/mesh-a", 64, 30.0, 120.0)
+    for process in processes.values():
+        if process.module != "adapter_store":
+            assert not {"--blob-store", "--blob-cache-mib", "--collect-grace-s"} & set(service_flags(process))
+    argv = detached_argv(up_args(tmp_path, *flags), tmp_path / "state")
+    again = build_parser().parse_args(argv[argv.index("--state-dir") :])
+    assert blob_settings(again) == ("s3://loras/mesh-a", 64, 30.0, 120.0)
+
+
+def test_up_help_shows_the_stores_blob_settings(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--blob-store", "--blob-cache-mib", "--collect-interval-s", "--collect-grace-s"):
+        assert f"{flag} " in help_text, flag
+    assert "default <state dir>/adapter_store" in help_text
+    assert f"default: the service's, {AdapterStoreConfig.collect_grace_s}" in help_text
+
+
 def test_any_other_setting_passes_through_the_environment(tmp_path, monkeypatch):
     """`LORAMESH_MAX_PROMPT_TOKENS=77 loramesh up`: `up` has no flag for it; each gateway starts
     with up's environment, so it runs with 77. A flag `up` passes wins over its variable."""
@@ -153,6 +197,10 @@ def test_detach_passes_them_to_the_background_up_with_absolute_paths(tmp_path, m
         (["--adapter-load-dirs", "nowhere"], "--adapter-load-dirs: {cwd}/nowhere is not a directory"),
         (["--max-lora-rank", "0"], "--max-lora-rank must be at least 1, got 0"),
         (["--openai-port", "70000"], "--openai-port must be in [0, 65535], got 70000"),
+        (["--blob-store", "gs://bucket/x"], "--blob-store 'gs://bucket/x': expected a directory, file:///path or s3://bucket/prefix"),
+        (["--blob-cache-mib", "-1"], "--blob-cache-mib must be 0 or more, got -1"),
+        (["--collect-interval-s", "0"], "--collect-interval-s must be more than 0, got 0.0"),
+        (["--collect-grace-s", "-5"], "--collect-grace-s must be 0 or more, got -5.0"),
     ],
 )  # fmt: skip
 def test_up_refuses_a_bad_setting_before_starting_anything(flags, reason, tmp_path, monkeypatch, capsys):

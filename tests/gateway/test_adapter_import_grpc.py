@@ -25,14 +25,19 @@ from tests.gateway.in_memory_store import gateway_parts
 
 
 @pytest.fixture
-async def gateway(tmp_path, base_spec) -> AsyncIterator[tuple[str, GatewayParts]]:
+async def gateway(tmp_path, base_spec, etcd) -> AsyncIterator[tuple[str, GatewayParts]]:
     """A gateway for tenants alice and bob over a real store granting alice ``tmp_path/granted``."""
     write_peft_adapter(
         tmp_path / "granted" / "a", base_spec, SampleAdapterSpec(rank=4, target_modules=("q_proj", "v_proj"))
     )
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({"tenants": {"alice": [f"file://{tmp_path / 'granted'}"]}}))
-    config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), grace_s=1, import_policy_file=str(policy))
+    config = AdapterStoreConfig(
+        data_dir=str(tmp_path / "store"),
+        etcd_endpoints=etcd.endpoint,
+        grace_s=1,
+        import_policy_file=str(policy),
+    )
     store = await start_service(AdapterStoreService(config), config)
     server = aio.server(interceptors=[ServiceInterceptor()])
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -48,6 +53,7 @@ async def gateway(tmp_path, base_spec) -> AsyncIterator[tuple[str, GatewayParts]
             await store.shutdown()
 
 
+@pytest.mark.integration
 async def test_import_uri_through_the_gateway(gateway, tmp_path):
     address, _ = gateway
     uri = f"file://{tmp_path / 'granted' / 'a'}"
@@ -61,6 +67,7 @@ async def test_import_uri_through_the_gateway(gateway, tmp_path):
             await bob.adapters.import_uri(uri, "a")
 
 
+@pytest.mark.integration
 async def test_load_lora_adapter_takes_a_uri(gateway, tmp_path):
     _, parts = gateway
     transport = httpx.ASGITransport(app=build_app(parts))

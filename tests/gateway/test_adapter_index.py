@@ -116,9 +116,12 @@ class CountingStore:
         return self.stub.WatchAdapters(adapter_store_pb2.WatchAdaptersRequest())
 
 
-async def test_v1_models_is_served_from_the_index_and_follows_registrations_and_deletes(tmp_path, base_spec):
+@pytest.mark.integration
+async def test_v1_models_is_served_from_the_index_and_follows_registrations_and_deletes(
+    tmp_path, base_spec, etcd
+):
     files = adapter_files(write_peft_adapter(tmp_path / "a", base_spec, SampleAdapterSpec(rank=4)))
-    config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), grace_s=1)
+    config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), etcd_endpoints=etcd.endpoint, grace_s=1)
     store = await start_service(AdapterStoreService(config), config)
     async with aio.insecure_channel(store.address) as channel:
         stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)

@@ -21,21 +21,27 @@ from services.runtime.rpc.server import start_service
 
 
 @pytest.fixture
-async def mesh(tmp_path, base_spec) -> AsyncIterator[tuple[str, adapter_store_pb2_grpc.AdapterStoreStub]]:
-    """A real gateway for tenants alice and bob over a real store (loopback, no etcd) whose RAM
-    tier holds one adapter (1 MiB; a rank-8 q/v adapter of the base model is about 0.9 MB);
-    alice's a, b and d are registered at the store. Yields the gateway's address and a stub of
-    the store."""
-    spec = SampleAdapterSpec(rank=8, target_modules=("q_proj", "v_proj"))
-    files = adapter_files(write_peft_adapter(tmp_path / "a", base_spec, spec))
-    store_config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), grace_s=1, ram_budget_mib=1)
+async def mesh(
+    tmp_path, base_spec, etcd
+) -> AsyncIterator[tuple[str, adapter_store_pb2_grpc.AdapterStoreStub]]:
+    """A real gateway for tenants alice and bob over a real store (loopback, its catalog in the
+    test's etcd) whose RAM tier holds one adapter (1 MiB; a rank-8 q/v adapter of the base model
+    is about 0.9 MB);
+    alice's a, b and d are registered at the store, each with its own weights (the store keeps
+    blobs, and its RAM tier, by content: equal weights would share one entry). Yields the
+    gateway's address and a stub of the store."""
+    store_config = AdapterStoreConfig(
+        data_dir=str(tmp_path / "store"), etcd_endpoints=etcd.endpoint, grace_s=1, ram_budget_mib=1
+    )
     store = await start_service(AdapterStoreService(store_config), store_config)
     config = GatewayConfig(adapter_store=store.address, api_keys="key-alice=alice,key-bob=bob", grace_s=1)
     gateway = await start_service(GatewayService(config), config)
     try:
         async with aio.insecure_channel(store.address) as channel:
             stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
-            for name in ("a", "b", "d"):
+            for seed, name in enumerate(("a", "b", "d")):
+                spec = SampleAdapterSpec(rank=8, target_modules=("q_proj", "v_proj"), seed=seed)
+                files = adapter_files(write_peft_adapter(tmp_path / name, base_spec, spec))
                 await upload_adapter(stub, files, name, "alice")
             yield gateway.address, stub
     finally:
@@ -50,6 +56,7 @@ async def ram_misses_fetching(store, name: str) -> int:
     return (await store.Stats(adapter_store_pb2.StatsRequest())).ram_misses - before
 
 
+@pytest.mark.integration
 async def test_a_pinned_adapter_survives_eviction_pressure_in_the_store(mesh):
     address, store = mesh
     async with AsyncClient(address, "key-alice") as alice, AsyncClient(address, "key-bob") as bob:

@@ -27,12 +27,14 @@ ALICE = (("authorization", "Bearer key-alice"),)
 
 
 @pytest.fixture
-async def gateway(tmp_path, base_spec) -> AsyncIterator:
+async def gateway(tmp_path, base_spec, etcd) -> AsyncIterator:
     """The gateway's host, its tenants file giving alice limits; bob's private ``secret`` and
     public ``shared`` registered at the store."""
     spec = SampleAdapterSpec(rank=4, target_modules=("q_proj", "v_proj"))
     files = adapter_files(write_peft_adapter(tmp_path / "a", base_spec, spec))
-    store_config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), grace_s=1)
+    store_config = AdapterStoreConfig(
+        data_dir=str(tmp_path / "store"), etcd_endpoints=etcd.endpoint, grace_s=1
+    )
     store = await start_service(AdapterStoreService(store_config), store_config)
     tenants = tmp_path / "tenants.json"
     tenants.write_text(
@@ -57,6 +59,7 @@ async def gateway(tmp_path, base_spec) -> AsyncIterator:
         await store.shutdown()
 
 
+@pytest.mark.integration
 async def test_a_private_adapter_is_answered_as_the_store_answers_a_missing_one(gateway):
     async with aio.insecure_channel(gateway.address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)

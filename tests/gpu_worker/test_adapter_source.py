@@ -3,6 +3,7 @@ loopback (in process), and a directory."""
 
 from __future__ import annotations
 
+import pytest
 from grpc import aio
 
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
@@ -14,11 +15,14 @@ from services.gpu_worker.adapter_source import DirectorySource, StoreSource
 from services.runtime.rpc.server import start_service
 
 
+@pytest.mark.integration
 async def test_a_store_adapter_is_named_owner_slash_name_once_fetched_and_its_pin_is_read(
-    base_spec, tmp_path
+    base_spec, tmp_path, etcd
 ):
     files = adapter_files(write_peft_adapter(tmp_path / "sql", base_spec, SampleAdapterSpec(rank=8)))
-    config = AdapterStoreConfig(data_dir=str(tmp_path / "store"), host="127.0.0.1", grace_s=1)
+    config = AdapterStoreConfig(
+        data_dir=str(tmp_path / "store"), etcd_endpoints=etcd.endpoint, host="127.0.0.1", grace_s=1
+    )
     store = await start_service(AdapterStoreService(config), config)
     source = StoreSource(store.address)
     try:

@@ -17,7 +17,14 @@ from loramesh_cli.main import main as cli
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_name, upload_adapter, upload_requests
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc
-from services.runtime.etcd.membership import MembershipConfig, list_members, member_key, read_loads
+from services.adapter_store.catalog_keys import CatalogKeys, row_digests
+from services.runtime.etcd.membership import (
+    EtcdConnection,
+    MembershipConfig,
+    list_members,
+    member_key,
+    read_loads,
+)
 from services.runtime.process.process import ServiceProcess
 
 pytestmark = pytest.mark.integration
@@ -110,6 +117,16 @@ async def test_member_listed_by_status_and_gone_within_ttl_after_kill9(store_pro
     assert not await lease_alive(etcd.endpoint, lease.lease_id)
 
 
+async def catalog_rows(etcd) -> list[dict[str, str]]:
+    """The blob digests of each row of the adapter catalog, read from etcd itself."""
+    connection = EtcdConnection(MembershipConfig(etcd_endpoints=etcd.endpoint))
+    try:
+        rows = await connection.call(lambda c: c.get_prefix(CatalogKeys.under("/loramesh").rows.encode()))
+        return [row_digests(kv.value) for kv in rows]
+    finally:
+        await connection.close()
+
+
 async def _none(coro) -> bool:
     return not await coro
 
@@ -148,7 +165,7 @@ async def test_sigterm_lets_an_upload_in_flight_complete_then_exits_0(store_proc
     assert data == adapters[1][WEIGHTS]
 
 
-async def test_sigterm_past_the_grace_refuses_the_upload_cleanly(store_process, adapters, tmp_path):
+async def test_sigterm_past_the_grace_refuses_the_upload_cleanly(store_process, adapters, tmp_path, etcd):
     store = store_process(grace_s=0.5)
     await store.wait_ready()
     started = asyncio.Event()
@@ -159,11 +176,11 @@ async def test_sigterm_past_the_grace_refuses_the_upload_cleanly(store_process, 
         await upload
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     assert await asyncio.to_thread(store.proc.wait, 30) == 0
-    assert list((tmp_path / "store" / "blobs").iterdir()) == []
+    assert list((tmp_path / "store" / "sha256").iterdir()) == [] and await catalog_rows(etcd) == []
 
 
 async def test_kill9_mid_upload_keeps_every_committed_adapter_and_nothing_partial(
-    store_process, adapters, tmp_path
+    store_process, adapters, tmp_path, etcd
 ):
     store = store_process()
     await store.wait_ready()
@@ -191,5 +208,10 @@ async def test_kill9_mid_upload_keeps_every_committed_adapter_and_nothing_partia
         with pytest.raises(grpc.RpcError) as err:
             await stub.GetAdapter(pb.GetAdapterRequest(ref=ref_by_name("alice", "interrupted")))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    rows = await catalog_rows(etcd)
+    assert sorted(row["sha256"] for row in rows) == sorted(committed.values())
+    # Every blob on disk is one of a committed row's (its weights, its config), and nothing is staged.
     data_dir = tmp_path / "store"
-    assert len(list((data_dir / "blobs").iterdir())) == 3 and list((data_dir / "tmp").iterdir()) == []
+    referenced = {digest for row in rows for digest in row.values()}
+    assert {path.name for path in (data_dir / "sha256").iterdir()} == referenced
+    assert list((data_dir / "staging").iterdir()) == []

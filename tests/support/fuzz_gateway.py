@@ -3,7 +3,8 @@
 :class:`FuzzGateway` runs, on one event loop in a background thread (so sync tests and
 hypothesis can call it): the real gateway service (``GatewayService`` under ``start_service``:
 its gRPC server with the shared interceptor, health and reflection, its OpenAI HTTP port, its
-HTTP side port), a real adapter store on a temporary directory, and a fake scheduler and worker.
+HTTP side port), a real adapter store on a temporary directory with its catalog in a real etcd
+of its own, and a fake scheduler and worker.
 The worker answers every request with a few tokens and cannot fail: the system under test is the
 gateway's input handling, not the engine (the worker checks its own input again, with the same
 functions, and is tested elsewhere).
@@ -41,6 +42,7 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.adapter_store.service import AdapterStoreService
 from services.gateway.config import GatewayConfig
 from services.gateway.service import GatewayService
+from services.runtime.etcd.etcd_server import EtcdServer
 from services.runtime.rpc.server import ServiceHost, start_service
 
 ALICE_KEY = "key-alice"
@@ -112,7 +114,11 @@ class FuzzGateway:
         self.thread.start()
         self._servers: list[aio.Server] = []
         self._hosts: list[ServiceHost] = []
+        self.etcd: EtcdServer | None = None
+        """The store's etcd (its catalog), under ``root/etcd``."""
         try:
+            self.etcd = EtcdServer(root / "etcd")
+            self.etcd.start()
             self.run(self._start(root))
             self.secrets = self._register(adapter_files)
         except BaseException:
@@ -136,10 +142,10 @@ class FuzzGateway:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(START_TIMEOUT_S)
 
     async def _start(self, root: Path) -> None:
-        store = await start_service(
-            AdapterStoreService(AdapterStoreConfig(data_dir=str(root / "store"), grace_s=1)),
-            AdapterStoreConfig(data_dir=str(root / "store"), grace_s=1),
+        store_config = AdapterStoreConfig(
+            data_dir=str(root / "store"), etcd_endpoints=self.etcd.endpoint, grace_s=1
         )
+        store = await start_service(AdapterStoreService(store_config), store_config)
         self._hosts.append(store)
         self.gateway_service = GatewayService(
             GatewayConfig(
@@ -210,6 +216,8 @@ class FuzzGateway:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+            if self.etcd is not None:
+                self.etcd.stop()
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from mesh_api.adapter_transfer import UPLOAD_FILES
-from services.adapter_store.blob_store import page_aligned_empty
+from services.adapter_store.blobs.page_aligned import page_aligned_empty
 from services.runtime.errors import FailedPrecondition, ResourceExhausted
 
 CONFIG_FILE = "adapter_config.json"

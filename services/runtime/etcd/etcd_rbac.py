@@ -46,6 +46,12 @@ LEADER_ELECTIONS: dict[str, tuple[str, ...]] = {
 """The elections each kind campaigns in (``<prefix>/leader/<election>``); a test keeps these
 equal to the services' own names."""
 
+WRITABLE_PREFIXES: dict[str, tuple[str, ...]] = {
+    "adapter_store": ("adapter_store/",),
+}
+"""Key ranges under ``<prefix>/`` each kind writes as a whole: the adapter catalog, which every
+store replica shares."""
+
 MESH_KEYS = MembershipConfig()
 """Where the services keep their keys (the default ``key_prefix``, as every service runs)."""
 
@@ -56,6 +62,15 @@ CALL_TIMEOUT_S = 10.0
 def readable_range(config: MembershipConfig) -> tuple[bytes, bytes]:
     """``[key, range_end)`` of every key the mesh keeps: ``<prefix>/`` and below."""
     return f"{config.key_prefix}/".encode(), f"{config.key_prefix}0".encode()
+
+
+def writable_ranges(config: MembershipConfig, identity: MeshIdentity) -> list[tuple[bytes, bytes]]:
+    """``[key, range_end)`` of the key ranges ``identity``'s kind writes (:data:`WRITABLE_PREFIXES`)."""
+    ranges = []
+    for prefix in WRITABLE_PREFIXES.get(identity.kind, ()):
+        start = f"{config.key_prefix}/{prefix}".encode()
+        ranges.append((start, start[:-1] + bytes([start[-1] + 1])))
+    return ranges
 
 
 def writable_keys(config: MembershipConfig, identity: MeshIdentity) -> list[str]:
@@ -99,6 +114,10 @@ async def provision_etcd_rbac(
             grants += [
                 auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=key.encode())
                 for key in writable_keys(config, identity)
+            ]
+            grants += [
+                auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=start, range_end=end)
+                for start, end in writable_ranges(config, identity)
             ]
             await call(auth.RoleAdd, rpc_pb2.AuthRoleAddRequest(name=name))
             for grant in grants:

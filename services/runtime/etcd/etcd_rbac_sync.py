@@ -88,7 +88,9 @@ async def instance_users(endpoint: str, operator_tls: TLSConfig) -> set[MeshIden
     return users
 
 
-async def remove_etcd_users(endpoint: str, operator_tls: TLSConfig, identities: Iterable[MeshIdentity]) -> None:
+async def remove_etcd_users(
+    endpoint: str, operator_tls: TLSConfig, identities: Iterable[MeshIdentity]
+) -> None:
     """Delete the users and roles of ``identities`` (one already gone is skipped)."""
     async with aio_channel(endpoint, operator_tls) as channel:
         auth = rpc_pb2_grpc.AuthStub(channel)
@@ -167,7 +169,9 @@ class EtcdRbacSync:
 class KubernetesPods:
     """The mesh's pods in one namespace, from the API server, as the pod's service account."""
 
-    def __init__(self, api_server: str = API_SERVER, account_dir: Path = SERVICE_ACCOUNT_DIR, namespace: str = ""):
+    def __init__(
+        self, api_server: str = API_SERVER, account_dir: Path = SERVICE_ACCOUNT_DIR, namespace: str = ""
+    ):
         """``namespace``: empty reads the pod's own (the service account's ``namespace`` file)."""
         self._api_server = api_server.rstrip("/")
         self._account_dir = account_dir

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.runtime.etcd.membership import MembershipConfig, _Connection, _describe
+from services.runtime.etcd.membership import EtcdConnection, MembershipConfig, describe_etcd_error
 from services.runtime.process.tasks import cancel_and_wait
 
 log = logging.getLogger("loramesh.leader")
@@ -40,7 +40,7 @@ class LeaderElection:
         """Instance id of the leader as of the last round; empty while unknown (etcd failing)."""
         self.terms = 0
         """How many times this instance became the leader."""
-        self._conn = _Connection(config)
+        self._conn = EtcdConnection(config)
         self._lease_id: int | None = None
         self._decided = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -74,7 +74,7 @@ class LeaderElection:
             try:
                 await self._conn.call(lambda c: c.revoke_lease(lease_id))
             except Exception as e:  # noqa: BLE001 - the lease expires by itself
-                log.warning("could not revoke the %s election lease: %s", self.key, _describe(e))
+                log.warning("could not revoke the %s election lease: %s", self.key, describe_etcd_error(e))
         await self._conn.close()
 
     async def abandon(self) -> None:
@@ -115,7 +115,9 @@ class LeaderElection:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure: step down and try again
                 if not failing:
-                    log.warning("leader election on %s failed (%s); stepping down", self.key, _describe(e))
+                    log.warning(
+                        "leader election on %s failed (%s); stepping down", self.key, describe_etcd_error(e)
+                    )
                     failing = True
                 self._set_leader("")
                 self._lease_id = None  # a live old lease expires by itself

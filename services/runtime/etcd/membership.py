@@ -236,7 +236,7 @@ def _split_member_key(config: MembershipConfig, key: str | bytes) -> tuple[str, 
 # -- connection ------------------------------------------------------------------------------
 
 
-class _Connection:
+class EtcdConnection:
     """One aetcd client at a time over the configured endpoints; ``reset`` drops it (and moves
     to the next endpoint) so the next call dials afresh."""
 
@@ -286,7 +286,7 @@ class _Connection:
             log.debug("closing etcd client failed: %r", e)
 
 
-def _describe(e: BaseException) -> str:
+def describe_etcd_error(e: BaseException) -> str:
     if isinstance(e, TimeoutError):
         return "timed out"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -315,7 +315,7 @@ class MemberRegistration:
         self.load_fn = load_fn
         self.member_key = member_key(config, member.service, member.instance_id)
         self.load_key = load_key(config, member.instance_id)
-        self._conn = _Connection(config)
+        self._conn = EtcdConnection(config)
         self._task: asyncio.Task[None] | None = None
         self._lease_id: int | None = None
         self._lease_ttl: int = config.ttl_s
@@ -394,7 +394,7 @@ class MemberRegistration:
                 await self._conn.close()
                 raise
             except Exception as e:  # noqa: BLE001 - reported in start()'s Unavailable
-                errors.append(f"{self._conn.endpoint}: {_describe(e)}")
+                errors.append(f"{self._conn.endpoint}: {describe_etcd_error(e)}")
                 self._registered = False
                 await self._conn.reset()
         return errors
@@ -420,7 +420,7 @@ class MemberRegistration:
                     "could not revoke lease %x of %s (%s); it expires within %ss",
                     lease_id,
                     self.member_key,
-                    _describe(e),
+                    describe_etcd_error(e),
                     self._lease_ttl,
                 )
         self._lease_id = None
@@ -553,10 +553,10 @@ class MemberRegistration:
                         "membership of %s in etcd at %s failed (%s); re-registering",
                         self.member_key,
                         self._conn.endpoint,
-                        _describe(e),
+                        describe_etcd_error(e),
                     )
                 else:
-                    log.debug("etcd still failing for %s: %s", self.member_key, _describe(e))
+                    log.debug("etcd still failing for %s: %s", self.member_key, describe_etcd_error(e))
                 self._registered = False
                 await self._conn.reset()
                 await asyncio.sleep(backoff)
@@ -595,7 +595,7 @@ def _parse_loads(config: MembershipConfig, kvs: Any) -> dict[str, dict[str, Any]
 
 
 async def _get_prefix_once(config: MembershipConfig, prefix: str) -> Any:
-    conn = _Connection(config)
+    conn = EtcdConnection(config)
     errors = []
     try:
         for _ in config.endpoints():
@@ -604,7 +604,7 @@ async def _get_prefix_once(config: MembershipConfig, prefix: str) -> Any:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - reported in the Unavailable below
-                errors.append(f"{conn.endpoint}: {_describe(e)}")
+                errors.append(f"{conn.endpoint}: {describe_etcd_error(e)}")
                 await conn.reset()
         raise Unavailable(f"etcd unreachable ({'; '.join(errors)})")
     finally:
@@ -638,7 +638,7 @@ async def _watch_prefix_map(
 ) -> AsyncIterator[dict[str, T]]:
     """Yield the parsed contents of ``prefix`` each time they change: list, then watch from the
     next revision; on any failure reconnect (backoff <= 1 s) and list again."""
-    conn = _Connection(config)
+    conn = EtcdConnection(config)
     last: dict[str, T] | None = None
     backoff = 0.1
     failing = False
@@ -681,10 +681,15 @@ async def _watch_prefix_map(
                 raise
             except Exception as e:  # noqa: BLE001 - any failure: reconnect and list again
                 if not failing:
-                    log.warning("%s watch on %s failed (%s); reconnecting", what, conn.endpoint, _describe(e))
+                    log.warning(
+                        "%s watch on %s failed (%s); reconnecting",
+                        what,
+                        conn.endpoint,
+                        describe_etcd_error(e),
+                    )
                     failing = True
                 else:
-                    log.debug("%s watch still failing: %s", what, _describe(e))
+                    log.debug("%s watch still failing: %s", what, describe_etcd_error(e))
                 if watch is not None:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(watch.cancel(), config.call_timeout_s)

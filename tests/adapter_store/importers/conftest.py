@@ -39,16 +39,8 @@ def small_adapter(base_spec, tmp_path_factory):
 
 
 @pytest.fixture
-def repository(tmp_path, base_spec):
-    repo = AdapterRepository(
-        tmp_path / "store",
-        base_spec,
-        ValidationLimits(max_rank=64, max_adapter_bytes=MAX_ADAPTER_BYTES),
-        ram_budget_bytes=64 << 20,
-    )
-    repo.open()
-    yield repo
-    repo.close()
+def repository(open_repository):
+    return open_repository(limits=ValidationLimits(max_rank=64, max_adapter_bytes=MAX_ADAPTER_BYTES))
 
 
 @pytest.fixture
@@ -63,7 +55,7 @@ def imports(repository):
 
 def stored(repository: AdapterRepository) -> dict[str, int]:
     """Catalog rows and blob files: what "nothing stored" is checked against."""
-    return {"rows": repository.catalog.count(), "blobs": len(repository.blobs.ids())}
+    return {"rows": repository.catalog.count(), "blobs": len(list(repository.blobs.listing()))}
 
 
 @pytest.fixture(scope="session")

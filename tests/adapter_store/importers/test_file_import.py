@@ -7,7 +7,7 @@ import os
 import pytest
 from conftest import MAX_ADAPTER_BYTES, TENANT, stored, write_dir
 
-from services.adapter_store.catalog import PRIVATE
+from services.adapter_store.adapter_record import PRIVATE
 from services.adapter_store.importers.file import FileSource
 from services.runtime.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import MAX_ADAPTER_BYTES, TENANT, stored
 from support.hub_mirror import MirrorRepo
 
-from services.adapter_store.catalog import PRIVATE
+from services.adapter_store.adapter_record import PRIVATE
 from services.runtime.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 from conftest import TENANT, stored, write_dir
+from support.blob_collection import collect_unreferenced_blobs
 
-from services.adapter_store.catalog import PRIVATE
+from services.adapter_store.adapter_record import PRIVATE
 from services.adapter_store.import_policy import load_import_policy
 from services.runtime.errors import InvalidArgument
 
@@ -25,7 +26,9 @@ def test_reimport_keeps_unchanged_and_versions_changed_content(tmp_path, imports
     changed = source.import_adapter(f"file://{directory}", "a", TENANT, PRIVATE)
     assert changed.changed and changed.record.version == 2 and changed.record.id != first.record.id
     assert changed.record.sha256 == hashlib.sha256(new_weights).hexdigest() != first.record.sha256
-    assert stored(repository) == {"rows": 1, "blobs": 1}  # the old version's blob is gone
+    assert stored(repository) == {"rows": 1, "blobs": 3}  # the config blob is the versions' one
+    assert collect_unreferenced_blobs(repository) == 1  # the old version's weights
+    assert stored(repository) == {"rows": 1, "blobs": 2}
     assert bytes(repository.read_weights(changed.record)) == new_weights
 
 

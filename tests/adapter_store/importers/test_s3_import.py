@@ -7,7 +7,7 @@ import hashlib
 import pytest
 from conftest import MAX_ADAPTER_BYTES, TENANT, put_adapter, stored
 
-from services.adapter_store.catalog import PRIVATE
+from services.adapter_store.adapter_record import PRIVATE
 from services.adapter_store.importers.s3 import S3Source
 from services.runtime.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 

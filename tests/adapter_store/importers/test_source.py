@@ -9,7 +9,7 @@ import mmap
 import numpy as np
 import pytest
 
-from services.adapter_store.blob_store import _whole_pages
+from services.adapter_store.blobs.page_aligned import whole_pages
 from services.adapter_store.importers.source import SourceFile, read_capped
 from services.runtime.errors import ResourceExhausted
 
@@ -26,7 +26,7 @@ def test_the_listed_bytes_are_read_whole_into_page_aligned_memory(size):
     read = read_capped(io.BytesIO(data), listed(size), max_bytes=1 << 20)
     assert bytes(read) == data
     assert np.frombuffer(read, dtype=np.uint8).ctypes.data % PAGE == 0 or size == 0
-    assert _whole_pages(read) is not None, "the blob store writes it without another copy"
+    assert whole_pages(read) is not None, "the blob store writes it without another copy"
 
 
 def test_a_file_that_grew_since_its_listing_reads_one_byte_more_and_no_further():

@@ -10,11 +10,13 @@ import os
 import numpy as np
 import pytest
 
-from services.adapter_store import blob_store
-from services.adapter_store.blob_store import BlobStore, page_aligned_empty, page_aligned_join
+from services.adapter_store.blobs import local_directory
+from services.adapter_store.blobs.backend import BlobMissing
+from services.adapter_store.blobs.local_directory import LocalDirectoryBlobs
+from services.adapter_store.blobs.page_aligned import page_aligned_empty, page_aligned_join
 
 PAGE = mmap.PAGESIZE
-SIZES = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, blob_store.BOUNCE_BYTES + PAGE + 5]
+SIZES = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, local_directory.BOUNCE_BYTES + PAGE + 5]
 
 
 def payload(size: int) -> bytes:
@@ -56,11 +58,11 @@ MEMORY = {
 @pytest.mark.parametrize("memory", MEMORY)
 def test_a_blob_holds_exactly_its_bytes(tmp_path, size, memory):
     data = payload(size)
-    blobs = BlobStore(tmp_path)
-    blobs.write("a", MEMORY[memory](data))
+    blobs = LocalDirectoryBlobs(tmp_path)
+    blobs.put("a", MEMORY[memory](data))
     assert blobs.path("a").read_bytes() == data
-    assert bytes(blobs.read("a")) == data
-    assert os.listdir(blobs.tmp_dir) == []
+    assert bytes(blobs.get("a")) == data
+    assert os.listdir(blobs.staging_dir) == []
 
 
 @pytest.mark.parametrize(
@@ -74,7 +76,7 @@ def test_only_memory_the_store_allocated_is_written_whole_in_one_go(
     completed with zeros from the block); other aligned memory sends its whole pages straight
     and its last, partial page through the buffer: its 17 bytes, then zeros (on a file system
     that takes O_DIRECT)."""
-    blobs = BlobStore(tmp_path)
+    blobs = LocalDirectoryBlobs(tmp_path)
     copied: list[int] = []
     buffer = blobs._buffer()
 
@@ -97,11 +99,35 @@ def test_only_memory_the_store_allocated_is_written_whole_in_one_go(
         return write(fd, view)
 
     monkeypatch.setattr(blobs, "_buffer", CountingBuffer)
-    monkeypatch.setattr(blob_store.os, "write", counting_write)
+    monkeypatch.setattr(local_directory.os, "write", counting_write)
     data = payload(3 * PAGE + 17)
-    blobs.write("a", MEMORY[memory](data))
+    blobs.put("a", MEMORY[memory](data))
     assert blobs.path("a").read_bytes() == data
     if not blobs._direct:
         pytest.skip(f"{tmp_path} refuses O_DIRECT: blobs go through the page cache")
     assert (len(sizes), copied) == (writes, through_buffer)
     assert all(size % PAGE == 0 for size in sizes)
+
+
+def test_a_blob_is_named_by_its_digest_written_once_and_listed(tmp_path):
+    blobs = LocalDirectoryBlobs(tmp_path)
+    blobs.put("d1", b"one")
+    blobs.stage(b"one").publish("d1")  # the same content again: the blob stands as it was
+    staged = blobs.stage(b"two")
+    staged.discard()
+    assert [(e.digest, e.size) for e in blobs.listing()] == [("d1", 3)]
+    assert blobs.exists("d1") and not blobs.exists("d2")
+    with pytest.raises(BlobMissing):
+        blobs.get("d2")
+    blobs.delete("d1")
+    assert list(blobs.listing()) == [] and os.listdir(blobs.staging_dir) == []
+
+
+def test_staged_files_are_collected_only_once_old(tmp_path):
+    """Replicas share the directory: a young staged file may be another replica's write."""
+    blobs = LocalDirectoryBlobs(tmp_path)
+    (blobs.staging_dir / "x.part").write_bytes(b"half")
+    now = os.stat(blobs.staging_dir / "x.part").st_mtime
+    assert blobs.collect_staging(older_than_s=60, now_s=now + 30) == 0
+    assert blobs.collect_staging(older_than_s=60, now_s=now + 90) == 1
+    assert os.listdir(blobs.staging_dir) == []

@@ -1,48 +1,51 @@
-"""A registration's weights reach disk while its checks run, and only a registration whose
-checks pass makes them a blob: a refused one, a failed write and an unchanged re-import leave
+"""A registration's weights are staged on disk while its checks run, and only a registration
+whose checks pass makes them a blob: a refused one, a failed write and an unchanged re-import leave
 nothing behind."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 
 import pytest
 
 from services.adapter_store import registrar as registrar_module
-from services.adapter_store.blob_store import BlobStore
-from services.adapter_store.blob_writes import BlobWrites, PendingBlob
-from services.adapter_store.catalog import PRIVATE
+from services.adapter_store.adapter_record import PRIVATE
+from services.adapter_store.blobs.local_directory import LocalDirectoryBlobs
 from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey, AdapterRepository
-from services.adapter_store.validation import ValidationLimits
 from services.runtime.errors import InvalidArgument
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 @pytest.fixture
-def repo(tmp_path, base_spec):
-    opened = AdapterRepository(tmp_path / "store", base_spec, ValidationLimits(), 64 << 20)
-    opened.open()
-    yield opened
-    opened.close()
+def repo(open_repository):
+    return open_repository()
 
 
 def on_disk(repo: AdapterRepository) -> tuple[list[str], list[str]]:
-    return sorted(p.name for p in repo.blobs.tmp_dir.iterdir()), sorted(repo.blobs.ids())
+    """Staged files, and blobs by digest."""
+    return sorted(p.name for p in repo.blobs.staging_dir.iterdir()), sorted(
+        e.digest for e in repo.blobs.listing()
+    )
+
+
+def blobs_of(record) -> list[str]:
+    return sorted([record.sha256, hashlib.sha256(record.config_json.encode()).hexdigest()])
 
 
 def checks_that_wait_for_the_write(monkeypatch, repo, refuse: bool):
     """Validation that first waits for the weights' write, when one was begun before it, and
     records what was on disk then (a repository that writes after validating has begun none:
     nothing to wait for, and ``seen`` says so). No clock: the write ends on its own thread."""
-    begun: list[PendingBlob] = []
-    start = BlobWrites.start
+    begun: list = []
+    stage = LocalDirectoryBlobs.stage
 
-    def recording_start(self, weights):
-        pending = start(self, weights)
-        begun.append(pending)
-        return pending
+    def recording_stage(self, weights):
+        staged = stage(self, weights)
+        begun.append(staged)
+        return staged
 
     seen: dict = {}
     validate = registrar_module.validate_adapter
@@ -56,7 +59,7 @@ def checks_that_wait_for_the_write(monkeypatch, repo, refuse: bool):
             raise InvalidArgument("refused for the test")
         return validate(*args, **kwargs)
 
-    monkeypatch.setattr(BlobWrites, "start", recording_start)
+    monkeypatch.setattr(LocalDirectoryBlobs, "stage", recording_stage)
     monkeypatch.setattr(registrar_module, "validate_adapter", waiting_validate)
     return seen
 
@@ -68,8 +71,8 @@ def test_the_weights_are_written_while_the_adapter_is_checked(monkeypatch, repo,
     )
     assert seen["writes_begun_before_checks"] == 1
     temps, blobs = seen["during_checks"]
-    assert len(temps) == 1 and blobs == [], "a temp file, not yet a blob"
-    assert on_disk(repo) == ([], [record.id])
+    assert len(temps) == 1 and blobs == [], "a staged file, not yet a blob"
+    assert on_disk(repo) == ([], blobs_of(record))
     assert bytes(repo.read_weights(repo.resolve(AdapterKey(id=record.id)))) == sample_files[WEIGHTS]
 
 
@@ -89,7 +92,7 @@ def test_a_failed_write_fails_the_registration_and_leaves_no_file(monkeypatch, r
         path.write_bytes(bytes(data)[:10])  # what a write cut short leaves
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(BlobStore, "_write_file", disk_full)
+    monkeypatch.setattr(LocalDirectoryBlobs, "_write_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         repo.registrar.register(
             AdapterUpload("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
@@ -103,12 +106,12 @@ def test_an_unchanged_reimport_writes_nothing(monkeypatch, repo, sample_files):
         AdapterUpload("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
     )
     writes = []
-    write_temp = BlobStore.write_temp
+    write_staged = LocalDirectoryBlobs.write_staged
     monkeypatch.setattr(
-        BlobStore, "write_temp", lambda self, data: writes.append(1) or write_temp(self, data)
+        LocalDirectoryBlobs, "write_staged", lambda self, data: writes.append(1) or write_staged(self, data)
     )
     again = repo.registrar.register_version(
         AdapterUpload("a", "alice", PRIVATE, sample_files[CONFIG], sample_files[WEIGHTS])
     )
     assert (again.changed, again.record.id, writes) == (False, first.record.id, [])
-    assert on_disk(repo) == ([], [first.record.id])
+    assert on_disk(repo) == ([], blobs_of(first.record))

@@ -1,0 +1,57 @@
+"""Removes blobs no catalog row references: what a deleted adapter, a replaced version, a failed
+registration or a replica killed mid-upload leaves behind.
+
+Any replica may collect, several at once. A blob is deleted only under a ``collecting`` mark that
+etcd set in a transaction requiring that no row references the blob
+(:meth:`Catalog.mark_collecting`); a registration relying on the blob commits only if the mark
+is as it read it before publishing the blob (:meth:`Catalog.prepare`), so a blob a committed row
+names is never deleted. Young blobs are left alone (``grace_s``): a registration may have
+written its blob and not yet committed its row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from services.adapter_store.blobs.backend import BlobBackend
+from services.adapter_store.catalog import Catalog
+
+log = logging.getLogger("loramesh.adapter_store")
+
+
+class BlobCollector:
+    def __init__(
+        self, catalog: Catalog, blobs: BlobBackend, grace_s: float, clock: Callable[[], float] = time.time
+    ):
+        self.catalog = catalog
+        self.blobs = blobs
+        self.grace_s = grace_s
+        self._clock = clock
+        self.collected = 0
+        """Blobs this replica removed since it started."""
+
+    def collect(self) -> int:
+        """One pass over the blob tier; returns how many blobs it removed."""
+        referenced = self.catalog.mirror.referenced_digests()
+        oldest_kept = self._clock() - self.grace_s
+        removed = 0
+        for entry in list(self.blobs.listing()):
+            if entry.digest in referenced or entry.modified_s > oldest_kept:
+                continue
+            mark_revision = self.catalog.mark_collecting(entry.digest)
+            if not mark_revision:
+                continue  # referenced after all (the mirror lagged), or another replica is on it
+            self.blobs.delete(entry.digest)
+            if not self.catalog.mark_collected(entry.digest, mark_revision):
+                log.error(
+                    "blob %s was deleted after a registration took its collection mark over as "
+                    "abandoned: a collector stalled for longer than the stall limit",
+                    entry.digest,
+                )
+            removed += 1
+        self.collected += removed
+        if removed:
+            log.info("collected %d unreferenced blob(s) from %s", removed, self.blobs.description)
+        return removed

@@ -1,0 +1,153 @@
+"""The catalog as of one etcd revision, held in memory: every read of a replica is served from
+it, so reads go on while etcd is unreachable, and a listing never costs an etcd range.
+
+Pure domain code: it knows nothing of etcd; :mod:`.catalog` feeds it the rows it lists and the
+events it watches, in revision order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Iterable
+
+from services.adapter_store.adapter_record import PUBLIC, AdapterRecord
+from services.adapter_store.catalog_changes import CatalogChange
+from services.adapter_store.catalog_keys import record_digests
+
+
+class CatalogMirror:
+    """Thread-safe: one thread applies, any thread reads or waits for a revision."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, tuple[int, AdapterRecord]] = {}
+        self._by_name: dict[tuple[str, str], str] = {}
+        self._seqs: list[int] = []
+        self._id_at: dict[int, str] = {}
+        self._digests: dict[str, frozenset[str]] = {}
+        self.revision = 0
+        """The etcd revision the mirror is current as of."""
+        self._changed = threading.Condition(threading.RLock())
+
+    def replace(self, rows: Iterable[tuple[int, AdapterRecord]], revision: int) -> list[CatalogChange]:
+        """Take ``rows`` (``(seq, record)``, a full listing at ``revision``) as the whole
+        catalog; returns the changes from what was held before."""
+        rows = list(rows)
+        with self._changed:
+            listed = {record.id for _, record in rows}
+            changes = [
+                self._remove(adapter_id) for adapter_id in list(self._records) if adapter_id not in listed
+            ]
+            for seq, record in rows:
+                held = self._records.get(record.id)
+                if held is None or held[1] != record:
+                    changes.append(self._upsert(seq, record))
+            self._advance(revision)
+        return [change for change in changes if change is not None]
+
+    def upsert(self, seq: int, record: AdapterRecord, revision: int) -> CatalogChange:
+        with self._changed:
+            change = self._upsert(seq, record)
+            self._advance(revision)
+        return change
+
+    def remove(self, adapter_id: str, revision: int) -> CatalogChange | None:
+        with self._changed:
+            change = self._remove(adapter_id)
+            self._advance(revision)
+        return change
+
+    def advance(self, revision: int) -> None:
+        """The mirror is current as of ``revision`` (nothing of the catalog changed up to it)."""
+        with self._changed:
+            self._advance(revision)
+
+    def wait_until(self, shows: Callable[[], bool], timeout_s: float) -> bool:
+        """Block until ``shows()`` (called with the mirror locked, so it sees a whole change) is
+        true; False when ``timeout_s`` passed first. A write waits so for the watch to deliver
+        it: every event of one transaction carries the same revision, so the revision alone does
+        not say when the last of them has been applied."""
+        with self._changed:
+            return self._changed.wait_for(shows, timeout_s)
+
+    def _advance(self, revision: int) -> None:
+        self.revision = max(self.revision, revision)
+        self._changed.notify_all()
+
+    def _upsert(self, seq: int, record: AdapterRecord) -> CatalogChange:
+        held = self._records.get(record.id)
+        if held is None:
+            bisect.insort(self._seqs, seq)
+            self._id_at[seq] = record.id
+        else:
+            seq = held[0]
+        self._records[record.id] = (seq, record)
+        self._by_name[(record.owner, record.name)] = record.id
+        self._digests[record.id] = frozenset(record_digests(record).values())
+        return CatalogChange(upserted=record)
+
+    def _remove(self, adapter_id: str) -> CatalogChange | None:
+        held = self._records.pop(adapter_id, None)
+        if held is None:
+            return None
+        seq, record = held
+        del self._seqs[bisect.bisect_left(self._seqs, seq)]
+        del self._id_at[seq]
+        del self._digests[adapter_id]
+        if self._by_name.get((record.owner, record.name)) == adapter_id:
+            del self._by_name[(record.owner, record.name)]
+        return CatalogChange(deleted_id=adapter_id)
+
+    def get(self, adapter_id: str) -> AdapterRecord | None:
+        with self._changed:
+            held = self._records.get(adapter_id)
+        return held[1] if held else None
+
+    def get_by_name(self, owner: str, name: str) -> AdapterRecord | None:
+        with self._changed:
+            adapter_id = self._by_name.get((owner, name))
+            held = self._records.get(adapter_id) if adapter_id else None
+        return held[1] if held else None
+
+    def page(
+        self, owner: str | None, include_public: bool, after_seq: int, limit: int
+    ) -> tuple[list[tuple[int, AdapterRecord]], int]:
+        """``(seq, record)`` pairs after ``after_seq`` in registration order, and the total
+        matching: every adapter, or ``owner``'s (and the public ones with ``include_public``)."""
+
+        def matches(record: AdapterRecord) -> bool:
+            if not owner:
+                return True
+            return record.owner == owner or (include_public and record.visibility == PUBLIC)
+
+        with self._changed:
+            if owner:
+                total = sum(1 for _, record in self._records.values() if matches(record))
+            else:
+                total = len(self._records)
+            page: list[tuple[int, AdapterRecord]] = []
+            for seq in self._seqs[bisect.bisect_right(self._seqs, after_seq) :]:
+                record = self._records[self._id_at[seq]][1]
+                if matches(record):
+                    page.append((seq, record))
+                    if len(page) == limit:
+                        break
+        return page, total
+
+    def all(self) -> list[AdapterRecord]:
+        with self._changed:
+            return [self._records[self._id_at[seq]][1] for seq in self._seqs]
+
+    def count(self) -> int:
+        with self._changed:
+            return len(self._records)
+
+    def pinned_sizes(self) -> dict[str, int]:
+        """``{id: size_bytes}`` of every pinned adapter."""
+        with self._changed:
+            return {r.id: r.size_bytes for _, r in self._records.values() if r.pinned}
+
+    def referenced_digests(self) -> set[str]:
+        """Every blob some row references."""
+        with self._changed:
+            return set().union(*self._digests.values()) if self._digests else set()
