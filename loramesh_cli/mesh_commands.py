@@ -18,7 +18,7 @@ from loramesh.tls import ClientTLS
 from loramesh_cli.errors import CommandError
 from loramesh_cli.lora_modules import register_lora_modules
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, command_line, pid_alive, why_not_live
-from loramesh_cli.mesh_layout import ETCD_UNIT, service_processes
+from loramesh_cli.mesh_layout import ETCD_UNIT, STORE_KIND, service_processes
 from loramesh_cli.mesh_status import add_status_parser
 from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
 from loramesh_cli.up_arguments import (
@@ -123,9 +123,9 @@ def print_summary(mesh: MeshFile, state_dir: Path) -> None:
     tls = mesh.tls_config().enabled
     scheme = "https" if tls else "http"
     for name, entry in mesh.services.items():
-        _log(f"  {name:<14} grpc {entry.address}  {scheme} {entry.http_address}  log {entry.log}")
+        _log(f"  {name:<15} grpc {entry.address}  {scheme} {entry.http_address}  log {entry.log}")
         if entry.openai_address:
-            _log(f"  {'':<14} OpenAI API {scheme}://{entry.openai_address}/v1")
+            _log(f"  {'':<15} OpenAI API {scheme}://{entry.openai_address}/v1")
     if tls and any(entry.openai_address for entry in mesh.services.values()):
         _log(f"  (HTTPS with the mesh CA: e.g. curl --cacert {mesh.tls['ca_file']} ...)")
     _log(f"state in {MeshFile.path(state_dir).absolute()}; stop with `{command_line(state_dir, 'down')}`")
@@ -262,12 +262,15 @@ async def _up_foreground(args, state_dir: Path) -> int:
 
     supervisor = Supervisor(units, restart_policy(args), on_change=write_mesh_file)
     try:
+        # The store replicas first, all at once, and every one ready before the rest start (the
+        # first migrates an old SQLite catalog; gateways and workers start watching the catalog).
+        stores = [name for name, p in processes.items() if p.module == STORE_KIND]
         for unit in units:
             if unit.name != ETCD_UNIT:
                 unit.launch()
             supervisor.launched(unit)
-            if unit.name == "adapter_store":
-                await _wait_ready(unit.name, processes["adapter_store"])
+            if unit.name == stores[-1]:
+                await asyncio.gather(*(_wait_ready(name, processes[name]) for name in stores))
         await asyncio.gather(*(_wait_ready(name, p) for name, p in processes.items()))
         if modules := lora_modules(args):  # before `ready`: `up --detach` returns with them registered
             tenant_keys = {**plain_keys_by_tenant(args), ADMIN_TENANT: admin_api_key}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -27,6 +28,8 @@ from services.runtime.security.tls import NO_TLS, TLSConfig
 
 #: The supervisor's name for etcd's process.
 ETCD_UNIT = "etcd"
+#: The adapter store's kind: its first replica's process name, the others' prefix.
+STORE_KIND = "adapter_store"
 
 
 def replica_name(kind: str, index: int) -> str:
@@ -43,9 +46,9 @@ def service_processes(
     keys_file: Path,
     certs: CertificateDirectory | None,
 ) -> tuple[dict[str, ServiceProcess], dict[str, str]]:
-    """Every service of the mesh, by name (also its instance id), the adapter store first, and
-    each gateway's OpenAI API address. Ports are picked now and kept, so a restarted process
-    comes back at the same address. With ``certs``, each runs with mutual TLS as its own
+    """Every service of the mesh, by name (also its instance id), the adapter store replicas
+    first, and each gateway's OpenAI API address. Ports are picked now and kept, so a restarted
+    process comes back at the same address. With ``certs``, each runs with mutual TLS as its own
     instance (``<kind>/<name>``: services/runtime/security/identity.py).
 
     Each process inherits the environment of `up`, so any setting `up` has no flag for reaches
@@ -61,13 +64,12 @@ def service_processes(
 
     etcd_flags = ["--etcd-endpoints", etcd_endpoint]
     processes = {
-        "adapter_store": service(
-            "adapter_store", "adapter_store",
-            [*etcd_flags, "--data-dir", str(state_dir / "adapter_store"), *setting_flags(args, [STORE_SETTINGS]),
-             *_max_rank_flags(args), "--import-policy-file", _import_policy_file(args, state_dir)],
-        )
-    }  # fmt: skip
-    store_flags = ["--adapter-store", processes["adapter_store"].address]
+        name: service(STORE_KIND, name, [*etcd_flags, *flags])
+        for name, flags in store_replica_flags(args, state_dir).items()
+    }
+    # One store: the gateways and workers are given its address. Several: they find the live
+    # ones in etcd, and another one when theirs goes away (docs/operations.md).
+    store_flags = ["--adapter-store", processes[STORE_KIND].address] if args.adapter_stores == 1 else []
     # Workers sharing one machine's cores split them rather than oversubscribe (CPU serving); a
     # tensor-parallel group splits its share again between its ranks.
     threads = max(1, (os.cpu_count() or 1) // max(1, args.workers))
@@ -95,6 +97,29 @@ def service_processes(
         processes[name] = service("gateway", name, [*gateway_flags, "--openai-port", str(openai_port)])
         openai_addresses[name] = f"{processes[name].host}:{openai_port}"
     return processes, openai_addresses
+
+
+def store_replica_flags(args, state_dir: Path) -> dict[str, list[str]]:
+    """Each adapter store replica's flags but etcd's, by name. The replicas share one catalog
+    (in etcd) and one blob tier, so any of them serves any adapter: ``--blob-store`` as given
+    (a directory made absolute), else ``<state dir>/adapter_store`` (where the blobs of a
+    one-store mesh have always been). Each has a data directory of its own (the disk cache in
+    front of a bucket): ``<state dir>/adapter_store`` for the first, which also migrates a
+    SQLite catalog of the single-replica store found there, ``<state dir>/adapter_store-N``
+    for the others."""
+    blob_store = args.blob_store or str(state_dir / STORE_KIND)
+    if "://" not in blob_store:
+        blob_store = str(Path(blob_store).expanduser().resolve())
+    shared = [
+        "--blob-store", blob_store,
+        # --blob-store is passed above, resolved; the store's other settings as given.
+        *setting_flags(argparse.Namespace(**{**vars(args), "blob_store": None}), [STORE_SETTINGS]),
+        *_max_rank_flags(args), "--import-policy-file", _import_policy_file(args, state_dir),
+    ]  # fmt: skip
+    return {
+        replica_name(STORE_KIND, i): ["--data-dir", str(state_dir / replica_name(STORE_KIND, i)), *shared]
+        for i in range(args.adapter_stores)
+    }
 
 
 def _worker_flags(args) -> list[str]:

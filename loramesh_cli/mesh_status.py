@@ -1,5 +1,6 @@
 """`loramesh status`: the members in etcd with their health and load, and the local mesh's
-processes as its supervisor last wrote them to mesh.json."""
+processes as its supervisor last wrote them to mesh.json; then the adapter store replicas and
+their blob tier (:mod:`loramesh_cli.store_status`) and the workers' DistKV-LLM figures."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from loramesh_cli.distkv_status import DISTKV_KEYS, POLICY_KEYS, distkv_table
 from loramesh_cli.errors import CommandError
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, live_mesh
 from loramesh_cli.mesh_layout import ETCD_UNIT
+from loramesh_cli.store_status import STORE_KEYS, store_table
 from loramesh_cli.table import render_table
 from loramesh_cli.tls_options import cli_tls
 from services.runtime.etcd.membership import MembershipConfig, list_members, read_loads
@@ -89,13 +91,15 @@ def cmd_status(args) -> int:
                     " ".join(
                         f"{k}={len(v) if isinstance(v, list) else v}"
                         for k, v in r["load"].items()
-                        if k not in DISTKV_KEYS and k not in POLICY_KEYS
+                        if k not in DISTKV_KEYS and k not in POLICY_KEYS and k not in STORE_KEYS
                     ),
                 ]
                 for r in rows
             ],
         )
     )
+    if (stores := store_table(rows)) is not None:
+        print("\n" + stores)
     if (distkv := distkv_table(rows)) is not None:
         print("\nDistKV-LLM (blocks per peer; remote attention and bytes per engine step)\n" + distkv)
     return 0

@@ -74,13 +74,14 @@ STORE_SETTINGS = ForwardedSettings(
         "model",
         "ram_budget_mib",
         "eviction_policy",
-        # Its catalog is in up's etcd; its blobs in <state dir>/adapter_store unless --blob-store.
+        # Its catalog is in up's etcd; its blobs in <state dir>/adapter_store unless --blob-store,
+        # shared by every replica (--adapter-stores).
         "blob_store",
         "blob_cache_mib",
         "collect_interval_s",
         "collect_grace_s",
     ),
-    default_words={"blob_store": "<state dir>/adapter_store, the store's --data-dir"},
+    default_words={"blob_store": "<state dir>/adapter_store, shared by every replica"},
 )
 GATEWAY_SETTINGS = ForwardedSettings(GatewayConfig, "gateway", ("model",))
 SCHEDULER_SETTINGS = ForwardedSettings(
@@ -142,6 +143,11 @@ def add_up_parser(sub) -> argparse.ArgumentParser:
     up.add_argument("--gateways", type=int, default=2,
                     help="gateway processes (default 2: one can die while the other serves)")  # fmt: skip
     up.add_argument("--schedulers", type=int, default=2, help="scheduler replicas (default 2)")
+    up.add_argument("--adapter-stores", type=int, default=2,
+                    help="adapter store replicas, sharing the catalog (in etcd) and --blob-store; "
+                         "gateways and workers find them in etcd and fail over between them "
+                         "(default 2: one can die while the other serves; 1 runs one process "
+                         "fewer, its address given to the gateways and workers)")  # fmt: skip
     up.add_argument("--kv-managers", type=int, default=2,
                     help="kv_manager replicas, one active (default 2)")  # fmt: skip
     defaults = RestartPolicy()
@@ -158,7 +164,7 @@ def add_up_parser(sub) -> argparse.ArgumentParser:
 def check_up_args(args) -> None:
     """Refuses a bad setting in one line, before anything starts: every count, range, path and
     port named on the command line."""
-    for flag in ("workers", "gateways", "schedulers", "kv_managers"):
+    for flag in ("workers", "gateways", "schedulers", "kv_managers", "adapter_stores"):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.lend_cap_blocks is not None and args.lend_cap_blocks < -1:
@@ -256,6 +262,7 @@ def detached_argv(args, state_dir: Path) -> list[str]:
     argv = [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state_dir), "up"]
     argv += ["--workers", str(args.workers), *setting_flags(args, SERVICE_SETTINGS)]
     argv += ["--gateways", str(args.gateways), "--schedulers", str(args.schedulers)]
+    argv += ["--adapter-stores", str(args.adapter_stores)]
     argv += ["--kv-managers", str(args.kv_managers), "--restart-backoff-s", str(args.restart_backoff_s)]
     argv += ["--restart-backoff-max-s", str(args.restart_backoff_max_s)]
     argv += ["--restart-healthy-s", str(args.restart_healthy_s)]

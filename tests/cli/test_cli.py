@@ -84,6 +84,7 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     status = json.loads(loramesh(mesh, "status", "--json").stdout)
     assert [(r["service"], r["instance"], r["health"], r["restarts"]) for r in status] == [
         ("adapter_store", "adapter_store", "SERVING", 0),
+        ("adapter_store", "adapter_store-1", "SERVING", 0),
         ("gateway", "gateway", "SERVING", 0),
         ("gateway", "gateway-1", "SERVING", 0),
         ("gpu_worker", "gpu_worker-0", "SERVING", 0),
@@ -93,6 +94,12 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
         ("scheduler", "scheduler", "SERVING", 0),
         ("scheduler", "scheduler-1", "SERVING", 0),
     ]
+    # Two store replicas (up's default), one catalog in etcd and one blob directory between them.
+    stores = [r["load"] for r in status if r["service"] == "adapter_store"]
+    assert {(load["catalog"], load["blob_store"]) for load in stores} == {
+        ("ok", (mesh / "adapter_store").resolve().as_uri())
+    }
+    assert all(isinstance(load["adapters"], int) for load in stores)
     # What the schedulers did beyond placing: migrations, prefetches, the predictor's error.
     for row in (r for r in status if r["service"] == "scheduler"):
         assert {"migrations", "prefetches", "rebalance_rounds", "predictor_mae_tokens"} <= set(row["load"])
@@ -103,6 +110,14 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     table = loramesh(mesh, "status").stdout
     assert table.splitlines()[0].split() == ["PROCESS", "PID", "RESTARTS", "LAST", "EXIT"]
     assert "etcd" in table and "gateway-1" in table
+    assert f"Adapter stores (2 replicas; blob store {(mesh / 'adapter_store').resolve().as_uri()})" in table
+    assert table.split("Adapter stores")[1].splitlines()[1].split() == [
+        "STORE",
+        "ADDRESS",
+        "HEALTH",
+        "CATALOG",
+        "ADAPTERS",
+    ]
     for name in ("gpu_worker-0", "gpu_worker-1"):
         assert asyncio.run(generate_two_tokens(mesh_file["services"][name]["address"])) == 2
 

@@ -6,6 +6,7 @@ the service's own parser reads back as the value given."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import get_type_hints
 
 import pytest
@@ -14,7 +15,7 @@ from loramesh_cli import mesh_layout, up_arguments
 from loramesh_cli.config_flags import ForwardedSettings, flag
 from loramesh_cli.main import build_parser
 from loramesh_cli.mesh_layout import service_processes
-from loramesh_cli.up_arguments import SERVICE_SETTINGS, WORKER_SETTINGS, detached_argv
+from loramesh_cli.up_arguments import SERVICE_SETTINGS, STORE_SETTINGS, WORKER_SETTINGS, detached_argv
 from services.gpu_worker.config import WorkerConfig
 from services.runtime.config import field_docs, parse_config
 
@@ -65,7 +66,12 @@ def test_every_setting_up_takes_reaches_its_services_as_given(tmp_path):
         assert configs[group.service], group.service
         for config in configs[group.service]:
             got = {name: getattr(config, name) for name in group.names}
-            assert got == {name: parsed for name, _, parsed in settings if name in group.names}
+            expected = {name: parsed for name, _, parsed in settings if name in group.names}
+            if (
+                "blob_store" in expected
+            ):  # a directory, made absolute by up (the stores' working directory may differ)
+                expected["blob_store"] = str(Path(expected["blob_store"]).resolve())
+            assert got == expected
     # The background `up` of --detach is given the same.
     args = build_parser().parse_args(["--state-dir", str(tmp_path), "up", *flags])
     argv = detached_argv(args, tmp_path)
@@ -75,13 +81,17 @@ def test_every_setting_up_takes_reaches_its_services_as_given(tmp_path):
 
 def test_without_them_the_services_keep_their_defaults(tmp_path):
     """Only the settings `up` has a default of its own for are passed: the workers' 512 MiB pool
-    (half the service's 1024: the mesh's workers share one machine with the other services) and
-    the overflow policy (borrow, since `up` runs kv_managers)."""
+    (half the service's 1024: the mesh's workers share one machine with the other services), the
+    overflow policy (borrow, since `up` runs kv_managers) and the stores' blob directory (one in
+    the state directory that every replica shares)."""
     configs = configs_by_service(tmp_path)
-    worker_own = {"pool_mib": 512, "kv_overflow": "borrow"}
+    up_own = {
+        WORKER_SETTINGS.service: {"pool_mib": 512, "kv_overflow": "borrow"},
+        STORE_SETTINGS.service: {"blob_store": str(tmp_path / "adapter_store")},
+    }
     for group in SERVICE_SETTINGS:
         for config in configs[group.service]:
-            own = worker_own if group is WORKER_SETTINGS else {}
+            own = up_own.get(group.service, {})
             for name in group.names:
                 assert getattr(config, name) == own.get(name, getattr(group.config, name)), name
     assert WorkerConfig.pool_mib == 1024

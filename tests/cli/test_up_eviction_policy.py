@@ -13,7 +13,8 @@ from services.runtime.config import parse_config
 
 
 def service_configs(tmp_path, *flags: str) -> list[AdapterStoreConfig | WorkerConfig]:
-    """The settings the store and each of two workers parse from the command lines `up` builds."""
+    """The settings each store replica (two) and each of two workers parse from the command
+    lines `up` builds."""
     args = build_parser().parse_args(["--state-dir", str(tmp_path), "up", "--workers", "2", *flags])
     processes, _ = service_processes(args, tmp_path, tmp_path, "127.0.0.1:2379", tmp_path / "keys.json", None)
     configs = []
@@ -30,7 +31,7 @@ def service_configs(tmp_path, *flags: str) -> list[AdapterStoreConfig | WorkerCo
 
 def test_the_policy_reaches_the_store_and_every_worker(tmp_path):
     configs = service_configs(tmp_path, "--eviction-policy", "lfu")
-    assert len(configs) == 3 and all(c.eviction_policy == "lfu" for c in configs)
+    assert len(configs) == 4 and all(c.eviction_policy == "lfu" for c in configs)
     assert all(c.eviction_policy == "lru" for c in service_configs(tmp_path))
 
 

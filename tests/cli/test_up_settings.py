@@ -25,6 +25,7 @@ from loramesh_cli.mesh_layout import service_processes
 from loramesh_cli.up_arguments import detached_argv
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
+from services.gpu_worker.config import WorkerConfig
 from services.runtime.config import parse_config
 from services.runtime.process import process as process_module
 from services.runtime.process.ports import free_port
@@ -117,12 +118,13 @@ def blob_settings(settings) -> tuple:
 
 def test_the_store_keeps_its_catalog_in_ups_etcd_and_its_blobs_where_told(tmp_path):
     """The store's catalog is in etcd (it does not start without one): `up` gives it its own. Its
-    blobs are under its data directory in the state directory (``sha256/<sha256>``) unless
-    ``--blob-store`` names a directory or a bucket; the blob settings reach the store alone."""
-    processes, _ = processes_of(tmp_path)
+    blobs are in ``<state dir>/adapter_store`` (``sha256/<sha256>``, where a one-store mesh has
+    always kept them) unless ``--blob-store`` names a directory or a bucket; the blob settings
+    reach the store alone."""
+    processes, _ = processes_of(tmp_path, "--adapter-stores", "1")
     store = parse_config(AdapterStoreConfig, service_flags(processes["adapter_store"]), environ={})
     assert store.etcd_endpoints == "127.0.0.1:2379"
-    assert (store.data_dir, store.blob_store) == (str(tmp_path / "adapter_store"), "")
+    assert (store.data_dir, store.blob_store) == (str(tmp_path / "adapter_store"),) * 2
     assert blob_settings(store)[1:] == blob_settings(AdapterStoreConfig)[1:]
     flags = ("--blob-store", "s3://loras/mesh-a", "--blob-cache-mib", "64",
              "--collect-interval-s", "30", "--collect-grace-s", "120")  # fmt: skip
@@ -138,13 +140,70 @@ def test_the_store_keeps_its_catalog_in_ups_etcd_and_its_blobs_where_told(tmp_pa
     assert blob_settings(again) == ("s3://loras/mesh-a", 64, 30.0, 120.0)
 
 
+def store_configs(processes) -> dict[str, AdapterStoreConfig]:
+    return {
+        name: parse_config(AdapterStoreConfig, service_flags(p), environ={})
+        for name, p in processes.items()
+        if p.module == "adapter_store"
+    }
+
+
+def store_addresses(processes) -> dict[str, str]:
+    """The ``--adapter-store`` each gateway and worker is given ("": found in etcd)."""
+    return {
+        name: parse_config(GatewayConfig if p.module == "gateway" else WorkerConfig, service_flags(p), environ={}).adapter_store
+        for name, p in processes.items()
+        if p.module in ("gateway", "gpu_worker")
+    }  # fmt: skip
+
+
+def test_up_runs_two_store_replicas_sharing_one_blob_directory_found_in_etcd(tmp_path):
+    """By default two store replicas, named as the other replicas are, each with its own data
+    directory and all with the same blob directory (and the same catalog, in up's etcd): any of
+    them serves any adapter, so the gateways and workers are pinned to none and find the live
+    ones in etcd."""
+    processes, _ = processes_of(tmp_path)
+    stores = store_configs(processes)
+    assert list(processes)[:2] == list(stores) == ["adapter_store", "adapter_store-1"]
+    assert [s.data_dir for s in stores.values()] == [
+        str(tmp_path / "adapter_store"),
+        str(tmp_path / "adapter_store-1"),
+    ]
+    assert {s.blob_store for s in stores.values()} == {str(tmp_path / "adapter_store")}
+    assert {s.etcd_endpoints for s in stores.values()} == {"127.0.0.1:2379"}
+    assert len({p.address for p in processes.values()}) == len(processes)
+    assert set(store_addresses(processes).values()) == {""}
+    # One replica: its address is given, as before replicas.
+    processes, _ = processes_of(tmp_path, "--adapter-stores", "1")
+    assert list(store_configs(processes)) == ["adapter_store"]
+    assert set(store_addresses(processes).values()) == {processes["adapter_store"].address}
+
+
+def test_store_replicas_share_the_blob_store_given(tmp_path, monkeypatch):
+    """``--blob-store`` reaches every replica, a directory made absolute (a service's working
+    directory need not be up's); each replica keeps its own data directory (its disk cache in
+    front of a bucket); the replica count survives ``--detach``."""
+    monkeypatch.chdir(tmp_path)
+    processes, _ = processes_of(tmp_path, "--adapter-stores", "3", "--blob-store", "shared")
+    stores = store_configs(processes)
+    assert list(stores) == ["adapter_store", "adapter_store-1", "adapter_store-2"]
+    assert {s.blob_store for s in stores.values()} == {str(tmp_path / "shared")}
+    assert len({s.data_dir for s in stores.values()}) == 3
+    processes, _ = processes_of(tmp_path, "--blob-store", "s3://loras/mesh-a", "--blob-cache-mib", "64")
+    stores = store_configs(processes)
+    assert {(s.blob_store, s.blob_cache_mib) for s in stores.values()} == {("s3://loras/mesh-a", 64)}
+    argv = detached_argv(up_args(tmp_path, "--adapter-stores", "3"), tmp_path / "state")
+    assert build_parser().parse_args(argv[argv.index("--state-dir") :]).adapter_stores == 3
+
+
 def test_up_help_shows_the_stores_blob_settings(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     for flag in ("--blob-store", "--blob-cache-mib", "--collect-interval-s", "--collect-grace-s"):
         assert f"{flag} " in help_text, flag
-    assert "default <state dir>/adapter_store" in help_text
+    assert "default <state dir>/adapter_store, shared by every replica" in help_text
+    assert "--adapter-stores ADAPTER_STORES adapter store replicas" in help_text
     assert f"default: the service's, {AdapterStoreConfig.collect_grace_s}" in help_text
 
 
@@ -197,6 +256,7 @@ def test_detach_passes_them_to_the_background_up_with_absolute_paths(tmp_path, m
         (["--adapter-load-dirs", "nowhere"], "--adapter-load-dirs: {cwd}/nowhere is not a directory"),
         (["--max-lora-rank", "0"], "--max-lora-rank must be at least 1, got 0"),
         (["--openai-port", "70000"], "--openai-port must be in [0, 65535], got 70000"),
+        (["--adapter-stores", "0"], "--adapter-stores must be at least 1, got 0"),
         (["--blob-store", "gs://bucket/x"], "--blob-store 'gs://bucket/x': expected a directory, file:///path or s3://bucket/prefix"),
         (["--blob-cache-mib", "-1"], "--blob-cache-mib must be 0 or more, got -1"),
         (["--collect-interval-s", "0"], "--collect-interval-s must be more than 0, got 0.0"),
