@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -198,14 +199,72 @@ def test_etcd_is_three_members_with_volumes_and_matching_peer_urls(rendered, ove
     assert by_kind(objects, "PodDisruptionBudget")["etcd"]["spec"]["minAvailable"] == 2
 
 
+def store_config(container: dict, objects: list[dict]) -> AdapterStoreConfig:
+    """The store's settings as it parses them at start (fieldRef values: a sample)."""
+    env = env_of(container, objects)
+    environ = {
+        name: FIELD_REF_SAMPLES.get(name, "x") if value is None else value for name, value in env.items()
+    }
+    return parse_config(AdapterStoreConfig, argv=[], environ=environ)
+
+
+def volume_at(workload: dict, container: dict, path: str) -> dict:
+    """The pod volume mounted where ``path`` is."""
+    (mount,) = [
+        m for m in container["volumeMounts"] if (path + "/").startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_adapter_store_keeps_its_data_dir_on_a_volume(rendered, overlay):
+def test_adapter_store_replicas_share_a_bucket_and_cache_it_on_an_emptydir(rendered, overlay):
+    """Two replicas, one at least kept through drains and rollouts, all with the etcd endpoints
+    (their catalog) and one ``s3://`` blob store (a placeholder until an overlay names the
+    bucket); each replica's data directory, its disk cache in front of the bucket, is an emptyDir
+    that holds the cache it is given. Credentials come from an optional Secret."""
     objects = rendered[overlay]
-    store = by_kind(objects, "StatefulSet")["adapter-store"]
-    (claim,) = store["spec"]["volumeClaimTemplates"]
+    store = by_kind(objects, "Deployment")["adapter-store"]
+    assert "adapter-store" not in by_kind(objects, "StatefulSet")
+    assert store["spec"]["replicas"] == 2
+    assert store["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    budget = by_kind(objects, "PodDisruptionBudget")["adapter-store"]
+    assert budget["spec"] == {"minAvailable": 1, "selector": store["spec"]["selector"]}
     (container,) = store["spec"]["template"]["spec"]["containers"]
-    (mount,) = [m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
-    assert env_of(container, objects)["LORAMESH_DATA_DIR"].startswith(mount["mountPath"] + "/")
+    config = store_config(container, objects)
+    (common,) = [c for n, c in by_kind(objects, "ConfigMap").items() if n.startswith("loramesh-common")]
+    assert config.etcd_endpoints == common["data"]["LORAMESH_ETCD_ENDPOINTS"]
+    assert config.blob_store.startswith("s3://") and config.blob_store.count("/") >= 3  # s3://bucket/prefix
+    cache = volume_at(store, container, config.data_dir)["emptyDir"]
+    assert cache["sizeLimit"].endswith("Gi") and int(cache["sizeLimit"][:-2]) * 1024 > config.blob_cache_mib
+    assert "adapter-import-credentials" in [
+        s["secretRef"]["name"] for s in container["envFrom"] if "secretRef" in s
+    ]
+    assert not store["spec"].get("volumeClaimTemplates")
+
+
+def test_the_blob_volume_component_puts_every_replica_on_one_readwritemany_claim(tmp_path):
+    """k8s/components/blob-volume, added to an overlay as docs/deploy.md says: the store's blob
+    store is the mount path of a ReadWriteMany claim every replica mounts, in the namespace."""
+    overlay = tmp_path / "mine"
+    overlay.mkdir()
+    relative = Path(os.path.relpath(K8S, overlay))
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {relative / 'overlays' / 'cpu'}\ncomponents:\n  - {relative / 'components' / 'blob-volume'}\n"
+    )
+    objects = render(overlay)
+    errors = [error for obj in objects for error in validation_errors(obj)]
+    assert not errors, "\n".join(errors)
+    store = by_kind(objects, "Deployment")["adapter-store"]
+    (container,) = store["spec"]["template"]["spec"]["containers"]
+    config = store_config(container, objects)
+    assert config.blob_store == "/blobs"
+    claim_name = volume_at(store, container, config.blob_store)["persistentVolumeClaim"]["claimName"]
+    claim = by_kind(objects, "PersistentVolumeClaim")[claim_name]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["metadata"]["namespace"] == store["metadata"]["namespace"]
+    assert MESH_LABEL.items() <= claim["metadata"]["labels"].items()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -215,7 +274,7 @@ def test_adapter_store_reads_an_import_policy_that_grants_nothing_until_configur
     """The store's --import-policy-file is a mounted ConfigMap the store parses; the shipped one
     grants no tenant any source (imports are refused until an operator grants them)."""
     objects = rendered[overlay]
-    store = by_kind(objects, "StatefulSet")["adapter-store"]
+    store = by_kind(objects, "Deployment")["adapter-store"]
     (container,) = store["spec"]["template"]["spec"]["containers"]
     policy_file = Path(env_of(container, objects)["LORAMESH_IMPORT_POLICY_FILE"])
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(policy_file.parent)]
@@ -232,6 +291,7 @@ def test_replicas_and_disruption_budgets(rendered, overlay):
     deployments = by_kind(objects, "Deployment")
     assert deployments["scheduler"]["spec"]["replicas"] == 2
     assert deployments["kv-manager"]["spec"]["replicas"] == 2
+    assert deployments["adapter-store"]["spec"]["replicas"] == 2
     assert deployments["gateway"]["spec"]["replicas"] >= 2
     assert "gpu-worker" in deployments
     budgets = by_kind(objects, "PodDisruptionBudget")
