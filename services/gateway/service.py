@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 from grpc import aio
@@ -15,6 +17,7 @@ from mesh_api.v1 import (
     gateway_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
+    types_pb2,
 )
 from services.gateway.adapter_admin import AdapterAdmin
 from services.gateway.adapter_catalog import AdapterCatalog
@@ -27,15 +30,85 @@ from services.gateway.parts import GatewayParts
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
-from services.runtime.etcd.discovery import ChannelPool, ServiceLocator
+from services.runtime.etcd.discovery import ChannelPool, MemberUnavailable, ServiceLocator
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.rpc.method_handlers import add_servicer_with_readers
 
 log = logging.getLogger("loramesh.gateway")
 
+WEIGHTS_FILE = "adapter_model.safetensors"
+"""The upload's file whose sha256 the store records (``AdapterInfo.sha256``)."""
+
+
+class _Unanswered(MemberUnavailable):
+    """A member's UNAVAILABLE status, passed on as it is when no member answers."""
+
+    def __init__(self, error: aio.AioRpcError):
+        super().__init__(error.details() or error.code().name)
+        self.error = error
+
+
+async def _unless_unavailable(call):
+    """``call`` awaited; its UNAVAILABLE status as :class:`_Unanswered` (another member may answer)."""
+    try:
+        return await call
+    except aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            raise _Unanswered(error) from None
+        raise
+
+
+class _Replayable:
+    """A client stream's messages, kept as they are first read so that a call retried on another
+    member sends them all again: each :meth:`replay` reads from the first message. The one-shot
+    source is read once, by whichever reader is ahead (a failed call's reader may still take one
+    more). The whole stream stays in memory until the call ends (an upload: up to the store's
+    size limit)."""
+
+    def __init__(self, source: AsyncIterator):
+        self._source = source
+        self._read: list = []
+        self._ended = False
+        self._failed: BaseException | None = None
+        self._reading = asyncio.Lock()
+        self.replays = 0
+        """How many calls were given the stream: more than 1 after a retry."""
+
+    def replay(self) -> AsyncIterator:
+        self.replays += 1
+        return self._from_start()
+
+    async def read_all(self) -> list:
+        """Every message, the source read to its end."""
+        while await self._has(len(self._read)):
+            pass
+        return self._read
+
+    async def _from_start(self) -> AsyncIterator:
+        index = 0
+        while await self._has(index):
+            yield self._read[index]
+            index += 1
+
+    async def _has(self, index: int) -> bool:
+        """Whether message ``index`` exists, reading the source up to it; raises what it raised."""
+        async with self._reading:
+            while index >= len(self._read) and not self._ended:
+                if self._failed is not None:
+                    raise self._failed
+                try:
+                    self._read.append(await anext(self._source))
+                except StopAsyncIteration:
+                    self._ended = True
+                except BaseException as error:  # cancelled too: the source is over, not ended
+                    self._failed = error
+                    raise
+            return index < len(self._read)
+
 
 class _Located:
-    """A stub for a service found by a :class:`ServiceLocator`; re-resolved after UNAVAILABLE."""
+    """A stub for a service found by a :class:`ServiceLocator`: a call that meets UNAVAILABLE is
+    made again on another member (:meth:`ServiceLocator.on_live_member`)."""
 
     def __init__(self, locator: ServiceLocator, channels: ChannelPool, stub_class):
         self._locator = locator
@@ -43,21 +116,42 @@ class _Located:
         self._stub_class = stub_class
 
     async def call(self, method: str, request, **kwargs):
-        for attempt in range(2):
-            address = await self._locator.address(refresh=attempt > 0)
-            stub = self._stub_class(self._channels.get(address))
-            try:
-                return await getattr(stub, method)(request, **kwargs)
-            except aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt or self._locator.fixed:
-                    raise
-        raise AssertionError("unreachable")
+        """``request``: a message, or a client stream as a :class:`_Replayable`."""
+        if isinstance(request, Iterator | AsyncIterator):
+            raise TypeError("a client stream is sent again on a retry: pass it as a _Replayable")
+
+        async def attempt(address: str):
+            sent = request.replay() if isinstance(request, _Replayable) else request
+            return await _unless_unavailable(getattr(self._stub(address), method)(sent, **kwargs))
+
+        try:
+            return await self._locator.on_live_member(attempt)
+        except _Unanswered as unanswered:
+            raise unanswered.error from None
 
     async def stream(self, method: str, request, refresh: bool):
-        """A server-streamed call to the service; ``refresh``: look its address up again first."""
-        address = await self._locator.address(refresh=refresh)
-        async for message in getattr(self._stub_class(self._channels.get(address)), method)(request):
-            yield message
+        """A server-streamed call to the service; ``refresh``: look its address up again first.
+        A call that fails UNAVAILABLE before its first message is made on another member."""
+        if refresh:
+            await self._locator.address(refresh=True)
+
+        async def start(address: str):
+            call = getattr(self._stub(address), method)(request)
+            return call, await _unless_unavailable(call.read())
+
+        try:
+            call, message = await self._locator.on_live_member(start)
+        except _Unanswered as unanswered:
+            raise unanswered.error from None
+        try:
+            while message is not aio.EOF:
+                yield message
+                message = await call.read()
+        finally:
+            call.cancel()  # the reader went away: the stream ends at the service too
+
+    def _stub(self, address: str):
+        return self._stub_class(self._channels.get(address))
 
 
 class _StoreClient:
@@ -66,9 +160,39 @@ class _StoreClient:
     def __init__(self, located: _Located):
         self._located = located
 
-    async def RegisterAdapter(self, requests):
-        """``requests``: the messages as wire bytes (:mod:`mesh_api.upload_wire`)."""
-        return await self._located.call("RegisterAdapter", requests, timeout=300)
+    async def RegisterAdapter(self, requests: AsyncIterator[bytes]):
+        """``requests``: the messages as wire bytes (:mod:`mesh_api.upload_wire`). An upload
+        retried after UNAVAILABLE may have been committed by the replica that failed before it
+        answered: when the retry meets ALREADY_EXISTS and the name serves these very weights, the
+        upload succeeded."""
+        upload = _Replayable(requests)
+        try:
+            return await self._located.call("RegisterAdapter", upload, timeout=300)
+        except aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.ALREADY_EXISTS or upload.replays < 2:
+                raise
+            committed = await self._committed(await upload.read_all())
+            if committed is None:
+                raise
+            return adapter_store_pb2.RegisterAdapterResponse(adapter=committed)
+
+    async def _committed(self, messages: list[bytes]) -> types_pb2.AdapterInfo | None:
+        """The adapter the upload's name serves, if its weights are the upload's."""
+        header = read_upload_message(messages[0]).header
+        if header is None:
+            return None
+        weights = hashlib.sha256()
+        for wire in messages[1:]:
+            message = read_upload_message(wire)
+            if message.filename == WEIGHTS_FILE:
+                weights.update(message.data)
+        try:
+            adapter = await self.get(header.owner, header.name)
+        except aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return None  # deleted since
+            raise
+        return adapter if adapter.sha256 == weights.hexdigest() else None
 
     async def ImportAdapter(self, request):
         # The store downloads up to its size limit from S3 or the Hub: an upload's bound.

@@ -11,9 +11,9 @@ from typing import Protocol
 import grpc
 
 from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter, ref_by_id
-from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc
+from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2
 from services.runtime.errors import DataLoss, NotFound, Unavailable
-from services.runtime.etcd.discovery import ChannelPool, ServiceLocator
+from services.runtime.etcd.discovery import ChannelPool, MemberUnavailable, ServiceLocator
 from services.runtime.security.tls import NO_TLS, TLSConfig
 
 
@@ -80,30 +80,47 @@ class StoreSource:
         self._names: dict[str, str] = {}
 
     async def fetch(self, adapter_id: str) -> FetchedAdapter:
-        address = await self._locator.address()
-        stub = adapter_store_pb2_grpc.AdapterStoreStub(self._channels.get(address))
-        try:
-            info, data = await fetch_adapter(stub, ref_by_id(adapter_id))
-        except ChecksumMismatch as error:
-            raise DataLoss(str(error)) from None
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(f"adapter {adapter_id!r} not found in the adapter store") from None
-            await self._locator.address(refresh=True)  # the next pull may find another store
-            raise Unavailable(f"adapter store: {error.code().name}: {error.details()}") from None
+        """Fetched from a live store replica: one that fails UNAVAILABLE (before or during the
+        download) is left for another, which sends it from the start."""
+
+        async def attempt(address: str) -> tuple[types_pb2.AdapterInfo, bytes]:
+            try:
+                return await fetch_adapter(self._stub(address), ref_by_id(adapter_id))
+            except ChecksumMismatch as error:
+                raise DataLoss(str(error)) from None
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    raise NotFound(f"adapter {adapter_id!r} not found in the adapter store") from None
+                raise await self._failure(address, error) from None
+
+        info, data = await self._locator.on_live_member(attempt)
         self._names[adapter_id] = f"{info.owner}/{info.name}"
         return FetchedAdapter(info.config_json.encode(), data, info.pinned)
 
     async def pinned_ids(self) -> frozenset[str]:
-        """The store's pinned adapters (Unavailable when it cannot be reached)."""
-        address = await self._locator.address()
-        stub = adapter_store_pb2_grpc.AdapterStoreStub(self._channels.get(address))
-        try:
-            reply = await stub.ListPinnedAdapters(adapter_store_pb2.ListPinnedAdaptersRequest(), timeout=10)
-        except grpc.RpcError as error:
-            await self._locator.address(refresh=True)
-            raise Unavailable(f"adapter store: {error.code().name}: {error.details()}") from None
+        """The store's pinned adapters (Unavailable when no replica answers)."""
+
+        async def attempt(address: str) -> adapter_store_pb2.ListPinnedAdaptersResponse:
+            request = adapter_store_pb2.ListPinnedAdaptersRequest()
+            try:
+                return await self._stub(address).ListPinnedAdapters(request, timeout=10)
+            except grpc.RpcError as error:
+                raise await self._failure(address, error) from None
+
+        reply = await self._locator.on_live_member(attempt)
         return frozenset(reply.adapter_ids)
+
+    def _stub(self, address: str) -> adapter_store_pb2_grpc.AdapterStoreStub:
+        return adapter_store_pb2_grpc.AdapterStoreStub(self._channels.get(address))
+
+    async def _failure(self, address: str, error: grpc.RpcError) -> Unavailable:
+        """What a replica's failure raises: UNAVAILABLE is tried on another replica at once; after
+        any other the next call may find another store."""
+        message = f"adapter store at {address}: {error.code().name}: {error.details()}"
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            return MemberUnavailable(message)
+        await self._locator.address(refresh=True, avoid=address)
+        return Unavailable(message)
 
     def public_name(self, adapter_id: str) -> str:
         """``owner/name``: the OpenAI ``model`` that names it for every tenant allowed to use it."""

@@ -1,10 +1,12 @@
-"""Find another service's address: a fixed one from config, or a live member from etcd.
-Channels are kept per address and reused."""
+"""Find another service's address: a fixed one from config, or a live member from etcd, and
+call it, trying another member when one is unreachable. Channels are kept per address and reused."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from grpc import aio
 
@@ -41,9 +43,20 @@ LOOKUP_ATTEMPTS = 3
 """etcd reads a lookup tries, each bounded by the membership call timeout, before the caller gets
 UNAVAILABLE: on a saturated machine one read can miss its timeout while etcd is fine."""
 
+MEMBER_TRIES = 3
+"""Most members one call tries (:meth:`ServiceLocator.on_live_member`). A member killed
+abruptly stays listed until its lease expires (up to its TTL), so a call may meet it first."""
+
+T = TypeVar("T")
+
+
+class MemberUnavailable(Unavailable):
+    """One member could not be reached or could not answer: another member may."""
+
 
 class ServiceLocator:
-    """The address of ``service``: ``fixed`` if given, else a random live member in etcd."""
+    """The address of ``service``: ``fixed`` if given, else a live member in etcd (one picked at
+    random, kept until it is avoided or no longer listed)."""
 
     def __init__(self, service: str, fixed: str = "", etcd_endpoints: str = "", tls: TLSConfig = NO_TLS):
         self.service = service
@@ -51,11 +64,16 @@ class ServiceLocator:
         self.etcd_endpoints = etcd_endpoints
         self.tls = tls
         self._cached = ""
-        self._lookup: asyncio.Future[str] | None = None
+        self._members = 0
+        """How many members the last lookup listed."""
+        self._lookup: asyncio.Future[list[str]] | None = None
         """The etcd lookup in flight: callers arriving meanwhile share it, so a burst of first
         requests opens one etcd connection, not one each."""
 
-    async def address(self, refresh: bool = False) -> str:
+    async def address(self, refresh: bool = False, avoid: str = "") -> str:
+        """The member to call. ``refresh``: list the members again, and keep the one used so far
+        only if it is still listed and is not ``avoid`` (the one that just failed: its lease may
+        outlive it by up to its TTL); else pick another, ``avoid`` only when it is the last."""
         if self.fixed:
             return self.fixed
         if self._cached and not refresh:
@@ -64,14 +82,33 @@ class ServiceLocator:
             self._lookup = asyncio.ensure_future(self._discover())
             self._lookup.add_done_callback(self._lookup_done)
         # Shielded: one caller cancelled (its client went away) does not cancel the others' lookup.
-        return await asyncio.shield(self._lookup)
+        members = await asyncio.shield(self._lookup)
+        if self._cached not in members or self._cached == avoid:
+            self._cached = random.choice([m for m in members if m != avoid] or members)
+        return self._cached
 
-    def _lookup_done(self, lookup: asyncio.Future[str]) -> None:
+    async def on_live_member(self, attempt: Callable[[str], Awaitable[T]]) -> T:
+        """``attempt(address)`` on a member; when it raises :class:`MemberUnavailable`, again on
+        another live member, as many times as there are members (at least twice: a lone member
+        may have been replaced; at most :data:`MEMBER_TRIES`). A fixed address is tried once.
+        Raises the last attempt's error, or the lookup's when no member is listed."""
+        address = await self.address()
+        tries = 1
+        while True:
+            try:
+                return await attempt(address)
+            except MemberUnavailable:
+                if self.fixed or tries >= min(MEMBER_TRIES, max(2, self._members)):
+                    raise
+            address = await self.address(refresh=True, avoid=address)
+            tries += 1
+
+    def _lookup_done(self, lookup: asyncio.Future[list[str]]) -> None:
         self._lookup = None
         if not lookup.cancelled():
             lookup.exception()  # retrieved: every waiter may have gone, and the next call retries
 
-    async def _discover(self) -> str:
+    async def _discover(self) -> list[str]:
         if not self.etcd_endpoints:
             raise Unavailable(f"no {self.service} address configured and no etcd to discover one")
         config = MembershipConfig(etcd_endpoints=self.etcd_endpoints, tls=self.tls)
@@ -84,5 +121,5 @@ class ServiceLocator:
                     raise
         if not members:
             raise Unavailable(f"no {self.service} is registered in etcd")
-        self._cached = random.choice(members).address
-        return self._cached
+        self._members = len(members)
+        return [member.address for member in members]
