@@ -165,7 +165,7 @@ async def run_nemesis(
             try:
                 info, retries = await client.upload(adapters[i], name, start=i)
             except (grpc.aio.AioRpcError, ChecksumMismatch) as error:
-                report.uploads_refused.append(f"{name}: {error}")
+                report.uploads_refused.append(f"{name}: {_describe(error)}")
                 return
             report.upload_retries += retries
             assert info.sha256 == hashlib.sha256(adapters[i][WEIGHTS]).hexdigest()
@@ -182,7 +182,7 @@ async def run_nemesis(
             try:
                 data, retries = await client.fetch(name, start=j)
             except (grpc.aio.AioRpcError, ChecksumMismatch) as error:
-                report.fetch_failures.append(f"{name}: {error}")
+                report.fetch_failures.append(f"{name}: {_describe(error)}")
                 return
             report.fetch_retries += retries
             if data != acknowledged[name]:
@@ -198,6 +198,12 @@ async def run_nemesis(
     finally:
         await client.close()
     return report
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
 
 
 async def _check(address: str, acknowledged: dict[str, bytes], report: NemesisReport) -> None:

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -42,8 +42,11 @@ from services.adapter_store.catalog_keys import (
     decode_row,
     encode_row,
     record_digests,
+    row_digests,
 )
-from services.adapter_store.catalog_mirror import CatalogMirror
+from services.adapter_store.catalog_mirror import CatalogMirror, Seq
+from services.adapter_store.group_commit import GroupCommit
+from services.adapter_store.row_texts import RowTexts
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.membership import EtcdConnection, MembershipConfig, describe_etcd_error
 
@@ -54,10 +57,18 @@ T = TypeVar("T")
 MIRROR_WAIT_S = 10.0
 """How long a write waits for the replica's own mirror to show it before returning anyway."""
 _MAX_BACKOFF_S = 1.0
+MAX_REGISTRATIONS_PER_TXN = 16
+"""Registrations one transaction commits at most: each is about 5 writes and 4 checks, and etcd
+takes at most 128 of either in a transaction (its ``--max-txn-ops``)."""
 
 
 class CatalogConflict(Exception):
-    """The keys a write was prepared against changed before it committed: prepare again."""
+    """The keys a registration was prepared against changed before it committed; ``fresh``:
+    what they hold now, to try again against."""
+
+    def __init__(self, what: str, fresh: PreparedRegistration):
+        super().__init__(what)
+        self.fresh = fresh
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,14 @@ class PreparedRegistration:
     blobs: dict[str, BlobState]
     """By digest."""
 
+    @classmethod
+    def assumed_new(cls, digests: set[str]) -> PreparedRegistration:
+        """What a name never registered, relying on blobs no collector ever marked, is committed
+        against: a registration tries this first and reads only when its commit fails, so the
+        common case costs one etcd transaction. Sound for the blobs too: a mark, once set, is
+        never removed, so a mark still absent at the commit was never set."""
+        return cls("", 0, 0, {digest: BlobState(0, None) for digest in digests})
+
     def collecting(self, now_ms: int, stall_ms: int) -> list[str]:
         """Digests a collector is deleting now (a mark older than ``stall_ms`` is abandoned)."""
         return [
@@ -90,6 +109,45 @@ class PreparedRegistration:
             and state.mark.state == "collecting"
             and now_ms - state.mark.since_ms < stall_ms
         ]
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """One registration's commit: its checks and its writes."""
+
+    record: AdapterRecord
+    prepared: PreparedRegistration
+    replacing: AdapterRecord | None
+
+    def compare(self, keys: CatalogKeys) -> list:
+        t, record, prepared = aetcd.transactions, self.record, self.prepared
+        name_key = keys.name(record.owner, record.name).encode()
+        return [
+            t.Value(name_key) == self.replacing.id.encode() if self.replacing else t.Create(name_key) == 0,
+            t.Mod(keys.version(record.owner, record.name).encode()) == prepared.version_mod_revision,
+            *(t.Mod(keys.blob_mark(d).encode()) == state.mod_revision for d, state in prepared.blobs.items()),
+        ]
+
+    def ops(self, keys: CatalogKeys) -> list:
+        t, record = aetcd.transactions, self.record
+        # The version replaced goes first: a watcher sees its removal, then the new row.
+        ops = row_removal(keys, self.replacing, with_name=False) if self.replacing is not None else []
+        return ops + [
+            t.Put(keys.row(record.id).encode(), encode_row(record)),
+            t.Put(keys.name(record.owner, record.name).encode(), record.id.encode()),
+            t.Put(keys.version(record.owner, record.name).encode(), str(record.version).encode()),
+            *(t.Put(keys.ref(d, record.id).encode(), b"") for d in set(record_digests(record).values())),
+        ]
+
+
+def row_removal(keys: CatalogKeys, record: AdapterRecord, with_name: bool) -> list:
+    """The writes that take ``record`` out of the catalog (its name too, ``with_name``)."""
+    t = aetcd.transactions
+    ops = [t.Delete(keys.row(record.id).encode())]
+    ops += [t.Delete(keys.ref(d, record.id).encode()) for d in set(record_digests(record).values())]
+    if with_name:
+        ops.append(t.Delete(keys.name(record.owner, record.name).encode()))
+    return ops
 
 
 class Catalog:
@@ -105,11 +163,12 @@ class Catalog:
         """Every change of the catalog, this replica's and the others', in etcd's order."""
         self.problem = ""
         """Why the catalog cannot take writes now ("" while it can): for the health check."""
-        self._read_text = read_text
+        self._read_text = RowTexts(read_text)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="etcd-catalog", daemon=True)
         self._conn = EtcdConnection(config)
         self._watch_task: asyncio.Task[None] | None = None
+        self._commits: GroupCommit[_Registration] = GroupCommit(self._commit_group)
         self._listed = threading.Event()
 
     # -- lifecycle --
@@ -207,7 +266,11 @@ class Catalog:
     async def _apply(self, event: Any) -> None:
         kv = event.kv
         if event.kind == aetcd.EventKind.PUT:
-            record = await asyncio.to_thread(decode_row, kv.value, self._read_text)
+            texts = [d for field, d in row_digests(kv.value).items() if field != "sha256"]
+            if self._read_text.holds(texts):  # the common case: no blob to read, decode here
+                record = decode_row(kv.value, self._read_text)
+            else:
+                record = await asyncio.to_thread(decode_row, kv.value, self._read_text)
             change = self.mirror.upsert(kv.create_revision, record, kv.mod_revision)
         else:
             change = self.mirror.remove(self.keys.row_id(kv.key), kv.mod_revision)
@@ -248,8 +311,8 @@ class Catalog:
         return record
 
     def page(
-        self, owner: str | None, include_public: bool, after_seq: int, limit: int
-    ) -> tuple[list[tuple[int, AdapterRecord]], int]:
+        self, owner: str | None, include_public: bool, after_seq: Seq, limit: int
+    ) -> tuple[list[tuple[Seq, AdapterRecord]], int]:
         return self.mirror.page(owner, include_public, after_seq, limit)
 
     def all(self) -> list[AdapterRecord]:
@@ -266,15 +329,22 @@ class Catalog:
     def prepare(self, owner: str, name: str, digests: set[str]) -> PreparedRegistration:
         """Read, in one revision, what a registration of ``(owner, name)`` relying on the blobs
         ``digests`` will be committed against."""
-        ordered = sorted(digests)
-        gets = [
-            aetcd.transactions.Get(self.keys.name(owner, name).encode()),
-            aetcd.transactions.Get(self.keys.version(owner, name).encode()),
-            *(aetcd.transactions.Get(self.keys.blob_mark(d).encode()) for d in ordered),
-        ]
         _, responses = self._call(
-            lambda c: c.transaction(compare=[], success=gets, failure=[]), "read a name"
+            lambda c: c.transaction(compare=[], success=self._state_reads(owner, name, digests), failure=[]),
+            "read a name",
         )
+        return self._prepared(responses, digests)
+
+    def _state_reads(self, owner: str, name: str, digests: set[str]) -> list:
+        t = aetcd.transactions
+        return [
+            t.Get(self.keys.name(owner, name).encode()),
+            t.Get(self.keys.version(owner, name).encode()),
+            *(t.Get(self.keys.blob_mark(d).encode()) for d in sorted(digests)),
+        ]
+
+    @staticmethod
+    def _prepared(responses: list, digests: set[str]) -> PreparedRegistration:
         named, version, *marks = (response[0][1] if response else None for response in responses)
         return PreparedRegistration(
             serving_id=named.value.decode() if named else "",
@@ -284,7 +354,7 @@ class Catalog:
                 digest: BlobState(mark.mod_revision, BlobMark.decode(mark.value))
                 if mark
                 else BlobState(0, None)
-                for digest, mark in zip(ordered, marks, strict=True)
+                for digest, mark in zip(sorted(digests), marks, strict=True)
             },
         )
 
@@ -292,42 +362,57 @@ class Catalog:
         self, record: AdapterRecord, prepared: PreparedRegistration, replacing: AdapterRecord | None
     ) -> None:
         """Commit ``record`` (in place of ``replacing``, the version the name served when
-        prepared, or as a new name); :class:`DuplicateName` when the name was taken meanwhile,
-        :class:`CatalogConflict` when anything else it was prepared against changed."""
-        t = aetcd.transactions
-        keys = self.keys
-        name_key = keys.name(record.owner, record.name).encode()
-        compare = [
-            t.Value(name_key) == replacing.id.encode() if replacing else t.Create(name_key) == 0,
-            t.Mod(keys.version(record.owner, record.name).encode()) == prepared.version_mod_revision,
-            *(t.Mod(keys.blob_mark(d).encode()) == state.mod_revision for d, state in prepared.blobs.items()),
-        ]
-        # The version replaced goes first: a watcher sees its removal, then the new row.
-        success = self._row_removal(replacing, with_name=False) if replacing is not None else []
-        success += [
-            t.Put(keys.row(record.id).encode(), encode_row(record)),
-            t.Put(name_key, record.id.encode()),
-            t.Put(keys.version(record.owner, record.name).encode(), str(record.version).encode()),
-            *(t.Put(keys.ref(d, record.id).encode(), b"") for d in set(record_digests(record).values())),
-        ]
-        succeeded, responses = self._call(
-            lambda c: c.transaction(compare=compare, success=success, failure=[t.Get(name_key)]),
-            "commit a registration",
-        )
-        if not succeeded:
-            named = responses[0][0][1] if responses and responses[0] else None
-            if named is not None and (replacing is None or named.value.decode() != replacing.id):
-                raise DuplicateName(f"{record.owner}/{record.name}")
-            raise CatalogConflict(f"{record.owner}/{record.name}")
+        prepared, or as a new name); :class:`DuplicateName` when the name serves another adapter,
+        :class:`CatalogConflict` (with what the keys hold now) when anything else it was
+        prepared against changed.
+
+        Registrations committing at the same time share one transaction when they can (group
+        commit: etcd's proposal and WAL flush are shared, each registration's checks are all in
+        it); when that transaction's checks fail, each is committed alone, so one registration's
+        conflict never fails another's."""
+        self._commits.submit(_Registration(record, prepared, replacing))
         self._await_mirror(lambda: self.mirror.get(record.id) is not None, f"adapter {record.id}")
 
-    def _row_removal(self, record: AdapterRecord, with_name: bool) -> list:
-        t = aetcd.transactions
-        ops = [t.Delete(self.keys.row(record.id).encode())]
-        ops += [t.Delete(self.keys.ref(d, record.id).encode()) for d in set(record_digests(record).values())]
-        if with_name:
-            ops.append(t.Delete(self.keys.name(record.owner, record.name).encode()))
-        return ops
+    def _commit_group(self, group: Sequence[_Registration]) -> list[Exception | None]:
+        """One group of registrations (:class:`GroupCommit`): together when they may share a
+        transaction and it succeeds, else one by one; an error or None each."""
+        names = {(r.record.owner, r.record.name) for r in group}
+        if len(group) > 1 and len(names) == len(group) and all(r.replacing is None for r in group):
+            results: list[Exception | None] = []
+            for start in range(0, len(group), MAX_REGISTRATIONS_PER_TXN):
+                chunk = group[start : start + MAX_REGISTRATIONS_PER_TXN]
+                compare = [c for r in chunk for c in r.compare(self.keys)]
+                success = [op for r in chunk for op in r.ops(self.keys)]
+                succeeded, _ = self._call(
+                    lambda c, compare=compare, success=success: c.transaction(
+                        compare=compare, success=success, failure=[]
+                    ),
+                    "commit registrations",
+                )
+                results += [None] * len(chunk) if succeeded else [self._commit_alone(r) for r in chunk]
+            return results
+        return [self._commit_alone(r) for r in group]
+
+    def _commit_alone(self, registration: _Registration) -> Exception | None:
+        record, prepared, replacing = registration.record, registration.prepared, registration.replacing
+        reads = self._state_reads(record.owner, record.name, set(prepared.blobs))
+        try:
+            succeeded, responses = self._call(
+                lambda c: c.transaction(
+                    compare=registration.compare(self.keys),
+                    success=registration.ops(self.keys),
+                    failure=reads,
+                ),
+                "commit a registration",
+            )
+        except Unavailable as error:
+            return error
+        if succeeded:
+            return None
+        fresh = self._prepared(responses, set(prepared.blobs))
+        if fresh.serving_id and (replacing is None or fresh.serving_id != replacing.id):
+            return DuplicateName(f"{record.owner}/{record.name}")
+        return CatalogConflict(f"{record.owner}/{record.name}", fresh)
 
     def import_row(self, record: AdapterRecord, last_version: int) -> str:
         """Commit a row migrated from elsewhere with its own id and version (its blobs already
@@ -362,7 +447,7 @@ class Catalog:
         row_key = self.keys.row(record.id).encode()
         succeeded, _ = self._call(
             lambda c: c.transaction(
-                compare=[t.Version(row_key) > 0], success=self._row_removal(record, True), failure=[]
+                compare=[t.Version(row_key) > 0], success=row_removal(self.keys, record, True), failure=[]
             ),
             "delete an adapter",
         )

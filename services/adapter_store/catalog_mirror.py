@@ -15,22 +15,25 @@ from services.adapter_store.adapter_record import PUBLIC, AdapterRecord
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.catalog_keys import record_digests
 
+Seq = tuple[int, str]
+"""Where a row stands in registration order: its key's create revision, then its id (the rows a
+transaction commits together share one revision)."""
+
 
 class CatalogMirror:
     """Thread-safe: one thread applies, any thread reads or waits for a revision."""
 
     def __init__(self) -> None:
-        self._records: dict[str, tuple[int, AdapterRecord]] = {}
+        self._records: dict[str, tuple[Seq, AdapterRecord]] = {}
         self._by_name: dict[tuple[str, str], str] = {}
-        self._seqs: list[int] = []
-        self._id_at: dict[int, str] = {}
+        self._seqs: list[Seq] = []
         self._digests: dict[str, frozenset[str]] = {}
         self.revision = 0
         """The etcd revision the mirror is current as of."""
         self._changed = threading.Condition(threading.RLock())
 
     def replace(self, rows: Iterable[tuple[int, AdapterRecord]], revision: int) -> list[CatalogChange]:
-        """Take ``rows`` (``(seq, record)``, a full listing at ``revision``) as the whole
+        """Take ``rows`` (``(create revision, record)``, a full listing at ``revision``) as the whole
         catalog; returns the changes from what was held before."""
         rows = list(rows)
         with self._changed:
@@ -45,9 +48,10 @@ class CatalogMirror:
             self._advance(revision)
         return [change for change in changes if change is not None]
 
-    def upsert(self, seq: int, record: AdapterRecord, revision: int) -> CatalogChange:
+    def upsert(self, created: int, record: AdapterRecord, revision: int) -> CatalogChange:
+        """``created``: the create revision of the record's row."""
         with self._changed:
-            change = self._upsert(seq, record)
+            change = self._upsert(created, record)
             self._advance(revision)
         return change
 
@@ -74,11 +78,11 @@ class CatalogMirror:
         self.revision = max(self.revision, revision)
         self._changed.notify_all()
 
-    def _upsert(self, seq: int, record: AdapterRecord) -> CatalogChange:
+    def _upsert(self, created: int, record: AdapterRecord) -> CatalogChange:
         held = self._records.get(record.id)
         if held is None:
+            seq = (created, record.id)
             bisect.insort(self._seqs, seq)
-            self._id_at[seq] = record.id
         else:
             seq = held[0]
         self._records[record.id] = (seq, record)
@@ -92,7 +96,6 @@ class CatalogMirror:
             return None
         seq, record = held
         del self._seqs[bisect.bisect_left(self._seqs, seq)]
-        del self._id_at[seq]
         del self._digests[adapter_id]
         if self._by_name.get((record.owner, record.name)) == adapter_id:
             del self._by_name[(record.owner, record.name)]
@@ -110,8 +113,8 @@ class CatalogMirror:
         return held[1] if held else None
 
     def page(
-        self, owner: str | None, include_public: bool, after_seq: int, limit: int
-    ) -> tuple[list[tuple[int, AdapterRecord]], int]:
+        self, owner: str | None, include_public: bool, after_seq: Seq, limit: int
+    ) -> tuple[list[tuple[Seq, AdapterRecord]], int]:
         """``(seq, record)`` pairs after ``after_seq`` in registration order, and the total
         matching: every adapter, or ``owner``'s (and the public ones with ``include_public``)."""
 
@@ -127,7 +130,7 @@ class CatalogMirror:
                 total = len(self._records)
             page: list[tuple[int, AdapterRecord]] = []
             for seq in self._seqs[bisect.bisect_right(self._seqs, after_seq) :]:
-                record = self._records[self._id_at[seq]][1]
+                record = self._records[seq[1]][1]
                 if matches(record):
                     page.append((seq, record))
                     if len(page) == limit:
@@ -136,7 +139,7 @@ class CatalogMirror:
 
     def all(self) -> list[AdapterRecord]:
         with self._changed:
-            return [self._records[self._id_at[seq]][1] for seq in self._seqs]
+            return [self._records[adapter_id][1] for _, adapter_id in self._seqs]
 
     def count(self) -> int:
         with self._changed:

@@ -193,26 +193,34 @@ class AdapterRegistrar:
     ) -> AdapterRecord:
         """Prepare, publish the blobs, commit; again while what it was prepared against changes.
 
-        The blobs are published after :meth:`Catalog.prepare` read their collector marks and the
-        commit requires the marks unchanged, so no collector deletes a blob between its
-        publication here and the commit (:mod:`services.adapter_store.blob_collector`). A blob
-        already present is not written again.
+        The blobs are published after their collector marks were read (:meth:`Catalog.prepare`,
+        or the state a failed commit returns; a first try of a new name assumes them never set,
+        :meth:`PreparedRegistration.assumed_new`) and the commit requires the marks unchanged, so
+        no collector deletes a blob between its publication here and the commit
+        (:mod:`services.adapter_store.blob_collector`). A blob already present is not written
+        again.
 
         Only a pinned adapter goes into the RAM tier here: the others enter it when first
         fetched, so registering thousands does not evict the adapters in use."""
         record = self._record(upload, validated, version=0)
         publication.texts = record_texts(record)
         digests = set(record_digests(record).values())
+        prepared = (
+            PreparedRegistration.assumed_new(digests)
+            if replacing is None
+            else self.catalog.prepare(upload.owner, upload.name, digests)
+        )
         try:
             for _ in range(MAX_COMMIT_ATTEMPTS):
-                prepared = self.catalog.prepare(upload.owner, upload.name, digests)
                 if prepared.serving_id != (replacing.id if replacing else ""):
                     if replacing is None or not prepared.serving_id:
                         raise _already_exists(upload)
                     replacing = self.catalog.get(prepared.serving_id)  # another version won: replace it
                     if replacing is None:
+                        prepared = self.catalog.prepare(upload.owner, upload.name, digests)
                         continue
                 if self._wait_for_collectors(prepared):
+                    prepared = self.catalog.prepare(upload.owner, upload.name, digests)
                     continue
                 record = replace(
                     record,
@@ -222,7 +230,8 @@ class AdapterRegistrar:
                 self._publish(record, publication)
                 try:
                     self.catalog.commit(record, prepared, replacing)
-                except CatalogConflict:
+                except CatalogConflict as conflict:
+                    prepared = conflict.fresh
                     continue
                 except DuplicateName:
                     raise _already_exists(upload) from None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import logging
 import threading
 import time
@@ -28,6 +27,7 @@ from services.adapter_store.blob_collector import BlobCollector
 from services.adapter_store.blobs.backend import BlobBackend, BlobMissing
 from services.adapter_store.catalog import Catalog
 from services.adapter_store.catalog_changes import CatalogChange
+from services.adapter_store.catalog_mirror import Seq
 from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.registrar import AdapterRegistrar, sha256_hex
 from services.adapter_store.validation import ValidationLimits
@@ -76,18 +76,21 @@ class RepositoryStats:
     ram_misses: int
 
 
-def encode_page_token(seq: int) -> str:
-    return base64.urlsafe_b64encode(f"seq:{seq}".encode()).decode()
+def encode_page_token(seq: Seq) -> str:
+    return base64.urlsafe_b64encode(f"seq:{seq[0]}:{seq[1]}".encode()).decode()
 
 
-def decode_page_token(token: str) -> int:
+def decode_page_token(token: str) -> Seq:
+    """The place after which the next page starts (a token of the single-replica store, which
+    has no id part, is refused: its listing is gone)."""
     if not token:
-        return 0
+        return (0, "")
     try:
         text = base64.urlsafe_b64decode(token.encode()).decode()
-        if not text.startswith("seq:"):
+        revision, _, adapter_id = text.removeprefix("seq:").partition(":")
+        if not text.startswith("seq:") or not adapter_id:
             raise ValueError(text)
-        return int(text[4:])
+        return (int(revision), adapter_id)
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raise InvalidArgument(f"page_token {token!r} is not a token this store issued") from None
 
@@ -140,7 +143,6 @@ class AdapterRepository:
         self._pin_lock = threading.Lock()
         self.registrar = AdapterRegistrar(spec, limits, blobs, self.catalog, self.ram)
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019 - texts are few and shared; the cache lives as long as the repository
     def _read_text(self, digest: str) -> str:
         """A row's text part (config, chat template), checked against its digest."""
         data = self.blobs.get(digest)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -25,6 +26,10 @@ from services.model_files.base_model import load_base_model_spec
 from services.runtime.rpc.method_handlers import add_servicer_with_readers
 
 MIB = 2**20
+CATALOG_CALL_TIMEOUT_S = 10.0
+"""Bound on one etcd call of the catalog: a registration's commit waits for etcd's fsync, which
+a busy disk can hold well past the 2 s membership calls get; beyond this etcd is as good as
+unreachable (UNAVAILABLE: the client tries another replica)."""
 log = logging.getLogger("loramesh.adapter_store")
 
 
@@ -54,7 +59,10 @@ class AdapterStoreService:
         blobs = await asyncio.to_thread(open_blob_backend, cfg.blob_store, data_dir, cfg.blob_cache_mib * MIB)
         repository = AdapterRepository(
             blobs,
-            cfg.required_membership("adapter store", "its catalog lives in etcd"),
+            dataclasses.replace(
+                cfg.required_membership("adapter store", "its catalog lives in etcd"),
+                call_timeout_s=CATALOG_CALL_TIMEOUT_S,
+            ),
             spec,
             ValidationLimits(max_rank=cfg.max_rank, max_adapter_bytes=cfg.max_adapter_mib * MIB),
             RepositorySettings(

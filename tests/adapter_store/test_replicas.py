@@ -69,9 +69,9 @@ def test_each_replica_sees_the_others_writes_in_order(open_repository, seeded_fi
 def test_a_blob_being_collected_is_written_again_before_a_registration_relies_on_it(
     open_repository, seeded_files, monkeypatch
 ):
-    """The collector marks an unreferenced blob, then deletes it; a registration of the same
-    bytes that read the blob's mark before the collector set it cannot commit on it (the mark
-    changed), waits while the collection runs, and then writes the blob again."""
+    """The collector marks an unreferenced blob, then deletes it, after a registration of the
+    same bytes found the blob present (and published nothing) but before it commits: the commit
+    is refused (the mark changed), and the registration writes the blob again, then commits."""
     now = [time.time()]
     collector_side = open_repository(replica_id="collector", clock=lambda: now[0])
     registering = open_repository(replica_id="registrar")
@@ -79,16 +79,15 @@ def test_a_blob_being_collected_is_written_again_before_a_registration_relies_on
     collector_side.delete(AdapterKey(id=old.id))
     now[0] += 2 * HOUR
 
-    prepare = registering.catalog.prepare
+    commit = registering.catalog.commit
     collected: list[int] = []
 
-    def prepare_then_collect(*args, **kwargs):
-        prepared = prepare(*args, **kwargs)
-        if not collected:  # the collector runs between the first prepare and its commit
+    def collect_then_commit(*args, **kwargs):
+        if not collected:  # the collector runs between the publication and the commit
             collected.append(collector_side.collector.collect())
-        return prepared
+        return commit(*args, **kwargs)
 
-    monkeypatch.setattr(registering.catalog, "prepare", prepare_then_collect)
+    monkeypatch.setattr(registering.catalog, "commit", collect_then_commit)
     record = registering.registrar.register(upload(seeded_files(0), "new"))
     assert collected == [2]  # the weights and the config: nothing referenced them
     assert record.sha256 == old.sha256

@@ -83,7 +83,7 @@ def supervised_mesh(request, tmp_path_factory, base_spec):
             loramesh(state, "adapters", "upload", str(directory), "--name", name)
         # The CLI reaches etcd and every member over mutual TLS with mesh.json's admin identity.
         status = json.loads(loramesh(state, "status", "--json").stdout)
-        assert len(status) == 9 and {row["health"] for row in status} == {"SERVING"}
+        assert len(status) == 10 and {row["health"] for row in status} == {"SERVING"}  # two stores
         yield state
 
 

@@ -1,0 +1,212 @@
+"""Adapter store replicas over etcd against the single-replica SQLite store (issue 48), side by
+side in one run on one machine.
+
+Each system gets a fresh etcd and work directory, then:
+
+- registration: ``--adapters`` small adapters (rank 1 on q_proj, ~75 KB, each with its own bytes)
+  uploaded ``--concurrency`` at a time, spread over the system's replicas; the rate in adapters/s;
+- fetch: ``--fetches`` adapters chosen at random, ``--concurrency`` at a time, over the replicas;
+  p50 and p99 of one fetch (each adapter's first read comes from the blob tier, later ones from
+  the RAM tier, as in service);
+- restart: every replica stopped, one started again over what they held, timed until it serves
+  (health SERVING) and lists every adapter;
+- size: etcd's database per 1,000 adapters (``Status.dbSize``) and, for the SQLite store, its
+  catalog file's.
+
+The SQLite store is the code at ``--baseline-ref`` (a git worktree the bench makes), run from its
+own directory with this checkout's virtual environment.
+
+    .venv/bin/python -m bench.store_replicas_bench --adapters 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpc import aio
+
+from bench.adapter_store_scale import cpu_model, percentile, run_all, variant
+from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from mesh_api.adapter_transfer import fetch_adapter, ref_by_name, upload_adapter
+from mesh_api.v1 import adapter_store_pb2 as pb
+from mesh_api.v1 import adapter_store_pb2_grpc
+from services.model_files.base_model import load_base_model_spec
+from services.runtime.etcd.etcd_server import EtcdServer
+from services.runtime.etcd.membership import EtcdConnection, MembershipConfig
+from services.runtime.process.process import ServiceProcess
+
+OWNER = "bench"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class StoreSystem:
+    """One way of running the store."""
+
+    name: str
+    replicas: int
+    source: Path
+    """The checkout whose ``services`` package the stores run."""
+    shared_blobs: bool
+    """Replicas share one blob directory (the etcd catalog); else each has its data dir alone."""
+
+
+def baseline_checkout(ref: str, work: Path) -> Path:
+    """A git worktree of ``ref`` under ``work`` (removed by :func:`remove_checkout`)."""
+    path = work / f"baseline-{ref}"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), ref], check=True,
+                   capture_output=True)  # fmt: skip
+    return path
+
+
+def remove_checkout(path: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False, capture_output=True
+    )
+
+
+def start_store(system: StoreSystem, etcd: EtcdServer, work: Path, index: int) -> ServiceProcess:
+    """A store process of ``system`` (run from its checkout, so its code is what runs)."""
+    args = ["--etcd-endpoints", etcd.endpoint, "--data-dir", str(work / f"store{index}")]
+    if system.shared_blobs:
+        args += ["--blob-store", str(work / "blobs")]
+    store = ServiceProcess("adapter_store", args, log_path=work / f"store{index}.log")
+    with open(work / f"store{index}.log", "ab") as log:
+        store.proc = subprocess.Popen(store.command(), cwd=system.source, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)  # fmt: skip
+    return store
+
+
+async def etcd_db_bytes(etcd: EtcdServer) -> int:
+    connection = EtcdConnection(MembershipConfig(etcd_endpoints=etcd.endpoint))
+    try:
+        status = await connection.call(lambda c: c.status())
+        return int(status.db_size)
+    finally:
+        await connection.close()
+
+
+async def measure(system: StoreSystem, adapters: Sequence[dict[str, bytes]], args, work: Path) -> dict:
+    etcd = EtcdServer(work / "etcd").start()
+    stores = [start_store(system, etcd, work, i) for i in range(system.replicas)]
+    try:
+        for store in stores:
+            await store.wait_ready(300)
+        channels = [aio.insecure_channel(store.address) for store in stores]
+        stubs = [adapter_store_pb2_grpc.AdapterStoreStub(channel) for channel in channels]
+
+        async def register(i: int) -> int:
+            await upload_adapter(stubs[i % len(stubs)], adapters[i], f"a{i:05d}", OWNER)
+            return 1
+
+        register_s, registered = await run_all(len(adapters), args.concurrency, register)
+        rng = random.Random(0)
+        picks = [rng.randrange(len(adapters)) for _ in range(args.fetches)]
+        latencies: list[float] = []
+
+        async def fetch(j: int) -> int:
+            started = time.perf_counter()
+            await fetch_adapter(stubs[j % len(stubs)], ref_by_name(OWNER, f"a{picks[j]:05d}"))
+            latencies.append(time.perf_counter() - started)
+            return 1
+
+        await run_all(args.fetches, args.concurrency, fetch)
+        for channel in channels:
+            await channel.close()
+        db_bytes = await etcd_db_bytes(etcd)
+        for store in stores:
+            store.terminate()
+        restarted = start_store(system, etcd, work, 0)
+        started = time.perf_counter()
+        await restarted.wait_ready(600)
+        async with aio.insecure_channel(restarted.address) as channel:
+            listed = await adapter_store_pb2_grpc.AdapterStoreStub(channel).ListAdapters(
+                pb.ListAdaptersRequest(owner=OWNER, page_size=1)
+            )
+        restart_s = time.perf_counter() - started
+        restarted.terminate()
+        sqlite = work / "store0" / "catalog.sqlite3"
+        return {
+            "system": system.name,
+            "replicas": system.replicas,
+            "registered": registered,
+            "registration_per_s": round(registered / register_s, 1),
+            "fetch_p50_ms": round(percentile(latencies, 50) * 1000, 2),
+            "fetch_p99_ms": round(percentile(latencies, 99) * 1000, 2),
+            "restart_s": round(restart_s, 2),
+            "listed_after_restart": listed.total,
+            "etcd_db_mib_per_1000": round(db_bytes / 2**20 / (registered / 1000), 3),
+            "sqlite_mib_per_1000": round(sqlite.stat().st_size / 2**20 / (registered / 1000), 3) if sqlite.exists() else None,
+        }  # fmt: skip
+    finally:
+        for store in stores:
+            store.kill()
+        etcd.stop()
+
+
+async def run(args) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="store-replicas-"))
+    baseline = baseline_checkout(args.baseline_ref, root)
+    try:
+        spec = load_base_model_spec()
+        template = adapter_files(
+            write_peft_adapter(
+                root / "template", spec, SampleAdapterSpec(rank=1, target_modules=("q_proj",), seed=7)
+            )
+        )
+        adapters = [variant(template, i) for i in range(args.adapters)]
+        systems = [
+            StoreSystem(f"sqlite store ({args.baseline_ref})", 1, baseline, shared_blobs=False),
+            StoreSystem("etcd catalog, 2 replicas", 2, REPO, shared_blobs=True),
+        ]
+        rows = []
+        for i, system in enumerate(systems * args.rounds):
+            work = root / f"run{i}"
+            work.mkdir()
+            rows.append(await measure(system, adapters, args, work))
+            shutil.rmtree(work, ignore_errors=True)
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    finally:
+        remove_checkout(baseline)
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "cpu": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "adapters": args.adapters,
+        "concurrency": args.concurrency,
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--adapters", type=int, default=10_000)
+    parser.add_argument("--fetches", type=int, default=2_000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the two systems")
+    parser.add_argument("--baseline-ref", default="44f3e5a", help="the single-replica SQLite store's commit")
+    parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Each replica's copy of the catalog, alone (no etcd): registration order, paging, names."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from services.adapter_store.adapter_record import PRIVATE, PUBLIC, AdapterRecord
+from services.adapter_store.catalog_changes import CatalogChange
+from services.adapter_store.catalog_mirror import CatalogMirror
+
+BASE = AdapterRecord(
+    id="", name="", owner="alice", visibility=PRIVATE, base_model="m", pet_type="lora", rank=1, max_rank=1,
+    lora_alpha=1.0, use_rslora=False, target_modules=("q_proj",), dtype="float16", size_bytes=1,
+    sha256="0" * 64, version=1, created_ms=0, config_json="{}",
+)  # fmt: skip
+
+
+def record(name: str, **fields) -> AdapterRecord:
+    return replace(BASE, id=f"id-{name}", name=name, **fields)
+
+
+def pages(mirror: CatalogMirror, owner=None, include_public=False, size=2) -> list[str]:
+    names, after = [], (0, "")
+    while True:
+        page, _ = mirror.page(owner, include_public, after, size)
+        if not page:
+            return names
+        names += [r.name for _, r in page]
+        after = page[-1][0]
+
+
+def test_rows_committed_in_one_transaction_are_each_listed_once():
+    """Rows a group commit wrote share one create revision: each still has its own place."""
+    mirror = CatalogMirror()
+    mirror.upsert(5, record("a"), 5)
+    for name in ("d", "b", "c"):
+        mirror.upsert(7, record(name), 7)
+    mirror.upsert(9, record("e"), 9)
+    assert pages(mirror) == ["a", "b", "c", "d", "e"]
+    assert mirror.remove("id-c", 10) == CatalogChange(deleted_id="id-c")
+    assert pages(mirror) == ["a", "b", "d", "e"] and mirror.count() == 4
+
+
+def test_a_listing_replaces_the_copy_and_says_what_changed():
+    mirror = CatalogMirror()
+    mirror.upsert(1, record("a"), 1)
+    mirror.upsert(2, record("b"), 2)
+    b_public = record("b", visibility=PUBLIC)
+    changes = mirror.replace([(2, b_public), (3, record("c", owner="bob"))], revision=3)
+    assert sorted(changes, key=repr) == sorted(
+        [
+            CatalogChange(deleted_id="id-a"),
+            CatalogChange(upserted=b_public),
+            CatalogChange(upserted=record("c", owner="bob")),
+        ],
+        key=repr,
+    )
+    assert mirror.get_by_name("alice", "a") is None and mirror.get_by_name("bob", "c").id == "id-c"
+    assert pages(mirror, owner="bob") == ["c"]
+    assert pages(mirror, owner="bob", include_public=True) == ["b", "c"]
+    assert mirror.revision == 3
+
+
+def test_a_new_version_takes_the_name_and_the_old_row_leaves_it():
+    mirror = CatalogMirror()
+    old, new = record("a"), replace(record("a"), id="id-a2", version=2)
+    mirror.upsert(1, old, 1)
+    mirror.remove(old.id, 2)
+    mirror.upsert(2, new, 2)
+    assert mirror.get_by_name("alice", "a") == new and mirror.all() == [new]
+    assert mirror.referenced_digests() == {
+        "0" * 64,
+        "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",
+    }
