@@ -171,6 +171,7 @@ async def run(args) -> dict:
         systems = [
             StoreSystem(f"sqlite store ({args.baseline_ref})", 1, baseline, shared_blobs=False),
             StoreSystem("etcd catalog, 2 replicas", 2, REPO, shared_blobs=True),
+            StoreSystem("etcd catalog, 1 replica", 1, REPO, shared_blobs=True),
         ]
         rows = []
         for i, system in enumerate(systems * args.rounds):

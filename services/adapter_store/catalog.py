@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -42,7 +43,8 @@ from services.adapter_store.catalog_keys import (
     decode_row,
     encode_row,
     record_digests,
-    row_digests,
+    record_of_row,
+    text_digests,
 )
 from services.adapter_store.catalog_mirror import CatalogMirror, Seq
 from services.adapter_store.group_commit import GroupCommit
@@ -57,6 +59,8 @@ T = TypeVar("T")
 MIRROR_WAIT_S = 10.0
 """How long a write waits for the replica's own mirror to show it before returning anyway."""
 _MAX_BACKOFF_S = 1.0
+LIST_PAGE_ROWS = 1000
+"""Rows per read when a replica lists the catalog (~0.6 MB)."""
 MAX_REGISTRATIONS_PER_TXN = 16
 """Registrations one transaction commits at most: each is about 5 writes and 4 checks, and etcd
 takes at most 128 of either in a transaction (its ``--max-txn-ops``)."""
@@ -111,13 +115,15 @@ class PreparedRegistration:
         ]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Registration:
     """One registration's commit: its checks and its writes."""
 
     record: AdapterRecord
     prepared: PreparedRegistration
     replacing: AdapterRecord | None
+    committed: int = 0
+    """The revision it was committed at, once it was."""
 
     def compare(self, keys: CatalogKeys) -> list:
         t, record, prepared = aetcd.transactions, self.record, self.prepared
@@ -152,15 +158,23 @@ def row_removal(keys: CatalogKeys, record: AdapterRecord, with_name: bool) -> li
 
 class Catalog:
     """The etcd catalog with its in-memory mirror. ``read_text(sha256) -> str`` reads the text
-    parts of rows (config, chat templates) from the blob tier."""
+    parts of rows (config, chat templates) from the blob tier; ``before_commit()`` runs before
+    each group of registrations commits (the blob tier's flush: their blobs durable first)."""
 
-    def __init__(self, config: MembershipConfig, read_text: Callable[[str], str], replica_id: str):
+    def __init__(
+        self,
+        config: MembershipConfig,
+        read_text: Callable[[str], str],
+        replica_id: str,
+        before_commit: Callable[[], None] = lambda: None,
+    ):
         self.config = config
         self.keys = CatalogKeys.under(config.key_prefix)
         self.replica_id = replica_id
-        self.mirror = CatalogMirror()
         self.changes = CatalogChanges()
-        """Every change of the catalog, this replica's and the others', in etcd's order."""
+        """Every change of the catalog, this replica's and the others', in the order this
+        replica's copy took them."""
+        self.mirror = CatalogMirror(self.changes)
         self.problem = ""
         """Why the catalog cannot take writes now ("" while it can): for the health check."""
         self._read_text = RowTexts(read_text)
@@ -169,6 +183,7 @@ class Catalog:
         self._conn = EtcdConnection(config)
         self._watch_task: asyncio.Task[None] | None = None
         self._commits: GroupCommit[_Registration] = GroupCommit(self._commit_group)
+        self._before_commit = before_commit
         self._listed = threading.Event()
 
     # -- lifecycle --
@@ -231,13 +246,9 @@ class Catalog:
         while True:
             watch = None
             try:
-                listing = await self._conn.call(
-                    lambda c: c.get_prefix(self.keys.rows.encode(), sort_target="create")
-                )
-                revision = listing.header.revision
+                listing, revision = await self._list_rows()
                 rows = await asyncio.to_thread(self._decode_all, listing)
-                for change in self.mirror.replace(rows, revision):
-                    self.changes.publish(change)
+                self.mirror.replace(rows, revision)
                 self._listed.set()
                 self.problem, backoff = "", 0.1
                 watch = await self._conn.call(
@@ -260,22 +271,42 @@ class Catalog:
                 await asyncio.sleep(backoff)
                 backoff = min(_MAX_BACKOFF_S, backoff * 2)
 
+    async def _list_rows(self) -> tuple[list[Any], int]:
+        """Every row, in pages of :data:`LIST_PAGE_ROWS` read at one revision (one snapshot:
+        a single reply of 10,000 rows is over gRPC's 4 MiB), and that revision."""
+        start, end = self.keys.rows.encode(), _prefix_end(self.keys.rows)
+        rows: list[Any] = []
+        revision = 0
+        while True:
+            request = aetcd.rpc.RangeRequest(
+                key=start, range_end=end, limit=LIST_PAGE_ROWS, revision=revision
+            )
+            reply = await self._conn.call(lambda c, request=request: _range(c, request))
+            revision = revision or reply.header.revision
+            rows += reply.kvs
+            if not reply.more:
+                return rows, revision
+            start = reply.kvs[-1].key + b"\0"
+
     def _decode_all(self, listing: Any) -> list[tuple[int, AdapterRecord]]:
         return [(kv.create_revision, decode_row(kv.value, self._read_text)) for kv in listing]
 
     async def _apply(self, event: Any) -> None:
         kv = event.kv
         if event.kind == aetcd.EventKind.PUT:
-            texts = [d for field, d in row_digests(kv.value).items() if field != "sha256"]
-            if self._read_text.holds(texts):  # the common case: no blob to read, decode here
-                record = decode_row(kv.value, self._read_text)
+            if kv.version == 1 and self.mirror.get(self.keys.row_id(kv.key)) is not None:
+                # A row's first write, already held: this replica's own registration, applied
+                # when it committed (CatalogMirror.apply_own). Nothing to decode.
+                self.mirror.advance(kv.mod_revision)
+                return
+            row = json.loads(kv.value)
+            if self._read_text.holds(text_digests(row)):  # the common case: no blob to read
+                record = record_of_row(row, self._read_text)
             else:
-                record = await asyncio.to_thread(decode_row, kv.value, self._read_text)
-            change = self.mirror.upsert(kv.create_revision, record, kv.mod_revision)
+                record = await asyncio.to_thread(record_of_row, row, self._read_text)
+            self.mirror.upsert(kv.create_revision, record, kv.mod_revision)
         else:
-            change = self.mirror.remove(self.keys.row_id(kv.key), kv.mod_revision)
-        if change is not None:
-            self.changes.publish(change)
+            self.mirror.remove(self.keys.row_id(kv.key), kv.mod_revision)
 
     def _await_mirror(self, shows: Callable[[], bool], what: str) -> None:
         """Wait for this replica's mirror to show its own write (so the writer reads it back)."""
@@ -370,12 +401,15 @@ class Catalog:
         commit: etcd's proposal and WAL flush are shared, each registration's checks are all in
         it); when that transaction's checks fail, each is committed alone, so one registration's
         conflict never fails another's."""
-        self._commits.submit(_Registration(record, prepared, replacing))
-        self._await_mirror(lambda: self.mirror.get(record.id) is not None, f"adapter {record.id}")
+        registration = _Registration(record, prepared, replacing)
+        self._commits.submit(registration)
+        replaced = replacing.id if replacing is not None else ""
+        self.mirror.apply_own(registration.committed, record, replaced)
 
     def _commit_group(self, group: Sequence[_Registration]) -> list[Exception | None]:
         """One group of registrations (:class:`GroupCommit`): together when they may share a
         transaction and it succeeds, else one by one; an error or None each."""
+        self._before_commit()
         names = {(r.record.owner, r.record.name) for r in group}
         if len(group) > 1 and len(names) == len(group) and all(r.replacing is None for r in group):
             results: list[Exception | None] = []
@@ -383,13 +417,18 @@ class Catalog:
                 chunk = group[start : start + MAX_REGISTRATIONS_PER_TXN]
                 compare = [c for r in chunk for c in r.compare(self.keys)]
                 success = [op for r in chunk for op in r.ops(self.keys)]
-                succeeded, _ = self._call(
+                succeeded, responses = self._call(
                     lambda c, compare=compare, success=success: c.transaction(
                         compare=compare, success=success, failure=[]
                     ),
                     "commit registrations",
                 )
-                results += [None] * len(chunk) if succeeded else [self._commit_alone(r) for r in chunk]
+                if succeeded:
+                    for registration in chunk:
+                        registration.committed = _revision(responses[0])
+                    results += [None] * len(chunk)
+                else:
+                    results += [self._commit_alone(r) for r in chunk]
             return results
         return [self._commit_alone(r) for r in group]
 
@@ -408,6 +447,7 @@ class Catalog:
         except Unavailable as error:
             return error
         if succeeded:
+            registration.committed = _revision(responses[0])
             return None
         fresh = self._prepared(responses, set(prepared.blobs))
         if fresh.serving_id and (replacing is None or fresh.serving_id != replacing.id):
@@ -516,6 +556,13 @@ class Catalog:
         """Whether the collector's mark set at ``mark_revision`` still stands."""
         found = self._call(lambda c: c.get(self.keys.blob_mark(digest).encode()), "read a blob mark")
         return found is not None and found.mod_revision == mark_revision
+
+
+async def _range(client: aetcd.Client, request: Any) -> Any:
+    """One Range call with all of etcd's options (aetcd's ``get_range`` has no limit nor
+    revision)."""
+    await client.connect()
+    return await client.kvstub.Range(request, metadata=client.metadata)
 
 
 def _prefix_end(prefix: str) -> bytes:

@@ -102,19 +102,30 @@ def encode_row(record: AdapterRecord) -> bytes:
 def row_digests(raw: bytes) -> dict[str, str]:
     """The blob digests a row holds, by field (without reading the blobs)."""
     row = json.loads(raw)
-    return {f"{f}_sha256": row[f"{f}_sha256"] for f in _TEXT_FIELDS if row.get(f"{f}_sha256")} | {
-        "sha256": row["sha256"]
-    }
+    return {"sha256": row["sha256"]} | {f"{f}_sha256": d for f, d in _text_digests(row).items()}
+
+
+def _text_digests(row: dict) -> dict[str, str]:
+    return {field: row[f"{field}_sha256"] for field in _TEXT_FIELDS if row.get(f"{field}_sha256")}
+
+
+def text_digests(row: dict) -> list[str]:
+    """The digests of a parsed row's text parts (config, chat templates)."""
+    return list(_text_digests(row).values())
 
 
 def decode_row(raw: bytes, read_text) -> AdapterRecord:
     """The record a row stands for; ``read_text(sha256) -> str`` reads a text part's blob."""
-    row = json.loads(raw)
+    return record_of_row(json.loads(raw), read_text)
+
+
+def record_of_row(row: dict, read_text) -> AdapterRecord:
+    """:func:`decode_row` of a row already parsed."""
     values = {name: row[name] for name in _ROW_FIELDS if name in row}
     values["target_modules"] = tuple(row["target_modules"])
+    texts = _text_digests(row)
     for field in _TEXT_FIELDS:
-        digest = row.get(f"{field}_sha256", "")
-        values[field] = read_text(digest) if digest else ""
+        values[field] = read_text(texts[field]) if field in texts else ""
     return AdapterRecord(**values)
 
 

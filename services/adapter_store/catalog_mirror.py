@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from services.adapter_store.adapter_record import PUBLIC, AdapterRecord
-from services.adapter_store.catalog_changes import CatalogChange
+from services.adapter_store.catalog_changes import CatalogChange, CatalogChanges
 from services.adapter_store.catalog_keys import record_digests
 
 Seq = tuple[int, str]
@@ -23,13 +23,17 @@ transaction commits together share one revision)."""
 class CatalogMirror:
     """Thread-safe: one thread applies, any thread reads or waits for a revision."""
 
-    def __init__(self) -> None:
+    def __init__(self, changes: CatalogChanges | None = None) -> None:
+        """``changes``: where each change is published, in the order it is applied (under the
+        mirror's lock: the watch and a replica's own writes apply from different threads)."""
+        self._changes = changes
         self._records: dict[str, tuple[Seq, AdapterRecord]] = {}
         self._by_name: dict[tuple[str, str], str] = {}
         self._seqs: list[Seq] = []
         self._digests: dict[str, frozenset[str]] = {}
         self.revision = 0
-        """The etcd revision the mirror is current as of."""
+        """The etcd revision the watch has brought the mirror to (a replica's own writes
+        applied ahead of it do not move it)."""
         self._changed = threading.Condition(threading.RLock())
 
     def replace(self, rows: Iterable[tuple[int, AdapterRecord]], revision: int) -> list[CatalogChange]:
@@ -41,24 +45,38 @@ class CatalogMirror:
             changes = [
                 self._remove(adapter_id) for adapter_id in list(self._records) if adapter_id not in listed
             ]
-            for seq, record in rows:
-                held = self._records.get(record.id)
-                if held is None or held[1] != record:
-                    changes.append(self._upsert(seq, record))
+            changes += [self._upsert(seq, record) for seq, record in rows]
             self._advance(revision)
-        return [change for change in changes if change is not None]
+            return self._publish(changes)
 
-    def upsert(self, created: int, record: AdapterRecord, revision: int) -> CatalogChange:
-        """``created``: the create revision of the record's row."""
+    def apply_own(self, committed: int, record: AdapterRecord, replaced: str = "") -> list[CatalogChange]:
+        """A registration this replica committed at revision ``committed`` (in place of row
+        ``replaced``), applied before the watch delivers it, so the writer reads it back at once
+        without waiting for the watch. Nothing when the watch is already at or past it: it
+        applied the registration, and maybe later changes of that row, itself. The watch's own
+        delivery of it later changes nothing (:meth:`upsert` of an equal record is no change)."""
+        with self._changed:
+            if self.revision >= committed:
+                return []
+            changes = [self._remove(replaced)] if replaced else []
+            changes.append(self._upsert(committed, record))
+            self._changed.notify_all()
+            return self._publish(changes)
+
+    def upsert(self, created: int, record: AdapterRecord, revision: int) -> CatalogChange | None:
+        """``created``: the create revision of the record's row; None when the mirror held the
+        very same record (applied by :meth:`apply_own`)."""
         with self._changed:
             change = self._upsert(created, record)
             self._advance(revision)
+            self._publish([change])
         return change
 
     def remove(self, adapter_id: str, revision: int) -> CatalogChange | None:
         with self._changed:
             change = self._remove(adapter_id)
             self._advance(revision)
+            self._publish([change])
         return change
 
     def advance(self, revision: int) -> None:
@@ -74,12 +92,21 @@ class CatalogMirror:
         with self._changed:
             return self._changed.wait_for(shows, timeout_s)
 
+    def _publish(self, changes: list[CatalogChange | None]) -> list[CatalogChange]:
+        made = [change for change in changes if change is not None]
+        if self._changes is not None:
+            for change in made:
+                self._changes.publish(change)
+        return made
+
     def _advance(self, revision: int) -> None:
         self.revision = max(self.revision, revision)
         self._changed.notify_all()
 
-    def _upsert(self, created: int, record: AdapterRecord) -> CatalogChange:
+    def _upsert(self, created: int, record: AdapterRecord) -> CatalogChange | None:
         held = self._records.get(record.id)
+        if held is not None and held[1] == record:
+            return None
         if held is None:
             seq = (created, record.id)
             bisect.insort(self._seqs, seq)

@@ -107,6 +107,10 @@ class RamTier:
         with self._lock:
             self._eviction.unpin(key)
 
+    def is_pinned(self, key: str) -> bool:
+        with self._lock:
+            return key in self._eviction.pinned()
+
     @property
     def bytes_used(self) -> int:
         return self._bytes

@@ -257,7 +257,8 @@ class AdapterRegistrar:
         return False
 
     def _publish(self, record: AdapterRecord, publication: _Publication) -> None:
-        """Make every blob of ``record`` durable; the staged weights are used once."""
+        """Publish every blob of ``record`` (durable once the catalog's commit has flushed the
+        blob tier, before the row commits); the staged weights are used once."""
         staged, publication.staged = publication.staged, None
         if staged is not None and not self.blobs.exists(record.sha256):
             staged.publish(record.sha256)
@@ -275,6 +276,7 @@ class AdapterRegistrar:
         collected, so this only repairs a blob lost outside the store)."""
         if not self.blobs.exists(record.sha256):
             self.blobs.put(record.sha256, weights)
+            self.blobs.flush()
 
 
 def _already_exists(upload: AdapterUpload) -> AlreadyExists:

@@ -134,7 +134,7 @@ class AdapterRepository:
         self.spec = spec
         self.limits = limits
         self.settings = settings
-        self.catalog = Catalog(catalog_config, self._read_text, settings.replica_id)
+        self.catalog = Catalog(catalog_config, self._read_text, settings.replica_id, blobs.flush)
         self.changes = self.catalog.changes
         """Every committed change of the catalog, in commit order (``WatchAdapters``)."""
         self.ram = RamTier(settings.ram_budget_bytes, make_eviction_policy(settings.eviction_policy))
@@ -198,8 +198,8 @@ class AdapterRepository:
         if record is not None:
             if record.pinned:
                 self.ram.pin(record.sha256)
-            elif not self._pinned_elsewhere(record):
-                self.ram.unpin(record.sha256)
+            elif self.ram.is_pinned(record.sha256) and not self._pinned_elsewhere(record):
+                self.ram.unpin(record.sha256)  # the common case (nothing pinned) scans nothing
 
     def _pinned_elsewhere(self, record: AdapterRecord) -> bool:
         return any(r.pinned and r.sha256 == record.sha256 and r.id != record.id for r in self.catalog.all())

@@ -110,4 +110,5 @@ def _publish_blobs(record: AdapterRecord, legacy_blobs: Path, blobs: BlobBackend
     for digest, data in record_texts(record).items():
         if not blobs.exists(digest):
             blobs.put(digest, data)
+    blobs.flush()
     return None

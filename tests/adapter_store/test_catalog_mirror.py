@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from services.adapter_store.adapter_record import PRIVATE, PUBLIC, AdapterRecord
-from services.adapter_store.catalog_changes import CatalogChange
+from services.adapter_store.catalog_changes import CatalogChange, CatalogChanges
 from services.adapter_store.catalog_mirror import CatalogMirror
 
 BASE = AdapterRecord(
@@ -72,3 +72,27 @@ def test_a_new_version_takes_the_name_and_the_old_row_leaves_it():
         "0" * 64,
         "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",
     }
+
+
+def test_a_replicas_own_registration_is_shown_at_once_and_published_once():
+    changes = CatalogChanges()
+    published: list[CatalogChange] = []
+    changes.subscribe(published.append)
+    mirror = CatalogMirror(changes)
+    old, new = record("a"), replace(record("a"), id="id-a2", version=2)
+    mirror.upsert(3, old, 3)
+    assert mirror.apply_own(8, new, replaced=old.id) == [
+        CatalogChange(deleted_id=old.id),
+        CatalogChange(upserted=new),
+    ]
+    assert mirror.get_by_name("alice", "a") == new and mirror.revision == 3
+    # The watch then delivers the same transaction: nothing changes, nothing is published again.
+    assert mirror.remove(old.id, 8) is None and mirror.upsert(8, new, 8) is None
+    assert published == [
+        CatalogChange(upserted=old),
+        CatalogChange(deleted_id=old.id),
+        CatalogChange(upserted=new),
+    ]
+    # A write the watch has already gone past (and perhaps a later delete with it) is left alone.
+    mirror.remove(new.id, 9)
+    assert mirror.apply_own(8, new) == [] and mirror.get(new.id) is None

@@ -10,6 +10,7 @@ import time
 import pytest
 from support.cli import COMMAND_TIMEOUT_S  # a hang guard, not a timing claim
 
+from services.adapter_store import catalog as catalog_module
 from services.adapter_store import registrar as registrar_module
 from services.adapter_store.adapter_record import PRIVATE
 from services.adapter_store.registrar import AdapterUpload
@@ -138,3 +139,15 @@ def test_a_replica_cut_off_from_etcd_refuses_writes_and_serves_what_it_holds(
         etcd.restart()
     again = replica.registrar.register(upload(seeded_files(1), "new"))
     assert replica.resolve(AdapterKey(id=again.id)) == again
+
+
+def test_a_replica_lists_a_catalog_larger_than_one_read_page_by_page(
+    open_repository, seeded_files, monkeypatch
+):
+    """10,000 rows are more than one gRPC reply holds: the listing is read in pages, at one
+    revision."""
+    monkeypatch.setattr(catalog_module, "LIST_PAGE_ROWS", 2)
+    writer = open_repository(replica_id="writer")
+    records = [writer.registrar.register(upload(seeded_files(i % 2), f"a{i}")) for i in range(5)]
+    reader = open_repository(replica_id="reader")
+    assert reader.catalog.all() == records

@@ -8,9 +8,11 @@ that no catalog row references.
 
 Writing has two steps so that the slow part can start before validation is done:
 :meth:`BlobBackend.stage` begins a durable write of bytes under no name, and
-:meth:`StagedBlob.publish` names it (durable on return) or :meth:`StagedBlob.discard` drops it.
-A crash between the two leaves only staging debris, which :meth:`BlobBackend.collect_staging`
-removes once it is older than any write in flight could be.
+:meth:`StagedBlob.publish` names it or :meth:`StagedBlob.discard` drops it. A name is visible
+at once and durable once :meth:`BlobBackend.flush` returns: the store flushes once for every
+registration committing together, just before their catalog rows commit. A crash between the
+steps leaves only staging debris, which :meth:`BlobBackend.collect_staging` removes once it is
+older than any write in flight could be.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class StagedBlob(Protocol):
     """Bytes on their way to becoming a blob."""
 
     def publish(self, digest: str) -> None:
-        """Make the bytes blob ``digest`` (their sha256, which the caller computed), durable on
-        return. A blob of that digest already there is kept: it holds the same bytes."""
+        """Make the bytes blob ``digest`` (their sha256, which the caller computed): visible on
+        return, durable after the next :meth:`BlobBackend.flush`. A blob of that digest already
+        there is kept: it holds the same bytes."""
 
     def discard(self) -> None:
         """Drop the bytes; nothing becomes visible."""
@@ -59,6 +62,10 @@ class BlobBackend(Protocol):
 
     def put(self, digest: str, data) -> None:
         """:meth:`stage` then :meth:`StagedBlob.publish`."""
+
+    def flush(self) -> None:
+        """Make every blob published so far durable (nothing to do where a publish is durable
+        when it returns)."""
 
     def get(self, digest: str) -> memoryview:
         """The blob's bytes (read-only); :class:`BlobMissing` when there is none. The caller

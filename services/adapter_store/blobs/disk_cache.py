@@ -77,6 +77,9 @@ class DiskCachedBlobs:
     def _path(self, digest: str) -> Path:
         return self.cache_dir / digest
 
+    def flush(self) -> None:
+        self.backend.flush()
+
     def get(self, digest: str) -> memoryview:
         with self._lock:
             cached = digest in self._sizes

@@ -2,8 +2,8 @@
 several store replicas on one host sharing the directory).
 
 A blob is written to ``staging/`` first, made durable (``fdatasync``), then renamed to
-``sha256/<sha256>``; the rename is durable once the directory is flushed, which is done once for
-every publish that finishes together (:mod:`services.adapter_store.group_commit`). After a crash
+``sha256/<sha256>``; the rename is durable once the directory is flushed (:meth:`flush`: the
+store flushes once for every registration committing together). After a crash
 a blob exists whole under its name or not at all; what is left in ``staging/`` is removed by
 :meth:`LocalDirectoryBlobs.collect_staging` once it is older than any write in flight. Each
 staged file has a name of its own, so replicas sharing the directory never touch each other's.
@@ -26,14 +26,13 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.adapter_store.blobs.backend import BlobEntry, BlobMissing
 from services.adapter_store.blobs.page_aligned import PAGE, address, pages, whole_pages
-from services.adapter_store.group_commit import GroupCommit
 from services.runtime.security.private_files import PRIVATE_FILE_MODE, private_dir
 
 log = logging.getLogger("loramesh.adapter_store")
@@ -87,7 +86,6 @@ class LocalDirectoryBlobs:
         self._direct = bool(_O_DIRECT)
         self._buffers = threading.local()
         self._writers = ThreadPoolExecutor(max_workers=max_writers, thread_name_prefix="blob-write")
-        self._renames: GroupCommit[None] = GroupCommit(self._flush_renames)
 
     def path(self, digest: str) -> Path:
         return self.blob_dir / digest
@@ -109,18 +107,16 @@ class LocalDirectoryBlobs:
         return staged
 
     def publish(self, staged: Path, digest: str) -> None:
-        """Rename ``staged`` to blob ``digest`` and flush the directory (shared with the
-        publishes finishing at the same time). Renaming over an existing blob of the same
-        digest replaces bytes with the same bytes."""
+        """Rename ``staged`` to blob ``digest`` (durable after :meth:`flush`). Renaming over an
+        existing blob of the same digest replaces bytes with the same bytes."""
         try:
             os.replace(staged, self.path(digest))
         finally:
             staged.unlink(missing_ok=True)
-        self._renames.submit(None)
 
-    def _flush_renames(self, items: Sequence[None]) -> list[None]:
+    def flush(self) -> None:
+        """Make every rename into ``sha256/`` so far durable."""
         _fsync_dir(self.blob_dir)
-        return [None] * len(items)
 
     def _write_file(self, path: Path, data: memoryview) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL

@@ -137,6 +137,9 @@ class S3Blobs:
             raise
         return True
 
+    def flush(self) -> None:
+        """Nothing to do: a put is durable when S3 answers it."""
+
     def get(self, digest: str) -> memoryview:
         """The blob's bytes in an anonymous mapping (off the Python heap, like a local blob's)."""
         key = self._key(digest)
