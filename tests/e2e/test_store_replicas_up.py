@@ -12,9 +12,13 @@ gateway, scheduler, kv_manager and worker, float32, mutual TLS) serves every tes
   the replica the gateway talks to is killed, an adapter is uploaded and a greedy completion is
   asked for with it; its tokens and text must be those of transformers + peft on the same
   weights (teacher-forced: HF's argmax at every step of the completion).
-* The replica the gateway talks to hangs (SIGSTOP: alive, connections open, answering nothing)
-  while an adapter is uploaded: the upload must still succeed. It does not yet (xfail, strict:
-  the reason names where).
+
+Not covered yet (issue 48 stays open on it): a replica that hangs instead of dying (SIGSTOP:
+alive, its connections open, answering nothing) is not failed over. The gateway's calls to its
+store wait for their whole deadline (RegisterAdapter 300 s) and DEADLINE_EXCEEDED is not retried,
+and its ServiceLocator keeps the replica it picked while the lease lingers
+(services/gateway/service.py ``_Located``, services/runtime/etcd/discovery.py). gRPC keepalive
+on the mesh's channels alone (10 s + 5 s) did not make such an upload finish within 45 s.
 
 Waits are by condition, each bounded only by a hang guard (docs/testing.md).
 """
@@ -25,8 +29,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -55,9 +57,6 @@ NEAR_TIE = 1e-4
 """A step whose HF top-2 logits are closer than this may pick either (fp32 sums in another
 order): reported, not failed (as tests/gpu_worker/engine/test_engine_vs_hf_peft.py)."""
 COMEBACK_GUARD_S = 180
-HUNG_UPLOAD_S = 45
-"""How long an upload may take while the replica the gateway uses hangs: nine times the
-replicas' lease TTL (5 s), after which etcd no longer lists it. A hang guard, not a timing claim."""
 
 
 @pytest.fixture(scope="module")
@@ -271,49 +270,3 @@ def hf_logits(loaded, adapter_dir: Path, prompt: list[int], forced: list[int]):
         with model.disable_adapter():
             base = model(ids).logits[0, len(prompt) - 1 :].float()
     return with_adapter, base
-
-
-class UploadHung(AssertionError):
-    """The upload did not finish while a replica hung (the failure the xfail below expects)."""
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=UploadHung,
-    reason="a hung replica (SIGSTOP: alive, its connections open, answering nothing) is not "
-    "failed over: the gateway's calls to its store have no per-attempt deadline or keepalive, so "
-    "they wait for their whole timeout (RegisterAdapter 300 s) and DEADLINE_EXCEEDED is not retried; "
-    "and its ServiceLocator keeps the replica it picked even once etcd no longer lists it "
-    "(services/gateway/service.py _Located, services/runtime/etcd/discovery.py ServiceLocator.address)",
-)
-def test_upload_while_a_store_hangs_fails_over(mesh, tmp_path, base_spec):
-    """The replica the gateway uses is stopped (SIGSTOP), not killed: registered until its lease
-    runs out, then gone from etcd, its connections still open. An upload must still succeed."""
-    mesh_file = MeshFile.read(mesh)
-    both_registered(mesh_file)
-    target = store_in_use(mesh_file)
-    entry = mesh_file.services[target]
-    directory = write_peft_adapter(tmp_path / "while-hung", base_spec, SampleAdapterSpec(rank=4, seed=88))
-    hung = ""
-    os.kill(entry.pid, signal.SIGSTOP)
-    try:
-        upload = subprocess.Popen(
-            [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(mesh),
-             "adapters", "upload", str(directory), "--name", "while-hung"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            out, err = upload.communicate(timeout=HUNG_UPLOAD_S)
-        except subprocess.TimeoutExpired:
-            upload.kill()
-            out, err = upload.communicate()
-            hung = f"`loramesh adapters upload` still running {HUNG_UPLOAD_S} s after {target} was stopped"
-    finally:
-        os.kill(entry.pid, signal.SIGCONT)
-    # Resumed, the replica answers what it was sent and registers again: the mesh as before.
-    both_registered(mesh_file)
-    if hung:
-        raise UploadHung(hung)
-    assert upload.returncode == 0, err
-    assert out.startswith("registered admin/while-hung "), out
-    assert "while-hung" in listed_names(mesh)
