@@ -20,9 +20,10 @@ import logging
 import mmap
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from services.adapter_store.blobs.backend import BlobBackend, BlobEntry, StagedBlob
@@ -47,8 +48,13 @@ def _read_file(path: Path) -> memoryview:
 class DiskCachedBlobs:
     """``backend``'s blobs, read through a cache of at most ``budget_bytes`` in ``cache_dir``."""
 
-    def __init__(self, backend: BlobBackend, cache_dir: Path, budget_bytes: int):
+    def __init__(
+        self, backend: BlobBackend, cache_dir: Path, budget_bytes: int, clock: Callable[[], float] = time.time
+    ):
+        """``clock``: Unix seconds, stamped on a file when it is cached or read (its recency for
+        the next run's index; injected by tests)."""
         self.backend = backend
+        self._clock = clock
         self.cache_dir = private_dir(cache_dir)
         self.budget_bytes = budget_bytes
         self.description = f"{backend.description} (disk cache {self.cache_dir})"
@@ -99,7 +105,7 @@ class DiskCachedBlobs:
         path = self._path(digest)
         try:
             data = _read_file(path)
-            os.utime(path)  # its recency, for the next run's index
+            self._stamp(path)
         except FileNotFoundError:  # evicted or deleted meanwhile
             self._forget(digest)
             return None
@@ -122,6 +128,7 @@ class DiskCachedBlobs:
                 f.write(data)
             with self._lock:
                 os.replace(temporary, self._path(digest))
+                self._stamp(self._path(digest))
                 self._used += len(data) - self._sizes.pop(digest, 0)
                 self._sizes[digest] = len(data)
                 self._evict()
@@ -129,6 +136,11 @@ class DiskCachedBlobs:
             log.warning("blob %s not cached in %s: %s", digest, self.cache_dir, error)
         finally:
             temporary.unlink(missing_ok=True)
+
+    def _stamp(self, path: Path) -> None:
+        """Record ``path``'s recency, for the next run's index."""
+        now = self._clock()
+        os.utime(path, (now, now))
 
     def _evict(self) -> None:
         """Remove the least recently read files until the cache is within its budget (the lock

@@ -4,8 +4,8 @@ evicting the least recently read, and the cache taken up again after a restart."
 
 from __future__ import annotations
 
+import itertools
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -104,11 +104,11 @@ def test_the_cache_is_taken_up_again_after_a_restart(remote, cache_dir, blob):
     """Its files serve reads again, their order of last read kept (a smaller budget drops the
     oldest read), and a crash's temporary files are removed."""
     old, recent = blob(1, 1000), blob(2, 1000)
-    first = DiskCachedBlobs(remote, cache_dir, budget_bytes=1 << 20)
+    ticks = itertools.count(1_700_000_000)
+    first = DiskCachedBlobs(remote, cache_dir, budget_bytes=1 << 20, clock=lambda: next(ticks))
     for digest, data in (recent, old):
         first.put(digest, data)
         first.get(digest)
-    time.sleep(0.01)
     first.get(recent[0])
     (cache_dir / f"{old[0]}.0123.part").write_bytes(b"half a file")
     reopened = DiskCachedBlobs(remote, cache_dir, budget_bytes=1000)
