@@ -51,6 +51,7 @@ from services.adapter_store.group_commit import GroupCommit
 from services.adapter_store.row_texts import RowTexts
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.membership import EtcdConnection, MembershipConfig, describe_etcd_error
+from services.runtime.process.tasks import cancel_and_wait
 
 log = logging.getLogger("loramesh.adapter_store")
 
@@ -212,10 +213,7 @@ class Catalog:
         self._watch_task = asyncio.get_running_loop().create_task(self._follow(), name="catalog-watch")
 
     async def _stop(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+        await cancel_and_wait([self._watch_task])
         await self._conn.close()
 
     def _submit(self, coro: Awaitable[T]) -> Future[T]:

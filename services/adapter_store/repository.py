@@ -159,11 +159,12 @@ class AdapterRepository:
         sizes = {entry.digest: entry.size for entry in self.blobs.listing()}
         corrupt = 0
         for record in records:
-            problem = self._verify_blob(record, sizes.get(record.sha256))
+            size = sizes.get(record.sha256)
+            problem = self._verify_blob(record, size)
             if problem:
                 corrupt += 1
                 log.error("adapter %s (%s/%s) %s: quarantined", record.id, record.owner, record.name, problem)
-                self._quarantine(record)
+                self._quarantine(record, corrupt_blob=size is not None)
         orphans = self.collector.collect()
         self._restore_pins()
         report = OpenReport(
@@ -216,16 +217,13 @@ class AdapterRepository:
             return "blob sha256 mismatch"
         return None
 
-    def _quarantine(self, record: AdapterRecord) -> bool:
-        """Drop the row of an adapter whose weights are lost or corrupt, and the corrupt blob
-        (so registering the same weights again writes them afresh); False if another caller
-        removed the row first."""
-        removed = self.catalog.delete(record)
+    def _quarantine(self, record: AdapterRecord, corrupt_blob: bool) -> None:
+        """Drop the row of an adapter whose weights are lost or corrupt, and its blob when it is
+        there but corrupt (so registering the same weights again writes them afresh)."""
+        self.catalog.delete(record)
         self.ram.discard(record.sha256)
-        blob = self.blobs.get(record.sha256) if self.blobs.exists(record.sha256) else None
-        if blob is not None and sha256_hex(blob) != record.sha256:
+        if corrupt_blob:
             self.blobs.delete(record.sha256)
-        return removed
 
     def resolve(self, key: AdapterKey) -> AdapterRecord:
         if key.id:
@@ -322,7 +320,7 @@ class AdapterRepository:
             log.error(
                 "adapter %s (%s/%s) blob sha256 mismatch: quarantined", record.id, record.owner, record.name
             )
-            self._quarantine(record)
+            self._quarantine(record, corrupt_blob=True)
             raise DataLoss(f"adapter {record.id!r}: its weights blob fails its sha256 check; quarantined")
         self.ram.put(record.sha256, data)
         return data

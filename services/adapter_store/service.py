@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -23,6 +22,7 @@ from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.sqlite_migration import migrate_sqlite_catalog
 from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import load_base_model_spec
+from services.runtime.process.tasks import cancel_and_wait
 from services.runtime.rpc.method_handlers import add_servicer_with_readers
 
 MIB = 2**20
@@ -95,10 +95,7 @@ class AdapterStoreService:
         self.servicer.end_watches()
 
     async def stop(self) -> None:
-        if self._collecting is not None:
-            self._collecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._collecting
+        await cancel_and_wait([self._collecting])
         if self.repository is not None:
             await asyncio.to_thread(self.repository.close)
 
