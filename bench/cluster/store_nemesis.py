@@ -22,13 +22,15 @@ import hashlib
 import json
 import random
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc import aio
 
+from bench.cluster.checker import final_store_findings
+from bench.cluster.observations import StoreObservation
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter, ref_by_name, upload_adapter
 from mesh_api.v1 import adapter_store_pb2 as pb
@@ -73,11 +75,17 @@ class NemesisReport:
     """Acknowledged uploads the surviving replica does not list (must stay empty)."""
     wrong_bytes: list[str] = field(default_factory=list)
     """Acknowledged uploads fetched with other bytes at the end (must stay empty)."""
+    not_fetchable: list[str] = field(default_factory=list)
+    """Acknowledged uploads listed whose fetch failed at the end (must stay empty)."""
 
     @property
     def holds(self) -> bool:
         return not (
-            self.uploads_refused or self.fetch_failures or self.missing_from_listing or self.wrong_bytes
+            self.uploads_refused
+            or self.fetch_failures
+            or self.missing_from_listing
+            or self.wrong_bytes
+            or self.not_fetchable
         )
 
 
@@ -208,23 +216,37 @@ def _describe(error: Exception) -> str:
 
 async def _check(address: str, acknowledged: dict[str, bytes], report: NemesisReport) -> None:
     """Every acknowledged upload is listed by ``address`` and fetched from it byte-identical."""
+    observation = await observe_store(address, OWNER, acknowledged)
+    expected = {name: frozenset({hashlib.sha256(w).hexdigest()}) for name, w in acknowledged.items()}
+    found = final_store_findings(expected, observation)
+    report.missing_from_listing = found.missing_from_listing
+    report.wrong_bytes = found.wrong_bytes
+    report.not_fetchable = [f"{name}: {observation.fetch_errors[name]}" for name in found.not_fetchable]
+
+
+async def observe_store(address: str, owner: str, names: Iterable[str]) -> StoreObservation:
+    """What the store at ``address`` lists for ``owner`` (all pages), and the sha256 of the
+    weights it returns for each of ``names`` it lists (for the checker)."""
+    digests, errors = {}, {}
     async with aio.insecure_channel(address) as channel:
         stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
         listed, token = set(), ""
         while True:
             page = await stub.ListAdapters(
-                pb.ListAdaptersRequest(owner=OWNER, page_size=1000, page_token=token), timeout=CALL_TIMEOUT_S
+                pb.ListAdaptersRequest(owner=owner, page_size=1000, page_token=token), timeout=CALL_TIMEOUT_S
             )
             listed |= {a.name for a in page.adapters}
             token = page.next_page_token
             if not token:
                 break
-        report.missing_from_listing = sorted(set(acknowledged) - listed)
-        for name, weights in sorted(acknowledged.items()):
-            if name in listed:
-                _, data = await fetch_adapter(stub, ref_by_name(OWNER, name), timeout=CALL_TIMEOUT_S)
-                if hashlib.sha256(data).digest() != hashlib.sha256(weights).digest():
-                    report.wrong_bytes.append(name)
+        for name in sorted(set(names) & listed):
+            try:
+                _, data = await fetch_adapter(stub, ref_by_name(owner, name), timeout=CALL_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, ChecksumMismatch) as error:
+                errors[name] = _describe(error)
+                continue
+            digests[name] = hashlib.sha256(data).hexdigest()
+    return StoreObservation(frozenset(listed), digests, errors)
 
 
 def store_replicas(
