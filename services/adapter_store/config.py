@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.runtime.config import ServiceConfig
+from services.runtime.config import ServiceConfig, require_at_least
 
 
 @dataclass
@@ -52,6 +52,9 @@ class AdapterStoreConfig(ServiceConfig):
     prefixes (docs/operations.md); "": no imports at all."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least(self, 1, "max_rank", "max_adapter_mib")
+        require_at_least(self, 0, "ram_budget_mib")
         if self.collect_interval_s <= 0:
             raise ValueError(f"--collect-interval-s must be > 0, got {self.collect_interval_s:g}")
         if self.collect_grace_s < 0:

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES
 from services.gpu_worker.engine.engine_config import EngineConfig
+from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
 from services.runtime.capped_labels import DEFAULT_CAP
-from services.runtime.config import ServiceConfig, part_of, settings_of
+from services.runtime.config import (
+    ServiceConfig,
+    part_of,
+    require_at_least,
+    require_choice,
+    require_positive,
+    settings_of,
+)
 
 
 @dataclass
@@ -60,6 +69,20 @@ class WorkerConfig(ServiceConfig):
     """Adapters named in each per-adapter metric series: the top N by requests, the rest summed
     under the label ``other``, so a worker's series stay bounded at 10,000 adapters (at least 1;
     docs/metrics.md, "Per-adapter label cap")."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # --tp 0 once ran unsharded: a degree below 1 is refused here; whether the model divides
+        # a degree above is known only once it is loaded (the sharding module's message).
+        require_at_least(self, 1, "tp", "metric_adapter_labels")
+        require_positive(self, "pool_mib")
+        require_at_least(self, 1, "kv_block_tokens", "max_running", "max_prefill_tokens")
+        require_at_least(self, 0, "threads", "host_cache_mib", "pin_refresh_s")
+        require_at_least(self, -1, "lend_cap_blocks")
+        require_choice(self, "quantization", QUANTIZATION_CHOICES)
+        require_choice(self, "lending_lane", LANE_MODES)
+        # The engine's own checks (its policies' names, its shares), now rather than at start.
+        self.engine_config(shared_pool=False)
 
     def engine_config(self, *, shared_pool: bool) -> EngineConfig:
         """The engine's settings as given, lending and borrowing under this worker's instance id

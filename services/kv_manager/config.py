@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.runtime.config import ServiceConfig
+from services.runtime.config import ServiceConfig, require_at_least, require_positive
 
 
 @dataclass
@@ -26,3 +26,9 @@ class KVManagerConfig(ServiceConfig):
     """Hint sent with RESOURCE_EXHAUSTED when no worker can lend (about one heartbeat)."""
     start_timeout_s: float = 10.0
     """How long start-up waits for etcd to list the workers and tell who leads."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least(self, 1, "max_candidates", "min_swap_blocks")
+        require_at_least(self, 0, "resort_interval_s", "dgfm_interval_s")
+        require_positive(self, "dgfm_call_timeout_s", "retry_after_s", "start_timeout_s")

@@ -6,6 +6,12 @@ the default). The attribute docstring under each field is its ``--help`` text, s
 documented exactly once. Nothing is read at import time: :func:`parse_config` reads ``argv``
 and ``environ`` when the service starts.
 
+Settings fail closed: a value that does not parse (an on/off setting that is none of
+:data:`TRUE_WORDS` or :data:`FALSE_WORDS`, a number that is not one) or that the config's
+``__post_init__`` refuses (:func:`require_at_least` and its siblings: a count below 1, a port
+out of range) stops the service before it starts, exit status 2 and one line naming the flag
+and the variable, never a default in its place.
+
 A service config may also take its settings from a dataclass its service builds (the worker's
 engine limits: ``EngineConfig``) with :func:`settings_of`, so each is still declared once: in
 that dataclass, and :func:`part_of` builds it back from the config.
@@ -18,6 +24,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import logging
 import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +34,14 @@ from services.runtime.etcd.membership import MembershipConfig, new_instance_id
 from services.runtime.security.tls import TLSConfig
 
 ENV_PREFIX = "LORAMESH_"
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+"""How an on/off setting is turned on (any case); :data:`FALSE_WORDS` turn it off, and any
+other value is refused rather than read as off."""
+FALSE_WORDS = ("0", "false", "no", "off")
+"""How an on/off setting is turned off (any case)."""
+LOG_FORMATS = ("text", "json")
+"""What ``--log-format`` takes."""
 
 C = TypeVar("C", bound="ServiceConfig")
 P = TypeVar("P")
@@ -83,6 +98,15 @@ class ServiceConfig:
     """Name peers' certificates are checked against instead of the dialled host (``mesh.loramesh``
     where members are dialled by IP, as in Kubernetes); empty: the dialled host."""
 
+    def __post_init__(self) -> None:
+        # A subclass with checks of its own calls this first: every service refuses these.
+        for name in ("port", "http_port"):
+            require_range(self, name, 0, 65535)
+        require_at_least(self, 1, "lease_ttl_s")
+        require_at_least(self, 0, "grace_s")
+        require_choice(self, "log_format", LOG_FORMATS)
+        require_choice(self, "log_level", tuple(logging.getLevelNamesMapping()), self.log_level.upper())
+
     def resolved_instance_id(self, service: str) -> str:
         return self.instance_id or new_instance_id(service)
 
@@ -98,6 +122,43 @@ class ServiceConfig:
                 f"the {service} needs --etcd-endpoints (env {ENV_PREFIX}ETCD_ENDPOINTS): {needed_for}"
             )
         return MembershipConfig(etcd_endpoints=self.etcd_endpoints, ttl_s=self.lease_ttl_s, tls=self.tls())
+
+
+def setting_names(name: str) -> str:
+    """How a refusal names the setting ``name``: its flag and its environment variable."""
+    return f"--{name.replace('_', '-')} (env {ENV_PREFIX}{name.upper()})"
+
+
+def require_at_least(config: object, minimum: float, *names: str) -> None:
+    """ValueError naming the first of the settings ``names`` of ``config`` below ``minimum``
+    (NaN included: a setting that compares false everywhere is refused, not taken)."""
+    for name in names:
+        value = getattr(config, name)
+        if not value >= minimum:
+            raise ValueError(f"{setting_names(name)} must be at least {minimum}, got {value}")
+
+
+def require_positive(config: object, *names: str) -> None:
+    """ValueError naming the first of the settings ``names`` of ``config`` that is not more than 0."""
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0:
+            raise ValueError(f"{setting_names(name)} must be more than 0, got {value}")
+
+
+def require_range(config: object, name: str, low: float, high: float) -> None:
+    """ValueError naming the setting ``name`` of ``config`` unless it lies in [low, high]."""
+    value = getattr(config, name)
+    if not low <= value <= high:
+        raise ValueError(f"{setting_names(name)} must be in [{low}, {high}], got {value}")
+
+
+def require_choice(config: object, name: str, choices: Sequence[str], value: str | None = None) -> None:
+    """ValueError naming the setting ``name`` of ``config`` unless its value (or ``value``, a
+    normalised spelling of it) is one of ``choices``."""
+    if (getattr(config, name) if value is None else value) not in choices:
+        known = ", ".join(choices)
+        raise ValueError(f"{setting_names(name)} must be one of {known}, got {getattr(config, name)!r}")
 
 
 def setting(name: str | None) -> dict[str, str | None]:
@@ -166,12 +227,45 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _converter(kind: Any):
+def parse_bool(text: str) -> bool:
+    """An on/off setting's value: one of :data:`TRUE_WORDS` or :data:`FALSE_WORDS`, in any case;
+    ValueError for anything else (``enabled`` is no way to say on)."""
+    word = str(text).strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(f"expected on ({', '.join(TRUE_WORDS)}) or off ({', '.join(FALSE_WORDS)}), got {text!r}")
+
+
+_KIND_WORDS = {int: "an integer", float: "a number"}
+
+
+def _converter(kind: Any) -> Callable[[str], Any]:
+    """The function turning a flag's or variable's text into a ``kind`` value; its ValueError
+    says what was expected (argparse shows an ArgumentTypeError's message as it is)."""
+    if kind is str:
+        return str
     if kind is bool:
-        return lambda text: str(text).strip().lower() in ("1", "true", "yes", "on")
-    if kind in (int, float, str):
-        return kind
-    raise TypeError(f"config fields must be str, int, float or bool, not {kind!r}")
+        parse = parse_bool
+    elif kind in _KIND_WORDS:
+
+        def parse(text: str) -> Any:
+            try:
+                return kind(text)
+            except ValueError:
+                raise ValueError(f"expected {_KIND_WORDS[kind]}, got {text!r}") from None
+
+    else:
+        raise TypeError(f"config fields must be str, int, float or bool, not {kind!r}")
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return convert
 
 
 def parse_config(
@@ -180,7 +274,9 @@ def parse_config(
     environ: Mapping[str, str] | None = None,
     prog: str | None = None,
 ) -> C:
-    """Build ``cls`` from command-line flags, then ``LORAMESH_*`` env vars, then defaults."""
+    """Build ``cls`` from command-line flags, then ``LORAMESH_*`` env vars, then defaults. A value
+    that does not parse or that the config refuses exits with status 2 and one line naming the
+    setting (its flag, and its variable when the value came from there)."""
     environ = os.environ if environ is None else environ
     hints = get_type_hints(cls)
     docs = field_docs(cls)
@@ -192,7 +288,10 @@ def parse_config(
         env_name = ENV_PREFIX + f.name.upper()
         default = f.default
         if env_name in environ:
-            default = convert(environ[env_name])
+            try:
+                default = convert(environ[env_name])
+            except argparse.ArgumentTypeError as error:
+                parser.error(f"{env_name} (setting {flag}): {error}")
         parser.add_argument(
             flag,
             dest=f.name,

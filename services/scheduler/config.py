@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.runtime.config import ServiceConfig
+from services.runtime.config import ServiceConfig, require_at_least, require_positive
 
 
 @dataclass
@@ -53,3 +53,13 @@ class SchedulerConfig(ServiceConfig):
     """First-token deadline for requests that carry none; 0: none."""
     start_timeout_s: float = 10.0
     """How long start-up waits for the first listing of workers from etcd before failing."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least(
+            self, 1, "max_running_hint", "max_queue_per_worker", "predictor_bootstrap_completions"
+        )
+        require_at_least(self, 0, "per_request_step_ms", "adapter_load_ms", "default_deadline_ms")
+        # Windows, rates and deadlines: zero would divide by it, or give up before asking.
+        require_positive(self, "demand_window_s", "worker_call_deadline_s", "mean_output_tokens")
+        require_positive(self, "default_service_ms", "min_tokens_per_s", "start_timeout_s")
