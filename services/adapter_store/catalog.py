@@ -51,6 +51,7 @@ from services.adapter_store.group_commit import GroupCommit
 from services.adapter_store.row_texts import RowTexts
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.membership import EtcdConnection, MembershipConfig, describe_etcd_error
+from services.runtime.etcd.prefix_follower import ListingPage, follow_prefix, prefix_end
 from services.runtime.process.tasks import cancel_and_wait
 
 log = logging.getLogger("loramesh.adapter_store")
@@ -60,8 +61,6 @@ T = TypeVar("T")
 MIRROR_WAIT_S = 10.0
 """How long a write waits for the replica's own mirror to show it before returning anyway."""
 _MAX_BACKOFF_S = 1.0
-LIST_PAGE_ROWS = 1000
-"""Rows per read when a replica lists the catalog (~0.6 MB)."""
 MAX_REGISTRATIONS_PER_TXN = 16
 """Registrations one transaction commits at most: each is about 5 writes and 4 checks, and etcd
 takes at most 128 of either in a transaction (its ``--max-txn-ops``)."""
@@ -242,49 +241,27 @@ class Catalog:
         """List, then watch from the next revision; on any failure list again (with backoff)."""
         backoff = 0.1
         while True:
-            watch = None
+            listing: list[Any] = []
             try:
-                listing, revision = await self._list_rows()
-                rows = await asyncio.to_thread(self._decode_all, listing)
-                self.mirror.replace(rows, revision)
-                self._listed.set()
-                self.problem, backoff = "", 0.1
-                watch = await self._conn.call(
-                    lambda c, start=revision + 1: c.watch_prefix(
-                        self.keys.rows.encode(), start_revision=start
-                    )
-                )
-                async for event in watch:
-                    await self._apply(event)
-                raise ConnectionError("watch stream ended")
+                async with contextlib.aclosing(follow_prefix(self._conn, self.keys.rows)) as updates:
+                    async for update in updates:
+                        if not isinstance(update, ListingPage):
+                            await self._apply(update)
+                            continue
+                        listing += update.kvs
+                        if update.last:
+                            rows = await asyncio.to_thread(self._decode_all, listing)
+                            self.mirror.replace(rows, update.revision)
+                            self._listed.set()
+                            self.problem, backoff = "", 0.1
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 - any failure: list again
                 self.problem = f"etcd at {self._conn.endpoint} unreachable ({describe_etcd_error(error)})"
                 log.warning("adapter catalog watch failed: %s; listing again", self.problem)
-                if watch is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watch.cancel(), self.config.call_timeout_s)
                 await self._conn.reset()
                 await asyncio.sleep(backoff)
                 backoff = min(_MAX_BACKOFF_S, backoff * 2)
-
-    async def _list_rows(self) -> tuple[list[Any], int]:
-        """Every row, in pages of :data:`LIST_PAGE_ROWS` read at one revision (one snapshot:
-        a single reply of 10,000 rows is over gRPC's 4 MiB), and that revision."""
-        start, end = self.keys.rows.encode(), _prefix_end(self.keys.rows)
-        rows: list[Any] = []
-        revision = 0
-        while True:
-            request = aetcd.rpc.RangeRequest(
-                key=start, range_end=end, limit=LIST_PAGE_ROWS, revision=revision
-            )
-            reply = await self._conn.call(lambda c, request=request: _range(c, request))
-            revision = revision or reply.header.revision
-            rows += reply.kvs
-            if not reply.more:
-                return rows, revision
-            start = reply.kvs[-1].key + b"\0"
 
     def _decode_all(self, listing: Any) -> list[tuple[int, AdapterRecord]]:
         return [(kv.create_revision, decode_row(kv.value, self._read_text)) for kv in listing]
@@ -525,7 +502,7 @@ class Catalog:
             lambda c: c.transaction(
                 compare=[
                     t.Mod(mark_key) == (found.mod_revision if found else 0),
-                    t.Version(refs.encode(), range_end=_prefix_end(refs)) == 0,
+                    t.Version(refs.encode(), range_end=prefix_end(refs)) == 0,
                 ],
                 success=[t.Put(mark_key, mark.encode())],
                 failure=[],
@@ -554,20 +531,6 @@ class Catalog:
         """Whether the collector's mark set at ``mark_revision`` still stands."""
         found = self._call(lambda c: c.get(self.keys.blob_mark(digest).encode()), "read a blob mark")
         return found is not None and found.mod_revision == mark_revision
-
-
-async def _range(client: aetcd.Client, request: Any) -> Any:
-    """One Range call with all of etcd's options (aetcd's ``get_range`` has no limit nor
-    revision)."""
-    await client.connect()
-    return await client.kvstub.Range(request, metadata=client.metadata)
-
-
-def _prefix_end(prefix: str) -> bytes:
-    """The end of the key range holding every key that starts with ``prefix``."""
-    raw = bytearray(prefix.encode())
-    raw[-1] += 1
-    return bytes(raw)
 
 
 def _pinned(record: AdapterRecord | None) -> bool | None:

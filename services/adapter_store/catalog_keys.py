@@ -22,6 +22,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from services.adapter_store.adapter_record import AdapterRecord
+from services.runtime.etcd.adapter_catalog_rows import catalog_root
 
 _TEXT_FIELDS = ("config_json", "chat_template", "tool_use_chat_template")
 """Record fields kept as blobs, the row holding ``<field>_sha256`` instead."""
@@ -42,7 +43,7 @@ class CatalogKeys:
 
     @classmethod
     def under(cls, key_prefix: str) -> CatalogKeys:
-        return cls(f"{key_prefix}/adapter_store")
+        return cls(catalog_root(key_prefix))
 
     @property
     def rows(self) -> str:

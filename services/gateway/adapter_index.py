@@ -4,9 +4,9 @@ of the gateway's adapter catalog (:mod:`services.gateway.adapter_catalog`).
 
 OpenAI clients do not page, so ``/v1/models`` lists every adapter a tenant may use. Paging them
 out of the store on every call cost one round trip per thousand adapters; instead the index
-lists the catalog once (``WatchAdapters``) and then applies each change the store publishes as
-it commits, so it follows registrations and deletions made through any gateway, the CLI or an
-import. A watch that breaks is opened again and listed afresh; meanwhile the last copy keeps
+lists the catalog once and then applies each change as it commits (from etcd,
+:mod:`services.gateway.etcd_catalog_watch`, or a store's ``WatchAdapters``), so it follows
+registrations and deletions made through any gateway, the CLI or an import. A watch that breaks is opened again and listed afresh; meanwhile the last copy keeps
 serving. A register or delete made through this gateway waits (briefly) until the index shows
 it, so its own caller reads its write.
 
@@ -49,7 +49,8 @@ class IndexedAdapter:
 
 
 class CatalogWatch(Protocol):
-    """The store's ``WatchAdapters`` stream; ``refresh``: look the store's address up again."""
+    """The catalog as ``WatchAdapters`` messages: a listing, then changes; ``refresh``: the last
+    watch broke, reach the source afresh."""
 
     def watch(self, refresh: bool) -> AsyncIterator[adapter_store_pb2.WatchAdaptersResponse]: ...
 

@@ -24,6 +24,7 @@ from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
+from services.gateway.etcd_catalog_watch import EtcdCatalogWatch
 from services.gateway.http.app import build_app
 from services.gateway.http.server import OpenAIHttpServer
 from services.gateway.parts import GatewayParts
@@ -31,6 +32,7 @@ from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.etcd.discovery import ChannelPool, MemberUnavailable, ServiceLocator
+from services.runtime.etcd.membership import MembershipConfig
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.rpc.method_handlers import add_servicer_with_readers
 
@@ -155,10 +157,12 @@ class _Located:
 
 
 class _StoreClient:
-    """The adapter store calls the gateway makes."""
+    """The adapter store calls the gateway makes. ``catalog``: where the catalog is watched, the
+    rows in etcd when the gateway has etcd; else the store's ``WatchAdapters`` stream."""
 
-    def __init__(self, located: _Located):
+    def __init__(self, located: _Located, catalog: EtcdCatalogWatch | None):
         self._located = located
+        self._catalog = catalog
 
     async def RegisterAdapter(self, requests: AsyncIterator[bytes]):
         """``requests``: the messages as wire bytes (:mod:`mesh_api.upload_wire`). An upload
@@ -209,7 +213,13 @@ class _StoreClient:
         return await self._located.call("SetAdapterPinned", request, timeout=120)
 
     def watch(self, refresh: bool):
+        if self._catalog is not None:
+            return self._catalog.watch(refresh)
         return self._located.stream("WatchAdapters", adapter_store_pb2.WatchAdaptersRequest(), refresh)
+
+    async def close(self) -> None:
+        if self._catalog is not None:
+            await self._catalog.close()
 
     async def get(self, owner: str, name: str):
         request = adapter_store_pb2.GetAdapterRequest(ref=ref_by_name(owner, name))
@@ -231,8 +241,12 @@ class GatewayService:
                 ServiceLocator("adapter_store", config.adapter_store, config.etcd_endpoints, config.tls()),
                 self.channels,
                 WireUploadAdapterStoreStub,
-            )
+            ),
+            EtcdCatalogWatch(MembershipConfig(etcd_endpoints=config.etcd_endpoints, tls=config.tls()))
+            if config.etcd_endpoints
+            else None,
         )
+        self._store = store
         self.core = GatewayCore(config, keys)
         catalog = AdapterCatalog(store, config.adapter_cache_s, config.adapter_access_cache)
         self.parts = GatewayParts(self.core, catalog, AdapterAdmin(store, catalog, config.adapter_load_dirs))
@@ -275,6 +289,7 @@ class GatewayService:
 
     async def stop(self) -> None:
         await self.parts.catalog.stop()
+        await self._store.close()
         await self.openai.stop()
         await self.channels.close()
 

@@ -10,12 +10,12 @@ import time
 import pytest
 from support.cli import COMMAND_TIMEOUT_S  # a hang guard, not a timing claim
 
-from services.adapter_store import catalog as catalog_module
 from services.adapter_store import registrar as registrar_module
 from services.adapter_store.adapter_record import PRIVATE
 from services.adapter_store.registrar import AdapterUpload
 from services.adapter_store.repository import AdapterKey
 from services.runtime.errors import AlreadyExists, Unavailable
+from services.runtime.etcd import prefix_follower
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 HOUR = 3600.0
@@ -146,7 +146,7 @@ def test_a_replica_lists_a_catalog_larger_than_one_read_page_by_page(
 ):
     """10,000 rows are more than one gRPC reply holds: the listing is read in pages, at one
     revision."""
-    monkeypatch.setattr(catalog_module, "LIST_PAGE_ROWS", 2)
+    monkeypatch.setattr(prefix_follower, "LIST_PAGE_ROWS", 2)
     writer = open_repository(replica_id="writer")
     records = [writer.registrar.register(upload(seeded_files(i % 2), f"a{i}")) for i in range(5)]
     reader = open_repository(replica_id="reader")

@@ -11,14 +11,19 @@ import hashlib
 import grpc
 import pytest
 from grpc import aio
+from support.polling import poll_until
 from support.store_replicas import Prefer, store_replicas
 
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
+from mesh_api.adapter_transfer import ref_by_name
 from mesh_api.upload_wire import WireUploadAdapterStoreStub, upload_wire
 from mesh_api.v1 import adapter_store_pb2
+from services.gateway.adapter_index import AdapterIndex
+from services.gateway.etcd_catalog_watch import EtcdCatalogWatch
 from services.gateway.service import _Located, _StoreClient
-from services.runtime.etcd import discovery
+from services.runtime.etcd import discovery, prefix_follower
 from services.runtime.etcd.discovery import ChannelPool, ServiceLocator
+from services.runtime.etcd.membership import MembershipConfig
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -91,7 +96,7 @@ async def _client(etcd, stub_class=WireUploadAdapterStoreStub):
     channels = ChannelPool()
     locator = ServiceLocator("adapter_store", etcd_endpoints=etcd.endpoint)
     try:
-        yield _StoreClient(_Located(locator, channels, stub_class))
+        yield _StoreClient(_Located(locator, channels, stub_class), catalog=None)
     finally:
         await channels.close()
 
@@ -169,3 +174,37 @@ async def test_a_one_shot_client_stream_is_refused_rather_than_sent_twice():
     )
     with pytest.raises(TypeError, match="_Replayable"):
         await located.call("RegisterAdapter", _messages({}, "sql"))
+
+
+@pytest.mark.integration
+async def test_the_gateway_lists_the_catalog_from_etcd_while_every_store_replica_is_down(
+    seeded, tmp_path, etcd, monkeypatch
+):
+    """The index watches the rows the replicas commit in etcd, not a replica: it lists with no
+    replica alive, in registration order over several read pages, and follows a delete made
+    through any replica."""
+    monkeypatch.setattr(prefix_follower, "LIST_PAGE_ROWS", 1)
+    watch = EtcdCatalogWatch(MembershipConfig(etcd_endpoints=etcd.endpoint))
+    async with store_replicas(tmp_path / "stores", etcd.endpoint) as replicas:
+        async with _client(etcd) as store:
+            kept = (await store.RegisterAdapter(_messages(seeded(1), "kept"))).adapter
+            gone = (await store.RegisterAdapter(_messages(seeded(2), "gone"))).adapter
+        index = AdapterIndex(watch)
+        assert [a.id for a in await index.usable("alice")] == [kept.id, gone.id]
+        async with _client(etcd) as store:
+            await store.DeleteAdapter(
+                adapter_store_pb2.DeleteAdapterRequest(ref=ref_by_name("alice", "gone"))
+            )
+        await poll_until(
+            lambda: index.usable("alice"),
+            lambda found: [a.id for a in found] == [kept.id],
+            "the delete listed",
+        )
+        await index.stop()
+        for replica in range(len(replicas.hosts)):
+            await replicas.crash(replica)
+        fresh = AdapterIndex(watch)
+        listed = await fresh.usable("alice")
+        await fresh.stop()
+    await watch.close()
+    assert [(a.id, a.name, a.owner, a.max_rank) for a in listed] == [(kept.id, "kept", "alice", 8)]
