@@ -47,13 +47,17 @@ class AdapterStoreConfig(ServiceConfig):
     and hashed before the store serves: minutes with thousands of adapters)."""
     retain_freed_memory: bool = True
     """On here (off in the other services): every upload passes through megabyte-sized buffers."""
+    blocking_threads: int = 32
+    """Threads running the store's blocking work (registrations, reads, deletes). A registration
+    holds its thread while its row commits through etcd's Raft and disk flush: with the default
+    executor's few threads (cores + 4) that wait, not the CPU, bounds registrations per second."""
     import_policy_file: str = ""
     """JSON file of which tenant may import adapters from which s3://, hf:// and file:// source
     prefixes (docs/operations.md); "": no imports at all."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_at_least(self, 1, "max_rank", "max_adapter_mib")
+        require_at_least(self, 1, "max_rank", "max_adapter_mib", "blocking_threads")
         require_at_least(self, 0, "ram_budget_mib")
         if self.collect_interval_s <= 0:
             raise ValueError(f"--collect-interval-s must be > 0, got {self.collect_interval_s:g}")

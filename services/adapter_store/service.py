@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from grpc import aio
@@ -53,6 +54,9 @@ class AdapterStoreService:
 
     async def start(self) -> None:
         cfg = self.config
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(cfg.blocking_threads, thread_name_prefix="store")
+        )
         policy = load_import_policy(cfg.import_policy_file)
         spec = await asyncio.to_thread(load_base_model_spec, cfg.model or None)
         data_dir = Path(cfg.data_dir)
