@@ -49,7 +49,12 @@ def ref_by_id(adapter_id: str) -> pb.AdapterRef:
 
 
 def read_adapter_dir(directory: str | Path) -> dict[str, bytes]:
-    """The files of a PEFT adapter directory that the store takes."""
+    """The files of a PEFT adapter directory that the store takes, read by whoever uploads them
+    (the SDK, ``loramesh up --lora-modules``) with its own permissions, links followed: it is the
+    caller's directory. No service reads a path for a tenant with it: the gateway's path load is
+    the store's ``file://`` import, confined and policy-checked
+    (:meth:`services.gateway.adapter_admin.AdapterAdmin.load_adapter_dir`); an upload over the
+    size limit is refused by the store."""
     directory = Path(directory)
     files = {name: (directory / name).read_bytes() for name in UPLOAD_FILES if (directory / name).exists()}
     if (directory / "adapter_model.bin").exists() and "adapter_model.safetensors" not in files:

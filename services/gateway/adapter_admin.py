@@ -1,5 +1,8 @@
 """Adapter administration through the gateway: upload, import, load from a directory, delete and
-pin, each passed to the adapter store with the caller's tenant as owner. Each write drops the
+pin, each passed to the adapter store with the caller's tenant as owner. Loading from a directory
+is an import of ``file://`` like any other (the tenant's import policy, no links, the upload size
+limit: all the store's), of a directory the gateway first confines under ``--adapter-load-dirs``.
+Each write drops the
 catalog's cached lookup of its name and waits (briefly) until the catalog lists the change, so
 its caller reads its own write (:mod:`services.gateway.adapter_catalog`).
 """
@@ -10,8 +13,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from mesh_api.adapter_transfer import is_import_uri, read_adapter_dir, ref_by_name
-from mesh_api.upload_wire import UploadMessage, header_wire, upload_wire
+from mesh_api.adapter_transfer import is_import_uri, ref_by_name
+from mesh_api.upload_wire import UploadMessage, header_wire
 from mesh_api.v1 import adapter_store_pb2, types_pb2
 from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.adapter_load_dirs import load_roots, resolve_adapter_dir
@@ -96,26 +99,24 @@ class AdapterAdmin:
 
     async def load_adapter(self, tenant: str, name: str, lora_path: str) -> types_pb2.AdapterInfo:
         """vLLM's ``load_lora_adapter``: an ``s3://``, ``hf://`` or ``file://`` URI is imported by
-        the store; anything else is a path on the gateway's machine (:meth:`register_adapter_dir`)."""
+        the store; anything else is a path on the gateway's machine (:meth:`load_adapter_dir`)."""
         if is_import_uri(lora_path):
             request = adapter_store_pb2.ImportAdapterRequest(uri=lora_path, name=name)
             return (await self.import_adapter(tenant, request)).adapter
-        return await self.register_adapter_dir(tenant, name, lora_path)
+        return await self.load_adapter_dir(tenant, name, lora_path)
 
-    async def register_adapter_dir(self, tenant: str, name: str, path: str) -> types_pb2.AdapterInfo:
-        """Register the PEFT directory ``path`` on the gateway's machine as ``tenant``'s ``name``:
-        under ``--adapter-load-dirs`` only, a relative ``path`` looked up under each of them
-        (:mod:`services.gateway.adapter_load_dirs`)."""
+    async def load_adapter_dir(self, tenant: str, name: str, path: str) -> types_pb2.AdapterInfo:
+        """Import the PEFT directory ``path`` as ``tenant``'s ``name``: under ``--adapter-load-dirs``
+        only, a relative ``path`` looked up under each of them
+        (:mod:`services.gateway.adapter_load_dirs`), then imported by the store as
+        ``file://`` + its resolved path. So a tenant loads by path only what its import policy
+        grants it (``loramesh up`` grants the load dirs to ``admin`` alone), files that are links
+        or not regular are refused, and the store's upload size limit is checked on the listed
+        sizes before any byte is read. The store reads the directory itself: it must see it at
+        the same path (one machine under ``loramesh up``; the same volume in Kubernetes)."""
         directory = resolve_adapter_dir(path, load_roots(self._adapter_load_dirs))
-        files = await asyncio.to_thread(read_adapter_dir, directory)
-
-        async def messages():
-            for message in upload_wire(files, name, owner=tenant):
-                yield message
-
-        reply = await self._store.RegisterAdapter(messages())
-        await self._registered(reply.adapter)
-        return reply.adapter
+        request = adapter_store_pb2.ImportAdapterRequest(uri=directory.as_uri(), name=name)
+        return (await self.import_adapter(tenant, request)).adapter
 
     async def delete_adapter(self, tenant: str, adapter: str) -> adapter_store_pb2.DeleteAdapterResponse:
         """Delete one of the caller's own adapters."""

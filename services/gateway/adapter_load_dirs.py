@@ -5,7 +5,12 @@ Only directories under ``--adapter-load-dirs`` may be read: a tenant must not ma
 read arbitrary files. A relative path is looked up under each of those directories in the order
 given, and the first that has it wins; it never resolves against the gateway's working
 directory, which is wherever ``loramesh up`` happened to run. A path that leads out of them
-(``..``, a symbolic link pointing elsewhere) is refused however it is spelled.
+(``..``, a symbolic link pointing elsewhere) is refused however it is spelled: the directory is
+resolved (``..`` and links followed) before it is compared with the resolved load dirs.
+
+This confines the directory only; its files are read by the adapter store's ``file://`` importer
+(:meth:`services.gateway.adapter_admin.AdapterAdmin.load_adapter_dir`), which checks the tenant's
+import policy, refuses a file that is a link or not a regular file, and the size limit.
 """
 
 from __future__ import annotations

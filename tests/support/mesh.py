@@ -61,6 +61,7 @@ async def start_mesh(
     worker_flags: tuple[str, ...] = (),
     gateway_flags: tuple[str, ...] = (),
     tls: bool = False,
+    store_flags: tuple[str, ...] = (),
 ) -> Mesh:
     """Start every process; with ``tls`` all of them (etcd with client-cert auth included) run
     with mutual TLS on certificates made in ``root/certs``."""
@@ -80,7 +81,7 @@ async def start_mesh(
     common = ["--etcd-endpoints", etcd.endpoint]
     store = ServiceProcess(
         "adapter_store",
-        [*common, "--data-dir", str(root / "store")],
+        [*common, "--data-dir", str(root / "store"), *store_flags],
         log_path=logs / "store.log",
         tls=tls_for("adapter_store"),
     )

@@ -4,7 +4,13 @@ Which directories may be read is the import policy's (:mod:`services.adapter_sto
 checked on the resolved path, so ``..`` and a symbolic link out of an allowed directory are
 refused. Inside the directory the files are opened without following links (a link named
 ``adapter_model.safetensors`` pointing at ``/etc/shadow`` is refused, not read), and each is
-checked against its listed size and mtime before and after the read.
+checked against its listed size and mtime before and after the read. What was opened is checked
+too, since the directory can change after the listing: it must be a regular file (a FIFO swapped
+in is opened without blocking, then refused) whose real path is still the one listed (a parent
+directory swapped for a link is refused).
+
+``POST /v1/load_lora_adapter`` with a plain path is such an import too (the gateway confines the
+path under its ``--adapter-load-dirs`` and sends ``file://`` + the resolved directory).
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ class FileSource(AdapterImportSource):
 
     def read(self, file: SourceFile, max_bytes: int) -> memoryview:
         try:
-            fd = os.open(self.directory / file.name, os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: opening a FIFO would otherwise wait for a writer; a regular file ignores it.
+            fd = os.open(self.directory / file.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise changed_during_import(file, "it was removed") from None
         except OSError as error:  # ELOOP: replaced by a link since the listing
@@ -65,9 +72,20 @@ class FileSource(AdapterImportSource):
                 f"{file.location} cannot be opened without following a link: {error}"
             ) from None
         with os.fdopen(fd, "rb") as stream:
+            self._check_opened(file, fd)
             if _version(os.fstat(fd)) != file.version:
                 raise changed_during_import(file, f"listed {file.version}, opened {_version(os.fstat(fd))}")
             data = read_capped(stream, file, max_bytes)
             if _version(os.fstat(fd)) != file.version:
                 raise changed_during_import(file, f"listed {file.version}, now {_version(os.fstat(fd))}")
         return data
+
+    def _check_opened(self, file: SourceFile, fd: int) -> None:
+        """InvalidArgument unless ``fd`` is a regular file, PermissionDenied unless it is at the
+        listed path (its real path as the kernel has it for the open file, not as the name
+        resolved a moment earlier)."""
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidArgument(f"{file.location} is not a regular file")
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if opened != str(self.directory / file.name):
+            raise PermissionDenied(f"{file.location} now resolves to {opened}: links are not followed")

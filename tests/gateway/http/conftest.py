@@ -2,7 +2,7 @@
 
 ``mesh``: a real mesh (etcd, store, 1 worker, scheduler, gateway), one per test module, with
 adapters registered through the SDK (gRPC) and the gateway allowed to load adapter directories
-from the tests' temporary tree.
+from the tests' temporary tree, which the store's import policy grants alice (not bob).
 
 ``scripted_gateway``: a real gateway core, relay and app in this process, in front of a worker
 on loopback that answers every request with a scripted list of tokens, and an in-memory store:
@@ -12,6 +12,7 @@ for what the HTTP front end itself decides (shapes, mappings, refusals), without
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -54,9 +55,16 @@ def adapter_dirs(adapter_root, base_spec):
 def mesh(tmp_path_factory, adapter_root, adapter_dirs) -> Mesh:
     """alice owns ``pirate`` and ``french`` (private) ; bob owns ``secret`` (private)."""
     root = tmp_path_factory.mktemp("openai-mesh")
+    policy = root / "import-policy.json"
+    policy.write_text(json.dumps({"tenants": {"alice": [adapter_root.as_uri()]}}))
 
     async def start() -> Mesh:
-        started = await start_mesh(root, workers=1, gateway_flags=("--adapter-load-dirs", str(adapter_root)))
+        started = await start_mesh(
+            root,
+            workers=1,
+            gateway_flags=("--adapter-load-dirs", str(adapter_root)),
+            store_flags=("--import-policy-file", str(policy)),
+        )
         try:
             await wait_for_workers(started, 1)
         except BaseException:
@@ -141,6 +149,8 @@ class ScriptedGateway:
     metrics: ServiceMetrics
     http: httpx.AsyncClient
     """The app on the HTTP port, authenticated as alice."""
+    store: InMemoryStore
+    """The adapters the gateway finds (a test may add some before it names them)."""
 
     @property
     def core(self) -> GatewayCore:
@@ -177,7 +187,7 @@ async def scripted_gateway(tokenizer_bundle) -> AsyncIterator[ScriptedGateway]:
         async with httpx.AsyncClient(
             transport=transport, base_url="http://gateway", headers={"authorization": "Bearer key-alice"}
         ) as http:
-            yield ScriptedGateway(parts, worker, metrics, http)
+            yield ScriptedGateway(parts, worker, metrics, http, store)
     finally:
         await parts.catalog.stop()
         await channels.close()

@@ -185,6 +185,13 @@ def test_vllm_load_and_unload_lora_adapter(mesh, adapter_dirs):
             assert reply.usage.completion_tokens >= 1
         outside = http.post("/load_lora_adapter", json={"lora_name": "etc", "lora_path": "/etc"})
         assert outside.status_code == 403 and "may load adapters from" in outside.json()["error"]["message"]
+        as_bob = http.post(
+            "/load_lora_adapter",
+            json={"lora_name": "loaded", "lora_path": str(adapter_dirs["secret"])},
+            headers={"Authorization": "Bearer key-bob"},
+        )
+        assert as_bob.status_code == 403  # a path load is an import: the policy grants bob nothing
+        assert "tenant 'bob' may not import from file://" in as_bob.json()["error"]["message"]
         unloaded = http.post("/unload_lora_adapter", json={"lora_name": "loaded"})
         assert unloaded.status_code == 200, unloaded.text
         gone = http.post("/completions", json={"model": "loaded", "prompt": "Hello", "max_tokens": 2})
