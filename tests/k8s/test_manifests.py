@@ -259,7 +259,7 @@ def test_the_blob_volume_component_puts_every_replica_on_one_readwritemany_claim
     store = by_kind(objects, "Deployment")["adapter-store"]
     (container,) = store["spec"]["template"]["spec"]["containers"]
     config = store_config(container, objects)
-    assert config.blob_store == "/blobs"
+    assert config.blob_store == "/blobs/adapters"
     claim_name = volume_at(store, container, config.blob_store)["persistentVolumeClaim"]["claimName"]
     claim = by_kind(objects, "PersistentVolumeClaim")[claim_name]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
