@@ -3,8 +3,8 @@
 `loramesh up` takes some of its services' settings as its own flags, under the service's flag
 names, with the config field's type, docstring (its help) and default, and passes those it was
 given on to the services; a setting it was not given is left to the service's default (or its
-``LORAMESH_*`` variable, which every process inherits from `up`). Exposing one more setting is
-adding its name to a :class:`ForwardedSettings`.
+``LORAMESH_*`` variable, which each of its processes takes from `up`'s environment). Exposing
+one more setting is adding its name to a :class:`ForwardedSettings`.
 """
 
 from __future__ import annotations

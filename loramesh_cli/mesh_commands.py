@@ -18,7 +18,7 @@ from loramesh.tls import ClientTLS
 from loramesh_cli.errors import CommandError
 from loramesh_cli.lora_modules import register_lora_modules
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, command_line, pid_alive, why_not_live
-from loramesh_cli.mesh_layout import ETCD_UNIT, STORE_KIND, service_processes
+from loramesh_cli.mesh_layout import ETCD_UNIT, STORE_KIND, check_service_settings, service_processes
 from loramesh_cli.mesh_status import add_status_parser
 from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
 from loramesh_cli.up_arguments import (
@@ -73,6 +73,7 @@ def _check_not_running(state_dir: Path) -> None:
 
 def cmd_up(args) -> int:
     check_up_args(args)
+    check_service_settings(args, os.environ)
     state_dir = Path(args.state_dir)
     _check_not_running(state_dir)
     if args.detach:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from loramesh_cli.config_flags import setting_flags
+from loramesh_cli.errors import CommandError
 from loramesh_cli.lora_modules import import_grants
 from loramesh_cli.up_arguments import (
     ADMIN_TENANT,
@@ -19,17 +21,38 @@ from loramesh_cli.up_arguments import (
     adapter_load_dirs,
     lora_modules,
 )
+from services.adapter_store.config import AdapterStoreConfig
+from services.gateway.config import GatewayConfig
+from services.gpu_worker.config import WorkerConfig
+from services.kv_manager.config import KVManagerConfig
+from services.model_files.cache_dir import CACHE_ENV
+from services.runtime.config import ServiceConfig, SettingError, read_config, setting_variables
 from services.runtime.process.ports import free_port
 from services.runtime.process.process import ServiceProcess
 from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.security.identity import MeshIdentity
 from services.runtime.security.private_files import write_private_text
 from services.runtime.security.tls import NO_TLS, TLSConfig
+from services.scheduler.config import SchedulerConfig
 
 #: The supervisor's name for etcd's process.
 ETCD_UNIT = "etcd"
 #: The adapter store's kind: its first replica's process name, the others' prefix.
 STORE_KIND = "adapter_store"
+#: Each kind's settings: the ``LORAMESH_*`` variables of `up`'s environment its processes get.
+SERVICE_CONFIGS: dict[str, type[ServiceConfig]] = {
+    STORE_KIND: AdapterStoreConfig,
+    "gpu_worker": WorkerConfig,
+    "scheduler": SchedulerConfig,
+    "kv_manager": KVManagerConfig,
+    "gateway": GatewayConfig,
+}
+
+
+def service_variables(kind: str) -> frozenset[str]:
+    """The ``LORAMESH_*`` variables a process of ``kind`` reads: its settings', and the cache
+    directory of what every service derives from the base model."""
+    return setting_variables(SERVICE_CONFIGS[kind]) | {CACHE_ENV}
 
 
 def replica_name(kind: str, index: int) -> str:
@@ -51,14 +74,17 @@ def service_processes(
     process comes back at the same address. With ``certs``, each runs with mutual TLS as its own
     instance (``<kind>/<name>``: services/runtime/security/identity.py).
 
-    Each process inherits the environment of `up`, so any setting `up` has no flag for reaches
-    its services as their ``LORAMESH_*`` variable; a flag passed here wins over it."""
+    Each process gets the part of `up`'s environment it needs
+    (services/runtime/process/child_environment.py), its service's ``LORAMESH_*`` variables
+    among it, so any setting `up` has no flag for reaches its services as their variable; a flag
+    passed here wins over it. Cloud credentials reach the adapter store alone."""
 
     def service(kind: str, name: str, flags: list[str]) -> ServiceProcess:
         return ServiceProcess(
             kind,
             [*flags, "--instance-id", name],
             log_path=log_dir / f"{name}.log",
+            settings=service_variables(kind),
             tls=instance_tls(certs, MeshIdentity(kind, name)),
         )
 
@@ -97,6 +123,25 @@ def service_processes(
         processes[name] = service("gateway", name, [*gateway_flags, "--openai-port", str(openai_port)])
         openai_addresses[name] = f"{processes[name].host}:{openai_port}"
     return processes, openai_addresses
+
+
+def check_service_settings(args, environ: Mapping[str, str]) -> None:
+    """Each kind's settings as its processes will read them, before any starts: the settings
+    `up` passes on as flags and the kind's ``LORAMESH_*`` variables in ``environ`` (`up`'s). A
+    value the service would refuse is refused here in one line naming the service and the
+    setting, instead of as a process that exits at start."""
+    flags = {
+        STORE_KIND: [*setting_flags(args, [STORE_SETTINGS]), *_max_rank_flags(args)],
+        "gpu_worker": _worker_flags(args),
+        "scheduler": setting_flags(args, [SCHEDULER_SETTINGS]),
+        "kv_manager": [],
+        "gateway": setting_flags(args, [GATEWAY_SETTINGS]),
+    }
+    for kind, config in SERVICE_CONFIGS.items():
+        try:
+            read_config(config, flags[kind], environ)
+        except SettingError as error:
+            raise CommandError(f"{kind}: {error}") from None
 
 
 def store_replica_flags(args, state_dir: Path) -> dict[str, list[str]]:

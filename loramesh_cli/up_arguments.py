@@ -149,7 +149,8 @@ def add_up_parser(sub) -> argparse.ArgumentParser:
                          "(default 2: one can die while the other serves; 1 runs one process "
                          "fewer, its address given to the gateways and workers)")  # fmt: skip
     up.add_argument("--kv-managers", type=int, default=2,
-                    help="kv_manager replicas, one active (default 2)")  # fmt: skip
+                    help="kv_manager replicas, one active (default 2); 0 runs none: no DistKV, the "
+                         "workers preempt instead of borrowing KV blocks")  # fmt: skip
     defaults = RestartPolicy()
     up.add_argument("--restart-backoff-s", type=float, default=defaults.initial_backoff_s,
                     help=f"wait before restarting a process that died (default {defaults.initial_backoff_s:g})")  # fmt: skip
@@ -164,9 +165,18 @@ def add_up_parser(sub) -> argparse.ArgumentParser:
 def check_up_args(args) -> None:
     """Refuses a bad setting in one line, before anything starts: every count, range, path and
     port named on the command line."""
-    for flag in ("workers", "gateways", "schedulers", "kv_managers", "adapter_stores"):
+    for flag in ("workers", "gateways", "schedulers", "adapter_stores"):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.kv_managers < 0:
+        raise CommandError(
+            f"--kv-managers must be 0 (no DistKV: the workers preempt) or more, got {args.kv_managers}"
+        )
+    if args.kv_managers == 0 and args.kv_overflow == "borrow":
+        raise CommandError(
+            "--kv-overflow borrow needs a kv_manager to suggest creditors; --kv-managers 0 runs none "
+            "(leave --kv-overflow out, or use preempt)"
+        )
     if args.lend_cap_blocks is not None and args.lend_cap_blocks < -1:
         raise CommandError(f"--lend-cap-blocks must be -1 (auto), 0 or more, got {args.lend_cap_blocks}")
     if args.lend_compute_share is not None and not 0 <= args.lend_compute_share <= 1:

@@ -124,9 +124,19 @@ class ServiceConfig:
         return MembershipConfig(etcd_endpoints=self.etcd_endpoints, ttl_s=self.lease_ttl_s, tls=self.tls())
 
 
+def setting_variable(name: str) -> str:
+    """The environment variable of the setting ``name``: ``LORAMESH_NAME``."""
+    return ENV_PREFIX + name.upper()
+
+
+def setting_variables(cls: type[ServiceConfig]) -> frozenset[str]:
+    """Every environment variable the config ``cls`` reads, one per setting."""
+    return frozenset(setting_variable(f.name) for f in dataclasses.fields(cls))
+
+
 def setting_names(name: str) -> str:
     """How a refusal names the setting ``name``: its flag and its environment variable."""
-    return f"--{name.replace('_', '-')} (env {ENV_PREFIX}{name.upper()})"
+    return f"--{name.replace('_', '-')} (env {setting_variable(name)})"
 
 
 def require_at_least(config: object, minimum: float, *names: str) -> None:
@@ -268,6 +278,64 @@ def _converter(kind: Any) -> Callable[[str], Any]:
     return convert
 
 
+class SettingError(ValueError):
+    """A setting's value the service cannot run with; the message is one line naming it."""
+
+
+class _SettingsParser(argparse.ArgumentParser):
+    """Raises :class:`SettingError` where argparse would print it and exit, so that both
+    :func:`parse_config` (which then does) and :func:`read_config` (which does not) see it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise SettingError(message)
+
+
+_UNSET = object()
+"""A flag's value when it is not on the command line (its variable or default applies)."""
+
+
+def _settings_parser(cls: type[ServiceConfig], prog: str | None) -> _SettingsParser:
+    hints = get_type_hints(cls)
+    docs = field_docs(cls)
+    parser = _SettingsParser(prog=prog, description=(cls.__doc__ or "").strip())
+    for f in dataclasses.fields(cls):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_converter(hints[f.name]),
+            default=_UNSET,
+            help=f"{docs.get(f.name, '')} [env {setting_variable(f.name)}; default {f.default!r}]",
+        )
+    return parser
+
+
+def _config(
+    cls: type[C], parser: _SettingsParser, argv: Sequence[str] | None, environ: Mapping[str, str]
+) -> C:
+    hints = get_type_hints(cls)
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        value, variable = getattr(args, f.name), setting_variable(f.name)
+        if value is _UNSET and variable in environ:
+            try:
+                value = _converter(hints[f.name])(environ[variable])
+            except argparse.ArgumentTypeError as error:
+                raise SettingError(f"{variable} (setting --{f.name.replace('_', '-')}): {error}") from None
+        values[f.name] = f.default if value is _UNSET else value
+    try:
+        return cls(**values)
+    except ValueError as error:  # a config's own check (require_at_least...): one line naming it
+        raise SettingError(str(error)) from None
+
+
+def read_config(cls: type[C], argv: Sequence[str], environ: Mapping[str, str]) -> C:
+    """``cls`` from the flags ``argv``, then the variables of ``environ``, then defaults, as the
+    service would build it; :class:`SettingError` naming the first setting it would refuse (for
+    a command that checks a service's settings before it starts it: `loramesh up`)."""
+    return _config(cls, _settings_parser(cls, None), argv, environ)
+
+
 def parse_config(
     cls: type[C],
     argv: Sequence[str] | None = None,
@@ -277,32 +345,8 @@ def parse_config(
     """Build ``cls`` from command-line flags, then ``LORAMESH_*`` env vars, then defaults. A value
     that does not parse or that the config refuses exits with status 2 and one line naming the
     setting (its flag, and its variable when the value came from there)."""
-    environ = os.environ if environ is None else environ
-    hints = get_type_hints(cls)
-    docs = field_docs(cls)
-    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        convert = _converter(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        env_name = ENV_PREFIX + f.name.upper()
-        default = f.default
-        if env_name in environ:
-            try:
-                default = convert(environ[env_name])
-            except argparse.ArgumentTypeError as error:
-                parser.error(f"{env_name} (setting {flag}): {error}")
-        parser.add_argument(
-            flag,
-            dest=f.name,
-            type=convert,
-            default=default,
-            help=f"{docs.get(f.name, '')} [env {env_name}; default {f.default!r}]",
-        )
-    args = parser.parse_args(argv)
-    for f in dataclasses.fields(cls):
-        values[f.name] = getattr(args, f.name)
+    parser = _settings_parser(cls, prog)
     try:
-        return cls(**values)
-    except ValueError as error:  # a config's own check: one line naming the flag, exit status 2
-        parser.error(str(error))
+        return _config(cls, parser, argv, os.environ if environ is None else environ)
+    except SettingError as error:
+        argparse.ArgumentParser.error(parser, str(error))

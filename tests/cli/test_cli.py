@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +28,13 @@ pytestmark = pytest.mark.integration
 
 BOB_KEY = "lm-test-bob"
 """A second tenant's key, beside mesh.json's admin key (``up --api-keys-file``)."""
+UP_SECRETS = {
+    "AWS_SECRET_ACCESS_KEY": "s3-secret",
+    "HF_TOKEN": "hf-secret",
+    "LORAMESH_API_KEY": "lm-client-key",
+}
+"""In `up`'s environment: the cloud's credentials, for the adapter store alone, and a client's
+own key, for no service."""
 
 
 @pytest.fixture
@@ -40,6 +48,7 @@ def mesh(tmp_path):
         "--api-keys-file", str(keys_file),
         # The store's collector runs often enough to watch: a blob no adapter names is gone in seconds.
         "--collect-interval-s", "0.5", "--collect-grace-s", "2",
+        env=UP_SECRETS,
     )  # fmt: skip
     yield state
     loramesh(state, "down", check=False)
@@ -53,6 +62,7 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert stat.S_IMODE(keys_file.stat().st_mode) == 0o600
     assert mesh_file["admin_api_key"] not in keys_file.read_text() and "sha256:" in keys_file.read_text()
     assert mesh_file["tls"] == {}  # plaintext unless `up --tls`
+    only_the_store_has_the_credentials(mesh_file)
 
     directory = write_peft_adapter(
         tmp_path / "a", base_spec, SampleAdapterSpec(rank=16, target_modules=LORA_TARGETS)
@@ -218,6 +228,22 @@ def test_adapters_has_no_way_to_name_another_owner(tmp_path):
     assert done.returncode == 1 and "no API key" in done.stderr and "--api-key" in done.stderr
 
 
+def environment_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def only_the_store_has_the_credentials(mesh_file: dict) -> None:
+    """Each running service's own environment, as the kernel holds it: `up`'s cloud credentials
+    reached the store replicas alone, and the client's key none."""
+    for name, entry in mesh_file["services"].items():
+        env = environment_of(entry["pid"])
+        assert "PATH" in env and "LORAMESH_API_KEY" not in env, name
+        credentials = {key: env.get(key) for key in ("AWS_SECRET_ACCESS_KEY", "HF_TOKEN")}
+        expected = ("s3-secret", "hf-secret") if name.startswith("adapter_store") else (None, None)
+        assert tuple(credentials.values()) == expected, name
+
+
 def test_a_zombie_counts_as_gone():
     child = subprocess.Popen(["true"])
     # Wait for the exit without reaping it: the child stays a zombie, as under a parent that never waits.
@@ -231,11 +257,12 @@ def test_a_zombie_counts_as_gone():
 
 
 def test_down_returns_when_up_exited_but_was_never_reaped_and_state_is_owner_only(tmp_path):
-    """The issue's reproduction: `up` in the foreground from a parent that never calls wait()."""
+    """The issue's reproduction: `up` in the foreground from a parent that never calls wait().
+    With ``--kv-managers 0``, as documented: no DistKV, the worker preempting."""
     state = tmp_path / "state"
     up = subprocess.Popen(
         [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state),
-         "up", "--workers", "1", "--dtype", "float32", "--pool-mib", "64"],
+         "up", "--workers", "1", "--dtype", "float32", "--pool-mib", "64", "--kv-managers", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
@@ -249,6 +276,10 @@ def test_down_returns_when_up_exited_but_was_never_reaped_and_state_is_owner_onl
             return stat.S_IMODE(path.stat().st_mode)
 
         assert mode(mesh_json) == 0o600  # it holds the admin API key
+        services = json.loads(mesh_json.read_text())["services"]
+        assert not any(name.startswith("kv_manager") for name in services)
+        worker = Path(f"/proc/{services['gpu_worker-0']['pid']}/cmdline").read_bytes().split(b"\0")
+        assert worker[worker.index(b"--kv-overflow") + 1] == b"preempt"
         store = state / "adapter_store"
         for directory in (state, state / "logs", state / "etcd", store, store / "sha256", store / "staging"):
             assert mode(directory) == 0o700, directory

@@ -12,9 +12,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.runtime.process.child_environment import child_environment
 from services.runtime.process.ports import free_port
 from services.runtime.rpc.server import check_health
 from services.runtime.security.tls import NO_TLS, TLSConfig
@@ -47,6 +49,11 @@ class ServiceProcess:
     port: int = 0
     http_port: int = 0
     env: dict[str, str] | None = None
+    """Variables set for it on top of what it takes from this process's environment: the
+    allow-list of :func:`~services.runtime.process.child_environment.child_environment`."""
+    settings: Collection[str] | None = None
+    """The ``LORAMESH_*`` variables it takes from this process's environment (its config's
+    ``setting_variables``); None: all of them."""
     tls: TLSConfig = NO_TLS
     """Its mutual TLS settings (passed as ``--tls-*`` flags; the readiness probe uses them too)."""
     proc: subprocess.Popen | None = None
@@ -75,7 +82,7 @@ class ServiceProcess:
         ]  # fmt: skip
 
     def start(self) -> ServiceProcess:
-        env = {**os.environ, **(self.env or {})}
+        env = {**child_environment(os.environ, self.module, self.settings), **(self.env or {})}
         if self.log_path is None:
             self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
             return self
