@@ -13,6 +13,8 @@ tenant to the source prefixes it may import from::
 A prefix covers a source when it names the same place or a parent of it, segment by segment
 (:mod:`services.adapter_store.importers.source_scope`): a bucket or a key prefix, a Hub
 organisation or one repository, a directory (resolved, so ``..`` and links cannot leave it).
+An ``s3://`` or ``hf://`` source is compared as written, and one with a ``.`` or ``..`` segment,
+in any spelling (``%2e%2e``), is refused rather than matched.
 """
 
 from __future__ import annotations

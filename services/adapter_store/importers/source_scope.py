@@ -6,6 +6,12 @@ A scope is a scheme and a path of segments: ``s3://bucket/a/b`` is ``("bucket", 
 spelling of a path escapes the directory a policy names). One scope covers another when it is
 the same or a whole-segment prefix of it: ``s3://b/team`` covers ``s3://b/team/x`` but not
 ``s3://b/team-other``.
+
+An ``s3://`` or ``hf://`` path is compared as the importer fetches it, never resolved: empty
+segments (``a//b``) are dropped, as the importers drop them, and a ``.`` or ``..`` segment, or
+one that percent-decodes to either or to a path separator (``%2e%2e``, ``%2F``), is refused
+(InvalidArgument), since a client, proxy or mirror on the way might resolve what the scope
+compared literally: ``s3://b/allowed/../secret`` is no source under ``s3://b/allowed/``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,20 @@ class SourceScope:
         return self.scheme == other.scheme and other.segments[: len(self.segments)] == self.segments
 
 
+def _segments(uri: str, path: str) -> tuple[str, ...]:
+    """The non-empty ``/``-separated segments of ``path`` (of ``uri``); InvalidArgument naming
+    the first one that is, or percent-decodes to, ``.``, ``..`` or a path separator."""
+    segments = tuple(p for p in path.split("/") if p)
+    for segment in segments:
+        decoded = unquote(segment)
+        if decoded in (".", "..") or "/" in decoded or "\\" in decoded:
+            raise InvalidArgument(
+                f"source {uri!r} has the path segment {segment!r}: '.', '..' and encoded "
+                "separators are refused, not resolved"
+            )
+    return segments
+
+
 def scheme_of(uri: str) -> str:
     """The URI's scheme, when it is one an import takes; InvalidArgument otherwise."""
     scheme, sep, _ = uri.partition("://")
@@ -43,11 +63,12 @@ def scheme_of(uri: str) -> str:
 def split_hf(uri: str) -> tuple[str, str, str, tuple[str, ...]]:
     """``hf://org/repo[@revision][/subdir]`` → (org, repo, revision or "", subdir segments);
     repo may be "" (a whole organisation, as a policy may name it)."""
-    parts = [p for p in uri[len("hf://") :].split("/") if p]
+    parts = list(_segments(uri, uri[len("hf://") :]))
     if not parts:
         raise InvalidArgument(f"source {uri!r} names no Hub organisation: expected hf://org/repo")
     org, rest = parts[0], parts[1:]
     repo, _, revision = (rest[0] if rest else "").partition("@")
+    _segments(uri, repo)  # "..@main": the repository is a segment of its own
     return org, repo, revision, tuple(rest[1:])
 
 
@@ -65,7 +86,7 @@ def scope_of(uri: str) -> SourceScope:
         bucket, _, prefix = uri[len("s3://") :].partition("/")
         if not bucket:
             raise InvalidArgument(f"source {uri!r} names no bucket: expected s3://bucket/prefix")
-        return SourceScope("s3", (bucket, *(p for p in prefix.split("/") if p)))
+        return SourceScope("s3", (*_segments(uri, bucket), *_segments(uri, prefix)))
     if scheme == "hf":
         org, repo, _, subdir = split_hf(uri)
         return SourceScope("hf", (org, repo, *subdir) if repo else (org,))
