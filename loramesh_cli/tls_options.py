@@ -1,4 +1,4 @@
-"""``--tls-ca/--tls-cert/--tls-key``: the mutual TLS files the CLI presents to a mesh that runs
+"""``--tls-ca/--tls-cert/--tls-key`` (and ``--tls-server-name``): the mutual TLS files the CLI presents to a mesh that runs
 with mTLS (its gateways, its adapter store, its etcd). Without them, the local mesh's files from
 mesh.json (``loramesh up --tls`` writes the ``admin`` identity's there); without those, plaintext."""
 
@@ -16,13 +16,19 @@ def add_tls_flags(parser) -> None:
     parser.add_argument("--tls-ca", default="", help="mesh CA certificate (default: from mesh.json)")
     parser.add_argument("--tls-cert", default="", help="client certificate, e.g. certs/admin.pem")
     parser.add_argument("--tls-key", default="", help="its private key, e.g. certs/admin-key.pem")
+    parser.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name the servers' certificates are checked against instead of the host dialled "
+        "(mesh.loramesh in a cluster, whose etcd members are dialled as etcd-0.etcd)",
+    )
 
 
 def cli_tls(args) -> TLSConfig:
     """The TLS settings of this command: the flags, else mesh.json's, else none (plaintext)."""
     try:
         if args.tls_ca or args.tls_cert or args.tls_key:
-            return TLSConfig(args.tls_ca, args.tls_cert, args.tls_key)
+            return TLSConfig(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
     except ValueError as error:
         raise CommandError(f"--tls-ca, --tls-cert and --tls-key go together: {error}") from None
     mesh = MeshFile.read(Path(args.state_dir))
@@ -34,4 +40,4 @@ def sdk_tls(args) -> ClientTLS | None:
     if not (args.tls_ca or args.tls_cert or args.tls_key):
         return None
     tls = cli_tls(args)
-    return ClientTLS(tls.ca_file, tls.cert_file, tls.key_file)
+    return ClientTLS(tls.ca_file, tls.cert_file, tls.key_file, tls.server_name)

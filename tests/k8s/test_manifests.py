@@ -534,6 +534,8 @@ def test_each_pod_gets_its_etcd_user_from_a_controller_that_may_only_list_pods(r
     template = by_kind(render(K8S / "secrets"), "Secret")[secret]
     for flag, key in (("--tls-ca", "ca.crt"), ("--tls-cert", "tls.crt"), ("--tls-key", "tls.key")):
         assert flags[flag] == f"{mount['mountPath']}/{key}" and key in template["stringData"]
+    # etcd is dialled as etcd-0.etcd, which gRPC does not match to the certificate's *.etcd.
+    assert flags["--tls-server-name"] == env_of(container, objects)["LORAMESH_TLS_SERVER_NAME"]
     account = controller["serviceAccountName"]
     (binding,) = [b for b in by_kind(objects, "RoleBinding").values() if b["subjects"][0]["name"] == account]
     role = by_kind(objects, "Role")[binding["roleRef"]["name"]]
