@@ -21,7 +21,7 @@ from typing import Any
 
 import jinja2
 
-from services.model_files.tokenizer import compile_chat_template
+from services.model_files.chat_template import compile_chat_template
 from services.runtime.errors import InvalidArgument
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -1,13 +1,16 @@
-"""Settings of the gateway (flags ``--name``, env ``LORAMESH_NAME``)."""
+"""Settings of the gateway (flags ``--name``, env ``LORAMESH_NAME``): its own below, and the
+chat templates' render budget, declared once in :class:`TemplateBudget`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.runtime.config import ServiceConfig
+from services.model_files.template_budget import TemplateBudget
+from services.runtime.config import ServiceConfig, part_of, require_at_least, require_positive, settings_of
 
 
 @dataclass
+@settings_of(TemplateBudget)
 class GatewayConfig(ServiceConfig):
     """loramesh gateway: the public API (auth, tenants, text in/out, streaming, resume)."""
 
@@ -26,6 +29,9 @@ class GatewayConfig(ServiceConfig):
     """Adapter store address; empty: discovered in etcd."""
     max_prompt_tokens: int = 4096
     """Longest prompt accepted, in tokens."""
+    max_prompt_bytes: int = 2**20
+    """Longest prompt accepted, in UTF-8 bytes, refused before any of it is tokenized: a
+    prompt's text, or a chat's messages (contents and tool calls' arguments) together."""
     max_tokens_limit: int = 2048
     """Largest max_tokens a request may ask for."""
     default_max_tokens: int = 128
@@ -45,3 +51,23 @@ class GatewayConfig(ServiceConfig):
     """Comma-separated directories under which ``POST /v1/load_lora_adapter`` may read a
     ``lora_path`` on the gateway's machine (a relative ``lora_path`` is looked up under each, in
     order, never under the working directory); empty: loading by path is refused."""
+    chat_template_processes: int = 2
+    """Processes that render chat templates, off the event loop; one tenant holds at most all
+    but one of them at once (docs/security.md, "Chat templates")."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least(
+            self,
+            1,
+            "max_prompt_bytes",
+            "chat_template_processes",
+            "chat_template_max_operations",
+            "chat_template_max_output_bytes",
+            "chat_template_memory_mib",
+        )
+        require_positive(self, "chat_template_cpu_s")
+
+    def template_budget(self) -> TemplateBudget:
+        """What one chat template render may spend."""
+        return part_of(self, TemplateBudget)

@@ -12,22 +12,28 @@ calls and their results back; nothing here knows about a server context or an HT
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from mesh_api.v1 import gateway_pb2, types_pb2
-from services.gateway.adapter_reference import ResolvedAdapter
+from services.gateway.adapter_reference import ResolvedAdapter, chat_template
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, resume_point
 from services.gateway.relay import Relay, RelayRequest
+from services.gateway.template_renderer import TemplateRenderer
 from services.gateway.tenant_quota import TenantQuota
 from services.gateway.tool_calls import ChatMessage, ToolRequest, template_input
-from services.model_files.tokenizer import ChatTemplateError
+from services.model_files.chat_template import ChatTemplateError, TemplateOverBudget
 from services.model_files.tokenizer_loading import TokenizerBundle
-from services.runtime.errors import InvalidArgument, Unavailable
-from services.runtime.sampling.request_validation import check_first_token_deadline, check_request
+from services.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.runtime.sampling.request_validation import (
+    InvalidField,
+    check_first_token_deadline,
+    check_request,
+)
 from services.runtime.sampling.sampling_proto import sampling_from_proto
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -36,11 +42,21 @@ ROLES = ("system", "user", "assistant", "tool")
 class GatewayCore:
     """Serves requests once :meth:`attach` has given it the tokenizer and its clients."""
 
-    def __init__(self, config: GatewayConfig, keys: ApiKeys, quota: TenantQuota | None = None):
-        """``quota``: the tenants' limits; None: those of the tenants file (``keys.quotas``)."""
+    def __init__(
+        self,
+        config: GatewayConfig,
+        keys: ApiKeys,
+        quota: TenantQuota | None = None,
+        renderer: TemplateRenderer | None = None,
+    ):
+        """``quota``: the tenants' limits; None: those of the tenants file (``keys.quotas``).
+        ``renderer``: where chat templates render; None: render processes of its own, per
+        ``config`` (started when first needed, ended by :meth:`close`)."""
         self.config = config
         self.keys = keys
         self.quota = quota or TenantQuota(keys.quotas)
+        self._own_renderer = renderer is None
+        self.renderer = renderer or TemplateRenderer(config.template_budget(), config.chat_template_processes)
         self._ready = False
 
     def attach(self, text: TokenizerBundle, relay: Relay) -> None:
@@ -56,6 +72,11 @@ class GatewayCore:
         )
         self.relay = relay
         self._ready = True
+
+    def close(self) -> None:
+        """Ends the render processes it started."""
+        if self._own_renderer:
+            self.renderer.close()
 
     @property
     def ready(self) -> bool:
@@ -73,28 +94,62 @@ class GatewayCore:
     # -- prompts ------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """``add_special_tokens``: what the tokenizer's post-processor adds (a BOS for some models)."""
+        """``add_special_tokens``: what the tokenizer's post-processor adds (a BOS for some models).
+        Tokenizes here, whatever the size: a request's prompt goes through :meth:`tokenize`."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False, field: str = "prompt") -> list[int]:
+        """A request's prompt as token ids: refused past ``--max-prompt-bytes`` before any of it
+        is tokenized (``field`` names it), then tokenized off the event loop."""
+        self._check_prompt_bytes([text], field)
+        return await asyncio.to_thread(self.encode, text, add_special_tokens)
+
+    async def tokenize_each(
+        self, prompts: Sequence[str | list[int]], field: str = "prompt"
+    ) -> list[list[int]]:
+        """Several prompts (text, or token ids already) as token ids, each text checked as
+        :meth:`tokenize` checks it before any is tokenized."""
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self._check_prompt_bytes([prompt], field)
+        return [await self.tokenize(p, field=field) if isinstance(p, str) else p for p in prompts]
+
+    def _check_prompt_bytes(self, texts: Sequence[str], field: str) -> None:
+        """``texts`` together within --max-prompt-bytes; cheap when far over: a character is at
+        least one byte, so more characters than the limit are over without encoding any."""
+        limit = self.config.max_prompt_bytes
+        if sum(len(t) for t in texts) > limit:
+            size = f"over {limit}"
+        elif (total := sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)) > limit:
+            size = str(total)
+        else:
+            return
+        raise InvalidField(field, f"{field} is {size} bytes; the limit is {limit} (--max-prompt-bytes)")
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (names tokens in OpenAI's ``logprobs``)."""
         return self.tokenizer.id_to_bytes(token_id)
 
-    def chat_prompt(
+    async def chat_prompt(
         self,
+        tenant: str,
         messages: Sequence[tuple[str, str] | ChatMessage],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         *,
-        chat_template: str | None = None,
+        adapter: ResolvedAdapter | None = None,
         tools: ToolRequest | None = None,
     ) -> list[int]:
         """Messages (``(role, content)`` pairs, or :class:`ChatMessage` with tool calls and
         results) through the chat template, tokenized; the prompt of a reply unless
         ``add_generation_prompt`` is false (vLLM's ``/tokenize`` can ask).
 
-        ``chat_template``: an adapter's (:func:`services.gateway.adapter_reference.chat_template`);
-        None: the base model's.
+        The template is ``adapter``'s own (:func:`services.gateway.adapter_reference.chat_template`;
+        its ``tool_use`` one when ``tools`` are offered), else the base model's. It renders in
+        the gateway's render processes, in ``tenant``'s turn and within the template budget
+        (:mod:`services.gateway.template_renderer`); a template over budget is a
+        ``FAILED_PRECONDITION`` naming it. The messages are refused past ``--max-prompt-bytes``
+        before anything renders.
         ``tools``: the tools offered (:func:`services.gateway.tool_calls.template_input`).
         """
         if not messages:
@@ -105,18 +160,27 @@ class GatewayCore:
                 raise InvalidArgument(
                     f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.role!r}"
                 )
-        template = self.tokenizer.chat_template if chat_template is None else chat_template
-        rendered = template_input(chat, tools, template)
+        self._check_prompt_bytes(list(_message_texts(chat)), "messages")
+        own = chat_template(adapter, with_tools=tools is not None)
+        template = self.tokenizer.chat_template if own is None else own
+        if template is None:
+            raise FailedPrecondition("the base model has no chat template; send a prompt instead")
+        # template_input parses the template (once per template): not on the event loop either.
+        rendered = await asyncio.to_thread(template_input, chat, tools, template)
+        variables = self.tokenizer.template_variables(
+            rendered.messages, add_generation_prompt, tools=rendered.tools
+        )
+        name = _template_name(adapter, own, tools is not None)
         try:
-            text = self.tokenizer.apply_chat_template(
-                rendered.messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=rendered.tools,
-                chat_template=template,
-            )
+            text = await self.renderer.render(tenant, template, variables)
+        except TemplateOverBudget as over:
+            setting = f" (--{over.setting.replace('_', '-')})" if over.setting else ""
+            raise FailedPrecondition(
+                f"{name} is over the gateway's template budget: {over.message}{setting}"
+            ) from None
         except ChatTemplateError as error:
-            raise InvalidArgument(f"messages: the chat template refused them: {error}") from None
-        return self.encode(text, add_special_tokens)
+            raise InvalidArgument(f"messages: {name} refused them: {error}") from None
+        return await asyncio.to_thread(self.encode, text, add_special_tokens)
 
     def chat_sampling(self, requested: types_pb2.SamplingParams) -> types_pb2.SamplingParams:
         """``requested`` plus the template's end-of-turn tokens, which end a chat reply."""
@@ -185,7 +249,7 @@ class GatewayCore:
             sampling=sampling,
             first_token_deadline_ms=first_token_deadline_ms or self.config.default_first_token_deadline_ms,
             start=start,
-            prompt_text=self.tokenizer.decode(list(prompt_ids)),
+            prompt_text=await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids)),
         )
         admission = await self.quota.acquire(tenant, len(prompt_ids) + sampling.max_tokens)
         replied, generated = False, 0
@@ -197,3 +261,21 @@ class GatewayCore:
                     yield reply
         finally:
             admission.settle(len(prompt_ids) + generated if replied else 0)
+
+
+def _message_texts(chat: Sequence[ChatMessage]):
+    """What a chat's messages hold that --max-prompt-bytes counts: contents and calls' arguments."""
+    for message in chat:
+        yield message.content
+        for call in message.tool_calls:
+            yield call.arguments
+
+
+def _template_name(adapter: ResolvedAdapter | None, own: str | None, with_tools: bool) -> str:
+    """How a refusal names the template that rendered: whose, and which of an adapter's."""
+    if own is None or adapter is None:
+        return "the base model's chat template"
+    which = (
+        "tool_use chat template" if with_tools and own == adapter.tool_use_chat_template else "chat template"
+    )
+    return f"the {which} of adapter '{adapter.owner}/{adapter.name}'"

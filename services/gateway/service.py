@@ -292,6 +292,12 @@ class GatewayService:
         await self._store.close()
         await self.openai.stop()
         await self.channels.close()
+        self.core.close()
 
     def load_report(self) -> dict:
-        return {}
+        """Its chat template renders, running and waiting (gauges ``loramesh_gateway_*``)."""
+        renderer = self.core.renderer
+        return {
+            "chat_template_renders": renderer.rendering,
+            "chat_template_renders_waiting": renderer.waiting,
+        }

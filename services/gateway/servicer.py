@@ -5,7 +5,7 @@ from __future__ import annotations
 from grpc import aio
 
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2, gateway_pb2_grpc, types_pb2
-from services.gateway.adapter_reference import chat_template, model_id
+from services.gateway.adapter_reference import model_id
 from services.gateway.continuation import Delivered
 from services.gateway.parts import GatewayParts
 
@@ -21,7 +21,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tenant = self._tenant(context)
         async for reply in self.core.generate(
             tenant,
-            self.core.encode(request.prompt),
+            await self.core.tokenize(request.prompt),
             await self.catalog.resolve(tenant, request.adapter),
             request.sampling,
             request.first_token_deadline_ms,
@@ -32,8 +32,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Chat(self, request: gateway_pb2.ChatRequest, context):
         tenant = self._tenant(context)
         adapter = await self.catalog.resolve(tenant, request.adapter)
-        prompt_ids = self.core.chat_prompt(
-            [(m.role, m.content) for m in request.messages], chat_template=chat_template(adapter)
+        prompt_ids = await self.core.chat_prompt(
+            tenant, [(m.role, m.content) for m in request.messages], adapter=adapter
         )
         async for reply in self.core.generate(
             tenant,

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import functools
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.meta
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from services.model_files.chat_template import render_chat_template
+from services.model_files.template_budget import TemplateBudget
+
+_IN_PROCESS_BUDGET = TemplateBudget()
+"""What a render here may spend: the gateway's default budget."""
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -112,12 +113,17 @@ class Tokenizer:
         """Token ids of ``text``; special-token text such as ``<|im_start|>`` maps to its single id.
 
         ``add_special_tokens`` adds what the model's post-processor adds (e.g. Llama 3's BOS).
+        Other Python threads run meanwhile (see :meth:`decode`).
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``; an incomplete UTF-8 sequence at the end decodes to U+FFFD."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``; an incomplete UTF-8 sequence at the end decodes to U+FFFD.
+
+        Other Python threads run meanwhile: the ``tokenizers`` batch calls let go of the GIL
+        while they work, where ``encode``/``decode`` hold it (a megabyte of text held a
+        gateway's event loop for a second from another thread)."""
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for: join them across tokens for UTF-8-safe streaming."""
@@ -131,6 +137,7 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        budget: TemplateBudget = _IN_PROCESS_BUDGET,
         **kwargs: Any,
     ) -> str:
         """Render ``messages`` (``{"role", "content", ...}`` dicts) as transformers'
@@ -139,22 +146,34 @@ class Tokenizer:
         ``tools`` (OpenAI-shaped ``{"type": "function", "function": {...}}`` definitions) and
         ``documents`` reach the template as transformers passes them; ``chat_template`` replaces
         the model's own (an adapter's); extra ``kwargs`` reach the template as variables.
-        Raises :class:`ChatTemplateError` when the template refuses the messages.
+        Rendered here, within ``budget``'s operations and output (the default budget: the
+        gateway renders in processes of their own, :mod:`.template_worker`). Raises
+        :class:`~.chat_template.ChatTemplateError` when the template refuses the messages,
+        :class:`~.chat_template.TemplateOverBudget` past the budget.
         """
         source = self.chat_template if chat_template is None else chat_template
         if source is None:
             raise ValueError("this model has no chat template")
-        template_vars = {**self.special_tokens, **kwargs}
-        try:
-            return compile_chat_template(source).render(
-                messages=messages,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **template_vars,
-            )
-        except Exception as error:  # noqa: BLE001 - the template's own code failed (an adapter's, maybe)
-            raise ChatTemplateError(f"{type(error).__name__}: {error}") from None
+        variables = self.template_variables(messages, add_generation_prompt, tools=tools, documents=documents)
+        return render_chat_template(source, budget, **{**variables, **kwargs})
+
+    def template_variables(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """What a chat template is given (as transformers gives it): the messages, tools,
+        documents, whether to open the reply, and this tokenizer's special tokens' text."""
+        return {
+            **self.special_tokens,
+            "messages": messages,
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
 
     @functools.cached_property
     def _token_bytes(self) -> list[bytes]:
@@ -317,63 +336,3 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
     if isinstance(template, list):
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template
-
-
-class ChatTemplateError(ValueError):
-    """The chat template refused to render the messages (its ``raise_exception``, or a runtime
-    error such as a loop over a value that is not a list)."""
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; render it as is."""
-
-    tags = frozenset({"generation"})
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson escapes HTML characters, which chat templates must not do.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-@functools.cache
-def _template_environment() -> ImmutableSandboxedEnvironment:
-    # Templates come from model files and adapter uploads: sandboxed, with the helpers and
-    # whitespace rules that transformers gives them, so the rendered prompt is the one the model
-    # was trained on.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
-# Keyed by the template's text: an adapter's template is immutable for the adapter's id, and
-# adapters that ship the same template share one compilation. Sized for many adapters' templates.
-@functools.lru_cache(maxsize=256)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """``source`` compiled in the chat-template sandbox; ``jinja2.TemplateSyntaxError`` if it is
-    not a Jinja template."""
-    return _template_environment().from_string(source)
-
-
-@functools.lru_cache(maxsize=256)
-def chat_template_variables(source: str) -> frozenset[str]:
-    """The variables ``source`` reads from its caller (``messages``, ``tools``, ``bos_token``...):
-    a template that reads ``tools`` lays tool definitions out itself."""
-    return frozenset(jinja2.meta.find_undeclared_variables(_template_environment().parse(source)))

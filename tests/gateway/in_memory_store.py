@@ -1,12 +1,18 @@
-"""What the gateway's tests build it from: an adapter store in memory, and the gateway's parts
-(core, catalog, admin) around a store."""
+"""What the gateway's tests build it from: an adapter store in memory, the gateway's parts (core,
+catalog, admin) around a store, and those parts served over gRPC."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
+import functools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from mesh_api.v1 import adapter_store_pb2, types_pb2
+from grpc import aio
+
+from mesh_api.v1 import adapter_store_pb2, gateway_pb2_grpc, types_pb2
 from services.gateway.adapter_admin import AdapterAdmin
 from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.adapter_reference import missing_adapter
@@ -15,7 +21,11 @@ from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.parts import GatewayParts
 from services.gateway.relay import Relay
+from services.gateway.servicer import GatewayServicer
+from services.gateway.template_renderer import TemplateRenderer
+from services.model_files.template_budget import TemplateBudget
 from services.model_files.tokenizer_loading import TokenizerBundle
+from services.runtime.rpc.interceptors import ServiceInterceptor
 
 
 @dataclass
@@ -46,18 +56,44 @@ class InMemoryStore:
         raise missing_adapter(owner, name)  # the store's own words
 
 
+@functools.cache
+def shared_renderer() -> TemplateRenderer:
+    """One template renderer with the default budget for the in-process gateways of a test run:
+    its render processes start once, not once per test. Ended when the run ends."""
+    renderer = TemplateRenderer(TemplateBudget(), processes=2)
+    atexit.register(renderer.close)
+    return renderer
+
+
 def gateway_parts(
     keys: str,
     store,
     text: TokenizerBundle | None = None,
     relay: Relay | None = None,
     config: GatewayConfig | None = None,
+    renderer: TemplateRenderer | None = None,
 ) -> GatewayParts:
     """A gateway's parts over ``store`` (``key=tenant,...`` API keys), attached to ``text`` and
-    ``relay`` when ``text`` is given."""
+    ``relay`` when ``text`` is given; chat templates render in ``renderer`` (default:
+    :func:`shared_renderer`)."""
     config = config or GatewayConfig()
-    core = GatewayCore(config, ApiKeys.from_config(keys, ""))
+    core = GatewayCore(config, ApiKeys.from_config(keys, ""), renderer=renderer or shared_renderer())
     if text is not None:
         core.attach(text, relay)
     catalog = AdapterCatalog(store)
     return GatewayParts(core, catalog, AdapterAdmin(store, catalog, config.adapter_load_dirs))
+
+
+@contextlib.asynccontextmanager
+async def gateway_grpc(parts: GatewayParts) -> AsyncIterator[gateway_pb2_grpc.GatewayStub]:
+    """``parts`` served as ``loramesh.v1.Gateway`` (servicer and interceptor) on loopback; a stub
+    on a channel to it."""
+    server = aio.server(interceptors=[ServiceInterceptor()])
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(parts), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield gateway_pb2_grpc.GatewayStub(channel)
+    finally:
+        await server.stop(None)

@@ -1,6 +1,6 @@
 """The gateway core renders a chat to an adapter with the adapter's own chat template (its
 ``tool_use`` one when tools are offered), and the base model's otherwise; a template that
-refuses the messages is an INVALID_ARGUMENT naming them."""
+refuses the messages is an INVALID_ARGUMENT naming them and the template."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ async def template_of(parts: GatewayParts, adapter: str, with_tools: bool = Fals
     return chat_template(await parts.catalog.resolve("alice", adapter), with_tools)
 
 
+async def prompt(parts: GatewayParts, adapter: str, messages, **kwargs) -> list[int]:
+    """The prompt of alice's chat with her ``adapter`` ("": the base model)."""
+    resolved = await parts.catalog.resolve("alice", adapter)
+    return await parts.core.chat_prompt("alice", messages, adapter=resolved, **kwargs)
+
+
 def text(core: GatewayCore, ids: list[int]) -> str:
     return core.tokenizer.decode(ids)
 
@@ -68,15 +74,16 @@ def text(core: GatewayCore, ids: list[int]) -> str:
 async def test_an_adapter_with_its_own_template_is_prompted_with_it(parts, core):
     template = await template_of(parts, "tuned")
     assert template == ADAPTER_TEMPLATE
-    prompt = text(core, core.chat_prompt([("user", "Hi")], chat_template=template))
-    assert prompt == "<|im_start|>user (tuned)\nHi<|im_end|>\n<|im_start|>assistant\n"
+    rendered = text(core, await prompt(parts, "tuned", [("user", "Hi")]))
+    assert rendered == "<|im_start|>user (tuned)\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
 async def test_an_adapter_without_one_and_the_base_model_use_the_base_template(parts, core):
     assert await template_of(parts, "plain") is None
     assert await template_of(parts, "") is None
-    prompt = text(core, core.chat_prompt([("user", "Hi")], chat_template=None))
-    assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    for adapter in ("plain", ""):
+        rendered = text(core, await prompt(parts, adapter, [("user", "Hi")]))
+        assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
 async def test_a_request_with_tools_uses_the_adapter_s_tool_use_template(parts, core):
@@ -87,7 +94,7 @@ async def test_a_request_with_tools_uses_the_adapter_s_tool_use_template(parts, 
         ChatMessage("assistant", "", (ToolCall("call_1", "get_weather", '{"city": "Oslo"}'),)),
         ChatMessage("tool", "3 C", tool_call_id="call_1"),
     ]
-    ids = core.chat_prompt(history, chat_template=template, tools=parse_tool_request([WEATHER]))
+    ids = await prompt(parts, "tuned", history, tools=parse_tool_request([WEATHER]))
     assert text(core, ids) == (
         "<|im_start|>system\nget_weather;<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
         "<|im_start|>assistant\n[get_weather(Oslo)]<|im_end|>\n<|im_start|>tool\n3 C<|im_end|>\n"
@@ -96,22 +103,24 @@ async def test_a_request_with_tools_uses_the_adapter_s_tool_use_template(parts, 
 
 
 async def test_the_base_template_learns_the_tools_from_a_system_message(core):
-    ids = core.chat_prompt([("user", "Weather?")], tools=parse_tool_request([WEATHER], "required"))
+    ids = await core.chat_prompt(
+        "alice", [("user", "Weather?")], tools=parse_tool_request([WEATHER], "required")
+    )
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text(core, ids)
 
 
-async def test_a_template_that_refuses_the_messages_is_an_invalid_argument(parts, core):
-    template = await template_of(parts, "strict")
+async def test_a_template_that_refuses_the_messages_is_an_invalid_argument(parts):
     with pytest.raises(
-        InvalidArgument, match="messages: the chat template refused them: .*Only user and assistant"
+        InvalidArgument,
+        match="messages: the chat template of adapter 'alice/strict' refused them: .*Only user and assistant",
     ):
-        core.chat_prompt([("system", "Be brief."), ("user", "Hi")], chat_template=template)
+        await prompt(parts, "strict", [("system", "Be brief."), ("user", "Hi")])
 
 
-def test_tool_results_are_a_role_and_unknown_roles_are_refused(core):
-    prompt = text(core, core.chat_prompt([("user", "?"), ("tool", "42")]))
-    assert "<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>" in prompt
+async def test_tool_results_are_a_role_and_unknown_roles_are_refused(core):
+    rendered = text(core, await core.chat_prompt("alice", [("user", "?"), ("tool", "42")]))
+    assert "<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>" in rendered
     with pytest.raises(
         InvalidArgument, match="messages\\[1\\].role must be one of system, user, assistant, tool"
     ):
-        core.chat_prompt([("user", "?"), ("robot", "beep")])
+        await core.chat_prompt("alice", [("user", "?"), ("robot", "beep")])

@@ -182,7 +182,7 @@ async def test_a_continuation_after_any_message_gives_exactly_the_rest(mesh, scr
 
 async def test_a_chat_continues_the_same_way(mesh):
     messages = [gateway_pb2.ChatMessage(role="user", content="Say something.")]
-    mesh.worker.prompt_ids = mesh.gateways[0].core.chat_prompt([("user", "Say something.")])
+    mesh.worker.prompt_ids = await mesh.gateways[0].core.chat_prompt("alice", [("user", "Say something.")])
     sampling = types_pb2.SamplingParams(max_tokens=64)
     undisturbed = await stream(
         mesh.stub, "Chat", gateway_pb2.ChatRequest(messages=messages, sampling=sampling)

@@ -15,11 +15,9 @@ from grpc import aio
 
 from mesh_api.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.relay import Relay
-from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import TokenizerBundle, load_tokenizer
 from services.runtime.etcd.discovery import ChannelPool
-from services.runtime.rpc.interceptors import ServiceInterceptor
-from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
+from tests.gateway.in_memory_store import InMemoryStore, gateway_grpc, gateway_parts
 
 ALICE = (("authorization", "Bearer key-alice"),)
 
@@ -63,15 +61,10 @@ async def gateway(text) -> AsyncIterator[Gateway]:
 
     channels = ChannelPool()
     parts = gateway_parts("key-alice=alice", InMemoryStore(), text, Relay(place, channels, max_resumes=0))
-    server = aio.server(interceptors=[ServiceInterceptor()])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(parts), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     try:
-        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Gateway(gateway_pb2_grpc.GatewayStub(channel), worker, text.tokenizer.vocab_size)
+        async with gateway_grpc(parts) as stub:
+            yield Gateway(stub, worker, text.tokenizer.vocab_size)
     finally:
-        await server.stop(None)
         await channels.close()
         await worker_server.stop(None)
 

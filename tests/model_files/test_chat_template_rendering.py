@@ -7,7 +7,11 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from services.model_files.tokenizer import ChatTemplateError, chat_template_variables, compile_chat_template
+from services.model_files.chat_template import (
+    ChatTemplateError,
+    chat_template_variables,
+    compile_chat_template,
+)
 from services.model_files.tokenizer_loading import load_tokenizer
 
 HI = [{"role": "user", "content": "Hi"}]

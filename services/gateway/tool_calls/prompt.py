@@ -24,7 +24,7 @@ from services.gateway.tool_calls.json_text import object_members
 from services.gateway.tool_calls.output_stream import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from services.gateway.tool_calls.tool_call import ToolCall
 from services.gateway.tool_calls.tool_request import ToolRequest
-from services.model_files.tokenizer import chat_template_variables
+from services.model_files.chat_template import chat_template_variables
 
 _CALL_SHAPE = '{"name": <function name>, "arguments": <arguments object>}'
 

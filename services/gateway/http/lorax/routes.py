@@ -107,7 +107,7 @@ class LoraxRoutes:
         params = body.parameters
         tenant = self.core.tenant(body.authorization(request.headers.get("authorization", "")))
         adapter = await requested_adapter(self.parts, tenant, params.adapter_id or "", "adapter_id")
-        prompt = body.prompt(self.core.encode(body.inputs))
+        prompt = body.prompt(await self.core.tokenize(body.inputs, field="inputs"))
         generation = self.core.generate(tenant, prompt, adapter, params.sampling())
         [choice] = await unless_disconnected(request.receive, start_choices([generation]))
         shape = LoraxShape(

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mesh_api.v1 import types_pb2
-from services.gateway.adapter_reference import ResolvedAdapter, chat_template
+from services.gateway.adapter_reference import ResolvedAdapter
 from services.gateway.http.choices import StartedChoice, close_choices, merged, start_choices
 from services.gateway.http.disconnect import EventStreamResponse, unless_disconnected
 from services.gateway.http.errors import error_body
@@ -53,7 +53,7 @@ class OpenAIRoutes:
         body = parse_body(await read_body(request.stream()), CompletionBody)
         body.check()
         adapter = await requested_adapter(self.parts, caller, body.model)
-        prompts = [self.core.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        prompts = await self.core.tokenize_each(body.prompts())
         sampling = body.sampling()
         jobs = [(ids, _seeded(sampling, j)) for ids in prompts for j in range(body.n)]
         shape = ResponseShape(
@@ -68,8 +68,7 @@ class OpenAIRoutes:
         body.check()
         adapter = await requested_adapter(self.parts, caller, body.model)
         tools = body.tool_request()
-        template = chat_template(adapter, with_tools=tools is not None)
-        prompt_ids = self.core.chat_prompt(body.chat_messages(), chat_template=template, tools=tools)
+        prompt_ids = await self.core.chat_prompt(caller, body.chat_messages(), adapter=adapter, tools=tools)
         sampling = self.core.chat_sampling(body.sampling())
         jobs = [(prompt_ids, _seeded(sampling, j)) for j in range(body.n)]
         shape = ResponseShape(

@@ -12,12 +12,13 @@ routes, which is also why these need an API key where vLLM's do not.
 
 from __future__ import annotations
 
+import asyncio
+
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.gateway.adapter_reference import chat_template
 from services.gateway.http.errors import OpenAIError
 from services.gateway.http.model_names import requested_adapter
 from services.gateway.http.openai.requests import ChatMessageBody, chat_messages
@@ -76,15 +77,16 @@ class TokenizeRoutes:
         # 404 unless the key may use it
         adapter = await requested_adapter(self.parts, caller, body.model or "")
         if body.messages is not None:
-            tokens = self.core.chat_prompt(
+            tokens = await self.core.chat_prompt(
+                caller,
                 chat_messages(body.messages),
                 body.add_generation_prompt,
                 bool(body.add_special_tokens),
-                chat_template=chat_template(adapter),
+                adapter=adapter,
             )
         else:
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = self.core.encode(body.prompt or "", add_special_tokens)
+            tokens = await self.core.tokenize(body.prompt or "", add_special_tokens)
         return JSONResponse(
             {
                 "count": len(tokens),
@@ -99,7 +101,8 @@ class TokenizeRoutes:
         body = parse_body(await read_body(request.stream()), DetokenizeBody)
         await requested_adapter(self.parts, caller, body.model or "")
         check_token_ids("tokens", "tokens", body.tokens, self.core.tokenizer.vocab_size)
-        return JSONResponse({"prompt": self.core.tokenizer.decode(body.tokens)})
+        # decode lets go of the GIL: the event loop runs on while a long list decodes
+        return JSONResponse({"prompt": await asyncio.to_thread(self.core.tokenizer.decode, body.tokens)})
 
     def routes(self) -> list[Route]:
         return [

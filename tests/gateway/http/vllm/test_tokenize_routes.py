@@ -33,11 +33,11 @@ async def test_an_adapter_the_key_may_use_tokenizes_as_the_base_model(scripted_g
 async def test_tokenize_messages_through_the_chat_template(scripted_gateway):
     core, http = scripted_gateway.core, scripted_gateway.http
     reply = await http.post("/tokenize", json={"model": "pirate", "messages": MESSAGES})
-    assert reply.json()["tokens"] == core.chat_prompt([("user", "Hi")])  # what a chat request sends
+    assert reply.json()["tokens"] == await core.chat_prompt("alice", [("user", "Hi")])  # what a chat sends
     without = await http.post(
         "/tokenize", json={"model": "pirate", "messages": MESSAGES, "add_generation_prompt": False}
     )
-    expected = core.chat_prompt([("user", "Hi")], add_generation_prompt=False)
+    expected = await core.chat_prompt("alice", [("user", "Hi")], add_generation_prompt=False)
     assert without.json()["tokens"] == expected and without.json()["count"] < reply.json()["count"]
 
 

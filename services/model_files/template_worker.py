@@ -1,0 +1,88 @@
+"""``python -m services.model_files.template_worker BUDGET_JSON``: render chat templates sent on
+stdin, one at a time, until stdin ends (:class:`.template_process.TemplateProcess` starts it).
+
+Each render is held to the budget's operations and output by its meter, and to its CPU time
+twice over: a profiling timer raises in the render when its CPU seconds are spent, and, should
+the render be stuck where Python cannot raise (inside one long C call), the kernel's CPU limit
+kills the process a second or two later (``SIGXCPU``); its parent then starts another. Its
+memory is capped once, at start: what it maps then plus the budget's MiB. It imports Jinja and
+the budget alone, so it starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from services.model_files.chat_template import ChatTemplateError, TemplateOverBudget, render_chat_template
+from services.model_files.template_budget import BudgetExhausted, TemplateBudget
+from services.model_files.template_process import read_frame, write_frame
+
+
+def main() -> None:
+    budget = TemplateBudget(**json.loads(sys.argv[1]))
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but frames on the reply stream
+    _cap_memory(budget.chat_template_memory_mib)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump a core by default
+    signal.signal(signal.SIGPROF, _cpu_spent(budget.chat_template_cpu_s))
+    while (request := read_frame(requests)) is not None:
+        write_frame(replies, _answer(request, budget))
+
+
+def _answer(request: dict[str, Any], budget: TemplateBudget) -> dict[str, Any]:
+    try:
+        with _cpu_limited(budget.chat_template_cpu_s):
+            return {"text": render_chat_template(request["template"], budget, **request["variables"])}
+    except TemplateOverBudget as over:
+        return {"over_budget": over.message, "setting": over.setting}
+    except BudgetExhausted as over:  # the timer fired after the render, before it was stopped
+        return {"over_budget": over.message, "setting": over.setting}
+    except ChatTemplateError as error:
+        return {"refused": str(error)}
+
+
+def _cpu_spent(cpu_s: float):
+    def handler(signum, frame):
+        raise BudgetExhausted(f"more than {cpu_s} CPU seconds", "chat_template_cpu_s")
+
+    return handler
+
+
+@contextlib.contextmanager
+def _cpu_limited(cpu_s: float) -> Iterator[None]:
+    """The body may use ``cpu_s`` of CPU: then the profiling timer raises in it, and about two
+    seconds of CPU later (the kernel's limit counts whole seconds) the kernel kills the process."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    spent = used.ru_utime + used.ru_stime
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = math.ceil(spent + cpu_s) + 1
+    resource.setrlimit(
+        resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard)
+    )
+    signal.setitimer(signal.ITIMER_PROF, cpu_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+
+
+def _cap_memory(mib: int) -> None:
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = mapped + mib * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(
+        resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard)
+    )
+
+
+if __name__ == "__main__":
+    main()
