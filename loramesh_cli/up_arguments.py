@@ -83,7 +83,20 @@ STORE_SETTINGS = ForwardedSettings(
     ),
     default_words={"blob_store": "<state dir>/adapter_store, shared by every replica"},
 )
-GATEWAY_SETTINGS = ForwardedSettings(GatewayConfig, "gateway", ("model",))
+GATEWAY_SETTINGS = ForwardedSettings(
+    GatewayConfig,
+    "gateway",
+    (
+        "model",
+        # What a tenant's input may cost a gateway (docs/security.md, "Chat templates").
+        "max_prompt_bytes",
+        "chat_template_processes",
+        "chat_template_max_operations",
+        "chat_template_max_output_bytes",
+        "chat_template_cpu_s",
+        "chat_template_memory_mib",
+    ),
+)
 SCHEDULER_SETTINGS = ForwardedSettings(
     SchedulerConfig,
     "scheduler",
