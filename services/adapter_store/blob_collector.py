@@ -40,18 +40,25 @@ class BlobCollector:
         for entry in list(self.blobs.listing()):
             if entry.digest in referenced or entry.modified_s > oldest_kept:
                 continue
-            mark_revision = self.catalog.mark_collecting(entry.digest)
-            if not mark_revision:
-                continue  # referenced after all (the mirror lagged), or another replica is on it
-            self.blobs.delete(entry.digest)
-            if not self.catalog.mark_collected(entry.digest, mark_revision):
-                log.error(
-                    "blob %s was deleted after a registration took its collection mark over as "
-                    "abandoned: a collector stalled for longer than the stall limit",
-                    entry.digest,
-                )
-            removed += 1
+            removed += self.remove(entry.digest)
         self.collected += removed
         if removed:
             log.info("collected %d unreferenced blob(s) from %s", removed, self.blobs.description)
         return removed
+
+    def remove(self, digest: str) -> bool:
+        """Delete blob ``digest`` under a collection mark, now, unless a row references it (or
+        another replica is collecting it); whether it did. Also how a refused registration takes
+        back the blobs it published: a registration relying on them meanwhile finds the mark
+        changed and publishes them again."""
+        mark_revision = self.catalog.mark_collecting(digest)
+        if not mark_revision:
+            return False  # referenced after all (the mirror lagged), or another replica is on it
+        self.blobs.delete(digest)
+        if not self.catalog.mark_collected(digest, mark_revision):
+            log.error(
+                "blob %s was deleted after a registration took its collection mark over as "
+                "abandoned: a collector stalled for longer than the stall limit",
+                digest,
+            )
+        return True

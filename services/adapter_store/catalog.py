@@ -8,7 +8,10 @@ Writes are etcd transactions (:mod:`.catalog_keys` names the keys):
   replicas registering one name at once therefore yield one adapter and one
   :class:`~.adapter_record.DuplicateName`;
 - a collector marks a blob ``collecting`` only if nothing references it, so a blob a committed
-  row names is never deleted (:mod:`.blob_collector`).
+  row names is never deleted (:mod:`.blob_collector`);
+- every row's usage entry is written and removed with it, and a registration under a tenant's
+  storage quota commits only if no entry of its owner was created since it read them
+  (:mod:`.storage_usage`), so two replicas never both take a tenant's last slot.
 
 Reads are served from a :class:`~.catalog_mirror.CatalogMirror` kept current by a watch; a
 replica's own write returns once its mirror has seen it, so the writer reads it back at once, and
@@ -49,10 +52,19 @@ from services.adapter_store.catalog_keys import (
 from services.adapter_store.catalog_mirror import CatalogMirror, Seq
 from services.adapter_store.group_commit import GroupCommit
 from services.adapter_store.row_texts import RowTexts
+from services.adapter_store.storage_usage import StorageUsage, stored_bytes
+from services.adapter_store.tenant_storage_quota import fits
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.membership import EtcdConnection, MembershipConfig, describe_etcd_error
-from services.runtime.etcd.prefix_follower import ListingPage, follow_prefix, prefix_end
+from services.runtime.etcd.prefix_follower import (
+    LIST_PAGE_ROWS,
+    ListingPage,
+    follow_prefix,
+    prefix_end,
+    range_call,
+)
 from services.runtime.process.tasks import cancel_and_wait
+from services.runtime.tenants_file import UNLIMITED, TenantLimits
 
 log = logging.getLogger("loramesh.adapter_store")
 
@@ -62,7 +74,7 @@ MIRROR_WAIT_S = 10.0
 """How long a write waits for the replica's own mirror to show it before returning anyway."""
 _MAX_BACKOFF_S = 1.0
 MAX_REGISTRATIONS_PER_TXN = 16
-"""Registrations one transaction commits at most: each is about 5 writes and 4 checks, and etcd
+"""Registrations one transaction commits at most: each is about 6 writes and 5 checks, and etcd
 takes at most 128 of either in a transaction (its ``--max-txn-ops``)."""
 
 
@@ -95,14 +107,17 @@ class PreparedRegistration:
     version_mod_revision: int
     blobs: dict[str, BlobState]
     """By digest."""
+    usage: StorageUsage | None = None
+    """The owner's usage as read, which the commit requires unchanged (no entry created since);
+    None: not read, not checked (an owner without a storage quota)."""
 
     @classmethod
-    def assumed_new(cls, digests: set[str]) -> PreparedRegistration:
+    def assumed_new(cls, digests: set[str], usage: StorageUsage | None = None) -> PreparedRegistration:
         """What a name never registered, relying on blobs no collector ever marked, is committed
         against: a registration tries this first and reads only when its commit fails, so the
         common case costs one etcd transaction. Sound for the blobs too: a mark, once set, is
         never removed, so a mark still absent at the commit was never set."""
-        return cls("", 0, 0, {digest: BlobState(0, None) for digest in digests})
+        return cls("", 0, 0, {digest: BlobState(0, None) for digest in digests}, usage)
 
     def collecting(self, now_ms: int, stall_ms: int) -> list[str]:
         """Digests a collector is deleting now (a mark older than ``stall_ms`` is abandoned)."""
@@ -122,17 +137,24 @@ class _Registration:
     record: AdapterRecord
     prepared: PreparedRegistration
     replacing: AdapterRecord | None
+    limits: TenantLimits = UNLIMITED
+    """The owner's storage limits, which registrations of one owner committing together must fit
+    in together."""
     committed: int = 0
     """The revision it was committed at, once it was."""
 
     def compare(self, keys: CatalogKeys) -> list:
         t, record, prepared = aetcd.transactions, self.record, self.prepared
         name_key = keys.name(record.owner, record.name).encode()
-        return [
+        compare = [
             t.Value(name_key) == self.replacing.id.encode() if self.replacing else t.Create(name_key) == 0,
             t.Mod(keys.version(record.owner, record.name).encode()) == prepared.version_mod_revision,
             *(t.Mod(keys.blob_mark(d).encode()) == state.mod_revision for d, state in prepared.blobs.items()),
         ]
+        if prepared.usage is not None:
+            usage = keys.usage(record.owner)
+            compare.append(t.Create(usage.encode(), prefix_end(usage)) < prepared.usage.newest + 1)
+        return compare
 
     def ops(self, keys: CatalogKeys) -> list:
         t, record = aetcd.transactions, self.record
@@ -143,13 +165,28 @@ class _Registration:
             t.Put(keys.name(record.owner, record.name).encode(), record.id.encode()),
             t.Put(keys.version(record.owner, record.name).encode(), str(record.version).encode()),
             *(t.Put(keys.ref(d, record.id).encode(), b"") for d in set(record_digests(record).values())),
+            usage_put(keys, record),
         ]
+
+    def delta(self) -> tuple[int, int]:
+        """Adapters and bytes its commit adds to its owner's usage."""
+        replaced = stored_bytes(self.replacing) if self.replacing is not None else 0
+        return int(self.replacing is None), stored_bytes(self.record) - replaced
+
+
+def usage_put(keys: CatalogKeys, record: AdapterRecord):
+    """The write of ``record``'s usage entry."""
+    entry = keys.usage_entry(record.owner, record.id).encode()
+    return aetcd.transactions.Put(entry, str(stored_bytes(record)).encode())
 
 
 def row_removal(keys: CatalogKeys, record: AdapterRecord, with_name: bool) -> list:
     """The writes that take ``record`` out of the catalog (its name too, ``with_name``)."""
     t = aetcd.transactions
-    ops = [t.Delete(keys.row(record.id).encode())]
+    ops = [
+        t.Delete(keys.row(record.id).encode()),
+        t.Delete(keys.usage_entry(record.owner, record.id).encode()),
+    ]
     ops += [t.Delete(keys.ref(d, record.id).encode()) for d in set(record_digests(record).values())]
     if with_name:
         ops.append(t.Delete(keys.name(record.owner, record.name).encode()))
@@ -234,6 +271,11 @@ class Catalog:
                 raise Unavailable(f"adapter catalog: cannot {what}: {self.problem}") from None
 
         return self._submit(call()).result()
+
+    def etcd_call(self, fn: Callable[[aetcd.Client], Awaitable[T]], what: str) -> T:
+        """``fn(client)`` on the catalog's connection (as every catalog call): Unavailable,
+        naming ``what`` and the cause, when etcd does not answer."""
+        return self._call(fn, what)
 
     # -- the watch --
 
@@ -332,25 +374,35 @@ class Catalog:
 
     # -- registration --
 
-    def prepare(self, owner: str, name: str, digests: set[str]) -> PreparedRegistration:
+    def prepare(
+        self, owner: str, name: str, digests: set[str], with_usage: bool = False
+    ) -> PreparedRegistration:
         """Read, in one revision, what a registration of ``(owner, name)`` relying on the blobs
-        ``digests`` will be committed against."""
+        ``digests`` will be committed against (the owner's usage too, ``with_usage``)."""
         _, responses = self._call(
-            lambda c: c.transaction(compare=[], success=self._state_reads(owner, name, digests), failure=[]),
+            lambda c: c.transaction(
+                compare=[], success=self._state_reads(owner, name, digests, with_usage), failure=[]
+            ),
             "read a name",
         )
-        return self._prepared(responses, digests)
+        return self._prepared(responses, digests, with_usage)
 
-    def _state_reads(self, owner: str, name: str, digests: set[str]) -> list:
+    def _state_reads(self, owner: str, name: str, digests: set[str], with_usage: bool) -> list:
         t = aetcd.transactions
+        usage = self.keys.usage(owner)
         return [
             t.Get(self.keys.name(owner, name).encode()),
             t.Get(self.keys.version(owner, name).encode()),
             *(t.Get(self.keys.blob_mark(d).encode()) for d in sorted(digests)),
+            *([t.Get(usage.encode(), prefix_end(usage))] if with_usage else []),
         ]
 
     @staticmethod
-    def _prepared(responses: list, digests: set[str]) -> PreparedRegistration:
+    def _prepared(responses: list, digests: set[str], with_usage: bool) -> PreparedRegistration:
+        usage = None
+        if with_usage:
+            *responses, entries = responses
+            usage = StorageUsage.of_entries((value, kv.create_revision) for value, kv in entries)
         named, version, *marks = (response[0][1] if response else None for response in responses)
         return PreparedRegistration(
             serving_id=named.value.decode() if named else "",
@@ -362,10 +414,76 @@ class Catalog:
                 else BlobState(0, None)
                 for digest, mark in zip(sorted(digests), marks, strict=True)
             },
+            usage=usage,
         )
 
+    def usage(self, owner: str) -> StorageUsage:
+        """What ``owner`` stores now, read from etcd (every replica's registrations)."""
+        entries = self._list(self.keys.usage(owner), f"read the usage of tenant {owner!r}")
+        return StorageUsage.of_entries((kv.value, kv.create_revision) for kv in entries)
+
+    def _list(self, prefix: str, what: str) -> list[Any]:
+        """Every key under ``prefix`` (etcd key-values), read at one revision a page at a time."""
+        start, end, revision, kvs = prefix.encode(), prefix_end(prefix), 0, []
+        while True:
+            request = aetcd.rpc.RangeRequest(
+                key=start, range_end=end, limit=LIST_PAGE_ROWS, revision=revision
+            )
+            reply = self._call(lambda c, request=request: range_call(c, request), what)
+            revision = revision or reply.header.revision
+            kvs += reply.kvs
+            if not reply.more:
+                return kvs
+            start = reply.kvs[-1].key + b"\0"
+
+    def reconcile_usage(self) -> int:
+        """Give every row of the mirror that lacks one its usage entry, and remove the entries of
+        rows no longer in the catalog (a catalog written before entries existed, or by a replica
+        of that time); returns how many it wrote or removed. Each write checks the row in the same
+        transaction, so replicas doing this at once, or registering and deleting meanwhile, never
+        leave an entry without its row or a row without its entry."""
+        t, root = aetcd.transactions, self.keys.all_usage
+        entries = {
+            (owner, adapter_id): kv.mod_revision
+            for kv in self._list(root, "list the usage entries")
+            for owner, _, adapter_id in [kv.key.decode()[len(root) :].partition("/")]
+        }
+        rows = {(record.owner, record.id): record for record in self.mirror.all()}
+        changed = 0
+        for owner, adapter_id in rows.keys() - entries.keys():
+            entry, row = self.keys.usage_entry(owner, adapter_id).encode(), self.keys.row(adapter_id).encode()
+            succeeded, _ = self._call(
+                lambda c, entry=entry, row=row, record=rows[owner, adapter_id]: c.transaction(
+                    compare=[t.Version(row) > 0, t.Version(entry) == 0],
+                    success=[usage_put(self.keys, record)],
+                    failure=[],
+                ),
+                "write a usage entry",
+            )
+            changed += succeeded
+        for (owner, adapter_id), mod_revision in entries.items():
+            if (owner, adapter_id) in rows:
+                continue
+            entry, row = self.keys.usage_entry(owner, adapter_id).encode(), self.keys.row(adapter_id).encode()
+            succeeded, _ = self._call(
+                lambda c, entry=entry, row=row, mod_revision=mod_revision: c.transaction(
+                    compare=[t.Version(row) == 0, t.Mod(entry) == mod_revision],
+                    success=[t.Delete(entry)],
+                    failure=[],
+                ),
+                "remove a usage entry",
+            )
+            changed += succeeded
+        if changed:
+            log.warning("adapter catalog: %d usage entries written or removed to match the rows", changed)
+        return changed
+
     def commit(
-        self, record: AdapterRecord, prepared: PreparedRegistration, replacing: AdapterRecord | None
+        self,
+        record: AdapterRecord,
+        prepared: PreparedRegistration,
+        replacing: AdapterRecord | None,
+        limits: TenantLimits = UNLIMITED,
     ) -> None:
         """Commit ``record`` (in place of ``replacing``, the version the name served when
         prepared, or as a new name); :class:`DuplicateName` when the name serves another adapter,
@@ -374,9 +492,10 @@ class Catalog:
 
         Registrations committing at the same time share one transaction when they can (group
         commit: etcd's proposal and WAL flush are shared, each registration's checks are all in
-        it); when that transaction's checks fail, each is committed alone, so one registration's
-        conflict never fails another's."""
-        registration = _Registration(record, prepared, replacing)
+        it, and the registrations of one owner under ``limits`` must fit in them together); when
+        that transaction's checks fail, each is committed alone, so one registration's conflict
+        never fails another's."""
+        registration = _Registration(record, prepared, replacing, limits)
         self._commits.submit(registration)
         replaced = replacing.id if replacing is not None else ""
         self.mirror.apply_own(registration.committed, record, replaced)
@@ -386,7 +505,12 @@ class Catalog:
         transaction and it succeeds, else one by one; an error or None each."""
         self._before_commit()
         names = {(r.record.owner, r.record.name) for r in group}
-        if len(group) > 1 and len(names) == len(group) and all(r.replacing is None for r in group):
+        if (
+            len(group) > 1
+            and len(names) == len(group)
+            and all(r.replacing is None for r in group)
+            and _fit_together(group)
+        ):
             results: list[Exception | None] = []
             for start in range(0, len(group), MAX_REGISTRATIONS_PER_TXN):
                 chunk = group[start : start + MAX_REGISTRATIONS_PER_TXN]
@@ -409,7 +533,8 @@ class Catalog:
 
     def _commit_alone(self, registration: _Registration) -> Exception | None:
         record, prepared, replacing = registration.record, registration.prepared, registration.replacing
-        reads = self._state_reads(record.owner, record.name, set(prepared.blobs))
+        with_usage = prepared.usage is not None
+        reads = self._state_reads(record.owner, record.name, set(prepared.blobs), with_usage)
         try:
             succeeded, responses = self._call(
                 lambda c: c.transaction(
@@ -424,7 +549,7 @@ class Catalog:
         if succeeded:
             registration.committed = _revision(responses[0])
             return None
-        fresh = self._prepared(responses, set(prepared.blobs))
+        fresh = self._prepared(responses, set(prepared.blobs), with_usage)
         if fresh.serving_id and (replacing is None or fresh.serving_id != replacing.id):
             return DuplicateName(f"{record.owner}/{record.name}")
         return CatalogConflict(f"{record.owner}/{record.name}", fresh)
@@ -440,6 +565,7 @@ class Catalog:
             t.Put(name_key, record.id.encode()),
             t.Put(self.keys.version(record.owner, record.name).encode(), str(last_version).encode()),
             *(t.Put(self.keys.ref(d, record.id).encode(), b"") for d in set(record_digests(record).values())),
+            usage_put(self.keys, record),
         ]
         succeeded, responses = self._call(
             lambda c: c.transaction(
@@ -531,6 +657,21 @@ class Catalog:
         """Whether the collector's mark set at ``mark_revision`` still stands."""
         found = self._call(lambda c: c.get(self.keys.blob_mark(digest).encode()), "read a blob mark")
         return found is not None and found.mod_revision == mark_revision
+
+
+def _fit_together(group: Sequence[_Registration]) -> bool:
+    """Whether the registrations of each owner under a storage quota fit in it all together, on
+    the usage each of them read."""
+    added: dict[str, tuple[int, int]] = {}
+    for registration in group:
+        adapters, added_bytes = added.get(registration.record.owner, (0, 0))
+        more_adapters, more_bytes = registration.delta()
+        added[registration.record.owner] = (adapters + more_adapters, added_bytes + more_bytes)
+    return all(
+        fits(r.limits, r.prepared.usage, *added[r.record.owner])
+        for r in group
+        if r.prepared.usage is not None
+    )
 
 
 def _pinned(record: AdapterRecord | None) -> bool | None:

@@ -9,6 +9,12 @@ Keys, under ``<key_prefix>/adapter_store``::
     refs/<sha256>/<id>        -> "" : row ``id`` references blob ``sha256``
     blobs/<sha256>            -> the collector's state of a blob (JSON, :class:`BlobMark`);
                                  absent until the collector first looks at it
+    usage/<owner>/<id>        -> bytes row ``id`` stores for its owner (decimal): the keys of an
+                                 owner are what it stores, counted against its quota
+                                 (:mod:`.storage_usage`)
+    uploads/<owner>/<slot>    -> the replica and upload holding one of the owner's
+                                 ``max_concurrent_uploads`` slots, under that replica's lease
+                                 (:mod:`.upload_slots`)
 
 Rows are small: the adapter config and chat templates are blobs named by their sha256, like the
 weights, and a row holds their digests. Uniqueness of a name, its versions and the safety of
@@ -67,6 +73,25 @@ class CatalogKeys:
 
     def blob_mark(self, digest: str) -> str:
         return f"{self.root}/blobs/{digest}"
+
+    def usage(self, owner: str) -> str:
+        """The prefix of ``owner``'s usage entries."""
+        return f"{self.root}/usage/{owner}/"
+
+    def usage_entry(self, owner: str, adapter_id: str) -> str:
+        return self.usage(owner) + adapter_id
+
+    @property
+    def all_usage(self) -> str:
+        """The prefix of every owner's usage entries."""
+        return f"{self.root}/usage/"
+
+    def upload_slots(self, owner: str) -> str:
+        """The prefix of ``owner``'s upload slots."""
+        return f"{self.root}/uploads/{owner}/"
+
+    def upload_slot(self, owner: str, slot: int) -> str:
+        return self.upload_slots(owner) + str(slot)
 
     def row_id(self, key: bytes | str) -> str:
         text = key.decode() if isinstance(key, bytes) else key

@@ -54,6 +54,11 @@ class AdapterStoreConfig(ServiceConfig):
     import_policy_file: str = ""
     """JSON file of which tenant may import adapters from which s3://, hf:// and file:// source
     prefixes (docs/operations.md); "": no imports at all."""
+    tenants_file: str = ""
+    """The tenants file the gateways read (their ``--api-keys-file``): its ``"tenants"`` bound what
+    each tenant stores (``max_adapters``, ``max_stored_bytes``) and uploads at once
+    (``max_concurrent_uploads``), every replica together; its keys are not read. "": no limits
+    (docs/operations.md, "Tenants and quotas")."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -36,6 +36,12 @@ class GroupCommit(Generic[T]):
         self.batches = 0
         """How many batches ran (each one flush of each kind)."""
 
+    @property
+    def queued(self) -> int:
+        """Items waiting for the next batch."""
+        with self._queue_lock:
+            return len(self._queue)
+
     def submit(self, item: T) -> None:
         """Commit ``item`` (with whatever else is queued); raises the error ``apply`` gave it."""
         ticket = _Ticket(item)

@@ -7,11 +7,18 @@ in one etcd transaction. A registration is acknowledged only once both are done.
 the commit leaves at most an orphan blob, which the collector removes later
 (:mod:`services.adapter_store.blob_collector`); a reader never sees an adapter whose bytes are
 not all stored.
+
+A tenant's storage quota (:mod:`services.adapter_store.tenant_storage_quota`) is checked before
+the weights are staged, on a fresh read of its usage and the bytes it surely adds, then exactly
+before the blobs are published, against the usage the commit requires unchanged. A registration
+refused after publishing (its tenant's last room taken meanwhile by another replica, or its name)
+takes back the blobs it wrote, so a refusal leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 import uuid
@@ -25,9 +32,14 @@ from services.adapter_store.catalog import Catalog, CatalogConflict, PreparedReg
 from services.adapter_store.catalog_keys import record_digests, record_texts
 from services.adapter_store.chat_templates import AdapterChatTemplates, read_chat_templates
 from services.adapter_store.ram_tier import RamTier
+from services.adapter_store.storage_usage import StorageUsage, stored_bytes
+from services.adapter_store.tenant_storage_quota import TenantStorageQuota
 from services.adapter_store.validation import ValidatedAdapter, ValidationLimits, validate_adapter
 from services.model_files.base_model import BaseModelSpec
-from services.runtime.errors import AlreadyExists, InvalidArgument, Unavailable
+from services.runtime.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from services.runtime.tenants_file import QuotaConfig
+
+log = logging.getLogger("loramesh.adapter_store")
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -88,13 +100,18 @@ class _Publication:
     staged: StagedBlob | None
     weights: object
     texts: dict[str, bytes]
+    written: set[str] = field(default_factory=set)
+    """Digests of the blobs it wrote (that were not there): what it takes back when refused."""
 
 
 class AdapterRegistrar:
     """Registers adapters into the catalog, the blob tier and the RAM tier.
 
-    ``sleep`` waits between commit attempts while a collector holds a blob, ``clock`` (Unix
-    seconds) ages the collectors' marks: both injected by tests."""
+    ``quota``: the tenants' storage limits (none by default); ``withdraw(digest)`` removes a blob
+    a refused registration published, unless a row references it
+    (:meth:`.blob_collector.BlobCollector.remove`). ``sleep`` waits between commit attempts while
+    a collector holds a blob, ``clock`` (Unix seconds) ages the collectors' marks: both injected
+    by tests."""
 
     def __init__(
         self,
@@ -104,6 +121,8 @@ class AdapterRegistrar:
         catalog: Catalog,
         ram: RamTier,
         *,
+        quota: TenantStorageQuota | None = None,
+        withdraw: Callable[[str], object] = lambda digest: None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.time,
     ):
@@ -112,6 +131,8 @@ class AdapterRegistrar:
         self.blobs = blobs
         self.catalog = catalog
         self.ram = ram
+        self.quota = quota or TenantStorageQuota(QuotaConfig(), catalog.usage, None)
+        self._withdraw = withdraw
         self._sleep = sleep
         self._clock = clock
 
@@ -122,13 +143,14 @@ class AdapterRegistrar:
         check_name("owner", upload.owner)
         if self.catalog.mirror.get_by_name(upload.owner, upload.name) is not None:
             raise _already_exists(upload)  # early, from this replica's copy; the commit decides
+        usage = self._check_quota(upload, None)
         staged = self.blobs.stage(upload.weights)
         try:
             validated = self._validate(upload)
         except BaseException:
             staged.discard()
             raise
-        return self._commit(upload, validated, _Publication(staged, upload.weights, {}), replacing=None)
+        return self._commit(upload, validated, _Publication(staged, upload.weights, {}), None, usage)
 
     def register_version(self, upload: AdapterUpload) -> AdapterRegistration:
         """As :meth:`register`, but a name already registered is not refused: the same content
@@ -137,6 +159,7 @@ class AdapterRegistrar:
         check_name("name", upload.name)
         check_name("owner", upload.owner)
         current = self.catalog.get_by_name(upload.owner, upload.name)
+        usage = self._check_quota(upload, current)
         # A name already registered is most often imported again unchanged: its weights are
         # written only once they are known to differ.
         staged = self.blobs.stage(upload.weights) if current is None else None
@@ -151,8 +174,17 @@ class AdapterRegistrar:
             if _content(current) == _content(unchanged):
                 self._heal(current, upload.weights)
                 return AdapterRegistration(current, changed=False)
-        record = self._commit(upload, validated, _Publication(staged, upload.weights, {}), replacing=current)
+        record = self._commit(upload, validated, _Publication(staged, upload.weights, {}), current, usage)
         return AdapterRegistration(record, changed=True)
+
+    def _check_quota(self, upload: AdapterUpload, replacing: AdapterRecord | None) -> StorageUsage | None:
+        """Before anything is staged: the owner's usage read now (None without a storage quota),
+        refused when even the weights and config alone (bytes it surely stores) would not fit."""
+        usage = self.quota.usage_for(upload.owner)
+        least = len(upload.weights) + len(upload.config_bytes)
+        replaced = stored_bytes(replacing) if replacing is not None else 0
+        self.quota.check(upload.owner, usage, int(replacing is None), least - replaced, _what(upload, least))
+        return usage
 
     def _validate(self, upload: AdapterUpload) -> tuple[ValidatedAdapter, AdapterChatTemplates]:
         validated = validate_adapter(upload.config_bytes, upload.weights, self.spec, self.limits)
@@ -190,8 +222,10 @@ class AdapterRegistrar:
         validated: tuple[ValidatedAdapter, AdapterChatTemplates],
         publication: _Publication,
         replacing: AdapterRecord | None,
+        usage: StorageUsage | None,
     ) -> AdapterRecord:
-        """Prepare, publish the blobs, commit; again while what it was prepared against changes.
+        """Prepare, check the owner's quota, publish the blobs, commit; again while what it was
+        prepared against changes. ``usage``: the owner's, read before staging (None: no quota).
 
         The blobs are published after their collector marks were read (:meth:`Catalog.prepare`,
         or the state a failed commit returns; a first try of a new name assumes them never set,
@@ -205,11 +239,12 @@ class AdapterRegistrar:
         record = self._record(upload, validated, version=0)
         publication.texts = record_texts(record)
         digests = set(record_digests(record).values())
-        prepared = (
-            PreparedRegistration.assumed_new(digests)
-            if replacing is None
-            else self.catalog.prepare(upload.owner, upload.name, digests)
-        )
+        owner, with_usage = upload.owner, usage is not None
+
+        def prepare() -> PreparedRegistration:
+            return self.catalog.prepare(owner, upload.name, digests, with_usage)
+
+        prepared = PreparedRegistration.assumed_new(digests, usage) if replacing is None else prepare()
         try:
             for _ in range(MAX_COMMIT_ATTEMPTS):
                 if prepared.serving_id != (replacing.id if replacing else ""):
@@ -217,19 +252,23 @@ class AdapterRegistrar:
                         raise _already_exists(upload)
                     replacing = self.catalog.get(prepared.serving_id)  # another version won: replace it
                     if replacing is None:
-                        prepared = self.catalog.prepare(upload.owner, upload.name, digests)
+                        prepared = prepare()
                         continue
                 if self._wait_for_collectors(prepared):
-                    prepared = self.catalog.prepare(upload.owner, upload.name, digests)
+                    prepared = prepare()
                     continue
                 record = replace(
                     record,
                     version=prepared.last_version + 1,
                     pinned=replacing.pinned if replacing else False,  # a pin is the name's
                 )
+                added = stored_bytes(record) - (stored_bytes(replacing) if replacing else 0)
+                self.quota.check(
+                    owner, prepared.usage, int(replacing is None), added, _what(upload, stored_bytes(record))
+                )
                 self._publish(record, publication)
                 try:
-                    self.catalog.commit(record, prepared, replacing)
+                    self.catalog.commit(record, prepared, replacing, self.quota.limits(owner))
                 except CatalogConflict as conflict:
                     prepared = conflict.fresh
                     continue
@@ -241,6 +280,9 @@ class AdapterRegistrar:
                     f"adapter {upload.name!r} of owner {upload.owner!r}: the catalog changed under "
                     f"{MAX_COMMIT_ATTEMPTS} commits in a row; try again"
                 )
+        except (AlreadyExists, ResourceExhausted):
+            self._take_back(publication.written)
+            raise
         finally:
             if publication.staged is not None:
                 publication.staged.discard()
@@ -262,14 +304,26 @@ class AdapterRegistrar:
         staged, publication.staged = publication.staged, None
         if staged is not None and not self.blobs.exists(record.sha256):
             staged.publish(record.sha256)
+            publication.written.add(record.sha256)
         else:
             if staged is not None:
                 staged.discard()
             if not self.blobs.exists(record.sha256):
                 self.blobs.put(record.sha256, publication.weights)
+                publication.written.add(record.sha256)
         for digest, data in publication.texts.items():
             if not self.blobs.exists(digest):
                 self.blobs.put(digest, data)
+                publication.written.add(digest)
+
+    def _take_back(self, digests: set[str]) -> None:
+        """Remove the blobs a refused registration wrote, unless another row references them
+        now; one that cannot be removed now (etcd away) is left to the collector."""
+        for digest in digests:
+            try:
+                self._withdraw(digest)
+            except Exception as error:  # noqa: BLE001 - the refusal stands; the collector removes it
+                log.warning("blob %s of a refused registration is left to the collector: %s", digest, error)
 
     def _heal(self, record: AdapterRecord, weights) -> None:
         """Write back a blob of a registered adapter found missing (a referenced blob is never
@@ -277,6 +331,11 @@ class AdapterRegistrar:
         if not self.blobs.exists(record.sha256):
             self.blobs.put(record.sha256, weights)
             self.blobs.flush()
+
+
+def _what(upload: AdapterUpload, size: int) -> str:
+    """How a quota refusal names the adapter it refuses."""
+    return f"adapter {upload.name!r} ({size} bytes)"
 
 
 def _already_exists(upload: AdapterUpload) -> AlreadyExists:

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from services.adapter_store.adapter_record import AdapterRecord
 from services.adapter_store.blob_collector import BlobCollector
@@ -30,11 +30,14 @@ from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.catalog_mirror import Seq
 from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.registrar import AdapterRegistrar, sha256_hex
+from services.adapter_store.tenant_storage_quota import TenantStorageQuota
+from services.adapter_store.upload_slots import UploadSlots
 from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import BaseModelSpec
 from services.runtime.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
 from services.runtime.etcd.membership import MembershipConfig
 from services.runtime.eviction import make_eviction_policy
+from services.runtime.tenants_file import QuotaConfig
 
 log = logging.getLogger("loramesh.adapter_store")
 
@@ -112,6 +115,9 @@ class RepositorySettings:
     than any registration takes between writing its blob and committing its row."""
     replica_id: str = "adapter_store"
     """This replica's name in the collector's marks and the logs."""
+    tenants: QuotaConfig = field(default_factory=QuotaConfig)
+    """The tenants' limits (the tenants file's ``"tenants"``): what each may store and upload at
+    once (:mod:`services.adapter_store.tenant_storage_quota`)."""
 
     def __post_init__(self) -> None:
         if self.verify_on_open not in ("sha256", "size"):
@@ -141,7 +147,13 @@ class AdapterRepository:
         self.collector = BlobCollector(self.catalog, blobs, settings.collect_grace_s, clock)
         self._clock = clock
         self._pin_lock = threading.Lock()
-        self.registrar = AdapterRegistrar(spec, limits, blobs, self.catalog, self.ram)
+        self.upload_slots = UploadSlots(
+            self.catalog.keys, self.catalog.etcd_call, settings.replica_id, catalog_config.ttl_s
+        )
+        self.quota = TenantStorageQuota(settings.tenants, self.catalog.usage, self.upload_slots)
+        self.registrar = AdapterRegistrar(
+            spec, limits, blobs, self.catalog, self.ram, quota=self.quota, withdraw=self.collector.remove
+        )
 
     def _read_text(self, digest: str) -> str:
         """A row's text part (config, chat template), checked against its digest."""
@@ -165,6 +177,7 @@ class AdapterRepository:
                 corrupt += 1
                 log.error("adapter %s (%s/%s) %s: quarantined", record.id, record.owner, record.name, problem)
                 self._quarantine(record, corrupt_blob=size is not None)
+        self.catalog.reconcile_usage()
         orphans = self.collector.collect()
         self._restore_pins()
         report = OpenReport(
@@ -177,6 +190,7 @@ class AdapterRepository:
         return report
 
     def close(self) -> None:
+        self.upload_slots.close()
         self.catalog.close()
         self.blobs.close()
 

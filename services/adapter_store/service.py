@@ -25,6 +25,7 @@ from services.adapter_store.validation import ValidationLimits
 from services.model_files.base_model import load_base_model_spec
 from services.runtime.process.tasks import cancel_and_wait
 from services.runtime.rpc.method_handlers import add_servicer_with_readers
+from services.runtime.tenants_file import read_tenant_limits
 
 MIB = 2**20
 CATALOG_CALL_TIMEOUT_S = 10.0
@@ -58,6 +59,7 @@ class AdapterStoreService:
             ThreadPoolExecutor(cfg.blocking_threads, thread_name_prefix="store")
         )
         policy = load_import_policy(cfg.import_policy_file)
+        tenants = read_tenant_limits(cfg.tenants_file)
         spec = await asyncio.to_thread(load_base_model_spec, cfg.model or None)
         data_dir = Path(cfg.data_dir)
         blobs = await asyncio.to_thread(open_blob_backend, cfg.blob_store, data_dir, cfg.blob_cache_mib * MIB)
@@ -75,6 +77,7 @@ class AdapterStoreService:
                 eviction_policy=cfg.eviction_policy,
                 collect_grace_s=cfg.collect_grace_s,
                 replica_id=cfg.instance_id or f"{socket.gethostname()}:{os.getpid()}",
+                tenants=tenants,
             ),
         )
         await asyncio.to_thread(repository.catalog.open)

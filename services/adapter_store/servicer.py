@@ -21,8 +21,9 @@ from services.adapter_store.adapter_record import AdapterRecord
 from services.adapter_store.blobs.page_aligned import page_aligned_join
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.chat_templates import TOKENIZER_FILES
-from services.adapter_store.registrar import AdapterUpload
+from services.adapter_store.registrar import AdapterUpload, check_name
 from services.adapter_store.repository import AdapterKey, AdapterRepository
+from services.adapter_store.tenant_storage_quota import UploadAdmission
 from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.runtime.field_copy import message_of
 
@@ -75,23 +76,36 @@ class ReceivedUpload:
         return {name: self.file(name) for name in TOKENIZER_FILES if self.chunks[name]}
 
 
-async def receive_upload(requests: AsyncIterator[UploadMessage], max_bytes: int) -> ReceivedUpload:
-    """Collect the header, the two adapter files and the tokenizer files the upload has
-    (optional), refusing oversize uploads early (the runtime's interceptor reads the rest of a
-    refused stream before the answer goes)."""
-    header = None
+async def receive_header(
+    requests: AsyncIterator[UploadMessage], max_bytes: int
+) -> pb.RegisterAdapterRequest.Header:
+    """The upload's first message, its header; an upload declaring more than ``max_bytes`` is
+    refused before any file arrives."""
+    message = await anext(requests, None)
+    if message is None:
+        raise InvalidArgument("RegisterAdapter received no header")
+    if message.header is None:
+        raise InvalidArgument("the first message of RegisterAdapter must be a header")
+    header = message.header
+    if header.total_bytes > max_bytes:
+        raise ResourceExhausted(
+            f"upload of {header.total_bytes} bytes is over the size limit of {max_bytes} bytes"
+        )
+    return header
+
+
+async def receive_files(
+    requests: AsyncIterator[UploadMessage],
+    header: pb.RegisterAdapterRequest.Header,
+    max_bytes: int,
+    admission: UploadAdmission,
+) -> ReceivedUpload:
+    """Collect the two adapter files and the tokenizer files the upload has (optional), after
+    its header, refusing early an upload over the size limit or over the room its tenant has
+    left (the runtime's interceptor reads the rest of a refused stream before the answer goes)."""
     chunks: dict[str, list[memoryview]] = {name: [] for name in (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)}
-    received = 0
+    received = kept = 0
     async for message in requests:
-        if header is None:
-            if message.header is None:
-                raise InvalidArgument("the first message of RegisterAdapter must be a header")
-            header = message.header
-            if header.total_bytes > max_bytes:
-                raise ResourceExhausted(
-                    f"upload of {header.total_bytes} bytes is over the size limit of {max_bytes} bytes"
-                )
-            continue
         if message.header is not None:
             raise InvalidArgument("only one header is allowed, as the first message")
         filename = message.filename
@@ -104,9 +118,10 @@ async def receive_upload(requests: AsyncIterator[UploadMessage], max_bytes: int)
         received += len(message.data)
         if received > max_bytes:
             raise ResourceExhausted(f"upload is over the size limit of {max_bytes} bytes")
+        if filename in (CONFIG_FILE, WEIGHTS_FILE):
+            kept += len(message.data)
+            admission.check_received(kept)
         chunks[filename].append(message.data)
-    if header is None:
-        raise InvalidArgument("RegisterAdapter received no header")
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not any(chunks[name]):
             raise InvalidArgument(f"the upload has no {name}")
@@ -137,10 +152,19 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         return self._repository
 
     async def RegisterAdapter(self, request_iterator, context: aio.ServicerContext):
+        repository = self.repository
         self.uploads_in_flight += 1
         try:
-            upload = await receive_upload(request_iterator, self.repository.limits.max_adapter_bytes)
-            record = await asyncio.to_thread(self._register, upload)
+            messages = aiter(request_iterator)
+            header = await receive_header(messages, repository.limits.max_adapter_bytes)
+            check_name("owner", header.owner)
+            # The tenant's room and one of its upload slots, before its bytes are held here.
+            admission = await asyncio.to_thread(repository.quota.admit, header.owner, True)
+            try:
+                upload = await receive_files(messages, header, repository.limits.max_adapter_bytes, admission)
+                record = await asyncio.to_thread(self._register, upload)
+            finally:
+                await asyncio.to_thread(admission.release)
         finally:
             self.uploads_in_flight -= 1
         return pb.RegisterAdapterResponse(adapter=record_to_proto(record))

@@ -11,21 +11,19 @@ of one, is ever logged or put in an error message.
 
 The keys come from the tenants file (``--api-keys-file``): either the plain ``{key: tenant}``
 object, or ``{"keys": {key: tenant}, "tenants": {tenant: limits}, "quota_window_s": 60}`` whose
-``tenants`` sets each tenant's limits (:mod:`services.gateway.tenant_quota`; docs/operations.md,
-"Tenants and quotas").
+``tenants`` sets each tenant's limits (:mod:`services.runtime.tenants_file`, which the adapter
+store reads too; docs/operations.md, "Tenants and quotas").
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import secrets
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
-from services.gateway.tenant_quota import DEFAULT_WINDOW_S, QuotaConfig
 from services.runtime.errors import InvalidArgument, Unauthenticated
+from services.runtime.tenants_file import QuotaConfig, TenantsFile
 
 HASH_SCHEME = "sha256"
 SALT_BYTES = 16
@@ -73,51 +71,6 @@ class _HashedKey:
         if len(digest) != hashlib.sha256().digest_size or not salt:
             raise InvalidArgument(f"a hashed API key of tenant {tenant!r} has the wrong length")
         return cls(salt, digest, tenant)
-
-
-TENANTS_FILE_FIELDS = ("keys", "tenants", "quota_window_s")
-
-
-@dataclass(frozen=True)
-class TenantsFile:
-    """What a tenants file holds: the API keys and the tenants' limits."""
-
-    keys: dict[str, str]
-    """API key (or its hash) -> tenant."""
-    quotas: QuotaConfig = field(default_factory=QuotaConfig)
-
-    @classmethod
-    def parse(cls, loaded: object, path: str = "the tenants file") -> TenantsFile:
-        """From the file's JSON: ``{key: tenant}``, or ``{"keys": ..., "tenants": ...,
-        "quota_window_s": ...}`` (only ``keys`` required)."""
-        if isinstance(loaded, dict) and isinstance(loaded.get("keys"), dict):
-            unknown = sorted(set(loaded) - set(TENANTS_FILE_FIELDS))
-            if unknown:
-                raise InvalidArgument(
-                    f"{path} has unknown fields {unknown}; known: {list(TENANTS_FILE_FIELDS)}"
-                )
-            keys = loaded["keys"]
-            quotas = QuotaConfig.parse(
-                loaded.get("tenants", {}), loaded.get("quota_window_s", DEFAULT_WINDOW_S)
-            )
-        else:
-            keys, quotas = loaded, QuotaConfig()
-        if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
-            raise InvalidArgument(
-                f"{path} must be a JSON object of api key (or its hash) -> tenant, or "
-                '{"keys": {api key: tenant}, "tenants": {tenant: limits}}'
-            )
-        return cls(keys, quotas)
-
-    @classmethod
-    def read(cls, path: str) -> TenantsFile:
-        return cls.parse(json.loads(Path(path).read_text()), path)
-
-    def to_json(self) -> dict:
-        """The file's JSON: the plain form unless some tenant has limits."""
-        if not self.quotas.limited and self.quotas.window_s == DEFAULT_WINDOW_S:
-            return dict(self.keys)
-        return {"keys": dict(self.keys), **self.quotas.to_json()}
 
 
 class ApiKeys:

@@ -2,7 +2,8 @@
 (gRPC, the OpenAI API, LoRAX's routes) it came through.
 
 Two limits, each configured per tenant in the tenants file (``"tenants"``; ``"*"`` for every
-tenant not named; docs/operations.md, "Tenants and quotas"), each off (0) by default:
+tenant not named; :mod:`services.runtime.tenants_file`; docs/operations.md, "Tenants and
+quotas"), each off (0) by default:
 
 - ``max_concurrent_requests``: generations of the tenant in flight at once. Each choice of an
   OpenAI request with ``n`` > 1 is one generation. Past the limit a generation waits for a slot,
@@ -35,102 +36,16 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from services.runtime.errors import InvalidArgument, ResourceExhausted
+from services.runtime.errors import ResourceExhausted
+from services.runtime.tenants_file import UNLIMITED, QuotaConfig, TenantLimits
 
-DEFAULT_WINDOW_S = 60.0
-"""The quota window when the tenants file names none."""
-ALL_TENANTS = "*"
-"""The entry of the tenants file's ``"tenants"`` that applies to every tenant not named."""
 CONCURRENCY_RETRY_AFTER_S = 1.0
 """The retry hint of a refusal for too many generations in flight: HTTP's smallest."""
 _SLACK = 1e-6
 """Tokens of rounding error forgiven when a bucket is compared with a charge."""
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """One tenant's limits; 0 is unlimited."""
-
-    max_concurrent_requests: int = 0
-    """Generations in flight at once."""
-    tokens_per_minute: int = 0
-    """Prompt plus generated tokens per minute (a token bucket over the quota window)."""
-    max_waiting_requests: int | None = None
-    """Generations that wait for one of the ``max_concurrent_requests`` slots, first come first
-    served; None: as many as ``max_concurrent_requests``; 0: none (refused at once)."""
-
-    @property
-    def waiting_room(self) -> int:
-        """Places for generations waiting for a slot (0 without a concurrency limit)."""
-        if not self.max_concurrent_requests:
-            return 0
-        return self.max_concurrent_requests if self.max_waiting_requests is None else self.max_waiting_requests
-
-    @classmethod
-    def parse(cls, tenant: str, value: object) -> TenantLimits:
-        """From the tenants file's entry for ``tenant``: an object of the fields above."""
-        if not isinstance(value, dict):
-            raise InvalidArgument(f"tenants[{tenant!r}] must be an object of limits")
-        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise InvalidArgument(
-                f"tenants[{tenant!r}] has unknown fields {unknown}; known: {sorted(cls.__dataclass_fields__)}"
-            )
-        for name, limit in value.items():
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-                raise InvalidArgument(
-                    f"tenants[{tenant!r}].{name} must be a whole number >= 0 (0: unlimited)"
-                )
-        return cls(**value)
-
-    def to_json(self) -> dict[str, int]:
-        """The tenants file's entry: the fields that are set."""
-        return {name: limit for name, limit in vars(self).items() if limit is not None}
-
-
-UNLIMITED = TenantLimits()
-
-
-@dataclass(frozen=True)
-class QuotaConfig:
-    """The limits of every tenant and the window of ``tokens_per_minute``."""
-
-    limits: Mapping[str, TenantLimits] = field(default_factory=dict)
-    """Tenant (or :data:`ALL_TENANTS`) -> its limits."""
-    window_s: float = DEFAULT_WINDOW_S
-
-    def __post_init__(self):
-        if not (
-            isinstance(self.window_s, int | float) and math.isfinite(self.window_s) and self.window_s > 0
-        ):
-            raise InvalidArgument(f"quota_window_s must be a number of seconds > 0, got {self.window_s!r}")
-
-    def for_tenant(self, tenant: str) -> TenantLimits:
-        return self.limits.get(tenant) or self.limits.get(ALL_TENANTS) or UNLIMITED
-
-    @property
-    def limited(self) -> bool:
-        """Some tenant has a limit."""
-        return any(limits != UNLIMITED for limits in self.limits.values())
-
-    @classmethod
-    def parse(cls, tenants: object, window_s: object = DEFAULT_WINDOW_S) -> QuotaConfig:
-        """From the tenants file's ``"tenants"`` and ``"quota_window_s"``."""
-        if not isinstance(tenants, dict):
-            raise InvalidArgument('"tenants" must be an object of tenant -> limits')
-        if isinstance(window_s, bool):
-            raise InvalidArgument(f"quota_window_s must be a number of seconds > 0, got {window_s!r}")
-        return cls({tenant: TenantLimits.parse(tenant, v) for tenant, v in tenants.items()}, window_s)
-
-    def to_json(self) -> dict:
-        """The tenants file's ``"tenants"`` and ``"quota_window_s"``."""
-        return {
-            "tenants": {tenant: limits.to_json() for tenant, limits in self.limits.items()},
-            "quota_window_s": self.window_s,
-        }
 
 
 @dataclass

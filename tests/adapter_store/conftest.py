@@ -4,6 +4,7 @@ gRPC adapter store served from a background thread (so sync tests and hypothesis
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 
@@ -80,10 +81,15 @@ def open_repository(tmp_path, base_spec, catalog_config):
     opened = []
 
     def open_repository(
-        blob_dir: Path | None = None, limits: ValidationLimits | None = None, clock=None, **settings
+        blob_dir: Path | None = None,
+        limits: ValidationLimits | None = None,
+        clock=None,
+        blobs=None,
+        **settings,
     ) -> AdapterRepository:
+        """``blobs``: a blob backend of the test's own (then ``blob_dir`` is not used)."""
         repository = AdapterRepository(
-            LocalDirectoryBlobs(blob_dir or tmp_path / "store"),
+            blobs or LocalDirectoryBlobs(blob_dir or tmp_path / "store"),
             catalog_config,
             base_spec,
             limits or ValidationLimits(),
@@ -102,7 +108,11 @@ def open_repository(tmp_path, base_spec, catalog_config):
 @pytest.fixture
 def store_server(tmp_path, request, etcd):
     marker = request.node.get_closest_marker("store_config")
-    overrides = marker.kwargs if marker else {}
+    overrides = dict(marker.kwargs) if marker else {}
+    if "tenants" in overrides:  # the tenants file's "tenants", written for the store to read
+        tenants_file = tmp_path / "tenants.json"
+        tenants_file.write_text(json.dumps({"keys": {}, "tenants": overrides.pop("tenants")}))
+        overrides["tenants_file"] = str(tenants_file)
     config = AdapterStoreConfig(
         **{"data_dir": str(tmp_path / "store"), "grace_s": 2, "etcd_endpoints": etcd.endpoint, **overrides}
     )

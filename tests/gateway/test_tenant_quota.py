@@ -186,8 +186,8 @@ def test_the_waiting_room_defaults_to_the_concurrency_limit_and_round_trips():
     assert TenantLimits(tokens_per_minute=5).waiting_room == 0
     config = QuotaConfig({"alice": TenantLimits(2, 0, 7), "bob": TenantLimits(1)})
     assert config.to_json()["tenants"] == {
-        "alice": {"max_concurrent_requests": 2, "tokens_per_minute": 0, "max_waiting_requests": 7},
-        "bob": {"max_concurrent_requests": 1, "tokens_per_minute": 0},
+        "alice": {"max_concurrent_requests": 2, "max_waiting_requests": 7},
+        "bob": {"max_concurrent_requests": 1},
     }
     assert QuotaConfig.parse(config.to_json()["tenants"]) == config
 
