@@ -89,8 +89,9 @@ def service_processes(
         )
 
     etcd_flags = ["--etcd-endpoints", etcd_endpoint]
+    # The stores read the gateways' tenants file too: its limits on what each tenant stores.
     processes = {
-        name: service(STORE_KIND, name, [*etcd_flags, *flags])
+        name: service(STORE_KIND, name, [*etcd_flags, *flags, "--tenants-file", str(keys_file)])
         for name, flags in store_replica_flags(args, state_dir).items()
     }
     # One store: the gateways and workers are given its address. Several: they find the live

@@ -65,6 +65,9 @@ def test_the_flags_reach_the_services(tmp_path, monkeypatch):
     )
     store = parse_config(AdapterStoreConfig, service_flags(processes["adapter_store"]), environ={})
     assert store.max_rank == 128
+    # Every store replica reads the gateways' tenants file: the limits on what tenants store.
+    stores = [parse_config(AdapterStoreConfig, service_flags(p), environ={}) for p in processes.values() if p.module == "adapter_store"]  # fmt: skip
+    assert [s.tenants_file for s in stores] == [str(tmp_path / "keys.json")] * 2
     gateways = {
         name: parse_config(GatewayConfig, service_flags(p), environ={})
         for name, p in processes.items()

@@ -451,15 +451,17 @@ def test_service_monitor_scrapes_every_component(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_gateway_reads_the_api_keys_secret_the_template_defines(rendered, overlay):
+@pytest.mark.parametrize("workload, variable", [("gateway", "LORAMESH_API_KEYS_FILE"), ("adapter-store", "LORAMESH_TENANTS_FILE")])  # fmt: skip
+def test_gateway_and_store_read_the_tenants_file_the_template_defines(rendered, overlay, workload, variable):
     objects = rendered[overlay]
-    gateway = by_kind(objects, "Deployment")["gateway"]["spec"]["template"]["spec"]
-    (container,) = gateway["containers"]
-    volumes = {v["name"]: v for v in gateway["volumes"]}
-    keys_file = env_of(container, objects)["LORAMESH_API_KEYS_FILE"]
+    pod = by_kind(objects, "Deployment")[workload]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    keys_file = env_of(container, objects)[variable]
     (mount,) = [m for m in container["volumeMounts"] if keys_file.startswith(m["mountPath"] + "/")]
     secret_name = volumes[mount["name"]]["secret"]["secretName"]
     template = by_kind(render(K8S / "secrets"), "Secret")[secret_name]
+    assert secret_name == "loramesh-api-keys"
     assert keys_file.removeprefix(mount["mountPath"] + "/") in template["stringData"]
 
 
