@@ -13,6 +13,7 @@ setup: $(STAMP)
 # distribution of their own (bench/pyproject.toml), installed editable over the root's.
 $(STAMP): pyproject.toml bench/pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq etcd-server)
+	@command -v nft >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq nftables)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,reference,predictor]'
