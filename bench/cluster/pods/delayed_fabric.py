@@ -72,7 +72,10 @@ class DelayedFabric:
             str(self.latency_ms),
             *map(str, self._fds),
         ]
-        self._switch = subprocess.Popen(argv, pass_fds=self._fds, stdin=subprocess.DEVNULL)
+        # A session of its own: a Ctrl-C meant for the run does not reach it (the run stops it).
+        self._switch = subprocess.Popen(
+            argv, pass_fds=self._fds, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
     def close(self) -> None:
         if self._switch is not None:
