@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloramesh/v1/kv_manager.proto\x12\x0bloramesh.v1\"<\n\x17SuggestCreditorsRequest\x12\x11\n\tdebtor_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\"y\n\x11\x43reditorCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0flendable_blocks\x18\x03 \x01(\r\x12\x10\n\x08topology\x18\x04 \x01(\t\x12\x15\n\rsame_topology\x18\x05 \x01(\x08\"N\n\x18SuggestCreditorsResponse\x12\x32\n\ncandidates\x18\x01 \x03(\x0b\x32\x1e.loramesh.v1.CreditorCandidate\">\n\x14ReportRefusalRequest\x12\x13\n\x0b\x63reditor_id\x18\x01 \x01(\t\x12\x11\n\tdebtor_id\x18\x02 \x01(\t\"\x17\n\x15ReportRefusalResponse\"\x0f\n\rLedgerRequest\"\xa1\x02\n\x0bLedgerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08topology\x18\x03 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12=\n\x0blent_blocks\x18\x06 \x03(\x0b\x32(.loramesh.v1.LedgerEntry.LentBlocksEntry\x12\x17\n\x0flendable_blocks\x18\x07 \x01(\r\x12\x0f\n\x07refused\x18\x08 \x01(\x08\x12\x15\n\rreport_age_ms\x18\t \x01(\x01\x1a\x31\n\x0fLentBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x9e\x01\n\x0eLedgerResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.loramesh.v1.LedgerEntry\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x18\n\x10\x64gfm_swaps_total\x18\x04 \x01(\x04\x12\x1f\n\x17\x64gfm_blocks_moved_total\x18\x05 \x01(\x04\"5\n\x1aPlanDefragmentationRequest\x12\x17\n\x0fmin_swap_blocks\x18\x01 \x01(\r\"B\n\x0b\x42lockRecall\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x11\n\tholder_id\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\"U\n\tCycleSwap\x12\r\n\x05\x63ycle\x18\x01 \x03(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12)\n\x07recalls\x18\x03 \x03(\x0b\x32\x18.loramesh.v1.BlockRecall\"\xad\x01\n\x1bPlanDefragmentationResponse\x12%\n\x05swaps\x18\x01 \x03(\x0b\x32\x16.loramesh.v1.CycleSwap\x12\x16\n\x0e\x66rozen_workers\x18\x02 \x03(\t\x12\x14\n\x0c\x62locks_moved\x18\x03 \x01(\r\x12\x1c\n\x14remote_blocks_before\x18\x04 \x01(\r\x12\x1b\n\x13remote_blocks_after\x18\x05 \x01(\r\",\n\x11\x44\x65\x66ragmentRequest\x12\x17\n\x0fmin_swap_blocks\x18\x01 \x01(\r\"\xb0\x01\n\x12\x44\x65\x66ragmentResponse\x12\x36\n\x04plan\x18\x01 \x01(\x0b\x32(.loramesh.v1.PlanDefragmentationResponse\x12\x12\n\nswaps_done\x18\x02 \x01(\r\x12\x14\n\x0c\x62locks_moved\x18\x03 \x01(\r\x12\x15\n\rfailed_worker\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t2\xc0\x03\n\tKVManager\x12_\n\x10SuggestCreditors\x12$.loramesh.v1.SuggestCreditorsRequest\x1a%.loramesh.v1.SuggestCreditorsResponse\x12V\n\rReportRefusal\x12!.loramesh.v1.ReportRefusalRequest\x1a\".loramesh.v1.ReportRefusalResponse\x12\x41\n\x06Ledger\x12\x1a.loramesh.v1.LedgerRequest\x1a\x1b.loramesh.v1.LedgerResponse\x12h\n\x13PlanDefragmentation\x12\'.loramesh.v1.PlanDefragmentationRequest\x1a(.loramesh.v1.PlanDefragmentationResponse\x12M\n\nDefragment\x12\x1e.loramesh.v1.DefragmentRequest\x1a\x1f.loramesh.v1.DefragmentResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloramesh/v1/kv_manager.proto\x12\x0bloramesh.v1\"<\n\x17SuggestCreditorsRequest\x12\x11\n\tdebtor_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\"y\n\x11\x43reditorCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0flendable_blocks\x18\x03 \x01(\r\x12\x10\n\x08topology\x18\x04 \x01(\t\x12\x15\n\rsame_topology\x18\x05 \x01(\x08\"N\n\x18SuggestCreditorsResponse\x12\x32\n\ncandidates\x18\x01 \x03(\x0b\x32\x1e.loramesh.v1.CreditorCandidate\">\n\x14ReportRefusalRequest\x12\x13\n\x0b\x63reditor_id\x18\x01 \x01(\t\x12\x11\n\tdebtor_id\x18\x02 \x01(\t\"\x17\n\x15ReportRefusalResponse\"\x0f\n\rLedgerRequest\"\xa1\x02\n\x0bLedgerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08topology\x18\x03 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12=\n\x0blent_blocks\x18\x06 \x03(\x0b\x32(.loramesh.v1.LedgerEntry.LentBlocksEntry\x12\x17\n\x0flendable_blocks\x18\x07 \x01(\r\x12\x0f\n\x07refused\x18\x08 \x01(\x08\x12\x15\n\rreport_age_ms\x18\t \x01(\x01\x1a\x31\n\x0fLentBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xb3\x01\n\x0eLedgerResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.loramesh.v1.LedgerEntry\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x18\n\x10\x64gfm_swaps_total\x18\x04 \x01(\x04\x12\x1f\n\x17\x64gfm_blocks_moved_total\x18\x05 \x01(\x04\x12\x13\n\x0bleader_term\x18\x06 \x01(\x04\"5\n\x1aPlanDefragmentationRequest\x12\x17\n\x0fmin_swap_blocks\x18\x01 \x01(\r\"B\n\x0b\x42lockRecall\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x11\n\tholder_id\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\"U\n\tCycleSwap\x12\r\n\x05\x63ycle\x18\x01 \x03(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12)\n\x07recalls\x18\x03 \x03(\x0b\x32\x18.loramesh.v1.BlockRecall\"\xad\x01\n\x1bPlanDefragmentationResponse\x12%\n\x05swaps\x18\x01 \x03(\x0b\x32\x16.loramesh.v1.CycleSwap\x12\x16\n\x0e\x66rozen_workers\x18\x02 \x03(\t\x12\x14\n\x0c\x62locks_moved\x18\x03 \x01(\r\x12\x1c\n\x14remote_blocks_before\x18\x04 \x01(\r\x12\x1b\n\x13remote_blocks_after\x18\x05 \x01(\r\",\n\x11\x44\x65\x66ragmentRequest\x12\x17\n\x0fmin_swap_blocks\x18\x01 \x01(\r\"\xb0\x01\n\x12\x44\x65\x66ragmentResponse\x12\x36\n\x04plan\x18\x01 \x01(\x0b\x32(.loramesh.v1.PlanDefragmentationResponse\x12\x12\n\nswaps_done\x18\x02 \x01(\r\x12\x14\n\x0c\x62locks_moved\x18\x03 \x01(\r\x12\x15\n\rfailed_worker\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t2\xc0\x03\n\tKVManager\x12_\n\x10SuggestCreditors\x12$.loramesh.v1.SuggestCreditorsRequest\x1a%.loramesh.v1.SuggestCreditorsResponse\x12V\n\rReportRefusal\x12!.loramesh.v1.ReportRefusalRequest\x1a\".loramesh.v1.ReportRefusalResponse\x12\x41\n\x06Ledger\x12\x1a.loramesh.v1.LedgerRequest\x1a\x1b.loramesh.v1.LedgerResponse\x12h\n\x13PlanDefragmentation\x12\'.loramesh.v1.PlanDefragmentationRequest\x1a(.loramesh.v1.PlanDefragmentationResponse\x12M\n\nDefragment\x12\x1e.loramesh.v1.DefragmentRequest\x1a\x1f.loramesh.v1.DefragmentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,19 +50,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEDGERENTRY_LENTBLOCKSENTRY']._serialized_start=657
   _globals['_LEDGERENTRY_LENTBLOCKSENTRY']._serialized_end=706
   _globals['_LEDGERRESPONSE']._serialized_start=709
-  _globals['_LEDGERRESPONSE']._serialized_end=867
-  _globals['_PLANDEFRAGMENTATIONREQUEST']._serialized_start=869
-  _globals['_PLANDEFRAGMENTATIONREQUEST']._serialized_end=922
-  _globals['_BLOCKRECALL']._serialized_start=924
-  _globals['_BLOCKRECALL']._serialized_end=990
-  _globals['_CYCLESWAP']._serialized_start=992
-  _globals['_CYCLESWAP']._serialized_end=1077
-  _globals['_PLANDEFRAGMENTATIONRESPONSE']._serialized_start=1080
-  _globals['_PLANDEFRAGMENTATIONRESPONSE']._serialized_end=1253
-  _globals['_DEFRAGMENTREQUEST']._serialized_start=1255
-  _globals['_DEFRAGMENTREQUEST']._serialized_end=1299
-  _globals['_DEFRAGMENTRESPONSE']._serialized_start=1302
-  _globals['_DEFRAGMENTRESPONSE']._serialized_end=1478
-  _globals['_KVMANAGER']._serialized_start=1481
-  _globals['_KVMANAGER']._serialized_end=1929
+  _globals['_LEDGERRESPONSE']._serialized_end=888
+  _globals['_PLANDEFRAGMENTATIONREQUEST']._serialized_start=890
+  _globals['_PLANDEFRAGMENTATIONREQUEST']._serialized_end=943
+  _globals['_BLOCKRECALL']._serialized_start=945
+  _globals['_BLOCKRECALL']._serialized_end=1011
+  _globals['_CYCLESWAP']._serialized_start=1013
+  _globals['_CYCLESWAP']._serialized_end=1098
+  _globals['_PLANDEFRAGMENTATIONRESPONSE']._serialized_start=1101
+  _globals['_PLANDEFRAGMENTATIONRESPONSE']._serialized_end=1274
+  _globals['_DEFRAGMENTREQUEST']._serialized_start=1276
+  _globals['_DEFRAGMENTREQUEST']._serialized_end=1320
+  _globals['_DEFRAGMENTRESPONSE']._serialized_start=1323
+  _globals['_DEFRAGMENTRESPONSE']._serialized_end=1499
+  _globals['_KVMANAGER']._serialized_start=1502
+  _globals['_KVMANAGER']._serialized_end=1950
 # @@protoc_insertion_point(module_scope)

@@ -80,18 +80,20 @@ class LedgerEntry(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., topology: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., lent_blocks: _Optional[_Mapping[str, int]] = ..., lendable_blocks: _Optional[int] = ..., refused: _Optional[bool] = ..., report_age_ms: _Optional[float] = ...) -> None: ...
 
 class LedgerResponse(_message.Message):
-    __slots__ = ("workers", "instance_id", "leader_id", "dgfm_swaps_total", "dgfm_blocks_moved_total")
+    __slots__ = ("workers", "instance_id", "leader_id", "dgfm_swaps_total", "dgfm_blocks_moved_total", "leader_term")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     DGFM_SWAPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DGFM_BLOCKS_MOVED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     instance_id: str
     leader_id: str
     dgfm_swaps_total: int
     dgfm_blocks_moved_total: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., instance_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., dgfm_swaps_total: _Optional[int] = ..., dgfm_blocks_moved_total: _Optional[int] = ...) -> None: ...
+    leader_term: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., instance_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., dgfm_swaps_total: _Optional[int] = ..., dgfm_blocks_moved_total: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class PlanDefragmentationRequest(_message.Message):
     __slots__ = ("min_swap_blocks",)

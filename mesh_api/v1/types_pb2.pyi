@@ -158,7 +158,7 @@ class Timings(_message.Message):
     def __init__(self, queued_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queue", "running", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "tokens_per_s", "preemptions", "fragmentation", "ts", "free_blocks", "total_blocks", "lent_blocks", "borrowed_blocks", "lend_cap_blocks", "topology", "remote_attention_s", "remote_attention_calls", "remote_bytes_sent", "remote_bytes_received", "lent_attention_s", "decode_steps", "dgfm_recalls", "dgfm_blocks_recalled")
+    __slots__ = ("queue", "running", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "tokens_per_s", "preemptions", "fragmentation", "ts", "free_blocks", "total_blocks", "lent_blocks", "borrowed_blocks", "lend_cap_blocks", "topology", "remote_attention_s", "remote_attention_calls", "remote_bytes_sent", "remote_bytes_received", "lent_attention_s", "decode_steps", "dgfm_recalls", "dgfm_blocks_recalled", "kv_manager_term", "kv_manager_leader", "leader_writes_accepted", "leader_writes_refused")
     class LentBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,10 @@ class WorkerLoad(_message.Message):
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     DGFM_RECALLS_FIELD_NUMBER: _ClassVar[int]
     DGFM_BLOCKS_RECALLED_FIELD_NUMBER: _ClassVar[int]
+    KV_MANAGER_TERM_FIELD_NUMBER: _ClassVar[int]
+    KV_MANAGER_LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_WRITES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    LEADER_WRITES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     queue: int
     running: int
     free_pages: int
@@ -223,4 +227,16 @@ class WorkerLoad(_message.Message):
     decode_steps: int
     dgfm_recalls: int
     dgfm_blocks_recalled: int
-    def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., fragmentation: _Optional[float] = ..., ts: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., lent_blocks: _Optional[_Mapping[str, int]] = ..., borrowed_blocks: _Optional[_Mapping[str, int]] = ..., lend_cap_blocks: _Optional[int] = ..., topology: _Optional[str] = ..., remote_attention_s: _Optional[float] = ..., remote_attention_calls: _Optional[int] = ..., remote_bytes_sent: _Optional[int] = ..., remote_bytes_received: _Optional[int] = ..., lent_attention_s: _Optional[float] = ..., decode_steps: _Optional[int] = ..., dgfm_recalls: _Optional[int] = ..., dgfm_blocks_recalled: _Optional[int] = ...) -> None: ...
+    kv_manager_term: int
+    kv_manager_leader: str
+    leader_writes_accepted: int
+    leader_writes_refused: int
+    def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., fragmentation: _Optional[float] = ..., ts: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., lent_blocks: _Optional[_Mapping[str, int]] = ..., borrowed_blocks: _Optional[_Mapping[str, int]] = ..., lend_cap_blocks: _Optional[int] = ..., topology: _Optional[str] = ..., remote_attention_s: _Optional[float] = ..., remote_attention_calls: _Optional[int] = ..., remote_bytes_sent: _Optional[int] = ..., remote_bytes_received: _Optional[int] = ..., lent_attention_s: _Optional[float] = ..., decode_steps: _Optional[int] = ..., dgfm_recalls: _Optional[int] = ..., dgfm_blocks_recalled: _Optional[int] = ..., kv_manager_term: _Optional[int] = ..., kv_manager_leader: _Optional[str] = ..., leader_writes_accepted: _Optional[int] = ..., leader_writes_refused: _Optional[int] = ...) -> None: ...
+
+class LeaderTerm(_message.Message):
+    __slots__ = ("term", "leader_id")
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    leader_id: str
+    def __init__(self, term: _Optional[int] = ..., leader_id: _Optional[str] = ...) -> None: ...

@@ -76,7 +76,7 @@ class WorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatsResponse(_message.Message):
-    __slots__ = ("queue", "running", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "tokens_per_s", "preemptions", "model", "dtype", "dgfm_recalls", "dgfm_blocks_recalled")
+    __slots__ = ("queue", "running", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "tokens_per_s", "preemptions", "model", "dtype", "dgfm_recalls", "dgfm_blocks_recalled", "kv_manager_term", "leader_writes_accepted", "leader_writes_refused")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,9 @@ class WorkerStatsResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DGFM_RECALLS_FIELD_NUMBER: _ClassVar[int]
     DGFM_BLOCKS_RECALLED_FIELD_NUMBER: _ClassVar[int]
+    KV_MANAGER_TERM_FIELD_NUMBER: _ClassVar[int]
+    LEADER_WRITES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    LEADER_WRITES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     queue: int
     running: int
     free_pages: int
@@ -103,7 +106,10 @@ class WorkerStatsResponse(_message.Message):
     dtype: str
     dgfm_recalls: int
     dgfm_blocks_recalled: int
-    def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., dgfm_recalls: _Optional[int] = ..., dgfm_blocks_recalled: _Optional[int] = ...) -> None: ...
+    kv_manager_term: int
+    leader_writes_accepted: int
+    leader_writes_refused: int
+    def __init__(self, queue: _Optional[int] = ..., running: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., tokens_per_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., dgfm_recalls: _Optional[int] = ..., dgfm_blocks_recalled: _Optional[int] = ..., kv_manager_term: _Optional[int] = ..., leader_writes_accepted: _Optional[int] = ..., leader_writes_refused: _Optional[int] = ...) -> None: ...
 
 class ListRequestsRequest(_message.Message):
     __slots__ = ()
@@ -313,12 +319,14 @@ class ReadBlocksResponse(_message.Message):
     def __init__(self, keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RecallBlocksRequest(_message.Message):
-    __slots__ = ("holder", "blocks")
+    __slots__ = ("holder", "blocks", "leader")
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
     holder: str
     blocks: int
-    def __init__(self, holder: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+    leader: _types_pb2.LeaderTerm
+    def __init__(self, holder: _Optional[str] = ..., blocks: _Optional[int] = ..., leader: _Optional[_Union[_types_pb2.LeaderTerm, _Mapping]] = ...) -> None: ...
 
 class RecallBlocksResponse(_message.Message):
     __slots__ = ("blocks_moved",)
@@ -327,12 +335,14 @@ class RecallBlocksResponse(_message.Message):
     def __init__(self, blocks_moved: _Optional[int] = ...) -> None: ...
 
 class StageOutBlocksRequest(_message.Message):
-    __slots__ = ("holder", "blocks")
+    __slots__ = ("holder", "blocks", "leader")
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
     holder: str
     blocks: int
-    def __init__(self, holder: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+    leader: _types_pb2.LeaderTerm
+    def __init__(self, holder: _Optional[str] = ..., blocks: _Optional[int] = ..., leader: _Optional[_Union[_types_pb2.LeaderTerm, _Mapping]] = ...) -> None: ...
 
 class StageOutBlocksResponse(_message.Message):
     __slots__ = ("stage_id",)
@@ -341,10 +351,12 @@ class StageOutBlocksResponse(_message.Message):
     def __init__(self, stage_id: _Optional[int] = ...) -> None: ...
 
 class StageInBlocksRequest(_message.Message):
-    __slots__ = ("stage_id",)
+    __slots__ = ("stage_id", "leader")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
     stage_id: int
-    def __init__(self, stage_id: _Optional[int] = ...) -> None: ...
+    leader: _types_pb2.LeaderTerm
+    def __init__(self, stage_id: _Optional[int] = ..., leader: _Optional[_Union[_types_pb2.LeaderTerm, _Mapping]] = ...) -> None: ...
 
 class StageInBlocksResponse(_message.Message):
     __slots__ = ("blocks_home",)

@@ -211,6 +211,9 @@ class WorkerServicer:
         """DGFM (issue 13), called by the kv_manager leader to cancel a debt cycle. Each call runs on
         the engine thread between two steps, so no request's KV changes meanwhile. Blocks are this
         worker's running requests' blocks on `holder`, in request order then logical order.
+        Each names its leader and term (`leader`); one older than the newest term this worker has
+        taken, or none, is refused with FAILED_PRECONDITION naming both terms (issue 49: a deposed
+        leader is fenced), before anything else is checked.
         Bring `blocks` of them home into this pool, all or none: FAILED_PRECONDITION when fewer are
         held there, RESOURCE_EXHAUSTED when this pool has no room, the holder's status when it fails.
         """

@@ -219,6 +219,10 @@ class WorkerService:
             topology=self.config.topology,
             dgfm_recalls=engine.recalls.recalls,
             dgfm_blocks_recalled=engine.recalls.blocks_recalled,
+            kv_manager_term=self.servicer.leader_fence.term,
+            kv_manager_leader=self.servicer.leader_fence.leader,
+            leader_writes_accepted=self.servicer.leader_fence.accepted,
+            leader_writes_refused=self.servicer.leader_fence.refused,
         )
         load.MergeFrom(message_of(WorkerLoad, engine.distkv.totals()))  # the DistKV traffic's fields
         report = worker_load_to_report(load)

@@ -23,6 +23,7 @@ from services.gpu_worker.distkv.transport.lending_proto import (
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import TokenLogprobs
+from services.gpu_worker.leader_fence import LeaderFence
 from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.runtime.field_copy import message_of
 from services.runtime.sampling.request_validation import check_first_token_deadline, check_request
@@ -73,6 +74,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """request id -> worker it is being handed off to, until its stream has said so."""
         self.lane: LaneServer | None = None
         """This worker's same-host lending lane (None: lanes are off)."""
+        self.leader_fence = LeaderFence()
+        """The newest kv_manager leader term taken: DGFM calls of older terms are refused."""
 
     def attach(self, engine: Engine, loader: AdapterLoader, describe: dict) -> None:
         self._engine, self.loader, self.describe = engine, loader, describe
@@ -209,6 +212,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             dtype=self.describe["dtype"],
             dgfm_recalls=self.engine.recalls.recalls,
             dgfm_blocks_recalled=self.engine.recalls.blocks_recalled,
+            kv_manager_term=self.leader_fence.term,
+            leader_writes_accepted=self.leader_fence.accepted,
+            leader_writes_refused=self.leader_fence.refused,
         )
 
     # -- lending (DistKV-LLM creditor side) ---------------------------------------------------
@@ -254,7 +260,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ReadBlocksResponse(keys=tensor_to_proto(keys), values=tensor_to_proto(values))
 
     # -- DGFM (issue 13): the kv_manager leader has this worker bring its blocks home ----------
-    # Each call is applied by the engine thread between two steps (the freeze), awaited here.
+    # Each call is applied by the engine thread between two steps (the freeze), awaited here,
+    # once its leader term is taken (a deposed leader's is refused: issue 49).
 
     async def _between_steps(self, holder: str, apply):
         if not holder:
@@ -262,6 +269,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await asyncio.wrap_future(self.engine.between_steps(apply))
 
     async def RecallBlocks(self, request: worker_pb2.RecallBlocksRequest, context):
+        self.leader_fence.admit(request.leader.term, request.leader.leader_id, "RecallBlocks")
         recalls = self.engine.recalls
         moved = await self._between_steps(
             request.holder, lambda: recalls.recall(request.holder, request.blocks)
@@ -269,6 +277,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.RecallBlocksResponse(blocks_moved=moved)
 
     async def StageOutBlocks(self, request: worker_pb2.StageOutBlocksRequest, context):
+        self.leader_fence.admit(request.leader.term, request.leader.leader_id, "StageOutBlocks")
         recalls = self.engine.recalls
         stage_id = await self._between_steps(
             request.holder, lambda: recalls.stage_out(request.holder, request.blocks)
@@ -276,6 +285,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.StageOutBlocksResponse(stage_id=stage_id)
 
     async def StageInBlocks(self, request: worker_pb2.StageInBlocksRequest, context):
+        self.leader_fence.admit(request.leader.term, request.leader.leader_id, "StageInBlocks")
         recalls = self.engine.recalls
         home = await asyncio.wrap_future(
             self.engine.between_steps(lambda: recalls.stage_in(request.stage_id))

@@ -59,8 +59,12 @@ class KVManagerService:
         )
         self.election: LeaderElection | None = None
         dgfm = DgfmConfig(min_swap_blocks=config.min_swap_blocks)
+        # Runs happen only while this replica leads, so after start() made the election.
         self.defragmenter = Defragmenter(
-            dgfm, lambda addresses: GrpcRecallWorkers(addresses, config.dgfm_call_timeout_s, config.tls())
+            dgfm,
+            lambda addresses: GrpcRecallWorkers(
+                addresses, self.election, config.dgfm_call_timeout_s, config.tls()
+            ),
         )
         self.servicer = KVManagerServicer(
             self.ledger,
@@ -68,7 +72,7 @@ class KVManagerService:
             dgfm,
             self.defragmenter,
             config.instance_id,
-            leader_id=lambda: self.election.leader_id if self.election else "",
+            leader=lambda: (self.election.leader_id, self.election.leader_term) if self.election else ("", 0),
             require_leader=self.require_leader,
         )
         self._addresses: dict[str, str] = {}
@@ -169,6 +173,7 @@ class KVManagerService:
         return {
             "workers": len(rows),
             "leader": int(self.election is not None and self.election.is_leader),
+            "term": self.election.term if self.election is not None else 0,
             "free_blocks": sum(row.free_blocks for row in rows),
             "lent_blocks": sum(row.lent_total for row in rows),
             "suggestions": self.servicer.suggestions,

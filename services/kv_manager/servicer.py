@@ -68,7 +68,7 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
     """Answers from the ledger the service keeps up to date from etcd.
 
     ``require_leader(what)`` raises when this replica is a standby (only the leader suggests,
-    records refusals and plans); ``leader_id()`` names the leader for the Ledger answer.
+    records refusals and plans); ``leader()`` names the leader and its term for the Ledger answer.
     """
 
     def __init__(
@@ -78,7 +78,7 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         dgfm: DgfmConfig,
         defragmenter: Defragmenter,
         instance_id: str,
-        leader_id: Callable[[], str],
+        leader: Callable[[], tuple[str, int]],
         require_leader: Callable[[str], None],
         clock: Callable[[], float] = time.time,
     ):
@@ -87,7 +87,7 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         self.dgfm = dgfm
         self.defragmenter = defragmenter
         self.instance_id = instance_id
-        self.leader_id = leader_id
+        self.leader = leader
         self.require_leader = require_leader
         self.clock = clock
         self.suggestions = 0
@@ -121,10 +121,12 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         return pb.ReportRefusalResponse()
 
     async def Ledger(self, request: pb.LedgerRequest, context) -> pb.LedgerResponse:
+        leader_id, leader_term = self.leader()
         return pb.LedgerResponse(
             workers=ledger_to_proto(self.ledger, self.clock()),
             instance_id=self.instance_id,
-            leader_id=self.leader_id(),
+            leader_id=leader_id,
+            leader_term=leader_term,
             dgfm_swaps_total=self.defragmenter.swaps_total,
             dgfm_blocks_moved_total=self.defragmenter.blocks_moved_total,
         )

@@ -53,6 +53,17 @@ class FailedPrecondition(DomainError):
     code_name = "FAILED_PRECONDITION"
 
 
+class StaleLeaderTerm(FailedPrecondition):
+    """A leader's write refused as fenced: its term is older than the newest one the callee has
+    taken writes under, so a newer leader exists and the writer must step down. Travels as
+    ``FAILED_PRECONDITION`` with ``current_term`` in trailing metadata, so the caller can tell it
+    from another failed precondition."""
+
+    def __init__(self, message: str, current_term: int):
+        super().__init__(message)
+        self.current_term = current_term
+
+
 class Unavailable(DomainError):
     """The service cannot take this right now (draining, dependency down); retrying may work."""
 

@@ -31,7 +31,13 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from services.runtime.errors import DomainError, InvalidArgument, ResourceExhausted, Unavailable
+from services.runtime.errors import (
+    DomainError,
+    InvalidArgument,
+    ResourceExhausted,
+    StaleLeaderTerm,
+    Unavailable,
+)
 from services.runtime.logs import request_id_var
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.security.authorization import authorize
@@ -42,6 +48,8 @@ log = logging.getLogger("loramesh.rpc")
 
 REQUEST_ID_HEADER = "x-request-id"
 RETRY_AFTER_HEADER = "retry-after-s"
+LEADER_TERM_HEADER = "leader-term"
+"""On a :class:`StaleLeaderTerm` refusal: the newest leader term the callee has taken."""
 MAX_STATUS_MESSAGE_BYTES = 1024
 """A status message is cut to this many UTF-8 bytes. It travels percent-encoded in the trailing
 metadata, which a client refuses past 8 KiB (grpc's default): a message that echoes a long input
@@ -59,8 +67,14 @@ _STATUS_ERRORS = {getattr(grpc.StatusCode, cls.code_name): cls for cls in Domain
 
 def error_from_status(error: grpc.RpcError, message: str) -> DomainError:
     """What another service's status means here: the domain error it raised (``NOT_FOUND`` ->
-    ``NotFound``...), or ``Unavailable`` when it could not be reached, timed out or failed."""
-    return _STATUS_ERRORS.get(error.code(), Unavailable)(f"{message}: {error.details() or error.code().name}")
+    ``NotFound``...), or ``Unavailable`` when it could not be reached, timed out or failed; a
+    refusal naming a newer leader term (:data:`LEADER_TERM_HEADER`) is :class:`StaleLeaderTerm`."""
+    text = f"{message}: {error.details() or error.code().name}"
+    trailing = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
+    term = str(trailing.get(LEADER_TERM_HEADER, ""))
+    if error.code() == grpc.StatusCode.FAILED_PRECONDITION and term.isdigit():
+        return StaleLeaderTerm(text, int(term))
+    return _STATUS_ERRORS.get(error.code(), Unavailable)(text)
 
 
 class _RpcScope:
@@ -92,6 +106,8 @@ class _RpcScope:
             trailing = [(REQUEST_ID_HEADER, self.request_id)]
             if isinstance(error, ResourceExhausted) and error.retry_after_s is not None:
                 trailing.append((RETRY_AFTER_HEADER, f"{error.retry_after_s:.3f}"))
+            if isinstance(error, StaleLeaderTerm):
+                trailing.append((LEADER_TERM_HEADER, str(error.current_term)))
             context.set_trailing_metadata(tuple(trailing))
             log.info("%s -> %s: %s", self.method, code.name, error.message)
             await context.abort(code, bounded(error.message))

@@ -8,21 +8,26 @@ then cancelled over gRPC: the kv_manager's Defragmenter against three Worker ser
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import pytest
 import torch
 from grpc import aio
-from support.in_process_transport import InProcessTransport
+from support.dgfm_cycle import (
+    BLOCK,
+    CREDITOR_OF,
+    POOL_BLOCKS,
+    CycleMesh,
+    SteppedOnCall,
+    build_full_cycle,
+    request,
+)
 from support.worker_server import serve_worker
 
-from mesh_api.v1 import worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.gpu_worker.build import local_engine
-from services.gpu_worker.distkv.borrower import Candidate
-from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest
-from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
 from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import CycleSwap, DgfmConfig, plan_defragmentation
@@ -30,90 +35,7 @@ from services.kv_manager.dgfm_execution import StepKind, apply_plan, apply_swap
 from services.kv_manager.ledger import DebtLedger, WorkerBlocks
 from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import FailedPrecondition, ResourceExhausted
-
-BLOCK = 8
-POOL_MIB = 1 / 32
-"""Tiny Llama, fp32: a page is 8 tokens × kv_dim 32 × K,V × 4 B = 2 KiB; 16 pages = 8 blocks."""
-POOL_BLOCKS = 8
-CAP = 6
-CREDITOR_OF = {"w0": "w1", "w1": "w2", "w2": "w0"}
-"""Each worker borrows from one other only: the debts form the cycle w0 -> w1 -> w2 -> w0."""
-PROMPT = 57
-"""57 tokens = 8 blocks: 6 in the debtor's pool (2 of its 8 hold another's loan), 2 borrowed."""
-MAX_TOKENS = 8
-"""57 + 8 tokens fit the 8 blocks (the last token's KV is never written)."""
-
-
-class CycleMesh:
-    """Three borrowing engines; ``w`` borrows only from ``CREDITOR_OF[w]``."""
-
-    def __init__(self, tiny_llama):
-        self.engines: dict[str, Engine] = {}
-        self.transports: dict[str, InProcessTransport] = {}
-        self.logits: dict[str, list[torch.Tensor]] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.finish: dict[str, FinishReason] = {}
-        for name in CREDITOR_OF:
-            model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-            config = EngineConfig(
-                pool_mib=POOL_MIB,
-                kv_block_tokens=BLOCK,
-                worker_id=name,
-                max_lent_blocks=CAP,
-                kv_overflow="borrow",
-                # The cycle is built block by block: no prompt block may stay cached after its
-                # request, where a lender's free pages are counted.
-                prefix_cache=False,
-            )
-            engine = local_engine(
-                model,
-                config,
-                creditors=self,
-                connect=lambda creditor, _: self.transports[creditor],
-                on_logits=lambda request_id, row: self.logits.setdefault(request_id, []).append(row),
-            )
-            assert engine.rm.local.free_blocks == POOL_BLOCKS
-            self.engines[name] = engine
-            self.transports[name] = InProcessTransport(name, engine.rm.lender)
-
-    def suggest(self, debtor: str, blocks: int) -> list[Candidate]:
-        lender = self.engines[CREDITOR_OF[debtor]].rm
-        lendable = min(CAP - lender.lender.lent_blocks, lender.local.free_blocks)
-        if lendable < 1:
-            raise ResourceExhausted(f"{CREDITOR_OF[debtor]} cannot lend")
-        return [Candidate(CREDITOR_OF[debtor], CREDITOR_OF[debtor], lendable)]
-
-    def report_refusal(self, debtor: str, creditor: str) -> None:
-        pass
-
-    def submit(self, worker: str, request: GenerationRequest) -> None:
-        def sink(event):
-            if event.token_id is not None:
-                self.tokens.setdefault(event.request_id, []).append(event.token_id)
-            if event.finish_reason is not None:
-                self.finish[event.request_id] = event.finish_reason
-
-        self.engines[worker].submit(request, sink)
-
-    def debts(self) -> dict[tuple[str, str], int]:
-        """What the ledger would hold: each creditor's loans, as its heartbeat reports them."""
-        return {
-            (debtor, creditor): blocks
-            for creditor, engine in self.engines.items()
-            for debtor, blocks in engine.rm.accounting().lent_blocks.items()
-        }
-
-    def free_blocks(self) -> dict[str, int]:
-        return {name: engine.rm.local.free_blocks for name, engine in self.engines.items()}
-
-    def remote_blocks(self) -> int:
-        return sum(sum(e.rm.accounting().borrowed_blocks.values()) for e in self.engines.values())
-
-    def run_to_end(self) -> None:
-        while any(e.has_work() for e in self.engines.values()):
-            for engine in self.engines.values():
-                if engine.has_work():
-                    engine.step()
+from services.runtime.etcd.leader_election import LeaderElection
 
 
 class EngineRecalls:
@@ -144,12 +66,6 @@ class EngineRecalls:
         return self._between_steps(owner_id, "stage_in", lambda: recalls.stage_in(stage_id))
 
 
-def request(worker: str) -> GenerationRequest:
-    offset = int(worker[1:])
-    prompt = tuple((7 * j + 13 * offset + 3) % 250 + 1 for j in range(PROMPT))
-    return GenerationRequest(f"r-{worker}", prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-
-
 def undisturbed(tiny_llama, spec: GenerationRequest) -> tuple[list[int], list[torch.Tensor]]:
     logits: list[torch.Tensor] = []
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
@@ -161,26 +77,6 @@ def undisturbed(tiny_llama, spec: GenerationRequest) -> tuple[list[int], list[to
     while engine.has_work():
         engine.step()
     return tokens, logits
-
-
-def build_full_cycle(mesh: CycleMesh) -> None:
-    """Every pool full, each holding 2 blocks of its predecessor's request.
-
-    w1 runs a 2-block filler beside its request, so its request borrows 2 blocks from w2; the
-    filler ends, and w2's request (6 blocks left at w2) borrows 2 from w0, whose request then
-    takes w0's 6 free blocks and borrows 2 from w1, into the filler's old slots.
-    """
-    filler = GenerationRequest("filler", tuple(range(1, 10)), SamplingParams(max_tokens=2, ignore_eos=True))
-    mesh.submit("w1", filler)
-    mesh.submit("w1", request("w1"))
-    mesh.engines["w1"].step()  # both prefill; w1's request borrows 2 blocks from w2
-    mesh.engines["w1"].step()  # the filler's second token ends it
-    assert mesh.finish["filler"] is FinishReason.LENGTH
-    for worker in ("w2", "w0"):
-        mesh.submit(worker, request(worker))
-        mesh.engines[worker].step()
-    assert mesh.debts() == {("w0", "w1"): 2, ("w1", "w2"): 2, ("w2", "w0"): 2}
-    assert mesh.free_blocks() == {"w0": 0, "w1": 0, "w2": 0}
 
 
 def assert_every_block_accounted_for(mesh: CycleMesh, in_use: dict[str, int]) -> None:
@@ -285,33 +181,20 @@ def test_a_recall_needs_the_blocks_and_the_room_and_changes_nothing_when_refused
     assert mesh.debts() == before and not recalls.frozen and recalls.recalls == 0
 
 
-class SteppedOnCall:
-    """Steps ``engine`` once (on a thread of its own) for each call handed to ``between_steps``,
-    as the engine thread would, without letting it decode on its own in between."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self._lock = threading.Lock()
-        self._hand_over = engine.between_steps
-        engine.between_steps = self.between_steps
-
-    def between_steps(self, fn):
-        future = self._hand_over(fn)
-        threading.Thread(target=self._step, daemon=True).start()
-        return future
-
-    def _step(self) -> None:
-        with self._lock:
-            self.engine.step()
-
-
-async def test_defragment_over_grpc_drives_real_worker_servers_through_the_staged_cycle(tiny_llama):
-    """The kv_manager's Defragmenter and GrpcRecallWorkers against three Worker gRPC servers:
-    the plan comes from a ledger of the workers' reports, the recalls travel as RPCs, and bad
-    DGFM calls get a clear status while the worker keeps serving."""
+@pytest.mark.integration
+async def test_defragment_over_grpc_drives_real_worker_servers_through_the_staged_cycle(
+    tiny_llama, membership_config
+):
+    """The kv_manager's Defragmenter and GrpcRecallWorkers against three Worker gRPC servers,
+    under the term of a kv_manager leader elected in a real etcd: the plan comes from a ledger of
+    the workers' reports, the recalls travel as RPCs carrying the term, and bad DGFM calls (one
+    without a term too) get a clear status while the worker keeps serving."""
     expected = {w: undisturbed(tiny_llama, request(w)) for w in CREDITOR_OF}
     mesh = CycleMesh(tiny_llama)
     build_full_cycle(mesh)
+    leader = LeaderElection(membership_config, "kv_manager", "kv-a")
+    await leader.start()
+    await leader.wait_decided()
     servers, addresses = [], {}
     for name, engine in mesh.engines.items():
         SteppedOnCall(engine)
@@ -330,7 +213,9 @@ async def test_defragment_over_grpc_drives_real_worker_servers_through_the_stage
             )
             for name, engine in mesh.engines.items()
         )
-        defragmenter = Defragmenter(DgfmConfig(min_swap_blocks=2), lambda a: GrpcRecallWorkers(a, 60.0))
+        defragmenter = Defragmenter(
+            DgfmConfig(min_swap_blocks=2), lambda a: GrpcRecallWorkers(a, leader, 60.0)
+        )
         outcome = await defragmenter.run(ledger)
         assert outcome.failure is None and outcome.swaps_done == 1 and outcome.blocks_moved == 6
         assert (defragmenter.swaps_total, defragmenter.blocks_moved_total) == (1, 6)
@@ -344,20 +229,30 @@ async def test_defragment_over_grpc_drives_real_worker_servers_through_the_stage
             stub = worker_pb2_grpc.WorkerStub(channel)
             stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
             assert (stats.dgfm_recalls, stats.dgfm_blocks_recalled) == (1, 2)
+            # w0 staged out and in: two writes, taken under the leader's term.
+            assert (stats.kv_manager_term, stats.leader_writes_accepted) == (leader.term, 2)
+            term = types_pb2.LeaderTerm(term=leader.term, leader_id="kv-a")
             cases = [
-                (stub.RecallBlocks(worker_pb2.RecallBlocksRequest(holder="", blocks=1)), "INVALID_ARGUMENT", "holder is empty"),
-                (stub.RecallBlocks(worker_pb2.RecallBlocksRequest(holder="w1", blocks=0)), "INVALID_ARGUMENT", "at least one block"),
-                (stub.StageOutBlocks(worker_pb2.StageOutBlocksRequest(holder="w2", blocks=1)), "FAILED_PRECONDITION", "holds 0 of its blocks on w2"),
-                (stub.StageInBlocks(worker_pb2.StageInBlocksRequest(stage_id=7)), "NOT_FOUND", "stage 7 is not open"),
+                (stub.RecallBlocks(worker_pb2.RecallBlocksRequest(holder="", blocks=1, leader=term)), "INVALID_ARGUMENT", "holder is empty"),
+                (stub.RecallBlocks(worker_pb2.RecallBlocksRequest(holder="w1", blocks=0, leader=term)), "INVALID_ARGUMENT", "at least one block"),
+                (stub.StageOutBlocks(worker_pb2.StageOutBlocksRequest(holder="w2", blocks=1, leader=term)), "FAILED_PRECONDITION", "holds 0 of its blocks on w2"),
+                (stub.StageInBlocks(worker_pb2.StageInBlocksRequest(stage_id=7, leader=term)), "NOT_FOUND", "stage 7 is not open"),
+                (stub.RecallBlocks(worker_pb2.RecallBlocksRequest(holder="w1", blocks=1)), "FAILED_PRECONDITION", "without a leader term"),
             ]  # fmt: skip
             for call, code, message in cases:
                 with pytest.raises(aio.AioRpcError) as error:
                     await call
                 assert (error.value.code().name, message in error.value.details()) == (code, True)
-            assert (await stub.Stats(worker_pb2.WorkerStatsRequest())).dgfm_recalls == 1
+            stats = await stub.Stats(worker_pb2.WorkerStatsRequest())
+            assert (stats.dgfm_recalls, stats.leader_writes_accepted, stats.leader_writes_refused) == (
+                1,
+                6,
+                1,
+            )
     finally:
         for server in servers:
             await server.stop(None)
+        await leader.stop()
     mesh.run_to_end()
     for worker, (tokens, _) in expected.items():
         assert mesh.tokens[f"r-{worker}"] == tokens, worker
