@@ -24,7 +24,9 @@ from loramesh_cli.up_arguments import (
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.tp.sharding import TensorParallelLayout
 from services.kv_manager.config import KVManagerConfig
+from services.model_files.base_model import load_base_model_spec
 from services.model_files.cache_dir import CACHE_ENV
 from services.runtime.config import ServiceConfig, SettingError, read_config, setting_variables
 from services.runtime.process.ports import free_port
@@ -140,9 +142,20 @@ def check_service_settings(args, environ: Mapping[str, str]) -> None:
     }
     for kind, config in SERVICE_CONFIGS.items():
         try:
-            read_config(config, flags[kind], environ)
+            settings = read_config(config, flags[kind], environ)
         except SettingError as error:
             raise CommandError(f"{kind}: {error}") from None
+        if isinstance(settings, WorkerConfig) and settings.tp > 1:
+            _check_tp_degree(settings)
+
+
+def _check_tp_degree(worker: WorkerConfig) -> None:
+    """A tensor-parallel degree the base model does not divide, refused before any worker loads
+    the model: the workers' own check, over the model's dimensions (its spec, cached on disk)."""
+    try:
+        TensorParallelLayout.for_config(load_base_model_spec(worker.model or None), worker.tp)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"gpu_worker: {error}") from None
 
 
 def store_replica_flags(args, state_dir: Path) -> dict[str, list[str]]:

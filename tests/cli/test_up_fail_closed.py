@@ -19,6 +19,7 @@ ON_OFF = "expected on (1, true, yes, on) or off (0, false, no, off)"
         (["--tp", "0"], {}, "gpu_worker: --tp (env LORAMESH_TP) must be at least 1, got 0"),
         (["--tp", "-2"], {}, "gpu_worker: --tp (env LORAMESH_TP) must be at least 1, got -2"),
         ([], {"LORAMESH_TP": "0"}, "gpu_worker: --tp (env LORAMESH_TP) must be at least 1, got 0"),
+        (["--tp", "2"], {}, "gpu_worker: --tp 2 does not divide "),  # the base model's heads: 1 or 3
         (["--pool-mib", "0"], {}, "gpu_worker: --pool-mib (env LORAMESH_POOL_MIB) must be more than 0, got 0.0"),
         ([], {"LORAMESH_DETERMINISTIC": "enabled"},
          f"gpu_worker: LORAMESH_DETERMINISTIC (setting --deterministic): {ON_OFF}, got 'enabled'"),

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from services.gpu_worker.lora.host_adapter import HostAdapter, LoraFactors
-from services.model_files.model_config import ModelConfig
+from services.model_files.model_config import BaseModelSpec, ModelConfig
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Projections split by output columns; their LoRA intermediate is all-gathered."""
@@ -78,7 +78,7 @@ class TensorParallelLayout:
     intermediate_size: int
 
     @classmethod
-    def for_config(cls, config: ModelConfig, size: int, rank: int = 0) -> TensorParallelLayout:
+    def for_config(cls, config: BaseModelSpec, size: int, rank: int = 0) -> TensorParallelLayout:
         """The layout of ``rank`` in a group of ``size``; ValueError naming the numbers when
         ``size`` does not divide the query heads, KV heads, intermediate size and hidden size."""
         if size < 1:
