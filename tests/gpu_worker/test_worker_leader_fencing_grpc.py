@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-import aetcd
 import pytest
 from grpc import aio
 from support.dgfm_cycle import CycleMesh, SteppedOnCall, build_full_cycle
-from support.etcd_lease import key_lease
+from support.held_election import HeldRounds, revoke_key_lease
 from support.polling import poll_until
 from support.worker_server import serve_worker
 
@@ -25,18 +24,6 @@ from services.runtime.etcd.leader_election import LeaderElection
 pytestmark = pytest.mark.integration
 
 RPC_TIMEOUT_S = 60.0  # only against hangs
-
-
-class HeldRounds:
-    """An election's wait between rounds, held until released: meanwhile the candidate keeps
-    what its last round told it, as a paused or partitioned process does."""
-
-    def __init__(self) -> None:
-        self.released = asyncio.Event()
-
-    async def __call__(self, seconds: float) -> None:
-        await self.released.wait()
-        await asyncio.sleep(seconds)
 
 
 class ConfirmedBefore:
@@ -53,14 +40,6 @@ class ConfirmedBefore:
 
     def step_down(self, term: int, why: str) -> None:
         self.election.step_down(term, why)
-
-
-async def revoke_key_lease(endpoint: str, key: str) -> None:
-    """Revoke the lease ``key`` lives under, as when it expires: the key goes with it."""
-    lease = await key_lease(endpoint, key)
-    host, port = endpoint.removeprefix("http://").rsplit(":", 1)
-    async with aetcd.Client(host=host, port=int(port), timeout=30) as client:
-        await client.revoke_lease(lease.lease_id)
 
 
 async def stage_round_trip(address: str, tenure: LeaderTenure) -> None:

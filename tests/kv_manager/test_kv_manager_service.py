@@ -209,9 +209,11 @@ async def test_one_replica_leads_and_the_standby_takes_over(kv_managers, workers
     b = await kv_managers("kv-b")
     await workers("debtor", free_blocks=0)
     await workers("lender", free_blocks=5)
-    for replica in (a, b):  # both ledgers are fed; both know who leads
+    term_a = a.host.service.election.term
+    for replica in (a, b):  # both ledgers are fed; both know who leads, under which term
         await poll(replica.workers, lambda w: len(w) == 2, f"{replica.instance_id} ledger")
-        assert (await replica.ledger()).leader_id == "kv-a"
+        ledger = await replica.ledger()
+        assert (ledger.leader_id, ledger.leader_term) == ("kv-a", term_a) and term_a > 0
     assert await a.suggest("debtor", 2) == ["lender"]
 
     for call in (b.suggest("debtor", 2), b.stub.Defragment(pb.DefragmentRequest(), timeout=RPC_TIMEOUT_S)):
@@ -220,9 +222,11 @@ async def test_one_replica_leads_and_the_standby_takes_over(kv_managers, workers
         assert "kv_manager kv-b is a standby; the leader is kv-a at " + a.host.address in error.details()
 
     await a.host.shutdown()
-    await poll(b.ledger, lambda r: r.leader_id == "kv-b", "kv-b leads")
+    ledger = await poll(b.ledger, lambda r: r.leader_id == "kv-b", "kv-b leads")
+    assert ledger.leader_term > term_a  # a later leader, a larger term
     assert await b.suggest("debtor", 2) == ["lender"]
-    assert b.host.service.load_report()["leader"] == 1
+    report = b.host.service.load_report()
+    assert (report["leader"], report["term"]) == (1, ledger.leader_term)
 
 
 async def test_the_service_refuses_to_start_without_etcd():
