@@ -95,14 +95,22 @@ def allowed(
 class KubeApi:
     """The stand-in API server, in a thread of the run's process."""
 
-    def __init__(self, directory: Path, address: str, rbac: list[dict], pods: Callable[[], list[dict]]):
-        """``pods()``: the run's pods now, each {name, namespace, labels, ip, running}."""
+    def __init__(
+        self,
+        directory: Path,
+        address: str,
+        rbac: list[dict],
+        pods: Callable[[], list[dict]],
+        log: Callable[[str], None],
+    ):
+        """``pods()``: the run's pods now, each {name, namespace, labels, ip, running};
+        ``log``: told ``<account> GET <path> -> <status>`` of the first request answered and
+        of every one refused."""
         self.address = address
         self.ca_file, cert, key = _write_server_certificate(directory, address)
-        self._rbac, self._pods = rbac, pods
+        self._rbac, self._pods, self._log = rbac, pods, log
         self._tokens: dict[str, tuple[str, str]] = {}
-        self.requests: list[str] = []
-        """``<account> <verb> <path> -> <status>`` of every request, for the run's log."""
+        self._answered = False
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert, key)
         self._server = ThreadingHTTPServer((address, 443), self._handler())
@@ -166,10 +174,13 @@ class KubeApi:
                         status = 403
                         body = {"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
                                 "message": f"system:serviceaccount:{who[0]}:{who[1]} cannot list pods in {parts[3]}"}  # fmt: skip
-                api.requests.append(f"{who} GET {url.path} -> {status}")
+                if status != 200 or not api._answered:  # the first answer, then refusals only
+                    account = f"system:serviceaccount:{who[0]}:{who[1]}" if who else "anonymous"
+                    api._log(f"kube-api: {account} GET {url.path} -> {status}")
+                    api._answered = api._answered or status == 200
                 self._send(status, body)
 
             def log_message(self, *args) -> None:
-                return  # requests are kept in KubeApi.requests
+                return  # every request goes to the run's log instead
 
         return Handler

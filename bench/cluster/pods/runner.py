@@ -131,14 +131,17 @@ class OverlayRun:
         self.work = config.work_dir or Path(tempfile.mkdtemp(prefix="loramesh-pods-"))
         self._closed = False
         self._started_at = time.monotonic()
+        self._log_lock = threading.Lock()
 
     # -- log ---------------------------------------------------------------------------------
 
     def log(self, message: str) -> None:
+        """One line of the run's log (``<work>/run.log``, and :attr:`events`); any thread."""
         line = f"[{time.monotonic() - self._started_at:7.2f}s] {message}"
-        self.events.append(line)
-        with (self.work / "run.log").open("a") as out:
-            out.write(line + "\n")
+        with self._log_lock:
+            self.events.append(line)
+            with (self.work / "run.log").open("a") as out:
+                out.write(line + "\n")
 
     # -- start -------------------------------------------------------------------------------
 
@@ -194,7 +197,9 @@ class OverlayRun:
             for o in manifests.objects
             if o["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
         ]
-        self._kube_api = KubeApi(self.work / "kube-api", network.plan.host_address, rbac, self._pod_rows)
+        self._kube_api = KubeApi(
+            self.work / "kube-api", network.plan.host_address, rbac, self._pod_rows, self.log
+        )
         self._kube_api.start()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kubelet", daemon=True)
