@@ -27,6 +27,7 @@ from services.gpu_worker.pin_refresh import refresh_pins
 from services.gpu_worker.quantization_setting import resolve_quantization
 from services.gpu_worker.servicer import WorkerServicer
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
+from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.etcd.membership import MemberInfo, MembershipConfig, follow, watch_members
 from services.runtime.etcd.worker_load import worker_load_to_report
 from services.runtime.eviction import make_eviction_policy
@@ -106,6 +107,11 @@ class WorkerService:
 
     def add_to_server(self, server: aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
+
+    def fence_by_lease(self, fence: LeaseFence) -> None:
+        """Refuse new requests and loans while ``fence`` (this worker's etcd lease) is up; the
+        runtime makes readiness follow it too (services/runtime/rpc/server.py)."""
+        self.servicer.lease_fence = fence
 
     async def start(self) -> None:
         cfg = self.config

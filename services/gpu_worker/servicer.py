@@ -25,6 +25,7 @@ from services.gpu_worker.engine.request import FinishReason, GenerationRequest, 
 from services.gpu_worker.engine.sampling import TokenLogprobs
 from services.gpu_worker.leader_fence import LeaderFence
 from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.field_copy import message_of
 from services.runtime.sampling.request_validation import check_first_token_deadline, check_request
 from services.runtime.sampling.sampling_proto import sampling_from_proto
@@ -76,6 +77,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """This worker's same-host lending lane (None: lanes are off)."""
         self.leader_fence = LeaderFence()
         """The newest kv_manager leader term taken: DGFM calls of older terms are refused."""
+        self.lease_fence: LeaseFence | None = None
+        """The etcd lease fence of this worker's registration (None: standalone, never fenced):
+        while it is up, new requests and new loans are refused and what runs goes on."""
 
     def attach(self, engine: Engine, loader: AdapterLoader, describe: dict) -> None:
         self._engine, self.loader, self.describe = engine, loader, describe
@@ -86,7 +90,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise Unavailable("the worker is starting: the model is not loaded yet")
         return self._engine
 
+    def _admit(self, what: str) -> None:
+        """Unavailable, naming etcd, while the lease fence is up: a worker cut off from etcd takes
+        no new ``what`` before its lease can expire elsewhere (services/runtime/etcd/lease_fence.py);
+        the gateway places the request on another worker."""
+        if self.lease_fence is not None and (problem := self.lease_fence.problem()):
+            raise Unavailable(f"this gpu_worker takes no new {what}: {problem}")
+
     async def Generate(self, request: worker_pb2.GenerateRequest, context: aio.ServicerContext):
+        self._admit("requests")
         engine = self.engine
         sampling = sampling_from_proto(request.sampling)
         config = engine.executor.config
@@ -228,6 +240,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.engine.lending, acting_instance(named)
 
     async def AllocateBlocks(self, request: worker_pb2.AllocateBlocksRequest, context):
+        self._admit("loans of KV blocks")
         lending, debtor = self._lending(request.debtor)
         layout = layout_from_proto(request.layout)
         ids = await asyncio.to_thread(lending.allocate, debtor, request.count, layout)

@@ -30,7 +30,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, get_type_hints
 
-from services.runtime.etcd.membership import MembershipConfig, new_instance_id
+from services.runtime.etcd.membership import DEFAULT_TTL_S, MembershipConfig, new_instance_id
 from services.runtime.security.tls import TLSConfig
 
 ENV_PREFIX = "LORAMESH_"
@@ -67,8 +67,9 @@ class ServiceConfig:
     """Host other members use to reach this one (default: ``host``)."""
     etcd_endpoints: str = ""
     """Comma-separated etcd ``host:port`` list; empty runs without membership (standalone)."""
-    lease_ttl_s: int = 5
-    """TTL of the membership lease; a member that stops refreshing is gone after this."""
+    lease_ttl_s: int = DEFAULT_TTL_S
+    """TTL of the membership lease; a member that stops refreshing is gone after this, and a
+    gpu_worker whose keepalives go unanswered for 2/3 of it takes no new requests."""
     instance_id: str = ""
     """Unique id of this instance in etcd (default: ``<service>-<random>``)."""
     grace_s: float = 10.0

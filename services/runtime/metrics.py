@@ -96,9 +96,10 @@ class HttpSidePort:
     """``/healthz``, ``/readyz`` and ``/metrics`` on their own port: HTTPS only with ``ssl``
     (the service's TLS on: services.runtime.security.certificate_reload.server_ssl_context), else HTTP."""
 
-    def __init__(self, metrics: ServiceMetrics, is_ready: Callable[[], bool], ssl: SSLContext | None = None):
+    def __init__(self, metrics: ServiceMetrics, not_ready: Callable[[], str], ssl: SSLContext | None = None):
+        """``not_ready()``: "" while the service is ready, else why not (``/readyz`` says it)."""
         self._metrics = metrics
-        self._is_ready = is_ready
+        self._not_ready = not_ready
         self._ssl = ssl
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
@@ -117,8 +118,9 @@ class HttpSidePort:
         if path == "/healthz":
             return 200, "text/plain", b"ok\n"
         if path == "/readyz":
-            ready = self._is_ready()
-            return (200 if ready else 503), "text/plain", b"ready\n" if ready else b"not ready\n"
+            if why := self._not_ready():
+                return 503, "text/plain", f"not ready: {why}\n".encode()
+            return 200, "text/plain", b"ready\n"
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, await self._metrics.exposition()
         return 404, "text/plain", b"not found\n"

@@ -12,11 +12,13 @@ from grpc import aio
 
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.membership import MembershipConfig, list_members
+from services.runtime.rpc import keepalive
 from services.runtime.security.tls import NO_TLS, TLSConfig, aio_channel
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    *keepalive.CHANNEL_OPTIONS,
 ]
 
 

@@ -8,7 +8,9 @@ Keys (DESIGN §4)::
 Both keys live under one lease (TTL ``ttl_s``, refreshed every TTL/3 by our own loop), so a
 member whose process dies disappears within the TTL. A :class:`MemberRegistration` re-registers by
 itself (new lease, both keys put again) when etcd comes back after being down, restarted or
-wiped. Every etcd call is bounded by a timeout: a dead etcd never hangs a service.
+wiped, and keeps a :class:`~services.runtime.etcd.lease_fence.LeaseFence`: how long ago its last
+answered keepalive was sent, which tells a member cut off from etcd to stop taking new work before
+its lease can expire. Every etcd call is bounded by a timeout: a dead etcd never hangs a service.
 
 This module only talks to etcd; it has no gRPC-server code.
 """
@@ -29,6 +31,7 @@ from typing import Any, Self, TypeVar
 import aetcd
 
 from services.runtime.errors import Unavailable
+from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.process.tasks import cancel_and_wait
 from services.runtime.security.tls import NO_TLS, TLSConfig, etcd_client
 
@@ -39,15 +42,25 @@ T = TypeVar("T")
 LoadFn = Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
 """Returns the load report (a JSON-able dict, sync or async); ``ts`` is added on write."""
 
-# Channel options for every etcd client: reconnect quickly after etcd comes back, notice a dead
-# peer on idle streams (etcd allows pings every >= 5 s), and never share a subchannel (and its
-# reconnect backoff) with another client.
+FenceCallback = Callable[[str], Awaitable[None]]
+"""Told the fence's problem each time the fence goes up (why) or down ("")."""
+
+DEFAULT_TTL_S = 15
+"""Default lease TTL. A member refreshes every 5 s and is fenced after 10 s without an answered
+keepalive (:mod:`.lease_fence`), so an etcd leader election of ~3 s or a few lost packets on a
+real network fence no one; a member that dies is gone from the mesh within 15 s."""
+
+# Channel options for every etcd client: retry a refused connection quickly (etcd restarting),
+# notice a dead peer on quiet streams too (watches: etcd allows pings every >= 5 s, and without
+# max_pings_without_data=0 gRPC sends only 2 pings until the client writes again), and never share
+# a subchannel (and its reconnect backoff) with another client. The connect deadline is set per
+# connection from the call timeout (EtcdConnection.client).
 _CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.http2.max_pings_without_data": 0,
     "grpc.use_local_subchannel_pool": 1,
 }
 _MAX_BACKOFF_S = 1.0
@@ -60,9 +73,10 @@ class MembershipConfig:
     etcd_endpoints: str = "127.0.0.1:2379"
     """etcd client endpoints, ``host:port``; several may be given comma-separated (tried in turn
     when one fails). An ``http://`` prefix is accepted and ignored."""
-    ttl_s: int = 5
+    ttl_s: int = DEFAULT_TTL_S
     """Lease TTL in seconds: a member whose process dies is gone at most this long after its
-    last refresh. The lease is refreshed every ``ttl_s / 3``."""
+    last refresh. The lease is refreshed every ``ttl_s / 3``; a member whose keepalives have gone
+    unanswered for ``2 * ttl_s / 3`` is fenced (:mod:`.lease_fence`)."""
     load_interval_s: float = 1.0
     """Period of the load report write (``<prefix>/load/<instance_id>``)."""
     key_prefix: str = "/loramesh"
@@ -254,12 +268,19 @@ class EtcdConnection:
     def client(self) -> aetcd.Client:
         if self._client is None:
             host, port = self._endpoints[self._index]
+            # gRPC's "min reconnect backoff" is its connect deadline (TCP, TLS and the server's
+            # first SETTINGS frame). At 100 ms, what it once was, no connection over 50 ms of
+            # round trip with TLS, or one losing a packet of its handshake, ever completed.
+            options = {
+                **_CHANNEL_OPTIONS,
+                "grpc.min_reconnect_backoff_ms": int(self.config.call_timeout_s * 1000),
+            }
             self._client = etcd_client(
                 host,
                 port,
                 self.config.tls,
                 timeout=self.config.call_timeout_s,
-                options=dict(_CHANNEL_OPTIONS),
+                options=options,
                 connect_wait_timeout=max(1, int(self.config.call_timeout_s)),
             )
         return self._client
@@ -307,12 +328,27 @@ class MemberRegistration:
     etcd fails (down, restarted, wiped, lease expired) the task retries with backoff (<= 1 s) and,
     once etcd answers, registers again under a new lease. ``await stop()`` revokes the lease so
     the member disappears at once (best effort, bounded when etcd is gone).
+
+    ``fence`` times the keepalives on ``clock`` (monotonic seconds; injected in tests); the task
+    awaits ``on_fence(problem)`` when the fence goes up or down, within about a second.
     """
 
-    def __init__(self, config: MembershipConfig, member: MemberInfo, load_fn: LoadFn | None = None):
+    def __init__(
+        self,
+        config: MembershipConfig,
+        member: MemberInfo,
+        load_fn: LoadFn | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_fence: FenceCallback | None = None,
+    ):
         self.config = config
         self.member = member
         self.load_fn = load_fn
+        self.fence = LeaseFence(config.ttl_s, clock)
+        """Whether this member may take new work, by its lease keepalives."""
+        self._on_fence = on_fence
+        self._fenced = False
         self.member_key = member_key(config, member.service, member.instance_id)
         self.load_key = load_key(config, member.instance_id)
         self._conn = EtcdConnection(config)
@@ -454,6 +490,7 @@ class MemberRegistration:
 
     async def _register(self, timeout: float) -> None:
         """Grant a new lease and put the member and load keys under it."""
+        sent_at = self.fence.clock()
         lease = await self._conn.call(lambda c: c.lease(self.config.ttl_s), timeout)
         lease_id, granted = int(lease.id), int(lease.ttl or self.config.ttl_s)
         member_value = self.member.to_json().encode()
@@ -464,6 +501,7 @@ class MemberRegistration:
         self._lease_id, self._lease_ttl = lease_id, granted
         self._registered = True
         self.registrations += 1
+        self.fence.renewed(sent_at, granted)
         await self._write_load()
         if old is not None and old != lease_id:
             # The keys moved to the new lease; drop the old one if it still exists.
@@ -473,10 +511,13 @@ class MemberRegistration:
     async def _refresh(self) -> None:
         lease_id = self._lease_id
         assert lease_id is not None
+        sent_at = self.fence.clock()
         reply = await self._conn.call(lambda c: c.refresh_lease(lease_id), self._op_timeout())
         ttl = getattr(reply, "TTL", None)
         if ttl is None or ttl <= 0:
+            self.fence.lost(f"lease {lease_id:x} not found in etcd")
             raise LeaseLost(f"lease {lease_id:x} not found (TTL {ttl})")
+        self.fence.renewed(sent_at, self._lease_ttl)
 
     async def _load_report(self) -> dict[str, Any] | None:
         if self.load_fn is None:
@@ -520,10 +561,12 @@ class MemberRegistration:
         next_load = loop.time() + self.config.load_interval_s
         failing_since: float | None = None
         while True:
+            await self._notice_fence()
             try:
                 if not self._registered:
                     old = self._lease_id
                     await self._register(self._op_timeout())
+                    await self._notice_fence()
                     log.info(
                         "re-registered %s after %.1fs (lease %s -> %x)",
                         self.member_key,
@@ -557,10 +600,27 @@ class MemberRegistration:
                     )
                 else:
                     log.debug("etcd still failing for %s: %s", self.member_key, describe_etcd_error(e))
+                self.fence.failed(f"etcd at {self._conn.endpoint}: {describe_etcd_error(e)}")
                 self._registered = False
                 await self._conn.reset()
                 await asyncio.sleep(backoff)
                 backoff = min(_MAX_BACKOFF_S, backoff * 2)
+
+    async def _notice_fence(self) -> None:
+        """Log the fence going up or down and tell ``on_fence`` (a failing callback is logged)."""
+        problem = self.fence.problem()
+        if bool(problem) == self._fenced:
+            return
+        self._fenced = bool(problem)
+        if problem:
+            log.warning("%s takes no new work: %s", self.member_key, problem)
+        else:
+            log.info("%s takes new work again: its etcd lease is kept alive", self.member_key)
+        if self._on_fence is not None:
+            try:
+                await self._on_fence(problem)
+            except Exception:  # the registration must outlive a broken callback
+                log.exception("fence callback of %s failed", self.member_key)
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -764,6 +824,8 @@ async def listed_within(
 
 
 __all__ = [
+    "DEFAULT_TTL_S",
+    "FenceCallback",
     "LeaseLost",
     "LoadFn",
     "MemberInfo",

@@ -7,6 +7,10 @@ report) and calls :func:`run_service` from its ``__main__``. Lifecycle:
 1. the server starts with health ``""`` SERVING (alive) and the service's own name NOT_SERVING;
 2. ``Service.start()`` loads state; then readiness flips to SERVING and the member registers
    in etcd, so only ready members are ever listed;
+2a. a service that defines ``fence_by_lease(fence)`` is handed its registration's
+   :class:`~services.runtime.etcd.lease_fence.LeaseFence` to refuse new work by, and its
+   readiness (health and ``/readyz``) follows the fence too: NOT_SERVING while its etcd
+   keepalives go unanswered, SERVING again once it is registered again;
 3. SIGTERM/SIGINT: health NOT_SERVING, lease revoked (gone from the mesh at once),
    ``server.stop(grace)`` lets in-flight RPCs finish, ``Service.stop()``, exit 0.
 """
@@ -27,11 +31,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.runtime.config import ServiceConfig, parse_config
+from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.etcd.membership import MemberInfo, MemberRegistration, MembershipConfig
 from services.runtime.logs import configure_logging
 from services.runtime.metrics import HttpSidePort, ServiceMetrics
 from services.runtime.process.allocator import retain_freed_memory
 from services.runtime.process.garbage_collection import freeze_startup_objects
+from services.runtime.rpc import keepalive
 from services.runtime.rpc.interceptors import ServiceInterceptor
 from services.runtime.security.certificate_reload import server_ssl_context
 from services.runtime.security.tls import NO_TLS, TLSConfig, add_server_port, aio_channel
@@ -64,7 +70,8 @@ class ServiceHost:
     domain, flips readiness and joins the mesh; :meth:`shutdown` undoes both gracefully.
     """
 
-    def __init__(self, service: Service, config: ServiceConfig):
+    def __init__(self, service: Service, config: ServiceConfig, clock: Callable[[], float] = time.monotonic):
+        """``clock``: monotonic seconds the lease fence reads (injected in tests)."""
         self.service = service
         self.config = config
         self.instance_id = config.resolved_instance_id(service.name)
@@ -75,7 +82,7 @@ class ServiceHost:
         # present none, and do not check the server's either).
         tls = config.tls()
         side_ssl = server_ssl_context(tls.ca_file, tls.cert_file, tls.key_file) if tls.enabled else None
-        self.http = HttpSidePort(self.metrics, lambda: self.ready, ssl=side_ssl)
+        self.http = HttpSidePort(self.metrics, self.not_ready, ssl=side_ssl)
         self.server = aio.server(
             # With mutual TLS on, every call is authorized by the caller's identity
             # (services/runtime/security/authorization.py); in plaintext there is none to check.
@@ -83,6 +90,7 @@ class ServiceHost:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *keepalive.SERVER_OPTIONS,
             ],
         )
         self.metrics.export_service(service)
@@ -90,7 +98,28 @@ class ServiceHost:
         self.address = ""
         self.http_address = ""
         self.ready = False
+        self._clock = clock
+        self._fence_by_lease: Callable[[LeaseFence], None] | None = getattr(service, "fence_by_lease", None)
         self._stopped = False
+
+    def not_ready(self) -> str:
+        """ "" while ready; else why not: starting, draining, or (a fenced service) cut off from
+        etcd. The fence is read when asked, so this is never behind it."""
+        if not self.ready:
+            return "starting" if not self._stopped else "shutting down"
+        if self._fence_by_lease is not None and self.registration is not None:
+            return self.registration.fence.problem()
+        return ""
+
+    async def _fence_changed(self, problem: str) -> None:
+        """The registration's fence went up (``problem``) or down: readiness follows it."""
+        if self.ready:
+            status = (
+                health_pb2.HealthCheckResponse.NOT_SERVING
+                if problem
+                else health_pb2.HealthCheckResponse.SERVING
+            )
+            await self.health.set(self.service.grpc_service_name, status)
 
     async def listen(self) -> None:
         """Bind gRPC and HTTP; liveness SERVING, readiness NOT_SERVING."""
@@ -134,7 +163,11 @@ class ServiceHost:
                     started_at=time.time(),
                 ),
                 load_fn=self.service.load_report,
+                clock=self._clock,
+                on_fence=self._fence_changed if self._fence_by_lease is not None else None,
             )
+            if self._fence_by_lease is not None:
+                self._fence_by_lease(self.registration.fence)
             await self.registration.start()
         log.info("%s ready as %s", self.service.name, self.instance_id)
 

@@ -22,10 +22,12 @@ from typing import Any, TypeVar
 import aetcd
 import pytest
 from support.etcd_lease import key_lease, lease_alive
+from support.tcp_link import TcpLink
 
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.etcd_server import EtcdServer
 from services.runtime.etcd.membership import (
+    DEFAULT_TTL_S,
     MemberInfo,
     MemberRegistration,
     MembershipConfig,
@@ -96,7 +98,7 @@ def member(service: str = "worker", instance_id: str | None = None, port: int = 
 def test_config_endpoints_and_validation() -> None:
     cfg = MembershipConfig(etcd_endpoints="127.0.0.1:2379, http://10.0.0.2:2380/")
     assert cfg.endpoints() == [("127.0.0.1", 2379), ("10.0.0.2", 2380)]
-    assert cfg.ttl_s == 5 and cfg.load_interval_s == 1.0 and cfg.key_prefix == "/loramesh"
+    assert cfg.ttl_s == DEFAULT_TTL_S == 15 and cfg.load_interval_s == 1.0 and cfg.key_prefix == "/loramesh"
     for bad in ("", "localhost", "host:port"):
         with pytest.raises(ValueError, match="endpoint"):
             MembershipConfig(etcd_endpoints=bad)
@@ -276,6 +278,21 @@ async def test_stop_is_bounded_when_etcd_is_gone(
     etcd.kill()
     await asyncio.wait_for(reg.stop(), HANG_GUARD_S)
     assert not reg.registered and reg.task is None
+
+
+@pytest.mark.integration
+async def test_registers_over_a_link_with_120_ms_of_round_trip(etcd: EtcdServer) -> None:
+    """The etcd channels' connect deadline was 100 ms (gRPC's ``min_reconnect_backoff_ms``), which
+    no connection waiting a round trip for etcd's SETTINGS frame over 120 ms ever met: every try
+    timed out and registration gave up. The call timeout (2 s) is the connect deadline now."""
+    link = await TcpLink(etcd.endpoint, one_way_delay_s=0.06).start()
+    cfg = MembershipConfig(etcd_endpoints=link.address, ttl_s=2, register_timeout_s=HANG_GUARD_S)
+    try:
+        async with MemberRegistration(cfg, member()) as reg:
+            assert reg.registered and reg.registrations == 1
+            assert reg.member.instance_id in await ids(cfg)
+    finally:
+        await link.close()
 
 
 @pytest.mark.integration

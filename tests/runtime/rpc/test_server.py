@@ -10,9 +10,12 @@ import grpc
 import pytest
 from grpc import aio
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from support.polling import poll_until
+from support.tcp_link import TcpLink
 
 from services.runtime import errors
 from services.runtime.config import ServiceConfig
+from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.logs import install_request_id_records
 from services.runtime.rpc.server import ServiceHost, check_health
 
@@ -154,3 +157,56 @@ async def test_shutdown_reports_not_serving_and_stops_the_domain(probe):
     await running.shutdown()
     assert probe[0].stopped
     assert await check_health(running.address, PROBE, timeout=0.5) == "UNREACHABLE"
+
+
+class FencedProbe(ProbeService):
+    """A probe that, like the gpu_worker, takes the lease fence of its registration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fence: LeaseFence | None = None
+
+    def fence_by_lease(self, fence: LeaseFence) -> None:
+        self.fence = fence
+
+
+@pytest.mark.integration
+async def test_a_fenced_service_is_not_ready_while_cut_off_from_etcd_and_an_unfenced_one_is(etcd):
+    """Readiness of a service that takes the fence (the worker) follows it, on the injected clock;
+    one that does not (the gateway, the scheduler) stays ready through an etcd outage."""
+    now = [0.0]
+    link = await TcpLink(etcd.endpoint).start()
+    config = ServiceConfig(grace_s=1, etcd_endpoints=link.address, lease_ttl_s=2)
+    fenced, unfenced = FencedProbe(), ProbeService()
+    hosts = [ServiceHost(service, config, clock=lambda: now[0]) for service in (fenced, unfenced)]
+    try:
+        for host, service in zip(hosts, (fenced, unfenced), strict=True):
+            service.may_start.set()
+            await host.listen()
+            await host.become_ready()
+        host = hosts[0]
+        assert fenced.fence is host.registration.fence
+        assert await http_get(host.http_address, "/readyz") == (200, "ready\n")
+        link.cut()
+
+        async def registered() -> bool:
+            return host.registration.registered
+
+        await poll_until(registered, lambda yes: not yes, "a keepalive through the cut link failed")
+        now[0] += host.registration.fence.fence_after_s + 0.1
+        status, body = await http_get(host.http_address, "/readyz")
+        assert status == 503 and body.startswith("not ready: it lost etcd")
+
+        async def health() -> str:
+            return await check_health(host.address, PROBE)
+
+        await poll_until(health, lambda status: status == "NOT_SERVING", "readiness follows the fence")
+        assert await check_health(hosts[1].address, PROBE) == "SERVING"
+        assert await http_get(hosts[1].http_address, "/readyz") == (200, "ready\n")
+        link.heal()
+        await poll_until(health, lambda status: status == "SERVING", "ready again once registered again")
+        assert await http_get(host.http_address, "/readyz") == (200, "ready\n")
+    finally:
+        for host in hosts:
+            await host.shutdown()
+        await link.close()
