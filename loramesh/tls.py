@@ -1,4 +1,5 @@
-"""Mutual TLS for the SDK's channels to a mesh that runs with it (``loramesh up --tls``).
+"""The SDK's channels to the gateways: mutual TLS for a mesh that runs with it
+(``loramesh up --tls``), and keepalive for a real network.
 
 A mesh with mutual TLS refuses a caller without a certificate signed by its CA, so a client
 presents one: the ``admin`` identity that ``loramesh certs`` makes, or any other the operator
@@ -13,6 +14,21 @@ from pathlib import Path
 
 import grpc
 from grpc import aio
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    # A stream whose gateway vanished (no reset ever arrives) fails with UNAVAILABLE within 30 s,
+    # and is continued on the next gateway, instead of waiting out the call's timeout (60 s by
+    # default), which ends it for good. Gateways accept a ping every 10 s.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # gRPC otherwise stops pinging after 2 pings until the client writes, which a stream never does.
+    ("grpc.http2.max_pings_without_data", 0),
+    # The connect deadline (gRPC's name for it; 20 s by default): a gateway that does not answer
+    # is left for the next one after 5 s, and one that was down is tried again every 5 s at most.
+    ("grpc.min_reconnect_backoff_ms", 5_000),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
+"""Options of every channel the SDK opens (the services' own channels use the same values)."""
 
 
 @dataclass(frozen=True)
@@ -41,19 +57,20 @@ class ClientTLS:
             certificate_chain=Path(self.cert_file).read_bytes(),
         )
 
-    def options(self) -> list[tuple[str, str]]:
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+    def options(self) -> list[tuple[str, str | int]]:
+        names = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return [*CHANNEL_OPTIONS, *names]
 
 
 def sync_channel(address: str, tls: ClientTLS | None) -> grpc.Channel:
     """A blocking channel to ``address``: mutual TLS with ``tls``, plaintext without."""
     if tls is None:
-        return grpc.insecure_channel(address)
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.secure_channel(address, tls.credentials(), options=tls.options())
 
 
 def aio_channel(address: str, tls: ClientTLS | None) -> aio.Channel:
     """An asyncio channel to ``address``: mutual TLS with ``tls``, plaintext without."""
     if tls is None:
-        return aio.insecure_channel(address)
+        return aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     return aio.secure_channel(address, tls.credentials(), options=tls.options())

@@ -12,9 +12,10 @@ import grpc
 import pytest
 from grpc import aio
 
+from loramesh import tls as sdk_channels
 from services.runtime.rpc.keepalive import (
+    CHANNEL_OPTIONS,
     MIN_PING_INTERVAL_S,
-    PING_EVERY_S,
     PING_TIMEOUT_S,
     channel_options,
     server_options,
@@ -41,8 +42,10 @@ async def quiet_server(options) -> tuple[aio.Server, str, asyncio.Event]:
     return server, f"127.0.0.1:{port}", release
 
 
-def test_servers_accept_pings_at_the_period_callers_send_them():
-    assert MIN_PING_INTERVAL_S <= PING_EVERY_S / 2 and PING_TIMEOUT_S < PING_EVERY_S
+def test_servers_accept_pings_at_the_period_the_services_and_the_sdk_send_them():
+    for options in (CHANNEL_OPTIONS, sdk_channels.CHANNEL_OPTIONS):
+        ping_every_s = dict(options)["grpc.keepalive_time_ms"] / 1000
+        assert MIN_PING_INTERVAL_S <= ping_every_s / 2 and PING_TIMEOUT_S < ping_every_s
 
 
 async def test_a_quiet_stream_outlives_the_pings_that_a_default_server_would_cut_it_for():
