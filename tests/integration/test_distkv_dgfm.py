@@ -168,7 +168,8 @@ async def test_dgfm_cancels_a_debt_cycle_of_three_worker_processes_and_outputs_d
             await ledger_shows(
                 {w: 0 for w in WORKERS}, {w: {} for w in WORKERS}, "no debt left in the ledger"
             )
-            assert (await kv.Ledger(kv_manager_pb2.LedgerRequest())).dgfm_swaps_total == 1
+            kv_ledger = await kv.Ledger(kv_manager_pb2.LedgerRequest())
+            assert kv_ledger.dgfm_swaps_total == 1 and kv_ledger.leader_term > 0
             loads = await until(
                 lambda: read_loads(config),
                 lambda loads: all(
@@ -180,6 +181,9 @@ async def test_dgfm_cancels_a_debt_cycle_of_three_worker_processes_and_outputs_d
             for w in WORKERS:
                 stats = await worker_stats(workers[w])
                 assert (stats.dgfm_recalls, stats.dgfm_blocks_recalled) == (1, SWAP_BLOCKS), w
+                # Every DGFM call carried the leader's term (issue 49): w0 staged out and in.
+                taken = (stats.kv_manager_term, stats.leader_writes_accepted, stats.leader_writes_refused)
+                assert taken == (kv_ledger.leader_term, 2 if w == W0 else 1, 0), w
                 assert stats.kv_pages == stats.total_pages - stats.free_pages, w
 
         for gate in gates.values():
