@@ -505,17 +505,16 @@ class Catalog:
         transaction and it succeeds, else one by one; an error or None each."""
         self._before_commit()
         names = {(r.record.owner, r.record.name) for r in group}
-        if (
-            len(group) > 1
-            and len(names) == len(group)
-            and all(r.replacing is None for r in group)
-            and _fit_together(group)
-        ):
-            results: list[Exception | None] = []
-            for start in range(0, len(group), MAX_REGISTRATIONS_PER_TXN):
-                chunk = group[start : start + MAX_REGISTRATIONS_PER_TXN]
-                compare = [c for r in chunk for c in r.compare(self.keys)]
-                success = [op for r in chunk for op in r.ops(self.keys)]
+        together = len(group) > 1 and len(names) == len(group) and all(r.replacing is None for r in group)
+        size = MAX_REGISTRATIONS_PER_TXN if together else 1
+        results: dict[int, Exception | None] = {}
+        for start in range(0, len(group), size):
+            chunk = group[start : start + size]
+            results.update(self._rebase(chunk))
+            pending = [r for r in chunk if id(r) not in results]
+            if len(pending) > 1:
+                compare = [c for r in pending for c in r.compare(self.keys)]
+                success = [op for r in pending for op in r.ops(self.keys)]
                 succeeded, responses = self._call(
                     lambda c, compare=compare, success=success: c.transaction(
                         compare=compare, success=success, failure=[]
@@ -523,13 +522,58 @@ class Catalog:
                     "commit registrations",
                 )
                 if succeeded:
-                    for registration in chunk:
+                    for registration in pending:
                         registration.committed = _revision(responses[0])
-                    results += [None] * len(chunk)
-                else:
-                    results += [self._commit_alone(r) for r in chunk]
-            return results
-        return [self._commit_alone(r) for r in group]
+                        results[id(registration)] = None
+                    continue
+            results.update((id(r), self._commit_alone(r)) for r in pending)
+        return [results[id(r)] for r in group]
+
+    def _rebase(self, chunk: Sequence[_Registration]) -> dict[int, Exception]:
+        """Check the registrations under a storage quota against their owners' usage read now
+        (one read for the chunk), in order, each with the ones before it: those that fit are
+        committed against that usage (no entry of the owner created since), the others get a
+        :class:`CatalogConflict` with it (the registrar checks again: refused if it does not fit
+        on its own, else tried again once the ones before it have committed). So registrations
+        of one owner queued together commit together instead of each failing on those committed
+        since it read, and the quota holds for their sum. Returns the conflicts by registration
+        ``id``."""
+        owners = sorted({r.record.owner for r in chunk if r.prepared.usage is not None})
+        if not owners:
+            return {}
+        t = aetcd.transactions
+        _, responses = self._call(
+            lambda c: c.transaction(
+                compare=[],
+                success=[t.Get(self.keys.usage(o).encode(), prefix_end(self.keys.usage(o))) for o in owners],
+                failure=[],
+            ),
+            "read the owners' usage",
+        )
+        usage = {
+            owner: StorageUsage.of_entries((value, kv.create_revision) for value, kv in entries)
+            for owner, entries in zip(owners, responses, strict=True)
+        }
+        taken = {owner: (0, 0) for owner in owners}  # adapters and bytes of those before, by owner
+        conflicts: dict[int, Exception] = {}
+        for registration in chunk:
+            owner = registration.record.owner
+            if registration.prepared.usage is None:
+                continue
+            registration.prepared = replace(registration.prepared, usage=usage[owner])
+            adapters, added_bytes = registration.delta()
+            before_adapters, before_bytes = taken[owner]
+            if fits(
+                registration.limits, usage[owner], before_adapters + adapters, before_bytes + added_bytes
+            ):
+                taken[owner] = (before_adapters + adapters, before_bytes + added_bytes)
+            else:
+                # Against the usage committed, not the ones before it here: it is refused only
+                # if it does not fit on its own, else tried again once those have committed.
+                conflicts[id(registration)] = CatalogConflict(
+                    f"{owner}/{registration.record.name}", registration.prepared
+                )
+        return conflicts
 
     def _commit_alone(self, registration: _Registration) -> Exception | None:
         record, prepared, replacing = registration.record, registration.prepared, registration.replacing
@@ -657,21 +701,6 @@ class Catalog:
         """Whether the collector's mark set at ``mark_revision`` still stands."""
         found = self._call(lambda c: c.get(self.keys.blob_mark(digest).encode()), "read a blob mark")
         return found is not None and found.mod_revision == mark_revision
-
-
-def _fit_together(group: Sequence[_Registration]) -> bool:
-    """Whether the registrations of each owner under a storage quota fit in it all together, on
-    the usage each of them read."""
-    added: dict[str, tuple[int, int]] = {}
-    for registration in group:
-        adapters, added_bytes = added.get(registration.record.owner, (0, 0))
-        more_adapters, more_bytes = registration.delta()
-        added[registration.record.owner] = (adapters + more_adapters, added_bytes + more_bytes)
-    return all(
-        fits(r.limits, r.prepared.usage, *added[r.record.owner])
-        for r in group
-        if r.prepared.usage is not None
-    )
 
 
 def _pinned(record: AdapterRecord | None) -> bool | None:
