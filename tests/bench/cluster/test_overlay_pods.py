@@ -87,6 +87,7 @@ def overlay(tmp_path_factory):
         nodes=3,
         clients=(ClientPod(OUTSIDER, node=1),),
         use_built_image=False,
+        stop_grace_s=5.0,  # taking the run down is not under test: what lingers is killed sooner
         work_dir=tmp_path_factory.mktemp("overlay-pods"),
     )
     with OverlayRun(config) as run:
