@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 from loramesh_cli.mesh_file import MeshFile
@@ -31,12 +31,24 @@ def load_arguments(description: str) -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def local_mesh(workers: int = 2) -> Iterator[MeshFile]:
-    """A mesh of ``workers`` float32 workers on loopback, in a fresh state directory."""
+def local_mesh(workers: int = 2, flags: Sequence[str] = ()) -> Iterator[MeshFile]:
+    """A mesh of ``workers`` float32 workers on loopback, in a fresh state directory; ``flags``:
+    more of ``loramesh up``'s."""
     state = Path(tempfile.mkdtemp(prefix="lm-bench-"))
     cli = [sys.executable, "-m", "loramesh_cli.main", "--state-dir", str(state)]
     subprocess.run(
-        [*cli, "up", "--detach", "--workers", str(workers), "--dtype", "float32", "--pool-mib", "256"],
+        [
+            *cli,
+            "up",
+            "--detach",
+            "--workers",
+            str(workers),
+            "--dtype",
+            "float32",
+            "--pool-mib",
+            "256",
+            *flags,
+        ],
         check=True,
     )
     try:

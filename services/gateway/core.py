@@ -22,6 +22,7 @@ from services.gateway.adapter_reference import ResolvedAdapter, chat_template
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, resume_point
+from services.gateway.prefix_cache_namespace import prefix_cache_namespace
 from services.gateway.relay import Relay, RelayRequest
 from services.gateway.template_renderer import TemplateRenderer
 from services.gateway.tenant_quota import TenantQuota
@@ -114,9 +115,11 @@ class GatewayCore:
                 self._check_prompt_bytes([prompt], field)
         return [await self.tokenize(p, field=field) if isinstance(p, str) else p for p in prompts]
 
-    def _check_prompt_bytes(self, texts: Sequence[str], field: str) -> None:
-        """``texts`` together within --max-prompt-bytes; cheap when far over: a character is at
-        least one byte, so more characters than the limit are over without encoding any."""
+    def _check_prompt_bytes(self, texts: Sequence[str], field: str, subject: str = "") -> None:
+        """``texts`` together within --max-prompt-bytes, else InvalidField naming ``field``
+        (``subject``: how the refusal starts, default "FIELD is"); cheap when far over: a
+        character is at least one byte, so more characters than the limit are over without
+        encoding any."""
         limit = self.config.max_prompt_bytes
         if sum(len(t) for t in texts) > limit:
             size = f"over {limit}"
@@ -124,7 +127,8 @@ class GatewayCore:
             size = str(total)
         else:
             return
-        raise InvalidField(field, f"{field} is {size} bytes; the limit is {limit} (--max-prompt-bytes)")
+        subject = subject or f"{field} is"
+        raise InvalidField(field, f"{subject} {size} bytes; the limit is {limit} (--max-prompt-bytes)")
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (names tokens in OpenAI's ``logprobs``)."""
@@ -149,7 +153,7 @@ class GatewayCore:
         the gateway's render processes, in ``tenant``'s turn and within the template budget
         (:mod:`services.gateway.template_renderer`); a template over budget is a
         ``FAILED_PRECONDITION`` naming it. The messages are refused past ``--max-prompt-bytes``
-        before anything renders.
+        before anything renders, and so is the rendered chat before it is tokenized.
         ``tools``: the tools offered (:func:`services.gateway.tool_calls.template_input`).
         """
         if not messages:
@@ -180,6 +184,8 @@ class GatewayCore:
             ) from None
         except ChatTemplateError as error:
             raise InvalidArgument(f"messages: {name} refused them: {error}") from None
+        # What is tokenized is the rendered chat: bounded as a prompt is, template text included.
+        self._check_prompt_bytes([text], "messages", f"messages, as {name} lays them out, are")
         return await asyncio.to_thread(self.encode, text, add_special_tokens)
 
     def chat_sampling(self, requested: types_pb2.SamplingParams) -> types_pb2.SamplingParams:
@@ -213,6 +219,7 @@ class GatewayCore:
         sampling: types_pb2.SamplingParams,
         first_token_deadline_ms: float = 0.0,
         delivered: Delivered = NOTHING_DELIVERED,
+        cache_salt: str = "",
     ) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
         """Text deltas of one generation with ``adapter`` (None: the base model's), as the
         catalog resolved it for ``tenant``; the last one carries the finish reason and usage.
@@ -231,8 +238,12 @@ class GatewayCore:
         ``first_token_deadline_ms`` (0: the gateway's default) bounds the time to the first token:
         the scheduler refuses a placement that cannot meet it, and the worker's ``early_abort``
         policy holds the request to what is left of it when it arrives there.
+
+        ``cache_salt`` ("": none) says whose cached prompt KV it shares on the workers
+        (:mod:`services.gateway.prefix_cache_namespace`): ``tenant``'s by default.
         """
         check_first_token_deadline(first_token_deadline_ms)
+        namespace = prefix_cache_namespace(tenant, cache_salt)
         if len(prompt_ids) > self.config.max_prompt_tokens:
             raise InvalidArgument(
                 f"prompt has {len(prompt_ids)} tokens; the limit is {self.config.max_prompt_tokens}"
@@ -250,6 +261,7 @@ class GatewayCore:
             first_token_deadline_ms=first_token_deadline_ms or self.config.default_first_token_deadline_ms,
             start=start,
             prompt_text=await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids)),
+            prefix_cache_namespace=namespace,
         )
         admission = await self.quota.acquire(tenant, len(prompt_ids) + sampling.max_tokens)
         replied, generated = False, 0

@@ -5,7 +5,8 @@ Each render is held to the budget's operations and output by its meter, and to i
 twice over: a profiling timer raises in the render when its CPU seconds are spent, and, should
 the render be stuck where Python cannot raise (inside one long C call), the kernel's CPU limit
 kills the process a second or two later (``SIGXCPU``); its parent then starts another. Its
-memory is capped once, at start: what it maps then plus the budget's MiB. It imports Jinja and
+memory is capped once, at start: what it maps then plus the budget's MiB. It runs at the lowest
+CPU priority (:data:`RENDER_NICENESS`). It imports Jinja and
 the budget alone, so it starts in a fraction of a second.
 """
 
@@ -25,11 +26,18 @@ from services.model_files.chat_template import ChatTemplateError, TemplateOverBu
 from services.model_files.template_budget import BudgetExhausted, TemplateBudget
 from services.model_files.template_process import read_frame, write_frame
 
+RENDER_NICENESS = 19
+"""Added to the render process's niceness: the most there is."""
+
 
 def main() -> None:
     budget = TemplateBudget(**json.loads(sys.argv[1]))
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the reply stream
+    # The lowest CPU priority: a render takes what serving leaves. One tenant's renders that use
+    # their whole budget, one after another, kept a core busy and made a worker's threads on the
+    # same host wait for each other (docs/benchmarks.md, "Template isolation").
+    os.nice(RENDER_NICENESS)
     _cap_memory(budget.chat_template_memory_mib)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump a core by default
     signal.signal(signal.SIGPROF, _cpu_spent(budget.chat_template_cpu_s))

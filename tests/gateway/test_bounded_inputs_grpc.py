@@ -28,6 +28,9 @@ LOOPER = types_pb2.AdapterInfo(
     chat_template="{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     tool_use_chat_template="{{ 'x' * 10**9 }}",
 )
+WORDY = types_pb2.AdapterInfo(
+    id="b8", name="wordy", owner="bob", chat_template="{{ messages[0].content * 3 }}"
+)
 
 
 @pytest.fixture
@@ -36,7 +39,9 @@ async def stub(monkeypatch) -> AsyncIterator[gateway_pb2_grpc.GatewayStub]:
         raise AssertionError("a refused request was placed")
 
     channels = ChannelPool()
-    parts = gateway_parts("key-bob=bob", InMemoryStore([LOOPER]), load_tokenizer(), Relay(place, channels, 0))
+    parts = gateway_parts(
+        "key-bob=bob", InMemoryStore([LOOPER, WORDY]), load_tokenizer(), Relay(place, channels, 0)
+    )
 
     def tokenized(*args, **kwargs):
         raise AssertionError("a refused prompt was tokenized")
@@ -90,3 +95,12 @@ async def test_a_prompt_over_the_limit_is_invalid_argument_before_it_is_tokenize
     assert error.details() == f"{field} is {LIMIT + 2} bytes; the limit is {LIMIT} (--max-prompt-bytes)"
     huge = await refusal(call(stub, "x" * (3 * 2**20)))  # more characters than bytes allowed: not counted
     assert huge.details() == f"{field} is over {LIMIT} bytes; the limit is {LIMIT} (--max-prompt-bytes)"
+
+
+async def test_a_chat_its_template_lays_out_over_the_limit_is_refused_before_it_is_tokenized(stub):
+    error = await refusal(stub.Chat(chat("é" * (LIMIT // 4), adapter="wordy"), metadata=BOB))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == (
+        f"messages, as the chat template of adapter 'bob/wordy' lays them out, are {LIMIT // 2 * 3} bytes; "
+        f"the limit is {LIMIT} (--max-prompt-bytes)"
+    )

@@ -1,6 +1,7 @@
-"""A render process renders what the template renders here and refuses what it refuses; on top
-of the operation count, the kernel holds it to the budget's CPU time and memory: a render past
-them is refused naming the setting, and a process the kernel killed is replaced."""
+"""A render process renders what the template renders here and refuses what it refuses, at the
+lowest CPU priority; on top of the operation count, the kernel holds it to the budget's CPU time
+and memory: a render past them is refused naming the setting, and a process the kernel killed is
+replaced."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def test_a_render_there_is_the_render_here(process):
     over = over_budget(process, MINUTES_OF_LOOPS)
     assert (over.setting, over.message) == ("chat_template_max_operations", "more than 100000 operations")
     assert process.render(TEMPLATE, HI) == "<user>Hi é 🎉<a>"  # the same process serves on
+
+
+def test_the_process_renders_at_the_lowest_cpu_priority(process):
+    assert process.render(TEMPLATE, HI)
+    with open(f"/proc/{process.pid}/stat") as stat:
+        niceness = int(stat.read().split(")")[-1].split()[16])
+    assert niceness == 19
 
 
 def test_a_render_past_its_cpu_time_is_refused_and_the_process_serves_on():
