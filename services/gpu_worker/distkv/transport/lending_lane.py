@@ -9,11 +9,15 @@ of one host (``loramesh up``) take the lane; others (pods, which each have their
 that fails to open, keep gRPC.
 
 Who may use it: the lane is opened with the ``OpenLendingLane`` RPC, which the authorization
-table and mutual TLS guard like every lending RPC. Its answer is the socket's path and a random
-128-bit token bound to the caller's own instance; a connection's first frame must be a token the
-creditor issued, and every call on it acts for that debtor, whatever the message names. The
-socket has a random name in Linux's abstract namespace (nothing on disk, reachable from this
-host's network namespace only), and its traffic never leaves the kernel.
+table and mutual TLS guard like every lending RPC. Its answer is the socket's path and a token
+naming the caller's own instance, signed by the creditor and valid ``TOKEN_TTL_S``
+(``lane_token.py``); a connection's first frame must be such a token, unexpired, and every call on
+it acts for that debtor, whatever the message names. Before that hello nothing larger is read:
+its header must say ``HELLO`` and at most ``HELLO_MAX_BYTES``, and it must arrive within
+``hello_timeout_s``; anything else closes the connection after its five header bytes, with a
+one-line reason logged and sent. The socket has a random name in Linux's abstract namespace
+(nothing on disk, reachable from this host's network namespace only), and its traffic never
+leaves the kernel.
 
 Frames, both ways: one byte (a call kind, or a status), four bytes of little-endian length, then
 the serialized protobuf message (the RPCs' own request and reply messages). A refused call's
@@ -37,6 +41,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
@@ -49,6 +54,12 @@ from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.distkv.distkv_meter import DistKvMeter
 from services.gpu_worker.distkv.shared_creditor_pool import SharedCreditorPool
 from services.gpu_worker.distkv.shared_lender import SharedLender
+from services.gpu_worker.distkv.transport.lane_token import (
+    HELLO_MAX_BYTES,
+    TOKEN_TTL_S,
+    LaneTokens,
+    TokenRefused,
+)
 from services.gpu_worker.distkv.transport.lending_proto import answer_attend_remote, apply_write_kv
 from services.gpu_worker.engine.side_threads import confine_to_one_thread
 from services.gpu_worker.memory.shared_memory import map_shared
@@ -74,9 +85,15 @@ _REQUESTS: dict[int, type[Message]] = {
 }
 
 
-def _read_exactly(connection: socket.socket, size: int) -> bytes:
+def _read_exactly(connection: socket.socket, size: int, deadline: float | None = None) -> bytes:
+    """``size`` bytes; TimeoutError past ``deadline`` (``time.monotonic``) when one is given."""
     chunks, left = [], size
     while left:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            connection.settimeout(remaining)
         chunk = connection.recv(min(left, 1 << 20))
         if not chunk:
             raise ConnectionError("the lane was closed")
@@ -90,6 +107,19 @@ def _read_frame(connection: socket.socket) -> tuple[int, bytes]:
     return kind, _read_exactly(connection, size)
 
 
+def _read_hello(connection: socket.socket, timeout_s: float) -> bytes:
+    """The token of a connection's first frame, its header checked before its payload is read:
+    TokenRefused when it is not a hello or is longer than any token, TimeoutError when the whole
+    frame takes longer than ``timeout_s`` (a peer dripping bytes holds no thread for long)."""
+    deadline = time.monotonic() + timeout_s
+    kind, size = _HEADER.unpack(_read_exactly(connection, _HEADER.size, deadline))
+    if kind != HELLO:
+        raise TokenRefused(f"first frame is of kind {kind}, not a hello with a lane token")
+    if size > HELLO_MAX_BYTES:
+        raise TokenRefused(f"hello of {size} bytes is over the {HELLO_MAX_BYTES}-byte limit of a lane token")
+    return _read_exactly(connection, size, deadline)
+
+
 def _frame(kind: int, payload: bytes) -> bytes:
     return _HEADER.pack(kind, len(payload)) + payload
 
@@ -98,16 +128,29 @@ class LaneServer:
     """A creditor's lane: a Unix socket serving ``lending``'s attend and write, one thread per
     connected debtor (each debtor's calls in order, as its engine thread makes them)."""
 
-    def __init__(self, lending: SharedLender, device: torch.device, shared_pool: UnifiedPool | None = None):
-        """``shared_pool``: the pool debtors may map (its buffer in shared memory), or None."""
+    def __init__(
+        self,
+        lending: SharedLender,
+        device: torch.device,
+        shared_pool: UnifiedPool | None = None,
+        token_ttl_s: float = TOKEN_TTL_S,
+        hello_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``shared_pool``: the pool debtors may map (its buffer in shared memory), or None.
+        ``token_ttl_s``: how long a token :meth:`issue` hands out opens connections (on
+        ``clock``, monotonic seconds); ``hello_timeout_s``: how long a connection may take to
+        present it."""
         self.lending = lending
         self.device = device
-        self.shared_pool = shared_pool if shared_pool is not None and shared_pool.shared_fd is not None else None
+        self.shared_pool = (
+            shared_pool if shared_pool is not None and shared_pool.shared_fd is not None else None
+        )
         # In Linux's abstract namespace (a leading NUL): no file to leave behind when a worker is
         # killed; reachable from this host's network namespace only, and useless without a token.
         self.path = f"\0loramesh-lane-{secrets.token_hex(8)}"
-        self._tokens: dict[bytes, str] = {}
-        self._lock = threading.Lock()
+        self._tokens = LaneTokens(token_ttl_s, clock)
+        self._hello_timeout_s = hello_timeout_s
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
         self._listener.listen()
@@ -115,11 +158,9 @@ class LaneServer:
         threading.Thread(target=self._accept, name="lending-lane", daemon=True).start()
 
     def issue(self, debtor: str) -> str:
-        """A token for ``debtor`` (the caller's verified instance): its connections act for it."""
-        token = secrets.token_hex(16)
-        with self._lock:
-            self._tokens[token.encode()] = debtor
-        return token
+        """A token for ``debtor`` (the caller's verified instance): the connections it opens until
+        it expires act for it."""
+        return self._tokens.issue(debtor)
 
     def close(self) -> None:
         self._closed = True
@@ -136,28 +177,44 @@ class LaneServer:
             except OSError:
                 return
             threading.Thread(
-                target=self._serve, args=(connection,), name="lending-lane-debtor", daemon=True
+                target=self.serve, args=(connection,), name="lending-lane-debtor", daemon=True
             ).start()
 
-    def _serve(self, connection: socket.socket) -> None:
+    def serve(self, connection: socket.socket) -> None:
+        """Serve one connected debtor until it goes away (each on a thread of its own), once its
+        hello has shown a token of ours; closes ``connection``."""
         confine_to_one_thread()
         with connection:
             try:
-                kind, token = _read_frame(connection)
-                with self._lock:
-                    debtor = self._tokens.get(token) if kind == HELLO else None
+                debtor = self._authenticate(connection)
                 if debtor is None:
-                    connection.sendall(_frame(REFUSED, b"UNAUTHENTICATED\nunknown lane token"))
                     return
-                connection.sendall(_frame(OK, b""))
                 while True:
                     kind, payload = _read_frame(connection)
                     if kind == POOL and self.shared_pool is not None:
-                        socket.send_fds(connection, [_frame(OK, self._pool_shape())], [self.shared_pool.shared_fd])
+                        socket.send_fds(
+                            connection, [_frame(OK, self._pool_shape())], [self.shared_pool.shared_fd]
+                        )
                     else:
                         connection.sendall(self._answer(debtor, kind, payload))
             except (ConnectionError, OSError):
                 return  # the debtor went away: its blocks are reclaimed when its lease ends
+
+    def _authenticate(self, connection: socket.socket) -> str | None:
+        """The debtor ``connection``'s hello names, answered OK; None once refused (answered
+        and logged: the caller closes it)."""
+        try:
+            debtor = self._tokens.debtor(_read_hello(connection, self._hello_timeout_s))
+        except TokenRefused as refused:
+            log.warning("lending lane refused a connection: %s", refused)
+            connection.sendall(_frame(REFUSED, f"UNAUTHENTICATED\n{refused}".encode()))
+            return None
+        except TimeoutError:
+            log.warning("lending lane refused a connection: no hello within %g s", self._hello_timeout_s)
+            return None
+        connection.settimeout(None)
+        connection.sendall(_frame(OK, b""))
+        return debtor
 
     def _pool_shape(self) -> bytes:
         pool = self.shared_pool
@@ -177,7 +234,9 @@ class LaneServer:
             if kind == POOL:
                 raise FailedPrecondition("this worker's pool is not in shared memory")
             if kind == PAGES:
-                block_ids = torch.frombuffer(bytearray(payload), dtype=torch.int64).tolist() if payload else []
+                block_ids = (
+                    torch.frombuffer(bytearray(payload), dtype=torch.int64).tolist() if payload else []
+                )
                 pages = self.lending.pages_of(debtor, block_ids)
                 return _frame(OK, torch.tensor(pages, dtype=torch.int64).numpy().tobytes() if pages else b"")
             request = _REQUESTS[kind].FromString(payload)
@@ -254,11 +313,15 @@ class LaneClient:
                 status, size = _HEADER.unpack(header)
                 payload = _read_exactly(self._socket, size)
                 if status != OK or not fds:
-                    log.info("creditor %s shares no pool: %s", self.creditor, payload.decode(errors="replace"))
+                    log.info(
+                        "creditor %s shares no pool: %s", self.creditor, payload.decode(errors="replace")
+                    )
                     return None
                 shape = json.loads(payload)
                 if shape["dtype"] != str(dtype).removeprefix("torch."):
-                    log.info("creditor %s's pool is %s, not %s: not mapped", self.creditor, shape["dtype"], dtype)
+                    log.info(
+                        "creditor %s's pool is %s, not %s: not mapped", self.creditor, shape["dtype"], dtype
+                    )
                     return None
                 layout = PoolLayout(
                     num_pages=shape["num_pages"],
@@ -292,7 +355,9 @@ class LaneClient:
         if not block_ids:
             return []
         request = torch.tensor(block_ids, dtype=torch.int64).numpy().tobytes()
-        flat = self._send(PAGES, request, lambda data: torch.frombuffer(bytearray(data), dtype=torch.int64)).result()
+        flat = self._send(
+            PAGES, request, lambda data: torch.frombuffer(bytearray(data), dtype=torch.int64)
+        ).result()
         return [tuple(row) for row in flat.view(len(block_ids), -1).tolist()]
 
     def _result(self, call: _LaneCall):

@@ -1,15 +1,21 @@
 """The same-host lending lane (``services/gpu_worker/distkv/transport/lending_lane.py``): a debtor's transport opens
 it through the creditor's ``OpenLendingLane`` RPC, then attends and writes over a Unix socket with
 the same answers as over gRPC, the same refusals, and the debtor bound to the token the creditor
-issued to the caller; a creditor whose lane closes is unreachable, as a dead one is over gRPC."""
+issued to the caller; a peer is refused after reading only a frame's header unless its first
+frame is a small hello with an unexpired token of this creditor; a creditor whose lane closes is
+unreachable, as a dead one is over gRPC."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import struct
+import threading
 
 import pytest
 import torch
+from support.polling import HANG_GUARD_S
 from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2
@@ -21,6 +27,8 @@ from services.gpu_worker.distkv.transport.lending_lane import (
     ATTEND,
     HELLO,
     OK,
+    REFUSED,
+    WRITE,
     LaneClient,
     LaneServer,
     _frame,
@@ -113,6 +121,71 @@ async def test_a_connection_acts_only_for_the_debtor_its_token_was_issued_to(cre
     over_grpc.close()
 
 
+def serve_one(lane: LaneServer, connection: socket.socket) -> None:
+    """``connection`` served by ``lane`` to its end, on a thread of its own as the lane does."""
+    thread = threading.Thread(target=lane.serve, args=(connection,))
+    thread.start()
+    thread.join()
+
+
+@pytest.mark.parametrize("kind", [HELLO, WRITE], ids=["hello", "write"])
+def test_a_peer_sending_a_4_gib_frame_first_is_dropped_after_its_header(creditor, kind, caplog):
+    """Nothing of a frame but its five header bytes is read before a token: not a 4 GiB hello,
+    not a first frame of another kind."""
+    _, lane, _ = creditor
+    peer, served = socket.socketpair(socket.AF_UNIX)
+    kept = served.dup()  # what the lane leaves unread stays readable here once it closes its end
+    following = b"\xff" * 4096
+    peer.sendall(struct.pack("<BI", kind, 2**32 - 1) + following)
+    with caplog.at_level(logging.WARNING):
+        serve_one(lane, served)
+    status, reply = _read_frame(peer)
+    why = (
+        "hello of 4294967295 bytes is over the 512-byte limit of a lane token"
+        if kind == HELLO
+        else f"first frame is of kind {kind}, not a hello with a lane token"
+    )
+    assert (status, reply.decode()) == (REFUSED, f"UNAUTHENTICATED\n{why}")
+    assert [r.getMessage() for r in caplog.records] == [f"lending lane refused a connection: {why}"]
+    kept.setblocking(False)
+    assert kept.recv(2 * len(following)) == following  # all of it unread: only the header was
+    kept.close()
+    peer.settimeout(HANG_GUARD_S)
+    assert peer.recv(1) == b""  # and the lane closed the connection: nothing more was sent
+    peer.close()
+
+
+def test_an_expired_token_is_refused(creditor, caplog):
+    engine, _, _ = creditor
+    now = [0.0]
+    lane = LaneServer(engine.lending, engine.pool.device, token_ttl_s=30, clock=lambda: now[0])
+    try:
+        token = lane.issue("debtor-a")
+        now[0] = 31.0
+        with caplog.at_level(logging.WARNING), pytest.raises(ConnectionError) as refused:
+            LaneClient("creditor", lane.path, token, DistKvMeter(), _refusal, 10.0)
+        why = "lane token of debtor 'debtor-a' expired 1.0 s ago"
+        assert str(refused.value) == f"UNAUTHENTICATED\n{why}"
+        assert [r.getMessage() for r in caplog.records] == [f"lending lane refused a connection: {why}"]
+        LaneClient("creditor", lane.path, lane.issue("debtor-a"), DistKvMeter(), _refusal, 10.0).close()
+    finally:
+        lane.close()
+
+
+def test_a_peer_that_sends_no_hello_is_dropped(creditor, caplog):
+    engine, _, _ = creditor
+    lane = LaneServer(engine.lending, engine.pool.device, hello_timeout_s=0.05)
+    try:
+        with socket.socket(socket.AF_UNIX) as silent, caplog.at_level(logging.WARNING):
+            silent.connect(lane.path)
+            silent.sendall(struct.pack("<BI", HELLO, 100) + b"x")  # then nothing more
+            silent.settimeout(HANG_GUARD_S)
+            assert silent.recv(1) == b""  # closed, with no answer
+        assert "lending lane refused a connection: no hello within 0.05 s" in caplog.text
+    finally:
+        lane.close()
+
+
 async def test_a_closed_lane_makes_the_creditor_unreachable(creditor, tiny_llama):
     engine, lane, address = creditor
     remote = GrpcCreditorTransport("creditor", address, engine.pool.layout)
@@ -133,7 +206,9 @@ async def test_a_closed_lane_makes_the_creditor_unreachable(creditor, tiny_llama
 async def shared_creditor(tiny_llama):
     """(engine, address) of a lending worker whose pool is in shared memory, offered on its lane."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = local_engine(model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=8, shared_pool=True))
+    engine = local_engine(
+        model, EngineConfig(pool_mib=1, worker_id="creditor", max_lent_blocks=8, shared_pool=True)
+    )
     lane = LaneServer(engine.lending, engine.pool.device, shared_pool=engine.pool)
     server, address = await serve_worker(engine, "tiny", lane=lane)
     try:
@@ -155,7 +230,11 @@ async def test_a_shared_pool_is_written_and_attended_in_place_with_the_answers_o
     assert mapped._shared is not None  # the creditor's pool is mapped here
     block = layout.kv_block_tokens
     keys = torch.randn(block, layout.kv_dim, generator=torch.Generator().manual_seed(1))
-    await run(lambda: mapped.write_async("debtor-a", 1, KvRows([ids[0]] * block, torch.arange(block), keys, -keys)).result())
+    await run(
+        lambda: mapped.write_async(
+            "debtor-a", 1, KvRows([ids[0]] * block, torch.arange(block), keys, -keys)
+        ).result()
+    )
 
     queries = torch.randn(2, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(2))
     segment = AttendSegment(queries, torch.tensor([3, block - 1]), [ids[0]], [0])
@@ -184,7 +263,9 @@ async def test_a_shared_pool_is_written_and_attended_in_place_with_the_answers_o
     over_grpc.close()
 
 
-async def test_a_debtor_on_a_shared_pool_finds_its_creditor_dead_at_its_next_call(shared_creditor, tiny_llama):
+async def test_a_debtor_on_a_shared_pool_finds_its_creditor_dead_at_its_next_call(
+    shared_creditor, tiny_llama
+):
     engine, address = shared_creditor
     mapped = GrpcCreditorTransport("creditor", address, engine.pool.layout)
     ids = await run(lambda: mapped.allocate("debtor-c", 1))
