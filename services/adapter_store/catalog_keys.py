@@ -90,9 +90,6 @@ class CatalogKeys:
         """The prefix of ``owner``'s upload slots."""
         return f"{self.root}/uploads/{owner}/"
 
-    def upload_slot(self, owner: str, slot: int) -> str:
-        return self.upload_slots(owner) + str(slot)
-
     def row_id(self, key: bytes | str) -> str:
         text = key.decode() if isinstance(key, bytes) else key
         return text[len(self.rows) :]
