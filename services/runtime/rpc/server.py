@@ -100,6 +100,8 @@ class ServiceHost:
         self.ready = False
         self._clock = clock
         self._fence_by_lease: Callable[[LeaseFence], None] | None = getattr(service, "fence_by_lease", None)
+        self._lease_fence: LeaseFence | None = None
+        """The fence handed to the service, once it is registered (a fenced service only)."""
         self._stopped = False
 
     def not_ready(self) -> str:
@@ -107,9 +109,7 @@ class ServiceHost:
         etcd. The fence is read when asked, so this is never behind it."""
         if not self.ready:
             return "starting" if not self._stopped else "shutting down"
-        if self._fence_by_lease is not None and self.registration is not None:
-            return self.registration.fence.problem()
-        return ""
+        return self._lease_fence.problem() if self._lease_fence is not None else ""
 
     async def _fence_changed(self, problem: str) -> None:
         """The registration's fence went up (``problem``) or down: readiness follows it."""
@@ -166,9 +166,12 @@ class ServiceHost:
                 clock=self._clock,
                 on_fence=self._fence_changed if self._fence_by_lease is not None else None,
             )
-            if self._fence_by_lease is not None:
-                self._fence_by_lease(self.registration.fence)
             await self.registration.start()
+            # Handed over once registered: a caller that saw the service ready before it was
+            # listed is served, as before there was a fence.
+            if self._fence_by_lease is not None:
+                self._lease_fence = self.registration.fence
+                self._fence_by_lease(self._lease_fence)
         log.info("%s ready as %s", self.service.name, self.instance_id)
 
     async def shutdown(self) -> None:
