@@ -97,6 +97,12 @@ class AdapterStoreService:
             except Exception as error:  # noqa: BLE001 - etcd or the blob tier away: next round
                 log.warning("blob collection failed: %s", error)
 
+    def degraded(self) -> str:
+        """What ``/readyz`` adds while this replica cannot write: it goes on serving reads of
+        what its mirror holds."""
+        problem = self.repository.catalog.problem if self.repository is not None else ""
+        return f"writes refused: {problem}" if problem else ""
+
     async def end_streams(self) -> None:
         """Shutdown begins: end the catalog watches (their gateways watch the next store)."""
         self.servicer.end_watches()

@@ -96,10 +96,19 @@ class HttpSidePort:
     """``/healthz``, ``/readyz`` and ``/metrics`` on their own port: HTTPS only with ``ssl``
     (the service's TLS on: services.runtime.security.certificate_reload.server_ssl_context), else HTTP."""
 
-    def __init__(self, metrics: ServiceMetrics, not_ready: Callable[[], str], ssl: SSLContext | None = None):
-        """``not_ready()``: "" while the service is ready, else why not (``/readyz`` says it)."""
+    def __init__(
+        self,
+        metrics: ServiceMetrics,
+        not_ready: Callable[[], str],
+        ssl: SSLContext | None = None,
+        degraded: Callable[[], str] = lambda: "",
+    ):
+        """``not_ready()``: "" while the service is ready, else why not (``/readyz`` says it);
+        ``degraded()``: "" or what a ready service cannot do now (e.g. an adapter store cut off
+        from etcd serves reads and refuses writes), which ``/readyz`` adds to its answer."""
         self._metrics = metrics
         self._not_ready = not_ready
+        self._degraded = degraded
         self._ssl = ssl
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
@@ -120,6 +129,8 @@ class HttpSidePort:
         if path == "/readyz":
             if why := self._not_ready():
                 return 503, "text/plain", f"not ready: {why}\n".encode()
+            if limits := self._degraded():
+                return 200, "text/plain", f"ready, degraded: {limits}\n".encode()
             return 200, "text/plain", b"ready\n"
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, await self._metrics.exposition()

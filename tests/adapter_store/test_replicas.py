@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import pytest
 from support.cli import COMMAND_TIMEOUT_S  # a hang guard, not a timing claim
@@ -151,3 +152,25 @@ def test_a_replica_lists_a_catalog_larger_than_one_read_page_by_page(
     records = [writer.registrar.register(upload(seeded_files(i % 2), f"a{i}")) for i in range(5)]
     reader = open_repository(replica_id="reader")
     assert reader.catalog.all() == records
+
+
+@pytest.mark.integration
+def test_a_replica_cut_off_from_etcd_says_in_its_readiness_that_it_refuses_writes(
+    store_server, etcd, seeded_files
+):
+    """Ready still (it serves reads), and ``/readyz`` says why writes are refused."""
+
+    def readiness() -> tuple[int, str]:
+        with urllib.request.urlopen(f"http://{store_server.running.http_address}/readyz", timeout=30) as reply:
+            return reply.status, reply.read().decode()
+
+    assert readiness() == (200, "ready\n")
+    etcd.kill()
+    try:
+        with pytest.raises(Unavailable, match="etcd"):
+            store_server.service.repository.registrar.register(upload(seeded_files(0), "new"))
+        status, body = readiness()
+    finally:
+        etcd.restart()
+    assert status == 200
+    assert body.startswith(f"ready, degraded: writes refused: etcd at {etcd.endpoint} unreachable")

@@ -82,7 +82,9 @@ class ServiceHost:
         # present none, and do not check the server's either).
         tls = config.tls()
         side_ssl = server_ssl_context(tls.ca_file, tls.cert_file, tls.key_file) if tls.enabled else None
-        self.http = HttpSidePort(self.metrics, self.not_ready, ssl=side_ssl)
+        self.http = HttpSidePort(
+            self.metrics, self.not_ready, ssl=side_ssl, degraded=getattr(service, "degraded", lambda: "")
+        )
         self.server = aio.server(
             # With mutual TLS on, every call is authorized by the caller's identity
             # (services/runtime/security/authorization.py); in plaintext there is none to check.
