@@ -31,6 +31,7 @@ from services.gateway.parts import GatewayParts
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
 from services.model_files.tokenizer_loading import load_tokenizer
+from services.runtime.errors import Unavailable
 from services.runtime.etcd.discovery import ChannelPool, MemberUnavailable, ServiceLocator
 from services.runtime.etcd.membership import MembershipConfig
 from services.runtime.metrics import ServiceMetrics
@@ -277,7 +278,14 @@ class GatewayService:
         )
 
         async def place(request: scheduler_pb2.PlaceRequest) -> scheduler_pb2.PlaceResponse:
-            return await scheduler.call("Place", request, timeout=10)
+            try:
+                return await scheduler.call("Place", request, timeout=10)
+            except aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                # No scheduler answered (this gateway is cut off from them): UNAVAILABLE lets the
+                # client go on through another gateway; DEADLINE_EXCEEDED reads as its own, final.
+                raise Unavailable(f"no scheduler answered Place within 10 s: {error.details()}") from None
 
         async def report_completion(request: scheduler_pb2.ReportCompletionRequest):
             return await scheduler.call("ReportCompletion", request, timeout=10)
