@@ -381,6 +381,9 @@ class Client:
                 None takes the server's default (greedy, 128 tokens).
             deadline_ms: Time-to-first-token objective the gateway schedules for; None for its
                 default.
+            cache_salt: Share the prompt's cached KV only with requests passing the same salt,
+                whichever tenant sends them (a shared secret: make it long and random); None
+                shares it only within the caller's tenant.
             timeout: Seconds for the whole call; None for the client's default.
 
         Returns:
@@ -389,7 +392,7 @@ class Client:
         Raises:
             LoraMeshError: A subclass per failure (see :mod:`loramesh.errors`).
         """
-        request = generate_request(prompt, call.adapter, call.sampling, call.deadline_ms)
+        request = generate_request(prompt, call.adapter, call.sampling, call.deadline_ms, call.cache_salt)
         return completion([d for d in self._stream("Generate", request, call.timeout)])
 
     @call_keywords
@@ -411,12 +414,13 @@ class Client:
             adapter: As for :meth:`generate`.
             **sampling: As for :meth:`generate`.
             deadline_ms: As for :meth:`generate`.
+            cache_salt: As for :meth:`generate`.
             timeout: Seconds for the whole stream; None for the client's default.
 
         Yields:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
-        request = generate_request(prompt, call.adapter, call.sampling, call.deadline_ms)
+        request = generate_request(prompt, call.adapter, call.sampling, call.deadline_ms, call.cache_salt)
         return self._stream("Generate", request, call.timeout)
 
     @call_keywords
@@ -435,12 +439,13 @@ class Client:
             **sampling: As for :meth:`generate` (the model's end-of-turn tokens always stop, as
                 well as ``stop_token_ids``).
             deadline_ms: As for :meth:`generate`.
+            cache_salt: As for :meth:`generate`.
             timeout: Seconds for the whole call; None for the client's default.
 
         Returns:
             The assistant's reply.
         """
-        request = chat_request(messages, call.adapter, call.sampling, call.deadline_ms)
+        request = chat_request(messages, call.adapter, call.sampling, call.deadline_ms, call.cache_salt)
         return completion([d for d in self._stream("Chat", request, call.timeout)])
 
     @call_keywords
@@ -457,12 +462,13 @@ class Client:
             adapter: As for :meth:`generate`.
             **sampling: As for :meth:`chat`.
             deadline_ms: As for :meth:`generate`.
+            cache_salt: As for :meth:`generate`.
             timeout: Seconds for the whole stream; None for the client's default.
 
         Yields:
             Text deltas; the last one carries ``finish_reason`` and ``usage``.
         """
-        request = chat_request(messages, call.adapter, call.sampling, call.deadline_ms)
+        request = chat_request(messages, call.adapter, call.sampling, call.deadline_ms, call.cache_salt)
         return self._stream("Chat", request, call.timeout)
 
     def models(self, *, timeout: float | None = None) -> list[Model]:

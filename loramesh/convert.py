@@ -41,7 +41,11 @@ def sampling_params(sampling: Sampling) -> types_pb2.SamplingParams:
 
 
 def generate_request(
-    prompt: str, adapter: str | None, sampling: Sampling, deadline_ms: float | None
+    prompt: str,
+    adapter: str | None,
+    sampling: Sampling,
+    deadline_ms: float | None,
+    cache_salt: str | None = None,
 ) -> gateway_pb2.GenerateTextRequest:
     """The ``Generate`` request."""
     return gateway_pb2.GenerateTextRequest(
@@ -49,11 +53,16 @@ def generate_request(
         adapter=adapter or "",
         sampling=sampling_params(sampling),
         first_token_deadline_ms=deadline_ms or 0.0,
+        cache_salt=cache_salt or "",
     )
 
 
 def chat_request(
-    messages: ChatMessages, adapter: str | None, sampling: Sampling, deadline_ms: float | None
+    messages: ChatMessages,
+    adapter: str | None,
+    sampling: Sampling,
+    deadline_ms: float | None,
+    cache_salt: str | None = None,
 ) -> gateway_pb2.ChatRequest:
     """The ``Chat`` request.
 
@@ -65,6 +74,7 @@ def chat_request(
         adapter=adapter or "",
         sampling=sampling_params(sampling),
         first_token_deadline_ms=deadline_ms or 0.0,
+        cache_salt=cache_salt or "",
     )
 
 
@@ -84,7 +94,13 @@ def text_delta(message: gateway_pb2.GenerateTextResponse) -> TextDelta:
     if message.HasField("usage"):
         u = message.usage
         usage = Usage(
-            u.prompt_tokens, u.completion_tokens, u.first_token_ms, u.total_ms, u.resumes, u.migrations
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.first_token_ms,
+            u.total_ms,
+            u.resumes,
+            u.migrations,
+            u.cached_prompt_tokens,
         )
     return TextDelta(
         text=message.text,

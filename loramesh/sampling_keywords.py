@@ -1,6 +1,6 @@
 """The keywords of ``generate``, ``stream``, ``chat`` and ``chat_stream`` after the prompt,
-declared once: ``adapter``, the fields of :class:`~loramesh.types.Sampling`, ``deadline_ms`` and
-``timeout`` (:class:`CallKeywords`).
+declared once: ``adapter``, the fields of :class:`~loramesh.types.Sampling`, ``deadline_ms``,
+``cache_salt`` and ``timeout`` (:class:`CallKeywords`).
 
 A method written with one ``call: CallKeywords`` parameter is called, once decorated with
 :func:`call_keywords`, with those keywords in its place (``adapter="french", max_tokens=16,
@@ -37,6 +37,9 @@ class CallKeywords:
     """How tokens are picked: one keyword per field, each None for the server's default."""
     deadline_ms: float | None = None
     """Time-to-first-token objective the gateway schedules for; None for its default."""
+    cache_salt: str | None = None
+    """Share the prompt's cached KV only with requests passing the same salt; None: only within
+    the caller's tenant."""
     timeout: float | None = None
     """Seconds for the whole call; None for the client's default."""
 

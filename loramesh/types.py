@@ -71,6 +71,9 @@ class Usage:
     """Times the gateway moved the generation to another worker mid-stream after a failure."""
     migrations: int = 0
     """Times the scheduler moved it to another worker to balance load (output is unchanged)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV a worker's prefix cache held (their prefill was skipped): only
+    what this request may share, its tenant's or its ``cache_salt``'s."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from mesh_api.v1 import adapter_store_pb2 as loramesh_dot_v1_dot_adapter__store_
 from mesh_api.v1 import types_pb2 as loramesh_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loramesh/v1/gateway.proto\x12\x0bloramesh.v1\x1a\x1floramesh/v1/adapter_store.proto\x1a\x17loramesh/v1/types.proto\"\xb7\x01\n\x13GenerateTextRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.loramesh.v1.SamplingParams\x12\x1f\n\x17\x66irst_token_deadline_ms\x18\x04 \x01(\x01\x12/\n\x0c\x63ontinuation\x18\x05 \x01(\x0b\x32\x19.loramesh.v1.Continuation\"/\n\x0c\x43ontinuation\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcb\x01\n\x0b\x43hatRequest\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.loramesh.v1.ChatMessage\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.loramesh.v1.SamplingParams\x12\x1f\n\x17\x66irst_token_deadline_ms\x18\x04 \x01(\x01\x12/\n\x0c\x63ontinuation\x18\x05 \x01(\x0b\x32\x19.loramesh.v1.Continuation\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x66irst_token_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x0f\n\x07resumes\x18\x05 \x01(\r\x12\x12\n\nmigrations\x18\x06 \x01(\r\"\xce\x01\n\x14GenerateTextResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.loramesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.loramesh.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.loramesh.v1.TokenLogprobs\"(\n\x15GatewayAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"4\n\x11GatewayPinRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"\x13\n\x11ListModelsRequest\"\x86\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x0f\n\x07is_base\x18\x04 \x01(\x08\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12+\n\nvisibility\x18\x06 \x01(\x0e\x32\x17.loramesh.v1.Visibility\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.loramesh.v1.ModelInfo2\xfd\x05\n\x07Gateway\x12Q\n\x08Generate\x12 .loramesh.v1.GenerateTextRequest\x1a!.loramesh.v1.GenerateTextResponse0\x01\x12\x45\n\x04\x43hat\x12\x18.loramesh.v1.ChatRequest\x1a!.loramesh.v1.GenerateTextResponse0\x01\x12\\\n\rUploadAdapter\x12#.loramesh.v1.RegisterAdapterRequest\x1a$.loramesh.v1.RegisterAdapterResponse(\x01\x12V\n\rImportAdapter\x12!.loramesh.v1.ImportAdapterRequest\x1a\".loramesh.v1.ImportAdapterResponse\x12S\n\x0cListAdapters\x12 .loramesh.v1.ListAdaptersRequest\x1a!.loramesh.v1.ListAdaptersResponse\x12J\n\nGetAdapter\x12\".loramesh.v1.GatewayAdapterRequest\x1a\x18.loramesh.v1.AdapterInfo\x12W\n\rDeleteAdapter\x12\".loramesh.v1.GatewayAdapterRequest\x1a\".loramesh.v1.DeleteAdapterResponse\x12Y\n\x10SetAdapterPinned\x12\x1e.loramesh.v1.GatewayPinRequest\x1a%.loramesh.v1.SetAdapterPinnedResponse\x12M\n\nListModels\x12\x1e.loramesh.v1.ListModelsRequest\x1a\x1f.loramesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loramesh/v1/gateway.proto\x12\x0bloramesh.v1\x1a\x1floramesh/v1/adapter_store.proto\x1a\x17loramesh/v1/types.proto\"\xcb\x01\n\x13GenerateTextRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.loramesh.v1.SamplingParams\x12\x1f\n\x17\x66irst_token_deadline_ms\x18\x04 \x01(\x01\x12/\n\x0c\x63ontinuation\x18\x05 \x01(\x0b\x32\x19.loramesh.v1.Continuation\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"/\n\x0c\x43ontinuation\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdf\x01\n\x0b\x43hatRequest\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.loramesh.v1.ChatMessage\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.loramesh.v1.SamplingParams\x12\x1f\n\x17\x66irst_token_deadline_ms\x18\x04 \x01(\x01\x12/\n\x0c\x63ontinuation\x18\x05 \x01(\x0b\x32\x19.loramesh.v1.Continuation\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xa6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x66irst_token_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x0f\n\x07resumes\x18\x05 \x01(\r\x12\x12\n\nmigrations\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\"\xce\x01\n\x14GenerateTextResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.loramesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.loramesh.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.loramesh.v1.TokenLogprobs\"(\n\x15GatewayAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"4\n\x11GatewayPinRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"\x13\n\x11ListModelsRequest\"\x86\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x0f\n\x07is_base\x18\x04 \x01(\x08\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12+\n\nvisibility\x18\x06 \x01(\x0e\x32\x17.loramesh.v1.Visibility\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.loramesh.v1.ModelInfo2\xfd\x05\n\x07Gateway\x12Q\n\x08Generate\x12 .loramesh.v1.GenerateTextRequest\x1a!.loramesh.v1.GenerateTextResponse0\x01\x12\x45\n\x04\x43hat\x12\x18.loramesh.v1.ChatRequest\x1a!.loramesh.v1.GenerateTextResponse0\x01\x12\\\n\rUploadAdapter\x12#.loramesh.v1.RegisterAdapterRequest\x1a$.loramesh.v1.RegisterAdapterResponse(\x01\x12V\n\rImportAdapter\x12!.loramesh.v1.ImportAdapterRequest\x1a\".loramesh.v1.ImportAdapterResponse\x12S\n\x0cListAdapters\x12 .loramesh.v1.ListAdaptersRequest\x1a!.loramesh.v1.ListAdaptersResponse\x12J\n\nGetAdapter\x12\".loramesh.v1.GatewayAdapterRequest\x1a\x18.loramesh.v1.AdapterInfo\x12W\n\rDeleteAdapter\x12\".loramesh.v1.GatewayAdapterRequest\x1a\".loramesh.v1.DeleteAdapterResponse\x12Y\n\x10SetAdapterPinned\x12\x1e.loramesh.v1.GatewayPinRequest\x1a%.loramesh.v1.SetAdapterPinnedResponse\x12M\n\nListModels\x12\x1e.loramesh.v1.ListModelsRequest\x1a\x1f.loramesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loramesh.v1.gateway_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATETEXTREQUEST']._serialized_start=101
-  _globals['_GENERATETEXTREQUEST']._serialized_end=284
-  _globals['_CONTINUATION']._serialized_start=286
-  _globals['_CONTINUATION']._serialized_end=333
-  _globals['_CHATMESSAGE']._serialized_start=335
-  _globals['_CHATMESSAGE']._serialized_end=379
-  _globals['_CHATREQUEST']._serialized_start=382
-  _globals['_CHATREQUEST']._serialized_end=585
-  _globals['_USAGE']._serialized_start=588
-  _globals['_USAGE']._serialized_end=724
-  _globals['_GENERATETEXTRESPONSE']._serialized_start=727
-  _globals['_GENERATETEXTRESPONSE']._serialized_end=933
-  _globals['_GATEWAYADAPTERREQUEST']._serialized_start=935
-  _globals['_GATEWAYADAPTERREQUEST']._serialized_end=975
-  _globals['_GATEWAYPINREQUEST']._serialized_start=977
-  _globals['_GATEWAYPINREQUEST']._serialized_end=1029
-  _globals['_LISTMODELSREQUEST']._serialized_start=1031
-  _globals['_LISTMODELSREQUEST']._serialized_end=1050
-  _globals['_MODELINFO']._serialized_start=1053
-  _globals['_MODELINFO']._serialized_end=1187
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1189
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1249
-  _globals['_GATEWAY']._serialized_start=1252
-  _globals['_GATEWAY']._serialized_end=2017
+  _globals['_GENERATETEXTREQUEST']._serialized_end=304
+  _globals['_CONTINUATION']._serialized_start=306
+  _globals['_CONTINUATION']._serialized_end=353
+  _globals['_CHATMESSAGE']._serialized_start=355
+  _globals['_CHATMESSAGE']._serialized_end=399
+  _globals['_CHATREQUEST']._serialized_start=402
+  _globals['_CHATREQUEST']._serialized_end=625
+  _globals['_USAGE']._serialized_start=628
+  _globals['_USAGE']._serialized_end=794
+  _globals['_GENERATETEXTRESPONSE']._serialized_start=797
+  _globals['_GENERATETEXTRESPONSE']._serialized_end=1003
+  _globals['_GATEWAYADAPTERREQUEST']._serialized_start=1005
+  _globals['_GATEWAYADAPTERREQUEST']._serialized_end=1045
+  _globals['_GATEWAYPINREQUEST']._serialized_start=1047
+  _globals['_GATEWAYPINREQUEST']._serialized_end=1099
+  _globals['_LISTMODELSREQUEST']._serialized_start=1101
+  _globals['_LISTMODELSREQUEST']._serialized_end=1120
+  _globals['_MODELINFO']._serialized_start=1123
+  _globals['_MODELINFO']._serialized_end=1257
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1259
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1319
+  _globals['_GATEWAY']._serialized_start=1322
+  _globals['_GATEWAY']._serialized_end=2087
 # @@protoc_insertion_point(module_scope)

@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateTextRequest(_message.Message):
-    __slots__ = ("prompt", "adapter", "sampling", "first_token_deadline_ms", "continuation")
+    __slots__ = ("prompt", "adapter", "sampling", "first_token_deadline_ms", "continuation", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     adapter: str
     sampling: _types_pb2.SamplingParams
     first_token_deadline_ms: float
     continuation: Continuation
-    def __init__(self, prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., first_token_deadline_ms: _Optional[float] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., first_token_deadline_ms: _Optional[float] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("token_ids", "text")
@@ -39,34 +41,38 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("messages", "adapter", "sampling", "first_token_deadline_ms", "continuation")
+    __slots__ = ("messages", "adapter", "sampling", "first_token_deadline_ms", "continuation", "cache_salt")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     adapter: str
     sampling: _types_pb2.SamplingParams
     first_token_deadline_ms: float
     continuation: Continuation
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., first_token_deadline_ms: _Optional[float] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., first_token_deadline_ms: _Optional[float] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "first_token_ms", "total_ms", "resumes", "migrations")
+    __slots__ = ("prompt_tokens", "completion_tokens", "first_token_ms", "total_ms", "resumes", "migrations", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     first_token_ms: float
     total_ms: float
     resumes: int
     migrations: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., resumes: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., resumes: _Optional[int] = ..., migrations: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateTextResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "request_id", "logprobs")

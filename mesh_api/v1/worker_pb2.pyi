@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "adapter_id", "sampling", "predicted_output_tokens", "first_token_deadline_ms", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "adapter_id", "sampling", "predicted_output_tokens", "first_token_deadline_ms", "resumed_output_tokens", "prefix_cache_namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class GenerateRequest(_message.Message):
     PREDICTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter_id: str
@@ -23,23 +24,26 @@ class GenerateRequest(_message.Message):
     predicted_output_tokens: int
     first_token_deadline_ms: float
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., predicted_output_tokens: _Optional[int] = ..., first_token_deadline_ms: _Optional[float] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    prefix_cache_namespace: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., predicted_output_tokens: _Optional[int] = ..., first_token_deadline_ms: _Optional[float] = ..., resumed_output_tokens: _Optional[int] = ..., prefix_cache_namespace: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "timings", "request_id", "logprobs", "migrated_to")
+    __slots__ = ("token_ids", "finish_reason", "timings", "request_id", "logprobs", "migrated_to", "cached_prompt_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_TO_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _types_pb2.FinishReason
     timings: _types_pb2.Timings
     request_id: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprobs]
     migrated_to: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_types_pb2.Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprobs, _Mapping]]] = ..., migrated_to: _Optional[str] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_types_pb2.Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprobs, _Mapping]]] = ..., migrated_to: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter_id",)

@@ -72,6 +72,9 @@ class RelayRequest:
     delivered by an earlier stream (consumed by the relay)."""
     prompt_text: str = ""
     """The prompt as text, for the scheduler's length predictor ("": none)."""
+    prefix_cache_namespace: str = ""
+    """Whose cached prompt KV it may share on the workers
+    (:mod:`services.gateway.prefix_cache_namespace`)."""
 
 
 @dataclass
@@ -94,6 +97,8 @@ class _Progress:
     """The scheduler's predicted output length at the first placement (0: none)."""
     prefer: str = ""
     """The worker a migration named, for the next placement."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the latest worker to send tokens found in its prefix cache."""
     finished: bool = False
 
     @property
@@ -184,6 +189,7 @@ class Relay:
                 predicted_output_tokens=max(1, run.predicted - len(generated)) if run.predicted else 0,
                 first_token_deadline_ms=0.0 if generated else self._deadline_left_ms(request, run.started),
                 resumed_output_tokens=len(generated),
+                prefix_cache_namespace=request.prefix_cache_namespace,
             )
         )
 
@@ -196,6 +202,8 @@ class Relay:
         if ids and run.first_token_ms is None:
             run.first_token_ms = (self._clock() - run.started) * 1000
         run.generated += ids
+        if ids:
+            run.cached_prompt_tokens = reply.cached_prompt_tokens
         detok, request_id = run.request.start.detokenizer, run.request.request_id
         finish = reply.finish_reason
         ended_by_token = (
@@ -247,6 +255,8 @@ class Relay:
             total_ms=(self._clock() - run.started) * 1000,
             resumes=run.resumes,
             migrations=run.migrations,
+            # A worker resuming it counts the tokens generated before as prompt: not the client's.
+            cached_prompt_tokens=min(run.cached_prompt_tokens, len(run.request.prompt_ids)),
         )
 
     def _deadline_left_ms(self, request: RelayRequest, started: float) -> float:

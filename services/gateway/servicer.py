@@ -26,6 +26,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request.sampling,
             request.first_token_deadline_ms,
             _delivered(request.continuation),
+            request.cache_salt,
         ):
             yield reply
 
@@ -42,6 +43,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.core.chat_sampling(request.sampling),
             request.first_token_deadline_ms,
             _delivered(request.continuation),
+            request.cache_salt,
         ):
             yield reply
 

@@ -133,6 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 predicted_output_tokens=request.predicted_output_tokens or None,
                 first_token_deadline_s=request.first_token_deadline_ms / 1000 or None,
                 resumed_output_tokens=request.resumed_output_tokens,
+                prefix_cache_namespace=request.prefix_cache_namespace,
             ),
             lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         )
@@ -150,6 +151,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 reply = worker_pb2.GenerateResponse(request_id=request_id)
                 if event.token_id is not None:
                     reply.token_ids.append(event.token_id)
+                    reply.cached_prompt_tokens = event.cached_prompt_tokens
                 if event.logprobs is not None:
                     reply.logprobs.append(logprobs_to_proto(event.logprobs))
                 if event.finish_reason is not None:

@@ -80,6 +80,7 @@ def test_the_sampling_keywords_are_the_fields_of_sampling(cls, method):
         "adapter",
         *SAMPLING_KEYWORDS,
         "deadline_ms",
+        "cache_salt",
         "timeout",
     ]
     assert all(p.kind is p.KEYWORD_ONLY and p.default is None for p in list(parameters)[2:])

@@ -65,6 +65,9 @@ class GenerationRequest:
     """How many of the last prompt ids were generated before, by this request elsewhere (a
     gateway resuming it after a worker failure or a migration sends prompt + tokens so far):
     its grammar is advanced past them and its presence/frequency penalties count them."""
+    prefix_cache_namespace: str = ""
+    """Who it shares cached prompt KV with (``tenant:<id>`` or ``salt:<cache_salt>``, set by the
+    gateway); "": every request that names none."""
 
     def __post_init__(self) -> None:
         deadline = self.first_token_deadline_s
@@ -114,6 +117,8 @@ class TokenEvent:
     error: str = ""
     logprobs: TokenLogprobs | None = None
     """With ``token_id``, when the request's sampling params ask for log-probabilities."""
+    cached_prompt_tokens: int = 0
+    """:attr:`EngineRequest.cached_prompt_tokens` (known from its first token on)."""
 
 
 @dataclass
@@ -143,6 +148,9 @@ class EngineRequest:
     done and they are cached (``KvReservation.cache_prompt``); () otherwise."""
     grammar: RequestGrammar | None = None
     """Where its output stands in its structured-output grammar; None when unconstrained."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV the prefix cache held when it was first scheduled (the prefill it
+    skipped); a restart after a preemption does not change it."""
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.spec.sampling)

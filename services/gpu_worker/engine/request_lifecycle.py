@@ -58,6 +58,7 @@ class RequestEvents:
                     request.timings,
                     len(request.output_ids),
                     logprobs=request.last_logprobs,
+                    cached_prompt_tokens=request.cached_prompt_tokens,
                 )
             )
         return reason
@@ -93,5 +94,6 @@ class RequestEvents:
                     len(request.output_ids),
                     error,
                     logprobs=request.last_logprobs if token is not None else None,
+                    cached_prompt_tokens=request.cached_prompt_tokens,
                 )
             )

@@ -28,7 +28,12 @@ from services.gpu_worker.engine.sampling import token_logprobs
 from services.gpu_worker.engine.waiting_queue import WaitingQueue
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.page_allocator import PoolExhausted
-from services.gpu_worker.memory.prefix_cache import BASE_MODEL_KEY_SPACE, BlockKey, adapter_key_space
+from services.gpu_worker.memory.prefix_cache import (
+    BASE_MODEL_KEY_SPACE,
+    BlockKey,
+    adapter_key_space,
+    namespaced_key_space,
+)
 from services.runtime.errors import NotFound
 
 log = logging.getLogger("loramesh.engine")
@@ -219,17 +224,21 @@ class RequestScheduler:
         request.state = RequestState.RUNNING
         if request.timings.scheduled is None:
             request.timings.scheduled = time.monotonic()
+            request.cached_prompt_tokens = request.num_computed  # all from the cache, so far
         self.running.append(request)
         return Start.STARTED
 
     def _prefix_key_space(self, request: EngineRequest) -> BlockKey | None:
         """The prefix-cache key space of ``request``'s adapter version (the base model's without
-        one); None when its adapter's content is unknown: it bypasses the cache."""
+        one) in its namespace; None when its adapter's content is unknown: it bypasses the cache."""
         adapter_id = request.spec.adapter_id
         if adapter_id is None:
-            return BASE_MODEL_KEY_SPACE
-        content = self.host_adapters[adapter_id].content_sha256
-        return adapter_key_space(adapter_id, content) if content else None
+            space = BASE_MODEL_KEY_SPACE
+        elif content := self.host_adapters[adapter_id].content_sha256:
+            space = adapter_key_space(adapter_id, content)
+        else:
+            return None
+        return namespaced_key_space(space, request.spec.prefix_cache_namespace)
 
     def _finish_unservable(self, request: EngineRequest) -> None:
         """Its prompt and output outgrew the whole pool: the pool is its context limit, so it ends

@@ -7,6 +7,11 @@ sha256 of its content, or the base model. So a block matches only when every tok
 and the adapter (this exact version of it) match: KV is never shared across adapters, nor across
 two versions of one adapter id (the bug class of llama.cpp#26207 and vllm#30931).
 
+A key space is also salted with the request's namespace, who may share its blocks (vLLM's
+``cache_salt``, issue 50): the gateway names the tenant, or the salt a client passed. A cached
+prompt is a timing side channel (a hit's first token comes sooner), so by default it reaches
+only the tenant that sent it; docs/security.md says what timing still tells.
+
 Only whole blocks are cached, and only blocks of the prompt. One source of truth with reference
 counts (like :class:`AdapterResidency`): a request using a cached block holds a reference; a
 block with none stays in the pool, evictable in its eviction policy's order (least recently used
@@ -35,6 +40,16 @@ def adapter_key_space(adapter_id: str, content_sha256: str) -> BlockKey:
     """The key space of an adapter's requests: its id and the sha256 of its content, so a new
     version of the same id shares nothing with the old one."""
     return hashlib.sha256(f"loramesh/adapter\0{adapter_id}\0{content_sha256}".encode()).digest()
+
+
+def namespaced_key_space(key_space: BlockKey, namespace: str) -> BlockKey:
+    """``key_space`` within ``namespace`` (who may share its blocks: ``tenant:<id>`` or
+    ``salt:<cache_salt>``, as the gateway names them); the empty namespace leaves it as it is.
+    ``key_space`` has a fixed length after the namespace, so two namespaces never make one key."""
+    if not namespace:
+        return key_space
+    named = namespace.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"loramesh/prefix-namespace\0" + named + b"\0" + key_space).digest()
 
 
 def block_keys(key_space: BlockKey, token_ids: Sequence[int], block_tokens: int) -> list[BlockKey]:

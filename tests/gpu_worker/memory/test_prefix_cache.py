@@ -1,5 +1,5 @@
-"""The prefix cache alone: chain keys per key space, reference counts, LRU eviction under the
-unified pool's pressure (before idle adapters), and KV tables holding shared blocks."""
+"""The prefix cache alone: chain keys per key space and namespace, reference counts, LRU eviction
+under the unified pool's pressure (before idle adapters), and KV tables holding shared blocks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from services.gpu_worker.memory.prefix_cache import (
     PrefixCache,
     adapter_key_space,
     block_keys,
+    namespaced_key_space,
 )
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import FailedPrecondition
@@ -45,6 +46,25 @@ def test_keys_are_chained_whole_blocks_and_differ_by_key_space():
     spaces = [BASE_MODEL_KEY_SPACE, v1, v2, adapter_key_space("b", "sha-1")]
     firsts = {block_keys(space, tokens, 4)[0] for space in spaces}
     assert len(firsts) == len(spaces)
+
+
+def test_a_namespace_salts_every_block_and_one_namespace_shares():
+    tokens = list(range(12))
+    spaces = [BASE_MODEL_KEY_SPACE, adapter_key_space("a", "sha-1")]
+    for space in spaces:
+        alice, bob = (
+            block_keys(namespaced_key_space(space, f"tenant:{t}"), tokens, 4) for t in ("alice", "bob")
+        )
+        assert not set(alice) & set(bob)  # the salt in the first key changes every key after it
+        salted = [block_keys(namespaced_key_space(space, "salt:s3cret"), tokens, 4) for _ in range(2)]
+        assert salted[0] == salted[1] and not set(salted[0]) & set(alice)
+        assert block_keys(namespaced_key_space(space, ""), tokens, 4) == block_keys(space, tokens, 4)
+    firsts = {
+        block_keys(namespaced_key_space(space, namespace), tokens, 4)[0]
+        for space in spaces
+        for namespace in ("tenant:alice", "salt:alice", "tenant:bob", "")
+    }
+    assert len(firsts) == 8
 
 
 def test_shared_blocks_are_reference_counted_and_stay_cached_when_unused():

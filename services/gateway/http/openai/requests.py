@@ -5,8 +5,9 @@ honoured or, when the engine cannot do what it asks, refused with a 400 that nam
 value of a refused field (``tool_choice: "none"``, ``store: false``...) is accepted. Fields that
 change nothing here (``user``, ``metadata``...) are accepted. vLLM's extra fields ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (each choice, each
-chunk, carries its generated token ids) are accepted too, and so is loramesh's own
-``first_token_deadline_ms`` (the request's time-to-first-token deadline, as the gRPC API's).
+chunk, carries its generated token ids) and ``cache_salt`` (whose cached prompt KV it shares)
+are accepted too, and so is loramesh's own ``first_token_deadline_ms`` (the request's
+time-to-first-token deadline, as the gRPC API's).
 Any other field is ignored and logged (:mod:`.ignored_fields`), as vLLM does. The whole table
 is docs/openai-fields.md.
 """
@@ -17,12 +18,13 @@ import json
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, StrictFloat
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictStr
 
 from mesh_api.v1 import types_pb2
 from services.gateway.http.errors import OpenAIError
 from services.gateway.http.openai.ignored_fields import log_ignored
 from services.gateway.http.response_format import ResponseFormat
+from services.gateway.prefix_cache_namespace import check_cache_salt
 from services.gateway.tool_calls import (
     ChatMessage,
     ToolRequest,
@@ -95,6 +97,10 @@ class _GenerationBody(_Body):
     """Extension: milliseconds from arrival to the first token (the scheduler refuses what no
     worker can meet; the workers' early_abort policy holds the request to it); None or 0: the
     gateway's default."""
+    cache_salt: StrictStr | None = None
+    """vLLM's: share cached prompt KV only with requests passing the same salt, whichever tenant
+    sends them; None: only within the caller's tenant
+    (:mod:`services.gateway.prefix_cache_namespace`). Non-empty, at most 256 UTF-8 bytes."""
 
     def _unsupported(self) -> list[tuple[str, bool, str]]:
         """``(field, set, why)`` for every field the engine cannot do."""
@@ -109,7 +115,10 @@ class _GenerationBody(_Body):
                     400, f"{field} is not supported by loramesh ({why})", field, "unsupported_parameter"
                 )
         self.structured_output()  # a malformed response_format is refused here, like the rest
+        if self.cache_salt == "":
+            raise OpenAIError(400, "cache_salt must be a non-empty string when given", "cache_salt")
         try:
+            check_cache_salt(self.cache_salt or "")
             check_first_token_deadline(self.deadline_ms())
             check_choices(self.n)
             check_sampling(

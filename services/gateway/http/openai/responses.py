@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from mesh_api.v1 import types_pb2
+from mesh_api.v1 import gateway_pb2, types_pb2
 from services.gateway.tool_calls import ToolRequest, parse_reply
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -27,12 +27,33 @@ def finish_reason(reason: int) -> str | None:
     return _FINISH_REASONS.get(reason, "stop")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+@dataclass
+class UsageTally:
+    """A request's ``usage``, added up over its choices as they finish (choice ``i`` is of
+    prompt ``i // choices_per_prompt``)."""
+
+    prompt_tokens: int
+    """Every prompt's tokens, each counted once however many choices it has (as OpenAI)."""
+    choices_per_prompt: int
+    completion_tokens: int = 0
+    cached_by_prompt: dict[int, int] = field(default_factory=dict)
+    """Prompt index -> the most of its tokens any of its choices found in a prefix cache."""
+
+    def add(self, choice: int, usage: gateway_pb2.Usage) -> None:
+        """A finished choice's usage."""
+        self.completion_tokens += usage.completion_tokens
+        prompt = choice // self.choices_per_prompt
+        self.cached_by_prompt[prompt] = max(self.cached_by_prompt.get(prompt, 0), usage.cached_prompt_tokens)
+
+    def usage(self) -> dict:
+        """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV a
+        worker's prefix cache held (vLLM's)."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_by_prompt.values())},
+        }
 
 
 @dataclass

@@ -25,7 +25,13 @@ from services.gateway.http.events import sse
 from services.gateway.http.model_names import requested_adapter
 from services.gateway.http.openai.models import ModelObjects
 from services.gateway.http.openai.requests import ChatCompletionBody, CompletionBody
-from services.gateway.http.openai.responses import SSE_DONE, ChoiceText, ResponseShape, finish_reason, usage
+from services.gateway.http.openai.responses import (
+    SSE_DONE,
+    ChoiceText,
+    ResponseShape,
+    UsageTally,
+    finish_reason,
+)
 from services.gateway.http.reading import parse_body, read_body, tenant
 from services.gateway.parts import GatewayParts
 from services.gateway.tool_calls import ToolCallStream
@@ -91,23 +97,24 @@ class OpenAIRoutes:
         body: CompletionBody | ChatCompletionBody,
     ) -> Response:
         """Start every choice (refusals surface here, before any byte is sent), then answer."""
-        deadline_ms = body.deadline_ms()
+        deadline_ms, salt = body.deadline_ms(), body.cache_salt or ""
         generations = [
-            self.core.generate(caller, ids, adapter, sampling, deadline_ms) for ids, sampling in jobs
+            self.core.generate(caller, ids, adapter, sampling, deadline_ms, cache_salt=salt)
+            for ids, sampling in jobs
         ]
         choices = await unless_disconnected(request.receive, start_choices(generations))
+        tally = UsageTally(prompt_tokens, body.n)
         if body.stream:
-            events = self._events(choices, shape, prompt_tokens, body.include_usage)
+            events = self._events(choices, shape, tally, body.include_usage)
             return EventStreamResponse(events, on_close=functools.partial(close_choices, choices))
         try:
-            whole = await unless_disconnected(request.receive, self._collect(choices, shape, prompt_tokens))
+            whole = await unless_disconnected(request.receive, self._collect(choices, shape, tally))
         finally:
             await close_choices(choices)
         return JSONResponse(whole)
 
-    async def _collect(self, choices: list[StartedChoice], shape: ResponseShape, prompt_tokens: int) -> dict:
+    async def _collect(self, choices: list[StartedChoice], shape: ResponseShape, tally: UsageTally) -> dict:
         texts = [ChoiceText() for _ in choices]
-        completion_tokens = 0
         async with contextlib.aclosing(merged(choices)) as replies:
             async for index, reply in replies:
                 texts[index].text.append(reply.text)
@@ -115,15 +122,14 @@ class OpenAIRoutes:
                 texts[index].logprobs += reply.logprobs
                 if reply.finish_reason:
                     texts[index].finish_reason = finish_reason(reply.finish_reason)
-                    completion_tokens += reply.usage.completion_tokens
-        return shape.response(texts, usage(prompt_tokens, completion_tokens))
+                    tally.add(index, reply.usage)
+        return shape.response(texts, tally.usage())
 
-    async def _events(self, choices: list[StartedChoice], shape: ResponseShape, prompt_tokens: int,
+    async def _events(self, choices: list[StartedChoice], shape: ResponseShape, tally: UsageTally,
                       include_usage: bool):  # fmt: skip
         if shape.chat:
             for choice in choices:
                 yield sse(shape.role_chunk(choice.index, include_usage))
-        completion_tokens = 0
         calls = [ToolCallStream(shape.tools) for _ in choices] if shape.tools is not None else None
         try:
             async with contextlib.aclosing(merged(choices)) as replies:
@@ -141,12 +147,12 @@ class OpenAIRoutes:
                             )
                         )
                     if finish:
-                        completion_tokens += reply.usage.completion_tokens
+                        tally.add(index, reply.usage)
         except (DomainError, aio.AioRpcError) as error:  # after the headers: an error event ends it
             yield error_body(error).sse_event()
         else:
             if include_usage:
-                yield sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens)))
+                yield sse(shape.usage_chunk(tally.usage()))
         yield SSE_DONE
 
     async def list_models(self, request: Request) -> Response:
