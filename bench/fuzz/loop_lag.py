@@ -1,0 +1,98 @@
+"""Detects a service's event loop held up while it is fuzzed, from outside its process.
+
+Every service answers ``grpc.health.v1.Health/Check`` from the servicer on its asyncio loop (the
+shared bootstrap, services.runtime.rpc.server), so a health check answered late means the loop did
+not get to it: a callback ran that long without yielding (a parse, a render, a file read on the
+loop), or the process stopped. :class:`LagProbe` checks each service every
+:attr:`LagProbeConfig.interval_s` from a thread of its own and counts the checks answered later
+than :attr:`LagProbeConfig.blocked_s` (or not at all) as blocked stretches.
+
+The threshold is a detector, not a verdict on speed: a loop that yields within tens of
+milliseconds between callbacks answers in a few milliseconds even on a loaded machine, so a
+check past a second means work was done on the loop that belongs in a thread or a process. On a
+2-core machine that other work shares, a stretch can come from the scheduler of the machine
+itself; :attr:`LagProbe.worst_s` gives the size of what was seen, so a count is read with it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass(frozen=True)
+class LagProbeConfig:
+    """How often and how strictly the services' loops are probed."""
+
+    interval_s: float = 0.25
+    """Time between two checks of one service."""
+    blocked_s: float = 1.0
+    """A check answered later than this (or not within :attr:`give_up_s`) counts as a blocked loop."""
+    give_up_s: float = 10.0
+    """How long one check waits for its answer."""
+
+
+@dataclass
+class LagCounts:
+    """What the probe saw of one service."""
+
+    checks: int = 0
+    blocked: int = 0
+    worst_s: float = 0.0
+
+
+@dataclass
+class LagProbe:
+    """Health checks of every channel in ``targets`` (name -> channel), on a thread, until :meth:`stop`."""
+
+    targets: dict[str, grpc.Channel]
+    config: LagProbeConfig = LagProbeConfig()
+    doing: Callable[[], str] = lambda: ""
+    """What the caller was doing (named in each blocked stretch's line)."""
+    counts: dict[str, LagCounts] = field(default_factory=dict)
+    stretches: list[str] = field(default_factory=list)
+    """One line per blocked stretch: the service, how long, what was being done."""
+
+    def __post_init__(self) -> None:
+        self.counts = {name: LagCounts() for name in self.targets}
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._probe, args=(name, channel), name=f"lag-{name}", daemon=True)
+            for name, channel in self.targets.items()
+        ]
+
+    def start(self) -> LagProbe:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def _probe(self, name: str, channel: grpc.Channel) -> None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        counts = self.counts[name]
+        while not self._stop.wait(self.config.interval_s):
+            began = time.monotonic()
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=self.config.give_up_s)
+                answered = True
+            except grpc.RpcError:
+                if self._stop.is_set():
+                    return
+                answered = False
+            took = time.monotonic() - began
+            counts.checks += 1
+            counts.worst_s = max(counts.worst_s, took)
+            if not answered or took > self.config.blocked_s:
+                counts.blocked += 1
+                answer = f"{took:.2f} s" if answered else f"no answer in {took:.2f} s"
+                self.stretches.append(f"{name}: {answer}, during {self.doing()}")
+
+    def stop(self) -> dict[str, LagCounts]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(self.config.give_up_s + 1)
+        return self.counts
