@@ -21,7 +21,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     # default), which ends it for good. Gateways accept a ping every 10 s.
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
-    # gRPC otherwise stops pinging after 2 pings until the client writes, which a stream never does.
+    # What bounds the wait for a ping's answer (a minute unless set).
+    ("grpc.http2.ping_timeout_ms", 10_000),
+    # gRPC otherwise pings once a minute after 2 pings until the client writes, which a stream
+    # never does.
     ("grpc.http2.max_pings_without_data", 0),
     # The connect deadline (gRPC's name for it; 20 s by default): a gateway that does not answer
     # is left for the next one after 5 s, and one that was down is tried again every 5 s at most.

@@ -51,15 +51,17 @@ keepalive (:mod:`.lease_fence`), so an etcd leader election of ~3 s or a few los
 real network fence no one; a member that dies is gone from the mesh within 15 s."""
 
 # Channel options for every etcd client: retry a refused connection quickly (etcd restarting),
-# notice a dead peer on quiet streams too (watches: etcd allows pings every >= 5 s, and without
-# max_pings_without_data=0 gRPC sends only 2 pings until the client writes again), and never share
-# a subchannel (and its reconnect backoff) with another client. The connect deadline is set per
-# connection from the call timeout (EtcdConnection.client).
+# notice a dead peer within 15 s on quiet streams too (watches: etcd allows pings every >= 5 s;
+# gRPC waits a minute for a ping's answer unless ping_timeout_ms is set, and pings once a minute
+# after 2 pings without the client writing unless max_pings_without_data is 0: a cut watch took
+# 69 s to notice), and never share a subchannel (and its reconnect backoff) with another client.
+# The connect deadline is set per connection from the call timeout (EtcdConnection.client).
 _CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.http2.ping_timeout_ms": 5_000,
     "grpc.http2.max_pings_without_data": 0,
     "grpc.use_local_subchannel_pool": 1,
 }

@@ -7,7 +7,12 @@ so TCP itself never notices. With them:
 - a caller pings every :data:`PING_EVERY_S` while it has calls open and gives the connection up
   :data:`PING_TIMEOUT_S` after an unanswered ping (gRPC also sets TCP_USER_TIMEOUT to it, so
   data left unacknowledged that long ends the connection too). A stream to a vanished worker
-  fails with UNAVAILABLE within 30 s, and the gateway resumes it on another worker;
+  fails with UNAVAILABLE within 30 s, and the gateway resumes it on another worker. Three
+  settings make that so, each measured through a cut link: the keepalive time and timeout;
+  ``grpc.http2.ping_timeout_ms``, which is what actually bounds the wait for a ping's answer
+  (a minute unless set: a cut took 60 s to notice with a 1 s keepalive timeout); and
+  ``grpc.http2.max_pings_without_data`` 0 (else, after two pings without the caller writing,
+  gRPC pings once a minute: 56 s to notice);
 - a server pings its callers on the same terms, so a worker notices a vanished gateway and
   frees the request's pages instead of generating for no one;
 - a server accepts pings as often as every :data:`MIN_PING_INTERVAL_S`: gRPC servers otherwise
@@ -42,8 +47,9 @@ def channel_options(ping_every_s: float = PING_EVERY_S, ping_timeout_s: float = 
     return (
         ("grpc.keepalive_time_ms", int(ping_every_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(ping_timeout_s * 1000)),
-        # Without this gRPC sends 2 pings, then (by version) none or one a minute, until the
-        # caller writes again: a server stream would go unwatched.
+        ("grpc.http2.ping_timeout_ms", int(ping_timeout_s * 1000)),
+        # Without this gRPC sends 2 pings, then one a minute, until the caller writes again: a
+        # server stream would go unwatched.
         ("grpc.http2.max_pings_without_data", 0),
         # gRPC's name for the connect deadline.
         ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_S * 1000),
@@ -60,6 +66,7 @@ def server_options(
     return (
         ("grpc.keepalive_time_ms", int(ping_every_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(ping_timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(ping_timeout_s * 1000)),
         ("grpc.http2.min_ping_interval_without_data_ms", int(min_ping_interval_s * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
     )
