@@ -59,10 +59,10 @@ async def test_a_chat_with_a_template_over_budget_is_refused_naming_the_template
 
 
 async def test_another_tenant_s_chats_are_answered_while_the_looping_ones_are_refused(gateway):
-    bobs = [asyncio.ensure_future(bob_chat(gateway)) for _ in range(8)]
+    bobs = [asyncio.ensure_future(bob_chat(gateway)) for _ in range(4)]
     alices = [asyncio.ensure_future(alice_chat(gateway, model)) for model in ("pirate", "", "bob/shared")]
     for reply in await asyncio.gather(*alices):
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == " Ahoy"
-    assert [r.json()["error"]["message"] for r in await asyncio.gather(*bobs)] == [REFUSAL] * 8
+    assert [r.json()["error"]["message"] for r in await asyncio.gather(*bobs)] == [REFUSAL] * 4
     assert (await bob_chat(gateway, "shared")).status_code == 200  # bob's other adapters serve on
