@@ -97,7 +97,8 @@ class WorkerService:
             (config.kv_manager,) if config.kv_manager else (), tls=config.tls()
         )
         self._watches: list[asyncio.Task] = []
-        self._workers: set[str] = set()
+        self._workers: dict[str, float] = {}
+        """Live workers: instance id -> the start time of the process registered under it."""
         self._parts: WorkerParts | None = None
         self.metrics = WorkerMetrics(lambda: self._parts, config.metric_adapter_labels)
 
@@ -188,8 +189,12 @@ class WorkerService:
 
     def _set_workers(self, members: dict[str, MemberInfo]) -> None:
         """A worker whose lease expired is gone: reclaim what we lent it, recompute what we
-        borrowed from it."""
-        gone, self._workers = self._workers - set(members), set(members)
+        borrowed from it. So is one registered again by a new process under the same id (a pod
+        restarted in place keeps its name, and its new key may replace the old before that
+        lease expires): the new process holds none of its predecessor's loans."""
+        live = {w: m.started_at for w, m in members.items()}
+        gone = [w for w, started in self._workers.items() if live.get(w) != started]
+        self._workers = live
         for worker_id in gone:
             reclaimed = self.engine.lending.reclaim(worker_id)
             if reclaimed:
