@@ -30,6 +30,8 @@ from services.gateway.http.server import OpenAIHttpServer
 from services.gateway.parts import GatewayParts
 from services.gateway.relay import Relay
 from services.gateway.servicer import GatewayServicer
+from services.gateway.shared_quota import SharedQuota
+from services.gateway.tenant_quota import TenantQuota
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.discovery import ChannelPool, MemberUnavailable, ServiceLocator
@@ -248,7 +250,18 @@ class GatewayService:
             else None,
         )
         self._store = store
-        self.core = GatewayCore(config, keys)
+        # The tenants' limits hold across the gateways sharing etcd (only when some tenant has one).
+        shared = (
+            SharedQuota(
+                MembershipConfig(
+                    etcd_endpoints=config.etcd_endpoints, ttl_s=config.lease_ttl_s, tls=config.tls()
+                ),
+                config.resolved_instance_id("gateway"),
+            )
+            if config.etcd_endpoints and keys.quotas.limited
+            else None
+        )
+        self.core = GatewayCore(config, keys, TenantQuota(keys.quotas, shared=shared))
         catalog = AdapterCatalog(store, config.adapter_cache_s, config.adapter_access_cache)
         self.parts = GatewayParts(self.core, catalog, AdapterAdmin(store, catalog, config.adapter_load_dirs))
         self.servicer = GatewayServicer(self.parts)
@@ -292,6 +305,8 @@ class GatewayService:
 
         relay = Relay(place, self.channels, cfg.max_resumes, report_completion)
         self.core.attach(text, relay)
+        if self.core.quota.shared is not None:
+            self.core.quota.shared.start()
         self.parts.catalog.start()
         await self.openai.start(build_app(self.parts, self.metrics), cfg.host, cfg.openai_port)
 
@@ -300,6 +315,8 @@ class GatewayService:
         await self._store.close()
         await self.openai.stop()
         await self.channels.close()
+        if self.core.quota.shared is not None:
+            await self.core.quota.shared.close()
         self.core.close()
 
     def load_report(self) -> dict:

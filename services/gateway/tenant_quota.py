@@ -26,8 +26,14 @@ quotas"), each off (0) by default:
 Refusals are :class:`~services.runtime.errors.ResourceExhausted` with ``retry_after_s``: HTTP
 429 with ``Retry-After`` (and ``retry-after-ms``), gRPC ``RESOURCE_EXHAUSTED`` with the
 ``retry-after-s`` trailing metadata. The clock is injected, so tests move time instead of
-sleeping. The counts are this gateway's: with several gateways, each enforces the limits on
-its own share of the traffic.
+sleeping.
+
+With several gateways sharing etcd (:mod:`.shared_quota`), the limits hold across them all: a
+generation of a tenant with ``max_concurrent_requests`` N takes one of the tenant's N slots in
+etcd, and each gateway's bucket holds and refills its share (one of the live gateways') of the
+tenant's tokens. The waiting room stays each gateway's own: a freed slot goes to the oldest waiter
+of the gateway that held it, and waiters of the others try again for one every
+:data:`~.shared_quota.SLOT_RETRY_S`. Without etcd the counts are this gateway's alone.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.runtime.errors import ResourceExhausted
+from services.gateway.shared_quota import SharedQuota
+from services.runtime.errors import ResourceExhausted, Unavailable
+from services.runtime.etcd.leased_slots import HeldSlot
 from services.runtime.tenants_file import UNLIMITED, QuotaConfig, TenantLimits
 
 CONCURRENCY_RETRY_AFTER_S = 1.0
@@ -58,10 +66,23 @@ class _Bucket:
     updated: float
     queue_until: float = 0.0
     """When the last request refused so far was told to come back (its charge in the bucket)."""
+    share: float = 1.0
+    """The part of the tenant's tokens this gateway's bucket holds and refills (:meth:`rescale`)."""
 
     def refill(self, now: float) -> None:
         self.level = min(self.capacity, self.level + (now - self.updated) * self.rate_per_s)
         self.updated = now
+
+    def rescale(self, now: float, share: float) -> None:
+        """Hold and refill ``share`` of the tenant's tokens from ``now``: a smaller share takes
+        tokens above its bucket away at once, a larger one fills only at its rate, so the gateways
+        together never hold more than the whole bucket once each has its share."""
+        self.refill(now)
+        ratio = share / self.share
+        self.capacity *= ratio
+        self.rate_per_s *= ratio
+        self.level = min(self.level, self.capacity)
+        self.share = share
 
     def wait_s(self, need: float) -> float:
         """Seconds until the bucket holds ``need`` tokens (0: it does), up to whole ms."""
@@ -87,15 +108,15 @@ class _Bucket:
 class Admission:
     """One admitted generation: it holds a slot and its charge until :meth:`settle`."""
 
-    def __init__(self, quota: TenantQuota | None, tenant: str, charged: int):
-        self._quota, self._tenant, self._charged = quota, tenant, charged
+    def __init__(self, quota: TenantQuota | None, tenant: str, charged: int, slot: HeldSlot | None = None):
+        self._quota, self._tenant, self._charged, self._slot = quota, tenant, charged, slot
 
     def settle(self, used_tokens: int) -> None:
         """The generation ended having used ``used_tokens`` (prompt + generated): free its slot and
         refund what it was charged beyond that. Later calls do nothing."""
         quota, self._quota = self._quota, None
         if quota is not None:
-            quota._settle(self._tenant, self._charged, used_tokens)
+            quota._settle(self._tenant, self._charged, used_tokens, self._slot)
 
 
 class TenantQuota:
@@ -106,9 +127,12 @@ class TenantQuota:
         config: QuotaConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         concurrency_retry_after_s: float = CONCURRENCY_RETRY_AFTER_S,
+        shared: SharedQuota | None = None,
     ):
-        """``clock``: seconds, monotonic (tests pass a fake one)."""
+        """``clock``: seconds, monotonic (tests pass a fake one). ``shared``: the limits hold
+        across the gateways sharing its etcd; None: on this gateway's traffic alone."""
         self.config = config or QuotaConfig()
+        self.shared = shared
         self._clock = clock
         self._concurrency_retry_after_s = concurrency_retry_after_s
         self._in_flight: dict[str, int] = {}
@@ -116,6 +140,8 @@ class TenantQuota:
         self._waiting: dict[str, deque[asyncio.Future]] = {}
         """Per tenant, the generations waiting for a slot, oldest first."""
         self._buckets: dict[str, _Bucket] = {}
+        self._claimers: dict[str, asyncio.Task[None]] = {}
+        """Per tenant with waiters, the task trying for slots freed by other gateways."""
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
@@ -140,6 +166,8 @@ class TenantQuota:
         limits = self.config.for_tenant(tenant)
         if limits == UNLIMITED:
             return Admission(None, tenant, 0)
+        if self.shared is not None and limits.max_concurrent_requests:
+            raise RuntimeError("a slot shared by the gateways is taken by acquire, not admit")
         if self._slot_is_free(tenant, limits):
             self._in_flight[tenant] = self.in_flight(tenant) + 1
         else:
@@ -150,24 +178,70 @@ class TenantQuota:
         """:meth:`admit`, waiting in the tenant's waiting room for a slot when the concurrency limit
         is reached; refused only when the room is full (or for tokens per minute)."""
         limits = self.config.for_tenant(tenant)
+        if self.shared is not None and limits.max_concurrent_requests:
+            return await self._acquire_shared(tenant, limits, max_tokens)
         if limits == UNLIMITED or self._slot_is_free(tenant, limits):
             return self.admit(tenant, max_tokens)
+        await self._wait_in_room(tenant, limits)
+        return self._charge(tenant, limits, max_tokens)
+
+    async def _acquire_shared(self, tenant: str, limits: TenantLimits, max_tokens: int) -> Admission:
+        """:meth:`acquire` holding one of the tenant's slots in etcd (:mod:`.shared_quota`)."""
+        assert self.shared is not None
+        slot = None
+        if not self._waiting.get(tenant):
+            slot = await self.shared.take(tenant, limits.max_concurrent_requests)
+            if slot is not None:
+                self._in_flight[tenant] = self.in_flight(tenant) + 1
+        if slot is None:
+            waiting = self._wait_in_room(tenant, limits)
+            if tenant not in self._claimers:
+                self._claimers[tenant] = asyncio.get_running_loop().create_task(
+                    self._claim(tenant, limits), name=f"quota-claim-{tenant}"
+                )
+            slot = await waiting
+        return self._charge(tenant, limits, max_tokens, slot)
+
+    async def _wait_in_room(self, tenant: str, limits: TenantLimits) -> HeldSlot | None:
+        """Wait in the tenant's waiting room for a slot handed over (refused when the room is
+        full); the slot held in etcd, if shared."""
         room = self._waiting.setdefault(tenant, deque())
         if len(room) >= limits.waiting_room:
             self._refuse_for_concurrency(tenant)
-        slot = asyncio.get_running_loop().create_future()
-        room.append(slot)
+        turn = asyncio.get_running_loop().create_future()
+        room.append(turn)
         try:
-            await slot
+            return await turn
         except asyncio.CancelledError:
-            if slot.done() and not slot.cancelled():
-                self._free_slot(tenant)  # handed over as the waiter went: the next one takes it
+            if turn.done() and not turn.cancelled():
+                self._free_slot(
+                    tenant, turn.result()
+                )  # handed over as the waiter went: the next one takes it
             else:
-                room.remove(slot)
+                room.remove(turn)
                 if not room:
                     self._waiting.pop(tenant, None)
             raise
-        return self._charge(tenant, limits, max_tokens)
+
+    async def _claim(self, tenant: str, limits: TenantLimits) -> None:
+        """While the tenant has waiters here, try every ``retry_s`` for a slot another gateway
+        freed, and hand each one taken to the oldest waiter; refuse them all if etcd is away."""
+        assert self.shared is not None
+        try:
+            while self._waiting.get(tenant):
+                await asyncio.sleep(self.shared.retry_s)
+                try:
+                    slot = await self.shared.take(tenant, limits.max_concurrent_requests)
+                except Unavailable as error:
+                    for turn in self._waiting.pop(tenant, ()):
+                        if not turn.done():
+                            turn.set_exception(error)
+                    return
+                if slot is not None:
+                    self._in_flight[tenant] = self.in_flight(tenant) + 1
+                    self._free_slot(tenant, slot)
+        finally:
+            self._claimers.pop(tenant, None)
 
     def _slot_is_free(self, tenant: str, limits: TenantLimits) -> bool:
         """A slot is free and nobody waits for one (so no newcomer goes ahead of a waiter)."""
@@ -177,16 +251,24 @@ class TenantQuota:
 
     def _refuse_for_concurrency(self, tenant: str) -> None:
         limits = self.config.for_tenant(tenant)
+        if self.shared is not None:
+            in_flight = (
+                f"its limit of {limits.max_concurrent_requests} requests in flight across the gateways "
+                f"(max_concurrent_requests; {self.in_flight(tenant)} of them here)"
+            )
+        else:
+            in_flight = f"{self.in_flight(tenant)} requests in flight, its limit (max_concurrent_requests)"
         raise ResourceExhausted(
-            f"tenant {tenant!r} has {self.in_flight(tenant)} requests in flight, its limit "
-            f"(max_concurrent_requests), and {self.waiting(tenant)} waiting, its waiting room "
+            f"tenant {tenant!r} has {in_flight}, and {self.waiting(tenant)} waiting, its waiting room "
             f"(max_waiting_requests {limits.waiting_room}); retry once one of them has ended",
             retry_after_s=self._concurrency_retry_after_s,
         )
 
-    def _charge(self, tenant: str, limits: TenantLimits, max_tokens: int) -> Admission:
-        """Charge the generation, which holds a slot, to the tenant's bucket (freeing the slot when
-        the bucket refuses it)."""
+    def _charge(
+        self, tenant: str, limits: TenantLimits, max_tokens: int, slot: HeldSlot | None = None
+    ) -> Admission:
+        """Charge the generation, which holds a slot (``slot`` in etcd, if shared), to the tenant's
+        bucket (freeing the slot when the bucket refuses it)."""
         bucket = self._bucket(tenant, limits)
         if bucket is not None:
             now = self._clock()
@@ -195,7 +277,7 @@ class TenantQuota:
             wait_s = bucket.wait_s(need)
             if wait_s > 0:
                 wait_s = bucket.queue_wait_s(now, need)
-                self._free_slot(tenant)
+                self._free_slot(tenant, slot)
                 raise ResourceExhausted(
                     f"tenant {tenant!r} is over its quota of {limits.tokens_per_minute} tokens per minute: "
                     f"this request may use {max_tokens} tokens (prompt + max_tokens) and "
@@ -203,19 +285,26 @@ class TenantQuota:
                     retry_after_s=wait_s,
                 )
             bucket.level -= max_tokens
-        return Admission(self, tenant, max_tokens if bucket is not None else 0)
+        return Admission(self, tenant, max_tokens if bucket is not None else 0, slot)
 
-    def _free_slot(self, tenant: str) -> None:
-        """A generation let go of its slot: the oldest waiter takes it, else it is free."""
+    def _free_slot(self, tenant: str, slot: HeldSlot | None = None) -> None:
+        """A generation let go of its slot: the oldest waiter takes it, else it is free. A slot
+        held in etcd is handed over only while its lease surely lives (else it may be another
+        gateway's by now): freed, and the waiters try for one again."""
         room = self._waiting.get(tenant)
+        if slot is not None and self.shared is not None and not self.shared.lease_alive():
+            room = None
         while room:
-            slot = room.popleft()
-            if not slot.done():
-                slot.set_result(None)
+            turn = room.popleft()
+            if not turn.done():
+                turn.set_result(slot)
                 if not room:
                     self._waiting.pop(tenant, None)
                 return
-        self._waiting.pop(tenant, None)
+        if not self._waiting.get(tenant):
+            self._waiting.pop(tenant, None)
+        if slot is not None and self.shared is not None:
+            self.shared.release(slot)
         running = self._in_flight.get(tenant, 0) - 1
         if running > 0:
             self._in_flight[tenant] = running
@@ -226,15 +315,19 @@ class TenantQuota:
         if not limits.tokens_per_minute:
             return None
         bucket = self._buckets.get(tenant)
+        share = self.shared.share if self.shared is not None else 1.0
         if bucket is None:
-            capacity = limits.tokens_per_minute * self.config.window_s / 60.0
-            bucket = _Bucket(capacity, limits.tokens_per_minute / 60.0, capacity, self._clock())
+            capacity = limits.tokens_per_minute * self.config.window_s / 60.0 * share
+            rate = limits.tokens_per_minute / 60.0 * share
+            bucket = _Bucket(capacity, rate, capacity, self._clock(), share=share)
             self._buckets[tenant] = bucket
+        elif bucket.share != share:
+            bucket.rescale(self._clock(), share)
         return bucket
 
-    def _settle(self, tenant: str, charged: int, used_tokens: int) -> None:
-        self._free_slot(tenant)
-        bucket = self._buckets.get(tenant)
+    def _settle(self, tenant: str, charged: int, used_tokens: int, slot: HeldSlot | None) -> None:
+        self._free_slot(tenant, slot)
+        bucket = self._bucket(tenant, self.config.for_tenant(tenant))
         if bucket is not None and charged:
             bucket.refill(self._clock())
             bucket.level = min(bucket.capacity, bucket.level + charged - used_tokens)
