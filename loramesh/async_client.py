@@ -319,8 +319,10 @@ class AsyncClient:
             max_backoff_s: The wait between retries never grows beyond this.
             mesh_file: The local mesh's file written by ``loramesh up``; None for ``mesh.json``
                 in ``$LORAMESH_STATE_DIR``, else in ``.loramesh``.
-            tls: Mutual TLS files for a mesh that requires them; None for the mesh file's
-                (``loramesh up --tls``), else plaintext.
+            tls: TLS for a mesh that runs with it: ``ClientTLS("ca.pem")``, the mesh CA that
+                signed the gateways' certificates (the API key names the tenant; no client
+                certificate is needed); None for the mesh file's CA (``loramesh up --tls``), else
+                plaintext.
             on_retry: Called before each retry, with a :class:`~loramesh.retry.RetryNotice`
                 (where, which retry, how long until it).
             max_retry_after_s: ``RESOURCE_EXHAUSTED`` is retried only when the server's retry

@@ -34,8 +34,9 @@ def resolve_targets(
     """The gateway addresses, API key and TLS files, the missing ones taken from a local mesh's
     file.
 
-    The mesh file's ``admin_api_key`` and ``tls`` are only used when every address is one of the
-    mesh file's gateways, so a key never goes to a server it was not issued by.
+    The mesh file's ``admin_api_key`` and ``tls`` CA are only used when every address is one of the
+    mesh file's gateways, so a key never goes to a server it was not issued by. The mesh file's
+    client certificate (the operator's) is never taken: a client of the gateway presents none.
 
     Args:
         address: ``host:port`` of a gateway, several of them (a sequence, or one string with
@@ -44,7 +45,7 @@ def resolve_targets(
         mesh_file: The file ``loramesh up`` writes (``{"gateway_addresses", "services":
             {"gateway": {"address"}}, "admin_api_key", "tls"}``); ignored when it does not exist.
             None: ``mesh.json`` in :func:`default_state_dir`.
-        tls: The client's mutual TLS files, or None for the mesh file's (if it has any).
+        tls: The client's TLS files, or None for the mesh file's CA (if it has one).
 
     Returns:
         ``(addresses, api_key, tls)``; ``tls`` None: plaintext.
@@ -80,5 +81,7 @@ def resolve_targets(
             f"no API key for the gateway at {', '.join(addresses)}: pass api_key= ({whose})", addresses
         )
     if tls is None and own_mesh and mesh.get("tls"):
-        tls = ClientTLS.from_mapping(mesh["tls"])
+        # The CA alone: the file's certificate is the operator's, for the CLI's calls to the
+        # internal ports; a gateway's public port reads none (the API key names the tenant).
+        tls = ClientTLS(mesh["tls"]["ca_file"], server_name=mesh["tls"].get("server_name", ""))
     return addresses, api_key, tls

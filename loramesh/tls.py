@@ -1,9 +1,11 @@
-"""The SDK's channels to the gateways: mutual TLS for a mesh that runs with it
-(``loramesh up --tls``), and keepalive for a real network.
+"""The SDK's channels to the gateways: TLS for a mesh that runs with it (``loramesh up --tls``),
+and keepalive for a real network.
 
-A mesh with mutual TLS refuses a caller without a certificate signed by its CA, so a client
-presents one: the ``admin`` identity that ``loramesh certs`` makes, or any other the operator
-issued. The local mesh's file names the files, so a client of that mesh needs no arguments.
+A gateway's public port is server-authenticated TLS: the client checks the gateway's certificate
+against the mesh CA and presents none of its own; its API key says which tenant it is. So a
+client needs the CA file alone (``ClientTLS("ca.pem")``); the local mesh's file names it, so a
+client of that mesh needs no arguments. A certificate given besides is presented, and the gateway
+does not read it.
 """
 
 from __future__ import annotations
@@ -36,24 +38,39 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 
 @dataclass(frozen=True)
 class ClientTLS:
-    """The files a client presents and trusts (PEM)."""
+    """The files a client trusts, and presents if any (PEM)."""
 
     ca_file: str
     """The mesh CA certificate: the gateway's certificate must be signed by it."""
-    cert_file: str
-    """The client's certificate, signed by the same CA."""
-    key_file: str
-    """The client certificate's private key."""
+    cert_file: str = ""
+    """A client certificate of the same CA, presented to the gateway; empty (a tenant's client):
+    none. The gateway's public port reads none: tenants authenticate by API key."""
+    key_file: str = ""
+    """The client certificate's private key (with ``cert_file`` only)."""
     server_name: str = ""
     """Name the gateway's certificate is checked against instead of the dialled host; empty: the
     host."""
 
+    def __post_init__(self) -> None:
+        if not self.ca_file:
+            raise ValueError("ClientTLS needs ca_file: the mesh CA that signed the gateway's certificate")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("ClientTLS takes cert_file and key_file together, or neither (the CA alone)")
+
     @classmethod
     def from_mapping(cls, entry: Mapping[str, str]) -> ClientTLS:
-        """From the ``tls`` entry of a mesh file (``{"ca_file", "cert_file", "key_file"}``)."""
-        return cls(entry["ca_file"], entry["cert_file"], entry["key_file"], entry.get("server_name", ""))
+        """From a mapping of the fields (``{"ca_file"}``, optionally ``cert_file``, ``key_file``,
+        ``server_name``)."""
+        return cls(
+            entry["ca_file"],
+            entry.get("cert_file", ""),
+            entry.get("key_file", ""),
+            entry.get("server_name", ""),
+        )
 
     def credentials(self) -> grpc.ChannelCredentials:
+        if not self.cert_file:
+            return grpc.ssl_channel_credentials(root_certificates=Path(self.ca_file).read_bytes())
         return grpc.ssl_channel_credentials(
             root_certificates=Path(self.ca_file).read_bytes(),
             private_key=Path(self.key_file).read_bytes(),
@@ -66,14 +83,14 @@ class ClientTLS:
 
 
 def sync_channel(address: str, tls: ClientTLS | None) -> grpc.Channel:
-    """A blocking channel to ``address``: mutual TLS with ``tls``, plaintext without."""
+    """A blocking channel to ``address``: TLS with ``tls``, plaintext without."""
     if tls is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.secure_channel(address, tls.credentials(), options=tls.options())
 
 
 def aio_channel(address: str, tls: ClientTLS | None) -> aio.Channel:
-    """An asyncio channel to ``address``: mutual TLS with ``tls``, plaintext without."""
+    """An asyncio channel to ``address``: TLS with ``tls``, plaintext without."""
     if tls is None:
         return aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     return aio.secure_channel(address, tls.credentials(), options=tls.options())

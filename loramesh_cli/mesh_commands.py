@@ -32,7 +32,7 @@ from loramesh_cli.up_arguments import (
 )
 from services.gateway.auth import TenantsFile, hashed_keys
 from services.runtime.errors import InvalidArgument
-from services.runtime.etcd.etcd_rbac import provision_etcd_rbac
+from services.runtime.etcd.etcd_rbac import ETCD_ROOT, OPERATOR, provision_etcd_rbac
 from services.runtime.etcd.etcd_server import EtcdServer
 from services.runtime.process.process import ServiceProcess, ServiceStartError
 from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
@@ -40,10 +40,10 @@ from services.runtime.security.identity import MeshIdentity
 from services.runtime.security.private_files import private_dir, write_private_text
 from services.runtime.security.tls import NO_TLS
 
-#: The certificate identity `loramesh` (CLI and SDK) presents to a `--tls` mesh.
-ADMIN_IDENTITY = "admin"
-#: The certificates of a `--tls` mesh beside each service's own: etcd's server and the operator's.
-MESH_IDENTITIES = ("etcd", ADMIN_IDENTITY)
+#: The certificates of a `--tls` mesh beside each service's own: etcd's server, etcd's root (`up`
+#: creates etcd's users with it) and the operator's (the CLI's, for the internal ports and etcd).
+#: Tenants, the SDK and the CLI's gateway commands hold none: the CA alone, and an API key.
+MESH_IDENTITIES = ("etcd", ETCD_ROOT, OPERATOR)
 
 #: How long `up` waits for every service to be ready: a guard against a hang, large because
 #: nine processes loading on a busy 2-core machine take minutes.
@@ -117,8 +117,9 @@ def _failure_reason(log_path: Path, start: int) -> str:
 
 
 def print_summary(mesh: MeshFile, state_dir: Path) -> None:
-    """What `up` prints once the mesh is ready: every process's addresses, then where its state
-    is and how to stop it (with the ``--state-dir`` it was started with)."""
+    """What `up` prints once the mesh is ready: every process's addresses, who is authorized
+    (:func:`authorization_summary`), then where its state is and how to stop it (with the
+    ``--state-dir`` it was started with)."""
     _log(f"mesh up (pid {mesh.up_pid}); etcd {mesh.etcd_endpoint}")
     # With --tls the side ports and the OpenAI port speak HTTPS only (the mesh CA's certificates).
     tls = mesh.tls_config().enabled
@@ -129,7 +130,39 @@ def print_summary(mesh: MeshFile, state_dir: Path) -> None:
             _log(f"  {'':<15} OpenAI API {scheme}://{entry.openai_address}/v1")
     if tls and any(entry.openai_address for entry in mesh.services.values()):
         _log(f"  (HTTPS with the mesh CA: e.g. curl --cacert {mesh.tls['ca_file']} ...)")
+    _log(authorization_summary(mesh))
     _log(f"state in {MeshFile.path(state_dir).absolute()}; stop with `{command_line(state_dir, 'down')}`")
+
+
+def _on_loopback(address: str) -> bool:
+    host = address.removeprefix("https://").removeprefix("http://").rpartition(":")[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def authorization_summary(mesh: MeshFile) -> str:
+    """One line: who may call what. Without TLS no RPC is authorized (a gateway checks API keys,
+    nothing else checks anything), so it says whether every port is on loopback; with TLS, what
+    a tenant and the operator present."""
+    if mesh.tls_config().enabled:
+        return (
+            f"TLS: tenants (the SDK, `loramesh generate`) call the gateways with an API key and the "
+            f"CA {mesh.tls['ca_file']} only, no certificate; operator RPCs and etcd take "
+            f"{mesh.tls['cert_file']} (mesh.json's, the CLI's)"
+        )
+    entries = [*mesh.services.values(), *([mesh.etcd] if mesh.etcd is not None else [])]
+    addresses = [
+        mesh.etcd_endpoint,
+        *(a for e in entries for a in (e.address, e.http_address, e.openai_address)),
+    ]
+    where = (
+        "every port is on loopback (127.0.0.1): only this machine reaches them"
+        if all(_on_loopback(a) for a in addresses if a)
+        else "NOT every port is on loopback: anyone who reaches one is served"
+    )
+    return (
+        f"no TLS: no RPC is authorized (the gateways check API keys, nothing else checks a caller); "
+        f"{where}; `loramesh up --tls` for identities"
+    )
 
 
 def _gateway_keys_file(args, state_dir: Path, admin_api_key: str) -> Path:
@@ -206,16 +239,17 @@ def _mesh_file(
 
 
 def _client_tls_entry(certs: CertificateDirectory | None) -> dict[str, str]:
-    """What a client of a ``--tls`` mesh presents: the ``admin`` identity (mesh.json's ``tls``)."""
+    """mesh.json's ``tls``: the CA, and the operator's certificate, which the CLI presents to the
+    internal ports and etcd (the SDK takes the CA alone: loramesh/targets.py)."""
     if certs is None:
         return {}
-    tls = certs.tls_for(ADMIN_IDENTITY)
+    tls = certs.tls_for(OPERATOR)
     return {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
 
 
 def _mesh_certificates(args, state_dir: Path) -> CertificateDirectory | None:
-    """With ``--tls``: the state directory's CA and the etcd and admin certificates, made now if
-    any is missing (each service's own is made with its process: :func:`_instance_tls`)."""
+    """With ``--tls``: the state directory's CA and the etcd, etcd root and operator certificates,
+    made now if any is missing (each service's own is made with its process: :func:`_instance_tls`)."""
     if not args.tls:
         return None
     certs = CertificateDirectory((state_dir / "certs").resolve())
@@ -252,7 +286,7 @@ async def _up_foreground(args, state_dir: Path) -> int:
     )
     if certs is not None:  # etcd RBAC: each instance may write only its own keys
         instances = [MeshIdentity(p.module, name) for name, p in processes.items()]
-        await provision_etcd_rbac(etcd.endpoint, certs.tls_for(ADMIN_IDENTITY), instances)
+        await provision_etcd_rbac(etcd.endpoint, certs.tls_for(ETCD_ROOT), instances)
     units = [EtcdUnit(ETCD_UNIT, etcd), *(ServiceUnit(name, p) for name, p in processes.items())]
     ready = False
 
@@ -276,7 +310,7 @@ async def _up_foreground(args, state_dir: Path) -> int:
         if modules := lora_modules(args):  # before `ready`: `up --detach` returns with them registered
             tenant_keys = {**plain_keys_by_tenant(args), ADMIN_TENANT: admin_api_key}
             gateways = [p.address for p in processes.values() if p.module == "gateway"]
-            tls = ClientTLS.from_mapping(_client_tls_entry(certs)) if certs is not None else None
+            tls = ClientTLS(str(certs.ca_file)) if certs is not None else None  # a tenant's: the CA alone
             await asyncio.to_thread(
                 register_lora_modules, modules, gateways, tenant_keys, tls, MeshFile.path(state_dir), _log
             )

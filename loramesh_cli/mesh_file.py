@@ -60,8 +60,10 @@ class MeshFile:
     etcd: ServiceEntry | None = None
     """etcd's process as supervised (``address`` is its client endpoint)."""
     tls: dict[str, str] = field(default_factory=dict)
-    """With ``loramesh up --tls``: the files a client of this mesh presents (``ca_file``,
-    ``cert_file``, ``key_file`` of the ``admin`` identity); empty: the mesh runs in plaintext."""
+    """With ``loramesh up --tls``: the mesh CA (``ca_file``), which every client checks the servers
+    against, and the ``operator`` identity's ``cert_file`` and ``key_file``, which the CLI presents
+    to the internal ports and etcd (a client of the gateways, the SDK, takes the CA alone); empty:
+    the mesh runs in plaintext."""
 
     def tls_config(self) -> TLSConfig:
         """:attr:`tls` as the settings the CLI's channels and etcd client take."""

@@ -232,6 +232,9 @@ class _StoreClient:
 class GatewayService:
     name = "gateway"
     grpc_service_name = "loramesh.v1.Gateway"
+    public_port = True
+    """The public API: under TLS its gRPC port asks for no client certificate; tenants
+    authenticate by API key (services/runtime/rpc/server.py, services/runtime/security/authorization.py)."""
 
     def __init__(self, config: GatewayConfig):
         self.config = config

@@ -1,7 +1,7 @@
 """Mutual TLS against real servers: an adapter store with mTLS on, registered in an etcd that
 runs with ``--client-cert-auth``. A caller without a mesh certificate, or with one from another
 CA, is refused at the handshake; a worker's certificate may pull adapters but not act for an
-owner; the gateway's and admin's may (services/runtime/security/authorization.py)."""
+owner; the gateway's and the operator's may (services/runtime/security/authorization.py)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ async def stats(address: str, tls: TLSConfig) -> grpc.StatusCode:
 
 async def test_a_call_without_a_valid_mesh_certificate_is_refused(tls_store, certs, foreign_certs):
     address = tls_store.address
-    assert await stats(address, certs.tls_for("admin")) == grpc.StatusCode.OK
+    assert await stats(address, certs.tls_for("operator")) == grpc.StatusCode.OK
+    assert await stats(address, certs.tls_for("admin")) == grpc.StatusCode.PERMISSION_DENIED  # etcd root
     assert await stats(address, NO_TLS) == grpc.StatusCode.UNAVAILABLE  # plaintext
     foreign = foreign_certs.tls_for("gateway")
     # Trusts the mesh CA (so it accepts the store), presents another CA's certificate.
@@ -90,12 +91,12 @@ async def test_a_call_without_a_valid_mesh_certificate_is_refused(tls_store, cer
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_only_the_gateway_and_admin_identities_act_for_an_owner(tls_store, certs, sample_files):
+async def test_only_the_gateway_and_operator_identities_act_for_an_owner(tls_store, certs, sample_files):
     address = tls_store.address
     async with (
         aio_channel(address, certs.tls_for("gpu_worker")) as worker_channel,
         aio_channel(address, certs.tls_for("gateway")) as gateway_channel,
-        aio_channel(address, certs.tls_for("admin")) as admin_channel,
+        aio_channel(address, certs.tls_for("operator")) as operator_channel,
     ):
         worker = adapter_store_pb2_grpc.AdapterStoreStub(worker_channel)
         with pytest.raises(aio.AioRpcError) as denied:
@@ -106,10 +107,10 @@ async def test_only_the_gateway_and_admin_identities_act_for_an_owner(tls_store,
         )
 
         gateway = adapter_store_pb2_grpc.AdapterStoreStub(gateway_channel)
-        admin = adapter_store_pb2_grpc.AdapterStoreStub(admin_channel)
+        operator = adapter_store_pb2_grpc.AdapterStoreStub(operator_channel)
         by_gateway = await upload_adapter(gateway, sample_files, "a1", "alice", timeout=CALL_TIMEOUT_S)
-        by_admin = await upload_adapter(admin, sample_files, "a2", "admin", timeout=CALL_TIMEOUT_S)
-        assert (by_gateway.owner, by_admin.owner) == ("alice", "admin")
+        by_operator = await upload_adapter(operator, sample_files, "a2", "admin", timeout=CALL_TIMEOUT_S)
+        assert (by_gateway.owner, by_operator.owner) == ("alice", "admin")
 
         # A worker still pulls the adapters it serves, and cannot delete them.
         info, weights = await fetch_adapter(worker, ref_by_id(by_gateway.id))
@@ -122,7 +123,7 @@ async def test_only_the_gateway_and_admin_identities_act_for_an_owner(tls_store,
 
 async def test_the_store_registers_in_an_etcd_with_client_cert_auth(tls_store, tls_etcd, certs):
     members = await list_members(
-        MembershipConfig(etcd_endpoints=tls_etcd.endpoint, tls=certs.tls_for("admin"))
+        MembershipConfig(etcd_endpoints=tls_etcd.endpoint, tls=certs.tls_for("operator"))
     )
     assert [(m.service, m.address) for m in members] == [("adapter_store", tls_store.address)]
     with pytest.raises(Unavailable):  # etcd refuses a client without a certificate

@@ -152,12 +152,12 @@ async def test_tenants_keys_and_bad_input(mesh, adapter_dirs, tmp_path):
     async with AsyncClient(mesh.gateway.address, "wrong-key", tls=mesh.client_tls) as stranger:
         with pytest.raises(sdk_errors.Unauthenticated):
             await stranger.generate("hi", max_tokens=2)
-    # A right key without a mesh certificate: refused at the TLS handshake.
+    # A right key in plaintext: refused at the TLS handshake.
     no_mesh_file = tmp_path / "absent.json"
     async with AsyncClient(mesh.gateway.address, "key-alice", retries=0, mesh_file=no_mesh_file) as plain:
         with pytest.raises(sdk_errors.Unavailable):
             await plain.generate("hi", max_tokens=2)
-    async with aio_channel(mesh.gateway.address, mesh.admin_tls) as channel:  # a mesh certificate, no key
+    async with aio_channel(mesh.gateway.address, mesh.operator_tls) as channel:  # a mesh certificate, no key
         with pytest.raises(grpc.RpcError) as err:
             async for _ in gateway_pb2_grpc.GatewayStub(channel).Generate(
                 gateway_pb2.GenerateTextRequest(prompt="hi")

@@ -31,7 +31,7 @@ async def test_the_scheduler_learns_lengths_from_the_mesh_and_predicts_them(tmp_
         await wait_for_workers(mesh, 2)
         async with (
             AsyncClient(mesh.gateway.address, "key-alice") as client,
-            aio_channel(mesh.scheduler.address, mesh.admin_tls) as channel,
+            aio_channel(mesh.scheduler.address, mesh.operator_tls) as channel,
         ):
             scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
             answers = await asyncio.gather(*(client.generate(p, max_tokens=24) for p in PROMPTS))

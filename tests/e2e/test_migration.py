@@ -27,7 +27,7 @@ lands mid-generation: the request cannot end before it on any machine, fast or s
 
 
 async def adapters_held_at(mesh, address: str) -> list[str]:
-    async with aio_channel(address, mesh.admin_tls) as channel:
+    async with aio_channel(address, mesh.operator_tls) as channel:
         listed = await worker_pb2_grpc.WorkerStub(channel).ListRequests(worker_pb2.ListRequestsRequest())
     return list(listed.held_adapters)
 
@@ -40,7 +40,7 @@ async def test_a_request_migrated_mid_generation_finishes_as_if_it_never_moved(m
     )
     async with (
         AsyncClient(mesh.gateway.address, "key-alice", tls=mesh.client_tls) as client,
-        aio_channel(mesh.scheduler.address, mesh.admin_tls) as channel,
+        aio_channel(mesh.scheduler.address, mesh.operator_tls) as channel,
     ):
         scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
         adapter = await client.adapters.upload(directory, "storyteller")
@@ -68,7 +68,7 @@ async def test_a_request_migrated_mid_generation_finishes_as_if_it_never_moved(m
 
 
 async def test_migrating_an_unknown_request_is_not_found_and_changes_nothing(mesh):
-    async with aio_channel(mesh.scheduler.address, mesh.admin_tls) as channel:
+    async with aio_channel(mesh.scheduler.address, mesh.operator_tls) as channel:
         scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await scheduler.Migrate(scheduler_pb2.MigrateRequest(request_id="no-such-request"))
@@ -110,8 +110,8 @@ async def test_co_migration_moves_queued_requests_off_an_overloaded_worker(base_
                     await ended.put(reply)
 
         async with (
-            aio_channel(mesh.workers[0].address, mesh.admin_tls) as channel,
-            aio_channel(mesh.scheduler.address, mesh.admin_tls) as scheduler_channel,
+            aio_channel(mesh.workers[0].address, mesh.operator_tls) as channel,
+            aio_channel(mesh.scheduler.address, mesh.operator_tls) as scheduler_channel,
         ):
             worker = worker_pb2_grpc.WorkerStub(channel)
             streams = [asyncio.create_task(generate(worker, i)) for i in range(6)]

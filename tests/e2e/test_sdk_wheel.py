@@ -1,6 +1,6 @@
 """The SDK stands alone: its wheel (``loramesh-client``), pip-installed offline into a clean venv
 with grpcio and protobuf and nothing of the repository, uploads a real PEFT adapter through the
-gateway of a real mesh (mutual TLS, a tenant's key) and generates with it, with both clients; the
+gateway of a real mesh (TLS, a tenant's key and the CA alone) and generates with it, with both clients; the
 repository's own SDK, in this process, gets the same greedy text."""
 
 from __future__ import annotations
@@ -62,11 +62,10 @@ async def test_the_sdk_wheel_in_a_clean_venv_uploads_and_generates_through_a_rea
     wheel = build_sdk_wheel(tmp_path / "sdk")
     python, _ = sdk_venv(tmp_path / "client", wheel)
     directory = write_peft_adapter(tmp_path / "owl", base_spec, ADAPTER)
-    tls = mesh.admin_tls
     job = {
         "address": mesh.gateway.address,
         "api_key": "key-alice",
-        "tls": [tls.ca_file, tls.cert_file, tls.key_file],
+        "tls": [str(mesh.certs.ca_file)],  # a tenant's: the CA alone, no certificate
         "no_mesh_file": str(tmp_path / "absent.json"),
         "dir": str(directory),
         "prompt": PROMPT,

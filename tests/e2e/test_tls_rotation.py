@@ -47,7 +47,7 @@ async def plain_http_refused(address: str) -> bool:
 
 async def test_every_port_speaks_tls_only_and_a_stream_survives_rotating_every_certificate(mesh):
     certs = mesh.certs
-    admin = mesh.admin_tls
+    operator = mesh.operator_tls
     processes = [
         (mesh.store, "adapter_store"),
         (mesh.scheduler, "scheduler"),
@@ -61,8 +61,8 @@ async def test_every_port_speaks_tls_only_and_a_stream_survives_rotating_every_c
         return x509.load_pem_x509_certificate(certs.cert_file(identity).read_bytes()).serial_number
 
     def hello(alpn: str = "") -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=admin.ca_file)
-        context.load_cert_chain(admin.cert_file, admin.key_file)
+        context = ssl.create_default_context(cafile=operator.ca_file)
+        context.load_cert_chain(operator.cert_file, operator.key_file)
         if alpn:
             context.set_alpn_protocols([alpn])
         return context

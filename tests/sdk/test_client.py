@@ -643,16 +643,25 @@ def test_mesh_file_lists_every_gateway(server, server_b, gateway, gateway_b, tmp
         Client([server.address, "elsewhere:1"], mesh_file=mesh)
 
 
-def test_mesh_file_tls_goes_only_to_the_mesh_gateways(tmp_path):
+def test_mesh_file_tls_goes_only_to_the_mesh_gateways_and_its_certificate_never(tmp_path):
+    """The SDK takes the mesh file's CA alone: its certificate is the operator's, for the CLI."""
     mesh = tmp_path / "mesh.json"
-    files = {"ca_file": "ca.pem", "cert_file": "admin.pem", "key_file": "admin-key.pem"}
+    files = {"ca_file": "ca.pem", "cert_file": "operator.pem", "key_file": "operator-key.pem"}
     mesh.write_text(
         json.dumps({"gateway_addresses": ["127.0.0.1:1"], "admin_api_key": API_KEY, "tls": files})
     )
-    assert resolve_targets(None, None, mesh)[2] == ClientTLS("ca.pem", "admin.pem", "admin-key.pem")
+    assert resolve_targets(None, None, mesh)[2] == ClientTLS("ca.pem")
     assert resolve_targets("elsewhere:1", "key", mesh)[2] is None
     mine = ClientTLS("mine-ca.pem", "me.pem", "me-key.pem")
     assert resolve_targets(None, None, mesh, mine)[2] is mine
+
+
+def test_client_tls_takes_the_ca_alone_or_with_a_whole_certificate():
+    assert (ClientTLS("ca.pem").cert_file, ClientTLS("ca.pem").key_file) == ("", "")
+    with pytest.raises(ValueError, match="cert_file and key_file together"):
+        ClientTLS("ca.pem", "me.pem")
+    with pytest.raises(ValueError, match="needs ca_file"):
+        ClientTLS("")
 
 
 def write_mesh_file(state_dir: Path, address: str) -> None:

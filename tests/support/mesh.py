@@ -32,19 +32,19 @@ class Mesh:
     """With mutual TLS: the mesh's certificates (None: plaintext)."""
 
     @property
-    def admin_tls(self) -> TLSConfig:
-        """What a test presents to the mesh's services: the ``admin`` identity (or plaintext)."""
-        return self.certs.tls_for("admin") if self.certs is not None else NO_TLS
+    def operator_tls(self) -> TLSConfig:
+        """What a test presents to the mesh's internal ports: the ``operator`` identity (or
+        plaintext)."""
+        return self.certs.tls_for("operator") if self.certs is not None else NO_TLS
 
     @property
     def client_tls(self) -> ClientTLS | None:
-        """The SDK's TLS option for this mesh (None: plaintext)."""
-        tls = self.admin_tls
-        return ClientTLS(tls.ca_file, tls.cert_file, tls.key_file) if tls.enabled else None
+        """The SDK's TLS option for this mesh, a tenant's: the CA alone (None: plaintext)."""
+        return ClientTLS(str(self.certs.ca_file)) if self.certs is not None else None
 
     @property
     def openai_base_url(self) -> str:
-        """With TLS the port speaks HTTPS only (verify with ``admin_tls.ca_file``)."""
+        """With TLS the port speaks HTTPS only (verify with ``operator_tls.ca_file``)."""
         scheme = "https" if self.certs is not None else "http"
         return f"{scheme}://127.0.0.1:{self.openai_port}/v1"
 
@@ -132,7 +132,7 @@ async def wait_for_workers(mesh: Mesh, count: int, timeout_s: float = 120) -> No
     guards against a hang: workers loading the model on a busy 2-core machine can take a while."""
     from mesh_api.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    async with aio_channel(mesh.scheduler.address, mesh.admin_tls) as channel:
+    async with aio_channel(mesh.scheduler.address, mesh.operator_tls) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         for _ in range(int(timeout_s * 10)):
             view = await stub.ClusterView(scheduler_pb2.ClusterViewRequest())

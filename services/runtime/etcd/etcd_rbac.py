@@ -12,10 +12,12 @@ name, which may
 
 So no certificate can register as another instance, rewrite another's load report, or revoke
 another's lease (etcd revokes a lease only for a user that may write every key on it). The
-``admin`` identity (the operator's CLI: ``loramesh status``) has the root role, and so has the
-user ``root``, which etcd needs before it turns auth on (its password is random and thrown away:
-nobody logs in with a password). Any other certificate of the mesh CA, a kind's shared one
-(``gpu_worker``) or the etcd server's own, has no user and etcd refuses its requests.
+``operator`` identity (the operator's CLI: ``loramesh status``) may read the mesh's keys and write
+none. Only the ``admin`` identity has the root role, which creates these users (``loramesh up
+--tls``, ``etcd-rbac-sync``); so has the user ``root``, which etcd needs before it turns auth on
+(its password is random and thrown away: nobody logs in with a password). Any other certificate of
+the mesh CA, a kind's shared one (``gpu_worker``) or the etcd server's own, has no user and etcd
+refuses its requests.
 
 Idempotent: run again against an etcd whose auth is on already (``up`` restarted on the same
 state directory), it adds what is missing, as ``admin``.
@@ -36,8 +38,11 @@ from services.runtime.security.tls import TLSConfig, aio_channel
 
 ROOT_ROLE = "root"
 ROOT_USER = "root"
-OPERATOR = MeshIdentity("admin")
-"""The identity with etcd's root role: the operator's CLI."""
+ETCD_ROOT = MeshIdentity("admin")
+"""The identity with etcd's root role: what creates etcd's users, and nothing else (no gRPC
+method accepts it)."""
+OPERATOR = MeshIdentity("operator")
+"""The operator's CLI: reads every key of the mesh (``loramesh status``), writes none."""
 
 LEADER_ELECTIONS: dict[str, tuple[str, ...]] = {
     "scheduler": ("scheduler-rebalancer",),
@@ -83,15 +88,17 @@ def writable_keys(config: MembershipConfig, identity: MeshIdentity) -> list[str]
 
 async def provision_etcd_rbac(
     endpoint: str,
-    operator_tls: TLSConfig,
+    root_tls: TLSConfig,
     identities: Iterable[MeshIdentity],
     config: MembershipConfig = MESH_KEYS,
 ) -> None:
-    """Create the users and roles of ``identities`` (each with an instance) and of the operator
-    in the etcd at ``endpoint``, then turn its auth on. ``operator_tls``: the ``admin``
-    certificate (root once auth is on). ``config``: where the mesh's keys are (its prefix)."""
+    """Create the users and roles of ``identities`` (each with an instance), of the etcd root
+    (:data:`ETCD_ROOT`) and of the operator (:data:`OPERATOR`, read only) in the etcd at
+    ``endpoint``, then turn its auth on. ``root_tls``: the :data:`ETCD_ROOT` certificate (root
+    once auth is on). ``config``: where the mesh's keys are (its prefix)."""
     read_from, read_to = readable_range(config)
-    async with aio_channel(endpoint, operator_tls) as channel:
+    read = auth_pb2.Permission(permType=auth_pb2.Permission.READ, key=read_from, range_end=read_to)
+    async with aio_channel(endpoint, root_tls) as channel:
         auth = rpc_pb2_grpc.AuthStub(channel)
 
         async def call(method, request) -> None:
@@ -101,16 +108,26 @@ async def provision_etcd_rbac(
                 if "already exists" not in (error.details() or ""):
                     raise
 
-        for user in (ROOT_USER, str(OPERATOR)):
+        async def user(name: str, role: str) -> None:
             await call(
-                auth.UserAdd, rpc_pb2.AuthUserAddRequest(name=user, password=secrets.token_urlsafe(24))
+                auth.UserAdd, rpc_pb2.AuthUserAddRequest(name=name, password=secrets.token_urlsafe(24))
             )
-            await call(auth.UserGrantRole, rpc_pb2.AuthUserGrantRoleRequest(user=user, role=ROOT_ROLE))
+            await call(auth.UserGrantRole, rpc_pb2.AuthUserGrantRoleRequest(user=name, role=role))
+
+        async def role(name: str, grants: list[auth_pb2.Permission]) -> None:
+            await call(auth.RoleAdd, rpc_pb2.AuthRoleAddRequest(name=name))
+            for grant in grants:
+                await call(
+                    auth.RoleGrantPermission, rpc_pb2.AuthRoleGrantPermissionRequest(name=name, perm=grant)
+                )
+
+        for name in (ROOT_USER, str(ETCD_ROOT)):
+            await user(name, ROOT_ROLE)
+        await role(str(OPERATOR), [read])
+        await user(str(OPERATOR), str(OPERATOR))
         for identity in identities:
             name = str(identity)
-            grants = [
-                auth_pb2.Permission(permType=auth_pb2.Permission.READ, key=read_from, range_end=read_to)
-            ]
+            grants = [read]
             grants += [
                 auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=key.encode())
                 for key in writable_keys(config, identity)
@@ -119,13 +136,6 @@ async def provision_etcd_rbac(
                 auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=start, range_end=end)
                 for start, end in writable_ranges(config, identity)
             ]
-            await call(auth.RoleAdd, rpc_pb2.AuthRoleAddRequest(name=name))
-            for grant in grants:
-                await call(
-                    auth.RoleGrantPermission, rpc_pb2.AuthRoleGrantPermissionRequest(name=name, perm=grant)
-                )
-            await call(
-                auth.UserAdd, rpc_pb2.AuthUserAddRequest(name=name, password=secrets.token_urlsafe(24))
-            )
-            await call(auth.UserGrantRole, rpc_pb2.AuthUserGrantRoleRequest(user=name, role=name))
+            await role(name, grants)
+            await user(name, name)
         await call(auth.AuthEnable, rpc_pb2.AuthEnableRequest())

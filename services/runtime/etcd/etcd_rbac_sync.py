@@ -75,9 +75,9 @@ def identities_of_pods(pods: PodList) -> set[MeshIdentity]:
     return identities
 
 
-async def instance_users(endpoint: str, operator_tls: TLSConfig) -> set[MeshIdentity]:
+async def instance_users(endpoint: str, root_tls: TLSConfig) -> set[MeshIdentity]:
     """The per-instance users etcd has (``<kind>/<instance>``; root and ``admin`` left out)."""
-    async with aio_channel(endpoint, operator_tls) as channel:
+    async with aio_channel(endpoint, root_tls) as channel:
         listed = await rpc_pb2_grpc.AuthStub(channel).UserList(
             rpc_pb2.AuthUserListRequest(), timeout=CALL_TIMEOUT_S
         )
@@ -88,11 +88,9 @@ async def instance_users(endpoint: str, operator_tls: TLSConfig) -> set[MeshIden
     return users
 
 
-async def remove_etcd_users(
-    endpoint: str, operator_tls: TLSConfig, identities: Iterable[MeshIdentity]
-) -> None:
+async def remove_etcd_users(endpoint: str, root_tls: TLSConfig, identities: Iterable[MeshIdentity]) -> None:
     """Delete the users and roles of ``identities`` (one already gone is skipped)."""
-    async with aio_channel(endpoint, operator_tls) as channel:
+    async with aio_channel(endpoint, root_tls) as channel:
         auth = rpc_pb2_grpc.AuthStub(channel)
         for identity in identities:
             for method, request in (
@@ -120,17 +118,17 @@ class EtcdRbacSync:
     def __init__(
         self,
         endpoints: list[str],
-        operator_tls: TLSConfig,
+        root_tls: TLSConfig,
         list_pods: Callable[[], Awaitable[PodList]],
         config: MembershipConfig = MESH_KEYS,
     ):
         """``endpoints``: the etcd members, tried in turn (a round that fails moves to the next);
-        ``operator_tls``: the ``admin`` certificate (etcd's root role); ``list_pods``: the
+        ``root_tls``: the etcd root's ``admin`` certificate; ``list_pods``: the
         mesh's pods now (:class:`KubernetesPods`; tests pass their own)."""
         if not endpoints:
             raise ValueError("name at least one etcd endpoint")
         self._endpoints = list(endpoints)
-        self._tls = operator_tls
+        self._tls = root_tls
         self._list_pods = list_pods
         self._config = config
         self._auth_on = False

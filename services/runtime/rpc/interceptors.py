@@ -13,9 +13,11 @@ Every service installs :class:`ServiceInterceptor`. It wraps each RPC handler so
 - each RPC is counted and timed in the service's Prometheus metrics;
 - the caller's verified mesh identity (mutual TLS) is bound to
   :data:`~services.runtime.security.tls.peer_identity_var` for the servicer (None over plaintext);
-- with mutual TLS on, the call is authorized by that identity against the one table
-  (services.runtime.security.authorization) before the servicer sees it: a caller outside the method's
-  row ends ``PERMISSION_DENIED``.
+- with TLS on, the call is authorized by that identity (on the gateway's public port: as a
+  tenant's) against the one table (services.runtime.security.authorization) before the servicer
+  sees it: a caller outside the method's row ends ``PERMISSION_DENIED``, and so does one calling a
+  method this server does not serve when the table would refuse it that method (a tenant asking
+  the gateway for ``Scheduler/ClusterView`` learns why in one line, not grpc's "Method not found").
 """
 
 from __future__ import annotations
@@ -227,17 +229,24 @@ def _is_abort(error: BaseException) -> bool:
 
 @contextlib.asynccontextmanager
 async def _serving(
-    method: str, metadata, metrics: ServiceMetrics | None, enforce: bool, context, refused_stream=None
+    method: str,
+    metadata,
+    metrics: ServiceMetrics | None,
+    enforce: bool,
+    public: bool,
+    context,
+    refused_stream=None,
 ):
     """One RPC's handling around its handler: the request id and the caller's identity bound,
-    the call authorized (with ``enforce``), an error turned into its status, the RPC counted.
-    ``refused_stream``: the request stream, read on (:func:`_drain`) when the call is refused."""
+    the call authorized (with ``enforce``; as a tenant's on a ``public`` port), an error turned
+    into its status, the RPC counted. ``refused_stream``: the request stream, read on
+    (:func:`_drain`) when the call is refused."""
     scope = _RpcScope(method, metadata, metrics)
     identity = scope.enter(context)
     ended: BaseException | None = None
     try:
         if enforce:
-            authorize(method, identity)
+            authorize(method, identity, public=public)
         yield
     except BaseException as error:
         ended = error
@@ -250,12 +259,28 @@ async def _serving(
         scope.exit(context, ended)
 
 
+def _unserved(method: str, metadata, public: bool) -> grpc.RpcMethodHandler:
+    """A method this server has no handler for, under TLS: refused as the table refuses its caller
+    (PERMISSION_DENIED), else UNIMPLEMENTED. Not counted in the metrics: its name is the caller's."""
+
+    async def refuse(request: bytes, context) -> bytes:
+        async with _serving(method, metadata, None, True, public, context):
+            raise NotImplementedError(method)
+
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
 class ServiceInterceptor(aio.ServerInterceptor):
-    def __init__(self, metrics: ServiceMetrics | None = None, enforce_authorization: bool = False):
+    def __init__(
+        self, metrics: ServiceMetrics | None = None, enforce_authorization: bool = False, public: bool = False
+    ):
         """``enforce_authorization``: check every call against the authorization table (the
-        servers turn it on exactly when they run with mutual TLS; off, every caller is served)."""
+        servers turn it on exactly when they run with TLS; off, every caller is served).
+        ``public``: this is the gateway's public port, which reads no client certificate: every
+        caller is a tenant."""
         self._metrics = metrics
         self._enforce = enforce_authorization
+        self._public = public
 
     async def intercept_service(
         self,
@@ -263,22 +288,22 @@ class ServiceInterceptor(aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
-            return None
         method, metadata, metrics = details.method, details.invocation_metadata, self._metrics
-        enforce = self._enforce
+        enforce, public = self._enforce, self._public
+        if handler is None:
+            return _unserved(method, metadata, public) if enforce else None
 
         def unary_response(behavior, request_streaming: bool):
             async def wrapped(request_or_iterator, context):
                 refused_stream = request_or_iterator if request_streaming else None
-                async with _serving(method, metadata, metrics, enforce, context, refused_stream):
+                async with _serving(method, metadata, metrics, enforce, public, context, refused_stream):
                     return await behavior(_requests(request_or_iterator), context)
 
             return wrapped
 
         def stream_response(behavior):
             async def wrapped(request_or_iterator, context):
-                async with _serving(method, metadata, metrics, enforce, context):
+                async with _serving(method, metadata, metrics, enforce, public, context):
                     result = behavior(_requests(request_or_iterator), context)
                     if hasattr(result, "__aiter__"):
                         async for response in result:

@@ -5,6 +5,9 @@ A service implements :class:`Service` (domain start/stop, how to add its service
 report) and calls :func:`run_service` from its ``__main__``. Lifecycle:
 
 1. the server starts with health ``""`` SERVING (alive) and the service's own name NOT_SERVING;
+1a. a service whose ``public_port`` is true (the gateway) serves its gRPC port, under TLS, to
+   callers without a client certificate (tenants, who authenticate by API key): each call there
+   is authorized as a tenant's (services/runtime/security/authorization.py);
 2. ``Service.start()`` loads state; then readiness flips to SERVING and the member registers
    in etcd, so only ready members are ever listed;
 2a. a service that defines ``fence_by_lease(fence)`` is handed its registration's
@@ -85,10 +88,17 @@ class ServiceHost:
         self.http = HttpSidePort(
             self.metrics, self.not_ready, ssl=side_ssl, degraded=getattr(service, "degraded", lambda: "")
         )
+        self.public_port = bool(getattr(service, "public_port", False))
+        """Whether the gRPC port is the public API's: under TLS it asks for no client certificate."""
         self.server = aio.server(
-            # With mutual TLS on, every call is authorized by the caller's identity
-            # (services/runtime/security/authorization.py); in plaintext there is none to check.
-            interceptors=[ServiceInterceptor(self.metrics, enforce_authorization=config.tls().enabled)],
+            # With TLS on, every call is authorized by the caller's identity, or as a tenant's on
+            # the public port (services/runtime/security/authorization.py); in plaintext there is
+            # nobody to check.
+            interceptors=[
+                ServiceInterceptor(
+                    self.metrics, enforce_authorization=config.tls().enabled, public=self.public_port
+                )
+            ],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -132,7 +142,12 @@ class ServiceHost:
         reflection.enable_server_reflection(
             (service.grpc_service_name, health_name, reflection.SERVICE_NAME), self.server
         )
-        port = add_server_port(self.server, f"{config.host}:{config.port}", config.tls())
+        port = add_server_port(
+            self.server,
+            f"{config.host}:{config.port}",
+            config.tls(),
+            client_certificates=not self.public_port,
+        )
         if port == 0:
             raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)

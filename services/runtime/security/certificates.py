@@ -51,6 +51,7 @@ K8S_SERVICE_NAMES = {
     "kv_manager": ("kv-manager",),
     "etcd": ("etcd", "etcd-client", "*.etcd"),
     "admin": (),
+    "operator": (),
 }
 
 

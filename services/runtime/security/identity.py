@@ -12,9 +12,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-#: Every kind of identity the mesh knows. ``admin`` is the operator's CLI and SDK (a client only);
-#: ``etcd`` is the etcd server's own certificate.
-KINDS = ("gateway", "scheduler", "adapter_store", "gpu_worker", "kv_manager", "etcd", "admin")
+#: Every kind of identity the mesh's certificates name. ``operator`` is the operator's CLI (a client
+#: only): the operator RPCs of the internal ports, and a read-only etcd user. ``admin`` is etcd's
+#: root user alone (it creates the other etcd users: ``loramesh up --tls``, ``etcd-rbac-sync``),
+#: which no gRPC method accepts. ``etcd`` is the etcd server's own certificate. Tenants hold no
+#: certificate: they call the gateway's public port, which asks for none, with their API key.
+KINDS = ("gateway", "scheduler", "adapter_store", "gpu_worker", "kv_manager", "etcd", "admin", "operator")
 
 SPIFFE_PREFIX = "spiffe://loramesh/"
 

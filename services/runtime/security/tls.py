@@ -4,7 +4,9 @@ place that turns settings into gRPC credentials.
 Off by default (an empty :class:`TLSConfig`): servers listen in plaintext and channels dial in
 plaintext, as before. On, a server presents its certificate and requires a client certificate
 signed by the mesh CA (a caller without one fails the handshake, so its call ends UNAVAILABLE),
-and a channel presents its own and verifies the server's against the same CA.
+and a channel presents its own and verifies the server's against the same CA. The one exception is
+the gateway's public port (``client_certificates=False``): server-authenticated TLS, no client
+certificate asked for, since its callers are tenants who authenticate by API key.
 
 Certificates rotate without a restart (services.runtime.security.certificate_reload): servers take the
 files' new certificate, key and CA at the next handshake; channels open a new connection with the
@@ -114,9 +116,10 @@ def _server_configuration(certificates: CertificateSet):
     )
 
 
-def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
-    """Present our certificate; require and verify the client's against the mesh CA. gRPC asks
-    for the certificate at each new connection's handshake: a change of the files is served
+def server_credentials(tls: TLSConfig, client_certificates: bool = True) -> grpc.ServerCredentials:
+    """Present our certificate; with ``client_certificates``, require and verify the client's
+    against the mesh CA, else ask for none (gRPC Python cannot ask for one without requiring it).
+    gRPC takes our certificate at each new connection's handshake: a change of the files is served
     from the next connection on, without a restart (connections already open keep theirs)."""
     files = tls.files()
     served = [files.current.generation]
@@ -133,7 +136,7 @@ def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
             return None
 
     return grpc.dynamic_ssl_server_credentials(
-        _server_configuration(files.current), fetch, require_client_authentication=True
+        _server_configuration(files.current), fetch, require_client_authentication=client_certificates
     )
 
 
@@ -151,10 +154,13 @@ def _options(tls: TLSConfig, options: ChannelOptions) -> list[tuple[str, Any]]:
     return [*options, *extra]
 
 
-def add_server_port(server: aio.Server | grpc.Server, address: str, tls: TLSConfig) -> int:
-    """Bind ``address`` with mutual TLS when ``tls`` is on, in plaintext otherwise; the port."""
+def add_server_port(
+    server: aio.Server | grpc.Server, address: str, tls: TLSConfig, client_certificates: bool = True
+) -> int:
+    """Bind ``address`` with TLS when ``tls`` is on (mutual with ``client_certificates``, else
+    server-authenticated only: the gateway's public port), in plaintext otherwise; the port."""
     if tls.enabled:
-        return server.add_secure_port(address, server_credentials(tls))
+        return server.add_secure_port(address, server_credentials(tls, client_certificates))
     return server.add_insecure_port(address)
 
 

@@ -1,18 +1,21 @@
 """etcd RBAC from the certificates' CNs (a real etcd with ``--client-cert-auth``): each instance
 registers, reports its load and campaigns as itself, and no certificate can register as another
-instance; the operator reads everything; a certificate without a user is refused."""
+instance; the operator reads everything and writes nothing, nor is it etcd's root (only ``admin``
+is); a certificate without a user is refused."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import grpc
 import pytest
 from aetcd.exceptions import ClientError
+from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
 
 from services.kv_manager.service import KVManagerService
 from services.runtime.errors import Unavailable
-from services.runtime.etcd.etcd_rbac import LEADER_ELECTIONS, OPERATOR, provision_etcd_rbac
+from services.runtime.etcd.etcd_rbac import ETCD_ROOT, LEADER_ELECTIONS, OPERATOR, provision_etcd_rbac
 from services.runtime.etcd.etcd_server import EtcdServer
 from services.runtime.etcd.leader_election import LeaderElection, leader_key
 from services.runtime.etcd.membership import (
@@ -24,7 +27,7 @@ from services.runtime.etcd.membership import (
 )
 from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.security.identity import MeshIdentity
-from services.runtime.security.tls import etcd_client
+from services.runtime.security.tls import aio_channel, etcd_client
 from services.scheduler.service import REBALANCER_ELECTION
 
 pytestmark = pytest.mark.integration
@@ -41,7 +44,7 @@ WORKER, OTHER, SCHEDULER = (
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> CertificateDirectory:
-    identities = [WORKER, OTHER, SCHEDULER, "gpu_worker", "etcd", "admin"]
+    identities = [WORKER, OTHER, SCHEDULER, "gpu_worker", "etcd", ETCD_ROOT, OPERATOR]
     return create_mesh_certificates(tmp_path_factory.mktemp("certs"), identities)
 
 
@@ -49,7 +52,7 @@ def certs(tmp_path_factory) -> CertificateDirectory:
 async def etcd(tmp_path, certs):
     server = EtcdServer(tmp_path / "etcd", tls=certs.tls_for("etcd")).start()
     try:
-        await provision_etcd_rbac(server.endpoint, certs.tls_for(OPERATOR), [WORKER, OTHER, SCHEDULER])
+        await provision_etcd_rbac(server.endpoint, certs.tls_for(ETCD_ROOT), [WORKER, OTHER, SCHEDULER])
         yield server
     finally:
         server.stop()
@@ -84,6 +87,23 @@ async def test_an_instance_registers_as_itself_and_not_as_another(etcd, certs):
     assert await list_members(config(etcd, certs, OPERATOR)) == []  # its own lease, revoked
 
 
+async def test_the_operator_reads_but_writes_nothing_and_is_not_etcds_root(etcd, certs):
+    operator = config(etcd, certs, OPERATOR)
+    with pytest.raises(Unavailable, match="permission denied"):
+        await MemberRegistration(operator, member(WORKER)).start()
+    host, port = operator.endpoints()[0]
+    async with etcd_client(host, port, operator.tls, timeout=HANG_GUARD_S) as client:
+        with pytest.raises(ClientError, match="permission denied"):
+            await client.put(b"/loramesh/members/gpu_worker/forged", b"{}")
+    listing = rpc_pb2.AuthUserListRequest()
+    async with aio_channel(f"{host}:{port}", certs.tls_for(OPERATOR)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError, match="permission denied"):
+            await rpc_pb2_grpc.AuthStub(channel).UserList(listing, timeout=HANG_GUARD_S)
+    async with aio_channel(f"{host}:{port}", certs.tls_for(ETCD_ROOT)) as channel:
+        users = (await rpc_pb2_grpc.AuthStub(channel).UserList(listing, timeout=HANG_GUARD_S)).users
+    assert {"root", str(ETCD_ROOT), str(OPERATOR), str(WORKER)} <= set(users)
+
+
 async def test_a_scheduler_campaigns_in_its_election_only(etcd, certs):
     scheduler = config(etcd, certs, SCHEDULER)
     election = LeaderElection(scheduler, REBALANCER_ELECTION, SCHEDULER.instance)
@@ -102,7 +122,7 @@ async def test_a_scheduler_campaigns_in_its_election_only(etcd, certs):
 async def test_provisioning_again_on_an_etcd_with_auth_on_adds_what_is_missing(etcd, certs, tmp_path):
     late = MeshIdentity("gpu_worker", "gpu_worker-9")
     late_certs = create_mesh_certificates(certs.path, [late])
-    await provision_etcd_rbac(etcd.endpoint, certs.tls_for(OPERATOR), [WORKER, late])
+    await provision_etcd_rbac(etcd.endpoint, certs.tls_for(ETCD_ROOT), [WORKER, late])
     registration = await MemberRegistration(config(etcd, late_certs, late), member(late)).start()
     await registration.stop()
 

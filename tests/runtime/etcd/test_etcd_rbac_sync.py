@@ -16,7 +16,7 @@ import pytest
 
 from loramesh_cli.main import main as loramesh
 from services.runtime.errors import Unavailable
-from services.runtime.etcd.etcd_rbac import OPERATOR
+from services.runtime.etcd.etcd_rbac import ETCD_ROOT
 from services.runtime.etcd.etcd_rbac_sync import (
     EtcdRbacSync,
     KubernetesPods,
@@ -41,7 +41,9 @@ def pod(name: str, app: str, phase: str = "Running") -> dict:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> CertificateDirectory:
-    return create_mesh_certificates(tmp_path_factory.mktemp("certs"), [WORKER_A, WORKER_B, GATEWAY, "etcd", "admin"])
+    return create_mesh_certificates(
+        tmp_path_factory.mktemp("certs"), [WORKER_A, WORKER_B, GATEWAY, "etcd", ETCD_ROOT]
+    )
 
 
 @pytest.fixture
@@ -80,8 +82,8 @@ async def test_each_pod_gets_its_user_and_loses_it_when_the_pod_is_gone(etcd, ce
     async def list_pods() -> dict:
         return pods
 
-    operator = certs.tls_for(OPERATOR)
-    sync = EtcdRbacSync([etcd.endpoint], operator, list_pods)
+    root = certs.tls_for(ETCD_ROOT)
+    sync = EtcdRbacSync([etcd.endpoint], root, list_pods)
     first = await sync.sync_once()
     assert first.added == {WORKER_A, GATEWAY} and not first.removed
     assert await registers(etcd, certs, WORKER_A) and await registers(etcd, certs, GATEWAY)
@@ -90,13 +92,13 @@ async def test_each_pod_gets_its_user_and_loses_it_when_the_pod_is_gone(etcd, ce
     pods = {"items": [pod(WORKER_B.instance, "gpu-worker"), pod(GATEWAY.instance, "gateway")]}
     second = await sync.sync_once()
     assert second.added == {WORKER_B} and second.removed == {WORKER_A}
-    assert await instance_users(etcd.endpoint, operator) == {WORKER_B, GATEWAY}
+    assert await instance_users(etcd.endpoint, root) == {WORKER_B, GATEWAY}
     assert await registers(etcd, certs, WORKER_B)
     assert not await registers(etcd, certs, WORKER_A)  # its pod is gone: its certificate is refused
     assert (await sync.sync_once()).added == frozenset()  # nothing changed: nothing to do
 
     # A restarted controller starts from what etcd has.
-    again = EtcdRbacSync([etcd.endpoint], operator, list_pods)
+    again = EtcdRbacSync([etcd.endpoint], root, list_pods)
     await again.sync_once()
     pods = {"items": []}
     assert (await again.sync_once()).removed == {WORKER_B, GATEWAY}

@@ -1,11 +1,15 @@
 """The authorization table, as the real server bootstrap installs it (services/runtime/rpc/server.py):
 every method of every service, read from the proto descriptors, refuses an identity outside its
 row with PERMISSION_DENIED and serves one inside; a method missing from the table is refused to
-everyone; with TLS off nothing is enforced. The docs print the same table.
+everyone; on the gateway's public port every caller is a tenant, whatever certificate it holds,
+and is refused every operator RPC in one line; with TLS off nothing is enforced. The docs print
+the same table.
 
-One :class:`ServiceHost` with real mutual TLS (the project's own certificates) serves every
-loramesh service at once through generic handlers that answer an empty reply: what is checked is
-the interceptor in front of them, not the services, whose own tests start them for real."""
+The decisions themselves (caller kind x RPC) are checked on :func:`authorize` alone, without gRPC.
+Then one :class:`ServiceHost` with real mutual TLS (the project's own certificates) serves every
+loramesh service at once through generic handlers that answer an empty reply, and another, the
+gateway's public port, serves the Gateway service alone: what is checked is the interceptor in
+front of them, not the services, whose own tests start them for real."""
 
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 import mesh_api.v1
+from loramesh.tls import ClientTLS
+from loramesh.tls import aio_channel as sdk_channel
 from services.runtime.config import ServiceConfig
 from services.runtime.errors import PermissionDenied
 from services.runtime.rpc.server import ServiceHost
-from services.runtime.security.authorization import TABLE, authorize
+from services.runtime.security.authorization import CALLERS, TABLE, TENANT, authorize
 from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.security.identity import KINDS, MeshIdentity
 from services.runtime.security.tls import NO_TLS, TLSConfig, aio_channel
@@ -68,8 +74,15 @@ def key(method: MethodDescriptor) -> tuple[str, str]:
 
 
 #: One identity per kind: each service as `loramesh up --tls` issues it, bound to an instance;
-#: the operator's and etcd's shared by their kind.
-IDENTITIES = {kind: MeshIdentity(kind, "" if kind in ("admin", "etcd") else f"{kind}-0") for kind in KINDS}
+#: the operator's, etcd's root's and etcd's shared by their kind.
+IDENTITIES = {
+    kind: MeshIdentity(kind, "" if kind in ("admin", "etcd", "operator") else f"{kind}-0") for kind in KINDS
+}
+GATEWAY = "loramesh.v1.Gateway"
+
+
+def path_of(service: str, method: str) -> str:
+    return f"/{service}/{method}"
 
 
 def test_every_method_of_every_service_has_a_row_and_every_row_a_method():
@@ -77,13 +90,72 @@ def test_every_method_of_every_service_has_a_row_and_every_row_a_method():
     assert len(methods) > 40  # the descriptors were found
     assert sorted(methods - set(TABLE)) == []
     assert sorted(set(TABLE) - methods) == []
-    assert all(rule.callers <= set(KINDS) and rule.why for rule in TABLE.values())
+    assert all(rule.callers <= set(CALLERS) and rule.why for rule in TABLE.values())
 
 
 def test_a_method_missing_from_the_table_is_refused_to_everyone():
     for kind in KINDS:
         with pytest.raises(PermissionDenied, match="no row of the authorization table"):
             authorize("/loramesh.v1.Worker/Unlisted", IDENTITIES[kind])
+    with pytest.raises(PermissionDenied, match="no row of the authorization table"):
+        authorize("/loramesh.v1.Worker/Unlisted", None, public=True)
+
+
+def refusal(path: str, identity: MeshIdentity | None, public: bool = False) -> str | None:
+    """The one-line refusal of :func:`authorize`, or None when it lets the caller through."""
+    try:
+        authorize(path, identity, public=public)
+    except PermissionDenied as denied:
+        assert "\n" not in denied.message
+        return denied.message
+    return None
+
+
+def test_each_certificate_kind_is_let_through_exactly_where_its_row_names_it():
+    for (service, method), rule in TABLE.items():
+        for kind, identity in IDENTITIES.items():
+            refused = refusal(path_of(service, method), identity)
+            assert (refused is None) == (kind in rule.callers), (service, method, kind)
+            if refused is not None:
+                assert refused.startswith(
+                    f"the {str(identity)!r} identity may not call {service}/{method}: only "
+                )
+
+
+def test_on_the_public_port_every_caller_is_a_tenant_let_through_the_tenant_rows_alone():
+    tenant_rows = {where for where, rule in TABLE.items() if TENANT in rule.callers}
+    assert {m for s, m in tenant_rows if s == GATEWAY} == {m for s, m in TABLE if s == GATEWAY}
+    assert tenant_rows - {(GATEWAY, m) for _, m in tenant_rows} == {
+        ("grpc.health.v1.Health", "Check"),
+        ("grpc.health.v1.Health", "Watch"),
+    }
+    for service, method in TABLE:
+        # The port reads no certificate: whatever the caller holds, it is a tenant there.
+        for identity in (None, IDENTITIES["operator"], IDENTITIES["gateway"], IDENTITIES["gpu_worker"]):
+            refused = refusal(path_of(service, method), identity, public=True)
+            assert (refused is None) == ((service, method) in tenant_rows), (service, method)
+            if refused is not None:
+                assert refused.startswith(f"{service}/{method} is not for tenants: only ")
+                assert refused.endswith("the gateway's public port reads no certificate, only API keys")
+
+
+def test_no_certificate_is_a_tenant_nor_the_operator_on_an_internal_port():
+    """Tenants hold no certificate: on a mutual-TLS port, a certificate naming the tenant kind is
+    no kind the mesh issues, and one naming no identity is refused too. Neither the tenant rows
+    nor the operator's take etcd's root (``admin``), and the mesh's services get no operator RPC."""
+    generate = path_of(GATEWAY, "Generate")
+    assert "no kind the mesh issues" in refusal(generate, MeshIdentity(TENANT, "bob"))
+    assert "names no mesh identity" in refusal(generate, None)
+    operator_rows = [where for where, rule in TABLE.items() if "operator" in rule.callers]
+    assert len(operator_rows) > 10
+    for where in operator_rows:
+        assert refusal(path_of(*where), IDENTITIES["admin"]) is not None
+    assert all("admin" not in rule.callers for rule in TABLE.values())
+    only_operator = [where for where, rule in TABLE.items() if rule.callers == {"operator"}]
+    for where in only_operator:
+        for kind in ("gateway", "scheduler", "adapter_store", "gpu_worker", "kv_manager", "etcd"):
+            assert refusal(path_of(*where), IDENTITIES[kind]) is not None
+    assert refusal(path_of("loramesh.v1.AdapterStore", "FetchAdapter"), IDENTITIES["operator"]) is not None
 
 
 class EveryService:
@@ -173,9 +245,22 @@ def certs(tmp_path_factory) -> CertificateDirectory:
     return create_mesh_certificates(tmp_path_factory.mktemp("certs"), IDENTITIES.values())
 
 
-async def serving(tls: TLSConfig) -> ServiceHost:
+class PublicGateway(EveryService):
+    """The gateway's public port: the Gateway service alone, no client certificate read."""
+
+    name = "gateway"
+    grpc_service_name = GATEWAY
+    public_port = True
+
+    def add_to_server(self, server: aio.Server) -> None:
+        (gateway,) = [service for service in mesh_services() if service.full_name == GATEWAY]
+        handlers = {method.name: empty_reply_handler(method) for method in gateway.methods}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GATEWAY, handlers),))
+
+
+async def serving(tls: TLSConfig, service: EveryService | None = None) -> ServiceHost:
     config = ServiceConfig(grace_s=0, tls_ca=tls.ca_file, tls_cert=tls.cert_file, tls_key=tls.key_file)
-    host = ServiceHost(EveryService(), config)
+    host = ServiceHost(service or EveryService(), config)
     await host.listen()
     await host.become_ready()
     return host
@@ -201,7 +286,7 @@ async def test_every_method_refuses_identities_outside_its_row_and_serves_those_
     # Served means the handler answered: OK, but for grpc's health List, which it lacks.
     answers = {code for (service, method, _), code in codes.items() if (service, method) != HEALTH_LIST}
     assert answers == {grpc.StatusCode.OK, denied}
-    assert codes[(*HEALTH_LIST, "admin")] == grpc.StatusCode.UNIMPLEMENTED
+    assert codes[(*HEALTH_LIST, "operator")] == grpc.StatusCode.UNIMPLEMENTED
     refused = sum(code == grpc.StatusCode.PERMISSION_DENIED for code in codes.values())
     assert 0 < refused < len(codes)
 
@@ -219,6 +304,60 @@ async def test_the_refusal_names_the_identity_the_method_and_who_may_call_it(cer
     assert refused.value.details().startswith(
         "the 'scheduler/scheduler-0' identity may not call loramesh.v1.Worker/ReadBlocks: only gpu_worker may"
     )
+
+
+async def test_the_public_port_serves_a_tenant_without_a_certificate_and_refuses_it_the_rest(certs):
+    """Server-authenticated TLS: a client holding only the CA is served the Gateway's methods and
+    health, and refused every other method of every service (those of other services too, which
+    this port does not serve) with PERMISSION_DENIED in one line. A mesh certificate presented
+    there changes nothing: the port does not ask for it."""
+    host = await serving(certs.tls_for(IDENTITIES["gateway"]), PublicGateway())
+    ca_only = ClientTLS(str(certs.ca_file))
+    operator = ClientTLS(
+        str(certs.ca_file), *map(str, (certs.cert_file("operator"), certs.key_file("operator")))
+    )
+    try:
+        codes: dict[str, dict[tuple[str, str], grpc.StatusCode]] = {}
+        for who, tls in (("tenant", ca_only), ("operator", operator)):
+            codes[who] = {}
+            async with sdk_channel(host.address, tls) as channel:  # the SDK's own channel
+                for method in every_method():
+                    codes[who][key(method)] = await call(channel, method)
+            assert codes[who] == codes["tenant"], who
+        async with sdk_channel(host.address, ca_only) as channel:
+            ledger = channel.unary_unary("/loramesh.v1.KVManager/Ledger")
+            with pytest.raises(aio.AioRpcError) as refused:
+                await ledger(b"", timeout=CALL_TIMEOUT_S)
+    finally:
+        await host.shutdown()
+    served = {where for where, rule in TABLE.items() if TENANT in rule.callers}
+    assert {where for where, code in codes["tenant"].items() if code == grpc.StatusCode.OK} == served
+    assert set(codes["tenant"].values()) == {grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED}
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.value.details() == (
+        "loramesh.v1.KVManager/Ledger is not for tenants: only operator may call it (operator's view "
+        "of the debt ledger), presenting its certificate to an internal port; the gateway's public "
+        "port reads no certificate, only API keys"
+    )
+
+
+async def test_a_method_the_server_does_not_serve_is_unimplemented_for_a_caller_its_row_names(certs):
+    host = await serving(certs.tls_for(IDENTITIES["gateway"]), InternalGateway())
+    try:
+        for identity, expected in (("operator", "UNIMPLEMENTED"), ("gpu_worker", "PERMISSION_DENIED")):
+            async with aio_channel(host.address, certs.tls_for(IDENTITIES[identity])) as channel:
+                ledger = channel.unary_unary("/loramesh.v1.KVManager/Ledger")
+                with pytest.raises(aio.AioRpcError) as refused:
+                    await ledger(b"", timeout=CALL_TIMEOUT_S)
+            assert refused.value.code().name == expected, identity
+    finally:
+        await host.shutdown()
+
+
+class InternalGateway(PublicGateway):
+    """The Gateway service alone on a mutual-TLS port (no service runs so; the test's)."""
+
+    public_port = False
 
 
 async def test_with_tls_off_the_table_is_not_enforced():

@@ -143,13 +143,13 @@ async def test_a_stream_survives_the_rotation_of_every_certificate(tmp_path, cer
     try:
         await host.listen()
         await host.become_ready()  # registered in etcd: its lease is kept alive over TLS
-        admin = certs.tls_for("admin")
-        grpc_hello = client_context(admin, admin.ca_file, alpn="h2")
-        https = client_context(None, admin.ca_file)
+        operator = certs.tls_for("operator")
+        grpc_hello = client_context(operator, operator.ca_file, alpn="h2")
+        https = client_context(None, operator.ca_file)
         etcd_address = etcd.endpoint.removeprefix("https://")
         assert await served_serial(host.address, grpc_hello) == serial(certs, "scheduler")
 
-        async with aio_channel(host.address, admin) as channel:
+        async with aio_channel(host.address, operator) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             stream = health.Watch(health_pb2.HealthCheckRequest(service=PROBE), timeout=HANG_GUARD_S)
             assert (await stream.read()).status == health_pb2.HealthCheckResponse.SERVING
@@ -158,12 +158,14 @@ async def test_a_stream_survives_the_rotation_of_every_certificate(tmp_path, cer
 
             # New connections, to every port, present the new certificates: no restart.
             assert (
-                await served_serial(host.address, client_context(admin, admin.ca_file, "h2"))
+                await served_serial(host.address, client_context(operator, operator.ca_file, "h2"))
                 == new["scheduler"]
             )
             assert await served_serial(host.http_address, https) == new["scheduler"]
-            assert await served_serial(etcd_address, client_context(admin, admin.ca_file)) == new["etcd"]
-            # A new call on the same channel goes over a new connection, with the new admin key.
+            assert (
+                await served_serial(etcd_address, client_context(operator, operator.ca_file)) == new["etcd"]
+            )
+            # A new call on the same channel goes over a new connection, with the new operator key.
             check = await health.Check(health_pb2.HealthCheckRequest(service=PROBE), timeout=HANG_GUARD_S)
             assert check.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -172,8 +174,8 @@ async def test_a_stream_survives_the_rotation_of_every_certificate(tmp_path, cer
             assert (await stream.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             stream.cancel()
 
-        # Membership kept its lease through the rotation; etcd serves the new admin certificate.
-        members = await list_members(MembershipConfig(etcd_endpoints=etcd.endpoint, tls=admin), "probe")
+        # Membership kept its lease through the rotation; etcd serves the new operator certificate.
+        members = await list_members(MembershipConfig(etcd_endpoints=etcd.endpoint, tls=operator), "probe")
         assert [m.address for m in members] == [host.address]
     finally:
         await host.shutdown()
@@ -194,11 +196,11 @@ async def test_the_ca_rotates_through_a_bundle_and_the_old_one_is_then_refused(t
     host = ServiceHost(ProbeService(), service_config(certs, "scheduler"))
     await host.listen()
     await host.become_ready()
-    old_admin = CertificateDirectory(tmp_path / "old-admin")  # a copy of the old CA's admin
-    copy_identity(certs, old_admin, "admin")
-    admin = certs.tls_for("admin")
+    old_operator = CertificateDirectory(tmp_path / "old-operator")  # a copy of the old CA's operator
+    copy_identity(certs, old_operator, "operator")
+    operator = certs.tls_for("operator")
     try:
-        async with aio_channel(host.address, admin) as channel:
+        async with aio_channel(host.address, operator) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             stream = health.Watch(health_pb2.HealthCheckRequest(service=PROBE), timeout=HANG_GUARD_S)
             assert (await stream.read()).status == health_pb2.HealthCheckResponse.SERVING
@@ -215,7 +217,7 @@ async def test_the_ca_rotates_through_a_bundle_and_the_old_one_is_then_refused(t
             certs.ca_file.write_bytes(next_ca.ca_file.read_bytes())  # 3. drop the old CA
             check_all()
 
-            assert await served_serial(host.http_address, client_context(None, admin.ca_file)) == serial(
+            assert await served_serial(host.http_address, client_context(None, operator.ca_file)) == serial(
                 next_ca, "scheduler"
             )
             check = health.Check(health_pb2.HealthCheckRequest(service=PROBE), timeout=HANG_GUARD_S)
@@ -225,10 +227,12 @@ async def test_the_ca_rotates_through_a_bundle_and_the_old_one_is_then_refused(t
             stream.cancel()
 
         # The old CA's certificate is now refused (trusting the new CA's server, to be sure why).
-        stale = TLSConfig(admin.ca_file, str(old_admin.cert_file("admin")), str(old_admin.key_file("admin")))
+        stale = TLSConfig(
+            operator.ca_file, str(old_operator.cert_file("operator")), str(old_operator.key_file("operator"))
+        )
         await assert_refused(stale, host.address, host.http_address)
         async with httpx.AsyncClient(
-            verify=client_context(admin, admin.ca_file), timeout=HANG_GUARD_S
+            verify=client_context(operator, operator.ca_file), timeout=HANG_GUARD_S
         ) as http:
             assert (await http.get(f"https://{host.http_address}/healthz")).status_code == 200
     finally:
@@ -241,7 +245,7 @@ async def test_side_port_speaks_https_only_with_tls_on(certs):
     try:
         assert await plain_http_refused(host.http_address, "/healthz")
         # As Kubernetes' HTTPS probe: no client certificate (and it would not check ours).
-        async with httpx.AsyncClient(verify=client_context(None, certs.tls_for("admin").ca_file)) as http:
+        async with httpx.AsyncClient(verify=client_context(None, certs.tls_for("operator").ca_file)) as http:
             reply = await http.get(f"https://{host.http_address}/healthz", timeout=HANG_GUARD_S)
             assert (reply.status_code, reply.text) == (200, "ok\n")
             assert (await http.get(f"https://{host.http_address}/readyz")).status_code == 503
@@ -325,14 +329,14 @@ async def test_an_expired_client_certificate_is_refused(certs):
     host = ServiceHost(ProbeService(), service_config(certs, "scheduler"))
     await host.listen()
     try:
-        good = certs.tls_for("admin")
+        good = certs.tls_for("operator")
         async with aio_channel(host.address, good) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=HANG_GUARD_S
             )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         # Optional on the HTTPS side port, but an expired one presented is refused there too.
-        await assert_refused(expired(certs, "admin/expired"), host.address, host.http_address)
+        await assert_refused(expired(certs, "operator/expired"), host.address, host.http_address)
     finally:
         await host.shutdown()
 
@@ -343,7 +347,7 @@ async def test_a_server_with_an_expired_certificate_is_refused(certs):
     port = server.add_secure_port("127.0.0.1:0", server_credentials(stale))
     await server.start()
     try:
-        await assert_refused(certs.tls_for("admin"), f"127.0.0.1:{port}")
+        await assert_refused(certs.tls_for("operator"), f"127.0.0.1:{port}")
     finally:
         await server.stop(None)
 
@@ -439,16 +443,16 @@ def test_certs_issues_short_lived_certificates(tmp_path, capsys):
 
 
 def test_up_prints_https_addresses_for_a_tls_mesh(certs, tmp_path, capsys):
-    admin = certs.tls_for("admin")
+    operator = certs.tls_for("operator")
     mesh = MeshFile(
         up_pid=1, etcd_endpoint="127.0.0.1:2379", etcd_pid=0, admin_api_key="k",
         services={"gateway": ServiceEntry("127.0.0.1:1", "127.0.0.1:2", 1, "gateway.log", "127.0.0.1:3")},
-        tls={"ca_file": admin.ca_file, "cert_file": admin.cert_file, "key_file": admin.key_file},
+        tls={"ca_file": operator.ca_file, "cert_file": operator.cert_file, "key_file": operator.key_file},
     )  # fmt: skip
     print_summary(mesh, tmp_path)
     err = capsys.readouterr().err
     assert "https 127.0.0.1:2" in err and "OpenAI API https://127.0.0.1:3/v1" in err
-    assert f"--cacert {admin.ca_file}" in err
+    assert f"--cacert {operator.ca_file}" in err
 
 
 async def test_closing_a_rotated_channel_closes_the_one_it_replaced(certs):
