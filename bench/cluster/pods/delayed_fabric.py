@@ -74,12 +74,22 @@ class DelayedFabric:
         ]
         # A session of its own: a Ctrl-C meant for the run does not reach it (the run stops it).
         self._switch = subprocess.Popen(
-            argv, pass_fds=self._fds, stdin=subprocess.DEVNULL, start_new_session=True
+            argv, pass_fds=self._fds, stdin=subprocess.PIPE, text=True, start_new_session=True
         )
+
+    def set_delay(self, node_a: int, node_b: int, latency_ms: float | None) -> None:
+        """Frames between nodes ``node_a`` and ``node_b`` held ``latency_ms`` (both ways) instead
+        of the fabric's latency; None: the fabric's again."""
+        assert self._switch is not None and self._switch.stdin is not None, "finish() first"
+        a, b = self._fds[node_a + 1], self._fds[node_b + 1]  # the host's link is the first port
+        self._switch.stdin.write(f"{a} {b} {-1 if latency_ms is None else latency_ms}\n")
+        self._switch.stdin.flush()
 
     def close(self) -> None:
         if self._switch is not None:
             self._switch.kill()
+            if self._switch.stdin is not None:
+                self._switch.stdin.close()
             self._switch.wait()
         for fd in self._fds:
             os.close(fd)

@@ -65,6 +65,8 @@ class Container:
         self._on_event = on_event
         self._proc: subprocess.Popen | None = None
         self._stopping = False
+        self._released = asyncio.Event()
+        self._released.set()
 
     def event(self, message: str) -> None:
         self.state.events.append(message)
@@ -143,6 +145,9 @@ class Container:
         """Start it and keep it running until :meth:`stop`."""
         crashes = 0
         while not self._stopping:
+            await self._released.wait()
+            if self._stopping:
+                return
             started_at = time.monotonic()
             self._proc = self.launch.start(self.log)
             self.state.running, self.state.pid = True, self._proc.pid
@@ -172,8 +177,22 @@ class Container:
     async def stop(self) -> None:
         """Stop it for good (SIGTERM, grace, SIGKILL)."""
         self._stopping = True
+        self._released.set()
         if self._proc is not None and self._proc.poll() is None:
             await self._kill()
+
+    def hold(self) -> None:
+        """Start it no more once it exits (its node is down); on the kubelet's loop."""
+        self._released.clear()
+
+    def release(self) -> None:
+        """Its node is back: start it again if it is down; on the kubelet's loop."""
+        self._released.set()
+
+    def kill_group(self) -> None:
+        """SIGKILL to its process group, from any thread, leaving the restart to :meth:`supervise`."""
+        if self._proc is not None:
+            signal_group(self._proc, signal.SIGKILL)
 
     def kill_now(self) -> None:
         """SIGKILL to its process group, from any thread (teardown)."""

@@ -341,6 +341,29 @@ class OverlayRun:
     def service(self, name: str) -> cluster_dns.ServicePlan:
         return next(s for s in self.services if s.name == name)
 
+    def kill_pod(self, pod: str, hold: bool = False) -> None:
+        """SIGKILL every container of ``pod`` (the kubelet restarts them); ``hold``: not until
+        :meth:`release_pod` (its node is down)."""
+        assert self._loop is not None
+        containers = self.containers[pod]
+        if hold:
+
+            async def hold_all() -> None:
+                for container in containers:
+                    container.hold()
+
+            asyncio.run_coroutine_threadsafe(hold_all(), self._loop).result(30)
+        for container in containers:
+            container.kill_group()
+        self.log(f"pod {pod}: killed{' (held down)' if hold else ''}")
+
+    def release_pod(self, pod: str) -> None:
+        """The kubelet starts ``pod``'s containers again (after :meth:`kill_pod` with ``hold``)."""
+        assert self._loop is not None
+        for container in self.containers[pod]:
+            self._loop.call_soon_threadsafe(container.release)
+        self.log(f"pod {pod}: released")
+
     def netns_of(self, pod: str) -> str:
         assert self.network is not None
         return self.network.pods[pod].netns
