@@ -4,15 +4,20 @@ certificates, etcd as three members (bench/cluster/pods, docs/operations.md "Run
 in network namespaces").
 
 The run adds what an operator's overlay would: k8s/components/blob-volume (the overlay's own
-bucket is a placeholder and nothing outside the machine is reached) and float32 workers (the
-overlay's ``auto`` is bfloat16 on this CPU; the comparison with transformers + peft is in
-float32). The working tree's code runs, not a built image's.
+bucket is a placeholder and nothing outside the machine is reached) and the nemesis's workers
+(bench/cluster/nemesis.py ``worker_patch``): float32 (the overlay's ``auto`` is bfloat16 on this
+CPU; the comparison with transformers + peft is in float32) and an 18 MiB KV pool that the
+nemesis's long prompts overflow. The working tree's code runs, not a built image's.
 
 One pod outside the overlay, ``outsider`` (namespace default, no labels), is the user: it
 uploads a PEFT adapter and streams a greedy completion through the gateway Service by its name,
 which must equal transformers + peft (teacher-forced, near ties reported). The same pod may
 reach the gateway's public port but not a worker's: its connection attempt is seen dropped by
 the worker's policy. Waits are by condition, each bounded only by a hang guard.
+
+On the same running overlay, one short seeded nemesis round (issue 49): a kill-pod, a partition
+and a 5% loss between two nodes while the load streams, borrows KV and uploads; nothing lost,
+nothing corrupted, the KV ledger balanced.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ import torch
 from support.hf_peft import hf_logits, near_ties
 from support.polling import poll_until
 
+from bench.cluster.nemesis import NemesisConfig, run_round, worker_patch
 from bench.cluster.pods.probes import netns_executor
 from bench.cluster.pods.render import BLOB_VOLUME, RunOverlay
 from bench.cluster.pods.runner import ClientPod, OverlayRun, RunConfig, RunFailed, exec_in
+from bench.cluster.schedule import NemesisKind
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS
@@ -57,21 +64,6 @@ pytestmark = [
     pytest.mark.skipif(bool(_namespaces_available()), reason=_namespaces_available() or "-"),
 ]
 
-FLOAT32_WORKERS = """\
-apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: gpu-worker
-  namespace: loramesh
-spec:
-  template:
-    spec:
-      containers:
-        - name: gpu-worker
-          env:
-            - name: LORAMESH_DTYPE
-              value: float32
-"""
 OUTSIDER = "outsider"
 PROMPT = "Write one sentence about rivers."
 MAX_TOKENS = 16
@@ -83,7 +75,7 @@ pytest's 600 s timeout, so that a run that never gets ready fails with its diagn
 @pytest.fixture(scope="module")
 def overlay(tmp_path_factory):
     config = RunConfig(
-        overlay=RunOverlay(components=(BLOB_VOLUME,), patches=(FLOAT32_WORKERS,)),
+        overlay=RunOverlay(components=(BLOB_VOLUME,), patches=(worker_patch(),)),
         nodes=3,
         clients=(ClientPod(OUTSIDER, node=1),),
         use_built_image=False,
@@ -179,3 +171,32 @@ def _connected(sock: socket.socket) -> bool:
     """A non-blocking connect has completed, without error."""
     writable = bool(select.select([], [sock], [], 0)[1])
     return writable and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+
+
+NEMESIS_SEED = 48
+"""Draws a round of three faults: a gpu-worker killed (its streams continue on the other), a
+gateway cut off from the schedulers, 5% loss between two nodes (bench/cluster/schedule.py)."""
+
+
+def test_a_short_seeded_nemesis_round_loses_nothing_and_balances_the_ledger(overlay, tmp_path):
+    config = NemesisConfig(
+        kinds=(NemesisKind.KILL_POD, NemesisKind.PARTITION, NemesisKind.LOSS),
+        duration_s=60.0,
+        seed=NEMESIS_SEED,
+        client=OUTSIDER,
+        out=tmp_path / "nemesis",
+        warmup_s=8.0,
+        fault_s=(6.0, 10.0),
+        quiet_s=(3.0, 5.0),
+        tail_s=8.0,
+    )
+    result = run_round(overlay, config)
+    print(f"\n{result.report}")
+    verdict = result.verdict
+    assert [a.fault.kind for _, _, a in result.applied] == [
+        NemesisKind.KILL_POD, NemesisKind.PARTITION, NemesisKind.LOSS
+    ], result.report  # fmt: skip
+    assert not any(a.skipped for _, _, a in result.applied), result.report
+    assert verdict.sent > 0 and verdict.streams > 0 and verdict.ledger == [], result.report
+    assert verdict.holds, f"{result.report}\n{overlay.diagnosis()}"
+    assert verdict.summary.endswith("0 lost, 0 corrupted, ledger balanced")
