@@ -1,6 +1,7 @@
 """The official ``openai`` package against the gateway's OpenAI API on a real mesh: sync and
 async, streaming and not, chat and completion, adapters as ``model``; greedy tokens equal the
-gRPC path's; n, seeds, stop strings and usage; vLLM's adapter loading (relative paths under the
+gRPC path's; n, seeds, stop strings and usage; an uploaded chat template that loops for minutes
+refused for its own chats only; vLLM's adapter loading (relative paths under the
 load dirs) and server routes (``/health``, ``/ping``, ``/version``, ``/metrics``); a disconnect
 cancels."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -16,7 +18,8 @@ import pytest
 from grpc import aio
 from support.prometheus_scrape import Scrape, scrape
 
-from loramesh import AsyncClient, Client
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from loramesh import AsyncClient, Client, errors
 from mesh_api.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
@@ -131,6 +134,37 @@ async def test_concurrent_chats_for_base_and_adapters_are_each_their_own(mesh):
     assert texts[0] == texts[3]  # greedy: the same model gives the same answer in any batch
     assert len({texts[0], texts[1], texts[2]}) == 3, texts  # each adapter changes the answer
     assert all(r.object == "chat.completion" and r.usage.total_tokens > 0 for r in replies)
+
+
+def test_an_uploaded_template_that_loops_for_minutes_fails_its_own_chats_only(mesh, base_spec, tmp_path):
+    looper = write_peft_adapter(tmp_path / "looper", base_spec, SampleAdapterSpec(rank=4, seed=21))
+    (looper / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    )
+    refusal = (
+        "the chat template of adapter 'bob/looper' is over the gateway's template budget: "
+        "more than 100000 operations (--chat-template-max-operations)"
+    )
+    with Client(mesh.gateway.address, "key-bob") as bob:
+        bob.adapters.upload(looper, "looper")
+        try:
+            with pytest.raises(errors.FailedPrecondition, match=re.escape(refusal)):
+                bob.chat(QUESTION, adapter="looper", max_tokens=4)
+            with sync_client(mesh, "key-bob") as client, pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model="looper", messages=QUESTION, max_tokens=4)
+            assert refused.value.body == {
+                "message": refusal,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "failed_precondition",
+            }
+            with sync_client(mesh) as client:  # alice, on the same gateway
+                reply = client.chat.completions.create(
+                    model="pirate", messages=QUESTION, max_tokens=4, temperature=0
+                )
+            assert reply.choices[0].message.content
+        finally:
+            bob.adapters.delete("looper")  # the other tests list bob's adapters
 
 
 def test_models_lists_the_base_and_the_adapters_the_key_may_use(mesh):
