@@ -55,7 +55,12 @@ from services.adapter_store.row_texts import RowTexts
 from services.adapter_store.storage_usage import StorageUsage, stored_bytes
 from services.adapter_store.tenant_storage_quota import fits
 from services.runtime.errors import Unavailable
-from services.runtime.etcd.membership import EtcdConnection, MembershipConfig, describe_etcd_error
+from services.runtime.etcd.membership import (
+    EtcdConnection,
+    EtcdUnreachable,
+    MembershipConfig,
+    describe_etcd_error,
+)
 from services.runtime.etcd.prefix_follower import (
     LIST_PAGE_ROWS,
     ListingPage,
@@ -261,14 +266,10 @@ class Catalog:
 
         async def call() -> T:
             try:
-                return await self._conn.call(fn)
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # noqa: BLE001 - every etcd failure is the same to a caller
-                endpoint = self._conn.endpoint
-                await self._conn.reset()
-                self.problem = f"etcd at {endpoint} unreachable ({describe_etcd_error(error)})"
-                raise Unavailable(f"adapter catalog: cannot {what}: {self.problem}") from None
+                return await self._conn.checked_call(fn, what)
+            except EtcdUnreachable as error:
+                self.problem = error.problem
+                raise Unavailable(f"adapter catalog: {error}") from None
 
         return self._submit(call()).result()
 

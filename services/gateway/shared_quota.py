@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 from services.runtime.errors import Unavailable
@@ -31,7 +32,6 @@ from services.runtime.etcd.leased_slots import HeldSlot, LeasedSlots
 from services.runtime.etcd.membership import (
     EtcdConnection,
     MembershipConfig,
-    describe_etcd_error,
     follow,
     watch_members,
 )
@@ -42,6 +42,9 @@ log = logging.getLogger("loramesh.gateway.quota")
 SLOT_RETRY_S = 0.2
 """How often a gateway whose tenant has generations waiting tries again for a slot freed by
 another gateway: a waiter there is served at most this much later than a free slot."""
+SLOT_THREADS = 8
+"""Threads taking and freeing slots (each waits on one etcd call run on the gateway's loop): a
+pool of their own, so that admissions never queue behind other work of the default executor."""
 
 
 class SharedQuota:
@@ -55,6 +58,8 @@ class SharedQuota:
         self._conn = EtcdConnection(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots = LeasedSlots(self._call, holder_id, config.ttl_s, "generation")
+        self._threads = ThreadPoolExecutor(SLOT_THREADS, thread_name_prefix="quota-slots")
+        self._closed = False
         self._watch: asyncio.Task[None] | None = None
         self.gateways = 0
         """Live gateways, as last listed (0: not yet listed)."""
@@ -83,7 +88,7 @@ class SharedQuota:
         all; Unavailable naming the tenant when etcd does not answer."""
         assert self._loop is not None, "SharedQuota.start first"
         taking = self._loop.run_in_executor(
-            None, self._slots.take, self._prefix + quote(tenant, safe="") + "/", limit
+            self._threads, self._slots.take, self._prefix + quote(tenant, safe="") + "/", limit
         )
         try:
             return await asyncio.shield(taking)
@@ -98,35 +103,26 @@ class SharedQuota:
 
     def release(self, slot: HeldSlot) -> None:
         """Free ``slot`` in etcd, off the loop (its lease frees it if that fails)."""
-        if self._loop is not None:
-            self._loop.run_in_executor(None, slot.release)
+        if self._loop is not None and not self._closed:
+            self._loop.run_in_executor(self._threads, slot.release)
 
     def _release_taken(self, taking: asyncio.Future) -> None:
         if not taking.cancelled() and taking.exception() is None and taking.result() is not None:
             self.release(taking.result())
 
     def _call(self, fn, what: str):
-        """One etcd call on the gateway's loop, from a worker thread (:class:`LeasedSlots`)."""
+        """One etcd call on the gateway's loop, from a slot thread (:class:`LeasedSlots`)."""
         if self._loop is None:
             raise Unavailable(f"cannot {what}: the gateway's quota is not started")
-        return asyncio.run_coroutine_threadsafe(self._checked(fn, what), self._loop).result()
-
-    async def _checked(self, fn, what: str):
-        try:
-            return await self._conn.call(fn)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - every etcd failure is the same to a caller
-            endpoint = self._conn.endpoint
-            await self._conn.reset()
-            raise Unavailable(
-                f"cannot {what}: etcd at {endpoint} unreachable ({describe_etcd_error(error)})"
-            ) from None
+        return asyncio.run_coroutine_threadsafe(self._conn.checked_call(fn, what), self._loop).result()
 
     async def close(self) -> None:
-        """Stop counting the gateways and revoke the slots' lease: the slots held are free at once."""
+        """Stop counting the gateways and revoke the slots' lease: the slots held are free at once
+        (generations ending later have nothing to free)."""
+        self._closed = True
         if self._watch is not None:
             await cancel_and_wait([self._watch])
         await asyncio.to_thread(self._slots.close)
+        await asyncio.to_thread(self._threads.shutdown)
         with contextlib.suppress(Exception):
             await self._conn.close()

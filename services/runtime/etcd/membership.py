@@ -292,6 +292,18 @@ class EtcdConnection:
         timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
         return await asyncio.wait_for(fn(self.client()), timeout)
 
+    async def checked_call(self, fn: Callable[[aetcd.Client], Awaitable[T]], what: str) -> T:
+        """:meth:`call`; on any failure the client is reset (the next call dials the next endpoint)
+        and :class:`EtcdUnreachable` names ``what`` and the cause."""
+        try:
+            return await self.call(fn)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - every etcd failure is the same to a caller
+            problem = f"etcd at {self.endpoint} unreachable ({describe_etcd_error(error)})"
+            await self.reset()
+            raise EtcdUnreachable(what, problem) from None
+
     async def reset(self) -> None:
         """Close the current client (bounded) and rotate to the next endpoint."""
         await self.close()
@@ -313,6 +325,15 @@ def describe_etcd_error(e: BaseException) -> str:
     if isinstance(e, TimeoutError):
         return "timed out"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class EtcdUnreachable(Unavailable):
+    """An etcd call got no answer (:meth:`EtcdConnection.checked_call`)."""
+
+    def __init__(self, what: str, problem: str):
+        super().__init__(f"cannot {what}: {problem}")
+        self.problem = problem
+        """Where and why: ``etcd at HOST:PORT unreachable (cause)``."""
 
 
 class LeaseLost(Exception):
@@ -827,6 +848,7 @@ async def listed_within(
 
 __all__ = [
     "DEFAULT_TTL_S",
+    "EtcdUnreachable",
     "FenceCallback",
     "LeaseLost",
     "LoadFn",
