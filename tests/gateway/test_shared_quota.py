@@ -116,15 +116,24 @@ async def test_tokens_per_minute_are_shared_by_the_live_gateways(membership_conf
         assert a.tokens_left("alice") == pytest.approx(300)  # the whole rate: 10 per second
 
 
-async def test_a_gateway_cut_off_from_etcd_refuses_limited_tenants_in_one_line(membership_config, etcd):
-    limits = TenantLimits(max_concurrent_requests=2)
+async def test_a_gateway_cut_off_from_etcd_refuses_limited_tenants_and_their_waiters_in_one_line(
+    membership_config, etcd
+):
+    limits = TenantLimits(max_concurrent_requests=1, max_waiting_requests=1)
     async with gateway(membership_config, "gw-a", limits) as a:
         held = await a.acquire("alice", 10)
+        waiter = asyncio.create_task(a.acquire("alice", 10))
+        await poll_until(lambda: asyncio.sleep(0, a.waiting("alice")), lambda n: n == 1, "a waiter")
         etcd.stop()
-        with pytest.raises(Unavailable) as error:
-            await a.acquire("alice", 10)
-        message = str(error.value)
-        assert message.startswith("tenant 'alice' has a max_concurrent_requests limit shared by the gateways")
-        assert "\n" not in message
+        for refusal in [waiter, a.acquire("alice", 10)]:
+            with pytest.raises(Unavailable) as error:
+                await refusal
+            message = str(error.value)
+            assert message.startswith(
+                "tenant 'alice' has a max_concurrent_requests limit shared by the gateways through etcd, "
+                "which this gateway cannot reach (cannot "
+            )
+            assert f"etcd at {etcd.endpoint} unreachable" in message
+            assert "\n" not in message
         (await a.acquire("bob", 10)).settle(10)  # no limit: nothing to share
         held.settle(10)  # its slot's lease frees it
