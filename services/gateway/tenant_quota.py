@@ -182,7 +182,7 @@ class TenantQuota:
             return await self._acquire_shared(tenant, limits, max_tokens)
         if limits == UNLIMITED or self._slot_is_free(tenant, limits):
             return self.admit(tenant, max_tokens)
-        await self._wait_in_room(tenant, limits)
+        await self._await_turn(tenant, self._enter_room(tenant, limits))
         return self._charge(tenant, limits, max_tokens)
 
     async def _acquire_shared(self, tenant: str, limits: TenantLimits, max_tokens: int) -> Admission:
@@ -194,30 +194,34 @@ class TenantQuota:
             if slot is not None:
                 self._in_flight[tenant] = self.in_flight(tenant) + 1
         if slot is None:
-            waiting = self._wait_in_room(tenant, limits)
+            turn = self._enter_room(tenant, limits)
             if tenant not in self._claimers:
                 self._claimers[tenant] = asyncio.get_running_loop().create_task(
                     self._claim(tenant, limits), name=f"quota-claim-{tenant}"
                 )
-            slot = await waiting
+            slot = await self._await_turn(tenant, turn)
         return self._charge(tenant, limits, max_tokens, slot)
 
-    async def _wait_in_room(self, tenant: str, limits: TenantLimits) -> HeldSlot | None:
-        """Wait in the tenant's waiting room for a slot handed over (refused when the room is
-        full); the slot held in etcd, if shared."""
+    def _enter_room(self, tenant: str, limits: TenantLimits) -> asyncio.Future:
+        """A place in the tenant's waiting room, last in line (refused when the room is full)."""
         room = self._waiting.setdefault(tenant, deque())
         if len(room) >= limits.waiting_room:
+            if not room:
+                self._waiting.pop(tenant, None)
             self._refuse_for_concurrency(tenant)
         turn = asyncio.get_running_loop().create_future()
         room.append(turn)
+        return turn
+
+    async def _await_turn(self, tenant: str, turn: asyncio.Future) -> HeldSlot | None:
+        """Wait for a slot handed over; the slot held in etcd, if shared."""
         try:
             return await turn
         except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
-                self._free_slot(
-                    tenant, turn.result()
-                )  # handed over as the waiter went: the next one takes it
-            else:
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                # handed over as the waiter went: the next one takes it
+                self._free_slot(tenant, turn.result())
+            elif turn in (room := self._waiting.get(tenant, deque())):
                 room.remove(turn)
                 if not room:
                     self._waiting.pop(tenant, None)
@@ -227,9 +231,11 @@ class TenantQuota:
         """While the tenant has waiters here, try every ``retry_s`` for a slot another gateway
         freed, and hand each one taken to the oldest waiter; refuse them all if etcd is away."""
         assert self.shared is not None
+        slot = None
         try:
             while self._waiting.get(tenant):
-                await asyncio.sleep(self.shared.retry_s)
+                if slot is None:  # after a slot taken, try again at once: more may be free
+                    await asyncio.sleep(self.shared.retry_s)
                 try:
                     slot = await self.shared.take(tenant, limits.max_concurrent_requests)
                 except Unavailable as error:
