@@ -33,9 +33,10 @@ class TenantLimits:
     """One tenant's limits; 0 is unlimited."""
 
     max_concurrent_requests: int = 0
-    """Generations in flight at once (the gateway)."""
+    """Generations in flight at once, every gateway's together when they share etcd (the gateway)."""
     tokens_per_minute: int = 0
-    """Prompt plus generated tokens per minute, a token bucket over the quota window (the gateway)."""
+    """Prompt plus generated tokens per minute, a token bucket over the quota window, each gateway
+    sharing etcd refilling its share (the gateway)."""
     max_waiting_requests: int | None = None
     """Generations that wait for one of the ``max_concurrent_requests`` slots, first come first
     served; None: as many as ``max_concurrent_requests``; 0: none (refused at once) (the gateway)."""
