@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import pytest
 
+from services.gateway.config import GatewayConfig
+from services.gateway.service import GatewayService
 from services.gateway.shared_quota import SharedQuota
 from services.gateway.tenant_quota import Admission, QuotaConfig, TenantLimits, TenantQuota
 from services.runtime.errors import ResourceExhausted, Unavailable
 from services.runtime.etcd.membership import MemberInfo, MemberRegistration, MembershipConfig
+from services.runtime.rpc.server import start_service
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -137,3 +141,28 @@ async def test_a_gateway_cut_off_from_etcd_refuses_limited_tenants_and_their_wai
             assert "\n" not in message
         (await a.acquire("bob", 10)).settle(10)  # no limit: nothing to share
         held.settle(10)  # its slot's lease frees it
+
+
+async def test_two_gateway_services_on_one_etcd_share_the_limit(tmp_path, etcd):
+    tenants = tmp_path / "tenants.json"
+    limits = {"max_concurrent_requests": 1, "max_waiting_requests": 0}
+    tenants.write_text(json.dumps({"keys": {"key-alice": "alice"}, "tenants": {"alice": limits}}))
+    config = GatewayConfig(etcd_endpoints=etcd.endpoint, api_keys_file=str(tenants), grace_s=1)
+    first = await start_service(GatewayService(config), config)
+    second = await start_service(GatewayService(config), config)
+    a, b = first.service.core.quota, second.service.core.quota
+    try:
+        await poll_until(
+            lambda: asyncio.sleep(0, (a.shared.gateways, b.shared.gateways)),
+            lambda n: n == (2, 2),
+            "both count 2",
+        )
+        held = await a.acquire("alice", 10)
+        assert "limit of 1 requests in flight across the gateways" in await refused(b)
+        held.settle(10)
+        await first.shutdown()  # its slots' lease revoked, its membership gone
+        (await poll_until(lambda: admitted(b), bool, "b alone takes the slot")).settle(10)
+        await poll_until(lambda: asyncio.sleep(0, b.shared.gateways), lambda n: n == 1, "one gateway")
+    finally:
+        await first.shutdown()
+        await second.shutdown()
