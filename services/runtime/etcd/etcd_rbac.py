@@ -53,9 +53,11 @@ equal to the services' own names."""
 
 WRITABLE_PREFIXES: dict[str, tuple[str, ...]] = {
     "adapter_store": ("adapter_store/",),
+    "gateway": ("gateway/",),
 }
 """Key ranges under ``<prefix>/`` each kind writes as a whole: the adapter catalog, which every
-store replica shares."""
+store replica shares; the tenants' generation slots, which every gateway shares
+(services/gateway/shared_quota.py)."""
 
 MESH_KEYS = MembershipConfig()
 """Where the services keep their keys (the default ``key_prefix``, as every service runs)."""

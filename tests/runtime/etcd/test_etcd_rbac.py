@@ -13,6 +13,7 @@ import pytest
 from aetcd.exceptions import ClientError
 from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
 
+from services.gateway.shared_quota import SharedQuota
 from services.kv_manager.service import KVManagerService
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.etcd_rbac import ETCD_ROOT, LEADER_ELECTIONS, OPERATOR, provision_etcd_rbac
@@ -35,16 +36,17 @@ pytestmark = pytest.mark.integration
 HANG_GUARD_S = 30
 """Hang guard only."""
 
-WORKER, OTHER, SCHEDULER = (
+WORKER, OTHER, SCHEDULER, GATEWAY = (
     MeshIdentity("gpu_worker", "gpu_worker-0"),
     MeshIdentity("gpu_worker", "gpu_worker-1"),
     MeshIdentity("scheduler", "scheduler-0"),
+    MeshIdentity("gateway", "gateway-0"),
 )
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> CertificateDirectory:
-    identities = [WORKER, OTHER, SCHEDULER, "gpu_worker", "etcd", ETCD_ROOT, OPERATOR]
+    identities = [WORKER, OTHER, SCHEDULER, GATEWAY, "gpu_worker", "etcd", ETCD_ROOT, OPERATOR]
     return create_mesh_certificates(tmp_path_factory.mktemp("certs"), identities)
 
 
@@ -52,7 +54,9 @@ def certs(tmp_path_factory) -> CertificateDirectory:
 async def etcd(tmp_path, certs):
     server = EtcdServer(tmp_path / "etcd", tls=certs.tls_for("etcd")).start()
     try:
-        await provision_etcd_rbac(server.endpoint, certs.tls_for(ETCD_ROOT), [WORKER, OTHER, SCHEDULER])
+        await provision_etcd_rbac(
+            server.endpoint, certs.tls_for(ETCD_ROOT), [WORKER, OTHER, SCHEDULER, GATEWAY]
+        )
         yield server
     finally:
         server.stop()
@@ -117,6 +121,22 @@ async def test_a_scheduler_campaigns_in_its_election_only(etcd, certs):
     async with etcd_client(host, port, scheduler.tls, timeout=HANG_GUARD_S) as client:
         with pytest.raises(ClientError, match="permission denied"):
             await client.put(leader_key(scheduler, KVManagerService.name).encode(), b"scheduler-0")
+
+
+async def test_a_gateway_takes_and_frees_its_tenants_slots_and_a_worker_cannot_write_them(etcd, certs):
+    gateway = config(etcd, certs, GATEWAY)
+    for _ in range(2):  # the second time: the first's slot was freed by revoking its lease
+        shared = SharedQuota(gateway, GATEWAY.instance)
+        shared.start()
+        try:
+            assert await shared.take("alice", 1) is not None
+            assert await shared.take("alice", 1) is None
+        finally:
+            await shared.close()
+    host, port = gateway.endpoints()[0]
+    async with etcd_client(host, port, certs.tls_for(WORKER), timeout=HANG_GUARD_S) as client:
+        with pytest.raises(ClientError, match="permission denied"):
+            await client.put(f"{gateway.key_prefix}/gateway/slots/alice/0".encode(), b"gpu_worker-0")
 
 
 async def test_provisioning_again_on_an_etcd_with_auth_on_adds_what_is_missing(etcd, certs, tmp_path):
