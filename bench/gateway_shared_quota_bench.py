@@ -49,7 +49,7 @@ def summary(latencies: list[float]) -> str:
 
 async def run(endpoint: str, admissions: int, repeats: int) -> None:
     shared = SharedQuota(MembershipConfig(etcd_endpoints=endpoint), "bench-gateway")
-    shared.start()
+    await shared.start()
     try:
         variants = {
             "this gateway alone": TenantQuota(LIMITS),

@@ -309,7 +309,7 @@ class GatewayService:
         relay = Relay(place, self.channels, cfg.max_resumes, report_completion)
         self.core.attach(text, relay)
         if self.core.quota.shared is not None:
-            self.core.quota.shared.start()
+            await self.core.quota.shared.start()
         self.parts.catalog.start()
         await self.openai.start(build_app(self.parts, self.metrics), cfg.host, cfg.openai_port)
 

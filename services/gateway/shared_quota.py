@@ -64,12 +64,19 @@ class SharedQuota:
         self.gateways = 0
         """Live gateways, as last listed (0: not yet listed)."""
 
-    def start(self) -> None:
-        """Follow the live gateways (on the running loop, which runs the etcd calls too)."""
+    async def start(self) -> None:
+        """Follow the live gateways (on the running loop, which runs the etcd calls too), waiting
+        for the first listing up to a call timeout: a gateway's first token buckets take their
+        share from it (until listed, the whole bucket, as if alone)."""
         self._loop = asyncio.get_running_loop()
+        listed = asyncio.Event()
         self._watch = self._loop.create_task(
-            follow(watch_members(self.config, "gateway"), self._count), name="gateway-count"
+            follow(watch_members(self.config, "gateway"), self._count, listed), name="gateway-count"
         )
+        try:
+            await asyncio.wait_for(listed.wait(), self.config.call_timeout_s)
+        except TimeoutError:
+            log.warning("the live gateways are not listed yet: token shares follow once they are")
 
     def _count(self, members: dict) -> None:
         self.gateways = len(members)

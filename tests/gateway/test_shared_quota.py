@@ -33,7 +33,7 @@ class FakeClock:
 async def gateway(config: MembershipConfig, name: str, limits: TenantLimits, clock=None):
     """One gateway's quota on ``config``'s etcd, registered as a live gateway."""
     shared = SharedQuota(config, name, retry_s=0.05)
-    shared.start()
+    await shared.start()
     quota = TenantQuota(QuotaConfig({"alice": limits}), clock=clock or FakeClock(), shared=shared)
     member = MemberRegistration(
         config, MemberInfo.create("gateway", f"127.0.0.1:{len(name)}", instance_id=name)

@@ -127,7 +127,7 @@ async def test_a_gateway_takes_and_frees_its_tenants_slots_and_a_worker_cannot_w
     gateway = config(etcd, certs, GATEWAY)
     for _ in range(2):  # the second time: the first's slot was freed by revoking its lease
         shared = SharedQuota(gateway, GATEWAY.instance)
-        shared.start()
+        await shared.start()
         try:
             assert await shared.take("alice", 1) is not None
             assert await shared.take("alice", 1) is None
