@@ -152,7 +152,10 @@ class Load:
         async with self.client(process) as client:
             while not self._stop.is_set():
                 key, (kind, prompt) = self.rng.choice(prompts)
-                adapter = self.rng.choice([None, *self.acknowledged[-3:]]) if not borrowing else None
+                # The first two adapters only: every adapter streamed stays resident in the
+                # worker's pool while idle, and idle adapters' pages are not lent (see
+                # docs/benchmarks.md, "What the first rounds found").
+                adapter = self.rng.choice([None, *self.acknowledged[:2]]) if not borrowing else None
                 if adapter is not None:
                     key = f"{key}@{adapter}"
                     sampling_now = Sampling.SAMPLED  # no reference taken with this adapter

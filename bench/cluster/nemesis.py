@@ -33,7 +33,7 @@ from pathlib import Path
 
 from bench.cluster.checker import Verdict, check
 from bench.cluster.faults import Applied, FaultExecutor
-from bench.cluster.history import History, Op, Outcome
+from bench.cluster.history import STREAM_KINDS, History, Op, Outcome
 from bench.cluster.load import read_store
 from bench.cluster.observations import BlockReport, Heal, LeaderTerm, LeaderWrite, LedgerSnapshot
 from bench.cluster.pods.runner import OverlayRun, gateway_addresses
@@ -376,12 +376,27 @@ def round_report(result: RoundResult, started: float) -> str:
         lines.append(
             f"{fault.label} at {at - started:.1f} s for {healed - at:.1f} s: during {_availability(during)}, "
             f"after {_availability(after)}; serving again {max(took, default=0):.1f} s after the heal"
+            + _stalls(ops, result.stalls, at)
         )
     lines.append(
         f"most KV blocks lent at once: {result.most_lent} ({result.verdict.borrowed_streams} borrowing streams)"
     )
     problems = result.verdict.report().splitlines()[1:]
     return "\n".join([*lines, *problems, result.verdict.summary])
+
+
+def _stalls(ops: Sequence[Op], stalls: dict[int, tuple[float, float]], moment: float) -> str:
+    """The longest wait between two messages of each stream in flight at ``moment``: p50, p99."""
+    waits = sorted(
+        stalls[op.id][0]
+        for op in ops
+        if op.kind in STREAM_KINDS and op.id in stalls and op.invoked_at < moment
+        and (op.completed_at is None or op.completed_at > moment)
+    )  # fmt: skip
+    if not waits:
+        return ""
+    p50, p99 = waits[len(waits) // 2], waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))]
+    return f"; {len(waits)} streams in flight, longest stall p50 {p50:.1f} s, p99 {p99:.1f} s"
 
 
 def _availability(ops: Sequence[Op]) -> str:
