@@ -494,6 +494,16 @@ def run_campaign(
         mesh.stop()
 
 
+def port(entry: str) -> str:
+    """An entry point's group in the summary: its port (``gRPC adapter_store``, ``HTTP``), or
+    itself (the hostile adapters' steps)."""
+    if entry.startswith("gRPC "):
+        return " ".join(entry.split()[:2])
+    if entry.startswith("HTTP "):
+        return "HTTP (OpenAI, vLLM, LoRAX routes)"
+    return entry
+
+
 def report(result: CampaignResult) -> list[str]:
     summary = (
         f"{result.totals.cases} cases in {result.seconds:.0f} s; {result.failures} × 5xx / INTERNAL / UNKNOWN / DATA_LOSS; "
@@ -501,6 +511,8 @@ def report(result: CampaignResult) -> list[str]:
     )
     lines = [
         summary,
+        "",
+        *result.totals.table(port),
         "",
         *result.totals.table(),
         "",

@@ -59,7 +59,10 @@ def _set(key: str, value) -> Callable[[dict], None]:
 
 
 def _drop(key: str) -> Callable[[dict], None]:
-    return lambda config: config.pop(key, None)
+    def drop(config: dict) -> None:
+        config.pop(key, None)
+
+    return drop
 
 
 CONFIG_CHANGES: dict[str, Callable[[dict], object]] = {
@@ -199,10 +202,8 @@ def trees(root: Path, valid: dict[str, bytes]) -> dict[str, Path]:
         (path / WEIGHTS).write_bytes(valid[WEIGHTS])
 
     def nested(path: Path) -> None:
-        deep = path.joinpath(*(["d"] * 100))
-        _write(deep, valid)
-        (path / CONFIG).symlink_to(deep / CONFIG)
-        (path / WEIGHTS).symlink_to(deep / WEIGHTS)
+        _write(path, valid)
+        _write(path.joinpath(*(["d"] * 100)), valid)
 
     def sparse(path: Path) -> None:
         (path / CONFIG).write_bytes(valid[CONFIG])

@@ -4,6 +4,7 @@ the first inputs that failed."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 FAILURES_KEPT = 5
@@ -38,14 +39,23 @@ class Totals:
     def cases(self) -> int:
         return sum(sum(c.values()) for c in self.outcomes.values())
 
-    def table(self) -> list[str]:
-        """Markdown rows: entry point, identity, cases, failures, the three commonest outcomes."""
-        lines = ["| entry point | identity | cases | 5xx / INTERNAL / UNKNOWN | commonest outcomes |",
-                 "|---|---|---:|---:|---|"]  # fmt: skip
-        for (entry, identity), counts in sorted(self.outcomes.items()):
-            common = ", ".join(f"{name} {n}" for name, n in counts.most_common(3))
+    def table(self, group: Callable[[str], str] = lambda entry: entry) -> list[str]:
+        """Markdown rows: entry point (or its ``group``), identity, entry points, cases, failures,
+        the three commonest outcomes."""
+        grouped: dict[tuple[str, str], Counter] = defaultdict(Counter)
+        entries: dict[tuple[str, str], set] = defaultdict(set)
+        failed: Counter = Counter()
+        for (entry, identity), counts in self.outcomes.items():
+            grouped[group(entry), identity].update(counts)
+            entries[group(entry), identity].add(entry)
+            failed[group(entry), identity] += self.failed[entry, identity]
+        lines = ["| entry point | identity | entry points | cases | 5xx / INTERNAL / UNKNOWN | commonest outcomes |",
+                 "|---|---|---:|---:|---:|---|"]  # fmt: skip
+        for (name, identity), counts in sorted(grouped.items()):
+            common = ", ".join(f"{outcome} {n}" for outcome, n in counts.most_common(3))
             lines.append(
-                f"| {entry} | {identity} | {sum(counts.values())} | {self.failed[entry, identity]} | {common} |"
+                f"| {name} | {identity} | {len(entries[name, identity])} | {sum(counts.values())} "
+                f"| {failed[name, identity]} | {common} |"
             )
         return lines
 
