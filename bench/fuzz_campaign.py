@@ -50,7 +50,7 @@ from schemathesis.generation import GenerationMode
 
 from bench.fuzz import hostile_adapters
 from bench.fuzz.grpc_calls import UNCLEAR, call
-from bench.fuzz.loop_lag import LagProbe
+from bench.fuzz.loop_lag import LagProbe, Stretch, stretch_lines
 from bench.fuzz.mesh import TENANT_KEYS, FuzzMesh, start_fuzz_mesh
 from bench.fuzz.proto_messages import Vocabulary, messages, raw_requests
 from bench.fuzz.totals import Totals
@@ -132,8 +132,8 @@ class CampaignResult:
     """Services whose process exited during the campaign."""
     lag: dict
     """Service -> LagCounts of the loop-lag probe."""
-    stretches: list[str]
-    """The probe's line per blocked stretch."""
+    stretches: list[Stretch]
+    """The probe's blocked stretches."""
     seconds: float
 
     @property
@@ -522,7 +522,7 @@ def report(result: CampaignResult) -> list[str]:
     for name, counts in sorted(result.lag.items()):
         lines.append(f"| {name} | {counts.checks} | {counts.blocked} | {counts.worst_s:.3f} s |")
     if result.stretches:
-        lines += ["", "Blocked stretches:", *result.stretches]
+        lines += ["", "Blocked stretches:", *stretch_lines(result.stretches)]
     failures = result.totals.failure_lines()
     if failures:
         lines += ["", "Failures:", *failures]
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             "failures": result.totals.failure_lines(),
             "notes": result.totals.notes,
             "lag": {n: vars(c) for n, c in result.lag.items()},
-            "stretches": result.stretches,
+            "stretches": stretch_lines(result.stretches),
         }, indent=1))  # fmt: skip
     return 1 if result.failures or result.dead or result.blocked else 0
 

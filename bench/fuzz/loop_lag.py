@@ -11,7 +11,8 @@ The threshold is a detector, not a verdict on speed: a loop that yields within t
 milliseconds between callbacks answers in a few milliseconds even on a loaded machine, so a
 check past a second means work was done on the loop that belongs in a thread or a process. On a
 2-core machine that other work shares, a stretch can come from the scheduler of the machine
-itself; :attr:`LagProbe.worst_s` gives the size of what was seen, so a count is read with it.
+itself, which shows as stretches in several services at once (:func:`stretch_lines` puts
+those on one line); :attr:`LagCounts.worst_s` gives the size of what was seen.
 """
 
 from __future__ import annotations
@@ -46,6 +47,41 @@ class LagCounts:
     worst_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class Stretch:
+    """One health check answered late or not at all."""
+
+    service: str
+    began: float
+    """When the check was sent (``time.monotonic``)."""
+    took_s: float
+    answered: bool
+    doing: str
+    """What the caller was doing then."""
+
+    def overlaps(self, other: Stretch) -> bool:
+        return self.began < other.began + other.took_s and other.began < self.began + self.took_s
+
+
+def stretch_lines(stretches: list[Stretch]) -> list[str]:
+    """A line per set of stretches that overlap in time: stretches in several services at once
+    point at the machine (or at something they all wait on), one service alone at its loop."""
+    groups: list[list[Stretch]] = []
+    for stretch in sorted(stretches, key=lambda s: s.began):
+        if groups and any(stretch.overlaps(other) for other in groups[-1]):
+            groups[-1].append(stretch)
+        else:
+            groups.append([stretch])
+    lines = []
+    for group in groups:
+        services = ", ".join(
+            f"{s.service} {s.took_s:.2f} s" + ("" if s.answered else " (no answer)") for s in group
+        )
+        at_once = f"{len({s.service for s in group})} services at once: " if len(group) > 1 else ""
+        lines.append(f"{at_once}{services}, during {group[0].doing}")
+    return lines
+
+
 @dataclass
 class LagProbe:
     """Health checks of every channel in ``targets`` (name -> channel), on a thread, until :meth:`stop`."""
@@ -55,8 +91,8 @@ class LagProbe:
     doing: Callable[[], str] = lambda: ""
     """What the caller was doing (named in each blocked stretch's line)."""
     counts: dict[str, LagCounts] = field(default_factory=dict)
-    stretches: list[str] = field(default_factory=list)
-    """One line per blocked stretch: the service, how long, what was being done."""
+    stretches: list[Stretch] = field(default_factory=list)
+    """Every blocked stretch, in the order seen."""
 
     def __post_init__(self) -> None:
         self.counts = {name: LagCounts() for name in self.targets}
@@ -88,8 +124,7 @@ class LagProbe:
             counts.worst_s = max(counts.worst_s, took)
             if not answered or took > self.config.blocked_s:
                 counts.blocked += 1
-                answer = f"{took:.2f} s" if answered else f"no answer in {took:.2f} s"
-                self.stretches.append(f"{name}: {answer}, during {self.doing()}")
+                self.stretches.append(Stretch(name, began, took, answered, self.doing()))
 
     def stop(self) -> dict[str, LagCounts]:
         self._stop.set()
