@@ -99,9 +99,9 @@ class Load:
         self._work = Path(tempfile.mkdtemp(prefix="nemesis-adapters-"))
         self._spec = load_base_model_spec()
         self._current: dict[str, StreamRecord] = {}
-        self.stalls: dict[int, tuple[float, float]] = {}
-        """stream op id -> (longest wait between two of its messages, when it ended), seconds on
-        the history's clock: what a fault cost the streams in flight."""
+        self.deliveries: dict[int, list[float]] = {}
+        """stream op id -> when it was invoked, then when each of its messages came (the
+        history's clock): what a fault cost the streams in flight."""
 
     def client(self, process: str) -> AsyncClient:
         def resumed(_notice) -> None:
@@ -163,14 +163,11 @@ class Load:
                     sampling_now = sampling
                 op = self.history.invoke(process, kind, key, sampling=sampling_now)
                 record = self._current[process] = StreamRecord()
-                last, stall = self.history.clock(), (0.0, 0.0)
+                times = self.deliveries[op] = [self.history.clock()]
                 try:
                     async for delta in client.stream(prompt, adapter=adapter, max_tokens=self.config.max_tokens,
                                                      temperature=0.0, ignore_eos=True):  # fmt: skip
-                        now = self.history.clock()
-                        if record.tokens and now - last > stall[0]:
-                            stall = (now - last, now)
-                        last = now
+                        times.append(self.history.clock())
                         record.received(delta.token_ids)
                         record.finish_reason = delta.finish_reason or record.finish_reason
                     self.history.complete(op, Outcome.OK, **record.payload())
@@ -178,7 +175,6 @@ class Load:
                     self.history.complete(op, Outcome.FAIL, error=_error(error), **record.payload())
                 finally:
                     del self._current[process]
-                    self.stalls[op] = stall
 
     async def uploader(self, process: str) -> None:
         async with self.client(process) as client:
@@ -265,7 +261,7 @@ async def main_async(config: LoadConfig) -> None:
     finally:
         history.write_jsonl(config.out / "history.jsonl")
         (config.out / "references.json").write_text(json.dumps(load.references))
-        (config.out / "stalls.json").write_text(json.dumps(load.stalls))
+        (config.out / "deliveries.json").write_text(json.dumps(load.deliveries))
 
 
 def main(argv: list[str]) -> int:

@@ -28,12 +28,12 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.cluster.checker import Verdict, check
 from bench.cluster.faults import Applied, FaultExecutor
-from bench.cluster.history import STREAM_KINDS, History, Op, Outcome
+from bench.cluster.history import History, Op, Outcome
 from bench.cluster.load import read_store
 from bench.cluster.observations import BlockReport, Heal, LeaderTerm, LeaderWrite, LedgerSnapshot
 from bench.cluster.pods.runner import OverlayRun, gateway_addresses
@@ -100,7 +100,8 @@ class RoundResult:
     applied: list[tuple[float, float, Applied]]
     """(started, healed, fault) on the history's clock."""
     heals: list[Heal]
-    stalls: dict[int, tuple[float, float]]
+    deliveries: dict[int, list[float]]
+    """stream op id -> its invocation, then each message's arrival (the history's clock)."""
     snapshots: list[LedgerSnapshot]
     report: str = ""
     most_lent: int = 0
@@ -299,10 +300,14 @@ def run_round(run: OverlayRun, config: NemesisConfig) -> RoundResult:
     references = json.loads((load_dir / "references.json").read_text())
     verdict = check(ops, read_store(load_dir / "store.json"), references, snapshots, terms, writes, heals,
                     config.heal_bound_s)  # fmt: skip
-    stalls = {int(k): tuple(v) for k, v in json.loads((load_dir / "stalls.json").read_text()).items()}
+    deliveries = {int(k): v for k, v in json.loads((load_dir / "deliveries.json").read_text()).items()}
     most_lent = max((sum(r.lent_total for r in s.reports) for s in snapshots), default=0)
-    result = RoundResult(verdict, ops, applied, heals, stalls, snapshots, most_lent=most_lent)
+    result = RoundResult(verdict, ops, applied, heals, deliveries, snapshots, most_lent=most_lent)
     result.report = round_report(result, started)
+    (config.out / "faults.jsonl").write_text("".join(
+        json.dumps({"started": at, "healed": healed, "skipped": a.skipped, **asdict(a.fault)}) + "\n"
+        for at, healed, a in applied
+    ))  # fmt: skip
     (config.out / "verdict.txt").write_text(result.report + "\n")
     return result
 
@@ -376,7 +381,7 @@ def round_report(result: RoundResult, started: float) -> str:
         lines.append(
             f"{fault.label} at {at - started:.1f} s for {healed - at:.1f} s: during {_availability(during)}, "
             f"after {_availability(after)}; serving again {max(took, default=0):.1f} s after the heal"
-            + _stalls(ops, result.stalls, at)
+            + _stalls(result.deliveries, at)
         )
     lines.append(
         f"most KV blocks lent at once: {result.most_lent} ({result.verdict.borrowed_streams} borrowing streams)"
@@ -385,18 +390,25 @@ def round_report(result: RoundResult, started: float) -> str:
     return "\n".join([*lines, *problems, result.verdict.summary])
 
 
-def _stalls(ops: Sequence[Op], stalls: dict[int, tuple[float, float]], moment: float) -> str:
-    """The longest wait between two messages of each stream in flight at ``moment``: p50, p99."""
-    waits = sorted(
-        stalls[op.id][0]
-        for op in ops
-        if op.kind in STREAM_KINDS and op.id in stalls and op.invoked_at < moment
-        and (op.completed_at is None or op.completed_at > moment)
-    )  # fmt: skip
+def stalls_at(deliveries: dict[int, list[float]], moment: float) -> list[float]:
+    """For each stream in flight at ``moment``: how long it went without a message across it
+    (from its last message before, or its invocation, to its next one after)."""
+    waits = []
+    for times in deliveries.values():
+        if times[0] < moment and (len(times) == 1 or times[-1] > moment):
+            before = max(t for t in times if t <= moment)
+            after = [t for t in times if t > moment]
+            if after:  # a stream that never got another message is judged by the checker
+                waits.append(min(after) - before)
+    return sorted(waits)
+
+
+def _stalls(deliveries: dict[int, list[float]], moment: float) -> str:
+    waits = stalls_at(deliveries, moment)
     if not waits:
         return ""
     p50, p99 = waits[len(waits) // 2], waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))]
-    return f"; {len(waits)} streams in flight, longest stall p50 {p50:.1f} s, p99 {p99:.1f} s"
+    return f"; {len(waits)} streams in flight, their stall across it p50 {p50:.1f} s, p99 {p99:.1f} s"
 
 
 def _availability(ops: Sequence[Op]) -> str:
