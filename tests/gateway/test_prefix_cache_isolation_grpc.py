@@ -61,16 +61,36 @@ def text() -> TokenizerBundle:
 
 @pytest.fixture(scope="module")
 def model(text) -> LlamaModel:
-    """Two layers of width 64 over SmolLM2's vocabulary, so the gateway's token ids are valid."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    hf_config = LlamaConfig(
-        vocab_size=text.tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+    """Two random layers of width 64 over SmolLM2's vocabulary, so the gateway's token ids are
+    valid (built without transformers, which takes seconds to import)."""
+    hidden, inner, kv_dim = 64, 128, 32  # 4 heads of 16, 2 of them for keys and values
+    config = ModelConfig.from_hf_config(
+        {
+            "model_type": "llama", "vocab_size": text.tokenizer.vocab_size, "hidden_size": hidden,
+            "intermediate_size": inner, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True,
+        },
+        default_name="tiny-smollm-vocab",
     )  # fmt: skip
-    weights = {k: v.detach().clone() for k, v in LlamaForCausalLM(hf_config).state_dict().items()}
-    config = ModelConfig.from_hf_config(hf_config.to_dict(), default_name="tiny-smollm-vocab")
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    for i in range(config.num_layers):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.self_attn.q_proj.weight": (hidden, hidden),
+            f"{layer}.self_attn.k_proj.weight": (kv_dim, hidden),
+            f"{layer}.self_attn.v_proj.weight": (kv_dim, hidden),
+            f"{layer}.self_attn.o_proj.weight": (hidden, hidden),
+            f"{layer}.mlp.gate_proj.weight": (inner, hidden),
+            f"{layer}.mlp.up_proj.weight": (inner, hidden),
+            f"{layer}.mlp.down_proj.weight": (hidden, inner),
+            f"{layer}.input_layernorm.weight": (hidden,),
+            f"{layer}.post_attention_layernorm.weight": (hidden,),
+        }
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        name: torch.ones(shape) if len(shape) == 1 else 0.05 * torch.randn(shape, generator=generator)
+        for name, shape in shapes.items()
+    }
     return LlamaModel(config, weights, torch.float32)
 
 
