@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from support.cli import COMMAND_TIMEOUT_S  # a hang guard, not a timing claim
+from support.polling import HANG_GUARD_S  # a hang guard: the answer is local and immediate
 
 from services.adapter_store import registrar as registrar_module
 from services.adapter_store.adapter_record import PRIVATE
@@ -161,7 +162,9 @@ def test_a_replica_cut_off_from_etcd_says_in_its_readiness_that_it_refuses_write
     """Ready still (it serves reads), and ``/readyz`` says why writes are refused."""
 
     def readiness() -> tuple[int, str]:
-        with urllib.request.urlopen(f"http://{store_server.running.http_address}/readyz", timeout=30) as reply:
+        with urllib.request.urlopen(
+            f"http://{store_server.running.http_address}/readyz", timeout=HANG_GUARD_S
+        ) as reply:
             return reply.status, reply.read().decode()
 
     assert readiness() == (200, "ready\n")
