@@ -33,7 +33,8 @@ class WorkerConfig(ServiceConfig):
     quantization: str = "auto"
     """Base weights' format: q4_1 (projections as GGUF Q4_1 blocks, embedding Q8_0: over a Q4_1
     GGUF its own blocks, exact with respect to their dequantization), q8_0, none (dequantized to
-    --dtype), or auto (q4_1 on a CPU worker, none on a GPU or with --tp > 1). The quantized
+    --dtype), or auto (a quantized GGUF's own format, q4_1 for the default model, on a CPU worker;
+    none for any other model, on a GPU or with --tp > 1: auto never quantizes). The quantized
     kernels are native CPU code, AVX-512 where the CPU has it, else AVX2 (docs/operations.md)."""
     adapter_store: str = ""
     """Adapter store address; empty: discovered in etcd, or standalone with --adapter-dir."""

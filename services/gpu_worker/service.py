@@ -128,7 +128,7 @@ class WorkerService:
         )
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-        quantization = resolve_quantization(cfg.quantization, device.type, cfg.tp)
+        quantization = resolve_quantization(cfg.quantization, device.type, cfg.tp, cfg.model or None)
         loaded = await asyncio.to_thread(load_model, cfg.model or None, quantization=quantization)
         lane = self.lane = lane_mode(cfg.lending_lane, tls=cfg.tls().enabled, device=device)
 
