@@ -4,7 +4,7 @@ invariants, and sums it up in one line:
 
     ``N sent, N ok, 0 lost, 0 corrupted, ledger balanced``
 
-or the same counts followed by what broke. The invariants (docs/benchmarks.md, "The nemesis's
+or the same counts followed by what broke. The invariants (bench/HISTORY.md, "The nemesis's
 history, checker and fault schedule"):
 
 - **Uploads.** Every acknowledged upload stays listed and fetchable, byte-identical: at the end

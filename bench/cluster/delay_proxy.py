@@ -11,7 +11,7 @@ Backpressure: each direction holds at most ``max_buffered_bytes``; past that it 
 (TCP pushes back on the sender), so one connection moves at most that many bytes per delay.
 
 Timers: asyncio sleeps in whole milliseconds (epoll's resolution), so a delay under 1 ms adds
-up to about 1 ms per direction; docs/benchmarks.md "Delaying proxy (issue 49)" measures it.
+up to about 1 ms per direction; docs/benchmarks.md "Delaying proxy" measures it.
 
 ``python -m bench.cluster.delay_proxy --route LISTEN=TARGET ... --delay-ms D`` runs proxies in
 a process of their own (e.g. in a pod's network namespace); each line ``delay_ms D`` on its

@@ -154,7 +154,7 @@ class Load:
                 key, (kind, prompt) = self.rng.choice(prompts)
                 # The first two adapters only: every adapter streamed stays resident in the
                 # worker's pool while idle, and idle adapters' pages are not lent (see
-                # docs/benchmarks.md, "What the first rounds found").
+                # bench/HISTORY.md, "What the first rounds found").
                 adapter = self.rng.choice([None, *self.acknowledged[:2]]) if not borrowing else None
                 if adapter is not None:
                     key = f"{key}@{adapter}"

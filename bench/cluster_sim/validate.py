@@ -35,7 +35,7 @@ A calibration of bare engine steps underestimates a serving step (the replay's e
 process with the event loop and the adapter loader), so the validated procedure is a *serving
 calibration*: ``--save-step-fit`` writes the ``--step-fit`` model as a calibration file, and
 later runs given it as ``--calibration`` size their traces by the capacity serving measured and
-are simulated with a step model fitted on another run (docs/benchmarks.md, "On a quiet machine").
+are simulated with a step model fitted on another run (bench/HISTORY.md, "On a quiet machine").
 
     .venv/bin/python -m bench.cluster_sim.validate --out bench/out/cluster_sim/validation.json
     .venv/bin/python -m bench.cluster_sim.validate --load 0.9 --duration 90 \

@@ -1,5 +1,5 @@
 """The sizes of one run of the batch-policy suite: ``quick`` (a smoke run) and ``full`` (the
-figures of docs/benchmarks.md). Both are scaled down from the papers' settings (shorter outputs,
+figures of bench/HISTORY.md). Both are scaled down from the papers' settings (shorter outputs,
 a few dozen requests per run) so the whole suite fits in a quarter of an hour on two shared CPU
 cores. Traces are sized in requests, not seconds: the offered rate is a share of the capacity
 measured at the start, so a run holds the same number of requests on a fast or a busy machine."""

@@ -1,7 +1,7 @@
 """Runs the batch-policy suite (issue 15) on the real model, in process, and writes the results.
 
     loramesh bench-policies --profile quick      # smoke run
-    loramesh bench-policies --profile full       # the figures of docs/benchmarks.md
+    loramesh bench-policies --profile full       # the figures of bench/HISTORY.md
 
 Order: the LoRA cost probe (BAx/Wx, t_M), the capacity of this machine now (a closed FCFS
 backlog), the low-load first-token latency (for the SLO), then the four experiments. Results go

@@ -1,4 +1,4 @@
-"""Markdown tables of the suite's results (the same ones docs/benchmarks.md shows)."""
+"""Markdown tables of the suite's results (the same ones bench/HISTORY.md shows)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ separate processes on this machine, driven through the Python SDK over gRPC.
 The adapters are uploaded through the gateway before the clock starts; at run time the worker
 pulls each one from the store (RAM tier, else the store's disk) when a request needs it. The
 scheduler's queue bound is lifted so that, like the other systems, it queues every request of a
-saturating trace instead of refusing some (its admission control is measured in docs/benchmarks.md).
+saturating trace instead of refusing some (its admission control is measured in bench/HISTORY.md).
 Prompts go as text: the prompt token ids decoded by the model's tokenizer, so the gateway's
 re-tokenization may give slightly different lengths.
 """

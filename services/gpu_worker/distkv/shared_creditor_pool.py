@@ -2,7 +2,7 @@
 blocks' K/V and attends over them in place, with no message per layer.
 
 Why: on one host a borrowing decode step otherwise waits, every layer, for each creditor's
-process to wake, compute and answer (20 of an 87 ms step measured, docs/benchmarks.md "Borrowed
+process to wake, compute and answer (20 of an 87 ms step measured, bench/HISTORY.md "Borrowed
 KV at near-local speed"). With the pool mapped, attention over borrowed blocks costs what it
 costs over local ones. The creditor still owns its pages: it allocates and frees them (the
 lending RPCs), and tells the debtor which pages each of its blocks is (the lane's ``PAGES``

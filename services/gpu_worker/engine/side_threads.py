@@ -6,7 +6,7 @@ thread's own OpenMP team. A second thread that runs one large torch op (an adapt
 copy, a loader's dtype conversion) gets a team of its own, and from then on the process manages
 more OpenMP threads than the machine has cores, so libgomp stops spinning between parallel
 regions everywhere: batch-1 decode on the 2-core development machine fell from 111–113 to 54–58
-tokens/s after one 5M-element copy on a side thread, and stayed there (docs/benchmarks.md,
+tokens/s after one 5M-element copy on a side thread, and stayed there (bench/HISTORY.md,
 "Batch 1 against llama-server"). Confined side threads run their ops serially: they are copies
 and bookkeeping, never the step.
 

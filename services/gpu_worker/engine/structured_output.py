@@ -8,7 +8,7 @@ One batch mixes requests for different adapters with different grammars and unco
 masks are per row.
 
 llguidance does the matching. Measured against xgrammar on SmolLM2's 49,152-token vocabulary, on
-a 2-vCPU AMD EPYC (docs/benchmarks.md, "Structured outputs"): the same cost per mask (~70 µs
+a 2-vCPU AMD EPYC (bench/HISTORY.md, "Structured outputs"): the same cost per mask (~70 µs
 mean over a 43-token document), but a schema compiles in ~1 ms instead of ~170 ms, and it needs
 neither triton nor transformers at run time.
 

@@ -3,7 +3,7 @@
 Why: decode at small batches streams every base weight once per token, and with 4 KiB pages the
 ~20,000 pages of a 4-bit 135M model miss the TLB as they stream. Gathered into one region advised
 ``MADV_HUGEPAGE``, the same step ran 4–5% faster on the 2-core development machine (batch 1,
-``q4_1``, alternated in one process; docs/benchmarks.md). Where transparent huge pages are off
+``q4_1``, alternated in one process; bench/HISTORY.md). Where transparent huge pages are off
 (``/sys/kernel/mm/transparent_hugepage/enabled`` = never) the advice is ignored and the tensors
 are ordinary ones.
 """

@@ -146,7 +146,7 @@ class LlamaModel:
         """Attention, RMSNorm and SwiGLU of every step through the native CPU kernels
         (``cpu_invariant``), not only of batch-invariant ones: attention reads the KV pages where
         they are instead of gathering them for torch's SDPA, which halved the decode step at
-        batch 32 on a 2-core EPYC (docs/benchmarks.md, "Quantized base")."""
+        batch 32 on a 2-core EPYC (bench/HISTORY.md, "Quantized base weights and the CPU step")."""
 
 
     def _gather_weights_in_huge_pages(self) -> None:

@@ -3,7 +3,7 @@
 Between its base matmuls a decode step used to run ~25 torch ops per layer (split and copy the
 fused outputs, rotate q and k, cast and scatter the new KV, the residual adds), and each native
 kernel call spent ~10 µs in Python checking its tensors: at batch 1 on a 2-core EPYC that glue
-was a quarter of the step (docs/benchmarks.md, "Quantized base"). Here:
+was a quarter of the step (bench/HISTORY.md, "Quantized base weights and the CPU step"). Here:
 
 - each op is one native call (``cpu_invariant``: the residual add with the next RMSNorm, rotary
   embedding with the KV writes; ``cpu_quant`` for quantized weights), checked when the step's first

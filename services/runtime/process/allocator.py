@@ -5,7 +5,7 @@ up to the largest block freed so far) with a fresh mapping, and trims the heap's
 to the kernel. A service that moves megabytes per request through transient buffers (an upload
 arrives as messages of up to 4 MiB, is joined, hashed and written) then takes a page fault and a
 zeroed page for every 4 KiB of every buffer: on a 2-vCPU VM that cost the adapter store more CPU
-than hashing the bytes (issue 30, docs/benchmarks.md). Raising both thresholds makes those buffers
+than hashing the bytes (bench/HISTORY.md). Raising both thresholds makes those buffers
 come from, and go back to, the heap. The price: the heap keeps the peak of what was in flight
 (for the store, the uploads it held at once) rather than shrinking after it.
 """

@@ -4,7 +4,7 @@ A full (generation 2) collection traverses every container object the process ho
 holds ~230,000 of them once its model, tokenizer and libraries are loaded, none of which ever
 becomes garbage, and a full pass over them took 73 to 130 ms: on whichever thread allocated past
 the threshold, with the GIL held, so the engine's decode step stalled for as long (a page-in's
-bookkeeping allocates enough to set one off every few steps; docs/benchmarks.md, issue 30).
+bookkeeping allocates enough to set one off every few steps; bench/HISTORY.md).
 ``gc.freeze`` moves what is alive once the service is ready into a permanent generation that no
 collection visits; objects made later are collected as before.
 """

@@ -9,7 +9,7 @@ the model says the request-seconds saved exceed those spent (the recompute stall
 batch and the moved request; a fetch the moved request waits for); each round moves at most
 ``max_moves`` requests, the best first, and only to a replica with a free slot after its queue
 and free memory for the request's context and the tokens it still has to generate. The default
-costs are the issue-16 CPU calibration's (``docs/benchmarks.md``).
+costs are the CPU calibration's of ``bench/cluster_sim/calibrations/`` (``bench/HISTORY.md``).
 """
 
 from __future__ import annotations

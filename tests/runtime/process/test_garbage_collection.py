@@ -1,5 +1,5 @@
 """Start-up objects frozen out of the collector's full passes: a full collection then visits
-only what was made later (the worker's 73-130 ms pauses, docs/benchmarks.md), and the setting is
+only what was made later (the worker's 73-130 ms pauses, bench/HISTORY.md), and the setting is
 every service's, on by default."""
 
 from __future__ import annotations
