@@ -51,6 +51,9 @@ class GatewayConfig(ServiceConfig):
     """Comma-separated directories under which ``POST /v1/load_lora_adapter`` may read a
     ``lora_path`` on the gateway's machine (a relative ``lora_path`` is looked up under each, in
     order, never under the working directory); empty: loading by path is refused."""
+    metric_adapter_labels: int = 50
+    """Adapters named in each per-adapter series of ``/metrics`` (the top ones by requests); the
+    rest are summed under ``adapter="other"`` (docs/metrics.md). At least 1."""
     chat_template_processes: int = 2
     """Processes that render chat templates, off the event loop; one tenant holds at most all
     but one of them at once (docs/security.md, "Chat templates")."""
@@ -61,6 +64,7 @@ class GatewayConfig(ServiceConfig):
             self,
             1,
             "max_prompt_bytes",
+            "metric_adapter_labels",
             "chat_template_processes",
             "chat_template_max_operations",
             "chat_template_max_output_bytes",

@@ -17,6 +17,8 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
+import grpc
+
 from mesh_api.v1 import gateway_pb2, types_pb2
 from services.gateway.adapter_reference import ResolvedAdapter, chat_template
 from services.gateway.auth import ApiKeys
@@ -24,12 +26,13 @@ from services.gateway.config import GatewayConfig
 from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, resume_point
 from services.gateway.prefix_cache_namespace import prefix_cache_namespace
 from services.gateway.relay import Relay, RelayRequest
+from services.gateway.request_metrics import BASE_MODEL, OK, RequestMetrics
 from services.gateway.template_renderer import TemplateRenderer
 from services.gateway.tenant_quota import TenantQuota
 from services.gateway.tool_calls import ChatMessage, ToolRequest, template_input
 from services.model_files.chat_template import ChatTemplateError, TemplateOverBudget
 from services.model_files.tokenizer_loading import TokenizerBundle
-from services.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.runtime.errors import DomainError, FailedPrecondition, InvalidArgument, Unavailable
 from services.runtime.sampling.request_validation import (
     InvalidField,
     check_first_token_deadline,
@@ -58,6 +61,8 @@ class GatewayCore:
         self.quota = quota or TenantQuota(keys.quotas)
         self._own_renderer = renderer is None
         self.renderer = renderer or TemplateRenderer(config.template_budget(), config.chat_template_processes)
+        self.metrics = RequestMetrics(config.metric_adapter_labels)
+        """Every generation's latencies, tokens and outcome (:mod:`services.gateway.request_metrics`)."""
         self._ready = False
 
     def attach(self, text: TokenizerBundle, relay: Relay) -> None:
@@ -72,6 +77,7 @@ class GatewayCore:
             self.context_length,
         )
         self.relay = relay
+        self.metrics.model_name = text.model_name
         self._ready = True
 
     def close(self) -> None:
@@ -263,16 +269,33 @@ class GatewayCore:
             prompt_text=await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids)),
             prefix_cache_namespace=namespace,
         )
-        admission = await self.quota.acquire(tenant, len(prompt_ids) + sampling.max_tokens)
-        replied, generated = False, 0
+        timer = self.metrics.start(tenant, f"{adapter.owner}/{adapter.name}" if adapter else BASE_MODEL)
+        code = "CANCELLED"  # a reader that goes away ends it at a yield, with GeneratorExit
         try:
-            # Closed explicitly, so a front end that stops reading cancels the worker's request now.
-            async with contextlib.aclosing(self.relay.stream(request)) as replies:
-                async for reply in replies:
-                    replied, generated = True, generated + len(reply.token_ids)
-                    yield reply
+            admission = await self.quota.acquire(tenant, len(prompt_ids) + sampling.max_tokens)
+            replied, generated = False, 0
+            try:
+                # Closed explicitly, so a front end that stops reading cancels the worker's request now.
+                relayed = self.relay.stream(request, on_timings=lambda t: timer.queued(t.queued_ms / 1000))
+                async with contextlib.aclosing(relayed) as replies:
+                    async for reply in replies:
+                        replied, generated = True, generated + len(reply.token_ids)
+                        timer.tokens(len(reply.token_ids), len(prompt_ids))
+                        yield reply
+                code = OK
+            finally:
+                admission.settle(len(prompt_ids) + generated if replied else 0)
+        except DomainError as error:
+            code = error.code_name
+            raise
+        except grpc.RpcError as error:
+            code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else "UNKNOWN"
+            raise
+        except Exception:
+            code = "UNKNOWN"
+            raise
         finally:
-            admission.settle(len(prompt_ids) + generated if replied else 0)
+            timer.end(code)
 
 
 def _message_texts(chat: Sequence[ChatMessage]):

@@ -124,7 +124,10 @@ class Relay:
         self._channels = channels
         self._max_resumes = max_resumes
 
-    async def stream(self, request: RelayRequest) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
+    async def stream(
+        self, request: RelayRequest, on_timings: Callable[[types_pb2.Timings], None] | None = None
+    ) -> AsyncIterator[gateway_pb2.GenerateTextResponse]:
+        """``on_timings``: told the timings each worker reports at the end of its stream."""
         run = _Progress(request, started=self._clock(), generated=list(request.start.generated))
         if request.start.finished:  # a continuation of a generation that had already ended
             yield gateway_pb2.GenerateTextResponse(
@@ -136,6 +139,8 @@ class Relay:
             call = self._generate(run, placement)
             try:
                 async for reply in call:
+                    if on_timings is not None and reply.HasField("timings"):
+                        on_timings(reply.timings)
                     if reply.finish_reason == types_pb2.FINISH_REASON_ERROR:
                         raise WorkerFailed(placement.worker_id)
                     if reply.finish_reason == types_pb2.FINISH_REASON_MIGRATED:

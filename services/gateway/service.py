@@ -29,6 +29,7 @@ from services.gateway.http.app import build_app
 from services.gateway.http.server import OpenAIHttpServer
 from services.gateway.parts import GatewayParts
 from services.gateway.relay import Relay
+from services.gateway.request_metrics import RequestMetrics
 from services.gateway.servicer import GatewayServicer
 from services.gateway.shared_quota import SharedQuota
 from services.gateway.tenant_quota import TenantQuota
@@ -321,6 +322,10 @@ class GatewayService:
         if self.core.quota.shared is not None:
             await self.core.quota.shared.close()
         self.core.close()
+
+    def metric_collectors(self) -> tuple[RequestMetrics, ...]:
+        """Every generation's latencies, tokens and outcome, per adapter and tenant."""
+        return (self.core.metrics,)
 
     def load_report(self) -> dict:
         """Its chat template renders, running and waiting (gauges ``loramesh_gateway_*``)."""

@@ -72,6 +72,10 @@ class AdapterLoader:
         self.engine.set_pinned_adapters(self._eviction.pinned())
         self._shrink()
 
+    def pinned_ids(self) -> frozenset[str]:
+        """The adapters pinned here now (the event loop's, as every other call)."""
+        return self._eviction.pinned()
+
     async def ensure(self, adapter_id: str) -> HostAdapter:
         """The adapter's host copy, pulling it if this worker does not have it now."""
         existing = self.engine.host_adapters.get(adapter_id)

@@ -97,6 +97,7 @@ class WorkerMetrics:
         waiting = [None if a is None else named(a) for a in waiting]
         resident = set(stats.resident_adapters)
         host = {named(a): a in resident for a in parts.engine.host_adapter_ids()}
+        pinned = {named(a) for a in parts.loader.pinned_ids()} if parts.loader is not None else set()
         usage = parts.engine.adapter_usage()
         requests, tokens = _by_name(usage.requests, named), _by_name(usage.tokens, named)
         labels = CappedLabels(
@@ -104,7 +105,7 @@ class WorkerMetrics:
             requests,
             self.adapter_label_cap,
         )
-        yield from _router_series(parts, stats, running, waiting, host, labels)
+        yield from _router_series(parts, stats, running, waiting, host, pinned, labels)
         yield from _adapter_series(running, waiting, tokens, labels)
         yield from _lending_series(parts.engine.lending.lent_to(), stats.borrowed_blocks)
         yield from _compute_cap_series(parts.engine.distkv.totals())
@@ -127,11 +128,12 @@ def _router_series(
     running: list,
     waiting: list,
     host: dict[str, bool],
+    pinned: set[str],
     labels: CappedLabels,
 ) -> Iterator[Metric]:
     """The series the Gateway API Inference Extension's endpoint picker and llm-d read, with
     vLLM's names, help and labels. ``host``: each adapter with a host copy, and whether it is
-    also in the device pool. ``vllm:lora_requests_info`` names every adapter running or waiting
+    also in the device pool; ``pinned``: the adapters pinned (never evicted). ``vllm:lora_requests_info`` names every adapter running or waiting
     (one series, which the picker reads for affinity; it is bounded by the queue, not by the
     adapters registered); ``vllm:lora_adapter_loaded`` is per adapter, so capped: its ``other``
     series count the adapters past the cap at each level."""
@@ -159,9 +161,12 @@ def _router_series(
     )
     # An adapter's pages left in the pool after its host copy was dropped are not "loaded": a
     # request for it pulls it again (they are only reused, and otherwise evicted LRU).
-    levels = Counter((labels(name), GPU if on_device else CPU) for name, on_device in host.items())
-    for (name, level), count in sorted(levels.items()):
-        loaded.add_metric([*engine_values, name, level, "false"], count)
+    levels = Counter(
+        (labels(name), GPU if on_device else CPU, "true" if name in pinned else "false")
+        for name, on_device in host.items()
+    )
+    for (name, level, is_pinned), count in sorted(levels.items()):
+        loaded.add_metric([*engine_values, name, level, is_pinned], count)
     yield loaded
     for level, count in ((GPU, sum(host.values())), (CPU, len(host))):
         family = GaugeMetricFamily(

@@ -20,7 +20,8 @@ PER_ADAPTER = (
 )
 
 
-def test_per_adapter_series_name_the_top_adapter_and_sum_the_rest_as_other(tiny_llama, tmp_path):
+def engine_with_adapters(tiny_llama, tmp_path):
+    """An engine over the tiny Llama with adapters a, b and c (directories under ``tmp_path``)."""
     engine = local_engine(
         LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32),
         EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=1),
@@ -28,6 +29,11 @@ def test_per_adapter_series_name_the_top_adapter_and_sum_the_rest_as_other(tiny_
     for seed, name in enumerate(("a", "b", "c")):
         directory = write_peft_adapter(tmp_path / name, tiny_llama.spec, SampleAdapterSpec(rank=4, seed=seed))
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))
+    return engine
+
+
+def test_per_adapter_series_name_the_top_adapter_and_sum_the_rest_as_other(tiny_llama, tmp_path):
+    engine = engine_with_adapters(tiny_llama, tmp_path)
     sampling = SamplingParams(max_tokens=2, ignore_eos=True)
     for i, adapter in enumerate(("a", "a", "b", "c")):
         engine.submit(GenerationRequest(f"r{i}", (5, 6, 7), sampling, adapter), lambda event: None)
@@ -63,3 +69,24 @@ def test_the_label_cap_is_the_workers_metric_adapter_labels_flag():
     assert WorkerMetrics(lambda: None, config.metric_adapter_labels).adapter_label_cap == 7
     with pytest.raises(ValueError, match="at least 1"):  # refused at start, not at a scrape
         WorkerMetrics(lambda: None, 0)
+
+
+def test_the_pinned_label_is_the_adapters_pin_state(tiny_llama, tmp_path):
+    from services.gpu_worker.adapter_loader import AdapterLoader
+    from services.gpu_worker.adapter_source import DirectorySource
+
+    engine = engine_with_adapters(tiny_llama, tmp_path)
+    loader = AdapterLoader(DirectorySource(tmp_path), engine, torch.float32)
+    loader.set_pinned({"a", "b"})
+    engine.stop()
+
+    def pinned(cap: int) -> dict[tuple[str, str], float]:
+        metrics = WorkerMetrics(lambda: WorkerParts(engine, loader, "tiny"), adapter_label_cap=cap)
+        (family,) = [f for f in metrics.collect() if f.name == "vllm:lora_adapter_loaded"]
+        return {(s.labels["adapter_name"], s.labels["pinned"]): s.value for s in family.samples}
+
+    assert pinned(3) == {("a", "true"): 1, ("b", "true"): 1, ("c", "false"): 1}
+    # Past the cap, the adapters under other are counted pinned and not apart.
+    assert pinned(1) == {("a", "true"): 1, ("other", "true"): 1, ("other", "false"): 1}
+    loader.set_pinned({"c"})
+    assert pinned(3) == {("a", "false"): 1, ("b", "false"): 1, ("c", "true"): 1}
