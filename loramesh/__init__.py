@@ -42,6 +42,7 @@ from loramesh.types import (
     TextDelta,
     Usage,
 )
+from mesh_api.version import VERSION as __version__
 
 if TYPE_CHECKING:
     from loramesh.async_client import AsyncClient
@@ -73,6 +74,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "Usage",
+    "__version__",
 ]
 
 _LAZY = {"Client": "loramesh.client", "AsyncClient": "loramesh.async_client", "ClientTLS": "loramesh.tls"}

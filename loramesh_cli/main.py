@@ -21,6 +21,7 @@ from loramesh_cli import (
 )
 from loramesh_cli.errors import CommandError
 from loramesh_cli.tls_options import add_tls_flags
+from mesh_api.version import VERSION
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loramesh", description="Serve many LoRA adapters of one base LLM.", allow_abbrev=False
     )
+    parser.add_argument("--version", action="version", version=f"loramesh {VERSION}")
     # The default is read when the parser is built (each run), never at import.
     parser.add_argument("--state-dir", default=str(default_state_dir()), metavar="DIR",
                         help="local mesh state: mesh.json, logs, data, certificates "

@@ -30,7 +30,7 @@ SDK_FILES = {
         "tls",
         "types",
     )
-} | {"mesh_api/__init__.py", "mesh_api/adapter_transfer.py", "mesh_api/upload_wire.py"}
+} | {"mesh_api/__init__.py", "mesh_api/adapter_transfer.py", "mesh_api/upload_wire.py", "mesh_api/version.py"}
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,13 @@ HANG_GUARD_S = 300
 
 def build_sdk_wheel(scratch: Path) -> Path:
     """The ``loramesh-client`` wheel, built offline in ``scratch`` from a copy of ``sdk/``,
-    ``loramesh/`` and ``mesh_api/`` (an in-tree build would leave build/ and egg-info in the
-    checkout others work in)."""
+    ``loramesh/``, ``mesh_api/`` and ``LICENSE`` (an in-tree build would leave build/ and
+    egg-info in the checkout others work in)."""
     tree, out = scratch / "tree", scratch / "wheel"
     ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
     for part in ("sdk", "loramesh", "mesh_api"):
         shutil.copytree(REPO / part, tree / part, ignore=ignore)
+    shutil.copy(REPO / "LICENSE", tree / "LICENSE")  # sdk/pyproject.toml's license-files
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
          "-w", str(out), str(tree / "sdk")],

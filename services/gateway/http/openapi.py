@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from mesh_api.version import VERSION
 from services.gateway.http.lorax.requests import LoraxGenerateBody
 from services.gateway.http.openai.requests import ChatCompletionBody, CompletionBody
 from services.gateway.http.vllm.adapter_routes import LoadLoraAdapterBody, UnloadLoraAdapterBody
 from services.gateway.http.vllm.tokenize_routes import DetokenizeBody, TokenizeBody
-from services.runtime.rpc.server import VERSION
 
 PATH = "/openapi.json"
 

@@ -33,6 +33,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mesh_api.version import VERSION
 from services.runtime.config import ServiceConfig, parse_config
 from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.etcd.membership import MemberInfo, MemberRegistration, MembershipConfig
@@ -47,7 +48,6 @@ from services.runtime.security.tls import NO_TLS, TLSConfig, add_server_port, ai
 
 log = logging.getLogger("loramesh.server")
 
-VERSION = "0.1.0"
 #: Largest message any service accepts or sends (upload chunks are far smaller).
 MAX_MESSAGE_BYTES = 64 * 2**20
 

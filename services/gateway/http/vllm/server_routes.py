@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mesh_api.version import VERSION
 from services.gateway.core import GatewayCore
 from services.gateway.http.openapi import openapi_route
 from services.runtime.metrics import ServiceMetrics
-from services.runtime.rpc.server import VERSION
 
 
 def server_routes(core: GatewayCore, metrics: ServiceMetrics | None) -> list[Route]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from mesh_api.version import VERSION
 from services.gateway.http.app import build_app
-from services.runtime.rpc.server import VERSION
 from tests.gateway.in_memory_store import InMemoryStore, gateway_parts
 
 NO_KEY = {"authorization": ""}
