@@ -23,6 +23,13 @@ class GatewayConfig(ServiceConfig):
     (``sha256:<salt>:<digest>``, what ``loramesh up`` writes), so the file holds no key."""
     model: str = ""
     """Base model whose tokenizer and chat template to use (default: SmolLM2-135M-Instruct)."""
+    served_model_name: str = ""
+    """The base model's name in the API (``/v1/models``, a request's ``model``, each response's),
+    as vLLM's flag; empty: the model's own name (SmolLM2-135M-Instruct for the default model)."""
+    max_model_len: int = 0
+    """Tokens of one sequence at most, prompt and output together, as vLLM's flag: a request
+    past it is refused, a generation stops at it; 0: the model's context length (longer than
+    that is not served: the model's length stays in force)."""
     scheduler: str = ""
     """Scheduler address; empty: discovered in etcd."""
     adapter_store: str = ""
@@ -71,6 +78,7 @@ class GatewayConfig(ServiceConfig):
             "chat_template_memory_mib",
         )
         require_positive(self, "chat_template_cpu_s")
+        require_at_least(self, 0, "max_model_len")
 
     def template_budget(self) -> TemplateBudget:
         """What one chat template render may spend."""

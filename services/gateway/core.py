@@ -66,9 +66,12 @@ class GatewayCore:
         self._ready = False
 
     def attach(self, text: TokenizerBundle, relay: Relay) -> None:
-        """``text``: the base model's tokenizer and limits, loaded without its weights."""
+        """``text``: the base model's tokenizer and limits, loaded without its weights; the
+        model's name and length as ``--served-model-name`` and ``--max-model-len`` set them."""
+        limit = self.config.max_model_len
         self.tokenizer, self.base_model, self.context_length = (
-            text.tokenizer, text.model_name, text.context_length,
+            text.tokenizer, self.config.served_model_name or text.model_name,
+            min(limit, text.context_length) if limit else text.context_length,
         )  # fmt: skip
         self.model_tokens = ModelTokens(
             self.tokenizer.id_to_bytes,
