@@ -59,6 +59,7 @@ class GatewayCore:
         self.config = config
         self.keys = keys
         self.quota = quota or TenantQuota(keys.quotas)
+        keys.on_reload.append(self.quota.reconfigure)  # a tenants file edit: its new limits
         self._own_renderer = renderer is None
         self.renderer = renderer or TemplateRenderer(config.template_budget(), config.chat_template_processes)
         self.metrics = RequestMetrics(config.metric_adapter_labels)

@@ -254,7 +254,8 @@ class GatewayService:
             else None,
         )
         self._store = store
-        # The tenants' limits hold across the gateways sharing etcd (only when some tenant has one).
+        # The tenants' limits hold across the gateways sharing etcd (when some tenant has one, or
+        # may have one after an edit of the tenants file, which is read again when it changes).
         shared = (
             SharedQuota(
                 MembershipConfig(
@@ -262,7 +263,7 @@ class GatewayService:
                 ),
                 config.resolved_instance_id("gateway"),
             )
-            if config.etcd_endpoints and keys.quotas.limited
+            if config.etcd_endpoints and (keys.quotas.limited or config.api_keys_file)
             else None
         )
         self.core = GatewayCore(config, keys, TenantQuota(keys.quotas, shared=shared))

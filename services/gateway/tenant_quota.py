@@ -146,6 +146,36 @@ class TenantQuota:
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
 
+    def reconfigure(self, config: QuotaConfig) -> None:
+        """Enforce ``config`` from now on (the tenants file changed). Generations in flight keep
+        their slots and charges; a tenant's token bucket takes its new size and rate, keeping what
+        it holds up to the new size (a tenant without a token limit now loses its bucket);
+        generations waiting for a slot that the new limit frees are admitted now."""
+        self.config = config
+        for tenant, bucket in list(self._buckets.items()):
+            limits = config.for_tenant(tenant)
+            if not limits.tokens_per_minute:
+                del self._buckets[tenant]
+                continue
+            bucket.refill(self._clock())
+            bucket.capacity, bucket.rate_per_s = self._size(limits, bucket.share)
+            bucket.level = min(bucket.level, bucket.capacity)
+        if self.shared is not None:
+            return  # waiters there take slots freed in etcd, every retry_s, at the new limit
+        for tenant in list(self._waiting):
+            self._admit_waiting(tenant, config.for_tenant(tenant).max_concurrent_requests)
+
+    def _admit_waiting(self, tenant: str, limit: int) -> None:
+        """Give the tenant's oldest waiters the slots ``limit`` leaves free (0: every waiter)."""
+        room = self._waiting.get(tenant, deque())
+        while room and (not limit or self.in_flight(tenant) < limit):
+            turn = room.popleft()
+            if not turn.done():
+                self._in_flight[tenant] = self.in_flight(tenant) + 1
+                turn.set_result(None)
+        if not room:
+            self._waiting.pop(tenant, None)
+
     def tokens_left(self, tenant: str) -> float | None:
         """What ``tenant``'s bucket holds now (negative in debt); None when it has no token limit."""
         bucket = self._bucket(tenant, self.config.for_tenant(tenant))
@@ -197,7 +227,7 @@ class TenantQuota:
             turn = self._enter_room(tenant, limits)
             if tenant not in self._claimers:
                 self._claimers[tenant] = asyncio.get_running_loop().create_task(
-                    self._claim(tenant, limits), name=f"quota-claim-{tenant}"
+                    self._claim(tenant), name=f"quota-claim-{tenant}"
                 )
             slot = await self._await_turn(tenant, turn)
         return self._charge(tenant, limits, max_tokens, slot)
@@ -227,7 +257,7 @@ class TenantQuota:
                     self._waiting.pop(tenant, None)
             raise
 
-    async def _claim(self, tenant: str, limits: TenantLimits) -> None:
+    async def _claim(self, tenant: str) -> None:
         """While the tenant has waiters here, try every ``retry_s`` for a slot another gateway
         freed, and hand each one taken to the oldest waiter; refuse them all if etcd is away."""
         assert self.shared is not None
@@ -236,8 +266,12 @@ class TenantQuota:
             while self._waiting.get(tenant):
                 if slot is None:  # after a slot taken, try again at once: more may be free
                     await asyncio.sleep(self.shared.retry_s)
+                limit = self.config.for_tenant(tenant).max_concurrent_requests  # as the file says now
+                if not limit:
+                    self._admit_waiting(tenant, limit)
+                    return
                 try:
-                    slot = await self.shared.take(tenant, limits.max_concurrent_requests)
+                    slot = await self.shared.take(tenant, limit)
                 except Unavailable as error:
                     for turn in self._waiting.pop(tenant, ()):
                         if not turn.done():
@@ -323,13 +357,19 @@ class TenantQuota:
         bucket = self._buckets.get(tenant)
         share = self.shared.share if self.shared is not None else 1.0
         if bucket is None:
-            capacity = limits.tokens_per_minute * self.config.window_s / 60.0 * share
-            rate = limits.tokens_per_minute / 60.0 * share
+            capacity, rate = self._size(limits, share)
             bucket = _Bucket(capacity, rate, capacity, self._clock(), share=share)
             self._buckets[tenant] = bucket
         elif bucket.share != share:
             bucket.rescale(self._clock(), share)
         return bucket
+
+    def _size(self, limits: TenantLimits, share: float) -> tuple[float, float]:
+        """A bucket's capacity and refill rate per second for ``share`` of the tenant's tokens."""
+        return (
+            limits.tokens_per_minute * self.config.window_s / 60.0 * share,
+            limits.tokens_per_minute / 60.0 * share,
+        )
 
     def _settle(self, tenant: str, charged: int, used_tokens: int, slot: HeldSlot | None) -> None:
         self._free_slot(tenant, slot)

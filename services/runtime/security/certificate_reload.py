@@ -27,7 +27,6 @@ handshakes and the calls drive the checks, and :func:`check_all` runs one now.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import logging
 import ssl
 import threading
@@ -38,6 +37,8 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+
+from services.runtime.reloaded_files import ReloadedFiles
 
 log = logging.getLogger("loramesh.tls")
 
@@ -66,14 +67,6 @@ class CertificateSet:
     def serial(self) -> int:
         """The serial number of the certificate (the first of its chain)."""
         return x509.load_pem_x509_certificate(self.cert).serial_number
-
-
-def _digest(ca: bytes, cert: bytes, key: bytes) -> bytes:
-    hasher = hashlib.sha256()
-    for part in (ca, cert, key):
-        hasher.update(len(part).to_bytes(8, "big"))
-        hasher.update(part)
-    return hasher.digest()
 
 
 def _validate(ca: bytes, cert: bytes, key: bytes) -> None:
@@ -105,73 +98,49 @@ def _warn_if_expired(path: Path, cert: bytes) -> None:
         )  # fmt: skip
 
 
+def _certificate_set(contents: tuple[bytes, ...], generation: int) -> CertificateSet:
+    ca, cert, key = contents
+    _validate(ca, cert, key)
+    return CertificateSet(ca, cert, key, generation)
+
+
 class CertificateFiles:
-    """The CA, certificate and key files of one identity, and the set of them in use.
+    """The CA, certificate and key files of one identity, and the set of them in use
+    (:class:`~services.runtime.reloaded_files.ReloadedFiles`, which the tenants file uses too).
 
     Thread-safe: gRPC's fetcher runs on gRPC's threads, blocking channels on worker threads.
     """
 
     def __init__(self, ca_file: str, cert_file: str, key_file: str, clock: Clock = time.monotonic):
-        self.paths = (Path(ca_file), Path(cert_file), Path(key_file))
-        self._clock = clock
-        self._lock = threading.Lock()
-        ca, cert, key = self._read()
-        _validate(ca, cert, key)  # at start a bad set is an error, not something to wait out
-        self._current = CertificateSet(ca, cert, key, generation=1)
-        self._digest = _digest(ca, cert, key)
-        self._warned = ""
-        """The last problem logged, so that one is logged once, not at every handshake."""
-        self._checked_at = clock()
-        _warn_if_expired(self.paths[1], cert)
+        self._files = ReloadedFiles((ca_file, cert_file, key_file), _certificate_set, "the TLS files", clock)
+        self.paths = self._files.paths
+        _warn_if_expired(self.paths[1], self.current.cert)
 
     @property
     def current(self) -> CertificateSet:
-        return self._current
-
-    def _read(self) -> tuple[bytes, bytes, bytes]:
-        ca, cert, key = (path.read_bytes() for path in self.paths)
-        return ca, cert, key
+        return self._files.current
 
     def check(self) -> bool:
         """Read the files now; take them when they changed and are whole. Whether a new set
         was taken. Never raises: files missing or half replaced leave the current set in use."""
-        with self._lock:
-            self._checked_at = self._clock()
-            try:
-                ca, cert, key = self._read()
-            except OSError as error:
-                self._warn_once(f"cannot read the TLS files ({error}): keeping the certificate in use")
-                return False
-            digest = _digest(ca, cert, key)
-            if digest == self._digest:
-                return False
-            try:
-                _validate(ca, cert, key)
-            except CertificateError as error:
-                self._warn_once(f"TLS files {digest.hex()[:12]} changed but are not a whole set yet "
-                                f"({error}): keeping the certificate in use")  # fmt: skip
-                return False
-            previous = self._current
-            self._current = CertificateSet(ca, cert, key, generation=previous.generation + 1)
-            self._digest = digest
-            self._warned = ""
+        previous = self._files.current
+        if not self._files.check():
+            return False
+        current = self._files.current
         log.info(
             "TLS certificate reloaded from %s: serial %x -> %x",
-            self.paths[1], previous.serial, self._current.serial,
-        )  # fmt: skip
-        _warn_if_expired(self.paths[1], cert)
+            self.paths[1],
+            previous.serial,
+            current.serial,
+        )
+        _warn_if_expired(self.paths[1], current.cert)
         return True
-
-    def _warn_once(self, message: str) -> None:
-        if message != self._warned:
-            self._warned = message
-            log.warning("%s (%s)", message, self.paths[1])
 
     def poll(self, max_age_s: float = 0.0) -> CertificateSet:
         """The set in use, after a :meth:`check` unless one ran in the last ``max_age_s``."""
-        if max_age_s <= 0 or self._clock() - self._checked_at >= max_age_s:
+        if max_age_s <= 0 or self._files.due(max_age_s):
             self.check()
-        return self._current
+        return self._files.current
 
 
 _registry: dict[tuple[str, str, str], CertificateFiles] = {}
