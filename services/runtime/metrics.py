@@ -15,6 +15,8 @@ from ssl import SSLContext
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from services.runtime.security.certificate_reload import certificate_expiries
+
 log = logging.getLogger("loramesh.http")
 
 
@@ -36,6 +38,7 @@ class ServiceMetrics:
             ["service", "method"],
             registry=self.registry,
         )
+        self.registry.register(_CertificateExpiryCollector())
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_total.labels(self.service, method, code).inc()
@@ -80,6 +83,21 @@ class _LoadReportCollector:
             yield GaugeMetricFamily(
                 f"loramesh_{self.service}_{key}", f"{self.service} load report: {key}", value
             )
+
+
+class _CertificateExpiryCollector:
+    """When each TLS certificate the process presents expires (none without TLS), read at
+    scrape time: a rotated certificate shows its new date at the next scrape."""
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "loramesh_tls_certificate_expiry_timestamp_seconds",
+            "When the TLS certificate in use expires (Unix seconds), by certificate file",
+            labels=["certificate"],
+        )
+        for path, expiry in sorted(certificate_expiries().items()):
+            family.add_metric([path], expiry)
+        yield family
 
 
 class _Collected:

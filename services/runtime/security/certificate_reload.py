@@ -220,3 +220,16 @@ def server_ssl_context(
     files = certificate_files(ca_file, cert_file, key_file)
     mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
     return ReloadingSSLContext(files, mode, alpn).context
+
+
+def certificate_expiries() -> dict[str, float]:
+    """When the certificate in use of each set of files in this process expires (Unix seconds),
+    by its certificate file: what ``/metrics`` shows for the expiry alert."""
+    with _registry_lock:
+        everything = list(_registry.values())
+    return {
+        str(files.paths[1]): x509.load_pem_x509_certificates(files.current.cert)[
+            0
+        ].not_valid_after_utc.timestamp()
+        for files in everything
+    }
