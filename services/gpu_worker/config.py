@@ -77,7 +77,7 @@ class WorkerConfig(ServiceConfig):
         # a degree above is known only once it is loaded (the sharding module's message).
         require_at_least(self, 1, "tp", "metric_adapter_labels")
         require_positive(self, "pool_mib")
-        require_at_least(self, 1, "kv_block_tokens", "max_running", "max_prefill_tokens")
+        require_at_least(self, 1, "kv_block_tokens", "max_running", "max_prefill_tokens", "loan_wait_rounds")
         require_at_least(self, 0, "threads", "host_cache_mib", "pin_refresh_s")
         require_at_least(self, -1, "lend_cap_blocks")
         require_choice(self, "quantization", QUANTIZATION_CHOICES)

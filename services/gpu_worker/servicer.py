@@ -24,7 +24,7 @@ from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import TokenLogprobs
 from services.gpu_worker.leader_fence import LeaderFence
-from services.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from services.runtime.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.field_copy import message_of
 from services.runtime.sampling.request_validation import check_first_token_deadline, check_request
@@ -153,6 +153,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if event.finish_reason is FinishReason.ABORTED:
                     finished = True
                     raise DeadlineExceeded(event.error)
+                if event.finish_reason is FinishReason.NO_KV:
+                    finished = True
+                    raise ResourceExhausted(event.error)
                 reply = worker_pb2.GenerateResponse(request_id=request_id)
                 if event.token_id is not None:
                     reply.token_ids.append(event.token_id)

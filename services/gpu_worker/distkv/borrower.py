@@ -71,6 +71,7 @@ class Borrower:
         """``count`` blocks, from one or several creditors, all or none (``ResourceExhausted``)."""
         me = self.rm.worker_id
         borrowed: list[RemoteBlock] = []
+        why = "no creditor was suggested"
         for _ in range(self.max_rounds):
             missing = count - len(borrowed)
             if missing == 0:
@@ -82,6 +83,7 @@ class Borrower:
                 raise MeshCannotLend(beyond_the_mesh.message) from beyond_the_mesh
             except DomainError as no_lender:  # none can lend now, or no gManager to ask
                 log.info("no creditor for %d blocks: %s", missing, no_lender)
+                why = no_lender.message
                 break
             for candidate in candidates:
                 missing = count - len(borrowed)
@@ -93,11 +95,12 @@ class Borrower:
                     borrowed += self.rm.borrow(candidate.worker_id, ask)
                 except (ResourceExhausted, Unavailable) as refused:
                     log.info("creditor %s refused %d blocks: %s", candidate.worker_id, ask, refused)
+                    why = f"creditor {candidate.worker_id} refused {ask} blocks: {refused.message}"
                     self.directory.report_refusal(me, candidate.worker_id)
         if len(borrowed) == count:
             return borrowed
         self.rm.free(borrowed)
-        raise ResourceExhausted(f"could borrow only {len(borrowed)} of {count} KV blocks")
+        raise ResourceExhausted(f"could borrow only {len(borrowed)} of {count} KV blocks: {why}")
 
     def refused(self, creditor: str) -> None:
         """``creditor`` refused to compute attention (its compute cap): the gManager is told, as

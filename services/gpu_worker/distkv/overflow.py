@@ -33,6 +33,9 @@ class KvOverflow(Protocol):
 
     refusal: str | None
     """Why the last spill can never succeed, whatever frees up (None: it may later)."""
+    shortfall: str | None
+    """Why the last spill found no loan for what the pool could not hold (None: it borrowed
+    what it needed, or it borrows nothing)."""
 
     def spill(self, request: SpillingRequest, tokens: int) -> None:
         """Hold ``request``'s KV for ``tokens`` tokens beyond the pool (and grow it there after),
@@ -52,6 +55,7 @@ class Preemption:
     """``kv_overflow: preempt``: nothing beyond the pool."""
 
     refusal: str | None = None
+    shortfall: str | None = None
 
     def spill(self, request: SpillingRequest, tokens: int) -> None:
         raise PoolExhausted(request.kv.pages_needed(tokens), 0)
@@ -85,8 +89,11 @@ class Borrowing:
         self.refusal: str | None = None
         """Why the last borrow failed when it asked for more than the other workers would ever
         lend (None: it did not)."""
+        self.shortfall: str | None = None
+        """Why the last borrow failed (None: it did not)."""
 
     def spill(self, request: SpillingRequest, tokens: int) -> None:
+        self.refusal = self.shortfall = None
         if request.table is None:  # from now on its blocks are in a block table
             request.table = self.rm.new_table()
             request.table.append(self.rm.local.adopt(request.kv.hand_over(), set(request.kv.shared)))
@@ -101,13 +108,13 @@ class Borrowing:
                 self.rm.reserve_local(table, table.capacity + local * table.block_tokens)
             except PoolExhausted:  # a lending call took the pages meanwhile
                 local = 0
-        self.refusal = None
         try:
             table.append(self.borrower.borrow(missing - local))
         except MeshCannotLend as beyond:
-            self.refusal = beyond.message
+            self.refusal = self.shortfall = beyond.message
             raise PoolExhausted(missing - local, 0) from beyond
         except ResourceExhausted as no_lender:
+            self.shortfall = no_lender.message
             raise PoolExhausted(missing - local, 0) from no_lender
 
     def release(self, request: SpillingRequest) -> list[str]:

@@ -63,6 +63,11 @@ class EngineConfig:
     """When the pool cannot hold a request's next KV block: ``preempt`` (free a running
     request's pages and recompute it later) or ``borrow`` (DistKV-LLM: borrow blocks from other
     workers, suggested by the kv_manager, and preempt only when none lends)."""
+    loan_wait_rounds: int = 20
+    """With ``kv_overflow=borrow``: admission rounds (engine steps; an idle engine looks every
+    0.5 s) a queued request that only borrowed KV blocks could start may go without a lender
+    before it is refused with RESOURCE_EXHAUSTED naming why. Meanwhile the requests queued behind
+    it start (it holds nobody back). At least 1."""
 
     batch_policy: str = "fcfs"
     """Which requests run each step and in which LoRA mode: fcfs, lcfs, early_abort (S-LoRA),
@@ -128,5 +133,7 @@ class EngineConfig:
             raise ValueError(f"lend_compute_share must be in [0, 1], got {self.lend_compute_share}")
         if not self.lend_compute_window_s > 0:
             raise ValueError(f"lend_compute_window_s must be > 0, got {self.lend_compute_window_s}")
+        if self.loan_wait_rounds < 1:
+            raise ValueError(f"loan_wait_rounds must be at least 1, got {self.loan_wait_rounds}")
         if self.kv_overflow not in KV_OVERFLOW_POLICIES:
             raise ValueError(f"kv_overflow must be one of {KV_OVERFLOW_POLICIES}, got {self.kv_overflow!r}")

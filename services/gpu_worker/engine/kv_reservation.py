@@ -41,7 +41,9 @@ class KvReservation:
         self.rm = rm
         self.residency = residency
         self.prefix_cache = prefix_cache
-        self.overflow: KvOverflow = Preemption() if overflow is None else overflow(self.make_room, self.room_blocks)
+        self.overflow: KvOverflow = (
+            Preemption() if overflow is None else overflow(self.make_room, self.room_blocks)
+        )
         """Where a request's KV goes when the pool cannot hold it: preemption or borrowing."""
 
     def reuse_prefix(self, request: EngineRequest, key_space: BlockKey | None) -> None:
@@ -104,6 +106,17 @@ class KvReservation:
         """KV blocks the pool could give now: free ones and unused cached ones."""
         cached = self.prefix_cache.evictable_pages() if self.prefix_cache is not None else 0
         return self.rm.local.free_blocks + cached // self.rm.local.num_layers
+
+    def beyond_pool(self, tokens: int) -> bool:
+        """Whether ``tokens`` tokens of KV need more blocks than the whole pool has for KV: only
+        borrowed blocks can hold them, whatever ends here."""
+        allocator = self.rm.local.pool.allocator
+        pages = (
+            allocator.num_pages
+            if allocator.unified
+            else allocator.free_pages_for(PageUse.KV) + allocator.usage().kv_pages
+        )
+        return -(-tokens // self.rm.block_tokens) > pages // self.rm.local.num_layers
 
     def pool_can_never_hold(self, running: list[EngineRequest]) -> bool:
         """A request that does not fit now never will: nothing runs, nothing is lent out (idle

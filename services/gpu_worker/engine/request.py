@@ -27,6 +27,9 @@ class FinishReason(Enum):
     ERROR = "error"
     MIGRATED = "migrated"
     """Handed off to another worker (the scheduler's migration); its gateway resumes it there."""
+    NO_KV = "no_kv"
+    """Only borrowed KV blocks could hold it and no worker lent them within ``loan_wait_rounds``
+    (the event says why): RESOURCE_EXHAUSTED to the caller."""
 
 
 class RequestState(Enum):
@@ -151,6 +154,9 @@ class EngineRequest:
     cached_prompt_tokens: int = 0
     """Prompt tokens whose KV the prefix cache held when it was first scheduled (the prefill it
     skipped); a restart after a preemption does not change it."""
+    loan_waits: int = 0
+    """Admission rounds it could start only on borrowed KV blocks and none were lent (a
+    preemption does not reset it: its whole wait is bounded)."""
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.spec.sampling)
