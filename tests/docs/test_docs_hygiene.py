@@ -12,17 +12,20 @@ service has, then the adapter store, gpu_worker, scheduler and gateway). A row w
 config does not have fails, and a row whose default is a number or a word must equal the
 config's default (``on``/``off`` for a switch, ``empty``/``none`` for an empty value). A row that
 describes its default in words (``(required)``, ``SmolLM2-135M GGUF``, ``on in the adapter store
-and the gateway, off elsewhere``) is not compared.
+and the gateway, off elsewhere``) is not compared. docs/sdk.md's ``| argument | default | meaning |``
+table is held to ``Client``'s and ``AsyncClient``'s signatures the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 
+import loramesh
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
@@ -144,14 +147,19 @@ def documented_value(cell: str) -> str | None:
 
 
 def code_value(default: object) -> set[str]:
-    """How the doc may write a config default."""
+    """How the doc may write a default that is not a number."""
     if isinstance(default, bool):
         return {"on", "true"} if default else {"off", "false"}
     if default in ("", None):
         return {"empty", "none"}
-    if isinstance(default, float):
-        return {f"{default:g}"}
     return {str(default)}
+
+
+def agrees(stated: str, default: object) -> bool:
+    """Whether the doc's ``stated`` default is the code's ``default`` (``60.0`` and ``60`` alike)."""
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and NUMBER.match(stated):
+        return float(stated) == default
+    return stated in code_value(default)
 
 
 def test_a_stated_default_is_read_as_the_doc_writes_it() -> None:
@@ -161,6 +169,7 @@ def test_a_stated_default_is_read_as_the_doc_writes_it() -> None:
     assert documented_value("`least-estimated-wait`") == "least-estimated-wait"
     assert documented_value("on in the adapter store and the gateway, off elsewhere") is None
     assert code_value(False) == {"off", "false"} and code_value("") == {"empty", "none"}
+    assert agrees("60.0", 60.0) and agrees("-1", -1) and not agrees("0", -1)
 
 
 def test_every_flag_table_is_read() -> None:
@@ -178,7 +187,37 @@ def test_documented_defaults_equal_the_code(row: FlagRow) -> None:
         field = fields[name]
         if stated is None or field.default is dataclasses.MISSING:
             continue
-        assert stated in code_value(field.default), (
+        assert agrees(stated, field.default), (
             f"operations.md:{row.line}: {flag} is documented with default {row.default!r}, "
             f"but {row.config.__name__}.{name} defaults to {field.default!r}"
         )
+
+
+SDK = ROOT / "docs" / "sdk.md"
+
+
+def sdk_argument_rows() -> list[tuple[int, str, str]]:
+    """``(line, argument, default cell)`` of docs/sdk.md's ``| argument | default | meaning |`` table."""
+    lines = SDK.read_text(encoding="utf-8").splitlines()
+    start = lines.index("| argument | default | meaning |")
+    rows = []
+    for number, row in enumerate(lines[start + 2 :], start + 3):
+        if not row.startswith("|"):
+            break
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+        rows.append((number, cells[0].strip("`"), cells[1]))
+    return rows
+
+
+@pytest.mark.parametrize("client", ["Client", "AsyncClient"])
+def test_sdk_documented_defaults_equal_the_client(client: str) -> None:
+    parameters = inspect.signature(getattr(loramesh, client).__init__).parameters
+    for line, argument, cell in sdk_argument_rows():
+        assert argument in parameters, f"sdk.md:{line}: {client} has no argument {argument!r}"
+        stated = documented_value(cell)
+        default = parameters[argument].default
+        if stated is not None and stated not in ("none", "empty") and isinstance(default, (int, float, str)):
+            assert agrees(stated, default), (
+                f"sdk.md:{line}: {argument} is documented with default {cell!r}, "
+                f"but {client} defaults to {default!r}"
+            )
