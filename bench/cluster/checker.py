@@ -11,7 +11,11 @@ history, checker and fault schedule"):
   (``StoreObservation``) and in every listing and fetch invoked after it was acknowledged. An
   upload whose outcome is unknown (``info``) may or may not exist; one that failed must not.
 - **Streams.** Every stream completes, with a finish reason, and no token lost, repeated or
-  changed (delivery indices run 0, 1, 2... without gaps or repeats). Against its reference (the
+  changed (delivery indices run 0, 1, 2... without gaps or repeats). Two ends are not losses,
+  only counted: a stream *refused* (``fail`` with RESOURCE_EXHAUSTED: the mesh said it could not
+  hold it then, e.g. no worker lent the KV blocks it needed) and a stream *timed out* (``info``
+  with DEADLINE_EXCEEDED: the client gave up at its deadline, whether it would have completed is
+  unknown); what either delivered is judged like a complete stream's beginning. Against its reference (the
   prompt's undisturbed run): equal under ``deterministic``; under ``greedy``, equal up to the
   first point it was continued on another worker, any well-formed continuation after;
   under ``sampled``, well-formed only.
@@ -61,6 +65,10 @@ class Verdict:
     """Ledger violations; None when no block reports were observed."""
     leadership: list[str] = field(default_factory=list)
     recovery: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    """Streams refused with RESOURCE_EXHAUSTED (a definite ``fail``, not a loss)."""
+    timed_out: list[str] = field(default_factory=list)
+    """Streams the client gave up at its deadline (``info``: indeterminate, not a success)."""
     streams: int = 0
     """Streams judged (borrowed ones included)."""
     borrowed_streams: int = 0
@@ -80,9 +88,10 @@ class Verdict:
     @property
     def summary(self) -> str:
         """One line: the counts, then the first problem of each kind that broke."""
+        unfinished = [f"{len(found)} {words}, " for words, found in self._unfinished() if found]
         line = (
-            f"{self.sent} sent, {self.ok} ok, {len(self.lost)} lost, {len(self.corrupted)} corrupted, "
-            f"{self._ledger_words()}"
+            f"{self.sent} sent, {self.ok} ok, {''.join(unfinished)}{len(self.lost)} lost, "
+            f"{len(self.corrupted)} corrupted, {self._ledger_words()}"
         )
         broke = [
             f"{name}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
@@ -94,9 +103,13 @@ class Verdict:
     def report(self) -> str:
         """The summary, then every problem on a line of its own."""
         lines = [self.summary]
-        for name, problems in self._problems():
+        for name, problems in [*self._unfinished(), *self._problems()]:
             lines += [f"  {name}: {p}" for p in problems]
         return "\n".join(lines)
+
+    def _unfinished(self) -> list[tuple[str, list[str]]]:
+        """The streams that ended neither complete nor lost, by how."""
+        return [("refused", self.refused), ("timed out", self.timed_out)]
 
     def _problems(self) -> list[tuple[str, list[str]]]:
         return [
@@ -241,10 +254,13 @@ def final_store_findings(
 
 def _judge_stream(op: Op, references: Mapping[str, Sequence[int]], verdict: Verdict) -> None:
     what = f"{op.kind} #{op.id} ({op.key}, {op.process})"
-    if op.outcome != Outcome.OK:
+    unfinished = _unfinished_list(op, verdict)
+    if unfinished is not None:
+        unfinished.append(f"{what} after {len(op.tokens)} tokens: {op.error}")
+    elif op.outcome != Outcome.OK:
         verdict.lost.append(f"{what} did not complete: {op.final_outcome} {op.error}".rstrip())
         return
-    if not op.finish_reason:
+    elif not op.finish_reason:
         verdict.lost.append(f"{what} ended without a finish reason after {len(op.tokens)} tokens")
         return
     tokens, broken = stream_tokens(op.tokens)
@@ -256,6 +272,8 @@ def _judge_stream(op: Op, references: Mapping[str, Sequence[int]], verdict: Verd
     if op.key not in references:
         raise ValueError(f"{what} is {op.sampling} but prompt {op.key!r} has no reference run")
     reference = list(references[op.key])
+    if unfinished is not None:  # what it delivered is the beginning of its run
+        reference = reference[: len(tokens)]
     if op.sampling == Sampling.GREEDY and op.resumed_at:
         # What the first worker decoded is the undisturbed run; the continuation may round
         # otherwise (it prefills those tokens) and take another greedy path from there.
@@ -269,6 +287,15 @@ def _judge_stream(op: Op, references: Mapping[str, Sequence[int]], verdict: Verd
         verdict.corrupted.append(
             f"{what} differs from its undisturbed run at token {differs}: {got} instead of {want}"
         )
+
+
+def _unfinished_list(op: Op, verdict: Verdict) -> list[str] | None:
+    """Where a stream that ended neither complete nor lost is counted (None: it is not one)."""
+    if op.outcome == Outcome.FAIL and op.error.startswith("RESOURCE_EXHAUSTED"):
+        return verdict.refused
+    if op.outcome == Outcome.INFO and op.error.startswith("DEADLINE_EXCEEDED"):
+        return verdict.timed_out
+    return None
 
 
 def stream_tokens(deliveries: Sequence[tuple[int, int]]) -> tuple[list[int], str]:

@@ -5,9 +5,10 @@ adapters through the gateways, every operation recorded in a :class:`~bench.clus
 Run inside a client pod's network namespace (``ip netns exec``), so its traffic is the run's:
 ``python -m bench.cluster.load --gateways IP:PORT,... --api-key KEY --tls CA CERT KEY --out DIR
 --seed N [--deterministic]``. It runs until ``DIR/stop`` exists, lets the operations in flight
-finish, observes the store (every name listed and fetched once more, after the faults) and
-writes ``history.jsonl``, ``store.json`` and ``references.json`` to ``DIR``. The history's clock
-is ``time.monotonic``, the machine's: the runner's observations are on the same clock.
+finish (each within its deadline: a stream that hits it is recorded as timed out), observes the
+store (every name listed and fetched once more, after the faults) and writes ``history.jsonl``,
+``store.json`` and ``references.json`` to ``DIR``. The history's clock is ``time.monotonic``, the
+machine's: the runner's observations are on the same clock.
 
 Streams are greedy. Under ``--deterministic`` (workers with batch-invariant numerics) each is
 judged token for token against its prompt's undisturbed run, taken before the load starts;
@@ -79,8 +80,13 @@ class LoadConfig:
     long_prompts: int = 3
     deterministic: bool = False
     """The workers serve batch-invariant numerics: streams must equal their undisturbed run."""
-    call_timeout_s: float = 600.0
-    """A hang guard on each call, its retries included."""
+    stream_deadline_s: float = 180.0
+    """Each stream's gRPC deadline, its retries included: a stream that hits it is recorded as
+    timed out (``info``: the client gave up; whether the mesh would have finished it is unknown),
+    so the load ends at most this long after its stop however a stream is stuck. Far beyond any
+    stream's own time here (seconds; a minute behind a restarting worker): a hang guard."""
+    call_timeout_s: float = 180.0
+    """The same bound on each other call (uploads, fetches, listings), its retries included."""
     retries: int = 30
     """The SDK's retries of an UNAVAILABLE call (each on the next gateway): a fault lasts up to
     tens of seconds, longer than the SDK's default six retries."""
@@ -142,7 +148,7 @@ class Load:
             for key, (_, prompt) in self.prompts().items():
                 tokens: list[int] = []
                 async for delta in client.stream(prompt, max_tokens=self.config.max_tokens, temperature=0.0,
-                                                 ignore_eos=True):  # fmt: skip
+                                                 ignore_eos=True, timeout=self.config.stream_deadline_s):  # fmt: skip
                     tokens += delta.token_ids
                 self.references[key] = tokens
 
@@ -166,11 +172,14 @@ class Load:
                 times = self.deliveries[op] = [self.history.clock()]
                 try:
                     async for delta in client.stream(prompt, adapter=adapter, max_tokens=self.config.max_tokens,
-                                                     temperature=0.0, ignore_eos=True):  # fmt: skip
+                                                     temperature=0.0, ignore_eos=True,
+                                                     timeout=self.config.stream_deadline_s):  # fmt: skip
                         times.append(self.history.clock())
                         record.received(delta.token_ids)
                         record.finish_reason = delta.finish_reason or record.finish_reason
                     self.history.complete(op, Outcome.OK, **record.payload())
+                except DeadlineExceeded as error:  # its deadline passed: a timeout, not a failure
+                    self.history.complete(op, Outcome.INFO, error=_error(error), **record.payload())
                 except LoraMeshError as error:
                     self.history.complete(op, Outcome.FAIL, error=_error(error), **record.payload())
                 finally:

@@ -38,10 +38,16 @@ def stream(
     resumed_at=(),
     kind=OpKind.GENERATE_STREAM,
     outcome=Outcome.OK,
+    error="",
 ):
     op = history.invoke("gen", kind, "p0", sampling=sampling)
     history.complete(
-        op, outcome, tokens=tuple(enumerate(tokens)), finish_reason=finish, resumed_at=tuple(resumed_at)
+        op,
+        outcome,
+        tokens=tuple(enumerate(tokens)),
+        finish_reason=finish,
+        resumed_at=tuple(resumed_at),
+        error=error,
     )
 
 
@@ -148,6 +154,30 @@ def test_a_stream_that_never_completes_or_lacks_a_finish_reason_is_lost():
     verdict = check(history.ops(), references=REFERENCE)
     assert len(verdict.lost) == 3 and not verdict.corrupted
     assert "ended without a finish reason after 2 tokens" in verdict.lost[1]
+
+
+def test_a_refused_or_timed_out_stream_is_counted_not_lost_and_what_it_delivered_is_judged():
+    history = new_history()
+    stream(history, REFERENCE["p0"])
+    refusal = "RESOURCE_EXHAUSTED: its 530 tokens need 34 KV blocks ... no worker lent the rest"
+    stream(history, [], finish="", kind=OpKind.BORROW, outcome=Outcome.FAIL, error=refusal)
+    stream(history, [10, 11], finish="", outcome=Outcome.INFO, error="DEADLINE_EXCEEDED: deadline passed")
+    stream(history, [10, 99], finish="", outcome=Outcome.INFO, error="DEADLINE_EXCEEDED: deadline passed")
+    stream(history, [10], finish="", outcome=Outcome.FAIL, error="UNAVAILABLE: no gateway")  # lost
+    verdict = check(history.ops(), references=REFERENCE, ledger=balanced_ledger())
+    assert verdict.refused == [f"borrow #1 (p0, gen) after 0 tokens: {refusal}"]
+    assert [line.split(":")[0] for line in verdict.timed_out] == [
+        "generate-stream #2 (p0, gen) after 2 tokens",
+        "generate-stream #3 (p0, gen) after 2 tokens",
+    ]
+    assert verdict.corrupted == [
+        "generate-stream #3 (p0, gen) differs from its undisturbed run at token 1: 99 instead of 11"
+    ]
+    assert verdict.lost == ["generate-stream #4 (p0, gen) did not complete: fail UNAVAILABLE: no gateway"]
+    assert verdict.summary.startswith(
+        "5 sent, 1 ok, 1 refused, 2 timed out, 1 lost, 1 corrupted, ledger balanced"
+    )
+    assert "  timed out: generate-stream #2 (p0, gen) after 2 tokens: DEADLINE_EXCEEDED" in verdict.report()
 
 
 def test_a_deterministic_stream_equals_its_undisturbed_run():
