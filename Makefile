@@ -11,9 +11,11 @@ setup: $(STAMP)
 # torch first and pinned: 2.13.0 resolves to the local CPU wheel; letting a dependency pull
 # torch would download gigabytes of CUDA packages. The benchmarks are a development-only
 # distribution of their own (bench/pyproject.toml), installed editable over the root's.
+# Debian's prometheus: a binary the metrics test starts itself; never start it as a system service.
 $(STAMP): pyproject.toml bench/pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq etcd-server)
 	@command -v nft >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq nftables)
+	@command -v prometheus >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,reference,predictor]'

@@ -20,6 +20,7 @@ from loramesh_cli.lora_modules import register_lora_modules
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, command_line, pid_alive, why_not_live
 from loramesh_cli.mesh_layout import ETCD_UNIT, STORE_KIND, check_service_settings, service_processes
 from loramesh_cli.mesh_status import add_status_parser
+from loramesh_cli.prometheus_targets import write_prometheus_targets
 from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_exit
 from loramesh_cli.up_arguments import (
     ADMIN_TENANT,
@@ -291,9 +292,9 @@ async def _up_foreground(args, state_dir: Path) -> int:
     ready = False
 
     def write_mesh_file() -> None:
-        _mesh_file(etcd, processes, openai_addresses, supervisor, admin_api_key, ready, certs).write(
-            state_dir
-        )
+        mesh = _mesh_file(etcd, processes, openai_addresses, supervisor, admin_api_key, ready, certs)
+        mesh.write(state_dir)
+        write_prometheus_targets(mesh, state_dir)  # what monitoring/prometheus-up.yml scrapes
 
     supervisor = Supervisor(units, restart_policy(args), on_change=write_mesh_file)
     try:

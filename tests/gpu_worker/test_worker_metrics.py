@@ -25,6 +25,7 @@ from support.tiny_hf_model import SPEC, write_tiny_hf_model
 
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from services.gateway.request_metrics import RequestMetrics
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.service import WorkerService
 from services.model_files.peft_format import LORA_TARGETS
@@ -173,9 +174,10 @@ def dashboard_series(expression: str) -> set[str]:
     return {n for n in names if n.startswith(("vllm:", "loramesh_"))}
 
 
-async def test_the_dashboard_reads_only_series_a_worker_serves(worker):
+async def test_the_dashboard_reads_only_series_a_worker_or_a_gateway_serves(worker):
     _, host = worker
-    served = (await scrape(host.http_address)).family_names
+    gateway = {family.name for family in RequestMetrics().collect()}
+    served = (await scrape(host.http_address)).family_names | gateway
     panels = json.loads(DASHBOARD.read_text())["panels"]
     read = {
         re.sub(r"_(bucket|sum|count|total)$", "", name)

@@ -36,7 +36,11 @@ OVERLAYS = ("cpu", "gpu")
 KUBERNETES_VERSIONS = ("1.27", "1.37")
 #: Custom resources, validated against the schemas pinned in k8s/schemas/ (kubeconform layout).
 SERVICE_MONITOR_SCHEMA = K8S / "schemas" / "monitoring.coreos.com" / "servicemonitor_v1.json"
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR_SCHEMA}
+PROMETHEUS_RULE_SCHEMA = K8S / "schemas" / "monitoring.coreos.com" / "prometheusrule_v1.json"
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR_SCHEMA,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE_SCHEMA,
+}
 
 MESH_LABEL = {"app.kubernetes.io/part-of": "loramesh"}
 METRICS_PORTS = {9100, 2381}
@@ -145,7 +149,7 @@ def test_overlay_validates_against_the_pinned_schemas(rendered, overlay):
     objects = rendered[overlay]
     assert {o["kind"] for o in objects} >= {
         "Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment",
-        "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor",
+        "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor", "PrometheusRule",
     }  # fmt: skip
     errors = [error for obj in objects for error in validation_errors(obj)]
     assert not errors, "\n".join(errors)
