@@ -4,7 +4,7 @@ The client SDK (see ``docs/sdk.md``)::
 
     from loramesh import Client
 
-    with Client("127.0.0.1:50051", api_key="sk-...") as client:
+    with Client("127.0.0.1:50050", api_key="sk-...") as client:
         print(client.generate("Hello,", max_tokens=16).text)
 
 Importing the package stays light: the clients (and grpc) load on first use of

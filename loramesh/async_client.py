@@ -276,7 +276,7 @@ class AsyncClient:
 
     Example:
         >>> from loramesh import AsyncClient
-        >>> async with AsyncClient(["10.0.0.1:50051", "10.0.0.2:50051"], api_key="sk-...") as client:
+        >>> async with AsyncClient(["10.0.0.1:50050", "10.0.0.2:50050"], api_key="sk-...") as client:
         ...     completion = await client.generate("Hello,", max_tokens=16)
         ...     print(completion.text)
         ...     async for delta in client.chat_stream([("user", "Hi!")], adapter="support-bot"):

@@ -278,7 +278,7 @@ class Client:
 
     Example:
         >>> from loramesh import Client
-        >>> with Client(["10.0.0.1:50051", "10.0.0.2:50051"], api_key="sk-...") as client:
+        >>> with Client(["10.0.0.1:50050", "10.0.0.2:50050"], api_key="sk-...") as client:
         ...     completion = client.generate("Hello,", max_tokens=16)
         ...     print(completion.text)
         ...     for delta in client.chat_stream([("user", "Hi!")], adapter="support-bot"):
