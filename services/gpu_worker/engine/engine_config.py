@@ -64,10 +64,10 @@ class EngineConfig:
     request's pages and recompute it later) or ``borrow`` (DistKV-LLM: borrow blocks from other
     workers, suggested by the kv_manager, and preempt only when none lends)."""
     loan_wait_rounds: int = 20
-    """With ``kv_overflow=borrow``: admission rounds (engine steps; an idle engine looks every
-    0.5 s) a queued request that only borrowed KV blocks could start may go without a lender
-    before it is refused with RESOURCE_EXHAUSTED naming why. Meanwhile the requests queued behind
-    it start (it holds nobody back). At least 1."""
+    """With ``kv_overflow=borrow``: admission rounds in which only borrowed KV blocks could start
+    a queued request (nothing runs nor is lent out on this worker: it looks every 0.5 s) that it
+    may go without a lender before it is refused with RESOURCE_EXHAUSTED naming why. Meanwhile
+    the requests queued behind it start. At least 1."""
 
     batch_policy: str = "fcfs"
     """Which requests run each step and in which LoRA mode: fcfs, lcfs, early_abort (S-LoRA),

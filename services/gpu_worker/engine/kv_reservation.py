@@ -107,17 +107,6 @@ class KvReservation:
         cached = self.prefix_cache.evictable_pages() if self.prefix_cache is not None else 0
         return self.rm.local.free_blocks + cached // self.rm.local.num_layers
 
-    def beyond_pool(self, tokens: int) -> bool:
-        """Whether ``tokens`` tokens of KV need more blocks than the whole pool has for KV: only
-        borrowed blocks can hold them, whatever ends here."""
-        allocator = self.rm.local.pool.allocator
-        pages = (
-            allocator.num_pages
-            if allocator.unified
-            else allocator.free_pages_for(PageUse.KV) + allocator.usage().kv_pages
-        )
-        return -(-tokens // self.rm.block_tokens) > pages // self.rm.local.num_layers
-
     def pool_can_never_hold(self, running: list[EngineRequest]) -> bool:
         """A request that does not fit now never will: nothing runs, nothing is lent out (idle
         adapters were evicted to make room), and no other worker lends to this one or they

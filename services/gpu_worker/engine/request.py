@@ -155,8 +155,9 @@ class EngineRequest:
     """Prompt tokens whose KV the prefix cache held when it was first scheduled (the prefill it
     skipped); a restart after a preemption does not change it."""
     loan_waits: int = 0
-    """Admission rounds it could start only on borrowed KV blocks and none were lent (a
-    preemption does not reset it: its whole wait is bounded)."""
+    """Admission rounds in which only borrowed KV blocks could start it (nothing ran nor was lent
+    out on its worker) and none were lent; a preemption does not reset it: its whole wait is
+    bounded."""
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.spec.sampling)

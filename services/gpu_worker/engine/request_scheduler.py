@@ -199,32 +199,32 @@ class RequestScheduler:
             self.waiting.remove(request)
             self._finish_unservable(request)
             return Start.SKIPPED
-        elif outcome is Start.BLOCKED and self._waits_on_loans(request):
+        elif outcome is Start.BLOCKED and self._waits_on_loans():
             return self._no_loan(request)
         elif outcome is Start.STARTED:
             self.waiting.remove(request)
         return outcome
 
-    def _waits_on_loans(self, request: EngineRequest) -> bool:
-        """Only borrowed KV blocks can start ``request`` now, and its borrow found none: nothing
-        ending here would make room for it (its KV outgrows the pool, or nothing runs and nothing
-        is lent out)."""
-        if self.kv.overflow.shortfall is None:
-            return False
-        return self.kv.beyond_pool(request.total_len) or not (self.running or self.kv.rm.lender.lent_blocks)
+    def _waits_on_loans(self) -> bool:
+        """The request that just did not fit waits on lenders alone: its borrow found none, and
+        nothing here will make room (nothing runs, nothing is lent out). While something does, it
+        waits for that as any request too large for the room left does (no starvation of long
+        requests): a wait its worker's own requests bound."""
+        return self.kv.overflow.shortfall is not None and not (self.running or self.kv.rm.lender.lent_blocks)
 
     def _no_loan(self, request: EngineRequest) -> Start:
-        """One more admission round without a loan for ``request``: it keeps its place and the
-        requests behind it may start (waiting on it would not bring a lender sooner); after
-        ``loan_wait_rounds`` of them it is refused, naming why (RESOURCE_EXHAUSTED)."""
+        """One more admission round in which only a loan could start ``request`` and none came:
+        it keeps its place and the requests behind it may start (holding them would not bring a
+        lender sooner); after ``loan_wait_rounds`` such rounds it is refused, naming why
+        (RESOURCE_EXHAUSTED)."""
         request.loan_waits += 1
         if request.loan_waits < self.config.loan_wait_rounds:
             return Start.SKIPPED
         self.waiting.remove(request)
         blocks = -(-request.total_len // self.kv.rm.block_tokens)
         why = (
-            f"its {request.total_len} tokens need {blocks} KV blocks, more than this worker's pool "
-            f"gives it, and no worker lent the rest in {request.loan_waits} admission rounds "
+            f"its {request.total_len} tokens need {blocks} KV blocks, more than this worker's idle "
+            f"pool gives it, and no worker lent the rest in {request.loan_waits} admission rounds "
             f"(last: {self.kv.overflow.shortfall})"
         )
         log.info("refusing %s: %s", request.request_id, why)

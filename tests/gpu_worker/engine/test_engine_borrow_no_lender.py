@@ -1,8 +1,10 @@
 """A request that only borrowed KV blocks could start, when no worker lends them (issue 49's
 "defect 4"): the gManager suggests nobody, the creditor it suggests is gone, or that creditor
-refuses. The request waits at most ``loan_wait_rounds`` admission rounds and is then refused
-(``FinishReason.NO_KV``, RESOURCE_EXHAUSTED over gRPC) naming why, and the requests queued behind
-it start meanwhile instead of waiting with it. A lender that comes back within the bound lends.
+refuses. The request waits at most ``loan_wait_rounds`` admission rounds in which only a loan
+could start it (besides waiting, as before, for its worker's running requests to make room) and
+is then refused (``FinishReason.NO_KV``, RESOURCE_EXHAUSTED over gRPC) naming why; the requests
+queued behind it start meanwhile instead of waiting with it. A lender that comes back within the
+bound lends.
 
 Tiny random Llama, fp32, engines stepped by hand: every bound is counted in steps, none in time.
 """
@@ -124,9 +126,10 @@ def test_a_request_no_worker_lends_to_is_refused_within_the_bound_and_holds_nobo
     # The short request behind it ran from the first step, not after the long one's end.
     assert short.finish is FinishReason.LENGTH and len(short.tokens) == 4
     assert short.first_token_step == 1
-    # The long one waited ROUNDS admission rounds (one per step), then was refused, naming why.
+    # The long one waited for the short one's 3 decode steps (its pool's room), and ROUNDS
+    # rounds in which only a loan could start it (steps 1 and 5 on), then was refused, naming why.
     assert long.finish is FinishReason.NO_KV and long.tokens == []
-    assert long.finish_step == ROUNDS
+    assert long.finish_step == ROUNDS + 3
     assert "15 KV blocks" in long.error and "no worker lent" in long.error, long.error
     if mode == "none":
         assert "no worker can lend" in long.error, long.error
