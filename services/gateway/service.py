@@ -28,6 +28,7 @@ from services.gateway.etcd_catalog_watch import EtcdCatalogWatch
 from services.gateway.http.app import build_app
 from services.gateway.http.server import OpenAIHttpServer
 from services.gateway.parts import GatewayParts
+from services.gateway.quota_metrics import QuotaMetrics
 from services.gateway.relay import Relay
 from services.gateway.request_metrics import RequestMetrics
 from services.gateway.servicer import GatewayServicer
@@ -324,9 +325,10 @@ class GatewayService:
             await self.core.quota.shared.close()
         self.core.close()
 
-    def metric_collectors(self) -> tuple[RequestMetrics, ...]:
-        """Every generation's latencies, tokens and outcome, per adapter and tenant."""
-        return (self.core.metrics,)
+    def metric_collectors(self) -> tuple[RequestMetrics | QuotaMetrics, ...]:
+        """Every generation's latencies, tokens and outcome, per adapter and tenant, and the
+        tenants' quotas."""
+        return (self.core.metrics, QuotaMetrics(lambda: self.core.quota))
 
     def load_report(self) -> dict:
         """Its chat template renders, running and waiting (gauges ``loramesh_gateway_*``)."""

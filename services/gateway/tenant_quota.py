@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from services.gateway.shared_quota import SharedQuota
 from services.runtime.errors import ResourceExhausted, Unavailable
 from services.runtime.etcd.leased_slots import HeldSlot
-from services.runtime.tenants_file import UNLIMITED, QuotaConfig, TenantLimits
+from services.runtime.tenants_file import ALL_TENANTS, UNLIMITED, QuotaConfig, TenantLimits
 
 CONCURRENCY_RETRY_AFTER_S = 1.0
 """The retry hint of a refusal for too many generations in flight: HTTP's smallest."""
@@ -145,6 +145,11 @@ class TenantQuota:
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
+
+    def tenants(self) -> list[str]:
+        """The tenants the file limits by name, and any with generations in flight or waiting."""
+        named = {tenant for tenant, limits in self.config.limits.items() if limits != UNLIMITED}
+        return sorted((named - {ALL_TENANTS}) | set(self._in_flight) | set(self._waiting))
 
     def reconfigure(self, config: QuotaConfig) -> None:
         """Enforce ``config`` from now on (the tenants file changed). Generations in flight keep

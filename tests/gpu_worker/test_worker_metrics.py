@@ -25,7 +25,9 @@ from support.tiny_hf_model import SPEC, write_tiny_hf_model
 
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from services.gateway.quota_metrics import QuotaMetrics
 from services.gateway.request_metrics import RequestMetrics
+from services.gateway.tenant_quota import TenantQuota
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.service import WorkerService
 from services.model_files.peft_format import LORA_TARGETS
@@ -176,7 +178,8 @@ def dashboard_series(expression: str) -> set[str]:
 
 async def test_the_dashboard_reads_only_series_a_worker_or_a_gateway_serves(worker):
     _, host = worker
-    gateway = {family.name for family in RequestMetrics().collect()}
+    quota = QuotaMetrics(lambda: TenantQuota())
+    gateway = {family.name for family in (*RequestMetrics().collect(), *quota.collect())}
     served = (await scrape(host.http_address)).family_names | gateway
     panels = json.loads(DASHBOARD.read_text())["panels"]
     read = {
