@@ -285,6 +285,8 @@ class GatewayCore:
                     async for reply in replies:
                         replied, generated = True, generated + len(reply.token_ids)
                         timer.tokens(len(reply.token_ids), len(prompt_ids))
+                        if reply.finish_reason:  # the last: over, whenever its reader closes this
+                            timer.end(OK)
                         yield reply
                 code = OK
             finally:
