@@ -223,7 +223,7 @@ class RequestScheduler:
         self.waiting.remove(request)
         blocks = -(-request.total_len // self.kv.rm.block_tokens)
         why = (
-            f"its {request.total_len} tokens need {blocks} KV blocks, more than this worker's idle "
+            f"its {request.total_len} tokens need {blocks} KV blocks, more than this worker's "
             f"pool gives it, and no worker lent the rest in {request.loan_waits} admission rounds "
             f"(last: {self.kv.overflow.shortfall})"
         )
