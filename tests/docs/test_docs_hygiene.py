@@ -1,5 +1,7 @@
 """The user docs (README.md, docs/*.md) read as a product's, and the defaults they state are the code's.
 
+No former values beside current ones (``15 s (was 5)``): a diary's trace.
+
 No internal issue numbers. The rule: ``issue 48``, ``issues 48 and 49``, ``issue-48`` and
 ``#48`` are forbidden, in any case. A ``#N`` is allowed only right after the name of an upstream
 project whose tracker it points to (``vLLM #12345``, ``SGLang #678``): the project's own issues are
@@ -67,12 +69,30 @@ def issue_numbers(text: str) -> list[str]:
 def test_the_rule_allows_upstream_numbers_and_refuses_ours() -> None:
     assert issue_numbers("fixed in vLLM #48312 and SGLang #12") == []
     assert issue_numbers("see [docs](api.md#cli), &#39; and # 48 in a heading") == []
+    assert OLD_VALUE.findall("lease TTL 15 s (was 5), a window (was 6.7 s)") == ["(was 5)", "(was 6.7 s)"]
+    assert not OLD_VALUE.findall("(was it refused?)")
     assert issue_numbers("done for issue 48, issues 49 and 50, issue-16's calibration, see #51") == [
         "issue 48",
         "issues 49",
         "issue-16",
         "#51",
     ]
+
+
+OLD_VALUE = re.compile(r"\((?:was|were) [^)]*\d[^)]*\)")
+"""A diary's trace beside a value: ``15 s (was 5)``. The docs state what is, the history is in
+bench/HISTORY.md and git."""
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda path: path.name)
+def test_user_docs_state_no_former_values(doc: Path) -> None:
+    lines = doc.read_text(encoding="utf-8").splitlines()
+    found = [
+        f"{doc.name}:{number}: {hit}"
+        for number, line in enumerate(lines, 1)
+        for hit in OLD_VALUE.findall(line)
+    ]
+    assert not found, "former values in the user docs:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("doc", USER_DOCS, ids=lambda path: path.name)
