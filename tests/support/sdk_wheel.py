@@ -30,13 +30,19 @@ def build_sdk_wheel(scratch: Path) -> Path:
     for part in ("sdk", "loramesh", "mesh_api"):
         shutil.copytree(REPO / part, tree / part, ignore=ignore)
     shutil.copy(REPO / "LICENSE", tree / "LICENSE")  # sdk/pyproject.toml's license-files
+    return pip_wheel(tree / "sdk", out)
+
+
+def pip_wheel(project: Path, out: Path) -> Path:
+    """The wheel of the project in ``project``, built into ``out`` offline by this interpreter's
+    pip, with its setuptools (no build isolation: nothing to fetch)."""
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-w", str(out), str(tree / "sdk")],
+         "-w", str(out), str(project)],
         capture_output=True, text=True, check=False, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert built.returncode == 0, built.stdout + built.stderr
-    (found,) = out.glob("loramesh_client-*.whl")
+    (found,) = out.glob("*.whl")
     return found
 
 
