@@ -32,6 +32,7 @@ $(STAMP): pyproject.toml bench/pyproject.toml $(VENV)/.torch-variant
 
 # Rewritten only when the variant changes, which makes setup run again and switch torch.
 $(VENV)/.torch-variant: FORCE
+	@case "$(TORCH_VARIANT)" in cpu|cuda) ;; *) echo "TORCH_VARIANT=$(TORCH_VARIANT): cpu or cuda" >&2; exit 2;; esac
 	@mkdir -p $(VENV)
 	@[ "$$(cat $@ 2>/dev/null)" = "$(TORCH_VARIANT)" ] || echo "$(TORCH_VARIANT)" > $@
 

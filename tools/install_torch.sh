@@ -48,6 +48,6 @@ built=$("$python" -W ignore -c 'import torch; print("cuda" if torch.version.cuda
 echo "torch: $built"
 if [ "${built%% *}" != "$variant" ]; then
     echo "TORCH_VARIANT=$variant, but pip installed a ${built%% *} torch ($built): a wheel in pip's" \
-        "find-links (pip config list) matches the pin first; remove it from there, or give INDEX_URL" >&2
+        "find-links (PIP_FIND_LINKS, pip config list) matches the pin first; take it out of there" >&2
     exit 1
 fi
