@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench.out_dir import default_out
+from bench.serving.isolated_run import LOADED_SHARE, loaded
 from bench.serving.profiles import (
     GATEWAY,
     LLAMACPP,
@@ -138,13 +139,29 @@ def _caption(results) -> str:
 
 
 def _by_key(results) -> dict[tuple[str, int, float, float], dict]:
-    """Runs with the profile's pool, by (system, n, R, cv)."""
+    """Runs with the profile's pool, by (system, n, R, cv): their metrics, and under ``loaded``
+    whether other processes loaded the machine during the run."""
     pool = results["profile"]["pool_mib"]
     return {
-        (r["system"], r["workload"]["adapters"], r["workload"]["rate"], r["workload"]["cv"]): r["metrics"]
+        (r["system"], r["workload"]["adapters"], r["workload"]["rate"], r["workload"]["cv"]): {
+            **r["metrics"],
+            "loaded": loaded(r),
+            "others_cpu_share": r.get("load", {}).get("others_cpu_share"),
+        }
         for r in results["runs"]
         if r.get("pool_mib", pool) == pool
     }
+
+
+def _unsound(*runs: dict) -> str:
+    """Why a ratio over ``runs`` is not quoted (empty: it is): other processes loaded the machine."""
+    shares = [f"{100 * r['others_cpu_share']:.0f}%" for r in runs if r["loaded"]]
+    if not shares:
+        return ""
+    return (
+        f"not quoted: other processes used {' and '.join(shares)} of the CPUs during the runs "
+        f"(more than {100 * LOADED_SHARE:.0f}%), and a small-batch step collapses under such load"
+    )
 
 
 def headline(results) -> list[str]:
@@ -156,9 +173,10 @@ def headline(results) -> list[str]:
     lines = []
     ours, peft = runs.get((LORAMESH, n, w["rate"], w["cv"])), runs.get((PEFT, n, w["rate"], w["cv"]))
     if ours and peft:
+        verdict = _unsound(ours, peft) or f"**{_ratio(ours, peft)}×**"
         lines.append(
             f"loramesh vs PEFT at n={n}, R={w['rate']:g}: throughput {ours['throughput_tps']:.1f} vs "
-            f"{peft['throughput_tps']:.1f} tok/s = **{_ratio(ours, peft)}×** ({ours['throughput_rps']:.2f} vs "
+            f"{peft['throughput_tps']:.1f} tok/s = {verdict} ({ours['throughput_rps']:.2f} vs "
             f"{peft['throughput_rps']:.2f} completed req/s); average first-token latency "
             f"{_fmt(ours['avg_first_token_s'])} vs {_fmt(peft['avg_first_token_s'])} s."
         )
@@ -168,15 +186,17 @@ def headline(results) -> list[str]:
         runs.get((LORAMESH, largest, w["rate"], w["cv"])),
     )
     if at_n and at_largest and largest != n:
+        verdict = _unsound(at_largest, at_n) or f"**{_ratio(at_largest, at_n)}×**"
         lines.append(
             f"loramesh throughput at n={largest} vs n={n}: {at_largest['throughput_tps']:.1f} vs "
-            f"{at_n['throughput_tps']:.1f} tok/s = **{_ratio(at_largest, at_n)}×**."
+            f"{at_n['throughput_tps']:.1f} tok/s = {verdict}."
         )
     for system in (PADDED_BMM, NO_UNIFIED_POOL, MERGED, GATEWAY):
         other = runs.get((system, n, w["rate"], w["cv"]))
         if at_n and other:
+            verdict = _unsound(other, at_n) or f"{_ratio(other, at_n)}×"
             lines.append(
-                f"{system} at n={n}: {other['throughput_tps']:.1f} tok/s = {_ratio(other, at_n)}× loramesh; "
+                f"{system} at n={n}: {other['throughput_tps']:.1f} tok/s = {verdict} loramesh; "
                 f"first token {_fmt(other['avg_first_token_s'])} s (loramesh {_fmt(at_n['avg_first_token_s'])} s)."
             )
     pressure = {r["system"]: r for r in results["runs"] if "pressure" in r["sweeps"]}
@@ -213,9 +233,9 @@ def markdown(results) -> str:
         "",
         (
             "| system | n | R (req/s) | cv | pool (MiB) | done | req/s | tok/s | avg latency (s) | p99 latency (s) "
-            "| avg first token (s) | SLO attainment | user satisfaction |"
+            "| avg first token (s) | SLO attainment | user satisfaction | others' CPU |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in results["runs"]:
         r, wl = run["metrics"], run["workload"]
@@ -224,25 +244,48 @@ def markdown(results) -> str:
             f"| {run.get('pool_mib', p['pool_mib']):g} | {r['completed']}/{r['requests']} "
             f"| {r['throughput_rps']:.2f} | {r['throughput_tps']:.1f} | {_fmt(r['avg_latency_s'])} "
             f"| {_fmt(r['p99_latency_s'])} | {_fmt(r['avg_first_token_s'])} | {100 * r['slo_attainment']:.0f}% "
-            f"| {r['user_satisfaction']:.2f} |"
+            f"| {r['user_satisfaction']:.2f} | {_share(run)} |"
         )
     out += ["", *(f"![{name}]({file})" for name, file in PLOTS.items()), ""]
     return "\n".join(out)
+
+
+def _share(run: dict) -> str:
+    """Others' share of the CPUs during ``run``, marked when loaded (``-``: not recorded)."""
+    share = run.get("load", {}).get("others_cpu_share")
+    if share is None:
+        return "-"
+    return f"{100 * share:.0f}%" + (" (loaded)" if loaded(run) else "")
 
 
 def _ceiling(results) -> list[str]:
     ceiling = results.get("batching_ceiling")
     if not ceiling:
         return []
-    full = next(v for k, v in ceiling.items() if k.startswith("batch_") and k != "batch_1_tok_s")
-    return [
-        (
-            f"- Batching ceiling on this machine (engine, base model, decode): {ceiling['batch_1_tok_s']:.1f} "
-            f"tok/s at batch 1, {full:.1f} tok/s at batch {results['profile']['max_batch']}: "
-            f"**{ceiling['ratio']:.1f}×**. No system batching across adapters can beat one that serves one "
-            "request at a time by more."
+    batch = results["profile"]["max_batch"]
+    config = ceiling.get("configuration", {})
+    where = (
+        f"{config['of']}: {config['quantization']} weights, {config['dtype']} activations, "
+        f"{config['torch_threads']} threads"
+        if config
+        else "engine, base model"
+    )
+    ratio = f"**{ceiling['ratio']:.1f}×**"
+    if loaded(ceiling):
+        ratio = f"{ceiling['ratio']:.1f}×, not quoted: other processes used {_share(ceiling)} of the CPUs"
+    line = (
+        f"- Batching ceiling on this machine ({where}; decode): {ceiling['batch_1_tok_s']:.1f} "
+        f"tok/s at batch 1, {ceiling[f'batch_{batch}_tok_s']:.1f} tok/s at batch {batch}: {ratio}. "
+        "No system batching across adapters can beat one that serves one request at a time by more."
+    )
+    engine = ceiling.get("bench_engine")
+    if engine:
+        line += (
+            f" On the in-process engine's configuration ({engine['configuration']['dtype']}, weights "
+            f"dequantized): {engine['batch_1_tok_s']:.1f} and {engine[f'batch_{batch}_tok_s']:.1f} tok/s, "
+            f"{engine['ratio']:.1f}×."
         )
-    ]
+    return [line]
 
 
 def llamacpp_comparison(results) -> list[str]:

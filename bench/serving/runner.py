@@ -4,8 +4,10 @@
     loramesh bench --profile full --out DIR
     loramesh bench --systems loramesh-up llamacpp llamacpp-base --llama-server PATH --repeat 3
 
-Each run replays its trace against the wall clock on an otherwise idle machine (the runs never
-overlap). With ``repeat`` > 1 the whole plan runs that many rounds, one after the other, so the
+Each run replays its trace against the wall clock, in a fresh process of its own with the torch
+thread settings given (one per CPU by default, as ``loramesh up``'s worker), so that no run
+inherits another's state; the runs never overlap, and each records how much of the CPUs other
+processes used meanwhile (:mod:`bench.serving.isolated_run`). With ``repeat`` > 1 the whole plan runs that many rounds, one after the other, so the
 systems alternate and a drift of the machine's speed shows in every system's rounds alike.
 Results go to ``<out>/results.json`` (configuration, machine, per-run metrics, pool occupancy),
 ``<out>/results.md`` and PNG plots (see :mod:`bench.serving.report`).
@@ -19,14 +21,15 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from bench.serving import report
 from bench.serving.adapters import adapter_bytes, ensure_adapter_set, evict_from_page_cache
 from bench.serving.calibration import batching_ceiling
+from bench.serving.isolated_run import RunThreads, run_isolated
 from bench.serving.metrics import summarize
 from bench.serving.profiles import (
     GATEWAY,
@@ -96,11 +99,13 @@ def make_system(name: str, settings: SystemSettings = NO_SETTINGS) -> ServingSys
     raise ValueError(f"unknown system {name!r}")
 
 
-def machine_info() -> dict:
+def machine_info(threads: RunThreads) -> dict:
+    import torch
+
     return {
         "cpu": _cpu_model(),
         "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads.intra_op,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -124,9 +129,11 @@ def run_profile(
     only: Callable[[Experiment], bool] = lambda e: e.system not in PEER_SYSTEMS,
     settings: SystemSettings = NO_SETTINGS,
     repeat: int = 1,
+    threads: RunThreads | None = None,
 ) -> dict:
     """Run every experiment of ``profile`` that ``only`` keeps (by default all but the comparison
-    with llama.cpp), ``repeat`` rounds of them, and write the results to ``out``."""
+    with llama.cpp), ``repeat`` rounds of them, each in its own process with ``threads`` (None:
+    :meth:`RunThreads.per_cpu`), and write the results to ``out``."""
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1, got {repeat}")
     out.mkdir(parents=True, exist_ok=True)
@@ -136,14 +143,17 @@ def run_profile(
     print(f"preparing {largest} adapters in {adapter_cache} (written once, reused)", flush=True)
     ensure_adapter_set(adapter_cache, spec, largest, profile.workload.ranks)
     traces = {e.key: generate(e.workload) for e in planned}
+    threads = threads or RunThreads.per_cpu()
     print("measuring the batching ceiling (decode at batch 1 vs full batch)", flush=True)
+    ceiling = run_isolated(batching_ceiling, (model_path, profile.max_batch), threads)
     results = {
         "profile": asdict(profile),
-        "machine": machine_info(),
+        "machine": machine_info(threads),
         "model": spec.name,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "repeat": repeat,
-        "batching_ceiling": batching_ceiling(model_path, profile.max_batch),
+        "threads": asdict(threads),
+        "batching_ceiling": {**ceiling["result"], "threads": ceiling["threads"], "load": ceiling["load"]},
         "runs": [],
     }
     total = repeat * sum(len(t) for t in traces.values())
@@ -151,10 +161,11 @@ def run_profile(
     with tqdm(total=total, unit="req", desc="bench", dynamic_ncols=True) as bar:
         for round_index, experiment in ((r, e) for r in range(repeat) for e in planned):
             bar.set_postfix_str(experiment.key)
-            system = make_system(experiment.system, settings)
-            run = _run_one(
-                profile, experiment, traces[experiment.key], model_path, adapter_cache, spec, bar, system
-            )
+            trace = traces[experiment.key]
+            child = partial(_run_one, profile, experiment, trace, model_path, adapter_cache, spec, settings)
+            isolated = run_isolated(child, (), threads)
+            bar.update(len(trace))
+            run = {**isolated["result"], "threads": isolated["threads"], "load": isolated["load"]}
             run["round"] = round_index
             results["runs"].append(run)
             m = run["metrics"]
@@ -162,7 +173,8 @@ def run_profile(
                 f"{experiment.key}{f' (round {round_index + 1})' if repeat > 1 else ''}: "
                 f"{m['throughput_rps']:.2f} req/s, {m['throughput_tps']:.1f} tok/s, "
                 f"first token {_fmt(m['avg_first_token_s'])} s, SLO {100 * m['slo_attainment']:.0f}%, "
-                f"{m['completed']}/{m['requests']} done"
+                f"{m['completed']}/{m['requests']} done; others used "
+                f"{100 * run['load']['others_cpu_share']:.0f}% of the CPUs"
             )
             (out / "results.json").write_text(json.dumps(results, indent=1))
     results["elapsed_s"] = time.monotonic() - started
@@ -171,7 +183,9 @@ def run_profile(
     return results
 
 
-def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, bar, system: ServingSystem) -> dict:
+def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, settings: SystemSettings) -> dict:
+    """One experiment's run, in the process :func:`run_isolated` started for it."""
+    system: ServingSystem = make_system(experiment.system, settings)
     adapters = ensure_adapter_set(adapter_cache, spec, experiment.workload.adapters, profile.workload.ranks)
     evict_from_page_cache(adapters)
     samples: list[dict] = []
@@ -184,7 +198,6 @@ def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, bar, s
         max_batch=profile.max_batch,
         pool_mib=experiment.pool_mib or profile.pool_mib,
         host_cache_mib=profile.host_cache_mib,
-        on_progress=bar.update,
         on_sample=lambda t, stats: samples.append(
             {
                 "t": round(t, 3),

@@ -11,6 +11,8 @@ adapter weights between batches"; it has no continuous batching and no paged mem
   ``min_new_tokens`` = the longest ``output_len`` of the batch (EOS suppressed, so every request
   gets at least its ``output_len`` tokens; shorter requests ride along until the batch ends,
   as static batching does);
+* before the clock, each slot runs one short ``generate`` (a warm-up: oneDNN's primitives and
+  transformers' first-call paths), as the engine's set-up is outside the window too;
 * arrivals are checked between batches: a request whose trace time has passed joins the queue
   (requests arriving during a batch wait for the next one, as in a real batch server);
 * at ``context.window_s`` the running ``generate`` stops after its current step; requests not
@@ -50,6 +52,10 @@ import torch
 from bench.systems.base import AdapterSet, RequestRecord, RunContext
 from services.gpu_worker.model.loading import load_model
 
+WARM_UP_PROMPT = tuple(range(100, 116))
+"""Token ids of the warm-up's prompt (ordinary word pieces)."""
+WARM_UP_TOKENS = 2
+"""Tokens each slot's warm-up generates: a prefill and a decode step."""
 _CONFIG_FIELDS_IGNORED = ("base_model_name_or_path", "revision", "inference_mode")
 """Fields of ``adapter_config.json`` that do not change the LoRA modules, so two adapters that
 differ only there can share a slot."""
@@ -85,6 +91,9 @@ class PeftBaselineSystem:
         self.switches, self.switch_s, self.outputs = 0, 0.0, {}
         trace = context.trace
         model = _PeftServer(context.model_path, context.adapters, sorted({r.adapter for r in trace}))
+        # Before the clock, as the engine's set-up: the first generate of each slot creates
+        # oneDNN primitives and takes transformers' first-call paths.
+        model.warm_up()
         records = [RequestRecord(r.request_id, r.adapter, r.time_s, r.input_len, r.output_len) for r in trace]
         start = context.clock.now()
         arrived, queue = 0, []
@@ -177,6 +186,12 @@ class _PeftServer:
         self.model = (model if model is not None else base).eval()
         self.params = dict(self.model.named_parameters())
         self.active: str | None = None
+
+    def warm_up(self) -> None:
+        """One short greedy generate through each slot (as it holds its adapter now)."""
+        for slot in sorted(set(self.slot_of.values())):
+            self.activate(self.holds[slot])
+            self.generate([WARM_UP_PROMPT], WARM_UP_TOKENS, lambda step: False)
 
     def activate(self, adapter: int) -> bool:
         """Make ``adapter`` the one applied; True if weights had to be copied (a swap)."""
