@@ -51,25 +51,34 @@ def _owners(groups: Sequence[ForwardedSettings]) -> dict[str, list[ForwardedSett
     return owners
 
 
-def _help(name: str, owners: list[ForwardedSettings]) -> str:
+def default_words(name: str, owners: Sequence[ForwardedSettings]) -> str:
+    """The default of one setting as its help states it: the command's words or own default,
+    else the service's value (a switch as on/off)."""
     first = owners[0]
-    services = " and ".join(f"each {o.service}" for o in owners)
     if name in first.default_words:
-        default = f"default {first.default_words[name]}"
-    elif name in first.defaults:
-        default = f"default {first.defaults[name]}"
-    else:
-        value = getattr(first.config, name)
-        value = ON_OFF[not value] if isinstance(value, bool) else value
-        default = "default: the service's" + (f", {value}" if value != "" else "")
+        return first.default_words[name]
+    if name in first.defaults:
+        return str(first.defaults[name])
+    value = getattr(first.config, name)
+    return ON_OFF[not value] if isinstance(value, bool) else str(value)
+
+
+def _help(name: str, owners: list[ForwardedSettings]) -> str:
+    services = " and ".join(f"each {o.service}" for o in owners)
     # argparse formats help with %: a docstring's percent sign is text.
-    return f"{field_docs(first.config)[name]} [{services}; {default}]".replace("%", "%%")
+    text = f"{field_docs(owners[0].config)[name]} [{services}; default {default_words(name, owners)}]"
+    return text.replace("%", "%%")
 
 
-def add_setting_options(parser: argparse.ArgumentParser, groups: Sequence[ForwardedSettings]) -> None:
-    """Adds each setting of ``groups`` to ``parser`` once, as ``--field-name``: a switch for a
-    bool (``--deterministic``, or ``--prefix-cache on|off``), else a value of the field's type.
-    Unset, its value is the group's own default or None (the service's)."""
+def add_setting_options(
+    parser: argparse._ActionsContainer,
+    groups: Sequence[ForwardedSettings],
+    placed: Mapping[str, argparse._ActionsContainer] | None = None,
+) -> None:
+    """Adds each setting of ``groups`` once, as ``--field-name``: a switch for a bool
+    (``--deterministic``, or ``--prefix-cache on|off``), else a value of the field's type; in
+    ``parser``, or in the argument group ``placed`` names for it. Unset, its value is the
+    group's own default or None (the service's)."""
     for name, owners in _owners(groups).items():
         kind = get_type_hints(owners[0].config)[name]
         options: dict[str, Any] = {"dest": name, "default": owners[0].defaults.get(name)}
@@ -79,7 +88,7 @@ def add_setting_options(parser: argparse.ArgumentParser, groups: Sequence[Forwar
             options["type"] = kind
             if choices := next((o.choices[name] for o in owners if name in o.choices), None):
                 options["choices"] = sorted(choices)
-        parser.add_argument(flag(name), help=_help(name, owners), **options)
+        (placed or {}).get(name, parser).add_argument(flag(name), help=_help(name, owners), **options)
 
 
 def setting_flags(args: argparse.Namespace, groups: Sequence[ForwardedSettings]) -> list[str]:

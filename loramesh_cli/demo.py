@@ -1,4 +1,4 @@
-"""``make demo``: three small real LoRA adapters that visibly do something (answer in French, talk
+"""``loramesh demo`` (``make demo``): three small real LoRA adapters that visibly do something (answer in French, talk
 like a pirate, end with a SQL query), served by a local mesh next to the base model.
 
 Steps: train the adapters with peft on CPU (once; then cached, see ``demo_adapters``), start a
@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from loramesh.client import STATE_DIR_ENV
 
 BASE = "(base)"
 MAX_TOKENS = 48
@@ -188,13 +191,34 @@ def run_as_printed(command: str) -> None:
         raise SystemExit(f"the curl example failed ({result.returncode}): {result.stderr.strip()}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loramesh_cli.demo", description=__doc__.split("\n\n")[0])
+def add_demo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--keep-up", action="store_true", help="leave the mesh running (`loramesh down` stops it)"
+        "--keep-up",
+        action="store_true",
+        help="leave the mesh running (`loramesh down` stops it; default off)",
     )
-    args = parser.parse_args(argv)
 
+
+def add_parsers(sub) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="three trained demo adapters (French, pirate, SQL) served next to the base model on a "
+        "local mesh, through the openai client, the SDK and curl (needs a checkout: make demo)",
+    )
+    add_demo_flags(demo)
+    demo.set_defaults(func=cmd_demo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loramesh_cli.demo``: what ``loramesh demo`` runs."""
+    parser = argparse.ArgumentParser(prog="python -m loramesh_cli.demo", description=__doc__.split("\n\n")[0])
+    add_demo_flags(parser)
+    return cmd_demo(parser.parse_args(argv))
+
+
+def cmd_demo(args) -> int:
+    if getattr(args, "state_dir", None):  # `loramesh --state-dir DIR demo`: every step's mesh is there
+        os.environ[STATE_DIR_ENV] = str(args.state_dir)
     step("demo adapters: french, pirate, sql (LoRA r=8 on SmolLM2-135M-Instruct, trained with peft on CPU)")
     adapters, questions = demo_adapters()
     models = [BASE, *adapters]

@@ -14,20 +14,62 @@ def add_parsers(sub) -> None:
     for name, help_text in (("generate", "raw completion of a prompt (no chat template)"),
                             ("chat", "chat through the model's template; no message = interactive")):  # fmt: skip
         cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("--adapter", default="", help="adapter name, or owner/name of a public one")
-        cmd.add_argument("--max-tokens", type=int, default=None)
-        cmd.add_argument("--temperature", type=float, default=None)
-        cmd.add_argument("--top-p", type=float, default=None)
-        cmd.add_argument("--top-k", type=int, default=None)
-        cmd.add_argument("--seed", type=int, default=None)
-        cmd.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+        cmd.add_argument(
+            "--adapter",
+            default="",
+            metavar="NAME",
+            help="adapter name, or owner/name of a public one (default none: the base model)",
+        )
+        cmd.add_argument(
+            "--max-tokens",
+            type=int,
+            default=None,
+            metavar="N",
+            help="tokens to generate at most (default: the gateway's --default-max-tokens, 128)",
+        )
+        cmd.add_argument(
+            "--temperature",
+            type=float,
+            default=None,
+            metavar="T",
+            help="0 decodes greedily; above 0 samples, the logits divided by T (default 0)",
+        )
+        cmd.add_argument(
+            "--top-p",
+            type=float,
+            default=None,
+            metavar="P",
+            help="sample from the smallest set of tokens whose probability adds up to P (default 1: off)",
+        )
+        cmd.add_argument(
+            "--top-k",
+            type=int,
+            default=None,
+            metavar="K",
+            help="sample from the K most likely tokens (default 0: off)",
+        )
+        cmd.add_argument(
+            "--seed", type=int, default=None, metavar="N", help="makes sampling reproducible (default none)"
+        )
+        cmd.add_argument(
+            "--stop",
+            action="append",
+            default=None,
+            metavar="TEXT",
+            help="a string that ends the generation, repeatable (default none)",
+        )
         add_connection_flags(cmd)
         if name == "generate":
-            cmd.add_argument("prompt")
+            cmd.add_argument("prompt", help="the text to complete")
             cmd.set_defaults(func=cmd_generate)
         else:
-            cmd.add_argument("--system", default="", help="system message")
-            cmd.add_argument("message", nargs="?", default=None)
+            cmd.add_argument("--system", default="", metavar="TEXT", help="system message (default none)")
+            cmd.add_argument(
+                "message",
+                nargs="?",
+                default=None,
+                help="the user's message; without it, an interactive chat on stdin",
+            )
             cmd.set_defaults(func=cmd_chat)
 
 

@@ -1,5 +1,8 @@
 """``loramesh up --lora-modules NAME=DIR|URI ...``: adapters registered as the mesh starts, as
-vLLM's flag of that name does.
+vLLM's flag of that name does, in either of its forms: ``NAME=PATH``, or a JSON object
+``{"name": NAME, "path": PATH, "base_model_name": BASE}`` (``base_model_name`` optional; a mesh
+serves one base model, which the adapter store checks every adapter against, so it is only
+checked to be a string).
 
 Each directory is checked before anything starts; once every service is ready, ``up`` uploads
 each one through the gateway, the way ``loramesh adapters upload`` does. A URI (``s3://``,
@@ -14,6 +17,7 @@ and replaced when they differ: after ``up``, the name serves what its directory 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,8 @@ from loramesh.tls import ClientTLS
 from loramesh_cli.errors import CommandError
 from mesh_api.adapter_transfer import is_import_uri, read_adapter_dir
 
+JSON_KEYS = frozenset({"name", "path", "base_model_name"})
+"""The keys of vLLM's JSON form of an entry."""
 REGISTER_TIMEOUT_S = 300.0
 """One adapter's upload (up to the store's size limit); a hang guard, not a timing claim."""
 
@@ -54,10 +60,10 @@ def parse_lora_modules(
     (tenant → plain API key), or whose directory is not an adapter directory."""
     modules: list[LoraModule] = []
     for spec in specs:
-        reference, sep, path = spec.partition("=")
+        reference, path = _reference_and_path(spec)
         owner, slash, name = reference.rpartition("/")
         owner = owner if slash else admin_tenant
-        if not sep or not name or not owner or not path:
+        if not name or not owner or not path:
             raise CommandError(f"--lora-modules {spec!r}: expected NAME=DIR|URI or OWNER/NAME=DIR|URI")
         if owner != admin_tenant and owner not in tenant_keys:
             raise CommandError(
@@ -69,6 +75,27 @@ def parse_lora_modules(
             raise CommandError(f"--lora-modules names {owner}/{name} twice")
         modules.append(LoraModule(spec, owner, name, source))
     return modules
+
+
+def _reference_and_path(spec: str) -> tuple[str, str]:
+    """``[OWNER/]NAME`` and the directory or URI of one entry, in either form; empty strings
+    where the ``NAME=PATH`` form lacks one (the caller refuses them)."""
+    if not spec.lstrip().startswith("{"):
+        reference, sep, path = spec.partition("=")
+        return (reference, path) if sep else ("", "")
+    try:
+        entry = json.loads(spec)
+    except json.JSONDecodeError as error:
+        raise CommandError(f"--lora-modules {spec!r}: not JSON ({error.msg} at {error.pos})") from None
+    if not isinstance(entry, dict) or set(entry) - JSON_KEYS:
+        raise CommandError(
+            f"--lora-modules {spec!r}: expected a JSON object of {', '.join(sorted(JSON_KEYS))}"
+        )
+    if not all(isinstance(entry.get(key, ""), str) for key in JSON_KEYS):
+        raise CommandError(
+            f"--lora-modules {spec!r}: each of {', '.join(sorted(JSON_KEYS))} must be a string"
+        )
+    return entry.get("name", ""), entry.get("path", "")
 
 
 def _checked_directory(spec: str, path: str) -> str:

@@ -15,10 +15,12 @@ from loramesh_cli import (
     bench_commands,
     cert_commands,
     chaos_commands,
+    demo,
     etcd_rbac_commands,
     generate_commands,
     mesh_commands,
 )
+from loramesh_cli.config_file import with_config_file
 from loramesh_cli.errors import CommandError
 from loramesh_cli.tls_options import add_tls_flags
 from mesh_api.version import VERSION
@@ -40,16 +42,40 @@ def build_parser() -> argparse.ArgumentParser:
     mesh_commands.add_parsers(sub)
     adapter_commands.add_parsers(sub)
     generate_commands.add_parsers(sub)
-    bench_commands.add_parsers(sub)
-    chaos_commands.add_parsers(sub)
+    demo.add_parsers(sub)
     cert_commands.add_parsers(sub)
     etcd_rbac_commands.add_parsers(sub)
+    dev = sub.add_parser(
+        "dev", help="development commands: the benchmarks and the chaos run (need a checkout)"
+    )
+    dev_commands = dev.add_subparsers(dest="dev_command", required=True)
+    for commands in (sub, dev_commands):
+        bench_commands.add_parsers(commands)
+        chaos_commands.add_parsers(commands)
+    # `loramesh bench` and `loramesh chaos` still run (make bench, scripts), out of the top-level
+    # help: the user's commands are listed, the development ones under `dev`.
+    hide_commands(sub, set(dev_commands.choices))
     return parser
 
 
+def hide_commands(sub: argparse._SubParsersAction, names: set[str]) -> None:
+    """Leaves ``names`` out of the help of ``sub``'s parser; they still parse and run."""
+    sub._choices_actions = [action for action in sub._choices_actions if action.dest not in names]
+    sub.metavar = "{" + ",".join(name for name in sub.choices if name not in names) + "}"
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of the top-level command ``name``."""
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", ""):  # `up --config FILE`: the file's flags under the command line's
+            args = with_config_file(parser, subcommand(parser, args.command), argv, args.config)
         return args.func(args)
     except CommandError as error:
         print(f"loramesh: {error}", file=sys.stderr)

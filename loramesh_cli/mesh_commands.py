@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from loramesh_cli.supervisor import EtcdUnit, ServiceUnit, Supervisor, describe_
 from loramesh_cli.up_arguments import (
     ADMIN_TENANT,
     add_up_parser,
+    admin_key,
     check_up_args,
     detached_argv,
     lora_modules,
@@ -279,7 +279,7 @@ async def _up_foreground(args, state_dir: Path) -> int:
     log_dir = private_dir(private_dir(state_dir) / "logs")
     certs = await asyncio.to_thread(_mesh_certificates, args, state_dir)
     etcd = EtcdServer(data_dir=state_dir / "etcd", tls=certs.tls_for("etcd") if certs is not None else NO_TLS)
-    admin_api_key = "lm-admin-" + secrets.token_urlsafe(18)
+    admin_api_key = admin_key(args)
     keys_file = _gateway_keys_file(args, state_dir, admin_api_key)
     await asyncio.to_thread(etcd.start)
     processes, openai_addresses = await asyncio.to_thread(

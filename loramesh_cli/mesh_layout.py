@@ -20,6 +20,7 @@ from loramesh_cli.up_arguments import (
     WORKER_SETTINGS,
     adapter_load_dirs,
     lora_modules,
+    worker_memory,
 )
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
@@ -81,11 +82,12 @@ def service_processes(
     among it, so any setting `up` has no flag for reaches its services as their variable; a flag
     passed here wins over it. Cloud credentials reach the adapter store alone."""
 
-    def service(kind: str, name: str, flags: list[str]) -> ServiceProcess:
+    def service(kind: str, name: str, flags: list[str], host: str = ServiceProcess.host) -> ServiceProcess:
         return ServiceProcess(
             kind,
             [*flags, "--instance-id", name],
             log_path=log_dir / f"{name}.log",
+            host=host,
             settings=service_variables(kind),
             tls=instance_tls(certs, MeshIdentity(kind, name)),
         )
@@ -122,8 +124,11 @@ def service_processes(
     openai_addresses = {}
     for i in range(args.gateways):
         name = replica_name("gateway", i)
-        openai_port = args.openai_port if i == 0 and args.openai_port else free_port()
-        processes[name] = service("gateway", name, [*gateway_flags, "--openai-port", str(openai_port)])
+        openai_port = args.openai_port if i == 0 and args.openai_port else free_port(args.host)
+        # --host: where a client reaches the gateways, the rest of the mesh staying on loopback.
+        processes[name] = service(
+            "gateway", name, [*gateway_flags, "--openai-port", str(openai_port)], args.host
+        )
         openai_addresses[name] = f"{processes[name].host}:{openai_port}"
     return processes, openai_addresses
 
@@ -184,7 +189,7 @@ def store_replica_flags(args, state_dir: Path) -> dict[str, list[str]]:
 def _worker_flags(args) -> list[str]:
     """The workers' settings `up` was given; ``--kv-overflow`` as given, else borrow wherever a
     kv_manager runs to suggest creditors (preempt without one)."""
-    flags = setting_flags(args, [WORKER_SETTINGS])
+    flags = setting_flags(argparse.Namespace(**{**vars(args), **worker_memory(args)}), [WORKER_SETTINGS])
     if args.kv_overflow is None:
         flags += ["--kv-overflow", "borrow" if args.kv_managers > 0 else "preempt"]
     return flags

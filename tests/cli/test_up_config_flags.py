@@ -107,7 +107,7 @@ def test_a_setting_named_once_reaches_up_help_and_the_workers(tmp_path, monkeypa
         build_parser().parse_args(["up", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-running MAX_RUNNING" in text
-    assert f"{field_docs(WorkerConfig)['max_running']} [each gpu_worker; default: the service's, 64]" in text
+    assert f"{field_docs(WorkerConfig)['max_running']} [each gpu_worker; default 64]" in text
     workers = configs_by_service(tmp_path, "--workers", "2", "--max-running", "7")["gpu_worker"]
     assert [w.max_running for w in workers] == [7, 7]
     assert "--max-running" not in detached_argv(build_parser().parse_args(["up"]), tmp_path)

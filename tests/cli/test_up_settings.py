@@ -207,8 +207,8 @@ def test_up_help_shows_the_stores_blob_settings(capsys):
     for flag in ("--blob-store", "--blob-cache-mib", "--collect-interval-s", "--collect-grace-s"):
         assert f"{flag} " in help_text, flag
     assert "default <state dir>/adapter_store, shared by every replica" in help_text
-    assert "--adapter-stores ADAPTER_STORES adapter store replicas" in help_text
-    assert f"default: the service's, {AdapterStoreConfig.collect_grace_s}" in help_text
+    assert "--adapter-stores N adapter store replicas" in help_text
+    assert f"default {AdapterStoreConfig.collect_grace_s}]" in help_text
 
 
 def test_any_other_setting_passes_through_the_environment(tmp_path, monkeypatch):
@@ -259,7 +259,7 @@ def test_detach_passes_them_to_the_background_up_with_absolute_paths(tmp_path, m
         (["--lora-modules", "a=a", "admin/a=a"], "--lora-modules names admin/a twice"),
         (["--adapter-load-dirs", "nowhere"], "--adapter-load-dirs: {cwd}/nowhere is not a directory"),
         (["--max-lora-rank", "0"], "--max-lora-rank must be at least 1, got 0"),
-        (["--openai-port", "70000"], "--openai-port must be in [0, 65535], got 70000"),
+        (["--openai-port", "70000"], "--port must be in [0, 65535], got 70000"),
         (["--adapter-stores", "0"], "--adapter-stores must be at least 1, got 0"),
         (["--blob-store", "gs://bucket/x"], "--blob-store 'gs://bucket/x': expected a directory, file:///path or s3://bucket/prefix"),
         (["--blob-cache-mib", "-1"], "--blob-cache-mib must be 0 or more, got -1"),
@@ -283,7 +283,7 @@ def test_up_refuses_a_taken_openai_port(tmp_path, capsys):
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["--state-dir", str(tmp_path / "state"), "up", "--openai-port", str(port)]) == 1
-    assert capsys.readouterr().err.startswith(f"loramesh: --openai-port {port}: 127.0.0.1:{port} is taken")
+    assert capsys.readouterr().err.startswith(f"loramesh: --port {port}: 127.0.0.1:{port} is taken")
     assert not (tmp_path / "state").exists()
 
 
