@@ -31,6 +31,7 @@ from loramesh_cli.up_arguments import (
     plain_keys_by_tenant,
     restart_policy,
 )
+from loramesh_cli.worker_formats import read_worker_formats
 from services.gateway.auth import TenantsFile, hashed_keys
 from services.runtime.errors import InvalidArgument
 from services.runtime.etcd.etcd_rbac import ETCD_ROOT, OPERATOR, provision_etcd_rbac
@@ -129,6 +130,8 @@ def print_summary(mesh: MeshFile, state_dir: Path) -> None:
         _log(f"  {name:<15} grpc {entry.address}  {scheme} {entry.http_address}  log {entry.log}")
         if entry.openai_address:
             _log(f"  {'':<15} OpenAI API {scheme}://{entry.openai_address}/v1")
+        if entry.runs:
+            _log(f"  {'':<15} {entry.runs}")
     if tls and any(entry.openai_address for entry in mesh.services.values()):
         _log(f"  (HTTPS with the mesh CA: e.g. curl --cacert {mesh.tls['ca_file']} ...)")
     _log(authorization_summary(mesh))
@@ -191,6 +194,7 @@ def _entry(
     http_address: str,
     log: str,
     openai_address: str = "",
+    runs: str = "",
 ) -> ServiceEntry:
     tracker = supervisor.trackers[name]
     return ServiceEntry(
@@ -202,6 +206,7 @@ def _entry(
         restarts=tracker.restarts,
         last_exit=describe_exit(tracker.last_exit_code),
         last_exit_unix=supervisor.last_exit_unix.get(name, 0.0),
+        runs=runs,
     )
 
 
@@ -213,8 +218,10 @@ def _mesh_file(
     admin_api_key: str,
     ready: bool,
     certs: CertificateDirectory | None,
+    runs: dict[str, str],
 ) -> MeshFile:
-    """mesh.json as of now: addresses, the current pids, restarts and last exits."""
+    """mesh.json as of now: addresses, the current pids, restarts and last exits, and what each
+    worker runs (``runs``: by name)."""
     return MeshFile(
         up_pid=os.getpid(),
         etcd_endpoint=etcd.endpoint,
@@ -229,6 +236,7 @@ def _mesh_file(
                 p.http_address,
                 str(p.log_path),
                 openai_addresses.get(name, ""),
+                runs.get(name, ""),
             )
             for name, p in processes.items()
         },
@@ -290,9 +298,10 @@ async def _up_foreground(args, state_dir: Path) -> int:
         await provision_etcd_rbac(etcd.endpoint, certs.tls_for(ETCD_ROOT), instances)
     units = [EtcdUnit(ETCD_UNIT, etcd), *(ServiceUnit(name, p) for name, p in processes.items())]
     ready = False
+    runs: dict[str, str] = {}
 
     def write_mesh_file() -> None:
-        mesh = _mesh_file(etcd, processes, openai_addresses, supervisor, admin_api_key, ready, certs)
+        mesh = _mesh_file(etcd, processes, openai_addresses, supervisor, admin_api_key, ready, certs, runs)
         mesh.write(state_dir)
         write_prometheus_targets(mesh, state_dir)  # what monitoring/prometheus-up.yml scrapes
 
@@ -315,6 +324,9 @@ async def _up_foreground(args, state_dir: Path) -> int:
             await asyncio.to_thread(
                 register_lora_modules, modules, gateways, tenant_keys, tls, MeshFile.path(state_dir), _log
             )
+        workers = [name for name, p in processes.items() if p.module == "gpu_worker"]
+        operator_tls = certs.tls_for(OPERATOR) if certs is not None else NO_TLS
+        runs.update(await read_worker_formats(etcd.endpoint, operator_tls, workers))
         ready = True
         write_mesh_file()
         print_summary(MeshFile.read(state_dir), state_dir)

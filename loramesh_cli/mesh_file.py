@@ -39,6 +39,10 @@ class ServiceEntry:
     """How its last run ended (``killed by signal 9``, ``exit code 1``); empty if it never died."""
     last_exit_unix: float = 0.0
     """When its last run ended (Unix time); 0 if it never died."""
+    runs: str = ""
+    """A gpu_worker's base weights' format and activation dtype in force (``weights q4_1
+    (quantized blocks), activations bfloat16``), from its load report once the mesh was ready;
+    empty for the other services, or when the worker had not reported yet."""
 
 
 @dataclass

@@ -248,4 +248,7 @@ class WorkerService:
         # tensor-parallel group falls back to preempt).
         report["kv_overflow"] = "borrow" if self.engine.borrower is not None else "preempt"
         report["lending_lane"] = self.lane
+        # The base weights' format and the activation dtype in force (what `loramesh up` says),
+        # known once start() has loaded the model.
+        report.update({k: v for k, v in self.servicer.describe.items() if k in ("quantization", "dtype")})
         return report

@@ -62,6 +62,14 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert stat.S_IMODE(keys_file.stat().st_mode) == 0o600
     assert mesh_file["admin_api_key"] not in keys_file.read_text() and "sha256:" in keys_file.read_text()
     assert mesh_file["tls"] == {}  # plaintext unless `up --tls`
+    # What each worker runs, from its load report: --quantization auto keeps the default GGUF's
+    # own Q4_1 blocks; the activations are the --dtype given.
+    runs = {
+        name: entry["runs"] for name, entry in mesh_file["services"].items() if name.startswith("gpu_worker")
+    }
+    assert runs == dict.fromkeys(
+        ("gpu_worker-0", "gpu_worker-1"), "weights q4_1 (quantized blocks), activations float32"
+    )
     only_the_store_has_the_credentials(mesh_file)
 
     directory = write_peft_adapter(

@@ -41,3 +41,15 @@ def test_with_tls_up_says_tenants_present_the_ca_alone_and_the_operator_its_cert
     assert line.startswith("TLS: tenants (the SDK, `loramesh generate`) call the gateways with an API key")
     assert "the CA /s/certs/ca.pem only, no certificate" in line
     assert "operator RPCs and etcd take /s/certs/operator.pem" in line
+
+
+def test_each_worker_says_what_it_runs(tmp_path, capsys):
+    mesh = mesh_file()
+    mesh.services["gpu_worker-0"] = ServiceEntry(
+        "127.0.0.1:6", "127.0.0.1:7", 1, "w.log", runs="weights q4_1 (quantized blocks), activations bfloat16"
+    )
+    print_summary(mesh, tmp_path)
+    lines = capsys.readouterr().err.splitlines()
+    worker = next(i for i, line in enumerate(lines) if line.strip().startswith("gpu_worker-0"))
+    assert lines[worker + 1].strip() == "weights q4_1 (quantized blocks), activations bfloat16"
+    assert not any("weights" in line for line in lines[:worker])  # the other services run no model
