@@ -1,5 +1,5 @@
 """Structured outputs with the official ``openai`` package against a real mesh (float32 worker):
-200 concurrent requests over 3 adapters at once (two tenants'), 3 bounded JSON schemas, chat and
+96 concurrent requests over 3 adapters at once (two tenants'), 3 bounded JSON schemas, chat and
 completions, streamed and not, all parse and validate against their schema and none ends for
 length; ``chat.completions.parse()`` returns the Pydantic model; a schema the worker cannot
 follow is a ``BadRequestError`` naming ``response_format``; ``logit_bias`` (of a token found with
@@ -26,7 +26,10 @@ from pydantic import BaseModel, Field
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 HANG_GUARD_S = 600.0
-REQUESTS = 200
+REQUESTS = 96
+"""Two waves of :data:`IN_FLIGHT`: every schema on every adapter, chat and completions, streamed
+and not, several times over (``i % 4`` and ``i % 3`` pick them). The suite's bounded slice: 200
+ran green here too, and the extra requests only repeat the same combinations."""
 IN_FLIGHT = 48
 """Requests in flight at once: under the scheduler's bound of 64 queued per worker (a request over
 it would be refused, 429), and few enough that their pages (~70 tokens each) fit the test
@@ -140,7 +143,7 @@ async def constrained(clients: dict[str, openai.AsyncOpenAI], i: int) -> tuple[s
     return name, reply.choices[0].message.content, reply.choices[0].finish_reason
 
 
-async def test_200_mixed_constrained_requests_on_3_adapters_all_validate(mesh):
+async def test_mixed_constrained_requests_on_3_adapters_all_validate(mesh):
     clients = {key: client(mesh, key) for key in ("key-alice", "key-bob")}
     in_flight = asyncio.Semaphore(IN_FLIGHT)
 
