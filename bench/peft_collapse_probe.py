@@ -1,14 +1,16 @@
 """Why the PEFT baseline of ``loramesh bench`` collapsed: its decode step measured side by side in
-two processes, one fresh and one that first served a trace with the loramesh engine (as the
-bench's single process did before its PEFT runs), each at 2 torch threads and at 1.
+three processes, one fresh, one that first served a trace with the loramesh engine (as the
+bench's single process did before its PEFT runs), and one fresh whose OpenMP threads wait
+passively (``OMP_WAIT_POLICY=PASSIVE``: they sleep at once instead of spinning), each at 2 torch
+threads and at 1.
 
     PYTHONPATH=. .venv/bin/python -m bench.peft_collapse_probe            # 3 rounds
     PYTHONPATH=. .venv/bin/python -m bench.peft_collapse_probe --rounds 1 --tokens 4
 
-Both processes build the baseline's own ``_PeftServer`` (the bench's adapters, ranks 8 and 16)
+Every process builds the baseline's own ``_PeftServer`` (the bench's adapters, ranks 8 and 16)
 and warm it up. The parent then drives them in lockstep: in every round each process, in
-alternating order, runs one greedy ``generate`` of ``--batch`` prompts for ``--tokens`` tokens
-at each thread count, while the other waits on its pipe; so the machine's load hits every
+rotating order, runs one greedy ``generate`` of ``--batch`` prompts for ``--tokens`` tokens
+at each thread count, while the others wait on their pipes; so the machine's load hits every
 condition alike. Per unit: the median decode step (wall), the process's CPU seconds per step,
 the share of the CPUs other processes used meanwhile, and the torch thread settings in force.
 Results: a table on stdout and ``bench/out/peft_collapse_probe/results.json``. Nothing is
@@ -18,6 +20,7 @@ asserted; on a shared machine read the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -28,7 +31,9 @@ from pathlib import Path
 
 from bench.out_dir import default_out
 
-CONDITIONS = ("fresh", "after-engine")
+CONDITIONS = ("fresh", "after-engine", "passive-wait")
+PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""The passive-wait process's environment on top of this one's (read when libgomp starts)."""
 THREADS = (2, 1)
 PROMPT_TOKENS = 32
 
@@ -103,6 +108,21 @@ def _serve_with_engine(adapters) -> None:
     EngineSystem().run(RunContext(trace, adapters, window_s=8, pool_mib=256, host_cache_mib=48))
 
 
+@contextlib.contextmanager
+def _environment(overrides: dict[str, str]):
+    """``os.environ`` with ``overrides`` while a child process starts (spawn copies it)."""
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -121,13 +141,15 @@ def main(argv: list[str] | None = None) -> None:
         process = context.Process(
             target=_worker, args=(condition, args.batch, args.tokens, args.adapter_cache, child)
         )
-        process.start()
+        with _environment(PASSIVE_ENV if condition == "passive-wait" else {}):
+            process.start()
         pipes[condition], processes = parent, [*processes, process]
     for condition in CONDITIONS:  # set-up overlaps; the units below never do
         assert pipes[condition].recv() == "ready"
     units = []
     for round_index in range(args.rounds):
-        order = CONDITIONS if round_index % 2 == 0 else CONDITIONS[::-1]
+        shift = round_index % len(CONDITIONS)
+        order = CONDITIONS[shift:] + CONDITIONS[:shift]
         for condition in order:
             for threads in THREADS:
                 pipes[condition].send(threads)

@@ -4,12 +4,18 @@ settings it is given, and the machine's load recorded beside it.
 Why a process per run: the bench used to run every system one after the other in one process,
 so a run inherited whatever the runs before it left behind (torch's thread settings, threads
 with OpenMP teams, caches). ``bench.peft_collapse_probe`` measured that inheritance for the PEFT
-baseline and found none (same settings, same threads, same step time after an engine run); what
-it found instead is that a small-batch torch step on this 2-CPU machine collapses whenever any
-other process takes a core: with 2 threads every op ends at a barrier that waits for the other
-thread's next time slice, and the wait spins (6× the CPU seconds per step of 1 thread). So every
-run here also records how much of the CPUs other processes used while it ran, and the report
-quotes no ratio over a loaded run (:func:`loaded`).
+baseline and found none (same settings, same threads, same step time after an engine run). What
+it found instead: with 2 threads on this 2-CPU machine, every op of a small-batch step ends at an
+OpenMP barrier whose waiting thread spins (libgomp's default while a process's teams fit the
+CPUs), and when another process holds a core the spinning burns the time slice the other thread
+needs: 4.4× the step time and 4-6× the CPU seconds per step of the same process with
+``OMP_WAIT_POLICY=PASSIVE``, or of 1 thread. The old single process hid this from the engine
+only: its main thread and engine thread each had a team, more threads than CPUs, so libgomp
+throttled the spinning there (as a worker's engine never is: services/gpu_worker/engine/
+side_threads.py). So each run now starts from the same state, the engine's runs with their main
+thread confined as a worker's event loop is (``bench.serving.runner``), every run records how
+much of the CPUs other processes used, and the report quotes no ratio over a loaded run
+(:func:`loaded`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+"""How OpenMP threads wait at a barrier: unset, libgomp spins a while first (as ``loramesh up``'s
+worker runs); ``passive`` sleeps at once, which a loaded machine needs (see above). Set for
+``loramesh bench`` in its environment: every run's process inherits it and records it."""
 LOADED_SHARE = 0.10
 """A run is loaded when other processes used more than this share of the machine's CPUs during
 it: its figures are kept but no ratio is quoted over it."""
@@ -43,11 +53,16 @@ class RunThreads:
         return cls(intra_op=cpus, inter_op=cpus)
 
 
-def thread_settings() -> dict[str, int]:
-    """The torch thread settings in force in this process."""
+def thread_settings() -> dict[str, int | str]:
+    """The torch thread settings in force in this process, and how its OpenMP threads wait
+    (``OMP_WAIT_POLICY``, inherited from the bench's environment: ``default`` when unset)."""
     import torch
 
-    return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
+    return {
+        "intra_op": torch.get_num_threads(),
+        "inter_op": torch.get_num_interop_threads(),
+        "omp_wait_policy": os.environ.get(WAIT_POLICY_ENV, "") or "default",
+    }
 
 
 def run_isolated(target: Callable[..., Any], args: tuple, threads: RunThreads) -> dict:

@@ -217,7 +217,13 @@ def markdown(results) -> str:
         f"# loramesh bench — profile `{p['name']}`",
         "",
         f"Model {results['model']}; {m['cpus']} CPUs ({m['cpu']}), torch {m['torch']} with "
-        f"{m['torch_threads']} threads; started {results['started']}"
+        f"{m['torch_threads']} threads"
+        + (
+            f" (OpenMP wait policy {m['omp_wait_policy']}), each run in its own process"
+            if "omp_wait_policy" in m
+            else ""
+        )
+        + f"; started {results['started']}"
         + (f", {results['elapsed_s'] / 60:.1f} min in all." if "elapsed_s" in results else "."),
         "",
         (

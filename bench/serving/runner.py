@@ -29,7 +29,7 @@ from tqdm import tqdm
 from bench.serving import report
 from bench.serving.adapters import adapter_bytes, ensure_adapter_set, evict_from_page_cache
 from bench.serving.calibration import batching_ceiling
-from bench.serving.isolated_run import RunThreads, run_isolated
+from bench.serving.isolated_run import WAIT_POLICY_ENV, RunThreads, run_isolated
 from bench.serving.metrics import summarize
 from bench.serving.profiles import (
     GATEWAY,
@@ -49,9 +49,13 @@ from bench.serving.profiles import (
 from bench.serving.system_settings import LLAMA_SERVER_ENV, NO_SETTINGS, SystemSettings
 from bench.systems.base import RunContext, ServingSystem
 from bench.workload import generate
+from services.gpu_worker.engine.side_threads import confine_to_one_thread
 from services.model_files.base_model import load_base_model_spec
 
 DEFAULT_ADAPTER_CACHE = Path.home() / ".cache" / "loramesh" / "bench-adapters"
+ENGINE_THREAD_SYSTEMS = (LORAMESH, PADDED_BMM, NO_UNIFIED_POOL)
+"""The systems whose steps run on an engine thread of the bench's process (the others run on its
+main thread, or in processes of their own)."""
 NO_UNIFIED_POOL_ADAPTER_SHARE = 0.5
 """Share of the pool the no-unified-pool ablation reserves for adapter weights."""
 
@@ -106,6 +110,7 @@ def machine_info(threads: RunThreads) -> dict:
         "cpu": _cpu_model(),
         "cpus": os.cpu_count(),
         "torch_threads": threads.intra_op,
+        "omp_wait_policy": os.environ.get(WAIT_POLICY_ENV, "") or "default",
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -186,6 +191,10 @@ def run_profile(
 def _run_one(profile, experiment, trace, model_path, adapter_cache, spec, settings: SystemSettings) -> dict:
     """One experiment's run, in the process :func:`run_isolated` started for it."""
     system: ServingSystem = make_system(experiment.system, settings)
+    if experiment.system in ENGINE_THREAD_SYSTEMS:
+        # This process is the run's own: its main thread only sets up and replays, as a worker's
+        # event loop thread, so the engine's thread has the only OpenMP team, as in a worker.
+        confine_to_one_thread()
     adapters = ensure_adapter_set(adapter_cache, spec, experiment.workload.adapters, profile.workload.ranks)
     evict_from_page_cache(adapters)
     samples: list[dict] = []

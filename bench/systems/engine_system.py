@@ -26,12 +26,15 @@ from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.policies.batch_policy import BatchPolicy
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.engine.side_threads import side_thread_pool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.service import resolve_dtype
 
 SAMPLE_PERIOD_S = 0.25
 """How often the pool occupancy is sampled."""
+IO_THREADS = 4
+"""Threads of the replay's ``to_thread`` calls (adapter parsing), confined as the worker's are."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,9 @@ class _Replay:
             RequestRecord(r.request_id, r.adapter, r.time_s, r.input_len, r.output_len)
             for r in self.context.trace
         ]
+        # As the worker: the adapters' parsing runs on threads confined to one torch thread, so
+        # only the engine's thread starts an OpenMP team (services/gpu_worker/engine/side_threads.py).
+        asyncio.get_running_loop().set_default_executor(side_thread_pool(IO_THREADS, "bench-io"))
         self.start = time.monotonic()
         self.deadline = self.start + self.context.window_s
         tasks = [asyncio.create_task(self._serve(r, rec)) for r, rec in zip(self.context.trace, records)]

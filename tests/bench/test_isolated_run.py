@@ -14,7 +14,8 @@ from bench.serving.report import headline
 from bench.serving.runner import machine_info
 
 
-def test_a_run_gets_the_configured_threads_not_the_parent_s_nor_an_earlier_run_s():
+def test_a_run_gets_the_configured_threads_not_the_parent_s_nor_an_earlier_run_s(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the bench's environment reaches every run
     configured = RunThreads(intra_op=2, inter_op=1)
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as a system run in the bench's own process could have left it
@@ -24,7 +25,8 @@ def test_a_run_gets_the_configured_threads_not_the_parent_s_nor_an_earlier_run_s
         assert torch.get_num_threads() == 1  # the parent's own setting is untouched
     finally:
         torch.set_num_threads(before)
-    assert earlier["threads"] == later["threads"] == later["result"] == {"intra_op": 2, "inter_op": 1}
+    assert earlier["threads"] == later["threads"] == later["result"]
+    assert later["result"] == {"intra_op": 2, "inter_op": 1, "omp_wait_policy": "PASSIVE"}
     load = later["load"]
     assert 0 <= load["others_cpu_share"] and load["load_1min_before"] >= 0 and load["load_1min_after"] >= 0
 
