@@ -103,13 +103,14 @@ def make_system(name: str, settings: SystemSettings = NO_SETTINGS) -> ServingSys
     raise ValueError(f"unknown system {name!r}")
 
 
-def machine_info(threads: RunThreads) -> dict:
+def machine_info(threads: RunThreads | None = None) -> dict:
+    """The machine, torch, and the threads the runs get (None: this process's)."""
     import torch
 
     return {
         "cpu": _cpu_model(),
         "cpus": os.cpu_count(),
-        "torch_threads": threads.intra_op,
+        "torch_threads": threads.intra_op if threads else torch.get_num_threads(),
         "omp_wait_policy": os.environ.get(WAIT_POLICY_ENV, "") or "default",
         "torch": torch.__version__,
         "python": platform.python_version(),
