@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from loramesh.tls import ClientTLS
 from loramesh_cli.errors import CommandError
+from loramesh_cli.gateway_keys_copy import GatewayKeysCopy
 from loramesh_cli.lora_modules import register_lora_modules
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry, command_line, pid_alive, why_not_live
 from loramesh_cli.mesh_layout import ETCD_UNIT, STORE_KIND, check_service_settings, service_processes
@@ -32,14 +32,13 @@ from loramesh_cli.up_arguments import (
     restart_policy,
 )
 from loramesh_cli.worker_formats import read_worker_formats
-from services.gateway.auth import TenantsFile, hashed_keys
 from services.runtime.errors import InvalidArgument
 from services.runtime.etcd.etcd_rbac import ETCD_ROOT, OPERATOR, provision_etcd_rbac
 from services.runtime.etcd.etcd_server import EtcdServer
 from services.runtime.process.process import ServiceProcess, ServiceStartError
 from services.runtime.security.certificates import CertificateDirectory, create_mesh_certificates
 from services.runtime.security.identity import MeshIdentity
-from services.runtime.security.private_files import private_dir, write_private_text
+from services.runtime.security.private_files import private_dir
 from services.runtime.security.tls import NO_TLS
 
 #: The certificates of a `--tls` mesh beside each service's own: etcd's server, etcd's root (`up`
@@ -169,21 +168,18 @@ def authorization_summary(mesh: MeshFile) -> str:
     )
 
 
-def _gateway_keys_file(args, state_dir: Path, admin_api_key: str) -> Path:
+def _gateway_keys_copy(args, state_dir: Path, admin_api_key: str) -> GatewayKeysCopy:
     """The gateways' tenants file, keys hashed (services/gateway/auth.py), in a 0600 file: the admin
     key and those of ``--api-keys-file``, with that file's tenant limits. No plain key reaches a
     gateway's argv, environment or disk."""
-    keys = {admin_api_key: ADMIN_TENANT}
-    given = TenantsFile({})
-    if args.api_keys_file:
-        try:
-            given = TenantsFile.read(args.api_keys_file)
-        except (OSError, ValueError, InvalidArgument) as error:
-            raise CommandError(f"--api-keys-file: {error}") from None
-        keys.update(given.keys)
-    path = state_dir / "gateway-api-keys.json"
-    write_private_text(path, json.dumps(TenantsFile(hashed_keys(keys), given.quotas).to_json(), indent=2))
-    return path.resolve()
+    source = Path(args.api_keys_file) if args.api_keys_file else None
+    copy = GatewayKeysCopy(state_dir / "gateway-api-keys.json", admin_api_key, ADMIN_TENANT, source)
+    try:
+        copy.write()
+    except (OSError, InvalidArgument) as error:
+        message = error.message if isinstance(error, InvalidArgument) else str(error)
+        raise CommandError(f"--api-keys-file: {message}") from None
+    return copy
 
 
 def _entry(
@@ -288,7 +284,8 @@ async def _up_foreground(args, state_dir: Path) -> int:
     certs = await asyncio.to_thread(_mesh_certificates, args, state_dir)
     etcd = EtcdServer(data_dir=state_dir / "etcd", tls=certs.tls_for("etcd") if certs is not None else NO_TLS)
     admin_api_key = admin_key(args)
-    keys_file = _gateway_keys_file(args, state_dir, admin_api_key)
+    keys_copy = _gateway_keys_copy(args, state_dir, admin_api_key)
+    keys_file = keys_copy.path.resolve()
     await asyncio.to_thread(etcd.start)
     processes, openai_addresses = await asyncio.to_thread(
         service_processes, args, state_dir, log_dir, etcd.endpoint, keys_file, certs
@@ -330,7 +327,7 @@ async def _up_foreground(args, state_dir: Path) -> int:
         ready = True
         write_mesh_file()
         print_summary(MeshFile.read(state_dir), state_dir)
-        await supervisor.run(stop)
+        await asyncio.gather(supervisor.run(stop), keys_copy.follow(stop))
         _log("stopping the mesh")
     finally:
         # The supervisor has stopped: nothing is restarted while the services go down.

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -17,9 +18,11 @@ import pytest
 from grpc import aio
 from support.cli import loramesh
 from support.polling import poll_until
+from support.prometheus import running_prometheus
 
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh_cli.mesh_file import pid_alive
+from loramesh_cli.prometheus_targets import TARGETS_FILE_NAME
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.model_files.peft_format import LORA_TARGETS
 
@@ -96,6 +99,7 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     again = loramesh(mesh, "adapters", "upload", str(directory), "--name", "mine", check=False)
     assert again.returncode != 0 and "ALREADY_EXISTS" in again.stderr and "mine" in again.stderr
     adapters_act_as_the_keys_tenant(mesh, directory, mesh_file)
+    a_tenants_file_edit_takes_effect_without_a_restart(mesh_file, tmp_path / "keys.json")
     (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 999}))
     bad = loramesh(mesh, "adapters", "upload", str(directory), "--name", "bad", check=False)
     assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
@@ -144,6 +148,8 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert " Paris" in done.stdout and "prompt" in done.stderr and "generated tokens" in done.stderr
     done = loramesh(mesh, "chat", "--max-tokens", "8", "--adapter", "mine", "Say hello.")
     assert done.stdout.strip() and "[" in done.stderr
+    if shutil.which("prometheus"):  # make setup installs it
+        asyncio.run(the_shipped_prometheus_scrapes_the_mesh(mesh, tmp_path))
     refused = loramesh(mesh, "generate", "--adapter", "nobody/none", "hi", check=False)
     assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr and not refused.stdout
 
@@ -170,6 +176,46 @@ def test_up_adapters_status_down(mesh, tmp_path, base_spec):
     assert not (mesh / "mesh.json").exists()
     after = loramesh(mesh, "status", check=False)
     assert after.returncode != 0 and "no mesh is up" in after.stderr
+
+
+def a_tenants_file_edit_takes_effect_without_a_restart(mesh_file, keys_file: Path) -> None:
+    """`up --api-keys-file FILE`: a key added to FILE lets its tenant in, with no restart (up keeps
+    the gateways' hashed copy in step; the gateways reload it)."""
+    models = f"http://{mesh_file['services']['gateway']['openai_address']}/v1/models"
+    carol = {"Authorization": "Bearer lm-test-carol"}
+
+    async def status() -> int:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return (await http.get(models, headers=carol)).status_code
+
+    assert asyncio.run(status()) == 401
+    keys_file.write_text(json.dumps({BOB_KEY: "bob", "lm-test-carol": "carol"}))
+    asyncio.run(poll_until(status, lambda code: code == 200, "a key added to the tenants file is accepted"))
+
+
+async def the_shipped_prometheus_scrapes_the_mesh(mesh: Path, tmp_path: Path) -> None:
+    """monitoring/prometheus-up.yml over up's targets file: after the chat on ``mine`` and the
+    base model's generate, the gateways' vLLM-named series have counts per adapter."""
+    work_dir = tmp_path / "prometheus"
+    work_dir.mkdir()
+    async with running_prometheus(mesh, work_dir) as (_, query):
+        ttft = await poll_until(
+            lambda: query("sum by (adapter) (vllm:time_to_first_token_seconds_count)"),
+            lambda got: got.get("admin/mine", 0) >= 1 and got.get("", 0) >= 1,
+            "Prometheus has the mesh's TTFT counts per adapter",
+            interval_s=0.5,
+        )
+        tokens = await query("sum by (adapter) (vllm:generation_tokens_total)")
+        assert tokens.get("admin/mine", 0) >= 1 and tokens.get("", 0) >= 1, (ttft, tokens)
+        groups = json.loads((mesh / TARGETS_FILE_NAME).read_text())
+        targets = sum(len(group["targets"]) for group in groups)
+        assert targets == 11  # etcd and the ten processes
+        await poll_until(
+            lambda: query("count(up == 1)"),
+            lambda got: got == {"": float(targets)},
+            "Prometheus scrapes every process of the mesh and etcd",
+            interval_s=0.5,
+        )
 
 
 def adapters_act_as_the_keys_tenant(mesh, directory, mesh_file) -> None:

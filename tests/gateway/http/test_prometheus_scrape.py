@@ -10,29 +10,18 @@ Prometheus scrapes every second here; the test waits for what it needs with poll
 
 from __future__ import annotations
 
-import asyncio
-import shutil
 import subprocess
-from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from support.polling import poll_until
+from support.prometheus import ALERTS, SCRAPE_CONFIG, needs_prometheus, running_prometheus
 
 from loramesh_cli.mesh_file import MeshFile, ServiceEntry
-from loramesh_cli.prometheus_targets import TARGETS_FILE_NAME, write_prometheus_targets
+from loramesh_cli.prometheus_targets import write_prometheus_targets
 from services.runtime.metrics import HttpSidePort
-from services.runtime.process.ports import free_port
 
-MONITORING = Path(__file__).resolve().parents[3] / "monitoring"
-SCRAPE_CONFIG = MONITORING / "prometheus-up.yml"
-ALERTS = MONITORING / "loramesh-alerts.yml"
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus (make setup)"),
-]
+pytestmark = [pytest.mark.integration, needs_prometheus]
 
 
 def test_promtool_passes_the_shipped_rules_and_scrape_config():
@@ -41,17 +30,6 @@ def test_promtool_passes_the_shipped_rules_and_scrape_config():
             ["promtool", *command], check=False, capture_output=True, text=True, timeout=60
         )
         assert result.returncode == 0, result.stdout + result.stderr
-
-
-def shipped_config(state_dir: Path) -> dict:
-    """The shipped scrape config, pointed at ``state_dir``'s targets file, scraping every second."""
-    config = yaml.safe_load(SCRAPE_CONFIG.read_text())
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(ALERTS)]
-    (job,) = config["scrape_configs"]
-    (file_sd,) = job["file_sd_configs"]
-    file_sd["files"] = [str(state_dir / TARGETS_FILE_NAME)]
-    return config
 
 
 async def test_prometheus_scrapes_per_adapter_latency_and_tokens(scripted_gateway, etcd, tmp_path):
@@ -63,14 +41,6 @@ async def test_prometheus_scrapes_per_adapter_latency_and_tokens(scripted_gatewa
     state_dir.mkdir()
     gateway_entry = ServiceEntry("127.0.0.1:1", f"127.0.0.1:{port}", 0, "gateway.log")
     write_prometheus_targets(MeshFile(0, etcd.endpoint, 0, "", {"gateway": gateway_entry}), state_dir)
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(shipped_config(state_dir)))
-    prometheus_port = free_port()
-    log = (tmp_path / "prometheus.log").open("wb")
-    prometheus = await asyncio.create_subprocess_exec(
-        "prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-        f"--web.listen-address=127.0.0.1:{prometheus_port}", stdout=subprocess.DEVNULL, stderr=log,
-    )  # fmt: skip
     try:
         gateway.worker.script = gateway.core.encode(" one two three")
         for model, times in (("pirate", 2), ("bob/shared", 1)):
@@ -80,16 +50,7 @@ async def test_prometheus_scrapes_per_adapter_latency_and_tokens(scripted_gatewa
                 )
                 assert reply.status_code == 200, reply.text
 
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prometheus_port}") as api:
-
-            async def query(promql: str) -> dict[str, float]:
-                try:
-                    answer = (await api.get("/api/v1/query", params={"query": promql})).json()
-                except httpx.TransportError:  # not listening yet
-                    return {}
-                return {
-                    r["metric"].get("adapter", ""): float(r["value"][1]) for r in answer["data"]["result"]
-                }
+        async with running_prometheus(state_dir, tmp_path) as (api, query):
 
             def ttft() -> object:
                 return query('sum by (adapter) (vllm:time_to_first_token_seconds_count{tenant="alice"})')
@@ -116,7 +77,4 @@ async def test_prometheus_scrapes_per_adapter_latency_and_tokens(scripted_gatewa
                 rule["alert"] for rule in yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
             }
     finally:
-        prometheus.terminate()
-        await prometheus.wait()
-        log.close()
         await side_port.stop()
