@@ -25,7 +25,7 @@ from loramesh_cli.up_arguments import (
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.tp.sharding import TensorParallelLayout
+from services.gpu_worker.tp.layout import TensorParallelLayout
 from services.kv_manager.config import KVManagerConfig
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.cache_dir import CACHE_ENV

@@ -21,7 +21,7 @@ from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.auth import ApiKeys, is_hashed
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES
+from services.gpu_worker.distkv.transport.lane_modes import LANE_MODES
 from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
@@ -29,7 +29,7 @@ from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
 from services.runtime.errors import InvalidArgument
 from services.runtime.eviction import EVICTION_POLICIES
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.live_prediction import LivePredictions
+from services.scheduler.length_predictors import LENGTH_PREDICTORS
 from services.scheduler.policies import MIGRATION_POLICIES, PLACEMENT_POLICIES, PREFETCH_POLICIES
 
 #: Tenant of the local admin key that `loramesh up` writes to mesh.json.
@@ -119,7 +119,7 @@ SCHEDULER_SETTINGS = ForwardedSettings(
         "placement": PLACEMENT_POLICIES,
         "migration": ("none", *MIGRATION_POLICIES),
         "prefetch": ("none", *PREFETCH_POLICIES),
-        "length_predictor": ("none", LivePredictions.name),
+        "length_predictor": LENGTH_PREDICTORS,
     },
 )
 SERVICE_SETTINGS = (WORKER_SETTINGS, STORE_SETTINGS, GATEWAY_SETTINGS, SCHEDULER_SETTINGS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES
+from services.gpu_worker.distkv.transport.lane_modes import LANE_MODES
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
 from services.runtime.capped_labels import DEFAULT_CAP

@@ -18,7 +18,8 @@ from services.gpu_worker.build import build_engine
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.distkv.transport.kv_manager_directory import KvManagerDirectory
-from services.gpu_worker.distkv.transport.lending_lane import LANE_MODES, LaneServer
+from services.gpu_worker.distkv.transport.lane_modes import LANE_MODES
+from services.gpu_worker.distkv.transport.lending_lane import LaneServer
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.side_threads import confine_to_one_thread, side_thread_pool
 from services.gpu_worker.kernels import cpu_quant

@@ -29,6 +29,7 @@ from services.scheduler.length_prediction import (
     LengthPredictorConfig,
     PromptInput,
 )
+from services.scheduler.length_predictors import MAGNUS
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class LivePredictionConfig:
 class LivePredictions:
     """Predictions for placements, and learning from their completions."""
 
-    name = "magnus"
+    name = MAGNUS
 
     def __init__(self, predictor: LengthPredictor, config: LivePredictionConfig = LivePredictionConfig()):
         self.predictor = predictor

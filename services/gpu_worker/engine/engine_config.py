@@ -44,7 +44,7 @@ class EngineConfig:
     """This worker's instance id: the debtor name its borrowed blocks are lent under."""
     max_lent_blocks: int = field(default=-1, metadata=setting("lend_cap_blocks"))
     """KV blocks (one page per layer each) other workers may borrow from this pool at most, all
-    together (DistKV-LLM's lending cap); 0 lends nothing; −1 (default): ``distkv.wing.AUTO_LEND_SHARE``, three
+    together (DistKV-LLM's lending cap); 0 lends nothing; −1 (default): ``distkv.settings.AUTO_LEND_SHARE``, three
     quarters, of the pool's KV blocks. A lender lends only free pages and keeps the rest of the
     pool for its own requests; see docs/operations.md, "KV overflow and lending"."""
     shared_pool: bool = field(default=False, metadata=setting(None))

@@ -1,7 +1,7 @@
 """Tensor parallelism: Megatron-style base sharding and S-LoRA's LoRA sharding (§6), exact.
 
-Modules: ``sharding`` (layout, base and adapter shards, padding), ``collectives`` (all-reduce /
-all-gather with ring-model byte counts), ``context`` (what a rank's ``LlamaModel`` does: the
+Modules: ``layout`` (which slice each rank holds; no torch), ``sharding`` (base and adapter
+shards, padding), ``collectives`` (all-reduce / all-gather with ring-model byte counts), ``context`` (what a rank's ``LlamaModel`` does: the
 LoRA collectives and the base all-reduces), ``rank`` (build a rank's model and pool, page a
 shard). The group's executor, its followers and their processes live in
 ``services/gpu_worker/executor/`` (``tensor_parallel``, ``follower``, ``tp_group``).

@@ -101,7 +101,7 @@ class GrpcCreditorTransport:
         """``meter``: where the bytes sent and received are counted (the debtor's; None: one of
         its own). ``deadline_s`` bounds each call: a creditor that hangs is treated as dead, not
         waited on. ``tls``: the worker's mutual TLS settings. ``lane``: how to reach a creditor on
-        the same host (``lending_lane.LANE_MODES``): its pool mapped when it shares one in
+        the same host (``lane_modes.LANE_MODES``): its pool mapped when it shares one in
         ``dtype`` (our KV's), else its Unix socket, else gRPC; "off": always gRPC."""
         self.creditor = creditor
         self.address = address

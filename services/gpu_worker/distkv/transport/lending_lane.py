@@ -73,9 +73,6 @@ T = TypeVar("T")
 HELLO, ATTEND, WRITE, POOL, PAGES = 0, 1, 2, 3, 4
 """Call kinds: the token that opens a connection, ``AttendRemote``, ``WriteKv``, the shared pool,
 the pages of blocks."""
-LANE_MODES = ("shared-memory", "socket", "off")
-"""``--lending-lane``: the pool mapped (calls on the socket for the rest), every call on the
-socket, or no lane (gRPC)."""
 OK, REFUSED = 0, 1
 """Reply statuses."""
 _HEADER = struct.Struct("<BI")

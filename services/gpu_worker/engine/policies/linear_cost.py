@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import numpy as np
-from scipy.optimize import nnls
 
 
 @dataclass(frozen=True)
@@ -81,6 +80,9 @@ class LinearCost:
         x = np.array(list(rows), dtype=np.float64).reshape(-1, len(self.terms))
         y = np.array(list(targets), dtype=np.float64)
         if nonnegative:
+            # scipy here, not at the top: the policies' registry is imported by configs and the CLI
+            from scipy.optimize import nnls
+
             coef, _ = nnls(x, y)
             return LinearCost(self.terms, tuple(float(c) for c in coef))
         prior = np.array(self.coefficients, dtype=np.float64)
