@@ -8,7 +8,7 @@ from argparse import Namespace
 
 import pytest
 
-from loramesh_cli.mesh_commands import _gateway_keys_file
+from loramesh_cli.mesh_commands import _gateway_keys_copy
 from services.gateway.auth import ApiKeys, TenantsFile, hashed_keys
 from services.gateway.tenant_quota import QuotaConfig, TenantLimits, TenantQuota
 from services.runtime.errors import InvalidArgument, ResourceExhausted
@@ -254,7 +254,7 @@ def test_loramesh_up_hands_the_tenants_limits_to_its_gateways_with_the_keys_hash
     given.write_text(
         json.dumps({"keys": {"key-alice": "alice"}, "tenants": {"*": {"tokens_per_minute": 900}}})
     )
-    written = _gateway_keys_file(Namespace(api_keys_file=str(given)), tmp_path, "admin-key")
+    written = _gateway_keys_copy(Namespace(api_keys_file=str(given)), tmp_path, "admin-key").path
     assert "key-alice" not in written.read_text() and "admin-key" not in written.read_text()
     keys = ApiKeys.from_config("", str(written))
     assert keys.tenant_for("Bearer key-alice") == "alice" and keys.tenant_for("Bearer admin-key") == "admin"
@@ -265,6 +265,6 @@ def test_loramesh_up_hands_the_tenants_limits_to_its_gateways_with_the_keys_hash
     )
     given.write_text(json.dumps({"key-alice": "alice"}))  # the plain form stays plain
     plain = json.loads(
-        _gateway_keys_file(Namespace(api_keys_file=str(given)), tmp_path, "admin-key").read_text()
+        _gateway_keys_copy(Namespace(api_keys_file=str(given)), tmp_path, "admin-key").path.read_text()
     )
     assert sorted(plain.values()) == ["admin", "alice"]
