@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,12 @@ def train_alone(behaviour: str, config: TrainingConfig, directory: Path) -> dict
     One such process per adapter keeps both cores of an idle machine busy as well.
     """
     torch.set_num_threads(1)
+    # This process only trains: the deprecation notices of transformers and peft about each
+    # other's argument names are not the user's to act on, and would bury the demo's output.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
     started, cpu_started = time.perf_counter(), time.process_time()
     losses: list[float] = []
     train_adapter(load_base_model(), examples(behaviour), config, directory,
