@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from support.polling import poll_until
 
 from loramesh_cli.prometheus_targets import TARGETS_FILE_NAME
 from services.runtime.process.ports import free_port
@@ -27,8 +28,7 @@ needs_prometheus = pytest.mark.skipif(
 )
 
 Query = Callable[[str], Awaitable[dict[str, float]]]
-"""PromQL -> {the result's ``adapter`` label ("" without one): its value}; {} while Prometheus is
-not listening yet."""
+"""PromQL -> {the result's ``adapter`` label ("" without one): its value}."""
 
 
 def shipped_config(state_dir: Path) -> dict:
@@ -59,11 +59,17 @@ async def running_prometheus(
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as api:
 
-            async def query(promql: str) -> dict[str, float]:
+            async def ready() -> int:
                 try:
-                    answer = (await api.get("/api/v1/query", params={"query": promql})).json()
+                    return (await api.get("/-/ready")).status_code
                 except httpx.TransportError:  # not listening yet
-                    return {}
+                    return 0
+
+            # Listening comes before ready: until its store is open it answers 503 to queries.
+            await poll_until(ready, lambda status: status == 200, "Prometheus is ready")
+
+            async def query(promql: str) -> dict[str, float]:
+                answer = (await api.get("/api/v1/query", params={"query": promql})).json()
                 return {
                     r["metric"].get("adapter", ""): float(r["value"][1]) for r in answer["data"]["result"]
                 }
