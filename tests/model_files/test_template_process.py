@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from support.polling import poll_until
@@ -46,10 +47,18 @@ def test_a_render_there_is_the_render_here(process):
 
 
 def test_the_process_renders_at_the_lowest_cpu_priority(process):
+    """Niceness 19 and SCHED_IDLE, in a session of its own: under the kernel's autogroups a
+    niceness ranks a process only within its session, so in the gateway's session the renders
+    took half the CPU from a worker in another session."""
     assert process.render(TEMPLATE, HI)
     with open(f"/proc/{process.pid}/stat") as stat:
         niceness = int(stat.read().split(")")[-1].split()[16])
     assert niceness == 19
+    assert os.getsid(process.pid) == process.pid != os.getsid(0)
+    assert os.sched_getscheduler(process.pid) == os.SCHED_IDLE
+    autogroup = Path(f"/proc/{process.pid}/autogroup")
+    if autogroup.exists():
+        assert autogroup.read_text().split()[-1] == "19"
 
 
 def test_a_render_past_its_cpu_time_is_refused_and_the_process_serves_on():
