@@ -1,0 +1,81 @@
+"""How many tokens one request drafts next, from how many of its drafts were accepted.
+
+Verifying a draft costs a row of the step; on a memory-bound decode step that row is nearly
+free, but a request whose drafts keep failing only adds work. So ``k`` grows by one after a
+draft accepted whole and falls to one past the accepted prefix after a rejection; after
+``stop_after_misses`` verifications in a row that accepted nothing, the request stops drafting
+for ``backoff_steps`` steps, doubled (up to ``max_backoff_steps``) each time it fails again,
+and reset as soon as a draft is accepted: its output may turn repetitive later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """The drafting knobs of every request (the defaults are the worker's)."""
+
+    max_draft_tokens: int = 5
+    """Draft tokens verified per request per step at most (``k``'s ceiling)."""
+    max_ngram: int = 3
+    """Longest suffix matched against the request's earlier tokens."""
+    stop_after_misses: int = 3
+    """Verifications in a row that accept nothing before the request pauses drafting."""
+    backoff_steps: int = 8
+    """Steps of the first pause; each further failed attempt doubles it."""
+    max_backoff_steps: int = 256
+    """The longest pause."""
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1 or self.max_ngram < 1 or self.stop_after_misses < 1:
+            raise ValueError(
+                "max_draft_tokens, max_ngram and stop_after_misses must be at least 1, got "
+                f"{self.max_draft_tokens}, {self.max_ngram}, {self.stop_after_misses}"
+            )
+        if not 1 <= self.backoff_steps <= self.max_backoff_steps:
+            raise ValueError(
+                f"backoff_steps must be in [1, max_backoff_steps={self.max_backoff_steps}], got {self.backoff_steps}"
+            )
+
+
+@dataclass
+class DraftBudget:
+    """One request's ``k`` and its pause, updated after each of its steps."""
+
+    settings: DraftSettings = field(default_factory=DraftSettings)
+    k: int = field(init=False)
+    """Tokens it drafts at its next step (when not paused)."""
+    misses: int = 0
+    """Verifications in a row that accepted nothing."""
+    paused_steps: int = 0
+    """Steps left before it drafts again."""
+    backoff: int = field(init=False)
+    """The length of its next pause."""
+
+    def __post_init__(self) -> None:
+        self.k = self.settings.max_draft_tokens
+        self.backoff = self.settings.backoff_steps
+
+    def allowed(self) -> int:
+        """Tokens it may draft this step (0 while paused; a paused step counts down)."""
+        if self.paused_steps:
+            self.paused_steps -= 1
+            return 0
+        return self.k
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """``accepted`` of its ``drafted`` tokens (a prefix) were accepted this step."""
+        settings = self.settings
+        if accepted == drafted:  # a short draft (its match ran out) does not lower k
+            self.k = min(settings.max_draft_tokens, max(self.k, drafted + 1))
+        else:
+            self.k = max(1, accepted + 1)
+        if accepted:
+            self.misses, self.backoff = 0, settings.backoff_steps
+            return
+        self.misses += 1
+        if self.misses >= settings.stop_after_misses:
+            self.misses, self.paused_steps = 0, self.backoff
+            self.backoff = min(settings.max_backoff_steps, 2 * self.backoff)
