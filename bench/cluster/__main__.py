@@ -15,6 +15,7 @@ can be delayed more; otherwise by a kernel bridge.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,9 @@ def main(argv: list[str]) -> int:
         kinds = parse_kinds(args.nemesis)
     except ValueError as error:
         parser.error(str(error))
+    # A SIGTERM unwinds like Ctrl-C, so the run takes its pods, namespaces and fabric down (the
+    # default action killed the process alone and left every pod running).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     config = RunConfig(
         overlay=RunOverlay(components=(BLOB_VOLUME,), patches=(worker_patch(args.deterministic),)),
         nodes=args.nodes,

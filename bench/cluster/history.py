@@ -92,6 +92,10 @@ class Op:
     """For streams: what its reference promises (see :class:`Sampling`)."""
     resumed_at: tuple[int, ...] = ()
     """For streams: the token counts at which the client continued it on another worker."""
+    arrived_at: tuple[float, ...] = ()
+    """For streams: when each token of ``tokens`` reached the client (the history's clock), one
+    per token; the tokens of one message share its time. What a fault cost the streams in
+    flight is read from it (:mod:`bench.cluster.stalls`)."""
 
     @property
     def final_outcome(self) -> Outcome:
@@ -114,6 +118,7 @@ class Op:
         record["names"] = tuple(record.get("names", ()))
         record["tokens"] = tuple((int(i), int(t)) for i, t in record.get("tokens", ()))
         record["resumed_at"] = tuple(record.get("resumed_at", ()))
+        record["arrived_at"] = tuple(float(t) for t in record.get("arrived_at", ()))
         return cls(**record)
 
 
@@ -127,12 +132,15 @@ class StreamRecord:
 
     tokens: list[tuple[int, int]] = field(default_factory=list)
     resumed_at: list[int] = field(default_factory=list)
+    arrived_at: list[float] = field(default_factory=list)
     finish_reason: str = ""
 
-    def received(self, token_ids: Iterable[int]) -> None:
-        """Tokens of one message, appended after those received so far."""
+    def received(self, token_ids: Iterable[int], at: float) -> None:
+        """Tokens of one message, arrived at ``at`` (the history's clock), appended after those
+        received so far."""
         for token in token_ids:
             self.tokens.append((len(self.tokens), int(token)))
+            self.arrived_at.append(at)
 
     def resumed(self) -> None:
         """The client continues the stream elsewhere from the tokens it has."""
@@ -142,6 +150,7 @@ class StreamRecord:
         return {
             "tokens": tuple(self.tokens),
             "resumed_at": tuple(self.resumed_at),
+            "arrived_at": tuple(self.arrived_at),
             "finish_reason": self.finish_reason,
         }
 

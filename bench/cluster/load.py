@@ -105,9 +105,6 @@ class Load:
         self._work = Path(tempfile.mkdtemp(prefix="nemesis-adapters-"))
         self._spec = load_base_model_spec()
         self._current: dict[str, StreamRecord] = {}
-        self.deliveries: dict[int, list[float]] = {}
-        """stream op id -> when it was invoked, then when each of its messages came (the
-        history's clock): what a fault cost the streams in flight."""
 
     def client(self, process: str) -> AsyncClient:
         def resumed(_notice) -> None:
@@ -169,13 +166,11 @@ class Load:
                     sampling_now = sampling
                 op = self.history.invoke(process, kind, key, sampling=sampling_now)
                 record = self._current[process] = StreamRecord()
-                times = self.deliveries[op] = [self.history.clock()]
                 try:
                     async for delta in client.stream(prompt, adapter=adapter, max_tokens=self.config.max_tokens,
                                                      temperature=0.0, ignore_eos=True,
                                                      timeout=self.config.stream_deadline_s):  # fmt: skip
-                        times.append(self.history.clock())
-                        record.received(delta.token_ids)
+                        record.received(delta.token_ids, self.history.clock())
                         record.finish_reason = delta.finish_reason or record.finish_reason
                     self.history.complete(op, Outcome.OK, **record.payload())
                 except DeadlineExceeded as error:  # its deadline passed: a timeout, not a failure
@@ -270,7 +265,6 @@ async def main_async(config: LoadConfig) -> None:
     finally:
         history.write_jsonl(config.out / "history.jsonl")
         (config.out / "references.json").write_text(json.dumps(load.references))
-        (config.out / "deliveries.json").write_text(json.dumps(load.deliveries))
 
 
 def main(argv: list[str]) -> int:

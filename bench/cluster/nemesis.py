@@ -38,6 +38,7 @@ from bench.cluster.load import read_store
 from bench.cluster.observations import BlockReport, Heal, LeaderTerm, LeaderWrite, LedgerSnapshot
 from bench.cluster.pods.runner import OverlayRun, gateway_addresses
 from bench.cluster.schedule import ClusterShape, Event, NemesisKind, Role, ScheduleConfig, fault_schedule
+from bench.cluster.stalls import stalls_at
 
 ROLES = {
     "StatefulSet/etcd": Role.ETCD,
@@ -100,8 +101,6 @@ class RoundResult:
     applied: list[tuple[float, float, Applied]]
     """(started, healed, fault) on the history's clock."""
     heals: list[Heal]
-    deliveries: dict[int, list[float]]
-    """stream op id -> its invocation, then each message's arrival (the history's clock)."""
     snapshots: list[LedgerSnapshot]
     report: str = ""
     most_lent: int = 0
@@ -300,9 +299,8 @@ def run_round(run: OverlayRun, config: NemesisConfig) -> RoundResult:
     references = json.loads((load_dir / "references.json").read_text())
     verdict = check(ops, read_store(load_dir / "store.json"), references, snapshots, terms, writes, heals,
                     config.heal_bound_s)  # fmt: skip
-    deliveries = {int(k): v for k, v in json.loads((load_dir / "deliveries.json").read_text()).items()}
     most_lent = max((sum(r.lent_total for r in s.reports) for s in snapshots), default=0)
-    result = RoundResult(verdict, ops, applied, heals, deliveries, snapshots, most_lent=most_lent)
+    result = RoundResult(verdict, ops, applied, heals, snapshots, most_lent=most_lent)
     result.report = round_report(result, started)
     (config.out / "faults.jsonl").write_text("".join(
         json.dumps({"started": at, "healed": healed, "skipped": a.skipped, **asdict(a.fault)}) + "\n"
@@ -381,34 +379,17 @@ def round_report(result: RoundResult, started: float) -> str:
         lines.append(
             f"{fault.label} at {at - started:.1f} s for {healed - at:.1f} s: during {_availability(during)}, "
             f"after {_availability(after)}; serving again {max(took, default=0):.1f} s after the heal"
-            + _stalls(result.deliveries, at)
+            + f"; {stalls_at(ops, [at]).describe()}"
         )
+    for kind in (NemesisKind.KILL_NODE, NemesisKind.KILL_POD):
+        kills = [at for at, _, a in windows if a.fault.kind == kind and not a.skipped]
+        if kills:
+            lines.append(f"failover after {kind} ({len(kills)}): {stalls_at(ops, kills).describe()}")
     lines.append(
         f"most KV blocks lent at once: {result.most_lent} ({result.verdict.borrowed_streams} borrowing streams)"
     )
     problems = result.verdict.report().splitlines()[1:]
     return "\n".join([*lines, *problems, result.verdict.summary])
-
-
-def stalls_at(deliveries: dict[int, list[float]], moment: float) -> list[float]:
-    """For each stream in flight at ``moment``: how long it went without a message across it
-    (from its last message before, or its invocation, to its next one after)."""
-    waits = []
-    for times in deliveries.values():
-        if times[0] < moment and (len(times) == 1 or times[-1] > moment):
-            before = max(t for t in times if t <= moment)
-            after = [t for t in times if t > moment]
-            if after:  # a stream that never got another message is judged by the checker
-                waits.append(min(after) - before)
-    return sorted(waits)
-
-
-def _stalls(deliveries: dict[int, list[float]], moment: float) -> str:
-    waits = stalls_at(deliveries, moment)
-    if not waits:
-        return ""
-    p50, p99 = waits[len(waits) // 2], waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))]
-    return f"; {len(waits)} streams in flight, their stall across it p50 {p50:.1f} s, p99 {p99:.1f} s"
 
 
 def _availability(ops: Sequence[Op]) -> str:

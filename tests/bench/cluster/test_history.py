@@ -34,13 +34,14 @@ def test_an_operation_is_invoked_then_completed_on_the_history_clock():
 
 def test_a_stream_record_numbers_tokens_and_marks_resumes():
     stream = StreamRecord()
-    stream.received([5, 6])
+    stream.received([5, 6], at=1.5)
     stream.resumed()
-    stream.received([7])
+    stream.received([7], at=4.0)
     stream.finish_reason = "length"
     assert stream.payload() == {
         "tokens": ((0, 5), (1, 6), (2, 7)),
         "resumed_at": (2,),
+        "arrived_at": (1.5, 1.5, 4.0),  # one time a token: a message's tokens share its arrival
         "finish_reason": "length",
     }
 
@@ -52,7 +53,8 @@ def test_the_history_round_trips_through_jsonl(tmp_path):
     ls = history.invoke("c2", OpKind.LIST, "")
     history.complete(ls, Outcome.OK, names=("a1", "a2"))
     stream = StreamRecord()
-    stream.received([1, 2, 3])
+    stream.received([1, 2], at=2.25)
+    stream.received([3], at=2.75)
     stream.finish_reason = "stop"
     gen = history.invoke("c3", OpKind.GENERATE_STREAM, "p0", sampling=Sampling.GREEDY)
     history.complete(gen, Outcome.OK, **stream.payload())

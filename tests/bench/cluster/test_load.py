@@ -46,4 +46,7 @@ def test_a_stream_past_its_deadline_is_a_timeout_and_a_refusal_a_failure(tmp_pat
     assert fake.timeouts == [42.0, 42.0]
     assert (timed_out.kind, timed_out.outcome) == (OpKind.BORROW, Outcome.INFO)
     assert timed_out.error.startswith("DEADLINE_EXCEEDED") and timed_out.tokens == ((0, 7),)
+    # Each token's arrival is on the history's clock, between the stream's invocation and end.
+    assert len(timed_out.arrived_at) == 1
+    assert timed_out.invoked_at <= timed_out.arrived_at[0] <= timed_out.completed_at
     assert refused.outcome == Outcome.FAIL and refused.error.startswith("RESOURCE_EXHAUSTED")
