@@ -88,6 +88,10 @@ class NemesisConfig:
     heal_bound_s: float = 600.0
     """How long after a heal a service may take to serve again: generous, a worker restarted on
     a loaded 2-core machine loads its model in minutes; the verdict must not depend on speed."""
+    hang_guard_s: float = HANG_GUARD_S
+    """Bound on each wait for the cluster after the faults (every pod ready again, the load's
+    end, every loan back): a hang guard, never a deadline on the work. A test sets it so that
+    a stuck round fails inside the test's own timeout, with what it was waiting for."""
     warmup_s: float = 10.0
     fault_s: tuple[float, float] = (5.0, 15.0)
     quiet_s: tuple[float, float] = (5.0, 10.0)
@@ -274,13 +278,20 @@ def run_round(run: OverlayRun, config: NemesisConfig) -> RoundResult:
         with Readiness(run) as readiness:
             started = _play(executor, schedule, applied, open_faults, load)
             time.sleep(max(0.0, started + config.duration_s - time.monotonic()))  # the quiet tail
-            wait_for(lambda: all(s.ready for s in run.status()), "every pod ready again")
+            guard = config.hang_guard_s
+            wait_for(lambda: all(s.ready for s in run.status()), "every pod ready again", guard)
             (load_dir / "stop").touch()
-            load.wait(HANG_GUARD_S)
+            try:
+                load.wait(guard)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(
+                    f"nemesis: the load did not end within the {guard:.0f} s hang guard after its stop "
+                    f"(an operation stuck past its deadline?): see {config.out / 'load.log'}"
+                ) from None
             if load.returncode != 0:
                 raise RuntimeError(f"the load failed (exit {load.returncode}): see {config.out / 'load.log'}")
             load_done = time.monotonic()
-            wait_for(lambda: _loans_back(watch, load_done), "every loan back after the load", interval_s=2.0)
+            wait_for(lambda: _loans_back(watch, load_done), "every loan back after the load", guard, 2.0)
         ops = History.read_jsonl(load_dir / "history.jsonl")
     finally:
         if load.poll() is None:
