@@ -14,6 +14,8 @@ failing later inside a worker in the middle of a batch. The checks run cheapest 
    ``lm_head`` LoRA, ``modules_to_save``, DoRA, LoRA bias, ``fan_in_fan_out``...) are refused by
    field name. ``target_modules``, ``layers_to_transform``, ``exclude_modules``, ``rank_pattern``
    and ``alpha_pattern`` follow PEFT's matching rules exactly, so we serve what PEFT would load.
+   An activated LoRA (aLoRA: ``alora_invocation_tokens``) names its invocation with token ids
+   of the base model's vocabulary.
 3. **Safetensors container**: the header is parsed here (no library, no copy of the data) and
    the tensors' ``data_offsets`` must tile the data section exactly: a truncated, padded or
    overlapping file is refused before any byte of it is interpreted.
@@ -190,6 +192,7 @@ def _check_limits(config: PeftConfig, spec: BaseModelSpec, limits: ValidationLim
     and cheap regexes (more keys could only be redundant, and every key is matched against every
     module)."""
     _check_rank("r", config.rank, limits)
+    _check_invocation(config, spec)
     modules = spec.num_layers * len(LORA_TARGETS)
     for field, pattern in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
         if len(pattern) > modules:
@@ -201,6 +204,17 @@ def _check_limits(config: PeftConfig, spec: BaseModelSpec, limits: ValidationLim
             _check_regex(f"{field} key", key)
     for key, rank in config.rank_pattern.items():
         _check_rank(f"rank_pattern[{key!r}]", rank, limits)
+
+
+def _check_invocation(config: PeftConfig, spec: BaseModelSpec) -> None:
+    """An aLoRA's invocation tokens are ids of the base model's vocabulary (a prompt could never
+    hold another, so the adapter would never activate)."""
+    outside = [t for t in config.invocation_tokens or () if t >= spec.vocab_size]
+    if outside:
+        raise InvalidArgument(
+            f"adapter_config.json alora_invocation_tokens holds token id {outside[0]}, outside the "
+            f"vocabulary of {spec.name} ({spec.vocab_size} tokens)"
+        )
 
 
 def _check_rank(field: str, value: int, limits: ValidationLimits) -> None:

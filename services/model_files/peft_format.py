@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -82,7 +83,6 @@ _UNSUPPORTED_FIELDS = {
     "lora_bias": "a bias on lora_B is not supported",
     "use_qalora": "QA-LoRA is not supported",
     "use_bdlora": "block-diagonal LoRA is not supported",
-    "alora_invocation_tokens": "activated LoRA is not supported",
     "trainable_token_indices": "trainable embedding tokens are not supported",
     "layer_replication": "layer replication is not supported",
     "target_parameters": "LoRA on parameters (rather than modules) is not supported",
@@ -127,6 +127,10 @@ class PeftConfig:
     """Regex key -> alpha of the modules it matches (:func:`pattern_value`); read-only."""
     base_model_name_or_path: str | None
     """The base model it was trained on, as PEFT recorded it (informational)."""
+    invocation_tokens: tuple[int, ...] | None = None
+    """``alora_invocation_tokens``: an activated LoRA (aLoRA), whose weights apply only from the
+    start of the last occurrence of these tokens in a prompt on; None: a standard LoRA. Not
+    checked against the vocabulary here (``validation.py`` does, knowing the base model)."""
 
     def module_rank(self, path: str) -> int:
         """The rank of the module at ``path`` (``model.layers.3.self_attn.q_proj``)."""
@@ -191,7 +195,32 @@ class PeftConfig:
             rank_pattern=_pattern(config, "rank_pattern", _rank),
             alpha_pattern=_pattern(config, "alpha_pattern", _alpha),
             base_model_name_or_path=base_model if isinstance(base_model, str) else None,
+            invocation_tokens=_invocation_tokens(config),
         )
+
+
+def _invocation_tokens(config: dict) -> tuple[int, ...] | None:
+    """``alora_invocation_tokens``: null, or a non-empty list of token ids. PEFT reads an empty
+    list as a standard LoRA and serves an aLoRA only in a causal LM (any other model class runs
+    it as the base model throughout): both are refused rather than served unlike their name."""
+    tokens = config.get("alora_invocation_tokens")
+    if tokens is None:
+        return None
+    if not (
+        isinstance(tokens, list)
+        and tokens
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+    ):
+        raise InvalidArgument(
+            f"adapter_config.json alora_invocation_tokens must be null or a non-empty list of token "
+            f"ids, got {reprlib.repr(tokens)}"
+        )
+    if config.get("task_type") != "CAUSAL_LM":
+        raise InvalidArgument(
+            f"adapter_config.json task_type is {config.get('task_type')!r}; an aLoRA "
+            "(alora_invocation_tokens) needs 'CAUSAL_LM', without which PEFT never activates it"
+        )
+    return tuple(tokens)
 
 
 def _rank(field: str, value: Any) -> int:

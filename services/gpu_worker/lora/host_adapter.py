@@ -49,6 +49,10 @@ class HostAdapter:
     """Every module's A rows then Bᵀ rows, in ``modules``' order, back to back (1-D): the factors
     are views of it, so a placement that keeps that order is written in one copy. None: the
     factors are tensors of their own (built in memory)."""
+    invocation_tokens: tuple[int, ...] | None = None
+    """An activated LoRA's (aLoRA) invocation: its weights apply to a request's positions from
+    the start of this sequence's last occurrence in its prompt on (``lora/activation.py``);
+    None: a standard LoRA, applied everywhere."""
 
     @property
     def nbytes(self) -> int:
@@ -58,8 +62,14 @@ class HostAdapter:
         # Pickled (to a tensor-parallel rank's process) as its rows once and each factor's shape:
         # pickling the factors themselves would send the whole of ``rows`` once per view.
         if self.rows is None:
-            return (HostAdapter, (self.adapter_id, self.modules, self.content_sha256))
-        return (_from_rows, (self.adapter_id, self.content_sha256, self.rows, _layout(self.modules)))
+            return (
+                HostAdapter,
+                (self.adapter_id, self.modules, self.content_sha256, None, self.invocation_tokens),
+            )
+        return (
+            _from_rows,
+            (self.adapter_id, self.content_sha256, self.rows, _layout(self.modules), self.invocation_tokens),
+        )
 
     @property
     def max_rank(self) -> int:
@@ -72,7 +82,13 @@ class HostAdapter:
         factors are not one buffer of rows. Needs CUDA."""
         if self.rows is None:
             return self
-        return _from_rows(self.adapter_id, self.content_sha256, self.rows.pin_memory(), _layout(self.modules))
+        return _from_rows(
+            self.adapter_id,
+            self.content_sha256,
+            self.rows.pin_memory(),
+            _layout(self.modules),
+            self.invocation_tokens,
+        )
 
 
 def parse_peft_adapter(
@@ -92,7 +108,9 @@ def parse_peft_adapter(
     for (layer, module), factors in sorted(pairs.items()):
         scale = config.scale(module_path(layer, module))
         modules[(layer, module)] = LoraFactors(a=factors["A"], b_t=factors["B"].t(), scale=scale)
-    return with_rows(HostAdapter(adapter_id, modules, content_sha256(config_json, weights)), dtype)
+    content = content_sha256(config_json, weights)
+    adapter = HostAdapter(adapter_id, modules, content, invocation_tokens=config.invocation_tokens)
+    return with_rows(adapter, dtype)
 
 
 FactorLayout = list[tuple[ModuleKey, torch.Size, torch.Size, float]]
@@ -115,9 +133,15 @@ def _views(rows: torch.Tensor, layout: FactorLayout) -> dict[ModuleKey, LoraFact
     return modules
 
 
-def _from_rows(adapter_id: str, content_sha256: str, rows: torch.Tensor, layout: FactorLayout) -> HostAdapter:
+def _from_rows(
+    adapter_id: str,
+    content_sha256: str,
+    rows: torch.Tensor,
+    layout: FactorLayout,
+    invocation_tokens: tuple[int, ...] | None = None,
+) -> HostAdapter:
     """What :meth:`HostAdapter.__reduce__` sends, as the adapter: its factors views of ``rows``."""
-    return HostAdapter(adapter_id, _views(rows, layout), content_sha256, rows)
+    return HostAdapter(adapter_id, _views(rows, layout), content_sha256, rows, invocation_tokens)
 
 
 def with_rows(adapter: HostAdapter, dtype: torch.dtype) -> HostAdapter:
@@ -128,7 +152,7 @@ def with_rows(adapter: HostAdapter, dtype: torch.dtype) -> HostAdapter:
     for key, factors in adapter.modules.items():
         modules[key].a.copy_(factors.a)
         modules[key].b_t.copy_(factors.b_t)
-    return HostAdapter(adapter.adapter_id, modules, adapter.content_sha256, rows)
+    return HostAdapter(adapter.adapter_id, modules, adapter.content_sha256, rows, adapter.invocation_tokens)
 
 
 def content_sha256(config_json: bytes | str, weights: bytes) -> str:
