@@ -75,20 +75,36 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., resumes: _Optional[int] = ..., migrations: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateTextResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "request_id", "logprobs")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "request_id", "logprobs", "served_by")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _types_pb2.FinishReason
     usage: Usage
     request_id: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprobs]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    served_by: ServedVersion
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprobs, _Mapping]]] = ..., served_by: _Optional[_Union[ServedVersion, _Mapping]] = ...) -> None: ...
+
+class ServedVersion(_message.Message):
+    __slots__ = ("adapter", "version", "sha256", "adapter_id", "fingerprint")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    version: int
+    sha256: str
+    adapter_id: str
+    fingerprint: str
+    def __init__(self, adapter: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ..., adapter_id: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class GatewayAdapterRequest(_message.Message):
     __slots__ = ("adapter",)

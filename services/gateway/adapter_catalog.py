@@ -11,6 +11,11 @@ Two views of the store's catalog, kept coherent here: the store's answers to loo
 the index of every adapter fed by the store's catalog watch (:mod:`services.gateway.adapter_index`,
 what listings read). Each change the watch brings drops the cached answer for its name, so a
 registration or delete made anywhere shows in lookups as soon as in listings.
+
+A reference may name one version (``name@N``, ``name@sha256:<hex>``,
+:mod:`services.gateway.adapter_version`): the index says which id that version has (or, when it
+does not hold it yet, the store's answer for the name does, if that is the version asked for),
+and the store is asked for that id.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+import grpc
+
 from mesh_api.v1 import adapter_store_pb2, types_pb2
 from services.gateway.adapter_index import AdapterIndex, CatalogWatch, IndexedAdapter, IndexTimeouts
 from services.gateway.adapter_reference import ResolvedAdapter, missing_adapter, split_reference
-from services.runtime.errors import PermissionDenied
+from services.gateway.adapter_version import LATEST, VersionSelector, missing_version, split_version
+from services.runtime.errors import NotFound, PermissionDenied
 from services.runtime.eviction import EvictionPolicy, LRUEviction
 
 
@@ -29,7 +37,11 @@ class CatalogStore(CatalogWatch, Protocol):
     """The adapter store's reads the catalog makes."""
 
     async def get(self, owner: str, name: str) -> types_pb2.AdapterInfo:
-        """The adapter ``owner`` registered as ``name``; raises NotFound."""
+        """The adapter ``owner`` registered as ``name`` (its newest version); raises NotFound."""
+        ...
+
+    async def get_id(self, adapter_id: str) -> types_pb2.AdapterInfo:
+        """The adapter (one version of a name) of id ``adapter_id``; raises NotFound."""
         ...
 
     async def ListAdapters(
@@ -72,7 +84,9 @@ class AdapterCatalog:
         self._keep = max_entries - max_entries // 10
         """Entries left after a trim."""
         self._eviction = eviction or LRUEviction()
-        self._cache: dict[tuple[str, str], tuple[float, types_pb2.AdapterInfo]] = {}
+        self._cache: dict[tuple[str, str, VersionSelector], tuple[float, types_pb2.AdapterInfo]] = {}
+        self._versioned: dict[tuple[str, str], set[VersionSelector]] = {}
+        """The selectors other than LATEST cached per name, which a change of the name drops too."""
         self._index = AdapterIndex(store, timeouts or IndexTimeouts(), on_change=self.forget)
 
     # -- one adapter --------------------------------------------------------------------------
@@ -84,25 +98,51 @@ class AdapterCatalog:
 
     async def info(self, tenant: str, reference: str) -> types_pb2.AdapterInfo:
         """All the store says of the adapter ``reference`` names for ``tenant``; NotFound as
-        :meth:`resolve`."""
-        key = split_reference(tenant, reference)
+        :meth:`resolve`, naming the version when the name has none such."""
+        name_part, selector = split_version(reference)
+        owner, name = split_reference(tenant, name_part)
+        key = (owner, name, selector)
         cached = self._cache.get(key)
         if cached is not None and time.monotonic() - cached[0] < self._ttl_s:
             info = cached[1]
         else:
-            info = await self._store.get(*key)
+            info = await self._lookup(owner, name, selector, reference)
             self._cache[key] = (time.monotonic(), info)
+            if not selector.latest:
+                self._versioned.setdefault((owner, name), set()).add(selector)
         self._eviction.touch(key)
         if len(self._cache) > self._max_entries:
             self._trim()
         if not may_use(tenant, info):
-            raise missing_adapter(*key)
+            raise missing_adapter(owner, name)
         return info
 
+    async def _lookup(
+        self, owner: str, name: str, selector: VersionSelector, reference: str
+    ) -> types_pb2.AdapterInfo:
+        if selector.latest:
+            return await self._store.get(owner, name)
+        indexed = await self._index.find(owner, name, selector, reference)
+        try:
+            if indexed is not None:
+                return await self._store.get_id(indexed.id)
+            # Not in the index (yet: a version committed a moment ago, or no such version). The
+            # store's newest version of the name is the one a version just published would be.
+            newest = await self._store.get(owner, name)
+        except (NotFound, grpc.aio.AioRpcError) as error:
+            # The store's own client raises its NOT_FOUND as the status it came with.
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            raise missing_version(owner, name, selector) from None
+        if not selector.matches(newest.version, newest.sha256):
+            raise missing_version(owner, name, selector)
+        return newest
+
     def forget(self, owner: str, name: str) -> None:
-        """Drop the cached lookup of ``owner/name``: it changed."""
-        self._cache.pop((owner, name), None)
-        self._eviction.remove((owner, name))
+        """Drop the cached lookups of ``owner/name`` (any version): it changed."""
+        for selector in (LATEST, *self._versioned.pop((owner, name), ())):
+            self._cache.pop((owner, name, selector), None)
+            self._eviction.remove((owner, name, selector))
 
     def __len__(self) -> int:
         """Lookups cached."""
@@ -114,6 +154,8 @@ class AdapterCatalog:
                 break
             del self._cache[key]
             self._eviction.remove(key)
+            if not key[2].latest:
+                self._versioned.get(key[:2], set()).discard(key[2])
 
     # -- listings -----------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ serving. A register or delete made through this gateway waits (briefly) until th
 it, so its own caller reads its write.
 
 Each adapter is kept as a small :class:`IndexedAdapter`, by id and by owner, public ones apart,
-all in registration order.
+all in registration order. The store may keep several versions of a name (each its own id):
+listings show the newest of each name, and :meth:`AdapterIndex.find` looks up any version it
+holds (:mod:`services.gateway.adapter_version`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mesh_api.v1 import adapter_store_pb2, types_pb2
+from services.gateway.adapter_version import VersionSelector, pick_version
 from services.runtime.errors import Unavailable
 
 log = logging.getLogger("loramesh.gateway")
@@ -46,6 +49,10 @@ class IndexedAdapter:
     """Registration time, seconds since the epoch."""
     order: int
     """Position in registration order, as the index received it."""
+    version: int = 0
+    """The store's version of the name."""
+    sha256: str = ""
+    """Of its weights."""
 
 
 class CatalogWatch(Protocol):
@@ -68,29 +75,55 @@ class IndexTimeouts:
 
 
 class _Contents:
-    """The adapters of one listing and the changes applied to it."""
+    """The adapters of one listing and the changes applied to it: every version by id and by
+    name; by owner and public, only each name's newest (what a listing shows)."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, IndexedAdapter] = {}
+        self.by_name: dict[tuple[str, str], dict[str, IndexedAdapter]] = {}
         self.by_owner: dict[str, dict[str, IndexedAdapter]] = {}
         self.public: dict[str, IndexedAdapter] = {}
 
     def upsert(self, entry: IndexedAdapter) -> None:
         self.delete(entry.id)
         self.by_id[entry.id] = entry
-        self.by_owner.setdefault(entry.owner, {})[entry.id] = entry
-        if entry.public:
-            self.public[entry.id] = entry
+        self.by_name.setdefault((entry.owner, entry.name), {})[entry.id] = entry
+        self._list_newest(entry.owner, entry.name)
 
     def delete(self, adapter_id: str) -> None:
         entry = self.by_id.pop(adapter_id, None)
         if entry is None:
             return
-        owned = self.by_owner[entry.owner]
-        del owned[adapter_id]
-        if not owned:
+        key = (entry.owner, entry.name)
+        versions = self.by_name[key]
+        del versions[adapter_id]
+        self._unlist(entry)
+        if versions:
+            self._list_newest(*key)
+        else:
+            del self.by_name[key]
+
+    def _list_newest(self, owner: str, name: str) -> None:
+        """List the newest version of ``owner/name`` (by number; of equals, the last received)."""
+        versions = self.by_name[(owner, name)].values()
+        newest = max(versions, key=lambda e: (e.version, e.order))
+        listed = self.by_owner.get(owner, {})
+        for other in versions:
+            if other is not newest and other.id in listed:
+                self._unlist(other)
+        if newest.id not in listed:
+            self.by_owner.setdefault(owner, {})[newest.id] = newest
+            if newest.public:
+                self.public[newest.id] = newest
+
+    def _unlist(self, entry: IndexedAdapter) -> None:
+        owned = self.by_owner.get(entry.owner, {})
+        if owned.pop(entry.id, None) is not None and not owned:
             del self.by_owner[entry.owner]
-        self.public.pop(adapter_id, None)
+        self.public.pop(entry.id, None)
+
+    def find(self, owner: str, name: str, selector: VersionSelector, reference: str) -> IndexedAdapter | None:
+        return pick_version(self.by_name.get((owner, name), {}).values(), selector, reference)
 
     def usable(self, tenant: str) -> Iterator[IndexedAdapter]:
         """``tenant``'s own adapters and every public one, in registration order."""
@@ -135,14 +168,27 @@ class AdapterIndex:
             self._task = None
 
     async def usable(self, tenant: str) -> list[IndexedAdapter]:
-        """Every adapter ``tenant`` may use (its own and every public one), in registration order."""
+        """Every adapter ``tenant`` may use (its own and every public one, the newest version of
+        each name), in registration order."""
+        await self._listed()
+        return list(self._contents.usable(tenant))
+
+    async def find(
+        self, owner: str, name: str, selector: VersionSelector, reference: str
+    ) -> IndexedAdapter | None:
+        """The version of ``owner/name`` that ``selector`` asks for, None when the index holds no
+        such version; InvalidArgument naming ``reference`` for an ambiguous digest prefix."""
+        await self._listed()
+        return self._contents.find(owner, name, selector, reference)
+
+    async def _listed(self) -> None:
+        """Until a first listing is complete; UNAVAILABLE past ``first_listing_s``."""
         self.start()
         if not self._synced.is_set():
             try:
                 await asyncio.wait_for(self._synced.wait(), self._timeouts.first_listing_s)
             except TimeoutError:
                 raise Unavailable("the gateway has not listed the adapter store's adapters yet") from None
-        return list(self._contents.usable(tenant))
 
     async def wait_for(self, adapter_id: str, present: bool) -> None:
         """Until the index has (``present``) or no longer has ``adapter_id``, for at most
@@ -193,6 +239,8 @@ class AdapterIndex:
             max_rank=info.max_rank,
             created_s=info.created_unix_ms // 1000,
             order=known.order if known else next(self._order),
+            version=info.version,
+            sha256=info.sha256,
         )
 
     async def _watch(self) -> None:

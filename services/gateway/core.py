@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from mesh_api.v1 import gateway_pb2, types_pb2
-from services.gateway.adapter_reference import ResolvedAdapter, chat_template
+from services.gateway.adapter_reference import ResolvedAdapter, chat_template, model_id
+from services.gateway.adapter_version import fingerprint
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, resume_point
@@ -273,6 +274,7 @@ class GatewayCore:
             prompt_text=await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids)),
             prefix_cache_namespace=namespace,
         )
+        served = served_version(tenant, adapter)
         timer = self.metrics.start(tenant, f"{adapter.owner}/{adapter.name}" if adapter else BASE_MODEL)
         code = "CANCELLED"  # a reader that goes away ends it at a yield, with GeneratorExit
         try:
@@ -283,6 +285,8 @@ class GatewayCore:
                 relayed = self.relay.stream(request, on_timings=lambda t: timer.queued(t.queued_ms / 1000))
                 async with contextlib.aclosing(relayed) as replies:
                     async for reply in replies:
+                        if served is not None and not replied:
+                            reply.served_by.CopyFrom(served)
                         replied, generated = True, generated + len(reply.token_ids)
                         timer.tokens(len(reply.token_ids), len(prompt_ids))
                         if reply.finish_reason:  # the last: over, whenever its reader closes this
@@ -302,6 +306,19 @@ class GatewayCore:
             raise
         finally:
             timer.end(code)
+
+
+def served_version(tenant: str, adapter: ResolvedAdapter | None) -> gateway_pb2.ServedVersion | None:
+    """How a stream's first message names the version of ``adapter`` serving it (None: the base model)."""
+    if adapter is None:
+        return None
+    return gateway_pb2.ServedVersion(
+        adapter=model_id(tenant, adapter),
+        version=adapter.version,
+        sha256=adapter.sha256,
+        adapter_id=adapter.id,
+        fingerprint=fingerprint(tenant, adapter),
+    )
 
 
 def _message_texts(chat: Sequence[ChatMessage]):

@@ -78,4 +78,6 @@ def row_info(raw: bytes) -> types_pb2.AdapterInfo:
         base_model=row["base_model"],
         max_rank=row["max_rank"],
         created_unix_ms=row["created_ms"],
+        version=row["version"],
+        sha256=row["sha256"],
     )

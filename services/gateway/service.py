@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 from grpc import aio
 
-from mesh_api.adapter_transfer import ref_by_name
+from mesh_api.adapter_transfer import ref_by_id, ref_by_name
 from mesh_api.upload_wire import WireUploadAdapterStoreStub, read_upload_message
 from mesh_api.v1 import (
     adapter_store_pb2,
@@ -228,6 +228,10 @@ class _StoreClient:
 
     async def get(self, owner: str, name: str):
         request = adapter_store_pb2.GetAdapterRequest(ref=ref_by_name(owner, name))
+        return await self._located.call("GetAdapter", request, timeout=30)
+
+    async def get_id(self, adapter_id: str):
+        request = adapter_store_pb2.GetAdapterRequest(ref=ref_by_id(adapter_id))
         return await self._located.call("GetAdapter", request, timeout=30)
 
 

@@ -25,6 +25,7 @@ from services.gateway.servicer import GatewayServicer
 from services.gateway.template_renderer import TemplateRenderer
 from services.model_files.template_budget import TemplateBudget
 from services.model_files.tokenizer_loading import TokenizerBundle
+from services.runtime.errors import NotFound
 from services.runtime.rpc.interceptors import ServiceInterceptor
 
 
@@ -50,10 +51,17 @@ class InMemoryStore:
         await asyncio.Event().wait()
 
     async def get(self, owner: str, name: str) -> types_pb2.AdapterInfo:
+        """The name's newest version."""
+        versions = [a for a in self.adapters if (a.owner, a.name) == (owner, name)]
+        if not versions:
+            raise missing_adapter(owner, name)  # the store's own words
+        return max(versions, key=lambda a: a.version)
+
+    async def get_id(self, adapter_id: str) -> types_pb2.AdapterInfo:
         for a in self.adapters:
-            if (a.owner, a.name) == (owner, name):
+            if a.id == adapter_id:
                 return a
-        raise missing_adapter(owner, name)  # the store's own words
+        raise NotFound(f"adapter {adapter_id!r} not found")
 
 
 @functools.cache

@@ -5,6 +5,7 @@ store again), and dropped as soon as the store's watch reports a change to their
 from __future__ import annotations
 
 import asyncio
+import re
 
 from mesh_api.v1 import adapter_store_pb2, types_pb2
 from services.gateway.adapter_catalog import AdapterCatalog
@@ -24,6 +25,10 @@ class CountingStore:
         self.asked.append((owner, name))
         version = self.versions.get((owner, name), 1)
         return types_pb2.AdapterInfo(id=f"{owner}/{name}@{version}", owner=owner, name=name, version=version)
+
+    async def get_id(self, adapter_id: str) -> types_pb2.AdapterInfo:
+        owner, name, version = re.fullmatch(r"(.*)/(.*)@(\d+)", adapter_id).groups()
+        return types_pb2.AdapterInfo(id=adapter_id, owner=owner, name=name, version=int(version))
 
     async def ListAdapters(self, request):
         raise AssertionError("not listed by page here")

@@ -4,7 +4,8 @@ list adapters without asking a store.
 
 A row's value is JSON; besides the fields only the store reads, every row holds ``id``,
 ``owner``, ``name``, ``visibility`` (1 private, 2 public), ``base_model``, ``max_rank`` and
-``created_ms``, which a listing shows.
+``created_ms``, which a listing shows, and ``version`` and ``sha256``, by which a request may name
+one version of a name.
 """
 
 from __future__ import annotations

@@ -72,6 +72,9 @@ class LoraxShape:
     ignore_eos: bool
     alternatives: bool
     """``return_k_alternatives`` was asked for: each token lists its alternatives."""
+    adapter_version: str | None = None
+    """The adapter version serving the request (:func:`services.gateway.adapter_version.fingerprint`),
+    in ``details``; None (null) for the base model."""
 
     def _text(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", errors="replace")
@@ -129,6 +132,7 @@ def stream_details(shape: LoraxShape, last: Reply, seed: int | None) -> dict:
         "prompt_tokens": last.usage.prompt_tokens,
         "generated_tokens": last.usage.completion_tokens,
         "seed": seed,
+        "adapter_version": shape.adapter_version,
     }
 
 

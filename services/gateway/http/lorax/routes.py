@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from services.gateway.adapter_version import fingerprint
 from services.gateway.http.choices import Reply, StartedChoice, close_choices, merged, start_choices
 from services.gateway.http.disconnect import EventStreamResponse, unless_disconnected
 from services.gateway.http.errors import OpenAIError
@@ -115,6 +116,7 @@ class LoraxRoutes:
             self.core.model_tokens.eos_token_ids,
             params.ignore_eos_token,
             alternatives=params.return_k_alternatives is not None,
+            adapter_version=fingerprint(tenant, adapter) if adapter is not None else None,
         )
         return _Generation(body, shape, choice)
 

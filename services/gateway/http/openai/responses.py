@@ -80,6 +80,10 @@ class ResponseShape:
     """A token id's bytes (the tokenizer's), to name tokens in ``logprobs``."""
     tools: ToolRequest | None = None
     """Chat with tools offered: replies are read for tool calls (None: plain text)."""
+    system_fingerprint: str | None = None
+    """The adapter version serving the request
+    (:func:`services.gateway.adapter_version.fingerprint`), on the response and every chunk;
+    None (null) for the base model."""
 
     def logprobs(self, token_ids: Sequence[int], logprobs: Sequence[types_pb2.TokenLogprobs]) -> dict | None:
         """OpenAI's ``logprobs`` object for these tokens; None when none were asked for. Chat:
@@ -121,6 +125,7 @@ class ResponseShape:
             "object": object_name,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
         }
 
     def _with_token_ids(self, choice: dict, token_ids) -> dict:

@@ -1,7 +1,8 @@
 """OpenAI's routes: HTTP <-> the gateway's parts, nothing more.
 
-``model`` is the base model's id or an adapter (``name`` or ``owner/name``), resolved once per
-request (:mod:`services.gateway.http.model_names`). A request's choices are ``n`` generations
+``model`` is the base model's id or an adapter (``name`` or ``owner/name``, optionally ``@N`` or
+``@sha256:<hex>``), resolved once per request (:mod:`services.gateway.http.model_names`); the
+response and each chunk name the version serving it in ``system_fingerprint``. A request's choices are ``n`` generations
 per prompt; with a ``seed``, choice ``j`` of a prompt uses ``seed + j`` so the choices differ but
 the request stays reproducible.
 """
@@ -18,6 +19,7 @@ from starlette.routing import Route
 
 from mesh_api.v1 import types_pb2
 from services.gateway.adapter_reference import ResolvedAdapter
+from services.gateway.adapter_version import fingerprint
 from services.gateway.http.choices import StartedChoice, close_choices, merged, start_choices
 from services.gateway.http.disconnect import EventStreamResponse, unless_disconnected
 from services.gateway.http.errors import error_body
@@ -47,6 +49,11 @@ def _seeded(sampling: types_pb2.SamplingParams, choice: int) -> types_pb2.Sampli
     return seeded
 
 
+def _fingerprint(caller: str, adapter: ResolvedAdapter | None) -> str | None:
+    """The version serving the request, as the caller names it; None for the base model."""
+    return fingerprint(caller, adapter) if adapter is not None else None
+
+
 class OpenAIRoutes:
     """Handlers bound to one gateway's parts."""
 
@@ -63,7 +70,11 @@ class OpenAIRoutes:
         sampling = body.sampling()
         jobs = [(ids, _seeded(sampling, j)) for ids in prompts for j in range(body.n)]
         shape = ResponseShape(
-            body.model, chat=False, return_token_ids=body.return_token_ids, token_bytes=self.core.token_bytes
+            body.model,
+            chat=False,
+            return_token_ids=body.return_token_ids,
+            token_bytes=self.core.token_bytes,
+            system_fingerprint=_fingerprint(caller, adapter),
         )
         prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt however many choices, as OpenAI
         return await self._answer(request, caller, adapter, jobs, prompt_tokens, shape, body)
@@ -83,6 +94,7 @@ class OpenAIRoutes:
             return_token_ids=body.return_token_ids,
             token_bytes=self.core.token_bytes,
             tools=tools,
+            system_fingerprint=_fingerprint(caller, adapter),
         )
         return await self._answer(request, caller, adapter, jobs, len(prompt_ids), shape, body)
 

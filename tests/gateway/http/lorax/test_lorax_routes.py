@@ -74,6 +74,7 @@ async def test_generate_stream_sends_a_token_per_event_and_the_whole_text_last(g
         "prompt_tokens": len(gateway.core.encode(BASE["inputs"])),
         "generated_tokens": len(stream),
         "seed": None,
+        "adapter_version": None,  # the base model's
     }
     plain = events(await gateway.http.post("/generate_stream", json=BASE))
     assert plain[-1]["details"] is None and plain[-1]["generated_text"] == TEXT
