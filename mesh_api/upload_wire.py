@@ -83,13 +83,20 @@ def chunk_wire(filename: str, data) -> bytes:
 
 
 def upload_wire(
-    files: Mapping[str, bytes], name: str, owner: str, visibility: int = types_pb2.VISIBILITY_PRIVATE
+    files: Mapping[str, bytes],
+    name: str,
+    owner: str,
+    visibility: int = types_pb2.VISIBILITY_PRIVATE,
+    new_version: bool = False,
 ) -> Iterator[bytes]:
     """The RegisterAdapter message stream of ``files`` as wire bytes: a header, then each file
-    in chunks of at most :data:`UPLOAD_CHUNK_BYTES` (an empty file as one empty chunk)."""
+    in chunks of at most :data:`UPLOAD_CHUNK_BYTES` (an empty file as one empty chunk).
+    ``new_version``: a publish (a name already registered gets its next version)."""
     total = sum(len(data) for data in files.values())
     yield header_wire(
-        pb.RegisterAdapterRequest.Header(name=name, owner=owner, visibility=visibility, total_bytes=total)
+        pb.RegisterAdapterRequest.Header(
+            name=name, owner=owner, visibility=visibility, total_bytes=total, new_version=new_version
+        )
     )
     for filename, data in files.items():
         view = memoryview(data)

@@ -26,16 +26,18 @@ class OwnedName(_message.Message):
 class RegisterAdapterRequest(_message.Message):
     __slots__ = ("header", "chunk")
     class Header(_message.Message):
-        __slots__ = ("name", "owner", "visibility", "total_bytes")
+        __slots__ = ("name", "owner", "visibility", "total_bytes", "new_version")
         NAME_FIELD_NUMBER: _ClassVar[int]
         OWNER_FIELD_NUMBER: _ClassVar[int]
         VISIBILITY_FIELD_NUMBER: _ClassVar[int]
         TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+        NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
         name: str
         owner: str
         visibility: _types_pb2.Visibility
         total_bytes: int
-        def __init__(self, name: _Optional[str] = ..., owner: _Optional[str] = ..., visibility: _Optional[_Union[_types_pb2.Visibility, str]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+        new_version: bool
+        def __init__(self, name: _Optional[str] = ..., owner: _Optional[str] = ..., visibility: _Optional[_Union[_types_pb2.Visibility, str]] = ..., total_bytes: _Optional[int] = ..., new_version: _Optional[bool] = ...) -> None: ...
     class FileChunk(_message.Message):
         __slots__ = ("filename", "data")
         FILENAME_FIELD_NUMBER: _ClassVar[int]
@@ -50,10 +52,12 @@ class RegisterAdapterRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RegisterAdapterRequest.Header, _Mapping]] = ..., chunk: _Optional[_Union[RegisterAdapterRequest.FileChunk, _Mapping]] = ...) -> None: ...
 
 class RegisterAdapterResponse(_message.Message):
-    __slots__ = ("adapter",)
+    __slots__ = ("adapter", "changed")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
     adapter: _types_pb2.AdapterInfo
-    def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ...) -> None: ...
+    changed: bool
+    def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ..., changed: _Optional[bool] = ...) -> None: ...
 
 class ImportAdapterRequest(_message.Message):
     __slots__ = ("uri", "name", "owner", "visibility")

@@ -162,26 +162,29 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             admission = await asyncio.to_thread(repository.quota.admit, header.owner, True)
             try:
                 upload = await receive_files(messages, header, repository.limits.max_adapter_bytes, admission)
-                record = await asyncio.to_thread(self._register, upload)
+                record, changed = await asyncio.to_thread(self._register, upload)
             finally:
                 await asyncio.to_thread(admission.release)
         finally:
             self.uploads_in_flight -= 1
-        return pb.RegisterAdapterResponse(adapter=record_to_proto(record))
+        return pb.RegisterAdapterResponse(adapter=record_to_proto(record), changed=changed)
 
-    def _register(self, upload: ReceivedUpload) -> AdapterRecord:
-        """On a worker thread: joining the files is a copy the event loop does not make."""
+    def _register(self, upload: ReceivedUpload) -> tuple[AdapterRecord, bool]:
+        """On a worker thread: joining the files is a copy the event loop does not make. A
+        publish (``new_version``) registers as an import does: a new version of a name."""
         header = upload.header
-        return self.repository.registrar.register(
-            AdapterUpload(
-                header.name,
-                header.owner,
-                int(header.visibility),
-                upload.file(CONFIG_FILE),
-                upload.weights(),
-                upload.tokenizer_files(),
-            )
+        adapter = AdapterUpload(
+            header.name,
+            header.owner,
+            int(header.visibility),
+            upload.file(CONFIG_FILE),
+            upload.weights(),
+            upload.tokenizer_files(),
         )
+        if header.new_version:
+            registration = self.repository.registrar.register_version(adapter)
+            return registration.record, registration.changed
+        return self.repository.registrar.register(adapter), True
 
     async def ImportAdapter(self, request: pb.ImportAdapterRequest, context):
         imports = self._imports

@@ -1,0 +1,27 @@
+"""A publish is an upload with ``new_version`` set (issue 52, what ``client.adapters.publish``
+sends): a name already registered gets its next version instead of ALREADY_EXISTS, and the same
+content again changes nothing."""
+
+from __future__ import annotations
+
+from mesh_api.adapter_transfer import ref_by_name
+from mesh_api.upload_wire import upload_wire
+from mesh_api.v1 import adapter_store_pb2 as pb
+from mesh_api.v1 import types_pb2
+
+
+def publish(stub, files, name="tuned") -> pb.RegisterAdapterResponse:
+    messages = upload_wire(files, name, "alice", types_pb2.VISIBILITY_PRIVATE, new_version=True)
+    return stub.RegisterAdapter(map(pb.RegisterAdapterRequest.FromString, messages), timeout=60)
+
+
+def test_a_publish_registers_a_name_then_its_next_versions(store_stub, seeded_files):
+    first = publish(store_stub, seeded_files(1))
+    assert first.changed and first.adapter.version == 1
+    again = publish(store_stub, seeded_files(1))
+    assert not again.changed and again.adapter.id == first.adapter.id
+    second = publish(store_stub, seeded_files(2))
+    assert second.changed and second.adapter.version == 2
+    assert (second.adapter.id, second.adapter.sha256) != (first.adapter.id, first.adapter.sha256)
+    serving = store_stub.GetAdapter(pb.GetAdapterRequest(ref=ref_by_name("alice", "tuned")))
+    assert serving.id == second.adapter.id
