@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import signal
 import ssl
@@ -17,10 +18,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Self
 
+from services.runtime.process.child_environment import child_environment
 from services.runtime.process.ports import free_port
 from services.runtime.security.private_files import private_dir
 from services.runtime.security.tls import NO_TLS, TLSConfig
@@ -184,6 +187,7 @@ class EtcdServer:
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
+            env=etcd_environment(os.environ),
             start_new_session=True,
         )
         log.info("etcd started pid=%s endpoint=%s data_dir=%s", self._proc.pid, self.endpoint, self.data_dir)
@@ -283,3 +287,17 @@ class EtcdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+ETCD_VARIABLES = frozenset({"ETCD_UNSUPPORTED_ARCH"})
+"""etcd's own variables passed on: the one a platform may need to run it at all. Others would
+override the flags this module chose (etcd reads every ``ETCD_*`` variable as a flag)."""
+
+
+def etcd_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What etcd is started with: the system's variables alone (no ``LORAMESH_*`` settings, no
+    cloud credentials; :func:`~services.runtime.process.child_environment.child_environment`),
+    plus :data:`ETCD_VARIABLES`."""
+    env = child_environment(environ, "etcd", settings=())
+    env.update((name, environ[name]) for name in ETCD_VARIABLES if name in environ)
+    return env
