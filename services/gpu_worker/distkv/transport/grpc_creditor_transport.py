@@ -50,6 +50,7 @@ from services.runtime.errors import (
     Unauthenticated,
     Unavailable,
 )
+from services.runtime.rpc import keepalive
 from services.runtime.rpc.server import MAX_MESSAGE_BYTES
 from services.runtime.security.tls import NO_TLS, TLSConfig, sync_channel
 
@@ -83,6 +84,16 @@ _LENDING_REPLIES: dict[str, type[Message]] = {
 }
 """The lending RPCs, by method name, with their reply types."""
 
+LENDING_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    *keepalive.CHANNEL_OPTIONS,
+)
+"""Options of a debtor's channel to a creditor: the service channels' keepalives, so that a call
+to a creditor that vanished (its node lost, a partition: no reset ever comes) fails within
+``PING_EVERY_S + PING_TIMEOUT_S`` while it is open, not at the call's deadline, and the debtor
+recomputes what that creditor held."""
+
 
 class GrpcCreditorTransport:
     """The lending API of the creditor at ``address``, for a debtor whose blocks are ``layout``."""
@@ -108,14 +119,7 @@ class GrpcCreditorTransport:
         self.layout = layout
         self.meter = meter if meter is not None else DistKvMeter()
         self.deadline_s = deadline_s
-        self._channel = sync_channel(
-            address,
-            tls,
-            [
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        self._channel = sync_channel(address, tls, LENDING_CHANNEL_OPTIONS)
         self._calls = {name: self._counted_call(name, reply) for name, reply in _LENDING_REPLIES.items()}
         self.dtype = dtype
         self._mode = lane

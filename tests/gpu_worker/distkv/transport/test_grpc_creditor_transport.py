@@ -12,10 +12,12 @@ import torch
 from support.worker_server import serve_worker
 
 from mesh_api.v1 import worker_pb2
+from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.distkv.borrower import Candidate
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
+from services.gpu_worker.distkv.transport import grpc_creditor_transport
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.distkv.transport.lending_proto import (
     layout_to_proto,
@@ -29,6 +31,8 @@ from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.service import WorkerService
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
+from services.runtime.rpc import keepalive
+from services.runtime.security.tls import sync_channel
 
 BLOCK = 4
 SMALL_POOL_MIB = 1 / 64  # tiny Llama: 16 pages of 4 tokens = 8 blocks of 2 layers = 32 tokens
@@ -49,6 +53,20 @@ async def creditor(tiny_llama):
         yield lender, address
     finally:
         await server.stop(None)
+
+
+def test_the_channel_to_a_creditor_pings_as_the_service_channels_do(monkeypatch):
+    opened = []
+
+    def record(address, tls, options=()):
+        opened.append(dict(options))
+        return sync_channel(address, tls, options)
+
+    monkeypatch.setattr(grpc_creditor_transport, "sync_channel", record)
+    GrpcCreditorTransport("creditor", "127.0.0.1:1", PoolLayout(0, 4, 16, 2), lane="off").close()
+    assert opened[0].items() >= dict(keepalive.CHANNEL_OPTIONS).items()
+    assert opened[0]["grpc.keepalive_time_ms"] == keepalive.PING_EVERY_S * 1000
+    assert opened[0]["grpc.keepalive_timeout_ms"] == keepalive.PING_TIMEOUT_S * 1000
 
 
 def size(message) -> int:
