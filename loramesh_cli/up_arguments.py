@@ -54,6 +54,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "lend_cap_blocks",
         "lending_lane",
         "lend_compute_share",
+        "loan_wait_rounds",
         "deterministic",
     ),
     # Half the service's 1024: a local mesh's workers share one machine with the other services.
@@ -255,7 +256,7 @@ def check_up_args(args) -> None:
         raise CommandError(f"--lend-compute-share must be in [0, 1], got {args.lend_compute_share}")
     if args.early_abort_slo_s is not None and not args.early_abort_slo_s > 0:
         raise CommandError(f"--early-abort-slo-s must be more than 0, got {args.early_abort_slo_s}")
-    for name in ("max_lora_rank", "max_loras", "max_cpu_loras"):
+    for name in ("max_lora_rank", "max_loras", "max_cpu_loras", "loan_wait_rounds"):
         if (value := getattr(args, name)) is not None and value < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.max_cpu_loras is not None and args.host_cache_mib is not None:

@@ -69,7 +69,11 @@ SERVICES = {
     "services.kv_manager": LoraMeshService("services.kv_manager", "loramesh.v1.KVManager", ServiceConfig),
 }
 #: What the kubelet fills in for the variables taken from the pod (fieldRef).
-FIELD_REF_SAMPLES = {"LORAMESH_ADVERTISE_HOST": "10.1.2.3", "LORAMESH_INSTANCE_ID": "gpu-worker-5d8f7-x2x9k"}
+FIELD_REF_SAMPLES = {
+    "LORAMESH_ADVERTISE_HOST": "10.1.2.3",
+    "LORAMESH_INSTANCE_ID": "gpu-worker-5d8f7-x2x9k",
+    "LORAMESH_TOPOLOGY": "node-a",
+}
 #: LORAMESH_* variables read outside the config classes, with the module that reads them.
 EXTRA_ENV = {"LORAMESH_CACHE_DIR": "services/model_files/cache_dir.py"}
 
