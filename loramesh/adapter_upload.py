@@ -41,14 +41,15 @@ def check_adapter_dir(path: str | Path) -> Path:
     return directory
 
 
-def upload_stream(path: str | Path, name: str, public: bool) -> Iterator[bytes]:
+def upload_stream(path: str | Path, name: str, public: bool, new_version: bool = False) -> Iterator[bytes]:
     """The ``UploadAdapter`` messages for a PEFT adapter directory, serialized (the clients'
     stubs send them as they are: each chunk is copied once, see ``mesh_api.upload_wire``).
 
     A header, then chunks (``mesh_api.upload_wire.UPLOAD_CHUNK_BYTES`` at most) of
     ``adapter_config.json`` and ``adapter_model.safetensors``, and of ``tokenizer_config.json``
     and ``chat_template.jinja`` when the directory has them (the adapter is then served with
-    their chat template).
+    their chat template). ``new_version``: a publish, which gives a name already registered its
+    next version.
 
     Raises:
         FileNotFoundError: ``path`` does not exist or lacks a file (:func:`check_adapter_dir`).
@@ -57,4 +58,4 @@ def upload_stream(path: str | Path, name: str, public: bool) -> Iterator[bytes]:
     check_adapter_dir(path)
     visibility = types_pb2.VISIBILITY_PUBLIC if public else types_pb2.VISIBILITY_PRIVATE
     # The owner is left empty: the gateway sets the caller's tenant.
-    return upload_wire(read_adapter_dir(path), name, owner="", visibility=visibility)
+    return upload_wire(read_adapter_dir(path), name, owner="", visibility=visibility, new_version=new_version)

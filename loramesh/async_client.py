@@ -34,6 +34,7 @@ from loramesh.convert import (
     model_from,
     page_from,
     pin_request,
+    published_from,
     text_delta,
 )
 from loramesh.errors import Unavailable
@@ -48,7 +49,15 @@ from loramesh.targets import (
     resolve_targets,
 )
 from loramesh.tls import ClientTLS, aio_channel
-from loramesh.types import Adapter, AdapterPage, Completion, ImportedAdapter, Model, TextDelta
+from loramesh.types import (
+    Adapter,
+    AdapterPage,
+    Completion,
+    ImportedAdapter,
+    Model,
+    PublishedVersion,
+    TextDelta,
+)
 from mesh_api.upload_wire import WireUploadGatewayStub
 from mesh_api.v1 import adapter_store_pb2, gateway_pb2
 
@@ -118,6 +127,39 @@ class AsyncAdapters:
         requests = upload_stream(path, name, public)
         reply = await self._client._unary("UploadAdapter", requests, timeout, retry=False)
         return adapter_from(reply.adapter)
+
+    async def publish(
+        self, path: str | Path, name: str, *, public: bool = False, timeout: float | None = None
+    ) -> PublishedVersion:
+        """Publishes a PEFT LoRA adapter directory as the next version of ``name`` (an upload that
+        a name already registered does not refuse): what a training loop calls after each
+        checkpoint. Requests naming ``name`` admitted after it returns are served by the new
+        version; those admitted before keep theirs to the end; ``name@N`` and
+        ``name@sha256:<hex>`` name one version (docs/api.md, "Adapter versions").
+
+        Never retried (an upload is not idempotent).
+
+        Args:
+            path: Directory with ``adapter_config.json`` and ``adapter_model.safetensors`` (and
+                optionally ``tokenizer_config.json`` / ``chat_template.jinja``).
+            name: Name, unique within the tenant: its first publish registers it.
+            public: Let every tenant use it (as ``"owner/name"``).
+            timeout: Seconds for the whole upload; None for the client's default.
+
+        Returns:
+            The version the name serves now: its number, id and sha256, and whether this publish
+            changed it (the same content again keeps the version it was).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist, or lacks ``adapter_config.json`` or the
+                weights (checked before anything is sent).
+            NotADirectoryError: ``path`` is a file.
+            InvalidArgument: The adapter does not fit the base model, or its chat template does
+                not compile (the message says why).
+            ResourceExhausted: The adapter is over the size limit or the tenant's storage quota.
+        """
+        requests = upload_stream(path, name, public, new_version=True)
+        return published_from(await self._client._unary("UploadAdapter", requests, timeout, retry=False))
 
     async def import_uri(
         self, uri: str, name: str, *, public: bool = False, timeout: float | None = None

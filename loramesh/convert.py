@@ -12,7 +12,9 @@ from loramesh.types import (
     Completion,
     ImportedAdapter,
     Model,
+    PublishedVersion,
     Sampling,
+    ServedVersion,
     TextDelta,
     Usage,
 )
@@ -108,7 +110,12 @@ def text_delta(message: gateway_pb2.GenerateTextResponse) -> TextDelta:
         finish_reason=_FINISH_REASONS.get(message.finish_reason),
         usage=usage,
         request_id=message.request_id,
+        served_by=served_from(message.served_by) if message.HasField("served_by") else None,
     )
+
+
+def served_from(served: gateway_pb2.ServedVersion) -> ServedVersion:
+    return ServedVersion(served.adapter, served.version, served.sha256, served.adapter_id, served.fingerprint)
 
 
 def completion(deltas: list[TextDelta]) -> Completion:
@@ -119,6 +126,7 @@ def completion(deltas: list[TextDelta]) -> Completion:
         finish_reason=next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None),
         usage=next((d.usage for d in reversed(deltas) if d.usage), None),
         request_id=next((d.request_id for d in deltas if d.request_id), ""),
+        served_by=next((d.served_by for d in deltas if d.served_by), None),
     )
 
 
@@ -165,6 +173,11 @@ def import_request(uri: str, name: str, public: bool) -> adapter_store_pb2.Impor
 
 def imported_from(reply: adapter_store_pb2.ImportAdapterResponse) -> ImportedAdapter:
     return ImportedAdapter(adapter_from(reply.adapter), reply.changed)
+
+
+def published_from(reply: adapter_store_pb2.RegisterAdapterResponse) -> PublishedVersion:
+    adapter = adapter_from(reply.adapter)
+    return PublishedVersion(adapter.version, adapter.id, adapter.sha256, reply.changed, adapter)
 
 
 def pin_request(name: str, pinned: bool) -> gateway_pb2.GatewayPinRequest:

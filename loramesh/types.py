@@ -77,6 +77,33 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ServedVersion:
+    """The adapter version that serves a generation, fixed when the gateway admitted it.
+
+    Example:
+        >>> completion = client.generate("Hi", adapter="support-bot")
+        >>> completion.served_by.fingerprint
+        'support-bot@3 sha256:9f2c41d07a5e'
+    """
+
+    adapter: str
+    """The adapter as the caller names it: ``"name"`` (its own) or ``"owner/name"``."""
+    version: int
+    """The store's version of the name."""
+    sha256: str
+    """Checksum of the version's weights file, whole."""
+    adapter_id: str
+    """The store's id of this version."""
+    fingerprint: str
+    """``"<adapter>@<version> sha256:<first 12 hex>"`` (OpenAI's ``system_fingerprint``)."""
+
+    @property
+    def reference(self) -> str:
+        """What to pass as ``adapter=`` to be served by this version again: ``"<adapter>@<version>"``."""
+        return f"{self.adapter}@{self.version}"
+
+
+@dataclass(frozen=True)
 class TextDelta:
     """One message of a stream: the text generated since the previous one.
 
@@ -95,6 +122,9 @@ class TextDelta:
     """On the last delta only."""
     request_id: str
     """The gateway's id of this generation."""
+    served_by: ServedVersion | None = None
+    """On a stream's first delta: the adapter version serving it (None for the base model, and
+    on later deltas)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +148,8 @@ class Completion:
     """Token counts and timings; None only if the stream ended without them."""
     request_id: str
     """The gateway's id of this generation."""
+    served_by: ServedVersion | None = None
+    """The adapter version that served it; None for the base model."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +189,8 @@ class Adapter:
     sha256: str
     """Checksum of the weights file."""
     version: int
-    """1 for the first registration of the name, +1 for each re-registration after a delete."""
+    """1 for the first registration of the name, +1 for each new version published under it
+    (and for each re-registration after a delete)."""
     created_unix_ms: int
     """Registration time, milliseconds since the Unix epoch."""
     config_json: str
@@ -198,6 +231,29 @@ class ImportedAdapter:
     """The adapter the name now serves."""
     changed: bool
     """False when the name already held this content: it was kept, same id and version."""
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """What publishing an adapter directory under a name did (``client.adapters.publish``).
+
+    Example:
+        >>> published = client.adapters.publish("./checkpoint-120", "policy")
+        >>> published.version, published.sha256[:12]
+        (7, '9f2c41d07a5e')
+        >>> client.generate("Hi", adapter=f"policy@{published.version}")
+    """
+
+    version: int
+    """The version the name serves now."""
+    id: str
+    """That version's id."""
+    sha256: str
+    """Checksum of that version's weights file."""
+    changed: bool
+    """False when the name already served this content: it was kept, same version and id."""
+    adapter: Adapter
+    """All the store says of that version."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from mesh_api.v1 import adapter_store_pb2, types_pb2
 from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.adapter_load_dirs import load_roots, resolve_adapter_dir
 from services.gateway.adapter_reference import split_reference
-from services.runtime.errors import PermissionDenied
+from services.runtime.errors import AlreadyExists, PermissionDenied
 
 
 class AdapterWrites(Protocol):
@@ -97,9 +97,19 @@ class AdapterAdmin:
         await self._registered(reply.adapter)
         return reply
 
-    async def load_adapter(self, tenant: str, name: str, lora_path: str) -> types_pb2.AdapterInfo:
+    async def load_adapter(
+        self, tenant: str, name: str, lora_path: str, inplace: bool = False
+    ) -> types_pb2.AdapterInfo:
         """vLLM's ``load_lora_adapter``: an ``s3://``, ``hf://`` or ``file://`` URI is imported by
-        the store; anything else is a path on the gateway's machine (:meth:`load_adapter_dir`)."""
+        the store; anything else is a path on the gateway's machine (:meth:`load_adapter_dir`).
+        A name the tenant already has is refused ALREADY_EXISTS in vLLM's words unless
+        ``inplace`` (vLLM's ``load_inplace``): then the content becomes the name's next version
+        (the same content keeps the version it is)."""
+        if not inplace and await self._catalog.registered(tenant, name):
+            raise AlreadyExists(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True."
+            )
         if is_import_uri(lora_path):
             request = adapter_store_pb2.ImportAdapterRequest(uri=lora_path, name=name)
             return (await self.import_adapter(tenant, request)).adapter

@@ -53,6 +53,13 @@ def may_use(tenant: str, info: types_pb2.AdapterInfo) -> bool:
     return info.owner == tenant or info.visibility == types_pb2.VISIBILITY_PUBLIC
 
 
+def _not_found(error: Exception) -> bool:
+    """``error`` is the store's NOT_FOUND: its own client raises it as the status it came with."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code() == grpc.StatusCode.NOT_FOUND
+    return isinstance(error, NotFound)
+
+
 DEFAULT_MAX_ENTRIES = 4096
 """Lookups cached at most by default: far more than a gateway resolves within a TTL."""
 
@@ -130,13 +137,22 @@ class AdapterCatalog:
             # store's newest version of the name is the one a version just published would be.
             newest = await self._store.get(owner, name)
         except (NotFound, grpc.aio.AioRpcError) as error:
-            # The store's own client raises its NOT_FOUND as the status it came with.
-            if isinstance(error, grpc.aio.AioRpcError) and error.code() != grpc.StatusCode.NOT_FOUND:
+            if not _not_found(error):
                 raise
             raise missing_version(owner, name, selector) from None
         if not selector.matches(newest.version, newest.sha256):
             raise missing_version(owner, name, selector)
         return newest
+
+    async def registered(self, tenant: str, name: str) -> bool:
+        """Whether ``tenant`` has an adapter of its own named ``name``, as the store says now."""
+        try:
+            await self._store.get(tenant, name)
+        except (NotFound, grpc.aio.AioRpcError) as error:
+            if not _not_found(error):
+                raise
+            return False
+        return True
 
     def forget(self, owner: str, name: str) -> None:
         """Drop the cached lookups of ``owner/name`` (any version): it changed."""

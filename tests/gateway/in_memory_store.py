@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from grpc import aio
 
-from mesh_api.v1 import adapter_store_pb2, gateway_pb2_grpc, types_pb2
+from mesh_api.adapter_transfer import ref_by_id, ref_by_name
+from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, gateway_pb2_grpc, types_pb2
 from services.gateway.adapter_admin import AdapterAdmin
 from services.gateway.adapter_catalog import AdapterCatalog
 from services.gateway.adapter_reference import missing_adapter
@@ -62,6 +63,26 @@ class InMemoryStore:
             if a.id == adapter_id:
                 return a
         raise NotFound(f"adapter {adapter_id!r} not found")
+
+
+class StubStore:
+    """A real store's stub as the gateway's catalog reads it (lookups by name and by id, its
+    ``WatchAdapters``); every other call goes to the stub as it is."""
+
+    def __init__(self, stub: adapter_store_pb2_grpc.AdapterStoreStub):
+        self._stub = stub
+
+    def __getattr__(self, method: str):
+        return getattr(self._stub, method)
+
+    async def get(self, owner: str, name: str) -> types_pb2.AdapterInfo:
+        return await self._stub.GetAdapter(adapter_store_pb2.GetAdapterRequest(ref=ref_by_name(owner, name)))
+
+    async def get_id(self, adapter_id: str) -> types_pb2.AdapterInfo:
+        return await self._stub.GetAdapter(adapter_store_pb2.GetAdapterRequest(ref=ref_by_id(adapter_id)))
+
+    def watch(self, refresh: bool):
+        return self._stub.WatchAdapters(adapter_store_pb2.WatchAdaptersRequest())
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http.app import build_app
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.rpc.server import start_service
-from tests.gateway.in_memory_store import gateway_parts
+from tests.gateway.in_memory_store import StubStore, gateway_parts
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +66,7 @@ async def gateway(tmp_path, base_spec, etcd) -> AsyncIterator[LoadDirGateway]:
             stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
             parts = gateway_parts(
                 "key-admin=admin,key-bob=bob",
-                stub,
+                StubStore(stub),
                 load_tokenizer(),
                 config=GatewayConfig(adapter_load_dirs=str(load_dir)),
             )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from loramesh.stream_resume import StreamProgress
-from loramesh.types import TextDelta, Usage
+from loramesh.types import ServedVersion, TextDelta, Usage
 from mesh_api.v1 import gateway_pb2, types_pb2
 
 
@@ -52,3 +54,12 @@ def test_a_chat_request_continues_the_same_way():
 def test_the_last_message_finishes_the_stream():
     progress = progress_after(STREAM)
     assert progress.finished and (progress.token_ids, progress.text) == ([1, 2, 3, 4], "Hellé!")
+
+
+def test_a_continuation_names_the_adapter_version_that_served_the_stream():
+    served = ServedVersion("mine", 3, "ab" * 32, "id-3", "mine@3 sha256:abababababab")
+    first = dataclasses.replace(STREAM[0], served_by=served)
+    continued = progress_after([first, *STREAM[1:3]]).request(GENERATE)
+    # A version of "mine" published meanwhile does not serve the rest of this stream.
+    assert continued.adapter == "mine@3"
+    assert continued.continuation == gateway_pb2.Continuation(token_ids=[1, 2, 3], text="Hellé")

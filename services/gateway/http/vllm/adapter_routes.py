@@ -1,8 +1,9 @@
 """vLLM's adapter loading: ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``: an
 ``s3://``, ``hf://`` or ``file://`` URI the store imports, or a directory on the gateway's
-machine under ``--adapter-load-dirs``) and ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``:
-deletes it), as the caller's tenant, answered in vLLM's plain-text words
-(:mod:`services.gateway.adapter_admin`)."""
+machine under ``--adapter-load-dirs``; a name already loaded is refused unless
+``"load_inplace": true``, which publishes the content as the name's next version) and
+``POST /v1/unload_lora_adapter`` (``{"lora_name"}``: deletes it), as the caller's tenant,
+answered in vLLM's plain-text words (:mod:`services.gateway.adapter_admin`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class LoadLoraAdapterBody(_Body):
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
+    """A name already loaded gets this content as its next version instead of a refusal."""
 
 
 class UnloadLoraAdapterBody(_Body):
@@ -42,7 +45,7 @@ class AdapterRoutes:
     async def load_lora_adapter(self, request: Request) -> Response:
         caller = tenant(self.core, request)
         body = parse_body(await read_body(request.stream()), LoadLoraAdapterBody)
-        await self.admin.load_adapter(caller, body.lora_name, body.lora_path)
+        await self.admin.load_adapter(caller, body.lora_name, body.lora_path, inplace=body.load_inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
