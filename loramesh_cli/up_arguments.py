@@ -89,6 +89,7 @@ STORE_SETTINGS = ForwardedSettings(
         "blob_cache_mib",
         "collect_interval_s",
         "collect_grace_s",
+        "keep_versions",
     ),
     default_words={"blob_store": "<state dir>/adapter_store, shared by every replica"},
 )

@@ -54,6 +54,7 @@ from services.adapter_store.group_commit import GroupCommit
 from services.adapter_store.row_texts import RowTexts
 from services.adapter_store.storage_usage import StorageUsage, stored_bytes
 from services.adapter_store.tenant_storage_quota import fits
+from services.adapter_store.version_retention import retirement_ops
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.membership import (
     EtcdConnection,
@@ -147,6 +148,8 @@ class _Registration:
     in together."""
     committed: int = 0
     """The revision it was committed at, once it was."""
+    retire: bool = False
+    """Keep the version it replaces as a kept version (:mod:`.version_retention`)."""
 
     def compare(self, keys: CatalogKeys) -> list:
         t, record, prepared = aetcd.transactions, self.record, self.prepared
@@ -163,8 +166,13 @@ class _Registration:
 
     def ops(self, keys: CatalogKeys) -> list:
         t, record = aetcd.transactions, self.record
-        # The version replaced goes first: a watcher sees its removal, then the new row.
-        ops = row_removal(keys, self.replacing, with_name=False) if self.replacing is not None else []
+        # The version replaced goes first: a watcher sees its removal, then the new row (a
+        # retired one stays, as a kept version).
+        ops = []
+        if self.replacing is not None and self.retire:
+            ops = retirement_ops(keys, self.replacing)
+        elif self.replacing is not None:
+            ops = row_removal(keys, self.replacing, with_name=False)
         return ops + [
             t.Put(keys.row(record.id).encode(), encode_row(record)),
             t.Put(keys.name(record.owner, record.name).encode(), record.id.encode()),
@@ -485,9 +493,11 @@ class Catalog:
         prepared: PreparedRegistration,
         replacing: AdapterRecord | None,
         limits: TenantLimits = UNLIMITED,
+        retire: bool = False,
     ) -> None:
         """Commit ``record`` (in place of ``replacing``, the version the name served when
-        prepared, or as a new name); :class:`DuplicateName` when the name serves another adapter,
+        prepared, or as a new name; ``retire``: ``replacing`` is kept as a kept version, not
+        removed); :class:`DuplicateName` when the name serves another adapter,
         :class:`CatalogConflict` (with what the keys hold now) when anything else it was
         prepared against changed.
 
@@ -496,9 +506,9 @@ class Catalog:
         it, and the registrations of one owner under ``limits`` must fit in them together); when
         that transaction's checks fail, each is committed alone, so one registration's conflict
         never fails another's."""
-        registration = _Registration(record, prepared, replacing, limits)
+        registration = _Registration(record, prepared, replacing, limits, retire=retire)
         self._commits.submit(registration)
-        replaced = replacing.id if replacing is not None else ""
+        replaced = replacing.id if replacing is not None and not retire else ""
         self.mirror.apply_own(registration.committed, record, replaced)
 
     def _commit_group(self, group: Sequence[_Registration]) -> list[Exception | None]:
@@ -628,17 +638,23 @@ class Catalog:
     # -- other writes --
 
     def delete(self, record: AdapterRecord) -> bool:
-        """Remove ``record``'s row, name and references; False when it was gone already."""
+        """Remove ``record``'s row, name and references, and its name's kept versions; False when
+        it was gone already."""
         t = aetcd.transactions
         row_key = self.keys.row(record.id).encode()
+        kept = [other for other in self.mirror.versions(record.owner, record.name) if other.id != record.id]
+        removal = row_removal(self.keys, record, True) + [
+            op for other in kept for op in row_removal(self.keys, other, False)
+        ]
         succeeded, _ = self._call(
-            lambda c: c.transaction(
-                compare=[t.Version(row_key) > 0], success=row_removal(self.keys, record, True), failure=[]
-            ),
+            lambda c: c.transaction(compare=[t.Version(row_key) > 0], success=removal, failure=[]),
             "delete an adapter",
         )
         if succeeded:
-            self._await_mirror(lambda: self.mirror.get(record.id) is None, f"adapter {record.id} deleted")
+            self._await_mirror(
+                lambda: all(self.mirror.get(r.id) is None for r in (record, *kept)),
+                f"adapter {record.id} deleted",
+            )
         return succeeded
 
     def set_pinned(self, record: AdapterRecord, pinned: bool) -> bool:

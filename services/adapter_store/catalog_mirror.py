@@ -3,6 +3,10 @@ it, so reads go on while etcd is unreachable, and a listing never costs an etcd 
 
 Pure domain code: it knows nothing of etcd; :mod:`.catalog` feeds it the rows it lists and the
 events it watches, in revision order.
+
+A name may have several rows: the version it serves (its highest) and the older versions kept
+after it (:mod:`.version_retention`). Lookups by id find every row; lookups by name, listings,
+counts and pins see only the serving versions.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ class CatalogMirror:
         self._changes = changes
         self._records: dict[str, tuple[Seq, AdapterRecord]] = {}
         self._by_name: dict[tuple[str, str], str] = {}
+        """The serving version's id of each name."""
+        self._versions: dict[tuple[str, str], set[str]] = {}
+        """Every row's id of each name, kept versions included."""
         self._seqs: list[Seq] = []
         self._digests: dict[str, frozenset[str]] = {}
         self.revision = 0
@@ -113,7 +120,11 @@ class CatalogMirror:
         else:
             seq = held[0]
         self._records[record.id] = (seq, record)
-        self._by_name[(record.owner, record.name)] = record.id
+        name = (record.owner, record.name)
+        self._versions.setdefault(name, set()).add(record.id)
+        serving = self._records.get(self._by_name.get(name, ""))
+        if serving is None or serving[1].version <= record.version:
+            self._by_name[name] = record.id
         self._digests[record.id] = frozenset(record_digests(record).values())
         return CatalogChange(upserted=record)
 
@@ -124,8 +135,14 @@ class CatalogMirror:
         seq, record = held
         del self._seqs[bisect.bisect_left(self._seqs, seq)]
         del self._digests[adapter_id]
-        if self._by_name.get((record.owner, record.name)) == adapter_id:
-            del self._by_name[(record.owner, record.name)]
+        name = (record.owner, record.name)
+        self._versions[name].discard(adapter_id)
+        if not self._versions[name]:
+            del self._versions[name]
+        # No older version takes over: a name's serving row goes only when the name is deleted
+        # (its kept versions with it), and a prune removes only kept versions.
+        if self._by_name.get(name) == adapter_id:
+            del self._by_name[name]
         return CatalogChange(deleted_id=adapter_id)
 
     def get(self, adapter_id: str) -> AdapterRecord | None:
@@ -146,6 +163,8 @@ class CatalogMirror:
         matching: every adapter, or ``owner``'s (and the public ones with ``include_public``)."""
 
         def matches(record: AdapterRecord) -> bool:
+            if not self._serves(record):
+                return False
             if not owner:
                 return True
             return record.owner == owner or (include_public and record.visibility == PUBLIC)
@@ -154,7 +173,7 @@ class CatalogMirror:
             if owner:
                 total = sum(1 for _, record in self._records.values() if matches(record))
             else:
-                total = len(self._records)
+                total = len(self._by_name)
             page: list[tuple[int, AdapterRecord]] = []
             for seq in self._seqs[bisect.bisect_right(self._seqs, after_seq) :]:
                 record = self._records[seq[1]][1]
@@ -164,18 +183,32 @@ class CatalogMirror:
                         break
         return page, total
 
+    def _serves(self, record: AdapterRecord) -> bool:
+        return self._by_name.get((record.owner, record.name)) == record.id
+
     def all(self) -> list[AdapterRecord]:
+        """Every serving version, in registration order."""
         with self._changed:
-            return [self._records[adapter_id][1] for _, adapter_id in self._seqs]
+            records = (self._records[adapter_id][1] for _, adapter_id in self._seqs)
+            return [record for record in records if self._serves(record)]
+
+    def versions(self, owner: str, name: str) -> list[AdapterRecord]:
+        """Every row of ``owner``'s ``name``, the serving version's and the kept ones, oldest
+        first."""
+        with self._changed:
+            records = [self._records[i][1] for i in self._versions.get((owner, name), ())]
+        return sorted(records, key=lambda record: record.version)
 
     def count(self) -> int:
+        """Serving versions."""
         with self._changed:
-            return len(self._records)
+            return len(self._by_name)
 
     def pinned_sizes(self) -> dict[str, int]:
-        """``{id: size_bytes}`` of every pinned adapter."""
+        """``{id: size_bytes}`` of every pinned adapter (a kept version is not: a pin is its
+        name's serving version's)."""
         with self._changed:
-            return {r.id: r.size_bytes for _, r in self._records.values() if r.pinned}
+            return {r.id: r.size_bytes for _, r in self._records.values() if r.pinned and self._serves(r)}
 
     def referenced_digests(self) -> set[str]:
         """Every blob some row references."""

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from services.runtime.config import ServiceConfig, require_at_least
 
+MAX_KEEP_VERSIONS = 16
+"""Most versions a name may keep: deleting a name removes every one of them in one etcd
+transaction, which takes at most 128 operations (etcd's ``--max-txn-ops``), about 6 a version."""
+
 
 @dataclass
 class AdapterStoreConfig(ServiceConfig):
@@ -28,6 +32,13 @@ class AdapterStoreConfig(ServiceConfig):
     collect_grace_s: float = 3600.0
     """Unreferenced blobs and staged writes younger than this are left alone: a registration
     may have written its blob and not yet committed its row."""
+    keep_versions: int = 4
+    """Versions of each adapter name kept, the serving one counted (1 to 16): older ones can
+    still be named (``name@N``, ``name@sha256:…``), fetched by the workers serving requests
+    admitted on them, and published again at once (a rollback). Past it, a version's row and
+    then its blobs are removed. 4 covers a training loop's in-flight policy lag (the version
+    serving, the one before it that rollouts in flight were admitted on, one more for a slow
+    worker) plus a last good version to roll back to; each kept version costs its blob's disk."""
     model: str = ""
     """Base model the adapters must fit: GGUF file or HF directory (default: SmolLM2-135M)."""
     max_rank: int = 64
@@ -64,6 +75,8 @@ class AdapterStoreConfig(ServiceConfig):
         super().__post_init__()
         require_at_least(self, 1, "max_rank", "max_adapter_mib", "blocking_threads")
         require_at_least(self, 0, "ram_budget_mib")
+        if not 1 <= self.keep_versions <= MAX_KEEP_VERSIONS:
+            raise ValueError(f"--keep-versions must be 1 to {MAX_KEEP_VERSIONS}, got {self.keep_versions}")
         if self.collect_interval_s <= 0:
             raise ValueError(f"--collect-interval-s must be > 0, got {self.collect_interval_s:g}")
         if self.collect_grace_s < 0:

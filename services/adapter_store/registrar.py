@@ -13,6 +13,10 @@ the weights are staged, on a fresh read of its usage and the bytes it surely add
 before the blobs are published, against the usage the commit requires unchanged. A registration
 refused after publishing (its tenant's last room taken meanwhile by another replica, or its name)
 takes back the blobs it wrote, so a refusal leaves nothing behind.
+
+A publish under a name already registered keeps the last versions of the name
+(:mod:`services.adapter_store.version_retention`); content one of them holds is published again
+without being validated again (a rollback: its tensors were validated when first stored).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.storage_usage import StorageUsage, stored_bytes
 from services.adapter_store.tenant_storage_quota import TenantStorageQuota
 from services.adapter_store.validation import ValidatedAdapter, ValidationLimits, validate_adapter
+from services.adapter_store.version_retention import VersionRetention, kept_content
 from services.model_files.base_model import BaseModelSpec
 from services.runtime.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from services.runtime.tenants_file import QuotaConfig
@@ -111,7 +116,8 @@ class AdapterRegistrar:
     a refused registration published, unless a row references it
     (:meth:`.blob_collector.BlobCollector.remove`). ``sleep`` waits between commit attempts while
     a collector holds a blob, ``clock`` (Unix seconds) ages the collectors' marks: both injected
-    by tests."""
+    by tests. ``retention``: which versions of a name are kept after a newer one (none without
+    it: a new version removes the one it replaces)."""
 
     def __init__(
         self,
@@ -125,6 +131,7 @@ class AdapterRegistrar:
         withdraw: Callable[[str], object] = lambda digest: None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.time,
+        retention: VersionRetention | None = None,
     ):
         self.spec = spec
         self.limits = limits
@@ -135,6 +142,7 @@ class AdapterRegistrar:
         self._withdraw = withdraw
         self._sleep = sleep
         self._clock = clock
+        self.retention = retention
 
     def register(self, upload: AdapterUpload) -> AdapterRecord:
         """Validate, store durably and commit one adapter under a new name. Nothing is kept if
@@ -150,16 +158,24 @@ class AdapterRegistrar:
         except BaseException:
             staged.discard()
             raise
-        return self._commit(upload, validated, _Publication(staged, upload.weights, {}), None, usage)
+        record = self._record(upload, validated, version=0)
+        return self._commit(upload, record, _Publication(staged, upload.weights, {}), None, usage)
 
     def register_version(self, upload: AdapterUpload) -> AdapterRegistration:
         """As :meth:`register`, but a name already registered is not refused: the same content
         is kept as it is, other content replaces it as the next version (a new id, so no cache
-        keyed by id serves the old weights under it). What an import does."""
+        keyed by id serves the old weights under it). What an import does, and a publish.
+
+        Content a kept version of the name holds (weights and config) is a rollback: committed
+        as the next version with that version's validated fields, nothing validated again."""
         check_name("name", upload.name)
         check_name("owner", upload.owner)
         current = self.catalog.get_by_name(upload.owner, upload.name)
         usage = self._check_quota(upload, current)
+        rollback = self._rollback(upload, current)
+        if rollback is not None:
+            record = self._commit(upload, rollback, _Publication(None, upload.weights, {}), current, usage)
+            return AdapterRegistration(self._pruned(record), changed=True)
         # A name already registered is most often imported again unchanged: its weights are
         # written only once they are known to differ.
         staged = self.blobs.stage(upload.weights) if current is None else None
@@ -174,8 +190,40 @@ class AdapterRegistrar:
             if _content(current) == _content(unchanged):
                 self._heal(current, upload.weights)
                 return AdapterRegistration(current, changed=False)
-        record = self._commit(upload, validated, _Publication(staged, upload.weights, {}), current, usage)
-        return AdapterRegistration(record, changed=True)
+        record = self._record(upload, validated, version=0)
+        record = self._commit(upload, record, _Publication(staged, upload.weights, {}), current, usage)
+        return AdapterRegistration(self._pruned(record), changed=True)
+
+    def _rollback(self, upload: AdapterUpload, current: AdapterRecord | None) -> AdapterRecord | None:
+        """The record a publish of a kept version's content commits (fields of that version, a
+        new id), None when the content is new or the name serves it now."""
+        if current is None or self.retention is None:
+            return None
+        sha256 = sha256_hex(upload.weights)
+        if sha256 == current.sha256:
+            return None  # unchanged, or its config or templates changed: the usual path
+        config = upload.config_bytes.decode("utf-8", errors="replace")
+        kept = kept_content(self.retention.versions(upload.owner, upload.name), sha256, config)
+        if kept is None:
+            return None
+        templates = read_chat_templates(upload.tokenizer_files)
+        return replace(
+            kept,
+            id=uuid.uuid4().hex,
+            visibility=upload.visibility if upload.visibility in (PRIVATE, PUBLIC) else PRIVATE,
+            version=0,
+            created_ms=int(time.time() * 1000),
+            chat_template=templates.chat_template,
+            tool_use_chat_template=templates.tool_use_chat_template,
+            pinned=False,
+        )
+
+    def _pruned(self, record: AdapterRecord) -> AdapterRecord:
+        """``record``, a new version just committed, after its name's versions past the
+        retention were pruned."""
+        if self.retention is not None:
+            self.retention.prune(record.owner, record.name, record.version)
+        return record
 
     def _check_quota(self, upload: AdapterUpload, replacing: AdapterRecord | None) -> StorageUsage | None:
         """Before anything is staged: the owner's usage read now (None without a storage quota),
@@ -219,13 +267,14 @@ class AdapterRegistrar:
     def _commit(
         self,
         upload: AdapterUpload,
-        validated: tuple[ValidatedAdapter, AdapterChatTemplates],
+        record: AdapterRecord,
         publication: _Publication,
         replacing: AdapterRecord | None,
         usage: StorageUsage | None,
     ) -> AdapterRecord:
         """Prepare, check the owner's quota, publish the blobs, commit; again while what it was
-        prepared against changes. ``usage``: the owner's, read before staging (None: no quota).
+        prepared against changes. ``record``: what to commit (its version is given here);
+        ``usage``: the owner's, read before staging (None: no quota).
 
         The blobs are published after their collector marks were read (:meth:`Catalog.prepare`,
         or the state a failed commit returns; a first try of a new name assumes them never set,
@@ -236,10 +285,10 @@ class AdapterRegistrar:
 
         Only a pinned adapter goes into the RAM tier here: the others enter it when first
         fetched, so registering thousands does not evict the adapters in use."""
-        record = self._record(upload, validated, version=0)
         publication.texts = record_texts(record)
         digests = set(record_digests(record).values())
         owner, with_usage = upload.owner, usage is not None
+        retire = self.retention is not None and self.retention.retires
 
         def prepare() -> PreparedRegistration:
             return self.catalog.prepare(owner, upload.name, digests, with_usage)
@@ -268,7 +317,7 @@ class AdapterRegistrar:
                 )
                 self._publish(record, publication)
                 try:
-                    self.catalog.commit(record, prepared, replacing, self.quota.limits(owner))
+                    self.catalog.commit(record, prepared, replacing, self.quota.limits(owner), retire)
                 except CatalogConflict as conflict:
                     prepared = conflict.fresh
                     continue

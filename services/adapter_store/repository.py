@@ -33,6 +33,7 @@ from services.adapter_store.registrar import AdapterRegistrar, sha256_hex
 from services.adapter_store.tenant_storage_quota import TenantStorageQuota
 from services.adapter_store.upload_slots import UploadSlots
 from services.adapter_store.validation import ValidationLimits
+from services.adapter_store.version_retention import VersionRetention
 from services.model_files.base_model import BaseModelSpec
 from services.runtime.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
 from services.runtime.etcd.membership import MembershipConfig
@@ -115,6 +116,9 @@ class RepositorySettings:
     than any registration takes between writing its blob and committing its row."""
     replica_id: str = "adapter_store"
     """This replica's name in the collector's marks and the logs."""
+    keep_versions: int = 4
+    """Versions of each name kept, the serving one counted (:mod:`.version_retention`); 1: a new
+    version removes the one it replaces."""
     tenants: QuotaConfig = field(default_factory=QuotaConfig)
     """The tenants' limits (the tenants file's ``"tenants"``): what each may store and upload at
     once (:mod:`services.adapter_store.tenant_storage_quota`)."""
@@ -151,8 +155,18 @@ class AdapterRepository:
             self.catalog.keys, self.catalog.etcd_call, settings.replica_id, catalog_config.ttl_s
         )
         self.quota = TenantStorageQuota(settings.tenants, self.catalog.usage, self.upload_slots)
+        self.retention = VersionRetention(
+            self.catalog.keys, self.catalog.mirror, self.catalog.etcd_call, settings.keep_versions
+        )
         self.registrar = AdapterRegistrar(
-            spec, limits, blobs, self.catalog, self.ram, quota=self.quota, withdraw=self.collector.remove
+            spec,
+            limits,
+            blobs,
+            self.catalog,
+            self.ram,
+            quota=self.quota,
+            withdraw=self.collector.remove,
+            retention=self.retention,
         )
 
     def _read_text(self, digest: str) -> str:

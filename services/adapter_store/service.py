@@ -76,6 +76,7 @@ class AdapterStoreService:
                 verify_on_open=cfg.verify_on_start,
                 eviction_policy=cfg.eviction_policy,
                 collect_grace_s=cfg.collect_grace_s,
+                keep_versions=cfg.keep_versions,
                 replica_id=cfg.instance_id or f"{socket.gethostname()}:{os.getpid()}",
                 tenants=tenants,
             ),

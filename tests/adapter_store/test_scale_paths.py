@@ -138,9 +138,9 @@ def test_the_change_feed_follows_every_commit_in_order(open_repo, sample_files):
     assert not same.changed
     assert changes == [
         CatalogChange(upserted=a),
-        CatalogChange(deleted_id=a.id),
-        CatalogChange(upserted=b),
+        CatalogChange(upserted=b),  # a stays, a kept version of the name
         CatalogChange(deleted_id=b.id),
+        CatalogChange(deleted_id=a.id),  # deleted with its name
     ]
 
 

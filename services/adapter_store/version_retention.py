@@ -1,0 +1,114 @@
+"""The last versions of each adapter name, kept after newer ones replace them.
+
+A publish under a name already registered commits the next version, which the name serves from
+then on. With ``keep_versions`` above 1 the version it replaces is retired, not removed: in the
+same etcd transaction its usage entry goes (the tenants' storage quotas count serving versions;
+kept ones are bounded by ``keep_versions`` per name instead), while its row and its blob
+references stay. So, for the kept versions of a name:
+
+- every gateway's catalog watch holds them (``name@N``, ``name@sha256:…``), and the store finds
+  them by id (:meth:`~.catalog_mirror.CatalogMirror.get`): a worker fetching the version a
+  request was admitted on before a publish, or a continuation moved to another worker, still
+  gets it;
+- publishing one's content again is a rollback that re-validates nothing (its tensors were
+  validated when first stored and its blobs are held): the registrar takes its row's fields
+  (:func:`kept_content`).
+
+Listings, counts, pins and lookups by name see the serving versions only
+(:class:`~.catalog_mirror.CatalogMirror`).
+
+After each publish the versions older than the last ``keep_versions`` (the serving one counted)
+are pruned: their rows and blob references go in one transaction, and the collector removes
+their blobs once no other row references them (:mod:`.blob_collector`). A prune that fails
+(etcd away) is left to the name's next publish, which prunes every version past the limit, not
+only one. Deleting a name deletes its kept versions with it (:meth:`.catalog.Catalog.delete`).
+
+A request a worker is serving on a pruned version goes on to its end: the worker holds its copy
+(host copy and pool pages) by reference until its last request ends, whatever the catalog says.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import aetcd
+
+from services.adapter_store.adapter_record import AdapterRecord
+from services.adapter_store.catalog_keys import CatalogKeys, record_digests
+from services.adapter_store.catalog_mirror import CatalogMirror
+from services.adapter_store.config import MAX_KEEP_VERSIONS
+from services.runtime.errors import Unavailable
+
+log = logging.getLogger("loramesh.adapter_store")
+
+T = TypeVar("T")
+
+
+def retirement_ops(keys: CatalogKeys, record: AdapterRecord) -> list:
+    """The writes that retire ``record``, the version a publish replaces: out of its owner's
+    usage; its row and blob references stay, as a kept version."""
+    return [aetcd.transactions.Delete(keys.usage_entry(record.owner, record.id).encode())]
+
+
+def kept_content(kept: list[AdapterRecord], sha256: str, config_json: str) -> AdapterRecord | None:
+    """The newest of ``kept`` (a name's versions) with these weights and this config: what a
+    publish of that content again rolls back to; None when none is."""
+    for record in reversed(kept):
+        if record.sha256 == sha256 and record.config_json == config_json:
+            return record
+    return None
+
+
+class VersionRetention:
+    """Prunes a name's versions past the last ``keep_versions``. ``etcd_call(fn, what)`` runs
+    ``fn(client)`` on the catalog's connection (:meth:`.catalog.Catalog.etcd_call`)."""
+
+    def __init__(
+        self,
+        keys: CatalogKeys,
+        mirror: CatalogMirror,
+        etcd_call: Callable[[Callable[[aetcd.Client], Awaitable[T]], str], T],
+        keep_versions: int,
+    ):
+        if not 1 <= keep_versions <= MAX_KEEP_VERSIONS:
+            raise ValueError(f"keep_versions must be 1 to {MAX_KEEP_VERSIONS}, got {keep_versions}")
+        self.keys = keys
+        self.mirror = mirror
+        self.keep_versions = keep_versions
+        self._call = etcd_call
+        self.pruned = 0
+        """Versions this replica pruned since it started."""
+
+    @property
+    def retires(self) -> bool:
+        """Whether a replaced version is kept at all (``keep_versions`` 1: it is removed)."""
+        return self.keep_versions > 1
+
+    def versions(self, owner: str, name: str) -> list[AdapterRecord]:
+        """Every version of ``owner``'s ``name`` this replica holds, oldest first."""
+        return self.mirror.versions(owner, name)
+
+    def prune(self, owner: str, name: str, serving_version: int) -> int:
+        """Remove the versions of ``owner``'s ``name`` older than the last ``keep_versions``
+        (``serving_version`` the newest of them); how many it removed. Never raises: what fails
+        now is pruned by the name's next publish."""
+        oldest_kept = serving_version - self.keep_versions + 1
+        victims = [r for r in self.versions(owner, name) if r.version < oldest_kept]
+        if not victims:
+            return 0
+        t = aetcd.transactions
+        ops = []
+        for victim in victims:
+            ops.append(t.Delete(self.keys.row(victim.id).encode()))
+            digests = sorted(set(record_digests(victim).values()))
+            ops += [t.Delete(self.keys.ref(d, victim.id).encode()) for d in digests]
+        try:
+            self._call(lambda c: c.transaction(compare=[], success=ops, failure=[]), "prune old versions")
+        except Unavailable as error:
+            log.warning("versions of %s/%s before %d are left to the next publish: %s",
+                        owner, name, oldest_kept, error)  # fmt: skip
+            return 0
+        self.pruned += len(victims)
+        return len(victims)

@@ -1,0 +1,101 @@
+"""The last versions of a name, kept after newer ones (services/adapter_store/version_retention.py),
+on a real etcd: what is kept and pruned (rows and blobs), rollbacks, deletion, and what another
+replica's catalog shows."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from services.adapter_store import registrar as registrar_module
+from services.adapter_store.adapter_record import PRIVATE
+from services.adapter_store.registrar import AdapterUpload
+from services.adapter_store.repository import AdapterKey
+from services.adapter_store.storage_usage import stored_bytes
+from services.runtime.errors import NotFound
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def publish(repo, files, name="a"):
+    upload = AdapterUpload(name, "alice", PRIVATE, files[CONFIG], files[WEIGHTS])
+    return repo.registrar.register_version(upload)
+
+
+def weights_digest(repo, adapter_id: str) -> str:
+    return hashlib.sha256(repo.read_weights(repo.resolve(AdapterKey(id=adapter_id)))).hexdigest()
+
+
+def test_a_name_keeps_its_last_versions_and_older_ones_go_with_their_blobs(
+    tmp_path, open_repository, seeded_files
+):
+    repo = open_repository(blob_dir=tmp_path / "blobs", keep_versions=3, collect_grace_s=0)
+    records = [publish(repo, seeded_files(seed)).record for seed in range(5)]
+    assert [r.version for r in records] == [1, 2, 3, 4, 5]
+
+    assert [r.version for r in repo.retention.versions("alice", "a")] == [3, 4, 5]
+    assert [r.id for r in repo.catalog.all()] == [records[4].id]  # listings: the serving one
+    assert repo.resolve(AdapterKey(owner="alice", name="a")).id == records[4].id
+    for kept in records[2:]:  # a worker still fetches a kept version by id
+        assert weights_digest(repo, kept.id) == kept.sha256
+    for pruned in records[:2]:
+        with pytest.raises(NotFound):
+            repo.resolve(AdapterKey(id=pruned.id))
+    usage = repo.catalog.usage("alice")  # quotas count the serving version
+    assert (usage.adapters, usage.bytes) == (1, stored_bytes(records[4]))
+
+    repo.collector.collect()
+    held = {entry.digest for entry in repo.blobs.listing()}
+    assert {r.sha256 for r in records[2:]} <= held
+    assert not {r.sha256 for r in records[:2]} & held
+
+    other = open_repository(blob_dir=tmp_path / "blobs", keep_versions=3)  # another replica lists
+    assert [r.version for r in other.retention.versions("alice", "a")] == [3, 4, 5]
+    assert [r.id for r in other.catalog.all()] == [records[4].id]
+    assert other.resolve(AdapterKey(owner="alice", name="a")).id == records[4].id
+
+
+def test_publishing_a_kept_versions_content_again_is_a_rollback_without_validation(
+    open_repository, seeded_files, monkeypatch
+):
+    repo = open_repository(keep_versions=4)
+    first = publish(repo, seeded_files(10)).record
+    publish(repo, seeded_files(11))
+    writes = []
+    monkeypatch.setattr(registrar_module, "validate_adapter", lambda *a: pytest.fail("validated again"))
+    monkeypatch.setattr(repo.blobs, "put", lambda digest, data: writes.append(digest))
+    monkeypatch.setattr(repo.blobs, "stage", lambda data: pytest.fail("weights staged again"))
+
+    rolled_back = publish(repo, seeded_files(10))
+
+    assert rolled_back.changed
+    record = rolled_back.record
+    assert (record.version, record.sha256, record.rank) == (3, first.sha256, first.rank)
+    assert record.id != first.id  # a version of its own: nothing keyed by id mixes them
+    assert writes == []
+    assert repo.resolve(AdapterKey(owner="alice", name="a")).id == record.id
+    assert weights_digest(repo, record.id) == first.sha256
+    assert [r.version for r in repo.retention.versions("alice", "a")] == [1, 2, 3]
+
+
+def test_deleting_a_name_deletes_its_kept_versions(open_repository, seeded_files):
+    repo = open_repository(keep_versions=4, collect_grace_s=0)
+    records = [publish(repo, seeded_files(seed)).record for seed in (20, 21, 22)]
+    repo.delete(AdapterKey(owner="alice", name="a"))
+    assert repo.retention.versions("alice", "a") == []
+    for record in records:
+        with pytest.raises(NotFound):
+            repo.resolve(AdapterKey(id=record.id))
+    repo.collector.collect()
+    assert not {r.sha256 for r in records} & {entry.digest for entry in repo.blobs.listing()}
+    assert publish(repo, seeded_files(20)).record.version == 4  # numbers are never reused
+
+
+def test_keeping_one_version_removes_the_one_replaced(open_repository, seeded_files):
+    repo = open_repository(keep_versions=1)
+    first = publish(repo, seeded_files(30)).record
+    second = publish(repo, seeded_files(31)).record
+    assert [r.id for r in repo.retention.versions("alice", "a")] == [second.id]
+    with pytest.raises(NotFound):
+        repo.resolve(AdapterKey(id=first.id))
