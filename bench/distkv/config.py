@@ -25,6 +25,10 @@ class MeshSettings:
     """gpu_workers of the mesh."""
     lending_lane: str = "shared-memory"
     """Every worker's ``--lending-lane``: how a debtor reaches its creditors on this host."""
+    creditor_host: str = ""
+    """Host the workers after the first advertise (``--advertise-host``), with their own ports:
+    another loopback address where a delaying proxy forwards to them, so that a debtor's lending
+    calls cross a link with latency (empty: they advertise where they listen)."""
 
 
 @dataclass(frozen=True)

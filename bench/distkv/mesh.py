@@ -97,6 +97,8 @@ class Mesh:
                 "--lend-cap-blocks", str(settings.lend_cap_blocks if config.lends else 0),
                 "--lease-ttl-s", "30",  # a busy 2-core machine must not expire a worker's lease
             ]  # fmt: skip
+            if index and settings.creditor_host:
+                flags += ["--advertise-host", settings.creditor_host]
             log_path = self.log_dir / f"{worker_id}.log"
             self.workers.append(ServiceProcess("gpu_worker", flags, log_path=log_path).start())
             self.worker_ids.append(worker_id)

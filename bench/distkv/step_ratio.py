@@ -12,13 +12,22 @@ from the debtor's heartbeats, how long its decode steps waited on creditors' ans
 .venv/bin/python -m bench.distkv.step_ratio                  # 2,500-token prompts, 3 rounds
 .venv/bin/python -m bench.distkv.step_ratio --prompt-tokens 1500 --rounds 2
 .venv/bin/python -m bench.distkv.step_ratio --lending-lane socket   # per-layer calls, no mapped pools
+.venv/bin/python -m bench.distkv.step_ratio --lending-lane off --link-delays-ms 0,0.2,1   # between nodes
 ```
+
+Between nodes (``--link-delays-ms``): the creditors advertise another loopback address, where
+``bench.cluster.thread_delay_proxy`` forwards to them with the given one-way delay, so every
+lending call of the debtor crosses a link with that latency (the lane between nodes is gRPC: the
+same-host lanes are a Unix socket and a mapped pool). Each round then sends its prompt to the
+all-local worker once and to the borrowing mesh once per delay, the delay set before each, and
+measures what the link really adds to a small round trip at each delay through the same proxy.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import statistics
@@ -26,6 +35,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.cluster.delay_proxy_bench import _latency
+from bench.cluster.thread_delay_proxy_bench import ProxyProcess
 from bench.distkv.client import WorkerClient
 from bench.distkv.config import MeshSettings
 from bench.distkv.experiment import heartbeat_after, load_average, machine, source_commit
@@ -48,7 +59,42 @@ async def one_request(client: WorkerClient, prompt: list[int], new_tokens: int, 
     }
 
 
+CREDITOR_HOST = "127.0.0.2"
+"""The loopback address the creditors advertise with ``--link-delays-ms``: the proxy's."""
+LINK_PROBE_ROUNDS = 200
+"""Round trips of a 64-byte message through the proxy per delay and round."""
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(1 << 16):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
+@contextlib.asynccontextmanager
+async def _link(borrow: Mesh, delays_ms: list[float]):
+    """The delaying proxy in front of the mesh's creditors and the echo server its first route
+    leads to (what :func:`bench.cluster.delay_proxy_bench._latency` measures with), or None
+    without ``delays_ms``."""
+    if not delays_ms:
+        yield None
+        return
+    echo = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    host, port = echo.sockets[0].getsockname()[:2]
+    routes = [f"{CREDITOR_HOST}:0={host}:{port}"]
+    routes += [f"{CREDITOR_HOST}:{w.port}={w.host}:{w.port}" for w in borrow.workers[1:]]
+    async with echo, ProxyProcess(routes) as proxy:
+        yield proxy, (host, port)
+
+
+def _ratios(rounds: list[dict], name: str, key: str) -> dict:
+    each = [r[name][key] / r["all_local"][key] for r in rounds]
+    return {"median": statistics.median(each), "each": each}
+
+
 async def run(args: argparse.Namespace) -> dict:
+    delays_ms = args.link_delays_ms
     settings = replace(
         MeshSettings(),
         pool_mib=args.pool_mib,
@@ -56,42 +102,64 @@ async def run(args: argparse.Namespace) -> dict:
         lend_cap_blocks=args.lend_cap_blocks,
         threads=args.threads,
         lending_lane=args.lending_lane,
+        creditor_host=CREDITOR_HOST if delays_ms else "",
     )
     log_dir = OUT / "logs"
     rounds: list[dict] = []
-    async with Mesh(BORROW, settings, log_dir) as borrow, Mesh(ALL_LOCAL, settings, log_dir) as local:
+    borrowers = [f"borrow@{d:g}ms" for d in delays_ms] if delays_ms else ["borrow"]
+    async with (
+        Mesh(BORROW, settings, log_dir) as borrow,
+        Mesh(ALL_LOCAL, settings, log_dir) as local,
+        _link(borrow, delays_ms) as link,
+    ):
         debtor = WorkerClient(borrow.workers[0].address)
         alone = WorkerClient(local.workers[0].address)
         try:
             for index in range(args.rounds):
                 prompt = prompt_ids(args.prompt_tokens, args.seed, f"round-{index}")
-                await borrow.wait_quiet()
                 pair = {"load_before": load_average()}
-                order = [("borrow", debtor), ("all_local", alone)]
-                for name, client in order if index % 2 == 0 else reversed(order):
-                    if name == "borrow":
-                        before = await heartbeat_after(borrow, borrow.worker_ids[0], time.time())
-                    pair[name] = await one_request(client, prompt, args.new_tokens, f"{name}-{index}")
-                    if name == "borrow":
-                        after = await heartbeat_after(borrow, borrow.worker_ids[0], time.time())
-                        waited = float(after["remote_attention_s"]) - float(before["remote_attention_s"])
-                        pair[name]["remote_wait_ms_per_decode_step"] = 1000 * waited / (args.new_tokens - 1)
+                order = [*borrowers, "all_local"]
+                for name in order if index % 2 == 0 else reversed(order):
+                    if name == "all_local":
+                        pair[name] = await one_request(alone, prompt, args.new_tokens, f"{name}-{index}")
+                        continue
+                    await borrow.wait_quiet()
+                    if link is not None:
+                        delay_ms = delays_ms[borrowers.index(name)]
+                        probe = await _latency(*link, delay_ms, LINK_PROBE_ROUNDS)
+                    before = await heartbeat_after(borrow, borrow.worker_ids[0], time.time())
+                    pair[name] = await one_request(debtor, prompt, args.new_tokens, f"{name}-{index}")
+                    after = await heartbeat_after(borrow, borrow.worker_ids[0], time.time())
+                    waited = float(after["remote_attention_s"]) - float(before["remote_attention_s"])
+                    pair[name]["remote_wait_ms_per_decode_step"] = 1000 * waited / (args.new_tokens - 1)
+                    if link is not None:
+                        pair[name]["link"] = {k: probe[k] for k in ("added_rtt_p50_ms", "added_rtt_p99_ms")}
                 rounds.append(pair)
                 print(json.dumps(pair), flush=True)
         finally:
             await debtor.close()
             await alone.close()
-    prefill = [r["borrow"]["prefill_s"] / r["all_local"]["prefill_s"] for r in rounds]
-    decode = [r["borrow"]["decode_step_s"] / r["all_local"]["decode_step_s"] for r in rounds]
     return {
         "machine": machine(),
         "python": platform.python_version(),
         "commit": source_commit(),
         "settings": vars(args),
         "rounds": rounds,
-        "prefill_ratio": {"median": statistics.median(prefill), "each": prefill},
-        "decode_step_ratio": {"median": statistics.median(decode), "each": decode},
+        **{
+            name: {
+                "prefill_ratio": _ratios(rounds, name, "prefill_s"),
+                "decode_step_ratio": _ratios(rounds, name, "decode_step_s"),
+            }
+            for name in borrowers
+        },
     }
+
+
+def _delays(text: str) -> list[float]:
+    delays = [float(word) for word in text.split(",") if word.strip()]
+    if any(not d >= 0 for d in delays):
+        raise argparse.ArgumentTypeError(f"delays must be 0 or more milliseconds, got {text!r}")
+    return delays
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=28)
     parser.add_argument("--lending-lane", default="shared-memory", choices=["shared-memory", "socket", "off"],
                         help="every worker's --lending-lane")  # fmt: skip
+    parser.add_argument("--link-delays-ms", type=_delays, default=[],
+                        help="one-way delays of the link to the creditors, comma-separated (needs --lending-lane off)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.link_delays_ms and args.lending_lane != "off":
+        parser.error("--link-delays-ms needs --lending-lane off: the same-host lanes do not cross the link")
     OUT.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))
     (OUT / "results.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: result[k] for k in ("prefill_ratio", "decode_step_ratio")}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith("borrow")}, indent=2))
     return 0
 
 
