@@ -518,9 +518,11 @@ class Catalog:
         names = {(r.record.owner, r.record.name) for r in group}
         together = len(group) > 1 and len(names) == len(group) and all(r.replacing is None for r in group)
         size = MAX_REGISTRATIONS_PER_TXN if together else 1
+        chunks = [group[start : start + size] for start in range(0, len(group), size)]
+        if together and len(chunks) > 1 and all(r.prepared.usage is None for r in group):
+            return self._commit_chunks_at_once(chunks)
         results: dict[int, Exception | None] = {}
-        for start in range(0, len(group), size):
-            chunk = group[start : start + size]
+        for chunk in chunks:
             results.update(self._rebase(chunk))
             pending = [r for r in chunk if id(r) not in results]
             if len(pending) > 1:
@@ -539,6 +541,45 @@ class Catalog:
                     continue
             results.update((id(r), self._commit_alone(r)) for r in pending)
         return [results[id(r)] for r in group]
+
+    def _commit_chunks_at_once(self, chunks: Sequence[Sequence[_Registration]]) -> list[Exception | None]:
+        """Registrations under no storage quota, of distinct new names, too many for one
+        transaction: a transaction per chunk, all sent at once, so etcd commits them in one
+        proposal and one WAL flush instead of one after another (none depends on another:
+        their checks are on keys of their own). A chunk whose checks fail is committed one by
+        one, as :meth:`_commit_group` does."""
+
+        async def commit_all() -> list:
+            return await asyncio.gather(
+                *(self._conn.checked_call(lambda c, chunk=chunk: self._commit_chunk(c, chunk), "commit registrations")
+                  for chunk in chunks),
+                return_exceptions=True,
+            )  # fmt: skip
+
+        results: list[Exception | None] = []
+        for chunk, outcome in zip(chunks, self._submit(commit_all()).result(), strict=True):
+            if isinstance(outcome, EtcdUnreachable):
+                self.problem = outcome.problem
+                results += [Unavailable(f"adapter catalog: {outcome}")] * len(chunk)
+            elif isinstance(outcome, BaseException):
+                results += [outcome] * len(chunk)  # type: ignore[list-item]
+            elif outcome:
+                for registration in chunk:
+                    registration.committed = outcome
+                results += [None] * len(chunk)
+            else:
+                results += [self._commit_alone(r) for r in chunk]
+        return results
+
+    async def _commit_chunk(self, client: aetcd.Client, chunk: Sequence[_Registration]) -> int:
+        """One chunk's registrations in one transaction: the revision it committed at, 0 when its
+        checks failed."""
+        succeeded, responses = await client.transaction(
+            compare=[c for r in chunk for c in r.compare(self.keys)],
+            success=[op for r in chunk for op in r.ops(self.keys)],
+            failure=[],
+        )
+        return _revision(responses[0]) if succeeded else 0
 
     def _rebase(self, chunk: Sequence[_Registration]) -> dict[int, Exception]:
         """Check the registrations under a storage quota against their owners' usage read now

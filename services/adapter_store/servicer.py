@@ -158,13 +158,23 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             messages = aiter(request_iterator)
             header = await receive_header(messages, repository.limits.max_adapter_bytes)
             check_name("owner", header.owner)
-            # The tenant's room and one of its upload slots, before its bytes are held here.
-            admission = await asyncio.to_thread(repository.quota.admit, header.owner, True)
+            # The tenant's room and one of its upload slots, before its bytes are held here (on
+            # a thread only when that reads etcd).
+            quota = repository.quota
+            inline = quota.admits_without_etcd(header.owner)
+            admission = (
+                quota.admit(header.owner, True)
+                if inline
+                else await asyncio.to_thread(quota.admit, header.owner, True)
+            )
             try:
                 upload = await receive_files(messages, header, repository.limits.max_adapter_bytes, admission)
                 record, changed = await asyncio.to_thread(self._register, upload)
             finally:
-                await asyncio.to_thread(admission.release)
+                if inline:
+                    admission.release()
+                else:
+                    await asyncio.to_thread(admission.release)
         finally:
             self.uploads_in_flight -= 1
         return pb.RegisterAdapterResponse(adapter=record_to_proto(record), changed=changed)

@@ -120,6 +120,13 @@ class TenantStorageQuota:
             admission.slot = self._slots.acquire(owner, limits.max_concurrent_uploads)
         return admission
 
+    def admits_without_etcd(self, owner: str) -> bool:
+        """Whether :meth:`admit` of ``owner``, and releasing what it lets in, touch no etcd key
+        (no storage limit, no upload slots): an event loop may call them itself instead of on a
+        thread, which is two thread hops per upload saved."""
+        limits = self.limits(owner)
+        return not limits.limits_storage and not (limits.max_concurrent_uploads and self._slots is not None)
+
     def usage_for(self, owner: str) -> StorageUsage | None:
         """``owner``'s usage read now, for a registration to be checked and committed against;
         None when it has no storage limit (its registrations are not checked)."""

@@ -156,6 +156,23 @@ class WatchedLock(threading.Condition):
         return super().__exit__(*exc_info)
 
 
+def start_queued(threads: list[threading.Thread], commits: GroupCommit, queue_lock: WatchedLock) -> None:
+    """Start ``threads``, each submitting one item, and wait until all are queued."""
+    for thread in threads:
+        thread.start()
+    with queue_lock:
+        queued = queue_lock.wait_for(lambda: len(commits._queue) >= len(threads), COMMAND_TIMEOUT_S)
+        assert queued, (
+            f"{len(commits._queue)} of {len(threads)} submissions queued after {COMMAND_TIMEOUT_S} s"
+        )
+
+
+def join_all(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(COMMAND_TIMEOUT_S)
+        assert not thread.is_alive(), f"a submission still running after {COMMAND_TIMEOUT_S} s"
+
+
 def test_group_commit_runs_everything_queued_behind_a_batch_as_one_batch():
     release, first_running = threading.Event(), threading.Event()
     batches: list[list[str]] = []
@@ -185,16 +202,10 @@ def test_group_commit_runs_everything_queued_behind_a_batch_as_one_batch():
         # The hang guards below are not timing claims: they only name a wait that never ends.
         assert first_running.wait(COMMAND_TIMEOUT_S), "the first batch never started"
         assert batches == [["first"]]  # the first batch runs, and holds the commit...
-        for thread in others:
-            thread.start()
-        with queue_lock:  # ...while the others queue behind it
-            queued = queue_lock.wait_for(lambda: len(commits._queue) >= 3, COMMAND_TIMEOUT_S)
-            assert queued, f"{len(commits._queue)} of 3 submissions queued after {COMMAND_TIMEOUT_S} s"
+        start_queued(others, commits, queue_lock)  # ...while the others queue behind it
     finally:
         release.set()
-    for thread in (first, *others):
-        thread.join(COMMAND_TIMEOUT_S)
-        assert not thread.is_alive(), f"a submission still running after {COMMAND_TIMEOUT_S} s"
+    join_all([first, *others])
     assert batches[0] == ["first"] and sorted(batches[1]) == ["b", "bad", "d"] and commits.batches == 2
     assert outcomes == {"first": "ok", "b": "ok", "bad": "refused", "d": "ok"}
 
@@ -232,3 +243,58 @@ def test_shutdown_ends_the_catalog_watches_instead_of_waiting_out_its_grace(
     store_server.run(store_server.running.shutdown())  # graceful: what SIGTERM does
     # Ended by the store (OK), not cancelled when the 60 s grace ran out (CANCELLED).
     assert list(stream) == [] and stream.code() == grpc.StatusCode.OK
+
+
+def test_registrations_too_many_for_one_transaction_commit_at_once_and_a_conflict_alone(
+    open_repo, sample_files
+):
+    """40 registrations queued behind a batch: one batch, its three transactions (16, 16, 8)
+    sent at once; the chunk whose name is taken in etcd (by a name key this replica's mirror
+    does not know yet) falls back to one commit each, and only that name is refused."""
+    repo = open_repo()
+    catalog = repo.catalog
+    taken = "n07"
+    catalog.etcd_call(
+        lambda c: c.put(catalog.keys.name("alice", taken).encode(), b"elsewhere"), "take a name"
+    )
+    release, holding = threading.Event(), threading.Event()
+    flush = catalog._before_commit
+
+    def held_flush():
+        if not holding.is_set():
+            holding.set()
+            assert release.wait(COMMAND_TIMEOUT_S), "the held batch was never released"
+        flush()
+
+    catalog._before_commit = held_flush
+    chunks: list[int] = []
+    commit_chunk = catalog._commit_chunk
+
+    async def counting_chunk(client, chunk):
+        chunks.append(len(chunk))
+        return await commit_chunk(client, chunk)
+
+    catalog._commit_chunk = counting_chunk
+    catalog._commits._queue_lock = queue_lock = WatchedLock()
+    outcomes: dict[str, str] = {}
+
+    def register(name: str) -> None:
+        try:
+            add(repo, sample_files, name)
+            outcomes[name] = "ok"
+        except AlreadyExists:
+            outcomes[name] = "duplicate"
+
+    first = threading.Thread(target=register, args=("first",), daemon=True)
+    first.start()
+    names = [f"n{i:02d}" for i in range(40)]
+    threads = [threading.Thread(target=register, args=(name,), daemon=True) for name in names]
+    try:
+        assert holding.wait(COMMAND_TIMEOUT_S), "the first batch never started"
+        start_queued(threads, catalog._commits, queue_lock)
+    finally:
+        release.set()
+    join_all([first, *threads])
+    assert outcomes == {"first": "ok", **{name: "duplicate" if name == taken else "ok" for name in names}}
+    assert catalog._commits.batches == 2 and sorted(chunks) == [8, 16, 16]
+    assert {r.name for r in catalog.all()} == {"first", *names} - {taken}
