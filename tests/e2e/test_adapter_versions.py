@@ -3,7 +3,8 @@ them: it publishes checkpoints of one adapter name through the SDK and asks for 
 
 A request naming ``name`` is served by the version newest when the gateway admitted it, for its
 whole life: a stream started before a publish finishes on its old version, byte-identical to
-that version's answer. ``name@N`` and ``name@sha256:`` serve that version; every response says
+that version's answer. ``name@N`` and ``name@sha256:`` serve that version (a version a newer one
+replaced too, while the store keeps it), a rollback serves the old text again; every response says
 which version served it (the SDK's ``served_by``, OpenAI's ``system_fingerprint``, LoRAX's
 ``details``). Each answer is checked against transformers + peft on that version's weights.
 """
@@ -108,6 +109,17 @@ async def test_a_publish_serves_requests_admitted_after_it_and_no_stream_started
             assert (await client.generate(PROMPT, adapter=pinned, **GREEDY)).token_ids == new.token_ids
         with pytest.raises(NotFound, match="adapter 'policy' of owner 'alice' has no version 7"):
             await client.generate(PROMPT, adapter="policy@7", **GREEDY)
+        # Version 1 is kept (the store's --keep-versions): still served when named.
+        pinned_old = await client.generate(PROMPT, adapter="policy@1", **GREEDY)
+        assert (pinned_old.token_ids, pinned_old.served_by.version) == (old.token_ids, 1)
+
+        # A rollback: version 1's content published again is version 3, serving version 1's text.
+        rollback = await client.adapters.publish(old_dir, "policy")
+        assert (rollback.version, rollback.sha256, rollback.changed) == (3, first.sha256, True)
+        rolled = await client.generate(PROMPT, adapter="policy", **GREEDY)
+        assert rolled.text == old.text and rolled.served_by.version == 3
+        by_content = await client.generate(PROMPT, adapter=f"policy@sha256:{first.sha256[:12]}", **GREEDY)
+        assert by_content.served_by.version == 3  # the newest version with that content
 
     check_against_peft(loaded, old_dir, old)
     check_against_peft(loaded, new_dir, new)
