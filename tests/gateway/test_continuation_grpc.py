@@ -80,7 +80,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
                 return
 
 
-PRIVATE_ADAPTERS = [types_pb2.AdapterInfo(id="id-secret", name="secret", owner="bob")]
+PRIVATE_ADAPTERS = [
+    types_pb2.AdapterInfo(id="id-secret", name="secret", owner="bob"),
+    types_pb2.AdapterInfo(id="tuned-1", name="tuned", owner="alice", version=1, sha256="11" * 32),
+]
 
 
 @dataclass
@@ -90,6 +93,7 @@ class Gateway:
     address: str
     channels: ChannelPool
     """Its relay's channels to the worker."""
+    store: InMemoryStore
 
 
 async def serve_gateway(text: TokenizerBundle, worker_address: str) -> Gateway:
@@ -98,12 +102,13 @@ async def serve_gateway(text: TokenizerBundle, worker_address: str) -> Gateway:
 
     channels = ChannelPool()
     relay = Relay(place, channels, max_resumes=1)
-    parts = gateway_parts(KEYS, InMemoryStore(list(PRIVATE_ADAPTERS)), text, relay)
+    store = InMemoryStore(list(PRIVATE_ADAPTERS))
+    parts = gateway_parts(KEYS, store, text, relay)
     server = aio.server(interceptors=[ServiceInterceptor()])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(parts), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return Gateway(parts.core, server, f"127.0.0.1:{port}", channels)
+    return Gateway(parts.core, server, f"127.0.0.1:{port}", channels, store)
 
 
 @dataclass
@@ -250,3 +255,24 @@ async def test_the_sdk_continues_on_the_other_gateway_when_its_gateway_stops_mid
     assert deltas[-1].usage.completion_tokens == undisturbed[-1].usage.completion_tokens
     continued = mesh.worker.requests[-1]
     assert list(continued.prompt_token_ids) == mesh.worker.prompt_ids + script[:5]
+
+
+async def test_a_stream_the_sdk_continues_keeps_the_adapter_version_that_served_it(mesh, tmp_path):
+    addresses = [g.address for g in mesh.gateways]
+    no_mesh = tmp_path / "no-mesh.json"
+    newer = types_pb2.AdapterInfo(id="tuned-2", name="tuned", owner="alice", version=2, sha256="22" * 32)
+    async with AsyncClient(addresses, "key-alice", retries=3, backoff_s=0.01, mesh_file=no_mesh) as sdk:
+        mesh.worker.hold_at = 5
+        deltas = []
+        async with contextlib.aclosing(sdk.stream(PROMPT, adapter="tuned", max_tokens=64)) as stream_:
+            async for delta in stream_:
+                deltas.append(delta)
+                if sum(len(d.token_ids) for d in deltas) == 5:
+                    for gateway in mesh.gateways:  # version 2 is published while the stream is open
+                        gateway.store.adapters.append(newer)
+                    await mesh.gateways[0].server.stop(0)
+                    mesh.worker.release.set()
+        assert sdk.failovers == 1
+    assert deltas[0].served_by.fingerprint == "tuned@1 sha256:111111111111"
+    # The other gateway continued it on version 1 (asked for as tuned@1), not on the newest.
+    assert [r.adapter_id for r in mesh.worker.requests] == ["tuned-1", "tuned-1"]
