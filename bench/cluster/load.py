@@ -4,7 +4,8 @@ adapters through the gateways, every operation recorded in a :class:`~bench.clus
 
 Run inside a client pod's network namespace (``ip netns exec``), so its traffic is the run's:
 ``python -m bench.cluster.load --gateways IP:PORT,... --api-key KEY --tls CA CERT KEY --out DIR
---seed N [--deterministic]``. It runs until ``DIR/stop`` exists, lets the operations in flight
+--seed N [--deterministic]``. ``DIR/running`` appears once its first operation is invoked (the
+runner starts the fault schedule's clock then). It runs until ``DIR/stop`` exists, lets the operations in flight
 finish (each within its deadline: a stream that hits it is recorded as timed out), observes the
 store (every name listed and fetched once more, after the faults) and writes ``history.jsonl``,
 ``store.json`` and ``references.json`` to ``DIR``. The history's clock is ``time.monotonic``, the
@@ -125,7 +126,9 @@ class Load:
         }
         return {**short, **long}
 
-    async def run(self, stop_file: Path) -> None:
+    async def run(self, stop_file: Path, running_file: Path) -> None:
+        """The clients until ``stop_file`` exists; ``running_file`` is made once the first
+        operation was invoked."""
         if self.config.deterministic:
             await self.take_references()
         clients = (
@@ -135,6 +138,8 @@ class Load:
         )
         tasks = [asyncio.create_task(c) for c in clients]
         while not stop_file.exists():
+            if len(self.history) and not running_file.exists():
+                running_file.touch()
             await asyncio.sleep(0.2)
         self._stop.set()
         await asyncio.gather(*tasks)
@@ -260,7 +265,7 @@ async def main_async(config: LoadConfig) -> None:
     history = History()
     load = Load(config, history)
     try:
-        await load.run(config.out / "stop")
+        await load.run(config.out / "stop", config.out / "running")
         write_store(await load.observe_store(), config.out / "store.json")
     finally:
         history.write_jsonl(config.out / "history.jsonl")

@@ -13,6 +13,10 @@ What is observed besides the history, all on the machine's monotonic clock (the 
   client completed after each heal: time to serving;
 - the store at the end (listed, and every uploaded name fetched), by the load.
 
+The schedule's clock starts once the load has invoked its first operation (the load's own start,
+importing the model's code, takes seconds to tens of seconds on a loaded machine): the warm-up and
+the first faults then find the load running however long it took to start.
+
 Before the final observations the round waits for every pod to be ready again (a hang guard
 bounds it, not a timing claim): a pod restarted late is slow, not lost.
 """
@@ -275,6 +279,12 @@ def run_round(run: OverlayRun, config: NemesisConfig) -> RoundResult:
     applied: list[tuple[float, float, Applied]] = []
     open_faults: dict[str, tuple[float, Applied]] = {}
     try:
+        wait_for(lambda: (load_dir / "running").exists() or load.poll() is not None,
+                 "the load's first operation", config.hang_guard_s, 0.2)  # fmt: skip
+        if load.poll() is not None:
+            raise RuntimeError(
+                f"the load ended before its first operation (exit {load.returncode}): see {config.out / 'load.log'}"
+            )
         with Readiness(run) as readiness:
             started = _play(executor, schedule, applied, open_faults, load)
             time.sleep(max(0.0, started + config.duration_s - time.monotonic()))  # the quiet tail

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from support.polling import poll_until
+
 from bench.cluster.history import History, OpKind, Outcome
 from bench.cluster.load import Load, LoadConfig
 from loramesh.errors import DeadlineExceeded, LoraMeshError, ResourceExhausted
@@ -50,3 +52,21 @@ def test_a_stream_past_its_deadline_is_a_timeout_and_a_refusal_a_failure(tmp_pat
     assert len(timed_out.arrived_at) == 1
     assert timed_out.invoked_at <= timed_out.arrived_at[0] <= timed_out.completed_at
     assert refused.outcome == Outcome.FAIL and refused.error.startswith("RESOURCE_EXHAUSTED")
+
+
+async def test_the_running_file_appears_once_the_first_operation_is_invoked(tmp_path: Path):
+    config = LoadConfig(("127.0.0.1:1",), "key", ("ca", "cert", "key"), tmp_path, streamers=1, borrowers=0,
+                        uploaders=0)  # fmt: skip
+    history = History()
+    load = Load(config, history)
+    fake = FakeClient(load, [ResourceExhausted("no worker lent")] * 2)
+    load.client = lambda process: fake
+    running, stop = tmp_path / "running", tmp_path / "stop"
+
+    async def stop_once_running() -> None:
+        await poll_until(lambda: asyncio.sleep(0, running.exists()), bool, "the running file")
+        assert len(history) > 0  # made after an operation was invoked, not before
+        stop.touch()
+
+    await asyncio.gather(load.run(stop, running), stop_once_running())
+    assert [op.outcome for op in history.ops()] == [Outcome.FAIL, Outcome.FAIL]
