@@ -9,8 +9,10 @@ forwards with it, the workers fetch with it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+
+from grpc import aio
 
 from mesh_api.upload_wire import upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
@@ -38,6 +40,10 @@ def is_import_uri(location: str) -> bool:
 
 class ChecksumMismatch(Exception):
     """A fetched adapter's bytes do not match the sha256 the store announced."""
+
+
+async def _awaited(answer: Awaitable):
+    return await answer
 
 
 def ref_by_name(owner: str, name: str) -> pb.AdapterRef:
@@ -87,16 +93,28 @@ async def upload_adapter(
 
 
 async def fetch_adapter(
-    stub: adapter_store_pb2_grpc.AdapterStoreStub, ref: pb.AdapterRef, timeout: float | None = 120
+    stub: adapter_store_pb2_grpc.AdapterStoreStub,
+    ref: pb.AdapterRef,
+    timeout: float | None = 120,
+    first_answer: Callable[[Awaitable], Awaitable] | None = None,
 ) -> tuple[types_pb2.AdapterInfo, bytes]:
-    """Download an adapter's weights and verify them against the announced sha256."""
+    """Download an adapter's weights and verify them against the announced sha256.
+    ``first_answer(read)``: awaits the read of the first message (a caller bounds the wait there,
+    cancelling the call when it gives up)."""
     header = None
     chunks: list[bytes] = []
-    async for message in stub.FetchAdapter(pb.FetchAdapterRequest(ref=ref), timeout=timeout):
+    call = stub.FetchAdapter(pb.FetchAdapterRequest(ref=ref), timeout=timeout)
+    try:
+        message = await (first_answer or _awaited)(call.read())
+    except BaseException:
+        call.cancel()
+        raise
+    while message is not aio.EOF:
         if message.WhichOneof("item") == "header":
             header = message.header
         else:
             chunks.append(message.chunk)
+        message = await call.read()
     data = b"".join(chunks)
     if header is None or len(data) != header.total_bytes or hashlib.sha256(data).hexdigest() != header.sha256:
         raise ChecksumMismatch(f"adapter {ref} arrived corrupted ({len(data)} bytes)")

@@ -36,7 +36,13 @@ from services.gateway.shared_quota import SharedQuota
 from services.gateway.tenant_quota import TenantQuota
 from services.model_files.tokenizer_loading import load_tokenizer
 from services.runtime.errors import Unavailable
-from services.runtime.etcd.discovery import ChannelPool, MemberUnavailable, ServiceLocator
+from services.runtime.etcd.discovery import (
+    ANSWER_WITHIN_S,
+    ChannelPool,
+    MemberUnavailable,
+    ServiceLocator,
+    first_answer,
+)
 from services.runtime.etcd.membership import MembershipConfig
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.rpc.method_handlers import add_servicer_with_readers
@@ -122,17 +128,20 @@ class _Located:
         self._channels = channels
         self._stub_class = stub_class
 
-    async def call(self, method: str, request, **kwargs):
-        """``request``: a message, or a client stream as a :class:`_Replayable`."""
+    async def call(self, method: str, request, answer_within_s: float | None = None, **kwargs):
+        """``request``: a message, or a client stream as a :class:`_Replayable`.
+        ``answer_within_s``: a read made on another member when this one has not answered in
+        that long (:meth:`ServiceLocator.on_answering_member`)."""
         if isinstance(request, Iterator | AsyncIterator):
             raise TypeError("a client stream is sent again on a retry: pass it as a _Replayable")
 
-        async def attempt(address: str):
+        async def attempt(address: str, within_s: float | None):
             sent = request.replay() if isinstance(request, _Replayable) else request
-            return await _unless_unavailable(getattr(self._stub(address), method)(sent, **kwargs))
+            call = _unless_unavailable(getattr(self._stub(address), method)(sent, **kwargs))
+            return await first_answer(call, within_s, f"{self._locator.service} at {address}")
 
         try:
-            return await self._locator.on_live_member(attempt)
+            return await self._locator.on_answering_member(attempt, answer_within_s)
         except _Unanswered as unanswered:
             raise unanswered.error from None
 
@@ -208,7 +217,7 @@ class _StoreClient:
         return await self._located.call("ImportAdapter", request, timeout=300)
 
     async def ListAdapters(self, request):
-        return await self._located.call("ListAdapters", request, timeout=30)
+        return await self._located.call("ListAdapters", request, ANSWER_WITHIN_S, timeout=30)
 
     async def DeleteAdapter(self, request):
         return await self._located.call("DeleteAdapter", request, timeout=30)
@@ -228,11 +237,11 @@ class _StoreClient:
 
     async def get(self, owner: str, name: str):
         request = adapter_store_pb2.GetAdapterRequest(ref=ref_by_name(owner, name))
-        return await self._located.call("GetAdapter", request, timeout=30)
+        return await self._located.call("GetAdapter", request, ANSWER_WITHIN_S, timeout=30)
 
     async def get_id(self, adapter_id: str):
         request = adapter_store_pb2.GetAdapterRequest(ref=ref_by_id(adapter_id))
-        return await self._located.call("GetAdapter", request, timeout=30)
+        return await self._located.call("GetAdapter", request, ANSWER_WITHIN_S, timeout=30)
 
 
 class GatewayService:

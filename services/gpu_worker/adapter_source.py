@@ -13,7 +13,13 @@ import grpc
 from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter, ref_by_id
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2
 from services.runtime.errors import DataLoss, NotFound, Unavailable
-from services.runtime.etcd.discovery import ChannelPool, MemberUnavailable, ServiceLocator
+from services.runtime.etcd.discovery import (
+    ANSWER_WITHIN_S,
+    ChannelPool,
+    MemberUnavailable,
+    ServiceLocator,
+    first_answer,
+)
 from services.runtime.security.tls import NO_TLS, TLSConfig
 
 
@@ -81,11 +87,17 @@ class StoreSource:
 
     async def fetch(self, adapter_id: str) -> FetchedAdapter:
         """Fetched from a live store replica: one that fails UNAVAILABLE (before or during the
-        download) is left for another, which sends it from the start."""
+        download), or sends nothing within :data:`ANSWER_WITHIN_S` (hung), is left for another,
+        which sends it from the start."""
 
-        async def attempt(address: str) -> tuple[types_pb2.AdapterInfo, bytes]:
+        async def attempt(address: str, within_s: float | None) -> tuple[types_pb2.AdapterInfo, bytes]:
+            what = f"adapter store at {address}"
             try:
-                return await fetch_adapter(self._stub(address), ref_by_id(adapter_id))
+                return await fetch_adapter(
+                    self._stub(address),
+                    ref_by_id(adapter_id),
+                    first_answer=lambda read: first_answer(read, within_s, what),
+                )
             except ChecksumMismatch as error:
                 raise DataLoss(str(error)) from None
             except grpc.RpcError as error:
@@ -93,21 +105,27 @@ class StoreSource:
                     raise NotFound(f"adapter {adapter_id!r} not found in the adapter store") from None
                 raise await self._failure(address, error) from None
 
-        info, data = await self._locator.on_live_member(attempt)
+        info, data = await self._locator.on_answering_member(attempt, ANSWER_WITHIN_S)
         self._names[adapter_id] = f"{info.owner}/{info.name}"
         return FetchedAdapter(info.config_json.encode(), data, info.pinned)
 
     async def pinned_ids(self) -> frozenset[str]:
         """The store's pinned adapters (Unavailable when no replica answers)."""
 
-        async def attempt(address: str) -> adapter_store_pb2.ListPinnedAdaptersResponse:
+        async def attempt(
+            address: str, within_s: float | None
+        ) -> adapter_store_pb2.ListPinnedAdaptersResponse:
             request = adapter_store_pb2.ListPinnedAdaptersRequest()
             try:
-                return await self._stub(address).ListPinnedAdapters(request, timeout=10)
+                return await first_answer(
+                    self._stub(address).ListPinnedAdapters(request, timeout=10),
+                    within_s,
+                    f"adapter store at {address}",
+                )
             except grpc.RpcError as error:
                 raise await self._failure(address, error) from None
 
-        reply = await self._locator.on_live_member(attempt)
+        reply = await self._locator.on_answering_member(attempt, ANSWER_WITHIN_S)
         return frozenset(reply.adapter_ids)
 
     def _stub(self, address: str) -> adapter_store_pb2_grpc.AdapterStoreStub:

@@ -49,11 +49,31 @@ MEMBER_TRIES = 3
 """Most members one call tries (:meth:`ServiceLocator.on_live_member`). A member killed
 abruptly stays listed until its lease expires (up to its TTL), so a call may meet it first."""
 
+ANSWER_WITHIN_S = 10.0
+"""How long a read waits for a member's first answer before it is made on another member (the
+last member tried gets the call's whole deadline): a member that is hung (stopped, or its host
+gone without a reset) holds a call until keepalive gives its connection up, up to 30 s
+(:mod:`services.runtime.rpc.keepalive`), which is as long as a read's whole deadline. A read's
+first answer comes from a member's memory, or after one blob read."""
+
 T = TypeVar("T")
 
 
 class MemberUnavailable(Unavailable):
     """One member could not be reached or could not answer: another member may."""
+
+
+async def first_answer(answer: Awaitable[T], within_s: float | None, what: str) -> T:
+    """``answer`` (a call, or the read of its first message) awaited; :class:`MemberUnavailable`
+    naming ``what`` when it has not come within ``within_s`` (the call is cancelled). None: no
+    bound but the call's own deadline."""
+    try:
+        async with asyncio.timeout(within_s):
+            return await answer
+    except TimeoutError:
+        if within_s is None:
+            raise
+        raise MemberUnavailable(f"{what}: no answer within {within_s:g} s") from None
 
 
 class ServiceLocator:
@@ -94,13 +114,24 @@ class ServiceLocator:
         another live member, as many times as there are members (at least twice: a lone member
         may have been replaced; at most :data:`MEMBER_TRIES`). A fixed address is tried once.
         Raises the last attempt's error, or the lookup's when no member is listed."""
+        return await self.on_answering_member(lambda address, _: attempt(address), None)
+
+    async def on_answering_member(
+        self, attempt: Callable[[str, float | None], Awaitable[T]], answer_within_s: float | None
+    ) -> T:
+        """As :meth:`on_live_member`, with ``attempt(address, within_s)``: ``within_s`` is how long
+        the attempt waits for the member's first answer before raising
+        :class:`MemberUnavailable` (:func:`first_answer`), ``answer_within_s`` on every try but
+        the last, None on the last (the call's own deadline bounds it): a hung member costs that
+        long, and a member that is only slow still answers when no other does."""
         address = await self.address()
         tries = 1
         while True:
+            last = bool(self.fixed) or tries >= min(MEMBER_TRIES, max(2, self._members))
             try:
-                return await attempt(address)
+                return await attempt(address, None if last else answer_within_s)
             except MemberUnavailable:
-                if self.fixed or tries >= min(MEMBER_TRIES, max(2, self._members)):
+                if last:
                     raise
             address = await self.address(refresh=True, avoid=address)
             tries += 1

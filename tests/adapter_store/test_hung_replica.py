@@ -1,0 +1,91 @@
+"""A store replica that hangs (SIGSTOP: its connections stay open, its etcd lease outlives this
+test, nothing answers) while the workers and gateways read through it: their reads are made on
+the other replica, through the clients they use (the worker's :class:`StoreSource`, the
+gateway's store client), with a real etcd and two real store processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+from support.polling import HANG_GUARD_S
+from support.store_replicas import Prefer
+
+from mesh_api.adapter_transfer import upload_adapter
+from mesh_api.upload_wire import WireUploadAdapterStoreStub
+from mesh_api.v1 import adapter_store_pb2 as pb
+from mesh_api.v1 import adapter_store_pb2_grpc
+from services.gateway.service import _Located, _StoreClient
+from services.gpu_worker.adapter_source import StoreSource
+from services.runtime.etcd import discovery
+from services.runtime.etcd.discovery import ChannelPool, ServiceLocator
+from services.runtime.process.process import ServiceProcess
+
+pytestmark = pytest.mark.integration
+
+LEASE_TTL_S = 600
+"""The replicas' lease: the hung one stays listed in etcd for the whole test, as it does for a
+while after it hangs (the clients must not rely on its lease running out)."""
+
+
+NO_KEEPALIVE = [option for option in discovery.CHANNEL_OPTIONS if "keepalive" not in option[0]]
+
+
+def start_replicas(etcd_endpoint: str, tmp_path) -> list[ServiceProcess]:
+    return [
+        ServiceProcess(
+            "adapter_store",
+            ["--etcd-endpoints", etcd_endpoint, "--lease-ttl-s", str(LEASE_TTL_S),
+             "--data-dir", str(tmp_path / f"store{i}"), "--blob-store", str(tmp_path / "blobs")],
+            log_path=tmp_path / f"store{i}.log",
+        ).start()
+        for i in range(2)
+    ]  # fmt: skip
+
+
+async def test_reads_go_to_the_other_replica_while_one_is_stopped(etcd, tmp_path, sample_files, monkeypatch):
+    replicas = start_replicas(etcd.endpoint, tmp_path)
+    hung = replicas[0]
+    source = StoreSource(etcd_endpoints=etcd.endpoint)
+    channels = ChannelPool()
+    gateway_store = _StoreClient(
+        _Located(ServiceLocator("adapter_store", "", etcd.endpoint), channels, WireUploadAdapterStoreStub),
+        None,
+    )
+    try:
+        for replica in replicas:
+            await replica.wait_ready(HANG_GUARD_S)
+        async with discovery.aio_channel(
+            hung.address, source._channels.tls, discovery.CHANNEL_OPTIONS
+        ) as channel:
+            info = await upload_adapter(
+                adapter_store_pb2_grpc.AdapterStoreStub(channel), sample_files, "a", "alice"
+            )
+        # Both clients pick the replica about to hang, and are connected to it when it does. Their
+        # channels have no keepalive here: what finds the hung replica must be the clients' own
+        # bound, not a ping's timeout (which finds it too, up to 30 s after its last answer, as
+        # long as a gateway's read may take in all).
+        monkeypatch.setattr(discovery, "random", Prefer(hung.address))
+        monkeypatch.setattr(discovery, "CHANNEL_OPTIONS", NO_KEEPALIVE)
+        assert (await source.fetch(info.id)).weights == sample_files["adapter_model.safetensors"]
+        assert (await gateway_store.get("alice", "a")).id == info.id
+        hung.signal(signal.SIGSTOP)
+
+        async def worker_reads():
+            return await source.fetch(info.id), await source.pinned_ids()
+
+        async def gateway_reads():
+            listed = await gateway_store.ListAdapters(pb.ListAdaptersRequest(owner="alice"))
+            return listed, await gateway_store.get("alice", "a")
+
+        async with asyncio.timeout(HANG_GUARD_S):  # a hang guard, not a timing claim
+            (fetched, pinned), (listed, got) = await asyncio.gather(worker_reads(), gateway_reads())
+        assert fetched.weights == sample_files["adapter_model.safetensors"] and pinned == frozenset()
+        assert [a.id for a in listed.adapters] == [info.id] and got.id == info.id
+    finally:
+        hung.signal(signal.SIGCONT)
+        await source.close()
+        await channels.close()
+        for replica in replicas:
+            replica.kill()
