@@ -1,0 +1,322 @@
+"""Adapter versions at a training loop's pace: how fast publishes go, and how soon every worker
+serves the new version, on a local mesh of two workers, in one run.
+
+    .venv/bin/python -m bench.adapter_publish_bench [--probes 30] [--publishes 40] [--rate 10]
+        [--window-s 12] [--rounds 2] [--streams 4] [--max-tokens 24] [--pool 24] [--keep-versions 4]
+
+A mesh is started with ``loramesh up --workers 2`` (float32 workers as every side-by-side bench,
+or ``--dtype``),
+with the store collecting unreferenced blobs every second and at once (``--collect-interval-s 1
+--collect-grace-s 0``), so a pruned version's blob is gone by the time its content comes round
+again and every publish of new content writes its blob. The published adapter is rank 16 on
+all seven projections in float16: 9.8 MB of weights for SmolLM2-135M. Publishes go through the
+SDK, ``client.adapters.publish`` on the gateway, as a training loop's would.
+
+Measured:
+
+1. **Publishes per second sustained**, back to back: of new content each time (a pool of
+   ``--pool`` contents cycled, more than ``--keep-versions``: full validation and a blob write),
+   and alternating between 3 contents the store still keeps (rollbacks: nothing validated or
+   written).
+2. **Publish → first token served by the new version on every worker** (``--probes`` publishes
+   of new content, one at a time), and its parts:
+
+   - *store*: the publish's round trip, until the store acknowledges the committed version;
+   - *watch*: from the publish's start until the new row reaches a watch of the catalog's rows
+     in etcd (what every gateway follows; workers watch nothing, they fetch by id);
+   - *fetch*: ``Worker/LoadAdapter`` of the new id on each worker at once, from the
+     acknowledgment: the worker pulls it from the store, parses it and holds its host copy;
+   - *page-in + first token*: ``Worker/Generate`` with that id and one token, pinned to each
+     worker by calling it directly: the adapter's pages into the pool, a prefill and a token.
+     The same request without an adapter, just before, gives the prefill-and-token part alone.
+
+   The figure is the slowest worker's first token, from the publish's start.
+3. **Other adapters' throughput under publishes**: ``--streams`` streams through the gateway on
+   two other adapters run for ``--window-s``, quiet and then with publishes at ``--rate`` per
+   second (new content, paced; one at a time), alternating for ``--rounds``; reported: tokens
+   per second with ÷ without.
+
+Prints one JSON object; load averages before and after are in it (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from grpc import aio
+
+from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
+from bench.side_by_side import local_mesh
+from loramesh.async_client import AsyncClient
+from loramesh_cli.mesh_file import MeshFile
+from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from services.model_files.base_model import load_base_model_spec
+from services.model_files.peft_format import LORA_TARGETS
+from services.model_files.tokenizer_loading import load_tokenizer
+from services.runtime.etcd.adapter_catalog_rows import catalog_rows
+from services.runtime.etcd.membership import EtcdConnection, MembershipConfig
+from services.runtime.etcd.prefix_follower import ListingPage, follow_prefix
+
+NAME = "policy"
+OTHERS = ("other-a", "other-b")
+PROMPT = "Summarize the rules of chess in one sentence."
+ROLLBACK_CONTENTS = 3
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--probes", type=int, default=30, help="publishes timed to every worker's first token"
+    )
+    parser.add_argument(
+        "--publishes", type=int, default=40, help="back-to-back publishes per sustained-rate run"
+    )
+    parser.add_argument(
+        "--rate", type=float, default=10.0, help="publishes per second during the throughput run"
+    )
+    parser.add_argument("--window-s", type=float, default=12.0, help="seconds of each throughput window")
+    parser.add_argument("--rounds", type=int, default=2, help="quiet/publishing window pairs")
+    parser.add_argument("--streams", type=int, default=4, help="concurrent streams on the other adapters")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens of each stream")
+    parser.add_argument("--pool", type=int, default=24, help="distinct contents cycled as new ones")
+    parser.add_argument("--keep-versions", type=int, default=4, help="the store's --keep-versions")
+    parser.add_argument("--dtype", default="float32", help="the workers' --dtype (float32 as other benches)")
+    return parser.parse_args()
+
+
+def write_contents(root: Path, count: int, seed0: int, rank: int, targets: tuple[str, ...]) -> list[Path]:
+    spec = load_base_model_spec()
+    sample = SampleAdapterSpec(rank=rank, lora_alpha=2.0 * rank, target_modules=targets)
+    return [
+        write_peft_adapter(root / f"s{seed0 + i}", spec, replace(sample, seed=seed0 + i))
+        for i in range(count)
+    ]
+
+
+class RowWatch:
+    """When each catalog row first reached a watch of the rows' prefix in etcd, as a gateway's."""
+
+    def __init__(self, mesh: MeshFile):
+        self._conn = EtcdConnection(MembershipConfig(etcd_endpoints=mesh.etcd_endpoint))
+        self._rows = catalog_rows(MembershipConfig().key_prefix)
+        self.arrived: dict[str, float] = {}
+        self._task: asyncio.Task | None = None
+        self._listed = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._follow())
+        await self._listed.wait()
+
+    async def _follow(self) -> None:
+        async with contextlib.aclosing(follow_prefix(self._conn, self._rows)) as updates:
+            async for update in updates:
+                if isinstance(update, ListingPage):
+                    if update.last:
+                        self._listed.set()
+                    continue
+                adapter_id = update.kv.key.decode()[len(self._rows) :]
+                self.arrived.setdefault(adapter_id, time.perf_counter())
+
+    async def when(self, adapter_id: str, timeout_s: float = 10.0) -> float | None:
+        deadline = time.perf_counter() + timeout_s
+        while adapter_id not in self.arrived and time.perf_counter() < deadline:
+            await asyncio.sleep(0.001)
+        return self.arrived.get(adapter_id)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._conn.close()
+
+
+async def first_token_s(stub, prompt_ids: list[int], adapter_id: str) -> float:
+    request = worker_pb2.GenerateRequest(
+        prompt_token_ids=prompt_ids, adapter_id=adapter_id, sampling=types_pb2.SamplingParams(max_tokens=1)
+    )
+    started = time.perf_counter()
+    async for reply in stub.Generate(request):
+        if reply.token_ids:
+            return time.perf_counter() - started
+    raise RuntimeError(f"worker gave no token for adapter {adapter_id!r}")
+
+
+async def on_worker(stub, prompt_ids: list[int], adapter_id: str) -> dict:
+    """Fetch, then first token with it; the same first token without an adapter before."""
+    base = await first_token_s(stub, prompt_ids, "")
+    started = time.perf_counter()
+    await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id))
+    fetch = time.perf_counter() - started
+    first = await first_token_s(stub, prompt_ids, adapter_id)
+    return {"base_first_token_s": base, "fetch_s": fetch, "first_token_s": first, "done": time.perf_counter()}
+
+
+async def probe(client: AsyncClient, stubs: list, watch: RowWatch, prompt_ids: list[int], path: Path) -> dict:
+    started = time.perf_counter()
+    published = await client.adapters.publish(path, NAME)
+    acknowledged = time.perf_counter()
+    assert published.changed, "a probe publishes new content"
+    workers = await asyncio.gather(*(on_worker(stub, prompt_ids, published.id) for stub in stubs))
+    seen = await watch.when(published.id)
+    return {
+        "version": published.version,
+        "store_s": acknowledged - started,
+        "watch_s": (seen - started) if seen is not None else None,
+        "fetch_s": max(w["fetch_s"] for w in workers),
+        "page_in_and_first_token_s": max(w["first_token_s"] for w in workers),
+        "base_first_token_s": max(w["base_first_token_s"] for w in workers),
+        # Every worker's first token: the base request before it is not part of the path.
+        "publish_to_every_worker_s": max(w["done"] - started - w["base_first_token_s"] for w in workers),
+    }
+
+
+async def sustained(client: AsyncClient, paths: list[Path], count: int) -> dict:
+    durations = []
+    started = time.perf_counter()
+    for i in range(count):
+        one = time.perf_counter()
+        await client.adapters.publish(paths[i % len(paths)], NAME)
+        durations.append(time.perf_counter() - one)
+    elapsed = time.perf_counter() - started
+    return {"publishes": count, "per_s": round(count / elapsed, 2), **summary(durations, "publish")}
+
+
+async def streams_window(client: AsyncClient, streams: int, max_tokens: int, window_s: float) -> float:
+    """Tokens per second of ``streams`` looping streams on the other adapters over ``window_s``."""
+    stop = time.perf_counter() + window_s
+    counted = [0]
+
+    async def loop(i: int) -> None:
+        while time.perf_counter() < stop:
+            completion = await client.generate(PROMPT, adapter=OTHERS[i % 2], max_tokens=max_tokens)
+            counted[0] += len(completion.token_ids)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop(i) for i in range(streams)))
+    return counted[0] / (time.perf_counter() - started)
+
+
+async def paced_publishes(
+    client: AsyncClient, paths: list[Path], rate: float, window_s: float, offset: int
+) -> dict:
+    interval, started, done = 1.0 / rate, time.perf_counter(), 0
+    while time.perf_counter() - started < window_s:
+        await client.adapters.publish(paths[(offset + done) % len(paths)], NAME)
+        done += 1
+        wait = started + done * interval - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+    return {"publishes": done, "per_s": round(done / (time.perf_counter() - started), 2)}
+
+
+def summary(values: list[float], what: str) -> dict:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {
+        f"{what}_p50_ms": round(1000 * statistics.median(ordered), 1),
+        f"{what}_p99_ms": round(1000 * p99, 1),
+        f"{what}_max_ms": round(1000 * ordered[-1], 1),
+    }
+
+
+async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path], others: list[Path]) -> dict:
+    tokenizer = load_tokenizer().tokenizer
+    prompt_ids = tokenizer.encode(PROMPT)
+    workers = [e.address for name, e in mesh.services.items() if name.startswith("gpu_worker")]
+    channels = [aio.insecure_channel(address) for address in workers]
+    stubs = [worker_pb2_grpc.WorkerStub(channel) for channel in channels]
+    watch = RowWatch(mesh)
+    result: dict = {"workers": len(workers)}
+    async with AsyncClient(mesh.services["gateway"].address, mesh.admin_api_key) as client:
+        try:
+            await watch.start()
+            for name, path in zip(OTHERS, others, strict=True):
+                await client.adapters.upload(path, name)
+            for i in range(2):  # warm-up: models, channels, the other adapters on both workers
+                await client.generate(PROMPT, adapter=OTHERS[i], max_tokens=2)
+                await probe(client, stubs, watch, prompt_ids, fresh[i])
+
+            probes = [
+                await probe(client, stubs, watch, prompt_ids, fresh[(2 + i) % len(fresh)])
+                for i in range(args.probes)
+            ]
+            result["probes"] = len(probes)
+            for part in ("store_s", "watch_s", "fetch_s", "page_in_and_first_token_s", "base_first_token_s",
+                         "publish_to_every_worker_s"):  # fmt: skip
+                result.update(summary([p[part] for p in probes if p[part] is not None], part[:-2]))
+
+            result["sustained_new_content"] = await sustained(client, fresh, args.publishes)
+            for path in rollback:  # the contents rolled back to: kept versions of the name
+                await client.adapters.publish(path, NAME)
+            result["sustained_rollbacks"] = await sustained(client, rollback, args.publishes)
+
+            quiet, loaded, publishing = [], [], []
+            for round_index in range(args.rounds):
+                quiet.append(await streams_window(client, args.streams, args.max_tokens, args.window_s))
+                streams = asyncio.create_task(
+                    streams_window(client, args.streams, args.max_tokens, args.window_s)
+                )
+                publishing.append(
+                    await paced_publishes(client, fresh, args.rate, args.window_s, round_index * 7)
+                )
+                loaded.append(await streams)
+            result["throughput"] = {
+                "quiet_tokens_per_s": [round(v, 1) for v in quiet],
+                "publishing_tokens_per_s": [round(v, 1) for v in loaded],
+                "publishing": publishing,
+                "ratio": round(statistics.median(loaded) / statistics.median(quiet), 3),
+            }
+        finally:
+            await watch.close()
+            for channel in channels:
+                await channel.close()
+    return result
+
+
+def main() -> None:
+    args = arguments()
+    root = Path(tempfile.mkdtemp(prefix="lm-publish-"))
+    fresh = write_contents(root / "fresh", args.pool, 1000, 16, LORA_TARGETS)
+    rollback = fresh[:ROLLBACK_CONTENTS]
+    others = write_contents(root / "others", 2, 0, 8, ("q_proj", "v_proj"))
+    size = (fresh[0] / "adapter_model.safetensors").stat().st_size
+    load_before = os.getloadavg()
+    flags = [
+        "--keep-versions",
+        str(args.keep_versions),
+        "--collect-interval-s",
+        "1",
+        "--collect-grace-s",
+        "0",
+    ]
+    with local_mesh(workers=2, flags=flags) as mesh:
+        result = asyncio.run(measure(mesh, args, fresh, rollback, others))
+    print(
+        json.dumps(
+            {
+                "adapter_bytes": size,
+                "rank": 16,
+                "keep_versions": args.keep_versions,
+                "worker_dtype": args.dtype,
+                "cpus": os.cpu_count(),
+                "load_before": [round(v, 2) for v in load_before],
+                "load_after": [round(v, 2) for v in os.getloadavg()],
+                **result,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
