@@ -15,7 +15,9 @@ registration or delete made anywhere shows in lookups as soon as in listings.
 A reference may name one version (``name@N``, ``name@sha256:<hex>``,
 :mod:`services.gateway.adapter_version`): the index says which id that version has (or, when it
 does not hold it yet, the store's answer for the name does, if that is the version asked for),
-and the store is asked for that id.
+and the store is asked for that id. ``name`` is never resolved to a version older than the
+newest the index holds: a publish made through this gateway (which waits until the index shows
+it) serves every request admitted after it returns, whichever store replica answers.
 """
 
 from __future__ import annotations
@@ -117,6 +119,11 @@ class AdapterCatalog:
             self._cache[key] = (time.monotonic(), info)
             if not selector.latest:
                 self._versioned.setdefault((owner, name), set()).add(selector)
+        if selector.latest and (newer := self._index.newest(owner, name)) and newer.version > info.version:
+            # The watch has brought a newer version than the store answered (another store
+            # replica's mirror behind) or than was cached: never serve older than the index.
+            info = await self._store.get_id(newer.id)
+            self._cache[key] = (time.monotonic(), info)
         self._eviction.touch(key)
         if len(self._cache) > self._max_entries:
             self._trim()

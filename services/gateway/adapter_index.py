@@ -125,6 +125,10 @@ class _Contents:
     def find(self, owner: str, name: str, selector: VersionSelector, reference: str) -> IndexedAdapter | None:
         return pick_version(self.by_name.get((owner, name), {}).values(), selector, reference)
 
+    def newest(self, owner: str, name: str) -> IndexedAdapter | None:
+        versions = self.by_name.get((owner, name))
+        return max(versions.values(), key=lambda e: (e.version, e.order)) if versions else None
+
     def usable(self, tenant: str) -> Iterator[IndexedAdapter]:
         """``tenant``'s own adapters and every public one, in registration order."""
         own = self.by_owner.get(tenant, {}).values()
@@ -180,6 +184,11 @@ class AdapterIndex:
         such version; InvalidArgument naming ``reference`` for an ambiguous digest prefix."""
         await self._listed()
         return self._contents.find(owner, name, selector, reference)
+
+    def newest(self, owner: str, name: str) -> IndexedAdapter | None:
+        """The newest version of ``owner/name`` the index holds now (None: none, or no listing
+        yet); never waits."""
+        return self._contents.newest(owner, name) if self._synced.is_set() else None
 
     async def _listed(self) -> None:
         """Until a first listing is complete; UNAVAILABLE past ``first_listing_s``."""

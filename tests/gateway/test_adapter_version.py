@@ -166,3 +166,27 @@ async def test_listings_show_each_names_newest_version_and_the_next_newest_when_
         assert await index.find("alice", "tuned", VersionSelector(number=1), "tuned@1") is None
     finally:
         await index.stop()
+
+
+async def test_a_name_never_resolves_older_than_the_newest_version_the_index_holds():
+    store = VersionedStore([version("alice", "tuned", 1, DIGEST_1)])
+    catalog = AdapterCatalog(store, ttl_s=3600, timeouts=IndexTimeouts(retry_s=0))
+    catalog.start()  # as the gateway does when it starts
+    try:
+        assert [a.id for a in await catalog.usable("alice")] == ["alice-tuned-1"]
+        assert (await catalog.resolve("alice", "tuned")).version == 1
+        # The watch brings version 2, but the store's answer by name lags (a replica's mirror
+        # behind) and would be cached again: the index's newest version wins.
+        newer = version("alice", "tuned", 2, DIGEST_3)
+        store.adapters.append(newer)
+        stale = store.get
+
+        async def lagging(owner: str, name: str) -> types_pb2.AdapterInfo:
+            return store.adapters[0] if (owner, name) == ("alice", "tuned") else await stale(owner, name)
+
+        store.get = lagging
+        await store.changes.put(adapter_store_pb2.WatchAdaptersResponse(upserted=[newer]))
+        await catalog.shows("alice-tuned-2", present=True)
+        assert (await catalog.resolve("alice", "tuned")).id == "alice-tuned-2"
+    finally:
+        await catalog.stop()
