@@ -50,7 +50,7 @@ from schemathesis.generation import GenerationMode
 
 from bench.fuzz import hostile_adapters
 from bench.fuzz.grpc_calls import UNCLEAR, call
-from bench.fuzz.loop_lag import LagProbe, Stretch, stretch_lines
+from bench.fuzz.loop_lag import CONTROL, IdleControl, LagProbe, Stretch, split_by_control, stretch_lines
 from bench.fuzz.mesh import TENANT_KEYS, FuzzMesh, start_fuzz_mesh
 from bench.fuzz.proto_messages import Vocabulary, messages, raw_requests
 from bench.fuzz.totals import Totals
@@ -142,7 +142,13 @@ class CampaignResult:
 
     @property
     def blocked(self) -> int:
-        return sum(c.blocked for c in self.lag.values())
+        """Stretches in a service's loop alone (not seen on the idle control at the same time)."""
+        return len(split_by_control(self.stretches)[0])
+
+    @property
+    def machine_stalls(self) -> int:
+        """Stretches seen on the idle control too: the machine's or the prober's, not a loop's."""
+        return len(split_by_control(self.stretches)[1])
 
 
 def _credentials(mesh: FuzzMesh, identity: str) -> grpc.ChannelCredentials:
@@ -466,32 +472,34 @@ def run_campaign(
     root: Path, config: CampaignConfig, progress: Callable[[str], None] = lambda line: None
 ) -> CampaignResult:
     """Start the mesh under ``root``, run every part, stop it; the totals."""
-    mesh = asyncio.run(_start(root, config))
-    channels = Channels(mesh)
-    totals = Totals()
-    began = time.monotonic()
-    targets = {name: channels.get(name, "operator") for name in mesh.processes}
-    probe = LagProbe(targets, doing=lambda: totals.last or "setup").start()
     parts = set(config.only or ("http", "grpc", "adapters"))
-    try:
-        valid = _valid_files(root)
-        _register_tenants(channels, valid, config.call_timeout_s)
-        if "grpc" in parts:
-            for service in mesh.processes:
-                fuzz_grpc(channels, totals, config, service)
-                progress(f"gRPC {service}: {totals.cases} cases so far")
-        if "http" in parts:
-            fuzz_http(mesh, totals, config)
-            progress(f"HTTP: {totals.cases} cases so far")
-        if "adapters" in parts and config.adapters:
-            fuzz_adapters(mesh, channels, totals, config, valid)
-            progress(f"hostile adapters: {totals.cases} cases so far")
-        lag = probe.stop()
-        return CampaignResult(totals, mesh.dead(), lag, probe.stretches, time.monotonic() - began)
-    finally:
-        probe.stop()
-        channels.close()
-        mesh.stop()
+    with IdleControl() as control:
+        mesh = asyncio.run(_start(root, config))
+        channels = Channels(mesh)
+        totals = Totals()
+        began = time.monotonic()
+        targets = {name: channels.get(name, "operator") for name in mesh.processes}
+        targets[CONTROL] = control.channel
+        probe = LagProbe(targets, doing=lambda: totals.last or "setup").start()
+        try:
+            valid = _valid_files(root)
+            _register_tenants(channels, valid, config.call_timeout_s)
+            if "grpc" in parts:
+                for service in mesh.processes:
+                    fuzz_grpc(channels, totals, config, service)
+                    progress(f"gRPC {service}: {totals.cases} cases so far")
+            if "http" in parts:
+                fuzz_http(mesh, totals, config)
+                progress(f"HTTP: {totals.cases} cases so far")
+            if "adapters" in parts and config.adapters:
+                fuzz_adapters(mesh, channels, totals, config, valid)
+                progress(f"hostile adapters: {totals.cases} cases so far")
+            lag = probe.stop()
+            return CampaignResult(totals, mesh.dead(), lag, probe.stretches, time.monotonic() - began)
+        finally:
+            probe.stop()
+            channels.close()
+            mesh.stop()
 
 
 def port(entry: str) -> str:
@@ -507,7 +515,8 @@ def port(entry: str) -> str:
 def report(result: CampaignResult) -> list[str]:
     summary = (
         f"{result.totals.cases} cases in {result.seconds:.0f} s; {result.failures} × 5xx / INTERNAL / UNKNOWN / DATA_LOSS; "
-        f"{len(result.dead)} crashed processes {result.dead}; {result.blocked} blocked event loops"
+        f"{len(result.dead)} crashed processes {result.dead}; {result.blocked} blocked event loops "
+        f"({result.machine_stalls} stalls seen on the idle control too: the machine's)"
     )
     lines = [
         summary,
@@ -521,8 +530,11 @@ def report(result: CampaignResult) -> list[str]:
     ]
     for name, counts in sorted(result.lag.items()):
         lines.append(f"| {name} | {counts.checks} | {counts.blocked} | {counts.worst_s:.3f} s |")
-    if result.stretches:
-        lines += ["", "Blocked stretches:", *stretch_lines(result.stretches)]
+    own, machine = split_by_control(result.stretches)
+    if own:
+        lines += ["", "Blocked stretches:", *stretch_lines(own)]
+    if machine:
+        lines += ["", "Stalls seen on the idle control too (the machine's):", *stretch_lines(machine)]
     failures = result.totals.failure_lines()
     if failures:
         lines += ["", "Failures:", *failures]
@@ -563,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
             "failures": result.totals.failure_lines(),
             "notes": result.totals.notes,
             "lag": {n: vars(c) for n, c in result.lag.items()},
-            "stretches": stretch_lines(result.stretches),
+            "stretches": stretch_lines(split_by_control(result.stretches)[0]),
+            "machine_stalls": stretch_lines(split_by_control(result.stretches)[1]),
         }, indent=1))  # fmt: skip
     return 1 if result.failures or result.dead or result.blocked else 0
 

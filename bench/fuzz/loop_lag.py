@@ -13,14 +13,22 @@ check past a second means work was done on the loop that belongs in a thread or 
 2-core machine that other work shares, a stretch can come from the scheduler of the machine
 itself, which shows as stretches in several services at once (:func:`stretch_lines` puts
 those on one line); :attr:`LagCounts.worst_s` gives the size of what was seen.
+
+To tell those apart, the probe also checks a control (:class:`IdleControl`): a health server in a
+process of its own that does nothing else. A stretch that overlaps one of the control's is the
+machine's (or the prober's own process stalling, which delays every check it times), not the
+service's loop: :func:`split_by_control` keeps the two apart.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -80,6 +88,40 @@ def stretch_lines(stretches: list[Stretch]) -> list[str]:
         at_once = f"{len({s.service for s in group})} services at once: " if len(group) > 1 else ""
         lines.append(f"{at_once}{services}, during {group[0].doing}")
     return lines
+
+
+CONTROL = "idle control"
+"""The name of :class:`IdleControl` among a probe's targets."""
+
+
+def split_by_control(stretches: list[Stretch]) -> tuple[list[Stretch], list[Stretch]]:
+    """``stretches`` as (the services' own, the machine's): a service's stretch that overlaps one
+    of the control's is the machine's; the control's own stretches are the machine's too."""
+    control = [s for s in stretches if s.service == CONTROL]
+    own = [s for s in stretches if s.service != CONTROL and not any(s.overlaps(c) for c in control)]
+    return own, [s for s in stretches if s not in own]
+
+
+class IdleControl:
+    """An idle health server (:mod:`bench.fuzz.idle_health_server`) in a process of its own, and
+    a channel to it; a context manager."""
+
+    def __enter__(self) -> Self:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "bench.fuzz.idle_health_server"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        port = int(self._process.stdout.readline())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.channel.close()
+        self._process.stdin.close()
+        self._process.wait()
+        self._process.stdout.close()
 
 
 @dataclass
