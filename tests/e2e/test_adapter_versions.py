@@ -19,7 +19,7 @@ from support.hf_peft import hf_logits, near_ties
 from support.mesh import Mesh, start_mesh, wait_for_workers
 
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
-from loramesh import AsyncClient, Completion, NotFound
+from loramesh import AsyncClient, Client, Completion, NotFound
 from services.gpu_worker.model.loading import load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
@@ -127,9 +127,14 @@ async def test_a_publish_serves_requests_admitted_after_it_and_no_stream_started
 
 async def test_the_http_apis_name_the_version_that_served(mesh, checkpoints):
     old_dir, new_dir = checkpoints
+
+    def publish_both():  # through the synchronous client this time
+        with Client(mesh.gateway.address, "key-alice") as client:
+            return [client.adapters.publish(d, "http-policy") for d in (old_dir, new_dir)]
+
+    first, second = await asyncio.to_thread(publish_both)
+    assert (first.version, second.version, second.changed) == (1, 2, True)
     async with AsyncClient(mesh.gateway.address, "key-alice") as client:
-        first = await client.adapters.publish(old_dir, "http-policy")
-        second = await client.adapters.publish(new_dir, "http-policy")
         expected = await client.generate(PROMPT, adapter="http-policy", **GREEDY)
     auth = {"authorization": "Bearer key-alice"}
     async with httpx.AsyncClient(base_url=mesh.openai_base_url.removesuffix("/v1"), headers=auth,
@@ -145,4 +150,3 @@ async def test_the_http_apis_name_the_version_that_served(mesh, checkpoints):
         assert details["adapter_version"] == f"http-policy@2 sha256:{second.sha256[:12]}"
         missing = await http.post("/v1/completions", json={**body, "model": "http-policy@3"})
         assert missing.status_code == 404 and "http-policy@3" in missing.text
-    assert first.version == 1
