@@ -12,8 +12,9 @@ The engine plans and its executor runs (``executor.py``). Every :meth:`Engine.st
    not in the pool gets its pages reserved and waits while the copier thread writes its rows
    (``adapter_copier.py``), the running batch stepping on meanwhile;
 5. emits a :class:`StepPlan` of the chosen requests, which the executor runs into logits (a
-   running request the policy leaves out pauses, its KV kept);
-6. samples, emits a :class:`TokenEvent` per request, retires finished requests, tells the
+   running request the policy leaves out pauses, its KV kept); with ``speculative`` on, a
+   decoding request adds the tokens it drafts, verified in the same pass (``speculation/``);
+6. samples (accepting the drafts that equal the draws), emits a :class:`TokenEvent` per request, retires finished requests, tells the
    policy what the step cost, and takes its :class:`EngineStats`.
 
 Single-threaded by design: only the methods under "called from any thread" may be called from
@@ -64,6 +65,8 @@ from services.gpu_worker.engine.request import (
 from services.gpu_worker.engine.request_intake import RequestIntake
 from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvents
 from services.gpu_worker.engine.request_scheduler import RequestScheduler
+from services.gpu_worker.engine.speculation.speculator import Speculator
+from services.gpu_worker.engine.speculation.verification import verify_and_emit
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.engine.step_sampling import sample_and_emit
 from services.gpu_worker.engine.structured_output import (
@@ -139,7 +142,9 @@ class Engine:
         self._adapter_tokens: dict[str, int] = {}
         """Each host adapter's footprint in the pool in KV tokens, were it paged in: computed once
         when it arrives (it walks the adapter's rows), not per :meth:`memory_tokens` call."""
-        self.events = RequestEvents(frozenset(eos_token_ids), detokenize, executor.config.max_position_embeddings)
+        self.events = RequestEvents(
+            frozenset(eos_token_ids), detokenize, executor.config.max_position_embeddings
+        )
         self.kv = KvReservation(self.rm, self.residency, self.prefix_cache, overflow=self.wing.kv_overflow)
         self.scheduler = RequestScheduler(
             config,
@@ -150,6 +155,12 @@ class Engine:
             self.host_adapters,
             on_end=self.hand_over.ended,
         )
+        self.speculator = (
+            Speculator(self.kv, executor.config.max_position_embeddings)
+            if config.speculative == "ngram"
+            else None
+        )
+        """Drafts and verifies the decoding requests' next tokens (None: ``speculative`` off)."""
         self.running, self.waiting = self.scheduler.running, self.scheduler.waiting
         """The running batch and the queue (the scheduler's, as tests and benchmarks read them)."""
         self.recalls = self.wing.recalls(
@@ -323,8 +334,10 @@ class Engine:
             batch = list(self.running)
         if not batch:
             return 0
+        speculator = self.speculator
+        draft_rows = speculator.draft(batch) if speculator is not None else 0
         prefill_tokens = sum(r.new_tokens for r in batch if r.new_tokens > 1)
-        decode_tokens = sum(1 for r in batch if r.new_tokens == 1)
+        decode_tokens = sum(1 for r in batch if r.new_tokens == 1) + draft_rows
         started = time.monotonic()
         # The constrained rows' masks are computed while the forward pass runs.
         masks = self.masks.start([r.grammar for r in batch]) if self.masks is not None else None
@@ -339,7 +352,10 @@ class Engine:
                 masks.wait()  # no grammar may advance while its mask is being computed
         now = time.monotonic()
         self._last_step_s = now - started
-        sample_and_emit(batch, logits, masks, scheduler, now, self.on_logits)
+        if speculator is not None and draft_rows:
+            verify_and_emit(batch, logits, masks, scheduler, speculator, now, self.on_logits)
+        else:
+            sample_and_emit(batch, logits, masks, scheduler, now, self.on_logits)
         self.steps += 1
         self.distkv.end_step()
         self.policy.observe(  # what the step cost: dLoRA tunes its thresholds, the cost model fits

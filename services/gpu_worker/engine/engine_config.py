@@ -16,6 +16,7 @@ from services.runtime.config import setting
 from services.runtime.eviction import EVICTION_POLICIES
 
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
+SPECULATIVE_MODES = ("off", "ngram")
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,13 @@ class EngineConfig:
     full, first: lru (least recently used), lfu (least frequently used, ties least recent) or
     fifo; pinned adapters never (docs/operations.md, "Eviction and pinning")."""
 
+    speculative: str = "off"
+    """Speculative decoding: ``ngram`` drafts each decoding request's next tokens from its own
+    prompt and output (prompt lookup, no draft model) and verifies them in the batched step,
+    whatever its adapter; lossless: the same tokens as ``off``, greedy or seeded. Pays on output
+    that repeats its prompt or itself; off until measured (docs/operations.md, "Speculative
+    decoding")."""
+
     def distkv_settings(self) -> DistKvSettings:
         """This engine's DistKV settings, as the DistKV wing takes them."""
         return DistKvSettings(
@@ -135,5 +143,7 @@ class EngineConfig:
             raise ValueError(f"lend_compute_window_s must be > 0, got {self.lend_compute_window_s}")
         if self.loan_wait_rounds < 1:
             raise ValueError(f"loan_wait_rounds must be at least 1, got {self.loan_wait_rounds}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
         if self.kv_overflow not in KV_OVERFLOW_POLICIES:
             raise ValueError(f"kv_overflow must be one of {KV_OVERFLOW_POLICIES}, got {self.kv_overflow!r}")

@@ -57,8 +57,9 @@ class Executor(Protocol):
         """The engine evicted ``adapter_id``: its pages are free for other use."""
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step: float32 logits ``[len(plan.requests), vocab]`` of each request's last
-        new token; every new token's KV is written. Raises ``CreditorUnavailable`` when a
+        """Run one step: float32 logits of each request's last new token, and of the token before
+        each of its drafts (``PlannedRequest.logits_rows`` rows each, in plan order); every new
+        token's KV is written. Raises ``CreditorUnavailable`` when a
         borrowed block's creditor cannot be reached (nothing of the step is kept then)."""
 
     def merge(self, adapter: HostAdapter) -> None:

@@ -87,6 +87,18 @@ class KvReservation:
         except PoolExhausted:
             self.overflow.spill(request, tokens)
 
+    def reserve_drafts(self, request: EngineRequest, tokens: int) -> bool:
+        """Make ``request``'s local KV hold ``tokens`` tokens, its drafts' positions, from free
+        pages only (False, nothing reserved, when they do not suffice): a draft is not worth
+        evicting, borrowing or preempting for. Rejected drafts' positions are rolled back by
+        their request's ``num_computed`` (their KV masked out, then overwritten); their pages
+        stay its own, for its next drafts, until it ends."""
+        needed = request.kv.pages_needed(tokens)
+        if needed > self.residency.pool.allocator.free_pages_for(PageUse.KV):
+            return False
+        request.kv.reserve(tokens)
+        return True
+
     def make_room(self, pages: int) -> None:
         """Free ``pages`` pages for KV, evicting unused cached blocks and idle adapters."""
         self.residency.make_room(pages, PageUse.KV)

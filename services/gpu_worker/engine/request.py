@@ -11,6 +11,7 @@ import torch
 
 from services.gpu_worker.distkv import BlockTable
 from services.gpu_worker.engine.sampling import SamplingParams, TokenLogprobs, draw_generator, request_seed
+from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest
 from services.gpu_worker.engine.structured_output import RequestGrammar
 from services.gpu_worker.memory.kv_cache import KvTable
@@ -158,6 +159,11 @@ class EngineRequest:
     """Admission rounds in which only borrowed KV blocks could start it (nothing ran nor was lent
     out on its worker) and none were lent; a preemption does not reset it: its whole wait is
     bounded."""
+    drafts: tuple[int, ...] = ()
+    """Drafted tokens its next step verifies after its last token (speculative decoding), their
+    KV positions reserved; () when it drafts none."""
+    drafter: RequestDrafter | None = field(default=None, repr=False)
+    """Its drafting state, from its first drafted step on (None: it has not drafted)."""
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.spec.sampling)
@@ -186,10 +192,10 @@ class EngineRequest:
         return self.total_len - self.num_computed
 
     def planned(self, adapter: AdapterSlot | None) -> PlannedRequest:
-        """Its share of the next step: its new tokens, its local pages, ``adapter``."""
+        """Its share of the next step: its new tokens (and drafts), its local pages, ``adapter``."""
         start, end = self.num_computed, self.total_len
         if end - start == 1:  # decode: the one new token is the last of prompt + output
-            tokens = (self.output_ids[-1] if self.output_ids else self.spec.prompt_ids[-1],)
+            tokens = (self.output_ids[-1] if self.output_ids else self.spec.prompt_ids[-1], *self.drafts)
         else:
             tokens = tuple(self.all_ids[start:end])
         borrowed = self.table is not None
@@ -201,4 +207,5 @@ class EngineRequest:
             adapter=adapter,
             sampling=self.spec.sampling,
             borrowed=borrowed,
+            draft_tokens=len(self.drafts),
         )

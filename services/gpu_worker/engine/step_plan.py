@@ -41,6 +41,15 @@ class PlannedRequest:
     """How its next token is drawn (the engine samples; executors may ignore it)."""
     borrowed: bool = False
     """Its KV is in an rManager block table (DistKV-LLM borrowing): ``LocalExecutor`` only."""
+    draft_tokens: int = 0
+    """How many of the last ``token_ids`` are drafted tokens to verify (speculative decoding):
+    its logits rows are those of its last ``1 + draft_tokens`` tokens, the first the row its
+    next token is drawn from, each next one the row that checks one more draft."""
+
+    @property
+    def logits_rows(self) -> int:
+        """Rows of the step's logits that are its: one, and one per draft."""
+        return 1 + self.draft_tokens
 
     @property
     def end_position(self) -> int:
@@ -50,7 +59,8 @@ class PlannedRequest:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step: every request that runs in it, in the order of the returned logits' rows."""
+    """One step: every request that runs in it, in the order of the returned logits' rows
+    (:attr:`PlannedRequest.logits_rows` each)."""
 
     requests: tuple[PlannedRequest, ...]
     lora_backend: str

@@ -52,12 +52,13 @@ class PlanDelta:
 
 
 def _continues(previous: PlannedRequest, request: PlannedRequest) -> bool:
-    """Whether ``request`` extends ``previous``: same slot, sampling and borrowing, and the table
+    """Whether ``request`` extends ``previous``: same slot, sampling, borrowing and drafts, and the table
     it ran with still its prefix."""
     return (
         previous.adapter == request.adapter
         and previous.sampling == request.sampling
         and previous.borrowed == request.borrowed
+        and previous.draft_tokens == request.draft_tokens
         and request.kv_blocks[: len(previous.kv_blocks)] == previous.kv_blocks
     )
 

@@ -124,7 +124,7 @@ class StepBuilder:
             remote=DistributedKv(self.rm, distributed) if distributed else None,
             decode=self._decode_group(decoding, padded, ends, first_rows) if decoding else None,
             prefills=prefills,
-            logits_rows=torch.tensor(first_rows[1:], dtype=torch.int64, device=device) - 1,
+            logits_rows=_logits_rows(requests, first_rows, device),
             lora=self._lora_segments(requests, resident),
             lora_backend=plan.lora_backend,
             batch_invariant=plan.batch_invariant,
@@ -236,6 +236,17 @@ class StepBuilder:
             layers.append(per_module)
         self._lora_key, self._lora = key, StepLora(layers)
         return self._lora
+
+
+def _logits_rows(requests: tuple[PlannedRequest, ...], first_rows: list[int], device) -> torch.Tensor:
+    """Each request's last token's row, and with drafts the rows before: the rows verifying them."""
+    if not any(r.draft_tokens for r in requests):
+        return torch.tensor(first_rows[1:], dtype=torch.int64, device=device) - 1
+    return torch.tensor(
+        [row for r, end in zip(requests, first_rows[1:]) for row in range(end - r.logits_rows, end)],
+        dtype=torch.int64,
+        device=device,
+    )
 
 
 GatheredOffsets = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]

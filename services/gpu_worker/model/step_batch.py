@@ -81,7 +81,8 @@ class StepBatch:
     prefills: list[PrefillSpan]
     """The requests adding several tokens."""
     logits_rows: torch.Tensor
-    """int64 [R]: the row of each request's last token (the one whose logits are sampled)."""
+    """int64: the rows whose logits are returned: each request's last token's (the one its next
+    token is sampled from) and, for a request with drafts, the rows verifying them before it."""
     lora: StepLora | None
     """Per layer, per projection name, the LoRA segments; None when no request uses an adapter."""
     lora_backend: str = "auto"

@@ -1,0 +1,79 @@
+"""The engine's speculative decoding: which running requests draft this step, how many tokens,
+their KV positions reserved, and what was drafted and accepted per adapter.
+
+A request drafts when it decodes (its prefill is done), keeps all its KV in this pool (not
+borrowing), has no grammar (its masks are computed for one row a step), and its budget allows
+(``draft_budget.py``). Drafts take only free KV pages: a guess is never worth evicting an
+adapter or a cached prefix, borrowing, or preempting another request; with no room it drafts
+nothing this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.gpu_worker.engine.kv_reservation import KvReservation
+from services.gpu_worker.engine.request import EngineRequest
+from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
+from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
+
+BASE_MODEL = ""
+"""The adapter key of requests on the base model in :class:`DraftCounts`."""
+
+
+@dataclass
+class DraftCounts:
+    """Drafted and accepted tokens per adapter id since start (``BASE_MODEL``: the base model)."""
+
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+
+    def add(self, adapter_id: str | None, drafted: int, accepted: int) -> None:
+        key = BASE_MODEL if adapter_id is None else adapter_id
+        self.drafted[key] = self.drafted.get(key, 0) + drafted
+        self.accepted[key] = self.accepted.get(key, 0) + accepted
+
+
+class Speculator:
+    """Drafts for the batch before each step; told what each verification accepted after it."""
+
+    def __init__(self, kv: KvReservation, max_positions: int, settings: DraftSettings | None = None):
+        """``max_positions``: the model's context; no draft reaches past it."""
+        self.kv = kv
+        self.max_positions = max_positions
+        self.settings = settings or DraftSettings()
+        self.counts = DraftCounts()
+
+    def draft(self, batch: list[EngineRequest]) -> int:
+        """Set each request's drafts for this step (() for those that draft none), their KV
+        reserved; returns the draft rows the step adds."""
+        rows = 0
+        for request in batch:
+            request.drafts = self._drafts(request)
+            rows += len(request.drafts)
+        return rows
+
+    def _drafts(self, request: EngineRequest) -> tuple[int, ...]:
+        if request.new_tokens != 1 or request.table is not None or request.grammar is not None:
+            return ()
+        # The step draws one token after the drafts anyway: neither may pass max_tokens or the context.
+        limit = min(
+            request.spec.sampling.max_tokens - len(request.output_ids) - 1,
+            self.max_positions - request.total_len - 1,
+        )
+        if limit <= 0:
+            return ()
+        if request.drafter is None:
+            request.drafter = RequestDrafter(self.settings)
+        drafts = request.drafter.propose(request.all_ids, limit)
+        if drafts and not self.kv.reserve_drafts(request, request.total_len + len(drafts)):
+            return ()
+        return drafts
+
+    def verified(self, request: EngineRequest, accepted: int) -> None:
+        """``accepted`` of ``request``'s drafts (a prefix) were the tokens drawn; its drafts end."""
+        drafted = len(request.drafts)
+        request.drafts = ()
+        if drafted and request.drafter is not None:
+            request.drafter.verified(drafted, accepted)
+            self.counts.add(request.spec.adapter_id, drafted, accepted)
