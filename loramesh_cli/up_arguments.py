@@ -22,7 +22,7 @@ from services.gateway.auth import ApiKeys, is_hashed
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.distkv.transport.lane_modes import LANE_MODES
-from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES
+from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES, SPECULATIVE_MODES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
 from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
@@ -56,6 +56,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "lend_compute_share",
         "loan_wait_rounds",
         "deterministic",
+        "speculative",
     ),
     # Half the service's 1024: a local mesh's workers share one machine with the other services.
     defaults={"pool_mib": 512},
@@ -74,6 +75,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "eviction_policy": EVICTION_POLICIES,
         "kv_overflow": KV_OVERFLOW_POLICIES,
         "lending_lane": LANE_MODES,
+        "speculative": SPECULATIVE_MODES,
     },
 )
 STORE_SETTINGS = ForwardedSettings(

@@ -25,6 +25,7 @@ from services.gpu_worker.adapter_loader import AdapterLoader
 from services.gpu_worker.distkv import DistKvTotals
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.engine_stats import EngineStats
+from services.gpu_worker.engine.speculation.speculator import BASE_MODEL
 from services.runtime.capped_labels import DEFAULT_CAP, CappedLabels
 
 LOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -111,6 +112,11 @@ class WorkerMetrics:
         yield from _compute_cap_series(parts.engine.distkv.totals())
         yield from _policy_series(parts.engine.config.batch_policy, stats)
         yield from _prefix_cache_series(stats)
+        if parts.engine.speculator is not None:
+            counts = parts.engine.speculator.counts
+            # Copies first: a dict of str to int is copied in C under the GIL (engine thread writes).
+            drafted, accepted = dict(counts.drafted), dict(counts.accepted)
+            yield from _speculation_series(drafted, accepted, named, labels)
 
 
 def _by_name(counts: dict[str, int], named: Callable[[str], str]) -> dict[str, int]:
@@ -220,6 +226,27 @@ def _adapter_series(
     for label, count in sorted(labels.sum(tokens).items()):
         generated.add_metric([label], count)
     yield generated
+
+
+def _speculation_series(
+    drafted: dict[str, int], accepted: dict[str, int], named: Callable[[str], str], labels: CappedLabels
+) -> Iterator[Metric]:
+    """Drafted and accepted tokens of speculative decoding: all requests' (the base model's
+    too), and per adapter (their ratio is each adapter's acceptance rate)."""
+    for kind, counts, documentation in (
+        ("draft", drafted, "Tokens drafted (prompt lookup) and verified in a step"),
+        ("accepted_draft", accepted, "Drafted tokens accepted: equal to the token drawn at their position"),
+    ):
+        yield CounterMetricFamily(
+            f"loramesh_gpu_worker_{kind}_tokens", documentation + ", all requests", value=sum(counts.values())
+        )
+        family = CounterMetricFamily(
+            f"loramesh_gpu_worker_adapter_{kind}_tokens", documentation + ", per adapter", labels=["adapter"]
+        )
+        adapters = {a: n for a, n in counts.items() if a != BASE_MODEL}
+        for label, count in sorted(labels.sum(_by_name(adapters, named)).items()):
+            family.add_metric([label], count)
+        yield family
 
 
 def _prefix_cache_series(stats: EngineStats) -> Iterator[Metric]:

@@ -123,7 +123,7 @@ class StepOutcome:
     prefill_tokens: int
     """Prompt tokens computed."""
     decode_tokens: int
-    """Decode tokens computed (one per decoding request)."""
+    """Decode tokens computed (one per decoding request, and one per draft it verifies)."""
     adapters: int
     """Distinct adapters in the step (the base model counts as none)."""
     seconds: float
