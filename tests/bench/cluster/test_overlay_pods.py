@@ -17,7 +17,8 @@ the worker's policy. Waits are by condition, each bounded only by a hang guard.
 
 On the same running overlay, one short seeded nemesis round (issue 49): a kill-pod, a partition
 and a 5% loss between two nodes while the load streams, borrows KV and uploads; nothing lost,
-nothing corrupted, the KV ledger balanced.
+nothing corrupted, the KV ledger balanced. Its waits after the faults are bounded by hang guards
+inside pytest's timeout, and each stream of its load by its deadline.
 """
 
 from __future__ import annotations
@@ -176,14 +177,12 @@ def _connected(sock: socket.socket) -> bool:
 NEMESIS_SEED = 48
 """Draws a round of three faults: a gpu-worker killed (its streams continue on the other), a
 gateway cut off from the schedulers, 5% loss between two nodes (bench/cluster/schedule.py)."""
+NEMESIS_HANG_GUARD_S = 150.0
+"""Each wait after the round's 60 s (pods ready again, the load's end, the loans back) is bounded
+by this hang guard, not a timing claim: 60 + 3 x 150 s stays inside pytest's 600 s timeout, so a
+stuck round fails here naming what it waited for, and the suite goes on."""
 
 
-@pytest.mark.skipif(
-    os.environ.get("LORAMESH_NEMESIS_ROUND") != "1",
-    reason="opt-in (LORAMESH_NEMESIS_ROUND=1): the round takes 1-2 minutes on the 2-core machine, "
-    "more than the suite's time budget has left (its streams have a deadline and the borrowing "
-    "queue defect that once held one for 6 minutes is fixed: docs/operations.md)",
-)
 def test_a_short_seeded_nemesis_round_loses_nothing_and_balances_the_ledger(overlay, tmp_path):
     config = NemesisConfig(
         kinds=(NemesisKind.KILL_POD, NemesisKind.PARTITION, NemesisKind.LOSS),
@@ -195,6 +194,7 @@ def test_a_short_seeded_nemesis_round_loses_nothing_and_balances_the_ledger(over
         fault_s=(6.0, 10.0),
         quiet_s=(3.0, 5.0),
         tail_s=8.0,
+        hang_guard_s=NEMESIS_HANG_GUARD_S,
     )
     result = run_round(overlay, config)
     print(f"\n{result.report}")
@@ -204,6 +204,11 @@ def test_a_short_seeded_nemesis_round_loses_nothing_and_balances_the_ledger(over
     ], result.report  # fmt: skip
     assert not any(a.skipped for _, _, a in result.applied), result.report
     assert verdict.sent > 0 and verdict.streams > 0 and verdict.ledger == [], result.report
+    # The kill found streams in flight (the schedule starts once the load runs, and its clients
+    # stream back to back); their stalls, read from the per-token times, are reported, not
+    # judged: they measure the machine.
+    assert "failover after kill-pod (1): " in result.report
+    assert "failover after kill-pod (1): no stream in flight" not in result.report
     # A stream's deadline (the load's stream_deadline_s, minutes) is a hang guard in a 60 s round:
     # one that reaches it was stuck, as the borrowing queue once held them.
     assert not verdict.timed_out, result.report
