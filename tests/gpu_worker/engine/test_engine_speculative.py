@@ -111,3 +111,28 @@ def test_preempted_requests_give_the_same_tokens(tiny_llama):
     assert got == expected
     assert tight.preemptions > 0, "the tight pool should have forced preemptions"
     assert sum(tight.speculator.counts.accepted.values()) > 0
+
+
+def test_deterministic_bf16_greedy_gives_the_same_tokens(tiny_llama):
+    """Under ``--deterministic`` a verifying row's logits are a decode step's to the bit, so even
+    bf16 (where a longer matmul would round otherwise) gives the same tokens."""
+
+    def run(speculative: str) -> tuple[dict[str, list[int]], Engine]:
+        model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.bfloat16)
+        config = EngineConfig(pool_mib=4, kv_block_tokens=4, deterministic=True, speculative=speculative)
+        engine = local_engine(model, config)
+        tokens: dict[str, list[int]] = {}
+        for i in range(4):
+            prompt = tuple((3 * i + j % 5) % 250 + 1 for j in range(10 + i))
+            engine.submit(
+                GenerationRequest(f"r{i}", prompt, GREEDY),
+                lambda e: tokens.setdefault(e.request_id, []).append(e.token_id),
+            )
+        while engine.has_work():
+            engine.step()
+        return tokens, engine
+
+    expected, _ = run("off")
+    got, engine = run("ngram")
+    assert got == expected
+    assert sum(engine.speculator.counts.accepted.values()) > 0
