@@ -162,10 +162,14 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             # a thread only when that reads etcd).
             quota = repository.quota
             inline = quota.admits_without_etcd(header.owner)
+            # A publish to a name the tenant holds adds a version, not an adapter.
+            new_adapter = not header.new_version or (
+                repository.catalog.mirror.get_by_name(header.owner, header.name) is None
+            )
             admission = (
-                quota.admit(header.owner, True)
+                quota.admit(header.owner, new_adapter)
                 if inline
-                else await asyncio.to_thread(quota.admit, header.owner, True)
+                else await asyncio.to_thread(quota.admit, header.owner, new_adapter)
             )
             try:
                 upload = await receive_files(messages, header, repository.limits.max_adapter_bytes, admission)

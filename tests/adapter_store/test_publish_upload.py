@@ -4,6 +4,9 @@ content again changes nothing."""
 
 from __future__ import annotations
 
+import grpc
+import pytest
+
 from mesh_api.adapter_transfer import ref_by_name
 from mesh_api.upload_wire import upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
@@ -25,3 +28,15 @@ def test_a_publish_registers_a_name_then_its_next_versions(store_stub, seeded_fi
     assert (second.adapter.id, second.adapter.sha256) != (first.adapter.id, first.adapter.sha256)
     serving = store_stub.GetAdapter(pb.GetAdapterRequest(ref=ref_by_name("alice", "tuned")))
     assert serving.id == second.adapter.id
+
+
+@pytest.mark.store_config(tenants={"alice": {"max_adapters": 1}})
+def test_a_publish_to_a_name_held_adds_a_version_not_an_adapter(store_stub, seeded_files):
+    assert publish(store_stub, seeded_files(1)).adapter.version == 1
+    assert publish(store_stub, seeded_files(2)).adapter.version == 2  # alice is at max_adapters 1
+    with pytest.raises(grpc.RpcError) as refused:
+        publish(store_stub, seeded_files(3), name="other")
+    assert (
+        refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "max_adapters 1" in refused.value.details()
+    )
