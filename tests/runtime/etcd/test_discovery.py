@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support.store_replicas import Prefer
 
 from services.runtime.errors import Unavailable
 from services.runtime.etcd import discovery
-from services.runtime.etcd.discovery import ServiceLocator
+from services.runtime.etcd.discovery import ServiceLocator, first_answer
 from services.runtime.etcd.membership import MemberInfo, MemberRegistration
 
 
@@ -51,3 +52,22 @@ async def test_a_read_that_misses_its_timeout_is_tried_again_a_bounded_number_of
     outcomes.extend([Unavailable("etcd unreachable (timed out)")] * discovery.LOOKUP_ATTEMPTS)
     with pytest.raises(Unavailable, match="timed out"):
         await locator.address(refresh=True)
+
+
+async def test_a_member_that_does_not_answer_is_left_for_another_which_gets_the_whole_deadline(monkeypatch):
+    async def two(config, service):
+        return [MemberInfo("adapter_store", f"s-{i}", f"127.0.0.1:500{i}", "", "test", 0.0) for i in (1, 2)]
+
+    monkeypatch.setattr(discovery, "list_members", two)
+    monkeypatch.setattr(discovery, "random", Prefer("127.0.0.1:5001"))
+    tries = []
+
+    async def attempt(address: str, within_s: float | None) -> str:
+        tries.append((address, within_s))
+        answer = asyncio.Event().wait() if address == "127.0.0.1:5001" else asyncio.sleep(0, "answered")
+        return await first_answer(answer, within_s, address)
+
+    locator = ServiceLocator("adapter_store", etcd_endpoints="127.0.0.1:1")
+    assert await locator.on_answering_member(attempt, 0.05) == "answered"
+    assert tries == [("127.0.0.1:5001", 0.05), ("127.0.0.1:5002", None)]
+    assert await locator.address() == "127.0.0.1:5002"  # kept for the next call
