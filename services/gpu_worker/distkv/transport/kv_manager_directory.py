@@ -20,6 +20,7 @@ from services.runtime.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.runtime.rpc import keepalive
 from services.runtime.security.tls import NO_TLS, TLSConfig, sync_channel
 
 log = logging.getLogger("loramesh.worker")
@@ -76,5 +77,7 @@ class KvManagerDirectory:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
-            self._channels[address] = sync_channel(address, self.tls)
+            # The service channels' keepalive and reconnect settings: a kv_manager back from an
+            # outage is asked again within 5 s, not after gRPC's backoff of up to 2 minutes.
+            self._channels[address] = sync_channel(address, self.tls, keepalive.CHANNEL_OPTIONS)
         return self._channels[address]
