@@ -368,9 +368,9 @@ class Catalog:
         return record
 
     def page(
-        self, owner: str | None, include_public: bool, after_seq: Seq, limit: int
+        self, owner: str | None, include_public: bool, after_seq: Seq, limit: int, kept: bool = False
     ) -> tuple[list[tuple[Seq, AdapterRecord]], int]:
-        return self.mirror.page(owner, include_public, after_seq, limit)
+        return self.mirror.page(owner, include_public, after_seq, limit, kept)
 
     def all(self) -> list[AdapterRecord]:
         return self.mirror.all()

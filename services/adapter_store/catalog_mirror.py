@@ -157,13 +157,14 @@ class CatalogMirror:
         return held[1] if held else None
 
     def page(
-        self, owner: str | None, include_public: bool, after_seq: Seq, limit: int
+        self, owner: str | None, include_public: bool, after_seq: Seq, limit: int, kept: bool = False
     ) -> tuple[list[tuple[Seq, AdapterRecord]], int]:
         """``(seq, record)`` pairs after ``after_seq`` in registration order, and the total
-        matching: every adapter, or ``owner``'s (and the public ones with ``include_public``)."""
+        matching: every adapter, or ``owner``'s (and the public ones with ``include_public``);
+        the serving versions, and the kept ones too with ``kept``."""
 
         def matches(record: AdapterRecord) -> bool:
-            if not self._serves(record):
+            if not kept and not self._serves(record):
                 return False
             if not owner:
                 return True
@@ -173,7 +174,7 @@ class CatalogMirror:
             if owner:
                 total = sum(1 for _, record in self._records.values() if matches(record))
             else:
-                total = len(self._by_name)
+                total = len(self._records) if kept else len(self._by_name)
             page: list[tuple[int, AdapterRecord]] = []
             for seq in self._seqs[bisect.bisect_right(self._seqs, after_seq) :]:
                 record = self._records[seq[1]][1]

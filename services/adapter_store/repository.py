@@ -267,14 +267,20 @@ class AdapterRepository:
         return record
 
     def list(
-        self, owner: str = "", include_public: bool = False, page_size: int = 0, page_token: str = ""
+        self,
+        owner: str = "",
+        include_public: bool = False,
+        page_size: int = 0,
+        page_token: str = "",
+        kept: bool = False,
     ) -> tuple[list[AdapterRecord], str, int]:
-        """One page: (records, next page token or "", total matching)."""
+        """One page: (records, next page token or "", total matching); the serving version of
+        each name, and its kept versions too with ``kept`` (what a watcher's copy holds)."""
         if page_size > MAX_PAGE_SIZE:
             raise InvalidArgument(f"page_size {page_size} is above the maximum {MAX_PAGE_SIZE}")
         limit = page_size or DEFAULT_PAGE_SIZE
         after = decode_page_token(page_token)
-        rows, total = self.catalog.page(owner or None, include_public, after, limit + 1)
+        rows, total = self.catalog.page(owner or None, include_public, after, limit + 1, kept)
         more = len(rows) > limit
         rows = rows[:limit]
         next_token = encode_page_token(rows[-1][0]) if more else ""

@@ -230,9 +230,10 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         )
 
     async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context):
-        """Every adapter, then every change: subscribed before the listing starts, so a change
-        committed meanwhile is in the listing, in the changes after it, or both (applying a
-        change twice leaves a copy as once)."""
+        """Every adapter (each name's kept versions too, as a watch of the rows in etcd sees
+        them), then every change: subscribed before the listing starts, so a change committed
+        meanwhile is in the listing, in the changes after it, or both (applying a change twice
+        leaves a copy as once)."""
         repository = self.repository
         loop = asyncio.get_running_loop()
         changes: asyncio.Queue[CatalogChange] = asyncio.Queue()
@@ -246,7 +247,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             token = ""
             while True:
                 records, token, _ = await asyncio.to_thread(
-                    repository.list, "", False, WATCH_PAGE_SIZE, token
+                    repository.list, "", False, WATCH_PAGE_SIZE, token, True
                 )
                 yield pb.WatchAdaptersResponse(
                     upserted=[record_to_proto(r, with_chat_templates=False) for r in records],

@@ -29,6 +29,7 @@ def test_a_listing_in_any_order_serves_the_highest_version_and_lists_only_it():
     assert mirror.count() == 1
     assert [r.id for _, r in mirror.page("alice", False, (0, ""), 10)[0]] == ["v3"]
     assert mirror.page(None, False, (0, ""), 10)[1] == 1
+    assert mirror.page(None, False, (0, ""), 10, kept=True)[1] == 3
     assert mirror.pinned_sizes() == {"v3": 1}  # a kept version's old pin is not the name's
     assert [r.id for r in mirror.versions("alice", "policy")] == ["v1", "v2", "v3"]
     assert mirror.get("v1") == version(1, pinned=True)  # fetched by id while kept

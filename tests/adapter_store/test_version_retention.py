@@ -36,6 +36,9 @@ def test_a_name_keeps_its_last_versions_and_older_ones_go_with_their_blobs(
 
     assert [r.version for r in repo.retention.versions("alice", "a")] == [3, 4, 5]
     assert [r.id for r in repo.catalog.all()] == [records[4].id]  # listings: the serving one
+    assert [r.id for r in repo.list("alice")[0]] == [records[4].id]
+    # What a store's WatchAdapters lists: every version a watch of the rows in etcd sees.
+    assert [r.version for r in repo.list(kept=True)[0]] == [3, 4, 5]
     assert repo.resolve(AdapterKey(owner="alice", name="a")).id == records[4].id
     for kept in records[2:]:  # a worker still fetches a kept version by id
         assert weights_digest(repo, kept.id) == kept.sha256
