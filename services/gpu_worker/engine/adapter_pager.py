@@ -239,9 +239,10 @@ class AdapterPager:
         self.copier.close()
 
     def slot(self, request: EngineRequest) -> AdapterSlot | None:
-        """Where ``request``'s adapter rows are for a plan (None: base model or merged)."""
+        """Where ``request``'s adapter rows are for a plan (None: base model, merged, or an
+        activated LoRA whose invocation its prompt lacks)."""
         adapter_id = request.spec.adapter_id
-        if adapter_id is None or adapter_id == self.merged:
+        if adapter_id is None or adapter_id == self.merged or request.adapter_from is None:
             return None
         return AdapterSlot(adapter_id, self.residency.get(adapter_id).placement)
 
@@ -258,8 +259,12 @@ class AdapterPager:
         """Merge or unmerge so the base weights are in ``mode``; the seconds it took."""
         if mode == self.mode:
             return 0.0
-        if isinstance(mode, Merged) and mode.adapter_id not in host_adapters:
-            mode = UNMERGED  # removed from the host meanwhile: nothing to merge
+        if isinstance(mode, Merged) and (
+            mode.adapter_id not in host_adapters or host_adapters[mode.adapter_id].invocation_tokens
+        ):
+            # Removed from the host meanwhile, or an activated LoRA, which applies to part of its
+            # requests' positions only (PEFT cannot merge one either): nothing to merge.
+            mode = UNMERGED
             if mode == self.mode:
                 return 0.0
         started = time.monotonic()

@@ -155,6 +155,10 @@ class EngineRequest:
     cached_prompt_tokens: int = 0
     """Prompt tokens whose KV the prefix cache held when it was first scheduled (the prefill it
     skipped); a restart after a preemption does not change it."""
+    adapter_from: int | None = 0
+    """First position its adapter applies to: 0 for a standard LoRA (all), the start of an
+    activated LoRA's invocation in its prompt, None when its prompt lacks the invocation (the
+    base model throughout, as PEFT runs it): ``lora/activation.py``."""
     loan_waits: int = 0
     """Admission rounds in which only borrowed KV blocks could start it (nothing ran nor was lent
     out on its worker) and none were lent; a preemption does not reset it: its whole wait is
@@ -207,5 +211,6 @@ class EngineRequest:
             adapter=adapter,
             sampling=self.spec.sampling,
             borrowed=borrowed,
+            adapter_from=self.adapter_from or 0,
             draft_tokens=len(self.drafts),
         )

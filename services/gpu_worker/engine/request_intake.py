@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from services.gpu_worker.engine.request import EngineRequest, GenerationRequest
 from services.gpu_worker.engine.structured_output import GrammarCompiler, GrammarKey, RequestGrammar
+from services.gpu_worker.lora.activation import activation_start
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.kv_cache import KvTable
 from services.gpu_worker.memory.prefix_cache import PrefixCache
@@ -47,7 +48,9 @@ class RequestIntake:
             raise ResourceExhausted(
                 f"prompt of {len(request.prompt_ids)} tokens needs more KV pages than the whole pool has"
             )
-        return EngineRequest(spec=request, kv=kv, grammar=self._grammar(request))
+        invocation = host_adapters[request.adapter_id].invocation_tokens if request.adapter_id else None
+        adapter_from = activation_start(request.original_prompt_ids, invocation)
+        return EngineRequest(spec=request, kv=kv, grammar=self._grammar(request), adapter_from=adapter_from)
 
     def _grammar(self, request: GenerationRequest) -> RequestGrammar | None:
         """The request's structured-output grammar, past what it generated before (a bad schema

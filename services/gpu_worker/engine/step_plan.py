@@ -41,6 +41,9 @@ class PlannedRequest:
     """How its next token is drawn (the engine samples; executors may ignore it)."""
     borrowed: bool = False
     """Its KV is in an rManager block table (DistKV-LLM borrowing): ``LocalExecutor`` only."""
+    adapter_from: int = 0
+    """First position ``adapter`` applies to (an activated LoRA's invocation start): its tokens
+    before it get no LoRA delta; 0: all of them."""
     draft_tokens: int = 0
     """How many of the last ``token_ids`` are drafted tokens to verify (speculative decoding):
     its logits rows are those of its last ``1 + draft_tokens`` tokens, the first the row its

@@ -10,7 +10,7 @@ import torch
 
 from services.gpu_worker.distkv import DistributedKv, DistributedSpan, RManager
 from services.gpu_worker.engine.executor import BorrowedLookup
-from services.gpu_worker.engine.step_plan import PlannedRequest, StepPlan
+from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
 from services.gpu_worker.kernels.dispatch import StepLora
 from services.gpu_worker.kernels.lora_segments import LoraSegments
 from services.gpu_worker.memory.adapter_residency import NOT_TARGETED, ResidentAdapter
@@ -181,10 +181,9 @@ class StepBuilder:
     def _lora_segments(
         self, requests: tuple[PlannedRequest, ...], resident: ResidentLookup
     ) -> StepLora | None:
-        slots = [r.adapter for r in requests]
+        slots, counts = _segments(requests)
         if all(slot is None for slot in slots):
             return None
-        counts = [len(r.token_ids) for r in requests]
         # A placement fixes the adapter's row offsets, so (adapter, placement, tokens) identifies
         # the work; comparing page lists instead cost ~0.3 ms a step at k = 8.
         key = tuple((s.adapter_id, s.placement, n) if s else (None, -1, n) for s, n in zip(slots, counts))
@@ -279,3 +278,23 @@ def _uniform_projections(
                 torch.cat([b for _, b in present], dim=1).unbind(0),
             )
     return signatures_by_module, offsets_by_module
+
+
+def _segments(requests: tuple[PlannedRequest, ...]) -> tuple[list[AdapterSlot | None], list[int]]:
+    """The step's LoRA segments, slot and token count each: a request's tokens with its adapter,
+    those of an activated LoRA's request before its invocation start with none (they are the
+    base model's), the rest with its adapter."""
+    slots: list[AdapterSlot | None] = []
+    counts: list[int] = []
+    for request in requests:
+        start, end, active = request.start_position, request.end_position, request.adapter_from
+        if request.adapter is not None and start < active:
+            slots.append(None)
+            counts.append(min(active, end) - start)
+            if end > active:
+                slots.append(request.adapter)
+                counts.append(end - active)
+        else:
+            slots.append(request.adapter)
+            counts.append(end - start)
+    return slots, counts
