@@ -92,6 +92,7 @@ STORE_SETTINGS = ForwardedSettings(
         "collect_interval_s",
         "collect_grace_s",
         "keep_versions",
+        "keep_versions_s",
     ),
     default_words={"blob_store": "<state dir>/adapter_store, shared by every replica"},
 )

@@ -54,7 +54,7 @@ from services.adapter_store.group_commit import GroupCommit
 from services.adapter_store.row_texts import RowTexts
 from services.adapter_store.storage_usage import StorageUsage, stored_bytes
 from services.adapter_store.tenant_storage_quota import fits
-from services.adapter_store.version_retention import retirement_ops
+from services.adapter_store.version_retention import kept_removals, retirement_ops
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.membership import (
     EtcdConnection,
@@ -679,16 +679,19 @@ class Catalog:
     # -- other writes --
 
     def delete(self, record: AdapterRecord) -> bool:
-        """Remove ``record``'s row, name and references, and its name's kept versions; False when
-        it was gone already."""
+        """Remove ``record``'s row, name and references, after its name's kept versions (a
+        deletion cut short leaves the name serving); False when it was gone already."""
         t = aetcd.transactions
         row_key = self.keys.row(record.id).encode()
         kept = [other for other in self.mirror.versions(record.owner, record.name) if other.id != record.id]
-        removal = row_removal(self.keys, record, True) + [
-            op for other in kept for op in row_removal(self.keys, other, False)
-        ]
+        for ops in kept_removals(self.keys, kept):
+            self._call(
+                lambda c, ops=ops: c.transaction(compare=[], success=ops, failure=[]), "delete versions"
+            )
         succeeded, _ = self._call(
-            lambda c: c.transaction(compare=[t.Version(row_key) > 0], success=removal, failure=[]),
+            lambda c: c.transaction(
+                compare=[t.Version(row_key) > 0], success=row_removal(self.keys, record, True), failure=[]
+            ),
             "delete an adapter",
         )
         if succeeded:

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from services.runtime.config import ServiceConfig, require_at_least
 
 MAX_KEEP_VERSIONS = 16
-"""Most versions a name may keep: deleting a name removes every one of them in one etcd
-transaction, which takes at most 128 operations (etcd's ``--max-txn-ops``), about 6 a version."""
+"""Most versions a name may keep by count (each holds its blob on disk)."""
 
 
 @dataclass
@@ -39,6 +38,11 @@ class AdapterStoreConfig(ServiceConfig):
     then its blobs are removed. 4 covers a training loop's in-flight policy lag (the version
     serving, the one before it that rollouts in flight were admitted on, one more for a slow
     worker) plus a last good version to roll back to; each kept version costs its blob's disk."""
+    keep_versions_s: float = 10.0
+    """Seconds a replaced version is kept at least, beyond the last ``keep_versions``: a request
+    admitted on a version just before a publish fetches it on its worker only when it gets
+    there, and at ten publishes a second the last 4 versions are 0.3 s. Raise it for failovers
+    and migrations of long streams onto workers without the version; 0: the count alone."""
     model: str = ""
     """Base model the adapters must fit: GGUF file or HF directory (default: SmolLM2-135M)."""
     max_rank: int = 64
@@ -77,6 +81,8 @@ class AdapterStoreConfig(ServiceConfig):
         require_at_least(self, 0, "ram_budget_mib")
         if not 1 <= self.keep_versions <= MAX_KEEP_VERSIONS:
             raise ValueError(f"--keep-versions must be 1 to {MAX_KEEP_VERSIONS}, got {self.keep_versions}")
+        if self.keep_versions_s < 0:
+            raise ValueError(f"--keep-versions-s must be >= 0, got {self.keep_versions_s:g}")
         if self.collect_interval_s <= 0:
             raise ValueError(f"--collect-interval-s must be > 0, got {self.collect_interval_s:g}")
         if self.collect_grace_s < 0:

@@ -118,7 +118,9 @@ class RepositorySettings:
     """This replica's name in the collector's marks and the logs."""
     keep_versions: int = 4
     """Versions of each name kept, the serving one counted (:mod:`.version_retention`); 1: a new
-    version removes the one it replaces."""
+    version removes the one it replaces (unless ``keep_versions_s``)."""
+    keep_versions_s: float = 0.0
+    """Seconds a replaced version is kept at least, beyond ``keep_versions``."""
     tenants: QuotaConfig = field(default_factory=QuotaConfig)
     """The tenants' limits (the tenants file's ``"tenants"``): what each may store and upload at
     once (:mod:`services.adapter_store.tenant_storage_quota`)."""
@@ -156,7 +158,12 @@ class AdapterRepository:
         )
         self.quota = TenantStorageQuota(settings.tenants, self.catalog.usage, self.upload_slots)
         self.retention = VersionRetention(
-            self.catalog.keys, self.catalog.mirror, self.catalog.etcd_call, settings.keep_versions
+            self.catalog.keys,
+            self.catalog.mirror,
+            self.catalog.etcd_call,
+            settings.keep_versions,
+            settings.keep_versions_s,
+            clock,
         )
         self.registrar = AdapterRegistrar(
             spec,

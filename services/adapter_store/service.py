@@ -77,6 +77,7 @@ class AdapterStoreService:
                 eviction_policy=cfg.eviction_policy,
                 collect_grace_s=cfg.collect_grace_s,
                 keep_versions=cfg.keep_versions,
+                keep_versions_s=cfg.keep_versions_s,
                 replica_id=cfg.instance_id or f"{socket.gethostname()}:{os.getpid()}",
                 tenants=tenants,
             ),

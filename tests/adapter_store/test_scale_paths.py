@@ -139,8 +139,8 @@ def test_the_change_feed_follows_every_commit_in_order(open_repo, sample_files):
     assert changes == [
         CatalogChange(upserted=a),
         CatalogChange(upserted=b),  # a stays, a kept version of the name
+        CatalogChange(deleted_id=a.id),  # deleted with its name, first
         CatalogChange(deleted_id=b.id),
-        CatalogChange(deleted_id=a.id),  # deleted with its name
     ]
 
 

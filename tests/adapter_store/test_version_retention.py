@@ -5,6 +5,7 @@ replica's catalog shows."""
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 
@@ -102,3 +103,19 @@ def test_keeping_one_version_removes_the_one_replaced(open_repository, seeded_fi
     assert [r.id for r in repo.retention.versions("alice", "a")] == [second.id]
     with pytest.raises(NotFound):
         repo.resolve(AdapterKey(id=first.id))
+
+
+def test_a_version_replaced_less_than_keep_versions_s_ago_is_kept_past_the_count(
+    open_repository, seeded_files
+):
+    """At a training loop's pace the count alone keeps a version a fraction of a second, less
+    than a request admitted on it may take to reach its worker, which fetches it by id then."""
+    now = [time.time()]
+    repo = open_repository(keep_versions=2, keep_versions_s=60, clock=lambda: now[0])
+    records = [publish(repo, seeded_files(seed)).record for seed in (40, 41, 42, 43)]
+    assert [r.version for r in repo.retention.versions("alice", "a")] == [1, 2, 3, 4]
+    assert weights_digest(repo, records[0].id) == records[0].sha256
+
+    now[0] += 61  # every one replaced over a minute ago: the count decides
+    publish(repo, seeded_files(44))
+    assert [r.version for r in repo.retention.versions("alice", "a")] == [4, 5]
