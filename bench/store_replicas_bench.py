@@ -11,7 +11,16 @@ Each system gets a fresh etcd and work directory, then:
 - restart: every replica stopped, one started again over what they held, timed until it serves
   (health SERVING) and lists every adapter;
 - size: etcd's database per 1,000 adapters (``Status.dbSize``) and, for the SQLite store, its
-  catalog file's.
+  catalog file's;
+- the machine's 1-minute load average before and after each system's run (others' jobs share it).
+
+Both systems are driven alike: one client process (this one) uploads and fetches over gRPC with
+the same concurrency, and each store process runs in a session of its own, as ``loramesh up``
+starts it (with the kernel's autogroups the CPU is shared between sessions first: under others'
+load, the replicated system's four busy sessions, two stores, etcd and this client, get a larger
+share of the machine than the SQLite store's two, which favours the replicas, not the baseline).
+``--one-session`` keeps every process of each system in this client's session instead, so that
+each system gets one session's share of a loaded machine.
 
 The SQLite store is the code at ``--baseline-ref`` (a git worktree the bench makes), run from its
 own directory with this checkout's virtual environment.
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -32,9 +42,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 from grpc import aio
 
@@ -78,6 +89,22 @@ def remove_checkout(path: Path) -> None:
     )
 
 
+@contextlib.contextmanager
+def sessions(own: bool) -> Iterator[None]:
+    """Processes started meanwhile (stores, etcd) get a session of their own each, as ``loramesh
+    up`` starts them (``own``), or stay in this client's session."""
+    if own:
+        yield
+        return
+    popen = subprocess.Popen
+
+    def in_this_session(*args, **kwargs):
+        return popen(*args, **{**kwargs, "start_new_session": False})
+
+    with mock.patch.object(subprocess, "Popen", in_this_session):
+        yield
+
+
 def start_store(system: StoreSystem, etcd: EtcdServer, work: Path, index: int) -> ServiceProcess:
     """A store process of ``system`` (run from its checkout, so its code is what runs)."""
     args = ["--etcd-endpoints", etcd.endpoint, "--data-dir", str(work / f"store{index}")]
@@ -100,8 +127,10 @@ async def etcd_db_bytes(etcd: EtcdServer) -> int:
 
 
 async def measure(system: StoreSystem, adapters: Sequence[dict[str, bytes]], args, work: Path) -> dict:
-    etcd = EtcdServer(work / "etcd").start()
-    stores = [start_store(system, etcd, work, i) for i in range(system.replicas)]
+    load_before = os.getloadavg()[0]
+    with sessions(not args.one_session):
+        etcd = EtcdServer(work / "etcd").start()
+        stores = [start_store(system, etcd, work, i) for i in range(system.replicas)]
     try:
         for store in stores:
             await store.wait_ready(300)
@@ -129,7 +158,8 @@ async def measure(system: StoreSystem, adapters: Sequence[dict[str, bytes]], arg
         db_bytes = await etcd_db_bytes(etcd)
         for store in stores:
             store.terminate()
-        restarted = start_store(system, etcd, work, 0)
+        with sessions(not args.one_session):
+            restarted = start_store(system, etcd, work, 0)
         started = time.perf_counter()
         await restarted.wait_ready(600)
         async with aio.insecure_channel(restarted.address) as channel:
@@ -150,6 +180,7 @@ async def measure(system: StoreSystem, adapters: Sequence[dict[str, bytes]], arg
             "listed_after_restart": listed.total,
             "etcd_db_mib_per_1000": round(db_bytes / 2**20 / (registered / 1000), 3),
             "sqlite_mib_per_1000": round(sqlite.stat().st_size / 2**20 / (registered / 1000), 3) if sqlite.exists() else None,
+            "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         }  # fmt: skip
     finally:
         for store in stores:
@@ -170,9 +201,8 @@ async def run(args) -> dict:
         adapters = [variant(template, i) for i in range(args.adapters)]
         systems = [
             StoreSystem(f"sqlite store ({args.baseline_ref})", 1, baseline, shared_blobs=False),
-            StoreSystem("etcd catalog, 2 replicas", 2, REPO, shared_blobs=True),
-            StoreSystem("etcd catalog, 1 replica", 1, REPO, shared_blobs=True),
-        ]
+            *(StoreSystem(f"etcd catalog, {n} replica{'s' * (n > 1)}", n, REPO, shared_blobs=True) for n in args.replicas),
+        ]  # fmt: skip
         rows = []
         for i, system in enumerate(systems * args.rounds):
             work = root / f"run{i}"
@@ -189,6 +219,7 @@ async def run(args) -> dict:
         "python": platform.python_version(),
         "adapters": args.adapters,
         "concurrency": args.concurrency,
+        "one_session": args.one_session,
         "rows": rows,
     }
 
@@ -198,7 +229,12 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=10_000)
     parser.add_argument("--fetches", type=int, default=2_000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the two systems")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the systems")
+    parser.add_argument("--replicas", type=lambda text: [int(n) for n in text.split(",")], default=[2, 1],
+                        help="the etcd catalog's systems, by replica count, run after the SQLite store")  # fmt: skip
+    parser.add_argument("--one-session", action="store_true",
+                        help="run each system's stores and etcd in this client's session: under the kernel's "
+                             "autogroups and others' load, each system then gets one session's share")  # fmt: skip
     parser.add_argument("--baseline-ref", default="44f3e5a", help="the single-replica SQLite store's commit")
     parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
     args = parser.parse_args()
