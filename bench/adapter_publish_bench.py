@@ -6,9 +6,10 @@ serves the new version, on a local mesh of two workers, in one run.
 
 A mesh is started with ``loramesh up --workers 2`` (float32 workers as every side-by-side bench,
 or ``--dtype``),
-with the store collecting unreferenced blobs every second and at once (``--collect-interval-s 1
---collect-grace-s 0``), so a pruned version's blob is gone by the time its content comes round
-again and every publish of new content writes its blob. The published adapter is rank 16 on
+with the store keeping versions by count alone (``--keep-versions-s 0``) and collecting
+unreferenced blobs every second and at once (``--collect-interval-s 1 --collect-grace-s 0``), so
+a pruned version's row and blob are gone by the time its content comes round again in the pool
+and every publish of new content is validated and writes its blob. The published adapter is rank 16 on
 all seven projections in float16: 9.8 MB of weights for SmolLM2-135M. Publishes go through the
 SDK, ``client.adapters.publish`` on the gateway, as a training loop's would.
 
@@ -291,14 +292,9 @@ def main() -> None:
     others = write_contents(root / "others", 2, 0, 8, ("q_proj", "v_proj"))
     size = (fresh[0] / "adapter_model.safetensors").stat().st_size
     load_before = os.getloadavg()
-    flags = [
-        "--keep-versions",
-        str(args.keep_versions),
-        "--collect-interval-s",
-        "1",
-        "--collect-grace-s",
-        "0",
-    ]
+    flags = ["--keep-versions", str(args.keep_versions), "--keep-versions-s", "0"]
+    flags += ["--collect-interval-s", "1", "--collect-grace-s", "0"]
+    flags += ["--dtype", args.dtype]  # after local_mesh's own --dtype: this one holds
     with local_mesh(workers=2, flags=flags) as mesh:
         result = asyncio.run(measure(mesh, args, fresh, rollback, others))
     print(
