@@ -1,10 +1,10 @@
 """The last versions of each adapter name, kept after newer ones replace them.
 
 A publish under a name already registered commits the next version, which the name serves from
-then on. With ``keep_versions`` above 1 the version it replaces is retired, not removed: in the
-same etcd transaction its usage entry goes (the tenants' storage quotas count serving versions;
-kept ones are bounded by ``keep_versions`` per name instead), while its row and its blob
-references stay. So, for the kept versions of a name:
+then on. With ``keep_versions`` above 1 or a ``keep_versions_s`` the version it replaces is
+retired, not removed: in the same etcd transaction its usage entry goes (the tenants' storage
+quotas count serving versions; kept ones are bounded per name by the retention instead), while
+its row and its blob references stay. So, for the kept versions of a name:
 
 - every gateway's catalog watch holds them (``name@N``, ``name@sha256:…``), and the store finds
   them by id (:meth:`~.catalog_mirror.CatalogMirror.get`): a worker fetching the version a
