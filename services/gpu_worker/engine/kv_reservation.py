@@ -21,7 +21,7 @@ from services.gpu_worker.distkv import KvOverflow, Preemption, RManager
 from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
-from services.gpu_worker.memory.prefix_cache import BlockKey, PrefixCache, block_keys
+from services.gpu_worker.memory.prefix_cache import BlockKey, PrefixCache
 
 
 class KvReservation:
@@ -46,15 +46,17 @@ class KvReservation:
         )
         """Where a request's KV goes when the pool cannot hold it: preemption or borrowing."""
 
-    def reuse_prefix(self, request: EngineRequest, key_space: BlockKey | None) -> None:
+    def reuse_prefix(self, request: EngineRequest, prompt_keys: Callable[[], list[BlockKey] | None]) -> None:
         """Start a waiting request's KV with the cached blocks of its longest cached prompt prefix
-        and its prefill after them. ``key_space``: its adapter version's (None: it bypasses the
-        cache)."""
+        and its prefill after them. ``prompt_keys``: the chain keys of its prompt's whole blocks
+        (None: it bypasses the cache), asked only when the cache is on and it has no KV yet."""
         cache = self.prefix_cache
-        if cache is None or key_space is None or request.num_computed or request.kv.blocks:
+        if cache is None or request.num_computed or request.kv.blocks:
+            return
+        keys = prompt_keys()
+        if keys is None:
             return
         block = self.rm.block_tokens
-        keys = block_keys(key_space, request.spec.prompt_ids, block)
         request.prompt_block_keys = tuple(keys)
         # Its last token is always computed: its logits are what the next token is drawn from.
         usable = keys[: (request.total_len - 1) // block]

@@ -31,7 +31,9 @@ from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.gpu_worker.memory.prefix_cache import (
     BASE_MODEL_KEY_SPACE,
     BlockKey,
+    activated_block_keys,
     adapter_key_space,
+    block_keys,
     namespaced_key_space,
 )
 from services.runtime.errors import NotFound
@@ -242,7 +244,7 @@ class RequestScheduler:
                 return Start.NO_ADAPTER_ROOM
             if not held:
                 return Start.SKIPPED
-        self.kv.reuse_prefix(request, self._prefix_key_space(request))
+        self.kv.reuse_prefix(request, lambda: self._prefix_keys(request))
         try:
             self.kv.reserve(request, request.total_len)
         except PoolExhausted:
@@ -256,17 +258,24 @@ class RequestScheduler:
         self.running.append(request)
         return Start.STARTED
 
-    def _prefix_key_space(self, request: EngineRequest) -> BlockKey | None:
-        """The prefix-cache key space of ``request``'s adapter version (the base model's without
-        one) in its namespace; None when its adapter's content is unknown: it bypasses the cache."""
+    def _prefix_keys(self, request: EngineRequest) -> list[BlockKey] | None:
+        """The prefix-cache keys of ``request``'s whole prompt blocks, in its namespace: in its
+        adapter version's key space, the base model's without one, and an activated LoRA's
+        blocks before its invocation in the base model's (its whole prompt when the prompt lacks
+        the invocation). None when its adapter's content is unknown: it bypasses the cache."""
+        namespace, prompt = request.spec.prefix_cache_namespace, request.spec.prompt_ids
+        block = self.kv.rm.block_tokens
+        base = namespaced_key_space(BASE_MODEL_KEY_SPACE, namespace)
         adapter_id = request.spec.adapter_id
-        if adapter_id is None:
-            space = BASE_MODEL_KEY_SPACE
-        elif content := self.host_adapters[adapter_id].content_sha256:
-            space = adapter_key_space(adapter_id, content)
-        else:
+        if adapter_id is None or request.adapter_from is None:
+            return block_keys(base, prompt, block)
+        adapter = self.host_adapters[adapter_id]
+        if not adapter.content_sha256:
             return None
-        return namespaced_key_space(space, request.spec.prefix_cache_namespace)
+        space = namespaced_key_space(adapter_key_space(adapter_id, adapter.content_sha256), namespace)
+        if adapter.invocation_tokens is None:
+            return block_keys(space, prompt, block)
+        return activated_block_keys(base, space, prompt, block, request.adapter_from)
 
     def _finish_unservable(self, request: EngineRequest) -> None:
         """Its prompt and output outgrew the whole pool: the pool is its context limit, so it ends

@@ -7,6 +7,11 @@ sha256 of its content, or the base model. So a block matches only when every tok
 and the adapter (this exact version of it) match: KV is never shared across adapters, nor across
 two versions of one adapter id (the bug class of llama.cpp#26207 and vllm#30931).
 
+An activated LoRA (aLoRA) is the base model before its invocation, so a request of one keys
+the blocks wholly before its activation position in the base model's key space (they are shared
+with base requests and with other aLoRA adapters' requests) and the rest in its adapter's,
+joined with that position (:func:`activated_block_keys`).
+
 A key space is also salted with the request's namespace, who may share its blocks (vLLM's
 ``cache_salt``, issue 50): the gateway names the tenant, or the salt a client passed. A cached
 prompt is a timing side channel (a hit's first token comes sooner), so by default it reaches
@@ -60,6 +65,29 @@ def block_keys(key_space: BlockKey, token_ids: Sequence[int], block_tokens: int)
         previous = hashlib.sha256(previous + b"".join(t.to_bytes(4, "little") for t in block)).digest()
         keys.append(previous)
     return keys
+
+
+def activated_block_keys(
+    base_space: BlockKey,
+    adapter_space: BlockKey,
+    token_ids: Sequence[int],
+    block_tokens: int,
+    adapter_from: int,
+) -> list[BlockKey]:
+    """The chain keys of an activated LoRA's prompt whose adapter applies from ``adapter_from``:
+    the blocks wholly before it in ``base_space`` (their KV is the base model's), then the rest
+    chained on from the last of those in ``adapter_space`` joined with ``adapter_from`` (their KV
+    depends on where the adapter starts, not only on the tokens: a later occurrence of the
+    invocation moves it)."""
+    split = adapter_from // block_tokens * block_tokens
+    keys = block_keys(base_space, token_ids[:split], block_tokens)
+    joined = hashlib.sha256(
+        b"loramesh/activated\0"
+        + adapter_space
+        + (keys[-1] if keys else base_space)
+        + adapter_from.to_bytes(8, "little")
+    ).digest()
+    return keys + block_keys(joined, token_ids[split:], block_tokens)
 
 
 @dataclass

@@ -11,12 +11,11 @@ is PEFT's own ``generate``: it finds the invocation in the prompt and keeps it w
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from support.alora_adapters import write_adapters
 
-from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -49,21 +48,19 @@ def loaded():
 
 
 @pytest.fixture(scope="module")
-def invocations(loaded) -> dict[str, list[int]]:
-    return {name: loaded.tokenizer.encode(text) for name, (_, text) in ADAPTERS.items() if text}
+def written(loaded, base_spec, tmp_path_factory):
+    """Each aLoRA's invocation tokens, and each adapter's directory."""
+    return write_adapters(tmp_path_factory.mktemp("alora-adapters"), base_spec, loaded.tokenizer, ADAPTERS)
 
 
 @pytest.fixture(scope="module")
-def adapter_dirs(base_spec, invocations, tmp_path_factory):
-    root = tmp_path_factory.mktemp("alora-adapters")
-    dirs = {}
-    for name, (sample, _) in ADAPTERS.items():
-        directory = dirs[name] = write_peft_adapter(root / name, base_spec, sample)
-        if name in invocations:
-            config_file = directory / "adapter_config.json"
-            config = json.loads(config_file.read_text())
-            config_file.write_text(json.dumps({**config, "alora_invocation_tokens": invocations[name]}))
-    return dirs
+def invocations(written) -> dict[str, list[int]]:
+    return written[0]
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(written):
+    return written[1]
 
 
 @pytest.fixture(scope="module")
