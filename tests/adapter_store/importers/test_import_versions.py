@@ -27,8 +27,9 @@ def test_reimport_keeps_unchanged_and_versions_changed_content(tmp_path, imports
     assert changed.changed and changed.record.version == 2 and changed.record.id != first.record.id
     assert changed.record.sha256 == hashlib.sha256(new_weights).hexdigest() != first.record.sha256
     assert stored(repository) == {"rows": 1, "blobs": 3}  # the config blob is the versions' one
-    assert collect_unreferenced_blobs(repository) == 1  # the old version's weights
-    assert stored(repository) == {"rows": 1, "blobs": 2}
+    # The old version is kept (--keep-versions): its weights stay until it is pruned.
+    assert collect_unreferenced_blobs(repository) == 0
+    assert [r.version for r in repository.retention.versions(TENANT, "a")] == [1, 2]
     assert bytes(repository.read_weights(changed.record)) == new_weights
 
 
