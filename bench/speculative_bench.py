@@ -7,7 +7,7 @@ first token to the last), the median of the ratio ngram/off, and the acceptance,
 two settings' tokens are the same. Engine-level (no gRPC, no gateway): a first figure, not the
 served bench the issue asks for.
 
-    .venv/bin/python -m bench.speculative_bench --rounds 4 --tokens 128
+    .venv/bin/python -m bench.speculative_bench --rounds 6 --tokens 96
 """
 
 from __future__ import annotations
