@@ -256,8 +256,11 @@ def first_ok_after(ops: Sequence[Op], moment: float) -> float | None:
 def run_round(run: OverlayRun, config: NemesisConfig) -> RoundResult:
     """The round: schedule, load, faults, heals, observations, verdict (also written to
     ``config.out``)."""
-    config.out.mkdir(parents=True, exist_ok=True)
     load_dir = config.out / "load"
+    if load_dir.is_dir() and any(load_dir.iterdir()):
+        # An earlier round's stop file would end this load at once, and its history would mix in.
+        raise ValueError(f"{config.out} holds an earlier round's results: give the round another directory")
+    config.out.mkdir(parents=True, exist_ok=True)
     load_dir.mkdir(exist_ok=True)
     shape, names = cluster_shape(run)
     schedule = fault_schedule(

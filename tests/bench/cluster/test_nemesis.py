@@ -3,10 +3,12 @@ and the stalls of the streams in flight; a failover line per kill kind; the verd
 
 from __future__ import annotations
 
+import pytest
+
 from bench.cluster.checker import check
 from bench.cluster.faults import Applied
 from bench.cluster.history import Op, OpKind, Outcome, Sampling
-from bench.cluster.nemesis import RoundResult, round_report
+from bench.cluster.nemesis import NemesisConfig, RoundResult, round_report, run_round
 from bench.cluster.observations import Heal
 from bench.cluster.schedule import Fault, NemesisKind
 
@@ -41,3 +43,11 @@ def test_the_report_names_each_fault_and_the_failover_stall_of_each_kill_kind():
         "(across it p50 0.7 s, p99 6.5 s)"
     )
     assert lines[-1] == result.verdict.summary
+
+
+def test_a_directory_holding_an_earlier_round_is_refused_before_anything_starts(tmp_path):
+    (tmp_path / "load").mkdir()
+    (tmp_path / "load" / "stop").touch()  # what an earlier round leaves: it would end the load at once
+    config = NemesisConfig((NemesisKind.KILL_POD,), 60.0, 1, "client", tmp_path)
+    with pytest.raises(ValueError, match="holds an earlier round's results"):
+        run_round(None, config)  # type: ignore[arg-type] - refused before the overlay is read
