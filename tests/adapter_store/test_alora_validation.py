@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 from support.adapter_bytes import with_config
+from support.polling import HANG_GUARD_S
 
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import ref_by_name, upload_requests
@@ -76,7 +77,7 @@ def test_a_bad_invocation_is_refused_naming_the_field(files, base_spec, changes,
 
 def test_the_invocation_reaches_the_worker_through_the_store(store_stub, files):
     registered = store_stub.RegisterAdapter(
-        upload_requests(files, "checker", "alice", types_pb2.VISIBILITY_PRIVATE), timeout=60
+        upload_requests(files, "checker", "alice", types_pb2.VISIBILITY_PRIVATE), timeout=HANG_GUARD_S
     ).adapter
     messages = list(store_stub.FetchAdapter(pb.FetchAdapterRequest(ref=ref_by_name("alice", "checker"))))
     header = messages[0].header
@@ -89,7 +90,7 @@ def test_the_invocation_reaches_the_worker_through_the_store(store_stub, files):
     bad = {CONFIG: with_config(files[CONFIG], alora_invocation_tokens=[]), WEIGHTS: files[WEIGHTS]}
     with pytest.raises(grpc.RpcError) as err:
         store_stub.RegisterAdapter(
-            upload_requests(bad, "bad", "alice", types_pb2.VISIBILITY_PRIVATE), timeout=60
+            upload_requests(bad, "bad", "alice", types_pb2.VISIBILITY_PRIVATE), timeout=HANG_GUARD_S
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "alora_invocation_tokens" in err.value.details()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from support.polling import HANG_GUARD_S
 
 from mesh_api.adapter_transfer import ref_by_name
 from mesh_api.upload_wire import upload_wire
@@ -15,7 +16,7 @@ from mesh_api.v1 import types_pb2
 
 def publish(stub, files, name="tuned") -> pb.RegisterAdapterResponse:
     messages = upload_wire(files, name, "alice", types_pb2.VISIBILITY_PRIVATE, new_version=True)
-    return stub.RegisterAdapter(map(pb.RegisterAdapterRequest.FromString, messages), timeout=60)
+    return stub.RegisterAdapter(map(pb.RegisterAdapterRequest.FromString, messages), timeout=HANG_GUARD_S)
 
 
 def test_a_publish_registers_a_name_then_its_next_versions(store_stub, seeded_files):
