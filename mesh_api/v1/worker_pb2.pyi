@@ -299,12 +299,14 @@ class OpenLendingLaneRequest(_message.Message):
     def __init__(self, debtor: _Optional[str] = ...) -> None: ...
 
 class OpenLendingLaneResponse(_message.Message):
-    __slots__ = ("path", "token")
+    __slots__ = ("path", "token", "tcp_port")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     path: str
     token: str
-    def __init__(self, path: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+    tcp_port: int
+    def __init__(self, path: _Optional[str] = ..., token: _Optional[str] = ..., tcp_port: _Optional[int] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
     __slots__ = ("debtor", "block_ids")
