@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bloramesh/v1/scheduler.proto\x12\x0bloramesh.v1\"\xc7\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nadapter_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x1f\n\x17\x66irst_token_deadline_ms\x18\x05 \x01(\x01\x12\x17\n\x0f\x65xclude_workers\x18\x06 \x03(\t\x12\x13\n\x0bprompt_text\x18\x07 \x01(\t\x12\x15\n\rprefer_worker\x18\x08 \x01(\t\"\x89\x01\n\rPlaceResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11\x65stimated_wait_ms\x18\x03 \x01(\x01\x12\x18\n\x10\x61\x64\x61pter_resident\x18\x04 \x01(\x08\x12\x1f\n\x17predicted_output_tokens\x18\x05 \x01(\r\"G\n\x17ReportCompletionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\"\x1a\n\x18ReportCompletionResponse\">\n\x0eMigrateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10target_worker_id\x18\x02 \x01(\t\"`\n\x0fMigrateResponse\x12\x18\n\x10source_worker_id\x18\x01 \x01(\t\x12\x18\n\x10target_worker_id\x18\x02 \x01(\t\x12\x19\n\x11worker_request_id\x18\x03 \x01(\t\"\x14\n\x12\x43lusterViewRequest\"\xde\x01\n\nWorkerView\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05queue\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x12\n\nfree_pages\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x19\n\x11resident_adapters\x18\x07 \x03(\t\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x1b\n\x13placed_since_report\x18\t \x01(\r\x12\x15\n\rreport_age_ms\x18\n \x01(\x01\"\xc4\x02\n\x11SchedulerActivity\x12\x18\n\x10migration_policy\x18\x01 \x01(\t\x12\x17\n\x0fprefetch_policy\x18\x02 \x01(\t\x12\x12\n\nmigrations\x18\x03 \x01(\x04\x12\x1a\n\x12migration_failures\x18\x04 \x01(\x04\x12\x12\n\nprefetches\x18\x05 \x01(\x04\x12\x19\n\x11prefetch_failures\x18\x06 \x01(\x04\x12\x18\n\x10rebalance_rounds\x18\x07 \x01(\x04\x12\x18\n\x10length_predictor\x18\x08 \x01(\t\x12\x13\n\x0bpredictions\x18\t \x01(\x04\x12\x1c\n\x14\x63ompletions_observed\x18\n \x01(\x04\x12\x1c\n\x14predictor_mae_tokens\x18\x0b \x01(\x01\x12\x18\n\x10predictor_refits\x18\x0c \x01(\x04\"q\n\x13\x43lusterViewResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.loramesh.v1.WorkerView\x12\x30\n\x08\x61\x63tivity\x18\x02 \x01(\x0b\x32\x1e.loramesh.v1.SchedulerActivity2\xc4\x02\n\tScheduler\x12>\n\x05Place\x12\x19.loramesh.v1.PlaceRequest\x1a\x1a.loramesh.v1.PlaceResponse\x12P\n\x0b\x43lusterView\x12\x1f.loramesh.v1.ClusterViewRequest\x1a .loramesh.v1.ClusterViewResponse\x12_\n\x10ReportCompletion\x12$.loramesh.v1.ReportCompletionRequest\x1a%.loramesh.v1.ReportCompletionResponse\x12\x44\n\x07Migrate\x12\x1b.loramesh.v1.MigrateRequest\x1a\x1c.loramesh.v1.MigrateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bloramesh/v1/scheduler.proto\x12\x0bloramesh.v1\"\xfb\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nadapter_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x1f\n\x17\x66irst_token_deadline_ms\x18\x05 \x01(\x01\x12\x17\n\x0f\x65xclude_workers\x18\x06 \x03(\t\x12\x13\n\x0bprompt_text\x18\x07 \x01(\t\x12\x15\n\rprefer_worker\x18\x08 \x01(\t\x12\x15\n\rprefix_blocks\x18\t \x03(\x0c\x12\x1b\n\x13prefix_block_tokens\x18\n \x01(\r\"\x89\x01\n\rPlaceResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11\x65stimated_wait_ms\x18\x03 \x01(\x01\x12\x18\n\x10\x61\x64\x61pter_resident\x18\x04 \x01(\x08\x12\x1f\n\x17predicted_output_tokens\x18\x05 \x01(\r\"G\n\x17ReportCompletionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\"\x1a\n\x18ReportCompletionResponse\">\n\x0eMigrateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10target_worker_id\x18\x02 \x01(\t\"`\n\x0fMigrateResponse\x12\x18\n\x10source_worker_id\x18\x01 \x01(\t\x12\x18\n\x10target_worker_id\x18\x02 \x01(\t\x12\x19\n\x11worker_request_id\x18\x03 \x01(\t\"\x14\n\x12\x43lusterViewRequest\"\xde\x01\n\nWorkerView\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05queue\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x12\n\nfree_pages\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x19\n\x11resident_adapters\x18\x07 \x03(\t\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x1b\n\x13placed_since_report\x18\t \x01(\r\x12\x15\n\rreport_age_ms\x18\n \x01(\x01\"\xc4\x02\n\x11SchedulerActivity\x12\x18\n\x10migration_policy\x18\x01 \x01(\t\x12\x17\n\x0fprefetch_policy\x18\x02 \x01(\t\x12\x12\n\nmigrations\x18\x03 \x01(\x04\x12\x1a\n\x12migration_failures\x18\x04 \x01(\x04\x12\x12\n\nprefetches\x18\x05 \x01(\x04\x12\x19\n\x11prefetch_failures\x18\x06 \x01(\x04\x12\x18\n\x10rebalance_rounds\x18\x07 \x01(\x04\x12\x18\n\x10length_predictor\x18\x08 \x01(\t\x12\x13\n\x0bpredictions\x18\t \x01(\x04\x12\x1c\n\x14\x63ompletions_observed\x18\n \x01(\x04\x12\x1c\n\x14predictor_mae_tokens\x18\x0b \x01(\x01\x12\x18\n\x10predictor_refits\x18\x0c \x01(\x04\"q\n\x13\x43lusterViewResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.loramesh.v1.WorkerView\x12\x30\n\x08\x61\x63tivity\x18\x02 \x01(\x0b\x32\x1e.loramesh.v1.SchedulerActivity2\xc4\x02\n\tScheduler\x12>\n\x05Place\x12\x19.loramesh.v1.PlaceRequest\x1a\x1a.loramesh.v1.PlaceResponse\x12P\n\x0b\x43lusterView\x12\x1f.loramesh.v1.ClusterViewRequest\x1a .loramesh.v1.ClusterViewResponse\x12_\n\x10ReportCompletion\x12$.loramesh.v1.ReportCompletionRequest\x1a%.loramesh.v1.ReportCompletionResponse\x12\x44\n\x07Migrate\x12\x1b.loramesh.v1.MigrateRequest\x1a\x1c.loramesh.v1.MigrateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loramesh.v1.scheduler_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PLACEREQUEST']._serialized_start=45
-  _globals['_PLACEREQUEST']._serialized_end=244
-  _globals['_PLACERESPONSE']._serialized_start=247
-  _globals['_PLACERESPONSE']._serialized_end=384
-  _globals['_REPORTCOMPLETIONREQUEST']._serialized_start=386
-  _globals['_REPORTCOMPLETIONREQUEST']._serialized_end=457
-  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_start=459
-  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_end=485
-  _globals['_MIGRATEREQUEST']._serialized_start=487
-  _globals['_MIGRATEREQUEST']._serialized_end=549
-  _globals['_MIGRATERESPONSE']._serialized_start=551
-  _globals['_MIGRATERESPONSE']._serialized_end=647
-  _globals['_CLUSTERVIEWREQUEST']._serialized_start=649
-  _globals['_CLUSTERVIEWREQUEST']._serialized_end=669
-  _globals['_WORKERVIEW']._serialized_start=672
-  _globals['_WORKERVIEW']._serialized_end=894
-  _globals['_SCHEDULERACTIVITY']._serialized_start=897
-  _globals['_SCHEDULERACTIVITY']._serialized_end=1221
-  _globals['_CLUSTERVIEWRESPONSE']._serialized_start=1223
-  _globals['_CLUSTERVIEWRESPONSE']._serialized_end=1336
-  _globals['_SCHEDULER']._serialized_start=1339
-  _globals['_SCHEDULER']._serialized_end=1663
+  _globals['_PLACEREQUEST']._serialized_end=296
+  _globals['_PLACERESPONSE']._serialized_start=299
+  _globals['_PLACERESPONSE']._serialized_end=436
+  _globals['_REPORTCOMPLETIONREQUEST']._serialized_start=438
+  _globals['_REPORTCOMPLETIONREQUEST']._serialized_end=509
+  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_start=511
+  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_end=537
+  _globals['_MIGRATEREQUEST']._serialized_start=539
+  _globals['_MIGRATEREQUEST']._serialized_end=601
+  _globals['_MIGRATERESPONSE']._serialized_start=603
+  _globals['_MIGRATERESPONSE']._serialized_end=699
+  _globals['_CLUSTERVIEWREQUEST']._serialized_start=701
+  _globals['_CLUSTERVIEWREQUEST']._serialized_end=721
+  _globals['_WORKERVIEW']._serialized_start=724
+  _globals['_WORKERVIEW']._serialized_end=946
+  _globals['_SCHEDULERACTIVITY']._serialized_start=949
+  _globals['_SCHEDULERACTIVITY']._serialized_end=1273
+  _globals['_CLUSTERVIEWRESPONSE']._serialized_start=1275
+  _globals['_CLUSTERVIEWRESPONSE']._serialized_end=1388
+  _globals['_SCHEDULER']._serialized_start=1391
+  _globals['_SCHEDULER']._serialized_end=1715
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "adapter_id", "prompt_tokens", "max_tokens", "first_token_deadline_ms", "exclude_workers", "prompt_text", "prefer_worker")
+    __slots__ = ("request_id", "adapter_id", "prompt_tokens", "max_tokens", "first_token_deadline_ms", "exclude_workers", "prompt_text", "prefer_worker", "prefix_blocks", "prefix_block_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class PlaceRequest(_message.Message):
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PREFER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     adapter_id: str
     prompt_tokens: int
@@ -24,7 +26,9 @@ class PlaceRequest(_message.Message):
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
     prompt_text: str
     prefer_worker: str
-    def __init__(self, request_id: _Optional[str] = ..., adapter_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., first_token_deadline_ms: _Optional[float] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., prompt_text: _Optional[str] = ..., prefer_worker: _Optional[str] = ...) -> None: ...
+    prefix_blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_block_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., adapter_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., first_token_deadline_ms: _Optional[float] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., prompt_text: _Optional[str] = ..., prefer_worker: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[bytes]] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
     __slots__ = ("worker_id", "address", "estimated_wait_ms", "adapter_resident", "predicted_output_tokens")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mesh_api.v1 import types_pb2
+from services.model_files.peft_format import PeftConfig
 from services.runtime.errors import InvalidArgument, NotFound
 
 
@@ -34,6 +35,9 @@ class ResolvedAdapter:
     """Its own chat template, uploaded with it; "": the base model's applies."""
     tool_use_chat_template: str
     """Its template for requests that offer tools; "": ``chat_template``."""
+    invocation_tokens: tuple[int, ...] | None = None
+    """An activated LoRA's invocation sequence (None: a standard LoRA): the prompt before it is
+    the base model's, so its cached blocks are named in the base model's key space."""
 
     @classmethod
     def of(cls, info: types_pb2.AdapterInfo) -> ResolvedAdapter:
@@ -47,6 +51,7 @@ class ResolvedAdapter:
             created_s=info.created_unix_ms // 1000,
             chat_template=info.chat_template,
             tool_use_chat_template=info.tool_use_chat_template,
+            invocation_tokens=_invocation_tokens(info.config_json),
         )
 
 
@@ -87,3 +92,15 @@ def chat_template(adapter: ResolvedAdapter | None, with_tools: bool = False) -> 
     if adapter is None:
         return None
     return (with_tools and adapter.tool_use_chat_template) or adapter.chat_template or None
+
+
+def _invocation_tokens(config_json: str) -> tuple[int, ...] | None:
+    """The aLoRA invocation of a registered adapter's config; None for a standard LoRA, or when
+    the info carries no config (a listing page's): its prefix is then named as a standard
+    LoRA's, which only misses base-model blocks it could have shared (never a wrong hit)."""
+    if not config_json:
+        return None
+    try:
+        return PeftConfig.from_json(config_json).invocation_tokens
+    except InvalidArgument:  # validated at registration: only a store of another version disagrees
+        return None

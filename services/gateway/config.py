@@ -36,6 +36,9 @@ class GatewayConfig(ServiceConfig):
     """Adapter store address; empty: discovered in etcd."""
     max_prompt_tokens: int = 4096
     """Longest prompt accepted, in tokens."""
+    prefix_block_tokens: int = 16
+    """Tokens per block of the prompt's block hashes sent with each placement, for the
+    scheduler's prefix-aware placement: the workers' ``--kv-block-tokens``; 0: none sent."""
     max_prompt_bytes: int = 2**20
     """Longest prompt accepted, in UTF-8 bytes, refused before any of it is tokenized: a
     prompt's text, or a chat's messages (contents and tool calls' arguments) together."""
@@ -78,7 +81,7 @@ class GatewayConfig(ServiceConfig):
             "chat_template_memory_mib",
         )
         require_positive(self, "chat_template_cpu_s")
-        require_at_least(self, 0, "max_model_len")
+        require_at_least(self, 0, "max_model_len", "prefix_block_tokens")
 
     def template_budget(self) -> TemplateBudget:
         """What one chat template render may spend."""

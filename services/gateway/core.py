@@ -25,6 +25,7 @@ from services.gateway.adapter_version import fingerprint
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.continuation import NOTHING_DELIVERED, Delivered, ModelTokens, resume_point
+from services.gateway.prefix_blocks import placement_prefix_blocks
 from services.gateway.prefix_cache_namespace import prefix_cache_namespace
 from services.gateway.relay import Relay, RelayRequest
 from services.gateway.request_metrics import BASE_MODEL, OK, RequestMetrics
@@ -273,6 +274,10 @@ class GatewayCore:
             start=start,
             prompt_text=await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids)),
             prefix_cache_namespace=namespace,
+            prefix_blocks=await asyncio.to_thread(
+                placement_prefix_blocks, prompt_ids, namespace, adapter, self.config.prefix_block_tokens
+            ),
+            prefix_block_tokens=self.config.prefix_block_tokens,
         )
         served = served_version(tenant, adapter)
         timer = self.metrics.start(tenant, f"{adapter.owner}/{adapter.name}" if adapter else BASE_MODEL)

@@ -75,6 +75,11 @@ class RelayRequest:
     prefix_cache_namespace: str = ""
     """Whose cached prompt KV it may share on the workers
     (:mod:`services.gateway.prefix_cache_namespace`)."""
+    prefix_blocks: tuple[bytes, ...] = ()
+    """The prompt's whole blocks as the workers' prefix caches name them, for prefix-aware
+    placement (:func:`services.gateway.prefix_blocks.placement_prefix_blocks`); (): none."""
+    prefix_block_tokens: int = 0
+    """Tokens in each of ``prefix_blocks``."""
 
 
 @dataclass
@@ -172,6 +177,8 @@ class Relay:
                 exclude_workers=run.excluded,
                 prompt_text=request.prompt_text if not run.placements else "",
                 prefer_worker=run.prefer,
+                prefix_blocks=request.prefix_blocks,
+                prefix_block_tokens=request.prefix_block_tokens,
             )
         )
         if not run.placements:

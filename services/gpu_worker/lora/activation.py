@@ -12,20 +12,7 @@ original prompt only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+# One implementation, shared with the gateway, which names a request's prefix blocks for placement.
+from services.runtime.prefix_keys import activation_start
 
-
-def activation_start(prompt_ids: Sequence[int], invocation_tokens: Sequence[int] | None) -> int | None:
-    """The first position the adapter's weights apply to: 0 for a standard LoRA
-    (``invocation_tokens`` None), the start of the last occurrence of ``invocation_tokens`` in
-    ``prompt_ids`` for an aLoRA, None when the prompt does not hold them (never applied)."""
-    if invocation_tokens is None:
-        return 0
-    invocation = tuple(invocation_tokens)
-    width = len(invocation)
-    first = invocation[0]
-    prompt = tuple(prompt_ids)
-    for start in range(len(prompt) - width, -1, -1):
-        if prompt[start] == first and prompt[start : start + width] == invocation:
-            return start
-    return None
+__all__ = ["activation_start"]

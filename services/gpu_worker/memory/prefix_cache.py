@@ -26,68 +26,32 @@ preempted. Cached blocks are read-only: a request writes only to its own blocks.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.eviction import EvictionPolicy, LRUEviction
+from services.runtime.prefix_keys import (  # the keys' one implementation, shared with the gateway
+    BASE_MODEL_KEY_SPACE,
+    BlockKey,
+    activated_block_keys,
+    adapter_key_space,
+    block_keys,
+    namespaced_key_space,
+)
 
-BlockKey = bytes
-"""A cached block's chain hash (sha256 digest)."""
-
-BASE_MODEL_KEY_SPACE: BlockKey = hashlib.sha256(b"loramesh/base-model").digest()
-"""The key space of requests without an adapter."""
-
-
-def adapter_key_space(adapter_id: str, content_sha256: str) -> BlockKey:
-    """The key space of an adapter's requests: its id and the sha256 of its content, so a new
-    version of the same id shares nothing with the old one."""
-    return hashlib.sha256(f"loramesh/adapter\0{adapter_id}\0{content_sha256}".encode()).digest()
-
-
-def namespaced_key_space(key_space: BlockKey, namespace: str) -> BlockKey:
-    """``key_space`` within ``namespace`` (who may share its blocks: ``tenant:<id>`` or
-    ``salt:<cache_salt>``, as the gateway names them); the empty namespace leaves it as it is.
-    ``key_space`` has a fixed length after the namespace, so two namespaces never make one key."""
-    if not namespace:
-        return key_space
-    named = namespace.encode("utf-8", "surrogatepass")
-    return hashlib.sha256(b"loramesh/prefix-namespace\0" + named + b"\0" + key_space).digest()
-
-
-def block_keys(key_space: BlockKey, token_ids: Sequence[int], block_tokens: int) -> list[BlockKey]:
-    """The chain keys of the whole blocks of ``token_ids`` (a partial last block has none)."""
-    keys, previous = [], key_space
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        block = token_ids[start : start + block_tokens]
-        previous = hashlib.sha256(previous + b"".join(t.to_bytes(4, "little") for t in block)).digest()
-        keys.append(previous)
-    return keys
-
-
-def activated_block_keys(
-    base_space: BlockKey,
-    adapter_space: BlockKey,
-    token_ids: Sequence[int],
-    block_tokens: int,
-    adapter_from: int,
-) -> list[BlockKey]:
-    """The chain keys of an activated LoRA's prompt whose adapter applies from ``adapter_from``:
-    the blocks wholly before it in ``base_space`` (their KV is the base model's), then the rest
-    chained on from the last of those in ``adapter_space`` joined with ``adapter_from`` (their KV
-    depends on where the adapter starts, not only on the tokens: a later occurrence of the
-    invocation moves it)."""
-    split = adapter_from // block_tokens * block_tokens
-    keys = block_keys(base_space, token_ids[:split], block_tokens)
-    joined = hashlib.sha256(
-        b"loramesh/activated\0"
-        + adapter_space
-        + (keys[-1] if keys else base_space)
-        + adapter_from.to_bytes(8, "little")
-    ).digest()
-    return keys + block_keys(joined, token_ids[split:], block_tokens)
+__all__ = [
+    "BASE_MODEL_KEY_SPACE",
+    "BlockKey",
+    "CachedBlock",
+    "PrefixCache",
+    "PrefixCacheStats",
+    "activated_block_keys",
+    "adapter_key_space",
+    "block_keys",
+    "namespaced_key_space",
+]
 
 
 @dataclass
