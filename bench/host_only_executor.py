@@ -1,0 +1,62 @@
+"""A device-free executor: the GPU path's host work for a step, with the kernels left out.
+
+On a GPU the worker's step is host work (turning the engine's :class:`StepPlan` into the model's
+inputs: token indices, KV write rows, block tables, LoRA segment tables) followed by kernels. The
+host part is what bounded the worker on the one H100 this project had (issue 55), and it runs the
+same on a CPU: this executor runs exactly that part, through the production code
+(``services/gpu_worker/executor/``), and stops where the model's kernels would start. Adapters
+are placed by the real :class:`AdapterResidency` with their rows left unwritten (the kernels that
+would read them never run), so 128 adapters cost page ids, not gigabytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
+from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.executor.step_builder import StepBuilder
+from services.gpu_worker.lora.host_adapter import HostAdapter
+from services.gpu_worker.memory.adapter_residency import AdapterResidency, ResidentAdapter
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.gpu_worker.model.step_batch import StepBatch
+from services.model_files.model_config import BaseModelSpec
+
+
+@dataclass(frozen=True)
+class ConfigOnlyModel:
+    """What the step builder reads of a model: its dimensions (no weights are loaded)."""
+
+    config: BaseModelSpec
+
+
+class HostOnlyExecutor:
+    """Builds each plan's :class:`StepBatch` as the GPU path does; runs no kernel."""
+
+    def __init__(self, config: BaseModelSpec, pool_pages: int, kv_block_tokens: int = 16):
+        layout = PoolLayout(
+            num_pages=pool_pages,
+            kv_block_tokens=kv_block_tokens,
+            kv_dim=config.num_kv_heads * config.head_dim,
+            num_layers=config.num_layers,
+        )
+        # torch.zeros maps untouched pages lazily: the pool costs only the pages written.
+        self.view = PoolView.zeros(layout, torch.bfloat16)
+        self.pool = UnifiedPool(self.view)
+        self.residency = AdapterResidency(self.pool, write=lambda adapter, resident: None)
+        self.builder = StepBuilder(ConfigOnlyModel(config), self.view)
+        self._resident: dict[str, ResidentAdapter] = {}
+
+    def place(self, adapter: HostAdapter, adapter_id: str) -> ResidentAdapter:
+        """Place ``adapter``'s rows under ``adapter_id`` (as the engine's pager would) and make
+        its row offsets, as the copier does before a plan may name it."""
+        resident = self.residency.load(replace(adapter, adapter_id=adapter_id))
+        resident.materialize()
+        self._resident[adapter_id] = resident
+        return resident
+
+    def execute(self, plan: StepPlan) -> StepBatch:
+        """The step's inputs, as the model would receive them."""
+        return self.builder.build(plan, self._resident.get)
