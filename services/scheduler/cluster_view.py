@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any
+
+from services.scheduler.prefix_index import PrefixIndex
 
 log = logging.getLogger("loramesh.scheduler.view")
 
@@ -69,6 +71,14 @@ class ClusterSnapshot:
     predicted_output_tokens: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     """worker id -> mean predicted length of its unfinished requests, where a length predictor
     runs (``--length-predictor``); absent: the wait model's ``mean_output_tokens``."""
+    prefix_hit_tokens: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """worker id -> prompt tokens of the request being placed that the worker likely holds in
+    its prefix cache (the scheduler's :class:`~services.scheduler.prefix_index.PrefixIndex`);
+    absent: none. Only for the one request the snapshot was taken for."""
+
+    def hit_tokens(self, worker_id: str) -> int:
+        """Prompt tokens of the request being placed likely cached on ``worker_id``."""
+        return self.prefix_hit_tokens.get(worker_id, 0)
 
     @cached_property
     def _by_id(self) -> dict[str, WorkerState]:
@@ -99,6 +109,10 @@ class ClusterSnapshot:
     def with_predicted_lengths(self, means: Mapping[str, float]) -> ClusterSnapshot:
         """The same snapshot with the predictor's per-worker mean lengths."""
         return replace(self, predicted_output_tokens=MappingProxyType(dict(means)))
+
+    def with_prefix_hits(self, hit_tokens: Mapping[str, int]) -> ClusterSnapshot:
+        """The same snapshot with the likely cached prompt tokens of one request per worker."""
+        return replace(self, prefix_hit_tokens=MappingProxyType(dict(hit_tokens)))
 
     @classmethod
     def of(
@@ -157,11 +171,15 @@ class ClusterView:
       is dropped at once, with its placements;
     - :meth:`update_loads` takes the current load reports; a report with a newer ``ts`` than the
       one held resets that worker's placed-since-report count (the report now includes them);
-    - :meth:`record_placement` counts one request placed on a worker.
+    - :meth:`record_placement` counts one request placed on a worker, and with a
+      ``prefix_index`` (prefix-aware placement) remembers its prompt blocks there; a worker that
+      leaves takes its blocks with it.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time):
+    def __init__(self, clock: Callable[[], float] = time.time, prefix_index: PrefixIndex | None = None):
         self._clock = clock
+        self.prefix_index = prefix_index
+        """Where this scheduler sent which prompt blocks; None: not kept (no policy reads it)."""
         self._addresses: dict[str, str] = {}
         self._reports: dict[str, Mapping[str, Any]] = {}
         self._report_ts: dict[str, float] = {}
@@ -181,6 +199,8 @@ class ClusterView:
         for worker_id in gone:
             self._placed.pop(worker_id, None)
             self._placed_adapters.pop(worker_id, None)
+            if self.prefix_index is not None:
+                self.prefix_index.forget(worker_id)
             log.info("worker %s left the cluster", worker_id)
         for worker_id in addresses.keys() - self._addresses.keys():
             log.info("worker %s joined at %s", worker_id, addresses[worker_id])
@@ -201,15 +221,35 @@ class ClusterView:
             self._report_ts.pop(worker_id, None)
         self._reports = dict(reports)
         self._states = {}
+        if self.prefix_index is not None:  # with the reports (every ≤1 s), not per placement
+            self.prefix_index.expire()
 
-    def record_placement(self, worker_id: str, adapter_id: str = "") -> None:
-        """Count one request placed on ``worker_id`` (for ``adapter_id``; empty: base model)."""
+    def record_placement(
+        self, worker_id: str, adapter_id: str = "", prefix_blocks: Sequence[bytes] = ()
+    ) -> None:
+        """Count one request placed on ``worker_id`` (for ``adapter_id``; empty: base model),
+        whose prompt's blocks are ``prefix_blocks`` (the worker will cache them)."""
         if worker_id not in self._addresses:
             return  # the worker left between the snapshot and now: nothing to account for
         self._placed[worker_id] = self._placed.get(worker_id, 0) + 1
         if adapter_id:
             self._placed_adapters.setdefault(worker_id, set()).add(adapter_id)
+        if self.prefix_index is not None:
+            self.prefix_index.record(worker_id, prefix_blocks)
         self.placements_total += 1
+
+    def snapshot_for(
+        self, prefix_blocks: Sequence[bytes], block_tokens: int, prompt_tokens: int
+    ) -> ClusterSnapshot:
+        """:meth:`snapshot` with the prompt tokens a request whose blocks are ``prefix_blocks``
+        likely finds cached on each worker: whole blocks, less the prompt's last token, which a
+        worker always computes. A plain snapshot without a prefix index or blocks."""
+        snapshot = self.snapshot()
+        if self.prefix_index is None or not prefix_blocks or block_tokens <= 0:
+            return snapshot
+        blocks = self.prefix_index.hits(self._addresses, prefix_blocks)
+        most = max(0, prompt_tokens - 1) if prompt_tokens else len(prefix_blocks) * block_tokens
+        return snapshot.with_prefix_hits({w: min(n * block_tokens, most) for w, n in blocks.items()})
 
     def snapshot(self) -> ClusterSnapshot:
         """An immutable copy of the current state."""

@@ -14,7 +14,9 @@ class SchedulerConfig(ServiceConfig):
 
     placement: str = "least-estimated-wait"
     """Placement policy: ``least-estimated-wait`` (dLoRA proactive dispatch: queue + adapter load),
-    ``least-loaded`` (fewest queued + running requests) or ``round-robin``."""
+    ``prefix-aware`` (that, plus the prompt prefix each worker likely holds in its prefix cache,
+    against load imbalance: ``--prefix-*``), ``least-loaded`` (fewest queued + running requests)
+    or ``round-robin``."""
     migration: str = "none"
     """Migration policy: ``none``, ``co-migration`` (dLoRA's relaxed LP over the top-K replicas),
     ``pets`` (PetS greedy balancing, adaptive interval) or ``batch-balancing`` (running requests
@@ -54,12 +56,31 @@ class SchedulerConfig(ServiceConfig):
     start_timeout_s: float = 10.0
     """How long start-up waits for the first listing of workers from etcd before failing."""
 
+    prefix_prefill_ms_per_token: float = 1.0
+    """With ``prefix-aware``: what prefilling one prompt token costs a worker (ms), turning the
+    tokens a cached prefix saves into time (docs/architecture.md, prefix-aware placement)."""
+    prefix_imbalance_ms_per_request: float = 50.0
+    """With ``prefix-aware``: the cost (ms) of each request a worker has above the least-loaded
+    one, against piling a popular prefix's requests onto its holder."""
+    prefix_index_blocks: int = 16384
+    """With ``prefix-aware``: prompt blocks remembered per worker (least recently placed go first)."""
+    prefix_index_ttl_s: float = 600.0
+    """With ``prefix-aware``: a block not placed again on a worker for this long counts as evicted."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         require_at_least(
-            self, 1, "max_running_hint", "max_queue_per_worker", "predictor_bootstrap_completions"
+            self,
+            1,
+            "max_running_hint",
+            "max_queue_per_worker",
+            "predictor_bootstrap_completions",
+            "prefix_index_blocks",
         )
         require_at_least(self, 0, "per_request_step_ms", "adapter_load_ms", "default_deadline_ms")
+        require_at_least(self, 0, "prefix_prefill_ms_per_token", "prefix_imbalance_ms_per_request")
         # Windows, rates and deadlines: zero would divide by it, or give up before asking.
         require_positive(self, "demand_window_s", "worker_call_deadline_s", "mean_output_tokens")
-        require_positive(self, "default_service_ms", "min_tokens_per_s", "start_timeout_s")
+        require_positive(
+            self, "default_service_ms", "min_tokens_per_s", "start_timeout_s", "prefix_index_ttl_s"
+        )

@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from services.runtime.errors import InvalidArgument, Unavailable
 from services.scheduler.cluster_view import ClusterSnapshot, WorkerState
 
+MAX_PREFIX_BLOCKS = 65536
+"""Prompt blocks one placement may name (a million tokens of 16-token blocks): bounds the work
+and memory one request may cost the prefix index."""
+MAX_PREFIX_BLOCK_BYTES = 64
+"""Longest block hash accepted (the gateway's are sha256 digests, 32 bytes)."""
+
 
 @dataclass(frozen=True)
 class PlacementRequest:
@@ -37,8 +43,24 @@ class PlacementRequest:
     """Size of the adapter's weights when the caller knows it (0: unknown)."""
     prefer_worker: str = ""
     """A migration's target: placed there when it is eligible and open, whatever the policy."""
+    prefix_blocks: tuple[bytes, ...] = ()
+    """Chain hashes of the prompt's whole blocks as the workers' prefix caches name them (the
+    gateway's; :mod:`services.scheduler.prefix_index`); (): none."""
+    prefix_block_tokens: int = 0
+    """Tokens in each of ``prefix_blocks``."""
 
     def __post_init__(self) -> None:
+        if self.prefix_blocks and self.prefix_block_tokens < 1:
+            raise InvalidArgument(
+                f"prefix_block_tokens must be >= 1 with {len(self.prefix_blocks)} prefix_blocks, "
+                f"got {self.prefix_block_tokens}"
+            )
+        if len(self.prefix_blocks) > MAX_PREFIX_BLOCKS:
+            raise InvalidArgument(
+                f"prefix_blocks holds {len(self.prefix_blocks)} blocks; the limit is {MAX_PREFIX_BLOCKS}"
+            )
+        if any(len(block) > MAX_PREFIX_BLOCK_BYTES for block in self.prefix_blocks):
+            raise InvalidArgument(f"a prefix_blocks hash is over {MAX_PREFIX_BLOCK_BYTES} bytes")
         deadline = self.first_token_deadline_ms
         if not math.isfinite(deadline) or deadline < 0:
             raise InvalidArgument(f"first_token_deadline_ms must be >= 0 (0: none), got {deadline}")
@@ -64,6 +86,8 @@ class PlacementDecision:
     """The adapter-loading part of the estimate (0 when resident)."""
     ahead: int = 0
     """Requests estimated to finish before this one gets a slot."""
+    cached_prefix_tokens: int = 0
+    """Prompt tokens the worker likely holds in its prefix cache (the scheduler's prefix index)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +198,7 @@ class WaitModel:
             queue_wait_ms=queue_ms,
             adapter_load_ms=load_ms,
             ahead=ahead,
+            cached_prefix_tokens=snapshot.hit_tokens(worker.worker_id),
         )
 
 

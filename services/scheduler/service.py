@@ -23,7 +23,9 @@ from services.scheduler.cluster_view import ClusterView
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live_prediction import make_length_predictions, prediction_report
 from services.scheduler.placement import WaitModel
-from services.scheduler.policies import make_migration, make_placement, make_prefetch
+from services.scheduler.policies import make_migration, make_placement, make_prefetch, uses_prefix_index
+from services.scheduler.policies.prefix_aware import PrefixAwareConfig
+from services.scheduler.prefix_index import PrefixIndex, PrefixIndexConfig
 from services.scheduler.rebalancing import DemandWindow, Rebalancer
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.worker_control import GrpcWorkerControl
@@ -52,8 +54,16 @@ class SchedulerService:
             default_service_ms=config.default_service_ms,
             max_running_hint=config.max_running_hint,
         )
-        self.view = ClusterView()
-        self.policy = make_placement(config.placement, model)
+        self.policy = make_placement(
+            config.placement,
+            model,
+            PrefixAwareConfig(
+                prefill_ms_per_token=config.prefix_prefill_ms_per_token,
+                imbalance_ms_per_request=config.prefix_imbalance_ms_per_request,
+            ),
+        )
+        index = PrefixIndexConfig(config.prefix_index_blocks, config.prefix_index_ttl_s)
+        self.view = ClusterView(prefix_index=PrefixIndex(index) if uses_prefix_index(self.policy) else None)
         self.channels = ChannelPool(config.tls())
         self.rebalancer = Rebalancer(
             GrpcWorkerControl(self.channels, config.worker_call_deadline_s),
@@ -161,5 +171,6 @@ class SchedulerService:
             "prefetch_failures": done.prefetch_failures,
             "rebalance_rounds": done.rounds,
             "rebalance_leader": int(self.election is not None and self.election.is_leader),
+            "prefix_index_blocks": 0 if self.view.prefix_index is None else self.view.prefix_index.size(),
             **({} if self.predictions is None else prediction_report(self.predictions)),
         }

@@ -25,7 +25,12 @@ log = logging.getLogger("loramesh.scheduler")
 
 
 def request_from_proto(request: pb.PlaceRequest) -> PlacementRequest:
-    return dataclass_of(PlacementRequest, request, exclude_workers=frozenset(request.exclude_workers))
+    return dataclass_of(
+        PlacementRequest,
+        request,
+        exclude_workers=frozenset(request.exclude_workers),
+        prefix_blocks=tuple(request.prefix_blocks),
+    )
 
 
 def placement_to_proto(placement: PlacementDecision) -> pb.PlaceResponse:
@@ -67,7 +72,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Place(self, request: pb.PlaceRequest, context) -> pb.PlaceResponse:
         wanted = request_from_proto(request)
-        snapshot, predicted = self.view.snapshot(), 0
+        snapshot = self.view.snapshot_for(
+            wanted.prefix_blocks, wanted.prefix_block_tokens, wanted.prompt_tokens
+        )
+        predicted = 0
         if self.predictions is not None:
             if request.prompt_text:  # a first placement (resumes and migrations carry none)
                 predicted = await asyncio.to_thread(
@@ -79,14 +87,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 )
             snapshot = snapshot.with_predicted_lengths(self.predictions.outstanding_means())
         placement = self.admission.place(self.policy, snapshot, wanted)
-        self.view.record_placement(placement.worker_id, wanted.adapter_id)
+        self.view.record_placement(placement.worker_id, wanted.adapter_id, wanted.prefix_blocks)
         self.rebalancer.demand.record(placement.worker_id, wanted.adapter_id)
         if self.predictions is not None:
             self.predictions.placed(request.request_id, placement.worker_id)
         log.debug(
-            "placed %s (adapter %r) on %s: wait %.1f ms, resident %s",
+            "placed %s (adapter %r) on %s: wait %.1f ms, resident %s, cached prefix ~%d tokens",
             wanted.request_id, wanted.adapter_id, placement.worker_id,
-            placement.estimated_wait_ms, placement.adapter_resident,
+            placement.estimated_wait_ms, placement.adapter_resident, placement.cached_prefix_tokens,
         )  # fmt: skip
         reply = placement_to_proto(placement)
         reply.predicted_output_tokens = predicted

@@ -69,7 +69,7 @@ def test_every_policy_is_unavailable_without_workers_and_named_as_registered(nam
 
 
 def test_unknown_policy_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="least-estimated-wait, least-loaded, round-robin"):
+    with pytest.raises(ValueError, match="least-estimated-wait, least-loaded, prefix-aware, round-robin"):
         make_placement("random", MODEL)
 
 

@@ -16,23 +16,32 @@ from services.scheduler.policies.interface import PlacementPolicy
 from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
 from services.scheduler.policies.least_loaded import LeastLoaded
 from services.scheduler.policies.pets_balancing import PetsBalancing
+from services.scheduler.policies.prefix_aware import PrefixAware, PrefixAwareConfig
 from services.scheduler.policies.replica_load import MigrationPolicy, PrefetchPolicy
 from services.scheduler.policies.round_robin import RoundRobin
 
-PLACEMENT_POLICIES: dict[str, type[LeastEstimatedWait | LeastLoaded | RoundRobin]] = {
-    cls.name: cls for cls in (LeastEstimatedWait, LeastLoaded, RoundRobin)
+PLACEMENT_POLICIES: dict[str, type[LeastEstimatedWait | LeastLoaded | PrefixAware | RoundRobin]] = {
+    cls.name: cls for cls in (LeastEstimatedWait, LeastLoaded, PrefixAware, RoundRobin)
 }
 """``--placement`` name -> policy class (each takes the shared :class:`WaitModel`)."""
 
 
-def make_placement(name: str, model: WaitModel | None = None) -> PlacementPolicy:
-    """A fresh placement policy by name; ValueError naming the known ones otherwise."""
+def make_placement(
+    name: str, model: WaitModel | None = None, prefix: PrefixAwareConfig | None = None
+) -> PlacementPolicy:
+    """A fresh placement policy by name (``prefix``: prefix-aware's weights, default ones when
+    None); ValueError naming the known ones otherwise."""
     try:
         cls = PLACEMENT_POLICIES[name]
     except KeyError:
         known = ", ".join(sorted(PLACEMENT_POLICIES))
         raise ValueError(f"unknown placement policy {name!r}; known: {known}") from None
-    return cls(model)
+    return PrefixAware(model, prefix) if cls is PrefixAware else cls(model)
+
+
+def uses_prefix_index(policy: PlacementPolicy) -> bool:
+    """The policy reads the snapshot's prefix hits: the scheduler keeps a prefix index for it."""
+    return isinstance(policy, PrefixAware)
 
 
 def _co_migration() -> MigrationPolicy:
