@@ -24,11 +24,12 @@ class MeshSettings:
     workers: int = 3
     """gpu_workers of the mesh."""
     lending_lane: str = "shared-memory"
-    """Every worker's ``--lending-lane``: how a debtor reaches its creditors on this host."""
+    """Every worker's ``--lending-lane``: the first lane a debtor tries to its creditors."""
     creditor_host: str = ""
-    """Host the workers after the first advertise (``--advertise-host``), with their own ports:
-    another loopback address where a delaying proxy forwards to them, so that a debtor's lending
-    calls cross a link with latency (empty: they advertise where they listen)."""
+    """Host the workers after the first advertise (``--advertise-host``), with their own ports
+    (gRPC's, and the TCP lending lane's, which the mesh then chooses): another loopback address
+    where a delaying proxy forwards to them, so that a debtor's lending calls cross a link with
+    latency (empty: they advertise where they listen)."""
 
 
 @dataclass(frozen=True)

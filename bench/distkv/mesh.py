@@ -13,6 +13,7 @@ from typing import Self
 from bench.distkv.config import MeshSettings
 from services.runtime.etcd.etcd_server import EtcdServer
 from services.runtime.etcd.membership import MembershipConfig, read_loads
+from services.runtime.process.ports import free_port
 from services.runtime.process.process import ServiceProcess
 
 READY_GUARD_S = 300.0
@@ -57,6 +58,9 @@ class Mesh:
         self.etcd: EtcdServer | None = None
         self.workers: list[ServiceProcess] = []
         self.worker_ids: list[str] = []
+        self.lane_ports: list[int] = []
+        """Each worker's TCP lending lane port, chosen here with ``creditor_host`` (the proxy
+        forwards it), else empty (any free port)."""
         self.kv_manager: ServiceProcess | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="distkv-bench-")
 
@@ -99,6 +103,9 @@ class Mesh:
             ]  # fmt: skip
             if index and settings.creditor_host:
                 flags += ["--advertise-host", settings.creditor_host]
+            if settings.creditor_host:
+                self.lane_ports.append(free_port())
+                flags += ["--lending-lane-port", str(self.lane_ports[-1])]
             log_path = self.log_dir / f"{worker_id}.log"
             self.workers.append(ServiceProcess("gpu_worker", flags, log_path=log_path).start())
             self.worker_ids.append(worker_id)

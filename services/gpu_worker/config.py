@@ -56,12 +56,17 @@ class WorkerConfig(ServiceConfig):
     hidden size (SmolLM2-135M: 1 or 3); a bad degree is refused at start with the sharding
     module's message. With N > 1: no dlora (fcfs), no KV borrowing (preempt), no lending."""
     lending_lane: str = "shared-memory"
-    """How a borrowing step reaches a creditor on the same host. shared-memory (default): the
+    """The first lane a borrowing step tries to reach a creditor. shared-memory (default): the
     creditor's pool is mapped and the borrowed blocks are written and attended over in place, no
     call per layer (CPU pools; with --tls the socket instead, since a mapped pool is readable
     whole); socket: the per-layer attention and KV writes over the creditor's Unix-socket lane
-    (~25 µs a round trip instead of 1–2 ms over gRPC); off: every lending call over gRPC. Lanes
-    are opened with the mTLS-checked OpenLendingLane RPC; see services/gpu_worker/distkv/transport/lending_lane.py."""
+    (~25 µs a round trip instead of 1–2 ms over gRPC); tcp: over its TCP lane, even on one host;
+    off: every lending call over gRPC. A creditor that the first lane cannot reach (another
+    host or pod) is reached over its TCP lane (mutual TLS with --tls), else gRPC. Lanes are
+    opened with the mTLS-checked OpenLendingLane RPC; see services/gpu_worker/distkv/transport/lending_lane.py."""
+    lending_lane_port: int = 0
+    """TCP port of this worker's lending lane between hosts, on --host (0: any free port; a
+    NetworkPolicy must let the other workers reach it, else they keep gRPC)."""
     topology: str = ""
     """Locality label (node, rack, zone): the kv_manager suggests creditors with the same label first."""
     kv_manager: str = ""
@@ -78,7 +83,7 @@ class WorkerConfig(ServiceConfig):
         require_at_least(self, 1, "tp", "metric_adapter_labels")
         require_positive(self, "pool_mib")
         require_at_least(self, 1, "kv_block_tokens", "max_running", "max_prefill_tokens", "loan_wait_rounds")
-        require_at_least(self, 0, "threads", "host_cache_mib", "pin_refresh_s")
+        require_at_least(self, 0, "threads", "host_cache_mib", "pin_refresh_s", "lending_lane_port")
         require_at_least(self, -1, "lend_cap_blocks")
         require_choice(self, "quantization", QUANTIZATION_CHOICES)
         require_choice(self, "lending_lane", LANE_MODES)

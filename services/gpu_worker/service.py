@@ -181,7 +181,10 @@ class WorkerService:
             log.info("deterministic serving: batch-invariant numerics")
         self.servicer.attach(engine, loader, describe)
         if lane != "off" and engine.lending.max_lent_blocks:
-            self.servicer.lane = LaneServer(engine.lending, engine.pool.device, shared_pool=engine.pool)
+            self.servicer.lane = LaneServer(
+                engine.lending, engine.pool.device, shared_pool=engine.pool,
+                tcp_host=cfg.host, tcp_port=cfg.lending_lane_port, tls=cfg.tls(),
+            )  # fmt: skip
         log.info(
             "model %s on %s (%s, base weights %s); pool %d pages of %d elements",
             loaded.config.name, device, describe["dtype"], _weights_format(quantization),

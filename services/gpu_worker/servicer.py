@@ -280,7 +280,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         _, debtor = self._lending(request.debtor)
         if self.lane is None:
             return worker_pb2.OpenLendingLaneResponse()
-        return worker_pb2.OpenLendingLaneResponse(path=self.lane.path, token=self.lane.issue(debtor))
+        return worker_pb2.OpenLendingLaneResponse(
+            path=self.lane.path, token=self.lane.issue(debtor), tcp_port=self.lane.tcp_port
+        )
 
     async def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context):
         lending, debtor = self._lending(request.debtor)

@@ -29,6 +29,7 @@ from services.gpu_worker.distkv.distkv_meter import DistKvMeter
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, KvRows
 from services.gpu_worker.distkv.remote_block_allocator import Pending, done
 from services.gpu_worker.distkv.shared_creditor_pool import SharedCreditorPool
+from services.gpu_worker.distkv.transport import tcp_lane
 from services.gpu_worker.distkv.transport.lending_lane import ATTEND, WRITE, LaneClient
 from services.gpu_worker.distkv.transport.lending_proto import (
     layout_from_proto,
@@ -111,14 +112,16 @@ class GrpcCreditorTransport:
     ):
         """``meter``: where the bytes sent and received are counted (the debtor's; None: one of
         its own). ``deadline_s`` bounds each call: a creditor that hangs is treated as dead, not
-        waited on. ``tls``: the worker's mutual TLS settings. ``lane``: how to reach a creditor on
-        the same host (``lane_modes.LANE_MODES``): its pool mapped when it shares one in
-        ``dtype`` (our KV's), else its Unix socket, else gRPC; "off": always gRPC."""
+        waited on. ``tls``: the worker's mutual TLS settings (the TCP lane's too). ``lane``: how
+        to reach the creditor (``lane_modes.LANE_MODES``): its pool mapped when it shares one in
+        ``dtype`` (our KV's), else its Unix socket (same host), else its TCP lane, else gRPC;
+        "socket" starts at the Unix socket, "tcp" at the TCP lane; "off": always gRPC."""
         self.creditor = creditor
         self.address = address
         self.layout = layout
         self.meter = meter if meter is not None else DistKvMeter()
         self.deadline_s = deadline_s
+        self.tls = tls
         self._channel = sync_channel(address, tls, LENDING_CHANNEL_OPTIONS)
         self._calls = {name: self._counted_call(name, reply) for name, reply in _LENDING_REPLIES.items()}
         self.dtype = dtype
@@ -149,7 +152,12 @@ class GrpcCreditorTransport:
 
     def _lane_of(self, debtor: str) -> LaneClient | None:
         """The creditor's lane for ``debtor``, opened at the first call that can take it; None
-        where it has none (another host, lanes off, or it could not be opened: gRPC then)."""
+        where it has none (lanes off, or it could not be opened: gRPC then). A TCP lane that
+        failed is opened anew at the next call: a reset connection or a healed partition does
+        not leave a live creditor unreachable (the calls it failed were recomputed)."""
+        if self._lane is not None and self._lane.remote and self._lane.broken:
+            self._lane.close()
+            self._lane, self._lane_asked = None, False
         if self._lane_asked:
             return self._lane
         self._lane_asked = True
@@ -157,14 +165,34 @@ class GrpcCreditorTransport:
             reply = self._call(
                 self._calls["OpenLendingLane"], worker_pb2.OpenLendingLaneRequest(debtor=debtor)
             )
-            if reply.path:
-                self._lane = LaneClient(
+        except DomainError as no_lane:
+            log.info("no lending lane to %s, using gRPC: %s", self.creditor, no_lane)
+            # Unreachable now, maybe not at the next call; any other refusal stands.
+            self._lane_asked = not isinstance(no_lane, Unavailable)
+            return None
+        if reply.path and self._mode != "tcp":
+            try:
+                self._lane = LaneClient.over_unix(
                     self.creditor, reply.path, reply.token, self.meter, _refusal, self.deadline_s
                 )
                 if self._mode == "shared-memory":
                     self._shared = self._lane.map_pool(self.dtype)
-        except (DomainError, OSError) as no_lane:
-            log.info("no lending lane to %s, using gRPC: %s", self.creditor, no_lane)
+            except OSError as elsewhere:  # another network namespace: another pod or host
+                log.info("%s's Unix lane cannot be reached: %s", self.creditor, elsewhere)
+        if self._lane is None and reply.tcp_port:
+            host = tcp_lane.split_host(self.address)
+            try:
+                connection = tcp_lane.connect(host, reply.tcp_port, self.tls, self.deadline_s)
+                self._lane = LaneClient(self.creditor, connection, reply.token, self.meter, _refusal)
+            except OSError as unreachable:  # a TLS failure is an OSError too
+                # Worth an operator's look: a firewall or a NetworkPolicy closed to the port
+                # costs every borrowing step ~1 ms per layer over gRPC instead.
+                log.warning(
+                    "%s's TCP lending lane at %s:%d cannot be reached, lending calls go over gRPC: %s",
+                    self.creditor, host, reply.tcp_port, unreachable,
+                )  # fmt: skip
+        if self._lane is None:
+            log.info("no lending lane to %s, using gRPC", self.creditor)
         return self._lane
 
     def allocate(self, debtor: str, count: int) -> list[int]:

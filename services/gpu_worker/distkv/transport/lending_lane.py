@@ -19,6 +19,11 @@ one-line reason logged and sent. The socket has a random name in Linux's abstrac
 (nothing on disk, reachable from this host's network namespace only), and its traffic never
 leaves the kernel.
 
+Between hosts (``tcp_lane.py``): the same frames on a TCP connection, mutual TLS when the mesh
+has it, to the port ``OpenLendingLane`` names beside the path, on the host the creditor's RPCs
+are dialled at; a debtor takes it where the Unix socket cannot be reached (another network
+namespace: another pod or host), or always with ``--lending-lane tcp``. No pool is offered there.
+
 Frames, both ways: one byte (a call kind, or a status), four bytes of little-endian length, then
 the serialized protobuf message (the RPCs' own request and reply messages). A refused call's
 reply is ``CODE_NAME`` and the message, as the RPC's status would be.
@@ -39,6 +44,7 @@ import os
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -54,6 +60,7 @@ from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.distkv.distkv_meter import DistKvMeter
 from services.gpu_worker.distkv.shared_creditor_pool import SharedCreditorPool
 from services.gpu_worker.distkv.shared_lender import SharedLender
+from services.gpu_worker.distkv.transport import tcp_lane
 from services.gpu_worker.distkv.transport.lane_token import (
     HELLO_MAX_BYTES,
     TOKEN_TTL_S,
@@ -65,6 +72,7 @@ from services.gpu_worker.engine.side_threads import confine_to_one_thread
 from services.gpu_worker.memory.shared_memory import map_shared
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import DomainError, FailedPrecondition, Unavailable
+from services.runtime.security.tls import NO_TLS, TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +130,9 @@ def _frame(kind: int, payload: bytes) -> bytes:
 
 
 class LaneServer:
-    """A creditor's lane: a Unix socket serving ``lending``'s attend and write, one thread per
-    connected debtor (each debtor's calls in order, as its engine thread makes them)."""
+    """A creditor's lane: a Unix socket (and a TCP port, for debtors on other hosts) serving
+    ``lending``'s attend and write, one thread per connected debtor (each debtor's calls in
+    order, as its engine thread makes them)."""
 
     def __init__(
         self,
@@ -133,11 +142,16 @@ class LaneServer:
         token_ttl_s: float = TOKEN_TTL_S,
         hello_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        tcp_host: str | None = None,
+        tcp_port: int = 0,
+        tls: TLSConfig = NO_TLS,
     ):
         """``shared_pool``: the pool debtors may map (its buffer in shared memory), or None.
         ``token_ttl_s``: how long a token :meth:`issue` hands out opens connections (on
         ``clock``, monotonic seconds); ``hello_timeout_s``: how long a connection may take to
-        present it."""
+        present it (and, over TLS, to end its handshake). ``tcp_host``: where the lane between
+        hosts listens, on ``tcp_port`` (0: any free one; None: no such lane); ``tls``: the
+        worker's mutual TLS, which that lane requires when it is on."""
         self.lending = lending
         self.device = device
         self.shared_pool = (
@@ -148,11 +162,19 @@ class LaneServer:
         self.path = f"\0loramesh-lane-{secrets.token_hex(8)}"
         self._tokens = LaneTokens(token_ttl_s, clock)
         self._hello_timeout_s = hello_timeout_s
+        self._tls = tls
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
         self._listener.listen()
+        self._listeners = [self._listener]
+        self.tcp_port = 0
+        """The lane between hosts' port (0: none)."""
+        if tcp_host is not None:
+            self._listeners.append(tcp_lane.listen(tcp_host, tcp_port))
+            self.tcp_port = self._listeners[-1].getsockname()[1]
         self._closed = False
-        threading.Thread(target=self._accept, name="lending-lane", daemon=True).start()
+        for listener in self._listeners:
+            threading.Thread(target=self._accept, args=(listener,), name="lending-lane", daemon=True).start()
 
     def issue(self, debtor: str) -> str:
         """A token for ``debtor`` (the caller's verified instance): the connections it opens until
@@ -161,26 +183,39 @@ class LaneServer:
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while not self._closed:
             try:
-                connection, _ = self._listener.accept()
+                connection, _ = listener.accept()
             except OSError:
                 return
             threading.Thread(
-                target=self.serve, args=(connection,), name="lending-lane-debtor", daemon=True
+                target=self.serve,
+                args=(connection, listener.family != socket.AF_UNIX),
+                name="lending-lane-debtor",
+                daemon=True,
             ).start()
 
-    def serve(self, connection: socket.socket) -> None:
+    def serve(self, connection: socket.socket, remote: bool = False) -> None:
         """Serve one connected debtor until it goes away (each on a thread of its own), once its
-        hello has shown a token of ours; closes ``connection``."""
+        hello has shown a token of ours; closes ``connection``. ``remote``: it came to the TCP
+        lane (TLS first when on; no pool offered)."""
         confine_to_one_thread()
+        try:
+            if remote:
+                connection = tcp_lane.accepted(connection, self._tls, self._hello_timeout_s)
+        except (OSError, ssl.SSLError) as failed:  # a TimeoutError is an OSError
+            log.warning("lending lane refused a connection: TLS handshake failed: %s", failed)
+            connection.close()
+            return
+        pool = None if remote else self.shared_pool
         with connection:
             try:
                 debtor = self._authenticate(connection)
@@ -188,10 +223,8 @@ class LaneServer:
                     return
                 while True:
                     kind, payload = _read_frame(connection)
-                    if kind == POOL and self.shared_pool is not None:
-                        socket.send_fds(
-                            connection, [_frame(OK, self._pool_shape())], [self.shared_pool.shared_fd]
-                        )
+                    if kind == POOL and pool is not None:
+                        socket.send_fds(connection, [_frame(OK, self._pool_shape())], [pool.shared_fd])
                     else:
                         connection.sendall(self._answer(debtor, kind, payload))
             except (ConnectionError, OSError):
@@ -229,7 +262,7 @@ class LaneServer:
     def _answer(self, debtor: str, kind: int, payload: bytes) -> bytes:
         try:
             if kind == POOL:
-                raise FailedPrecondition("this worker's pool is not in shared memory")
+                raise FailedPrecondition("this worker's pool is not in shared memory on this lane")
             if kind == PAGES:
                 block_ids = (
                     torch.frombuffer(bytearray(payload), dtype=torch.int64).tolist() if payload else []
@@ -256,28 +289,58 @@ class LaneClient:
     def __init__(
         self,
         creditor: str,
-        path: str,
+        connection: socket.socket,
         token: str,
         meter: DistKvMeter,
         errors: Callable[[str, str], DomainError],
-        timeout_s: float,
     ):
-        """``errors(code name, message)``: the domain error a refusal raises (as the RPC's
-        status would); ``timeout_s`` bounds each wait (a hung creditor is unreachable)."""
+        """``connection``: to the creditor's lane, its timeout bounding each wait (a hung
+        creditor is unreachable); it is closed if the token is refused (``ConnectionError``).
+        ``errors(code name, message)``: the domain error a refusal raises (as the RPC's status
+        would)."""
         self.creditor = creditor
         self.meter = meter
         self.errors = errors
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._socket.settimeout(timeout_s)
-        self._socket.connect(path)
-        self._socket.sendall(_frame(HELLO, token.encode()))
-        status, payload = _read_frame(self._socket)
+        self.remote = connection.family != socket.AF_UNIX
+        """Over TCP (the lane between hosts)."""
+        self._socket = connection
+        try:
+            self._socket.sendall(_frame(HELLO, token.encode()))
+            status, payload = _read_frame(self._socket)
+        except BaseException:
+            self._socket.close()
+            raise
         if status != OK:
             self._socket.close()
             raise ConnectionError(payload.decode(errors="replace"))
         self._lock = threading.Lock()
         self._waiting: deque[_LaneCall] = deque()
         self._broken: str | None = None
+
+    @classmethod
+    def over_unix(
+        cls,
+        creditor: str,
+        path: str,
+        token: str,
+        meter: DistKvMeter,
+        errors: Callable[[str, str], DomainError],
+        timeout_s: float,
+    ) -> LaneClient:
+        """The lane of the Unix socket ``path`` (this host's network namespace only)."""
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.settimeout(timeout_s)
+        try:
+            connection.connect(path)
+        except BaseException:
+            connection.close()
+            raise
+        return cls(creditor, connection, token, meter, errors)
+
+    @property
+    def broken(self) -> bool:
+        """A send or a read failed: nothing more goes over this connection."""
+        return self._broken is not None
 
     def call(self, kind: int, request: Message, parse: Callable[[bytes], T]) -> _LaneCall:
         return self._send(kind, request.SerializeToString(), parse)

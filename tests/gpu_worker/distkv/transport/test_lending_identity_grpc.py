@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 import torch
+from support.one_creditor import OneCreditor, step_until
 from support.worker_server import serve_worker
 
 from services.gpu_worker.build import local_engine
-from services.gpu_worker.distkv.borrower import Candidate
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -51,24 +51,6 @@ async def creditor(tiny_llama, certs):
         await server.stop(None)
 
 
-class OneCreditor:
-    """A gManager that always suggests the one creditor."""
-
-    def __init__(self, address: str):
-        self.address = address
-
-    def suggest(self, debtor: str, blocks: int) -> list[Candidate]:
-        return [Candidate(CREDITOR, self.address, 16)]
-
-    def report_refusal(self, debtor: str, creditor: str) -> None:
-        raise AssertionError(f"{creditor} refused {debtor}")
-
-
-def step_until(debtor: Engine, done) -> None:
-    while debtor.has_work() and not done():
-        debtor.step()
-
-
 async def test_another_workers_certificate_cannot_read_or_free_blocks_lent_to_the_first(
     creditor, certs, tiny_llama
 ):
@@ -83,7 +65,7 @@ async def test_another_workers_certificate_cannot_read_or_free_blocks_lent_to_th
     debtor = engine(
         tiny_llama,
         EngineConfig(pool_mib=SMALL_POOL_MIB, kv_block_tokens=BLOCK, worker_id=FIRST, kv_overflow="borrow"),
-        creditors=OneCreditor(address),
+        creditors=OneCreditor(CREDITOR, address),
         connect=lambda c, a: GrpcCreditorTransport(
             c, a, debtor.pool.layout, debtor.distkv, tls=certs.tls_for(f"gpu_worker/{FIRST}")
         ),

@@ -107,7 +107,7 @@ async def test_a_connection_acts_only_for_the_debtor_its_token_was_issued_to(cre
 
     over_grpc = GrpcCreditorTransport("creditor", address, engine.pool.layout, lane="off")
     ids = await run(lambda: over_grpc.allocate("debtor-a", 1))
-    as_b = LaneClient("creditor", lane.path, lane.issue("debtor-b"), DistKvMeter(), _refusal, 10.0)
+    as_b = LaneClient.over_unix("creditor", lane.path, lane.issue("debtor-b"), DistKvMeter(), _refusal, 10.0)
     queries = torch.randn(1, tiny_llama.config.num_heads, tiny_llama.config.head_dim)
     request = worker_pb2.AttendRemoteRequest(
         debtor="debtor-a",  # the token's debtor counts, not the name in the message
@@ -163,11 +163,13 @@ def test_an_expired_token_is_refused(creditor, caplog):
         token = lane.issue("debtor-a")
         now[0] = 31.0
         with caplog.at_level(logging.WARNING), pytest.raises(ConnectionError) as refused:
-            LaneClient("creditor", lane.path, token, DistKvMeter(), _refusal, 10.0)
+            LaneClient.over_unix("creditor", lane.path, token, DistKvMeter(), _refusal, 10.0)
         why = "lane token of debtor 'debtor-a' expired 1.0 s ago"
         assert str(refused.value) == f"UNAUTHENTICATED\n{why}"
         assert [r.getMessage() for r in caplog.records] == [f"lending lane refused a connection: {why}"]
-        LaneClient("creditor", lane.path, lane.issue("debtor-a"), DistKvMeter(), _refusal, 10.0).close()
+        LaneClient.over_unix(
+            "creditor", lane.path, lane.issue("debtor-a"), DistKvMeter(), _refusal, 10.0
+        ).close()
     finally:
         lane.close()
 
@@ -285,5 +287,5 @@ def test_shared_memory_falls_back_to_the_socket_with_tls_or_off_the_cpu():
     assert lane_mode("shared-memory", tls=True, device=cpu) == "socket"
     assert lane_mode("shared-memory", tls=False, device=torch.device("cuda")) == "socket"
     assert lane_mode("off", tls=False, device=cpu) == "off"
-    with pytest.raises(ValueError, match="--lending-lane must be one of shared-memory, socket, off"):
+    with pytest.raises(ValueError, match="--lending-lane must be one of shared-memory, socket, tcp, off"):
         lane_mode("on", tls=False, device=cpu)
