@@ -12,11 +12,13 @@ which version served it (the SDK's ``served_by``, OpenAI's ``system_fingerprint`
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from support.hf_peft import hf_logits, near_ties
-from support.mesh import Mesh, start_mesh, wait_for_workers
+from support.mesh import Mesh, running_mesh
+from support.polling import HANG_GUARD_S
 
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from loramesh import AsyncClient, Client, Completion, NotFound
@@ -45,21 +47,9 @@ def checkpoints(base_spec, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory) -> Mesh:
-    root = tmp_path_factory.mktemp("versions-mesh")
-
-    async def start() -> Mesh:
-        started = await start_mesh(root, workers=1)
-        try:
-            await wait_for_workers(started, 1)
-        except BaseException:
-            started.stop()
-            raise
-        return started
-
-    mesh = asyncio.run(start())
-    yield mesh
-    mesh.stop()
+def mesh(tmp_path_factory) -> Iterator[Mesh]:
+    with running_mesh(tmp_path_factory.mktemp("versions-mesh"), workers=1) as mesh:
+        yield mesh
 
 
 def check_against_peft(loaded, directory, completion: Completion) -> None:
@@ -138,7 +128,7 @@ async def test_the_http_apis_name_the_version_that_served(mesh, checkpoints):
         expected = await client.generate(PROMPT, adapter="http-policy", **GREEDY)
     auth = {"authorization": "Bearer key-alice"}
     async with httpx.AsyncClient(base_url=mesh.openai_base_url.removesuffix("/v1"), headers=auth,
-                                 timeout=300) as http:  # fmt: skip
+                                 timeout=HANG_GUARD_S) as http:  # fmt: skip
         body = {"model": "http-policy", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
         completion = (await http.post("/v1/completions", json=body)).json()

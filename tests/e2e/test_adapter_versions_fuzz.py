@@ -9,12 +9,12 @@ peft's."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
+from collections.abc import Iterator
 
 import pytest
 from support.hf_peft import hf_logits, near_ties
-from support.mesh import Mesh, start_mesh, wait_for_workers
+from support.mesh import Mesh, running_mesh
 
 from bench.adapter_version_fuzz import GREEDY, PROMPT, WORKER_FLAGS, fuzz, write_contents
 from loramesh import AsyncClient
@@ -27,21 +27,9 @@ PUBLISHES = 6
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory) -> Mesh:
-    root = tmp_path_factory.mktemp("fuzz-mesh")
-
-    async def start() -> Mesh:
-        started = await start_mesh(root, workers=2, worker_flags=WORKER_FLAGS)
-        try:
-            await wait_for_workers(started, 2)
-        except BaseException:
-            started.stop()
-            raise
-        return started
-
-    mesh = asyncio.run(start())
-    yield mesh
-    mesh.stop()
+def mesh(tmp_path_factory) -> Iterator[Mesh]:
+    with running_mesh(tmp_path_factory.mktemp("fuzz-mesh"), workers=2, worker_flags=WORKER_FLAGS) as mesh:
+        yield mesh
 
 
 async def test_publishes_while_requests_stream_give_no_stale_or_wrong_answer(mesh, tmp_path):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,3 +142,24 @@ async def wait_for_workers(mesh: Mesh, count: int, timeout_s: float = 120) -> No
                 return
             await asyncio.sleep(0.1)
     raise AssertionError(f"the scheduler never saw {count} workers")
+
+
+@contextlib.contextmanager
+def running_mesh(root: Path, workers: int, worker_flags: tuple[str, ...] = ()) -> Iterator[Mesh]:
+    """A mesh (:func:`start_mesh`) whose ``workers`` the scheduler sees, for a module fixture's
+    ``with``; stopped when the block ends, or at once when the workers never show."""
+
+    async def start() -> Mesh:
+        started = await start_mesh(root, workers=workers, worker_flags=worker_flags)
+        try:
+            await wait_for_workers(started, workers)
+        except BaseException:
+            started.stop()
+            raise
+        return started
+
+    mesh = asyncio.run(start())
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
