@@ -156,3 +156,47 @@ class DefragmentResponse(_message.Message):
     error_code: str
     error: str
     def __init__(self, plan: _Optional[_Union[PlanDefragmentationResponse, _Mapping]] = ..., swaps_done: _Optional[int] = ..., blocks_moved: _Optional[int] = ..., failed_worker: _Optional[str] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class AnnouncePrefixBlocksRequest(_message.Message):
+    __slots__ = ("worker_id", "kv_identity", "replace", "added", "removed")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kv_identity: str
+    replace: bool
+    added: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., kv_identity: _Optional[str] = ..., replace: _Optional[bool] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AnnouncePrefixBlocksResponse(_message.Message):
+    __slots__ = ("index_id", "held_blocks")
+    INDEX_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    index_id: str
+    held_blocks: int
+    def __init__(self, index_id: _Optional[str] = ..., held_blocks: _Optional[int] = ...) -> None: ...
+
+class LocatePrefixRequest(_message.Message):
+    __slots__ = ("worker_id", "kv_identity", "keys")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kv_identity: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., kv_identity: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LocatePrefixResponse(_message.Message):
+    __slots__ = ("holder_id", "address", "blocks", "index_id")
+    HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ID_FIELD_NUMBER: _ClassVar[int]
+    holder_id: str
+    address: str
+    blocks: int
+    index_id: str
+    def __init__(self, holder_id: _Optional[str] = ..., address: _Optional[str] = ..., blocks: _Optional[int] = ..., index_id: _Optional[str] = ...) -> None: ...

@@ -59,6 +59,16 @@ class KVManagerStub:
                 request_serializer=loramesh_dot_v1_dot_kv__manager__pb2.DefragmentRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.DefragmentResponse.FromString,
                 _registered_method=True)
+        self.AnnouncePrefixBlocks = channel.unary_unary(
+                '/loramesh.v1.KVManager/AnnouncePrefixBlocks',
+                request_serializer=loramesh_dot_v1_dot_kv__manager__pb2.AnnouncePrefixBlocksRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.AnnouncePrefixBlocksResponse.FromString,
+                _registered_method=True)
+        self.LocatePrefix = channel.unary_unary(
+                '/loramesh.v1.KVManager/LocatePrefix',
+                request_serializer=loramesh_dot_v1_dot_kv__manager__pb2.LocatePrefixRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.LocatePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class KVManagerServicer:
@@ -108,6 +118,24 @@ class KVManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnouncePrefixBlocks(self, request, context):
+        """The cluster prefix tier: a worker announces the prefix-cache blocks it holds (chain keys,
+        services/gpu_worker/memory/prefix_cache.py) and removes those it evicts, in batches. A
+        worker's entries go when its etcd lease does; an entry missing means a recompute, never a
+        wrong block (the fetcher checks every key it gets). INVALID_ARGUMENT for an empty worker_id
+        or kv_identity, or more keys than one announcement may carry; UNAVAILABLE from a standby.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LocatePrefix(self, request, context):
+        """The live worker (not the caller) holding the longest leading run of `keys`, and how long.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +163,16 @@ def add_KVManagerServicer_to_server(servicer, server):
                     servicer.Defragment,
                     request_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.DefragmentRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_kv__manager__pb2.DefragmentResponse.SerializeToString,
+            ),
+            'AnnouncePrefixBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnouncePrefixBlocks,
+                    request_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.AnnouncePrefixBlocksRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_kv__manager__pb2.AnnouncePrefixBlocksResponse.SerializeToString,
+            ),
+            'LocatePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocatePrefix,
+                    request_deserializer=loramesh_dot_v1_dot_kv__manager__pb2.LocatePrefixRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_kv__manager__pb2.LocatePrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +310,60 @@ class KVManager:
             '/loramesh.v1.KVManager/Defragment',
             loramesh_dot_v1_dot_kv__manager__pb2.DefragmentRequest.SerializeToString,
             loramesh_dot_v1_dot_kv__manager__pb2.DefragmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnouncePrefixBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.KVManager/AnnouncePrefixBlocks',
+            loramesh_dot_v1_dot_kv__manager__pb2.AnnouncePrefixBlocksRequest.SerializeToString,
+            loramesh_dot_v1_dot_kv__manager__pb2.AnnouncePrefixBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocatePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramesh.v1.KVManager/LocatePrefix',
+            loramesh_dot_v1_dot_kv__manager__pb2.LocatePrefixRequest.SerializeToString,
+            loramesh_dot_v1_dot_kv__manager__pb2.LocatePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

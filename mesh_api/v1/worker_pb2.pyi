@@ -369,3 +369,19 @@ class StageInBlocksResponse(_message.Message):
     BLOCKS_HOME_FIELD_NUMBER: _ClassVar[int]
     blocks_home: int
     def __init__(self, blocks_home: _Optional[int] = ...) -> None: ...
+
+class FetchPrefixBlocksRequest(_message.Message):
+    __slots__ = ("kv_identity", "keys")
+    KV_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    kv_identity: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, kv_identity: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FetchPrefixBlocksResponse(_message.Message):
+    __slots__ = ("key", "kv")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    kv: Tensor
+    def __init__(self, key: _Optional[bytes] = ..., kv: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

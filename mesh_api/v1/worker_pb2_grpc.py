@@ -109,6 +109,11 @@ class WorkerStub:
                 request_serializer=loramesh_dot_v1_dot_worker__pb2.StageInBlocksRequest.SerializeToString,
                 response_deserializer=loramesh_dot_v1_dot_worker__pb2.StageInBlocksResponse.FromString,
                 _registered_method=True)
+        self.FetchPrefixBlocks = channel.unary_stream(
+                '/loramesh.v1.Worker/FetchPrefixBlocks',
+                request_serializer=loramesh_dot_v1_dot_worker__pb2.FetchPrefixBlocksRequest.SerializeToString,
+                response_deserializer=loramesh_dot_v1_dot_worker__pb2.FetchPrefixBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -239,6 +244,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchPrefixBlocks(self, request, context):
+        """The cluster prefix tier: the KV of the leading `keys` this worker has in its prefix cache,
+        one block a message in key order, ending at the first key it does not hold (maybe none).
+        INVALID_ARGUMENT for a kv_identity other than this worker's or too many keys.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +330,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.StageInBlocks,
                     request_deserializer=loramesh_dot_v1_dot_worker__pb2.StageInBlocksRequest.FromString,
                     response_serializer=loramesh_dot_v1_dot_worker__pb2.StageInBlocksResponse.SerializeToString,
+            ),
+            'FetchPrefixBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchPrefixBlocks,
+                    request_deserializer=loramesh_dot_v1_dot_worker__pb2.FetchPrefixBlocksRequest.FromString,
+                    response_serializer=loramesh_dot_v1_dot_worker__pb2.FetchPrefixBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -723,6 +742,33 @@ class Worker:
             '/loramesh.v1.Worker/StageInBlocks',
             loramesh_dot_v1_dot_worker__pb2.StageInBlocksRequest.SerializeToString,
             loramesh_dot_v1_dot_worker__pb2.StageInBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPrefixBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/loramesh.v1.Worker/FetchPrefixBlocks',
+            loramesh_dot_v1_dot_worker__pb2.FetchPrefixBlocksRequest.SerializeToString,
+            loramesh_dot_v1_dot_worker__pb2.FetchPrefixBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,7 @@ _REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 _OWNER = "it acts for the adapter's owner named in the request: only the gateway (which maps a tenant's API key to that owner) and the operator"
 _TENANT_API = "the public API, on the gateway's public port: callers present no certificate; the gateway authenticates each call by its API key, which names the tenant, and acts only for that tenant"
 _LENDING = "DistKV-LLM: a debtor worker and its creditor; the debtor is the caller's own instance (its certificate), never a name in the request"
+_PREFIX_TIER = "the cluster prefix tier: a worker announces its cached prefix blocks, as its own instance (its certificate), and fetches another's by chain key"
 _DGFM = "DGFM: the kv_manager leader has a worker bring its lent blocks home"
 
 TABLE: Mapping[tuple[str, str], Rule] = {
@@ -90,6 +91,8 @@ TABLE: Mapping[tuple[str, str], Rule] = {
     (_KV_MANAGER, "Ledger"): _rule("operator", "operator's view of the debt ledger"),
     (_KV_MANAGER, "PlanDefragmentation"): _rule("operator", "operator's dry run of DGFM"),
     (_KV_MANAGER, "Defragment"): _rule("operator", "an operator runs DGFM now (it moves blocks between workers)"),
+    (_KV_MANAGER, "AnnouncePrefixBlocks"): _rule("gpu_worker", _PREFIX_TIER),
+    (_KV_MANAGER, "LocatePrefix"): _rule("gpu_worker", _PREFIX_TIER),
     (_WORKER, "Generate"): _rule("gateway", "the gateway relays a placed request; the prompt and the output are a tenant's"),
     (_WORKER, "LoadAdapter"): _rule("scheduler", "the scheduler pages an adapter in before it places there"),
     (_WORKER, "Prefetch"): _rule("scheduler", "the scheduler's prefetch policy"),
@@ -105,6 +108,7 @@ TABLE: Mapping[tuple[str, str], Rule] = {
     (_WORKER, "RecallBlocks"): _rule("kv_manager", _DGFM),
     (_WORKER, "StageOutBlocks"): _rule("kv_manager", _DGFM),
     (_WORKER, "StageInBlocks"): _rule("kv_manager", _DGFM),
+    (_WORKER, "FetchPrefixBlocks"): _rule("gpu_worker", _PREFIX_TIER),
     (_HEALTH, "Check"): _rule("gateway scheduler adapter_store gpu_worker kv_manager operator tenant", "liveness and readiness: `loramesh status`, `loramesh up` waiting for each service as itself, and anyone at the gateway's public port"),
     (_HEALTH, "List"): _rule("operator", "every status at once: an operator's view"),
     (_HEALTH, "Watch"): _rule("gateway scheduler adapter_store gpu_worker kv_manager operator tenant", "as Check, streamed"),
