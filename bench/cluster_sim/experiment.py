@@ -111,6 +111,21 @@ def traces(rate: float, duration_s: float, adapters: int, seed: int) -> dict[str
     }
 
 
+def wait_model(
+    calibration: Calibration, output_range: tuple[int, int], max_running: int, ranks: tuple[int, ...]
+) -> WaitModel:
+    """The scheduler's wait model from the same calibration as the simulated workers: one more
+    request in a batch costs a token of the mean rank."""
+    mean_rank = sum(ranks) / len(ranks)
+    return WaitModel(
+        adapter_load_ms=calibration.adapter_load_ms,
+        mean_output_tokens=sum(output_range) / 2,
+        max_running_hint=max_running,
+        per_request_step_ms=calibration.model["per_token_ms"]
+        + calibration.model["per_rank_token_ms"] * mean_rank,
+    )
+
+
 def co_migration_config(calibration: Calibration, workers: int) -> CoMigrationConfig:
     """Co-migration's runtime model from the same calibration as the simulated workers: a step of
     a full batch of requests of distinct adapters of the mean rank."""
@@ -202,13 +217,7 @@ def main() -> None:
         args.slo_s
         or 10 * (calibration.model.predict(idle_prefill.row()) + calibration.adapter_load_ms) / 1000
     )
-    model = WaitModel(
-        adapter_load_ms=calibration.adapter_load_ms,
-        mean_output_tokens=sum(OUTPUT_RANGE) / 2,
-        max_running_hint=WORKER.max_running,
-        per_request_step_ms=calibration.model["per_token_ms"]
-        + calibration.model["per_rank_token_ms"] * mean_rank,
-    )
+    model = wait_model(calibration, OUTPUT_RANGE, WORKER.max_running, RANKS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"cpu_model": calibration.cpu_model, "capacity_rps_per_worker": per_worker, "slo_s": slo_s,

@@ -6,7 +6,8 @@ reads a clock: the same trace, specs and policies always give the same result.
 
 The scheduler side is the real code: a :class:`~services.scheduler.cluster_view.ClusterView`
 fed by the workers' load reports every ``report_interval_s`` (so placements see reports as stale
-as the real scheduler does, plus its own placements since), any placement policy from
+as the real scheduler does, plus its own placements since; with prefix-aware placement, its
+prefix index of the prompt blocks it placed), any placement policy from
 ``services.scheduler.policies``, and optionally a migration and a prefetch policy over a
 :class:`~services.scheduler.policies.replica_load.ClusterLoad` built from the workers.
 A migrated request moves as its tokens: it leaves its worker (its KV is dropped), joins the
@@ -29,6 +30,7 @@ from bench.workload import TraceRequest
 from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.placement import PlacementRequest
+from services.scheduler.policies import uses_prefix_index
 from services.scheduler.policies.interface import PlacementPolicy
 from services.scheduler.policies.replica_load import (
     ClusterLoad,
@@ -37,6 +39,7 @@ from services.scheduler.policies.replica_load import (
     ReplicaLoad,
     RequestLoad,
 )
+from services.scheduler.prefix_index import PrefixIndex, PrefixIndexConfig
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,16 @@ class SimConfig:
     migrated_keep_place: bool = False
     """A migrated request joins the target's queue by its arrival time instead of at the back
     (the resume path resubmits it, so today it goes to the back)."""
+    prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """Bounds of the scheduler's prefix index, kept when the placement policy reads it."""
+
+
+@dataclass(frozen=True)
+class PromptTraceRequest(TraceRequest):
+    """A trace request whose prompt is named by its blocks (a prefix-sharing workload)."""
+
+    prefix_blocks: tuple[bytes, ...] = ()
+    """Chain hashes of the prompt's whole blocks, as the gateway sends them with a placement."""
 
 
 @dataclass
@@ -83,7 +96,10 @@ class ClusterSimulator:
         self.workers = {
             f"w{i:03d}": SimWorker(f"w{i:03d}", config.worker, cost) for i in range(config.workers)
         }
-        self.view = ClusterView(clock=lambda: self.now)
+        index = (
+            PrefixIndex(config.prefix_index, clock=lambda: self.now) if uses_prefix_index(placement) else None
+        )
+        self.view = ClusterView(clock=lambda: self.now, prefix_index=index)
         self.view.update_members({w: f"sim:{w}" for w in self.workers})
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -103,6 +119,8 @@ class ClusterSimulator:
         for item in trace:
             request = SimRequest(item.request_id, f"a{item.adapter}", item.rank, item.input_len,
                                  item.output_len, item.time_s)  # fmt: skip
+            if isinstance(item, PromptTraceRequest):
+                request.prefix_blocks = item.prefix_blocks
             self._ranks[request.adapter] = item.rank
             self.result.requests.append(request)
             self._by_id[request.request_id] = request
@@ -128,10 +146,13 @@ class ClusterSimulator:
     # -- events --------------------------------------------------------------------------------
 
     def _arrive(self, request: SimRequest) -> None:
+        block = self.config.worker.prefix_block_tokens
         wanted = PlacementRequest(request_id=request.request_id, adapter_id=request.adapter,
-                                  prompt_tokens=request.input_len, max_tokens=request.output_len)  # fmt: skip
-        chosen = self.placement.place(self.view.snapshot(), wanted)
-        self.view.record_placement(chosen.worker_id, request.adapter)
+                                  prompt_tokens=request.input_len, max_tokens=request.output_len,
+                                  prefix_blocks=request.prefix_blocks, prefix_block_tokens=block)  # fmt: skip
+        snapshot = self.view.snapshot_for(request.prefix_blocks, block, request.input_len)
+        chosen = self.placement.place(snapshot, wanted)
+        self.view.record_placement(chosen.worker_id, request.adapter, request.prefix_blocks)
         self._recent.append((self.now, request.adapter, request.request_id))
         self._send(request, self.workers[chosen.worker_id])
 

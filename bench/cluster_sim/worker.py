@@ -19,6 +19,11 @@ level that shapes latency under load:
   when it starts again).
 - A step prefills the admitted contexts (the prefill emits the first token) and decodes one
   token for every running request; its duration is the cost model's.
+- With a prefix cache (``prefix_cache_tokens``), a starting request skips the prefill of the
+  longest run of its prompt blocks (chain hashes, as the worker keys them) the cache holds, less
+  the prompt's last token; its blocks are cached once its prefill step ends, least recently used
+  going first past the budget. The cache is a budget of its own beside the pool (the engine's
+  unused cached blocks live in free pool pages): a hit saves compute here, not memory.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ class WorkerSpec:
     preemption_policy: str = "newest"
     """Which running request is preempted when the pool runs dry: the worker's
     ``--preemption-policy`` (``services/gpu_worker/engine/policies/preemption.py``)."""
+    prefix_cache_tokens: int = 0
+    """Prompt KV kept for reuse by later requests (the prefix cache), in tokens; 0: none."""
+    prefix_block_tokens: int = 16
+    """Tokens per cached block (the worker's ``--kv-block-tokens``)."""
 
 
 @dataclass
@@ -77,6 +86,13 @@ class SimRequest:
     keeps_place: bool = False
     """Joins a queue by its arrival time, not at the back (a migrated request, when the
     simulated resume path carries its arrival time)."""
+    prefix_blocks: tuple[bytes, ...] = ()
+    """Chain hashes of its prompt's whole blocks (what the prefix cache and the scheduler's
+    prefix index key); (): none."""
+    cached_tokens: int = 0
+    """Prompt tokens its latest start found in the worker's prefix cache (their prefill skipped)."""
+    first_cached_tokens: int | None = None
+    """``cached_tokens`` of its first start (the hit rate's numerator)."""
 
     @property
     def context_tokens(self) -> int:
@@ -119,6 +135,8 @@ class SimWorker:
     preemptions: int = 0
     tokens_log: deque[tuple[float, int]] = field(default_factory=deque)
     """(step end, tokens generated) within the rate window."""
+    prefix: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    """Cached prompt blocks, least recently used first."""
 
     # -- adapters ------------------------------------------------------------------------------
 
@@ -305,7 +323,34 @@ class SimWorker:
             return Start.BLOCKED
         self.queue.remove(request)
         self.running.append(request)
+        request.cached_tokens = self._cached_prefix(request)
+        if request.first_cached_tokens is None:
+            request.first_cached_tokens = request.cached_tokens
         return Start.STARTED
+
+    def _cached_prefix(self, request: SimRequest) -> int:
+        """Prompt tokens of ``request`` the prefix cache holds (its longest run of blocks from
+        the first, marked used), less its last token, which is always computed."""
+        if not self.spec.prefix_cache_tokens:
+            return 0
+        hits = 0
+        for block in request.prefix_blocks:
+            if block not in self.prefix:
+                break
+            self.prefix.move_to_end(block)
+            hits += 1
+        return max(0, min(hits * self.spec.prefix_block_tokens, request.context_tokens - 1))
+
+    def _cache_prompt(self, request: SimRequest) -> None:
+        """Its prefill is done: its prompt blocks are cached, the head marked used last (a chain
+        is evicted from its tail), the least recently used past the budget going first."""
+        if not self.spec.prefix_cache_tokens:
+            return
+        for block in reversed(request.prefix_blocks):
+            self.prefix[block] = None
+            self.prefix.move_to_end(block)
+        for _ in range(len(self.prefix) - self.spec.prefix_cache_tokens // self.spec.prefix_block_tokens):
+            self.prefix.popitem(last=False)
 
     def start_step(self, now: float) -> Step | None:
         """Admit what fits and start the next step; None when there is nothing to run."""
@@ -321,7 +366,7 @@ class SimWorker:
                 self.resident.move_to_end(request.adapter)
             if request.adapter in self.host:
                 self.host.move_to_end(request.adapter)
-        parts = [(r.context_tokens, 0, r.rank, r.adapter) for r in admitted]
+        parts = [(r.context_tokens - r.cached_tokens, r.cached_tokens, r.rank, r.adapter) for r in admitted]
         parts += [(1, r.context_tokens, r.rank, r.adapter) for r in decode]
         shape = shape_of(parts)
         self.step = Step(now + self.cost.predict(shape.row()) / 1000.0, admitted, decode, shape)
@@ -333,6 +378,7 @@ class SimWorker:
         step, self.step = self.step, None
         assert step is not None
         here = {id(r) for r in self.running}
+        prefilled = {id(r) for r in step.prefill}
         finished: list[SimRequest] = []
         produced = 0
         for request in step.prefill + step.decode:
@@ -340,6 +386,8 @@ class SimWorker:
                 continue  # migrated away mid-step: its token is recomputed at the target
             request.generated += 1
             produced += 1
+            if id(request) in prefilled:
+                self._cache_prompt(request)
             if request.first_token_s is None:
                 request.first_token_s = step.end_s
             if request.generated >= request.output_len:
