@@ -223,3 +223,23 @@ async def test_replicas_rebuild_the_same_view_from_etcd_and_place_alike(schedule
         await place(stub, adapter_id=adapter) for adapter in ("sql", "chat") for stub in (first, second)
     ]
     assert [(p.worker_id, p.adapter_resident) for p in placed] == [("w1", True)] * 2 + [("w1", False)] * 2
+
+
+async def test_prefix_aware_placement_follows_the_blocks_it_placed(scheduler, workers):
+    """Two idle workers; each prompt goes back where its 2,000-token prefix was placed (2 s of
+    prefill saved at the default 1 ms a token outweighs the ≤ 1.06 s that a placement not yet in a
+    report adds), whoever else asks, and a placement naming blocks without their size is refused."""
+    stub = await scheduler("--placement", "prefix-aware")
+    await workers("w1")
+    await workers("w2")
+    await poll(lambda: view(stub), lambda v: {"w1", "w2"} <= v.keys(), "both workers listed")
+    first = [bytes([1, i]) * 16 for i in range(125)]
+    second = [bytes([2, i]) * 16 for i in range(125)]
+    prompt = {"prompt_tokens": 2010, "prefix_block_tokens": 16}
+    assert (await place(stub, prefix_blocks=first, **prompt)).worker_id == "w1"  # a tie: smaller id
+    assert (await place(stub, prefix_blocks=second, exclude_workers=["w1"], **prompt)).worker_id == "w2"
+    for blocks, holder in ((second, "w2"), (first, "w1"), (second[:100], "w2")):
+        assert (await place(stub, adapter_id="sql", prefix_blocks=blocks, **prompt)).worker_id == holder
+    error = await refused(stub, prefix_blocks=first, prompt_tokens=2010)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prefix_block_tokens must be >= 1" in error.details()
