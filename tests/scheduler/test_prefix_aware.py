@@ -213,3 +213,9 @@ def test_config_selects_it_and_rejects_bad_weights_and_requests():
         PlacementRequest(prefix_blocks=(b"x" * 32,))
     with pytest.raises(InvalidArgument, match="over 64 bytes"):
         PlacementRequest(prefix_blocks=(b"x" * 65,), prefix_block_tokens=16)
+
+
+def test_with_no_hit_anywhere_it_places_as_least_estimated_wait_whatever_the_weights():
+    snap = ClusterSnapshot.of([worker("w1", queue=1, resident={"a"}), worker("w2", running=3), worker("w3")])
+    wanted = request(SYSTEM, blocks(SYSTEM), "a")
+    assert PrefixAware(MODEL, WEIGHTS).place(snap, wanted) == LeastEstimatedWait(MODEL).place(snap, wanted)

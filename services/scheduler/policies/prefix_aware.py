@@ -4,9 +4,10 @@ prefix-cache scorer; here with adapter-aware keys).
 
 Each eligible worker ``w`` gets a cost in milliseconds, and the cheapest wins::
 
-    cost(w) = wait(w)                                        queueing + adapter load (WaitModel)
-            + prefill_ms_per_token · (prompt_tokens − hit(w))  the prefill left to compute there
-            + imbalance_ms_per_request · (load(w) − min load)  its load above the least-loaded one
+    cost(w) = wait(w)                                         queueing + adapter load (WaitModel)
+            + prefill_ms_per_token · (prompt_tokens − hit(w))   the prefill left to compute there
+            + imbalance_ms_per_request · (load(w) − min load)   its load above the least-loaded
+              where hit(w) > 0                                   one, charged to cache holders
 
 ``wait(w)`` is :meth:`WaitModel.estimate`: the requests ahead of this one and the batch it joins,
 plus the adapter's load time where the adapter is not resident (what least-estimated-wait
@@ -15,9 +16,11 @@ minimises). ``hit(w)`` is the request's prompt tokens the scheduler's
 (``ClusterSnapshot.prefix_hit_tokens``): the hit tokens are prefill saved. ``load(w)`` is
 queued + running + placed since its report; the last term keeps one worker that holds a popular
 prefix from drawing every request for it while others idle (the hit saving is bounded, the
-queue it builds is not). The first two terms are an estimate of the time to the first token;
-with both weights 0 the policy is least-estimated-wait. Ties go to the worker with the fewest
-requests running or placed since its report, then the smallest id.
+queue it builds is not). It is charged only where a cached prefix is the pull, so with no hit
+anywhere (a prompt shared with nothing, a gateway sending no blocks) the choice is exactly
+least-estimated-wait's. The first two terms are an estimate of the time to the first token;
+with both weights 0 the policy is least-estimated-wait too. Ties go to the worker with the
+fewest requests running or placed since its report, then the smallest id.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ class PrefixAwareConfig:
     saves into time. The default is the CPU worker's order of magnitude (SmolLM2-135M, a few
     threads); a GPU worker prefills a token in ~0.01-0.1 ms. 0: prefixes are ignored."""
     imbalance_ms_per_request: float = 50.0
-    """Cost of each request a worker has (queued, running, placed) above the least-loaded
-    eligible worker, in ms, beside the wait model's own queueing estimate: how much cache
-    affinity may pile onto one worker. 0: the hit saving against the wait estimate alone."""
+    """Cost of each request a worker that likely holds part of the prompt has (queued, running,
+    placed) above the least-loaded eligible worker, in ms, beside the wait model's own queueing
+    estimate: how much cache affinity may pile onto one worker. 0: the hit saving against the
+    wait estimate alone."""
 
     def __post_init__(self) -> None:
         for name in ("prefill_ms_per_token", "imbalance_ms_per_request"):
@@ -51,7 +55,7 @@ class PrefixAwareConfig:
 
 class PrefixAware:
     """The worker of least :meth:`cost`: wait + prefill left after its likely cached prefix + a
-    penalty per request above the least-loaded worker."""
+    penalty per request above the least-loaded worker where a cached prefix draws it."""
 
     name = "prefix-aware"
 
@@ -66,11 +70,12 @@ class PrefixAware:
 
     def cost(self, decision: PlacementDecision, request: PlacementRequest, load_above_min: int) -> float:
         """The cost of ``decision`` (a worker's wait estimate) for ``request``, ms."""
-        prefill_left = max(0, request.prompt_tokens - decision.cached_prefix_tokens)
+        hit = decision.cached_prefix_tokens
+        imbalance = self.config.imbalance_ms_per_request * load_above_min if hit > 0 else 0.0
         return (
             decision.estimated_wait_ms
-            + self.config.prefill_ms_per_token * prefill_left
-            + self.config.imbalance_ms_per_request * load_above_min
+            + self.config.prefill_ms_per_token * max(0, request.prompt_tokens - hit)
+            + imbalance
         )
 
     def place(self, snapshot: ClusterSnapshot, request: PlacementRequest) -> PlacementDecision:
