@@ -298,7 +298,17 @@ class EtcdConnection:
         try:
             return await self.call(fn)
         except asyncio.CancelledError:
-            raise
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this caller was cancelled
+            # grpc ends the calls of a channel closed under them with CancelledError: another
+            # call on this client failed (a watch, when its member died) and reset it. A failure
+            # of etcd's connection, not a cancellation: passed on as one, the adapter store's
+            # registration ended its RPC with no status, and the caller waited out its whole
+            # deadline. The client is already replaced: no second reset.
+            raise EtcdUnreachable(
+                what, f"etcd at {self.endpoint} unreachable (its client was reset mid-call)"
+            ) from None
         except Exception as error:  # noqa: BLE001 - every etcd failure is the same to a caller
             problem = f"etcd at {self.endpoint} unreachable ({describe_etcd_error(error)})"
             await self.reset()
