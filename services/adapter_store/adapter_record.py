@@ -51,4 +51,9 @@ class AdapterRecord:
 
 
 class DuplicateName(Exception):
-    """``(owner, name)`` is already registered."""
+    """``(owner, name)`` is already registered: ``serving_id`` names the adapter it serves ("":
+    not known)."""
+
+    def __init__(self, what: str, serving_id: str = ""):
+        super().__init__(what)
+        self.serving_id = serving_id

@@ -208,8 +208,10 @@ def row_removal(keys: CatalogKeys, record: AdapterRecord, with_name: bool) -> li
 
 class Catalog:
     """The etcd catalog with its in-memory mirror. ``read_text(sha256) -> str`` reads the text
-    parts of rows (config, chat templates) from the blob tier; ``before_commit()`` runs before
-    each group of registrations commits (the blob tier's flush: their blobs durable first)."""
+    parts of rows (config, chat templates) from the blob tier; ``before_commit()`` (the blob
+    tier's flush) runs for each group of registrations after they were all queued and before any
+    of them commits, so their blobs are durable first (:class:`GroupCommit`: one group's flush
+    overlaps the commit of the group before it)."""
 
     def __init__(
         self,
@@ -232,8 +234,7 @@ class Catalog:
         self._thread = threading.Thread(target=self._loop.run_forever, name="etcd-catalog", daemon=True)
         self._conn = EtcdConnection(config)
         self._watch_task: asyncio.Task[None] | None = None
-        self._commits: GroupCommit[_Registration] = GroupCommit(self._commit_group)
-        self._before_commit = before_commit
+        self._commits: GroupCommit[_Registration] = GroupCommit(self._commit_group, before_commit)
         self._listed = threading.Event()
 
     # -- lifecycle --
@@ -513,8 +514,8 @@ class Catalog:
 
     def _commit_group(self, group: Sequence[_Registration]) -> list[Exception | None]:
         """One group of registrations (:class:`GroupCommit`): together when they may share a
-        transaction and it succeeds, else one by one; an error or None each."""
-        self._before_commit()
+        transaction and it succeeds, else one by one; an error or None each (their blobs were
+        flushed)."""
         names = {(r.record.owner, r.record.name) for r in group}
         together = len(group) > 1 and len(names) == len(group) and all(r.replacing is None for r in group)
         size = MAX_REGISTRATIONS_PER_TXN if together else 1
@@ -647,7 +648,7 @@ class Catalog:
             return None
         fresh = self._prepared(responses, set(prepared.blobs), with_usage)
         if fresh.serving_id and (replacing is None or fresh.serving_id != replacing.id):
-            return DuplicateName(f"{record.owner}/{record.name}")
+            return DuplicateName(f"{record.owner}/{record.name}", fresh.serving_id)
         return CatalogConflict(f"{record.owner}/{record.name}", fresh)
 
     def import_row(self, record: AdapterRecord, last_version: int) -> str:

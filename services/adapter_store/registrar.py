@@ -182,7 +182,7 @@ class AdapterRegistrar:
         rollback = self._rollback(upload, current)
         if rollback is not None:
             record = self._commit(upload, rollback, _Publication(None, upload.weights, {}), current, usage)
-            return AdapterRegistration(self._pruned(record), changed=True)
+            return self._registration(rollback, record)
         # A name already registered is most often imported again unchanged: its weights are
         # written only once they are known to differ.
         staged = self.blobs.stage(upload.weights) if current is None else None
@@ -198,8 +198,16 @@ class AdapterRegistrar:
                 self._heal(current, upload.weights)
                 return AdapterRegistration(current, changed=False)
         record = self._record(upload, validated, version=0)
-        record = self._commit(upload, record, _Publication(staged, upload.weights, {}), current, usage)
-        return AdapterRegistration(self._pruned(record), changed=True)
+        committed = self._commit(upload, record, _Publication(staged, upload.weights, {}), current, usage)
+        return self._registration(record, committed)
+
+    def _registration(self, record: AdapterRecord, committed: AdapterRecord) -> AdapterRegistration:
+        """What a publish of ``record`` did, ``committed`` being what its commit returned: the
+        record itself (a new version, its name's versions past the retention pruned), or the
+        version that serves this very content already, committed meanwhile (unchanged)."""
+        if committed.id != record.id:
+            return AdapterRegistration(committed, changed=False)
+        return AdapterRegistration(self._pruned(committed), changed=True)
 
     def _rollback(self, upload: AdapterUpload, current: AdapterRecord | None) -> AdapterRecord | None:
         """The record a publish of a kept version's content commits (fields of that version, a
@@ -281,7 +289,9 @@ class AdapterRegistrar:
     ) -> AdapterRecord:
         """Prepare, check the owner's quota, publish the blobs, commit; again while what it was
         prepared against changes. ``record``: what to commit (its version is given here);
-        ``usage``: the owner's, read before staging (None: no quota).
+        ``usage``: the owner's, read before staging (None: no quota). Returns what was committed,
+        or the version another registration committed meanwhile with ``record``'s very content
+        (:func:`_content`), which is kept instead.
 
         The blobs are published after their collector marks were read (:meth:`Catalog.prepare`,
         or the state a failed commit returns; a first try of a new name assumes them never set,
@@ -310,6 +320,8 @@ class AdapterRegistrar:
                     if replacing is None:
                         prepared = prepare()
                         continue
+                    if _content(replacing) == _content(record):
+                        return replacing  # committed meanwhile (_same_content_serving)
                 if self._wait_for_collectors(prepared):
                     prepared = prepare()
                     continue
@@ -328,8 +340,11 @@ class AdapterRegistrar:
                 except CatalogConflict as conflict:
                     prepared = conflict.fresh
                     continue
-                except DuplicateName:
-                    raise _already_exists(upload) from None
+                except DuplicateName as duplicate:
+                    serving = self._same_content_serving(duplicate.serving_id, record, replacing)
+                    if serving is None:
+                        raise _already_exists(upload) from None
+                    return serving
                 break
             else:
                 raise Unavailable(
@@ -346,6 +361,19 @@ class AdapterRegistrar:
             self.ram.pin(record.sha256)
             self.ram.put(record.sha256, upload.weights)
         return record
+
+    def _same_content_serving(
+        self, serving_id: str, record: AdapterRecord, replacing: AdapterRecord | None
+    ) -> AdapterRecord | None:
+        """For a new version (``replacing`` given) that lost its name to ``serving_id``: that
+        version when it holds ``record``'s very content, else None. Most often this publish
+        (or import) itself, retried on another replica while this one was slow or stopped: kept
+        as it is, as when the name serves the content already, not refused nor committed again
+        as a copy, so a retried publish is acknowledged once, as one version."""
+        if replacing is None or not serving_id:
+            return None
+        serving = self.catalog.get(serving_id)
+        return serving if serving is not None and _content(serving) == _content(record) else None
 
     def _wait_for_collectors(self, prepared: PreparedRegistration) -> bool:
         """True (after a short wait) when a collector is deleting one of the blobs now."""

@@ -72,6 +72,35 @@ def test_each_replica_sees_the_others_writes_in_order(open_repository, seeded_fi
     assert kinds == [("up", a.id), ("up", b.id), ("del", a.id), ("del", b.id)]
 
 
+def test_a_publish_the_other_replica_committed_meanwhile_is_kept_not_copied_as_a_new_version(
+    open_repository, seeded_files
+):
+    """A publish retried on the other replica (this one slow, or stopped and resumed, before its
+    commit) while this one is still on it: the commit that comes second finds the name serving
+    this very content and keeps it, as a publish of what the name serves does: no second
+    version of the same content."""
+    one, two = open_repository(replica_id="r1"), open_repository(replica_id="r2")
+    first = one.registrar.register_version(upload(seeded_files(0), "a")).record
+    publish, retried = one.registrar._publish, []
+
+    def publish_after_the_retry(record, publication):
+        if not retried:  # between this replica's prepare and its commit
+            retried.append(two.registrar.register_version(upload(seeded_files(1), "a")))
+        publish(record, publication)
+
+    one.registrar._publish = publish_after_the_retry
+    late = one.registrar.register_version(upload(seeded_files(1), "a"))
+    assert retried[0].changed and retried[0].record.version == 2
+    assert not late.changed and (late.record.id, late.record.version) == (retried[0].record.id, 2)
+    for replica in (one, two):  # each copy may lag on the other's commit; a copy would be its own
+        mirror = replica.catalog.mirror
+        assert mirror.wait_until(lambda m=mirror: len(m.versions("alice", "a")) >= 2, COMMAND_TIMEOUT_S)
+        assert sorted((v.version, v.id) for v in mirror.versions("alice", "a")) == [
+            (1, first.id),
+            (2, late.record.id),
+        ]
+
+
 def test_a_blob_being_collected_is_written_again_before_a_registration_relies_on_it(
     open_repository, seeded_files, monkeypatch
 ):

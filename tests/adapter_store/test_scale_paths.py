@@ -6,6 +6,7 @@ from."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -156,15 +157,20 @@ class WatchedLock(threading.Condition):
         return super().__exit__(*exc_info)
 
 
-def start_queued(threads: list[threading.Thread], commits: GroupCommit, queue_lock: WatchedLock) -> None:
-    """Start ``threads``, each submitting one item, and wait until all are queued."""
+def start_queued(threads: list[threading.Thread], queue_lock: WatchedLock, queued: Callable[[], int]) -> None:
+    """Start ``threads``, each submitting one item, and wait until ``queued()`` (read under the
+    queue lock) counts them all."""
     for thread in threads:
         thread.start()
     with queue_lock:
-        queued = queue_lock.wait_for(lambda: len(commits._queue) >= len(threads), COMMAND_TIMEOUT_S)
-        assert queued, (
-            f"{len(commits._queue)} of {len(threads)} submissions queued after {COMMAND_TIMEOUT_S} s"
+        assert queue_lock.wait_for(lambda: queued() >= len(threads), COMMAND_TIMEOUT_S), (
+            f"{queued()} of {len(threads)} submissions queued after {COMMAND_TIMEOUT_S} s"
         )
+
+
+def flushed(commits: GroupCommit) -> Callable[[], int]:
+    """How many items wait for the next commit, flushed."""
+    return lambda: sum(len(batch) for _, batch in commits._flushed)
 
 
 def join_all(threads: list[threading.Thread]) -> None:
@@ -202,12 +208,63 @@ def test_group_commit_runs_everything_queued_behind_a_batch_as_one_batch():
         # The hang guards below are not timing claims: they only name a wait that never ends.
         assert first_running.wait(COMMAND_TIMEOUT_S), "the first batch never started"
         assert batches == [["first"]]  # the first batch runs, and holds the commit...
-        start_queued(others, commits, queue_lock)  # ...while the others queue behind it
+        start_queued(others, queue_lock, flushed(commits))  # ...while the others queue behind it
     finally:
         release.set()
     join_all([first, *others])
     assert batches[0] == ["first"] and sorted(batches[1]) == ["b", "bad", "d"] and commits.batches == 2
     assert outcomes == {"first": "ok", "b": "ok", "bad": "refused", "d": "ok"}
+
+
+def test_group_commit_flushes_the_next_batch_while_one_commits():
+    """A batch's flush overlaps the commit of the batch before it; an item is applied only after
+    its own batch's flush."""
+    release, first_applying, second_flushed = threading.Event(), threading.Event(), threading.Event()
+    events: list = []
+
+    def flush():
+        events.append("flush")
+        if events.count("flush") == 2:
+            second_flushed.set()
+
+    def apply(items):
+        events.append(list(items))
+        if items == ["first"]:
+            first_applying.set()
+            release.wait()
+        return [None] * len(items)
+
+    commits: GroupCommit[str] = GroupCommit(apply, flush)
+    first = threading.Thread(target=commits.submit, args=("first",), daemon=True)
+    second = threading.Thread(target=commits.submit, args=("second",), daemon=True)
+    first.start()
+    try:
+        assert first_applying.wait(COMMAND_TIMEOUT_S), "the first batch never committed"
+        second.start()
+        assert second_flushed.wait(COMMAND_TIMEOUT_S), "the second batch waited for the first's commit"
+    finally:
+        release.set()
+    join_all([first, second])
+    assert events == ["flush", ["first"], "flush", ["second"]] and commits.batches == 2
+
+
+def test_a_failed_flush_fails_its_batch_and_commits_nothing_of_it():
+    failures = [OSError("no space left on the blob directory")]
+    applied: list[str] = []
+
+    def flush():
+        if failures:
+            raise failures.pop()
+
+    def apply(items):
+        applied.extend(items)
+        return [None] * len(items)
+
+    commits: GroupCommit[str] = GroupCommit(apply, flush)
+    with pytest.raises(OSError, match="no space left"):
+        commits.submit("a")
+    commits.submit("b")
+    assert applied == ["b"] and commits.queued == 0
 
 
 def test_concurrent_registrations_commit_together_and_a_duplicate_alone_is_refused(open_repo, sample_files):
@@ -258,7 +315,7 @@ def test_registrations_too_many_for_one_transaction_commit_at_once_and_a_conflic
         lambda c: c.put(catalog.keys.name("alice", taken).encode(), b"elsewhere"), "take a name"
     )
     release, holding = threading.Event(), threading.Event()
-    flush = catalog._before_commit
+    flush = catalog._commits._flush
 
     def held_flush():
         if not holding.is_set():
@@ -266,7 +323,7 @@ def test_registrations_too_many_for_one_transaction_commit_at_once_and_a_conflic
             assert release.wait(COMMAND_TIMEOUT_S), "the held batch was never released"
         flush()
 
-    catalog._before_commit = held_flush
+    catalog._commits._flush = held_flush
     chunks: list[int] = []
     commit_chunk = catalog._commit_chunk
 
@@ -291,7 +348,7 @@ def test_registrations_too_many_for_one_transaction_commit_at_once_and_a_conflic
     threads = [threading.Thread(target=register, args=(name,), daemon=True) for name in names]
     try:
         assert holding.wait(COMMAND_TIMEOUT_S), "the first batch never started"
-        start_queued(threads, catalog._commits, queue_lock)
+        start_queued(threads, queue_lock, lambda: len(catalog._commits._queue))
     finally:
         release.set()
     join_all([first, *threads])
