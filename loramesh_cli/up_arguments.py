@@ -55,6 +55,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "lending_lane",
         "lend_compute_share",
         "loan_wait_rounds",
+        "loan_wait_s",
         "deterministic",
         "speculative",
     ),
@@ -263,6 +264,8 @@ def check_up_args(args) -> None:
     for name in ("max_lora_rank", "max_loras", "max_cpu_loras", "loan_wait_rounds"):
         if (value := getattr(args, name)) is not None and value < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.loan_wait_s is not None and not args.loan_wait_s >= 0:
+        raise CommandError(f"--loan-wait-s must be at least 0, got {args.loan_wait_s}")
     if args.max_cpu_loras is not None and args.host_cache_mib is not None:
         raise CommandError(
             "--max-cpu-loras sizes the workers' host cache: give it or --host-cache-mib, not both"

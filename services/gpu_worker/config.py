@@ -83,6 +83,7 @@ class WorkerConfig(ServiceConfig):
         require_at_least(self, 1, "tp", "metric_adapter_labels")
         require_positive(self, "pool_mib")
         require_at_least(self, 1, "kv_block_tokens", "max_running", "max_prefill_tokens", "loan_wait_rounds")
+        require_at_least(self, 0, "loan_wait_s")
         require_at_least(self, 0, "threads", "host_cache_mib", "pin_refresh_s", "lending_lane_port")
         require_at_least(self, -1, "lend_cap_blocks")
         require_choice(self, "quantization", QUANTIZATION_CHOICES)

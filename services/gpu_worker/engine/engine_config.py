@@ -64,11 +64,18 @@ class EngineConfig:
     """When the pool cannot hold a request's next KV block: ``preempt`` (free a running
     request's pages and recompute it later) or ``borrow`` (DistKV-LLM: borrow blocks from other
     workers, suggested by the kv_manager, and preempt only when none lends)."""
+    loan_wait_s: float = 30.0
+    """With ``kv_overflow=borrow``: how long a queued request that only borrowed KV blocks could
+    start (nothing runs nor is lent out on this worker) may go without a lender, by the engine's
+    clock from the first admission round that found none, before it is refused with
+    RESOURCE_EXHAUSTED naming why; the requests queued behind it start meanwhile. Time, not
+    rounds, so the bound is the same on a fast machine as on a slow one. The default outlasts a
+    kv_manager leader's failover (its lease TTL, 15 s in the Kubernetes overlay, plus a round of
+    TTL/3), during which no creditor is suggested. 0: ``loan_wait_rounds`` alone bounds it."""
     loan_wait_rounds: int = 20
-    """With ``kv_overflow=borrow``: admission rounds in which only borrowed KV blocks could start
-    a queued request (nothing runs nor is lent out on this worker: it looks every 0.5 s) that it
-    may go without a lender before it is refused with RESOURCE_EXHAUSTED naming why. Meanwhile
-    the requests queued behind it start. At least 1."""
+    """...and the fewest admission rounds (an idle worker looks every 0.5 s) that request is let
+    ask for a lender before that refusal, whatever the time: a floor for a loaded worker, whose
+    rounds come slowly. At least 1."""
 
     batch_policy: str = "fcfs"
     """Which requests run each step and in which LoRA mode: fcfs, lcfs, early_abort (S-LoRA),
@@ -143,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"lend_compute_window_s must be > 0, got {self.lend_compute_window_s}")
         if self.loan_wait_rounds < 1:
             raise ValueError(f"loan_wait_rounds must be at least 1, got {self.loan_wait_rounds}")
+        if not self.loan_wait_s >= 0:
+            raise ValueError(f"loan_wait_s must be at least 0, got {self.loan_wait_s}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
         if self.kv_overflow not in KV_OVERFLOW_POLICIES:

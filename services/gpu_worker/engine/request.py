@@ -29,8 +29,8 @@ class FinishReason(Enum):
     MIGRATED = "migrated"
     """Handed off to another worker (the scheduler's migration); its gateway resumes it there."""
     NO_KV = "no_kv"
-    """Only borrowed KV blocks could hold it and no worker lent them within ``loan_wait_rounds``
-    (the event says why): RESOURCE_EXHAUSTED to the caller."""
+    """Only borrowed KV blocks could hold it and no worker lent them within ``loan_wait_s`` (and
+    ``loan_wait_rounds``; the event says why): RESOURCE_EXHAUSTED to the caller."""
 
 
 class RequestState(Enum):
@@ -163,6 +163,8 @@ class EngineRequest:
     """Admission rounds in which only borrowed KV blocks could start it (nothing ran nor was lent
     out on its worker) and none were lent; a preemption does not reset it: its whole wait is
     bounded."""
+    loan_wait_since: float | None = None
+    """When the first of those rounds came, by the engine's clock (None: none has)."""
     drafts: tuple[int, ...] = ()
     """Drafted tokens its next step verifies after its last token (speculative decoding), their
     KV positions reserved; () when it drafts none."""

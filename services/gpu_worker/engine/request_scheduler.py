@@ -53,10 +53,13 @@ class RequestScheduler:
         preemption: PreemptionPolicy,
         host_adapters: dict[str, HostAdapter],
         on_end: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
     ):
         """``host_adapters``: the engine's host copies (what can be paged in); ``on_end``: told
-        each request id that ended here, before its last event is sent."""
+        each request id that ended here, before its last event is sent; ``clock``: what the wait
+        for a lender is measured by (seconds)."""
         self.config = config
+        self.clock = clock
         self.kv = kv
         self.adapters = adapters
         self.events = events
@@ -217,17 +220,21 @@ class RequestScheduler:
     def _no_loan(self, request: EngineRequest) -> Start:
         """One more admission round in which only a loan could start ``request`` and none came:
         it keeps its place and the requests behind it may start (holding them would not bring a
-        lender sooner); after ``loan_wait_rounds`` such rounds it is refused, naming why
-        (RESOURCE_EXHAUSTED)."""
+        lender sooner); once ``loan_wait_s`` has passed since the first such round and there
+        were ``loan_wait_rounds`` of them, it is refused, naming why (RESOURCE_EXHAUSTED)."""
+        now = self.clock()
+        if request.loan_wait_since is None:
+            request.loan_wait_since = now
         request.loan_waits += 1
-        if request.loan_waits < self.config.loan_wait_rounds:
+        waited_s = now - request.loan_wait_since
+        if request.loan_waits < self.config.loan_wait_rounds or waited_s < self.config.loan_wait_s:
             return Start.SKIPPED
         self.waiting.remove(request)
         blocks = -(-request.total_len // self.kv.rm.block_tokens)
         why = (
             f"its {request.total_len} tokens need {blocks} KV blocks, more than this worker's "
-            f"pool gives it, and no worker lent the rest in {request.loan_waits} admission rounds "
-            f"(last: {self.kv.overflow.shortfall})"
+            f"pool gives it, and no worker lent the rest in {waited_s:.1f} s ({request.loan_waits} "
+            f"admission rounds; last: {self.kv.overflow.shortfall})"
         )
         log.info("refusing %s: %s", request.request_id, why)
         self.finish(request, FinishReason.NO_KV, None, why)

@@ -1,12 +1,13 @@
 """A request that only borrowed KV blocks could start, when no worker lends them (issue 49's
 "defect 4"): the gManager suggests nobody, the creditor it suggests is gone, or that creditor
-refuses. The request waits at most ``loan_wait_rounds`` admission rounds in which only a loan
-could start it (besides waiting, as before, for its worker's running requests to make room) and
-is then refused (``FinishReason.NO_KV``, RESOURCE_EXHAUSTED over gRPC) naming why; the requests
-queued behind it start meanwhile instead of waiting with it. A lender that comes back within the
-bound lends.
+refuses. The request waits for a lender at most ``loan_wait_s`` by the engine's clock, and at
+least ``loan_wait_rounds`` admission rounds in which only a loan could start it (besides waiting,
+as before, for its worker's running requests to make room), and is then refused
+(``FinishReason.NO_KV``, RESOURCE_EXHAUSTED over gRPC) naming why; the requests queued behind it
+start meanwhile instead of waiting with it. A lender that comes back within the bound lends.
 
-Tiny random Llama, fp32, engines stepped by hand: every bound is counted in steps, none in time.
+Tiny random Llama, fp32, engines stepped by hand: the rounds are counted in steps, and the time
+is an injected clock's (``loan_wait_s`` 0 where a test counts rounds alone).
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ class Lenders:
 
 def engine(tiny_llama, name: str, lenders: Lenders | None = None, **config) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    defaults = {"pool_mib": SMALL_POOL_MIB, "kv_block_tokens": BLOCK, "kv_overflow": "borrow"}
+    defaults = {
+        "pool_mib": SMALL_POOL_MIB,
+        "kv_block_tokens": BLOCK,
+        "kv_overflow": "borrow",
+        "loan_wait_s": 0.0,
+    }
     settings = EngineConfig(worker_id=name, loan_wait_rounds=ROUNDS, **{**defaults, **config})
     if lenders is None:  # a creditor: it never borrows itself
         return local_engine(model, settings, creditors=_Nobody(), connect=lambda creditor, address: None)
@@ -141,6 +147,61 @@ def test_a_request_no_worker_lends_to_is_refused_within_the_bound_and_holds_nobo
     assert (
         debtor.pool.usage().free_pages + debtor.prefix_cache.evictable_pages() == debtor.pool.layout.num_pages
     )
+
+
+class Clock:
+    """The engine's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def waiting_long(tiny_llama) -> tuple[Engine, Clock, Stream, list[int]]:
+    """A debtor nobody lends to, bound by ``loan_wait_s`` 30 (and ROUNDS rounds), on an injected
+    clock, with the long request queued."""
+    debtor = engine(tiny_llama, "w0", Lenders(tiny_llama, "none"), loan_wait_s=30.0)
+    clock = Clock()
+    debtor.scheduler.clock = clock
+    steps = [0]
+    return debtor, clock, Stream(debtor, greedy("long", 60, 4), steps), steps
+
+
+def step(debtor: Engine, steps: list[int], times: int = 1) -> None:
+    for _ in range(times):
+        steps[0] += 1
+        debtor.step()
+
+
+def test_a_fast_worker_waits_the_time_bound_not_just_the_rounds(tiny_llama):
+    """Four times ROUNDS rounds at one instant (a machine fast enough to run them at once): the
+    request still waits; it is refused at the first round 30 s after its first."""
+    debtor, clock, long, steps = waiting_long(tiny_llama)
+    step(debtor, steps, 4 * ROUNDS)
+    assert long.finish is None and debtor.has_work()
+    clock.now += 29.9
+    step(debtor, steps)
+    assert long.finish is None
+    clock.now += 0.1
+    step(debtor, steps)
+    assert long.finish is FinishReason.NO_KV and long.tokens == []
+    assert "no worker lent the rest in 30.0 s" in long.error, long.error
+    assert f"{4 * ROUNDS + 2} admission rounds" in long.error, long.error
+
+
+def test_a_slow_worker_still_asks_the_rounds_floor_before_refusing(tiny_llama):
+    """Each round 60 s after the last (a loaded machine): past the time bound after the second,
+    the request is still let ask ROUNDS times."""
+    debtor, clock, long, steps = waiting_long(tiny_llama)
+    for _ in range(ROUNDS - 1):
+        step(debtor, steps)
+        clock.now += 60.0
+    assert long.finish is None
+    step(debtor, steps)
+    assert long.finish is FinishReason.NO_KV
+    assert f"in {60.0 * (ROUNDS - 1):.1f} s ({ROUNDS} admission rounds" in long.error, long.error
 
 
 def test_a_lender_back_within_the_bound_lends_and_the_request_completes(tiny_llama):
