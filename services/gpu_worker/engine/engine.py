@@ -156,9 +156,13 @@ class Engine:
             on_end=self.hand_over.ended,
         )
         self.speculator = (
-            Speculator(self.kv, executor.config.max_position_embeddings)
-            if config.speculative == "ngram"
-            else None
+            None
+            if config.speculative == "off"
+            else Speculator(
+                self.kv,
+                executor.config.max_position_embeddings,
+                adapter_known=self.has_adapter if config.speculative == "suffix" else None,
+            )
         )
         """Drafts and verifies the decoding requests' next tokens (None: ``speculative`` off)."""
         self.running, self.waiting = self.scheduler.running, self.scheduler.waiting

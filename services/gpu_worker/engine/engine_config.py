@@ -16,7 +16,7 @@ from services.runtime.config import setting
 from services.runtime.eviction import EVICTION_POLICIES
 
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,10 @@ class EngineConfig:
     speculative: str = "off"
     """Speculative decoding: ``ngram`` drafts each decoding request's next tokens from its own
     prompt and output (prompt lookup, no draft model) and verifies them in the batched step,
-    whatever its adapter; lossless: the same tokens as ``off``, greedy or seeded. Pays on output
-    that repeats its prompt or itself; off until measured (docs/operations.md, "Speculative
-    decoding")."""
+    whatever its adapter; ``suffix`` drafts from the recent outputs of the request's adapter
+    (per tenant namespace) too. Lossless: the same tokens as ``off``, greedy or seeded. Pays on
+    output that repeats its prompt, itself or its adapter's earlier outputs (docs/operations.md,
+    "Speculative decoding")."""
 
     def distkv_settings(self) -> DistKvSettings:
         """This engine's DistKV settings, as the DistKV wing takes them."""

@@ -27,6 +27,13 @@ class DraftSettings:
     """Steps of the first pause; each further failed attempt doubles it."""
     max_backoff_steps: int = 256
     """The longest pause."""
+    adapter_max_ngram: int = 6
+    """``suffix``: longest suffix matched against the adapter's recent outputs (a longer match
+    across requests is what makes such a draft worth its rows)."""
+    adapter_index_tokens: int = 4096
+    """``suffix``: output tokens kept per adapter and tenant namespace."""
+    max_adapter_indexes: int = 32
+    """``suffix``: adapter and tenant indexes kept, the least recently used dropped first."""
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1 or self.max_ngram < 1 or self.stop_after_misses < 1:

@@ -49,11 +49,15 @@ class NgramIndex:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last
         n tokens, the longest n that occurred before first (a longer match predicts better);
         () when none did."""
+        return self.match(k)[1]
+
+    def match(self, k: int) -> tuple[int, tuple[int, ...]]:
+        """:meth:`propose`'s draft with the n it matched on; (0, ()) when none."""
         tokens = self.tokens
         if k <= 0:
-            return ()
+            return 0, ()
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             end = self._earlier.get(tuple(tokens[len(tokens) - n :]))
             if end is not None:
-                return tuple(tokens[end + 1 : end + 1 + k])
-        return ()
+                return n, tuple(tokens[end + 1 : end + 1 + k])
+        return 0, ()

@@ -1,5 +1,7 @@
 """The engine's speculative decoding: which running requests draft this step, how many tokens,
-their KV positions reserved, and what was drafted and accepted per adapter.
+their KV positions reserved, and what was drafted and accepted per adapter. With ``suffix``,
+each finished request's output is kept in its adapter and tenant's index
+(``adapter_indexes.py``), which later requests of that adapter and tenant draft from too.
 
 A request drafts when it decodes (its prefill is done), keeps all its KV in this pool (not
 borrowing), has no grammar (its masks are computed for one row a step), and its budget allows
@@ -10,10 +12,13 @@ nothing this step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.gpu_worker.engine.kv_reservation import KvReservation
-from services.gpu_worker.engine.request import EngineRequest
+from services.gpu_worker.engine.request import EngineRequest, RequestState
+from services.gpu_worker.engine.speculation.adapter_indexes import AdapterIndexes, IndexKey
+from services.gpu_worker.engine.speculation.adapter_output_index import AdapterOutputIndex
 from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
 from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
 
@@ -37,16 +42,37 @@ class DraftCounts:
 class Speculator:
     """Drafts for the batch before each step; told what each verification accepted after it."""
 
-    def __init__(self, kv: KvReservation, max_positions: int, settings: DraftSettings | None = None):
-        """``max_positions``: the model's context; no draft reaches past it."""
+    def __init__(
+        self,
+        kv: KvReservation,
+        max_positions: int,
+        settings: DraftSettings | None = None,
+        adapter_known: Callable[[str], bool] | None = None,
+    ):
+        """``max_positions``: the model's context; no draft reaches past it. ``adapter_known``:
+        whether the engine still has an adapter; given, the mode is ``suffix`` (drafts from
+        each adapter's recent outputs too, an index dropped with its adapter)."""
         self.kv = kv
         self.max_positions = max_positions
-        self.settings = settings or DraftSettings()
+        self.settings = settings = settings or DraftSettings()
         self.counts = DraftCounts()
+        self.adapter_known = adapter_known
+        self.indexes = (
+            AdapterIndexes(
+                settings.max_adapter_indexes, settings.adapter_index_tokens, settings.adapter_max_ngram
+            )
+            if adapter_known is not None
+            else None
+        )
+        """``suffix``'s per adapter and tenant indexes (None: ``ngram``)."""
+        self._unfinished: dict[str, EngineRequest] = {}
+        """``suffix``: requests that drafted, their output kept in their index once finished."""
 
     def draft(self, batch: list[EngineRequest]) -> int:
         """Set each request's drafts for this step (() for those that draft none), their KV
         reserved; returns the draft rows the step adds."""
+        if self.indexes is not None:
+            self._keep_finished_outputs()
         rows = 0
         for request in batch:
             request.drafts = self._drafts(request)
@@ -64,11 +90,33 @@ class Speculator:
         if limit <= 0:
             return ()
         if request.drafter is None:
-            request.drafter = RequestDrafter(self.settings)
+            request.drafter = RequestDrafter(self.settings, self._adapter_index(request))
         drafts = request.drafter.propose(request.all_ids, limit)
         if drafts and not self.kv.reserve_drafts(request, request.total_len + len(drafts)):
             return ()
         return drafts
+
+    def _adapter_index(self, request: EngineRequest) -> AdapterOutputIndex | None:
+        if self.indexes is None:
+            return None
+        self._unfinished[request.request_id] = request
+        key = index_key(request)
+        index = self.indexes.get(key)
+        if index is None:  # made empty now, so this request drafts from outputs finished later
+            self.indexes.add(key, [])
+            index = self.indexes.get(key)
+        return index
+
+    def _keep_finished_outputs(self) -> None:
+        """Put the outputs of requests finished since the last step in their indexes; drop the
+        indexes of adapters the engine no longer has."""
+        assert self.indexes is not None and self.adapter_known is not None
+        for request_id, request in list(self._unfinished.items()):
+            if request.state is RequestState.FINISHED:
+                del self._unfinished[request_id]
+                if request.spec.adapter_id is None or self.adapter_known(request.spec.adapter_id):
+                    self.indexes.add(index_key(request), request.output_ids)
+        self.indexes.drop_unknown(self.adapter_known)
 
     def verified(self, request: EngineRequest, accepted: int) -> None:
         """``accepted`` of ``request``'s drafts (a prefix) were the tokens drawn; its drafts end."""
@@ -77,3 +125,8 @@ class Speculator:
         if drafted and request.drafter is not None:
             request.drafter.verified(drafted, accepted)
             self.counts.add(request.spec.adapter_id, drafted, accepted)
+
+
+def index_key(request: EngineRequest) -> IndexKey:
+    """Whose outputs a request may draft from: its adapter's, in its tenant's namespace."""
+    return request.spec.adapter_id, request.spec.prefix_cache_namespace
