@@ -76,6 +76,18 @@ class WorkerConfig(ServiceConfig):
     under the label ``other``, so a worker's series stay bounded at 10,000 adapters (at least 1;
     docs/metrics.md, "Per-adapter label cap")."""
 
+    cluster_prefix_cache: str = "on"
+    """The cluster prefix tier: announce this worker's cached prompt blocks to the kv_manager's
+    index and fetch a prompt's leading blocks from the worker holding them when that is faster
+    than computing them (on), or keep the prefix cache to this worker (off). Needs the prefix
+    cache, one rank (--tp 1) and a kv_manager; docs/operations.md, "Cluster prefix cache"."""
+    prefix_fetch_mb_s: float = 400.0
+    """The cost model's speed of a prefix fetch from another worker, MB/s (measured on
+    loopback: docs/benchmarks.md)."""
+    prefill_gflops: float = 60.0
+    """The cost model's prefill speed of this worker, GFLOP/s: a prefix is fetched when moving
+    its blocks takes less time than computing them at this rate."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         # --tp 0 once ran unsharded: a degree below 1 is refused here; whether the model divides
@@ -88,6 +100,8 @@ class WorkerConfig(ServiceConfig):
         require_at_least(self, -1, "lend_cap_blocks")
         require_choice(self, "quantization", QUANTIZATION_CHOICES)
         require_choice(self, "lending_lane", LANE_MODES)
+        require_choice(self, "cluster_prefix_cache", ("on", "off"))
+        require_positive(self, "prefix_fetch_mb_s", "prefill_gflops")
         # The engine's own checks (its policies' names, its shares), now rather than at start.
         self.engine_config(shared_pool=False)
 

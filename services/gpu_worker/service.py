@@ -25,6 +25,8 @@ from services.gpu_worker.engine.side_threads import confine_to_one_thread, side_
 from services.gpu_worker.kernels import cpu_quant
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.pin_refresh import refresh_pins
+from services.gpu_worker.prefix_tier import PrefixTierSettings
+from services.gpu_worker.prefix_tier_setup import PrefixTierParts, kv_identity, start_prefix_tier
 from services.gpu_worker.quantization_setting import resolve_quantization
 from services.gpu_worker.servicer import WorkerServicer
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
@@ -101,6 +103,7 @@ class WorkerService:
         self._workers: dict[str, float] = {}
         """Live workers: instance id -> the start time of the process registered under it."""
         self._parts: WorkerParts | None = None
+        self._prefix_tier: PrefixTierParts | None = None
         self.metrics = WorkerMetrics(lambda: self._parts, config.metric_adapter_labels)
 
     def metric_collectors(self) -> tuple[WorkerMetrics, ...]:
@@ -180,6 +183,7 @@ class WorkerService:
         if cfg.deterministic:
             log.info("deterministic serving: batch-invariant numerics")
         self.servicer.attach(engine, loader, describe)
+        self._start_prefix_tier(engine, loaded.config.name, dtype, quantization)
         if lane != "off" and engine.lending.max_lent_blocks:
             self.servicer.lane = LaneServer(
                 engine.lending, engine.pool.device, shared_pool=engine.pool,
@@ -190,6 +194,21 @@ class WorkerService:
             loaded.config.name, device, describe["dtype"], _weights_format(quantization),
             engine.pool.layout.num_pages, engine.pool.page_elems,
         )  # fmt: skip
+
+    def _start_prefix_tier(self, engine: Engine, model: str, dtype: torch.dtype, quantization: str) -> None:
+        """Join the cluster prefix tier (--cluster-prefix-cache on) when there is a prefix cache,
+        one rank (a tensor-parallel rank's pool holds a shard of each block) and a mesh."""
+        cfg = self.config
+        if cfg.cluster_prefix_cache == "off" or engine.prefix_cache is None or cfg.tp > 1:
+            return
+        if not (cfg.etcd_endpoints or cfg.kv_manager):  # standalone: no index to announce to
+            return
+        identity = kv_identity(model, dtype, quantization, engine.pool.layout.kv_block_tokens)
+        self._prefix_tier = start_prefix_tier(
+            engine, PrefixTierSettings(cfg.instance_id, identity), lambda: self.directory.addresses,
+            prefix_fetch_mb_s=cfg.prefix_fetch_mb_s, prefill_gflops=cfg.prefill_gflops, tls=cfg.tls(),
+        )  # fmt: skip
+        self.servicer.prefix_tier = self.metrics.prefix_tier = self._prefix_tier.tier
 
     def _set_workers(self, members: dict[str, MemberInfo]) -> None:
         """A worker whose lease expired is gone: reclaim what we lent it, recompute what we
@@ -213,6 +232,8 @@ class WorkerService:
         for watch in self._watches:
             watch.cancel()
         await asyncio.gather(*self._watches, return_exceptions=True)
+        if self._prefix_tier is not None:
+            await self._prefix_tier.close()
         self.directory.close()
         if self.servicer.lane is not None:
             self.servicer.lane.close()

@@ -24,7 +24,15 @@ from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
 from services.gpu_worker.engine.sampling import TokenLogprobs
 from services.gpu_worker.leader_fence import LeaderFence
-from services.runtime.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from services.gpu_worker.prefix_tier import ClusterPrefixTier
+from services.gpu_worker.prefix_tier_grpc import serve_prefix_blocks
+from services.runtime.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.field_copy import message_of
 from services.runtime.sampling.request_validation import check_first_token_deadline, check_request
@@ -82,6 +90,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """This worker's same-host lending lane (None: lanes are off)."""
         self.leader_fence = LeaderFence()
         """The newest kv_manager leader term taken: DGFM calls of older terms are refused."""
+        self.prefix_tier: ClusterPrefixTier | None = None
+        """This worker's side of the cluster prefix tier (None: --cluster-prefix-cache off)."""
         self.lease_fence: LeaseFence | None = None
         """The etcd lease fence of this worker's registration (None: standalone, never fenced):
         while it is up, new requests and new loans are refused and what runs goes on."""
@@ -128,18 +138,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id = request.request_id or uuid.uuid4().hex
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        generation = GenerationRequest(
+            request_id,
+            tuple(request.prompt_token_ids),
+            sampling,
+            adapter_id,
+            predicted_output_tokens=request.predicted_output_tokens or None,
+            first_token_deadline_s=request.first_token_deadline_ms / 1000 or None,
+            resumed_output_tokens=request.resumed_output_tokens,
+            prefix_cache_namespace=request.prefix_cache_namespace,
+        )
+        if self.prefix_tier is not None:  # the prompt's prefix from another worker, if cheaper
+            await self.prefix_tier.prepare(generation)
         submit = functools.partial(
             engine.submit,
-            GenerationRequest(
-                request_id,
-                tuple(request.prompt_token_ids),
-                sampling,
-                adapter_id,
-                predicted_output_tokens=request.predicted_output_tokens or None,
-                first_token_deadline_s=request.first_token_deadline_ms / 1000 or None,
-                resumed_output_tokens=request.resumed_output_tokens,
-                prefix_cache_namespace=request.prefix_cache_namespace,
-            ),
+            generation,
             lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         )
         if sampling.structured_output is not None:
@@ -321,3 +334,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.between_steps(lambda: recalls.stage_in(request.stage_id))
         )
         return worker_pb2.StageInBlocksResponse(blocks_home=home)
+
+    async def FetchPrefixBlocks(
+        self, request: worker_pb2.FetchPrefixBlocksRequest, context: aio.ServicerContext
+    ):
+        tier = self.prefix_tier
+        if tier is None:
+            raise FailedPrecondition("this worker's cluster prefix cache is off (--cluster-prefix-cache off)")
+        async for reply in serve_prefix_blocks(self.engine, tier.settings.kv_identity, request):
+            yield reply

@@ -26,6 +26,7 @@ from services.gpu_worker.distkv import DistKvTotals
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.engine_stats import EngineStats
 from services.gpu_worker.engine.speculation.speculator import BASE_MODEL
+from services.gpu_worker.prefix_tier import ClusterPrefixTier, PrefixTierCounters
 from services.runtime.capped_labels import DEFAULT_CAP, CappedLabels
 
 LOAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -58,6 +59,8 @@ class WorkerMetrics:
         if adapter_label_cap < 1:  # refused at start, not at the first scrape
             raise ValueError(f"the adapter label cap must be at least 1, got {adapter_label_cap}")
         self.adapter_label_cap = adapter_label_cap
+        self.prefix_tier: ClusterPrefixTier | None = None
+        """The worker's side of the cluster prefix tier (None: off)."""
         self.adapter_load_seconds = Histogram(
             "loramesh_gpu_worker_adapter_load_seconds",
             "Adapter loads by level reached: cpu = pulled from the source and parsed into host RAM, "
@@ -112,6 +115,8 @@ class WorkerMetrics:
         yield from _compute_cap_series(parts.engine.distkv.totals())
         yield from _policy_series(parts.engine.config.batch_policy, stats)
         yield from _prefix_cache_series(stats)
+        if self.prefix_tier is not None:
+            yield from _prefix_tier_series(self.prefix_tier.counters)
         if parts.engine.speculator is not None:
             counts = parts.engine.speculator.counts
             # Copies first: a dict of str to int is copied in C under the GIL (engine thread writes).
@@ -266,6 +271,23 @@ def _prefix_cache_series(stats: EngineStats) -> Iterator[Metric]:
         "KV blocks in the prefix cache, used by running requests or not",
         value=stats.prefix_cache_blocks,
     )
+
+
+def _prefix_tier_series(counters: PrefixTierCounters) -> Iterator[Metric]:
+    """The cluster prefix tier (``--cluster-prefix-cache on``): counted on the event loop."""
+    for name, help_text in (
+        ("local_hit_blocks", "Prompt KV blocks found in this worker's prefix cache when the request arrived"),
+        (
+            "remote_hit_blocks",
+            "Prompt KV blocks this worker lacked that the kv_manager placed on another worker",
+        ),
+        ("fetched_blocks", "Prompt KV blocks fetched from another worker, checked and cached here"),
+        ("tokens_saved", "Prompt tokens of the fetched blocks: prefill not computed here"),
+        ("rejected_blocks", "Fetched KV blocks that were not the key, shape or dtype asked for (dropped)"),
+    ):
+        yield CounterMetricFamily(
+            f"loramesh_gpu_worker_prefix_tier_{name}", help_text, value=getattr(counters, name)
+        )
 
 
 def _policy_series(policy: str, stats: EngineStats) -> Iterator[Metric]:

@@ -28,6 +28,7 @@ from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import DgfmConfig
 from services.kv_manager.heartbeats import ledger_rows
 from services.kv_manager.ledger import DebtLedger
+from services.kv_manager.prefix_index import PrefixIndex
 from services.kv_manager.servicer import KVManagerServicer
 from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import Unavailable
@@ -74,8 +75,13 @@ class KVManagerService:
             config.instance_id,
             leader=lambda: (self.election.leader_id, self.election.leader_term) if self.election else ("", 0),
             require_leader=self.require_leader,
+            prefix_index=PrefixIndex(),
+            worker_address=lambda worker_id: self._addresses.get(worker_id),
         )
         self._addresses: dict[str, str] = {}
+        self._started: dict[str, float] = {}
+        """Live workers' process start times: a worker registered again holds none of the
+        prefix blocks its predecessor announced."""
         self._reports: Mapping[str, Mapping[str, Any]] = {}
         self._replicas: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -148,6 +154,12 @@ class KVManagerService:
 
     def _set_workers(self, members: Mapping[str, MemberInfo]) -> None:
         self._addresses = {worker_id: m.address for worker_id, m in members.items()}
+        started = {worker_id: m.started_at for worker_id, m in members.items()}
+        for worker_id, at in self._started.items():
+            if started.get(worker_id) != at:
+                self.servicer.prefix_index.forget(worker_id)
+        self._started = started
+        self.servicer.prefix_index.retain(started)
         self._replace_rows()
 
     def _set_reports(self, reports: Mapping[str, Mapping[str, Any]]) -> None:
@@ -181,4 +193,5 @@ class KVManagerService:
             "dgfm_swaps_total": self.defragmenter.swaps_total,
             "dgfm_blocks_moved_total": self.defragmenter.blocks_moved_total,
             "dgfm_runs_failed_total": self.defragmenter.runs_failed,
+            "prefix_index_blocks": len(self.servicer.prefix_index),
         }

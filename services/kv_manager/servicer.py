@@ -17,6 +17,7 @@ from services.kv_manager.defragmenter import Defragmenter
 from services.kv_manager.dgfm import DefragPlan, DgfmConfig, plan_defragmentation
 from services.kv_manager.dgfm_execution import DefragOutcome
 from services.kv_manager.ledger import DebtLedger
+from services.kv_manager.prefix_index import PrefixIndex
 from services.runtime.errors import InvalidArgument, NotFound
 from services.runtime.field_copy import message_of
 from services.runtime.security.acting_instance import acting_instance
@@ -81,7 +82,13 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         leader: Callable[[], tuple[str, int]],
         require_leader: Callable[[str], None],
         clock: Callable[[], float] = time.time,
+        prefix_index: PrefixIndex | None = None,
+        worker_address: Callable[[str], str | None] = lambda worker_id: None,
     ):
+        """``prefix_index``: the cluster prefix tier's index (None: a new empty one);
+        ``worker_address``: a live gpu_worker's address by id (None: not a live worker)."""
+        self.prefix_index = prefix_index or PrefixIndex()
+        self.worker_address = worker_address
         self.ledger = ledger
         self.index = index
         self.dgfm = dgfm
@@ -149,3 +156,33 @@ class KVManagerServicer(kv_manager_pb2_grpc.KVManagerServicer):
         self.require_leader("Defragment")
         config = DgfmConfig(request.min_swap_blocks) if request.min_swap_blocks else None
         return outcome_to_proto(await self.defragmenter.run(self.ledger, config))
+
+    async def AnnouncePrefixBlocks(
+        self, request: pb.AnnouncePrefixBlocksRequest, context
+    ) -> pb.AnnouncePrefixBlocksResponse:
+        self.require_leader("AnnouncePrefixBlocks")
+        worker = acting_instance(request.worker_id, "worker_id")
+        if self.worker_address(worker) is None:
+            # Its entries would outlive it: the membership watch forgets only workers it listed.
+            raise NotFound(f"worker {worker!r} is not a live gpu_worker in etcd (yet)")
+        held = self.prefix_index.announce(
+            worker, request.kv_identity, request.added, request.removed, replace=request.replace
+        )
+        return pb.AnnouncePrefixBlocksResponse(index_id=self.index_id(), held_blocks=held)
+
+    async def LocatePrefix(self, request: pb.LocatePrefixRequest, context) -> pb.LocatePrefixResponse:
+        self.require_leader("LocatePrefix")
+        asker = acting_instance(request.worker_id, "worker_id", required=False)
+        holder = self.prefix_index.locate(asker, request.kv_identity, request.keys)
+        address = self.worker_address(holder.worker_id) if holder.worker_id else None
+        if address is None:  # gone since it announced: the watch forgets it at once
+            return pb.LocatePrefixResponse(index_id=self.index_id())
+        return pb.LocatePrefixResponse(
+            holder_id=holder.worker_id, address=address, blocks=holder.blocks, index_id=self.index_id()
+        )
+
+    def index_id(self) -> str:
+        """This index's incarnation: a new leader (or term) starts empty, so workers that see
+        another id announce their whole set again."""
+        _, term = self.leader()
+        return f"{self.instance_id}/{term}"

@@ -17,6 +17,11 @@ A key space is also salted with the request's namespace, who may share its block
 prompt is a timing side channel (a hit's first token comes sooner), so by default it reaches
 only the tenant that sent it; docs/security.md says what timing still tells.
 
+The cluster prefix tier (``services/gpu_worker/prefix_tier.py``) announces the keys a worker caches and evicts
+(its :class:`PrefixJournal`) and moves cached blocks between workers by key
+(:meth:`PrefixCache.export_blocks`, :meth:`PrefixCache.import_blocks`): a key names its block's
+content, so a block fetched under the key asked for is the block a recompute would make.
+
 Only whole blocks are cached, and only blocks of the prompt. One source of truth with reference
 counts (like :class:`AdapterResidency`): a request using a cached block holds a reference; a
 block with none stays in the pool, evictable in its eviction policy's order (least recently used
@@ -29,7 +34,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.gpu_worker.memory.page_allocator import PageUse
+import torch
+
+from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
+from services.gpu_worker.memory.prefix_journal import PrefixJournal
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.eviction import EvictionPolicy, LRUEviction
 from services.runtime.prefix_keys import (  # the keys' one implementation, shared with the gateway
@@ -84,9 +92,13 @@ class PrefixCacheStats:
 class PrefixCache:
     """Cached KV blocks by chain key, with reference counts and an eviction order (engine thread)."""
 
-    def __init__(self, pool: UnifiedPool, eviction: EvictionPolicy | None = None):
-        """``eviction``: the order unused blocks go in (default least recently used first)."""
+    def __init__(
+        self, pool: UnifiedPool, eviction: EvictionPolicy | None = None, journal: PrefixJournal | None = None
+    ):
+        """``eviction``: the order unused blocks go in (default least recently used first);
+        ``journal``: told each key cached and evicted (the cluster tier's announcements)."""
         self.pool = pool
+        self.journal = journal
         self._eviction = eviction or LRUEviction()
         self._blocks: dict[BlockKey, CachedBlock] = {}
         self._evictable_blocks = 0
@@ -125,7 +137,54 @@ class PrefixCache:
         block = CachedBlock(tuple(pages), refcount=1)
         self._blocks[key] = block
         self._eviction.touch(key)
+        if self.journal is not None:
+            self.journal.cached(key)
         return True
+
+    def cached_run(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first, are cached (no reference taken)."""
+        run = 0
+        for key in keys:
+            if key not in self._blocks:
+                break
+            run += 1
+        return run
+
+    def export_blocks(self, keys: Sequence[BlockKey]) -> torch.Tensor:
+        """A copy of the KV of the leading cached run of ``keys``: ``[blocks, num_layers,
+        2 * kv_block_tokens, kv_dim]`` (each page's keys then values). Engine thread."""
+        layout = self.pool.layout
+        run = [self._blocks[key].pages for key in keys[: self.cached_run(keys)]]
+        if not run:
+            return torch.empty(
+                0, layout.num_layers, 2 * layout.kv_block_tokens, layout.kv_dim, dtype=self.pool.dtype
+            )
+        ids = torch.tensor(run, dtype=torch.int64, device=self.pool.device)
+        return self._pages()[ids].to("cpu", copy=True)
+
+    def import_blocks(self, keys: Sequence[BlockKey], kv: torch.Tensor) -> int:
+        """Cache ``kv`` (as :meth:`export_blocks` makes it) under ``keys``, unused (evictable),
+        from the first until the pool has no room left but what requests hold; a key cached
+        already keeps its block. Returns the leading keys cached now. Engine thread."""
+        layers = self.pool.layout.num_layers
+        held: list[BlockKey] = []  # referenced until the end, so that making room spares them
+        try:
+            for key, block in zip(keys, kv, strict=True):
+                if key in self._blocks:
+                    self._hold(key, self._blocks[key])
+                else:
+                    self.make_room(layers, PageUse.KV)
+                    try:
+                        pages = self.pool.allocate(layers, PageUse.KV)
+                    except PoolExhausted:
+                        break
+                    ids = torch.tensor(pages, dtype=torch.int64, device=self.pool.device)
+                    self._pages()[ids] = block.to(self.pool.device, self.pool.dtype)
+                    self.insert(key, pages)
+                held.append(key)
+        finally:
+            self.release(held)
+        return len(held)
 
     def release(self, keys: Sequence[BlockKey]) -> None:
         """Drop a request's references to the blocks of ``keys`` (in block order). The last block
@@ -165,6 +224,11 @@ class PrefixCache:
             evicted_blocks=self._evicted_blocks,
         )
 
+    def _pages(self) -> torch.Tensor:
+        """The pool as ``[num_pages, 2 * kv_block_tokens, kv_dim]`` (a KV page: keys then values)."""
+        layout = self.pool.layout
+        return self.pool.kv_rows.view(layout.num_pages, 2 * layout.kv_block_tokens, layout.kv_dim)
+
     def _hold(self, key: BlockKey, block: CachedBlock) -> None:
         if block.refcount == 0:
             self._evictable_blocks -= 1
@@ -177,3 +241,5 @@ class PrefixCache:
         self._evictable_blocks -= 1
         self._evicted_blocks += 1
         self.pool.free(list(block.pages))
+        if self.journal is not None:
+            self.journal.evicted(key)
