@@ -9,13 +9,18 @@ the size of a decode step's ``AttendRemote`` for SmolLM2-135M (~3 KB out, ~2.4 K
 
 ```sh
 .venv/bin/python -m bench.distkv.lane_round_trip --rounds 2000
+.venv/bin/python -m bench.distkv.lane_round_trip --rounds 500 --link-delays-ms 0,0.2,1   # through the delaying proxy
 ```
+
+With ``--link-delays-ms`` every carrier's connection goes through ``bench.cluster.thread_delay_proxy``
+at each one-way delay in turn (the link of ``bench.distkv.step_ratio``), passes interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -32,6 +37,9 @@ from pathlib import Path
 
 import grpc
 from grpc import aio
+
+from bench.cluster.thread_delay_proxy_bench import ProxyProcess
+from bench.distkv.step_ratio import _delays
 
 _UNARY = "/bench.Echo/Unary"
 _STREAM = "/bench.Echo/Stream"
@@ -130,14 +138,14 @@ def _timed(rounds: int, one) -> dict:
     }
 
 
-def _grpc_unary(port: int, request: bytes, rounds: int) -> dict:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def _grpc_unary(address: tuple[str, int], request: bytes, rounds: int) -> dict:
+    with grpc.insecure_channel("{}:{}".format(*address)) as channel:
         call = channel.unary_unary(_UNARY, request_serializer=_identity, response_deserializer=_identity)
         return _timed(rounds, lambda: call.future(request).result())
 
 
-def _grpc_stream(port: int, request: bytes, rounds: int) -> dict:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def _grpc_stream(address: tuple[str, int], request: bytes, rounds: int) -> dict:
+    with grpc.insecure_channel("{}:{}".format(*address)) as channel:
         call = channel.stream_stream(_STREAM, request_serializer=_identity, response_deserializer=_identity)
         sent: queue.SimpleQueue = queue.SimpleQueue()
         replies = call(iter(sent.get, None))
@@ -153,8 +161,8 @@ def _grpc_stream(port: int, request: bytes, rounds: int) -> dict:
             replies.cancel()
 
 
-def _tcp(port: int, request: bytes, rounds: int, tls_dir: str) -> dict:
-    connection = socket.create_connection(("127.0.0.1", port))
+def _tcp(address: tuple[str, int], request: bytes, rounds: int, tls_dir: str) -> dict:
+    connection = socket.create_connection(address)
     connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if tls_dir:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -187,29 +195,49 @@ def _started(target, *args) -> tuple[multiprocessing.Process, int]:
     return process, receive.recv()
 
 
-def run(args: argparse.Namespace) -> dict:
+@contextlib.asynccontextmanager
+async def _links(ports: list[int], delays_ms: list[float]):
+    """The addresses the clients dial for ``ports``, and how to set the link's delay: the
+    delaying proxy's routes with ``delays_ms``, else the servers themselves."""
+    if not delays_ms:
+        yield [("127.0.0.1", port) for port in ports], None
+        return
+    async with ProxyProcess([f"127.0.0.1:0=127.0.0.1:{port}" for port in ports]) as proxy:
+        yield proxy.addresses, proxy.set_delay_ms
+
+
+async def run(args: argparse.Namespace) -> dict:
     request = os.urandom(args.request_bytes)
-    results: dict[str, dict] = {}
+    results: dict[str, list] = {}
+    delays: list[float | None] = args.link_delays_ms or [None]
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tls_dir:
         _self_signed(tls_dir)
         grpc_server, grpc_port = _started(_grpc_server, args.reply_bytes)
         tcp_server, tcp_port = _started(_serve_tcp, args.reply_bytes, "")
         tls_server, tls_port = _started(_serve_tcp, args.reply_bytes, tls_dir)
         try:
-            # Interleaved passes, so a change of the machine's load falls on every carrier alike.
-            for _ in range(args.passes):
-                for name, measure in (
-                    ("grpc_unary", lambda: _grpc_unary(grpc_port, request, args.rounds)),
-                    ("grpc_stream", lambda: _grpc_stream(grpc_port, request, args.rounds)),
-                    ("tcp", lambda: _tcp(tcp_port, request, args.rounds, "")),
-                    ("tcp_tls", lambda: _tcp(tls_port, request, args.rounds, tls_dir)),
-                ):
-                    results.setdefault(name, []).append(measure())
+            async with _links([grpc_port, tcp_port, tls_port], args.link_delays_ms) as (addresses, set_delay):
+                grpc_at, tcp_at, tls_at = addresses
+                # Interleaved passes, so a change of the machine's load falls on every carrier alike.
+                for _ in range(args.passes):
+                    for delay in delays:
+                        if set_delay is not None:
+                            await set_delay(delay)
+                        for carrier, measure in (
+                            ("grpc_unary", lambda: _grpc_unary(grpc_at, request, args.rounds)),
+                            ("grpc_stream", lambda: _grpc_stream(grpc_at, request, args.rounds)),
+                            ("tcp", lambda: _tcp(tcp_at, request, args.rounds, "")),
+                            ("tcp_tls", lambda: _tcp(tls_at, request, args.rounds, tls_dir)),
+                        ):
+                            name = carrier if delay is None else f"{carrier}@{delay:g}ms"
+                            results.setdefault(name, []).append(await asyncio.to_thread(measure))
         finally:
             for process in (grpc_server, tcp_server, tls_server):
                 process.kill()
     return {
-        "load_average": os.getloadavg(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
         "request_bytes": args.request_bytes,
         "reply_bytes": args.reply_bytes,
         "rounds": args.rounds,
@@ -224,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--request-bytes", type=int, default=3000)
     parser.add_argument("--reply-bytes", type=int, default=2400)
+    parser.add_argument("--link-delays-ms", type=_delays, default=[],
+                        help="one-way delays of a delaying proxy in front of every server, comma-separated")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/distkv_lane_round_trip.json"))
     args = parser.parse_args(argv)
-    result = run(args)
+    result = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v["p50_us"] if isinstance(v, dict) else v for k, v in result.items()}, indent=2))
