@@ -8,6 +8,11 @@ internally is ``Unavailable``.
 Each call is a leader's write, fenced by term (issue 49): just before it is sent, etcd confirms
 this kv_manager still holds the leader key at its term, and the call carries that term. A worker
 that has taken a newer term refuses it (``StaleLeaderTerm``), and this kv_manager steps down.
+
+The channels ping as every service channel does (:mod:`services.runtime.rpc.keepalive`): a
+recall to a worker whose node vanished (no reset ever comes) fails UNAVAILABLE when its
+connection is given up, instead of holding the DGFM round to the call's deadline, and the next
+recall dials afresh instead of queueing on a dead connection.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from grpc import aio
 
 from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.errors import NotFound, StaleLeaderTerm, Unavailable
+from services.runtime.rpc import keepalive
 from services.runtime.rpc.interceptors import error_from_status
 from services.runtime.security.tls import NO_TLS, TLSConfig, aio_channel
 
@@ -83,7 +89,7 @@ class GrpcRecallWorkers:
             raise Unavailable(f"{method} to worker {worker_id} not sent: kv_manager {leader} no longer leads")
         request.leader.CopyFrom(types_pb2.LeaderTerm(term=term, leader_id=leader))
         if worker_id not in self._channels:
-            self._channels[worker_id] = aio_channel(address, self.tls)
+            self._channels[worker_id] = aio_channel(address, self.tls, keepalive.CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(self._channels[worker_id])
         try:
             return await getattr(stub, method)(request, timeout=self.deadline_s)

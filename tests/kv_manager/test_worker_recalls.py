@@ -1,19 +1,52 @@
 """The kv_manager's write path to the workers (GrpcRecallWorkers) checks its leadership in a real
 etcd before each call (issue 49): a leader whose key went behind its back sends nothing and steps
-down."""
+down. Its channels ping as the service channels do."""
 
 from __future__ import annotations
 
 import pytest
 from support.held_election import HeldRounds, revoke_key_lease
 
+from services.kv_manager import worker_recalls
 from services.kv_manager.worker_recalls import GrpcRecallWorkers
 from services.runtime.errors import Unavailable
 from services.runtime.etcd.leader_election import LeaderElection
+from services.runtime.rpc import keepalive
+from services.runtime.security.tls import aio_channel
 
-pytestmark = pytest.mark.integration
+
+class _Term:
+    """A tenure that leads under term 1 (no etcd: the channel is what is checked)."""
+
+    instance_id = "kv-a"
+
+    async def confirm(self) -> int:
+        return 1
+
+    def step_down(self, term: int, why: str) -> None:
+        raise AssertionError(f"stepped down: {why}")
 
 
+async def test_the_channel_to_a_worker_pings_as_the_service_channels_do(monkeypatch):
+    opened = []
+
+    def record(address, tls, options=()):
+        opened.append(dict(options))
+        return aio_channel(address, tls, options)
+
+    monkeypatch.setattr(worker_recalls, "aio_channel", record)
+    workers = GrpcRecallWorkers({"w0": "127.0.0.1:9"}, _Term(), 5.0)  # nothing listens there
+    try:
+        with pytest.raises(Unavailable):
+            await workers.recall("w0", "w1", 1)
+    finally:
+        await workers.close()
+    assert opened[0].items() >= dict(keepalive.CHANNEL_OPTIONS).items()
+    assert opened[0]["grpc.keepalive_time_ms"] == keepalive.PING_EVERY_S * 1000
+    assert opened[0]["grpc.keepalive_timeout_ms"] == keepalive.PING_TIMEOUT_S * 1000
+
+
+@pytest.mark.integration
 async def test_a_leader_whose_key_moved_sends_nothing_and_steps_down(membership_config, etcd):
     a = LeaderElection(membership_config, "kv_manager", "kv-a", sleep=HeldRounds())
     b = LeaderElection(membership_config, "kv_manager", "kv-b")
