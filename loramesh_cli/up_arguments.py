@@ -58,6 +58,9 @@ WORKER_SETTINGS = ForwardedSettings(
         "loan_wait_s",
         "deterministic",
         "speculative",
+        "cluster_prefix_cache",
+        "prefix_fetch_mb_s",
+        "prefill_gflops",
     ),
     # Half the service's 1024: a local mesh's workers share one machine with the other services.
     defaults={"pool_mib": 512},
@@ -77,6 +80,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "kv_overflow": KV_OVERFLOW_POLICIES,
         "lending_lane": LANE_MODES,
         "speculative": SPECULATIVE_MODES,
+        "cluster_prefix_cache": ("on", "off"),
     },
 )
 STORE_SETTINGS = ForwardedSettings(
