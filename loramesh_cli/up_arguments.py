@@ -45,6 +45,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "quantization",
         "pool_mib",
         "host_cache_mib",
+        "prefetch_versions_s",
         "batch_policy",
         "early_abort_slo_s",
         "preemption_policy",

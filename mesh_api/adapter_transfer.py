@@ -97,25 +97,35 @@ async def fetch_adapter(
     ref: pb.AdapterRef,
     timeout: float | None = 120,
     first_answer: Callable[[Awaitable], Awaitable] | None = None,
-) -> tuple[types_pb2.AdapterInfo, bytes]:
-    """Download an adapter's weights and verify them against the announced sha256.
-    ``first_answer(read)``: awaits the read of the first message (a caller bounds the wait there,
-    cancelling the call when it gives up)."""
-    header = None
-    chunks: list[bytes] = []
+) -> tuple[types_pb2.AdapterInfo, bytearray]:
+    """Download an adapter's weights and verify them against the announced sha256 (the
+    ``AdapterInfo``'s ``sha256``). ``first_answer(read)``: awaits the read of the first message
+    (a caller bounds the wait there, cancelling the call when it gives up).
+
+    Each chunk is hashed and put in place as it arrives, while the next is on its way: nothing
+    is joined or hashed over the whole at the end."""
     call = stub.FetchAdapter(pb.FetchAdapterRequest(ref=ref), timeout=timeout)
     try:
         message = await (first_answer or _awaited)(call.read())
     except BaseException:
         call.cancel()
         raise
-    while message is not aio.EOF:
-        if message.WhichOneof("item") == "header":
-            header = message.header
-        else:
-            chunks.append(message.chunk)
-        message = await call.read()
-    data = b"".join(chunks)
-    if header is None or len(data) != header.total_bytes or hashlib.sha256(data).hexdigest() != header.sha256:
-        raise ChecksumMismatch(f"adapter {ref} arrived corrupted ({len(data)} bytes)")
+    if message is aio.EOF or message.WhichOneof("item") != "header":
+        call.cancel()
+        raise ChecksumMismatch(f"adapter {ref} arrived without its header")
+    header = message.header
+    if header.adapter.sha256 not in ("", header.sha256):
+        call.cancel()
+        raise ChecksumMismatch(f"adapter {ref} announced two sha256s")
+    data, filled, digest = bytearray(header.total_bytes), 0, hashlib.sha256()
+    while (message := await call.read()) is not aio.EOF:
+        chunk = message.chunk
+        if message.WhichOneof("item") != "chunk" or filled + len(chunk) > len(data):
+            call.cancel()
+            raise ChecksumMismatch(f"adapter {ref} arrived corrupted (more than {len(data)} bytes)")
+        data[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+        digest.update(chunk)
+    if filled != len(data) or digest.hexdigest() != header.sha256:
+        raise ChecksumMismatch(f"adapter {ref} arrived corrupted ({filled} bytes)")
     return header.adapter, data

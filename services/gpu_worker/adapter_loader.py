@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from services.gpu_worker.adapter_source import AdapterSource
+from services.gpu_worker.adapter_source import AdapterSource, FetchedAdapter
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
 from services.runtime.eviction import EvictionPolicy, LRUEviction, set_pins
@@ -40,10 +40,11 @@ class AdapterLoader:
         dtype: torch.dtype,
         host_budget_bytes: int | None = None,
         eviction: EvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """``host_budget_bytes``: RAM for host copies of adapters; None: unbounded.
         ``eviction``: the order unreferenced host copies are dropped in (default least recently
-        used first)."""
+        used first); ``clock``: when a request last used each adapter (:meth:`last_used`)."""
         self.source = source
         self.engine = engine
         self.dtype = dtype
@@ -53,6 +54,9 @@ class AdapterLoader:
         self._sizes: dict[str, int] = {}
         """Host copies this loader added, with their sizes."""
         self._eviction = eviction or LRUEviction()
+        self._clock = clock
+        self._used: dict[str, float] = {}
+        """When a request last acquired each adapter (kept for host copies only)."""
         self.fetches = 0
         """Adapters pulled from the source so far (re-fetches after a drop included)."""
         self.on_loaded: Callable[[float], None] | None = None
@@ -93,11 +97,17 @@ class AdapterLoader:
     async def acquire(self, adapter_id: str) -> HostAdapter:
         """:meth:`ensure`, holding a reference so the host copy stays until :meth:`release`."""
         self._refs[adapter_id] = self._refs.get(adapter_id, 0) + 1
+        self._used[adapter_id] = self._clock()
         try:
             return await self.ensure(adapter_id)
         except BaseException:
             self.release(adapter_id)
             raise
+
+    def last_used(self, adapter_id: str) -> float | None:
+        """When a request last acquired ``adapter_id`` (the clock's time), while its host copy
+        is here; None if none did since it was pulled."""
+        return self._used.get(adapter_id)
 
     def public_name(self, adapter_id: str) -> str:
         """The name users know ``adapter_id`` by (the store's ``owner/name``, a directory's name)."""
@@ -136,7 +146,7 @@ class AdapterLoader:
             self.set_pinned(pinned | {adapter_id} if fetched.pinned else pinned - {adapter_id})
         # Parsing and the engine's footprint of it (a walk over every module) both run on the
         # parse thread: neither holds the event loop (engine.add_adapter is thread-safe).
-        adapter = await asyncio.to_thread(self._parse_and_add, adapter_id, fetched.config, fetched.weights)
+        adapter = await asyncio.to_thread(self._parse_and_add, adapter_id, fetched)
         if self.on_loaded is not None:
             self.on_loaded(time.perf_counter() - started)
         self.fetches += 1
@@ -149,8 +159,10 @@ class AdapterLoader:
         )
         return adapter
 
-    def _parse_and_add(self, adapter_id: str, config, weights) -> HostAdapter:
-        adapter = parse_peft_adapter(adapter_id, config, weights, self.dtype)
+    def _parse_and_add(self, adapter_id: str, fetched: FetchedAdapter) -> HostAdapter:
+        adapter = parse_peft_adapter(
+            adapter_id, fetched.config, fetched.weights, self.dtype, fetched.weights_sha256
+        )
         self.engine.add_adapter(adapter)
         return adapter
 
@@ -176,6 +188,7 @@ class AdapterLoader:
             if total <= self.host_budget_bytes:
                 break
             total -= self._sizes.pop(adapter_id)
+            self._used.pop(adapter_id, None)
             self._eviction.remove(adapter_id)
             self.engine.remove_adapter(adapter_id)
 

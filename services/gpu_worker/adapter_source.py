@@ -29,10 +29,12 @@ class FetchedAdapter:
 
     config: bytes
     """``adapter_config.json``."""
-    weights: bytes
+    weights: bytes | bytearray
     """``adapter_model.safetensors``."""
     pinned: bool = False
     """Pinned when it was fetched (never evicted from this worker's host cache or pool)."""
+    weights_sha256: str | None = None
+    """The weights' sha256, verified on the way in (None: not known; the parse hashes them)."""
 
 
 class AdapterSource(Protocol):
@@ -90,7 +92,7 @@ class StoreSource:
         download), or sends nothing within :data:`ANSWER_WITHIN_S` (hung), is left for another,
         which sends it from the start."""
 
-        async def attempt(address: str, within_s: float | None) -> tuple[types_pb2.AdapterInfo, bytes]:
+        async def attempt(address: str, within_s: float | None) -> tuple[types_pb2.AdapterInfo, bytearray]:
             what = f"adapter store at {address}"
             try:
                 return await fetch_adapter(
@@ -107,7 +109,7 @@ class StoreSource:
 
         info, data = await self._locator.on_answering_member(attempt, ANSWER_WITHIN_S)
         self._names[adapter_id] = f"{info.owner}/{info.name}"
-        return FetchedAdapter(info.config_json.encode(), data, info.pinned)
+        return FetchedAdapter(info.config_json.encode(), data, info.pinned, info.sha256 or None)
 
     async def pinned_ids(self) -> frozenset[str]:
         """The store's pinned adapters (Unavailable when no replica answers)."""

@@ -43,6 +43,10 @@ class WorkerConfig(ServiceConfig):
     host_cache_mib: int = 4096
     """Host RAM for adapter copies; beyond it, adapters no request uses are dropped in
     --eviction-policy order and fetched again when asked for; pinned ones stay (0: unbounded)."""
+    prefetch_versions_s: float = 60.0
+    """A new version of an adapter name is pulled (and paged in where there is room) as soon as
+    its publish reaches this worker's etcd watch, when a request used a version of that name here
+    within this many seconds (0: off; a version is then pulled by its first request)."""
     pin_refresh_s: float = 5.0
     """How often the worker reads the adapter store's pinned adapters, so that a pin or unpin set
     after it loaded an adapter applies within this many seconds (a fetch brings its pin at once;
@@ -96,7 +100,9 @@ class WorkerConfig(ServiceConfig):
         require_positive(self, "pool_mib")
         require_at_least(self, 1, "kv_block_tokens", "max_running", "max_prefill_tokens", "loan_wait_rounds")
         require_at_least(self, 0, "loan_wait_s")
-        require_at_least(self, 0, "threads", "host_cache_mib", "pin_refresh_s", "lending_lane_port")
+        require_at_least(
+            self, 0, "threads", "host_cache_mib", "pin_refresh_s", "prefetch_versions_s", "lending_lane_port"
+        )
         require_at_least(self, -1, "lend_cap_blocks")
         require_choice(self, "quantization", QUANTIZATION_CHOICES)
         require_choice(self, "lending_lane", LANE_MODES)

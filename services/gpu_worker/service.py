@@ -29,6 +29,7 @@ from services.gpu_worker.prefix_tier import PrefixTierSettings
 from services.gpu_worker.prefix_tier_setup import PrefixTierParts, kv_identity, start_prefix_tier
 from services.gpu_worker.quantization_setting import resolve_quantization
 from services.gpu_worker.servicer import WorkerServicer
+from services.gpu_worker.version_prefetch import VersionPrefetch, follow_publishes
 from services.gpu_worker.worker_metrics import WorkerMetrics, WorkerParts
 from services.runtime.etcd.lease_fence import LeaseFence
 from services.runtime.etcd.membership import MemberInfo, MembershipConfig, follow, watch_members
@@ -166,6 +167,9 @@ class WorkerService:
         )
         if cfg.pin_refresh_s > 0:
             self._watches.append(asyncio.create_task(refresh_pins(self.source, loader, cfg.pin_refresh_s)))
+        if cfg.prefetch_versions_s > 0 and cfg.etcd_endpoints and not cfg.adapter_dir:
+            prefetch = VersionPrefetch(loader, engine.preload, cfg.prefetch_versions_s)
+            self._watches.append(asyncio.create_task(follow_publishes(membership, prefetch)))
         self.metrics.attach(engine, loader)
         self._parts = WorkerParts(engine, loader, loaded.config.name)
         describe = {

@@ -11,8 +11,8 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load as load_safetensors
 
+from services.gpu_worker.lora.safetensors_views import tensor_views
 from services.model_files.peft_format import PeftConfig, module_path, parse_tensor_name
 from services.runtime.errors import InvalidArgument
 
@@ -92,11 +92,17 @@ class HostAdapter:
 
 
 def parse_peft_adapter(
-    adapter_id: str, config_json: bytes | str, weights: bytes, dtype: torch.dtype
+    adapter_id: str,
+    config_json: bytes | str,
+    weights: bytes | bytearray,
+    dtype: torch.dtype,
+    weights_sha256: str | None = None,
 ) -> HostAdapter:
-    """Build a :class:`HostAdapter` from ``adapter_config.json`` and safetensors bytes."""
+    """Build a :class:`HostAdapter` from ``adapter_config.json`` and safetensors bytes.
+    ``weights_sha256``: the weights' sha256 when the caller has verified it (a fetch checks it
+    against the store's), so they are not hashed a second time here."""
     config = PeftConfig.from_json(config_json)
-    tensors = load_safetensors(bytes(weights))
+    tensors = tensor_views(weights)  # read in place: with_rows converts them, the one copy
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         parsed = parse_tensor_name(name)
@@ -108,7 +114,7 @@ def parse_peft_adapter(
     for (layer, module), factors in sorted(pairs.items()):
         scale = config.scale(module_path(layer, module))
         modules[(layer, module)] = LoraFactors(a=factors["A"], b_t=factors["B"].t(), scale=scale)
-    content = content_sha256(config_json, weights)
+    content = content_sha256(config_json, weights_sha256 or hashlib.sha256(weights).hexdigest())
     adapter = HostAdapter(adapter_id, modules, content, invocation_tokens=config.invocation_tokens)
     return with_rows(adapter, dtype)
 
@@ -155,12 +161,13 @@ def with_rows(adapter: HostAdapter, dtype: torch.dtype) -> HostAdapter:
     return HostAdapter(adapter.adapter_id, modules, adapter.content_sha256, rows, adapter.invocation_tokens)
 
 
-def content_sha256(config_json: bytes | str, weights: bytes) -> str:
-    """sha256 of an adapter's config and weights, each length-prefixed (so no two different
-    pairs hash alike by moving bytes across the boundary)."""
+def content_sha256(config_json: bytes | str, weights_sha256: str) -> str:
+    """sha256 of an adapter's config and its weights' sha256 (the store's, which a fetch
+    verifies), each length-prefixed (so no two different pairs hash alike by moving bytes across
+    the boundary): the weights are hashed once per fetch, not twice."""
     config = config_json.encode() if isinstance(config_json, str) else bytes(config_json)
     digest = hashlib.sha256()
-    for part in (config, bytes(weights)):
+    for part in (config, bytes.fromhex(weights_sha256)):
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
     return digest.hexdigest()

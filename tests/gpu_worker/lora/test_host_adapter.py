@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pickle
@@ -86,3 +87,19 @@ def test_a_pinned_copy_keeps_every_factor_as_a_view_of_its_page_locked_rows(tmp_
         assert (
             torch.equal(factors.b_t, adapter.modules[key].b_t) and factors.scale == adapter.modules[key].scale
         )
+
+
+def test_a_verified_weights_digest_names_the_same_content_as_hashing_the_weights(tmp_path):
+    """A fetch hands the weights' sha256 it verified on: the content named (the prefix cache's
+    key space) is the one the weights' own hash names, and another config names another."""
+    directory = write_peft_adapter(tmp_path, SPEC, SampleAdapterSpec(rank=4, target_modules=("q_proj",)))
+    config = (directory / "adapter_config.json").read_bytes()
+    weights = (directory / "adapter_model.safetensors").read_bytes()
+    digest = hashlib.sha256(weights).hexdigest()
+    hashed = parse_peft_adapter("a", config, weights, torch.float32)
+    given = parse_peft_adapter("a", config, bytearray(weights), torch.float32, weights_sha256=digest)
+    assert hashed.content_sha256 == given.content_sha256 != ""
+    assert torch.equal(hashed.rows, given.rows)
+    other_config = json.dumps({**json.loads(config), "lora_alpha": 3.0})
+    other = parse_peft_adapter("a", other_config, weights, torch.float32)
+    assert other.content_sha256 != hashed.content_sha256
