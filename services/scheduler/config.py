@@ -10,13 +10,14 @@ from services.runtime.config import ServiceConfig, require_at_least, require_pos
 @dataclass
 class SchedulerConfig(ServiceConfig):
     """loramesh scheduler: places each request on a gpu_worker (by default the one with the least
-    estimated wait)."""
+    estimated wait, counting the prompt prefix it likely holds cached)."""
 
-    placement: str = "least-estimated-wait"
-    """Placement policy: ``least-estimated-wait`` (dLoRA proactive dispatch: queue + adapter load),
-    ``prefix-aware`` (that, plus the prompt prefix each worker likely holds in its prefix cache,
-    against load imbalance: ``--prefix-*``), ``least-loaded`` (fewest queued + running requests)
-    or ``round-robin``."""
+    placement: str = "prefix-aware"
+    """Placement policy: ``prefix-aware`` (least-estimated-wait plus the prompt prefix each worker
+    likely holds in its prefix cache, against load imbalance: ``--prefix-*``; with no cached
+    prefix anywhere the same choice as least-estimated-wait), ``least-estimated-wait`` (dLoRA
+    proactive dispatch: queue + adapter load), ``least-loaded`` (fewest queued + running
+    requests) or ``round-robin``."""
     migration: str = "none"
     """Migration policy: ``none``, ``co-migration`` (dLoRA's relaxed LP over the top-K replicas),
     ``pets`` (PetS greedy balancing, adaptive interval) or ``batch-balancing`` (running requests

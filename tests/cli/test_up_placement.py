@@ -1,5 +1,5 @@
 """`loramesh up --placement NAME` reaches every scheduler's command line and the background `up`
-of `--detach`; by default the schedulers' own default, least-estimated-wait."""
+of `--detach`; by default the schedulers' own default, prefix-aware."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_the_placement_is_passed_to_every_scheduler(tmp_path, name):
 def test_the_schedulers_default_by_default(tmp_path):
     assert not any(flag_value(c, "--placement") for c in scheduler_commands(tmp_path))
     assert [c.placement for c in scheduler_configs(tmp_path)] == [SchedulerConfig.placement] * 2
-    assert SchedulerConfig.placement == "least-estimated-wait"
+    assert SchedulerConfig.placement == "prefix-aware"
 
 
 def test_detach_passes_it_to_the_background_up(tmp_path):

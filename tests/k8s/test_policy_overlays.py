@@ -1,6 +1,6 @@
 """Both overlays spell out the workers' KV overflow policy, lending cap and early-abort SLO and the
 schedulers' placement policy, as values the services parse: the services' own defaults as shipped
-(preempt, lending nothing, 6 s, least-estimated-wait)."""
+(preempt, lending nothing, 6 s, prefix-aware)."""
 
 from __future__ import annotations
 

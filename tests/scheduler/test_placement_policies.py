@@ -10,8 +10,8 @@ from services.scheduler.cluster_view import ClusterSnapshot, WorkerState
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.placement import PlacementRequest, WaitModel
 from services.scheduler.policies import PLACEMENT_POLICIES, make_placement
-from services.scheduler.policies.least_estimated_wait import LeastEstimatedWait
 from services.scheduler.policies.least_loaded import LeastLoaded
+from services.scheduler.policies.prefix_aware import PrefixAware
 from services.scheduler.policies.round_robin import RoundRobin
 from services.scheduler.service import SchedulerService
 
@@ -73,9 +73,9 @@ def test_unknown_policy_name_lists_the_known_ones():
         make_placement("random", MODEL)
 
 
-def test_placement_flag_selects_the_policy_and_defaults_to_least_estimated_wait():
+def test_placement_flag_selects_the_policy_and_defaults_to_prefix_aware():
     default = SchedulerService(parse_config(SchedulerConfig, [], environ={}))
-    assert isinstance(default.policy, LeastEstimatedWait)
+    assert isinstance(default.policy, PrefixAware)
     chosen = SchedulerService(parse_config(SchedulerConfig, ["--placement", "round-robin"], environ={}))
     assert isinstance(chosen.policy, RoundRobin)
     assert chosen.admission.model == chosen.policy.model

@@ -203,7 +203,8 @@ def test_config_selects_it_and_rejects_bad_weights_and_requests():
     assert service.policy.name == "prefix-aware" and uses_prefix_index(service.policy)
     assert service.policy.config.prefill_ms_per_token == 0.5
     assert service.view.prefix_index is not None
-    assert SchedulerService(parse_config(SchedulerConfig, [])).view.prefix_index is None
+    plain = parse_config(SchedulerConfig, ["--placement", "least-estimated-wait"])
+    assert SchedulerService(plain).view.prefix_index is None
     assert make_placement("prefix-aware").config == PrefixAwareConfig()
     with pytest.raises(ValueError, match="--prefix-imbalance-ms-per-request"):
         SchedulerConfig(prefix_imbalance_ms_per_request=-1)
