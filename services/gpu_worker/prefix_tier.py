@@ -34,6 +34,9 @@ from services.runtime.prefix_keys import prompt_block_keys
 
 log = logging.getLogger("loramesh.worker.prefix_tier")
 
+FETCH_DEADLINE_FLOOR_S = 1.0
+"""The least a fetch is given, whatever the cost model expects (a loaded host's first call)."""
+
 
 @dataclass(frozen=True)
 class RemotePrefix:
@@ -61,10 +64,10 @@ class PrefixPeers(Protocol):
     """Other workers' prefix caches."""
 
     async def fetch(
-        self, address: str, kv_identity: str, keys: Sequence[BlockKey]
+        self, address: str, kv_identity: str, keys: Sequence[BlockKey], deadline_s: float
     ) -> list[tuple[BlockKey, torch.Tensor]]:
         """The blocks the worker at ``address`` holds of the leading ``keys``: (key, KV) pairs in
-        the order it sent them."""
+        the order it sent them, within ``deadline_s``."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,10 @@ class ClusterPrefixTier:
             return
         wanted = keys[local : found.blocks]
         try:
-            got = await self.peers.fetch(found.address, s.kv_identity, wanted)
+            # A fetch slower than computing the blocks twice is given up: a hung holder costs a
+            # bounded wait, then the recompute the request would have done anyway.
+            deadline_s = FETCH_DEADLINE_FLOOR_S + 2 * self.cost.prefill_s(missing)
+            got = await self.peers.fetch(found.address, s.kv_identity, wanted, deadline_s)
         except DomainError as error:
             log.info("prefix fetch from %s failed (%s): computed here", found.holder_id, error)
             return

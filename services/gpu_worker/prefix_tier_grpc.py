@@ -51,8 +51,10 @@ class GrpcPrefixDirectory:
     each is asked in turn, as ``KvManagerDirectory`` does)."""
 
     def __init__(
-        self, addresses: Callable[[], Sequence[str]], tls: TLSConfig = NO_TLS, deadline_s: float = 5.0
+        self, addresses: Callable[[], Sequence[str]], tls: TLSConfig = NO_TLS, deadline_s: float = 1.0
     ):
+        """``deadline_s`` bounds each call: a lookup waits in front of a request's queueing, so a
+        hung kv_manager costs at most this, then the request computes its prompt."""
         self.addresses = addresses
         self.deadline_s = deadline_s
         self._channels = _Channels(tls)
@@ -89,18 +91,17 @@ class GrpcPrefixDirectory:
 class GrpcPrefixPeers:
     """Other workers' prefix caches, by address."""
 
-    def __init__(self, tls: TLSConfig = NO_TLS, deadline_s: float = 30.0):
-        self.deadline_s = deadline_s
+    def __init__(self, tls: TLSConfig = NO_TLS):
         self._channels = _Channels(tls)
 
     async def fetch(
-        self, address: str, kv_identity: str, keys: Sequence[BlockKey]
+        self, address: str, kv_identity: str, keys: Sequence[BlockKey], deadline_s: float
     ) -> list[tuple[BlockKey, torch.Tensor]]:
         stub = worker_pb2_grpc.WorkerStub(self._channels.get(address))
         request = worker_pb2.FetchPrefixBlocksRequest(kv_identity=kv_identity, keys=keys)
         blocks = []
         try:
-            async for reply in stub.FetchPrefixBlocks(request, timeout=self.deadline_s):
+            async for reply in stub.FetchPrefixBlocks(request, timeout=deadline_s):
                 blocks.append((reply.key, tensor_from_proto(reply.kv, "a prefix block")))
         except grpc.RpcError as error:
             raise error_from_status(error, f"FetchPrefixBlocks at {address}") from error

@@ -180,8 +180,8 @@ async def test_a_block_under_another_key_is_refused_and_the_prompt_recomputed(me
     )
     honest = b.tier.tier.peers.fetch
 
-    async def lying(address, identity, keys):  # a holder answering its blocks under swapped keys
-        blocks = await honest(address, identity, keys)
+    async def lying(address, identity, keys, deadline_s):  # a holder answering under swapped keys
+        blocks = await honest(address, identity, keys, deadline_s)
         return [(blocks[1][0], blocks[0][1]), *blocks[1:]]
 
     b.tier.tier.peers.fetch = lying
