@@ -10,6 +10,8 @@ from mesh_api.v1 import types_pb2
 from services.gateway.adapter_reference import ResolvedAdapter
 from services.gateway.prefix_blocks import placement_prefix_blocks
 from services.gpu_worker.memory.prefix_cache import BASE_MODEL_KEY_SPACE, block_keys, namespaced_key_space
+from services.runtime.prefix_keys import prompt_block_keys
+from tests.gateway.test_first_token_deadline import gateway, generate, run, text  # noqa: F401 (fixtures)
 
 PROMPT = list(range(100, 150))  # 3 whole blocks of 16 and 2 tokens more
 INVOCATION = [7, 8, 9]
@@ -61,3 +63,18 @@ def test_same_name_different_weights_and_tenants_share_no_block():
     base = placement_prefix_blocks(PROMPT, "tenant:acme", None, 16)
     keys = [set(k) for k in (one, reweighted, version, tenant, base)]
     assert sum(len(k) for k in keys) == len(set().union(*keys)) == 15
+
+
+async def test_a_placement_carries_the_blocks_the_worker_will_key(gateway):  # noqa: F811
+    """Through the gateway's gRPC API: the placement names the prompt's blocks exactly as the
+    worker it goes to keys them (its prompt, in the namespace the gateway sends it)."""
+    request = generate(0)
+    request.prompt = "Say hello to the whole wide world, politely and at length. " * 6
+    await run(gateway, request)
+    placed, sent = gateway.places[0], gateway.worker.requests[0]
+    assert (
+        placed.prefix_block_tokens == 16
+        and len(placed.prefix_blocks) == len(sent.prompt_token_ids) // 16 >= 3
+    )
+    keys = prompt_block_keys(sent.prefix_cache_namespace, list(sent.prompt_token_ids), 16)
+    assert list(placed.prefix_blocks) == keys
