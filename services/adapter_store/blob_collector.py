@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from services.adapter_store.blobs.backend import BlobBackend
+from services.adapter_store.blobs.backend import BlobBackend, BlobEntry
 from services.adapter_store.catalog import Catalog
 
 log = logging.getLogger("loramesh.adapter_store")
@@ -32,12 +32,14 @@ class BlobCollector:
         self.collected = 0
         """Blobs this replica removed since it started."""
 
-    def collect(self) -> int:
-        """One pass over the blob tier; returns how many blobs it removed."""
+    def collect(self, listing: Iterable[BlobEntry] | None = None) -> int:
+        """One pass over the blob tier (``listing``: the tier's, taken just before by the
+        caller, instead of listing it again: start-up lists it once); returns how many blobs it
+        removed."""
         referenced = self.catalog.mirror.referenced_digests()
         oldest_kept = self._clock() - self.grace_s
         removed = 0
-        for entry in list(self.blobs.listing()):
+        for entry in list(self.blobs.listing() if listing is None else listing):
             if entry.digest in referenced or entry.modified_s > oldest_kept:
                 continue
             removed += self.remove(entry.digest)
