@@ -1,5 +1,5 @@
-"""Both overlays spell out how long a worker waits for a lender (``LORAMESH_LOAN_WAIT_ROUNDS``,
-its own default as shipped), a wait that outlasts a kv_manager leader's failover, and label each
+"""Both overlays spell out how long a worker waits for a lender (``LORAMESH_LOAN_WAIT_S`` and
+``LORAMESH_LOAN_WAIT_ROUNDS``, its own defaults as shipped), a wait that outlasts a kv_manager leader's failover, and label each
 worker with its node (``LORAMESH_TOPOLOGY`` from ``spec.nodeName``), so the kv_manager suggests
 creditors on the debtor's node first."""
 
@@ -12,8 +12,9 @@ from tests.k8s.test_policy_overlays import env_of, rendered  # noqa: F401 (the f
 
 def test_the_workers_loan_wait_is_set(rendered):  # noqa: F811
     env = env_of(rendered, "gpu-worker")
-    key = "LORAMESH_LOAN_WAIT_ROUNDS"
-    config = parse_config(WorkerConfig, argv=[], environ={key: env[key]})
+    keys = ("LORAMESH_LOAN_WAIT_S", "LORAMESH_LOAN_WAIT_ROUNDS")
+    config = parse_config(WorkerConfig, argv=[], environ={key: env[key] for key in keys})
+    assert config.loan_wait_s == WorkerConfig.loan_wait_s
     assert config.loan_wait_rounds == WorkerConfig.loan_wait_rounds
 
 
