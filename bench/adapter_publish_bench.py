@@ -3,9 +3,11 @@ serves the new version, on a local mesh of two workers, in one run.
 
     .venv/bin/python -m bench.adapter_publish_bench [--probes 30] [--publishes 40] [--rate 10]
         [--window-s 12] [--rounds 2] [--streams 4] [--max-tokens 24] [--pool 24] [--keep-versions 4]
+        [--dtype float32] [--prefetch-versions-s 60]
 
 A mesh is started with ``loramesh up --workers 2`` (float32 workers as every side-by-side bench,
-or ``--dtype``),
+or ``--dtype``; the workers' ``--prefetch-versions-s`` as given, 0 to pull a version only when
+it is first asked for),
 with the store keeping versions by count alone (``--keep-versions-s 0``) and collecting
 unreferenced blobs every second and at once (``--collect-interval-s 1 --collect-grace-s 0``), so
 a pruned version's row and blob are gone by the time its content comes round again in the pool
@@ -24,12 +26,15 @@ Measured:
 
    - *store*: the publish's round trip, until the store acknowledges the committed version;
    - *watch*: from the publish's start until the new row reaches a watch of the catalog's rows
-     in etcd (what every gateway follows; workers watch nothing, they fetch by id);
+     in etcd (what every gateway and every worker follows: a worker starts pulling a new version
+     of a name it serves from there, ``--prefetch-versions-s``);
    - *fetch*: ``Worker/LoadAdapter`` of the new id on each worker at once, from the
-     acknowledgment: the worker pulls it from the store, parses it and holds its host copy;
+     acknowledgment until the worker holds its host copy: what is left of a pull its watch
+     started, or the whole pull (from the store, parsed) when it started none;
    - *page-in + first token*: ``Worker/Generate`` with that id and one token, pinned to each
-     worker by calling it directly: the adapter's pages into the pool, a prefill and a token.
-     The same request without an adapter, just before, gives the prefill-and-token part alone.
+     worker by calling it directly: the adapter's pages into the pool (unless the pull's preload
+     put them there already), a prefill and a token. The same request without an adapter, made
+     before the publish, gives the prefill-and-token part alone.
 
    The figure is the slowest worker's first token, from the publish's start.
 3. **Other adapters' throughput under publishes**: ``--streams`` streams through the gateway on
@@ -91,6 +96,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=24, help="distinct contents cycled as new ones")
     parser.add_argument("--keep-versions", type=int, default=4, help="the store's --keep-versions")
     parser.add_argument("--dtype", default="float32", help="the workers' --dtype (float32 as other benches)")
+    parser.add_argument(
+        "--prefetch-versions-s", default="60", help="the workers' --prefetch-versions-s (0: no prefetch)"
+    )
     return parser.parse_args()
 
 
@@ -153,16 +161,22 @@ async def first_token_s(stub, prompt_ids: list[int], adapter_id: str) -> float:
 
 
 async def on_worker(stub, prompt_ids: list[int], adapter_id: str) -> dict:
-    """Fetch, then first token with it; the same first token without an adapter before."""
-    base = await first_token_s(stub, prompt_ids, "")
+    """The host copy (what is left of a prefetch, or the whole pull), then a first token with it."""
     started = time.perf_counter()
-    await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id))
+    loaded = await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id))
     fetch = time.perf_counter() - started
     first = await first_token_s(stub, prompt_ids, adapter_id)
-    return {"base_first_token_s": base, "fetch_s": fetch, "first_token_s": first, "done": time.perf_counter()}
+    return {
+        "fetch_s": fetch,
+        "first_token_s": first,
+        "done": time.perf_counter(),
+        "resident": loaded.was_resident,
+    }
 
 
 async def probe(client: AsyncClient, stubs: list, watch: RowWatch, prompt_ids: list[int], path: Path) -> dict:
+    # The same first token without an adapter, before the publish: so it overlaps no pull.
+    base = await asyncio.gather(*(first_token_s(stub, prompt_ids, "") for stub in stubs))
     started = time.perf_counter()
     published = await client.adapters.publish(path, NAME)
     acknowledged = time.perf_counter()
@@ -175,9 +189,9 @@ async def probe(client: AsyncClient, stubs: list, watch: RowWatch, prompt_ids: l
         "watch_s": (seen - started) if seen is not None else None,
         "fetch_s": max(w["fetch_s"] for w in workers),
         "page_in_and_first_token_s": max(w["first_token_s"] for w in workers),
-        "base_first_token_s": max(w["base_first_token_s"] for w in workers),
-        # Every worker's first token: the base request before it is not part of the path.
-        "publish_to_every_worker_s": max(w["done"] - started - w["base_first_token_s"] for w in workers),
+        "base_first_token_s": max(base),
+        "publish_to_every_worker_s": max(w["done"] for w in workers) - started,
+        "resident_before_asked": sum(w["resident"] for w in workers),
     }
 
 
@@ -252,6 +266,9 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
                 for i in range(args.probes)
             ]
             result["probes"] = len(probes)
+            # Workers that had the version in their pool before the bench asked for it (a pull
+            # their watch started, then its preload), out of probes x workers.
+            result["resident_before_asked"] = sum(p["resident_before_asked"] for p in probes)
             for part in ("store_s", "watch_s", "fetch_s", "page_in_and_first_token_s", "base_first_token_s",
                          "publish_to_every_worker_s"):  # fmt: skip
                 result.update(summary([p[part] for p in probes if p[part] is not None], part[:-2]))
@@ -295,6 +312,7 @@ def main() -> None:
     flags = ["--keep-versions", str(args.keep_versions), "--keep-versions-s", "0"]
     flags += ["--collect-interval-s", "1", "--collect-grace-s", "0"]
     flags += ["--dtype", args.dtype]  # after local_mesh's own --dtype: this one holds
+    flags += ["--prefetch-versions-s", args.prefetch_versions_s]
     with local_mesh(workers=2, flags=flags) as mesh:
         result = asyncio.run(measure(mesh, args, fresh, rollback, others))
     print(
@@ -304,6 +322,7 @@ def main() -> None:
                 "rank": 16,
                 "keep_versions": args.keep_versions,
                 "worker_dtype": args.dtype,
+                "prefetch_versions_s": float(args.prefetch_versions_s),
                 "cpus": os.cpu_count(),
                 "load_before": [round(v, 2) for v in load_before],
                 "load_after": [round(v, 2) for v in os.getloadavg()],

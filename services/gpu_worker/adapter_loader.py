@@ -21,11 +21,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from services.gpu_worker.adapter_source import AdapterSource, FetchedAdapter
 from services.gpu_worker.engine.engine import Engine
+from services.gpu_worker.engine.side_threads import side_thread_pool
 from services.gpu_worker.lora.host_adapter import HostAdapter, parse_peft_adapter
 from services.runtime.eviction import EvictionPolicy, LRUEviction, set_pins
 
@@ -55,6 +57,9 @@ class AdapterLoader:
         """Host copies this loader added, with their sizes."""
         self._eviction = eviction or LRUEviction()
         self._clock = clock
+        self._background: ThreadPoolExecutor | None = None
+        """The thread background pulls parse on, at the page-in copier's low priority (made
+        at the first)."""
         self._used: dict[str, float] = {}
         """When a request last acquired each adapter (kept for host copies only)."""
         self.fetches = 0
@@ -80,8 +85,11 @@ class AdapterLoader:
         """The adapters pinned here now (the event loop's, as every other call)."""
         return self._eviction.pinned()
 
-    async def ensure(self, adapter_id: str) -> HostAdapter:
-        """The adapter's host copy, pulling it if this worker does not have it now."""
+    async def ensure(self, adapter_id: str, background: bool = False) -> HostAdapter:
+        """The adapter's host copy, pulling it if this worker does not have it now.
+        ``background``: no request waits for it (a published version pulled ahead): a pull it
+        starts parses on a thread that gives way to the engine's steps (a request that joins
+        the pull then waits for that thread too)."""
         existing = self.engine.host_adapters.get(adapter_id)
         if existing is not None:
             if adapter_id in self._sizes:
@@ -89,7 +97,7 @@ class AdapterLoader:
             return existing
         task = self._inflight.get(adapter_id)
         if task is None:
-            task = asyncio.create_task(self._pull(adapter_id))
+            task = asyncio.create_task(self._pull(adapter_id, background))
             self._inflight[adapter_id] = task
             task.add_done_callback(lambda _: self._inflight.pop(adapter_id, None))
         return await asyncio.shield(task)
@@ -138,7 +146,7 @@ class AdapterLoader:
             started.append(adapter_id)
         return started
 
-    async def _pull(self, adapter_id: str) -> HostAdapter:
+    async def _pull(self, adapter_id: str, background: bool = False) -> HostAdapter:
         started = time.perf_counter()
         fetched = await self.source.fetch(adapter_id)
         pinned = self._eviction.pinned()
@@ -146,7 +154,13 @@ class AdapterLoader:
             self.set_pinned(pinned | {adapter_id} if fetched.pinned else pinned - {adapter_id})
         # Parsing and the engine's footprint of it (a walk over every module) both run on the
         # parse thread: neither holds the event loop (engine.add_adapter is thread-safe).
-        adapter = await asyncio.to_thread(self._parse_and_add, adapter_id, fetched)
+        if background:
+            parse = asyncio.get_running_loop().run_in_executor(
+                self._background_parses(), self._parse_and_add, adapter_id, fetched
+            )
+            adapter = await parse
+        else:
+            adapter = await asyncio.to_thread(self._parse_and_add, adapter_id, fetched)
         if self.on_loaded is not None:
             self.on_loaded(time.perf_counter() - started)
         self.fetches += 1
@@ -158,6 +172,11 @@ class AdapterLoader:
             "adapter %s on this worker (max rank %d, %d bytes)", adapter_id, adapter.max_rank, adapter.nbytes
         )
         return adapter
+
+    def _background_parses(self) -> ThreadPoolExecutor:
+        if self._background is None:
+            self._background = side_thread_pool(1, "adapter-prefetch", background=True)
+        return self._background
 
     def _parse_and_add(self, adapter_id: str, fetched: FetchedAdapter) -> HostAdapter:
         adapter = parse_peft_adapter(

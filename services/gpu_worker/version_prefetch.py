@@ -5,7 +5,8 @@ pool when there is room.
 The worker follows the catalog's rows in etcd (the watch every gateway follows too). A row
 created for a name that one of the worker's host copies goes by, and that a request used here
 within ``--prefetch-versions-s``, starts its pull, then its page-in (the engine's preload,
-which only evicts idle adapters). The work is bounded: one pull per name at a time, and of the
+which only evicts idle adapters). The pull parses on a thread of low priority, as the page-in
+copies: the running batch's steps go first. The work is bounded: one pull per name at a time, and of the
 versions published meanwhile only the newest is pulled next; names no request uses any more
 cost nothing. A pull that fails is only logged: the first request for that version pulls it
 then, as without prefetching.
@@ -84,7 +85,7 @@ class VersionPrefetch:
 
     async def _pull(self, name: str, adapter_id: str) -> None:
         try:
-            await self.loader.ensure(adapter_id)
+            await self.loader.ensure(adapter_id, background=True)
             self.preload(adapter_id)
         except DomainError as error:
             log.info("prefetch of %s (%s) failed: %s; its first request pulls it", adapter_id, name, error)
