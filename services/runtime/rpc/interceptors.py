@@ -6,6 +6,8 @@ Every service installs :class:`ServiceInterceptor`. It wraps each RPC handler so
 - a :class:`~services.runtime.errors.DomainError` aborts the RPC with its status code and
   message (cut to :data:`MAX_STATUS_MESSAGE_BYTES`), and anything unexpected becomes
   ``INTERNAL`` with the request id to find it in logs;
+- a handler ended by a cancellation its caller did not ask for (a call of its own on a channel
+  closed under it) ends ``UNAVAILABLE``, so the caller retries instead of waiting for its deadline;
 - a request (or a message of a request stream) whose bytes do not parse ends
   ``INVALID_ARGUMENT``, not grpc's ``UNKNOWN``;
 - a request stream refused before its end is read on (up to :data:`DRAIN_BYTES`, dropped) before
@@ -222,6 +224,15 @@ def _requests(request_or_iterator):
     return _decoded(request_or_iterator)
 
 
+def _caller_cancelled(context) -> bool:
+    """Whether the handler's task was cancelled from outside: its caller went away or the server
+    is stopping. Otherwise a ``CancelledError`` came from within: grpc ends the calls of a channel
+    closed under them (an etcd client reset while a call was in flight) with one, and a handler
+    that ended with it would leave its caller no status at all, waiting for its deadline."""
+    task = asyncio.current_task()
+    return context.cancelled() or (task is not None and task.cancelling() > 0)
+
+
 def _is_abort(error: BaseException) -> bool:
     # context.abort() raises this; it must pass through untouched.
     return isinstance(error, aio.AbortError)
@@ -250,7 +261,11 @@ async def _serving(
         yield
     except BaseException as error:
         ended = error
-        if _is_abort(error) or not isinstance(error, Exception):
+        if isinstance(error, asyncio.CancelledError) and not _caller_cancelled(context):
+            error = Unavailable(
+                f"{scope.method} was cut short by a call of its own that was cancelled; retry"
+            )
+        elif _is_abort(error) or not isinstance(error, Exception):
             raise
         if refused_stream is not None:
             await _drain(refused_stream)

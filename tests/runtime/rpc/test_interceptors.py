@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 from grpc import aio
-from support.polling import poll_until
+from support.polling import HANG_GUARD_S, poll_until
 
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import ServiceMetrics
@@ -93,3 +93,51 @@ async def test_streams_that_finish_or_are_refused_keep_their_codes(served):
 
     assert await poll_until(counts, lambda c: c == (1, 1), "both streams recorded") == (1, 1)
     assert _count(metrics, "Two", "CANCELLED") == 0
+
+
+async def test_a_handler_cut_short_by_a_closed_channel_of_its_own_answers_unavailable():
+    """A handler waiting on a call of its own whose channel is closed under it (an etcd client
+    reset mid-call, as a store replica's was when the etcd leader died) ends with a cancellation
+    its caller never asked for: the caller gets UNAVAILABLE at once, not silence until its
+    deadline."""
+    upstream = aio.server()
+    upstream.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(SERVICE, {"Forever": _handler(_forever)})]
+    )
+    upstream_port = upstream.add_insecure_port("127.0.0.1:0")
+    await upstream.start()
+    inner = aio.insecure_channel(f"127.0.0.1:{upstream_port}")
+    waiting = asyncio.Event()
+
+    async def relay(request: bytes, context):
+        call = _call(inner, "Forever")
+        await call.read()
+        waiting.set()
+        await call.read()  # never answers: only the channel's close ends it
+        return b"unreachable"
+
+    metrics = ServiceMetrics("test")
+    server = aio.server(interceptors=[ServiceInterceptor(metrics)])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                SERVICE, {"Relay": grpc.unary_unary_rpc_method_handler(relay, lambda b: b, lambda b: b)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        call = channel.unary_unary(f"/{SERVICE}/Relay", lambda b: b, lambda b: b)(b"", timeout=HANG_GUARD_S)
+        await asyncio.wait_for(waiting.wait(), HANG_GUARD_S)
+        await inner.close()
+        with pytest.raises(aio.AioRpcError) as ended:
+            await call
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+        assert "Relay" in ended.value.details()
+        assert _count(metrics, "Relay", "UNAVAILABLE") == 1
+    finally:
+        await channel.close()
+        await server.stop(None)
+        await upstream.stop(None)
