@@ -63,6 +63,8 @@ class SamplingParams:
     anything else; a tuple so the params stay immutable and hashable."""
     structured_output: StructuredOutput | None = None
     """Set: the output is constrained to JSON; None: free text."""
+    no_speculation: bool = False
+    """True: the worker drafts nothing for it (speculative decoding off for this request)."""
 
     def validate(self) -> None:
         """Raise ``InvalidArgument`` naming the first field out of range."""

@@ -194,6 +194,7 @@ FULL = SamplingParams(
     min_p=0.125,
     logit_bias=((0, -100.0), (17, 2.5), (4_000_000_000, 100.0)),
     structured_output=StructuredOutput("json_schema", SCHEMA),
+    no_speculation=True,
 )
 """Every field set, floats exactly representable in float32 (the wire's ``float``)."""
 

@@ -6,8 +6,8 @@ value of a refused field (``tool_choice: "none"``, ``store: false``...) is accep
 change nothing here (``user``, ``metadata``...) are accepted. vLLM's extra fields ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (each choice, each
 chunk, carries its generated token ids) and ``cache_salt`` (whose cached prompt KV it shares)
-are accepted too, and so is loramesh's own ``first_token_deadline_ms`` (the request's
-time-to-first-token deadline, as the gRPC API's).
+are accepted too, and so are loramesh's own ``first_token_deadline_ms`` (the request's
+time-to-first-token deadline, as the gRPC API's) and ``no_speculation`` (no drafts for it).
 Any other field is ignored and logged (:mod:`.ignored_fields`), as vLLM does. The whole table
 is docs/openai-fields.md.
 """
@@ -87,6 +87,8 @@ class _GenerationBody(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    no_speculation: bool = False
+    """Extension: true turns the worker's speculative decoding off for this request."""
     return_token_ids: bool = False
     guided_json: Any = None
     guided_regex: Any = None
@@ -176,6 +178,7 @@ class _GenerationBody(_Body):
         return types_pb2.SamplingParams(
             max_tokens=self.max_tokens or 0,  # 0: the gateway's default
             ignore_eos=self.ignore_eos,
+            no_speculation=self.no_speculation,
             logit_bias=dict(self.logit_bias_pairs()),
             seed=self.seed,  # protobuf leaves a field given None unset: no seed
             structured_output=self.structured_output(),  # None: free text

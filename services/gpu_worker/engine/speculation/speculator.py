@@ -4,7 +4,8 @@ each finished request's output is kept in its adapter and tenant's index
 (``adapter_indexes.py``), which later requests of that adapter and tenant draft from too.
 
 A request drafts when it decodes (its prefill is done), keeps all its KV in this pool (not
-borrowing), has no grammar (its masks are computed for one row a step), and its budget allows
+borrowing), has no grammar (its masks are computed for one row a step), did not opt out
+(``no_speculation`` in its sampling params), and its budget allows
 (``draft_budget.py``). Drafts take only free KV pages: a guess is never worth evicting an
 adapter or a cached prefix, borrowing, or preempting another request; with no room it drafts
 nothing this step.
@@ -80,7 +81,12 @@ class Speculator:
         return rows
 
     def _drafts(self, request: EngineRequest) -> tuple[int, ...]:
-        if request.new_tokens != 1 or request.table is not None or request.grammar is not None:
+        if (
+            request.new_tokens != 1
+            or request.table is not None
+            or request.grammar is not None
+            or request.spec.sampling.no_speculation
+        ):
             return ()
         # The step draws one token after the drafts anyway: neither may pass max_tokens or the context.
         limit = min(

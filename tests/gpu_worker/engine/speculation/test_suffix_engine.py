@@ -1,8 +1,11 @@
 """``speculative: suffix`` in the engine: a request drafts from the finished outputs of earlier
 requests of its adapter in its tenant namespace (never another namespace's), stays token for token
-what ``off`` gives, and its adapter's indexes go when the adapter is removed (tiny Llama, fp32)."""
+what ``off`` gives, and its adapter's indexes go when the adapter is removed; a request that opts
+out (``no_speculation``) drafts nothing (tiny Llama, fp32)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -25,11 +28,15 @@ def make_engine(tiny_llama, adapter_dir, speculative: str) -> Engine:
 
 
 def run_alone(
-    engine: Engine, request_id: str, namespace: str, adapter: str | None = "a8"
+    engine: Engine,
+    request_id: str,
+    namespace: str,
+    adapter: str | None = "a8",
+    sampling: SamplingParams = SAMPLING,
 ) -> tuple[list[int], int]:
     """The request's tokens and the engine steps it took, run alone."""
     tokens: list[int] = []
-    request = GenerationRequest(request_id, PROMPT, SAMPLING, adapter, prefix_cache_namespace=namespace)
+    request = GenerationRequest(request_id, PROMPT, sampling, adapter, prefix_cache_namespace=namespace)
     engine.submit(request, lambda e: e.token_id is None or tokens.append(e.token_id))
     first_step = engine.steps
     while engine.has_work():
@@ -57,3 +64,18 @@ def test_drafts_come_from_the_same_adapter_and_tenant_only_and_go_with_the_adapt
     engine.remove_adapter("a8")
     run_alone(engine, "base", "tenant:a", adapter=None)  # a step: the indexes are looked at before it
     assert engine.speculator.indexes.keys() == [(None, "tenant:a")]
+
+
+def test_a_request_that_opts_out_drafts_nothing(tiny_llama, tmp_path):
+    adapter_dir = write_peft_adapter(
+        tmp_path / "a8", tiny_llama.spec, SampleAdapterSpec(rank=8, scale=0.2, seed=1)
+    )
+    engine = make_engine(tiny_llama, adapter_dir, "suffix")
+    opted_out = dataclasses.replace(SAMPLING, no_speculation=True)
+    tokens, steps = run_alone(engine, "out-1", "tenant:a", sampling=opted_out)
+    run_alone(engine, "out-2", "tenant:a", sampling=opted_out)
+    assert steps == len(tokens)  # one token a step
+    assert sum(engine.speculator.counts.drafted.values()) == 0
+    again, again_steps = run_alone(engine, "in", "tenant:a")
+    assert again == tokens
+    assert again_steps <= steps
