@@ -189,6 +189,10 @@ class ClusterView:
         """Parsed reports, rebuilt only when members or reports change (snapshots are per request)."""
         self.placements_total = 0
         """Requests placed by this scheduler since it started."""
+        self.prefix_hit_placements = 0
+        """Of those, placed where the prefix index said part of the prompt is likely cached."""
+        self.prefix_hit_tokens = 0
+        """The prompt tokens those placements likely found cached, all together."""
 
     def __len__(self) -> int:
         return len(self._addresses)
@@ -225,10 +229,15 @@ class ClusterView:
             self.prefix_index.expire()
 
     def record_placement(
-        self, worker_id: str, adapter_id: str = "", prefix_blocks: Sequence[bytes] = ()
+        self,
+        worker_id: str,
+        adapter_id: str = "",
+        prefix_blocks: Sequence[bytes] = (),
+        cached_prefix_tokens: int = 0,
     ) -> None:
         """Count one request placed on ``worker_id`` (for ``adapter_id``; empty: base model),
-        whose prompt's blocks are ``prefix_blocks`` (the worker will cache them)."""
+        whose prompt's blocks are ``prefix_blocks`` (the worker will cache them), of which the
+        index said ``cached_prefix_tokens`` tokens are likely cached there."""
         if worker_id not in self._addresses:
             return  # the worker left between the snapshot and now: nothing to account for
         self._placed[worker_id] = self._placed.get(worker_id, 0) + 1
@@ -236,6 +245,9 @@ class ClusterView:
             self._placed_adapters.setdefault(worker_id, set()).add(adapter_id)
         if self.prefix_index is not None:
             self.prefix_index.record(worker_id, prefix_blocks)
+        if cached_prefix_tokens > 0:
+            self.prefix_hit_placements += 1
+            self.prefix_hit_tokens += cached_prefix_tokens
         self.placements_total += 1
 
     def snapshot_for(

@@ -172,5 +172,7 @@ class SchedulerService:
             "rebalance_rounds": done.rounds,
             "rebalance_leader": int(self.election is not None and self.election.is_leader),
             "prefix_index_blocks": 0 if self.view.prefix_index is None else self.view.prefix_index.size(),
+            "prefix_hit_placements": self.view.prefix_hit_placements,
+            "prefix_hit_tokens": self.view.prefix_hit_tokens,
             **({} if self.predictions is None else prediction_report(self.predictions)),
         }

@@ -87,7 +87,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 )
             snapshot = snapshot.with_predicted_lengths(self.predictions.outstanding_means())
         placement = self.admission.place(self.policy, snapshot, wanted)
-        self.view.record_placement(placement.worker_id, wanted.adapter_id, wanted.prefix_blocks)
+        self.view.record_placement(
+            placement.worker_id, wanted.adapter_id, wanted.prefix_blocks, placement.cached_prefix_tokens
+        )
         self.rebalancer.demand.record(placement.worker_id, wanted.adapter_id)
         if self.predictions is not None:
             self.predictions.placed(request.request_id, placement.worker_id)

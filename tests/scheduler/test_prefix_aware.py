@@ -104,11 +104,13 @@ def test_a_worker_that_leaves_takes_its_blocks_and_one_that_returns_starts_empty
     assert hits(cluster, request(SYSTEM + [1, 2], keys)) == {}
 
 
-def test_hits_leave_the_prompts_last_token_to_compute():
+def test_hits_leave_the_prompts_last_token_to_compute_and_are_counted_when_placed():
     cluster = view("w1")
     keys = blocks(SYSTEM)
     cluster.record_placement("w1", "", keys)
     assert hits(cluster, request(SYSTEM, keys)) == {"w1": 319}
+    cluster.record_placement("w1", "", keys, cached_prefix_tokens=319)
+    assert (cluster.placements_total, cluster.prefix_hit_placements, cluster.prefix_hit_tokens) == (2, 1, 319)
 
 
 # -- isolation --------------------------------------------------------------------------------
