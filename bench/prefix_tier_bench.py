@@ -47,6 +47,7 @@ from services.gpu_worker.adapter_source import DirectorySource
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine.engine import EngineConfig
+from services.gpu_worker.memory.prefix_fetch_cost import decoder_flops_per_token
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.gpu_worker.prefix_tier import PrefixTierSettings
@@ -214,7 +215,18 @@ async def run(args) -> dict:
         for setup, r in results.items()
     }
     same = all(results[s]["tokens"] == results["recompute"]["tokens"] for s in SETUPS)
+    # What the cost model's two rates were here: the lane (bytes fetched ÷ seconds in fetches) and
+    # the prefill (FLOPs of a recomputed prompt ÷ its TTFT, an underestimate: TTFT holds more).
+    block_bytes = (
+        loaded.config.num_layers * 2 * BLOCK * loaded.config.num_kv_heads * loaded.config.head_dim * 4
+    )
+    fetches = [c for per_round in results["tier"].get("counters", []) for c in per_round]
+    seconds = sum(c["fetch_seconds"] for c in fetches)
+    fetched = sum(c["fetched_blocks"] for c in fetches)
+    prompt_tokens = len(system) + 16
     return {
+        "lane_mb_s": fetched * block_bytes / seconds / 1e6 if seconds else None,
+        "prefill_gflops": decoder_flops_per_token(loaded.config) * prompt_tokens / recompute / 1e9,
         "args": vars(args) | {"out": str(args.out)},
         "machine": machine(),
         "load_average": os.getloadavg(),

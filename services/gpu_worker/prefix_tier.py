@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -101,6 +102,8 @@ class PrefixTierCounters:
     """Blocks a holder sent that were not what was asked (another key, shape or dtype): dropped."""
     fetches_skipped: int = 0
     """Remote prefixes left to recompute because the cost model said computing was faster."""
+    fetch_seconds: float = 0.0
+    """Time spent in fetches that returned (the lane's speed, with ``fetched_blocks``)."""
 
 
 class ClusterPrefixTier:
@@ -189,10 +192,12 @@ class ClusterPrefixTier:
             # A fetch slower than computing the blocks twice is given up: a hung holder costs a
             # bounded wait, then the recompute the request would have done anyway.
             deadline_s = FETCH_DEADLINE_FLOOR_S + 2 * self.cost.prefill_s(missing)
+            started = time.perf_counter()
             got = await self.peers.fetch(found.address, s.kv_identity, wanted, deadline_s)
         except DomainError as error:
             log.info("prefix fetch from %s failed (%s): computed here", found.holder_id, error)
             return
+        self.counters.fetch_seconds += time.perf_counter() - started
         blocks = self._checked(wanted, got, found.holder_id)
         if not blocks:
             return
