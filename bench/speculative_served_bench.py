@@ -1,0 +1,254 @@
+"""Speculative decoding served, as a user gets it: two ``loramesh up`` meshes side by side, one
+``--speculative off`` and one ``--speculative ngram`` (or ``suffix``), on the q4_1 default, the
+same requests sent to each in alternation through the OpenAI HTTP API.
+
+Workloads (``bench.speculative_workloads``): the repetitive one (SQL rewrite by the ``sql`` demo
+adapter, ticket summary by ``pirate``, a chat repeating an earlier answer) and the
+non-repetitive one (the quick profile's trace, random-token prompts). Each round sends every
+workload at batch 1 (one request at a time) and at ``--concurrency`` requests at once, first to
+one mesh then to the other, the order alternating per round so that load drift falls on both.
+Greedy, end of sequence ignored, streamed; every figure is as the client sees it:
+
+- batch 1: decode tokens/s of a request (its tokens after the first ÷ the time from its first
+  chunk to its last);
+- concurrent: output tokens of the group ÷ the wall time from sending it to its last token.
+
+The two meshes' tokens must be the same (lossless); the bench says whether they were, and what
+the speculating worker drafted and accepted (its ``/metrics``). Each mesh runs one replica of each
+service (``--up-args`` default): two whole default meshes are 18 processes on a 2-core machine.
+
+    .venv/bin/python -m bench.speculative_served_bench --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+
+from bench.quantized_bench import cpu_name
+from bench.served_batch_one import SSE_DATA
+from bench.speculative_workloads import WorkloadItem, non_repetitive, repetitive
+from bench.systems.loramesh_up_system import _loramesh
+from demo_adapters.cache import cache_root, ensure_adapters
+from loramesh.client import Client
+from loramesh_cli.mesh_file import MeshFile
+
+DEMO_ADAPTERS = ("sql", "pirate", "french")
+LEAN_MESH = "--gateways 1 --schedulers 1 --adapter-stores 1 --kv-managers 0"
+DRAFT_COUNTER = re.compile(r"^loramesh_gpu_worker_(accepted_draft|draft)_tokens_total (\S+)$", re.MULTILINE)
+
+
+@contextmanager
+def mesh(mode: str, up_args: list[str]) -> Iterator[dict]:
+    """A detached ``loramesh up --speculative mode`` with the demo adapters uploaded; yields how
+    to reach its OpenAI API."""
+    with tempfile.TemporaryDirectory(prefix=f"loramesh-bench-spec-{mode}-") as state_dir:
+        state = Path(state_dir)
+        _loramesh(state, "up", "--detach", "--speculative", mode, *up_args)
+        try:
+            info = MeshFile.read(state)
+            with Client(info.services["gateway"].address, info.admin_api_key) as client:
+                for name, directory in demo_adapter_dirs().items():
+                    client.adapters.upload(directory, name)
+            yield {
+                "url": f"http://{info.services['gateway'].openai_address}",
+                "headers": {"Authorization": f"Bearer {info.admin_api_key}"},
+                "worker_metrics": f"http://{info.services['gpu_worker-0'].http_address}/metrics",
+            }
+        finally:
+            _loramesh(state, "down")
+
+
+def demo_adapter_dirs() -> dict[str, Path]:
+    """The demo adapters: a cached training of any version if one is there (their weights only
+    change what they say, not what is measured), else trained now."""
+    cached = sorted(cache_root().glob("*/sql"), key=lambda p: p.stat().st_mtime)
+    if cached:
+        return {name: cached[-1].parent / name for name in DEMO_ADAPTERS}
+    return {name: path for name, path in ensure_adapters().items() if name in DEMO_ADAPTERS}
+
+
+def draft_counts(metrics_url: str) -> dict[str, float]:
+    """The worker's drafted and accepted tokens so far ({} with speculation off)."""
+    text = httpx.get(metrics_url, timeout=60).text
+    return {kind: float(value) for kind, value in DRAFT_COUNTER.findall(text)}
+
+
+def request(client: httpx.Client, base_model: str, item: WorkloadItem) -> dict:
+    """Stream ``item``; its token ids and when its first and last chunks came."""
+    body = {
+        "model": item.adapter or base_model,
+        "max_tokens": item.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    if item.messages:
+        path, body["messages"] = "/v1/chat/completions", list(item.messages)
+    else:
+        path, body["prompt"] = "/v1/completions", list(item.prompt_ids)
+    start = time.perf_counter()
+    tokens: list[int] = []
+    stamps: list[float] = []
+    with client.stream("POST", path, json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            payload = line[len(SSE_DATA) :].strip()
+            if not line.startswith(SSE_DATA) or payload == "[DONE]":
+                continue
+            ids = (json.loads(payload).get("choices") or [{}])[0].get("token_ids") or ()
+            if ids:
+                tokens.extend(ids)
+                stamps.append(time.perf_counter())
+    return {"tokens": tokens, "start": start, "first": stamps[0], "last": stamps[-1]}
+
+
+def batch_one(client: httpx.Client, base_model: str, items: list[WorkloadItem]) -> dict:
+    """Each item alone, in turn: per item its decode tokens/s; and their tokens."""
+    rates, tokens = {}, {}
+    for item in items:
+        done = request(client, base_model, item)
+        rates[item.name] = (len(done["tokens"]) - 1) / max(done["last"] - done["first"], 1e-9)
+        tokens[item.name] = done["tokens"]
+    return {"decode_tok_s": rates, "tokens": tokens}
+
+
+def concurrent(clients: list[httpx.Client], base_model: str, items: list[WorkloadItem]) -> dict:
+    """All ``items`` at once, one client each: output tokens ÷ wall time to the last token."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(items)) as pool:
+        done = list(pool.map(lambda pair: request(pair[0], base_model, pair[1]), zip(clients, items)))
+    total = sum(len(d["tokens"]) for d in done)
+    return {
+        "tok_s": total / (max(d["last"] for d in done) - start),
+        "tokens": {item.name: d["tokens"] for item, d in zip(items, done)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=96, help="tokens per repetitive request")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--mode", default="ngram", help="the speculative mode set against off")
+    parser.add_argument("--up-args", default=LEAN_MESH, help="extra `loramesh up` flags for both meshes")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/speculative_served.json"))
+    args = parser.parse_args(argv)
+    # A killed bench still stops its meshes (the ExitStack unwinds on SystemExit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    up_args = shlex.split(args.up_args)
+    modes = ("off", args.mode)
+    workloads = {"repetitive": repetitive(args.tokens), "non-repetitive": non_repetitive(args.concurrency)}
+    # The concurrent groups: the repetitive items cycled to fill the group, the trace's first requests.
+    groups = {
+        "repetitive": [
+            WorkloadItem(f"{item.name}-{i}", item.adapter, item.max_tokens, item.messages, item.prompt_ids)
+            for i, item in enumerate(workloads["repetitive"][j % 3] for j in range(args.concurrency))
+        ],
+        "non-repetitive": workloads["non-repetitive"],
+    }
+    load = [os.getloadavg()]
+    rounds = []
+    with ExitStack() as stack:
+        served = {mode: stack.enter_context(mesh(mode, up_args)) for mode in modes}
+        clients = {
+            mode: [
+                stack.enter_context(httpx.Client(base_url=m["url"], headers=m["headers"], timeout=600))
+                for _ in range(args.concurrency)
+            ]
+            for mode, m in served.items()
+        }
+        base_model = clients["off"][0].get("/v1/models").json()["data"][0]["id"]
+        for mode in modes:  # warm-up: kernels built, adapters paged in
+            batch_one(clients[mode][0], base_model, workloads["repetitive"])
+            concurrent(clients[mode], base_model, groups["non-repetitive"])
+        load.append(os.getloadavg())
+        drafts_before = draft_counts(served[args.mode]["worker_metrics"])
+        for index in range(args.rounds):
+            order = modes if index % 2 == 0 else modes[::-1]
+            row: dict = {}
+            for name, items in workloads.items():
+                for mode in order:
+                    row.setdefault(name, {})[mode] = {
+                        "batch_one": batch_one(clients[mode][0], base_model, items),
+                        "concurrent": concurrent(clients[mode], base_model, groups[name]),
+                    }
+            rounds.append(summarise_round(row, modes))
+            print(json.dumps(rounds[-1]), flush=True)
+        load.append(os.getloadavg())
+        drafts_after = draft_counts(served[args.mode]["worker_metrics"])
+    drafts = {
+        kind: drafts_after.get(kind, 0) - drafts_before.get(kind, 0) for kind in ("draft", "accepted_draft")
+    }
+    result = {
+        "cpu": cpu_name(),
+        "up_args": args.up_args,
+        "modes": modes,
+        "load_average_1_5_15": load,
+        "rounds": rounds,
+        "medians": medians(rounds),
+        "drafted": drafts["draft"],
+        "accepted": drafts["accepted_draft"],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=2))
+    return 0
+
+
+def summarise_round(row: dict, modes: tuple[str, str]) -> dict:
+    """Per workload: batch-1 tok/s per item and their ratio, concurrent tok/s and its ratio, and
+    whether both modes' tokens were the same."""
+    off, on = modes
+    summary = {}
+    for name, by_mode in row.items():
+        one = {mode: by_mode[mode]["batch_one"]["decode_tok_s"] for mode in modes}
+        group = {mode: by_mode[mode]["concurrent"]["tok_s"] for mode in modes}
+        summary[name] = {
+            "batch_one_tok_s": one,
+            "batch_one_ratio": {item: one[on][item] / one[off][item] for item in one[off]},
+            "concurrent_tok_s": group,
+            "concurrent_ratio": group[on] / group[off],
+            "same_tokens": all(
+                by_mode[off][kind]["tokens"] == by_mode[on][kind]["tokens"]
+                for kind in ("batch_one", "concurrent")
+            ),
+        }
+    return summary
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Per workload, the median over rounds of the batch-1 ratio (the geometric mean of its
+    items' ratios in a round) and of the concurrent ratio."""
+    result = {}
+    for name in rounds[0]:
+        per_round = [statistics.geometric_mean(r[name]["batch_one_ratio"].values()) for r in rounds]
+        result[name] = {
+            "batch_one_ratio": statistics.median(per_round),
+            "batch_one_ratio_per_item": {
+                item: statistics.median(r[name]["batch_one_ratio"][item] for r in rounds)
+                for item in rounds[0][name]["batch_one_ratio"]
+            },
+            "concurrent_ratio": statistics.median(r[name]["concurrent_ratio"] for r in rounds),
+            "same_tokens": all(r[name]["same_tokens"] for r in rounds),
+        }
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
