@@ -1,5 +1,10 @@
 """A device-free executor: the GPU path's host work for a step, with the kernels left out.
 
+Its tensors live on the CPU, so the small tensor operations the GPU path hands to the device
+(gathers of block tables, masks, the LoRA tables' packing) run here, on the measuring thread:
+the figures are an upper bound of the host's share. PyTorch's ``meta`` device, which would skip
+them, dispatches indexing through Python decompositions and measured 20x slower than the CPU.
+
 On a GPU the worker's step is host work (turning the engine's :class:`StepPlan` into the model's
 inputs: token indices, KV write rows, block tables, LoRA segment tables) followed by kernels. The
 host part is what bounded the worker on the one H100 this project had (issue 55), and it runs the
@@ -18,6 +23,7 @@ import torch
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.executor.step_builder import StepBuilder
+from services.gpu_worker.executor.step_inputs import StepInputs
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency, ResidentAdapter
 from services.gpu_worker.memory.unified_pool import UnifiedPool
@@ -35,18 +41,28 @@ class ConfigOnlyModel:
 class HostOnlyExecutor:
     """Builds each plan's :class:`StepBatch` as the GPU path does; runs no kernel."""
 
-    def __init__(self, config: BaseModelSpec, pool_pages: int, kv_block_tokens: int = 16):
+    def __init__(
+        self,
+        config: BaseModelSpec,
+        pool_pages: int,
+        kv_block_tokens: int = 16,
+        persistent: bool = True,
+    ):
+        """``persistent``: decode steps through the persistent batch and the device LoRA tables
+        (the GPU path since issue 55); False: every step through the step builder (before)."""
         layout = PoolLayout(
             num_pages=pool_pages,
             kv_block_tokens=kv_block_tokens,
             kv_dim=config.num_kv_heads * config.head_dim,
             num_layers=config.num_layers,
         )
-        # torch.zeros maps untouched pages lazily: the pool costs only the pages written.
+        # On the CPU, torch.zeros maps untouched pages lazily: the pool costs only pages written.
         self.view = PoolView.zeros(layout, torch.bfloat16)
         self.pool = UnifiedPool(self.view)
         self.residency = AdapterResidency(self.pool, write=lambda adapter, resident: None)
         self.builder = StepBuilder(ConfigOnlyModel(config), self.view)
+        self.inputs = StepInputs(self.builder, device_lora=True)
+        self.persistent = persistent
         self._resident: dict[str, ResidentAdapter] = {}
 
     def place(self, adapter: HostAdapter, adapter_id: str) -> ResidentAdapter:
@@ -59,4 +75,6 @@ class HostOnlyExecutor:
 
     def execute(self, plan: StepPlan) -> StepBatch:
         """The step's inputs, as the model would receive them."""
-        return self.builder.build(plan, self._resident.get)
+        if not self.persistent:
+            return self.builder.build(plan, self._resident.get)
+        return self.inputs.build(plan, self._resident.get)

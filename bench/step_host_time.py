@@ -11,9 +11,18 @@ runs: every step a new :class:`PlannedRequest` per request, one new token each, 
 :class:`AdapterSlot` object per request (equal to the last), the block table's tuple the same
 object until a block is added. Request ``i`` uses adapter ``i mod k``.
 
+Times are the measuring thread's CPU time (``time.thread_time_ns``), not wall-clock: on this
+shared 2-vCPU machine other engineers' work deschedules the thread for milliseconds at a time,
+which wall-clock would count. PyTorch runs on that one thread here (``set_num_threads(1)``), so
+the small tensor operations a GPU would run as kernels (gathers of block tables, masks, the LoRA
+tables' packing) are counted too: an upper bound of the host's share. The tensor operations of
+a step are counted as well (each a kernel launch or a copy on a GPU).
+
 Two figures per cell, median microseconds of host work per step:
 - ``steady``: no request joins or leaves (what must be flat in the batch size);
-- ``churn``: every step one request leaves and a new one (a new adapter slot) joins.
+- ``churn``: every step one request leaves and a new one (a new adapter slot) joins;
+each through the GPU path (persistent batch, device LoRA tables) and, side by side in the same
+run, through the step builder alone (the path before issue 55).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.host_only_executor import HostOnlyExecutor
 from bench.out_dir import default_out
@@ -48,12 +58,33 @@ CONTEXT = 200
 """Tokens of context each request starts the measured steps with (plus its index mod 64)."""
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the tensor operations dispatched inside it: on a GPU, each is a kernel launch (or a
+    host-to-device copy) the host makes, however small the tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass
 class Cell:
     batch: int
     adapters: int
     steady_us: float
     churn_us: float
+    builder_steady_us: float
+    """The same steps through the step builder alone (the path before issue 55)."""
+    builder_churn_us: float
+    steady_ops: int
+    """Tensor operations of one steady step (kernel launches and copies on a GPU)."""
+    churn_ops: int
+    builder_steady_ops: int
+    builder_churn_ops: int
 
 
 class DecodeBatch:
@@ -112,8 +143,11 @@ class DecodeBatch:
             self.requests.append(self._new_request())
 
 
-def measure(executor: HostOnlyExecutor, batch: int, adapters: list[str], steps: int, churn: bool) -> float:
-    """Median microseconds of ``executor.execute`` over ``steps`` decode steps (after warm-up)."""
+def measure(
+    executor: HostOnlyExecutor, batch: int, adapters: list[str], steps: int, churn: bool
+) -> tuple[float, int]:
+    """Median microseconds of ``executor.execute``'s thread CPU time over ``steps`` decode steps
+    (after warm-up), and the tensor operations of one more step."""
     decode = DecodeBatch(executor, batch, adapters)
     for _ in range(3):
         executor.execute(decode.plan())
@@ -121,13 +155,16 @@ def measure(executor: HostOnlyExecutor, batch: int, adapters: list[str], steps: 
     times = []
     for _ in range(steps):
         plan = decode.plan()  # the engine's work, not the executor's: outside the timer
-        started = time.perf_counter_ns()
+        started = time.thread_time_ns()
         executor.execute(plan)
-        times.append(time.perf_counter_ns() - started)
+        times.append(time.thread_time_ns() - started)
         decode.advance(churn)
+    counter = OpCounter()
+    with counter:
+        executor.execute(decode.plan())
     for r in decode.requests:
         executor.pool.free([p for block in r["blocks"] for p in block])
-    return statistics.median(times) / 1000
+    return statistics.median(times) / 1000, counter.ops
 
 
 def sample_adapters(spec, root: Path) -> list[HostAdapter]:
@@ -159,11 +196,19 @@ def run(steps: int) -> list[Cell]:
     cells = []
     for batch in BATCHES:
         for k in ADAPTER_COUNTS:
-            steady = measure(executor, batch, ids[:k], steps, churn=False)
-            churn = measure(executor, batch, ids[:k], steps, churn=True)
-            cells.append(Cell(batch, k, round(steady, 1), round(churn, 1)))
+            figures, ops = [], []
+            for persistent in (True, False):
+                executor.persistent = persistent
+                for churn in (False, True):
+                    us, count = measure(executor, batch, ids[:k], steps, churn)
+                    figures.append(round(us, 1))
+                    ops.append(count)
+            cells.append(Cell(batch, k, *figures, *ops))
             print(
-                f"batch {batch:>3} adapters {k:>3}: steady {steady:8.1f} us  churn {churn:8.1f} us",
+                f"batch {batch:>3} adapters {k:>3}: steady {figures[0]:8.1f} us {ops[0]:>4} ops"
+                f"  churn {figures[1]:8.1f} us {ops[1]:>4} ops"
+                f"  | step builder: steady {figures[2]:8.1f} us {ops[2]:>5} ops"
+                f"  churn {figures[3]:8.1f} us {ops[3]:>5} ops",
                 flush=True,
             )
     return cells

@@ -22,7 +22,7 @@ from services.gateway.auth import ApiKeys, is_hashed
 from services.gateway.config import GatewayConfig
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.distkv.transport.lane_modes import LANE_MODES
-from services.gpu_worker.engine.engine_config import KV_OVERFLOW_POLICIES, SPECULATIVE_MODES
+from services.gpu_worker.engine.engine_config import CUDA_GRAPH_MODES, KV_OVERFLOW_POLICIES, SPECULATIVE_MODES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
 from services.gpu_worker.engine.policies.preemption import PREEMPTION_POLICIES
 from services.gpu_worker.quantization_setting import QUANTIZATION_CHOICES
@@ -62,6 +62,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "cluster_prefix_cache",
         "prefix_fetch_mb_s",
         "prefill_gflops",
+        "cuda_graphs",
     ),
     # Half the service's 1024: a local mesh's workers share one machine with the other services.
     defaults={"pool_mib": 512},
@@ -82,6 +83,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "lending_lane": LANE_MODES,
         "speculative": SPECULATIVE_MODES,
         "cluster_prefix_cache": ("on", "off"),
+        "cuda_graphs": CUDA_GRAPH_MODES,
     },
 )
 STORE_SETTINGS = ForwardedSettings(

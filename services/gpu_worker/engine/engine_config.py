@@ -17,6 +17,7 @@ from services.runtime.eviction import EVICTION_POLICIES
 
 KV_OVERFLOW_POLICIES = ("preempt", "borrow")
 SPECULATIVE_MODES = ("off", "ngram", "suffix")
+CUDA_GRAPH_MODES = ("off", "on")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,11 @@ class EngineConfig:
     output that repeats its prompt, itself or its adapter's earlier outputs (docs/operations.md,
     "Speculative decoding")."""
 
+    cuda_graphs: str = "off"
+    """``on``: decode steps on a CUDA device replay a CUDA graph captured per batch-size bucket
+    (LoRA included; prefill and mixed steps stay eager); ignored on other devices. Off until
+    measured on a GPU (docs/operations.md, "CUDA graphs")."""
+
     def distkv_settings(self) -> DistKvSettings:
         """This engine's DistKV settings, as the DistKV wing takes them."""
         return DistKvSettings(
@@ -155,5 +161,7 @@ class EngineConfig:
             raise ValueError(f"loan_wait_s must be at least 0, got {self.loan_wait_s}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
         if self.kv_overflow not in KV_OVERFLOW_POLICIES:
             raise ValueError(f"kv_overflow must be one of {KV_OVERFLOW_POLICIES}, got {self.kv_overflow!r}")

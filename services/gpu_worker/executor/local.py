@@ -1,7 +1,8 @@
 """The single-device executor: one model, one pool buffer, plans run as they are.
 
-Today's path of every worker: the step builder turns a plan into the model's batch, the model
-runs it over the pool; merged mode folds one adapter into the model's own weights.
+Today's path of every worker: the step inputs turn a plan into the model's batch (decode steps
+from persistent buffers, the rest through the step builder), the model runs it over the pool;
+merged mode folds one adapter into the model's own weights.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from services.gpu_worker.distkv import RManager
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.executor import BorrowedLookup
 from services.gpu_worker.engine.step_plan import StepPlan
-from services.gpu_worker.executor.pool_buffer import pool_buffer
+from services.gpu_worker.executor.decode_graphs import DecodeGraphs
+from services.gpu_worker.executor.pool_buffer import pool_buffer, pool_with_spare_page, spare_key_rows
 from services.gpu_worker.executor.step_builder import StepBuilder
+from services.gpu_worker.executor.step_inputs import StepInputs
 from services.gpu_worker.kernels.dispatch import resolve_backend
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.lora.merged_weights import MergedWeights
@@ -42,11 +45,19 @@ class LocalExecutor:
             kv_dim=kv_dim,
             num_layers=cfg.num_layers,
         )
-        self.view = pool_buffer(layout, model.dtype, model.device, shared=config.shared_pool)
+        self.graphs: DecodeGraphs | None = None
+        """Decode steps' CUDA graphs (``cuda_graphs`` on, on a CUDA device); None: eager."""
+        if config.cuda_graphs == "on" and torch.device(model.device).type == "cuda":
+            self.view, whole = pool_with_spare_page(layout, model.dtype, model.device)
+            self.graphs = DecodeGraphs(model, whole, spare_key_rows(layout, model.device))
+        else:
+            self.view = pool_buffer(layout, model.dtype, model.device, shared=config.shared_pool)
         if config.deterministic:  # refuse at start what would fail every step
             model.check_batch_invariant()
             resolve_backend(config.lora_backend, self.view.buffer, batch_invariant=True)
         self.builder = StepBuilder(model, self.view)
+        self.inputs = StepInputs(self.builder)
+        """Each plan's batch: decode steps from persistent buffers, the rest from ``builder``."""
         self.merged = MergedWeights(model)
         """The adapter folded into the base weights in merged mode (dLoRA), if any."""
         self._resident: dict[str, ResidentAdapter] = {}
@@ -68,7 +79,11 @@ class LocalExecutor:
         self._borrowed = tables
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        batch = self.builder.build(plan, self._resident.get, self._borrowed)
+        batch = self.inputs.build(plan, self._resident.get, self._borrowed)
+        if self.graphs is not None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
         return self.model.forward(batch, self.view)
 
     def merge(self, adapter: HostAdapter) -> None:

@@ -125,7 +125,7 @@ class StepBuilder:
             decode=self._decode_group(decoding, padded, ends, first_rows) if decoding else None,
             prefills=prefills,
             logits_rows=_logits_rows(requests, first_rows, device),
-            lora=self._lora_segments(requests, resident),
+            lora=self.lora_segments(requests, resident),
             lora_backend=plan.lora_backend,
             batch_invariant=plan.batch_invariant,
         )
@@ -178,7 +178,7 @@ class StepBuilder:
         mask = context[None, :] <= position[row_start:row_end, None]
         return PrefillSpan(row_start, row_end, key_blocks, key_blocks + 1, mask)
 
-    def _lora_segments(
+    def lora_segments(
         self, requests: tuple[PlannedRequest, ...], resident: ResidentLookup
     ) -> StepLora | None:
         slots, counts = _segments(requests)

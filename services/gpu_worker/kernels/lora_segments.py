@@ -125,7 +125,7 @@ class LoraSegments:
     seg_starts_host: tuple[int, ...]
     """``seg_starts`` as Python ints."""
     rank_starts_host: tuple[int, ...]
-    """``rank_starts`` as Python ints."""
+    """``rank_starts`` as Python ints; () for segments built on the device (:meth:`on_device`)."""
     derived: dict = field(default_factory=dict, compare=False, repr=False)
     """Data a backend derives from this batch once and reuses while the engine reuses the batch
     (e.g. the native kernel's plan), keyed by the backend's own name."""
@@ -212,6 +212,40 @@ class LoraSegments:
             rank_starts_host=rank_starts,
             group_first_segments=first_segments,
             _groups=groups,
+        )
+
+    @classmethod
+    def on_device(
+        cls,
+        seg_starts: torch.Tensor,
+        seg_starts_host: tuple[int, ...],
+        rank_starts: torch.Tensor,
+        a_offsets: torch.Tensor,
+        b_offsets: torch.Tensor,
+        scales: torch.Tensor,
+        max_rank: int,
+        in_features: int,
+        out_features: int,
+    ) -> LoraSegments:
+        """Decode segments (one token each) whose tables are device buffers filled on the device
+        (``executor/lora_tables.py``): the rank starts are not known on the host, so the host
+        fields hold only the token rows, ``max_rank`` is the tables' width and there are no
+        groups; only the Triton kernels, which read the device tables, take them.
+        ``seg_starts_host``: ``seg_starts`` as ints (``0 .. n``; shared by every layer)."""
+        return cls(
+            seg_starts=seg_starts,
+            rank_starts=rank_starts,
+            a_offsets=a_offsets,
+            b_offsets=b_offsets,
+            scales=scales,
+            max_rank=max_rank,
+            max_seg_len=1 if len(seg_starts_host) > 1 else 0,
+            is_decode=True,
+            in_features=in_features,
+            out_features=out_features,
+            seg_starts_host=seg_starts_host,
+            rank_starts_host=(),
+            _groups=(),
         )
 
     def with_rows(

@@ -1,0 +1,196 @@
+"""The persistent decode batch gives the step builder's inputs, step after step, while requests
+join, leave, reorder, grow blocks and change adapter; its host work follows the changes."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
+from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
+from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
+from services.gpu_worker.executor.persistent_batch import is_plain_decode
+from services.gpu_worker.executor.step_builder import StepBuilder
+from services.gpu_worker.executor.step_inputs import StepInputs
+from services.gpu_worker.memory.adapter_residency import AdapterResidency
+from services.gpu_worker.memory.page_allocator import PageUse
+from services.gpu_worker.memory.unified_pool import UnifiedPool
+from services.model_files.peft_format import LORA_TARGETS
+from services.runtime.sampling.sampling_params import SamplingParams
+
+BLOCK = 4
+SAMPLES = {
+    "a8": SampleAdapterSpec(rank=8, seed=1),
+    "a16": SampleAdapterSpec(rank=16, target_modules=LORA_TARGETS, seed=2),
+    "a8-pat": SampleAdapterSpec(rank=8, rank_pattern={"up_proj": 2}, target_modules=LORA_TARGETS, seed=3),
+}
+SAMPLING = SamplingParams()
+
+
+class Setup:
+    """A CPU pool with the sample adapters placed, a step builder and step inputs over it."""
+
+    def __init__(self, spec, adapters, device_lora: bool):
+        layout = PoolLayout(
+            num_pages=4096,
+            kv_block_tokens=BLOCK,
+            kv_dim=spec.num_kv_heads * spec.head_dim,
+            num_layers=spec.num_layers,
+        )
+        self.view = PoolView.zeros(layout, torch.float32)
+        self.pool = UnifiedPool(self.view)
+        residency = AdapterResidency(self.pool)
+        self.resident = {}
+        for adapter in adapters:
+            placed = residency.load(adapter)
+            placed.materialize()
+            self.resident[adapter.adapter_id] = placed
+        self.builder = StepBuilder(SimpleNamespace(config=spec), self.view)
+        self.inputs = StepInputs(
+            StepBuilder(SimpleNamespace(config=spec), self.view), device_lora=device_lora
+        )
+
+    def slot(self, adapter_id: str | None) -> AdapterSlot | None:
+        return None if adapter_id is None else AdapterSlot(adapter_id, self.resident[adapter_id].placement)
+
+    def block(self, layers: int) -> tuple[int, ...]:
+        return tuple(self.pool.allocate(layers, PageUse.KV))
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("persistent-batch-adapters")
+    return [
+        read_peft_directory(name, write_peft_adapter(root / name, tiny_llama.spec, s), torch.float32)
+        for name, s in SAMPLES.items()
+    ]
+
+
+def _decode_steps(setup: Setup, layers: int, steps: int, seed: int):
+    """Plain decode plans with joins, leaves, reorders, block growth and adapter changes."""
+    rng = random.Random(seed)
+    names = [None, *SAMPLES]
+    live = []
+    joined = 0
+    for step in range(steps):
+        if not live or rng.random() < 0.3:
+            position = rng.randrange(1, 30)
+            blocks = tuple(setup.block(layers) for _ in range(position // BLOCK + 1))
+            live.insert(
+                rng.randrange(len(live) + 1),
+                {"id": f"r{joined}", "pos": position, "blocks": blocks, "adapter": rng.choice(names)},
+            )
+            joined += 1
+        if len(live) > 1 and rng.random() < 0.2:
+            live.pop(rng.randrange(len(live)))
+        if len(live) > 2 and rng.random() < 0.1:
+            rng.shuffle(live)
+        if live and rng.random() < 0.1:
+            rng.choice(live)["adapter"] = rng.choice(names)
+        yield StepPlan(
+            tuple(
+                PlannedRequest(
+                    request_id=r["id"],
+                    token_ids=(rng.randrange(1, 200),),
+                    start_position=r["pos"],
+                    kv_blocks=r["blocks"],
+                    adapter=setup.slot(r["adapter"]),
+                    sampling=SAMPLING,
+                )
+                for r in live
+            ),
+            "auto",
+            False,
+        )
+        for r in live:
+            r["pos"] += 1
+            if r["pos"] // BLOCK >= len(r["blocks"]):
+                r["blocks"] = (*r["blocks"], setup.block(layers))
+
+
+def _assert_same_inputs(got, want) -> None:
+    for name in ("token_ids", "positions", "write_key_rows", "write_value_rows", "logits_rows"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in ("token_rows", "key_blocks", "value_blocks", "mask"):
+        assert torch.equal(getattr(got.decode, name), getattr(want.decode, name)), name
+    assert got.prefills == want.prefills == []
+    assert got.local_token_rows is None and got.remote is None
+
+
+def test_decode_steps_match_the_step_builder(tiny_llama, adapters):
+    spec = tiny_llama.spec
+    setup = Setup(spec, adapters, device_lora=False)
+    for plan in _decode_steps(setup, spec.num_layers, 60, seed=5):
+        assert is_plain_decode(plan.requests)
+        got = setup.inputs.build(plan, setup.resident.get)
+        want = setup.builder.build(plan, setup.resident.get)
+        _assert_same_inputs(got, want)
+        assert (got.lora is None) == (want.lora is None)
+
+
+def test_lora_tables_hold_the_step_builders_segments(tiny_llama, adapters):
+    spec = tiny_llama.spec
+    setup = Setup(spec, adapters, device_lora=True)
+    for plan in _decode_steps(setup, spec.num_layers, 40, seed=7):
+        got = setup.inputs.build(plan, setup.resident.get)
+        want = setup.builder.build(plan, setup.resident.get)
+        _assert_same_inputs(got, want)
+        if want.lora is None:
+            assert got.lora is None
+            continue
+        for layer in range(spec.num_layers):
+            for module, host in want.lora.layers[layer].items():
+                device = got.lora.layers[layer][module]
+                assert device.rank_starts.tolist() == list(host.rank_starts_host)
+                used = host.rank_starts_host[-1]
+                assert torch.equal(device.a_offsets[:used], host.a_offsets)
+                assert torch.equal(device.b_offsets[:used], host.b_offsets)
+                assert torch.equal(device.scales, host.scales)
+                assert device.seg_starts_host == host.seg_starts_host and device.is_decode
+            for module in set(got.lora.layers[layer]) - set(want.lora.layers[layer]):
+                assert not got.lora.layers[layer][module].rank_starts.any()  # no row adapts it
+
+
+def test_host_work_follows_changes_not_the_batch(tiny_llama, adapters):
+    """A steady decode batch writes only the rows that grew a block; the LoRA tables write an
+    adapter load once, however many steps and rows use it."""
+    spec, layers = tiny_llama.spec, tiny_llama.spec.num_layers
+    setup = Setup(spec, adapters, device_lora=True)
+    requests = [
+        {
+            "id": f"r{i}",
+            "pos": 4 + i % 3,
+            "blocks": (setup.block(layers), setup.block(layers)),
+            "adapter": "a16" if i % 2 else "a8",
+        }
+        for i in range(8)
+    ]
+
+    def plan() -> StepPlan:
+        return StepPlan(
+            tuple(
+                PlannedRequest(r["id"], (5,), r["pos"], r["blocks"], setup.slot(r["adapter"]), SAMPLING)
+                for r in requests
+            ),
+            "auto",
+            False,
+        )
+
+    first = setup.inputs.build(plan(), setup.resident.get)
+    batch, tables = setup.inputs.batch, setup.inputs.tables
+    assert batch.writes == 8 and tables.slot_writes == 2
+    for r in requests:
+        r["pos"] += 1  # still inside the second block: nothing to write
+    again = setup.inputs.build(plan(), setup.resident.get)
+    assert batch.writes == 8 and tables.slot_writes == 2
+    assert again.lora is first.lora  # same segment buffers, kept
+    requests[3]["pos"] = 8
+    requests[3]["blocks"] = (*requests[3]["blocks"], setup.block(layers))
+    setup.inputs.build(plan(), setup.resident.get)
+    assert batch.writes == 9  # the one row that grew
+    requests[5]["adapter"] = "a8-pat"
+    setup.inputs.build(plan(), setup.resident.get)
+    assert tables.slot_writes == 3 and batch.writes == 9
