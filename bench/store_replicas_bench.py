@@ -12,6 +12,9 @@ Each system gets a fresh etcd and work directory, then:
   (health SERVING) and lists every adapter;
 - size: etcd's database per 1,000 adapters (``Status.dbSize``) and, for the SQLite store, its
   catalog file's;
+- CPU per registration: the stores' (together), etcd's and this client's, in ms, and the stores'
+  thread switches (every thread's, voluntary or not, from ``/proc``): what a registration costs,
+  which a loaded machine changes less than the rate;
 - the machine's 1-minute load average before and after each system's run (others' jobs share it).
 
 Both systems are driven alike: one client process (this one) uploads and fetches over gRPC with
@@ -49,7 +52,7 @@ from unittest import mock
 
 from grpc import aio
 
-from bench.adapter_store_scale import cpu_model, percentile, run_all, variant
+from bench.adapter_store_scale import cpu_model, percentile, process_cpu, run_all, variant
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from mesh_api.adapter_transfer import fetch_adapter, ref_by_name, upload_adapter
 from mesh_api.v1 import adapter_store_pb2 as pb
@@ -117,6 +120,49 @@ def start_store(system: StoreSystem, etcd: EtcdServer, work: Path, index: int) -
     return store
 
 
+def thread_switches(pid: int) -> int:
+    """Context switches of every thread of process ``pid`` so far, voluntary or not."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            for line in (task / "status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key.endswith("ctxt_switches"):
+                    total += int(value)
+    return total
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """What a system's processes have used so far."""
+
+    stores_s: float
+    etcd_s: float
+    client_s: float
+    store_switches: int
+
+    @classmethod
+    def now(cls, stores: Sequence[ServiceProcess], etcd: EtcdServer) -> CpuSample:
+        pids = [store.proc.pid for store in stores]
+        return cls(
+            sum(process_cpu(pid)[0] for pid in pids),
+            process_cpu(etcd.pid)[0] if etcd.pid else 0.0,
+            time.process_time(),
+            sum(thread_switches(pid) for pid in pids),
+        )
+
+    def per_registration(self, before: CpuSample, registered: int) -> dict:
+        n = max(registered, 1)
+        return {
+            "store_cpu_ms_per_registration": round((self.stores_s - before.stores_s) * 1000 / n, 3),
+            "etcd_cpu_ms_per_registration": round((self.etcd_s - before.etcd_s) * 1000 / n, 3),
+            "client_cpu_ms_per_registration": round((self.client_s - before.client_s) * 1000 / n, 3),
+            "store_thread_switches_per_registration": round(
+                (self.store_switches - before.store_switches) / n, 1
+            ),
+        }
+
+
 async def etcd_db_bytes(etcd: EtcdServer) -> int:
     connection = EtcdConnection(MembershipConfig(etcd_endpoints=etcd.endpoint))
     try:
@@ -141,7 +187,9 @@ async def measure(system: StoreSystem, adapters: Sequence[dict[str, bytes]], arg
             await upload_adapter(stubs[i % len(stubs)], adapters[i], f"a{i:05d}", OWNER)
             return 1
 
+        cpu_before = CpuSample.now(stores, etcd)
         register_s, registered = await run_all(len(adapters), args.concurrency, register)
+        cpu = CpuSample.now(stores, etcd).per_registration(cpu_before, registered)
         rng = random.Random(0)
         picks = [rng.randrange(len(adapters)) for _ in range(args.fetches)]
         latencies: list[float] = []
@@ -174,6 +222,7 @@ async def measure(system: StoreSystem, adapters: Sequence[dict[str, bytes]], arg
             "replicas": system.replicas,
             "registered": registered,
             "registration_per_s": round(registered / register_s, 1),
+            **cpu,
             "fetch_p50_ms": round(percentile(latencies, 50) * 1000, 2),
             "fetch_p99_ms": round(percentile(latencies, 99) * 1000, 2),
             "restart_s": round(restart_s, 2),
