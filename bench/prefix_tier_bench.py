@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {setup} | {s['median_ttft_s'] * 1000:.0f} ms | {s['ratio_to_recompute']:.2f} | "
             f"{s['first_elsewhere_median_s'] * 1000:.0f} ms | {s['first_elsewhere_ratio']:.2f} |"
         )
+    lane = f"{report['lane_mb_s']:.0f} MB/s" if report["lane_mb_s"] else "no fetch"
+    print(f"lane: {lane} in fetches; prefill: {report['prefill_gflops']:.1f} GFLOP/s (recompute's TTFT)")
     print(
         f"same greedy tokens in every setup: {report['same_tokens']}; load average {before} -> {report['load_average']}"
     )

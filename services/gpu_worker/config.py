@@ -85,12 +85,13 @@ class WorkerConfig(ServiceConfig):
     index and fetch a prompt's leading blocks from the worker holding them when that is faster
     than computing them (on), or keep the prefix cache to this worker (off). Needs the prefix
     cache, one rank (--tp 1) and a kv_manager; docs/operations.md, "Cluster prefix cache"."""
-    prefix_fetch_mb_s: float = 400.0
-    """The cost model's speed of a prefix fetch from another worker, MB/s (measured on
-    loopback: docs/benchmarks.md)."""
+    prefix_fetch_mb_s: float = 100.0
+    """The cost model's speed of a prefix fetch from another worker, MB/s (68 measured on
+    loopback on a loaded 2-vCPU host: docs/benchmarks.md, "Cluster prefix tier")."""
     prefill_gflops: float = 60.0
-    """The cost model's prefill speed of this worker, GFLOP/s: a prefix is fetched when moving
-    its blocks takes less time than computing them at this rate."""
+    """The cost model's prefill speed of this worker, GFLOP/s (SmolLM2 fp32 on 2 vCPUs: about
+    70 quiet, 5 under a load of 20): a prefix is fetched when moving its blocks takes less time
+    than computing them at this rate."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
