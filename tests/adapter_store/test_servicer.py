@@ -85,13 +85,15 @@ def test_list_pages_through_everything(store_stub, sample_files):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "page_token" in err.value.details()
 
 
-def test_stats_and_request_id(store_stub, sample_files):
+def test_stats_and_request_id(store_server, store_stub, sample_files):
     info = register(store_stub, sample_files)
     fetch(store_stub, ref_by_id(info.id))  # into the RAM tier (registering leaves it as it was)
     stats = store_stub.Stats(pb.StatsRequest())
     assert (
         stats.adapters == 1 and stats.ram_bytes == len(sample_files[WEIGHTS]) and stats.uploads_in_flight == 0
     )
+    load = store_server.service.load_report()  # what `loramesh status` shows, written every second
+    assert (load["adapters"], load["ram_bytes"], load["catalog"]) == (1, len(sample_files[WEIGHTS]), "ok")
     _, call = store_stub.Stats.with_call(pb.StatsRequest(), metadata=(("x-request-id", "req-42"),))
     assert ("x-request-id", "req-42") in tuple(call.trailing_metadata())
 
