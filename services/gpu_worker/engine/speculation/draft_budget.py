@@ -19,6 +19,12 @@ class DraftSettings:
 
     max_draft_tokens: int = 5
     """Draft tokens verified per request per step at most (``k``'s ceiling)."""
+    max_step_rows: int = 16
+    """Decode rows a step may have at most with drafts: its decoding requests' own plus the
+    drafts. A verifying row is nearly free while the step reads weights for a few rows (5 drafts
+    cost about a third of a plain step at batch 1 with Q4_1) but not in a step that is already
+    wide, where drafting everyone's 5 tokens would multiply its rows; so a wide batch drafts only
+    for its most accepting requests (16: a guard, not yet tuned by a measurement)."""
     max_ngram: int = 3
     """Longest suffix matched against the request's earlier tokens."""
     stop_after_misses: int = 3
@@ -36,10 +42,15 @@ class DraftSettings:
     """``suffix``: adapter and tenant indexes kept, the least recently used dropped first."""
 
     def __post_init__(self) -> None:
-        if self.max_draft_tokens < 1 or self.max_ngram < 1 or self.stop_after_misses < 1:
+        if (
+            self.max_draft_tokens < 1
+            or self.max_ngram < 1
+            or self.stop_after_misses < 1
+            or self.max_step_rows < 1
+        ):
             raise ValueError(
-                "max_draft_tokens, max_ngram and stop_after_misses must be at least 1, got "
-                f"{self.max_draft_tokens}, {self.max_ngram}, {self.stop_after_misses}"
+                "max_draft_tokens, max_ngram, stop_after_misses and max_step_rows must be at least 1, got "
+                f"{self.max_draft_tokens}, {self.max_ngram}, {self.stop_after_misses}, {self.max_step_rows}"
             )
         if not 1 <= self.backoff_steps <= self.max_backoff_steps:
             raise ValueError(

@@ -74,13 +74,20 @@ class Speculator:
         reserved; returns the draft rows the step adds."""
         if self.indexes is not None:
             self._keep_finished_outputs()
-        rows = 0
         for request in batch:
-            request.drafts = self._drafts(request)
+            request.drafts = ()
+        # The step's decode rows are capped: the decoding requests' own first, then drafts, to
+        # the requests whose drafts were accepted most lately (the largest k) first.
+        room = self.settings.max_step_rows - sum(1 for request in batch if request.new_tokens == 1)
+        rows = 0
+        for request in sorted(batch, key=draft_priority):
+            if room - rows <= 0:
+                break
+            request.drafts = self._drafts(request, room - rows)
             rows += len(request.drafts)
         return rows
 
-    def _drafts(self, request: EngineRequest) -> tuple[int, ...]:
+    def _drafts(self, request: EngineRequest, room: int) -> tuple[int, ...]:
         if (
             request.new_tokens != 1
             or request.table is not None
@@ -90,6 +97,7 @@ class Speculator:
             return ()
         # The step draws one token after the drafts anyway: neither may pass max_tokens or the context.
         limit = min(
+            room,
             request.spec.sampling.max_tokens - len(request.output_ids) - 1,
             self.max_positions - request.total_len - 1,
         )
@@ -136,3 +144,8 @@ class Speculator:
 def index_key(request: EngineRequest) -> IndexKey:
     """Whose outputs a request may draft from: its adapter's, in its tenant's namespace."""
     return request.spec.adapter_id, request.spec.prefix_cache_namespace
+
+
+def draft_priority(request: EngineRequest) -> int:
+    """Sort key: requests with the largest current k first (a new request counts as k's ceiling)."""
+    return -(request.drafter.budget.k if request.drafter is not None else 1 << 16)

@@ -79,3 +79,26 @@ def test_a_request_that_opts_out_drafts_nothing(tiny_llama, tmp_path):
     again, again_steps = run_alone(engine, "in", "tenant:a")
     assert again == tokens
     assert again_steps <= steps
+
+
+def test_a_wide_batch_drafts_within_the_step_row_cap(tiny_llama, tmp_path):
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+    config = EngineConfig(pool_mib=4, kv_block_tokens=4, speculative="ngram", max_running=8)
+    engine = local_engine(model, config)
+    engine.speculator.settings = dataclasses.replace(engine.speculator.settings, max_step_rows=10)
+    widths: list[int] = []
+    draft = engine.speculator.draft
+
+    def counted(batch):
+        rows = draft(batch)
+        widths.append(sum(1 for r in batch if r.new_tokens == 1) + rows)
+        return rows
+
+    engine.speculator.draft = counted
+    for i in range(6):
+        prompt = tuple((i + j % 5) * 7 % 250 + 1 for j in range(12))  # a period of 5: drafts accepted
+        engine.submit(GenerationRequest(f"r{i}", prompt, SAMPLING), lambda e: None)
+    while engine.has_work():
+        engine.step()
+    assert max(widths) == 10  # 6 decode rows and 4 drafts at most
+    assert sum(engine.speculator.counts.accepted.values()) > 0
