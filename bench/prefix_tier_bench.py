@@ -21,6 +21,11 @@ same for only the first request each other worker serves (where the tier fetches
 recomputes). Greedy tokens of the three setups are compared (they must be identical). Results:
 a markdown table on stdout and ``bench/out/prefix_tier_bench/results.json``. No timing is
 asserted anywhere.
+
+``--served DIR`` measures a running ``loramesh up --workers N`` mesh instead (its state directory,
+holding ``mesh.json``; plaintext): each round, worker 0 computes a fresh shared prompt (base model),
+then worker 1 serves a cold prompt of the same length (the recompute) and the shared one (fetched
+with the tier on), alternating nothing else; the figure is fetched ÷ cold per round.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from services.kv_manager.service import KVManagerService
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import LORA_TARGETS
 from services.runtime.etcd.etcd_server import EtcdServer
-from services.runtime.etcd.membership import MemberInfo, MemberRegistration, MembershipConfig
+from services.runtime.etcd.membership import MemberInfo, MemberRegistration, MembershipConfig, list_members
 from services.runtime.etcd.worker_load import worker_load_to_report
 from services.runtime.rpc.interceptors import ServiceInterceptor
 from services.runtime.rpc.server import start_service
@@ -236,14 +241,49 @@ async def run(args) -> dict:
     }
 
 
+async def served(state_dir: Path, rounds: int, tokens: int) -> dict:
+    """The ``--served`` rounds against the mesh whose state is in ``state_dir``."""
+    mesh = json.loads((state_dir / "mesh.json").read_text())
+    config = MembershipConfig(etcd_endpoints=mesh["etcd_endpoint"])
+    workers = sorted(await list_members(config, "gpu_worker"), key=lambda m: m.instance_id)
+    tokenizer = load_model().tokenizer
+    stubs = [worker_pb2_grpc.WorkerStub(aio.insecure_channel(m.address)) for m in workers[:2]]
+    rows = []
+    for r in range(rounds):
+        shared = tokenizer.encode(f"Round {r}. You are a careful reviewer; check each claim. " * 200)[:tokens]
+        cold = tokenizer.encode(f"Round {r}. Summarise the meeting notes in plain bullets. " * 200)[:tokens]
+        computed, tokens_a, _ = await ttft(stubs[0], shared, "")
+        await asyncio.sleep(1.0)  # two announcement intervals: the index learns worker 0's blocks
+        recomputed, _, _ = await ttft(stubs[1], cold, "")
+        fetched, tokens_b, cached = await ttft(stubs[1], shared, "")
+        rows.append(
+            {"computed_s": computed, "cold_s": recomputed, "fetched_s": fetched, "cached": cached,
+             "ratio": fetched / recomputed, "same_tokens": tokens_a == tokens_b}
+        )  # fmt: skip
+        print(
+            f"round {r}: cold {recomputed:.2f} s, fetched {fetched:.2f} s ({cached} cached), ratio {rows[-1]['ratio']:.3f}"
+        )
+    return {"rounds": rows, "median_ratio": statistics.median(row["ratio"] for row in rows)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--served", type=Path, help="a running loramesh up mesh's state directory")
     parser.add_argument("--out", type=Path, default=default_out("prefix_tier_bench") / "results.json")
     args = parser.parse_args(argv)
     before = os.getloadavg()
+    if args.served is not None:
+        report = asyncio.run(served(args.served, args.rounds, args.system_tokens))
+        report |= {"machine": machine(), "load_average_before": before, "load_average": os.getloadavg()}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(
+            f"median fetched ÷ cold: {report['median_ratio']:.3f}; load {before} -> {report['load_average']}"
+        )
+        return 0
     report = asyncio.run(run(args))
     report["load_average_before"] = before
     args.out.parent.mkdir(parents=True, exist_ok=True)
