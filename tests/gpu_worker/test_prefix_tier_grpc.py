@@ -4,7 +4,8 @@ registered in a real etcd, announcing to a real kv_manager's index.
 A prompt prefilled on one worker is fetched by the other instead of recomputed, and gives the
 same greedy tokens and log-probabilities; a fetched block is checked against the key asked for;
 two adapters with one name and different weights (vLLM #44250's adversarial case) share no
-block, on one worker or across the two; a dead holder's entries leave the index with its lease.
+block, on one worker or across the two; a dead holder's entries leave the index with its lease;
+a kv_manager that restarted (an empty index) is told each worker's whole set again.
 """
 
 from __future__ import annotations
@@ -78,14 +79,38 @@ class Worker:
 
 @pytest.fixture
 async def kv_manager(etcd):
-    config = KVManagerConfig(
-        etcd_endpoints=etcd.endpoint, lease_ttl_s=2, grace_s=0.5, instance_id="kv-a", dgfm_interval_s=0
-    )
-    host = await start_service(KVManagerService(config), config)
-    channel = aio.insecure_channel(host.address)
-    yield host.address, kv_manager_pb2_grpc.KVManagerStub(channel)
-    await channel.close()
-    await host.shutdown()
+    index = KvManager(etcd.endpoint)
+    await index.start("kv-a")
+    yield index
+    await index.stop()
+
+
+class KvManager:
+    """The real kv_manager, replaceable by a new one (a restart: its index starts empty)."""
+
+    def __init__(self, etcd_endpoint: str):
+        self.etcd_endpoint = etcd_endpoint
+        self.address = ""
+        self.stub: kv_manager_pb2_grpc.KVManagerStub | None = None
+        self._running = None
+
+    async def start(self, instance_id: str) -> None:
+        config = KVManagerConfig(
+            etcd_endpoints=self.etcd_endpoint,
+            lease_ttl_s=2,
+            grace_s=0.5,
+            instance_id=instance_id,
+            dgfm_interval_s=0,
+        )
+        host = await start_service(KVManagerService(config), config)
+        channel = aio.insecure_channel(host.address)
+        self._running, self.address = (host, channel), host.address
+        self.stub = kv_manager_pb2_grpc.KVManagerStub(channel)
+
+    async def stop(self) -> None:
+        host, channel = self._running
+        await channel.close()
+        await host.shutdown()
 
 
 @pytest.fixture
@@ -103,7 +128,7 @@ async def mesh(etcd, kv_manager, tiny_llama):
         tier = start_prefix_tier(
             engine,
             PrefixTierSettings(worker_id, IDENTITY, announce_interval_s=0.02),
-            lambda: (kv_manager[0],),
+            lambda: (kv_manager.address,),
             prefix_fetch_mb_s=400.0,
             prefill_gflops=1e-6,
         )
@@ -138,7 +163,7 @@ def keys_of(prompt: list[int], adapter_space: bytes | None = None) -> list[bytes
 
 async def holder_of(kv_manager, keys: list[bytes]) -> kv_manager_pb2.LocatePrefixResponse:
     request = kv_manager_pb2.LocatePrefixRequest(worker_id="a-test", kv_identity=IDENTITY, keys=keys)
-    return await kv_manager[1].LocatePrefix(request)
+    return await kv_manager.stub.LocatePrefix(request)
 
 
 async def test_a_prefix_fetched_from_another_worker_gives_the_recomputed_tokens(mesh, kv_manager):
@@ -234,3 +259,21 @@ async def test_a_dead_holder_leaves_the_index_with_its_lease(mesh, kv_manager):
     await poll_until(
         lambda: holder_of(kv_manager, keys_of(PROMPT)), lambda r: not r.holder_id, "a's entries are gone"
     )
+
+
+async def test_a_new_kv_manager_is_told_the_whole_set_again(mesh, kv_manager):
+    a = await mesh("gpu_worker-a")
+    await a.generate(PROMPT)
+    await poll_until(
+        lambda: holder_of(kv_manager, keys_of(PROMPT)),
+        lambda r: r.holder_id == "gpu_worker-a",
+        "the index places the prompt on a",
+    )
+    await kv_manager.stop()
+    await kv_manager.start("kv-b")  # empty: it learns a's blocks only from a full announcement
+    found = await poll_until(
+        lambda: holder_of(kv_manager, keys_of(PROMPT)),
+        lambda r: r.holder_id == "gpu_worker-a",
+        "the new index places the prompt on a",
+    )
+    assert found.blocks == USABLE_BLOCKS and a.tier.tier.index_id.startswith("kv-b/")
