@@ -16,6 +16,7 @@ memory, never attended (masked).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from operator import attrgetter
 
 import torch
@@ -54,6 +55,8 @@ class PersistentBatch:
         self.tables = torch.zeros(0, 0, self.layers, dtype=torch.int64, device=self.device)
         """int64 [row capacity, block capacity, layers]: each row's page ids, page 0 past its blocks."""
         self._aranges: dict[int, torch.Tensor] = {}
+        self._group: _Group | None = None
+        """The last step's decode group, patched in place while its rows and width hold."""
         self.writes = 0
         """Rows written (joined, moved or given new blocks) since start: what the host work follows."""
 
@@ -67,6 +70,7 @@ class PersistentBatch:
             if stale:
                 self._write(tables, stale, self._held)
             return False
+        self._group = None  # rows moved: its columns are other requests'
         self._reorder(ids, tables)
         return True
 
@@ -104,9 +108,19 @@ class PersistentBatch:
         device = self.device
         if whole:
             self.tables[torch.tensor(whole, device=device)] = 0
+            self._group = None
         if cells:
             at = torch.tensor(cells, dtype=torch.int64, device=device)
-            self.tables[at[:, 0], at[:, 1]] = torch.tensor(blocks, dtype=torch.int64, device=device)
+            pages = torch.tensor(blocks, dtype=torch.int64, device=device)
+            self.tables[at[:, 0], at[:, 1]] = pages
+            group = self._group
+            if group is not None and max(b for _, b in cells) < group.width:
+                # Appended blocks inside the group's width: its columns patched, not rebuilt.
+                columns = at[:, 0] * group.width + at[:, 1]
+                group.key_blocks[:, columns] = 2 * pages.T
+                group.value_blocks[:, columns] = 2 * pages.T + 1
+            else:
+                self._group = None
         self.writes += len(rows)
         held = list(held)
         for row in rows:
@@ -149,9 +163,46 @@ class PersistentBatch:
         pages = self.tables[rows, position // block]  # [n, L]
         write_keys = (pages * (2 * block) + (position % block)[:, None]).T.contiguous()
         num_blocks = -(-(max(starts) + 1) // block)
-        key_blocks = (2 * self.tables[:n, :num_blocks]).permute(2, 0, 1).reshape(self.layers, -1)
-        mask = torch.arange(num_blocks * block, device=device)[None, :] <= position[:, None]
-        group = DecodeGroup(
-            token_rows=rows, key_blocks=key_blocks, value_blocks=key_blocks + 1, mask=mask[:, None, None, :]
+        group = self._group
+        if group is None or group.rows != n or group.width != num_blocks:
+            key_blocks = (2 * self.tables[:n, :num_blocks]).permute(2, 0, 1).reshape(self.layers, -1)
+            mask = torch.arange(num_blocks * block, device=device)[None, :] <= position[:, None]
+            group = self._group = _Group(n, num_blocks, key_blocks, key_blocks + 1, mask, starts)
+        elif starts != group.next_starts:
+            torch.le(group.span(device)[None, :], position[:, None], out=group.mask)
+            group.starts = starts
+        else:
+            group.mask[rows, position] = True  # each row one position further
+            group.starts = starts
+        decode = DecodeGroup(
+            token_rows=rows,
+            key_blocks=group.key_blocks,
+            value_blocks=group.value_blocks,
+            mask=group.mask[:, None, None, :],
         )
-        return token_ids, position, write_keys, group
+        return token_ids, position, write_keys, decode
+
+
+@dataclass
+class _Group:
+    """A decode group's tensors, kept from step to step: rebuilt when rows move or the context's
+    width (blocks) changes, else patched: appended blocks' columns, and each row's next position
+    in the mask."""
+
+    rows: int
+    width: int
+    """Blocks per row (the longest context's)."""
+    key_blocks: torch.Tensor
+    """int64 [L, rows * width]."""
+    value_blocks: torch.Tensor
+    mask: torch.Tensor
+    """bool [rows, width * kv_block_tokens]."""
+    starts: list[int]
+    """The positions the mask was made for."""
+
+    @property
+    def next_starts(self) -> list[int]:
+        return [s + 1 for s in self.starts]
+
+    def span(self, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.mask.shape[1], device=device)
