@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import sys
 
+from loramesh_cli.errors import CommandError
 from loramesh_cli.gateway_client import add_connection_flags, gateway_client
+
+DEFAULT_TIMEOUT_S = 60.0
+"""The SDK client's own default for a call, a stream's whole duration included."""
 
 
 def add_parsers(sub) -> None:
@@ -58,6 +62,14 @@ def add_parsers(sub) -> None:
             metavar="TEXT",
             help="a string that ends the generation, repeatable (default none)",
         )
+        cmd.add_argument(
+            "--timeout",
+            type=float,
+            default=DEFAULT_TIMEOUT_S,
+            metavar="S",
+            help=f"seconds the whole generation may take, first token to last (default {DEFAULT_TIMEOUT_S:g}); "
+            "a long prompt on a busy CPU worker may need more",
+        )
         add_connection_flags(cmd)
         if name == "generate":
             cmd.add_argument("prompt", help="the text to complete")
@@ -74,7 +86,10 @@ def add_parsers(sub) -> None:
 
 
 def _options(args) -> dict:
+    if args.timeout <= 0:
+        raise CommandError(f"--timeout must be above 0, got {args.timeout:g}")
     return {
+        "timeout": args.timeout,
         "adapter": args.adapter or None,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,

@@ -35,6 +35,7 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     uploads: list[tuple[str, str]] = field(default_factory=list)
     deletes: list[tuple[str, str]] = field(default_factory=list)
     imports: list[tuple[str, str, str]] = field(default_factory=list)
+    generation_deadlines_s: list[float] = field(default_factory=list)
 
     def _tenant(self, context) -> str:
         key = dict(context.invocation_metadata())["authorization"].removeprefix("Bearer ")
@@ -81,6 +82,12 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
 
     def GetAdapter(self, request, context):
         return self.adapters[(self._tenant(context), request.adapter)]
+
+    def Generate(self, request, context):
+        """Records the seconds the caller gave the stream, and streams nothing."""
+        self._tenant(context)
+        self.generation_deadlines_s.append(context.time_remaining())
+        return iter(())
 
     def DeleteAdapter(self, request, context):
         owned = (self._tenant(context), request.adapter)
@@ -185,6 +192,18 @@ def test_a_quota_wait_is_announced_as_one_not_as_an_unavailable_gateway(capsys):
         "loramesh: gateway 127.0.0.1:7 asked to wait (tenant 'bob' is over 2 concurrent requests); "
         "retrying on 127.0.0.1:7 in 0.5 s (retry 1 of 3)"
     )
+
+
+def test_generate_gives_the_stream_the_timeout_asked_for(gateway, tmp_path, capsys):
+    servicer, address = gateway
+    assert cli(tmp_path, address, "generate", "--timeout", "300", "hi") == 0
+    assert cli(tmp_path, address, "generate", "hi") == 0
+    longer, default = servicer.generation_deadlines_s
+    # grpc rounds a deadline up on the wire, so each may arrive a little above what was asked
+    assert 100 < longer <= 301 and default <= 61, servicer.generation_deadlines_s
+    assert cli(tmp_path, address, "generate", "--timeout", "0", "hi") == 1
+    assert capsys.readouterr().err.endswith("loramesh: --timeout must be above 0, got 0\n")
+    assert len(servicer.generation_deadlines_s) == 2
 
 
 def test_retries_must_not_be_negative(tmp_path, capsys):

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from support.cli import loramesh
+from support.cli import COMMAND_TIMEOUT_S, loramesh
 
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
@@ -62,7 +62,20 @@ def test_a_prompt_longer_than_any_pool_is_served_by_the_default_mesh_as_one_big_
     state = tmp_path / "state"
     loramesh(state, "up", "--detach", "--workers", "3", "--pool-mib", "48", "--dtype", "float32")
     try:
-        done = loramesh(state, "generate", "--max-tokens", str(NEW_TOKENS), "--temperature", "0", text)
+        # The prefill of 2,500 tokens on a float32 worker that borrows: past the CLI's default 60 s
+        # on a loaded 2-vCPU machine. The subprocess's own timeout stays the hang guard.
+        generation_s = str(COMMAND_TIMEOUT_S / 2)
+        done = loramesh(
+            state,
+            "generate",
+            "--max-tokens",
+            str(NEW_TOKENS),
+            "--temperature",
+            "0",
+            "--timeout",
+            generation_s,
+            text,
+        )
         status = loramesh(state, "status")
     finally:
         loramesh(state, "down", check=False)
