@@ -80,7 +80,9 @@ def test_a_continuing_request_is_sent_as_its_new_tokens_and_blocks_only():
 def test_a_decode_step_at_batch_32_costs_the_followers_at_least_5x_fewer_bytes():
     pages = Pages()
     encoder = PlanEncoder()
-    requests = [prefill(f"request-{i:04d}-{'x' * 24}", 200 + 7 * i, pages, f"adapter-{i % 8}") for i in range(32)]
+    requests = [
+        prefill(f"request-{i:04d}-{'x' * 24}", 200 + 7 * i, pages, f"adapter-{i % 8}") for i in range(32)
+    ]
     encoder.encode(plan(requests))
     full, delta = [], []
     for _ in range(20):
