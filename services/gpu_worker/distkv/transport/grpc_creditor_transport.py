@@ -179,7 +179,9 @@ class GrpcCreditorTransport:
                     self._shared = self._lane.map_pool(self.dtype)
             except OSError as elsewhere:  # another network namespace: another pod or host
                 log.info("%s's Unix lane cannot be reached: %s", self.creditor, elsewhere)
-        if self._lane is None and reply.tcp_port:
+        # Only on request: under the default a creditor restarted behind a kept TCP connection
+        # left a loan the debtor dropped and the creditor kept (the quiet seed-7 nemesis).
+        if self._lane is None and reply.tcp_port and self._mode == "tcp":
             host = tcp_lane.split_host(self.address)
             try:
                 connection = tcp_lane.connect(host, reply.tcp_port, self.tls, self.deadline_s)
