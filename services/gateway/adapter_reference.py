@@ -11,6 +11,7 @@ from typing import Protocol
 from mesh_api.v1 import types_pb2
 from services.model_files.peft_format import PeftConfig
 from services.runtime.errors import InvalidArgument, NotFound
+from services.runtime.prefix_keys import AdapterIdentity, content_sha256
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,15 @@ class ResolvedAdapter:
     invocation_tokens: tuple[int, ...] | None = None
     """An activated LoRA's invocation sequence (None: a standard LoRA): the prompt before it is
     the base model's, so its cached blocks are named in the base model's key space."""
+    content_sha256: str = ""
+    """Of its config and weights, as a worker that holds it computes it
+    (:func:`services.runtime.prefix_keys.content_sha256`): names its prefix blocks exactly as the
+    workers key them; "": unknown (the info carried no config), its blocks are not named."""
+
+    @property
+    def identity(self) -> AdapterIdentity:
+        """What names its prefix blocks (:func:`services.runtime.prefix_keys.request_block_keys`)."""
+        return AdapterIdentity(self.id, self.content_sha256, self.invocation_tokens)
 
     @classmethod
     def of(cls, info: types_pb2.AdapterInfo) -> ResolvedAdapter:
@@ -52,6 +62,7 @@ class ResolvedAdapter:
             chat_template=info.chat_template,
             tool_use_chat_template=info.tool_use_chat_template,
             invocation_tokens=_invocation_tokens(info.config_json),
+            content_sha256=content_sha256(info.config_json, info.sha256) if info.config_json else "",
         )
 
 

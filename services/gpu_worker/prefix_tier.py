@@ -27,11 +27,11 @@ import torch
 
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import GenerationRequest
-from services.gpu_worker.memory.prefix_cache import BlockKey, adapter_key_space
+from services.gpu_worker.memory.prefix_cache import BlockKey
 from services.gpu_worker.memory.prefix_fetch_cost import PrefixFetchCost
 from services.gpu_worker.memory.prefix_journal import PrefixJournal
 from services.runtime.errors import DomainError
-from services.runtime.prefix_keys import prompt_block_keys
+from services.runtime.prefix_keys import request_block_keys
 
 log = logging.getLogger("loramesh.worker.prefix_tier")
 
@@ -213,15 +213,14 @@ class ClusterPrefixTier:
         is always computed); none for a resumed request or an adapter of unknown content."""
         if request.resumed_output_tokens:
             return []
-        space, invocation = None, None
+        adapter = None
         if request.adapter_id is not None:
-            adapter = self.engine.host_adapters.get(request.adapter_id)
-            if adapter is None or not adapter.content_sha256:
+            held = self.engine.host_adapters.get(request.adapter_id)
+            if held is None:
                 return []
-            space = adapter_key_space(request.adapter_id, adapter.content_sha256)
-            invocation = adapter.invocation_tokens
+            adapter = held.identity
         block = self.engine.pool.layout.kv_block_tokens
-        keys = prompt_block_keys(request.prefix_cache_namespace, request.prompt_ids, block, space, invocation)
+        keys = request_block_keys(request.prefix_cache_namespace, request.prompt_ids, block, adapter) or []
         return keys[: (len(request.prompt_ids) - 1) // block]
 
     def _checked(

@@ -16,12 +16,39 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 BlockKey = bytes
 """A cached block's chain hash (sha256 digest)."""
 
 BASE_MODEL_KEY_SPACE: BlockKey = hashlib.sha256(b"loramesh/base-model").digest()
 """The key space of requests without an adapter."""
+
+
+def content_sha256(config_json: bytes | str, weights_sha256: str) -> str:
+    """sha256 of an adapter's config and its weights' sha256 (the store's, which a fetch
+    verifies), each length-prefixed (so no two different pairs hash alike by moving bytes across
+    the boundary): the weights are hashed once per fetch, not twice. A worker hashes the config
+    it fetched, the gateway the same ``config_json`` of the store's ``AdapterInfo``."""
+    config = config_json.encode() if isinstance(config_json, str) else bytes(config_json)
+    digest = hashlib.sha256()
+    for part in (config, bytes.fromhex(weights_sha256)):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterIdentity:
+    """What names an adapter version's prefix blocks, as a worker (from the adapter it holds) and
+    the gateway (from the store's ``AdapterInfo``) both know it."""
+
+    adapter_id: str
+    """The store's id."""
+    content_sha256: str
+    """:func:`content_sha256` of its config and weights; "": unknown (its blocks are not named)."""
+    invocation_tokens: tuple[int, ...] | None = None
+    """An activated LoRA's invocation sequence; None: a standard LoRA."""
 
 
 def adapter_key_space(adapter_id: str, content_sha256: str) -> BlockKey:
@@ -95,16 +122,41 @@ def prompt_block_keys(
     block_tokens: int,
     adapter_space: BlockKey | None = None,
     invocation_tokens: Sequence[int] | None = None,
+    searched: Sequence[int] | None = None,
 ) -> list[BlockKey]:
     """The chain keys of a prompt's whole blocks as a worker's prefix cache keys them:
     ``adapter_space`` None for the base model; with ``invocation_tokens`` the adapter is an aLoRA
     (its blocks before the invocation in the base model's key space; the whole prompt there when
-    it lacks the invocation). Both key spaces are salted with ``namespace``."""
+    ``searched``, default ``token_ids``, lacks the invocation). Both key spaces are salted with
+    ``namespace``."""
     base = namespaced_key_space(BASE_MODEL_KEY_SPACE, namespace)
-    adapter_from = activation_start(token_ids, invocation_tokens)
+    adapter_from = activation_start(token_ids if searched is None else searched, invocation_tokens)
     if adapter_space is None or adapter_from is None:
         return block_keys(base, token_ids, block_tokens)
     space = namespaced_key_space(adapter_space, namespace)
     if invocation_tokens is None:
         return block_keys(space, token_ids, block_tokens)
     return activated_block_keys(base, space, token_ids, block_tokens, adapter_from)
+
+
+def request_block_keys(
+    namespace: str,
+    token_ids: Sequence[int],
+    block_tokens: int,
+    adapter: AdapterIdentity | None = None,
+    original_tokens: int | None = None,
+) -> list[BlockKey] | None:
+    """The chain keys of a request's whole prompt blocks, the one function both a worker's prefix
+    cache (what it keys and announces) and the gateway (what a placement names) call, so the
+    scheduler scores exactly the blocks the workers hold: ``adapter`` None for the base model.
+    ``original_tokens``: how many of ``token_ids`` are the prompt as first sent, where an aLoRA's
+    invocation is looked for (a resumed request's generated tokens never move it; default all).
+    None when the adapter's content is unknown: its blocks have no name."""
+    if adapter is None:
+        return prompt_block_keys(namespace, token_ids, block_tokens)
+    if not adapter.content_sha256:
+        return None
+    space = adapter_key_space(adapter.adapter_id, adapter.content_sha256)
+    invocation = adapter.invocation_tokens
+    searched = token_ids if original_tokens is None else token_ids[:original_tokens]
+    return prompt_block_keys(namespace, token_ids, block_tokens, space, invocation, searched)

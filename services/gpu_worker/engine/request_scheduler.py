@@ -28,15 +28,8 @@ from services.gpu_worker.engine.sampling import token_logprobs
 from services.gpu_worker.engine.waiting_queue import WaitingQueue
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.page_allocator import PoolExhausted
-from services.gpu_worker.memory.prefix_cache import (
-    BASE_MODEL_KEY_SPACE,
-    BlockKey,
-    activated_block_keys,
-    adapter_key_space,
-    block_keys,
-    namespaced_key_space,
-)
 from services.runtime.errors import NotFound
+from services.runtime.prefix_keys import BlockKey, request_block_keys
 
 log = logging.getLogger("loramesh.engine")
 
@@ -266,23 +259,18 @@ class RequestScheduler:
         return Start.STARTED
 
     def _prefix_keys(self, request: EngineRequest) -> list[BlockKey] | None:
-        """The prefix-cache keys of ``request``'s whole prompt blocks, in its namespace: in its
-        adapter version's key space, the base model's without one, and an activated LoRA's
-        blocks before its invocation in the base model's (its whole prompt when the prompt lacks
-        the invocation). None when its adapter's content is unknown: it bypasses the cache."""
-        namespace, prompt = request.spec.prefix_cache_namespace, request.spec.prompt_ids
-        block = self.kv.rm.block_tokens
-        base = namespaced_key_space(BASE_MODEL_KEY_SPACE, namespace)
-        adapter_id = request.spec.adapter_id
-        if adapter_id is None or request.adapter_from is None:
-            return block_keys(base, prompt, block)
-        adapter = self.host_adapters[adapter_id]
-        if not adapter.content_sha256:
-            return None
-        space = namespaced_key_space(adapter_key_space(adapter_id, adapter.content_sha256), namespace)
-        if adapter.invocation_tokens is None:
-            return block_keys(space, prompt, block)
-        return activated_block_keys(base, space, prompt, block, request.adapter_from)
+        """The prefix-cache keys of ``request``'s whole prompt blocks, in its namespace, as the
+        gateway names them for placement (:func:`request_block_keys`); None when its adapter's
+        content is unknown: it bypasses the cache."""
+        spec = request.spec
+        adapter = None if spec.adapter_id is None else self.host_adapters[spec.adapter_id].identity
+        return request_block_keys(
+            spec.prefix_cache_namespace,
+            spec.prompt_ids,
+            self.kv.rm.block_tokens,
+            adapter,
+            len(spec.original_prompt_ids),
+        )
 
     def _finish_unservable(self, request: EngineRequest) -> None:
         """Its prompt and output outgrew the whole pool: the pool is its context limit, so it ends

@@ -15,6 +15,7 @@ import torch
 from services.gpu_worker.lora.safetensors_views import tensor_views
 from services.model_files.peft_format import PeftConfig, module_path, parse_tensor_name
 from services.runtime.errors import InvalidArgument
+from services.runtime.prefix_keys import AdapterIdentity, content_sha256
 
 ModuleKey = tuple[int, str]
 
@@ -53,6 +54,11 @@ class HostAdapter:
     """An activated LoRA's (aLoRA) invocation: its weights apply to a request's positions from
     the start of this sequence's last occurrence in its prompt on (``lora/activation.py``);
     None: a standard LoRA, applied everywhere."""
+
+    @property
+    def identity(self) -> AdapterIdentity:
+        """What names its prefix blocks (:func:`services.runtime.prefix_keys.request_block_keys`)."""
+        return AdapterIdentity(self.adapter_id, self.content_sha256, self.invocation_tokens)
 
     @property
     def nbytes(self) -> int:
@@ -159,15 +165,3 @@ def with_rows(adapter: HostAdapter, dtype: torch.dtype) -> HostAdapter:
         modules[key].a.copy_(factors.a)
         modules[key].b_t.copy_(factors.b_t)
     return HostAdapter(adapter.adapter_id, modules, adapter.content_sha256, rows, adapter.invocation_tokens)
-
-
-def content_sha256(config_json: bytes | str, weights_sha256: str) -> str:
-    """sha256 of an adapter's config and its weights' sha256 (the store's, which a fetch
-    verifies), each length-prefixed (so no two different pairs hash alike by moving bytes across
-    the boundary): the weights are hashed once per fetch, not twice."""
-    config = config_json.encode() if isinstance(config_json, str) else bytes(config_json)
-    digest = hashlib.sha256()
-    for part in (config, bytes.fromhex(weights_sha256)):
-        digest.update(len(part).to_bytes(8, "little"))
-        digest.update(part)
-    return digest.hexdigest()
