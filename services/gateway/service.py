@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh_api.adapter_transfer import ref_by_id, ref_by_name
 from mesh_api.upload_wire import WireUploadAdapterStoreStub, read_upload_message
@@ -69,6 +70,27 @@ async def _unless_unavailable(call):
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             raise _Unanswered(error) from None
         raise
+
+
+WRITE_PROBE_WITHIN_S = 2.0
+"""How long a store replica has to answer the health probe made before a write is sent to it
+(:meth:`_Located.write`) when another replica may take the write. The probe is answered from
+the replica's event loop, with no disk or etcd behind it: a live replica answers in
+milliseconds, a loaded one well within this; one that does not is passed over for this write."""
+
+
+async def _answers_probe(channel: aio.Channel, within_s: float, what: str) -> None:
+    """Returns once the process behind ``channel`` answers a health check (liveness, service
+    ""); :class:`_Unanswered` when it does not within ``within_s`` or cannot be reached. A
+    server without the health service (UNIMPLEMENTED) answered: it is alive."""
+    try:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=within_s)
+    except aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise MemberUnavailable(f"{what}: no answer to a health probe within {within_s:g} s") from None
+        raise _Unanswered(error) from None
 
 
 class _Replayable:
@@ -145,6 +167,28 @@ class _Located:
         except _Unanswered as unanswered:
             raise unanswered.error from None
 
+    async def write(self, method: str, request, probe_within_s: float, **kwargs):
+        """A call that must not be made twice (an upload, an import, a delete): each member but
+        the last one tried must first answer a health probe within ``probe_within_s``, else the
+        call goes to another member. A member that never answers (stopped, its host gone
+        without a reset) costs that long, not keepalive's 30 s; the call itself is sent to one
+        member at a time, so a member that did not answer its probe never got it. The last
+        member is sent the call unprobed (the call's own deadline bounds it): a member only
+        slow to answer still gets the call when no other answers."""
+
+        async def attempt(address: str, within_s: float | None):
+            if within_s is not None:
+                await _answers_probe(
+                    self._channels.get(address), within_s, f"{self._locator.service} at {address}"
+                )
+            sent = request.replay() if isinstance(request, _Replayable) else request
+            return await _unless_unavailable(getattr(self._stub(address), method)(sent, **kwargs))
+
+        try:
+            return await self._locator.on_answering_member(attempt, probe_within_s)
+        except _Unanswered as unanswered:
+            raise unanswered.error from None
+
     async def stream(self, method: str, request, refresh: bool):
         """A server-streamed call to the service; ``refresh``: look its address up again first.
         A call that fails UNAVAILABLE before its first message is made on another member."""
@@ -185,7 +229,7 @@ class _StoreClient:
         upload succeeded."""
         upload = _Replayable(requests)
         try:
-            return await self._located.call("RegisterAdapter", upload, timeout=300)
+            return await self._located.write("RegisterAdapter", upload, WRITE_PROBE_WITHIN_S, timeout=300)
         except aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.ALREADY_EXISTS or upload.replays < 2:
                 raise
@@ -214,17 +258,17 @@ class _StoreClient:
 
     async def ImportAdapter(self, request):
         # The store downloads up to its size limit from S3 or the Hub: an upload's bound.
-        return await self._located.call("ImportAdapter", request, timeout=300)
+        return await self._located.write("ImportAdapter", request, WRITE_PROBE_WITHIN_S, timeout=300)
 
     async def ListAdapters(self, request):
         return await self._located.call("ListAdapters", request, ANSWER_WITHIN_S, timeout=30)
 
     async def DeleteAdapter(self, request):
-        return await self._located.call("DeleteAdapter", request, timeout=30)
+        return await self._located.write("DeleteAdapter", request, WRITE_PROBE_WITHIN_S, timeout=30)
 
     async def SetAdapterPinned(self, request):
         # A pin reads the adapter into the store's RAM (up to its size limit, from disk).
-        return await self._located.call("SetAdapterPinned", request, timeout=120)
+        return await self._located.write("SetAdapterPinned", request, WRITE_PROBE_WITHIN_S, timeout=120)
 
     def watch(self, refresh: bool):
         if self._catalog is not None:

@@ -1,19 +1,21 @@
 """A store replica that hangs (SIGSTOP: its connections stay open, its etcd lease outlives this
-test, nothing answers) while the workers and gateways read through it: their reads are made on
-the other replica, through the clients they use (the worker's :class:`StoreSource`, the
-gateway's store client), with a real etcd and two real store processes."""
+test, nothing answers) while the workers and gateways read and write through it: their reads
+and the gateways' writes are made on the other replica, through the clients they use (the
+worker's :class:`StoreSource`, the gateway's store client), with a real etcd and two real store
+processes. A write is never sent to the stopped replica: it did not answer the probe made first."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 
+import grpc
 import pytest
 from support.polling import HANG_GUARD_S
 from support.store_replicas import Prefer
 
-from mesh_api.adapter_transfer import upload_adapter
-from mesh_api.upload_wire import WireUploadAdapterStoreStub
+from mesh_api.adapter_transfer import ref_by_name, upload_adapter
+from mesh_api.upload_wire import WireUploadAdapterStoreStub, upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc
 from services.gateway.service import _Located, _StoreClient
@@ -44,15 +46,51 @@ def start_replicas(etcd_endpoint: str, tmp_path) -> list[ServiceProcess]:
     ]  # fmt: skip
 
 
-async def test_reads_go_to_the_other_replica_while_one_is_stopped(etcd, tmp_path, sample_files, monkeypatch):
+class _NotingWrites:
+    """The gateway's store stubs, noting the channel each write is sent on."""
+
+    WRITES = ("RegisterAdapter", "ImportAdapter", "DeleteAdapter")
+
+    def __init__(self):
+        self.sent_on: list[tuple[str, object]] = []
+
+    def __call__(self, channel) -> WireUploadAdapterStoreStub:
+        stub = WireUploadAdapterStoreStub(channel)
+        for method in self.WRITES:
+            setattr(stub, method, self._noted(method, channel, getattr(stub, method)))
+        return stub
+
+    def _noted(self, method: str, channel, call):
+        def noted(*args, **kwargs):
+            self.sent_on.append((method, channel))
+            return call(*args, **kwargs)
+
+        return noted
+
+
+async def _wire(name: str, files: dict[str, bytes]):
+    """An upload as the gateway relays it: a one-shot stream of wire messages."""
+    for wire in upload_wire(files, name, owner="alice"):
+        yield wire
+
+
+async def test_reads_and_writes_go_to_the_other_replica_while_one_is_stopped(
+    etcd, tmp_path, sample_files, seeded_files, monkeypatch
+):
     replicas = start_replicas(etcd.endpoint, tmp_path)
-    hung = replicas[0]
+    hung, live = replicas
     source = StoreSource(etcd_endpoints=etcd.endpoint)
     channels = ChannelPool()
-    gateway_store = _StoreClient(
-        _Located(ServiceLocator("adapter_store", "", etcd.endpoint), channels, WireUploadAdapterStoreStub),
-        None,
-    )
+    stubs = _NotingWrites()
+
+    def gateway_store() -> _StoreClient:
+        """A gateway's store client whose first pick is the replica about to hang (a locator of
+        its own: each gateway of a mesh has one)."""
+        return _StoreClient(
+            _Located(ServiceLocator("adapter_store", "", etcd.endpoint), channels, stubs), None
+        )
+
+    reader = gateway_store()
     try:
         for replica in replicas:
             await replica.wait_ready(HANG_GUARD_S)
@@ -69,20 +107,45 @@ async def test_reads_go_to_the_other_replica_while_one_is_stopped(etcd, tmp_path
         monkeypatch.setattr(discovery, "random", Prefer(hung.address))
         monkeypatch.setattr(discovery, "CHANNEL_OPTIONS", NO_KEEPALIVE)
         assert (await source.fetch(info.id)).weights == sample_files["adapter_model.safetensors"]
-        assert (await gateway_store.get("alice", "a")).id == info.id
+        assert (await reader.get("alice", "a")).id == info.id
         hung.signal(signal.SIGSTOP)
 
         async def worker_reads():
             return await source.fetch(info.id), await source.pinned_ids()
 
         async def gateway_reads():
-            listed = await gateway_store.ListAdapters(pb.ListAdaptersRequest(owner="alice"))
-            return listed, await gateway_store.get("alice", "a")
+            listed = await reader.ListAdapters(pb.ListAdaptersRequest(owner="alice"))
+            return listed, await reader.get("alice", "a")
 
         async with asyncio.timeout(HANG_GUARD_S):  # a hang guard, not a timing claim
             (fetched, pinned), (listed, got) = await asyncio.gather(worker_reads(), gateway_reads())
         assert fetched.weights == sample_files["adapter_model.safetensors"] and pinned == frozenset()
         assert [a.id for a in listed.adapters] == [info.id] and got.id == info.id
+
+        # Each write starts at the stopped replica, over the connection made to it before it
+        # stopped. Without the probe each would wait for its own deadline (up to 300 s), past the
+        # hang guard; with it, only for the probe's bound.
+        async with asyncio.timeout(HANG_GUARD_S):  # a hang guard, not a timing claim
+            uploaded, imported, deleted = await asyncio.gather(
+                gateway_store().RegisterAdapter(_wire("b", seeded_files(1))),
+                gateway_store().ImportAdapter(
+                    pb.ImportAdapterRequest(uri="file:///nowhere", name="c", owner="alice")
+                ),
+                gateway_store().DeleteAdapter(pb.DeleteAdapterRequest(ref=ref_by_name("alice", "a"))),
+                return_exceptions=True,
+            )
+            listed = await reader.ListAdapters(pb.ListAdaptersRequest(owner="alice"))
+        assert not isinstance(uploaded, BaseException) and uploaded.adapter.name == "b"
+        # The import is refused by the replica that answered, for its source, not for want of one.
+        assert isinstance(imported, grpc.aio.AioRpcError)
+        assert imported.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert not isinstance(deleted, BaseException) and deleted.adapter.id == info.id
+        assert [a.name for a in listed.adapters] == ["b"]
+        live_channel = channels.get(live.address)
+        assert sorted(method for method, channel in stubs.sent_on if channel is live_channel) == sorted(
+            _NotingWrites.WRITES
+        )
+        assert all(channel is live_channel for _, channel in stubs.sent_on)
     finally:
         hung.signal(signal.SIGCONT)
         await source.close()
