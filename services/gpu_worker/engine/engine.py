@@ -162,6 +162,7 @@ class Engine:
                 self.kv,
                 executor.config.max_position_embeddings,
                 adapter_known=self.has_adapter if config.speculative == "suffix" else None,
+                max_prefill_tokens=config.max_prefill_tokens,
             )
         )
         """Drafts and verifies the decoding requests' next tokens (None: ``speculative`` off)."""
@@ -362,17 +363,18 @@ class Engine:
             sample_and_emit(batch, logits, masks, scheduler, now, self.on_logits)
         self.steps += 1
         self.distkv.end_step()
-        self.policy.observe(  # what the step cost: dLoRA tunes its thresholds, the cost model fits
-            StepOutcome(
-                mode=adapters.mode,
-                requests=len(batch),
-                prefill_tokens=prefill_tokens,
-                decode_tokens=decode_tokens,
-                adapters=len({r.spec.adapter_id for r in batch} - {None, adapters.merged}),
-                seconds=now - started,
-                switch_seconds=switch_s,
-            )
+        outcome = StepOutcome(
+            mode=adapters.mode,
+            requests=len(batch),
+            prefill_tokens=prefill_tokens,
+            decode_tokens=decode_tokens,
+            adapters=len({r.spec.adapter_id for r in batch} - {None, adapters.merged}),
+            seconds=now - started,
+            switch_seconds=switch_s,
         )
+        self.policy.observe(outcome)  # dLoRA tunes its thresholds, the policies' cost models fit
+        if speculator is not None:
+            speculator.observe(outcome)  # its cost model prices draft rows
         return len(batch)
 
     def _take_inbox(self) -> None:

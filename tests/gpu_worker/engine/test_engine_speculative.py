@@ -16,6 +16,7 @@ from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 from services.model_files.peft_format import LORA_TARGETS
+from tests.support.draft_cost import pin_draft_cost
 
 ADAPTERS = {
     "r64-all": SampleAdapterSpec(rank=64, target_modules=LORA_TARGETS, lora_alpha=32.0, seed=14),
@@ -57,6 +58,7 @@ def adapter_dirs(base_spec, tmp_path_factory):
 def run_mixed(loaded, adapter_dirs, speculative: str) -> tuple[dict[str, list[int]], Engine]:
     model = LlamaModel(loaded.config, loaded.weights, torch.float32)
     engine = local_engine(model, EngineConfig(pool_mib=256, speculative=speculative))
+    pin_draft_cost(engine)
     for name, directory in adapter_dirs.items():
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     prompt = tuple(loaded.tokenizer.encode("Repeat this query exactly: " + TEXT * 2))
@@ -94,6 +96,7 @@ def test_preempted_requests_give_the_same_tokens(tiny_llama):
         engine = local_engine(
             model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, max_running=16, speculative=speculative)
         )
+        pin_draft_cost(engine)
         tokens: dict[str, list[int]] = {}
         for i in range(12):
             prompt = tuple((5 * i + j % 6) % 250 + 1 for j in range(8 + i % 5))  # a period of 6
@@ -121,6 +124,7 @@ def test_deterministic_bf16_greedy_gives_the_same_tokens(tiny_llama):
         model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.bfloat16)
         config = EngineConfig(pool_mib=4, kv_block_tokens=4, deterministic=True, speculative=speculative)
         engine = local_engine(model, config)
+        pin_draft_cost(engine)
         tokens: dict[str, list[int]] = {}
         for i in range(4):
             prompt = tuple((3 * i + j % 5) % 250 + 1 for j in range(10 + i))

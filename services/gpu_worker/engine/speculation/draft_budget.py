@@ -1,5 +1,11 @@
 """How many tokens one request drafts next, from how many of its drafts were accepted.
 
+Whether those tokens are worth their rows in this step is the step-cost model's call
+(``draft_cost.py``, from the acceptance rate kept here). A request it declines would never be
+verified again, its rate frozen by its last misses though its output may turn repetitive later:
+after ``backoff`` declined steps it drafts one token anyway (a probe), and each probe doubles the
+wait for the next, until a draft is accepted.
+
 Verifying a draft costs a row of the step; on a memory-bound decode step that row is nearly
 free, but a request whose drafts keep failing only adds work. So ``k`` grows by one after a
 draft accepted whole and falls to one past the accepted prefix after a rejection; after
@@ -11,6 +17,8 @@ and reset as soon as a draft is accepted: its output may turn repetitive later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,13 @@ class DraftSettings:
     """``suffix``: output tokens kept per adapter and tenant namespace."""
     max_adapter_indexes: int = 32
     """``suffix``: adapter and tenant indexes kept, the least recently used dropped first."""
+    prior_acceptance: float = 0.5
+    """The chance a draft position is accepted, assumed for an adapter none of whose drafts was
+    verified yet (a request starts from its adapter's rate)."""
+    prior_weight: float = 2.0
+    """Draft positions the prior counts for, beside a request's (or an adapter's) own."""
+    acceptance_decay: float = 0.8
+    """Weight a request's earlier verifications keep at each new one (``acceptance.py``)."""
 
     def __post_init__(self) -> None:
         if (
@@ -71,10 +86,15 @@ class DraftBudget:
     """Steps left before it drafts again."""
     backoff: int = field(init=False)
     """The length of its next pause."""
+    acceptance: AcceptanceRate = field(init=False)
+    """The chance its next draft position is accepted."""
+    declined_steps: int = 0
+    """Steps since the cost model last let it draft."""
 
     def __post_init__(self) -> None:
         self.k = self.settings.max_draft_tokens
         self.backoff = self.settings.backoff_steps
+        self.acceptance = AcceptanceRate(self.settings.acceptance_decay)
 
     def allowed(self) -> int:
         """Tokens it may draft this step (0 while paused; a paused step counts down)."""
@@ -83,9 +103,20 @@ class DraftBudget:
             return 0
         return self.k
 
+    def declined(self) -> bool:
+        """The cost model declined its drafts this step; True when it drafts one token anyway
+        (its probe, the wait for the next one doubled)."""
+        self.declined_steps += 1
+        if self.paused_steps or self.declined_steps < self.backoff:
+            return False
+        self.declined_steps = 0
+        self.backoff = min(self.settings.max_backoff_steps, 2 * self.backoff)
+        return True
+
     def verified(self, drafted: int, accepted: int) -> None:
         """``accepted`` of its ``drafted`` tokens (a prefix) were accepted this step."""
         settings = self.settings
+        self.acceptance.verified(drafted, accepted)
         if accepted == drafted:  # a short draft (its match ran out) does not lower k
             self.k = min(settings.max_draft_tokens, max(self.k, drafted + 1))
         else:

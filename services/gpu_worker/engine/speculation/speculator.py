@@ -17,11 +17,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.gpu_worker.engine.kv_reservation import KvReservation
+from services.gpu_worker.engine.policies.batch_policy import StepOutcome
+from services.gpu_worker.engine.policies.linear_cost import OnlineFit
+from services.gpu_worker.engine.policies.step_cost_model import step_cost_model
 from services.gpu_worker.engine.request import EngineRequest, RequestState
+from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate
 from services.gpu_worker.engine.speculation.adapter_indexes import AdapterIndexes, IndexKey
 from services.gpu_worker.engine.speculation.adapter_output_index import AdapterOutputIndex
 from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
+from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices
 from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
+
+ADAPTER_DECAY = 0.98
+"""Weight an adapter's earlier verifications keep at each new one: its rate, a new request's
+prior, follows its recent requests."""
+
+MAX_ADAPTER_RATES = 1024
+"""Adapters whose acceptance is kept, the least recently verified forgotten first."""
 
 BASE_MODEL = ""
 """The adapter key of requests on the base model in :class:`DraftCounts`."""
@@ -35,7 +47,7 @@ class DraftCounts:
     accepted: dict[str, int] = field(default_factory=dict)
 
     def add(self, adapter_id: str | None, drafted: int, accepted: int) -> None:
-        key = BASE_MODEL if adapter_id is None else adapter_id
+        key = adapter_key(adapter_id)
         self.drafted[key] = self.drafted.get(key, 0) + drafted
         self.accepted[key] = self.accepted.get(key, 0) + accepted
 
@@ -49,14 +61,22 @@ class Speculator:
         max_positions: int,
         settings: DraftSettings | None = None,
         adapter_known: Callable[[str], bool] | None = None,
+        cost: OnlineFit[StepOutcome] | None = None,
+        max_prefill_tokens: int | None = None,
     ):
         """``max_positions``: the model's context; no draft reaches past it. ``adapter_known``:
         whether the engine still has an adapter; given, the mode is ``suffix`` (drafts from
-        each adapter's recent outputs too, an index dropped with its adapter)."""
+        each adapter's recent outputs too, an index dropped with its adapter). ``cost``: the
+        step-cost model that prices draft rows (the engine's, fitted online, by default).
+        ``max_prefill_tokens``: the step's token budget, which a step's prefill and drafts share."""
         self.kv = kv
         self.max_positions = max_positions
         self.settings = settings = settings or DraftSettings()
+        self.cost = cost or step_cost_model()
+        self.max_prefill_tokens = max_prefill_tokens
         self.counts = DraftCounts()
+        self.adapter_acceptance: dict[str, AcceptanceRate] = {}
+        """Each adapter's draft acceptance (``BASE_MODEL``: the base model's), decayed."""
         self.adapter_known = adapter_known
         self.indexes = (
             AdapterIndexes(
@@ -78,16 +98,38 @@ class Speculator:
             request.drafts = ()
         # The step's decode rows are capped: the decoding requests' own first, then drafts, to
         # the requests whose drafts were accepted most lately (the largest k) first.
-        room = self.settings.max_step_rows - sum(1 for request in batch if request.new_tokens == 1)
+        decoding = sum(1 for request in batch if request.new_tokens == 1)
+        room = self.settings.max_step_rows - decoding
+        if self.max_prefill_tokens is not None:
+            prefill = sum(r.new_tokens for r in batch if r.new_tokens > 1)
+            room = min(room, self.max_prefill_tokens - prefill)
+        adapters = len({r.spec.adapter_id for r in batch} - {None})
+        prices = draft_prices(self.cost.cost, decoding, adapters)
         rows = 0
         for request in sorted(batch, key=draft_priority):
             if room - rows <= 0:
                 break
-            request.drafts = self._drafts(request, room - rows)
+            request.drafts = self._drafts(request, room - rows, prices)
             rows += len(request.drafts)
         return rows
 
-    def _drafts(self, request: EngineRequest, room: int) -> tuple[int, ...]:
+    def observe(self, outcome: StepOutcome) -> None:
+        """What a step cost (its draft rows among its decode tokens): the cost model learns."""
+        self.cost.observe(outcome)
+
+    def acceptance(self, request: EngineRequest) -> float:
+        """The chance ``request``'s next draft position is accepted: its own rate, starting from
+        its adapter's (which starts from the settings' prior)."""
+        settings = self.settings
+        adapter = self.adapter_acceptance.get(adapter_key(request.spec.adapter_id))
+        prior = settings.prior_acceptance
+        if adapter is not None:
+            prior = adapter.rate(prior, settings.prior_weight)
+        if request.drafter is None:
+            return prior
+        return request.drafter.budget.acceptance.rate(prior, settings.prior_weight)
+
+    def _drafts(self, request: EngineRequest, room: int, prices: DraftPrices) -> tuple[int, ...]:
         if (
             request.new_tokens != 1
             or request.table is not None
@@ -103,9 +145,12 @@ class Speculator:
         )
         if limit <= 0:
             return ()
+        worth = prices.worth(self.acceptance(request), limit)
         if request.drafter is None:
             request.drafter = RequestDrafter(self.settings, self._adapter_index(request))
-        drafts = request.drafter.propose(request.all_ids, limit)
+        if worth == 0 and request.drafter.budget.declined():
+            worth = 1  # its probe: its output may have turned repetitive since
+        drafts = request.drafter.propose(request.all_ids, worth)
         if drafts and not self.kv.reserve_drafts(request, request.total_len + len(drafts)):
             return ()
         return drafts
@@ -139,6 +184,17 @@ class Speculator:
         if drafted and request.drafter is not None:
             request.drafter.verified(drafted, accepted)
             self.counts.add(request.spec.adapter_id, drafted, accepted)
+            key = adapter_key(request.spec.adapter_id)
+            rate = self.adapter_acceptance.pop(key, None) or AcceptanceRate(ADAPTER_DECAY)
+            rate.verified(drafted, accepted)
+            self.adapter_acceptance[key] = rate  # the most recently verified last
+            if len(self.adapter_acceptance) > MAX_ADAPTER_RATES:
+                del self.adapter_acceptance[next(iter(self.adapter_acceptance))]
+
+
+def adapter_key(adapter_id: str | None) -> str:
+    """An adapter's key in the per-adapter counts (``BASE_MODEL`` for the base model)."""
+    return BASE_MODEL if adapter_id is None else adapter_id
 
 
 def index_key(request: EngineRequest) -> IndexKey:

@@ -13,6 +13,7 @@ from services.gpu_worker.engine.engine import EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
+from tests.support.draft_cost import pin_draft_cost
 
 PROMPT = tuple((5 + j % 7) * 3 for j in range(20))  # a period of 7: drafts are accepted
 STREAMED = 9
@@ -23,6 +24,7 @@ def generate(tiny_llama, speculative: str, request: GenerationRequest) -> tuple[
     """The request's tokens on a fresh engine, and the draft tokens it accepted."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, speculative=speculative))
+    pin_draft_cost(engine)
     tokens: list[int] = []
     engine.submit(request, lambda e: e.token_id is None or tokens.append(e.token_id))
     while engine.has_work():

@@ -58,3 +58,12 @@ def test_settings_are_checked():
         DraftSettings(backoff_steps=0)
     with pytest.raises(ValueError, match="max_draft_tokens"):
         DraftSettings(max_draft_tokens=0)
+
+
+def test_a_declined_request_probes_with_a_doubling_wait_until_accepted():
+    budget = DraftBudget(SETTINGS)
+    assert [budget.declined() for _ in range(2)] == [False, True]  # after 2 declined steps
+    assert [budget.declined() for _ in range(4)] == [False, False, False, True]  # then 4
+    assert [budget.declined() for _ in range(4)] == [False, False, False, True]  # capped at 4
+    budget.verified(1, 1)
+    assert budget.backoff == 2

@@ -15,6 +15,7 @@ from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
+from tests.support.draft_cost import pin_draft_cost
 
 PROMPT = tuple((11 * j * j + 5 * j) % 241 + 3 for j in range(14))
 SAMPLING = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -23,6 +24,7 @@ SAMPLING = SamplingParams(max_tokens=24, ignore_eos=True)
 def make_engine(tiny_llama, adapter_dir, speculative: str) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, speculative=speculative))
+    pin_draft_cost(engine)
     engine.add_adapter(read_peft_directory("a8", adapter_dir, torch.float32))
     return engine
 
@@ -85,6 +87,7 @@ def test_a_wide_batch_drafts_within_the_step_row_cap(tiny_llama, tmp_path):
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
     config = EngineConfig(pool_mib=4, kv_block_tokens=4, speculative="ngram", max_running=8)
     engine = local_engine(model, config)
+    pin_draft_cost(engine)
     engine.speculator.settings = dataclasses.replace(engine.speculator.settings, max_step_rows=10)
     widths: list[int] = []
     draft = engine.speculator.draft

@@ -1,0 +1,99 @@
+"""Drafting is cost-aware: a request drafts k tokens only while the k-th one's expected saving
+(its chance of acceptance times what a token of the step costs) exceeds the row it adds, by the
+step-cost model (a declined request probes with one token now and then); the model is shown the draft rows among each step's decode tokens (injected
+cost models; tiny Llama, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.gpu_worker.build import local_engine
+from services.gpu_worker.engine.engine import Engine, EngineConfig
+from services.gpu_worker.engine.policies.linear_cost import LinearCost, OnlineFit
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
+from services.gpu_worker.engine.request import GenerationRequest
+from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate
+from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices, fixed_cost
+from services.gpu_worker.model.llama import LlamaModel
+
+MEMORY_BOUND = LinearCost.named(STEP_TERMS, fixed=0.010, per_decode_token=0.001)
+"""A step that mostly reads weights: a row costs a tenth of a batch-1 step."""
+COMPUTE_BOUND = LinearCost.named(STEP_TERMS, fixed=0.0, per_decode_token=0.010)
+"""Every row costs what a token saves: no draft ever pays."""
+
+
+def test_the_kth_draft_token_pays_while_its_chance_times_a_tokens_cost_exceeds_a_row():
+    prices = DraftPrices(token_s=0.010, row_s=0.002)
+    assert prices.worth(0.9, ceiling=5) == 5
+    assert prices.worth(0.9, ceiling=3) == 3
+    assert prices.worth(0.5, ceiling=8) == 2  # 0.5, 0.25 > 0.2 > 0.125
+    assert prices.worth(0.2, ceiling=8) == 0
+    assert DraftPrices(token_s=0.001, row_s=0.001).worth(0.99, ceiling=8) == 0
+
+
+def test_prices_come_from_a_plain_decode_step_of_the_batch():
+    assert draft_prices(MEMORY_BOUND, 1, 0) == pytest.approx(DraftPrices(0.011, 0.001))
+    wide = draft_prices(MEMORY_BOUND, 8, 3)
+    assert wide.token_s == pytest.approx(0.018 / 8) and wide.row_s == 0.001
+    # At batch 8 a 0.5 chance no longer pays for a row that batch 1 drafts 3 of.
+    assert draft_prices(MEMORY_BOUND, 1, 0).worth(0.5, 8) == 3
+    assert wide.worth(0.5, 8) == 1
+
+
+def test_acceptance_counts_tried_positions_and_decays():
+    rate = AcceptanceRate(decay=0.5)
+    assert rate.rate(prior=0.5, prior_weight=2) == 0.5
+    rate.verified(drafted=4, accepted=4)  # 4 tried, 4 accepted
+    assert rate.rate(0.5, 2) == pytest.approx(5 / 6)
+    rate.verified(drafted=4, accepted=0)  # 1 tried, none accepted; the first halved
+    assert (rate.accepted, rate.tried) == (2, 3)
+    with pytest.raises(ValueError, match="decay"):
+        AcceptanceRate(decay=0)
+
+
+def engine_with(tiny_llama, cost: OnlineFit) -> Engine:
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+    engine = local_engine(
+        model, EngineConfig(pool_mib=4, kv_block_tokens=4, speculative="ngram", max_running=8)
+    )
+    engine.speculator.cost = cost
+    return engine
+
+
+def run(engine: Engine, requests: int) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for i in range(requests):
+        prompt = tuple((i + j % 5) * 7 % 250 + 1 for j in range(12))  # a period of 5: drafts accepted
+        sink = tokens.setdefault(f"r{i}", [])
+        request = GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+        engine.submit(request, lambda e, sink=sink: e.token_id is None or sink.append(e.token_id))
+    while engine.has_work():
+        engine.step()
+    return tokens
+
+
+def test_rows_that_cost_what_they_save_are_drafted_only_as_probes(tiny_llama):
+    cheap, dear = (
+        engine_with(tiny_llama, fixed_cost(MEMORY_BOUND)),
+        engine_with(tiny_llama, fixed_cost(COMPUTE_BOUND)),
+    )
+    assert run(dear, 4) == run(cheap, 4)
+    # One probe per request after 8 declined steps (the next would come after 16 more).
+    assert sum(dear.speculator.counts.drafted.values()) <= 4
+    assert sum(cheap.speculator.counts.accepted.values()) > 4
+
+
+def test_the_step_cost_model_counts_draft_rows_as_decode_tokens(tiny_llama):
+    seen = []
+    cost = step_cost_model(prior=MEMORY_BOUND)
+    learning = OnlineFit(
+        STEP_TERMS, lambda outcome: seen.append(outcome) or cost.features(outcome), cost.config, MEMORY_BOUND
+    )
+    engine = engine_with(tiny_llama, learning)
+    run(engine, 1)
+    drafted = sum(engine.speculator.counts.drafted.values())
+    assert drafted > 0
+    decode_steps = [o for o in seen if o.prefill_tokens == 0]
+    assert sum(o.decode_tokens for o in decode_steps) == len(decode_steps) + drafted
