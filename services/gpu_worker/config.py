@@ -66,7 +66,7 @@ class WorkerConfig(ServiceConfig):
     whole); socket: the per-layer attention and KV writes over the creditor's Unix-socket lane
     (~25 µs a round trip instead of 1–2 ms over gRPC); tcp: over its TCP lane, even on one host;
     off: every lending call over gRPC. A creditor that the first lane cannot reach (another
-    host or pod) is reached over gRPC, or over its TCP lane (mutual TLS with --tls) with tcp. Lanes are
+    host or pod) is reached over its TCP lane (mutual TLS with --tls), else gRPC. Lanes are
     opened with the mTLS-checked OpenLendingLane RPC; see services/gpu_worker/distkv/transport/lending_lane.py."""
     lending_lane_port: int = 0
     """TCP port of this worker's lending lane between hosts, on --host (0: any free port; a

@@ -7,6 +7,7 @@ creditor's process dying: every later call fails as an unreachable creditor does
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -15,7 +16,7 @@ from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.distkv.block_lender import BlockLender
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, KvRows
 from services.gpu_worker.distkv.remote_block_allocator import Pending, done
-from services.runtime.errors import Unavailable
+from services.runtime.errors import DomainError, Unavailable
 
 
 class InProcessTransport:
@@ -43,6 +44,13 @@ class InProcessTransport:
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self._reachable().read(debtor, block_ids)
+
+    def release(self, debtor: str, block_ids: Sequence[int]) -> None:
+        if not self.alive:
+            return
+        for block_id in block_ids:
+            with contextlib.suppress(DomainError):  # not lent to it (any more): nothing to release
+                self.lender.free(debtor, [block_id])
 
     def _reachable(self) -> BlockLender:
         if not self.alive:

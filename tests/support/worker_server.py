@@ -19,18 +19,20 @@ async def serve_worker(
     tls: TLSConfig = NO_TLS,
     lane: LaneServer | None = None,
     fence: LeaseFence | None = None,
+    port: int = 0,
 ) -> tuple[aio.Server, str]:
     """A started server for ``engine`` (domain errors mapped to statuses) and its address;
     stop it with ``await server.stop(None)``. With ``tls``: mutual TLS and the authorization
     table enforced, as a worker of ``loramesh up --tls`` serves. ``lane``: the lending lane its
     OpenLendingLane hands out (None: none, every lending call over gRPC). ``fence``: the etcd
-    lease fence it refuses new work by, as a registered worker's (None: never fenced)."""
+    lease fence it refuses new work by, as a registered worker's (None: never fenced). ``port``:
+    where it listens (0: a free port; a given one: a worker restarted at its address)."""
     servicer = WorkerServicer()
     servicer.attach(engine, None, {"model": model_name, "dtype": "float32"})
     servicer.lane = lane
     servicer.lease_fence = fence
     server = aio.server(interceptors=[ServiceInterceptor(enforce_authorization=tls.enabled)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    port = add_server_port(server, "127.0.0.1:0", tls)
+    port = add_server_port(server, f"127.0.0.1:{port}", tls)
     await server.start()
     return server, f"127.0.0.1:{port}"

@@ -5,13 +5,17 @@ queries with partial attention over exactly the blocks each debtor owns.
 Remote callers are untrusted input: every call is checked before anything changes, and a bad one
 raises a :mod:`services.runtime.errors` domain error naming what is wrong (the servicer maps it
 to a status) while the blocks of every other debtor stay as they were. Lent block ids are never
-reused, so a stale id can only name a freed block, never someone else's.
+reused, so a stale id can only name a freed block, never someone else's; not even across a restart
+under the same instance id (a pod's container restarted in place): each lender numbers its loans
+from the wall clock's nanoseconds at its start, above every id a predecessor could have lent, and
+refuses an id it never lent as :class:`LoanUnknown`, which tells the debtor the blocks are lost.
 
 Not thread-safe: like the pool it draws from, it belongs to the engine thread.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +26,13 @@ from services.gpu_worker.distkv.block_table import LocalBlock
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PoolExhausted
-from services.runtime.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
+from services.runtime.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,11 @@ class LendingConfig:
     max_lent_blocks: int
     """Cap on blocks lent out to all debtors together (the paper's hyperparameter); 0 lends
     nothing. Allocations past it are refused, so local requests keep room of their own."""
+
+
+class LoanUnknown(NotFound):
+    """A block id this lender never lent: the debtor holds it from an earlier process that ran
+    under this worker's id (its KV went with that process), or never held it."""
 
 
 @dataclass(frozen=True)
@@ -45,14 +60,18 @@ class _Loan:
 class BlockLender:
     """Blocks of ``local`` lent to debtors, by lent block id."""
 
-    def __init__(self, local: LocalBlockAllocator, config: LendingConfig):
+    def __init__(self, local: LocalBlockAllocator, config: LendingConfig, first_id: int | None = None):
+        """``first_id``: the id of the first loan (None: the wall clock's nanoseconds now, so a
+        lender restarted under the same worker id starts above its predecessor's ids, which
+        advanced by one per loan, far slower than the clock)."""
         if config.max_lent_blocks < 0:
             raise ValueError(f"max_lent_blocks must be ≥ 0, got {config.max_lent_blocks}")
         self.local = local
         self.config = config
         self._loans: dict[int, _Loan] = {}
         self._by_debtor: dict[str, set[int]] = {}
-        self._next_id = 0
+        self._first_id = time.time_ns() if first_id is None else first_id
+        self._next_id = self._first_id
 
     @property
     def lent_blocks(self) -> int:
@@ -163,9 +182,12 @@ class BlockLender:
         for block_id in block_ids:
             loan = self._loans.get(block_id)
             if loan is None:
-                if 0 <= block_id < self._next_id:
+                if self._first_id <= block_id < self._next_id:
                     raise FailedPrecondition(f"block {block_id} was freed; it is no longer lent to {debtor}")
-                raise InvalidArgument(f"block {block_id} was never lent by this worker")
+                raise LoanUnknown(
+                    f"block {block_id} was never lent by this worker process (lent by one before it "
+                    "under the same id, its KV is gone)"
+                )
             if loan.debtor != debtor:
                 raise PermissionDenied(f"block {block_id} is not lent to {debtor}")
             blocks.append(loan.block)

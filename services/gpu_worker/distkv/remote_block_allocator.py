@@ -3,7 +3,9 @@
 Calls go through a :class:`CreditorTransport`, the creditor's :class:`BlockLender` API as seen
 from another worker: a gRPC client in production, an in-process one in tests. The allocator
 remembers which blocks it holds there, so a free can be checked here first and, when the
-creditor dies, the blocks it held are known (and forgotten: there is nothing left to free).
+creditor is declared dead, the blocks it held are known: forgotten here, and released there in
+the background, for a creditor declared dead may live (a partition healed, or a process that came
+back under the same id and lent some of them), and would otherwise keep them lent forever.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import torch
 from services.gpu_worker.attention.dist_attention import PartialAttention
 from services.gpu_worker.distkv.block_table import RemoteBlock
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
-from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from services.runtime.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 
 
 class CreditorUnavailable(Unavailable):
@@ -79,6 +87,12 @@ class CreditorTransport(Protocol):
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def release(self, debtor: str, block_ids: Sequence[int]) -> None:
+        """Free whichever of ``block_ids`` the creditor still lends ``debtor``, each on its own
+        (a restarted creditor lends some and never lent the others), in the background: returns
+        at once, and failures are only logged (a dead creditor holds nothing)."""
+        ...
+
 
 class RemoteBlockAllocator:
     """Blocks this worker (``debtor``) borrowed from ``creditor``."""
@@ -138,17 +152,21 @@ class RemoteBlockAllocator:
         return self._reach(self.transport.read, self.debtor, self.wire_ids(blocks))
 
     def creditor_lost(self) -> list[int]:
-        """The creditor died: forget (and return) the ids of every block held there."""
+        """The creditor is declared dead: forget (and return) the ids of every block held there,
+        and ask it to release them in case it lives."""
         lost, self._held = sorted(self._held), set()
+        if lost:
+            self.transport.release(self.debtor, lost)
         return lost
 
     def _reach(self, call, *args):
-        """``call(*args)``; the creditor's unreachability names the creditor."""
+        """``call(*args)``; the creditor's unreachability names the creditor, and so does its not
+        knowing a block we hold (``LoanUnknown``: it restarted under the same id, the KV is gone)."""
         try:
             return call(*args)
         except CreditorUnavailable:
             raise
-        except Unavailable as unreachable:
+        except (Unavailable, NotFound) as unreachable:
             raise CreditorUnavailable(self.creditor, unreachable.message) from unreachable
 
     def _attended(self, pending: Pending[list[PartialAttention]]) -> list[PartialAttention]:

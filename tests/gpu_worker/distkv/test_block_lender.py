@@ -8,7 +8,7 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import micro_attention
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
-from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig
+from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig, LoanUnknown
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
@@ -20,7 +20,9 @@ LAYOUT = PoolLayout(num_pages=20, kv_block_tokens=BLOCK, kv_dim=KV_HEADS * HEAD_
 
 
 def lender(cap: int = 6, dtype: torch.dtype = torch.float32) -> BlockLender:
-    return BlockLender(LocalBlockAllocator(UnifiedPool(PoolView.zeros(LAYOUT, dtype))), LendingConfig(max_lent_blocks=cap))
+    return BlockLender(
+        LocalBlockAllocator(UnifiedPool(PoolView.zeros(LAYOUT, dtype))), LendingConfig(max_lent_blocks=cap)
+    )
 
 
 def kv_rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +68,7 @@ def test_bad_requests_get_clear_errors_and_change_nothing():
         creditor.attend("a", AttendCall(0, [query]))
     with pytest.raises(PermissionDenied):
         creditor.read("a", theirs)
-    with pytest.raises(InvalidArgument, match="never lent"):
+    with pytest.raises(LoanUnknown, match="never lent"):
         creditor.write("a", 0, KvRows([99], slots, keys, values))
     with pytest.raises(InvalidArgument, match="layer 2"):
         creditor.write("a", 2, KvRows(mine[:1], slots, keys, values))
@@ -171,3 +173,14 @@ def test_local_allocator_frees_all_or_nothing():
     # Adapter pages share the pool: free blocks count what KV could take now.
     local.pool.allocate(5, PageUse.ADAPTER)
     assert local.free_blocks == 7
+
+
+def test_a_lender_started_later_numbers_its_loans_above_every_id_of_the_one_before():
+    """A worker restarted under the same id must never lend an id its predecessor lent: the
+    debtor's stale id would name another loan's KV."""
+    before = lender()
+    old = before.allocate("a", 3) + before.allocate("b", 2)
+    after = lender()
+    assert min(after.allocate("a", 3)) > max(old)
+    with pytest.raises(LoanUnknown, match="never lent by this worker process"):
+        after.free("a", old[:1])

@@ -32,7 +32,9 @@ class Mesh:
 
     def __init__(self, cap: int = 6):
         self.workers = {
-            w: RManager(w, UnifiedPool(PoolView.zeros(LAYOUT, torch.float32)), LendingConfig(max_lent_blocks=cap))
+            w: RManager(
+                w, UnifiedPool(PoolView.zeros(LAYOUT, torch.float32)), LendingConfig(max_lent_blocks=cap)
+            )
             for w in WORKERS
         }
         self.transports = {w: InProcessTransport(w, rm.lender) for w, rm in self.workers.items()}
@@ -378,3 +380,41 @@ def test_accounting_stays_exact_under_any_sequence(ops):
     for owner, table in tables:
         mesh.workers[owner].release(table)
     mesh.assert_empty()
+
+
+def test_a_creditor_declared_dead_that_lives_gets_its_blocks_back():
+    """A partition healed: the debtor recomputed, the creditor must not keep the loan forever."""
+    mesh = Mesh()
+    rm = mesh.workers["w0"]
+    table = spread_request(mesh, 24, local=2, grants={"w1": 2, "w2": 2})
+    rm.creditor_died("w1", [table])
+    assert mesh.workers["w1"].accounting().lent_blocks == {}
+    rm.release(table)
+    mesh.assert_empty()
+
+
+def test_a_creditor_restarted_under_its_id_releases_what_it_lent_and_refuses_what_it_never_did():
+    """A container restarted in place keeps its pod's name: the debtor's transport reaches the new
+    process, which lends afresh. A block of the old one names nothing there (``LoanUnknown``,
+    never another loan); the debtor then declares the creditor lost and every block it held there
+    is released, so the new process lends nothing to nobody."""
+    mesh = Mesh()
+    rm = mesh.workers["w0"]
+    keys, values, queries = random_context(24, seed=3)
+    old = spread_request(mesh, 24, local=2, grants={"w1": 2, "w2": 2})
+    write_context(rm, old, keys, values)
+    lender = mesh.workers["w1"].lender
+    reborn = RManager("w1", UnifiedPool(PoolView.zeros(LAYOUT, torch.float32)), lender.config)
+    mesh.workers["w1"] = reborn
+    mesh.transports["w1"].lender = reborn.lender  # same id, same address: the same transport
+    fresh = rm.new_table()
+    fresh.append(rm.borrow("w1", 3))
+    assert reborn.accounting().lent_blocks == {"w0": 3}
+    assert not {b.block_id for b in fresh} & {b.block_id for b in old if isinstance(b, RemoteBlock)}
+    with pytest.raises(Unavailable, match="never lent by this worker process"):
+        rm.attend(0, [TableQueries(old, queries[0, -1:], torch.tensor([23]))])
+    rm.creditor_died("w1", [old, fresh])
+    assert reborn.accounting().lent_blocks == {}
+    rm.release(old)
+    rm.release(fresh)
+    mesh.assert_empty(alive=("w0", "w2"))

@@ -129,6 +129,8 @@ class GrpcCreditorTransport:
         self._lane: LaneClient | None = None
         self._lane_asked = lane == "off"
         self._shared: SharedCreditorPool | None = None
+        self._releasing: set[grpc.Future] = set()
+        """Releases in flight, held so that none is cancelled when collected."""
 
     def _counted_call(self, name: str, reply: type[Message]) -> grpc.UnaryUnaryMultiCallable:
         def serialize(request: Message) -> bytes:
@@ -179,9 +181,7 @@ class GrpcCreditorTransport:
                     self._shared = self._lane.map_pool(self.dtype)
             except OSError as elsewhere:  # another network namespace: another pod or host
                 log.info("%s's Unix lane cannot be reached: %s", self.creditor, elsewhere)
-        # Only on request: under the default a creditor restarted behind a kept TCP connection
-        # left a loan the debtor dropped and the creditor kept (the quiet seed-7 nemesis).
-        if self._lane is None and reply.tcp_port and self._mode == "tcp":
+        if self._lane is None and reply.tcp_port:
             host = tcp_lane.split_host(self.address)
             try:
                 connection = tcp_lane.connect(host, reply.tcp_port, self.tls, self.deadline_s)
@@ -253,6 +253,28 @@ class GrpcCreditorTransport:
                 ATTEND, request, lambda data: partials(worker_pb2.AttendRemoteResponse.FromString(data))
             )
         return self._call_async(self._calls["AttendRemote"], request, partials)
+
+    def release(self, debtor: str, block_ids: Sequence[int]) -> None:
+        if self._shared is not None:
+            self._shared.forget(block_ids)
+        # Over gRPC whatever the lane: a lane that failed is what got these blocks declared lost.
+        for block_id in block_ids:
+            future = self._calls["FreeBlocks"].future(
+                worker_pb2.FreeBlocksRequest(debtor=debtor, block_ids=[block_id]), timeout=self.deadline_s
+            )
+            self._releasing.add(future)
+            future.add_done_callback(self._released(block_id))
+
+    def _released(self, block_id: int) -> Callable[[grpc.Future], None]:
+        def log_outcome(future: grpc.Future) -> None:
+            self._releasing.discard(future)
+            error = future.exception()
+            if error is None:
+                log.info("released block %d on %s, which lived after all", block_id, self.creditor)
+            else:
+                log.debug("block %d on %s not released: %s", block_id, self.creditor, error.details())
+
+        return log_outcome
 
     def read(self, debtor: str, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         reply = self._call(

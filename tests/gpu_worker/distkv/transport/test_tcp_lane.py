@@ -20,6 +20,7 @@ from support.worker_server import serve_worker
 
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
+from services.gpu_worker.distkv.remote_block_allocator import RemoteBlockAllocator
 from services.gpu_worker.distkv.transport.grpc_creditor_transport import GrpcCreditorTransport
 from services.gpu_worker.distkv.transport.lending_lane import HELLO, LaneServer, _frame
 from services.gpu_worker.engine.engine import Engine, EngineConfig
@@ -45,12 +46,12 @@ def certs(tmp_path_factory) -> CertificateDirectory:
     return create_mesh_certificates(tmp_path_factory.mktemp("certs"), identities)
 
 
-async def _creditor(tiny_llama, tls):
+async def _creditor(tiny_llama, tls, port: int = 0):
     lender = engine(
         tiny_llama, EngineConfig(pool_mib=1, kv_block_tokens=BLOCK, worker_id=CREDITOR, max_lent_blocks=16)
     )
     lane = LaneServer(lender.lending, lender.pool.device, tcp_host="127.0.0.1", tls=tls)
-    server, address = await serve_worker(lender, "tiny", tls, lane=lane)
+    server, address = await serve_worker(lender, "tiny", tls, lane=lane, port=port)
     return lender, lane, server, address
 
 
@@ -179,3 +180,40 @@ async def test_a_tcp_lane_that_cannot_be_reached_leaves_the_debtor_on_grpc(credi
     assert transport._lane is None  # answered over gRPC
     await asyncio.to_thread(transport.free, DEBTOR, ids)
     transport.close()
+
+
+async def test_a_creditor_restarted_at_its_address_behind_the_kept_connection_keeps_no_loan(tiny_llama):
+    """A pod's container restarted in place: same worker id, same address. The debtor borrows
+    from the new process over gRPC, then its kept TCP connection to the old one fails; it declares
+    the creditor lost, and must release there what the new process lent it (the quiet nemesis
+    once ended with 19 blocks lent to a debtor that had dropped them)."""
+    old_lender, old_lane, old_server, address = await _creditor(tiny_llama, NO_TLS)
+    transport = GrpcCreditorTransport(CREDITOR, address, old_lender.pool.layout, lane="tcp")
+    held = RemoteBlockAllocator(DEBTOR, CREDITOR, transport)
+    keys = torch.randn(BLOCK, old_lender.pool.layout.kv_dim, generator=torch.Generator().manual_seed(3))
+
+    def rows(block) -> KvRows:
+        return KvRows([block] * BLOCK, torch.arange(BLOCK), keys, -keys)
+
+    old = await asyncio.to_thread(held.allocate, 2)
+    await asyncio.to_thread(held.write, 0, rows(old[0]))
+    assert transport._lane is not None and transport._lane.remote
+    old_lane.close()
+    await old_server.stop(None)
+    port = int(address.rsplit(":", 1)[1])
+    lender, lane, server, _ = await _creditor(tiny_llama, NO_TLS, port=port)
+    try:
+        fresh = await asyncio.to_thread(held.allocate, 3)
+        assert lender.lending.lent_to() == {DEBTOR: 3}
+        with pytest.raises(Unavailable):
+            await asyncio.to_thread(held.write, 0, rows(fresh[0]))
+        assert await asyncio.to_thread(held.creditor_lost) == sorted(b.block_id for b in old + fresh)
+        await poll_until(
+            lambda: asyncio.sleep(0, lender.lending.lent_to()),
+            lambda lent: lent == {},
+            "the new loans released",
+        )
+    finally:
+        transport.close()
+        lane.close()
+        await server.stop(None)
