@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from services.gpu_worker.kernels.cpu_native import NativeCall, lora_delta_cpu_native, native_available
-from services.gpu_worker.kernels.lora_segments import LoraSegments
+from services.gpu_worker.kernels.lora_segments import LoraSegments, share_input
 from services.gpu_worker.kernels.padded_bmm import lora_delta_padded_bmm
 from services.gpu_worker.kernels.torch_reference import lora_delta_torch
 
@@ -91,16 +91,40 @@ class _PreparedCall:
         self.native = None
         if backend == "cpu_native" and any(seg is not None for seg in segments):
             self.native = NativeCall(segments, batch_invariant)
+        self.stacked = backend == "triton" and _stackable(segments, batch_invariant)
+        """One stacked shrink + expand launch pair for all the call's projections (decode)."""
 
     def run(self, x: torch.Tensor, outs: tuple[torch.Tensor, ...], pool: torch.Tensor) -> None:
         if self.native is not None:
             self.native.run(x, outs, pool)
+            return
+        if self.stacked:
+            from services.gpu_worker.kernels import triton_stacked_lora
+
+            present = [i for i, seg in enumerate(self.segments) if seg is not None]
+            triton_stacked_lora.stacked_mbgmv(
+                x,
+                pool,
+                [self.segments[i] for i in present],
+                [outs[i] for i in present],
+                self.batch_invariant,
+            )
             return
         if self.backend == "cpu_native":
             return  # no projection of this call has an adapter
         for seg, out in zip(self.segments, outs):
             if seg is not None:
                 add_lora_delta(x, pool, seg, out, self.backend, self.batch_invariant)
+
+
+def _stackable(segments: tuple[LoraSegments | None, ...], batch_invariant: bool) -> bool:
+    """Whether the Triton backend serves these projections with the stacked MBGMV kernels: 2 or
+    3 with an adapter, one token per segment (or batch-invariant: MBGMV per token anyway), the
+    same token segments. Prefill keeps one MBGMM pair per projection."""
+    present = [seg for seg in segments if seg is not None]
+    if not 2 <= len(present) <= 3 or not (batch_invariant or all(seg.is_decode for seg in present)):
+        return False
+    return share_input(present)
 
 
 def add_lora_delta(

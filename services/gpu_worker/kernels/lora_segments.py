@@ -327,3 +327,13 @@ def runs_of(offsets: Sequence[int], width: int) -> tuple[tuple[int, int], ...]:
         else:
             runs.append([offset, 1])
     return tuple((o, n) for o, n in runs)
+
+
+def share_input(segments: Sequence[LoraSegments]) -> bool:
+    """Whether these projections' segments cover the same token rows of one input (the same
+    segment boundaries and input width), so one stacked launch can serve them all."""
+    first = segments[0]
+    return all(
+        seg.seg_starts_host == first.seg_starts_host and seg.in_features == first.in_features
+        for seg in segments[1:]
+    )

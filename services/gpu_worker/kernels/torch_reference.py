@@ -11,6 +11,8 @@ is rounded once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from services.gpu_worker.kernels.lora_segments import LoraSegments
@@ -50,3 +52,12 @@ def lora_delta_torch(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out
             h.mul_(group.scale)
             updated = out.index_select(0, rows).float().add_(_expand(h, pool, b_runs, seg.out_features))
             out.index_copy_(0, rows, updated.to(out.dtype))
+
+
+def stacked_lora_delta_torch(
+    x: torch.Tensor, pool: torch.Tensor, segments: Sequence[LoraSegments], outs: Sequence[torch.Tensor]
+) -> None:
+    """The reference of the stacked kernels (``triton_stacked_lora``): the delta of
+    ``segments[i]`` added into ``outs[i]``, for projections that all read ``x``."""
+    for seg, out in zip(segments, outs, strict=True):
+        lora_delta_torch(x, pool, seg, out)

@@ -82,6 +82,50 @@ def _add_scaled(out_ptrs, mask, delta, scale):
 
 
 @triton.jit
+def _gmv_shrink_block(
+    x_row_ptr,
+    pool_ptr,
+    a_offsets_ptr,
+    h_row_ptr,
+    r0,
+    rank,
+    in_features,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``h_row[r] = x_row . A[r]`` for ranks ``r0 .. r0 + BLOCK_R`` below ``rank``, the A rows at the
+    pool offsets ``a_offsets_ptr[r]``; fp32, summed block of K after block of K."""
+    r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    a_off = tl.load(a_offsets_ptr + r, mask=r_mask, other=0)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < in_features
+        xk = tl.load(x_row_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        a = tl.load(pool_ptr + a_off[:, None] + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
+    tl.store(h_row_ptr + r, acc, mask=r_mask)
+
+
+@triton.jit
+def _gmv_expand_row(
+    h_row_ptr, pool_ptr, b_offsets_ptr, rank, n, n_mask, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """fp32 ``[BLOCK_N]``: one token's ``h[:rank]`` times the Bᵀ rows whose pool offsets
+    ``b_offsets_ptr[:rank]`` holds, at output columns ``n``, summed rank block after rank block."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = r < rank
+        b_off = tl.load(b_offsets_ptr + r, mask=r_mask, other=0)
+        hr = tl.load(h_row_ptr + r, mask=r_mask, other=0.0)
+        b = tl.load(pool_ptr + b_off[:, None] + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.sum(hr[:, None] * b.to(tl.float32), axis=0)
+    return acc
+
+
+@triton.jit
 def _mbgmm_shrink(
     x_ptr,
     pool_ptr,
@@ -189,17 +233,17 @@ def _mbgmv_shrink(
     r0 = tl.program_id(1) * BLOCK_R
     if (token == seg_end) | (r0 >= rank):
         return
-    r = r0 + tl.arange(0, BLOCK_R)
-    r_mask = r < rank
-    a_off = tl.load(a_offsets_ptr + rank_start + r, mask=r_mask, other=0)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < in_features
-        xk = tl.load(x_ptr + token * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
-        a = tl.load(pool_ptr + a_off[:, None] + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
-    tl.store(h_ptr + token * stride_h + r, acc, mask=r_mask)
+    _gmv_shrink_block(
+        x_ptr + token * stride_x,
+        pool_ptr,
+        a_offsets_ptr + rank_start,
+        h_ptr + token * stride_h,
+        r0,
+        rank,
+        in_features,
+        BLOCK_R,
+        BLOCK_K,
+    )
 
 
 @triton.jit
@@ -227,14 +271,9 @@ def _mbgmv_expand(
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < out_features
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = r < rank
-        b_off = tl.load(b_offsets_ptr + rank_start + r, mask=r_mask, other=0)
-        hr = tl.load(h_ptr + token * stride_h + r, mask=r_mask, other=0.0)
-        b = tl.load(pool_ptr + b_off[:, None] + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.sum(hr[:, None] * b.to(tl.float32), axis=0)
+    acc = _gmv_expand_row(
+        h_ptr + token * stride_h, pool_ptr, b_offsets_ptr + rank_start, rank, n, n_mask, BLOCK_R, BLOCK_N
+    )
     _add_scaled(out_ptr + token * stride_out + n, n_mask, acc, tl.load(scales_ptr + s))
 
 
