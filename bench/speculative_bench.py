@@ -23,7 +23,7 @@ from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.model.loading import load_model
+from services.gpu_worker.model.loading import LoadedModel, load_model
 
 QUERY = (
     "select o.id, o.created_at, c.name, c.email, sum(i.price * i.quantity) as total "
@@ -32,6 +32,17 @@ QUERY = (
     "order by total desc limit 20"
 )
 PROMPT = f"Rewrite this SQL query with upper-case keywords, changing nothing else:\n\n{QUERY}"
+
+
+def sql_rewrite(quantization: str, dtype_name: str) -> tuple[LoadedModel, LlamaModel, tuple[int, ...]]:
+    """The model loaded as asked, and the chat prompt asking it to rewrite :data:`QUERY`."""
+    dtype = getattr(torch, dtype_name)
+    loaded = load_model(quantization=quantization, dtype=dtype)
+    chat = [{"role": "user", "content": PROMPT}]
+    prompt = tuple(
+        loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+    )
+    return loaded, LlamaModel(loaded.config, loaded.weights, dtype), prompt
 
 
 def decode_rate(engine: Engine, prompt: tuple[int, ...], tokens: int) -> tuple[float, float, list[int]]:
@@ -60,13 +71,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="q4_1", choices=["none", "q8_0", "q4_1"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    loaded = load_model(quantization=args.quantization, dtype=dtype)
-    chat = [{"role": "user", "content": PROMPT}]
-    prompt = tuple(
-        loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
-    )
-    model = LlamaModel(loaded.config, loaded.weights, dtype)
+    loaded, model, prompt = sql_rewrite(args.quantization, args.dtype)
     engines = {
         mode: local_engine(model, EngineConfig(pool_mib=128, speculative=mode, prefix_cache=False))
         for mode in ("off", "ngram")

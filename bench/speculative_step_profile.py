@@ -18,13 +18,10 @@ import statistics
 import time
 from collections import defaultdict
 
-import torch
-
-from bench.speculative_bench import PROMPT, decode_rate
+from bench.speculative_bench import decode_rate, sql_rewrite
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.model.loading import load_model
 
 
 class StepTimer:
@@ -88,13 +85,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--modes", default="off,ngram", help="e.g. off,ngram,ngram:8 (k's ceiling 8)")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    loaded = load_model(quantization=args.quantization, dtype=dtype)
-    chat = [{"role": "user", "content": PROMPT}]
-    prompt = tuple(
-        loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
-    )
-    model = LlamaModel(loaded.config, loaded.weights, dtype)
+    _, model, prompt = sql_rewrite(args.quantization, args.dtype)
     engines = {mode: make_engine(model, mode) for mode in args.modes.split(",")}
     timers = {mode: StepTimer(engine) for mode, engine in engines.items()}
     rates: dict[str, list[float]] = defaultdict(list)
