@@ -2,14 +2,19 @@
 outputs (generated once in-process with speculation off, cached in ``--cache``) replayed through
 the real drafter (``RequestDrafter``) step by step, with each step accepting the drafts that equal
 the output. A greedy output is the same with and without speculation, so tokens per step and draft
-rows per step are exact whatever the machine's load; the speed-up is then estimated as
+rows per step are exact whatever the machine's load; the speed-up is then estimated from a step
+cost linear in its rows, in units of a plain batch-1 step: ``C(B) = 1 - r + r·B`` at batch 1
+(``r`` = ``--row-cost``, 0.068: a step verifying 5 drafts measured about 1.34 plain steps with
+Q4_1, docs/benchmarks.md) and ``C(B) = 1 + (B - 1)·r_B`` at ``--batch`` B > 1 (``r_B`` from
+``--wide-step``, a plain batch-B step in batch-1 steps: 3.5 at 8, from the served 8-concurrent
+rate against batch 1). A request's share of a plain step is ``C(B)/B``, so
 
-    tokens per step / (1 + row_cost * draft rows per step)
+    speed-up = tokens per step · (C(B)/B) / (C(B)/B + r_B · draft rows per step)
 
-with ``row_cost`` the cost of one verifying row relative to a plain step (0.068: a step verifying
-5 drafts measured about 1.34 plain steps with Q4_1, docs/benchmarks.md). Requests run one after
-the other, so with ``--mode suffix`` a request drafts from the earlier requests' outputs of its
-adapter, as on a worker.
+Each variant runs with and without the cost-aware rule (``draft_cost.py``: a draft token only
+while its chance of acceptance times ``C(B)/B`` exceeds ``r_B``, priced by this linear cost).
+Requests run one after the other, so with ``--mode suffix`` a request drafts from the earlier
+requests' outputs of its adapter, as on a worker.
 
     .venv/bin/python -m bench.speculative_policy_sim --tokens 96
 """
@@ -28,15 +33,21 @@ from bench.speculative_served_bench import demo_adapter_dirs
 from bench.speculative_workloads import WorkloadItem, non_repetitive, repetitive
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
+from services.gpu_worker.engine.policies.linear_cost import LinearCost
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
+from services.gpu_worker.engine.speculation.acceptance import AdapterRates
 from services.gpu_worker.engine.speculation.adapter_indexes import AdapterIndexes
 from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
+from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices
 from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
+from services.gpu_worker.engine.speculation.speculator import ADAPTER_DECAY, MAX_ADAPTER_RATES
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 
 ROW_COST = 0.068
+WIDE_STEP = 3.5
 
 
 def generate_outputs(items: list[WorkloadItem]) -> list[dict]:
@@ -72,17 +83,29 @@ class Replay:
     rows: int = 0
     accepted: int = 0
 
-    def speedup(self, row_cost: float) -> float:
-        return (self.tokens / self.steps) / (1 + row_cost * self.rows / self.steps)
+    def speedup(self, prices: DraftPrices) -> float:
+        share = prices.token_s
+        return (self.tokens / self.steps) * share / (share + prices.row_s * self.rows / self.steps)
 
 
-def replay(requests: list[dict], settings: DraftSettings, suffix: bool) -> Replay:
+def step_cost(batch: int, row_cost: float, wide_step: float) -> LinearCost:
+    """The linear step cost in plain batch-1 steps (see the module's docstring)."""
+    if batch == 1:
+        return LinearCost.named(STEP_TERMS, fixed=1 - row_cost, per_decode_token=row_cost)
+    row = (wide_step - 1) / (batch - 1)
+    return LinearCost.named(STEP_TERMS, fixed=1 - row, per_decode_token=row)
+
+
+def replay(
+    requests: list[dict], settings: DraftSettings, suffix: bool, prices: DraftPrices | None = None
+) -> Replay:
     """Decode every request's output as the engine would with these settings (after its first
-    token, which its prefill draws)."""
+    token, which its prefill draws); with ``prices``, drafting cost-aware at them."""
     total = Replay()
     indexes = AdapterIndexes(
         settings.max_adapter_indexes, settings.adapter_index_tokens, settings.adapter_max_ngram
     )
+    rates = AdapterRates(ADAPTER_DECAY, MAX_ADAPTER_RATES)
     for request in requests:
         key = (request["adapter"], "")
         if suffix and indexes.get(key) is None:
@@ -92,10 +115,12 @@ def replay(requests: list[dict], settings: DraftSettings, suffix: bool) -> Repla
         done = 1
         while done < len(output):
             limit = len(output) - done - 1
-            drafts = drafter.propose(prompt + output[:done], limit) if limit > 0 else ()
+            prior = rates.rate(request["adapter"], settings.prior_acceptance, settings.prior_weight)
+            drafts = drafter.propose(prompt + output[:done], limit, prices, prior) if limit > 0 else ()
             accepted = next((j for j, d in enumerate(drafts) if d != output[done + j]), len(drafts))
             if drafts:
                 drafter.verified(len(drafts), accepted)
+                rates.verified(request["adapter"], len(drafts), accepted)
             total.steps += 1
             total.rows += len(drafts)
             total.accepted += accepted
@@ -120,6 +145,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--trace-requests", type=int, default=32)
     parser.add_argument("--row-cost", type=float, default=ROW_COST)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--wide-step", type=float, default=WIDE_STEP)
     parser.add_argument("--cache", type=Path, default=Path("bench/out/speculative_outputs.json"))
     args = parser.parse_args()
     if args.cache.exists():
@@ -131,17 +158,28 @@ def main() -> None:
         }
         args.cache.parent.mkdir(parents=True, exist_ok=True)
         args.cache.write_text(json.dumps(outputs))
+    prices = draft_prices(step_cost(args.batch, args.row_cost, args.wide_step), args.batch, 0)
+    print(
+        f"batch {args.batch}: a token's share {prices.token_s:.3f}, a row {prices.row_s:.3f} (plain batch-1 steps)"
+    )
     for workload, requests in outputs.items():
         print(f"{workload}: {len(requests)} requests, {sum(len(r['output']) for r in requests)} tokens")
         for mode in ("ngram", "suffix"):
             for label, changes in VARIANTS.items():
-                result = replay(requests, replace(DraftSettings(), **changes), suffix=mode == "suffix")
-                print(
-                    f"  {mode:6} {label:22} tokens/step {result.tokens / result.steps:.2f}  "
-                    f"rows/step {result.rows / result.steps:.2f}  "
-                    f"accepted {result.accepted / max(result.rows, 1):.0%}  "
-                    f"est. speed-up {result.speedup(args.row_cost):.2f}x"
-                )
+                for aware in (False, True):
+                    result = replay(
+                        requests,
+                        replace(DraftSettings(), **changes),
+                        suffix=mode == "suffix",
+                        prices=prices if aware else None,
+                    )
+                    print(
+                        f"  {mode:6} {label:22} {'cost-aware' if aware else 'always    '}  "
+                        f"tokens/step {result.tokens / result.steps:.2f}  "
+                        f"rows/step {result.rows / result.steps:.2f}  "
+                        f"accepted {result.accepted / max(result.rows, 1):.0%}  "
+                        f"est. speed-up {result.speedup(prices):.2f}x"
+                    )
 
 
 if __name__ == "__main__":

@@ -34,3 +34,29 @@ class AcceptanceRate:
         """The chance one more position is accepted: these counts with ``prior_weight`` tried
         positions at ``prior`` added (the prior alone before any verification)."""
         return (self.accepted + prior_weight * prior) / (self.tried + prior_weight)
+
+
+class AdapterRates:
+    """Each adapter's :class:`AcceptanceRate` (a new request's prior), the ``max_adapters``
+    most recently verified kept."""
+
+    def __init__(self, decay: float, max_adapters: int):
+        self.decay = decay
+        self.max_adapters = max_adapters
+        self._rates: dict[str, AcceptanceRate] = {}
+        """By adapter key, the least recently verified first."""
+
+    def rate(self, key: str, prior: float, prior_weight: float) -> float:
+        """``key``'s chance that a draft position is accepted (``prior`` before any verification)."""
+        rate = self._rates.get(key)
+        return prior if rate is None else rate.rate(prior, prior_weight)
+
+    def verified(self, key: str, drafted: int, accepted: int) -> None:
+        rate = self._rates.pop(key, None) or AcceptanceRate(self.decay)
+        rate.verified(drafted, accepted)
+        self._rates[key] = rate
+        if len(self._rates) > self.max_adapters:
+            del self._rates[next(iter(self._rates))]
+
+    def keys(self) -> list[str]:
+        return list(self._rates)

@@ -1,5 +1,5 @@
 """One request's drafting: its n-gram index over its prompt and output, its adapter's recent
-outputs (``speculative: suffix``), and its budget."""
+outputs (``speculative: suffix``), its budget, and what its drafts are worth (``draft_cost.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from services.gpu_worker.engine.speculation.adapter_output_index import AdapterOutputIndex
 from services.gpu_worker.engine.speculation.draft_budget import DraftBudget, DraftSettings
+from services.gpu_worker.engine.speculation.draft_cost import DraftPrices
 from services.gpu_worker.engine.speculation.ngram_index import NgramIndex
 
 
@@ -19,11 +20,27 @@ class RequestDrafter:
         self.budget = DraftBudget(settings)
         self.adapter_index = adapter_index
 
-    def propose(self, sequence: Sequence[int], limit: int) -> tuple[int, ...]:
+    def propose(
+        self,
+        sequence: Sequence[int],
+        limit: int,
+        prices: DraftPrices | None = None,
+        prior: float | None = None,
+    ) -> tuple[int, ...]:
         """Draft tokens to follow ``sequence`` (the request's prompt + output, which only grows),
         ``limit`` at most (what its max_tokens and context leave after the token the step draws
-        anyway): from whichever source matched the longer suffix, its own tokens on a tie."""
+        anyway): from whichever source matched the longer suffix, its own tokens on a tie. With
+        ``prices``, only as many as pay for their rows at its acceptance rate (``prior``, its
+        adapter's rate, before it has its own; the settings' prior without one), or its probe."""
         allowed = min(limit, self.budget.allowed())
+        if prices is not None and allowed > 0:
+            settings = self.budget.settings
+            rate = self.budget.acceptance.rate(
+                settings.prior_acceptance if prior is None else prior, settings.prior_weight
+            )
+            allowed = prices.worth(rate, allowed)
+            if allowed == 0 and self.budget.declined():
+                allowed = 1  # its probe: its output may have turned repetitive since
         if allowed <= 0:
             return ()
         self.index.sync(sequence)

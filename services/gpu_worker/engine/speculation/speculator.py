@@ -21,7 +21,7 @@ from services.gpu_worker.engine.policies.batch_policy import StepOutcome
 from services.gpu_worker.engine.policies.linear_cost import OnlineFit
 from services.gpu_worker.engine.policies.step_cost_model import step_cost_model
 from services.gpu_worker.engine.request import EngineRequest, RequestState
-from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate
+from services.gpu_worker.engine.speculation.acceptance import AdapterRates
 from services.gpu_worker.engine.speculation.adapter_indexes import AdapterIndexes, IndexKey
 from services.gpu_worker.engine.speculation.adapter_output_index import AdapterOutputIndex
 from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
@@ -75,7 +75,7 @@ class Speculator:
         self.cost = cost or step_cost_model()
         self.max_prefill_tokens = max_prefill_tokens
         self.counts = DraftCounts()
-        self.adapter_acceptance: dict[str, AcceptanceRate] = {}
+        self.adapter_acceptance = AdapterRates(ADAPTER_DECAY, MAX_ADAPTER_RATES)
         """Each adapter's draft acceptance (``BASE_MODEL``: the base model's), decayed."""
         self.adapter_known = adapter_known
         self.indexes = (
@@ -117,17 +117,12 @@ class Speculator:
         """What a step cost (its draft rows among its decode tokens): the cost model learns."""
         self.cost.observe(outcome)
 
-    def acceptance(self, request: EngineRequest) -> float:
-        """The chance ``request``'s next draft position is accepted: its own rate, starting from
-        its adapter's (which starts from the settings' prior)."""
+    def adapter_rate(self, request: EngineRequest) -> float:
+        """The chance a draft position of ``request``'s adapter is accepted (the settings' prior
+        before any was verified): its requests' prior."""
         settings = self.settings
-        adapter = self.adapter_acceptance.get(adapter_key(request.spec.adapter_id))
-        prior = settings.prior_acceptance
-        if adapter is not None:
-            prior = adapter.rate(prior, settings.prior_weight)
-        if request.drafter is None:
-            return prior
-        return request.drafter.budget.acceptance.rate(prior, settings.prior_weight)
+        key = adapter_key(request.spec.adapter_id)
+        return self.adapter_acceptance.rate(key, settings.prior_acceptance, settings.prior_weight)
 
     def _drafts(self, request: EngineRequest, room: int, prices: DraftPrices) -> tuple[int, ...]:
         if (
@@ -145,12 +140,9 @@ class Speculator:
         )
         if limit <= 0:
             return ()
-        worth = prices.worth(self.acceptance(request), limit)
         if request.drafter is None:
             request.drafter = RequestDrafter(self.settings, self._adapter_index(request))
-        if worth == 0 and request.drafter.budget.declined():
-            worth = 1  # its probe: its output may have turned repetitive since
-        drafts = request.drafter.propose(request.all_ids, worth)
+        drafts = request.drafter.propose(request.all_ids, limit, prices, self.adapter_rate(request))
         if drafts and not self.kv.reserve_drafts(request, request.total_len + len(drafts)):
             return ()
         return drafts
@@ -184,12 +176,7 @@ class Speculator:
         if drafted and request.drafter is not None:
             request.drafter.verified(drafted, accepted)
             self.counts.add(request.spec.adapter_id, drafted, accepted)
-            key = adapter_key(request.spec.adapter_id)
-            rate = self.adapter_acceptance.pop(key, None) or AcceptanceRate(ADAPTER_DECAY)
-            rate.verified(drafted, accepted)
-            self.adapter_acceptance[key] = rate  # the most recently verified last
-            if len(self.adapter_acceptance) > MAX_ADAPTER_RATES:
-                del self.adapter_acceptance[next(iter(self.adapter_acceptance))]
+            self.adapter_acceptance.verified(adapter_key(request.spec.adapter_id), drafted, accepted)
 
 
 def adapter_key(adapter_id: str | None) -> str:

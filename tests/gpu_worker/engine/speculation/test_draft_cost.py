@@ -14,7 +14,7 @@ from services.gpu_worker.engine.policies.linear_cost import LinearCost, OnlineFi
 from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate
+from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate, AdapterRates
 from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices, fixed_cost
 from services.gpu_worker.model.llama import LlamaModel
 
@@ -51,6 +51,17 @@ def test_acceptance_counts_tried_positions_and_decays():
     assert (rate.accepted, rate.tried) == (2, 3)
     with pytest.raises(ValueError, match="decay"):
         AcceptanceRate(decay=0)
+
+
+def test_adapter_rates_are_a_new_requests_prior_and_bounded():
+    rates = AdapterRates(decay=1.0, max_adapters=2)
+    assert rates.rate("sql", prior=0.5, prior_weight=2) == 0.5
+    rates.verified("sql", drafted=4, accepted=4)
+    rates.verified("chat", drafted=2, accepted=0)
+    assert rates.rate("sql", 0.5, 2) == pytest.approx(5 / 6)
+    assert rates.rate("chat", 0.5, 2) == pytest.approx(1 / 3)
+    rates.verified("pirate", drafted=1, accepted=1)  # the least recently verified goes
+    assert rates.keys() == ["chat", "pirate"]
 
 
 def engine_with(tiny_llama, cost: OnlineFit) -> Engine:
