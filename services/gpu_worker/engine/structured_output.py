@@ -14,6 +14,9 @@ neither triton nor transformers at run time.
 
 The masks of a step are computed on a helper thread (llguidance drops the GIL) while the forward
 pass runs: they depend only on the tokens accepted so far, which are known before the step.
+They stay packed (``ceil(V / 32)`` int32 words a row, in a host buffer kept from step to step),
+go to a device buffer also kept, and are unpacked on the logits' device (``grammar_bitmask``):
+no vocabulary-wide mask is built on the host or copied.
 
 JSON is generated compactly, with ``", "`` and ``": "`` as separators and no other whitespace: a
 grammar that allows free whitespace lets a small model emit newlines until ``max_tokens``.
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
+from services.gpu_worker.engine.grammar_bitmask import mask_logits_
 from services.gpu_worker.engine.side_threads import side_thread_pool
 from services.runtime.errors import InvalidArgument
 
@@ -144,12 +148,13 @@ class GrammarCompiler:
 
 
 class StepMasks:
-    """The token masks of one step's constrained rows, being computed on a helper thread."""
+    """The token masks of one step's constrained rows, being computed on a helper thread into
+    the planner's bitmask buffer (valid until the planner's next :meth:`MaskPlanner.start`)."""
 
-    def __init__(self, rows: list[int], bitmask: torch.Tensor, done: Future):
+    def __init__(self, rows: list[int], planner: MaskPlanner, done: Future):
         self.rows = rows
         """Indices of the constrained rows in the step's batch."""
-        self._bitmask = bitmask
+        self._planner = planner
         self._done = done
 
     def wait(self) -> None:
@@ -157,40 +162,86 @@ class StepMasks:
         self._done.result()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` ``[batch, vocab]`` with every token a constrained row may not take at -inf
-        (waits for the masks; unconstrained rows are returned as they were)."""
+        """``logits`` ``[batch, vocab]`` with every token a constrained row may not take at -inf,
+        as a new tensor (waits for the masks; unconstrained rows are returned as they were). The
+        packed words go to the logits' device and are unpacked there: no vocabulary-sized mask
+        is built on the host or copied."""
         self.wait()
-        allowed = unpack_bitmask(self._bitmask, logits.shape[1]).to(logits.device)
-        if len(self.rows) == logits.shape[0]:  # every row constrained: one pass, no gather/scatter
-            return logits.masked_fill(~allowed, float("-inf"))
-        logits = logits.clone()
-        rows = torch.tensor(self.rows, device=logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-        return logits
+        bitmask, rows = self._planner.on_device(self.rows, logits.shape[0], logits.device)
+        masked = logits.clone()
+        mask_logits_(masked, bitmask, rows)
+        return masked
 
 
 class MaskPlanner:
-    """Starts each step's masks before its forward pass (one helper thread per engine)."""
+    """Starts each step's masks before its forward pass (one helper thread per engine).
+
+    llguidance writes a step's packed bitmask (``ceil(V / 32)`` int32 words a row) into one
+    host buffer kept from step to step (pinned where CUDA is, so its copy is asynchronous); the
+    words are copied into a device buffer also kept from step to step, and applied there."""
 
     def __init__(self, vocab_size: int):
         self._vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
         self._thread = side_thread_pool(1, "grammar-masks")
         self._executor = llguidance.LLExecutor(num_threads=1)
+        self._host = torch.empty(0, self._words, dtype=torch.int32)
+        self._device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per logits device other than the CPU: its bitmask and row index buffers."""
+        self._copied: torch.cuda.Event | None = None
+        """Recorded after the last copy out of the pinned host buffer, which the next step's
+        masks must not overwrite before that copy has run."""
 
     def start(self, grammars: Sequence[RequestGrammar | None]) -> StepMasks | None:
         """Masks for the rows whose grammar is not None; None when the step has none."""
         rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
         if not rows:
             return None
-        # Not llguidance.torch: importing it runs torch.compile, which imports triton, and triton
-        # imported before TRITON_INTERPRET is set cannot interpret kernels (the CPU tests' mode).
-        bitmask = torch.full((len(rows), (self._vocab_size + 31) // 32), -1, dtype=torch.int32)
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        if self._host.shape[0] < len(rows):
+            # Not llguidance.torch: importing it runs torch.compile, which imports triton, and
+            # triton imported before TRITON_INTERPRET is set cannot interpret kernels (the CPU
+            # tests' mode). Grown to a power of two, so a growing batch reallocates rarely.
+            capacity = 1 << (len(rows) - 1).bit_length()
+            self._host = torch.empty(
+                capacity, self._words, dtype=torch.int32, pin_memory=torch.cuda.is_available()
+            )
+        bitmask = self._host[: len(rows)]
+        bitmask.fill_(-1)
         matchers = [(grammars[row].matcher, k) for k, row in enumerate(rows)]
         one_mask_bytes = bitmask.shape[1] * bitmask.element_size()
         done = self._thread.submit(
             self._executor.unsafe_compute_mask_ptr, matchers, bitmask.data_ptr(), one_mask_bytes, len(rows)
         )
-        return StepMasks(rows, bitmask, done)
+        return StepMasks(rows, self, done)
+
+    def on_device(
+        self, rows: list[int], batch: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The computed bitmask of ``rows`` on ``device`` and the rows' indices there (None:
+        every row of the batch is constrained, in order)."""
+        count = len(rows)
+        every_row = count == batch
+        host = self._host[:count]
+        if device.type == "cpu":
+            return host, None if every_row else torch.tensor(rows)
+        buffers = self._device.get(device)
+        if buffers is None or buffers[0].shape[0] < self._host.shape[0]:
+            buffers = self._device[device] = (
+                torch.empty(self._host.shape, dtype=torch.int32, device=device),
+                torch.empty(self._host.shape[0], dtype=torch.int64, device=device),
+            )
+        bitmask, indices = buffers[0][:count], buffers[1][:count]
+        bitmask.copy_(host, non_blocking=True)
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if every_row:
+            return bitmask, None
+        indices.copy_(torch.tensor(rows))
+        return bitmask, indices
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -198,7 +249,8 @@ class MaskPlanner:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[rows, ceil(V/32)]`` int32 bitmask -> ``[rows, vocab_size]`` bool (bit ``j`` of word
-    ``w`` is token ``32 w + j``; tokens past the bitmask are not allowed)."""
+    ``w`` is token ``32 w + j``; tokens past the bitmask are not allowed). The bit layout's
+    reference, on the host: steps apply the words on the logits' device (``mask_logits_``)."""
     bits = torch.arange(32, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)
     if allowed.shape[1] >= vocab_size:
