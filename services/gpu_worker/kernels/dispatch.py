@@ -91,8 +91,8 @@ class _PreparedCall:
         self.native = None
         if backend == "cpu_native" and any(seg is not None for seg in segments):
             self.native = NativeCall(segments, batch_invariant)
-        self.stacked = backend == "triton" and _stackable(segments, batch_invariant)
-        """One stacked shrink + expand launch pair for all the call's projections (decode)."""
+        self.stacked = backend == "triton" and _stackable(segments)
+        """One stacked shrink + expand launch pair for all the call's projections."""
 
     def run(self, x: torch.Tensor, outs: tuple[torch.Tensor, ...], pool: torch.Tensor) -> None:
         if self.native is not None:
@@ -102,13 +102,11 @@ class _PreparedCall:
             from services.gpu_worker.kernels import triton_stacked_lora
 
             present = [i for i, seg in enumerate(self.segments) if seg is not None]
-            triton_stacked_lora.stacked_mbgmv(
-                x,
-                pool,
-                [self.segments[i] for i in present],
-                [outs[i] for i in present],
-                self.batch_invariant,
-            )
+            segments, targets = [self.segments[i] for i in present], [outs[i] for i in present]
+            if self.batch_invariant or all(seg.is_decode for seg in segments):
+                triton_stacked_lora.stacked_mbgmv(x, pool, segments, targets, self.batch_invariant)
+            else:
+                triton_stacked_lora.stacked_mbgmm(x, pool, segments, targets)
             return
         if self.backend == "cpu_native":
             return  # no projection of this call has an adapter
@@ -117,14 +115,12 @@ class _PreparedCall:
                 add_lora_delta(x, pool, seg, out, self.backend, self.batch_invariant)
 
 
-def _stackable(segments: tuple[LoraSegments | None, ...], batch_invariant: bool) -> bool:
-    """Whether the Triton backend serves these projections with the stacked MBGMV kernels: 2 or
-    3 with an adapter, one token per segment (or batch-invariant: MBGMV per token anyway), the
-    same token segments. Prefill keeps one MBGMM pair per projection."""
+def _stackable(segments: tuple[LoraSegments | None, ...]) -> bool:
+    """Whether the Triton backend serves these projections with the stacked kernels (MBGMV for
+    decode and batch-invariant calls, MBGMM for prefill): 2 or 3 with an adapter, over the same
+    token segments."""
     present = [seg for seg in segments if seg is not None]
-    if not 2 <= len(present) <= 3 or not (batch_invariant or all(seg.is_decode for seg in present)):
-        return False
-    return share_input(present)
+    return 2 <= len(present) <= 3 and share_input(present)
 
 
 def add_lora_delta(

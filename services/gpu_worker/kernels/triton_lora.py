@@ -126,6 +126,87 @@ def _gmv_expand_row(
 
 
 @triton.jit
+def _gmm_shrink_block(
+    x_ptr,
+    pool_ptr,
+    a_offsets_ptr,
+    h_ptr,
+    t0,
+    seg_end,
+    r0,
+    rank,
+    in_features,
+    stride_x,
+    stride_h,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """``h[t, r] = x[t] . A[r]`` for the tokens ``t0 .. t0 + BLOCK_T`` below ``seg_end`` and ranks
+    ``r0 .. r0 + BLOCK_R`` below ``rank``, the A rows at the pool offsets ``a_offsets_ptr[r]``."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    r = r0 + tl.arange(0, BLOCK_R)
+    t_mask = t < seg_end
+    r_mask = r < rank
+    a_off = tl.load(a_offsets_ptr + r, mask=r_mask, other=0)
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < in_features
+        xt = tl.load(
+            x_ptr + t[:, None] * stride_x + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        # A^T tile [K, R]: column r is A row r, wherever it lives in the pool.
+        at = tl.load(
+            pool_ptr + a_off[None, :] + k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0
+        )
+        acc = _dot_pool_tile(xt, at, acc, DOT_FP32)
+    tl.store(h_ptr + t[:, None] * stride_h + r[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _gmm_expand_block(
+    h_ptr,
+    pool_ptr,
+    b_offsets_ptr,
+    out_ptr,
+    scale,
+    t0,
+    seg_end,
+    rank,
+    n_block,
+    out_features,
+    stride_h,
+    stride_out,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """``out[t, n] += scale * h[t, :rank] . B^T[:rank, n]`` for the tokens ``t0 .. t0 + BLOCK_T``
+    below ``seg_end`` and output block ``n_block``, the Bᵀ rows at ``b_offsets_ptr[r]``."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_mask = t < seg_end
+    n_mask = n < out_features
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = r < rank
+        b_off = tl.load(b_offsets_ptr + r, mask=r_mask, other=0)
+        ht = tl.load(
+            h_ptr + t[:, None] * stride_h + r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0
+        )
+        bt = tl.load(
+            pool_ptr + b_off[:, None] + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0
+        )
+        acc = _dot_pool_tile(ht, bt, acc, DOT_FP32)
+    o_ptrs = out_ptr + t[:, None] * stride_out + n[None, :]
+    _add_scaled(o_ptrs, t_mask[:, None] & n_mask[None, :], acc, scale)
+
+
+@triton.jit
 def _mbgmm_shrink(
     x_ptr,
     pool_ptr,
@@ -147,24 +228,23 @@ def _mbgmm_shrink(
     r0 = tl.program_id(2) * BLOCK_R
     if (t0 >= seg_end) | (r0 >= rank):
         return
-    t = t0 + tl.arange(0, BLOCK_T)
-    r = r0 + tl.arange(0, BLOCK_R)
-    t_mask = t < seg_end
-    r_mask = r < rank
-    a_off = tl.load(a_offsets_ptr + rank_start + r, mask=r_mask, other=0)
-    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < in_features
-        xt = tl.load(
-            x_ptr + t[:, None] * stride_x + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        # A^T tile [K, R]: column r is A row r, wherever it lives in the pool.
-        at = tl.load(
-            pool_ptr + a_off[None, :] + k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0
-        )
-        acc = _dot_pool_tile(xt, at, acc, DOT_FP32)
-    tl.store(h_ptr + t[:, None] * stride_h + r[None, :], acc, mask=t_mask[:, None] & r_mask[None, :])
+    _gmm_shrink_block(
+        x_ptr,
+        pool_ptr,
+        a_offsets_ptr + rank_start,
+        h_ptr,
+        t0,
+        seg_end,
+        r0,
+        rank,
+        in_features,
+        stride_x,
+        stride_h,
+        BLOCK_T,
+        BLOCK_R,
+        BLOCK_K,
+        DOT_FP32,
+    )
 
 
 @triton.jit
@@ -190,24 +270,24 @@ def _mbgmm_expand(
     t0 = seg_start + tl.program_id(1) * BLOCK_T
     if (t0 >= seg_end) | (rank == 0):
         return
-    t = t0 + tl.arange(0, BLOCK_T)
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_mask = t < seg_end
-    n_mask = n < out_features
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = r < rank
-        b_off = tl.load(b_offsets_ptr + rank_start + r, mask=r_mask, other=0)
-        ht = tl.load(
-            h_ptr + t[:, None] * stride_h + r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0
-        )
-        bt = tl.load(
-            pool_ptr + b_off[:, None] + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0
-        )
-        acc = _dot_pool_tile(ht, bt, acc, DOT_FP32)
-    o_ptrs = out_ptr + t[:, None] * stride_out + n[None, :]
-    _add_scaled(o_ptrs, t_mask[:, None] & n_mask[None, :], acc, tl.load(scales_ptr + s))
+    _gmm_expand_block(
+        h_ptr,
+        pool_ptr,
+        b_offsets_ptr + rank_start,
+        out_ptr,
+        tl.load(scales_ptr + s),
+        t0,
+        seg_end,
+        rank,
+        tl.program_id(2),
+        out_features,
+        stride_h,
+        stride_out,
+        BLOCK_T,
+        BLOCK_R,
+        BLOCK_N,
+        DOT_FP32,
+    )
 
 
 @triton.jit
@@ -286,9 +366,7 @@ def mbgmm(x: torch.Tensor, pool: torch.Tensor, seg: LoraSegments, out: torch.Ten
     h = torch.empty((x.shape[0], seg.max_rank), dtype=torch.float32, device=x.device)
     block_r = _block(seg.max_rank)
     block_t = _block(seg.max_seg_len)
-    # fp32 dots when the pool is fp32 (exact, not tf32) and always in the interpreter, which
-    # gets bf16 tl.dot wrong; on GPUs half pools use tensor cores with fp32 accumulation.
-    dot_fp32 = INTERPRETED or pool.dtype == torch.float32
+    dot_fp32 = dot_in_fp32(pool)
     t_blocks = triton.cdiv(seg.max_seg_len, block_t)
     _mbgmm_shrink[(seg.num_segments, t_blocks, triton.cdiv(seg.max_rank, block_r))](
         *_shrink_args(x, pool, h, seg),
@@ -336,6 +414,13 @@ def mbgmv(
         BLOCK_N=MBGMV_BLOCK_N,
         PER_TOKEN=batch_invariant,
     )
+
+
+def dot_in_fp32(pool: torch.Tensor) -> bool:
+    """MBGMM's ``DOT_FP32``: fp32 dots when the pool is fp32 (exact, not tf32) and always in the
+    interpreter, which gets bf16 ``tl.dot`` wrong; on GPUs half pools use tensor cores with fp32
+    accumulation."""
+    return INTERPRETED or pool.dtype == torch.float32
 
 
 def _shrink_args(x: torch.Tensor, pool: torch.Tensor, h: torch.Tensor, seg: LoraSegments) -> tuple:

@@ -1,5 +1,5 @@
-"""Stacked MBGMV (q/k/v or gate/up in one shrink and one expand launch) against the torch
-reference, in the Triton CPU interpreter, fp32: mixed adapters and mixed ranks in one batch, an
+"""Stacked MBGMV and MBGMM (q/k/v or gate/up in one shrink and one expand launch) against the
+torch reference, in the Triton CPU interpreter, fp32: mixed adapters and mixed ranks in one batch, an
 adapter that targets q but not k, base-only rows, and the persistent on-device tables whose rank
 width is padded past every adapter's rank.
 
@@ -95,6 +95,20 @@ def test_stacked_decode_matches_reference(projections: int) -> None:
         assert torch.equal(g[base_row], out[base_row])
 
 
+@pytest.mark.parametrize("projections", [3, 2])
+def test_stacked_prefill_matches_reference(projections: int) -> None:
+    """Prefill segments of several lengths (one longer than a 16-token block) through MBGMM."""
+    pool, segments, x, outs = _case((3, 1, 5, 18, 2, 1, 4), seed=3)
+    segments, outs = segments[:projections], outs[:projections]
+    got = [out.clone() for out in outs]
+    triton_stacked_lora.stacked_mbgmm(x, pool, segments, got)
+    for g, e in zip(got, _reference(pool, segments, x, outs), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    base_rows = slice(4, 9)  # segment 2, no adapter
+    for g, out in zip(got, outs, strict=True):
+        assert torch.equal(g[base_rows], out[base_rows])
+
+
 def test_batch_invariant_is_unstacked_mbgmv_bit_for_bit() -> None:
     """Per token, the stacked kernels do MBGMV's arithmetic in MBGMV's order: the same bits."""
     pool, segments, x, outs = _case((2, 1, 3, 1, 1, 2, 1), seed=1)
@@ -132,6 +146,17 @@ def test_step_lora_stacks_persistent_padded_tables() -> None:
     step.add_deltas(0, names, x, got, pool, backend="triton")
     assert all(call.stacked for call in step._prepared.values())
     for g, e in zip(got, _reference(pool, segments, x, outs), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_step_lora_stacks_prefill() -> None:
+    pool, segments, x, outs = _case((2, 3, 1, 1, 4, 1, 2), seed=4)
+    names = ("gate_proj", "up_proj")
+    step = StepLora([dict(zip(names, segments[:2], strict=True))])
+    got = tuple(out.clone() for out in outs[:2])
+    step.add_deltas(0, names, x, got, pool, backend="triton")
+    assert all(call.stacked for call in step._prepared.values())
+    for g, e in zip(got, _reference(pool, segments[:2], x, outs[:2]), strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
