@@ -3,6 +3,8 @@ depend on the machine's speed (the engine's own model is fitted from measured st
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS
@@ -14,7 +16,9 @@ even in a wide batch, so the exactness tests verify drafts in every step they ca
 
 
 def pin_draft_cost(engine: Engine, cost: LinearCost = CHEAP_ROWS) -> Engine:
-    """``engine`` (speculating or not) with its drafts priced by ``cost``, not a fit."""
+    """``engine`` (speculating or not) with its drafts priced by ``cost``, not a fit (nor a
+    floor under its row cost)."""
     if engine.speculator is not None:
         engine.speculator.cost = fixed_cost(cost)
+        engine.speculator.settings = dataclasses.replace(engine.speculator.settings, min_row_share=0.0)
     return engine

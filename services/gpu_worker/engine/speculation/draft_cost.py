@@ -41,12 +41,17 @@ class DraftPrices:
         return k
 
 
-def draft_prices(cost: LinearCost, decode_rows: int, adapters: int) -> DraftPrices:
+def draft_prices(
+    cost: LinearCost, decode_rows: int, adapters: int, min_row_share: float = 0.0
+) -> DraftPrices:
     """The prices of a step with ``decode_rows`` decoding requests of ``adapters`` distinct
     adapters: a plain decode step's cost per token (any prefill in the step aside: an accepted
-    token saves a decode row later, not a prefill) and the cost of a row."""
+    token saves a decode row later, not a prefill) and the cost of a row, taken as at least
+    ``min_row_share`` of a batch-1 step (``DraftSettings.min_row_share``: a fit on noisy steps
+    can call a row free, its slope clamped at 0, and a row does work)."""
     rows = max(1, decode_rows)
-    return DraftPrices(cost.predict(step_row(0, rows, adapters)) / rows, cost["per_decode_token"])
+    row_s = max(cost["per_decode_token"], min_row_share * cost.predict(step_row(0, 1, 0)))
+    return DraftPrices(cost.predict(step_row(0, rows, adapters)) / rows, row_s)
 
 
 def fixed_cost(cost: LinearCost) -> OnlineFit[StepOutcome]:

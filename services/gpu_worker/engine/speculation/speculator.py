@@ -104,7 +104,7 @@ class Speculator:
             prefill = sum(r.new_tokens for r in batch if r.new_tokens > 1)
             room = min(room, self.max_prefill_tokens - prefill)
         adapters = len({r.spec.adapter_id for r in batch} - {None})
-        prices = draft_prices(self.cost.cost, decoding, adapters)
+        prices = draft_prices(self.cost.cost, decoding, adapters, self.settings.min_row_share)
         rows = 0
         for request in sorted(batch, key=draft_priority):
             if room - rows <= 0:

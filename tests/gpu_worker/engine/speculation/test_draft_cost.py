@@ -10,7 +10,7 @@ import torch
 
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
-from services.gpu_worker.engine.policies.linear_cost import LinearCost, OnlineFit
+from services.gpu_worker.engine.policies.linear_cost import FitConfig, LinearCost, OnlineFit
 from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
@@ -40,6 +40,13 @@ def test_prices_come_from_a_plain_decode_step_of_the_batch():
     # At batch 8 a 0.5 chance no longer pays for a row that batch 1 drafts 3 of.
     assert draft_prices(MEMORY_BOUND, 1, 0).worth(0.5, 8) == 3
     assert wide.worth(0.5, 8) == 1
+
+
+def test_a_row_costs_at_least_its_floor_share_of_a_batch_one_step():
+    free_rows = LinearCost.named(STEP_TERMS, fixed=0.010, per_decode_token=0.0)  # a loaded machine's fit
+    assert draft_prices(free_rows, 8, 0).row_s == 0
+    assert draft_prices(free_rows, 8, 0, min_row_share=0.05).row_s == pytest.approx(0.0005)
+    assert draft_prices(MEMORY_BOUND, 8, 0, min_row_share=0.05).row_s == 0.001  # the fit's, above it
 
 
 def test_acceptance_counts_tried_positions_and_decays():
@@ -98,11 +105,15 @@ def test_rows_that_cost_what_they_save_are_drafted_only_as_probes(tiny_llama):
 
 def test_the_step_cost_model_counts_draft_rows_as_decode_tokens(tiny_llama):
     seen = []
-    cost = step_cost_model(prior=MEMORY_BOUND)
-    learning = OnlineFit(
-        STEP_TERMS, lambda outcome: seen.append(outcome) or cost.features(outcome), cost.config, MEMORY_BOUND
+    features = step_cost_model().features
+    # It records what it is shown, and never fits (the decisions stay the prior's, whatever the speed).
+    recording = OnlineFit(
+        STEP_TERMS,
+        lambda outcome: seen.append(outcome) or features(outcome),
+        FitConfig(min_rows=10**9),
+        MEMORY_BOUND,
     )
-    engine = engine_with(tiny_llama, learning)
+    engine = engine_with(tiny_llama, recording)
     run(engine, 1)
     drafted = sum(engine.speculator.counts.drafted.values())
     assert drafted > 0
