@@ -17,6 +17,7 @@ from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate, AdapterRates
 from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices, fixed_cost
 from services.gpu_worker.model.llama import LlamaModel
+from tests.support.draft_cost import pin_draft_cost
 
 MEMORY_BOUND = LinearCost.named(STEP_TERMS, fixed=0.010, per_decode_token=0.001)
 """A step that mostly reads weights: a row costs a tenth of a batch-1 step."""
@@ -119,3 +120,28 @@ def test_the_step_cost_model_counts_draft_rows_as_decode_tokens(tiny_llama):
     assert drafted > 0
     decode_steps = [o for o in seen if o.prefill_tokens == 0]
     assert sum(o.decode_tokens for o in decode_steps) == len(decode_steps) + drafted
+
+
+def test_drafts_share_the_steps_prefill_budget_after_admission(tiny_llama):
+    model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
+    config = EngineConfig(pool_mib=4, kv_block_tokens=4, speculative="ngram", max_prefill_tokens=12)
+    engine = pin_draft_cost(local_engine(model, config))
+    shares: list[tuple[int, int]] = []
+    draft = engine.speculator.draft
+
+    def counted(batch):
+        rows = draft(batch)
+        shares.append((sum(r.new_tokens for r in batch if r.new_tokens > 1), rows))
+        return rows
+
+    engine.speculator.draft = counted
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine.submit(GenerationRequest("early", tuple(j % 5 + 1 for j in range(12)), sampling), lambda e: None)
+    for _ in range(6):  # it decodes and drafts when the next one arrives
+        engine.step()
+    engine.submit(GenerationRequest("late", tuple(j % 3 + 9 for j in range(12)), sampling), lambda e: None)
+    while engine.has_work():
+        engine.step()
+    late = shares[6]
+    assert late == (12, 0)  # its 12 prompt tokens fill the step's budget: the early request drafts nothing
+    assert shares[5][1] > 0 and shares[7][1] > 0  # it drafted in the steps before and after
