@@ -8,7 +8,8 @@ to a status) while the blocks of every other debtor stay as they were. Lent bloc
 reused, so a stale id can only name a freed block, never someone else's; not even across a restart
 under the same instance id (a pod's container restarted in place): each lender numbers its loans
 from the wall clock's nanoseconds at its start, above every id a predecessor could have lent, and
-refuses an id it never lent as :class:`LoanUnknown`, which tells the debtor the blocks are lost.
+refuses an id it never lent as :class:`NotLent`, as it does one it took back when the debtor's
+lease expired: either tells the debtor its blocks here are lost.
 
 Not thread-safe: like the pool it draws from, it belongs to the engine thread.
 """
@@ -27,7 +28,6 @@ from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegm
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.runtime.errors import (
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -44,9 +44,11 @@ class LendingConfig:
     nothing. Allocations past it are refused, so local requests keep room of their own."""
 
 
-class LoanUnknown(NotFound):
-    """A block id this lender never lent: the debtor holds it from an earlier process that ran
-    under this worker's id (its KV went with that process), or never held it."""
+class NotLent(NotFound):
+    """A block id not lent to the caller now: freed (by the debtor, or taken back when the
+    debtor's lease expired), or never lent by this process (the debtor holds it from an earlier
+    process that ran under this worker's id, whose KV went with it). Either way the debtor's KV
+    there is gone: it recomputes."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,11 @@ class BlockLender:
             loan = self._loans.get(block_id)
             if loan is None:
                 if self._first_id <= block_id < self._next_id:
-                    raise FailedPrecondition(f"block {block_id} was freed; it is no longer lent to {debtor}")
-                raise LoanUnknown(
+                    raise NotLent(
+                        f"block {block_id} was freed; it is no longer lent to {debtor} (freed by it, "
+                        "or taken back when its lease expired)"
+                    )
+                raise NotLent(
                     f"block {block_id} was never lent by this worker process (lent by one before it "
                     "under the same id, its KV is gone)"
                 )

@@ -161,7 +161,8 @@ class RemoteBlockAllocator:
 
     def _reach(self, call, *args):
         """``call(*args)``; the creditor's unreachability names the creditor, and so does its not
-        knowing a block we hold (``LoanUnknown``: it restarted under the same id, the KV is gone)."""
+        knowing a block we hold (``NotLent``: it restarted under the same id, or took its loans
+        back when our lease expired in a partition; the KV is gone)."""
         try:
             return call(*args)
         except CreditorUnavailable:

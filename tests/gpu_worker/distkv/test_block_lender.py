@@ -8,7 +8,7 @@ import torch
 
 from services.gpu_worker.attention.dist_attention import micro_attention
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
-from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig, LoanUnknown
+from services.gpu_worker.distkv.block_lender import BlockLender, LendingConfig, NotLent
 from services.gpu_worker.distkv.kv_block_allocator import AttendCall, AttendSegment, KvRows
 from services.gpu_worker.distkv.local_block_allocator import LocalBlockAllocator
 from services.gpu_worker.memory.page_allocator import PageUse, PoolExhausted
@@ -68,7 +68,7 @@ def test_bad_requests_get_clear_errors_and_change_nothing():
         creditor.attend("a", AttendCall(0, [query]))
     with pytest.raises(PermissionDenied):
         creditor.read("a", theirs)
-    with pytest.raises(LoanUnknown, match="never lent"):
+    with pytest.raises(NotLent, match="never lent"):
         creditor.write("a", 0, KvRows([99], slots, keys, values))
     with pytest.raises(InvalidArgument, match="layer 2"):
         creditor.write("a", 2, KvRows(mine[:1], slots, keys, values))
@@ -89,13 +89,13 @@ def test_freed_blocks_are_reported_as_freed_and_never_reused():
     ids = creditor.allocate("a", 2)
     creditor.free("a", ids[:1])
     keys, values = kv_rows(1)
-    with pytest.raises(FailedPrecondition, match=f"block {ids[0]} was freed"):
+    with pytest.raises(NotLent, match=f"block {ids[0]} was freed"):
         creditor.write("a", 0, KvRows(ids[:1], torch.tensor([0]), keys, values))
-    with pytest.raises(FailedPrecondition, match="was freed"):
+    with pytest.raises(NotLent, match="was freed"):
         creditor.free("a", ids[:1])  # double free
     again = creditor.allocate("b", 1)
     assert again[0] not in ids  # the page is reused, the id is not: a stale id never aliases b's block
-    with pytest.raises(FailedPrecondition):
+    with pytest.raises(NotLent):
         creditor.write("a", 0, KvRows(ids[:1], torch.tensor([0]), keys, values))
     assert creditor.lent_to() == {"a": 1, "b": 1}
 
@@ -182,5 +182,5 @@ def test_a_lender_started_later_numbers_its_loans_above_every_id_of_the_one_befo
     old = before.allocate("a", 3) + before.allocate("b", 2)
     after = lender()
     assert min(after.allocate("a", 3)) > max(old)
-    with pytest.raises(LoanUnknown, match="never lent by this worker process"):
+    with pytest.raises(NotLent, match="never lent by this worker process"):
         after.free("a", old[:1])

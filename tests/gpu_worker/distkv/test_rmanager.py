@@ -395,7 +395,7 @@ def test_a_creditor_declared_dead_that_lives_gets_its_blocks_back():
 
 def test_a_creditor_restarted_under_its_id_releases_what_it_lent_and_refuses_what_it_never_did():
     """A container restarted in place keeps its pod's name: the debtor's transport reaches the new
-    process, which lends afresh. A block of the old one names nothing there (``LoanUnknown``,
+    process, which lends afresh. A block of the old one names nothing there (``NotLent``,
     never another loan); the debtor then declares the creditor lost and every block it held there
     is released, so the new process lends nothing to nobody."""
     mesh = Mesh()
@@ -418,3 +418,20 @@ def test_a_creditor_restarted_under_its_id_releases_what_it_lent_and_refuses_wha
     rm.release(old)
     rm.release(fresh)
     mesh.assert_empty(alive=("w0", "w2"))
+
+
+def test_loans_taken_back_from_a_debtor_that_lives_are_lost_to_it_not_an_error():
+    """A partition kept the debtor from etcd until its lease expired: the creditor took its loans
+    back (``debtor_died``). The debtor lives on, and its next call there must tell it that its KV
+    there is gone, as a lost creditor does, not fail its step."""
+    mesh = Mesh()
+    rm = mesh.workers["w0"]
+    keys, values, queries = random_context(24, seed=4)
+    table = spread_request(mesh, 24, local=2, grants={"w1": 2, "w2": 2})
+    write_context(rm, table, keys, values)
+    assert mesh.workers["w1"].debtor_died("w0") == 2
+    with pytest.raises(Unavailable, match="no longer lent to w0"):
+        rm.attend(0, [TableQueries(table, queries[0, -1:], torch.tensor([23]))])
+    assert rm.creditor_died("w1", [table]) == {0: [2, 3]}
+    rm.release(table)
+    mesh.assert_empty()

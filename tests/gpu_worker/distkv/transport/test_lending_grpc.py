@@ -25,6 +25,7 @@ from services.gpu_worker.model.llama import LlamaModel
 from services.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
@@ -128,7 +129,7 @@ async def test_bad_calls_get_clear_statuses_and_other_debtors_are_served(credito
         await asyncio.to_thread(remote.allocate, "debtor-c", 2)
     await asyncio.to_thread(remote.free, "debtor-a", mine[:1])
     keys, values = kv(1, layout.kv_dim, seed=3)
-    with pytest.raises(FailedPrecondition, match=f"block {mine[0]} was freed"):
+    with pytest.raises(NotFound, match=f"block {mine[0]} was freed"):
         await store(remote, "debtor-a", 0, KvRows(mine[:1], torch.tensor([0]), keys, values))
     queries = torch.randn(1, cfg.num_heads, cfg.head_dim)
     stolen = AttendSegment(queries, torch.tensor([0]), [theirs[0]], [0])
