@@ -1,10 +1,5 @@
 """A device-free executor: the GPU path's host work for a step, with the kernels left out.
 
-Its tensors live on the CPU, so the small tensor operations the GPU path hands to the device
-(gathers of block tables, masks, the LoRA tables' packing) run here, on the measuring thread:
-the figures are an upper bound of the host's share. PyTorch's ``meta`` device, which would skip
-them, dispatches indexing through Python decompositions and measured 20x slower than the CPU.
-
 On a GPU the worker's step is host work (turning the engine's :class:`StepPlan` into the model's
 inputs: token indices, KV write rows, block tables, LoRA segment tables) followed by kernels. The
 host part is what bounded the worker on the one H100 this project had (issue 55), and it runs the
@@ -12,6 +7,13 @@ same on a CPU: this executor runs exactly that part, through the production code
 (``services/gpu_worker/executor/``), and stops where the model's kernels would start. Adapters
 are placed by the real :class:`AdapterResidency` with their rows left unwritten (the kernels that
 would read them never run), so 128 adapters cost page ids, not gigabytes.
+
+Its tensors live on the CPU, so the small tensor operations the GPU path hands to the device
+(gathers of block tables, masks, the LoRA tables' packing) do their element work here, on the
+measuring thread; ``bench/step_host_time.py`` times that work apart and takes it out.
+PyTorch's ``meta`` device, which would skip it, runs most elementwise operations through Python
+reference decompositions (40-650 us an operation measured, against ~2 us dispatched on the CPU):
+it would count work a GPU's host never does.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.engine.step_plan import StepPlan
+from services.gpu_worker.executor.plan_delta import DecodeDelta
 from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.executor.step_inputs import StepInputs
 from services.gpu_worker.lora.host_adapter import HostAdapter
@@ -78,3 +81,7 @@ class HostOnlyExecutor:
         if not self.persistent:
             return self.builder.build(plan, self._resident.get)
         return self.inputs.build(plan, self._resident.get)
+
+    def execute_decode(self, delta: DecodeDelta) -> StepBatch:
+        """A steady decode step handed over as what changed (the persistent path only)."""
+        return self.inputs.decode(delta, self._resident.get)

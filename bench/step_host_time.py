@@ -3,26 +3,43 @@
     .venv/bin/python -m bench.step_host_time               # batch 1, 32, 256 x 1, 32, 128 adapters
     .venv/bin/python -m bench.step_host_time --quick       # fewer steps
 
-A :class:`~bench.host_only_executor.HostOnlyExecutor` turns each step's plan into the model's
-inputs exactly as the worker does before its kernels (token indices, KV write rows, block tables,
-LoRA segment tables), placed for SmolLM2-135M's shapes (30 layers, every projection adapted,
-ranks 8 and 16 alternating), and stops there. The plans are the engine's as a decode batch
-runs: every step a new :class:`PlannedRequest` per request, one new token each, a new
-:class:`AdapterSlot` object per request (equal to the last), the block table's tuple the same
-object until a block is added. Request ``i`` uses adapter ``i mod k``.
+A :class:`~bench.host_only_executor.HostOnlyExecutor` turns each step into the model's inputs
+exactly as the worker does before its kernels (token indices, KV write rows, block tables, LoRA
+segment tables), placed for SmolLM2-135M's shapes (30 layers, every projection adapted, ranks 8
+and 16 alternating), and stops there. The steps are the engine's as a decode batch runs: one
+new token per request, the block table's tuple the same object until a block is added, the
+adapter slot the same object while its load holds (``AdapterPager.slot``). Request ``i`` uses
+adapter ``i mod k``.
 
 Times are the measuring thread's CPU time (``time.thread_time_ns``), not wall-clock: on this
 shared 2-vCPU machine other engineers' work deschedules the thread for milliseconds at a time,
-which wall-clock would count. PyTorch runs on that one thread here (``set_num_threads(1)``), so
-the small tensor operations a GPU would run as kernels (gathers of block tables, masks, the LoRA
-tables' packing) are counted too: an upper bound of the host's share. The tensor operations of
-a step are counted as well (each a kernel launch or a copy on a GPU).
+which wall-clock would count. PyTorch runs on that one thread (``set_num_threads(1)``).
 
-Two figures per cell, median microseconds of host work per step:
-- ``steady``: no request joins or leaves (what must be flat in the batch size);
-- ``churn``: every step one request leaves and a new one (a new adapter slot) joins;
-each through the GPU path (persistent batch, device LoRA tables) and, side by side in the same
-run, through the step builder alone (the path before issue 55).
+Host work, not element work. On a GPU a tensor operation costs the host its dispatch (Python
+binding, dispatcher, launch), whatever the tensors' sizes; its elements are the device's. On
+the CPU the elements are done on the measuring thread too. So the timed steps take turns: one
+plain (its thread time), the next under :class:`ElementTimer`, which times each operation's
+kernel call and counts the operations; a call's time less one operation's dispatch (the time
+inside a call on a one-element tensor, :func:`dispatch_us`, measured at the start) is its
+element work. A mode's host figure is
+
+    host = median(thread time) - median(element work)
+
+medians of different steps (the timer's own Python cost per operation is never in the first):
+steady where the element work is small beside the host's (steady steps), noisy where it
+dominates (churn at batch 256, the step builder: read their thread time). The CUDA launch
+itself (a few microseconds an operation) is not in it: the operation counts are there to add
+it. ``cpu_us`` is the plain steps' thread time, elements included (how this bench measured
+before).
+
+Modes per cell (median microseconds per step):
+- ``steady``: no request joins or leaves, each step handed over as what changed
+  (:class:`DecodeDelta`: the new tokens, the rows that grew a block);
+- ``plan_steady``: the same steps as full plans (the engine's interface today), the executor
+  finding what changed with whole-list passes in C;
+- ``churn``: every step one request leaves and a new one (a new adapter slot) joins (full plans);
+- ``builder_steady``, ``builder_churn``: side by side in the same run, the step builder alone
+  (the path before issue 55).
 """
 
 from __future__ import annotations
@@ -31,10 +48,12 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Self
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,6 +63,7 @@ from bench.out_dir import default_out
 from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from bench.worker_bench import machine
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
+from services.gpu_worker.executor.plan_delta import DecodeDelta
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.model_files.base_model import load_base_model_spec
@@ -58,35 +78,77 @@ CONTEXT = 200
 """Tokens of context each request starts the measured steps with (plus its index mod 64)."""
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the tensor operations dispatched inside it: on a GPU, each is a kernel launch (or a
-    host-to-device copy) the host makes, however small the tensors."""
+class ElementTimer(TorchDispatchMode):
+    """Counts the tensor operations dispatched inside it (on a GPU, each a kernel launch or a
+    host-to-device copy) and sums the thread time spent in their kernel calls."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.inside_ns = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        started = time.thread_time_ns()
+        out = func(*args, **(kwargs or {}))
+        self.inside_ns += time.thread_time_ns() - started
+        return out
+
+
+class CallCounter:
+    """Counts the Python and C function calls made inside it (tensor operations included: each
+    is a C call from Python): a steady step's count is what must not grow with the batch."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __enter__(self) -> Self:
+        sys.setprofile(self._count)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+
+    def _count(self, frame, event, arg) -> None:
+        if event in ("call", "c_call"):
+            self.calls += 1
+
+
+def dispatch_us(calls: int = 4000) -> float:
+    """Median microseconds inside one operation's kernel call on a one-element tensor, under
+    :class:`ElementTimer`: its dispatch, no elements to speak of."""
+    x = torch.zeros(1, dtype=torch.int64)
+    inside = []
+    for _ in range(calls):
+        timer = ElementTimer()
+        with timer:
+            torch.add(x, 1)
+        inside.append(timer.inside_ns)
+    return statistics.median(inside) / 1000
+
+
+MODES = (  # (name, persistent, churn, as deltas)
+    ("steady", True, False, True),
+    ("plan_steady", True, False, False),
+    ("churn", True, True, False),
+    ("builder_steady", False, False, False),
+    ("builder_churn", False, True, False),
+)
 
 
 @dataclass
-class Cell:
-    batch: int
-    adapters: int
-    steady_us: float
-    churn_us: float
-    builder_steady_us: float
-    """The same steps through the step builder alone (the path before issue 55)."""
-    builder_churn_us: float
-    steady_min_us: float
-    """The fastest steady step: the least disturbed by other processes' use of the caches."""
-    steady_ops: int
-    """Tensor operations of one steady step (kernel launches and copies on a GPU)."""
-    churn_ops: int
-    builder_steady_ops: int
-    builder_churn_ops: int
+class Figures:
+    host_us: float
+    """Median host work per step: thread time less the operations' element work (the module's
+    docstring)."""
+    cpu_us: float
+    """Median thread time per step, element work included."""
+    fastest_cpu_us: float
+    ops: int
+    """Tensor operations per step (median)."""
+    calls: int
+    """Python and C function calls per step (median; ``sys.setprofile``): the host's work as a
+    count, whatever the machine's load."""
 
 
 class DecodeBatch:
@@ -95,9 +157,12 @@ class DecodeBatch:
     def __init__(self, executor: HostOnlyExecutor, batch: int, adapters: list[str]):
         self.executor = executor
         self.adapters = adapters
+        self.slots = {a: AdapterSlot(a, executor.residency.get(a).placement) for a in adapters}
         self.layers = executor.view.layout.num_layers
         self.sampling = SamplingParams(max_tokens=1 << 20)
         self.requests: list[dict] = []
+        self.grown: list[int] = []
+        """Rows that added a block at the last :meth:`advance`."""
         self._joined = 0
         for _ in range(batch):
             self.requests.append(self._new_request())
@@ -120,25 +185,33 @@ class DecodeBatch:
     def plan(self) -> StepPlan:
         planned = []
         for r in self.requests:
-            placement = self.executor.residency.get(r["adapter"]).placement
             planned.append(
                 PlannedRequest(
                     request_id=r["id"],
                     token_ids=(r["pos"] % 1000 + 1,),
                     start_position=r["pos"],
                     kv_blocks=r["blocks"],
-                    adapter=AdapterSlot(r["adapter"], placement),
+                    adapter=self.slots[r["adapter"]],
                     sampling=self.sampling,
                 )
             )
         return StepPlan(tuple(planned), "auto", False)
 
+    def delta(self) -> DecodeDelta:
+        """The step as what changed since the last (no request joined or left): the new tokens
+        (the engine's sampled tokens) and the rows that grew a block."""
+        requests = self.requests
+        grown = tuple((row, requests[row]["blocks"]) for row in self.grown)
+        return DecodeDelta([r["pos"] % 1000 + 1 for r in requests], grown)
+
     def advance(self, churn: bool) -> None:
         """Each request's token computed; a block added where the next one needs it."""
-        for r in self.requests:
+        self.grown = []
+        for row, r in enumerate(self.requests):
             r["pos"] += 1
             if r["pos"] // BLOCK >= len(r["blocks"]):
                 r["blocks"] = (*r["blocks"], self._block())
+                self.grown.append(row)
         if churn:
             gone = self.requests.pop(len(self.requests) // 2)
             self.executor.pool.free([p for block in gone["blocks"] for p in block])
@@ -146,27 +219,51 @@ class DecodeBatch:
 
 
 def measure(
-    executor: HostOnlyExecutor, batch: int, adapters: list[str], steps: int, churn: bool
-) -> tuple[float, float, int]:
-    """Median microseconds of ``executor.execute``'s thread CPU time over ``steps`` decode steps
-    (after warm-up), the fastest of them, and the tensor operations of one more step."""
+    executor: HostOnlyExecutor,
+    batch: int,
+    adapters: list[str],
+    steps: int,
+    churn: bool,
+    deltas: bool,
+    dispatch: float,
+) -> Figures:
+    """``steps`` decode steps (after warm-up), every other one under an :class:`ElementTimer`.
+    ``deltas``: steady steps handed over as :class:`DecodeDelta` (the first step is a full plan)."""
     decode = DecodeBatch(executor, batch, adapters)
     for _ in range(3):
         executor.execute(decode.plan())
         decode.advance(churn)
-    times = []
-    for _ in range(steps):
-        plan = decode.plan()  # the engine's work, not the executor's: outside the timer
-        started = time.thread_time_ns()
-        executor.execute(plan)
-        times.append(time.thread_time_ns() - started)
+    totals, elements, ops, calls = [], [], [], []
+    for i in range(steps):
+        # The plan or delta is the engine's work, not the executor's: made outside the timer.
+        step = decode.delta() if deltas else decode.plan()
+        run = executor.execute_decode if deltas else executor.execute
+        if i % 3 == 2:
+            with CallCounter() as counter:
+                run(step)
+            calls.append(counter.calls)
+        elif i % 3 == 1:
+            timer = ElementTimer()
+            with timer:
+                run(step)
+            # Each operation keeps its dispatch: the rest of its kernel call is its elements.
+            elements.append(timer.inside_ns / 1000 - timer.ops * dispatch)
+            ops.append(timer.ops)
+        else:
+            started = time.thread_time_ns()
+            run(step)
+            totals.append((time.thread_time_ns() - started) / 1000)
         decode.advance(churn)
-    counter = OpCounter()
-    with counter:
-        executor.execute(decode.plan())
     for r in decode.requests:
         executor.pool.free([p for block in r["blocks"] for p in block])
-    return statistics.median(times) / 1000, min(times) / 1000, counter.ops
+    median = statistics.median
+    return Figures(
+        round(median(totals) - median(elements), 1),
+        round(median(totals), 1),
+        round(min(totals), 1),
+        round(median(ops)),
+        round(median(calls)),
+    )
 
 
 def sample_adapters(spec, root: Path) -> list[HostAdapter]:
@@ -180,7 +277,7 @@ def sample_adapters(spec, root: Path) -> list[HostAdapter]:
     return out
 
 
-def run(steps: int) -> list[Cell]:
+def run(steps: int, modes: set[str]) -> tuple[list[dict], float]:
     spec = load_base_model_spec()
     config = spec
     layers = config.num_layers
@@ -195,27 +292,31 @@ def run(steps: int) -> list[Cell]:
     ids = [f"adapter-{i}" for i in range(max(ADAPTER_COUNTS))]
     for i, adapter_id in enumerate(ids):
         executor.place(samples[i % len(samples)], adapter_id)
+    dispatch = dispatch_us()
+    print(f"dispatch of one operation: {dispatch:.2f} us", flush=True)
     cells = []
     for batch in BATCHES:
         for k in ADAPTER_COUNTS:
-            figures, ops = [], []
-            for persistent in (True, False):
+            cell: dict = {"batch": batch, "adapters": k}
+            for name, persistent, churn, deltas in MODES:
+                if name not in modes:
+                    continue
                 executor.persistent = persistent
-                for churn in (False, True):
-                    us, fastest, count = measure(executor, batch, ids[:k], steps, churn)
-                    figures.append(round(us, 1))
-                    ops.append(count)
-                    if persistent and not churn:
-                        steady_min = round(fastest, 1)
-            cells.append(Cell(batch, k, *figures, steady_min, *ops))
+                cell[name] = asdict(measure(executor, batch, ids[:k], steps, churn, deltas, dispatch))
+            cell["load_average"] = round(os.getloadavg()[0], 2)
+            cells.append(cell)
             print(
-                f"batch {batch:>3} adapters {k:>3}: steady {figures[0]:8.1f} us (min {steady_min:7.1f})"
-                f" {ops[0]:>4} ops  churn {figures[1]:8.1f} us {ops[1]:>4} ops"
-                f"  | step builder: steady {figures[2]:8.1f} us {ops[2]:>5} ops"
-                f"  churn {figures[3]:8.1f} us {ops[3]:>5} ops",
+                f"batch {batch:>3} adapters {k:>3}: "
+                + "  ".join(
+                    f"{m[0]} {cell[m[0]]['host_us']:.1f} us (cpu {cell[m[0]]['cpu_us']:.1f})"
+                    f" {cell[m[0]]['ops']} ops {cell[m[0]]['calls']} calls"
+                    for m in MODES
+                    if m[0] in modes
+                )
+                + f"  load {cell['load_average']}",
                 flush=True,
             )
-    return cells
+    return cells, dispatch
 
 
 def main() -> None:
@@ -223,18 +324,24 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per cell")
+    parser.add_argument(
+        "--modes",
+        default=",".join(m[0] for m in MODES),
+        help="comma-separated modes to measure (a tree before the delta interface has no 'steady')",
+    )
     parser.add_argument("--quick", action="store_true", help="12 timed steps per cell")
     parser.add_argument("--out", type=Path, default=default_out("step_host_time"))
     args = parser.parse_args()
     torch.set_num_threads(1)  # the host work is one thread's; keep the other cores' noise out
     load = os.getloadavg()
-    cells = run(12 if args.quick else args.steps)
+    cells, dispatch = run(18 if args.quick else args.steps, set(args.modes.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "machine": machine(),
         "load_average_before": load,
         "load_average_after": os.getloadavg(),
-        "cells": [asdict(c) for c in cells],
+        "dispatch_us": dispatch,
+        "cells": cells,
     }
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"load average before {load}, after {result['load_average_after']}; {args.out / 'results.json'}")

@@ -105,6 +105,9 @@ class AdapterPager:
         """Preloads past a step's budget, started at the next steps."""
         self._copy_here = False
         """The page-in under way copies on the engine thread (no running batch would wait)."""
+        self._slots: dict[str, AdapterSlot] = {}
+        """Each resident adapter's slot of its load in force: the same object step after step, so
+        the executor sees an unchanged slot by identity (``DecodeEncoder``), not by comparing."""
 
     def begin_step(self, step_s: float | None) -> None:
         """A step begins; ``step_s``: how long the step before took while a batch runs (None:
@@ -232,6 +235,7 @@ class AdapterPager:
 
     def _evicted(self, adapter_id: str) -> None:
         self.executor.evict_adapter(adapter_id)
+        self._slots.pop(adapter_id, None)
         self._summary = None
 
     def close(self) -> None:
@@ -244,7 +248,11 @@ class AdapterPager:
         adapter_id = request.spec.adapter_id
         if adapter_id is None or adapter_id == self.merged or request.adapter_from is None:
             return None
-        return AdapterSlot(adapter_id, self.residency.get(adapter_id).placement)
+        placement = self.residency.get(adapter_id).placement
+        slot = self._slots.get(adapter_id)
+        if slot is None or slot.placement != placement:
+            slot = self._slots[adapter_id] = AdapterSlot(adapter_id, placement)
+        return slot
 
     @property
     def mode(self) -> LoraMode:

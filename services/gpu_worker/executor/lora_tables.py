@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from services.gpu_worker.engine.step_plan import AdapterSlot
+from services.gpu_worker.executor.persistent_batch import host_ints
 from services.gpu_worker.kernels.dispatch import StepLora
 from services.gpu_worker.kernels.lora_segments import LoraSegments
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter
@@ -68,6 +69,8 @@ class LoraTables:
         self.row_slots: list[int] = []
         """Each decode row's slot, in plan order."""
         self._rows = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._adapted = False
+        """Whether some row has an adapter (kept, not recounted each step)."""
         self._packed: tuple[int, StepLora, tuple[torch.Tensor, ...]] | None = None
         self.slot_writes = 0
         """Adapter loads written into the tables since start."""
@@ -85,8 +88,24 @@ class LoraTables:
         if row_slots == self.row_slots:
             return
         self.row_slots = row_slots
-        self._rows = torch.tensor(row_slots, dtype=torch.int64, device=self.device)
-        if self._packed is not None and self._packed[0] == len(row_slots):
+        self._rows = host_ints(row_slots, self.device)
+        self._changed()
+
+    def set_row(
+        self, row: int, slot: AdapterSlot | None, resident: Callable[[str], ResidentAdapter | None]
+    ) -> None:
+        """Make decode row ``row``'s adapter ``slot`` (the other rows kept): one row's write."""
+        index = 0 if slot is None else self._slot_of(slot, resident)
+        if self.row_slots[row] == index:
+            return
+        self.row_slots[row] = index
+        self._rows[row] = index
+        self._changed()
+
+    def _changed(self) -> None:
+        """The rows' slots changed: the packed buffers refilled (when their row count holds)."""
+        self._adapted = any(self.row_slots)
+        if self._packed is not None and self._packed[0] == len(self.row_slots):
             self._pack(self._packed[2])
 
     def _slot_of(self, slot: AdapterSlot, resident: Callable[[str], ResidentAdapter | None]) -> int:
@@ -160,7 +179,7 @@ class LoraTables:
         an adapter. The same object while the number of rows stays the same: its buffers are
         refilled in place when the rows' slots change."""
         n = len(self.row_slots)
-        if not any(self.row_slots):
+        if not self._adapted:
             return None
         if self._packed is None or self._packed[0] != n:
             buffers = self._buffers(n)
@@ -184,16 +203,16 @@ class LoraTables:
         rank_starts, a_packed, b_packed, scales = buffers
         rows, max_rank = self._rows, self.max_rank
         n = rows.shape[0]
-        ranks = self.rank[rows]  # [n, W]
+        ranks = self.rank.index_select(0, rows)  # [n, W]
         ends = ranks.cumsum(0)
         rank_starts[:, 1:] = ends.T
         k = torch.arange(max_rank, device=self.device)
         # Row j of segment s goes to starts[s] + j; the rows past its rank to the padding column.
         target = torch.where(k < ranks[:, :, None], (ends - ranks)[:, :, None] + k, n * max_rank)
         target = target.permute(1, 0, 2).reshape(ranks.shape[1], -1)
-        a_packed.scatter_(1, target, self.a[rows].permute(1, 0, 2).reshape(target.shape))
-        b_packed.scatter_(1, target, self.b[rows].permute(1, 0, 2).reshape(target.shape))
-        scales.copy_(self.scale[rows].T)
+        a_packed.scatter_(1, target, self.a.index_select(0, rows).permute(1, 0, 2).reshape(target.shape))
+        b_packed.scatter_(1, target, self.b.index_select(0, rows).permute(1, 0, 2).reshape(target.shape))
+        scales.copy_(self.scale.index_select(0, rows).T)
 
     def _segments(self, n: int, buffers: tuple[torch.Tensor, ...]) -> StepLora:
         rank_starts, a_packed, b_packed, scales = buffers

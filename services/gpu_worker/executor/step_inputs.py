@@ -1,22 +1,32 @@
 """A plan into the model's :class:`StepBatch`, with as little host work as the step allows.
 
 Plain decode steps (every request one new token, its KV in this pool) come from the
-:class:`PersistentBatch`, whose rows and block tables change only where requests joined, left or
-grew a block; with the Triton backend their LoRA segments come from the :class:`LoraTables`,
-built on the device from each adapter load's slot. Every other step (prefill, mixed, drafts to
-verify, borrowed KV) goes through the :class:`StepBuilder` as before; the persistent batch finds
-its rows again at the next decode step by comparing ids and table objects.
+:class:`PersistentBatch`, whose rows, positions and block tables change only where requests
+joined, left or grew a block; with the Triton backend their LoRA segments come from the
+:class:`LoraTables`, built on the device from each adapter load's slot. A decode step that
+continues the last one (the same requests in the same rows, each one token further) is a
+:class:`DecodeDelta`: handed over as one (:meth:`StepInputs.decode`), or found in a full plan by
+the :class:`DecodeEncoder` with whole-list passes in C. Every other step (prefill, mixed, drafts
+to verify, borrowed KV) goes through the :class:`StepBuilder` as before; the persistent batch
+finds its rows again at the next decode step by comparing ids and table objects.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from operator import attrgetter, itemgetter
+
 from services.gpu_worker.engine.executor import BorrowedLookup
-from services.gpu_worker.engine.step_plan import PlannedRequest, StepPlan
+from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.executor.lora_tables import LoraTables
 from services.gpu_worker.executor.persistent_batch import PersistentBatch, is_plain_decode
+from services.gpu_worker.executor.plan_delta import DecodeDelta, DecodeEncoder
 from services.gpu_worker.executor.step_builder import ResidentLookup, StepBuilder
 from services.gpu_worker.kernels.dispatch import StepLora, resolve_backend
 from services.gpu_worker.model.step_batch import StepBatch
+
+_tokens = attrgetter("token_ids")
+_first = itemgetter(0)
 
 
 class StepInputs:
@@ -31,15 +41,53 @@ class StepInputs:
         self.batch = PersistentBatch(pool.layout, pool.device)
         self.tables = LoraTables(builder.shapes, pool.layout.num_layers, pool.device)
         self.device_lora = device_lora
+        self.encoder = DecodeEncoder()
+        """Finds the steady decode steps in full plans (those whose LoRA comes from the tables)."""
 
     def build(
         self, plan: StepPlan, resident: ResidentLookup, borrowed: BorrowedLookup | None = None
     ) -> StepBatch:
         requests = plan.requests
         if not is_plain_decode(requests):
+            self.encoder.forget()
             return self.builder.build(plan, resident, borrowed)
+        tables = self.uses_tables(plan)
+        if tables:
+            delta = self.encoder.encode(plan)
+            if delta is not None:
+                return self._advance(delta, resident)
+        else:
+            self.encoder.forget()
         self.batch.update(requests)
-        token_ids, positions, write_keys, group = self.batch.step_inputs(requests)
+        tokens = list(map(_first, map(_tokens, requests)))
+        if tables:
+            # An activated LoRA's token before its invocation start is the base model's.
+            slots = [None if r.start_position < r.adapter_from else r.adapter for r in requests]
+            self.tables.set_rows(slots, resident)
+            lora = self.tables.step_lora()
+        else:
+            lora = self.builder.lora_segments(requests, resident)
+        return self._batch(tokens, lora, plan.lora_backend, plan.batch_invariant)
+
+    def decode(self, delta: DecodeDelta, resident: ResidentLookup) -> StepBatch:
+        """A steady decode step: the rows of the last decode step this built (through the device
+        LoRA tables), each one token further, with ``delta``'s changes. Its host work follows the
+        rows named in ``delta``, plus one conversion of the new tokens."""
+        self.encoder.forget()  # the plan it holds is older than these rows
+        return self._advance(delta, resident)
+
+    def _advance(self, delta: DecodeDelta, resident: ResidentLookup) -> StepBatch:
+        self.batch.advance(delta.grown)
+        for row, slot in delta.readapted:
+            self.tables.set_row(row, slot, resident)
+        return self._batch(
+            delta.token_ids, self.tables.step_lora(), delta.lora_backend, delta.batch_invariant
+        )
+
+    def _batch(
+        self, tokens: Sequence[int], lora: StepLora | None, lora_backend: str, batch_invariant: bool
+    ) -> StepBatch:
+        token_ids, positions, write_keys, group = self.batch.step_inputs(tokens)
         return StepBatch(
             token_ids=token_ids,
             positions=positions,
@@ -48,9 +96,9 @@ class StepInputs:
             decode=group,
             prefills=[],
             logits_rows=group.token_rows,
-            lora=self._lora(plan, requests, resident),
-            lora_backend=plan.lora_backend,
-            batch_invariant=plan.batch_invariant,
+            lora=lora,
+            lora_backend=lora_backend,
+            batch_invariant=batch_invariant,
         )
 
     def uses_tables(self, plan: StepPlan) -> bool:
@@ -60,13 +108,3 @@ class StepInputs:
         if plan.batch_invariant:
             return False  # batch-invariant MBGMV reads token rows the tables do not keep
         return resolve_backend(plan.lora_backend, self.builder.pool.buffer) == "triton"
-
-    def _lora(
-        self, plan: StepPlan, requests: tuple[PlannedRequest, ...], resident: ResidentLookup
-    ) -> StepLora | None:
-        if not self.uses_tables(plan):
-            return self.builder.lora_segments(requests, resident)
-        # An activated LoRA's token before its invocation start is the base model's.
-        slots = [None if r.start_position < r.adapter_from else r.adapter for r in requests]
-        self.tables.set_rows(slots, resident)
-        return self.tables.step_lora()

@@ -4,15 +4,18 @@ join, leave, reorder, grow blocks and change adapter; its host work follows the 
 from __future__ import annotations
 
 import random
+from operator import attrgetter
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
+from bench.step_host_time import CallCounter
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
 from services.gpu_worker.executor.persistent_batch import is_plain_decode
+from services.gpu_worker.executor.plan_delta import DecodeDelta, DecodeEncoder
 from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.executor.step_inputs import StepInputs
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
@@ -186,6 +189,7 @@ def test_host_work_follows_changes_not_the_batch(tiny_llama, adapters):
         r["pos"] += 1  # still inside the second block: nothing to write
     again = setup.inputs.build(plan(), setup.resident.get)
     assert batch.writes == 8 and tables.slot_writes == 2
+    assert setup.inputs.encoder.ids == [r["id"] for r in requests]  # the next steady plan is a delta too
     assert again.lora is first.lora  # same segment buffers, kept
     requests[3]["pos"] = 8
     requests[3]["blocks"] = (*requests[3]["blocks"], setup.block(layers))
@@ -194,3 +198,94 @@ def test_host_work_follows_changes_not_the_batch(tiny_llama, adapters):
     requests[5]["adapter"] = "a8-pat"
     setup.inputs.build(plan(), setup.resident.get)
     assert tables.slot_writes == 3 and batch.writes == 9
+
+
+def _steady_batch(setup: Setup, layers: int, size: int) -> list[dict]:
+    return [
+        {
+            "id": f"r{i}",
+            "pos": 5 + i % 7,
+            "blocks": tuple(setup.block(layers) for _ in range(3)),
+            "adapter": (None, "a8", "a16")[i % 3],
+        }
+        for i in range(size)
+    ]
+
+
+def _plan(setup: Setup, requests: list[dict]) -> StepPlan:
+    return StepPlan(
+        tuple(
+            PlannedRequest(
+                r["id"], (r["pos"] % 50 + 1,), r["pos"], r["blocks"], setup.slot(r["adapter"]), SAMPLING
+            )
+            for r in requests
+        ),
+        "auto",
+        False,
+    )
+
+
+def test_deltas_handed_over_give_the_step_builders_inputs(tiny_llama, adapters):
+    """The engine's side of the delta interface: the new tokens, the rows that grew a block or
+    changed adapter; the rows' inputs and LoRA are the step builder's for the whole plan."""
+    spec, layers = tiny_llama.spec, tiny_llama.spec.num_layers
+    setup = Setup(spec, adapters, device_lora=True)
+    requests = _steady_batch(setup, layers, 6)
+    setup.inputs.build(_plan(setup, requests), setup.resident.get)
+    rng = random.Random(3)
+    for step in range(12):
+        grown, readapted = [], []
+        for row, r in enumerate(requests):
+            r["pos"] += 1
+            if r["pos"] // BLOCK >= len(r["blocks"]):
+                r["blocks"] = (*r["blocks"], setup.block(layers))
+                grown.append((row, r["blocks"]))
+        if step % 4 == 1:
+            row = rng.randrange(len(requests))
+            requests[row]["adapter"] = rng.choice([None, *SAMPLES])
+            readapted.append((row, setup.slot(requests[row]["adapter"])))
+        plan = _plan(setup, requests)
+        delta = DecodeDelta(
+            [t[0] for t in map(attrgetter("token_ids"), plan.requests)], tuple(grown), tuple(readapted)
+        )
+        got = setup.inputs.decode(delta, setup.resident.get)
+        want = setup.builder.build(plan, setup.resident.get)
+        _assert_same_inputs(got, want)
+        assert (got.lora is None) == (want.lora is None)
+
+
+def test_the_encoder_finds_steady_steps_in_full_plans(tiny_llama, adapters):
+    spec, layers = tiny_llama.spec, tiny_llama.spec.num_layers
+    setup = Setup(spec, adapters, device_lora=True)
+    requests = _steady_batch(setup, layers, 4)
+    encoder = DecodeEncoder()
+    assert encoder.encode(_plan(setup, requests)) is None  # nothing to continue
+    for r in requests:
+        r["pos"] += 1
+    requests[2]["blocks"] = (*requests[2]["blocks"], setup.block(layers))
+    requests[1]["adapter"] = "a8-pat"
+    delta = encoder.encode(_plan(setup, requests))
+    assert delta.grown == ((2, requests[2]["blocks"]),)
+    assert delta.readapted == ((1, setup.slot("a8-pat")),)
+    assert list(delta.token_ids) == [r["pos"] % 50 + 1 for r in requests]
+    requests[0]["pos"] += 3  # a position that does not follow on
+    assert encoder.encode(_plan(setup, requests)) is None
+    assert encoder.encode(_plan(setup, requests[1:])) is None  # a request left
+
+
+def test_a_steady_step_costs_the_same_host_calls_at_any_batch(tiny_llama, adapters):
+    """Handed over as a delta with no row changed, a decode step makes the same Python calls and
+    tensor operations at batch 3 and 60: nothing per request but the new tokens' one
+    conversion."""
+    spec, layers = tiny_llama.spec, tiny_llama.spec.num_layers
+    counts = []
+    for size in (3, 60):
+        setup = Setup(spec, adapters, device_lora=True)
+        requests = _steady_batch(setup, layers, size)
+        setup.inputs.build(_plan(setup, requests), setup.resident.get)
+        tokens = [7] * size
+        setup.inputs.decode(DecodeDelta(tokens), setup.resident.get)  # the mask's patch from now on
+        with CallCounter() as calls:
+            setup.inputs.decode(DecodeDelta(tokens), setup.resident.get)
+        counts.append(calls.calls)
+    assert counts[0] == counts[1]
