@@ -16,9 +16,11 @@ even in a wide batch, so the exactness tests verify drafts in every step they ca
 
 
 def pin_draft_cost(engine: Engine, cost: LinearCost = CHEAP_ROWS) -> Engine:
-    """``engine`` (speculating or not) with its drafts priced by ``cost``, not a fit (nor a
-    floor under its row cost)."""
+    """``engine`` (speculating or not) with its drafts priced by ``cost``, not a fit (no floor
+    under its row cost, no verifying step's extra cost)."""
     if engine.speculator is not None:
         engine.speculator.cost = fixed_cost(cost)
-        engine.speculator.settings = dataclasses.replace(engine.speculator.settings, min_row_share=0.0)
+        engine.speculator.settings = dataclasses.replace(
+            engine.speculator.settings, min_row_share=0.0, verify_step_share=0.0
+        )
     return engine

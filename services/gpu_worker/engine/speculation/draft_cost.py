@@ -5,7 +5,10 @@ tokens costs ``C(B)/B`` of the batch's time. A draft token adds a row (``per_dec
 this step and, when accepted, is a token no later step has to compute: it saves ``C(B)/B``. With
 a chance ``p`` that one more draft position is accepted (``acceptance.py``), the ``j``-th draft
 token is accepted with chance ``pʲ`` (all before it were), so it pays when
-``pʲ · C(B)/B > per_decode_token``. At batch 1 with Q4_1 the step reads every weight for one row
+``pʲ · C(B)/B > per_decode_token``. A step that verifies any draft also costs more than its rows
+say (at batch 1 a second row costs about a quarter of a step, the next ones far less: the kernels
+of a multi-row step), so a step drafts only when its drafts' expected savings together exceed
+that (``step_s``). At batch 1 with Q4_1 the step reads every weight for one row
 and a row is nearly free, so long drafts pay; at batch 8 on 2 cores a row is a real share of the
 step, and only requests that keep being accepted draft, fewer tokens. The model is the engine's
 step cost, fitted online from its own steps (``policies/step_cost_model.py``): it counts draft
@@ -30,6 +33,8 @@ class DraftPrices:
     token's saving."""
     row_s: float
     """What one more row costs the step (``per_decode_token``)."""
+    step_s: float = 0.0
+    """What verifying any draft costs the step beyond its rows."""
 
     def worth(self, acceptance: float, ceiling: int) -> int:
         """Draft tokens worth drafting (``ceiling`` at most) at this per-position ``acceptance``:
@@ -40,18 +45,28 @@ class DraftPrices:
             k, chance = k + 1, chance * acceptance
         return k
 
+    def saving(self, acceptance: float, k: int) -> float:
+        """What ``k`` draft tokens save on average beyond their rows (``step_s`` aside)."""
+        return sum(acceptance**j * self.token_s - self.row_s for j in range(1, k + 1))
+
 
 def draft_prices(
-    cost: LinearCost, decode_rows: int, adapters: int, min_row_share: float = 0.0
+    cost: LinearCost,
+    decode_rows: int,
+    adapters: int,
+    min_row_share: float = 0.0,
+    verify_step_share: float = 0.0,
 ) -> DraftPrices:
     """The prices of a step with ``decode_rows`` decoding requests of ``adapters`` distinct
     adapters: a plain decode step's cost per token (any prefill in the step aside: an accepted
     token saves a decode row later, not a prefill) and the cost of a row, taken as at least
     ``min_row_share`` of a batch-1 step (``DraftSettings.min_row_share``: a fit on noisy steps
-    can call a row free, its slope clamped at 0, and a row does work)."""
+    can call a row free, its slope clamped at 0, and a row does work), and a verifying step's
+    extra ``verify_step_share`` of a batch-1 step (``DraftSettings.verify_step_share``)."""
     rows = max(1, decode_rows)
-    row_s = max(cost["per_decode_token"], min_row_share * cost.predict(step_row(0, 1, 0)))
-    return DraftPrices(cost.predict(step_row(0, rows, adapters)) / rows, row_s)
+    single = cost.predict(step_row(0, 1, 0))
+    row_s = max(cost["per_decode_token"], min_row_share * single)
+    return DraftPrices(cost.predict(step_row(0, rows, adapters)) / rows, row_s, verify_step_share * single)
 
 
 def fixed_cost(cost: LinearCost) -> OnlineFit[StepOutcome]:

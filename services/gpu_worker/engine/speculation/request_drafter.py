@@ -34,11 +34,7 @@ class RequestDrafter:
         adapter's rate, before it has its own; the settings' prior without one), or its probe."""
         allowed = min(limit, self.budget.allowed())
         if prices is not None and allowed > 0:
-            settings = self.budget.settings
-            rate = self.budget.acceptance.rate(
-                settings.prior_acceptance if prior is None else prior, settings.prior_weight
-            )
-            allowed = prices.worth(rate, allowed)
+            allowed = prices.worth(self.rate(prior), allowed)
             if allowed == 0 and self.budget.declined():
                 allowed = 1  # its probe: its output may have turned repetitive since
         if allowed <= 0:
@@ -50,6 +46,13 @@ class RequestDrafter:
             if shared_n > n:
                 return shared
         return drafts
+
+    def rate(self, prior: float | None = None) -> float:
+        """The chance its next draft position is accepted (``prior``: see :meth:`propose`)."""
+        settings = self.budget.settings
+        return self.budget.acceptance.rate(
+            settings.prior_acceptance if prior is None else prior, settings.prior_weight
+        )
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.budget.verified(drafted, accepted)

@@ -104,13 +104,29 @@ class Speculator:
             prefill = sum(r.new_tokens for r in batch if r.new_tokens > 1)
             room = min(room, self.max_prefill_tokens - prefill)
         adapters = len({r.spec.adapter_id for r in batch} - {None})
-        prices = draft_prices(self.cost.cost, decoding, adapters, self.settings.min_row_share)
-        rows = 0
+        settings = self.settings
+        prices = draft_prices(
+            self.cost.cost, decoding, adapters, settings.min_row_share, settings.verify_step_share
+        )
+        rows, saving = 0, 0.0
         for request in sorted(batch, key=draft_priority):
             if room - rows <= 0:
                 break
-            request.drafts = self._drafts(request, room - rows, prices)
-            rows += len(request.drafts)
+            request.drafts = drafts = self._drafts(request, room - rows, prices)
+            if drafts:
+                assert request.drafter is not None
+                rows += len(drafts)
+                saving += prices.saving(request.drafter.rate(self.adapter_rate(request)), len(drafts))
+        if rows and saving <= prices.step_s:
+            # Together not worth a verifying step: a plain step, but for the requests whose probe
+            # is due (their drafts' pages stay reserved either way).
+            rows = 0
+            for request in batch:
+                if request.drafts and request.drafter is not None and request.drafter.budget.declined():
+                    request.drafts = request.drafts[:1]
+                    rows += 1
+                else:
+                    request.drafts = ()
         return rows
 
     def observe(self, outcome: StepOutcome) -> None:

@@ -5,6 +5,8 @@ cost models; tiny Llama, fp32)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,12 @@ def test_the_kth_draft_token_pays_while_its_chance_times_a_tokens_cost_exceeds_a
     assert prices.worth(0.5, ceiling=8) == 2  # 0.5, 0.25 > 0.2 > 0.125
     assert prices.worth(0.2, ceiling=8) == 0
     assert DraftPrices(token_s=0.001, row_s=0.001).worth(0.99, ceiling=8) == 0
+
+
+def test_a_drafts_saving_is_its_tokens_expected_savings_less_their_rows():
+    prices = DraftPrices(token_s=0.010, row_s=0.002, step_s=0.005)
+    assert prices.saving(0.5, 2) == pytest.approx(0.005 - 0.002 + 0.0025 - 0.002)
+    assert draft_prices(MEMORY_BOUND, 8, 0, verify_step_share=0.25).step_s == pytest.approx(0.25 * 0.011)
 
 
 def test_prices_come_from_a_plain_decode_step_of_the_batch():
@@ -145,3 +153,13 @@ def test_drafts_share_the_steps_prefill_budget_after_admission(tiny_llama):
     late = shares[6]
     assert late == (12, 0)  # its 12 prompt tokens fill the step's budget: the early request drafts nothing
     assert shares[5][1] > 0 and shares[7][1] > 0  # it drafted in the steps before and after
+
+
+def test_a_step_drafts_only_when_its_drafts_together_pay_for_verifying(tiny_llama):
+    costly = engine_with(tiny_llama, fixed_cost(MEMORY_BOUND))
+    costly.speculator.settings = dataclasses.replace(costly.speculator.settings, verify_step_share=100.0)
+    cheap = engine_with(tiny_llama, fixed_cost(MEMORY_BOUND))
+    assert run(costly, 4) == run(cheap, 4)
+    # Only probes (one token after 8 declined steps) where a verifying step costs 100 plain ones.
+    assert sum(costly.speculator.counts.drafted.values()) <= 4
+    assert sum(cheap.speculator.counts.accepted.values()) > 4
