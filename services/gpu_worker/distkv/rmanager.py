@@ -12,6 +12,7 @@ exactly one debtor, and every borrowed block is held from exactly one creditor
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from services.gpu_worker.distkv.remote_block_allocator import CreditorTransport,
 from services.gpu_worker.kernels.cpu_invariant import invariant_available
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.runtime.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+
+log = logging.getLogger("loramesh.engine")
 
 
 @dataclass(frozen=True)
@@ -290,8 +293,9 @@ class RManager:
 
     def release(self, table: BlockTable) -> list[str]:
         """Free every block of ``table`` where it lives (lost blocks have nothing left to free).
-        A creditor that cannot be reached does not stop the others being freed; returns those
-        creditors (their blocks went with them: the caller processes their death)."""
+        A creditor that cannot be reached, or refuses the free, does not stop the others being
+        freed; returns those creditors (their blocks went with them, or are theirs again: the
+        caller processes their death, which releases anything still lent)."""
         by_holder: dict[str | None, list[BlockRef]] = {}
         for block in table.take_all():
             if not isinstance(block, LostBlock):
@@ -301,6 +305,13 @@ class RManager:
             try:
                 self._allocator(holder).free(held)
             except Unavailable:
+                unreachable.append(holder)
+            except DomainError as refused:
+                if holder is None:
+                    raise  # our own pool refusing its own blocks is a bug, not a lost creditor
+                log.warning(
+                    "creditor %s refused to free %d blocks, taken as lost: %s", holder, len(held), refused
+                )
                 unreachable.append(holder)
         return unreachable
 
@@ -390,7 +401,9 @@ def _live(table: BlockTable, index: int) -> BlockRef:
     """Block ``index`` of ``table``, which must not be lost."""
     block = table[index]
     if isinstance(block, LostBlock):
-        raise FailedPrecondition(f"block {index} was lost with creditor {block.creditor}; recompute it before using it")
+        raise FailedPrecondition(
+            f"block {index} was lost with creditor {block.creditor}; recompute it before using it"
+        )
     return block
 
 

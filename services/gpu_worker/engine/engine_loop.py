@@ -35,5 +35,14 @@ def run_steps(engine: Engine) -> None:
                 wakeup.clear()
         except Exception:  # a bug must not kill the thread silently: fail the batch, go on
             log.exception("engine step failed; failing the running requests")
-            for request in list(engine.running):
-                engine.scheduler.finish(request, FinishReason.ERROR, None, "engine step failed")
+            fail_running(engine)
+
+
+def fail_running(engine: Engine) -> None:
+    """End every running request with an error; one whose release fails too does not keep the
+    others running, nor end the thread."""
+    for request in list(engine.running):
+        try:
+            engine.scheduler.finish(request, FinishReason.ERROR, None, "engine step failed")
+        except Exception:
+            log.exception("request %s failed, and so did freeing what it held", request.request_id)

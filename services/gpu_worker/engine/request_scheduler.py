@@ -366,9 +366,11 @@ class RequestScheduler:
         its last event."""
         if request in self.running:
             self.running.remove(request)
-        self._release(request)
-        self.on_end(request.request_id)
-        self.events.finished(request, reason, token, error)
+        try:
+            self._release(request)
+        finally:  # whatever its release met, its client hears that it ended
+            self.on_end(request.request_id)
+            self.events.finished(request, reason, token, error)
 
     def _release(self, request: EngineRequest) -> None:
         for creditor in self.kv.release(request):

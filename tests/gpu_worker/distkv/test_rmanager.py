@@ -17,7 +17,7 @@ from services.gpu_worker.distkv.block_table import BlockTable, LocalBlock, Remot
 from services.gpu_worker.distkv.rmanager import RManager, TableQueries
 from services.gpu_worker.memory.page_allocator import PoolExhausted
 from services.gpu_worker.memory.unified_pool import UnifiedPool
-from services.runtime.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from services.runtime.errors import FailedPrecondition, PermissionDenied, ResourceExhausted, Unavailable
 
 BLOCK, KV_HEADS, HEAD_DIM, HEADS, LAYERS = 4, 2, 8, 4, 2
 KV_DIM = KV_HEADS * HEAD_DIM
@@ -435,3 +435,16 @@ def test_loans_taken_back_from_a_debtor_that_lives_are_lost_to_it_not_an_error()
     assert rm.creditor_died("w1", [table]) == {0: [2, 3]}
     rm.release(table)
     mesh.assert_empty()
+
+
+def test_a_creditor_refusing_a_free_is_returned_as_lost_and_the_others_are_freed(monkeypatch):
+    mesh = Mesh()
+    rm = mesh.workers["w0"]
+    table = spread_request(mesh, 24, local=2, grants={"w1": 2, "w2": 2})
+
+    def refuse(debtor, block_ids):
+        raise PermissionDenied(f"blocks {list(block_ids)} are not lent to {debtor}")
+
+    monkeypatch.setattr(mesh.workers["w1"].lender, "free", refuse)
+    assert rm.release(table) == ["w1"]
+    assert mesh.workers["w2"].accounting().lent_blocks == {} and rm.local.allocated_blocks == 0
