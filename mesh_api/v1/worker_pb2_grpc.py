@@ -170,7 +170,10 @@ class WorkerServicer:
         debtor a block was lent to may write, attend over, read or free it. The debtor names itself
         in `debtor`; mTLS (issue 14) will bind that name to the caller's certificate.
         Lend `count` blocks, all or none; RESOURCE_EXHAUSTED past the lending cap or a full pool,
-        FAILED_PRECONDITION when the debtor's KV blocks are shaped differently.
+        FAILED_PRECONDITION when the debtor's KV blocks are shaped differently. Block ids never
+        repeat, across restarts under the same instance id too; a call naming a block not lent to
+        the debtor now (freed, taken back when its lease expired, or lent by an earlier process) is
+        NOT_FOUND: the debtor's KV there is gone, and it recomputes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
