@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,8 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     uploads: list[tuple[str, str]] = field(default_factory=list)
     deletes: list[tuple[str, str]] = field(default_factory=list)
     imports: list[tuple[str, str, str]] = field(default_factory=list)
-    generation_deadlines_s: list[float] = field(default_factory=list)
+    generation_deadlines: list[float] = field(default_factory=list)
+    """Each stream's deadline, on this process's monotonic clock (the CLI runs in it too)."""
 
     def _tenant(self, context) -> str:
         key = dict(context.invocation_metadata())["authorization"].removeprefix("Bearer ")
@@ -84,9 +86,9 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
         return self.adapters[(self._tenant(context), request.adapter)]
 
     def Generate(self, request, context):
-        """Records the seconds the caller gave the stream, and streams nothing."""
+        """Records the stream's deadline, and streams nothing."""
         self._tenant(context)
-        self.generation_deadlines_s.append(context.time_remaining())
+        self.generation_deadlines.append(time.monotonic() + context.time_remaining())
         return iter(())
 
     def DeleteAdapter(self, request, context):
@@ -196,14 +198,24 @@ def test_a_quota_wait_is_announced_as_one_not_as_an_unavailable_gateway(capsys):
 
 def test_generate_gives_the_stream_the_timeout_asked_for(gateway, tmp_path, capsys):
     servicer, address = gateway
-    assert cli(tmp_path, address, "generate", "--timeout", "300", "hi") == 0
-    assert cli(tmp_path, address, "generate", "hi") == 0
-    longer, default = servicer.generation_deadlines_s
-    # grpc rounds a deadline up on the wire, so each may arrive a little above what was asked
-    assert 100 < longer <= 301 and default <= 61, servicer.generation_deadlines_s
+    spans = []
+    for argv, asked in ((("--timeout", "300"), 300), ((), 60)):
+        started = time.monotonic()
+        assert cli(tmp_path, address, "generate", *argv, "hi") == 0
+        spans.append((asked, started, time.monotonic()))
+    # However long each command took, its deadline was set after it started and read before it
+    # ended: at least `asked` after the start, at most `asked` (+1 s: grpc rounds up on the wire)
+    # after the end.
+    for (asked, started, ended), deadline in zip(spans, servicer.generation_deadlines, strict=True):
+        assert deadline - started >= asked and deadline - ended <= asked + 1, (
+            asked,
+            started,
+            ended,
+            deadline,
+        )
     assert cli(tmp_path, address, "generate", "--timeout", "0", "hi") == 1
     assert capsys.readouterr().err.endswith("loramesh: --timeout must be above 0, got 0\n")
-    assert len(servicer.generation_deadlines_s) == 2
+    assert len(servicer.generation_deadlines) == 2
 
 
 def test_retries_must_not_be_negative(tmp_path, capsys):
