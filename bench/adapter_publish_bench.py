@@ -60,6 +60,7 @@ from pathlib import Path
 
 from grpc import aio
 
+from bench.process_cpu import snapshot, spent_ms
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from bench.side_by_side import local_mesh
 from loramesh.async_client import AsyncClient
@@ -244,7 +245,33 @@ def summary(values: list[float], what: str) -> dict:
     }
 
 
+def mesh_pids(mesh: MeshFile) -> dict[str, int]:
+    """Every process of the mesh by service name, etcd's included."""
+    pids = {name: entry.pid for name, entry in mesh.services.items() if entry.pid}
+    pids["etcd"] = mesh.etcd_pid
+    return pids
+
+
+async def cpu_per(phase, pids: dict[str, int], count: int) -> dict:
+    """CPU ms per one of ``count`` of ``phase`` (a coroutine) in each process of the mesh and in
+    this one (the SDK's and the bench's side), beside the phase's own result."""
+    before, mine = snapshot(pids), time.process_time()
+    result = await phase
+    spent = spent_ms(before, snapshot(pids), count)
+    spent["bench_client"] = {"total": round(1000 * (time.process_time() - mine) / count, 1)}
+    return {"result": result, "cpu_ms": spent}
+
+
+def cpu_difference(loaded: dict, quiet: dict, per: float) -> dict[str, float]:
+    """Per process, the CPU ms a window with publishes took beyond a quiet one's, per publish."""
+    return {
+        name: round((loaded[name]["total"] - quiet.get(name, {}).get("total", 0.0)) / per, 1)
+        for name in loaded
+    }
+
+
 async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path], others: list[Path]) -> dict:
+    pids = mesh_pids(mesh)
     tokenizer = load_tokenizer().tokenizer
     prompt_ids = tokenizer.encode(PROMPT)
     workers = [e.address for name, e in mesh.services.items() if name.startswith("gpu_worker")]
@@ -261,10 +288,24 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
                 await client.generate(PROMPT, adapter=OTHERS[i], max_tokens=2)
                 await probe(client, stubs, watch, prompt_ids, fresh[i])
 
-            probes = [
-                await probe(client, stubs, watch, prompt_ids, fresh[(2 + i) % len(fresh)])
-                for i in range(args.probes)
-            ]
+            async def base_tokens() -> None:
+                for _ in range(args.probes):
+                    await asyncio.gather(*(first_token_s(stub, prompt_ids, "") for stub in stubs))
+
+            async def probes_run() -> list[dict]:
+                return [
+                    await probe(client, stubs, watch, prompt_ids, fresh[(2 + i) % len(fresh)])
+                    for i in range(args.probes)
+                ]
+
+            # What each probe costs each process in CPU, less the base-model first tokens it
+            # makes on every worker too (timed alone, the same count): a publish's own CPU.
+            base_cpu = (await cpu_per(base_tokens(), pids, args.probes))["cpu_ms"]
+            probed = await cpu_per(probes_run(), pids, args.probes)
+            probes = probed["result"]
+            result["cpu_ms_per_probe"] = probed["cpu_ms"]
+            result["cpu_ms_per_base_first_tokens"] = base_cpu
+            result["cpu_ms_per_publish_to_every_worker"] = cpu_difference(probed["cpu_ms"], base_cpu, 1)
             result["probes"] = len(probes)
             # Workers that had the version in their pool before the bench asked for it (a pull
             # their watch started, then its preload), out of probes x workers.
@@ -278,21 +319,36 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
                 await client.adapters.publish(path, NAME)
             result["sustained_rollbacks"] = await sustained(client, rollback, args.publishes)
 
-            quiet, loaded, publishing = [], [], []
+            quiet, loaded, publishing, extra_cpu, windows_cpu = [], [], [], [], []
             for round_index in range(args.rounds):
-                quiet.append(await streams_window(client, args.streams, args.max_tokens, args.window_s))
-                streams = asyncio.create_task(
-                    streams_window(client, args.streams, args.max_tokens, args.window_s)
+                window = streams_window(client, args.streams, args.max_tokens, args.window_s)
+                quiet_run = await cpu_per(window, pids, 1)
+                quiet.append(quiet_run["result"])
+
+                async def with_publishes(offset: int) -> tuple[float, dict]:
+                    streams = asyncio.create_task(
+                        streams_window(client, args.streams, args.max_tokens, args.window_s)
+                    )
+                    paced = await paced_publishes(client, fresh, args.rate, args.window_s, offset)
+                    return await streams, paced
+
+                loaded_run = await cpu_per(with_publishes(round_index * 7), pids, 1)
+                tokens_per_s, paced = loaded_run["result"]
+                loaded.append(tokens_per_s)
+                publishing.append(paced)
+                # The CPU the publishes took on top of the streams, per publish, by process (the
+                # streams' own work differs between the windows as their throughput does).
+                extra_cpu.append(
+                    cpu_difference(loaded_run["cpu_ms"], quiet_run["cpu_ms"], paced["publishes"])
                 )
-                publishing.append(
-                    await paced_publishes(client, fresh, args.rate, args.window_s, round_index * 7)
-                )
-                loaded.append(await streams)
+                windows_cpu.append({"quiet": quiet_run["cpu_ms"], "publishing": loaded_run["cpu_ms"]})
             result["throughput"] = {
                 "quiet_tokens_per_s": [round(v, 1) for v in quiet],
                 "publishing_tokens_per_s": [round(v, 1) for v in loaded],
                 "publishing": publishing,
                 "ratio": round(statistics.median(loaded) / statistics.median(quiet), 3),
+                "extra_cpu_ms_per_publish": extra_cpu,
+                "cpu_ms_per_window": windows_cpu,
             }
         finally:
             await watch.close()

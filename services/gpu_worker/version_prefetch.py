@@ -8,8 +8,12 @@ within ``--prefetch-versions-s``, starts its pull, then its page-in (the engine'
 which only evicts idle adapters). The pull parses on a thread of low priority, as the page-in
 copies: the running batch's steps go first. The work is bounded: one pull per name at a time, and of the
 versions published meanwhile only the newest is pulled next; names no request uses any more
-cost nothing. A pull that fails is only logged: the first request for that version pulls it
-then, as without prefetching.
+cost nothing, and neither do versions published faster than requests use them: a name's next
+version is pulled ahead only once a request used the name here since its last pull ahead began
+(a training loop's publish, then its rollouts, pulls every version; a burst of publishes with no
+request between them pulls one, so it takes no CPU from the other adapters' streams). A pull
+that fails is only logged: the first request for that version pulls it then, as without
+prefetching.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class VersionPrefetch:
         """Per ``owner/name``, the pull under way."""
         self._next: dict[str, tuple[int, str]] = {}
         """Per ``owner/name``, the newest version published while a pull was under way."""
+        self._began: dict[str, float] = {}
+        """Per ``owner/name``, when its last pull ahead began (the clock's time)."""
         self.started: list[str] = []
         """The ids pulled so far, in order (read by tests and the metrics)."""
 
@@ -71,8 +77,9 @@ class VersionPrefetch:
         return True
 
     def _serves(self, name: str) -> bool:
-        """Whether a request used a host copy of a version of ``name`` here within ``within_s``."""
-        since = self.clock() - self.within_s
+        """Whether a request used a host copy of a version of ``name`` here within ``within_s``,
+        and since the name's last pull ahead began."""
+        since = max(self.clock() - self.within_s, self._began.get(name, float("-inf")))
         loader = self.loader
         return any(
             (used := loader.last_used(a)) is not None and used >= since and loader.public_name(a) == name
@@ -81,6 +88,7 @@ class VersionPrefetch:
 
     def _start(self, name: str, adapter_id: str) -> None:
         self.started.append(adapter_id)
+        self._began[name] = self.clock()
         self._pulling[name] = asyncio.create_task(self._pull(name, adapter_id))
 
     async def _pull(self, name: str, adapter_id: str) -> None:

@@ -1,6 +1,7 @@
 """A published version of a name this worker serves is pulled before any request asks for it,
 from the catalog rows' etcd watch (a real etcd): then paged in; one pull per name at a time, the
-newest of the versions published meanwhile next; names no request used lately are left alone."""
+newest of the versions published meanwhile next; names no request used lately are left alone,
+and so are versions published while no request used the name since its last pull ahead."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ async def test_a_row_created_in_etcd_for_a_served_name_is_pulled_and_paged_in(ti
 
 
 async def test_one_pull_per_name_at_a_time_then_the_newest_published_meanwhile(tiny_llama, versions):
-    prefetch, preloaded, _ = make_prefetch(tiny_llama, versions)
+    prefetch, preloaded, clock = make_prefetch(tiny_llama, versions)
     loader = prefetch.loader
     await serve(loader, "v1")
     loader.source.gate = asyncio.Event()
@@ -134,6 +135,8 @@ async def test_one_pull_per_name_at_a_time_then_the_newest_published_meanwhile(t
     await poll_until(
         lambda: asyncio.sleep(0, loader.source.fetched), lambda f: "v2" in f, "v2's pull started"
     )
+    clock.now += 1
+    await serve(loader, "v1")  # the name is used while v2 is pulled: its next versions are wanted
     assert prefetch.published(row("v4", 4)) and prefetch.published(row("v3", 3))  # out of order
     assert prefetch.started == ["v2"]
     loader.source.gate.set()
@@ -141,3 +144,21 @@ async def test_one_pull_per_name_at_a_time_then_the_newest_published_meanwhile(t
     assert "v3" not in loader.source.fetched
     assert not prefetch.published(row("v4", 4))  # held already
     assert not prefetch.published(row("x1", 1, name="never-served"))
+
+
+async def test_publishes_with_no_request_between_them_pull_one_version(tiny_llama, versions):
+    prefetch, preloaded, clock = make_prefetch(tiny_llama, versions)
+    loader = prefetch.loader
+    await serve(loader, "v1")
+    clock.now += 1
+    assert prefetch.published(row("v2", 2))
+    await poll_until(lambda: asyncio.sleep(0, preloaded), lambda p: p == ["v2"], "v2 pulled")
+    clock.now += 1
+    # No request used the name since v2's pull began: v3 is left to its first request.
+    assert not prefetch.published(row("v3", 3))
+    clock.now += 1
+    await serve(loader, "v2")  # a rollout on the version pulled ahead
+    clock.now += 1
+    assert prefetch.published(row("v4", 4))
+    await poll_until(lambda: asyncio.sleep(0, preloaded), lambda p: p == ["v2", "v4"], "v4 pulled")
+    assert prefetch.started == ["v2", "v4"] and "v3" not in loader.source.fetched
