@@ -19,15 +19,16 @@ a lookup the mirror misses asks etcd before answering NOT_FOUND (another replica
 committed it). Cut off from etcd, a replica refuses writes (UNAVAILABLE, saying why) and goes on
 serving reads of what it holds.
 
-The repository is synchronous and runs in worker threads; the etcd client is asyncio. The
-catalog runs its own event loop on a thread of its own, and each call submits a coroutine to it.
+The repository is synchronous and runs in worker threads. Transactions go to etcd from the
+calling thread and the watch runs on a thread of its own, both over a blocking gRPC channel
+(:mod:`.blocking_etcd`: no event loop to hop through on the registration's path); the other
+calls (single reads, listings, ``etcd_call``) go through aetcd's asyncio client, on an event
+loop the catalog runs on a thread of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import threading
 import time
@@ -39,6 +40,7 @@ from typing import Any, TypeVar
 import aetcd
 
 from services.adapter_store.adapter_record import AdapterRecord, DuplicateName
+from services.adapter_store.blocking_etcd import BlockingEtcd, Txn
 from services.adapter_store.catalog_changes import CatalogChanges
 from services.adapter_store.catalog_keys import (
     BlobMark,
@@ -46,8 +48,6 @@ from services.adapter_store.catalog_keys import (
     decode_row,
     encode_row,
     record_digests,
-    record_of_row,
-    text_digests,
 )
 from services.adapter_store.catalog_mirror import CatalogMirror, Seq
 from services.adapter_store.group_commit import GroupCommit
@@ -56,6 +56,7 @@ from services.adapter_store.storage_usage import StorageUsage, stored_bytes
 from services.adapter_store.tenant_storage_quota import fits
 from services.adapter_store.version_retention import kept_removals, retirement_ops
 from services.runtime.errors import Unavailable
+from services.runtime.etcd import prefix_follower
 from services.runtime.etcd.membership import (
     EtcdConnection,
     EtcdUnreachable,
@@ -64,12 +65,9 @@ from services.runtime.etcd.membership import (
 )
 from services.runtime.etcd.prefix_follower import (
     LIST_PAGE_ROWS,
-    ListingPage,
-    follow_prefix,
     prefix_end,
     range_call,
 )
-from services.runtime.process.tasks import cancel_and_wait
 from services.runtime.tenants_file import UNLIMITED, TenantLimits
 
 log = logging.getLogger("loramesh.adapter_store")
@@ -233,7 +231,9 @@ class Catalog:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="etcd-catalog", daemon=True)
         self._conn = EtcdConnection(config)
-        self._watch_task: asyncio.Task[None] | None = None
+        self._etcd = BlockingEtcd(config, lambda: self._conn.endpoint, self._reset_connection)
+        self._follower = threading.Thread(target=self._follow, name="catalog-watch", daemon=True)
+        self._closing = threading.Event()
         self._commits: GroupCommit[_Registration] = GroupCommit(self._commit_group, before_commit)
         self._listed = threading.Event()
 
@@ -245,7 +245,7 @@ class Catalog:
         if self._thread.is_alive():
             return
         self._thread.start()
-        self._submit(self._start_watch()).result()
+        self._follower.start()
         if not self._listed.wait(timeout_s):
             raise Unavailable(
                 f"cannot list the adapter catalog from etcd within {timeout_s:g} s: {self.problem}"
@@ -254,17 +254,14 @@ class Catalog:
     def close(self) -> None:
         if not self._thread.is_alive():
             return
-        self._submit(self._stop()).result()
+        self._closing.set()
+        self._etcd.close()  # ends the watch
+        self._follower.join()
+        self._submit(self._conn.close()).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
-
-    async def _start_watch(self) -> None:
-        self._watch_task = asyncio.get_running_loop().create_task(self._follow(), name="catalog-watch")
-
-    async def _stop(self) -> None:
-        await cancel_and_wait([self._watch_task])
-        await self._conn.close()
+        self._etcd.close()
 
     def _submit(self, coro: Awaitable[T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
@@ -282,6 +279,22 @@ class Catalog:
 
         return self._submit(call()).result()
 
+    def _txn(self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any], what: str):
+        """One transaction from this thread (:mod:`.catalog_txn`): ``(succeeded, responses)`` as
+        aetcd's ``transaction`` gives them; Unavailable (naming ``what`` and the cause) when etcd
+        does not answer."""
+        try:
+            return self._etcd.one(compare, success, failure, what)
+        except EtcdUnreachable as error:
+            self.problem = error.problem
+            raise Unavailable(f"adapter catalog: {error}") from None
+
+    def _reset_connection(self) -> None:
+        """etcd did not answer a transaction: the catalog's connection dials the next endpoint
+        (its watch lists again), as after a failed call on it."""
+        if self._thread.is_alive():
+            self._submit(self._conn.reset())
+
     def etcd_call(self, fn: Callable[[aetcd.Client], Awaitable[T]], what: str) -> T:
         """``fn(client)`` on the catalog's connection (as every catalog call): Unavailable,
         naming ``what`` and the cause, when etcd does not answer."""
@@ -289,49 +302,56 @@ class Catalog:
 
     # -- the watch --
 
-    async def _follow(self) -> None:
-        """List, then watch from the next revision; on any failure list again (with backoff)."""
+    def _follow(self) -> None:
+        """List, then watch from the next revision; on any failure list again (with backoff).
+        Runs on a thread of its own (:mod:`.blocking_etcd`) until the catalog closes."""
         backoff = 0.1
-        while True:
-            listing: list[Any] = []
+        while not self._closing.is_set():
             try:
-                async with contextlib.aclosing(follow_prefix(self._conn, self.keys.rows)) as updates:
-                    async for update in updates:
-                        if not isinstance(update, ListingPage):
-                            await self._apply(update)
-                            continue
-                        listing += update.kvs
-                        if update.last:
-                            rows = await asyncio.to_thread(self._decode_all, listing)
-                            self.mirror.replace(rows, update.revision)
-                            self._listed.set()
-                            self.problem, backoff = "", 0.1
-            except asyncio.CancelledError:
-                raise
+                revision = self._list_rows()
+                self._listed.set()
+                self.problem, backoff = "", 0.1
+                start, end = self.keys.rows.encode(), prefix_end(self.keys.rows)
+                for response in self._etcd.watch(start, end, revision + 1, "watch the adapter catalog"):
+                    for event in response.events:
+                        self._apply(event)
             except Exception as error:  # noqa: BLE001 - any failure: list again
-                self.problem = f"etcd at {self._conn.endpoint} unreachable ({describe_etcd_error(error)})"
+                if self._closing.is_set():
+                    return
+                self.problem = (
+                    error.problem
+                    if isinstance(error, EtcdUnreachable)
+                    else f"etcd at {self._conn.endpoint} unreachable ({describe_etcd_error(error)})"
+                )
                 log.warning("adapter catalog watch failed: %s; listing again", self.problem)
-                await self._conn.reset()
-                await asyncio.sleep(backoff)
+                self._closing.wait(backoff)
                 backoff = min(_MAX_BACKOFF_S, backoff * 2)
 
-    def _decode_all(self, listing: Any) -> list[tuple[int, AdapterRecord]]:
-        return [(kv.create_revision, decode_row(kv.value, self._read_text)) for kv in listing]
+    def _list_rows(self) -> int:
+        """Every row into the mirror, read at one revision a page at a time; that revision."""
+        start, end, revision, rows = self.keys.rows.encode(), prefix_end(self.keys.rows), 0, []
+        while True:
+            reply = self._etcd.range_page(
+                start, end, prefix_follower.LIST_PAGE_ROWS, revision, "list the adapter catalog"
+            )
+            revision = revision or reply.header.revision
+            rows += [(kv.create_revision, decode_row(kv.value, self._read_text)) for kv in reply.kvs]
+            if not reply.more:
+                break
+            start = reply.kvs[-1].key + b"\0"
+        self.mirror.replace(rows, revision)
+        return revision
 
-    async def _apply(self, event: Any) -> None:
+    def _apply(self, event: Any) -> None:
+        """One watch event (an etcd ``mvccpb.Event``)."""
         kv = event.kv
-        if event.kind == aetcd.EventKind.PUT:
+        if event.type == event.PUT:
             if kv.version == 1 and self.mirror.get(self.keys.row_id(kv.key)) is not None:
                 # A row's first write, already held: this replica's own registration, applied
                 # when it committed (CatalogMirror.apply_own). Nothing to decode.
                 self.mirror.advance(kv.mod_revision)
                 return
-            row = json.loads(kv.value)
-            if self._read_text.holds(text_digests(row)):  # the common case: no blob to read
-                record = record_of_row(row, self._read_text)
-            else:
-                record = await asyncio.to_thread(record_of_row, row, self._read_text)
-            self.mirror.upsert(kv.create_revision, record, kv.mod_revision)
+            self.mirror.upsert(kv.create_revision, decode_row(kv.value, self._read_text), kv.mod_revision)
         else:
             self.mirror.remove(self.keys.row_id(kv.key), kv.mod_revision)
 
@@ -389,11 +409,11 @@ class Catalog:
     ) -> PreparedRegistration:
         """Read, in one revision, what a registration of ``(owner, name)`` relying on the blobs
         ``digests`` will be committed against (the owner's usage too, ``with_usage``)."""
-        _, responses = self._call(
-            lambda c: c.transaction(
-                compare=[], success=self._state_reads(owner, name, digests, with_usage), failure=[]
-            ),
-            "read a name",
+        _, responses = self._txn(
+            compare=[],
+            success=self._state_reads(owner, name, digests, with_usage),
+            failure=[],
+            what="read a name",
         )
         return self._prepared(responses, digests, with_usage)
 
@@ -462,26 +482,22 @@ class Catalog:
         changed = 0
         for owner, adapter_id in rows.keys() - entries.keys():
             entry, row = self.keys.usage_entry(owner, adapter_id).encode(), self.keys.row(adapter_id).encode()
-            succeeded, _ = self._call(
-                lambda c, entry=entry, row=row, record=rows[owner, adapter_id]: c.transaction(
-                    compare=[t.Version(row) > 0, t.Version(entry) == 0],
-                    success=[usage_put(self.keys, record)],
-                    failure=[],
-                ),
-                "write a usage entry",
+            succeeded, _ = self._txn(
+                compare=[t.Version(row) > 0, t.Version(entry) == 0],
+                success=[usage_put(self.keys, rows[owner, adapter_id])],
+                failure=[],
+                what="write a usage entry",
             )
             changed += succeeded
         for (owner, adapter_id), mod_revision in entries.items():
             if (owner, adapter_id) in rows:
                 continue
             entry, row = self.keys.usage_entry(owner, adapter_id).encode(), self.keys.row(adapter_id).encode()
-            succeeded, _ = self._call(
-                lambda c, entry=entry, row=row, mod_revision=mod_revision: c.transaction(
-                    compare=[t.Version(row) == 0, t.Mod(entry) == mod_revision],
-                    success=[t.Delete(entry)],
-                    failure=[],
-                ),
-                "remove a usage entry",
+            succeeded, _ = self._txn(
+                compare=[t.Version(row) == 0, t.Mod(entry) == mod_revision],
+                success=[t.Delete(entry)],
+                failure=[],
+                what="remove a usage entry",
             )
             changed += succeeded
         if changed:
@@ -527,14 +543,7 @@ class Catalog:
             results.update(self._rebase(chunk))
             pending = [r for r in chunk if id(r) not in results]
             if len(pending) > 1:
-                compare = [c for r in pending for c in r.compare(self.keys)]
-                success = [op for r in pending for op in r.ops(self.keys)]
-                succeeded, responses = self._call(
-                    lambda c, compare=compare, success=success: c.transaction(
-                        compare=compare, success=success, failure=[]
-                    ),
-                    "commit registrations",
-                )
+                succeeded, responses = self._txn(*self._chunk_txn(pending), what="commit registrations")
                 if succeeded:
                     for registration in pending:
                         registration.committed = _revision(responses[0])
@@ -549,38 +558,27 @@ class Catalog:
         proposal and one WAL flush instead of one after another (none depends on another:
         their checks are on keys of their own). A chunk whose checks fail is committed one by
         one, as :meth:`_commit_group` does."""
-
-        async def commit_all() -> list:
-            return await asyncio.gather(
-                *(self._conn.checked_call(lambda c, chunk=chunk: self._commit_chunk(c, chunk), "commit registrations")
-                  for chunk in chunks),
-                return_exceptions=True,
-            )  # fmt: skip
-
+        outcomes = self._etcd.at_once([self._chunk_txn(chunk) for chunk in chunks], "commit registrations")
         results: list[Exception | None] = []
-        for chunk, outcome in zip(chunks, self._submit(commit_all()).result(), strict=True):
+        for chunk, outcome in zip(chunks, outcomes, strict=True):
             if isinstance(outcome, EtcdUnreachable):
                 self.problem = outcome.problem
                 results += [Unavailable(f"adapter catalog: {outcome}")] * len(chunk)
-            elif isinstance(outcome, BaseException):
-                results += [outcome] * len(chunk)  # type: ignore[list-item]
-            elif outcome:
+            elif outcome[0]:
                 for registration in chunk:
-                    registration.committed = outcome
+                    registration.committed = _revision(outcome[1][0])
                 results += [None] * len(chunk)
             else:
                 results += [self._commit_alone(r) for r in chunk]
         return results
 
-    async def _commit_chunk(self, client: aetcd.Client, chunk: Sequence[_Registration]) -> int:
-        """One chunk's registrations in one transaction: the revision it committed at, 0 when its
-        checks failed."""
-        succeeded, responses = await client.transaction(
-            compare=[c for r in chunk for c in r.compare(self.keys)],
-            success=[op for r in chunk for op in r.ops(self.keys)],
-            failure=[],
+    def _chunk_txn(self, chunk: Sequence[_Registration]) -> Txn:
+        """One chunk's registrations in one transaction."""
+        return (
+            [c for r in chunk for c in r.compare(self.keys)],
+            [op for r in chunk for op in r.ops(self.keys)],
+            [],
         )
-        return _revision(responses[0]) if succeeded else 0
 
     def _rebase(self, chunk: Sequence[_Registration]) -> dict[int, Exception]:
         """Check the registrations under a storage quota against their owners' usage read now
@@ -595,13 +593,11 @@ class Catalog:
         if not owners:
             return {}
         t = aetcd.transactions
-        _, responses = self._call(
-            lambda c: c.transaction(
-                compare=[],
-                success=[t.Get(self.keys.usage(o).encode(), prefix_end(self.keys.usage(o))) for o in owners],
-                failure=[],
-            ),
-            "read the owners' usage",
+        _, responses = self._txn(
+            compare=[],
+            success=[t.Get(self.keys.usage(o).encode(), prefix_end(self.keys.usage(o))) for o in owners],
+            failure=[],
+            what="read the owners' usage",
         )
         usage = {
             owner: StorageUsage.of_entries((value, kv.create_revision) for value, kv in entries)
@@ -633,13 +629,11 @@ class Catalog:
         with_usage = prepared.usage is not None
         reads = self._state_reads(record.owner, record.name, set(prepared.blobs), with_usage)
         try:
-            succeeded, responses = self._call(
-                lambda c: c.transaction(
-                    compare=registration.compare(self.keys),
-                    success=registration.ops(self.keys),
-                    failure=reads,
-                ),
-                "commit a registration",
+            succeeded, responses = self._txn(
+                compare=registration.compare(self.keys),
+                success=registration.ops(self.keys),
+                failure=reads,
+                what="commit a registration",
             )
         except Unavailable as error:
             return error
@@ -664,13 +658,11 @@ class Catalog:
             *(t.Put(self.keys.ref(d, record.id).encode(), b"") for d in set(record_digests(record).values())),
             usage_put(self.keys, record),
         ]
-        succeeded, responses = self._call(
-            lambda c: c.transaction(
-                compare=[t.Version(row_key) == 0, t.Create(name_key) == 0],
-                success=success,
-                failure=[t.Get(row_key)],
-            ),
-            "migrate a row",
+        succeeded, responses = self._txn(
+            compare=[t.Version(row_key) == 0, t.Create(name_key) == 0],
+            success=success,
+            failure=[t.Get(row_key)],
+            what="migrate a row",
         )
         if succeeded:
             self._await_mirror(lambda: self.mirror.get(record.id) is not None, f"adapter {record.id}")
@@ -686,14 +678,12 @@ class Catalog:
         row_key = self.keys.row(record.id).encode()
         kept = [other for other in self.mirror.versions(record.owner, record.name) if other.id != record.id]
         for ops in kept_removals(self.keys, kept):
-            self._call(
-                lambda c, ops=ops: c.transaction(compare=[], success=ops, failure=[]), "delete versions"
-            )
-        succeeded, _ = self._call(
-            lambda c: c.transaction(
-                compare=[t.Version(row_key) > 0], success=row_removal(self.keys, record, True), failure=[]
-            ),
-            "delete an adapter",
+            self._txn(compare=[], success=ops, failure=[], what="delete versions")
+        succeeded, _ = self._txn(
+            compare=[t.Version(row_key) > 0],
+            success=row_removal(self.keys, record, True),
+            failure=[],
+            what="delete an adapter",
         )
         if succeeded:
             self._await_mirror(
@@ -706,13 +696,11 @@ class Catalog:
         """Rewrite ``record``'s row with ``pinned``; False when it is no longer in the catalog."""
         t = aetcd.transactions
         row_key = self.keys.row(record.id).encode()
-        succeeded, _ = self._call(
-            lambda c: c.transaction(
-                compare=[t.Version(row_key) > 0],
-                success=[t.Put(row_key, encode_row(replace(record, pinned=pinned)))],
-                failure=[],
-            ),
-            "pin an adapter",
+        succeeded, _ = self._txn(
+            compare=[t.Version(row_key) > 0],
+            success=[t.Put(row_key, encode_row(replace(record, pinned=pinned)))],
+            failure=[],
+            what="pin an adapter",
         )
         if succeeded:
             self._await_mirror(
@@ -730,16 +718,14 @@ class Catalog:
         refs = self.keys.refs(digest)
         found = self._call(lambda c: c.get(mark_key), "read a blob mark")
         mark = BlobMark("collecting", int(time.time() * 1000), self.replica_id)
-        succeeded, responses = self._call(
-            lambda c: c.transaction(
-                compare=[
-                    t.Mod(mark_key) == (found.mod_revision if found else 0),
-                    t.Version(refs.encode(), range_end=prefix_end(refs)) == 0,
-                ],
-                success=[t.Put(mark_key, mark.encode())],
-                failure=[],
-            ),
-            "mark a blob for collection",
+        succeeded, responses = self._txn(
+            compare=[
+                t.Mod(mark_key) == (found.mod_revision if found else 0),
+                t.Version(refs.encode(), range_end=prefix_end(refs)) == 0,
+            ],
+            success=[t.Put(mark_key, mark.encode())],
+            failure=[],
+            what="mark a blob for collection",
         )
         return _revision(responses[0]) if succeeded else 0
 
@@ -749,13 +735,11 @@ class Catalog:
         t = aetcd.transactions
         mark_key = self.keys.blob_mark(digest).encode()
         mark = BlobMark("collected", int(time.time() * 1000), self.replica_id)
-        succeeded, _ = self._call(
-            lambda c: c.transaction(
-                compare=[t.Mod(mark_key) == mark_revision],
-                success=[t.Put(mark_key, mark.encode())],
-                failure=[],
-            ),
-            "record a collected blob",
+        succeeded, _ = self._txn(
+            compare=[t.Mod(mark_key) == mark_revision],
+            success=[t.Put(mark_key, mark.encode())],
+            failure=[],
+            what="record a collected blob",
         )
         return succeeded
 

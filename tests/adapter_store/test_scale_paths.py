@@ -325,13 +325,13 @@ def test_registrations_too_many_for_one_transaction_commit_at_once_and_a_conflic
 
     catalog._commits._flush = held_flush
     chunks: list[int] = []
-    commit_chunk = catalog._commit_chunk
+    chunk_txn = catalog._chunk_txn
 
-    async def counting_chunk(client, chunk):
+    def counting_chunk(chunk):
         chunks.append(len(chunk))
-        return await commit_chunk(client, chunk)
+        return chunk_txn(chunk)
 
-    catalog._commit_chunk = counting_chunk
+    catalog._chunk_txn = counting_chunk
     catalog._commits._queue_lock = queue_lock = WatchedLock()
     outcomes: dict[str, str] = {}
 

@@ -252,6 +252,14 @@ def _split_member_key(config: MembershipConfig, key: str | bytes) -> tuple[str, 
 # -- connection ------------------------------------------------------------------------------
 
 
+def channel_options(config: MembershipConfig) -> dict[str, Any]:
+    """The gRPC channel options of every etcd client of ``config``."""
+    # gRPC's "min reconnect backoff" is its connect deadline (TCP, TLS and the server's first
+    # SETTINGS frame). At 100 ms, what it once was, no connection over 50 ms of round trip with
+    # TLS, or one losing a packet of its handshake, ever completed.
+    return {**_CHANNEL_OPTIONS, "grpc.min_reconnect_backoff_ms": int(config.call_timeout_s * 1000)}
+
+
 class EtcdConnection:
     """One aetcd client at a time over the configured endpoints; ``reset`` drops it (and moves
     to the next endpoint) so the next call dials afresh."""
@@ -270,19 +278,12 @@ class EtcdConnection:
     def client(self) -> aetcd.Client:
         if self._client is None:
             host, port = self._endpoints[self._index]
-            # gRPC's "min reconnect backoff" is its connect deadline (TCP, TLS and the server's
-            # first SETTINGS frame). At 100 ms, what it once was, no connection over 50 ms of
-            # round trip with TLS, or one losing a packet of its handshake, ever completed.
-            options = {
-                **_CHANNEL_OPTIONS,
-                "grpc.min_reconnect_backoff_ms": int(self.config.call_timeout_s * 1000),
-            }
             self._client = etcd_client(
                 host,
                 port,
                 self.config.tls,
                 timeout=self.config.call_timeout_s,
-                options=options,
+                options=channel_options(self.config),
                 connect_wait_timeout=max(1, int(self.config.call_timeout_s)),
             )
         return self._client

@@ -1,0 +1,187 @@
+"""The catalog's etcd calls on a blocking gRPC channel: transactions and ranges from the calling
+thread, and the watch on a thread of the catalog's own.
+
+Every registration is a transaction, and every replica's watch delivers every registration.
+Through aetcd's asyncio client each commit took a hop to the catalog's event loop and one back,
+each watch response a hop from gRPC's asyncio poller thread to that loop and a chain of
+coroutines: the loop thread and the poller took a quarter of a replica's CPU while registering
+(issue 48). A blocking call waits in gRPC's core on the thread that commits, and the watch's
+thread takes each response as it comes, with nothing to wake in between.
+
+Transactions are given as aetcd's ``transactions`` objects (compares, ``Put``, ``Get``,
+``Delete``), and answered as aetcd's ``Client.transaction`` answers: ``(succeeded, responses)``,
+a range's response as ``[(value, rtypes.Get)]``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from aetcd import rpc, rtypes, transactions
+
+from services.runtime.etcd.membership import EtcdUnreachable, MembershipConfig, channel_options
+from services.runtime.security.tls import sync_channel
+
+Txn = tuple[Sequence[Any], Sequence[Any], Sequence[Any]]
+"""``(compare, success, failure)``, as aetcd's ``Client.transaction`` takes them."""
+
+
+def txn_request(compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any]) -> Any:
+    """The ``TxnRequest`` of one transaction."""
+    return rpc.TxnRequest(
+        compare=[c.build_message() for c in compare], success=_ops(success), failure=_ops(failure)
+    )
+
+
+def _ops(ops: Sequence[Any]) -> list[Any]:
+    out = []
+    for op in ops:
+        if isinstance(op, transactions.Put):
+            lease = op.lease if isinstance(op.lease, int) or op.lease is None else op.lease.id
+            put = rpc.PutRequest(key=op.key, value=op.value, lease=lease or 0, prev_kv=op.prev_kv)
+            out.append(rpc.RequestOp(request_put=put))
+        elif isinstance(op, transactions.Get):
+            out.append(
+                rpc.RequestOp(request_range=rpc.RangeRequest(key=op.key, range_end=op.range_end or b""))
+            )
+        elif isinstance(op, transactions.Delete):
+            delete = rpc.DeleteRangeRequest(key=op.key, range_end=op.range_end or b"", prev_kv=op.prev_kv)
+            out.append(rpc.RequestOp(request_delete_range=delete))
+        else:
+            raise TypeError(f"not a catalog transaction's operation: {op!r}")
+    return out
+
+
+def txn_outcome(reply: Any) -> tuple[bool, list[Any]]:
+    """``(succeeded, responses)`` of a ``TxnResponse``, as aetcd gives them."""
+    responses: list[Any] = []
+    for response in reply.responses:
+        if response.WhichOneof("response") == "response_range":
+            responses.append([(kv.value, rtypes.Get(reply.header, kv)) for kv in response.response_range.kvs])
+        else:
+            responses.append(response)
+    return reply.succeeded, responses
+
+
+class BlockingEtcd:
+    """Calls on one blocking channel to the endpoint ``endpoint()`` names (the catalog's asyncio
+    connection's: both move to the next endpoint together). ``on_failure()`` is called when etcd
+    did not answer (the catalog resets its asyncio connection: the next endpoint); this channel
+    is dropped too, and the next call dials afresh."""
+
+    def __init__(self, config: MembershipConfig, endpoint: Callable[[], str], on_failure: Callable[[], None]):
+        self._config = config
+        self._endpoint = endpoint
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._channel_endpoint = ""
+        self._stub: Any = None
+        self._timeout = config.call_timeout_s
+        self._watches: set[Any] = set()
+        """The watch calls open now (:meth:`close` cancels them)."""
+
+    def one(self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any], what: str):
+        """One transaction: ``(succeeded, responses)``; :class:`EtcdUnreachable` (naming ``what``
+        and the cause) when etcd does not answer."""
+        stub, channel, endpoint = self._current()
+        try:
+            return txn_outcome(stub.Txn(txn_request(compare, success, failure), timeout=self._timeout))
+        except grpc.RpcError as error:
+            raise self._failed(channel, endpoint, error, what) from None
+
+    def at_once(self, txns: Sequence[Txn], what: str) -> list[tuple[bool, list[Any]] | EtcdUnreachable]:
+        """Send ``txns`` at once (etcd may commit them in one proposal) and wait for every
+        answer: each one's ``(succeeded, responses)``, or :class:`EtcdUnreachable`."""
+        stub, channel, endpoint = self._current()
+        calls = [stub.Txn.future(txn_request(*txn), timeout=self._timeout) for txn in txns]
+        outcomes: list[tuple[bool, list[Any]] | EtcdUnreachable] = []
+        for call in calls:
+            try:
+                outcomes.append(txn_outcome(call.result()))
+            except grpc.RpcError as error:
+                outcomes.append(self._failed(channel, endpoint, error, what))
+        return outcomes
+
+    def range_page(self, key: bytes, range_end: bytes, limit: int, revision: int, what: str) -> Any:
+        """One ``Range`` call (at ``revision``, 0: the newest), its ``RangeResponse``."""
+        stub, channel, endpoint = self._current()
+        request = rpc.RangeRequest(key=key, range_end=range_end, limit=limit, revision=revision)
+        try:
+            return stub.Range(request, timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise self._failed(channel, endpoint, error, what) from None
+
+    def watch(self, key: bytes, range_end: bytes, start_revision: int, what: str) -> Iterator[Any]:
+        """The ``WatchResponse`` s of every change of ``[key, range_end)`` from ``start_revision``
+        on. It ends only by raising :class:`EtcdUnreachable` (etcd unreachable, the watch
+        cancelled or its revision compacted away), or when :meth:`close` cancels it."""
+        _, channel, endpoint = self._current()
+        create = rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
+        ended = threading.Event()
+
+        def requests() -> Iterator[Any]:
+            yield rpc.WatchRequest(create_request=create)
+            ended.wait()  # etcd ends a watch whose stream the client half-closed
+
+        call = rpc.WatchStub(channel).Watch(requests())
+        with self._lock:
+            self._watches.add(call)
+        try:
+            for response in call:
+                if response.canceled or response.compact_revision:
+                    reason = response.cancel_reason or f"compacted at revision {response.compact_revision}"
+                    raise EtcdUnreachable(what, f"etcd at {endpoint} ended the watch ({reason})")
+                yield response
+            raise EtcdUnreachable(what, f"etcd at {endpoint} ended the watch")
+        except grpc.RpcError as error:
+            raise self._failed(channel, endpoint, error, what) from None
+        finally:
+            ended.set()
+            call.cancel()
+            with self._lock:
+                self._watches.discard(call)
+
+    def _failed(
+        self, channel: grpc.Channel, endpoint: str, error: grpc.RpcError, what: str
+    ) -> EtcdUnreachable:
+        with self._lock:
+            current = self._channel is channel
+            if current:
+                self._close()
+        if current:  # else another call's failure dropped the channel (and reset) already
+            self._on_failure()
+        return EtcdUnreachable(what, f"etcd at {endpoint} unreachable ({_describe(error)})")
+
+    def _current(self) -> tuple[Any, grpc.Channel, str]:
+        endpoint = self._endpoint()
+        with self._lock:
+            if self._channel is None or self._channel_endpoint != endpoint:
+                self._close()
+                options = list(channel_options(self._config).items())
+                self._channel = sync_channel(endpoint, self._config.tls, options)
+                self._channel_endpoint, self._stub = endpoint, rpc.KVStub(self._channel)
+            return self._stub, self._channel, endpoint
+
+    def _close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel, self._stub = None, None
+
+    def close(self) -> None:
+        """Cancel the open watches and close the channel."""
+        with self._lock:
+            for call in self._watches:
+                call.cancel()
+            self._close()
+
+
+def _describe(error: grpc.RpcError) -> str:
+    code = error.code() if isinstance(error, grpc.Call) else None
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timed out"
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    return f"{code.name if code else type(error).__name__}: {details}"
