@@ -60,7 +60,7 @@ from pathlib import Path
 
 from grpc import aio
 
-from bench.process_cpu import snapshot, spent_ms
+from bench.process_cpu import MACHINE, snapshot, spent_ms
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from bench.side_by_side import local_mesh
 from loramesh.async_client import AsyncClient
@@ -259,6 +259,9 @@ async def cpu_per(phase, pids: dict[str, int], count: int) -> dict:
     result = await phase
     spent = spent_ms(before, snapshot(pids), count)
     spent["bench_client"] = {"total": round(1000 * (time.process_time() - mine) / count, 1)}
+    # What other users of a shared machine took meanwhile (their load moves the figures).
+    ours = sum(threads["total"] for name, threads in spent.items() if name != MACHINE)
+    spent["outside_mesh"] = {"total": round(spent[MACHINE]["total"] - ours, 1)}
     return {"result": result, "cpu_ms": spent}
 
 

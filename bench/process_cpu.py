@@ -34,10 +34,21 @@ def thread_kind(name: str, nice: int, main: bool) -> str:
     return f"{kind}@nice{nice}" if nice else kind
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (``/proc/stat``: every state but idle and
+    iowait), every process's, others' included."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) * TICK_S
+
+
+MACHINE = "machine"
+"""The entry of :func:`snapshot` holding the whole machine's busy CPU."""
+
+
 def snapshot(pids: Mapping[str, int]) -> dict[str, dict[str, float]]:
     """Per service, CPU seconds so far: ``"total"`` (the process, its ended threads included)
-    and each thread kind's, of the threads alive now."""
-    taken: dict[str, dict[str, float]] = {}
+    and each thread kind's, of the threads alive now; and :data:`MACHINE`'s."""
+    taken: dict[str, dict[str, float]] = {MACHINE: {"total": machine_busy_s()}}
     for service, pid in pids.items():
         total = _stat_cpu_s(Path(f"/proc/{pid}/stat"))[2]
         threads: dict[str, float] = {"total": total}
