@@ -34,6 +34,7 @@
 #define LANES 8         /* query heads per pass: one vector lane each */
 #define MAX_LEVELS 40   /* tree levels: 2^39 blocks */
 #define QUERY_GROUP 16  /* queries of one sequence that go over its blocks together (prefill) */
+#define ITEMS_PER_THREAD 8 /* work items per thread below which query groups are shortened */
 #define MAX_BLOCK_TOKENS 256
 /* Below this many (query, key, dim) products one thread is done before a second one starts.
  * A decode's KV is cold (the weights streamed through the caches since the last step), and a
@@ -279,8 +280,8 @@ typedef struct {
 } attention_call;
 
 /* Attention of each query over its context (blocks 0 .. position / block_tokens of its table).
- * Consecutive queries with one table (a prefill) go over its blocks QUERY_GROUP at a time, each
- * block loaded once for all of them; each query keeps its own tree, so grouping changes no bit.
+ * Consecutive queries with one table (a prefill) go over its blocks up to QUERY_GROUP at a time,
+ * each block loaded once for all of them; each query keeps its own tree, so grouping changes no bit.
  * Returns 0, -1 when out of memory, -2 on a shape the kernel does not handle. */
 int invariant_attention(const attention_call *c) {
     const shape sh = {c->num_heads, c->num_kv_heads, c->head_dim, c->block_tokens, (float)c->scale};
@@ -289,21 +290,29 @@ int invariant_attention(const attention_call *c) {
     const int64_t chunks = (group + LANES - 1) / LANES; /* passes over one kv head's query heads */
     const int pdt = (int)c->pool_dtype, qdt = (int)c->q_dtype, odt = (int)c->out_dtype;
     const int64_t row_bytes = kv_dim * (int64_t)dtype_size(pdt), block_bytes = sh.block_tokens * row_bytes;
-    /* Query groups: runs of at most QUERY_GROUP consecutive rows reading one table. */
-    int64_t *starts = malloc(sizeof(int64_t) * (c->num_rows + 1));
-    if (!starts) return -1;
-    int64_t groups = 0, work = 0, max_position = 0;
+    int64_t work = 0, max_position = 0;
     for (int64_t i = 0; i < c->num_rows; i++) {
         const int64_t position = c->positions[c->rows[i]];
         work += (position + 1) * sh.num_heads * d;
         max_position = position > max_position ? position : max_position;
-        if (i == 0 || c->table_of_row[i] != c->table_of_row[i - 1] || i - starts[groups - 1] == QUERY_GROUP)
-            starts[groups++] = i;
     }
+    int threads = work < PARALLEL_MIN_WORK || c->num_threads < 1 ? 1 : (int)c->num_threads;
+    /* Query groups: runs of at most `run` consecutive rows reading one table. Grouping saves
+     * block loads but makes few items: a step verifying one request's 1 + k drafts is one run,
+     * as many items as kv heads (3 on 2 threads: 2 against 1). Runs are shortened until the
+     * items are ITEMS_PER_THREAD per thread where the rows allow (the same bits either way). */
+    const int64_t per_row = sh.num_kv_heads * chunks;
+    int64_t run = c->num_rows * per_row / (ITEMS_PER_THREAD * threads);
+    run = run < 1 ? 1 : run > QUERY_GROUP ? QUERY_GROUP : run;
+    int64_t *starts = malloc(sizeof(int64_t) * (c->num_rows + 1));
+    if (!starts) return -1;
+    int64_t groups = 0;
+    for (int64_t i = 0; i < c->num_rows; i++)
+        if (i == 0 || c->table_of_row[i] != c->table_of_row[i - 1] || i - starts[groups - 1] == run)
+            starts[groups++] = i;
     starts[groups] = c->num_rows;
     const int levels = levels_for(max_position / sh.block_tokens + 1);
-    const int64_t items = groups * sh.num_kv_heads * chunks;
-    int threads = work < PARALLEL_MIN_WORK || c->num_threads < 1 ? 1 : (int)c->num_threads;
+    const int64_t items = groups * per_row;
     int failed = 0;
 
 #pragma omp parallel num_threads(threads) if (threads > 1)

@@ -10,6 +10,8 @@ was a quarter of the step (bench/HISTORY.md, "Quantized base weights and the CPU
   layer prepares it and then run by setting the pointers that change (the layer's weights);
 - the outputs go to buffers allocated once per step, and the LoRA deltas are added into views of
   the fused qkv / gate_up outputs (no copies);
+- the step's attention is one call per layer, its decode group and its spans (prompts, drafts to
+  verify) merged (``merged_queries``);
 - every value is computed as :class:`~services.gpu_worker.model.step_ops.TorchStepOps` computes it
   with ``native`` on: the same bits (``tests/gpu_worker/model/test_fused_glue.py``).
 
@@ -27,6 +29,7 @@ from services.gpu_worker.attention.chunked_attention import LocalQueries
 from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.kernels import cpu_invariant, cpu_quant
 from services.gpu_worker.kernels.cpu_invariant import PreparedCall
+from services.gpu_worker.model.merged_queries import merged_queries
 from services.gpu_worker.model.quantized_weight import QuantizedWeight
 from services.gpu_worker.model.step_batch import StepBatch
 from services.gpu_worker.model.step_ops import Linear, TorchStepOps
@@ -38,8 +41,10 @@ if TYPE_CHECKING:
 class NativeStepOps(TorchStepOps):
     """:class:`TorchStepOps`' interface (``native`` on), each op one prepared native call."""
 
-    def __init__(self, model: LlamaModel, batch: StepBatch, pool: PoolView, linear: Linear, queries: list[LocalQueries]):
-        super().__init__(model, batch, pool, linear, True, queries)
+    def __init__(
+        self, model: LlamaModel, batch: StepBatch, pool: PoolView, linear: Linear, queries: list[LocalQueries]
+    ):
+        super().__init__(model, batch, pool, linear, True, merged_queries(queries))
         tokens, dtype = batch.token_ids.numel(), model.compute_dtype
         self._tokens = tokens
         self._norm_out = torch.empty(tokens, model.config.hidden_size, dtype=dtype)

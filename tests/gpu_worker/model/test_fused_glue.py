@@ -70,28 +70,39 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype):
 
 
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
-def test_the_fused_glue_gives_the_torch_glues_logits(tiny_llama, tiny_spec_dir, compute, monkeypatch):
-    """A batch of requests with and without adapters, prefilled then decoded, both ways."""
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_the_fused_glue_gives_the_torch_glues_logits(
+    tiny_llama, tiny_spec_dir, compute, speculative, monkeypatch
+):
+    """A batch of requests with and without adapters, prefilled then decoded, both ways; with
+    ``ngram``, the repeating prompts draft, so steps verify drafts beside plain decode rows (the
+    fused glue's attention merges them into one call)."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, compute)
     assert model.native_kernels
+    drafted: list[int] = []
 
     def run() -> dict[str, list[torch.Tensor]]:
-        engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4))
+        engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, speculative=speculative))
         engine.add_adapter(read_peft_directory("all", tiny_spec_dir, compute))
         logits: dict[str, list[torch.Tensor]] = {}
         engine.on_logits = lambda rid, row: logits.setdefault(rid, []).append(row.clone())
-        sampling = SamplingParams(max_tokens=5, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=5 if speculative == "off" else 12, ignore_eos=True)
         for i, (length, adapter) in enumerate([(9, "all"), (3, None), (17, "all"), (6, None)]):
             prompt = tuple(range(10 + i, 10 + i + length))
+            if speculative != "off" and i % 2 == 0:
+                prompt = (prompt * 3)[: 2 * length]
             engine.submit(GenerationRequest(f"r{i}", prompt, sampling, adapter), lambda event: None)
         while engine.has_work():
             engine.step()
+        if engine.speculator is not None:
+            drafted.append(sum(engine.speculator.counts.drafted.values()))
         return logits
 
     fused = run()
     monkeypatch.setattr(LlamaModel, "_fused_glue", lambda self, batch, native: False)
     unfused = run()
     assert fused.keys() == unfused.keys() and len(fused) == 4
+    assert speculative == "off" or drafted[0] > 0
     for rid, rows in fused.items():
         assert all(torch.equal(a, b) for a, b in zip(rows, unfused[rid], strict=True)), rid
 
