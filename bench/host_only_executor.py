@@ -23,15 +23,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
+from services.gpu_worker.engine.decode_delta import DecodeDelta
 from services.gpu_worker.engine.step_plan import StepPlan
-from services.gpu_worker.executor.plan_delta import DecodeDelta
 from services.gpu_worker.executor.step_builder import StepBuilder
 from services.gpu_worker.executor.step_inputs import StepInputs
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import AdapterResidency, ResidentAdapter
 from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.step_batch import StepBatch
-from services.model_files.model_config import BaseModelSpec
+from services.model_files.model_config import BaseModelSpec, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,55 @@ class HostOnlyExecutor:
             return self.builder.build(plan, self._resident.get)
         return self.inputs.build(plan, self._resident.get)
 
-    def execute_decode(self, delta: DecodeDelta) -> StepBatch:
-        """A steady decode step handed over as what changed (the persistent path only)."""
+    def execute_decode(self, delta: DecodeDelta) -> StepBatch | None:
+        """A steady decode step handed over as what changed (the persistent path only; None
+        when its rows are not the last step's)."""
         return self.inputs.decode(delta, self._resident.get)
+
+
+class HostOnlyEngineExecutor:
+    """The engine's :class:`~services.gpu_worker.engine.executor.Executor` over a
+    :class:`HostOnlyExecutor`: each step's inputs built as the GPU path builds them, then fixed
+    logits (every row's argmax token ``token``) in place of the model's, so an engine runs its
+    whole step (policy, KV, plan or delta, sampling, events) with no kernel."""
+
+    supports_merging = False
+    supports_lending = False
+
+    def __init__(self, host: HostOnlyExecutor, config: ModelConfig, token: int = 5, deltas: bool = True):
+        """``config``: the model config the engine reads (its vocabulary sizes the logits);
+        ``deltas``: take steady decode steps as deltas (False: decline them, plans only)."""
+        self.host = host
+        self.config = config
+        self.view = host.view
+        self.deltas = deltas
+        self._token = token
+        self._logits: dict[int, torch.Tensor] = {}
+
+    def _rows(self, n: int) -> torch.Tensor:
+        logits = self._logits.get(n)
+        if logits is None:
+            logits = self._logits[n] = torch.zeros(n, self.config.vocab_size)
+            logits[:, self._token] = 1
+        return logits
+
+    def prepare_adapter(self, adapter: HostAdapter) -> HostAdapter:
+        return adapter
+
+    def load_adapter(self, adapter: HostAdapter, resident: ResidentAdapter) -> None:
+        self.host._resident[adapter.adapter_id] = resident
+
+    def evict_adapter(self, adapter_id: str) -> None:
+        self.host._resident.pop(adapter_id, None)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        self.host.execute(plan)
+        return self._rows(sum(r.logits_rows for r in plan.requests))
+
+    def execute_decode(self, delta: DecodeDelta) -> torch.Tensor | None:
+        if not self.deltas or self.host.execute_decode(delta) is None:
+            return None
+        return self._rows(len(delta.token_ids))
+
+    def close(self) -> None:
+        """Nothing held beyond memory."""

@@ -34,7 +34,10 @@ before).
 
 Modes per cell (median microseconds per step):
 - ``steady``: no request joins or leaves, each step handed over as what changed
-  (:class:`DecodeDelta`: the new tokens, the rows that grew a block);
+  (:class:`DecodeDelta`: the new tokens, the rows that grew a block); positions staggered, so
+  from batch 16 on nearly every step has rows that grow a block;
+- ``steady_aligned``: the same, every request at the same position, and only the steps in which
+  no row grows a block timed (fifteen in sixteen): the step with nothing but new tokens;
 - ``plan_steady``: the same steps as full plans (the engine's interface today), the executor
   finding what changed with whole-list passes in C;
 - ``churn``: every step one request leaves and a new one (a new adapter slot) joins (full plans);
@@ -62,8 +65,8 @@ from bench.host_only_executor import HostOnlyExecutor
 from bench.out_dir import default_out
 from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from bench.worker_bench import machine
+from services.gpu_worker.engine.decode_delta import DecodeDelta
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
-from services.gpu_worker.executor.plan_delta import DecodeDelta
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.model_files.base_model import load_base_model_spec
@@ -127,12 +130,26 @@ def dispatch_us(calls: int = 4000) -> float:
     return statistics.median(inside) / 1000
 
 
-MODES = (  # (name, persistent, churn, as deltas)
-    ("steady", True, False, True),
-    ("plan_steady", True, False, False),
-    ("churn", True, True, False),
-    ("builder_steady", False, False, False),
-    ("builder_churn", False, True, False),
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    persistent: bool
+    """Through the persistent batch (else the step builder alone, the path before)."""
+    churn: bool
+    """One request leaves and one joins every step."""
+    deltas: bool
+    """Steady steps handed over as :class:`DecodeDelta` (else full plans)."""
+    aligned: bool = False
+    """Every request at the same position, and only the steps that grow no block timed."""
+
+
+MODES = (
+    Mode("steady", persistent=True, churn=False, deltas=True),
+    Mode("steady_aligned", persistent=True, churn=False, deltas=True, aligned=True),
+    Mode("plan_steady", persistent=True, churn=False, deltas=False),
+    Mode("churn", persistent=True, churn=True, deltas=False),
+    Mode("builder_steady", persistent=False, churn=False, deltas=False),
+    Mode("builder_churn", persistent=False, churn=True, deltas=False),
 )
 
 
@@ -154,8 +171,9 @@ class Figures:
 class DecodeBatch:
     """A batch of decoding requests as the engine plans them, step after step."""
 
-    def __init__(self, executor: HostOnlyExecutor, batch: int, adapters: list[str]):
+    def __init__(self, executor: HostOnlyExecutor, batch: int, adapters: list[str], aligned: bool):
         self.executor = executor
+        self.aligned = aligned
         self.adapters = adapters
         self.slots = {a: AdapterSlot(a, executor.residency.get(a).placement) for a in adapters}
         self.layers = executor.view.layout.num_layers
@@ -170,7 +188,7 @@ class DecodeBatch:
     def _new_request(self) -> dict:
         index = self._joined
         self._joined += 1
-        position = CONTEXT + index % 64
+        position = CONTEXT if self.aligned else CONTEXT + index % 64
         blocks = tuple(self._block() for _ in range(-(-(position + 1) // BLOCK)))
         return {
             "id": f"r{index}",
@@ -202,7 +220,9 @@ class DecodeBatch:
         (the engine's sampled tokens) and the rows that grew a block."""
         requests = self.requests
         grown = tuple((row, requests[row]["blocks"]) for row in self.grown)
-        return DecodeDelta([r["pos"] % 1000 + 1 for r in requests], grown)
+        return DecodeDelta(
+            [r["pos"] % 1000 + 1 for r in requests], grown, request_ids=[r["id"] for r in requests]
+        )
 
     def advance(self, churn: bool) -> None:
         """Each request's token computed; a block added where the next one needs it."""
@@ -219,25 +239,27 @@ class DecodeBatch:
 
 
 def measure(
-    executor: HostOnlyExecutor,
-    batch: int,
-    adapters: list[str],
-    steps: int,
-    churn: bool,
-    deltas: bool,
-    dispatch: float,
+    executor: HostOnlyExecutor, batch: int, adapters: list[str], steps: int, mode: Mode, dispatch: float
 ) -> Figures:
-    """``steps`` decode steps (after warm-up), every other one under an :class:`ElementTimer`.
-    ``deltas``: steady steps handed over as :class:`DecodeDelta` (the first step is a full plan)."""
-    decode = DecodeBatch(executor, batch, adapters)
+    """``steps`` timed decode steps (after warm-up), taking turns: plain, under an
+    :class:`ElementTimer`, under a :class:`CallCounter`. Under ``mode.deltas`` steady steps are
+    handed over as :class:`DecodeDelta` (the first step is a full plan)."""
+    churn, deltas = mode.churn, mode.deltas
+    decode = DecodeBatch(executor, batch, adapters, mode.aligned)
     for _ in range(3):
         executor.execute(decode.plan())
         decode.advance(churn)
     totals, elements, ops, calls = [], [], [], []
-    for i in range(steps):
+    i = 0
+    while i < steps:
         # The plan or delta is the engine's work, not the executor's: made outside the timer.
         step = decode.delta() if deltas else decode.plan()
         run = executor.execute_decode if deltas else executor.execute
+        # (a delta's rows are the executor's: its step is never declined here)
+        if mode.aligned and decode.grown:
+            run(step)  # a step that grows blocks: not one of the aligned mode's
+            decode.advance(churn)
+            continue
         if i % 3 == 2:
             with CallCounter() as counter:
                 run(step)
@@ -254,6 +276,7 @@ def measure(
             run(step)
             totals.append((time.thread_time_ns() - started) / 1000)
         decode.advance(churn)
+        i += 1
     for r in decode.requests:
         executor.pool.free([p for block in r["blocks"] for p in block])
     median = statistics.median
@@ -298,20 +321,20 @@ def run(steps: int, modes: set[str]) -> tuple[list[dict], float]:
     for batch in BATCHES:
         for k in ADAPTER_COUNTS:
             cell: dict = {"batch": batch, "adapters": k}
-            for name, persistent, churn, deltas in MODES:
-                if name not in modes:
+            for mode in MODES:
+                if mode.name not in modes:
                     continue
-                executor.persistent = persistent
-                cell[name] = asdict(measure(executor, batch, ids[:k], steps, churn, deltas, dispatch))
+                executor.persistent = mode.persistent
+                cell[mode.name] = asdict(measure(executor, batch, ids[:k], steps, mode, dispatch))
             cell["load_average"] = round(os.getloadavg()[0], 2)
             cells.append(cell)
             print(
                 f"batch {batch:>3} adapters {k:>3}: "
                 + "  ".join(
-                    f"{m[0]} {cell[m[0]]['host_us']:.1f} us (cpu {cell[m[0]]['cpu_us']:.1f})"
-                    f" {cell[m[0]]['ops']} ops {cell[m[0]]['calls']} calls"
+                    f"{m.name} {cell[m.name]['host_us']:.1f} us (cpu {cell[m.name]['cpu_us']:.1f})"
+                    f" {cell[m.name]['ops']} ops {cell[m.name]['calls']} calls"
                     for m in MODES
-                    if m[0] in modes
+                    if m.name in modes
                 )
                 + f"  load {cell['load_average']}",
                 flush=True,
@@ -323,10 +346,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=60, help="timed decode steps per cell")
+    parser.add_argument("--steps", type=int, default=300, help="timed decode steps per cell")
     parser.add_argument(
         "--modes",
-        default=",".join(m[0] for m in MODES),
+        default=",".join(m.name for m in MODES),
         help="comma-separated modes to measure (a tree before the delta interface has no 'steady')",
     )
     parser.add_argument("--quick", action="store_true", help="12 timed steps per cell")
@@ -335,16 +358,21 @@ def main() -> None:
     torch.set_num_threads(1)  # the host work is one thread's; keep the other cores' noise out
     load = os.getloadavg()
     cells, dispatch = run(18 if args.quick else args.steps, set(args.modes.split(",")))
-    args.out.mkdir(parents=True, exist_ok=True)
+    write_results(args.out, load, cells, dispatch_us=dispatch)
+
+
+def write_results(out: Path, load_before: tuple[float, float, float], cells: list[dict], **extra) -> None:
+    """``out/results.json``: the machine, the load averages before and now, ``extra``, the cells."""
+    out.mkdir(parents=True, exist_ok=True)
     result = {
         "machine": machine(),
-        "load_average_before": load,
+        "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
-        "dispatch_us": dispatch,
+        **extra,
         "cells": cells,
     }
-    (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"load average before {load}, after {result['load_average_after']}; {args.out / 'results.json'}")
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"load average before {load_before}, after {result['load_average_after']}; {out / 'results.json'}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from services.gpu_worker.engine.policies import make_batch_policy
 from services.gpu_worker.engine.policies.batch_policy import UNMERGED, BatchPolicy, StepOutcome
 from services.gpu_worker.engine.policies.preemption import make_preemption_policy
 from services.gpu_worker.engine.request import (
+    EngineRequest,
     GenerationRequest,
     RequestSummary,
 )
@@ -67,6 +68,7 @@ from services.gpu_worker.engine.request_lifecycle import EventSink, RequestEvent
 from services.gpu_worker.engine.request_scheduler import RequestScheduler
 from services.gpu_worker.engine.speculation.speculator import Speculator
 from services.gpu_worker.engine.speculation.verification import verify_and_emit
+from services.gpu_worker.engine.steady_decode import SteadyDecode
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.engine.step_sampling import sample_and_emit
 from services.gpu_worker.engine.structured_output import (
@@ -166,6 +168,8 @@ class Engine:
             )
         )
         """Drafts and verifies the decoding requests' next tokens (None: ``speculative`` off)."""
+        self.steady = SteadyDecode()
+        """Hands the executor the decode steps that only continue the last one as deltas."""
         self.running, self.waiting = self.scheduler.running, self.scheduler.waiting
         """The running batch and the queue (the scheduler's, as tests and benchmarks read them)."""
         self.recalls = self.wing.recalls(
@@ -347,8 +351,7 @@ class Engine:
         # The constrained rows' masks are computed while the forward pass runs.
         masks = self.masks.start([r.grammar for r in batch]) if self.masks is not None else None
         try:
-            plan = tuple(r.planned(adapters.slot(r)) for r in batch)
-            logits = self.executor.execute(StepPlan(plan, self.lora_backend, self.config.deterministic))
+            logits = self._run(batch, plain_decode=not (draft_rows or prefill_tokens))
         except (CreditorUnavailable, CreditorRefused) as failure:
             self.wing.step_failed(failure, lost=scheduler.creditor_lost, refused=scheduler.creditor_refused)
             return 0
@@ -376,6 +379,22 @@ class Engine:
         if speculator is not None:
             speculator.observe(outcome)  # its cost model prices draft rows
         return len(batch)
+
+    def _run(self, batch: list[EngineRequest], plain_decode: bool) -> torch.Tensor:
+        """The step's logits (``plain_decode``: one new token each, no drafts): a step that only
+        continues the last decode step goes to the executor as what changed
+        (``steady_decode.py``), any other as its plan."""
+        slots = list(map(self.adapters.slot, batch))
+        invariant = self.config.deterministic
+        plain_decode = plain_decode and all(r.table is None for r in batch)  # none borrowed
+        if plain_decode:
+            logits = self.steady.run(self.executor, batch, slots, self.lora_backend, invariant)
+            if logits is not None:
+                return logits
+        else:
+            self.steady.forget()
+        plan = tuple(map(EngineRequest.planned, batch, slots))
+        return self.executor.execute(StepPlan(plan, self.lora_backend, invariant))
 
     def _take_inbox(self) -> None:
         taken = self.hand_over.take()

@@ -19,6 +19,7 @@ import torch
 
 from services.gpu_worker.attention.pool_view import PoolView
 from services.gpu_worker.distkv import BlockTable, RManager
+from services.gpu_worker.engine.decode_delta import DecodeDelta
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter
@@ -61,6 +62,12 @@ class Executor(Protocol):
         each of its drafts (``PlannedRequest.logits_rows`` rows each, in plan order); every new
         token's KV is written. Raises ``CreditorUnavailable`` when a
         borrowed block's creditor cannot be reached (nothing of the step is kept then)."""
+
+    def execute_decode(self, delta: DecodeDelta) -> torch.Tensor | None:
+        """Run a decode step that continues the last step this executor ran (its rows, each one
+        token further, with ``delta``'s changes) and return :meth:`execute`'s logits; None,
+        nothing run, when it holds no persistent batch of those rows: the engine then sends the
+        step's plan."""
 
     def merge(self, adapter: HostAdapter) -> None:
         """Fold ``adapter`` into the base weights (only when :attr:`supports_merging`)."""

@@ -11,6 +11,7 @@ import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout
 from services.gpu_worker.distkv import RManager
+from services.gpu_worker.engine.decode_delta import DecodeDelta
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.executor import BorrowedLookup
 from services.gpu_worker.engine.step_plan import StepPlan
@@ -23,6 +24,7 @@ from services.gpu_worker.lora.host_adapter import HostAdapter
 from services.gpu_worker.lora.merged_weights import MergedWeights
 from services.gpu_worker.memory.adapter_residency import ResidentAdapter, write_rows
 from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.model.step_batch import StepBatch
 
 
 class LocalExecutor:
@@ -79,7 +81,13 @@ class LocalExecutor:
         self._borrowed = tables
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        batch = self.inputs.build(plan, self._resident.get, self._borrowed)
+        return self._run(self.inputs.build(plan, self._resident.get, self._borrowed))
+
+    def execute_decode(self, delta: DecodeDelta) -> torch.Tensor | None:
+        batch = self.inputs.decode(delta, self._resident.get)
+        return None if batch is None else self._run(batch)
+
+    def _run(self, batch: StepBatch) -> torch.Tensor:
         if self.graphs is not None:
             logits = self.graphs.run(batch)
             if logits is not None:

@@ -5,8 +5,8 @@ Plain decode steps (every request one new token, its KV in this pool) come from 
 joined, left or grew a block; with the Triton backend their LoRA segments come from the
 :class:`LoraTables`, built on the device from each adapter load's slot. A decode step that
 continues the last one (the same requests in the same rows, each one token further) is a
-:class:`DecodeDelta`: handed over as one (:meth:`StepInputs.decode`), or found in a full plan by
-the :class:`DecodeEncoder` with whole-list passes in C. Every other step (prefill, mixed, drafts
+:class:`DecodeDelta`: handed over as one by the engine (:meth:`StepInputs.decode`), or found in a
+full plan by the :class:`DecodeEncoder` with whole-list passes in C. Every other step (prefill, mixed, drafts
 to verify, borrowed KV) goes through the :class:`StepBuilder` as before; the persistent batch
 finds its rows again at the next decode step by comparing ids and table objects.
 """
@@ -16,17 +16,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 
+from services.gpu_worker.engine.decode_delta import DecodeColumns, DecodeDelta, DecodeEncoder
 from services.gpu_worker.engine.executor import BorrowedLookup
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.executor.lora_tables import LoraTables
 from services.gpu_worker.executor.persistent_batch import PersistentBatch, is_plain_decode
-from services.gpu_worker.executor.plan_delta import DecodeDelta, DecodeEncoder
 from services.gpu_worker.executor.step_builder import ResidentLookup, StepBuilder
 from services.gpu_worker.kernels.dispatch import StepLora, resolve_backend
 from services.gpu_worker.model.step_batch import StepBatch
 
+_ids = attrgetter("request_id")
+_starts = attrgetter("start_position")
+_tables = attrgetter("kv_blocks")
+_adapters = attrgetter("adapter")
+_activated = attrgetter("adapter_from")
 _tokens = attrgetter("token_ids")
 _first = itemgetter(0)
+
+
+def plan_columns(plan: StepPlan) -> DecodeColumns:
+    """A plain decode plan's columns, by whole-list passes in C."""
+    requests = plan.requests
+    return DecodeColumns(
+        list(map(_ids, requests)),
+        list(map(_starts, requests)),
+        list(map(_tables, requests)),
+        list(map(_adapters, requests)),
+        any(map(_activated, requests)),
+    )
 
 
 class StepInputs:
@@ -51,15 +68,16 @@ class StepInputs:
         if not is_plain_decode(requests):
             self.encoder.forget()
             return self.builder.build(plan, resident, borrowed)
+        tokens = list(map(_first, map(_tokens, requests)))
         tables = self.uses_tables(plan)
         if tables:
-            delta = self.encoder.encode(plan)
+            columns = plan_columns(plan)
+            delta = self.encoder.encode(columns, lambda: tokens, plan.lora_backend, plan.batch_invariant)
             if delta is not None:
                 return self._advance(delta, resident)
         else:
             self.encoder.forget()
         self.batch.update(requests)
-        tokens = list(map(_first, map(_tokens, requests)))
         if tables:
             # An activated LoRA's token before its invocation start is the base model's.
             slots = [None if r.start_position < r.adapter_from else r.adapter for r in requests]
@@ -69,11 +87,16 @@ class StepInputs:
             lora = self.builder.lora_segments(requests, resident)
         return self._batch(tokens, lora, plan.lora_backend, plan.batch_invariant)
 
-    def decode(self, delta: DecodeDelta, resident: ResidentLookup) -> StepBatch:
+    def decode(self, delta: DecodeDelta, resident: ResidentLookup) -> StepBatch | None:
         """A steady decode step: the rows of the last decode step this built (through the device
-        LoRA tables), each one token further, with ``delta``'s changes. Its host work follows the
-        rows named in ``delta``, plus one conversion of the new tokens."""
-        self.encoder.forget()  # the plan it holds is older than these rows
+        LoRA tables), each one token further, with ``delta``'s changes; None, nothing changed,
+        when the last step this built was not that (its rows are not ``delta.request_ids``).
+        Its host work follows the rows named in ``delta``, plus one conversion of the new tokens."""
+        if not self.uses_tables(delta):
+            self.encoder.forget()
+            return None
+        if not self.encoder.continued(delta):
+            return None
         return self._advance(delta, resident)
 
     def _advance(self, delta: DecodeDelta, resident: ResidentLookup) -> StepBatch:
@@ -101,7 +124,7 @@ class StepInputs:
             batch_invariant=batch_invariant,
         )
 
-    def uses_tables(self, plan: StepPlan) -> bool:
+    def uses_tables(self, plan: StepPlan | DecodeDelta) -> bool:
         """Whether ``plan``'s decode LoRA comes from the device tables."""
         if self.device_lora is not None:
             return self.device_lora

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
+from services.gpu_worker.engine.decode_delta import DecodeDelta
 from services.gpu_worker.engine.engine_config import EngineConfig
 from services.gpu_worker.engine.step_plan import StepPlan
 from services.gpu_worker.executor.plan_delta import PlanDecoder, PlanDelta, PlanEncoder
@@ -255,6 +256,9 @@ class TensorParallelExecutor:
                 if self.group is not None and not self._closed:
                     self.group.failed(error)  # by default takes the worker down (no request fails)
                 raise
+
+    def execute_decode(self, delta: DecodeDelta) -> None:
+        """Declined: the followers take plans (as :class:`PlanDelta`, their own short form)."""
 
     def merge(self, adapter: HostAdapter) -> None:
         raise NotImplementedError(

@@ -13,11 +13,11 @@ import torch
 from bench.sample_adapters import SampleAdapterSpec, read_peft_directory, write_peft_adapter
 from bench.step_host_time import CallCounter
 from services.gpu_worker.attention.pool_view import PoolLayout, PoolView
+from services.gpu_worker.engine.decode_delta import DecodeDelta, DecodeEncoder
 from services.gpu_worker.engine.step_plan import AdapterSlot, PlannedRequest, StepPlan
 from services.gpu_worker.executor.persistent_batch import is_plain_decode
-from services.gpu_worker.executor.plan_delta import DecodeDelta, DecodeEncoder
 from services.gpu_worker.executor.step_builder import StepBuilder
-from services.gpu_worker.executor.step_inputs import StepInputs
+from services.gpu_worker.executor.step_inputs import StepInputs, plan_columns
 from services.gpu_worker.memory.adapter_residency import AdapterResidency
 from services.gpu_worker.memory.page_allocator import PageUse
 from services.gpu_worker.memory.unified_pool import UnifiedPool
@@ -246,7 +246,10 @@ def test_deltas_handed_over_give_the_step_builders_inputs(tiny_llama, adapters):
             readapted.append((row, setup.slot(requests[row]["adapter"])))
         plan = _plan(setup, requests)
         delta = DecodeDelta(
-            [t[0] for t in map(attrgetter("token_ids"), plan.requests)], tuple(grown), tuple(readapted)
+            [t[0] for t in map(attrgetter("token_ids"), plan.requests)],
+            tuple(grown),
+            tuple(readapted),
+            request_ids=[r["id"] for r in requests],
         )
         got = setup.inputs.decode(delta, setup.resident.get)
         want = setup.builder.build(plan, setup.resident.get)
@@ -259,18 +262,46 @@ def test_the_encoder_finds_steady_steps_in_full_plans(tiny_llama, adapters):
     setup = Setup(spec, adapters, device_lora=True)
     requests = _steady_batch(setup, layers, 4)
     encoder = DecodeEncoder()
-    assert encoder.encode(_plan(setup, requests)) is None  # nothing to continue
+
+    def encode(requests: list[dict]):
+        plan = _plan(setup, requests)
+        tokens = [r.token_ids[0] for r in plan.requests]
+        return encoder.encode(plan_columns(plan), lambda: tokens, plan.lora_backend, plan.batch_invariant)
+
+    assert encode(requests) is None  # nothing to continue
     for r in requests:
         r["pos"] += 1
     requests[2]["blocks"] = (*requests[2]["blocks"], setup.block(layers))
     requests[1]["adapter"] = "a8-pat"
-    delta = encoder.encode(_plan(setup, requests))
+    delta = encode(requests)
     assert delta.grown == ((2, requests[2]["blocks"]),)
     assert delta.readapted == ((1, setup.slot("a8-pat")),)
     assert list(delta.token_ids) == [r["pos"] % 50 + 1 for r in requests]
+    assert delta.request_ids is encoder.ids
     requests[0]["pos"] += 3  # a position that does not follow on
-    assert encoder.encode(_plan(setup, requests)) is None
-    assert encoder.encode(_plan(setup, requests[1:])) is None  # a request left
+    assert encode(requests) is None
+    assert encode(requests[1:]) is None  # a request left
+
+
+def test_a_delta_for_other_rows_is_declined_and_changes_nothing(tiny_llama, adapters):
+    """The engine's delta names its rows; steps the inputs did not build as those rows (another
+    batch, a prefill in between, the host LoRA path) are declined and the plan is sent."""
+    spec, layers = tiny_llama.spec, tiny_llama.spec.num_layers
+    setup = Setup(spec, adapters, device_lora=True)
+    requests = _steady_batch(setup, layers, 4)
+    setup.inputs.build(_plan(setup, requests), setup.resident.get)
+    ids = [r["id"] for r in requests]
+    assert setup.inputs.decode(DecodeDelta([1, 2, 3], request_ids=ids[1:]), setup.resident.get) is None
+    assert setup.inputs.decode(DecodeDelta([1, 2, 3, 4], request_ids=ids), setup.resident.get) is not None
+    for r in requests:
+        r["pos"] += 2  # the delta above was one step; a plan of the step after it still continues
+    assert (
+        setup.inputs.encoder.encode(plan_columns(_plan(setup, requests)), lambda: [0] * 4, "auto", False)
+        is not None
+    )
+    host = Setup(spec, adapters, device_lora=False)
+    host.inputs.build(_plan(host, requests), host.resident.get)
+    assert host.inputs.decode(DecodeDelta([1, 2, 3, 4], request_ids=ids), host.resident.get) is None
 
 
 def test_a_steady_step_costs_the_same_host_calls_at_any_batch(tiny_llama, adapters):
@@ -283,9 +314,10 @@ def test_a_steady_step_costs_the_same_host_calls_at_any_batch(tiny_llama, adapte
         setup = Setup(spec, adapters, device_lora=True)
         requests = _steady_batch(setup, layers, size)
         setup.inputs.build(_plan(setup, requests), setup.resident.get)
-        tokens = [7] * size
-        setup.inputs.decode(DecodeDelta(tokens), setup.resident.get)  # the mask's patch from now on
+        tokens, ids = [7] * size, setup.inputs.encoder.ids
+        delta = DecodeDelta(tokens, request_ids=ids)
+        setup.inputs.decode(delta, setup.resident.get)  # the mask's patch from now on
         with CallCounter() as calls:
-            setup.inputs.decode(DecodeDelta(tokens), setup.resident.get)
+            setup.inputs.decode(delta, setup.resident.get)
         counts.append(calls.calls)
     assert counts[0] == counts[1]
