@@ -70,7 +70,12 @@ static const char ISA[] = "avx2";
 #define CHUNKS (QBLOCK / VW)
 #define BLOCK_COLS 48  /* W rows of one work item */
 #define BLOCK_ROWS 128 /* x rows of one work item */
-#define WIDEN_MIN_ROWS 8 /* from this many rows a block of W is dequantized once per work item */
+/* From this many rows a block of W is dequantized once per work item into a buffer; below, each
+ * register tile of up to TILE_ROWS rows dequantizes it again, from bytes still in L1. Measured on
+ * 2 EPYC cores (the whole model's matmuls, Q4_1): the buffer costs more than a second pass over
+ * the blocks up to 12 rows (8 rows 2.96x the 1-row time against 3.67x, 12 rows 3.76x against
+ * 4.28x with bf16 x; 3.81x against 5.45x at 8 rows with fp32 x), and the same from 13. */
+#define WIDEN_MIN_ROWS 13
 /* Below this many weights x rows one thread is done before a second one would have started. */
 #define PARALLEL_MIN_WORK 65536
 /* How far ahead of a tile's reads the quantized paths prefetch. A tile's rows are consecutive
