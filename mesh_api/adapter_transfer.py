@@ -99,11 +99,29 @@ async def fetch_adapter(
     first_answer: Callable[[Awaitable], Awaitable] | None = None,
 ) -> tuple[types_pb2.AdapterInfo, bytearray]:
     """Download an adapter's weights and verify them against the announced sha256 (the
-    ``AdapterInfo``'s ``sha256``). ``first_answer(read)``: awaits the read of the first message
-    (a caller bounds the wait there, cancelling the call when it gives up).
+    ``AdapterInfo``'s ``sha256``): :func:`fetch_adapter_chunks`, the chunks joined."""
+    info, chunks = await fetch_adapter_chunks(stub, ref, timeout, first_answer)
+    data, filled = bytearray(sum(len(chunk) for chunk in chunks)), 0
+    for chunk in chunks:
+        data[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return info, data
 
-    Each chunk is hashed and put in place as it arrives, while the next is on its way: nothing
-    is joined or hashed over the whole at the end."""
+
+async def fetch_adapter_chunks(
+    stub: adapter_store_pb2_grpc.AdapterStoreStub,
+    ref: pb.AdapterRef,
+    timeout: float | None = 120,
+    first_answer: Callable[[Awaitable], Awaitable] | None = None,
+) -> tuple[types_pb2.AdapterInfo, list[bytes]]:
+    """Download an adapter's weights and verify them against the announced sha256 (the
+    ``AdapterInfo``'s ``sha256``), as the chunks they arrived in (a worker parses them where
+    they are: ``services.gpu_worker.lora.safetensors_views``). ``first_answer(read)``: awaits the
+    read of the first message (a caller bounds the wait there, cancelling the call when it gives
+    up).
+
+    Each chunk is hashed as it arrives, while the next is on its way: nothing is joined or
+    hashed over the whole at the end."""
     call = stub.FetchAdapter(pb.FetchAdapterRequest(ref=ref), timeout=timeout)
     try:
         message = await (first_answer or _awaited)(call.read())
@@ -117,15 +135,16 @@ async def fetch_adapter(
     if header.adapter.sha256 not in ("", header.sha256):
         call.cancel()
         raise ChecksumMismatch(f"adapter {ref} announced two sha256s")
-    data, filled, digest = bytearray(header.total_bytes), 0, hashlib.sha256()
+    chunks: list[bytes] = []
+    filled, digest = 0, hashlib.sha256()
     while (message := await call.read()) is not aio.EOF:
         chunk = message.chunk
-        if message.WhichOneof("item") != "chunk" or filled + len(chunk) > len(data):
+        if message.WhichOneof("item") != "chunk" or filled + len(chunk) > header.total_bytes:
             call.cancel()
-            raise ChecksumMismatch(f"adapter {ref} arrived corrupted (more than {len(data)} bytes)")
-        data[filled : filled + len(chunk)] = chunk
+            raise ChecksumMismatch(f"adapter {ref} arrived corrupted (more than {header.total_bytes} bytes)")
+        chunks.append(chunk)
         filled += len(chunk)
         digest.update(chunk)
-    if filled != len(data) or digest.hexdigest() != header.sha256:
+    if filled != header.total_bytes or digest.hexdigest() != header.sha256:
         raise ChecksumMismatch(f"adapter {ref} arrived corrupted ({filled} bytes)")
-    return header.adapter, data
+    return header.adapter, chunks

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import grpc
 
-from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter, ref_by_id
+from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter_chunks, ref_by_id
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2
 from services.runtime.errors import DataLoss, NotFound, Unavailable
 from services.runtime.etcd.discovery import (
@@ -29,8 +29,9 @@ class FetchedAdapter:
 
     config: bytes
     """``adapter_config.json``."""
-    weights: bytes | bytearray
-    """``adapter_model.safetensors``."""
+    weights: bytes | bytearray | list[bytes]
+    """``adapter_model.safetensors``: whole, or the chunks it was fetched in (parsed where they
+    are, not joined)."""
     pinned: bool = False
     """Pinned when it was fetched (never evicted from this worker's host cache or pool)."""
     weights_sha256: str | None = None
@@ -92,10 +93,10 @@ class StoreSource:
         download), or sends nothing within :data:`ANSWER_WITHIN_S` (hung), is left for another,
         which sends it from the start."""
 
-        async def attempt(address: str, within_s: float | None) -> tuple[types_pb2.AdapterInfo, bytearray]:
+        async def attempt(address: str, within_s: float | None) -> tuple[types_pb2.AdapterInfo, list[bytes]]:
             what = f"adapter store at {address}"
             try:
-                return await fetch_adapter(
+                return await fetch_adapter_chunks(
                     self._stub(address),
                     ref_by_id(adapter_id),
                     first_answer=lambda read: first_answer(read, within_s, what),

@@ -33,7 +33,7 @@ async def test_a_store_adapter_is_named_owner_slash_name_once_fetched_and_its_pi
             info = await upload_adapter(stub, files, "sql", "alice")
             assert source.public_name(info.id) == info.id  # not fetched yet: nothing better is known
             fetched = await source.fetch(info.id)
-            assert fetched.weights == files["adapter_model.safetensors"] and not fetched.pinned
+            assert b"".join(fetched.weights) == files["adapter_model.safetensors"] and not fetched.pinned
             # Verified on the way in: the parse does not hash the weights again.
             assert fetched.weights_sha256 == hashlib.sha256(files["adapter_model.safetensors"]).hexdigest()
             assert source.public_name(info.id) == "alice/sql" != info.id

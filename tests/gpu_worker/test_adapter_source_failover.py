@@ -43,7 +43,7 @@ async def test_a_fetch_and_the_pins_are_read_from_the_live_replica_when_the_othe
         source = StoreSource(etcd_endpoints=etcd.endpoint)
         try:
             fetched = await source.fetch(info.id)
-            assert fetched.weights == files[WEIGHTS] and fetched.pinned
+            assert b"".join(fetched.weights) == files[WEIGHTS] and fetched.pinned
             assert source.public_name(info.id) == "alice/sql"
             assert await source.pinned_ids() == {info.id}
         finally:
@@ -95,7 +95,7 @@ async def test_a_download_broken_midway_is_fetched_again_from_the_start_on_anoth
             await source.close()
             await registration.stop()
             await server.stop(None)
-        assert broken.fetches == 1 and fetched.weights == files[WEIGHTS]
+        assert broken.fetches == 1 and b"".join(fetched.weights) == files[WEIGHTS]
 
 
 @pytest.mark.integration

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.lora.safetensors_views import tensor_views
+from services.gpu_worker.lora.safetensors_views import SafetensorsBytes, tensor_views
 from services.model_files.peft_format import PeftConfig, module_path, parse_tensor_name
 from services.runtime.errors import InvalidArgument
 from services.runtime.prefix_keys import AdapterIdentity, content_sha256
@@ -100,13 +100,14 @@ class HostAdapter:
 def parse_peft_adapter(
     adapter_id: str,
     config_json: bytes | str,
-    weights: bytes | bytearray,
+    weights: SafetensorsBytes,
     dtype: torch.dtype,
     weights_sha256: str | None = None,
 ) -> HostAdapter:
-    """Build a :class:`HostAdapter` from ``adapter_config.json`` and safetensors bytes.
-    ``weights_sha256``: the weights' sha256 when the caller has verified it (a fetch checks it
-    against the store's), so they are not hashed a second time here."""
+    """Build a :class:`HostAdapter` from ``adapter_config.json`` and safetensors bytes (whole, or
+    the chunks they were fetched in). ``weights_sha256``: the weights' sha256 when the caller
+    has verified it (a fetch checks it against the store's), so they are not hashed a second
+    time here."""
     config = PeftConfig.from_json(config_json)
     tensors = tensor_views(weights)  # read in place: with_rows converts them, the one copy
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
@@ -120,9 +121,16 @@ def parse_peft_adapter(
     for (layer, module), factors in sorted(pairs.items()):
         scale = config.scale(module_path(layer, module))
         modules[(layer, module)] = LoraFactors(a=factors["A"], b_t=factors["B"].t(), scale=scale)
-    content = content_sha256(config_json, weights_sha256 or hashlib.sha256(weights).hexdigest())
+    content = content_sha256(config_json, weights_sha256 or _sha256(weights))
     adapter = HostAdapter(adapter_id, modules, content, invocation_tokens=config.invocation_tokens)
     return with_rows(adapter, dtype)
+
+
+def _sha256(weights: SafetensorsBytes) -> str:
+    digest = hashlib.sha256()
+    for chunk in weights if isinstance(weights, list | tuple) else (weights,):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 FactorLayout = list[tuple[ModuleKey, torch.Size, torch.Size, float]]

@@ -30,6 +30,26 @@ def test_the_tensors_are_those_safetensors_reads(dtype):
         assert torch.equal(views[name], tensor)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 10**6])
+def test_a_file_in_chunks_reads_as_the_file(chunk_bytes):
+    generator = torch.Generator().manual_seed(5)
+    tensors = {f"t{i}": torch.randn(3, 5, generator=generator).half() for i in range(6)}
+    tensors["empty"] = torch.zeros(0, dtype=torch.float16)
+    data = save(tensors)
+    chunks = [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)]
+    views = tensor_views(chunks)
+    assert sorted(views) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(views[name], tensor)
+
+
+def test_a_tensor_within_one_chunk_is_a_view_of_it():
+    data = save({"a": torch.arange(12, dtype=torch.float16).reshape(3, 4)})
+    chunks = [bytearray(data[:-24]), bytearray(data[-24:])]  # "a" is the last 24 bytes
+    view = tensor_views(chunks)["a"]
+    assert view.untyped_storage().data_ptr() == torch.frombuffer(chunks[1], dtype=torch.uint8).data_ptr()
+
+
 def test_the_views_share_the_bytes():
     data = bytearray(save({"a": torch.arange(12, dtype=torch.float16).reshape(3, 4)}))
     view = tensor_views(data)["a"]
@@ -60,3 +80,5 @@ def _with_header(header: dict, payload: bytes) -> bytes:
 def test_a_malformed_file_is_refused_with_what_is_wrong(data, message):
     with pytest.raises(InvalidArgument, match=message):
         tensor_views(data)
+    with pytest.raises(InvalidArgument, match=message):  # the same file in chunks
+        tensor_views([data[i : i + 3] for i in range(0, len(data), 3)])
