@@ -1,12 +1,14 @@
-"""The catalog's etcd calls on a blocking gRPC channel: transactions and ranges from the calling
+"""The catalog's etcd calls on a blocking gRPC channel: transactions and reads from the calling
 thread, and the watch on a thread of the catalog's own.
 
 Every registration is a transaction, and every replica's watch delivers every registration.
-Through aetcd's asyncio client each commit took a hop to the catalog's event loop and one back,
-each watch response a hop from gRPC's asyncio poller thread to that loop and a chain of
-coroutines: the loop thread and the poller took a quarter of a replica's CPU while registering
-(issue 48). A blocking call waits in gRPC's core on the thread that commits, and the watch's
-thread takes each response as it comes, with nothing to wake in between.
+Through aetcd's asyncio client, on an event loop of the catalog's own, each commit took a hop to
+that loop and one back, and each watch response a hop from gRPC's asyncio poller thread to it.
+Worse, gRPC's poller wakes every event loop its calls were made on for each completion of any
+of them: the catalog's loop woke for every message of the store's own upload streams too. That
+loop's thread took about as much of a replica's CPU as its event loop serving the uploads
+(py-spy, issue 48). A blocking call waits in gRPC's core on the thread that commits, and the
+watch's thread takes each response as it comes.
 
 Transactions are given as aetcd's ``transactions`` objects (compares, ``Put``, ``Get``,
 ``Delete``), and answered as aetcd's ``Client.transaction`` answers: ``(succeeded, responses)``,
@@ -16,13 +18,15 @@ a range's response as ``[(value, rtypes.Get)]``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 from aetcd import rpc, rtypes, transactions
 
+from services.runtime.etcd import prefix_follower
 from services.runtime.etcd.membership import EtcdUnreachable, MembershipConfig, channel_options
+from services.runtime.etcd.prefix_follower import prefix_end
 from services.runtime.security.tls import sync_channel
 
 Txn = tuple[Sequence[Any], Sequence[Any], Sequence[Any]]
@@ -67,18 +71,15 @@ def txn_outcome(reply: Any) -> tuple[bool, list[Any]]:
 
 
 class BlockingEtcd:
-    """Calls on one blocking channel to the endpoint ``endpoint()`` names (the catalog's asyncio
-    connection's: both move to the next endpoint together). ``on_failure()`` is called when etcd
-    did not answer (the catalog resets its asyncio connection: the next endpoint); this channel
-    is dropped too, and the next call dials afresh."""
+    """Calls on one blocking channel to one of the configured endpoints; when etcd does not
+    answer a call, the channel is dropped and the next call dials the next endpoint."""
 
-    def __init__(self, config: MembershipConfig, endpoint: Callable[[], str], on_failure: Callable[[], None]):
+    def __init__(self, config: MembershipConfig):
         self._config = config
-        self._endpoint = endpoint
-        self._on_failure = on_failure
+        self._endpoints = [f"{host}:{port}" for host, port in config.endpoints()]
+        self._index = 0
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
-        self._channel_endpoint = ""
         self._stub: Any = None
         self._timeout = config.call_timeout_s
         self._watches: set[Any] = set()
@@ -105,6 +106,28 @@ class BlockingEtcd:
             except grpc.RpcError as error:
                 outcomes.append(self._failed(channel, endpoint, error, what))
         return outcomes
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint the next call goes to."""
+        return self._endpoints[self._index]
+
+    def get(self, key: bytes, what: str) -> Any:
+        """The key-value at ``key`` (an etcd ``KeyValue``), None when there is none."""
+        reply = self.range_page(key, b"", 0, 0, what)
+        return reply.kvs[0] if reply.kvs else None
+
+    def list_prefix(self, prefix: str, what: str) -> tuple[int, list[Any]]:
+        """Every key-value under ``prefix``, read at one revision a page at a time (a single
+        reply of 10,000 catalog rows is over gRPC's 4 MiB); that revision."""
+        start, end, revision, kvs = prefix.encode(), prefix_end(prefix), 0, []
+        while True:
+            reply = self.range_page(start, end, prefix_follower.LIST_PAGE_ROWS, revision, what)
+            revision = revision or reply.header.revision
+            kvs += reply.kvs
+            if not reply.more:
+                return revision, kvs
+            start = reply.kvs[-1].key + b"\0"
 
     def range_page(self, key: bytes, range_end: bytes, limit: int, revision: int, what: str) -> Any:
         """One ``Range`` call (at ``revision``, 0: the newest), its ``RangeResponse``."""
@@ -149,21 +172,18 @@ class BlockingEtcd:
         self, channel: grpc.Channel, endpoint: str, error: grpc.RpcError, what: str
     ) -> EtcdUnreachable:
         with self._lock:
-            current = self._channel is channel
-            if current:
+            if self._channel is channel:  # else another call's failure dropped it already
                 self._close()
-        if current:  # else another call's failure dropped the channel (and reset) already
-            self._on_failure()
+                self._index = (self._index + 1) % len(self._endpoints)
         return EtcdUnreachable(what, f"etcd at {endpoint} unreachable ({_describe(error)})")
 
     def _current(self) -> tuple[Any, grpc.Channel, str]:
-        endpoint = self._endpoint()
         with self._lock:
-            if self._channel is None or self._channel_endpoint != endpoint:
-                self._close()
+            endpoint = self._endpoints[self._index]
+            if self._channel is None:
                 options = list(channel_options(self._config).items())
                 self._channel = sync_channel(endpoint, self._config.tls, options)
-                self._channel_endpoint, self._stub = endpoint, rpc.KVStub(self._channel)
+                self._stub = rpc.KVStub(self._channel)
             return self._stub, self._channel, endpoint
 
     def _close(self) -> None:

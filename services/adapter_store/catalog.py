@@ -19,11 +19,11 @@ a lookup the mirror misses asks etcd before answering NOT_FOUND (another replica
 committed it). Cut off from etcd, a replica refuses writes (UNAVAILABLE, saying why) and goes on
 serving reads of what it holds.
 
-The repository is synchronous and runs in worker threads. Transactions go to etcd from the
-calling thread and the watch runs on a thread of its own, both over a blocking gRPC channel
-(:mod:`.blocking_etcd`: no event loop to hop through on the registration's path); the other
-calls (single reads, listings, ``etcd_call``) go through aetcd's asyncio client, on an event
-loop the catalog runs on a thread of its own.
+The repository is synchronous and runs in worker threads. Its calls go to etcd from the
+calling thread and the watch runs on a thread of its own, all over a blocking gRPC channel
+(:mod:`.blocking_etcd`: no event loop to hop through on the registration's path). Only
+``etcd_call`` (the upload slots, version retention) goes through aetcd's asyncio client, on an
+event loop the catalog starts on a thread of its own when first needed.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from services.adapter_store.storage_usage import StorageUsage, stored_bytes
 from services.adapter_store.tenant_storage_quota import fits
 from services.adapter_store.version_retention import kept_removals, retirement_ops
 from services.runtime.errors import Unavailable
-from services.runtime.etcd import prefix_follower
 from services.runtime.etcd.membership import (
     EtcdConnection,
     EtcdUnreachable,
@@ -64,9 +63,7 @@ from services.runtime.etcd.membership import (
     describe_etcd_error,
 )
 from services.runtime.etcd.prefix_follower import (
-    LIST_PAGE_ROWS,
     prefix_end,
-    range_call,
 )
 from services.runtime.tenants_file import UNLIMITED, TenantLimits
 
@@ -231,7 +228,8 @@ class Catalog:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="etcd-catalog", daemon=True)
         self._conn = EtcdConnection(config)
-        self._etcd = BlockingEtcd(config, lambda: self._conn.endpoint, self._reset_connection)
+        self._etcd = BlockingEtcd(config)
+        self._loop_lock = threading.Lock()
         self._follower = threading.Thread(target=self._follow, name="catalog-watch", daemon=True)
         self._closing = threading.Event()
         self._commits: GroupCommit[_Registration] = GroupCommit(self._commit_group, before_commit)
@@ -242,9 +240,8 @@ class Catalog:
     def open(self, timeout_s: float = 30.0) -> None:
         """List the catalog into the mirror and start watching it; Unavailable when etcd cannot
         be read within ``timeout_s``. Opening an open catalog does nothing."""
-        if self._thread.is_alive():
+        if self._follower.is_alive():
             return
-        self._thread.start()
         self._follower.start()
         if not self._listed.wait(timeout_s):
             raise Unavailable(
@@ -252,18 +249,27 @@ class Catalog:
             )
 
     def close(self) -> None:
-        if not self._thread.is_alive():
+        if not self._follower.is_alive():
             return
         self._closing.set()
         self._etcd.close()  # ends the watch
         self._follower.join()
-        self._submit(self._conn.close()).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
+        with self._loop_lock:
+            if self._thread.is_alive():
+                asyncio.run_coroutine_threadsafe(self._conn.close(), self._loop).result()
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
         self._loop.close()
         self._etcd.close()
 
     def _submit(self, coro: Awaitable[T]) -> Future[T]:
+        """Run ``coro`` on the catalog's event loop, started at its first use: a loop that gRPC's
+        asyncio client was used on is woken by every completion of the process's asyncio gRPC
+        calls (the server's too: its poller wakes every loop bound to it), so a replica that
+        needs no ``etcd_call`` runs none."""
+        with self._loop_lock:
+            if not self._thread.is_alive():
+                self._thread.start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
 
     def _call(self, fn: Callable[[aetcd.Client], Awaitable[T]], what: str) -> T:
@@ -280,7 +286,7 @@ class Catalog:
         return self._submit(call()).result()
 
     def _txn(self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any], what: str):
-        """One transaction from this thread (:mod:`.catalog_txn`): ``(succeeded, responses)`` as
+        """One transaction from this thread (:mod:`.blocking_etcd`): ``(succeeded, responses)`` as
         aetcd's ``transaction`` gives them; Unavailable (naming ``what`` and the cause) when etcd
         does not answer."""
         try:
@@ -289,11 +295,14 @@ class Catalog:
             self.problem = error.problem
             raise Unavailable(f"adapter catalog: {error}") from None
 
-    def _reset_connection(self) -> None:
-        """etcd did not answer a transaction: the catalog's connection dials the next endpoint
-        (its watch lists again), as after a failed call on it."""
-        if self._thread.is_alive():
-            self._submit(self._conn.reset())
+    def _get(self, key: bytes, what: str) -> Any:
+        """The key-value at ``key`` (None when there is none); Unavailable (naming ``what`` and
+        the cause) when etcd does not answer."""
+        try:
+            return self._etcd.get(key, what)
+        except EtcdUnreachable as error:
+            self.problem = error.problem
+            raise Unavailable(f"adapter catalog: {error}") from None
 
     def etcd_call(self, fn: Callable[[aetcd.Client], Awaitable[T]], what: str) -> T:
         """``fn(client)`` on the catalog's connection (as every catalog call): Unavailable,
@@ -321,25 +330,18 @@ class Catalog:
                 self.problem = (
                     error.problem
                     if isinstance(error, EtcdUnreachable)
-                    else f"etcd at {self._conn.endpoint} unreachable ({describe_etcd_error(error)})"
+                    else f"etcd at {self._etcd.endpoint} unreachable ({describe_etcd_error(error)})"
                 )
                 log.warning("adapter catalog watch failed: %s; listing again", self.problem)
                 self._closing.wait(backoff)
                 backoff = min(_MAX_BACKOFF_S, backoff * 2)
 
     def _list_rows(self) -> int:
-        """Every row into the mirror, read at one revision a page at a time; that revision."""
-        start, end, revision, rows = self.keys.rows.encode(), prefix_end(self.keys.rows), 0, []
-        while True:
-            reply = self._etcd.range_page(
-                start, end, prefix_follower.LIST_PAGE_ROWS, revision, "list the adapter catalog"
-            )
-            revision = revision or reply.header.revision
-            rows += [(kv.create_revision, decode_row(kv.value, self._read_text)) for kv in reply.kvs]
-            if not reply.more:
-                break
-            start = reply.kvs[-1].key + b"\0"
-        self.mirror.replace(rows, revision)
+        """Every row into the mirror, read at one revision; that revision."""
+        revision, kvs = self._etcd.list_prefix(self.keys.rows, "list the adapter catalog")
+        self.mirror.replace(
+            [(kv.create_revision, decode_row(kv.value, self._read_text)) for kv in kvs], revision
+        )
         return revision
 
     def _apply(self, event: Any) -> None:
@@ -372,7 +374,7 @@ class Catalog:
         """A row the mirror lacks, read from etcd: another replica may have just committed it.
         With etcd unreachable the mirror's answer stands."""
         try:
-            found = self._call(lambda c: c.get(self.keys.row(adapter_id).encode()), "read a row")
+            found = self._get(self.keys.row(adapter_id).encode(), "read a row")
         except Unavailable:
             return None
         return decode_row(found.value, self._read_text) if found else None
@@ -381,7 +383,7 @@ class Catalog:
         record = self.mirror.get_by_name(owner, name)
         if record is None:
             try:
-                found = self._call(lambda c: c.get(self.keys.name(owner, name).encode()), "read a name")
+                found = self._get(self.keys.name(owner, name).encode(), "read a name")
             except Unavailable:
                 return None
             if found:
@@ -454,17 +456,11 @@ class Catalog:
 
     def _list(self, prefix: str, what: str) -> list[Any]:
         """Every key under ``prefix`` (etcd key-values), read at one revision a page at a time."""
-        start, end, revision, kvs = prefix.encode(), prefix_end(prefix), 0, []
-        while True:
-            request = aetcd.rpc.RangeRequest(
-                key=start, range_end=end, limit=LIST_PAGE_ROWS, revision=revision
-            )
-            reply = self._call(lambda c, request=request: range_call(c, request), what)
-            revision = revision or reply.header.revision
-            kvs += reply.kvs
-            if not reply.more:
-                return kvs
-            start = reply.kvs[-1].key + b"\0"
+        try:
+            return self._etcd.list_prefix(prefix, what)[1]
+        except EtcdUnreachable as error:
+            self.problem = error.problem
+            raise Unavailable(f"adapter catalog: {error}") from None
 
     def reconcile_usage(self) -> int:
         """Give every row of the mirror that lacks one its usage entry, and remove the entries of
@@ -716,7 +712,7 @@ class Catalog:
         t = aetcd.transactions
         mark_key = self.keys.blob_mark(digest).encode()
         refs = self.keys.refs(digest)
-        found = self._call(lambda c: c.get(mark_key), "read a blob mark")
+        found = self._get(mark_key, "read a blob mark")
         mark = BlobMark("collecting", int(time.time() * 1000), self.replica_id)
         succeeded, responses = self._txn(
             compare=[
@@ -745,7 +741,7 @@ class Catalog:
 
     def still_marked(self, digest: str, mark_revision: int) -> bool:
         """Whether the collector's mark set at ``mark_revision`` still stands."""
-        found = self._call(lambda c: c.get(self.keys.blob_mark(digest).encode()), "read a blob mark")
+        found = self._get(self.keys.blob_mark(digest).encode(), "read a blob mark")
         return found is not None and found.mod_revision == mark_revision
 
 
