@@ -27,12 +27,13 @@ class DraftSettings:
 
     max_draft_tokens: int = 5
     """Draft tokens verified per request per step at most (``k``'s ceiling)."""
-    max_step_rows: int = 16
+    max_step_rows: int = 12
     """Decode rows a step may have at most with drafts: its decoding requests' own plus the
-    drafts. A verifying row is nearly free while the step reads weights for a few rows (5 drafts
-    cost about a third of a plain step at batch 1 with Q4_1) but not in a step that is already
-    wide, where drafting everyone's 5 tokens would multiply its rows; so a wide batch drafts only
-    for its most accepting requests (16: a guard, not yet tuned by a measurement)."""
+    drafts, so a wide batch drafts only for its most accepting requests. The Q4_1 kernel's cost
+    is not linear in rows: its register tiles hold 6 rows and from 13 rows it widens W into a
+    buffer, and the whole model's matmuls (2 EPYC cores, bf16) measured 1.95x the 1-row time at 6
+    rows, 2.83x at 7, 2.96x at 8, 3.76x at 12 but 4.68x at 13: a 13th row costs as much as
+    four of those before it, which the linear step-cost model cannot see."""
     max_ngram: int = 3
     """Longest suffix matched against the request's earlier tokens."""
     stop_after_misses: int = 3
