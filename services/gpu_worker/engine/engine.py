@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from operator import attrgetter, sub
 from typing import TypeVar, cast
 
 import torch
@@ -85,6 +86,8 @@ __all__ = ["Engine", "EngineConfig", "EventSink", "PoolTokens"]
 log = logging.getLogger("loramesh.engine")
 
 T = TypeVar("T")
+_total_len = attrgetter("total_len")
+_computed = attrgetter("num_computed")
 
 
 class Engine:
@@ -335,7 +338,9 @@ class Engine:
         scheduler.admit(decision.run)
         self._publish_stats()  # who runs and waits, seen by scrapes during a long forward pass
         chosen = set(decision.run)
-        batch = [r for r in self.running if r.request_id in chosen and adapters.runs_in_mode(r)]
+        batch = [r for r in self.running if r.request_id in chosen]
+        if adapters.merged is not None:
+            batch = list(filter(adapters.runs_in_mode, batch))
         if not batch and self.running:
             # The plan left nothing runnable (e.g. the merged adapter's requests found no room
             # beside paused ones): unmerge and step the running batch rather than stall.
@@ -345,8 +350,9 @@ class Engine:
             return 0
         speculator = self.speculator
         draft_rows = speculator.draft(batch) if speculator is not None else 0
-        prefill_tokens = sum(r.new_tokens for r in batch if r.new_tokens > 1)
-        decode_tokens = sum(1 for r in batch if r.new_tokens == 1) + draft_rows
+        new_tokens = list(map(sub, map(_total_len, batch), map(_computed, batch)))
+        prefill_tokens = sum(n for n in new_tokens if n > 1)
+        decode_tokens = new_tokens.count(1) + draft_rows
         started = time.monotonic()
         # The constrained rows' masks are computed while the forward pass runs.
         masks = self.masks.start([r.grammar for r in batch]) if self.masks is not None else None

@@ -170,9 +170,21 @@ class EngineRequest:
     KV positions reserved; () when it drafts none."""
     drafter: RequestDrafter | None = field(default=None, repr=False)
     """Its drafting state, from its first drafted step on (None: it has not drafted)."""
+    request_id: str = field(init=False)
+    """``spec.request_id`` (read many times a step: an attribute, not a property)."""
+    total_len: int = field(init=False)
+    """Prompt + output tokens so far; kept by :meth:`append_output` (read several times a step
+    for every running request: an attribute, not a property)."""
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.spec.sampling)
+        self.request_id = self.spec.request_id
+        self.total_len = len(self.spec.prompt_ids) + len(self.output_ids)
+
+    def append_output(self, token: int) -> None:
+        """Its next output token (the only way ``output_ids`` grows)."""
+        self.output_ids.append(token)
+        self.total_len += 1
 
     def next_draw_generator(self) -> torch.Generator | None:
         """The random stream of its next token's draw (None when greedy), keyed by its seed and
@@ -181,16 +193,8 @@ class EngineRequest:
         return None if self.seed is None else draw_generator(self.seed, self.total_len)
 
     @property
-    def request_id(self) -> str:
-        return self.spec.request_id
-
-    @property
     def all_ids(self) -> list[int]:
         return [*self.spec.prompt_ids, *self.output_ids]
-
-    @property
-    def total_len(self) -> int:
-        return len(self.spec.prompt_ids) + len(self.output_ids)
 
     @property
     def new_tokens(self) -> int:

@@ -41,7 +41,7 @@ class RequestEvents:
     def token(self, request: EngineRequest, token: int, now: float) -> FinishReason | None:
         """Append ``request``'s new ``token`` and send its event, unless the token ends the
         request: then the reason (the caller ends it with :meth:`finished`)."""
-        request.output_ids.append(token)
+        request.append_output(token)
         self.tokens_generated += 1
         adapter_id = request.spec.adapter_id
         if adapter_id is not None:

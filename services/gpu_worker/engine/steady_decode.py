@@ -22,7 +22,7 @@ from services.gpu_worker.engine.executor import Executor
 from services.gpu_worker.engine.request import EngineRequest
 from services.gpu_worker.engine.step_plan import AdapterSlot
 
-_ids = attrgetter("spec.request_id")
+_ids = attrgetter("request_id")
 _computed = attrgetter("num_computed")
 _kv = attrgetter("kv")
 _frozen = methodcaller("frozen_blocks")

@@ -225,8 +225,8 @@ def test_split_pool_blocks_match_the_engines_paged_attention():
     for index, (prompt, output, computed) in enumerate(shapes):
         kv = KvTable(pool)
         kv.reserve(prompt + output)
-        request = EngineRequest(spec=GenerationRequest(f"r{index}", tuple(range(prompt))), kv=kv)
-        request.output_ids, request.num_computed = list(range(output)), computed
+        spec = GenerationRequest(f"r{index}", tuple(range(prompt)))
+        request = EngineRequest(spec=spec, kv=kv, output_ids=list(range(output)), num_computed=computed)
         requests.append(request)
         # The whole context's KV (the engine writes the new tokens' rows itself; here the test does).
         keys, values = kv.rows(torch.arange(prompt + output))

@@ -49,7 +49,7 @@ def test_the_page_in_thread_starts_no_openmp_team():
         copier._thread.submit(lambda: None).result()  # the thread exists before counting
         before = os_threads()
         assert copier._thread.submit(large_copy).result() == 1
-        assert os_threads() == before
+        assert os_threads() <= before  # none started (another test's thread may end meanwhile)
         native_id = copier._thread.submit(threading.get_native_id).result()
         assert os.getpriority(os.PRIO_PROCESS, native_id) == BACKGROUND_NICE  # it gives way to the steps
     finally:
@@ -66,6 +66,6 @@ def test_a_confined_thread_starts_no_team_through_mkl_either():
             side.submit(lambda: None).result()
             before = os_threads()
             side.submit(lambda: torch.arange(LARGE, dtype=torch.float64).cos()).result()
-            assert os_threads() == before
+            assert os_threads() <= before  # none started (another test's thread may end meanwhile)
     finally:
         torch.set_num_threads(threads)
