@@ -89,9 +89,12 @@ class RequestScheduler:
     def make_room_for_running(self) -> None:
         """Reserve each running request's next token's KV, preempting victims while the pool
         (and, when borrowing, every lender) is dry."""
+        block = self.kv.rm.block_tokens
         for request in list(self.running):
             if request.state is not RequestState.RUNNING:
                 continue
+            if request.table is None and len(request.kv.blocks) * block >= request.total_len:
+                continue  # its blocks hold its next token (fifteen steps in sixteen)
             while True:
                 try:
                     self.kv.reserve(request, request.total_len)
