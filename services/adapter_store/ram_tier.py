@@ -15,12 +15,13 @@ from __future__ import annotations
 import mmap
 import threading
 
+from services.adapter_store.blobs.page_aligned import populated_mapping
 from services.runtime.eviction import EvictionPolicy, LRUEviction
 
 
 def to_anonymous_mapping(data) -> memoryview:
     """Copy a bytes-like object into a fresh anonymous mapping (freed when unreferenced)."""
-    mapping = mmap.mmap(-1, max(len(data), 1))
+    mapping = populated_mapping(len(data))
     mapping.write(data)
     return memoryview(mapping)[: len(data)]
 

@@ -300,8 +300,10 @@ class AdapterRegistrar:
         (:mod:`services.adapter_store.blob_collector`). A blob already present is not written
         again.
 
-        Only a pinned adapter goes into the RAM tier here: the others enter it when first
-        fetched, so registering thousands does not evict the adapters in use."""
+        Only a pinned adapter and a name's new version go into the RAM tier here: every worker
+        serving the name pulls a new version at once (a training loop's publishes), which would
+        otherwise read the blob back and hash it again; a new name enters it when first fetched,
+        so registering thousands does not evict the adapters in use."""
         publication.texts = record_texts(record)
         digests = set(record_digests(record).values())
         owner, with_usage = upload.owner, usage is not None
@@ -359,6 +361,7 @@ class AdapterRegistrar:
                 publication.staged.discard()
         if record.pinned:
             self.ram.pin(record.sha256)
+        if record.pinned or replacing is not None:
             self.ram.put(record.sha256, upload.weights)
         return record
 

@@ -119,3 +119,18 @@ def test_a_version_replaced_less_than_keep_versions_s_ago_is_kept_past_the_count
     now[0] += 61  # every one replaced over a minute ago: the count decides
     publish(repo, seeded_files(44))
     assert [r.version for r in repo.retention.versions("alice", "a")] == [4, 5]
+
+
+def test_a_new_version_is_served_from_ram_without_reading_its_blob_back(
+    open_repository, seeded_files, monkeypatch
+):
+    """Every worker serving a name pulls its new version at once: the replica that took the
+    publish serves it from its RAM tier, not by reading the blob back and hashing it again.
+    A new name waits for its first fetch (registering thousands evicts nothing)."""
+    repo = open_repository()
+    first = publish(repo, seeded_files(50)).record
+    assert repo.ram.get(first.sha256) is None
+    second = publish(repo, seeded_files(51)).record
+    monkeypatch.setattr(repo.blobs, "get", lambda digest: pytest.fail("read back from the blob tier"))
+    assert bytes(repo.read_weights(second)) == seeded_files(51)[WEIGHTS]
+    assert weights_digest(repo, second.id) == second.sha256

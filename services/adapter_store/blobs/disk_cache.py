@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import os
 import threading
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from services.adapter_store.blobs.backend import BlobBackend, BlobEntry, StagedBlob
+from services.adapter_store.blobs.page_aligned import populated_mapping
 from services.runtime.security.private_files import PRIVATE_FILE_MODE, private_dir
 
 log = logging.getLogger("loramesh.adapter_store")
@@ -40,7 +40,7 @@ def _read_file(path: Path) -> memoryview:
     """The file's bytes in an anonymous mapping (off the Python heap, like a backend's)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        mapping = memoryview(mmap.mmap(-1, max(size, 1)))
+        mapping = memoryview(populated_mapping(size))
         f.readinto(mapping)
     return mapping[:size]
 

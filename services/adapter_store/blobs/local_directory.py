@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.adapter_store.blobs.backend import BlobEntry, BlobMissing
-from services.adapter_store.blobs.page_aligned import PAGE, address, pages, whole_pages
+from services.adapter_store.blobs.page_aligned import PAGE, address, pages, populated_mapping, whole_pages
 from services.runtime.security.private_files import PRIVATE_FILE_MODE, private_dir
 
 log = logging.getLogger("loramesh.adapter_store")
@@ -195,7 +195,7 @@ class LocalDirectoryBlobs:
             raise BlobMissing(digest) from None
         with f:
             size = os.fstat(f.fileno()).st_size
-            mapping = mmap.mmap(-1, max(size, 1))
+            mapping = populated_mapping(size)
             f.readinto(mapping)
         return memoryview(mapping)[:size]
 

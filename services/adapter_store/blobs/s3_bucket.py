@@ -15,13 +15,13 @@ the standard AWS environment), so the store needs no S3 settings of its own.
 from __future__ import annotations
 
 import logging
-import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from services.adapter_store.blobs.backend import BlobEntry, BlobMissing
+from services.adapter_store.blobs.page_aligned import populated_mapping
 from services.adapter_store.importers.s3 import _CHANGED, _DENIED, _MISSING_BUCKET, _MISSING_KEY, s3_client
 from services.runtime.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 
@@ -146,7 +146,7 @@ class S3Blobs:
         with self._domain_errors(key, BlobMissing(digest)):
             reply = self._client.get_object(Bucket=self.bucket, Key=key)
             size = reply["ContentLength"]
-            mapping = memoryview(mmap.mmap(-1, max(size, 1)))
+            mapping = memoryview(populated_mapping(size))
             with reply["Body"] as body:
                 filled = 0
                 while filled < size:
