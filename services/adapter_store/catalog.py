@@ -49,7 +49,7 @@ from services.adapter_store.catalog_keys import (
     encode_row,
     record_digests,
 )
-from services.adapter_store.catalog_mirror import CatalogMirror, Seq
+from services.adapter_store.catalog_mirror import MIRROR_WAIT_S, CatalogMirror, Seq
 from services.adapter_store.group_commit import GroupCommit
 from services.adapter_store.row_texts import RowTexts
 from services.adapter_store.storage_usage import StorageUsage, stored_bytes
@@ -71,8 +71,6 @@ log = logging.getLogger("loramesh.adapter_store")
 
 T = TypeVar("T")
 
-MIRROR_WAIT_S = 10.0
-"""How long a write waits for the replica's own mirror to show it before returning anyway."""
 _MAX_BACKOFF_S = 1.0
 MAX_REGISTRATIONS_PER_TXN = 16
 """Registrations one transaction commits at most: each is about 6 writes and 5 checks, and etcd

@@ -24,6 +24,10 @@ Seq = tuple[int, str]
 transaction commits together share one revision)."""
 
 
+MIRROR_WAIT_S = 10.0
+"""How long a write waits for the replica's own mirror to show it before returning anyway."""
+
+
 class CatalogMirror:
     """Thread-safe: one thread applies, any thread reads or waits for a revision."""
 
@@ -144,6 +148,10 @@ class CatalogMirror:
         if self._by_name.get(name) == adapter_id:
             del self._by_name[name]
         return CatalogChange(deleted_id=adapter_id)
+
+    def holds(self, adapter_id: str) -> bool:
+        """Whether a row of ``adapter_id`` is held (for :meth:`wait_until`'s ``shows``)."""
+        return adapter_id in self._records
 
     def get(self, adapter_id: str) -> AdapterRecord | None:
         with self._changed:

@@ -44,7 +44,7 @@ import aetcd
 
 from services.adapter_store.adapter_record import AdapterRecord
 from services.adapter_store.catalog_keys import CatalogKeys, record_digests
-from services.adapter_store.catalog_mirror import CatalogMirror
+from services.adapter_store.catalog_mirror import MIRROR_WAIT_S, CatalogMirror
 from services.adapter_store.config import MAX_KEEP_VERSIONS
 from services.runtime.errors import Unavailable
 
@@ -149,4 +149,10 @@ class VersionRetention:
             log.warning("versions of %s/%s before %d are left to the next publish: %s",
                         owner, name, oldest_kept, error)  # fmt: skip
         self.pruned += removed
+        # The publisher reads its replica back: the mirror (which the watch, on its own thread,
+        # updates) must not show a version pruned by the publish that returned.
+        gone = [r.id for r in victims[:removed]]
+        if gone and not self.mirror.wait_until(lambda: not any(map(self.mirror.holds, gone)), MIRROR_WAIT_S):
+            log.warning("the catalog mirror still shows versions of %s/%s pruned %g s ago",
+                        owner, name, MIRROR_WAIT_S)  # fmt: skip
         return removed
