@@ -88,7 +88,10 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     def Generate(self, request, context):
         """Records the stream's deadline, and streams nothing."""
         self._tenant(context)
-        self.generation_deadlines.append(time.monotonic() + context.time_remaining())
+        # The time left first, the clock after: the sum is never below the deadline grpc holds
+        # (read the other way round, it could fall short by the microseconds between the reads).
+        remaining = context.time_remaining()
+        self.generation_deadlines.append(time.monotonic() + remaining)
         return iter(())
 
     def DeleteAdapter(self, request, context):
