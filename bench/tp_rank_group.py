@@ -65,7 +65,10 @@ def build_rank_pool(
 ) -> UnifiedPool:
     """The rank's pool: ``num_pages`` (the same on every rank) pages of its ``kv_dim``."""
     pool_layout = PoolLayout(
-        num_pages=num_pages, kv_block_tokens=kv_block_tokens, kv_dim=layout.kv_dim, num_layers=config.num_layers
+        num_pages=num_pages,
+        kv_block_tokens=kv_block_tokens,
+        kv_dim=layout.kv_dim,
+        num_layers=config.num_layers,
     )
     return UnifiedPool(PoolView.zeros(pool_layout, dtype, device))
 

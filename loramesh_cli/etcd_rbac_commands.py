@@ -21,7 +21,7 @@ def add_parsers(sub) -> None:
         "the pod's service account, gives every pod without one an etcd user and role of its identity "
         "<kind>/<pod name> (it may write only its own member, load and election keys), turns etcd's "
         "auth on, and deletes the users of pods that are gone. Needs the admin certificate "
-        "(--tls-ca/--tls-cert/--tls-key): etcd's root role (docs/security.md, \"etcd\").",
+        '(--tls-ca/--tls-cert/--tls-key): etcd\'s root role (docs/security.md, "etcd").',
     )
     sync.add_argument("--etcd-endpoints", default=os.environ.get(ETCD_ENDPOINTS_ENV, ""),
                       help=f"etcd members, comma-separated, tried in turn (default: ${ETCD_ENDPOINTS_ENV})")  # fmt: skip

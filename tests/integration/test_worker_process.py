@@ -62,7 +62,9 @@ def worker(tmp_path, adapter_root):
 
 
 def in_process_tokens(loaded, adapter_root, prompt, adapter, max_tokens) -> list[int]:
-    engine = local_engine(LlamaModel(loaded.config, loaded.weights, torch.float32), EngineConfig(pool_mib=128))
+    engine = local_engine(
+        LlamaModel(loaded.config, loaded.weights, torch.float32), EngineConfig(pool_mib=128)
+    )
     if adapter:
         engine.add_adapter(read_peft_directory(adapter, adapter_root / adapter, torch.float32))
     tokens: list[int] = []

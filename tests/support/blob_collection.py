@@ -9,4 +9,6 @@ from services.adapter_store.blob_collector import BlobCollector
 
 def collect_unreferenced_blobs(repository) -> int:
     """Remove every blob no row references, however young; returns how many."""
-    return BlobCollector(repository.catalog, repository.blobs, grace_s=0, clock=lambda: time.time() + 1).collect()
+    return BlobCollector(
+        repository.catalog, repository.blobs, grace_s=0, clock=lambda: time.time() + 1
+    ).collect()

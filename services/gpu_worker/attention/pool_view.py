@@ -73,7 +73,9 @@ class PoolView:
     @classmethod
     def zeros(cls, layout: PoolLayout, dtype: torch.dtype, device: torch.device | str = "cpu") -> PoolView:
         """A view over a new zero-filled private buffer of ``layout``'s size."""
-        return cls(layout, dtype, torch.zeros(layout.num_pages * layout.page_elems, dtype=dtype, device=device))
+        return cls(
+            layout, dtype, torch.zeros(layout.num_pages * layout.page_elems, dtype=dtype, device=device)
+        )
 
     @property
     def shared_fd(self) -> int | None:

@@ -59,7 +59,11 @@ class SharedCreditorPool:
             self.write(call.layer, call.write)
         return [
             attend_pool_blocks(
-                self.view, segment_pages, segment.block_first_positions, segment.queries, segment.query_positions
+                self.view,
+                segment_pages,
+                segment.block_first_positions,
+                segment.queries,
+                segment.query_positions,
             )
             for segment, segment_pages in zip(call.segments, pages, strict=True)
         ]

@@ -72,7 +72,9 @@ def _confine_in_background() -> None:
     run_in_background()
 
 
-def side_thread_pool(max_workers: int, thread_name_prefix: str, background: bool = False) -> ThreadPoolExecutor:
+def side_thread_pool(
+    max_workers: int, thread_name_prefix: str, background: bool = False
+) -> ThreadPoolExecutor:
     """A thread pool whose threads are confined to one torch thread; ``background``: and run at
     :data:`BACKGROUND_NICE` (work that must not slow the steps down, such as adapter page-in)."""
     return ThreadPoolExecutor(

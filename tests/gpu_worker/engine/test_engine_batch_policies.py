@@ -36,7 +36,9 @@ def adapter_dirs(tiny_llama, tmp_path_factory):
 
 def make_engine(tiny_llama, adapter_dirs, policy=None, pool_mib: float = 4, **config) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = local_engine(model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, **config), batch_policy=policy)
+    engine = local_engine(
+        model, EngineConfig(pool_mib=pool_mib, kv_block_tokens=4, **config), batch_policy=policy
+    )
     for name, directory in adapter_dirs.items():
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     return engine
@@ -74,7 +76,9 @@ def always_merge() -> DynamicBatching:
 
 def fixed_weights(engine: Engine) -> list[torch.Tensor]:
     return [
-        t.clone() for layer in engine.executor.model.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        t.clone()
+        for layer in engine.executor.model.layers
+        for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
 
 

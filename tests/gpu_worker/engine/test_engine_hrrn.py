@@ -15,7 +15,9 @@ from services.gpu_worker.model.llama import LlamaModel
 
 def test_one_slot_serves_the_queue_shortest_predicted_first(tiny_llama):
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=1), batch_policy=Hrrn())
+    engine = local_engine(
+        model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=1), batch_policy=Hrrn()
+    )
     finished: list[str] = []
     for rid, predicted in (("long", 40), ("short", 2), ("middle", 12)):
         engine.submit(
