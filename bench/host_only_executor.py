@@ -66,26 +66,27 @@ class HostOnlyExecutor:
         self.builder = StepBuilder(ConfigOnlyModel(config), self.view)
         self.inputs = StepInputs(self.builder, device_lora=True)
         self.persistent = persistent
-        self._resident: dict[str, ResidentAdapter] = {}
+        self.resident: dict[str, ResidentAdapter] = {}
+        """The placed adapters by id, as the executor's step inputs look them up."""
 
     def place(self, adapter: HostAdapter, adapter_id: str) -> ResidentAdapter:
         """Place ``adapter``'s rows under ``adapter_id`` (as the engine's pager would) and make
         its row offsets, as the copier does before a plan may name it."""
         resident = self.residency.load(replace(adapter, adapter_id=adapter_id))
         resident.materialize()
-        self._resident[adapter_id] = resident
+        self.resident[adapter_id] = resident
         return resident
 
     def execute(self, plan: StepPlan) -> StepBatch:
         """The step's inputs, as the model would receive them."""
         if not self.persistent:
-            return self.builder.build(plan, self._resident.get)
-        return self.inputs.build(plan, self._resident.get)
+            return self.builder.build(plan, self.resident.get)
+        return self.inputs.build(plan, self.resident.get)
 
     def execute_decode(self, delta: DecodeDelta) -> StepBatch | None:
         """A steady decode step handed over as what changed (the persistent path only; None
         when its rows are not the last step's)."""
-        return self.inputs.decode(delta, self._resident.get)
+        return self.inputs.decode(delta, self.resident.get)
 
 
 class HostOnlyEngineExecutor:
@@ -118,10 +119,10 @@ class HostOnlyEngineExecutor:
         return adapter
 
     def load_adapter(self, adapter: HostAdapter, resident: ResidentAdapter) -> None:
-        self.host._resident[adapter.adapter_id] = resident
+        self.host.resident[adapter.adapter_id] = resident
 
     def evict_adapter(self, adapter_id: str) -> None:
-        self.host._resident.pop(adapter_id, None)
+        self.host.resident.pop(adapter_id, None)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         self.host.execute(plan)
