@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -108,15 +108,18 @@ def sessions(own: bool) -> Iterator[None]:
         yield
 
 
-def start_store(system: StoreSystem, etcd: EtcdServer, work: Path, index: int) -> ServiceProcess:
-    """A store process of ``system`` (run from its checkout, so its code is what runs)."""
+def start_store(
+    system: StoreSystem, etcd: EtcdServer, work: Path, index: int, env: dict[str, str] | None = None
+) -> ServiceProcess:
+    """A store process of ``system`` (run from its checkout, so its code is what runs), with
+    ``env`` added to its environment."""
     args = ["--etcd-endpoints", etcd.endpoint, "--data-dir", str(work / f"store{index}")]
     if system.shared_blobs:
         args += ["--blob-store", str(work / "blobs")]
     store = ServiceProcess("adapter_store", args, log_path=work / f"store{index}.log")
     with open(work / f"store{index}.log", "ab") as log:
         store.proc = subprocess.Popen(store.command(), cwd=system.source, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)  # fmt: skip
+                                      start_new_session=True, env={**os.environ, **(env or {})})  # fmt: skip
     return store
 
 
@@ -172,16 +175,21 @@ async def etcd_db_bytes(etcd: EtcdServer) -> int:
         await connection.close()
 
 
+async def ready_stubs(stores: Sequence[ServiceProcess]) -> tuple[list[aio.Channel], list]:
+    """Once every store serves: a channel to each and its stub."""
+    for store in stores:
+        await store.wait_ready(300)
+    channels = [aio.insecure_channel(store.address) for store in stores]
+    return channels, [adapter_store_pb2_grpc.AdapterStoreStub(channel) for channel in channels]
+
+
 async def measure(system: StoreSystem, adapters: Sequence[dict[str, bytes]], args, work: Path) -> dict:
     load_before = os.getloadavg()[0]
     with sessions(not args.one_session):
         etcd = EtcdServer(work / "etcd").start()
         stores = [start_store(system, etcd, work, i) for i in range(system.replicas)]
     try:
-        for store in stores:
-            await store.wait_ready(300)
-        channels = [aio.insecure_channel(store.address) for store in stores]
-        stubs = [adapter_store_pb2_grpc.AdapterStoreStub(channel) for channel in channels]
+        channels, stubs = await ready_stubs(stores)
 
         async def register(i: int) -> int:
             await upload_adapter(stubs[i % len(stubs)], adapters[i], f"a{i:05d}", OWNER)
@@ -237,28 +245,45 @@ async def measure(system: StoreSystem, adapters: Sequence[dict[str, bytes]], arg
         etcd.stop()
 
 
+def bench_adapters(root: Path, count: int) -> list[dict[str, bytes]]:
+    """``count`` small adapters (rank 1 on q_proj), each with its own bytes."""
+    template = adapter_files(
+        write_peft_adapter(
+            root / "template",
+            load_base_model_spec(),
+            SampleAdapterSpec(rank=1, target_modules=("q_proj",), seed=7),
+        )
+    )
+    return [variant(template, i) for i in range(count)]
+
+
+async def each_in_turn(
+    root: Path, systems: Sequence[StoreSystem], measure_one: Callable[[StoreSystem, Path], Awaitable[dict]]
+) -> list[dict]:
+    """``measure_one(system, work)`` of each system in turn, each with a work directory of its
+    own under ``root`` (removed after): their rows, each printed as it comes."""
+    rows = []
+    for i, system in enumerate(systems):
+        work = root / f"run{i}"
+        work.mkdir()
+        rows.append(await measure_one(system, work))
+        shutil.rmtree(work, ignore_errors=True)
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
 async def run(args) -> dict:
     root = Path(tempfile.mkdtemp(prefix="store-replicas-"))
     baseline = baseline_checkout(args.baseline_ref, root)
     try:
-        spec = load_base_model_spec()
-        template = adapter_files(
-            write_peft_adapter(
-                root / "template", spec, SampleAdapterSpec(rank=1, target_modules=("q_proj",), seed=7)
-            )
-        )
-        adapters = [variant(template, i) for i in range(args.adapters)]
+        adapters = bench_adapters(root, args.adapters)
         systems = [
             StoreSystem(f"sqlite store ({args.baseline_ref})", 1, baseline, shared_blobs=False),
             *(StoreSystem(f"etcd catalog, {n} replica{'s' * (n > 1)}", n, REPO, shared_blobs=True) for n in args.replicas),
         ]  # fmt: skip
-        rows = []
-        for i, system in enumerate(systems * args.rounds):
-            work = root / f"run{i}"
-            work.mkdir()
-            rows.append(await measure(system, adapters, args, work))
-            shutil.rmtree(work, ignore_errors=True)
-            print(json.dumps(rows[-1]), file=sys.stderr)
+        rows = await each_in_turn(
+            root, systems * args.rounds, lambda s, work: measure(s, adapters, args, work)
+        )
     finally:
         remove_checkout(baseline)
         shutil.rmtree(root, ignore_errors=True)
@@ -271,6 +296,14 @@ async def run(args) -> dict:
         "one_session": args.one_session,
         "rows": rows,
     }
+
+
+def report(result: dict, out: Path | None) -> None:
+    """Print ``result`` (JSON), and write it to ``out`` when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
 
 
 def main() -> None:
@@ -287,11 +320,7 @@ def main() -> None:
     parser.add_argument("--baseline-ref", default="44f3e5a", help="the single-replica SQLite store's commit")
     parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
     args = parser.parse_args()
-    result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(asyncio.run(run(args)), args.out)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ loop's thread took about as much of a replica's CPU as its event loop serving th
 (py-spy, issue 48). A blocking call waits in gRPC's core on the thread that commits, and the
 watch's thread takes each response as it comes.
 
-Transactions are given as aetcd's ``transactions`` objects (compares, ``Put``, ``Get``,
-``Delete``), and answered as aetcd's ``Client.transaction`` answers: ``(succeeded, responses)``,
+Transactions are given as etcd's messages (:mod:`.etcd_ops`) or aetcd's ``transactions`` objects
+(compares, ``Put``, ``Get``, ``Delete``), and answered as aetcd's ``Client.transaction`` answers: ``(succeeded, responses)``,
 a range's response as ``[(value, rtypes.Get)]``.
 """
 
@@ -34,16 +34,24 @@ Txn = tuple[Sequence[Any], Sequence[Any], Sequence[Any]]
 
 
 def txn_request(compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any]) -> Any:
-    """The ``TxnRequest`` of one transaction."""
+    """The ``TxnRequest`` of one transaction (its checks and operations given as etcd's messages,
+    :mod:`.etcd_ops`, or as aetcd's objects)."""
     return rpc.TxnRequest(
-        compare=[c.build_message() for c in compare], success=_ops(success), failure=_ops(failure)
+        compare=[c if type(c) is _COMPARE else c.build_message() for c in compare],
+        success=_ops(success),
+        failure=_ops(failure),
     )
+
+
+_COMPARE, _REQUEST_OP = type(rpc.Compare()), type(rpc.RequestOp())
 
 
 def _ops(ops: Sequence[Any]) -> list[Any]:
     out = []
     for op in ops:
-        if isinstance(op, transactions.Put):
+        if type(op) is _REQUEST_OP:
+            out.append(op)
+        elif isinstance(op, transactions.Put):
             lease = op.lease if isinstance(op.lease, int) or op.lease is None else op.lease.id
             put = rpc.PutRequest(key=op.key, value=op.value, lease=lease or 0, prev_kv=op.prev_kv)
             out.append(rpc.RequestOp(request_put=put))

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import aetcd
 
+from services.adapter_store import etcd_ops
 from services.adapter_store.adapter_record import AdapterRecord, DuplicateName
 from services.adapter_store.blocking_etcd import BlockingEtcd, Txn
 from services.adapter_store.catalog_changes import CatalogChanges
@@ -145,20 +146,27 @@ class _Registration:
     """Keep the version it replaces as a kept version (:mod:`.version_retention`)."""
 
     def compare(self, keys: CatalogKeys) -> list:
-        t, record, prepared = aetcd.transactions, self.record, self.prepared
+        record, prepared = self.record, self.prepared
         name_key = keys.name(record.owner, record.name).encode()
         compare = [
-            t.Value(name_key) == self.replacing.id.encode() if self.replacing else t.Create(name_key) == 0,
-            t.Mod(keys.version(record.owner, record.name).encode()) == prepared.version_mod_revision,
-            *(t.Mod(keys.blob_mark(d).encode()) == state.mod_revision for d, state in prepared.blobs.items()),
+            etcd_ops.value_is(name_key, self.replacing.id.encode())
+            if self.replacing
+            else etcd_ops.absent(name_key),
+            etcd_ops.mod_is(keys.version(record.owner, record.name).encode(), prepared.version_mod_revision),
+            *(
+                etcd_ops.mod_is(keys.blob_mark(d).encode(), state.mod_revision)
+                for d, state in prepared.blobs.items()
+            ),
         ]
         if prepared.usage is not None:
             usage = keys.usage(record.owner)
-            compare.append(t.Create(usage.encode(), prefix_end(usage)) < prepared.usage.newest + 1)
+            compare.append(
+                etcd_ops.none_created_since(usage.encode(), prefix_end(usage), prepared.usage.newest)
+            )
         return compare
 
     def ops(self, keys: CatalogKeys) -> list:
-        t, record = aetcd.transactions, self.record
+        record = self.record
         # The version replaced goes first: a watcher sees its removal, then the new row (a
         # retired one stays, as a kept version).
         ops = []
@@ -167,10 +175,13 @@ class _Registration:
         elif self.replacing is not None:
             ops = row_removal(keys, self.replacing, with_name=False)
         return ops + [
-            t.Put(keys.row(record.id).encode(), encode_row(record)),
-            t.Put(keys.name(record.owner, record.name).encode(), record.id.encode()),
-            t.Put(keys.version(record.owner, record.name).encode(), str(record.version).encode()),
-            *(t.Put(keys.ref(d, record.id).encode(), b"") for d in set(record_digests(record).values())),
+            etcd_ops.put(keys.row(record.id).encode(), encode_row(record)),
+            etcd_ops.put(keys.name(record.owner, record.name).encode(), record.id.encode()),
+            etcd_ops.put(keys.version(record.owner, record.name).encode(), str(record.version).encode()),
+            *(
+                etcd_ops.put(keys.ref(d, record.id).encode(), b"")
+                for d in set(record_digests(record).values())
+            ),
             usage_put(keys, record),
         ]
 
@@ -183,19 +194,18 @@ class _Registration:
 def usage_put(keys: CatalogKeys, record: AdapterRecord):
     """The write of ``record``'s usage entry."""
     entry = keys.usage_entry(record.owner, record.id).encode()
-    return aetcd.transactions.Put(entry, str(stored_bytes(record)).encode())
+    return etcd_ops.put(entry, str(stored_bytes(record)).encode())
 
 
 def row_removal(keys: CatalogKeys, record: AdapterRecord, with_name: bool) -> list:
     """The writes that take ``record`` out of the catalog (its name too, ``with_name``)."""
-    t = aetcd.transactions
     ops = [
-        t.Delete(keys.row(record.id).encode()),
-        t.Delete(keys.usage_entry(record.owner, record.id).encode()),
+        etcd_ops.delete(keys.row(record.id).encode()),
+        etcd_ops.delete(keys.usage_entry(record.owner, record.id).encode()),
     ]
-    ops += [t.Delete(keys.ref(d, record.id).encode()) for d in set(record_digests(record).values())]
+    ops += [etcd_ops.delete(keys.ref(d, record.id).encode()) for d in set(record_digests(record).values())]
     if with_name:
-        ops.append(t.Delete(keys.name(record.owner, record.name).encode()))
+        ops.append(etcd_ops.delete(keys.name(record.owner, record.name).encode()))
     return ops
 
 
@@ -418,13 +428,12 @@ class Catalog:
         return self._prepared(responses, digests, with_usage)
 
     def _state_reads(self, owner: str, name: str, digests: set[str], with_usage: bool) -> list:
-        t = aetcd.transactions
         usage = self.keys.usage(owner)
         return [
-            t.Get(self.keys.name(owner, name).encode()),
-            t.Get(self.keys.version(owner, name).encode()),
-            *(t.Get(self.keys.blob_mark(d).encode()) for d in sorted(digests)),
-            *([t.Get(usage.encode(), prefix_end(usage))] if with_usage else []),
+            etcd_ops.get(self.keys.name(owner, name).encode()),
+            etcd_ops.get(self.keys.version(owner, name).encode()),
+            *(etcd_ops.get(self.keys.blob_mark(d).encode()) for d in sorted(digests)),
+            *([etcd_ops.get(usage.encode(), prefix_end(usage))] if with_usage else []),
         ]
 
     @staticmethod
@@ -586,10 +595,11 @@ class Catalog:
         owners = sorted({r.record.owner for r in chunk if r.prepared.usage is not None})
         if not owners:
             return {}
-        t = aetcd.transactions
         _, responses = self._txn(
             compare=[],
-            success=[t.Get(self.keys.usage(o).encode(), prefix_end(self.keys.usage(o))) for o in owners],
+            success=[
+                etcd_ops.get(self.keys.usage(o).encode(), prefix_end(self.keys.usage(o))) for o in owners
+            ],
             failure=[],
             what="read the owners' usage",
         )
