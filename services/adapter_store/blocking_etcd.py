@@ -1,5 +1,6 @@
 """The catalog's etcd calls on a blocking gRPC channel: transactions and reads from the calling
-thread, and the watch on a thread of the catalog's own.
+thread, and the watch on a thread of the catalog's own, which takes each response from gRPC's core
+itself.
 
 Every registration is a transaction, and every replica's watch delivers every registration.
 Through aetcd's asyncio client, on an event loop of the catalog's own, each commit took a hop to
@@ -10,9 +11,9 @@ loop's thread took about as much of a replica's CPU as its event loop serving th
 (py-spy, issue 48). A blocking call waits in gRPC's core on the thread that commits, and the
 watch's thread takes each response as it comes.
 
-Transactions are given as etcd's messages (:mod:`.etcd_ops`) or aetcd's ``transactions`` objects
-(compares, ``Put``, ``Get``, ``Delete``), and answered as aetcd's ``Client.transaction`` answers: ``(succeeded, responses)``,
-a range's response as ``[(value, rtypes.Get)]``.
+Transactions are given as etcd's messages (:mod:`.etcd_ops`) or aetcd's ``transactions``
+objects (compares, ``Put``, ``Get``, ``Delete``), and answered as aetcd's ``Client.transaction``
+answers: ``(succeeded, responses)``, a range's response as ``[(value, rtypes.Get)]``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
+import grpc.experimental
 from aetcd import rpc, rtypes, transactions
 
 from services.runtime.etcd import prefix_follower
@@ -43,6 +45,8 @@ def txn_request(compare: Sequence[Any], success: Sequence[Any], failure: Sequenc
     )
 
 
+_WATCH_METHOD = "/etcdserverpb.Watch/Watch"
+_SINGLE_THREADED_UNARY_STREAM = grpc.experimental.ChannelOptions.SingleThreadedUnaryStream
 _COMPARE, _REQUEST_OP = type(rpc.Compare()), type(rpc.RequestOp())
 
 
@@ -152,13 +156,16 @@ class BlockingEtcd:
         cancelled or its revision compacted away), or when :meth:`close` cancels it."""
         _, channel, endpoint = self._current()
         create = rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
-        ended = threading.Event()
-
-        def requests() -> Iterator[Any]:
-            yield rpc.WatchRequest(create_request=create)
-            ended.wait()  # etcd ends a watch whose stream the client half-closed
-
-        call = rpc.WatchStub(channel).Watch(requests())
+        # Called as a unary-stream call: one request, then etcd's responses, which this thread
+        # takes from gRPC's core itself (the channel's single-threaded unary-stream option). As a
+        # bidirectional stream, each response went through gRPC's channel thread before this
+        # one, and a thread of its own held the request stream open. etcd keeps a watch whose
+        # client half-closed its stream (its grpc-gateway does so, etcd 3.1 on).
+        call = channel.unary_stream(
+            _WATCH_METHOD,
+            request_serializer=rpc.WatchRequest.SerializeToString,
+            response_deserializer=rpc.WatchResponse.FromString,
+        )(rpc.WatchRequest(create_request=create))
         with self._lock:
             self._watches.add(call)
         try:
@@ -171,7 +178,6 @@ class BlockingEtcd:
         except grpc.RpcError as error:
             raise self._failed(channel, endpoint, error, what) from None
         finally:
-            ended.set()
             call.cancel()
             with self._lock:
                 self._watches.discard(call)
@@ -189,7 +195,7 @@ class BlockingEtcd:
         with self._lock:
             endpoint = self._endpoints[self._index]
             if self._channel is None:
-                options = list(channel_options(self._config).items())
+                options = [*channel_options(self._config).items(), (_SINGLE_THREADED_UNARY_STREAM, 1)]
                 self._channel = sync_channel(endpoint, self._config.tls, options)
                 self._stub = rpc.KVStub(self._channel)
             return self._stub, self._channel, endpoint
