@@ -17,7 +17,14 @@ The two meshes' tokens must be the same (lossless); the bench says whether they 
 the speculating worker drafted and accepted (its ``/metrics``). Each mesh runs one replica of each
 service (``--up-args`` default): two whole default meshes are 18 processes on a 2-core machine.
 
+With ``--llama-server`` (or ``$LORAMESH_LLAMA_SERVER``), llama-server on the same GGUF base runs
+beside them at batch 1 (``bench.systems.llamacpp_lora_server``): the demo adapters converted to
+GGUF LoRA files, each batch-1 request sent to it as the same prompt token ids (a chat's rendered
+by the base model's chat template, as the gateway renders it), the three systems' order rotating
+per round; the bench reports each mesh's batch-1 rate against llama-server's.
+
     .venv/bin/python -m bench.speculative_served_bench --rounds 4
+    LORAMESH_LLAMA_SERVER=$LLAMA_CPP/build/bin/llama-server .venv/bin/python -m bench.speculative_served_bench
 """
 
 from __future__ import annotations
@@ -32,9 +39,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 
 import httpx
@@ -42,13 +49,18 @@ import httpx
 from bench.quantized_bench import cpu_name
 from bench.served_batch_one import SSE_DATA
 from bench.speculative_workloads import WorkloadItem, non_repetitive, repetitive
+from bench.systems.llamacpp_lora_server import LlamaLoraServer
 from bench.systems.loramesh_up_system import _loramesh
 from demo_adapters.cache import cache_root, ensure_adapters
 from loramesh.client import Client
 from loramesh_cli.mesh_file import MeshFile
+from services.model_files.base_model import default_model_path
+from services.model_files.tokenizer_loading import load_tokenizer
 
 DEMO_ADAPTERS = ("sql", "pirate", "french")
 LEAN_MESH = "--gateways 1 --schedulers 1 --adapter-stores 1 --kv-managers 0"
+LLAMA = "llama-server"
+"""llama-server's key beside the modes in the batch-1 results."""
 DRAFT_COUNTER = re.compile(r"^loramesh_gpu_worker_(accepted_draft|draft)_tokens_total (\S+)$", re.MULTILINE)
 
 
@@ -118,11 +130,12 @@ def request(client: httpx.Client, base_model: str, item: WorkloadItem) -> dict:
     return {"tokens": tokens, "start": start, "first": stamps[0], "last": stamps[-1]}
 
 
-def batch_one(client: httpx.Client, base_model: str, items: list[WorkloadItem]) -> dict:
-    """Each item alone, in turn: per item its decode tokens/s; and their tokens."""
+def batch_one(send: Callable[[WorkloadItem], dict], items: list[WorkloadItem]) -> dict:
+    """Each item alone, in turn (``send``: one streamed request's answer, as :func:`request`
+    gives it): per item its decode tokens/s; and their tokens."""
     rates, tokens = {}, {}
     for item in items:
-        done = request(client, base_model, item)
+        done = send(item)
         rates[item.name] = (len(done["tokens"]) - 1) / max(done["last"] - done["first"], 1e-9)
         tokens[item.name] = done["tokens"]
     return {"decode_tok_s": rates, "tokens": tokens}
@@ -140,6 +153,18 @@ def concurrent(clients: list[httpx.Client], base_model: str, items: list[Workloa
     }
 
 
+def prompt_ids(items: list[WorkloadItem]) -> dict[str, list[int]]:
+    """Each item's prompt token ids: a chat's messages rendered by the base model's chat template
+    and tokenized, as the gateway does (the demo adapters bring no template of their own)."""
+    tokenizer = load_tokenizer().tokenizer
+    return {
+        item.name: tokenizer.encode(tokenizer.apply_chat_template(list(item.messages)))
+        if item.messages
+        else list(item.prompt_ids)
+        for item in items
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -148,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="ngram", help="the speculative mode set against off")
     parser.add_argument("--up-args", default=LEAN_MESH, help="extra `loramesh up` flags for both meshes")
     parser.add_argument("--out", type=Path, default=Path("bench/out/speculative_served.json"))
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=os.environ.get("LORAMESH_LLAMA_SERVER"),
+        help="llama-server built in its llama.cpp checkout: measured beside the meshes at batch 1",
+    )
     args = parser.parse_args(argv)
     # A killed bench still stops its meshes (the ExitStack unwinds on SystemExit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
@@ -164,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     load = [os.getloadavg()]
     rounds = []
+    llama_version = None
     with ExitStack() as stack:
         served = {mode: stack.enter_context(mesh(mode, up_args)) for mode in modes}
         clients = {
@@ -174,20 +206,36 @@ def main(argv: list[str] | None = None) -> int:
             for mode, m in served.items()
         }
         base_model = clients["off"][0].get("/v1/models").json()["data"][0]["id"]
-        for mode in modes:  # warm-up: kernels built, adapters paged in
-            batch_one(clients[mode][0], base_model, workloads["repetitive"])
-            concurrent(clients[mode], base_model, groups["non-repetitive"])
+        senders: dict[str, Callable[[WorkloadItem], dict]] = {
+            mode: (lambda item, c=clients[mode][0]: request(c, base_model, item)) for mode in modes
+        }
+        if args.llama_server is not None:
+            server = stack.enter_context(
+                closing(LlamaLoraServer(args.llama_server, default_model_path(), demo_adapter_dirs()))
+            )
+            llama_version = server.version
+            llama_client = stack.enter_context(httpx.Client(timeout=600))
+            prompts = prompt_ids([item for items in workloads.values() for item in items])
+            senders[LLAMA] = lambda item: server.stream(
+                llama_client, prompts[item.name], item.adapter, item.max_tokens
+            )
+        for name, send in senders.items():  # warm-up: kernels built, adapters paged in
+            batch_one(send, workloads["repetitive"])
+            if name in modes:
+                concurrent(clients[name], base_model, groups["non-repetitive"])
         load.append(os.getloadavg())
         drafts_before = draft_counts(served[args.mode]["worker_metrics"])
+        systems = list(senders)
         for index in range(args.rounds):
             order = modes if index % 2 == 0 else modes[::-1]
+            rotated = systems[index % len(systems) :] + systems[: index % len(systems)]
             row: dict = {}
             for name, items in workloads.items():
+                by_system = row.setdefault(name, {})
+                for system in rotated:
+                    by_system[system] = {"batch_one": batch_one(senders[system], items)}
                 for mode in order:
-                    row.setdefault(name, {})[mode] = {
-                        "batch_one": batch_one(clients[mode][0], base_model, items),
-                        "concurrent": concurrent(clients[mode], base_model, groups[name]),
-                    }
+                    by_system[mode]["concurrent"] = concurrent(clients[mode], base_model, groups[name])
             rounds.append(summarise_round(row, modes))
             print(json.dumps(rounds[-1]), flush=True)
         load.append(os.getloadavg())
@@ -199,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_name(),
         "up_args": args.up_args,
         "modes": modes,
+        "llama_server": llama_version,
         "load_average_1_5_15": load,
         "rounds": rounds,
         "medians": medians(rounds),
@@ -219,6 +268,8 @@ def summarise_round(row: dict, modes: tuple[str, str]) -> dict:
     for name, by_mode in row.items():
         one = {mode: by_mode[mode]["batch_one"]["decode_tok_s"] for mode in modes}
         group = {mode: by_mode[mode]["concurrent"]["tok_s"] for mode in modes}
+        if LLAMA in by_mode:
+            one[LLAMA] = by_mode[LLAMA]["batch_one"]["decode_tok_s"]
         summary[name] = {
             "batch_one_tok_s": one,
             "batch_one_ratio": {item: one[on][item] / one[off][item] for item in one[off]},
@@ -231,6 +282,16 @@ def summarise_round(row: dict, modes: tuple[str, str]) -> dict:
                 for kind in ("batch_one", "concurrent")
             },
         }
+        if LLAMA in by_mode:
+            llama_tokens = by_mode[LLAMA]["batch_one"]["tokens"]
+            summary[name]["batch_one_ratio_vs_llama"] = {
+                mode: {item: one[mode][item] / one[LLAMA][item] for item in one[LLAMA]} for mode in modes
+            }
+            # Other numerics (llama.cpp's own kernels): greedy tokens may part at near-ties.
+            summary[name]["llama_same_tokens_as_off"] = {
+                item: tokens == by_mode[off]["batch_one"]["tokens"][item]
+                for item, tokens in llama_tokens.items()
+            }
     return summary
 
 
@@ -247,12 +308,36 @@ def medians(rounds: list[dict]) -> dict:
                 for item in rounds[0][name]["batch_one_ratio"]
             },
             "concurrent_ratio": statistics.median(r[name]["concurrent_ratio"] for r in rounds),
+            **versus_llama(rounds, name),
             "same_tokens": {
                 kind: all(r[name]["same_tokens"][kind] for r in rounds)
                 for kind in ("batch_one", "concurrent")
             },
         }
     return result
+
+
+def versus_llama(rounds: list[dict], name: str) -> dict:
+    """Per mode, the median over rounds of its batch-1 rate ÷ llama-server's (the geometric mean
+    of the items' ratios in a round), and per item; {} without llama-server."""
+    if "batch_one_ratio_vs_llama" not in rounds[0][name]:
+        return {}
+    modes = rounds[0][name]["batch_one_ratio_vs_llama"]
+    return {
+        "batch_one_ratio_vs_llama": {
+            mode: statistics.median(
+                statistics.geometric_mean(r[name]["batch_one_ratio_vs_llama"][mode].values()) for r in rounds
+            )
+            for mode in modes
+        },
+        "batch_one_ratio_vs_llama_per_item": {
+            mode: {
+                item: statistics.median(r[name]["batch_one_ratio_vs_llama"][mode][item] for r in rounds)
+                for item in rounds[0][name]["batch_one_ratio_vs_llama"][mode]
+            }
+            for mode in modes
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -72,12 +72,22 @@ def converter_base_config(spec: BaseModelSpec) -> dict:
 
 def gguf_adapters(adapters: AdapterSet, spec: BaseModelSpec, converter: Path) -> list[Path]:
     """One GGUF LoRA file per adapter of ``adapters``, in index order; converts those not cached."""
+    directories = [adapters.directory(i) for i in range(adapters.count)]
+    return gguf_lora_files(directories, spec, converter, adapters.root.parent / f"{adapters.root.name}-gguf")
+
+
+def gguf_lora_files(
+    directories: list[Path], spec: BaseModelSpec, converter: Path, cache: Path | None = None
+) -> list[Path]:
+    """One GGUF LoRA file per PEFT adapter directory, in order, kept in ``cache`` (default: a
+    ``-gguf`` folder beside the first directory's parent); converts those not cached."""
+    if cache is None:
+        cache = directories[0].parent.parent / f"{directories[0].parent.name}-gguf"
     config = json.dumps(converter_base_config(spec), sort_keys=True)
     context = hashlib.sha256(config.encode() + Path(converter).read_bytes()).digest()
-    cache = adapters.root.parent / f"{adapters.root.name}-gguf"
     cache.mkdir(parents=True, exist_ok=True)
-    targets = [cache / f"{_content_key(adapters.directory(i), context)}.gguf" for i in range(adapters.count)]
-    missing = [(adapters.directory(i), t) for i, t in enumerate(targets) if not t.exists()]
+    targets = [cache / f"{_content_key(directory, context)}.gguf" for directory in directories]
+    missing = [(directory, t) for directory, t in zip(directories, targets) if not t.exists()]
     if missing:
         _convert(missing, config, Path(converter), cache)
     return targets

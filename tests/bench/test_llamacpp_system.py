@@ -1,5 +1,6 @@
 """The llama.cpp systems: the bench's PEFT adapters converted to GGUF LoRA by llama.cpp's own
-converter (cached by content), and llama-server serving a short trace with and without them.
+converter (cached by content), llama-server serving a short trace with and without them, and
+llama-server at batch 1 with named adapters (the served speculative bench's peer).
 
 Both need a llama.cpp checkout with llama-server built in it (docs/benchmarks.md): set
 ``LORAMESH_LLAMA_SERVER`` to the binary, else these tests skip."""
@@ -11,6 +12,7 @@ import math
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 from safetensors.torch import load_file
 from support.tiny_hf_model import SPEC
@@ -19,8 +21,10 @@ from bench.serving.adapters import ensure_adapter_set
 from bench.serving.system_settings import LLAMA_SERVER_ENV
 from bench.systems.base import RunContext
 from bench.systems.llamacpp_adapters import ConversionError, find_converter, gguf_adapters
+from bench.systems.llamacpp_lora_server import LlamaLoraServer
 from bench.systems.llamacpp_system import LlamaServerSystem, LlamaServerSystemOptions
 from bench.workload import TraceRequest
+from services.model_files.base_model import default_model_path
 
 
 @pytest.fixture
@@ -91,3 +95,22 @@ def test_llama_server_serves_three_requests_with_their_tokens(
     stats = system.stats()
     assert stats["drained"] and stats["lora_files"] == (2 if with_adapters else 0)
     assert "-np" in stats["flags"] and stats["version"]
+
+
+@pytest.mark.model
+def test_each_batch_one_request_streams_its_tokens_on_its_own_adapter(llama_server, base_spec, tmp_path):
+    adapters = ensure_adapter_set(tmp_path / "adapters", base_spec, 2, (8, 16))
+    named = {"first": adapters.directory(0), "second": adapters.directory(1)}
+    server = LlamaLoraServer(llama_server, default_model_path(), named, context=512)
+    try:
+        assert server.lora_ids == {"first": 0, "second": 1} and server.version
+        with httpx.Client(timeout=120) as client:
+            answers = [
+                server.stream(client, [1000 + j for j in range(12)], a, 6) for a in ("", "first", "second")
+            ]
+        for answer in answers:
+            assert len(answer["tokens"]) == 6 and answer["start"] <= answer["first"] <= answer["last"]
+        assert server.body([1], "second", 3)["lora"] == [{"id": 1, "scale": 1.0}]
+        assert server.body([1], "", 3)["lora"] == []
+    finally:
+        server.close()

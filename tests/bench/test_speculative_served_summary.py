@@ -1,0 +1,51 @@
+"""The served speculative bench's summaries: ratios of the speculating mesh to ``off`` and, with
+llama-server beside them, of each mesh's batch-1 rate to llama-server's (no mesh started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.speculative_served_bench import LLAMA, medians, summarise_round
+
+
+def measured(rates: dict[str, float], tokens: list[int], group: float) -> dict:
+    return {
+        "batch_one": {"decode_tok_s": rates, "tokens": {item: tokens for item in rates}},
+        "concurrent": {"tok_s": group, "tokens": {"g": tokens}},
+    }
+
+
+def a_round(spec_rate: float, llama_rate: float) -> dict:
+    row = {
+        "w": {
+            "off": measured({"a": 100.0, "b": 50.0}, [1, 2], 200.0),
+            "ngram": measured({"a": spec_rate, "b": 100.0}, [1, 2], 220.0),
+            LLAMA: {
+                "batch_one": {"decode_tok_s": {"a": llama_rate, "b": 50.0}, "tokens": {"a": [1, 2], "b": [3]}}
+            },
+        }
+    }
+    return summarise_round(row, ("off", "ngram"))
+
+
+def test_ratios_against_off_and_llama_server_per_item_and_as_the_median_of_geometric_means():
+    rounds = [a_round(200.0, 100.0), a_round(150.0, 50.0), a_round(400.0, 100.0)]
+
+    assert rounds[0]["w"]["batch_one_ratio"] == {"a": 2.0, "b": 2.0}
+    assert rounds[0]["w"]["batch_one_ratio_vs_llama"] == {
+        "off": {"a": 1.0, "b": 1.0},
+        "ngram": {"a": 2.0, "b": 2.0},
+    }
+    assert rounds[0]["w"]["llama_same_tokens_as_off"] == {"a": True, "b": False}
+    summary = medians(rounds)["w"]
+    # Per round ngram/llama: sqrt(2*2)=2, sqrt(3*2)=2.449, sqrt(4*2)=2.828.
+    assert summary["batch_one_ratio_vs_llama"]["ngram"] == pytest.approx(6**0.5)
+    assert summary["batch_one_ratio_vs_llama_per_item"]["off"] == {"a": 1.0, "b": 1.0}
+    assert summary["concurrent_ratio"] == pytest.approx(1.1)
+
+
+def test_without_llama_server_no_ratio_against_it():
+    row = {"w": {"off": measured({"a": 1.0}, [1], 1.0), "ngram": measured({"a": 2.0}, [1], 1.0)}}
+    rounds = [summarise_round(row, ("off", "ngram"))]
+    assert "batch_one_ratio_vs_llama" not in rounds[0]["w"]
+    assert "batch_one_ratio_vs_llama" not in medians(rounds)["w"]
