@@ -19,7 +19,8 @@ service (``--up-args`` default): two whole default meshes are 18 processes on a 
 
 With ``--llama-server`` (or ``$LORAMESH_LLAMA_SERVER``), llama-server on the same GGUF base runs
 beside them at batch 1 (``bench.systems.llamacpp_lora_server``): the demo adapters converted to
-GGUF LoRA files, each batch-1 request sent to it as the same prompt token ids (a chat's rendered
+GGUF LoRA files (base-model requests go to a second llama-server without adapters, its fastest
+case), each batch-1 request sent to it as the same prompt token ids (a chat's rendered
 by the base model's chat template, as the gateway renders it), the three systems' order rotating
 per round; the bench reports each mesh's batch-1 rate against llama-server's.
 
@@ -210,13 +211,18 @@ def main(argv: list[str] | None = None) -> int:
             mode: (lambda item, c=clients[mode][0]: request(c, base_model, item)) for mode in modes
         }
         if args.llama_server is not None:
-            server = stack.enter_context(
-                closing(LlamaLoraServer(args.llama_server, default_model_path(), demo_adapter_dirs()))
-            )
-            llama_version = server.version
+            # Two servers: base-model requests go to one without adapters, since a request
+            # applying none runs slower on a server holding some (llamacpp_system.py).
+            servers = {
+                has_adapter: stack.enter_context(
+                    closing(LlamaLoraServer(args.llama_server, default_model_path(), adapters))
+                )
+                for has_adapter, adapters in ((True, demo_adapter_dirs()), (False, {}))
+            }
+            llama_version = servers[True].version
             llama_client = stack.enter_context(httpx.Client(timeout=600))
             prompts = prompt_ids([item for items in workloads.values() for item in items])
-            senders[LLAMA] = lambda item: server.stream(
+            senders[LLAMA] = lambda item: servers[bool(item.adapter)].stream(
                 llama_client, prompts[item.name], item.adapter, item.max_tokens
             )
         for name, send in senders.items():  # warm-up: kernels built, adapters paged in

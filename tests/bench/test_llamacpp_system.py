@@ -114,3 +114,10 @@ def test_each_batch_one_request_streams_its_tokens_on_its_own_adapter(llama_serv
         assert server.body([1], "", 3)["lora"] == []
     finally:
         server.close()
+    bare = LlamaLoraServer(llama_server, default_model_path(), {}, context=512)
+    try:
+        assert "--lora-init-without-apply" not in bare.flags
+        with httpx.Client(timeout=120) as client:
+            assert len(bare.stream(client, [1000 + j for j in range(12)], "", 4)["tokens"]) == 4
+    finally:
+        bare.close()
