@@ -114,7 +114,6 @@ async def one_round(system: StoreSystem, adapters, args, work: Path) -> dict:
 
         warm = min(200, len(adapters) // 10)
         await run_all(warm, args.concurrency, register)
-        names = [thread_names(store.proc.pid) for store in stores] if args.threads else [{}, {}]
         threads_before = [thread_cpu(store.proc.pid) for store in stores]
         before, revision = CpuSample.now(stores, etcd), etcd_revision(etcd)
 
@@ -124,6 +123,8 @@ async def one_round(system: StoreSystem, adapters, args, work: Path) -> dict:
         seconds, registered = await run_all(len(adapters) - warm, args.concurrency, rest)
         cpu = CpuSample.now(stores, etcd).per_registration(before, registered)
         writes = etcd_revision(etcd) - revision
+        # Named after the run: the executor starts threads as the uploads need them.
+        names = [thread_names(store.proc.pid) for store in stores] if args.threads else [{}, {}]
         threads = [
             by_name(store.proc.pid, b, thread_cpu(store.proc.pid), n, registered)
             for b, store, n in zip(threads_before, stores, names, strict=True)
