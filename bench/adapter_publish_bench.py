@@ -3,11 +3,11 @@ serves the new version, on a local mesh of two workers, in one run.
 
     .venv/bin/python -m bench.adapter_publish_bench [--probes 30] [--publishes 40] [--rate 10]
         [--window-s 12] [--rounds 2] [--streams 4] [--max-tokens 24] [--pool 24] [--keep-versions 4]
-        [--dtype float32] [--prefetch-versions-s 60]
+        [--dtype float32] [--prefetch-versions-s 60] [--store-nice N]
 
 A mesh is started with ``loramesh up --workers 2`` (float32 workers as every side-by-side bench,
 or ``--dtype``; the workers' ``--prefetch-versions-s`` as given, 0 to pull a version only when
-it is first asked for),
+it is first asked for; the store replicas' ``--cpu-nice`` as ``--store-nice`` gives, else theirs),
 with the store keeping versions by count alone (``--keep-versions-s 0``) and collecting
 unreferenced blobs every second and at once (``--collect-interval-s 1 --collect-grace-s 0``), so
 a pruned version's row and blob are gone by the time its content comes round again in the pool
@@ -65,7 +65,7 @@ from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from bench.side_by_side import local_mesh
 from loramesh.async_client import AsyncClient
 from loramesh_cli.mesh_file import MeshFile
-from mesh_api.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.model_files.base_model import load_base_model_spec
 from services.model_files.peft_format import LORA_TARGETS
 from services.model_files.tokenizer_loading import load_tokenizer
@@ -99,6 +99,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", help="the workers' --dtype (float32 as other benches)")
     parser.add_argument(
         "--prefetch-versions-s", default="60", help="the workers' --prefetch-versions-s (0: no prefetch)"
+    )
+    parser.add_argument(
+        "--store-nice", default=None, help="the store replicas' --cpu-nice (default: the store's own)"
     )
     return parser.parse_args()
 
@@ -252,6 +255,30 @@ def mesh_pids(mesh: MeshFile) -> dict[str, int]:
     return pids
 
 
+def autogroups(pids: dict[str, int]) -> dict[str, str]:
+    """Each process's scheduling group and its niceness (``/autogroup-N nice K``), where the
+    kernel has autogroups: what ``--store-nice`` reached."""
+    groups = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError):
+            groups[name] = Path(f"/proc/{pid}/autogroup").read_text().strip()
+    return groups
+
+
+async def ram_tier_reads(mesh: MeshFile) -> dict[str, list[int]]:
+    """Each store replica's RAM tier hits and misses so far: a fetch that misses reads the blob
+    back from the blob tier and hashes it."""
+    reads = {}
+    for name, entry in mesh.services.items():
+        if name.startswith("adapter_store"):
+            async with aio.insecure_channel(entry.address) as channel:
+                stats = await adapter_store_pb2_grpc.AdapterStoreStub(channel).Stats(
+                    adapter_store_pb2.StatsRequest()
+                )
+            reads[name] = [stats.ram_hits, stats.ram_misses]
+    return reads
+
+
 async def cpu_per(phase, pids: dict[str, int], count: int) -> dict:
     """CPU ms per one of ``count`` of ``phase`` (a coroutine) in each process of the mesh and in
     this one (the SDK's and the bench's side), beside the phase's own result."""
@@ -281,7 +308,7 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
     channels = [aio.insecure_channel(address) for address in workers]
     stubs = [worker_pb2_grpc.WorkerStub(channel) for channel in channels]
     watch = RowWatch(mesh)
-    result: dict = {"workers": len(workers)}
+    result: dict = {"workers": len(workers), "autogroups": autogroups(pids)}
     async with AsyncClient(mesh.services["gateway"].address, mesh.admin_api_key) as client:
         try:
             await watch.start()
@@ -304,7 +331,13 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
             # What each probe costs each process in CPU, less the base-model first tokens it
             # makes on every worker too (timed alone, the same count): a publish's own CPU.
             base_cpu = (await cpu_per(base_tokens(), pids, args.probes))["cpu_ms"]
+            reads_before = await ram_tier_reads(mesh)
             probed = await cpu_per(probes_run(), pids, args.probes)
+            # The probes' fetches each replica served from its RAM tier, and from its blob tier.
+            result["store_ram_tier_during_probes"] = {
+                name: {"hits": hits - reads_before[name][0], "misses": misses - reads_before[name][1]}
+                for name, (hits, misses) in (await ram_tier_reads(mesh)).items()
+            }
             probes = probed["result"]
             result["cpu_ms_per_probe"] = probed["cpu_ms"]
             result["cpu_ms_per_base_first_tokens"] = base_cpu
@@ -372,6 +405,8 @@ def main() -> None:
     flags += ["--collect-interval-s", "1", "--collect-grace-s", "0"]
     flags += ["--dtype", args.dtype]  # after local_mesh's own --dtype: this one holds
     flags += ["--prefetch-versions-s", args.prefetch_versions_s]
+    if args.store_nice is not None:
+        flags += ["--cpu-nice", args.store_nice]
     with local_mesh(workers=2, flags=flags) as mesh:
         result = asyncio.run(measure(mesh, args, fresh, rollback, others))
     print(
@@ -382,6 +417,7 @@ def main() -> None:
                 "keep_versions": args.keep_versions,
                 "worker_dtype": args.dtype,
                 "prefetch_versions_s": float(args.prefetch_versions_s),
+                "store_nice": args.store_nice,
                 "cpus": os.cpu_count(),
                 "load_before": [round(v, 2) for v in load_before],
                 "load_after": [round(v, 2) for v in os.getloadavg()],

@@ -101,6 +101,7 @@ STORE_SETTINGS = ForwardedSettings(
         "collect_grace_s",
         "keep_versions",
         "keep_versions_s",
+        "cpu_nice",
     ),
     default_words={"blob_store": "<state dir>/adapter_store, shared by every replica"},
 )

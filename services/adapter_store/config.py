@@ -62,6 +62,14 @@ class AdapterStoreConfig(ServiceConfig):
     and hashed before the store serves: minutes with thousands of adapters)."""
     retain_freed_memory: bool = True
     """On here (off in the other services): every upload passes through megabyte-sized buffers."""
+    cpu_nice: int = 0
+    """Niceness of the store's threads and, when it leads its session (as ``loramesh up`` starts
+    it), of the session's autogroup: 0 to 19. Above 0 the store's work for a publish (the
+    upload's hashing, validation and durable write, the sends to the workers) takes the CPU
+    only after the workers' decoding where they share cores, and after every other session's:
+    it trades the publish rate for decoding (at 19 on 2 shared cores, publishes fell from
+    10-20 to under 1 a second; docs/benchmarks.md, "Adapter versions at a training loop's
+    pace"). No effect in a container with a CPU share of its own."""
     blocking_threads: int = 32
     """Threads running the store's blocking work (registrations, reads, deletes). A registration
     holds its thread while its row commits through etcd's Raft and disk flush: with the default
@@ -87,5 +95,7 @@ class AdapterStoreConfig(ServiceConfig):
             raise ValueError(f"--collect-interval-s must be > 0, got {self.collect_interval_s:g}")
         if self.collect_grace_s < 0:
             raise ValueError(f"--collect-grace-s must be >= 0, got {self.collect_grace_s:g}")
+        if not 0 <= self.cpu_nice <= 19:
+            raise ValueError(f"--cpu-nice must be 0 to 19, got {self.cpu_nice}")
         if self.blob_cache_mib < 0:
             raise ValueError(f"--blob-cache-mib must be >= 0, got {self.blob_cache_mib}")

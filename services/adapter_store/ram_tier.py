@@ -112,6 +112,11 @@ class RamTier:
         with self._lock:
             return key in self._eviction.pinned()
 
+    def __contains__(self, key: str) -> bool:
+        """Whether ``key`` is held (not counted as a use, a hit or a miss)."""
+        with self._lock:
+            return key in self._entries
+
     @property
     def bytes_used(self) -> int:
         return self._bytes

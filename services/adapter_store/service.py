@@ -17,6 +17,7 @@ from mesh_api.v1 import adapter_store_pb2_grpc
 from services.adapter_store.adapter_imports import AdapterImports
 from services.adapter_store.blobs.open_backend import open_blob_backend
 from services.adapter_store.config import AdapterStoreConfig
+from services.adapter_store.cpu_niceness import lower_cpu_priority
 from services.adapter_store.import_policy import load_import_policy
 from services.adapter_store.repository import AdapterRepository, RepositorySettings
 from services.adapter_store.servicer import AdapterStoreServicer
@@ -55,6 +56,7 @@ class AdapterStoreService:
 
     async def start(self) -> None:
         cfg = self.config
+        lower_cpu_priority(cfg.cpu_nice)  # before the executor's threads: they inherit it
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(cfg.blocking_threads, thread_name_prefix="store")
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from grpc import aio
@@ -21,6 +21,7 @@ from services.adapter_store.adapter_record import AdapterRecord
 from services.adapter_store.blobs.page_aligned import page_aligned_join
 from services.adapter_store.catalog_changes import CatalogChange
 from services.adapter_store.chat_templates import TOKENIZER_FILES
+from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.registrar import AdapterUpload, check_name
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.tenant_storage_quota import UploadAdmission
@@ -68,9 +69,14 @@ class ReceivedUpload:
     def file(self, name: str) -> bytes:
         return b"".join(self.chunks[name])
 
-    def weights(self) -> memoryview:
-        """The weights file joined where the blob store writes it from without another copy."""
-        return page_aligned_join(self.chunks[WEIGHTS_FILE])
+    def weights(self, for_ram_tier: bool) -> memoryview:
+        """The weights file joined where the blob store writes it from without another copy;
+        ``for_ram_tier``: in a mapping, which the RAM tier keeps as it is (filling a fresh one
+        costs ~3 ms more for 10 MB than reused heap memory, a copy into the RAM tier ~4.5)."""
+        return page_aligned_join(self.chunks[WEIGHTS_FILE], mapped=for_ram_tier)
+
+    def weights_size(self) -> int:
+        return sum(len(chunk) for chunk in self.chunks[WEIGHTS_FILE])
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return {name: self.file(name) for name in TOKENIZER_FILES if self.chunks[name]}
@@ -126,6 +132,24 @@ async def receive_files(
         if not any(chunks[name]):
             raise InvalidArgument(f"the upload has no {name}")
     return ReceivedUpload(header, chunks)
+
+
+@contextlib.contextmanager
+def ram_ahead_of_commit(ram: RamTier, sha256: str, weights: memoryview) -> Iterator[None]:
+    """A new version's weights in the RAM tier before its row commits, taken out again if the
+    registration fails (unless they were there before). Every worker's pull starts when the
+    row reaches its etcd watch, before the commit returns here: kept only after it (as the
+    registrar does), a fetch that came first found the RAM tier without them and read the blob
+    back from disk and hashed it again (4 fetches of 12 right after their publish, in-process).
+    Only a committed row makes them servable: a fetch resolves the id first."""
+    held = sha256 in ram
+    ram.put(sha256, weights)
+    try:
+        yield
+    except BaseException:
+        if not held:
+            ram.discard(sha256)
+        raise
 
 
 class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
@@ -187,18 +211,20 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         """On a worker thread: joining the files is a copy the event loop does not make. A
         publish (``new_version``) registers as an import does: a new version of a name."""
         header = upload.header
+        ram = self.repository.ram
         adapter = AdapterUpload(
             header.name,
             header.owner,
             int(header.visibility),
             upload.file(CONFIG_FILE),
-            upload.weights(),
+            upload.weights(for_ram_tier=header.new_version and upload.weights_size() <= ram.budget_bytes),
             upload.tokenizer_files(),
         )
-        if header.new_version:
+        if not header.new_version:
+            return self.repository.registrar.register(adapter), True
+        with ram_ahead_of_commit(ram, adapter.sha256, adapter.weights):
             registration = self.repository.registrar.register_version(adapter)
-            return registration.record, registration.changed
-        return self.repository.registrar.register(adapter), True
+        return registration.record, registration.changed
 
     async def ImportAdapter(self, request: pb.ImportAdapterRequest, context):
         imports = self._imports

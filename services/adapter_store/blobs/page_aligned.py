@@ -32,6 +32,10 @@ _PADDED_BLOCKS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValue
 its last page's end, is nobody else's, so the view is written as whole pages from it."""
 
 
+_JOINED_MAPPINGS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
+"""The mappings :func:`page_aligned_join` made, by id: the rest of a view's last page is theirs."""
+
+
 def page_aligned_empty(size: int) -> memoryview:
     """``size`` writable bytes (uninitialised) that start on a page boundary and are followed by
     the rest of their last page, so that a local-directory blob write sends them (or any prefix
@@ -46,7 +50,10 @@ def page_aligned_empty(size: int) -> memoryview:
 
 def whole_pages(data: memoryview) -> memoryview | None:
     """``data`` and the rest of its last page, zeroed, when ``data`` is a page-aligned view of
-    a :func:`page_aligned_empty` block; else None."""
+    a :func:`page_aligned_empty` block, or the start of a mapping that holds its last page
+    (:func:`page_aligned_join`'s ``mapped``); else None."""
+    if isinstance(data.obj, mmap.mmap):
+        return _mapped_whole_pages(data)
     block = _PADDED_BLOCKS.get(id(data.obj))
     if block is not data.obj or not data.contiguous:
         return None
@@ -59,9 +66,28 @@ def whole_pages(data: memoryview) -> memoryview | None:
     return whole
 
 
-def page_aligned_join(parts: Sequence) -> memoryview:
-    """``parts`` (bytes-like) joined into :func:`page_aligned_empty` memory."""
-    joined = page_aligned_empty(sum(len(part) for part in parts))
+def _mapped_whole_pages(data: memoryview) -> memoryview | None:
+    mapping = data.obj
+    if _JOINED_MAPPINGS.get(id(mapping)) is not mapping or not data.contiguous:
+        return None
+    if len(mapping) < pages(len(data)) or address(data) != address(mapping):
+        return None
+    whole = memoryview(mapping)[: pages(len(data))]
+    whole[len(data) :] = bytes(len(whole) - len(data))
+    return whole
+
+
+def page_aligned_join(parts: Sequence, mapped: bool = False) -> memoryview:
+    """``parts`` (bytes-like) joined into :func:`page_aligned_empty` memory, or with ``mapped``
+    into a fresh anonymous mapping (whole pages), which the RAM tier keeps as it is: for a
+    publish, whose weights go into the RAM tier, one copy of the upload instead of two."""
+    size = sum(len(part) for part in parts)
+    if mapped:
+        mapping = populated_mapping(pages(size))
+        _JOINED_MAPPINGS[id(mapping)] = mapping
+        joined = memoryview(mapping)[:size]
+    else:
+        joined = page_aligned_empty(size)
     position = 0
     for part in parts:
         joined[position : position + len(part)] = part

@@ -4,6 +4,7 @@ through the writing thread's buffer."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 
@@ -23,9 +24,10 @@ def payload(size: int) -> bytes:
     return np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def test_a_join_lands_on_a_page_and_holds_the_parts_in_order():
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_join_lands_on_a_page_and_holds_the_parts_in_order(mapped):
     parts = [payload(1000), b"", payload(PAGE * 2 + 3), memoryview(payload(77))[5:]]
-    joined = page_aligned_join(parts)
+    joined = page_aligned_join(parts, mapped=mapped)
     assert np.frombuffer(joined, dtype=np.uint8).ctypes.data % PAGE == 0
     assert bytes(joined) == b"".join(bytes(part) for part in parts)
 
@@ -48,6 +50,7 @@ def in_a_mapping(data: bytes) -> memoryview:
 
 MEMORY = {
     "upload joined": lambda data: page_aligned_join([data]),
+    "publish joined": lambda data: page_aligned_join([data], mapped=True),
     "import read": in_store_memory,
     "page-aligned mapping": in_a_mapping,
     "other bytes": bytes,
@@ -67,7 +70,12 @@ def test_a_blob_holds_exactly_its_bytes(tmp_path, size, memory):
 
 @pytest.mark.parametrize(
     ("memory", "writes", "through_buffer"),
-    [("upload joined", 1, []), ("import read", 1, []), ("page-aligned mapping", 2, [17, PAGE - 17])],
+    [
+        ("upload joined", 1, []),
+        ("publish joined", 1, []),
+        ("import read", 1, []),
+        ("page-aligned mapping", 2, [17, PAGE - 17]),
+    ],
 )
 def test_only_memory_the_store_allocated_is_written_whole_in_one_go(
     tmp_path, monkeypatch, memory, writes, through_buffer
@@ -131,3 +139,22 @@ def test_staged_files_are_collected_only_once_old(tmp_path):
     assert blobs.collect_staging(older_than_s=60, now_s=now + 30) == 0
     assert blobs.collect_staging(older_than_s=60, now_s=now + 90) == 1
     assert os.listdir(blobs.staging_dir) == []
+
+
+@pytest.mark.parametrize("size", [0, PAGE - 1, 3 * PAGE + 17])
+def test_a_file_system_that_refuses_direct_reads_is_read_through_the_page_cache(tmp_path, monkeypatch, size):
+    data = payload(size)
+    blobs = LocalDirectoryBlobs(tmp_path)
+    blobs.put("a", page_aligned_join([data]))
+    opened = os.open
+    direct_tries: list[int] = []
+
+    def refusing_direct(path, flags, *mode):
+        if flags & getattr(os, "O_DIRECT", 0):
+            direct_tries.append(flags)
+            raise OSError(errno.EINVAL, "no O_DIRECT here")
+        return opened(path, flags, *mode)
+
+    monkeypatch.setattr(local_directory.os, "open", refusing_direct)
+    assert bytes(blobs.get("a")) == data
+    assert len(direct_tries) == (1 if blobs._direct else 0)
