@@ -4,9 +4,12 @@ same requests sent to each in alternation through the OpenAI HTTP API.
 
 Workloads (``bench.speculative_workloads``): the repetitive one (SQL rewrite by the ``sql`` demo
 adapter, ticket summary by ``pirate``, a chat repeating an earlier answer) and the
-non-repetitive one (the quick profile's trace, random-token prompts). Each round sends every
-workload at batch 1 (one request at a time) and at ``--concurrency`` requests at once, first to
-one mesh then to the other, the order alternating per round so that load drift falls on both.
+non-repetitive one (the quick profile's trace, random-token prompts drawn afresh for each use).
+Each round sends every workload at batch 1 (one request at a time) and at ``--concurrency``
+requests at once, first to one mesh then to the other, the order alternating per round so that
+load drift falls on both. The repetitive requests are the same in every round (and the warm-up):
+with ``suffix`` a mesh drafts them from its adapters' earlier outputs, the case of an adapter
+repeating its own earlier answers.
 Greedy, end of sequence ignored, streamed; every figure is as the client sees it:
 
 - batch 1: decode tokens/s of a request (its tokens after the first ÷ the time from its first
@@ -49,6 +52,7 @@ import httpx
 
 from bench.quantized_bench import cpu_name
 from bench.served_batch_one import SSE_DATA
+from bench.serving.profiles import QUICK
 from bench.speculative_workloads import WorkloadItem, non_repetitive, repetitive
 from bench.systems.llamacpp_lora_server import LlamaLoraServer
 from bench.systems.loramesh_up_system import _loramesh
@@ -154,16 +158,23 @@ def concurrent(clients: list[httpx.Client], base_model: str, items: list[Workloa
     }
 
 
-def prompt_ids(items: list[WorkloadItem]) -> dict[str, list[int]]:
-    """Each item's prompt token ids: a chat's messages rendered by the base model's chat template
+def chat_prompt_ids(items: list[WorkloadItem]) -> dict[str, list[int]]:
+    """Each chat item's prompt token ids: its messages rendered by the base model's chat template
     and tokenized, as the gateway does (the demo adapters bring no template of their own)."""
     tokenizer = load_tokenizer().tokenizer
     return {
         item.name: tokenizer.encode(tokenizer.apply_chat_template(list(item.messages)))
-        if item.messages
-        else list(item.prompt_ids)
         for item in items
+        if item.messages
     }
+
+
+def fresh_trace(concurrency: int, index: int, group: bool) -> list[WorkloadItem]:
+    """The quick trace's first requests for round ``index`` (-1: the warm-up), at batch 1 or as
+    the concurrent group: prompts drawn afresh for each (seed + 2 + 2·index, + 1 for the group),
+    so that no mesh meets a trace prompt it served before (``suffix`` would draft a repeated
+    request's whole output from its adapter's index)."""
+    return non_repetitive(concurrency, seed=QUICK.workload.seed + 2 + 2 * index + group)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,15 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     up_args = shlex.split(args.up_args)
     modes = ("off", args.mode)
-    workloads = {"repetitive": repetitive(args.tokens), "non-repetitive": non_repetitive(args.concurrency)}
-    # The concurrent groups: the repetitive items cycled to fill the group, the trace's first requests.
-    groups = {
-        "repetitive": [
-            WorkloadItem(f"{item.name}-{i}", item.adapter, item.max_tokens, item.messages, item.prompt_ids)
-            for i, item in enumerate(workloads["repetitive"][j % 3] for j in range(args.concurrency))
-        ],
-        "non-repetitive": workloads["non-repetitive"],
-    }
+    repeated = repetitive(args.tokens)
+    # The repetitive concurrent group: its items cycled to fill the group.
+    repeated_group = [
+        WorkloadItem(f"{item.name}-{i}", item.adapter, item.max_tokens, item.messages, item.prompt_ids)
+        for i, item in enumerate(repeated[j % 3] for j in range(args.concurrency))
+    ]
     load = [os.getloadavg()]
     rounds = []
     llama_version = None
@@ -221,14 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             }
             llama_version = servers[True].version
             llama_client = stack.enter_context(httpx.Client(timeout=600))
-            prompts = prompt_ids([item for items in workloads.values() for item in items])
+            chats = chat_prompt_ids(repeated)
             senders[LLAMA] = lambda item: servers[bool(item.adapter)].stream(
-                llama_client, prompts[item.name], item.adapter, item.max_tokens
+                llama_client, list(item.prompt_ids) or chats[item.name], item.adapter, item.max_tokens
             )
         for name, send in senders.items():  # warm-up: kernels built, adapters paged in
-            batch_one(send, workloads["repetitive"])
+            batch_one(send, repeated)
             if name in modes:
-                concurrent(clients[name], base_model, groups["non-repetitive"])
+                concurrent(clients[name], base_model, fresh_trace(args.concurrency, -1, True))
         load.append(os.getloadavg())
         drafts_before = draft_counts(served[args.mode]["worker_metrics"])
         systems = list(senders)
@@ -236,6 +244,14 @@ def main(argv: list[str] | None = None) -> int:
             order = modes if index % 2 == 0 else modes[::-1]
             rotated = systems[index % len(systems) :] + systems[: index % len(systems)]
             row: dict = {}
+            workloads = {
+                "repetitive": repeated,
+                "non-repetitive": fresh_trace(args.concurrency, index, False),
+            }
+            groups = {
+                "repetitive": repeated_group,
+                "non-repetitive": fresh_trace(args.concurrency, index, True),
+            }
             for name, items in workloads.items():
                 by_system = row.setdefault(name, {})
                 for system in rotated:

@@ -1,11 +1,12 @@
 """The served speculative bench's summaries: ratios of the speculating mesh to ``off`` and, with
-llama-server beside them, of each mesh's batch-1 rate to llama-server's (no mesh started)."""
+llama-server beside them, of each mesh's batch-1 rate to llama-server's; and its quick-trace
+requests, drawn afresh for each use (no mesh started)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.speculative_served_bench import LLAMA, medians, summarise_round
+from bench.speculative_served_bench import LLAMA, fresh_trace, medians, summarise_round
 
 
 def measured(rates: dict[str, float], tokens: list[int], group: float) -> dict:
@@ -49,3 +50,13 @@ def test_without_llama_server_no_ratio_against_it():
     rounds = [summarise_round(row, ("off", "ngram"))]
     assert "batch_one_ratio_vs_llama" not in rounds[0]["w"]
     assert "batch_one_ratio_vs_llama" not in medians(rounds)["w"]
+
+
+def test_no_trace_prompt_is_sent_twice_while_the_trace_keeps_its_shape():
+    uses = [fresh_trace(8, index, group) for index in (-1, 0, 1) for group in (False, True)]
+    prompts = [item.prompt_ids for items in uses for item in items]
+    assert len(set(prompts)) == len(prompts) == 48
+    shapes = {
+        tuple((item.adapter, item.max_tokens, len(item.prompt_ids)) for item in items) for items in uses
+    }
+    assert len(shapes) == 1
