@@ -17,6 +17,7 @@ Requests run one after the other, so with ``--mode suffix`` a request drafts fro
 requests' outputs of its adapter, as on a worker.
 
     .venv/bin/python -m bench.speculative_policy_sim --tokens 96
+    .venv/bin/python -m bench.speculative_policy_sim --per-item   # each request; drafts by match length
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from services.gpu_worker.engine.speculation.acceptance import AdapterRates
 from services.gpu_worker.engine.speculation.adapter_indexes import AdapterIndexes
 from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
 from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices
+from services.gpu_worker.engine.speculation.ngram_index import NgramIndex
 from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
 from services.gpu_worker.engine.speculation.speculator import ADAPTER_DECAY, MAX_ADAPTER_RATES
 from services.gpu_worker.model.llama import LlamaModel
@@ -131,6 +133,44 @@ def replay(
     return total
 
 
+def by_match_length(requests: list[dict], settings: DraftSettings) -> dict[int, tuple[int, float, float]]:
+    """Prompt lookup at every position of every output: per matched suffix length n, how many
+    drafts, the share whose first token was the output's, and the accepted tokens per draft."""
+    seen: dict[int, list[int]] = {}
+    for request in requests:
+        index = NgramIndex(settings.max_ngram)
+        prompt, output = request["prompt"], request["output"]
+        for done in range(1, len(output) - 1):
+            index.sync(prompt + output[:done])
+            n, drafts = index.match(min(settings.max_draft_tokens, len(output) - done))
+            if drafts:
+                accepted = next((j for j, d in enumerate(drafts) if d != output[done + j]), len(drafts))
+                counts = seen.setdefault(n, [0, 0, 0])
+                counts[0] += 1
+                counts[1] += accepted > 0
+                counts[2] += accepted
+    return {n: (c[0], c[1] / c[0], c[2] / c[0]) for n, c in sorted(seen.items())}
+
+
+def per_item(outputs: dict[str, list[dict]], prices: DraftPrices) -> None:
+    """Each request replayed alone, cost-aware (tokens and draft rows per step, acceptance), and
+    each workload's drafts by the length of the suffix they matched."""
+    settings = DraftSettings()
+    for workload, requests in outputs.items():
+        print(f"{workload}:")
+        for request in requests:
+            result = replay([request], settings, suffix=False, prices=prices)
+            print(
+                f"  {request['name']:16} tokens/step {result.tokens / result.steps:.2f}  "
+                f"rows/step {result.rows / result.steps:.2f}  "
+                f"accepted {result.accepted / max(result.rows, 1):.0%}"
+            )
+        for n, (drafts, first, tokens) in by_match_length(requests, settings).items():
+            print(
+                f"  matched {n} tokens: {drafts} drafts, first token right {first:.0%}, {tokens:.2f} accepted a draft"
+            )
+
+
 VARIANTS = {
     "current (k<=5)": {},
     "k<=8": {"max_draft_tokens": 8},
@@ -148,6 +188,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--wide-step", type=float, default=WIDE_STEP)
     parser.add_argument("--cache", type=Path, default=Path("bench/out/speculative_outputs.json"))
+    parser.add_argument("--per-item", action="store_true", help="each request, and drafts by match length")
     args = parser.parse_args()
     if args.cache.exists():
         outputs = json.loads(args.cache.read_text())
@@ -162,6 +203,9 @@ def main() -> None:
     print(
         f"batch {args.batch}: a token's share {prices.token_s:.3f}, a row {prices.row_s:.3f} (plain batch-1 steps)"
     )
+    if args.per_item:
+        per_item(outputs, prices)
+        return
     for workload, requests in outputs.items():
         print(f"{workload}: {len(requests)} requests, {sum(len(r['output']) for r in requests)} tokens")
         for mode in ("ngram", "suffix"):
