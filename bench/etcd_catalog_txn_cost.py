@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -111,7 +112,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
     args = parser.parse_args()
-    etcd = EtcdServer(Path(tempfile.mkdtemp(prefix="etcd-txn-cost-")) / "etcd").start()
+    work = Path(tempfile.mkdtemp(prefix="etcd-txn-cost-"))
+    etcd = EtcdServer(work / "etcd").start()
     config = MembershipConfig(etcd_endpoints=etcd.endpoint)
     rows = []
     try:
@@ -125,6 +127,7 @@ def main() -> None:
                     print(json.dumps(rows[-1]))
     finally:
         etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)
     report({"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "rows": rows}, args.out)
 
 
