@@ -63,11 +63,14 @@ class CatalogMirror:
     def apply_own(self, committed: int, record: AdapterRecord, replaced: str = "") -> list[CatalogChange]:
         """A registration this replica committed at revision ``committed`` (in place of row
         ``replaced``), applied before the watch delivers it, so the writer reads it back at once
-        without waiting for the watch. Nothing when the watch is already at or past it: it
-        applied the registration, and maybe later changes of that row, itself. The watch's own
-        delivery of it later changes nothing (:meth:`upsert` of an equal record is no change)."""
+        without waiting for the watch. Nothing when the watch is already past it: it applied the
+        registration, and maybe later changes of that row, itself. At ``committed`` itself the watch
+        may be between the transaction's events (the replaced row's delete applied, the new row's
+        put not yet), so both are applied here too: neither changes what the watch applied. The
+        watch's own delivery of it later changes nothing either (:meth:`upsert` of an equal record
+        and :meth:`remove` of a row not held are no change)."""
         with self._changed:
-            if self.revision >= committed:
+            if self.revision > committed:
                 return []
             changes = [self._remove(replaced)] if replaced else []
             changes.append(self._upsert(committed, record))

@@ -96,3 +96,16 @@ def test_a_replicas_own_registration_is_shown_at_once_and_published_once():
     # A write the watch has already gone past (and perhaps a later delete with it) is left alone.
     mirror.remove(new.id, 9)
     assert mirror.apply_own(8, new) == [] and mirror.get(new.id) is None
+
+
+def test_an_own_registration_is_shown_when_the_watch_stopped_inside_its_transaction():
+    """The watch applies a transaction's events one at a time: after the replaced row's delete
+    the mirror is at the transaction's revision without the new row. The writer must still read
+    its row back at once."""
+    mirror = CatalogMirror()
+    old, new = record("a"), replace(record("a"), id="id-a2", version=2)
+    mirror.upsert(3, old, 3)
+    mirror.remove(old.id, 8)
+    assert mirror.apply_own(8, new, replaced=old.id) == [CatalogChange(upserted=new)]
+    assert mirror.versions("alice", "a") == [new] and mirror.get_by_name("alice", "a") == new
+    assert mirror.upsert(8, new, 8) is None
