@@ -1,5 +1,5 @@
 """Structured outputs with the official ``openai`` package against a real mesh (float32 worker):
-96 concurrent requests over 3 adapters at once (two tenants'), 3 bounded JSON schemas, chat and
+72 concurrent requests over 3 adapters at once (two tenants'), 3 bounded JSON schemas, chat and
 completions, streamed and not, all parse and validate against their schema and none ends for
 length; ``chat.completions.parse()`` returns the Pydantic model; a schema the worker cannot
 follow is a ``BadRequestError`` naming ``response_format``; ``logit_bias`` (of a token found with
@@ -26,10 +26,12 @@ from pydantic import BaseModel, Field
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 HANG_GUARD_S = 600.0
-REQUESTS = 96
-"""Two waves of :data:`IN_FLIGHT`: every schema on every adapter, chat and completions, streamed
-and not, several times over (``i % 4`` and ``i % 3`` pick them). The suite's bounded slice: 200
-ran green here too, and the extra requests only repeat the same combinations."""
+REQUESTS = 72
+"""Every combination twice: request ``i``'s schema and adapter (``i % 3`` and ``(i // 3) % 3``,
+both of ``i % 9``) and its kind (``i % 4``: odd completions, 0 chat streamed, 2 chat) repeat
+every 36 requests, so 72 sends each schema on each adapter in each kind at least twice, and the
+24 beyond :data:`IN_FLIGHT` join the batch as earlier ones end. The suite's bounded slice: 96 and
+200 ran green here too, and the extra requests only repeat the same combinations."""
 IN_FLIGHT = 48
 """Requests in flight at once: under the scheduler's bound of 64 queued per worker (a request over
 it would be refused, 429), and few enough that their pages (~70 tokens each) fit the test
