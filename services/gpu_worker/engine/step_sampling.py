@@ -32,7 +32,9 @@ def sample_and_emit(
         lambda i: (batch[i].spec.original_prompt_ids, [*batch[i].spec.resumed_ids, *batch[i].output_ids]),
         [r.next_draw_generator() for r in batch],
     )
-    kept = [i for i, (r, token) in enumerate(zip(batch, tokens)) if r.grammar is None or r.grammar.accept(token)]
+    kept = [
+        i for i, (r, token) in enumerate(zip(batch, tokens)) if r.grammar is None or r.grammar.accept(token)
+    ]
     if len(kept) < len(batch):
         for request in (r for i, r in enumerate(batch) if i not in kept):
             scheduler.finish(request, FinishReason.ERROR, None, f"structured_output: {request.grammar.error}")
