@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                 for index in range(args.rounds):
                     names = list(calls) if index % 2 == 0 else list(calls)[::-1]
                     measured = {name: calls[name]() for name in names}
-                    row = {name: {"decode_tok_s": rate, "ttft_s": ttft} for name, (rate, ttft) in measured.items()}
+                    row = {
+                        name: {"decode_tok_s": rate, "ttft_s": ttft}
+                        for name, (rate, ttft) in measured.items()
+                    }
                     row["ratio"] = row["loramesh-up"]["decode_tok_s"] / row["llama-server"]["decode_tok_s"]
                     rounds.append(row)
                     print(json.dumps(row), flush=True)

@@ -110,7 +110,9 @@ class MergedSwapSystem:
     def run(self, context: RunContext) -> list[RequestRecord]:
         loaded = load_model(context.model_path)
         self.model = LlamaModel(loaded.config, loaded.weights, torch.float32)
-        engine = local_engine(self.model, EngineConfig(pool_mib=context.pool_mib, max_running=context.max_batch))
+        engine = local_engine(
+            self.model, EngineConfig(pool_mib=context.pool_mib, max_running=context.max_batch)
+        )
         self.switches, self.switch_s, self.load_s, self.outputs = 0, 0.0, 0.0, {}
         replay = _Replay(self, context, engine)
         try:

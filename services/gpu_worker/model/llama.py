@@ -148,7 +148,6 @@ class LlamaModel:
         they are instead of gathering them for torch's SDPA, which halved the decode step at
         batch 32 on a 2-core EPYC (bench/HISTORY.md, "Quantized base weights and the CPU step")."""
 
-
     def _gather_weights_in_huge_pages(self) -> None:
         """Every matrix a decode step streams (the projections and the output head) in one region
         backed by huge pages (``memory/huge_pages.py``): fewer TLB misses as a step streams them."""
@@ -158,9 +157,12 @@ class LlamaModel:
         tied = self.lm_head is self.embed
         copies = gather_in_huge_pages([w.blocks if isinstance(w, QuantizedWeight) else w for w in weights])
         for (owner, name), weight, copy in zip(slots, weights, copies):
-            setattr(owner, name, replace(weight, blocks=copy) if isinstance(weight, QuantizedWeight) else copy)
+            setattr(
+                owner, name, replace(weight, blocks=copy) if isinstance(weight, QuantizedWeight) else copy
+            )
         if tied:
             self.embed = self.lm_head
+
     def check_batch_invariant(self) -> None:
         """Raise ValueError/RuntimeError when this model cannot run batch-invariant steps."""
         if self.device.type != "cpu":

@@ -289,7 +289,9 @@ async def test_the_openai_client_retries_once_a_concurrent_request_ends(scripted
 
 
 async def test_over_a_limit_grpc_answers_resource_exhausted_with_retry_after(scripted_gateway, grpc_address):
-    clock = limit_alice(scripted_gateway, max_concurrent_requests=1, tokens_per_minute=20, max_waiting_requests=0)
+    clock = limit_alice(
+        scripted_gateway, max_concurrent_requests=1, tokens_per_minute=20, max_waiting_requests=0
+    )
     request = gateway_pb2.GenerateTextRequest(prompt="Hi", sampling=types_pb2.SamplingParams(max_tokens=8))
     async with aio.insecure_channel(grpc_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)

@@ -56,7 +56,9 @@ def adapters(tiny_llama, tmp_path_factory):
 
 
 def make_engine(tiny_llama, adapters, executor: LocalExecutor | None = None) -> Engine:
-    executor = executor or LocalExecutor(LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), CONFIG)
+    executor = executor or LocalExecutor(
+        LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32), CONFIG
+    )
     engine = Engine(executor, CONFIG)
     for adapter in adapters.values():
         engine.add_adapter(adapter)
@@ -177,7 +179,10 @@ def test_an_idle_engine_copies_the_adapter_it_waits_for_itself(tiny_llama, adapt
 
     engine.adapters.copier._write = seen
     out: list[int] = []
-    engine.submit(request("cold", "b", max_tokens=3), lambda e: out.append(e.token_id) if e.token_id is not None else None)
+    engine.submit(
+        request("cold", "b", max_tokens=3),
+        lambda e: out.append(e.token_id) if e.token_id is not None else None,
+    )
     engine.step()  # the prefill: b paged in, then run, in this one step
     assert copier_threads == [threading.current_thread().name] and len(out) == 1
     engine.preload("c")  # a preload, with nothing waiting on it: the copier thread's

@@ -188,7 +188,9 @@ def test_a_prompt_beyond_what_the_mesh_ever_lends_is_refused_at_once_not_kept_wa
     config = EngineConfig(
         pool_mib=SMALL_POOL_MIB, kv_block_tokens=BLOCK, worker_id="w0", kv_overflow="borrow"
     )
-    engine = local_engine(model, config, creditors=HopelessDirectory(), connect=lambda creditor, address: None)
+    engine = local_engine(
+        model, config, creditors=HopelessDirectory(), connect=lambda creditor, address: None
+    )
     events = []
     engine.submit(greedy(prompt_len=60, max_tokens=4), events.append)
     for _ in range(3):  # a bound, not a clock: it is refused in the first step

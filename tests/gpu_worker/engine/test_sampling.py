@@ -124,7 +124,9 @@ def test_stop_string_across_tokens_found_in_the_bounded_tail_as_in_the_whole_tex
     """The worker's stop check reads only the output's tail (StopStringTail): a stop string that
     starts inside one token and ends inside a later one stops at the token a whole decode does."""
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    free_run, _ = run(local_engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=40, ignore_eos=True))
+    free_run, _ = run(
+        local_engine(model, EngineConfig(pool_mib=4)), SamplingParams(max_tokens=40, ignore_eos=True)
+    )
     piece = {t: f"<{t}>".encode() for t in range(256)}
     whole = b"".join(piece[t] for t in free_run).decode()
     stop = f"{free_run[30]}><{free_run[31]}"  # from inside token 30 to inside token 31

@@ -111,6 +111,8 @@ def test_bad_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="unknown block format"):
         QuantizedWeight(weight.blocks, "q3_k", 96)
     with pytest.raises(ValueError, match="rows"):
-        cpu_quant.prepare_linear(torch.randn(2, 96), weight.blocks, "q4_1", 71, None, torch.empty(2, 71)).run()
+        cpu_quant.prepare_linear(
+            torch.randn(2, 96), weight.blocks, "q4_1", 71, None, torch.empty(2, 71)
+        ).run()
     with pytest.raises(IndexError):
         weight.rows(torch.tensor([70]))
