@@ -96,6 +96,8 @@ class BlockingEtcd:
         self._timeout = config.call_timeout_s
         self._watches: set[Any] = set()
         """The watch calls open now (:meth:`close` cancels them)."""
+        self._closed = False
+        """Set by :meth:`close`: a watch call made after it is cancelled at once."""
 
     def one(self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any], what: str):
         """One transaction: ``(succeeded, responses)``; :class:`EtcdUnreachable` (naming ``what``
@@ -168,6 +170,8 @@ class BlockingEtcd:
         )(rpc.WatchRequest(create_request=create))
         with self._lock:
             self._watches.add(call)
+            if self._closed:  # close() ran while this call was being made: it never saw it
+                call.cancel()
         try:
             for response in call:
                 if response.canceled or response.compact_revision:
@@ -208,6 +212,7 @@ class BlockingEtcd:
     def close(self) -> None:
         """Cancel the open watches and close the channel."""
         with self._lock:
+            self._closed = True
             for call in self._watches:
                 call.cancel()
             self._close()
