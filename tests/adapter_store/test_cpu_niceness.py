@@ -11,12 +11,18 @@ import pytest
 
 from services.adapter_store.config import AdapterStoreConfig
 
-# Lowers its priority, starts a thread afterwards, and reports each thread's niceness and its
-# session's autogroup line.
+# Lowers its priority, starts a thread afterwards, and reports each live thread's niceness and
+# its session's autogroup line. A joined thread can still be listed in /proc/self/task for a
+# moment while it exits (ESRCH then), so the probe skips it.
 PROBE = """
 import json, os, threading
 from pathlib import Path
 from services.adapter_store.cpu_niceness import lower_cpu_priority
+def niceness(tid):
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except ProcessLookupError:
+        return None
 before = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True)
 before.start()
 lower_cpu_priority(int(os.environ["NICE"]))
@@ -25,7 +31,7 @@ thread = threading.Thread(target=lambda: after.append(os.getpriority(os.PRIO_PRO
 thread.start(); thread.join()
 group = Path("/proc/self/autogroup")
 print(json.dumps({
-    "threads": [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")],
+    "threads": [n for n in (niceness(int(t)) for t in os.listdir("/proc/self/task")) if n is not None],
     "started_after": after[0],
     "autogroup": group.read_text().split()[-1] if group.exists() else None,
 }))
@@ -38,9 +44,10 @@ def run_probe(niceness: int, own_session: bool) -> dict:
         env={"NICE": str(niceness), "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
         start_new_session=own_session,
     )
+    assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
