@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from grpc import aio
 
+from mesh_api.fetch_hints import RAM_TIER_ONLY
 from mesh_api.upload_wire import UploadMessage
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
@@ -25,7 +26,7 @@ from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.registrar import AdapterUpload, check_name
 from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.tenant_storage_quota import UploadAdmission
-from services.runtime.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.runtime.field_copy import message_of
 
 CONFIG_FILE = "adapter_config.json"
@@ -329,6 +330,13 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def FetchAdapter(self, request: pb.FetchAdapterRequest, context):
         record = await asyncio.to_thread(self.repository.resolve, key_from_proto(request.ref))
+        if (
+            RAM_TIER_ONLY in (context.invocation_metadata() or ())
+            and record.sha256 not in self.repository.ram
+        ):
+            raise FailedPrecondition(
+                f"adapter {record.id!r} is not in this replica's RAM tier (asked for it from there only)"
+            )
         data = await asyncio.to_thread(self.repository.read_weights, record)
         yield pb.FetchAdapterResponse(
             header=pb.FetchAdapterResponse.Header(

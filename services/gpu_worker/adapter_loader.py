@@ -88,8 +88,9 @@ class AdapterLoader:
     async def ensure(self, adapter_id: str, background: bool = False) -> HostAdapter:
         """The adapter's host copy, pulling it if this worker does not have it now.
         ``background``: no request waits for it (a published version pulled ahead): a pull it
-        starts parses on a thread that gives way to the engine's steps (a request that joins
-        the pull then waits for that thread too)."""
+        starts asks the store's replicas for it as just published (the one that committed it
+        first) and parses on a thread that gives way to the engine's steps (a request that
+        joins the pull then waits for that thread too)."""
         existing = self.engine.host_adapters.get(adapter_id)
         if existing is not None:
             if adapter_id in self._sizes:
@@ -148,7 +149,7 @@ class AdapterLoader:
 
     async def _pull(self, adapter_id: str, background: bool = False) -> HostAdapter:
         started = time.perf_counter()
-        fetched = await self.source.fetch(adapter_id)
+        fetched = await self.source.fetch(adapter_id, just_published=background)
         pinned = self._eviction.pinned()
         if fetched.pinned != (adapter_id in pinned):  # the store's word now: fresher than a refresh
             self.set_pinned(pinned | {adapter_id} if fetched.pinned else pinned - {adapter_id})

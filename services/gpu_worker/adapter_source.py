@@ -4,6 +4,7 @@ local directory (which pins none)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -11,6 +12,7 @@ from typing import Protocol
 import grpc
 
 from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter_chunks, ref_by_id
+from mesh_api.fetch_hints import RAM_TIER_ONLY
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2
 from services.runtime.errors import DataLoss, NotFound, Unavailable
 from services.runtime.etcd.discovery import (
@@ -39,8 +41,9 @@ class FetchedAdapter:
 
 
 class AdapterSource(Protocol):
-    async def fetch(self, adapter_id: str) -> FetchedAdapter:
-        """The files of ``adapter_id``, and whether it is pinned."""
+    async def fetch(self, adapter_id: str, just_published: bool = False) -> FetchedAdapter:
+        """The files of ``adapter_id``, and whether it is pinned. ``just_published``: its row
+        was created a moment ago (a version pulled as soon as it is published)."""
         ...
 
     async def pinned_ids(self) -> frozenset[str]:
@@ -54,13 +57,28 @@ class AdapterSource(Protocol):
     async def close(self) -> None: ...
 
 
+_NOT_IN_RAM_TIER = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+"""A replica's answers to a fetch asked of its RAM tier only, when another replica may hold the
+version there: not in its RAM tier, or its copy of the catalog not yet at the version's row."""
+
+
+class _RamTierOnly:
+    """A store stub whose ``FetchAdapter`` calls carry :data:`~mesh_api.fetch_hints.RAM_TIER_ONLY`."""
+
+    def __init__(self, stub: adapter_store_pb2_grpc.AdapterStoreStub):
+        self._stub = stub
+
+    def FetchAdapter(self, request: adapter_store_pb2.FetchAdapterRequest, **kwargs):
+        return self._stub.FetchAdapter(request, metadata=(RAM_TIER_ONLY,), **kwargs)
+
+
 class DirectorySource:
     """Standalone mode: ``<root>/<adapter_id>/`` holds a PEFT adapter."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    async def fetch(self, adapter_id: str) -> FetchedAdapter:
+    async def fetch(self, adapter_id: str, just_published: bool = False) -> FetchedAdapter:
         directory = self.root / adapter_id
         if "/" in adapter_id or adapter_id.startswith(".") or not directory.is_dir():
             raise NotFound(f"adapter {adapter_id!r} is not in {self.root}")
@@ -88,22 +106,38 @@ class StoreSource:
         self._channels = ChannelPool(tls)
         self._names: dict[str, str] = {}
 
-    async def fetch(self, adapter_id: str) -> FetchedAdapter:
+    async def fetch(self, adapter_id: str, just_published: bool = False) -> FetchedAdapter:
         """Fetched from a live store replica: one that fails UNAVAILABLE (before or during the
         download), or sends nothing within :data:`ANSWER_WITHIN_S` (hung), is left for another,
-        which sends it from the start."""
+        which sends it from the start.
 
+        ``just_published``: the replicas are asked first for the weights from their RAM tier
+        only (:data:`~mesh_api.fetch_hints.RAM_TIER_ONLY`), so the replica that committed the
+        version sends them, not one that would read its blob from disk and hash it again; a
+        replica without them there (FAILED_PRECONDITION), or without the row yet (NOT_FOUND),
+        is left for the next, and when none sends them, they are fetched as any other. The
+        locator keeps the replica that sent them: the next version, committed by the same
+        replica while the same gateway relays the publishes, is found there at the first try."""
+        if just_published:
+            with contextlib.suppress(Unavailable, NotFound):
+                return await self._fetch(adapter_id, ram_tier_only=True)
+        return await self._fetch(adapter_id, ram_tier_only=False)
+
+    async def _fetch(self, adapter_id: str, ram_tier_only: bool) -> FetchedAdapter:
         async def attempt(address: str, within_s: float | None) -> tuple[types_pb2.AdapterInfo, list[bytes]]:
             what = f"adapter store at {address}"
+            stub = self._stub(address)
             try:
                 return await fetch_adapter_chunks(
-                    self._stub(address),
+                    _RamTierOnly(stub) if ram_tier_only else stub,
                     ref_by_id(adapter_id),
                     first_answer=lambda read: first_answer(read, within_s, what),
                 )
             except ChecksumMismatch as error:
                 raise DataLoss(str(error)) from None
             except grpc.RpcError as error:
+                if ram_tier_only and error.code() in _NOT_IN_RAM_TIER:
+                    raise MemberUnavailable(f"{what}: {error.code().name}: {error.details()}") from None
                 if error.code() == grpc.StatusCode.NOT_FOUND:
                     raise NotFound(f"adapter {adapter_id!r} not found in the adapter store") from None
                 raise await self._failure(address, error) from None

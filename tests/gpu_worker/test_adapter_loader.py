@@ -27,7 +27,7 @@ class CountingSource:
         self.pinned: set[str] = set()
         """What the store would say is pinned when an adapter is fetched."""
 
-    async def fetch(self, adapter_id: str) -> FetchedAdapter:
+    async def fetch(self, adapter_id: str, just_published: bool = False) -> FetchedAdapter:
         self.fetched.append(adapter_id)
         await asyncio.sleep(0.01)
         return FetchedAdapter(*self.files[adapter_id], pinned=adapter_id in self.pinned)

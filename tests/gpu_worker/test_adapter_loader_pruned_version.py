@@ -38,7 +38,7 @@ class RepositorySource:
     def __init__(self, repository: AdapterRepository):
         self.repository = repository
 
-    async def fetch(self, adapter_id: str) -> FetchedAdapter:
+    async def fetch(self, adapter_id: str, just_published: bool = False) -> FetchedAdapter:
         def read() -> FetchedAdapter:
             record = self.repository.resolve(AdapterKey(id=adapter_id))
             return FetchedAdapter(record.config_json.encode(), bytes(self.repository.read_weights(record)))

@@ -35,7 +35,7 @@ class VersionsSource:
         self.fetched: list[str] = []
         self.gate: asyncio.Event | None = None
 
-    async def fetch(self, adapter_id: str) -> FetchedAdapter:
+    async def fetch(self, adapter_id: str, just_published: bool = False) -> FetchedAdapter:
         self.fetched.append(adapter_id)
         if self.gate is not None:
             await self.gate.wait()
