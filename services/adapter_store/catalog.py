@@ -51,7 +51,7 @@ from services.adapter_store.catalog_keys import (
     record_digests,
 )
 from services.adapter_store.catalog_mirror import MIRROR_WAIT_S, CatalogMirror, Seq
-from services.adapter_store.group_commit import GroupCommit
+from services.adapter_store.group_commit import Expected, GroupCommit
 from services.adapter_store.row_texts import RowTexts
 from services.adapter_store.storage_usage import StorageUsage, stored_bytes
 from services.adapter_store.tenant_storage_quota import fits
@@ -507,6 +507,12 @@ class Catalog:
             log.warning("adapter catalog: %d usage entries written or removed to match the rows", changed)
         return changed
 
+    def expect_commit(self) -> Expected:
+        """Announce a registration on its way to :meth:`commit`, so that the commits starting
+        meanwhile wait for it (briefly) and take it in their group (:class:`GroupCommit`); a
+        context that withdraws it if it never commits."""
+        return self._commits.expect()
+
     def commit(
         self,
         record: AdapterRecord,
@@ -514,12 +520,14 @@ class Catalog:
         replacing: AdapterRecord | None,
         limits: TenantLimits = UNLIMITED,
         retire: bool = False,
+        expected: Expected | None = None,
     ) -> None:
         """Commit ``record`` (in place of ``replacing``, the version the name served when
         prepared, or as a new name; ``retire``: ``replacing`` is kept as a kept version, not
         removed); :class:`DuplicateName` when the name serves another adapter,
         :class:`CatalogConflict` (with what the keys hold now) when anything else it was
-        prepared against changed.
+        prepared against changed. ``expected``: the registration's announcement
+        (:meth:`expect_commit`).
 
         Registrations committing at the same time share one transaction when they can (group
         commit: etcd's proposal and WAL flush are shared, each registration's checks are all in
@@ -527,7 +535,7 @@ class Catalog:
         that transaction's checks fail, each is committed alone, so one registration's conflict
         never fails another's."""
         registration = _Registration(record, prepared, replacing, limits, retire=retire)
-        self._commits.submit(registration)
+        self._commits.submit(registration, expected)
         replaced = replacing.id if replacing is not None and not retire else ""
         self.mirror.apply_own(registration.committed, record, replaced)
 

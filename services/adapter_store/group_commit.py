@@ -17,16 +17,32 @@ flushed, so a batch waits for the longer of the two instead of their sum; an ite
 only after its own batch's flush returned. Batches flushed while a commit runs are applied
 together after it, in one go. The caller that ran a batch's flush carries it into the commit
 stage: the other callers of the batch wait only once, until their item is committed.
+
+Each commit costs etcd, the committing replica and every replica watching the catalog about the
+same whatever it holds, so larger groups cost less a registration. A caller announces its item
+while it is on its way (:meth:`GroupCommit.expect`: a registration from the moment it starts,
+through its validation and blob staging, until it submits). The caller about to run a flush
+first waits, at most ``linger_s``, until every item announced before it started waiting has been
+submitted or withdrawn, so those join its batch instead of each starting the next one. Items
+announced later are not waited for (a steady stream of uploads would otherwise hold every
+batch for the whole ``linger_s``), and a lone caller, with nothing else on its way, never waits.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Self, TypeVar
 
 T = TypeVar("T")
+
+LINGER_S = 0.03
+"""How long a flush waits at most for the items announced on their way before it. Two replicas
+taking 16 uploads at once on 2 busy cores (load 4-7) waited 3 ms at the median and 13 ms at the
+90th percentile for them; 10 ms cut 25% of the waits short, 30 ms 0.4%. Reached only when a
+registration stalls before its commit (an etcd read, a collector's mark)."""
 
 
 @dataclass
@@ -41,17 +57,94 @@ class _Ticket(Generic[T]):
     is to run the next commit."""
 
 
+class Expected:
+    """An item announced on its way to :meth:`GroupCommit.submit`: a context whose exit withdraws
+    it if it was not submitted (its caller failed or was refused before its commit)."""
+
+    def __init__(self, arrivals: _Arrivals, number: int):
+        self._arrivals = arrivals
+        self._number = number
+
+    def arrived(self) -> None:
+        """It is submitted (or withdrawn): no flush waits for it any more."""
+        self._arrivals.arrive(self._number)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.arrived()
+
+
+class _Arrivals:
+    """The items announced and not yet submitted, oldest first, and the wait for them."""
+
+    def __init__(self, linger_s: float, clock: Callable[[], float]):
+        self._linger_s = linger_s
+        self._clock = clock
+        self._announced = 0
+        """Items announced so far: the next one's number."""
+        self._pending: dict[int, None] = {}
+        """Numbers of the items on their way, in announcement order."""
+        self._changed = threading.Condition(threading.Lock())
+
+    def expect(self) -> Expected:
+        with self._changed:
+            number, self._announced = self._announced, self._announced + 1
+            self._pending[number] = None
+        return Expected(self, number)
+
+    def arrive(self, number: int) -> None:
+        with self._changed:
+            if number not in self._pending:
+                return  # arrived before
+            oldest = next(iter(self._pending))
+            del self._pending[number]
+            if number == oldest:  # only then can a waiting flush's condition have changed
+                self._changed.notify_all()
+
+    def wait(self) -> None:
+        """Until every item announced before now has arrived, or ``linger_s`` has passed."""
+        if self._linger_s <= 0:
+            return
+        with self._changed:
+            horizon = self._announced
+            if not self._waits_for(horizon):
+                return
+            deadline = self._clock() + self._linger_s
+            while self._waits_for(horizon):
+                left = deadline - self._clock()
+                if left <= 0:
+                    return
+                self._changed.wait(left)
+
+    def _waits_for(self, horizon: int) -> bool:
+        """An item announced before ``horizon`` is still on its way."""
+        return bool(self._pending) and next(iter(self._pending)) < horizon
+
+    @property
+    def pending(self) -> int:
+        with self._changed:
+            return len(self._pending)
+
+
 class GroupCommit(Generic[T]):
     """Batches calls of ``apply(items) -> one error or None per item``, in submission order, each
-    batch after ``flush()`` (nothing by default); a flush that raises fails its batch."""
+    batch after ``flush()`` (nothing by default); a flush that raises fails its batch. A flush
+    waits up to ``linger_s`` for the items announced before it (:meth:`expect`); ``clock``
+    (seconds) times that wait, injected by tests."""
 
     def __init__(
         self,
         apply: Callable[[Sequence[T]], Sequence[BaseException | None]],
         flush: Callable[[], None] = lambda: None,
+        *,
+        linger_s: float = LINGER_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self._apply = apply
         self._flush = flush
+        self._arrivals = _Arrivals(linger_s, clock)
         self._queue: list[_Ticket[T]] = []
         """Items waiting for the next flush."""
         self._flushed: list[tuple[_Ticket[T], list[_Ticket[T]]]] = []
@@ -67,20 +160,34 @@ class GroupCommit(Generic[T]):
         """How many commits ran (each one etcd round trip, or one per chunk sent at once)."""
 
     @property
+    def on_their_way(self) -> int:
+        """Items announced (:meth:`expect`) and neither submitted nor withdrawn yet."""
+        return self._arrivals.pending
+
+    @property
     def queued(self) -> int:
         """Items not committed yet, flushed or not."""
         with self._queue_lock:
             return len(self._queue) + sum(len(batch) for _, batch in self._flushed)
 
-    def submit(self, item: T) -> None:
-        """Commit ``item`` (with whatever else is queued); raises the error ``apply`` gave it."""
+    def expect(self) -> Expected:
+        """Announce an item on its way: flushes starting from now wait for it (up to
+        ``linger_s``) until it is submitted with this, or withdrawn (the context's exit)."""
+        return self._arrivals.expect()
+
+    def submit(self, item: T, expected: Expected | None = None) -> None:
+        """Commit ``item`` (with whatever else is queued); raises the error ``apply`` gave it.
+        ``expected``: its announcement (:meth:`expect`), if it was announced."""
         ticket = _Ticket(item)
         with self._queue_lock:
             self._queue.append(ticket)
             lead, self._flushing = not self._flushing, True
+        if expected is not None:  # after it is queued: a flush that sees it arrived takes it
+            expected.arrived()
         if not lead:
             ticket.woken.wait()
         if not ticket.done:  # this caller flushes the next batch, then carries it to its commit
+            self._arrivals.wait()
             with self._queue_lock:
                 batch, self._queue = self._queue, []
             try:

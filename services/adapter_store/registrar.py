@@ -6,7 +6,9 @@ be checked against (:meth:`Catalog.prepare`), make the blobs durable, then commi
 in one etcd transaction. A registration is acknowledged only once both are done. A crash before
 the commit leaves at most an orphan blob, which the collector removes later
 (:mod:`services.adapter_store.blob_collector`); a reader never sees an adapter whose bytes are
-not all stored.
+not all stored. A registration is announced to the catalog's group commit from its start to its
+commit (:meth:`Catalog.expect_commit`): a commit starting meanwhile waits briefly for it and takes
+it in its transaction, instead of it starting the next one.
 
 A tenant's storage quota (:mod:`services.adapter_store.tenant_storage_quota`) is checked before
 the weights are staged, on a fresh read of its usage and the bytes it surely adds, then exactly
@@ -36,6 +38,7 @@ from services.adapter_store.blobs.backend import BlobBackend, StagedBlob
 from services.adapter_store.catalog import Catalog, CatalogConflict, PreparedRegistration
 from services.adapter_store.catalog_keys import record_digests, record_texts
 from services.adapter_store.chat_templates import AdapterChatTemplates, read_chat_templates
+from services.adapter_store.group_commit import Expected
 from services.adapter_store.ram_tier import RamTier
 from services.adapter_store.storage_usage import StorageUsage, stored_bytes
 from services.adapter_store.tenant_storage_quota import TenantStorageQuota
@@ -158,15 +161,17 @@ class AdapterRegistrar:
         check_name("owner", upload.owner)
         if self.catalog.mirror.get_by_name(upload.owner, upload.name) is not None:
             raise _already_exists(upload)  # early, from this replica's copy; the commit decides
-        usage = self._check_quota(upload, None)
-        staged = self.blobs.stage(upload.weights)
-        try:
-            validated = self._validate(upload)
-        except BaseException:
-            staged.discard()
-            raise
-        record = self._record(upload, validated, version=0)
-        return self._commit(upload, record, _Publication(staged, upload.weights, {}), None, usage)
+        with self.catalog.expect_commit() as expected:
+            usage = self._check_quota(upload, None)
+            staged = self.blobs.stage(upload.weights)
+            try:
+                validated = self._validate(upload)
+            except BaseException:
+                staged.discard()
+                raise
+            record = self._record(upload, validated, version=0)
+            publication = _Publication(staged, upload.weights, {})
+            return self._commit(upload, record, publication, None, usage, expected)
 
     def register_version(self, upload: AdapterUpload) -> AdapterRegistration:
         """As :meth:`register`, but a name already registered is not refused: the same content
@@ -177,11 +182,16 @@ class AdapterRegistrar:
         as the next version with that version's validated fields, nothing validated again."""
         check_name("name", upload.name)
         check_name("owner", upload.owner)
+        with self.catalog.expect_commit() as expected:
+            return self._register_version(upload, expected)
+
+    def _register_version(self, upload: AdapterUpload, expected: Expected) -> AdapterRegistration:
         current = self.catalog.get_by_name(upload.owner, upload.name)
         usage = self._check_quota(upload, current)
         rollback = self._rollback(upload, current)
         if rollback is not None:
-            record = self._commit(upload, rollback, _Publication(None, upload.weights, {}), current, usage)
+            publication = _Publication(None, upload.weights, {})
+            record = self._commit(upload, rollback, publication, current, usage, expected)
             return self._registration(rollback, record)
         # A name already registered is most often imported again unchanged: its weights are
         # written only once they are known to differ.
@@ -198,7 +208,8 @@ class AdapterRegistrar:
                 self._heal(current, upload.weights)
                 return AdapterRegistration(current, changed=False)
         record = self._record(upload, validated, version=0)
-        committed = self._commit(upload, record, _Publication(staged, upload.weights, {}), current, usage)
+        publication = _Publication(staged, upload.weights, {})
+        committed = self._commit(upload, record, publication, current, usage, expected)
         return self._registration(record, committed)
 
     def _registration(self, record: AdapterRecord, committed: AdapterRecord) -> AdapterRegistration:
@@ -286,10 +297,12 @@ class AdapterRegistrar:
         publication: _Publication,
         replacing: AdapterRecord | None,
         usage: StorageUsage | None,
+        expected: Expected,
     ) -> AdapterRecord:
         """Prepare, check the owner's quota, publish the blobs, commit; again while what it was
         prepared against changes. ``record``: what to commit (its version is given here);
-        ``usage``: the owner's, read before staging (None: no quota). Returns what was committed,
+        ``usage``: the owner's, read before staging (None: no quota); ``expected``: the
+        registration's announcement to the group commit. Returns what was committed,
         or the version another registration committed meanwhile with ``record``'s very content
         (:func:`_content`), which is kept instead.
 
@@ -338,7 +351,8 @@ class AdapterRegistrar:
                 )
                 self._publish(record, publication)
                 try:
-                    self.catalog.commit(record, prepared, replacing, self.quota.limits(owner), retire)
+                    limits = self.quota.limits(owner)
+                    self.catalog.commit(record, prepared, replacing, limits, retire, expected)
                 except CatalogConflict as conflict:
                     prepared = conflict.fresh
                     continue
