@@ -8,6 +8,7 @@ two settings' tokens are the same. Engine-level (no gRPC, no gateway): a first f
 served bench the issue asks for.
 
     .venv/bin/python -m bench.speculative_bench --rounds 6 --tokens 96
+    .venv/bin/python -m bench.speculative_bench --rounds 6 --tokens 96 --adapter sql  # a demo adapter
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 
 import torch
 
+from bench.sample_adapters import read_peft_directory
+from bench.speculative_served_bench import demo_adapter_dirs
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -45,9 +48,11 @@ def sql_rewrite(quantization: str, dtype_name: str) -> tuple[LoadedModel, LlamaM
     return loaded, LlamaModel(loaded.config, loaded.weights, dtype), prompt
 
 
-def decode_rate(engine: Engine, prompt: tuple[int, ...], tokens: int) -> tuple[float, float, list[int]]:
+def decode_rate(
+    engine: Engine, prompt: tuple[int, ...], tokens: int, adapter: str | None = None
+) -> tuple[float, float, list[int]]:
     """Tokens/s from the first token to the last, tokens per decode step (machine speed does not
-    change it), and the tokens."""
+    change it), and the tokens (of ``adapter``, a name the engine holds; None: the base model)."""
     stamps: list[float] = []
     out: list[int] = []
 
@@ -56,7 +61,9 @@ def decode_rate(engine: Engine, prompt: tuple[int, ...], tokens: int) -> tuple[f
             stamps.append(time.perf_counter())
             out.append(event.token_id)
 
-    engine.submit(GenerationRequest("r", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)), sink)
+    engine.submit(
+        GenerationRequest("r", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), adapter), sink
+    )
     engine.step()  # the prefill, which draws the first token
     first_step = engine.steps
     while engine.has_work():
@@ -70,25 +77,32 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--quantization", default="q4_1", choices=["none", "q8_0", "q4_1"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--adapter", default=None, help="a demo adapter the request uses (e.g. sql)")
     args = parser.parse_args()
     loaded, model, prompt = sql_rewrite(args.quantization, args.dtype)
     engines = {
         mode: local_engine(model, EngineConfig(pool_mib=128, speculative=mode, prefix_cache=False))
         for mode in ("off", "ngram")
     }
+    if args.adapter is not None:
+        for engine in engines.values():
+            engine.add_adapter(
+                read_peft_directory(args.adapter, demo_adapter_dirs()[args.adapter], model.dtype)
+            )
     rates: dict[str, list[float]] = {"off": [], "ngram": []}
     per_step: dict[str, list[float]] = {"off": [], "ngram": []}
     outputs: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         for mode, engine in engines.items():
-            rate, tokens_per_step, outputs[mode] = decode_rate(engine, prompt, args.tokens)
+            rate, tokens_per_step, outputs[mode] = decode_rate(engine, prompt, args.tokens, args.adapter)
             rates[mode].append(rate)
             per_step[mode].append(tokens_per_step)
     counts = engines["ngram"].speculator.counts
     drafted, accepted = sum(counts.drafted.values()), sum(counts.accepted.values())
     ratios = [s / o for s, o in zip(rates["ngram"], rates["off"])]
     print(
-        f"{args.quantization} {args.dtype}, prompt {len(prompt)} tokens, {args.tokens} greedy tokens, batch 1"
+        f"{args.quantization} {args.dtype}, adapter {args.adapter}, prompt {len(prompt)} tokens, "
+        f"{args.tokens} greedy tokens, batch 1"
     )
     for mode, values in rates.items():
         steps = ", ".join(f"{v:.2f}" for v in per_step[mode])

@@ -18,7 +18,9 @@ import statistics
 import time
 from collections import defaultdict
 
+from bench.sample_adapters import read_peft_directory
 from bench.speculative_bench import decode_rate, sql_rewrite
+from bench.speculative_served_bench import demo_adapter_dirs
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.model.llama import LlamaModel
@@ -29,7 +31,10 @@ class StepTimer:
 
     def __init__(self, engine: Engine):
         self.forward: dict[int, list[float]] = defaultdict(list)
-        """Forward-pass seconds by the step's decode rows (decode steps only)."""
+        """Forward-pass seconds by the step's decode rows (decode steps only), its inputs' build
+        included."""
+        self.build: dict[int, list[float]] = defaultdict(list)
+        """Of those, the seconds building the step's inputs from its plan (host work)."""
         self.draft: list[float] = []
         self.step: list[float] = []
         self.engine = engine
@@ -44,6 +49,17 @@ class StepTimer:
             return logits
 
         engine.executor.execute = timed_execute
+        inputs = engine.executor.inputs
+        build = inputs.build
+
+        def timed_build(plan, *args):
+            started = time.perf_counter()
+            batch = build(plan, *args)
+            if all(p.draft_tokens + 1 == len(p.token_ids) for p in plan.requests):
+                self.build[sum(len(p.token_ids) for p in plan.requests)].append(time.perf_counter() - started)
+            return batch
+
+        inputs.build = timed_build
         if engine.speculator is not None:
             draft = engine.speculator.draft
 
@@ -64,10 +80,13 @@ class StepTimer:
         engine.step = timed_step
 
 
-def make_engine(model: LlamaModel, mode: str) -> Engine:
-    """``mode``: ``off``, ``ngram`` or ``suffix``, with ``:k`` for a ceiling of k draft tokens."""
+def make_engine(model: LlamaModel, mode: str, adapter: str | None = None) -> Engine:
+    """``mode``: ``off``, ``ngram`` or ``suffix``, with ``:k`` for a ceiling of k draft tokens;
+    ``adapter``: a demo adapter the engine holds."""
     speculative, _, k = mode.partition(":")
     engine = local_engine(model, EngineConfig(pool_mib=128, speculative=speculative, prefix_cache=False))
+    if adapter is not None:
+        engine.add_adapter(read_peft_directory(adapter, demo_adapter_dirs()[adapter], model.dtype))
     if k:
         engine.speculator.settings = dataclasses.replace(engine.speculator.settings, max_draft_tokens=int(k))
     return engine
@@ -84,18 +103,22 @@ def main() -> None:
     parser.add_argument("--quantization", default="q4_1", choices=["none", "q8_0", "q4_1"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--modes", default="off,ngram", help="e.g. off,ngram,ngram:8 (k's ceiling 8)")
+    parser.add_argument("--adapter", default=None, help="a demo adapter the request uses (e.g. sql)")
     args = parser.parse_args()
     _, model, prompt = sql_rewrite(args.quantization, args.dtype)
-    engines = {mode: make_engine(model, mode) for mode in args.modes.split(",")}
+    engines = {mode: make_engine(model, mode, args.adapter) for mode in args.modes.split(",")}
     timers = {mode: StepTimer(engine) for mode, engine in engines.items()}
     rates: dict[str, list[float]] = defaultdict(list)
     per_step: dict[str, float] = {}
     outputs: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         for mode, engine in engines.items():
-            rate, per_step[mode], outputs[mode] = decode_rate(engine, prompt, args.tokens)
+            rate, per_step[mode], outputs[mode] = decode_rate(engine, prompt, args.tokens, args.adapter)
             rates[mode].append(rate)
-    print(f"{args.quantization} {args.dtype}, batch 1, {args.tokens} tokens x {args.rounds} rounds")
+    print(
+        f"{args.quantization} {args.dtype}, batch 1, adapter {args.adapter}, {args.tokens} tokens x "
+        f"{args.rounds} rounds"
+    )
     for mode, timer in timers.items():
         print(
             f"  {mode}: {', '.join(f'{r:.1f}' for r in rates[mode])} tok/s, {per_step[mode]:.2f} tokens a "
@@ -103,7 +126,8 @@ def main() -> None:
         )
         for rows in sorted(timer.forward):
             print(
-                f"    forward with {rows} rows: {ms(timer.forward[rows])} ms (n={len(timer.forward[rows])})"
+                f"    forward with {rows} rows: {ms(timer.forward[rows])} ms (n={len(timer.forward[rows])}), "
+                f"of which building its inputs {ms(timer.build[rows])} ms"
             )
         speculator = engines[mode].speculator
         if speculator is not None:

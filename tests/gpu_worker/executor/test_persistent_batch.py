@@ -321,3 +321,30 @@ def test_a_steady_step_costs_the_same_host_calls_at_any_batch(tiny_llama, adapte
             setup.inputs.decode(delta, setup.resident.get)
         counts.append(calls.calls)
     assert counts[0] == counts[1]
+
+
+def test_a_verifying_step_reuses_the_lora_segments_of_a_recent_step(tiny_llama, adapters):
+    """A request verifying drafts changes its segment's token count from step to step (1 + k):
+    the step builder builds each count's LoRA segments once and hands the same ones back when
+    the count comes again, equal to a fresh build; another placement of the adapter is built
+    anew."""
+    spec = tiny_llama.spec
+    setup = Setup(spec, adapters, device_lora=False)
+    blocks = tuple(setup.block(spec.num_layers) for _ in range(4))
+
+    def plan(drafts: int, slot: AdapterSlot) -> StepPlan:
+        request = PlannedRequest("r", (5,) * (1 + drafts), 8, blocks, slot, SAMPLING, draft_tokens=drafts)
+        return StepPlan((request,), "auto", False)
+
+    slot = setup.slot("a16")
+    built = {k: setup.builder.build(plan(k, slot), setup.resident.get).lora for k in (0, 3, 0, 5, 3, 0)}
+    for k, lora in built.items():
+        assert setup.builder.build(plan(k, slot), setup.resident.get).lora is lora
+        fresh = StepBuilder(SimpleNamespace(config=spec), setup.view).build(plan(k, slot), setup.resident.get)
+        for got, want in zip(lora.layers, fresh.lora.layers, strict=True):
+            for name, segments in got.items():
+                assert segments.seg_starts_host == want[name].seg_starts_host == (0, 1 + k)
+                assert torch.equal(segments.a_offsets, want[name].a_offsets)
+    moved = AdapterSlot("a16", slot.placement + 10_000)
+    setup.resident[moved.adapter_id] = setup.resident["a16"]
+    assert setup.builder.build(plan(3, moved), setup.resident.get).lora is not built[3]
