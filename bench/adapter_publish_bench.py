@@ -27,7 +27,13 @@ Measured:
    - *store*: the publish's round trip, until the store acknowledges the committed version;
    - *watch*: from the publish's start until the new row reaches a watch of the catalog's rows
      in etcd (what every gateway and every worker follows: a worker starts pulling a new version
-     of a name it serves from there, ``--prefetch-versions-s``);
+     of a name it serves from there, ``--prefetch-versions-s``). Nearly all of it is the upload
+     and the registration up to its commit: the row reaches a watcher within a millisecond of
+     the commit, and a worker starts its pull within another (timed inside the processes);
+   - *row → acknowledgment*: from the row reaching the watch until the publish is acknowledged
+     (the store's reply waits for its own copy of the catalog to show the row, then goes back
+     through the gateway): what a worker's pull ahead gains over one started at the
+     acknowledgment;
    - *fetch*: ``Worker/LoadAdapter`` of the new id on each worker at once, from the
      acknowledgment until the worker holds its host copy: what is left of a pull its watch
      started, or the whole pull (from the store, parsed) when it started none;
@@ -191,6 +197,7 @@ async def probe(client: AsyncClient, stubs: list, watch: RowWatch, prompt_ids: l
         "version": published.version,
         "store_s": acknowledged - started,
         "watch_s": (seen - started) if seen is not None else None,
+        "row_to_acknowledgment_s": (acknowledged - seen) if seen is not None else None,
         "fetch_s": max(w["fetch_s"] for w in workers),
         "page_in_and_first_token_s": max(w["first_token_s"] for w in workers),
         "base_first_token_s": max(base),
@@ -346,8 +353,8 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
             # Workers that had the version in their pool before the bench asked for it (a pull
             # their watch started, then its preload), out of probes x workers.
             result["resident_before_asked"] = sum(p["resident_before_asked"] for p in probes)
-            for part in ("store_s", "watch_s", "fetch_s", "page_in_and_first_token_s", "base_first_token_s",
-                         "publish_to_every_worker_s"):  # fmt: skip
+            for part in ("store_s", "watch_s", "row_to_acknowledgment_s", "fetch_s", "page_in_and_first_token_s",
+                         "base_first_token_s", "publish_to_every_worker_s"):  # fmt: skip
                 result.update(summary([p[part] for p in probes if p[part] is not None], part[:-2]))
 
             result["sustained_new_content"] = await sustained(client, fresh, args.publishes)
