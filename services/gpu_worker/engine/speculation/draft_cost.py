@@ -5,10 +5,9 @@ tokens costs ``C(B)/B`` of the batch's time. A draft token adds a row (``per_dec
 this step and, when accepted, is a token no later step has to compute: it saves ``C(B)/B``. With
 a chance ``p`` that one more draft position is accepted (``acceptance.py``), the ``j``-th draft
 token is accepted with chance ``pʲ`` (all before it were), so it pays when
-``pʲ · C(B)/B > per_decode_token``. A step that verifies any draft also costs more than its rows
-say (at batch 1 a second row costs about a quarter of a step, the next ones far less: the kernels
-of a multi-row step), so a step drafts only when its drafts' expected savings together exceed
-that (``step_s``). At batch 1 with Q4_1 the step reads every weight for one row
+``pʲ · C(B)/B > per_decode_token``. A step that verifies any draft also costs a little more than
+its rows say (its inputs go through the step builder, not the persistent decode batch), so a
+step drafts only when its drafts' expected savings together exceed that (``step_s``). At batch 1 with Q4_1 the step reads every weight for one row
 and a row is nearly free, so long drafts pay; at batch 8 on 2 cores a row is a real share of the
 step, and only requests that keep being accepted draft, fewer tokens. The model is the engine's
 step cost, fitted online from its own steps (``policies/step_cost_model.py``): it counts draft
