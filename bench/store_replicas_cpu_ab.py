@@ -5,9 +5,11 @@ Rounds alternate between the replicas of ``--old-ref`` (a git worktree this scri
 this checkout; each round gets a fresh etcd and blob directory, registers ``--adapters`` small
 adapters (as :mod:`bench.store_replicas_bench` does) ``--concurrency`` at a time over the two
 replicas, and reports the rate, the CPU a registration of the stores (together) and of etcd
-(from ``/proc/<pid>/stat``), the stores' thread switches, and each store thread's CPU (by
-thread name, from ``py-spy dump``, when ``--threads``). Rates on a shared machine move with
-others' load; the CPU a registration moves less, and the rounds alternate so both see the same.
+(from ``/proc/<pid>/stat``), the stores' thread switches, etcd's writes a registration (its
+revisions: one a transaction, so the inverse of the registrations a commit group holds), and
+each store thread's CPU (by thread name, from ``py-spy dump``, when ``--threads``). Rates on a
+shared machine move with others' load; the CPU a registration moves less, and the rounds
+alternate so both see the same.
 
     .venv/bin/python -m bench.store_replicas_cpu_ab --old-ref HEAD~1 --adapters 2000 --rounds 3
 """
