@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -48,11 +49,23 @@ def sql_rewrite(quantization: str, dtype_name: str) -> tuple[LoadedModel, LlamaM
     return loaded, LlamaModel(loaded.config, loaded.weights, dtype), prompt
 
 
-def decode_rate(
-    engine: Engine, prompt: tuple[int, ...], tokens: int, adapter: str | None = None
-) -> tuple[float, float, list[int]]:
-    """Tokens/s from the first token to the last, tokens per decode step (machine speed does not
-    change it), and the tokens (of ``adapter``, a name the engine holds; None: the base model)."""
+@dataclass(frozen=True)
+class Decoded:
+    """One request's decode, from its first token to its last."""
+
+    rate: float
+    """Tokens/s (wall time)."""
+    tokens_per_step: float
+    """Tokens per decode step (machine speed does not change it)."""
+    cpu_per_token: float
+    """The process's CPU seconds per token (both kernel threads; what a loaded machine's waits
+    for a core do not inflate)."""
+    tokens: list[int]
+
+
+def decode_rate(engine: Engine, prompt: tuple[int, ...], tokens: int, adapter: str | None = None) -> Decoded:
+    """The decode of ``prompt`` through ``adapter`` (a name the engine holds; None: the base
+    model)."""
     stamps: list[float] = []
     out: list[int] = []
 
@@ -65,10 +78,16 @@ def decode_rate(
         GenerationRequest("r", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), adapter), sink
     )
     engine.step()  # the prefill, which draws the first token
-    first_step = engine.steps
+    first_step, cpu = engine.steps, time.process_time()
     while engine.has_work():
         engine.step()
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), (len(out) - 1) / (engine.steps - first_step), out
+    decoded = len(out) - 1
+    return Decoded(
+        decoded / (stamps[-1] - stamps[0]),
+        decoded / (engine.steps - first_step),
+        (time.process_time() - cpu) / decoded,
+        out,
+    )
 
 
 def main() -> None:
@@ -89,34 +108,38 @@ def main() -> None:
             engine.add_adapter(
                 read_peft_directory(args.adapter, demo_adapter_dirs()[args.adapter], model.dtype)
             )
-    rates: dict[str, list[float]] = {"off": [], "ngram": []}
-    per_step: dict[str, list[float]] = {"off": [], "ngram": []}
-    outputs: dict[str, list[int]] = {}
+    runs: dict[str, list[Decoded]] = {"off": [], "ngram": []}
     for _ in range(args.rounds):
         for mode, engine in engines.items():
-            rate, tokens_per_step, outputs[mode] = decode_rate(engine, prompt, args.tokens, args.adapter)
-            rates[mode].append(rate)
-            per_step[mode].append(tokens_per_step)
+            runs[mode].append(decode_rate(engine, prompt, args.tokens, args.adapter))
+    rates = {mode: [run.rate for run in values] for mode, values in runs.items()}
+    cpu = {mode: [run.cpu_per_token for run in values] for mode, values in runs.items()}
     counts = engines["ngram"].speculator.counts
     drafted, accepted = sum(counts.drafted.values()), sum(counts.accepted.values())
     ratios = [s / o for s, o in zip(rates["ngram"], rates["off"])]
+    cpu_ratios = [o / s for s, o in zip(cpu["ngram"], cpu["off"])]
     print(
         f"{args.quantization} {args.dtype}, adapter {args.adapter}, prompt {len(prompt)} tokens, "
         f"{args.tokens} greedy tokens, batch 1"
     )
     for mode, values in rates.items():
-        steps = ", ".join(f"{v:.2f}" for v in per_step[mode])
+        steps = ", ".join(f"{run.tokens_per_step:.2f}" for run in runs[mode])
         print(
             f"  {mode:5}: "
             + ", ".join(f"{v:.1f}" for v in values)
-            + f" tok/s; tokens per decode step {steps}"
+            + f" tok/s; CPU ms per token {', '.join(f'{1000 * v:.2f}' for v in cpu[mode])}; "
+            + f"tokens per decode step {steps}"
         )
     print(
         f"  ngram/off per round: {', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x"
     )
+    print(
+        f"  off/ngram CPU per token per round: {', '.join(f'{r:.2f}' for r in cpu_ratios)}; "
+        f"median {statistics.median(cpu_ratios):.2f}x"
+    )
     print(f"  drafted {drafted}, accepted {accepted} ({accepted / max(drafted, 1):.0%})")
-    print(f"  same tokens: {outputs['off'] == outputs['ngram']}")
-    print("  output: " + loaded.tokenizer.decode(outputs["off"]).replace("\n", " ")[:300])
+    print(f"  same tokens: {runs['off'][-1].tokens == runs['ngram'][-1].tokens}")
+    print("  output: " + loaded.tokenizer.decode(runs["off"][-1].tokens).replace("\n", " ")[:300])
 
 
 if __name__ == "__main__":

@@ -113,8 +113,9 @@ def main() -> None:
     outputs: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         for mode, engine in engines.items():
-            rate, per_step[mode], outputs[mode] = decode_rate(engine, prompt, args.tokens, args.adapter)
-            rates[mode].append(rate)
+            decoded = decode_rate(engine, prompt, args.tokens, args.adapter)
+            per_step[mode], outputs[mode] = decoded.tokens_per_step, decoded.tokens
+            rates[mode].append(decoded.rate)
     print(
         f"{args.quantization} {args.dtype}, batch 1, adapter {args.adapter}, {args.tokens} tokens x "
         f"{args.rounds} rounds"

@@ -19,6 +19,8 @@ class RequestDrafter:
         self.index = NgramIndex(settings.max_ngram)
         self.budget = DraftBudget(settings)
         self.adapter_index = adapter_index
+        self.probing = False
+        """Its last proposal is its probe: one token drafted though its drafts do not pay."""
 
     def propose(
         self,
@@ -33,10 +35,11 @@ class RequestDrafter:
         ``prices``, only as many as pay for their rows at its acceptance rate (``prior``, its
         adapter's rate, before it has its own; the settings' prior without one), or its probe."""
         allowed = min(limit, self.budget.allowed())
+        self.probing = False
         if prices is not None and allowed > 0:
             allowed = prices.worth(self.rate(prior), allowed)
             if allowed == 0 and self.budget.declined():
-                allowed = 1  # its probe: its output may have turned repetitive since
+                allowed = self.probing = 1  # its probe: its output may have turned repetitive since
         if allowed <= 0:
             return ()
         self.index.sync(sequence)

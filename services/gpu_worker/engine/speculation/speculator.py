@@ -118,11 +118,15 @@ class Speculator:
                 rows += len(drafts)
                 saving += prices.saving(request.drafter.rate(self.adapter_rate(request)), len(drafts))
         if rows and saving <= prices.step_s:
-            # Together not worth a verifying step: a plain step, but for the requests whose probe
-            # is due (their drafts' pages stay reserved either way).
+            # Together not worth a verifying step: a plain step, but for the requests probing
+            # (whose drafts never pay: a probe is what lets them draft again; alone at batch 1
+            # it was dropped here, so a request, and its adapter's next ones, never drafted
+            # again after a few early misses) and those whose probe for this rule is due (their
+            # drafts' pages stay reserved either way).
             rows = 0
             for request in batch:
-                if request.drafts and request.drafter is not None and request.drafter.budget.declined():
+                drafter = request.drafter
+                if request.drafts and drafter is not None and (drafter.probing or drafter.budget.declined()):
                     request.drafts = request.drafts[:1]
                     rows += 1
                 else:

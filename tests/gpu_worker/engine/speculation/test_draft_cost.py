@@ -163,3 +163,18 @@ def test_a_step_drafts_only_when_its_drafts_together_pay_for_verifying(tiny_llam
     # Only probes (one token after 8 declined steps) where a verifying step costs 100 plain ones.
     assert sum(costly.speculator.counts.drafted.values()) <= 4
     assert sum(cheap.speculator.counts.accepted.values()) > 4
+
+
+def test_a_request_whose_drafts_never_pay_still_probes_alone_in_its_steps(tiny_llama):
+    """At batch 1 a probe is the step's only draft, whose saving never pays for a verifying step:
+    it is verified all the same (one token after 8 declined steps; each accepted here, so the
+    wait stays 8), so a request, and its adapter's next ones, can draft again once its output
+    turns repetitive."""
+    dear = engine_with(tiny_llama, fixed_cost(COMPUTE_BOUND))
+    prompt = tuple(j % 5 * 7 + 1 for j in range(12))
+    dear.submit(
+        GenerationRequest("r", prompt, SamplingParams(max_tokens=30, ignore_eos=True)), lambda e: None
+    )
+    while dear.has_work():
+        dear.step()
+    assert dear.speculator.counts.drafted == dear.speculator.counts.accepted == {"": 3}
