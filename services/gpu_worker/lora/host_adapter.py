@@ -12,12 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from services.gpu_worker.lora.paired_rows import ModuleKey, paired_rows
 from services.gpu_worker.lora.safetensors_views import SafetensorsBytes, tensor_views
 from services.model_files.peft_format import PeftConfig, module_path, parse_tensor_name
 from services.runtime.errors import InvalidArgument
 from services.runtime.prefix_keys import AdapterIdentity, content_sha256
-
-ModuleKey = tuple[int, str]
 
 
 @dataclass(frozen=True)
@@ -109,6 +108,11 @@ def parse_peft_adapter(
     has verified it (a fetch checks it against the store's), so they are not hashed a second
     time here."""
     config = PeftConfig.from_json(config_json)
+    content = content_sha256(config_json, weights_sha256 or _sha256(weights))
+    packed = paired_rows(weights, dtype)  # PEFT's own layout: converted whole, not per tensor
+    if packed is not None:
+        layout = [(key, a, b_t, config.scale(module_path(*key))) for key, a, b_t in packed.modules]
+        return _from_rows(adapter_id, content, packed.rows, layout, config.invocation_tokens)
     tensors = tensor_views(weights)  # read in place: with_rows converts them, the one copy
     pairs: dict[ModuleKey, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
@@ -121,7 +125,6 @@ def parse_peft_adapter(
     for (layer, module), factors in sorted(pairs.items()):
         scale = config.scale(module_path(layer, module))
         modules[(layer, module)] = LoraFactors(a=factors["A"], b_t=factors["B"].t(), scale=scale)
-    content = content_sha256(config_json, weights_sha256 or _sha256(weights))
     adapter = HostAdapter(adapter_id, modules, content, invocation_tokens=config.invocation_tokens)
     return with_rows(adapter, dtype)
 
@@ -143,11 +146,13 @@ def _layout(modules: dict[ModuleKey, LoraFactors]) -> FactorLayout:
 
 def _views(rows: torch.Tensor, layout: FactorLayout) -> dict[ModuleKey, LoraFactors]:
     """The factors of ``layout`` as views of ``rows``, A then Bᵀ per module, back to back."""
-    modules, offset = {}, 0
+    modules, offset = {}, rows.storage_offset()
     for key, a_shape, b_shape, scale in layout:
-        a = rows[offset : offset + a_shape.numel()].view(a_shape)
+        # as_strided: one call a view (a slice then a view took three times as long, 1.8 ms for
+        # an adapter's 420 factors)
+        a = rows.as_strided(a_shape, (a_shape[1], 1), offset)
         offset += a_shape.numel()
-        b_t = rows[offset : offset + b_shape.numel()].view(b_shape)
+        b_t = rows.as_strided(b_shape, (b_shape[1], 1), offset)
         offset += b_shape.numel()
         modules[key] = LoraFactors(a=a, b_t=b_t, scale=scale)
     return modules

@@ -1,8 +1,8 @@
 """The tensors of a safetensors file as views of its bytes, copying nothing.
 
 A fetched adapter's factors are converted into the worker's dtype and gathered into one buffer
-(``host_adapter.with_rows``) right after they are read: that conversion is the one copy they
-need. ``safetensors.torch.load`` copies every tensor out of the bytes first, and on a 9.8 MB
+right after they are read (``paired_rows``, or tensor by tensor ``host_adapter.with_rows``):
+that conversion is the one copy they need. ``safetensors.torch.load`` copies every tensor out of the bytes first, and on a 9.8 MB
 rank-16 adapter that copy (and its page faults) cost as much as the conversion itself.
 
 The file may arrive as the chunks it was fetched in (the store sends 1 MiB messages): each
@@ -18,6 +18,7 @@ import itertools
 import json
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -58,10 +59,36 @@ class _Pieces:
         return b"".join(self.pieces)
 
 
-def tensor_views(data: SafetensorsBytes) -> dict[str, torch.Tensor]:
-    """Every tensor of ``data`` (a safetensors file, whole or in chunks), read-only views of it
-    where their dtypes allow (:data:`DTYPES`): they live as long as ``data`` and must not be
-    written. InvalidArgument when ``data`` is not a well-formed safetensors file."""
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """A safetensors file's header, read; its tensors' bytes are not."""
+
+    pieces: _Pieces
+    start: int
+    """Where the tensors' bytes begin in the file (after the header)."""
+    header: dict[str, dict]
+    """Each tensor's header entry (``dtype``, ``shape``, ``data_offsets``), metadata left out."""
+
+    def view(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` (its dtype among :data:`DTYPES`): a read-only view of the bytes, or a
+        copy when they straddle pieces."""
+        return _view(self.pieces, self.start, name, self.header[name])
+
+    def data_pieces(self, end: int) -> list[memoryview]:
+        """The tensors' bytes ``[0, end)`` (counted from :attr:`start`, within the file) as views
+        of the pieces they lie in, in order."""
+        begin, end = self.start, self.start + end
+        spans = []
+        for piece, piece_start in zip(self.pieces.pieces, self.pieces.starts):
+            lo, hi = max(begin, piece_start), min(end, piece_start + len(piece))
+            if lo < hi:
+                spans.append(piece[lo - piece_start : hi - piece_start])
+        return spans
+
+
+def read_header(data: SafetensorsBytes) -> SafetensorsFile:
+    """``data``'s header (a safetensors file, whole or in chunks). InvalidArgument when it is not
+    a well-formed one."""
     pieces = _Pieces(data)
     if pieces.size < 8:
         raise InvalidArgument("adapter weights: shorter than a safetensors header")
@@ -74,16 +101,21 @@ def tensor_views(data: SafetensorsBytes) -> dict[str, torch.Tensor]:
     except ValueError:
         raise InvalidArgument("adapter weights: the safetensors header is not JSON") from None
     header.pop("__metadata__", None)
-    if any(entry.get("dtype") not in DTYPES for entry in header.values()):
-        return load_safetensors(pieces.whole())
-    tensors = {}
+    return SafetensorsFile(pieces, start, header)
+
+
+def tensor_views(data: SafetensorsBytes) -> dict[str, torch.Tensor]:
+    """Every tensor of ``data`` (a safetensors file, whole or in chunks), read-only views of it
+    where their dtypes allow (:data:`DTYPES`): they live as long as ``data`` and must not be
+    written. InvalidArgument when ``data`` is not a well-formed safetensors file."""
+    file = read_header(data)
+    if any(entry.get("dtype") not in DTYPES for entry in file.header.values()):
+        return load_safetensors(file.pieces.whole())
     with warnings.catch_warnings():
         # Read-only bytes: torch warns that writing to the tensors would be undefined; they are
         # only ever read (converted into the adapter's rows).
         warnings.simplefilter("ignore", UserWarning)
-        for name, entry in header.items():
-            tensors[name] = _view(pieces, start, name, entry)
-    return tensors
+        return {name: file.view(name) for name in file.header}
 
 
 def _view(pieces: _Pieces, start: int, name: str, entry: dict) -> torch.Tensor:
