@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from grpc import aio
 
-from mesh_api.fetch_hints import RAM_TIER_ONLY
 from mesh_api.upload_wire import UploadMessage
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import adapter_store_pb2_grpc, types_pb2
@@ -28,6 +27,7 @@ from services.adapter_store.repository import AdapterKey, AdapterRepository
 from services.adapter_store.tenant_storage_quota import UploadAdmission
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.runtime.field_copy import message_of
+from services.runtime.rpc.fetch_hints import RAM_TIER_ONLY
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

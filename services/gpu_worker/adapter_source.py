@@ -12,7 +12,6 @@ from typing import Protocol
 import grpc
 
 from mesh_api.adapter_transfer import ChecksumMismatch, fetch_adapter_chunks, ref_by_id
-from mesh_api.fetch_hints import RAM_TIER_ONLY
 from mesh_api.v1 import adapter_store_pb2, adapter_store_pb2_grpc, types_pb2
 from services.runtime.errors import DataLoss, NotFound, Unavailable
 from services.runtime.etcd.discovery import (
@@ -22,6 +21,7 @@ from services.runtime.etcd.discovery import (
     ServiceLocator,
     first_answer,
 )
+from services.runtime.rpc.fetch_hints import RAM_TIER_ONLY
 from services.runtime.security.tls import NO_TLS, TLSConfig
 
 
@@ -63,7 +63,7 @@ version there: not in its RAM tier, or its copy of the catalog not yet at the ve
 
 
 class _RamTierOnly:
-    """A store stub whose ``FetchAdapter`` calls carry :data:`~mesh_api.fetch_hints.RAM_TIER_ONLY`."""
+    """A store stub whose ``FetchAdapter`` calls carry :data:`~services.runtime.rpc.fetch_hints.RAM_TIER_ONLY`."""
 
     def __init__(self, stub: adapter_store_pb2_grpc.AdapterStoreStub):
         self._stub = stub
@@ -112,7 +112,7 @@ class StoreSource:
         which sends it from the start.
 
         ``just_published``: the replicas are asked first for the weights from their RAM tier
-        only (:data:`~mesh_api.fetch_hints.RAM_TIER_ONLY`), so the replica that committed the
+        only (:data:`~services.runtime.rpc.fetch_hints.RAM_TIER_ONLY`), so the replica that committed the
         version sends them, not one that would read its blob from disk and hash it again; a
         replica without them there (FAILED_PRECONDITION), or without the row yet (NOT_FOUND),
         is left for the next, and when none sends them, they are fetched as any other. The

@@ -8,10 +8,10 @@ import pytest
 from support.polling import HANG_GUARD_S
 
 from mesh_api.adapter_transfer import ref_by_id, upload_requests
-from mesh_api.fetch_hints import RAM_TIER_ONLY
 from mesh_api.upload_wire import upload_wire
 from mesh_api.v1 import adapter_store_pb2 as pb
 from mesh_api.v1 import types_pb2
+from services.runtime.rpc.fetch_hints import RAM_TIER_ONLY
 
 
 def fetch_from_ram(stub, adapter_id: str) -> list[pb.FetchAdapterResponse]:
