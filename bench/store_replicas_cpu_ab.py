@@ -7,9 +7,9 @@ adapters (as :mod:`bench.store_replicas_bench` does) ``--concurrency`` at a time
 replicas, and reports the rate, the CPU a registration of the stores (together) and of etcd
 (from ``/proc/<pid>/stat``), the stores' thread switches, etcd's writes a registration (its
 revisions: one a transaction, so the inverse of the registrations a commit group holds), and
-each store thread's CPU (by thread name, from ``py-spy dump``, when ``--threads``). Rates on a
-shared machine move with others' load; the CPU a registration moves less, and the rounds
-alternate so both see the same.
+each store thread's CPU and thread switches (by thread name, from ``py-spy dump``, when
+``--threads``). Rates on a shared machine move with others' load; the CPU a registration moves
+less, and the rounds alternate so both see the same.
 
     .venv/bin/python -m bench.store_replicas_cpu_ab --old-ref HEAD~1 --adapters 2000 --rounds 3
 """
@@ -60,6 +60,18 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def thread_switches(pid: int) -> dict[int, float]:
+    """Context switches of each thread of ``pid`` so far (voluntary and not), by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            lines = (task / "status").read_text().splitlines()
+        except OSError:
+            continue
+        out[int(task.name)] = float(sum(int(line.split()[1]) for line in lines if "ctxt_switches" in line))
+    return out
+
+
 def thread_names(pid: int) -> dict[int, str]:
     """Python thread names by thread id (``py-spy dump``); gRPC's and other native threads are
     not listed."""
@@ -92,14 +104,16 @@ def _comm(pid: int, tid: int) -> str:
 
 
 def by_name(
-    pid: int, before: dict[int, float], after: dict[int, float], names: dict[int, str], n: int
+    pid: int, before: dict[int, float], after: dict[int, float], names: dict[int, str], per: float
 ) -> dict:
-    """ms a registration by thread name (similar names, e.g. executor threads, summed)."""
+    """What each thread took a registration (``per``: 1,000 / registrations for ms of CPU
+    seconds, 1 / registrations for counts), by thread name (similar names, e.g. executor
+    threads, summed)."""
     totals: Counter[str] = Counter()
-    for tid, seconds in after.items():
+    for tid, value in after.items():
         name = re.sub(r"_\d+$", "_N", names.get(tid) or "native " + _comm(pid, tid))
-        totals[name] += (seconds - before.get(tid, 0.0)) * 1000 / n
-    return {name: round(ms, 3) for name, ms in totals.most_common() if ms >= 0.01}
+        totals[name] += (value - before.get(tid, 0.0)) * per
+    return {name: round(value, 3) for name, value in totals.most_common() if value >= 0.01}
 
 
 async def one_round(system: StoreSystem, adapters, args, work: Path) -> dict:
@@ -117,6 +131,7 @@ async def one_round(system: StoreSystem, adapters, args, work: Path) -> dict:
         warm = min(200, len(adapters) // 10)
         await run_all(warm, args.concurrency, register)
         threads_before = [thread_cpu(store.proc.pid) for store in stores]
+        switches_before = [thread_switches(store.proc.pid) for store in stores]
         before, revision = CpuSample.now(stores, etcd), etcd_revision(etcd)
 
         async def rest(i: int) -> int:
@@ -128,8 +143,12 @@ async def one_round(system: StoreSystem, adapters, args, work: Path) -> dict:
         # Named after the run: the executor starts threads as the uploads need them.
         names = [thread_names(store.proc.pid) for store in stores] if args.threads else [{}, {}]
         threads = [
-            by_name(store.proc.pid, b, thread_cpu(store.proc.pid), n, registered)
+            by_name(store.proc.pid, b, thread_cpu(store.proc.pid), n, 1000 / registered)
             for b, store, n in zip(threads_before, stores, names, strict=True)
+        ]
+        switches = [
+            by_name(store.proc.pid, b, thread_switches(store.proc.pid), n, 1 / registered)
+            for b, store, n in zip(switches_before, stores, names, strict=True)
         ]
         for channel in channels:
             await channel.close()
@@ -140,7 +159,11 @@ async def one_round(system: StoreSystem, adapters, args, work: Path) -> dict:
             "registration_per_s": round(registered / seconds, 1),
             **cpu,
             "etcd_writes_per_registration": round(writes / registered, 3),
-            **({"store_threads_ms_per_registration": threads} if args.threads else {}),
+            **(
+                {"store_threads_ms_per_registration": threads, "store_thread_switches_by_thread": switches}
+                if args.threads
+                else {}
+            ),
             "load_average_1m": [round(x, 2) for x in load],
         }
     finally:
