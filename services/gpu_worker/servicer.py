@@ -4,6 +4,7 @@ this event loop through ``call_soon_threadsafe``."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import uuid
 
@@ -22,10 +23,10 @@ from services.gpu_worker.distkv.transport.lending_proto import (
 )
 from services.gpu_worker.engine.engine import Engine
 from services.gpu_worker.engine.request import FinishReason, GenerationRequest, TokenEvent
-from services.gpu_worker.engine.sampling import TokenLogprobs
 from services.gpu_worker.leader_fence import LeaderFence
 from services.gpu_worker.prefix_tier import ClusterPrefixTier
 from services.gpu_worker.prefix_tier_grpc import serve_prefix_blocks
+from services.gpu_worker.reply_coalescing import take_reply
 from services.runtime.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -51,14 +52,6 @@ FINISH_REASONS = {
     FinishReason.ERROR: types_pb2.FINISH_REASON_ERROR,
     FinishReason.MIGRATED: types_pb2.FINISH_REASON_MIGRATED,
 }
-
-
-def logprobs_to_proto(logprobs: TokenLogprobs) -> types_pb2.TokenLogprobs:
-    return types_pb2.TokenLogprobs(
-        logprob=logprobs.logprob,
-        top_token_ids=[token for token, _ in logprobs.top],
-        top_logprobs=[value for _, value in logprobs.top],
-    )
 
 
 def timings_to_proto(event: TokenEvent, prompt_tokens: int, preemptions: int = 0) -> types_pb2.Timings:
@@ -160,21 +153,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         else:
             submit()
         finished = False
+        pending: collections.deque[TokenEvent] = collections.deque()
         try:
             while not finished:
-                event = await events.get()
-                if event.finish_reason is FinishReason.ABORTED:
+                if not pending:
+                    pending.append(await events.get())
+                    while not events.empty():  # a step's tokens (accepted drafts) came together
+                        pending.append(events.get_nowait())
+                if pending[0].finish_reason is FinishReason.ABORTED:
                     finished = True
-                    raise DeadlineExceeded(event.error)
-                if event.finish_reason is FinishReason.NO_KV:
+                    raise DeadlineExceeded(pending[0].error)
+                if pending[0].finish_reason is FinishReason.NO_KV:
                     finished = True
-                    raise ResourceExhausted(event.error)
-                reply = worker_pb2.GenerateResponse(request_id=request_id)
-                if event.token_id is not None:
-                    reply.token_ids.append(event.token_id)
-                    reply.cached_prompt_tokens = event.cached_prompt_tokens
-                if event.logprobs is not None:
-                    reply.logprobs.append(logprobs_to_proto(event.logprobs))
+                    raise ResourceExhausted(pending[0].error)
+                reply, event = take_reply(pending, request_id)
                 if event.finish_reason is not None:
                     finished = True
                     reply.finish_reason = FINISH_REASONS[event.finish_reason]
