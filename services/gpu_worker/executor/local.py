@@ -75,6 +75,7 @@ class LocalExecutor:
 
     def evict_adapter(self, adapter_id: str) -> None:
         self._resident.pop(adapter_id, None)
+        self.builder.forget_adapter(adapter_id)
 
     def lend_through(self, rm: RManager, tables: BorrowedLookup) -> None:
         self.builder.rm = rm

@@ -185,6 +185,13 @@ class StepBuilder:
         mask = context[None, :] <= position[row_start:row_end, None]
         return PrefillSpan(row_start, row_end, key_blocks, key_blocks + 1, mask)
 
+    def forget_adapter(self, adapter_id: str) -> None:
+        """Drop the kept LoRA segments of steps naming ``adapter_id`` (evicted): they hold its
+        rows' offsets and index tensors, which would otherwise stay until newer steps pushed
+        them out, and its pages may be reused by the next adapter."""
+        for key in [key for key in self._loras if any(part[0] == adapter_id for part in key)]:
+            del self._loras[key]
+
     def lora_segments(
         self, requests: tuple[PlannedRequest, ...], resident: ResidentLookup
     ) -> StepLora | None:

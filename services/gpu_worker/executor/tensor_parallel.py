@@ -148,6 +148,7 @@ class RankState:
 
     def evict(self, adapter_id: str) -> None:
         self.resident.pop(adapter_id, None)
+        self.builder.forget_adapter(adapter_id)
 
     def step(self, plan: StepPlan) -> torch.Tensor:
         return self.model.forward(self.builder.build(plan, self.resident.get), self.view)

@@ -348,3 +348,27 @@ def test_a_verifying_step_reuses_the_lora_segments_of_a_recent_step(tiny_llama, 
     moved = AdapterSlot("a16", slot.placement + 10_000)
     setup.resident[moved.adapter_id] = setup.resident["a16"]
     assert setup.builder.build(plan(3, moved), setup.resident.get).lora is not built[3]
+
+
+def test_an_evicted_adapters_kept_lora_segments_are_dropped_with_it(tiny_llama, adapters):
+    """The step builder keeps recent steps' LoRA segments; forgetting an adapter (its eviction)
+    drops every kept step naming it, alone or beside another adapter, and keeps the others'."""
+    spec = tiny_llama.spec
+    setup = Setup(spec, adapters, device_lora=False)
+    blocks = tuple(setup.block(spec.num_layers) for _ in range(4))
+
+    def plan(*adapter_ids: str) -> StepPlan:
+        requests = tuple(
+            PlannedRequest(f"r{i}", (5,), 8, blocks, setup.slot(a), SAMPLING)
+            for i, a in enumerate(adapter_ids)
+        )
+        return StepPlan(requests, "auto", False)
+
+    def lora(*adapter_ids: str):
+        return setup.builder.build(plan(*adapter_ids), setup.resident.get).lora
+
+    kept = {ids: lora(*ids) for ids in (("a8",), ("a16",), ("a8", "a16"))}
+    setup.builder.forget_adapter("a16")
+    assert lora("a8") is kept[("a8",)]
+    assert lora("a16") is not kept[("a16",)]
+    assert lora("a8", "a16") is not kept[("a8", "a16")]
