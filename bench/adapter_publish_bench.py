@@ -299,6 +299,16 @@ async def cpu_per(phase, pids: dict[str, int], count: int) -> dict:
     return {"result": result, "cpu_ms": spent}
 
 
+def cpu_difference_by_thread(probed: dict, base: dict) -> dict[str, dict[str, float]]:
+    """Per process and thread kind, the CPU ms a probe took beyond the base-model first tokens it
+    also makes (each probe starts with one on every worker): what a new version costs each
+    thread, not the probe's whole figure, which counts that first token too."""
+    return {
+        name: {kind: round(ms - base.get(name, {}).get(kind, 0.0), 1) for kind, ms in threads.items()}
+        for name, threads in probed.items()
+    }
+
+
 def cpu_difference(loaded: dict, quiet: dict, per: float) -> dict[str, float]:
     """Per process, the CPU ms a window with publishes took beyond a quiet one's, per publish."""
     return {
@@ -349,6 +359,9 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
             result["cpu_ms_per_probe"] = probed["cpu_ms"]
             result["cpu_ms_per_base_first_tokens"] = base_cpu
             result["cpu_ms_per_publish_to_every_worker"] = cpu_difference(probed["cpu_ms"], base_cpu, 1)
+            result["cpu_ms_per_publish_to_every_worker_by_thread"] = cpu_difference_by_thread(
+                probed["cpu_ms"], base_cpu
+            )
             result["probes"] = len(probes)
             # Workers that had the version in their pool before the bench asked for it (a pull
             # their watch started, then its preload), out of probes x workers.

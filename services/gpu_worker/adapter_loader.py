@@ -180,8 +180,10 @@ class AdapterLoader:
         return self._background
 
     def _parse_and_add(self, adapter_id: str, fetched: FetchedAdapter) -> HostAdapter:
+        # A pool in host memory converts a narrower host copy exactly as it copies it in.
+        narrow = self.engine.pool.device.type == "cpu"
         adapter = parse_peft_adapter(
-            adapter_id, fetched.config, fetched.weights, self.dtype, fetched.weights_sha256
+            adapter_id, fetched.config, fetched.weights, self.dtype, fetched.weights_sha256, narrow
         )
         self.engine.add_adapter(adapter)
         return adapter

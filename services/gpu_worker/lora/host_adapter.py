@@ -61,7 +61,14 @@ class HostAdapter:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its host copy (its factors may be narrower than the pool's dtype:
+        ``paired_rows.host_dtype``)."""
         return sum(f.a.nbytes + f.b_t.nbytes for f in self.modules.values())
+
+    @property
+    def numel(self) -> int:
+        """Elements of its factors: the pool elements its rows take."""
+        return sum(f.a.numel() + f.b_t.numel() for f in self.modules.values())
 
     def __reduce__(self):
         # Pickled (to a tensor-parallel rank's process) as its rows once and each factor's shape:
@@ -102,14 +109,16 @@ def parse_peft_adapter(
     weights: SafetensorsBytes,
     dtype: torch.dtype,
     weights_sha256: str | None = None,
+    narrow: bool = False,
 ) -> HostAdapter:
     """Build a :class:`HostAdapter` from ``adapter_config.json`` and safetensors bytes (whole, or
-    the chunks they were fetched in). ``weights_sha256``: the weights' sha256 when the caller
+    the chunks they were fetched in), for a pool of ``dtype``. ``weights_sha256``: the weights' sha256 when the caller
     has verified it (a fetch checks it against the store's), so they are not hashed a second
-    time here."""
+    time here. ``narrow``: keep the factors in the file's dtype where the pool's conversion of it
+    is exact (``paired_rows.host_dtype``; for a pool in host memory)."""
     config = PeftConfig.from_json(config_json)
     content = content_sha256(config_json, weights_sha256 or _sha256(weights))
-    packed = paired_rows(weights, dtype)  # PEFT's own layout: converted whole, not per tensor
+    packed = paired_rows(weights, dtype, narrow)  # PEFT's own layout: converted whole, not per tensor
     if packed is not None:
         layout = [(key, a, b_t, config.scale(module_path(*key))) for key, a, b_t in packed.modules]
         return _from_rows(adapter_id, content, packed.rows, layout, config.invocation_tokens)

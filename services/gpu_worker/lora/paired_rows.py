@@ -38,10 +38,11 @@ class PairedRows:
     """Each module's key, A shape and Bᵀ shape, in the rows' order."""
 
 
-def paired_rows(data: SafetensorsBytes, dtype: torch.dtype) -> PairedRows | None:
-    """``data``'s factors converted into ``dtype`` rows; None when the file is not laid out as
-    back-to-back (A, B) pairs of one dtype (read it tensor by tensor then). InvalidArgument when
-    ``data`` is not a well-formed safetensors file."""
+def paired_rows(data: SafetensorsBytes, dtype: torch.dtype, narrow: bool = False) -> PairedRows | None:
+    """``data``'s factors as rows for a pool of ``dtype`` (``narrow``: in :func:`host_dtype` of
+    the file's); None when the file is not laid out as back-to-back (A, B) pairs of one dtype
+    (read it tensor by tensor then). InvalidArgument when ``data`` is not a well-formed
+    safetensors file."""
     file = read_header(data)
     try:
         entries = sorted(file.header.items(), key=lambda item: item[1]["data_offsets"][0])
@@ -57,7 +58,7 @@ def paired_rows(data: SafetensorsBytes, dtype: torch.dtype) -> PairedRows | None
     pieces = file.data_pieces(end)
     if any(len(piece) % source.itemsize for piece in pieces):
         return None  # an element straddles two pieces
-    rows = torch.empty(end // source.itemsize, dtype=dtype)
+    rows = torch.empty(end // source.itemsize, dtype=host_dtype(source, dtype) if narrow else dtype)
     sources, offset = [], 0  # (first element, the piece's elements)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only bytes, only read
@@ -69,6 +70,19 @@ def paired_rows(data: SafetensorsBytes, dtype: torch.dtype) -> PairedRows | None
         for projection_run in _b_runs(modules):
             _transpose_run(rows, projection_run, sources, file, source)
     return PairedRows(rows, modules)
+
+
+def host_dtype(source: torch.dtype, pool: torch.dtype) -> torch.dtype:
+    """The dtype a host copy keeps factors of ``source`` in for a pool of ``pool``: ``source``
+    when the page-in's conversion into ``pool`` is exact and it takes less memory (float16 or
+    bfloat16 for a float32 pool), else ``pool`` (converted at the parse, once). A float32 worker's
+    host copy of a float16 adapter is then half the bytes, its parse writes half as much fresh
+    memory (page faults included) and its page-in copy reads half as much (the same bits reach
+    the pool: the conversion to float32 is exact wherever it happens). For a pool in host memory
+    only: a GPU's copy from page-locked memory would convert through a temporary on the host."""
+    if pool == torch.float32 and source in (torch.float16, torch.bfloat16):
+        return source
+    return pool
 
 
 def _pairs(entries: list[tuple[str, dict]]) -> list[tuple[ModuleKey, torch.Size, torch.Size]] | None:

@@ -392,7 +392,7 @@ class AdapterResidency:
         resident = ResidentAdapter(
             adapter.adapter_id,
             touched,
-            nbytes=adapter.nbytes,
+            nbytes=adapter.numel * self.pool.buffer.element_size(),  # in the pool's dtype
             placement=next(self._placements),
             runs=runs,
             device=self.pool.device,

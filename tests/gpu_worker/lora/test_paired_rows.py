@@ -12,7 +12,7 @@ from safetensors.torch import load, save
 
 from bench.sample_adapters import SampleAdapterSpec, write_peft_adapter
 from services.gpu_worker.lora.host_adapter import parse_peft_adapter
-from services.gpu_worker.lora.paired_rows import paired_rows
+from services.gpu_worker.lora.paired_rows import host_dtype, paired_rows
 from services.model_files.base_model import BaseModelSpec
 from services.model_files.peft_format import LORA_TARGETS, parse_tensor_name, tensor_name
 from services.runtime.errors import InvalidArgument
@@ -38,13 +38,19 @@ def _expected(weights: bytes, dtype: torch.dtype) -> dict:
     return {key: (f["A"].to(dtype), f["B"].t().to(dtype)) for key, f in pairs.items()}
 
 
-def _assert_same_factors(adapter, expected: dict, dtype: torch.dtype) -> None:
+def _assert_same_factors(
+    adapter, expected: dict, dtype: torch.dtype, held: torch.dtype | None = None
+) -> None:
+    """``adapter``'s factors, held in ``held`` (default ``dtype``), are ``expected`` once in ``dtype``."""
+    held = held or dtype
     assert set(adapter.modules) == set(expected)
     offset = 0
     for key, factors in adapter.modules.items():  # views of the rows, back to back in their order
         for matrix, want in zip((factors.a, factors.b_t), expected[key], strict=True):
-            assert matrix.dtype == dtype and matrix.is_contiguous() and torch.equal(matrix, want), key
-            assert matrix.data_ptr() == adapter.rows.data_ptr() + offset * dtype.itemsize
+            assert matrix.dtype == held and matrix.is_contiguous() and torch.equal(matrix.to(dtype), want), (
+                key
+            )
+            assert matrix.data_ptr() == adapter.rows.data_ptr() + offset * held.itemsize
             offset += matrix.numel()
     assert offset == adapter.rows.numel()
 
@@ -56,6 +62,23 @@ def test_the_rows_hold_each_factor_as_converted_alone(tmp_path, file_dtype, dtyp
     weights = _weights(tmp_path, file_dtype, rank_pattern={r"layers\.3\.": 2, "down_proj": 8})
     assert paired_rows(weights, dtype) is not None
     _assert_same_factors(parse_peft_adapter("a", CONFIG, weights, dtype), _expected(weights, dtype), dtype)
+    held = host_dtype(getattr(torch, file_dtype), dtype)
+    narrowed = parse_peft_adapter("a", CONFIG, weights, dtype, narrow=True)
+    _assert_same_factors(narrowed, _expected(weights, dtype), dtype, held)
+
+
+@pytest.mark.parametrize(
+    ("file_dtype", "dtype", "held"),
+    [
+        (torch.float16, torch.float32, torch.float16),  # exact at the page-in, half the bytes
+        (torch.bfloat16, torch.float32, torch.bfloat16),
+        (torch.float16, torch.bfloat16, torch.bfloat16),  # rounds: once, at the parse
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32, torch.float32),
+    ],
+)
+def test_a_host_copy_keeps_the_files_dtype_only_where_the_pools_conversion_is_exact(file_dtype, dtype, held):
+    assert host_dtype(file_dtype, dtype) == held
 
 
 @pytest.mark.parametrize("chunk_bytes", [64, 1000, 4096, 10**6])
