@@ -20,13 +20,7 @@ from dataclasses import dataclass
 
 from services.gpu_worker.engine.policies.batch_policy import StepOutcome
 from services.gpu_worker.engine.policies.linear_cost import LinearCost, OnlineFit
-from services.gpu_worker.engine.policies.step_cost_model import (
-    DEFAULT_PRIOR,
-    STEP_FIT,
-    STEP_TERMS,
-    step_row,
-    unmerged_step,
-)
+from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_row
 
 
 @dataclass(frozen=True)
@@ -72,23 +66,6 @@ def draft_prices(
     single = cost.predict(step_row(0, 1, 0))
     row_s = max(cost["per_decode_token"], min_row_share * single)
     return DraftPrices(cost.predict(step_row(0, rows, adapters)) / rows, row_s, verify_step_share * single)
-
-
-def decode_step_cost() -> OnlineFit[StepOutcome]:
-    """The step cost that prices drafts: the engine's model fitted on decode-only steps. A draft
-    replaces a later decode row, so only decode steps' cost matters; a prefill's cost is not
-    linear in its tokens (its attention grows with the prompt, its matmuls take the kernel's
-    widening path), and the few prefill steps in the window bent the decode terms: in one
-    process at batch 1 (the sql adapter, bf16, Q4_1, 2 EPYC cores, load 5-7) the whole-step fit
-    priced a row at 4.0 and 2.5 batch-1 tokens after the first requests (``fixed`` -27 ms, so
-    they drafted nearly nothing: 1.07-1.09 tokens a step), and after a batch of 8 read ``fixed``
-    100 ms; fitted on decode steps alone, a row priced 0.06-0.28 of a token throughout and the
-    same requests decoded 2.03 tokens a step."""
-    return OnlineFit(STEP_TERMS, _decode_only, STEP_FIT, DEFAULT_PRIOR)
-
-
-def _decode_only(outcome: StepOutcome) -> tuple[tuple[float, ...], float] | None:
-    return None if outcome.prefill_tokens else unmerged_step(outcome)
 
 
 def fixed_cost(cost: LinearCost) -> OnlineFit[StepOutcome]:

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from services.gpu_worker.engine.kv_reservation import KvReservation
 from services.gpu_worker.engine.policies.batch_policy import StepOutcome
 from services.gpu_worker.engine.policies.linear_cost import OnlineFit
+from services.gpu_worker.engine.policies.step_cost_model import step_cost_model
 from services.gpu_worker.engine.request import EngineRequest, RequestState
 from services.gpu_worker.engine.speculation.acceptance import AdapterRates
 from services.gpu_worker.engine.speculation.adapter_indexes import AdapterIndexes, IndexKey
 from services.gpu_worker.engine.speculation.adapter_output_index import AdapterOutputIndex
 from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
-from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, decode_step_cost, draft_prices
+from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices
 from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
 
 ADAPTER_DECAY = 0.98
@@ -66,13 +67,12 @@ class Speculator:
         """``max_positions``: the model's context; no draft reaches past it. ``adapter_known``:
         whether the engine still has an adapter; given, the mode is ``suffix`` (drafts from
         each adapter's recent outputs too, an index dropped with its adapter). ``cost``: the
-        step-cost model that prices draft rows (by default the engine's, fitted online on decode-only
-        steps: ``decode_step_cost``).
+        step-cost model that prices draft rows (the engine's, fitted online, by default).
         ``max_prefill_tokens``: the step's token budget, which a step's prefill and drafts share."""
         self.kv = kv
         self.max_positions = max_positions
         self.settings = settings = settings or DraftSettings()
-        self.cost = cost or decode_step_cost()
+        self.cost = cost or step_cost_model()
         self.max_prefill_tokens = max_prefill_tokens
         self.counts = DraftCounts()
         self.adapter_acceptance = AdapterRates(ADAPTER_DECAY, MAX_ADAPTER_RATES)

@@ -12,18 +12,12 @@ import torch
 
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
-from services.gpu_worker.engine.policies.batch_policy import StepOutcome, Unmerged
 from services.gpu_worker.engine.policies.linear_cost import FitConfig, LinearCost, OnlineFit
 from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate, AdapterRates
-from services.gpu_worker.engine.speculation.draft_cost import (
-    DraftPrices,
-    decode_step_cost,
-    draft_prices,
-    fixed_cost,
-)
+from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices, fixed_cost
 from services.gpu_worker.model.llama import LlamaModel
 from tests.support.draft_cost import pin_draft_cost
 
@@ -62,27 +56,6 @@ def test_a_row_costs_at_least_its_floor_share_of_a_batch_one_step():
     assert draft_prices(free_rows, 8, 0).row_s == 0
     assert draft_prices(free_rows, 8, 0, min_row_share=0.05).row_s == pytest.approx(0.0005)
     assert draft_prices(MEMORY_BOUND, 8, 0, min_row_share=0.05).row_s == 0.001  # the fit's, above it
-
-
-def test_drafts_are_priced_by_decode_steps_alone():
-    """A prefill's cost is not linear in its tokens; its steps, left in the fit, bend the decode
-    terms (here the engine's model prices a row at 0.37 of a batch-1 token, not 0.09): the model
-    that prices drafts skips them."""
-
-    def step(prefill: int, decode: int, seconds: float) -> StepOutcome:
-        return StepOutcome(Unmerged(), 1, prefill, decode, 0, seconds)
-
-    model = decode_step_cost()
-    for i in range(64):
-        rows = 1 + i % 6
-        model.observe(step(0, rows, 0.010 + 0.001 * rows))  # a row: a tenth of a step
-        if i % 8 == 0:  # prefills of 16 and 300 tokens, their attention quadratic
-            tokens = (16, 300)[i // 8 % 2]
-            model.observe(step(tokens, 1, 0.0001 * tokens + 0.000004 * tokens**2))
-    prices = draft_prices(model.cost, decode_rows=1, adapters=0)
-    assert model.fitted
-    assert prices.token_s == pytest.approx(0.011)
-    assert prices.row_s == pytest.approx(0.001)
 
 
 def test_acceptance_counts_tried_positions_and_decays():
