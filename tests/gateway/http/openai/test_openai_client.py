@@ -285,7 +285,10 @@ async def test_a_client_disconnect_cancels_the_request_and_frees_its_pages(mesh)
     ):
         kept_lines = kept.aiter_lines()
         async with http.stream("POST", "/completions", json=body, headers=auth) as dropped:
-            await asyncio.gather(first_event(kept_lines), first_event(dropped.aiter_lines()))
+            # Held until the hang-up: a line iterator collected half-read closes its response,
+            # which hangs up at once (under load, before the test saw both requests run).
+            dropped_lines = dropped.aiter_lines()
+            await asyncio.gather(first_event(kept_lines), first_event(dropped_lines))
             await wait_for_stats(worker, lambda s: s.running == 2)
         stats = await wait_for_stats(worker, lambda s: s.running == 1)  # the dropped one is gone
         assert stats.kv_pages > 0
