@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_drain import serve_to_the_end
 from bench.host_adapter_parse_ab import cpu_model
 from bench.sample_adapters import SampleAdapterSpec, adapter_files, write_peft_adapter
 from services.gpu_worker.build import build_engine
@@ -69,11 +70,7 @@ def copier_thread() -> threading.Thread | None:
 def first_token_cpu_s(engine: Engine, name: str, prompt: tuple[int, ...], adapter_id: str | None) -> float:
     """This thread's CPU seconds to serve one token of ``prompt`` (the engine stepped here)."""
     request = GenerationRequest(name, prompt, SamplingParams(max_tokens=1), adapter_id)
-    engine.submit(request, lambda event: None)
-    started = time.thread_time()
-    while engine.has_work():
-        engine.step()
-    return time.thread_time() - started
+    return serve_to_the_end(engine, [request], clock=time.thread_time)
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
+from bench.engine_drain import serve_to_the_end
 from bench.sample_adapters import read_peft_directory
 from bench.speculative_bench import decode_rate, sql_rewrite
 from bench.speculative_served_bench import demo_adapter_dirs
@@ -50,14 +50,16 @@ def show_prices(engine: Engine, before: str) -> None:
 
 def run_group(engine: Engine, seed: int) -> float:
     """8 quick-trace requests at once, to the demo adapters and the base model in turn; seconds."""
-    for i, item in enumerate(non_repetitive(8, seed=seed)):
-        sampling = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True)
-        request = GenerationRequest(f"g{seed}-{i}", tuple(item.prompt_ids), sampling, item.adapter or None)
-        engine.submit(request, lambda event: None)
-    start = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    return time.perf_counter() - start
+    requests = [
+        GenerationRequest(
+            f"g{seed}-{i}",
+            tuple(item.prompt_ids),
+            SamplingParams(max_tokens=item.max_tokens, ignore_eos=True),
+            item.adapter or None,
+        )
+        for i, item in enumerate(non_repetitive(8, seed=seed))
+    ]
+    return serve_to_the_end(engine, requests)
 
 
 def main() -> None:
