@@ -27,6 +27,13 @@ building the segments of every layer and projection again, with the native kerne
 ~2.7-7.9 ms a step at batch 1 against ~0.3 ms for a step that reused them (2 EPYC cores, loaded):
 kept, a batch-1 request's 1 + k variants are each built once."""
 
+PROJECTION_LAYOUTS_KEPT = 16
+"""The most recently used adapter sequences' projection layouts kept (:func:`_uniform_projections`:
+every layer's row offsets gathered in segment order). A batch whose requests verify drafts keeps
+its adapters in the same order while their token counts change from step to step, so its LoRA
+segments are built anew nearly every step at batch 8; gathering the offsets was the largest part
+of that, and it depends on the adapters alone."""
+
 ResidentLookup = Callable[[str], ResidentAdapter | None]
 """Adapter id -> its load in force (the placement a plan's :class:`AdapterSlot` names)."""
 """Request id -> the block table of a request whose KV is borrowed."""
@@ -60,6 +67,8 @@ class StepBuilder:
         }
         # Steps whose batch has the LoRA segments of a recent step reuse them (lora_segments).
         self._loras: OrderedDict[tuple, StepLora] = OrderedDict()
+        # The same for each sequence of adapters (whatever their token counts): _uniform_projections.
+        self._layouts: OrderedDict[tuple, ProjectionLayouts] = OrderedDict()
         # Each request's page table as a tensor, rebuilt only when its pages change.
         self._tables: dict[str, tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
 
@@ -191,6 +200,23 @@ class StepBuilder:
         them out, and its pages may be reused by the next adapter."""
         for key in [key for key in self._loras if any(part[0] == adapter_id for part in key)]:
             del self._loras[key]
+        for key in [key for key in self._layouts if any(part and part[0] == adapter_id for part in key)]:
+            del self._layouts[key]
+
+    def _projection_layouts(
+        self, slots: list[AdapterSlot | None], placed_adapters: list[ResidentAdapter | None], num_layers: int
+    ) -> ProjectionLayouts:
+        """:func:`_uniform_projections` of these adapters, kept for the next steps with the same
+        adapters in the same segments."""
+        key = _placement_key(slots)
+        layouts = self._layouts.get(key)
+        if layouts is None:
+            layouts = self._layouts[key] = _uniform_projections(placed_adapters, num_layers)
+            if len(self._layouts) > PROJECTION_LAYOUTS_KEPT:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        return layouts
 
     def lora_segments(
         self, requests: tuple[PlannedRequest, ...], resident: ResidentLookup
@@ -208,7 +234,7 @@ class StepBuilder:
         placed_adapters = [resident(s.adapter_id) if s is not None else None for s in slots]
         modules = [r.modules if r is not None else None for r in placed_adapters]
         num_layers = self.model.config.num_layers
-        uniform, layer_offsets = _uniform_projections(placed_adapters, num_layers)
+        uniform, layer_offsets = self._projection_layouts(slots, placed_adapters, num_layers)
         # A projection's work has the same structure in every layer where its adapters have the
         # same ranks and scales (all of them, but for rank_pattern/alpha_pattern or
         # layers_to_transform): built once (``template``), then given each layer's rows (gathered
@@ -255,6 +281,12 @@ class StepBuilder:
         return built
 
 
+def _placement_key(slots: list[AdapterSlot | None]) -> tuple:
+    """The adapter and placement of each segment (None: no adapter): what a step's row offsets
+    depend on."""
+    return tuple((s.adapter_id, s.placement) if s is not None else None for s in slots)
+
+
 def _logits_rows(requests: tuple[PlannedRequest, ...], first_rows: list[int], device) -> torch.Tensor:
     """Each request's last token's row, and with drafts the rows before: the rows verifying them."""
     if not any(r.draft_tokens for r in requests):
@@ -268,11 +300,11 @@ def _logits_rows(requests: tuple[PlannedRequest, ...], first_rows: list[int], de
 
 GatheredOffsets = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 """Per layer, a projection's A and Bᵀ row offsets of a batch, segment after segment."""
+ProjectionLayouts = tuple[dict[str, tuple], dict[str, GatheredOffsets]]
+"""What :func:`_uniform_projections` returns."""
 
 
-def _uniform_projections(
-    placed_adapters: list[ResidentAdapter | None], num_layers: int
-) -> tuple[dict[str, tuple], dict[str, GatheredOffsets]]:
+def _uniform_projections(placed_adapters: list[ResidentAdapter | None], num_layers: int) -> ProjectionLayouts:
     """The projections that each adapter of a batch (one per segment, None: base model) adapts
     with one rank and scale in every layer, or in none: such a projection has the same structure
     in every layer, checked once per adapter, not per layer and segment. For each: the segments'

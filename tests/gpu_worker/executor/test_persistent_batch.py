@@ -372,3 +372,39 @@ def test_an_evicted_adapters_kept_lora_segments_are_dropped_with_it(tiny_llama, 
     assert lora("a8") is kept[("a8",)]
     assert lora("a16") is not kept[("a16",)]
     assert lora("a8", "a16") is not kept[("a8", "a16")]
+
+
+def test_steps_with_the_same_adapters_share_their_row_offsets_whatever_their_token_counts(
+    tiny_llama, adapters
+):
+    """A batch verifying drafts keeps its adapters in order while its segments' token counts
+    change: each new count's LoRA segments take the row offsets gathered for the first one (the
+    same tensors, in every layer after the first, whose segments are built whole as the
+    projection's template), equal to a fresh build's; forgetting an adapter (its eviction) drops
+    the offsets gathered for batches naming it."""
+    spec = tiny_llama.spec
+    setup = Setup(spec, adapters, device_lora=False)
+    blocks = tuple(setup.block(spec.num_layers) for _ in range(4))
+
+    def plan(drafts: int) -> StepPlan:
+        requests = (
+            PlannedRequest(
+                "r0", (5,) * (1 + drafts), 8, blocks, setup.slot("a8"), SAMPLING, draft_tokens=drafts
+            ),
+            PlannedRequest("r1", (5,), 8, blocks, setup.slot("a16"), SAMPLING),
+        )
+        return StepPlan(requests, "auto", False)
+
+    def offsets(lora) -> list:
+        return [(seg.a_offsets, seg.b_offsets) for layer in lora.layers[1:] for seg in layer.values()]
+
+    first = offsets(setup.builder.build(plan(0), setup.resident.get).lora)
+    for drafts in (1, 2, 3):
+        lora = setup.builder.build(plan(drafts), setup.resident.get).lora
+        assert all(a is a0 and b is b0 for (a, b), (a0, b0) in zip(offsets(lora), first, strict=True))
+        fresh = StepBuilder(SimpleNamespace(config=spec), setup.view).build(plan(drafts), setup.resident.get)
+        for (a, b), (fa, fb) in zip(offsets(lora), offsets(fresh.lora), strict=True):
+            assert torch.equal(a, fa) and torch.equal(b, fb)
+    setup.builder.forget_adapter("a16")
+    again = offsets(setup.builder.build(plan(4), setup.resident.get).lora)
+    assert not any(a is a0 for (a, _), (a0, _) in zip(again, first, strict=True))
