@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.sample_adapters import read_peft_directory
-from bench.speculative_served_bench import demo_adapter_dirs
+from bench.speculative_adapters import workload_adapter_dirs
 from bench.speculative_workloads import WorkloadItem, non_repetitive, repetitive
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import EngineConfig
@@ -57,7 +57,7 @@ def generate_outputs(items: list[WorkloadItem]) -> list[dict]:
     loaded = load_model(quantization="q4_1", dtype=torch.float32)
     model = LlamaModel(loaded.config, loaded.weights, torch.float32)
     engine = local_engine(model, EngineConfig(pool_mib=256, prefix_cache=False))
-    for name, directory in demo_adapter_dirs().items():
+    for name, directory in workload_adapter_dirs().items():
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     results = []
     for item in items:

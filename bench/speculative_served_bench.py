@@ -3,7 +3,7 @@
 same requests sent to each in alternation through the OpenAI HTTP API.
 
 Workloads (``bench.speculative_workloads``): the repetitive one (SQL rewrite by the ``sql`` demo
-adapter, ticket summary by ``pirate``, a chat repeating an earlier answer) and the
+adapter, ticket summary by the bench's ``support`` adapter, a chat repeating an earlier answer) and the
 non-repetitive one (the quick profile's trace, random-token prompts drawn afresh for each use).
 Each round sends every workload at batch 1 (one request at a time) and at ``--concurrency``
 requests at once, first to one mesh then to the other, the order alternating per round so that
@@ -21,7 +21,7 @@ the speculating worker drafted and accepted (its ``/metrics``). Each mesh runs o
 service (``--up-args`` default): two whole default meshes are 18 processes on a 2-core machine.
 
 With ``--llama-server`` (or ``$LORAMESH_LLAMA_SERVER``), llama-server on the same GGUF base runs
-beside them at batch 1 (``bench.systems.llamacpp_lora_server``): the demo adapters converted to
+beside them at batch 1 (``bench.systems.llamacpp_lora_server``): the workloads' adapters converted to
 GGUF LoRA files (base-model requests go to a second llama-server without adapters, its fastest
 case), each batch-1 request sent to it as the same prompt token ids (a chat's rendered
 by the base model's chat template, as the gateway renders it), the three systems' order rotating
@@ -53,16 +53,15 @@ import httpx
 from bench.quantized_bench import cpu_name
 from bench.served_batch_one import SSE_DATA
 from bench.serving.profiles import QUICK
+from bench.speculative_adapters import workload_adapter_dirs
 from bench.speculative_workloads import WorkloadItem, non_repetitive, repetitive
 from bench.systems.llamacpp_lora_server import LlamaLoraServer
 from bench.systems.loramesh_up_system import _loramesh
-from demo_adapters.cache import cache_root, ensure_adapters
 from loramesh.client import Client
 from loramesh_cli.mesh_file import MeshFile
 from services.model_files.base_model import default_model_path
 from services.model_files.tokenizer_loading import load_tokenizer
 
-DEMO_ADAPTERS = ("sql", "pirate", "french")
 LEAN_MESH = "--gateways 1 --schedulers 1 --adapter-stores 1 --kv-managers 0"
 LLAMA = "llama-server"
 """llama-server's key beside the modes in the batch-1 results."""
@@ -71,7 +70,7 @@ DRAFT_COUNTER = re.compile(r"^loramesh_gpu_worker_(accepted_draft|draft)_tokens_
 
 @contextmanager
 def mesh(mode: str, up_args: list[str]) -> Iterator[dict]:
-    """A detached ``loramesh up --speculative mode`` with the demo adapters uploaded; yields how
+    """A detached ``loramesh up --speculative mode`` with the workloads' adapters uploaded; yields how
     to reach its OpenAI API."""
     with tempfile.TemporaryDirectory(prefix=f"loramesh-bench-spec-{mode}-") as state_dir:
         state = Path(state_dir)
@@ -79,7 +78,7 @@ def mesh(mode: str, up_args: list[str]) -> Iterator[dict]:
         try:
             info = MeshFile.read(state)
             with Client(info.services["gateway"].address, info.admin_api_key) as client:
-                for name, directory in demo_adapter_dirs().items():
+                for name, directory in workload_adapter_dirs().items():
                     client.adapters.upload(directory, name)
             yield {
                 "url": f"http://{info.services['gateway'].openai_address}",
@@ -88,15 +87,6 @@ def mesh(mode: str, up_args: list[str]) -> Iterator[dict]:
             }
         finally:
             _loramesh(state, "down")
-
-
-def demo_adapter_dirs() -> dict[str, Path]:
-    """The demo adapters: a cached training of any version if one is there (their weights only
-    change what they say, not what is measured), else trained now."""
-    cached = sorted(cache_root().glob("*/sql"), key=lambda p: p.stat().st_mtime)
-    if cached:
-        return {name: cached[-1].parent / name for name in DEMO_ADAPTERS}
-    return {name: path for name, path in ensure_adapters().items() if name in DEMO_ADAPTERS}
 
 
 def draft_counts(metrics_url: str) -> dict[str, float]:
@@ -160,7 +150,7 @@ def concurrent(clients: list[httpx.Client], base_model: str, items: list[Workloa
 
 def chat_prompt_ids(items: list[WorkloadItem]) -> dict[str, list[int]]:
     """Each chat item's prompt token ids: its messages rendered by the base model's chat template
-    and tokenized, as the gateway does (the demo adapters bring no template of their own)."""
+    and tokenized, as the gateway does (the workloads' adapters bring no template of their own)."""
     tokenizer = load_tokenizer().tokenizer
     return {
         item.name: tokenizer.encode(tokenizer.apply_chat_template(list(item.messages)))
@@ -225,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 has_adapter: stack.enter_context(
                     closing(LlamaLoraServer(args.llama_server, default_model_path(), adapters))
                 )
-                for has_adapter, adapters in ((True, demo_adapter_dirs()), (False, {}))
+                for has_adapter, adapters in ((True, workload_adapter_dirs()), (False, {}))
             }
             llama_version = servers[True].version
             llama_client = stack.enter_context(httpx.Client(timeout=600))

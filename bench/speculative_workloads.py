@@ -1,9 +1,9 @@
 """The two workloads of the served speculative-decoding bench (``bench.speculative_served_bench``).
 
 - **repetitive**: output that re-emits what the request was shown or said before, where prompt
-  lookup pays: the ``sql`` demo adapter rewriting a query it is given, the ``pirate`` demo
-  adapter summarising a support ticket it quotes, and the base model in a multi-turn chat asked
-  to repeat an earlier answer;
+  lookup pays: the ``sql`` demo adapter rewriting a query it is given, the bench's ``support``
+  adapter summarising a support ticket it quotes (``bench.speculative_adapters``), and the base
+  model in a multi-turn chat asked to repeat an earlier answer;
 - **non-repetitive**: the quick profile's trace (``bench.serving.profiles``): its requests'
   prompts are random token ids (``RunContext.prompt``), so nothing in them is worth drafting
   from; the requests keep their trace lengths and go to the demo adapters and the base model in
@@ -38,6 +38,8 @@ TICKET = (
     "by our accountant before Friday. Error text: 'Bad gateway: upstream timed out while "
     "generating invoices_2024_03.csv'."
 )
+TICKET_INSTRUCTION = "Summarise this support ticket, quoting the customer's own words:\n\n"
+"""The ticket summary's request before the ticket (the ``support`` adapter is trained on it)."""
 EARLIER_ANSWER = (
     "To reset your password, open Settings, choose Security, click 'Reset password', enter "
     "the code we email you, then type your new password twice and press Save."
@@ -76,14 +78,9 @@ def repetitive(max_tokens: int) -> list[WorkloadItem]:
         ),
         WorkloadItem(
             "ticket-summary",
-            "pirate",
+            "support",
             max_tokens,
-            messages=(
-                {
-                    "role": "user",
-                    "content": f"Summarise this support ticket, quoting the customer's own words:\n\n{TICKET}",
-                },
-            ),
+            messages=({"role": "user", "content": TICKET_INSTRUCTION + TICKET},),
         ),
         WorkloadItem(
             "chat-repeat",
