@@ -131,16 +131,23 @@ def ensure_support_adapter(root: Path | None = None) -> Path:
     return folder
 
 
-def workload_adapter_dirs() -> dict[str, Path]:
-    """Every adapter the speculative workloads name, by name: the demo adapters (a cached
-    training of any version if one is there: their weights change what they say, not what is
-    measured; else trained now) and ``support``."""
+def demo_adapter_dirs() -> dict[str, Path]:
+    """The demo adapters the benches serve, by name: a cached training of any version if one is
+    there (their weights change what they say, not what is measured), else trained now."""
     cached = sorted(cache_root().glob("*/sql"), key=lambda p: p.stat().st_mtime)
     if cached:
-        demo = {name: cached[-1].parent / name for name in DEMO_ADAPTERS}
-    else:
-        demo = {name: path for name, path in ensure_adapters().items() if name in DEMO_ADAPTERS}
-    return {**demo, SUPPORT: ensure_support_adapter()}
+        return {name: cached[-1].parent / name for name in DEMO_ADAPTERS}
+    return {name: path for name, path in ensure_adapters().items() if name in DEMO_ADAPTERS}
+
+
+def workload_adapter_dirs() -> dict[str, Path]:
+    """Every adapter the speculative workloads name, by name: the demo adapters and ``support``."""
+    return {**demo_adapter_dirs(), SUPPORT: ensure_support_adapter()}
+
+
+def workload_adapter_dir(name: str) -> Path:
+    """One of :func:`workload_adapter_dirs` (``support`` trained only when it is the one asked for)."""
+    return ensure_support_adapter() if name == SUPPORT else demo_adapter_dirs()[name]
 
 
 def _train_support(directory: Path) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.sample_adapters import read_peft_directory
-from bench.speculative_adapters import workload_adapter_dirs
+from bench.speculative_adapters import workload_adapter_dir
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
 from services.gpu_worker.engine.request import GenerationRequest
@@ -106,7 +106,7 @@ def main() -> None:
     if args.adapter is not None:
         for engine in engines.values():
             engine.add_adapter(
-                read_peft_directory(args.adapter, workload_adapter_dirs()[args.adapter], model.dtype)
+                read_peft_directory(args.adapter, workload_adapter_dir(args.adapter), model.dtype)
             )
     runs: dict[str, list[Decoded]] = {"off": [], "ngram": []}
     for _ in range(args.rounds):

@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 
 from bench.sample_adapters import read_peft_directory
-from bench.speculative_adapters import workload_adapter_dirs
+from bench.speculative_adapters import workload_adapter_dir
 from bench.speculative_bench import sql_rewrite
 from bench.speculative_forward_profile import FREE_ROWS
 from services.gpu_worker.build import local_engine
@@ -43,7 +43,7 @@ def captured_run(model, prompt, mode: str, adapter: str | None, tokens: int):
         local_engine(model, EngineConfig(pool_mib=128, speculative=mode, prefix_cache=False)), FREE_ROWS
     )
     if adapter is not None:
-        engine.add_adapter(read_peft_directory(adapter, workload_adapter_dirs()[adapter], model.dtype))
+        engine.add_adapter(read_peft_directory(adapter, workload_adapter_dir(adapter), model.dtype))
     executor = engine.executor
     plans = []
     execute = executor.execute

@@ -21,7 +21,7 @@ import os
 
 from bench.engine_drain import serve_to_the_end
 from bench.sample_adapters import read_peft_directory
-from bench.speculative_adapters import workload_adapter_dirs
+from bench.speculative_adapters import demo_adapter_dirs
 from bench.speculative_bench import decode_rate, sql_rewrite
 from bench.speculative_workloads import non_repetitive
 from services.gpu_worker.build import local_engine
@@ -69,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     _, model, prompt = sql_rewrite("q4_1", args.dtype)
     engine = local_engine(model, EngineConfig(pool_mib=256, speculative="ngram", prefix_cache=False))
-    for name, directory in workload_adapter_dirs().items():
+    for name, directory in demo_adapter_dirs().items():
         engine.add_adapter(read_peft_directory(name, directory, model.dtype))
     print(f"q4_1 {args.dtype}, ngram, load average {os.getloadavg()}")
     for index, what in enumerate(SEQUENCE):

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 
 from bench.sample_adapters import read_peft_directory
-from bench.speculative_adapters import workload_adapter_dirs
+from bench.speculative_adapters import workload_adapter_dir
 from bench.speculative_bench import decode_rate, sql_rewrite
 from services.gpu_worker.build import local_engine
 from services.gpu_worker.engine.engine import Engine, EngineConfig
@@ -86,7 +86,7 @@ def make_engine(model: LlamaModel, mode: str, adapter: str | None = None) -> Eng
     speculative, _, k = mode.partition(":")
     engine = local_engine(model, EngineConfig(pool_mib=128, speculative=speculative, prefix_cache=False))
     if adapter is not None:
-        engine.add_adapter(read_peft_directory(adapter, workload_adapter_dirs()[adapter], model.dtype))
+        engine.add_adapter(read_peft_directory(adapter, workload_adapter_dir(adapter), model.dtype))
     if k:
         engine.speculator.settings = dataclasses.replace(engine.speculator.settings, max_draft_tokens=int(k))
     return engine

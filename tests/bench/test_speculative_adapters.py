@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from bench import speculative_adapters
 from bench.speculative_adapters import (
     SUPPORT,
     ensure_support_adapter,
@@ -13,6 +14,7 @@ from bench.speculative_adapters import (
 )
 from bench.speculative_workloads import TICKET, TICKET_INSTRUCTION, repetitive
 from demo_adapters.cache import base_model_identity
+from services.model_files.cache_dir import CACHE_ENV
 
 QUOTED = re.compile(r"\"([^\"]+)\"|'([^']+)'")
 
@@ -50,3 +52,16 @@ def test_a_cached_adapter_is_reused_and_its_key_follows_the_base_model(tmp_path)
     (folder / "adapter_model.safetensors").write_bytes(b"cached")
     assert ensure_support_adapter(tmp_path) == folder
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name], "nothing trained or staged"
+
+
+def test_asking_for_a_demo_adapter_trains_no_support_adapter(tmp_path, monkeypatch):
+    cached = tmp_path / "demo-adapters" / "0123456789abcdef"
+    for name in speculative_adapters.DEMO_ADAPTERS:
+        (cached / name).mkdir(parents=True)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+
+    def no_training(root=None):
+        raise AssertionError("the support adapter was asked for")
+
+    monkeypatch.setattr(speculative_adapters, "ensure_support_adapter", no_training)
+    assert speculative_adapters.workload_adapter_dir("sql") == cached / "sql"
