@@ -299,22 +299,21 @@ async def cpu_per(phase, pids: dict[str, int], count: int) -> dict:
     return {"result": result, "cpu_ms": spent}
 
 
-def cpu_difference_by_thread(probed: dict, base: dict) -> dict[str, dict[str, float]]:
-    """Per process and thread kind, the CPU ms a probe took beyond the base-model first tokens it
-    also makes (each probe starts with one on every worker): what a new version costs each
-    thread, not the probe's whole figure, which counts that first token too."""
+def cpu_difference_by_thread(loaded: dict, quiet: dict, per: float = 1.0) -> dict[str, dict[str, float]]:
+    """Per process and thread kind, the CPU ms ``loaded`` took beyond ``quiet``, per ``per``: a
+    probe beyond the base-model first tokens it also makes (each probe starts with one on every
+    worker), or a window with publishes beyond a quiet one, per publish."""
     return {
-        name: {kind: round(ms - base.get(name, {}).get(kind, 0.0), 1) for kind, ms in threads.items()}
-        for name, threads in probed.items()
+        name: {
+            kind: round((ms - quiet.get(name, {}).get(kind, 0.0)) / per, 1) for kind, ms in threads.items()
+        }
+        for name, threads in loaded.items()
     }
 
 
 def cpu_difference(loaded: dict, quiet: dict, per: float) -> dict[str, float]:
-    """Per process, the CPU ms a window with publishes took beyond a quiet one's, per publish."""
-    return {
-        name: round((loaded[name]["total"] - quiet.get(name, {}).get("total", 0.0)) / per, 1)
-        for name in loaded
-    }
+    """:func:`cpu_difference_by_thread`'s totals, per process."""
+    return {name: threads["total"] for name, threads in cpu_difference_by_thread(loaded, quiet, per).items()}
 
 
 async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path], others: list[Path]) -> dict:

@@ -12,19 +12,21 @@ everything its weights depend on.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing
 import random
-import shutil
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 from bench.speculative_workloads import TICKET_INSTRUCTION
 from demo_adapters import training
-from demo_adapters.cache import base_model_identity, cache_root, ensure_adapters
+from demo_adapters.cache import (
+    base_model_identity,
+    build_once,
+    cache_root,
+    ensure_adapters,
+    source_and_parts_key,
+)
 from demo_adapters.data import Example
 from demo_adapters.training import TrainingConfig
 
@@ -98,37 +100,19 @@ def support_examples(count: int = 72, seed: int = 7) -> list[Example]:
 
 def support_cache_key(base_identity: str) -> str:
     """A short hash of everything ``support``'s weights depend on."""
-    digest = hashlib.sha256(Path(training.__file__).read_bytes())
     parts = ([asdict(e) for e in support_examples()], asdict(SUPPORT_CONFIG), base_identity)
-    for part in parts:
-        digest.update(json.dumps(part, sort_keys=True, ensure_ascii=False).encode())
-    return digest.hexdigest()[:16]
+    return source_and_parts_key((training,), parts)
 
 
 def ensure_support_adapter(root: Path | None = None) -> Path:
     """``support``'s PEFT folder: from the cache, or trained now (a few minutes on 2 cores) and
-    cached. Trained into a staging folder renamed when saved: an interrupted run leaves nothing
-    that looks finished."""
+    cached."""
     root = Path(root) if root is not None else cache_root().parent / "bench-adapters"
-    folder = root / f"{SUPPORT}-{support_cache_key(base_model_identity())}"
-    if (folder / "adapter_model.safetensors").is_file():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".training-", dir=root))
-    try:
-        print(f"training the bench's {SUPPORT!r} adapter for the first time ({SUPPORT_CONFIG.steps} steps)")
-        # spawn: a process of its own, one thread, as the demo adapters train.
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            pool.submit(_train_support, staging / SUPPORT).result()
-        try:
-            (staging / SUPPORT).rename(folder)
-        except OSError:  # another run finished first: its adapter is the same
-            if not (folder / "adapter_model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    return build_once(
+        root / f"{SUPPORT}-{support_cache_key(base_model_identity())}",
+        "adapter_model.safetensors",
+        _train_in_a_process,
+    )
 
 
 def demo_adapter_dirs() -> dict[str, Path]:
@@ -150,7 +134,15 @@ def workload_adapter_dir(name: str) -> Path:
     return ensure_support_adapter() if name == SUPPORT else demo_adapter_dirs()[name]
 
 
-def _train_support(directory: Path) -> None:
+def _train_in_a_process(folder: Path) -> None:
+    """Train ``support`` into ``folder`` in a process of its own, on one thread, as the demo
+    adapters train (spawned: a forked child would inherit this process's torch threads)."""
+    print(f"training the bench's {SUPPORT!r} adapter for the first time ({SUPPORT_CONFIG.steps} steps)")
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_train_support, folder).result()
+
+
+def _train_support(folder: Path) -> None:
     import warnings
 
     import torch
@@ -158,4 +150,4 @@ def _train_support(directory: Path) -> None:
     torch.set_num_threads(1)
     # transformers' and peft's notices about each other's argument names are not the reader's.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    training.train_adapter(training.load_base_model(), support_examples(), SUPPORT_CONFIG, directory)
+    training.train_adapter(training.load_base_model(), support_examples(), SUPPORT_CONFIG, folder)

@@ -43,14 +43,39 @@ def base_model_identity(model_path: Path | None = None) -> str:
 
 def cache_key(configs: dict[str, TrainingConfig], base_identity: str) -> str:
     """A short hash of everything the adapters' weights depend on."""
-    digest = hashlib.sha256()
-    for module in (data, training):
-        digest.update(Path(module.__file__).read_bytes())
     dataset = {name: [asdict(e) for e in examples(name)] for name in BEHAVIOURS}
     trainings = {name: asdict(config) for name, config in configs.items()}
-    for part in (dataset, trainings, base_identity):
+    return source_and_parts_key((data, training), (dataset, trainings, base_identity))
+
+
+def source_and_parts_key(modules: tuple, parts: tuple) -> str:
+    """A short hash of the source of ``modules`` and of ``parts`` (JSON): a cache folder's key."""
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(Path(module.__file__).read_bytes())
+    for part in parts:
         digest.update(json.dumps(part, sort_keys=True, ensure_ascii=False).encode())
     return digest.hexdigest()[:16]
+
+
+def build_once(folder: Path, done: str, build: Callable[[Path], None]) -> Path:
+    """``folder``, made by ``build(staging)`` unless its file ``done`` is there already. ``build``
+    writes into a staging folder beside it, renamed when ``build`` returns, so an interrupted run
+    leaves nothing that looks finished."""
+    if (folder / done).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".training-", dir=folder.parent))
+    try:
+        build(staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # another run finished first: what it made is the same
+            if not (folder / done).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
 
 
 def ensure_adapters(
@@ -69,18 +94,7 @@ def ensure_adapters(
     folder = root / cache_key(configs, base_model_identity())
     if (folder / REPORT_FILE).is_file():
         log(f"reusing the demo adapters cached in {folder}")
-    else:
-        root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".training-", dir=root))
-        try:
-            _train_all(configs, staging, log)
-            try:
-                staging.rename(folder)
-            except OSError:  # another run finished first: its adapters are the same
-                if not (folder / REPORT_FILE).is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    build_once(folder, REPORT_FILE, lambda staging: _train_all(configs, staging, log))
     return {name: folder / name for name in configs}
 
 

@@ -4,7 +4,6 @@ write and to attend over, and per-layer LoRA segments gathered from resident ada
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -19,6 +18,7 @@ from services.gpu_worker.memory.unified_pool import UnifiedPool
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.step_batch import DecodeGroup, PrefillSpan, StepBatch
 from services.model_files.peft_format import LORA_TARGETS
+from services.runtime.recently_used import RecentlyUsed
 
 LORA_SEGMENTS_KEPT = 16
 """The most recently used steps' LoRA segments kept for reuse. A request verifying drafts changes
@@ -65,10 +65,11 @@ class StepBuilder:
             "up_proj": (hidden, inter),
             "down_proj": (inter, hidden),
         }
-        # Steps whose batch has the LoRA segments of a recent step reuse them (lora_segments).
-        self._loras: OrderedDict[tuple, StepLora] = OrderedDict()
-        # The same for each sequence of adapters (whatever their token counts): _uniform_projections.
-        self._layouts: OrderedDict[tuple, ProjectionLayouts] = OrderedDict()
+        # Steps whose batch has the LoRA segments of a recent step reuse them (lora_segments),
+        # and those with a recent step's adapters in the same order its gathered row offsets.
+        # Keys: per segment, (adapter id or None, placement, ...).
+        self._loras: RecentlyUsed[tuple, StepLora] = RecentlyUsed(LORA_SEGMENTS_KEPT)
+        self._layouts: RecentlyUsed[tuple, ProjectionLayouts] = RecentlyUsed(PROJECTION_LAYOUTS_KEPT)
         # Each request's page table as a tensor, rebuilt only when its pages change.
         self._tables: dict[str, tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
 
@@ -198,25 +199,12 @@ class StepBuilder:
         """Drop the kept LoRA segments of steps naming ``adapter_id`` (evicted): they hold its
         rows' offsets and index tensors, which would otherwise stay until newer steps pushed
         them out, and its pages may be reused by the next adapter."""
-        for key in [key for key in self._loras if any(part[0] == adapter_id for part in key)]:
-            del self._loras[key]
-        for key in [key for key in self._layouts if any(part and part[0] == adapter_id for part in key)]:
-            del self._layouts[key]
 
-    def _projection_layouts(
-        self, slots: list[AdapterSlot | None], placed_adapters: list[ResidentAdapter | None], num_layers: int
-    ) -> ProjectionLayouts:
-        """:func:`_uniform_projections` of these adapters, kept for the next steps with the same
-        adapters in the same segments."""
-        key = _placement_key(slots)
-        layouts = self._layouts.get(key)
-        if layouts is None:
-            layouts = self._layouts[key] = _uniform_projections(placed_adapters, num_layers)
-            if len(self._layouts) > PROJECTION_LAYOUTS_KEPT:
-                self._layouts.popitem(last=False)
-        else:
-            self._layouts.move_to_end(key)
-        return layouts
+        def names_it(key: tuple) -> bool:
+            return any(part[0] == adapter_id for part in key)
+
+        self._loras.drop(names_it)
+        self._layouts.drop(names_it)
 
     def lora_segments(
         self, requests: tuple[PlannedRequest, ...], resident: ResidentLookup
@@ -224,17 +212,21 @@ class StepBuilder:
         slots, counts = _segments(requests)
         if all(slot is None for slot in slots):
             return None
-        # A placement fixes the adapter's row offsets, so (adapter, placement, tokens) identifies
-        # the work; comparing page lists instead cost ~0.3 ms a step at k = 8.
-        key = tuple((s.adapter_id, s.placement, n) if s else (None, -1, n) for s, n in zip(slots, counts))
+        # A placement fixes the adapter's row offsets, so (adapter, placement) per segment
+        # identifies the rows, and with the token counts the work; comparing page lists instead
+        # cost ~0.3 ms a step at k = 8.
+        placements = tuple((s.adapter_id, s.placement) if s is not None else (None, -1) for s in slots)
+        key = tuple((*placement, n) for placement, n in zip(placements, counts))
         cached = self._loras.get(key)
         if cached is not None:
-            self._loras.move_to_end(key)
             return cached
         placed_adapters = [resident(s.adapter_id) if s is not None else None for s in slots]
         modules = [r.modules if r is not None else None for r in placed_adapters]
         num_layers = self.model.config.num_layers
-        uniform, layer_offsets = self._projection_layouts(slots, placed_adapters, num_layers)
+        layouts = self._layouts.get(placements)
+        if layouts is None:
+            layouts = self._layouts.put(placements, _uniform_projections(placed_adapters, num_layers))
+        uniform, layer_offsets = layouts
         # A projection's work has the same structure in every layer where its adapters have the
         # same ranks and scales (all of them, but for rank_pattern/alpha_pattern or
         # layers_to_transform): built once (``template``), then given each layer's rows (gathered
@@ -275,16 +267,7 @@ class StepBuilder:
                 )
                 templates[module] = (signature, per_module[module])
             layers.append(per_module)
-        built = self._loras[key] = StepLora(layers)
-        if len(self._loras) > LORA_SEGMENTS_KEPT:
-            self._loras.popitem(last=False)
-        return built
-
-
-def _placement_key(slots: list[AdapterSlot | None]) -> tuple:
-    """The adapter and placement of each segment (None: no adapter): what a step's row offsets
-    depend on."""
-    return tuple((s.adapter_id, s.placement) if s is not None else None for s in slots)
+        return self._loras.put(key, StepLora(layers))
 
 
 def _logits_rows(requests: tuple[PlannedRequest, ...], first_rows: list[int], device) -> torch.Tensor:

@@ -10,10 +10,10 @@ cache's isolation rule, docs/security.md). An adapter's indexes are dropped with
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 from services.gpu_worker.engine.speculation.adapter_output_index import AdapterOutputIndex
+from services.runtime.recently_used import RecentlyUsed
 
 IndexKey = tuple[str | None, str]
 """(adapter id, None for the base model; prefix-cache namespace)."""
@@ -28,28 +28,22 @@ class AdapterIndexes:
         self.max_indexes = max_indexes
         self.max_tokens = max_tokens
         self.max_ngram = max_ngram
-        self._indexes: OrderedDict[IndexKey, AdapterOutputIndex] = OrderedDict()
+        self._indexes: RecentlyUsed[IndexKey, AdapterOutputIndex] = RecentlyUsed(max_indexes)
 
     def get(self, key: IndexKey) -> AdapterOutputIndex | None:
         """The index of ``key`` if it has one (marked recently used)."""
-        index = self._indexes.get(key)
-        if index is not None:
-            self._indexes.move_to_end(key)
-        return index
+        return self._indexes.get(key)
 
     def add(self, key: IndexKey, output: list[int]) -> None:
         """Keep a finished request's ``output`` in its key's index (made if need be)."""
         index = self.get(key)
         if index is None:
-            index = self._indexes[key] = AdapterOutputIndex(self.max_tokens, self.max_ngram)
-            while len(self._indexes) > self.max_indexes:
-                self._indexes.popitem(last=False)
+            index = self._indexes.put(key, AdapterOutputIndex(self.max_tokens, self.max_ngram))
         index.add(output)
 
     def drop_unknown(self, known: Callable[[str], bool]) -> None:
         """Drop the indexes of adapters ``known`` no longer says the engine has."""
-        for key in [key for key in self._indexes if key[0] is not None and not known(key[0])]:
-            del self._indexes[key]
+        self._indexes.drop(lambda key: key[0] is not None and not known(key[0]))
 
     def keys(self) -> list[IndexKey]:
-        return list(self._indexes)
+        return self._indexes.keys()
