@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cluster.pods.images import HOST_PATH, ImageRoot
+from bench.cluster.pods.images import HOST_PATH, VENV, ImageRoot
 from bench.cluster.pods.volumes import Mount
 
 RESOLV_CONF = "nameserver 127.0.0.1\nsearch {ns}.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5 attempts:1\n"
@@ -66,6 +66,25 @@ def identity(pod_spec: Mapping, container: Mapping, image_user: tuple[int, int] 
         drop_all_capabilities="ALL" in ((ctx.get("capabilities") or {}).get("drop") or []),
         read_only_root=bool(ctx.get("readOnlyRootFilesystem", False)),
     )  # fmt: skip
+
+
+def checkout_again(binds: list[Mount], root: str, checkout: Path = VENV.parent) -> list[str]:
+    """Shell lines binding the project's checkout (its venv and code, which a host-root image
+    runs) again where one of ``binds`` hides it: a checkout under /tmp (``mktemp -d``) is hidden
+    by the pods' /tmp emptyDir. Its entries are bound one by one into a folder made there, so the
+    checkout folder's own mode (0700 from ``mktemp``) does not stop a pod's runAsUser."""
+    if not any(checkout.is_relative_to(mount.target) for mount in binds):
+        return []
+    q = shlex.quote
+    target = root + q(str(checkout))
+    lines = [f"mkdir -p {target}"]
+    for entry in sorted(checkout.iterdir()):
+        if entry.name == ".git":
+            continue
+        at = f"{target}/{q(entry.name)}"
+        lines += [f"mkdir -p {at}" if entry.is_dir() else f"touch {at}",
+                  f"mount --bind {q(str(entry))} {at}", f"mount -o remount,bind,ro {at}"]  # fmt: skip
+    return lines
 
 
 def resolve_in_root(root: Path, path: str) -> str:
@@ -135,6 +154,8 @@ class ContainerLaunch:
             lines += [make, f"mount --bind {q(str(mount.source))} {target}"]
             if mount.read_only:
                 lines.append(f"mount -o remount,bind,ro {target}")
+        if self.image.host_root:
+            lines += checkout_again(binds, root)
         lines.append(f"mkdir -p {root}{q(resolve_in_root(self.image.rootfs, self.workdir))}")
         if self.who.read_only_root:
             lines.append(f"mount -o remount,ro {root}")

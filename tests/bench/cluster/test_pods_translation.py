@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from bench.cluster.pods import cluster_dns, netpolicy
+from bench.cluster.pods.container import checkout_again
 from bench.cluster.pods.environment import command_line, container_env, expand
 from bench.cluster.pods.placement import PodPlan, plan_pods
-from bench.cluster.pods.volumes import MissingObject
+from bench.cluster.pods.volumes import MissingObject, Mount
 
 MESH = {"app.kubernetes.io/part-of": "loramesh"}
 
@@ -144,3 +145,20 @@ def test_replicas_are_named_as_kubernetes_names_them_and_spread_over_the_nodes()
     assert [(p.name, p.hostname, p.subdomain, p.node) for p in pods[2:]] == [
         ("etcd-0", "etcd-0", "etcd", 2), ("etcd-1", "etcd-1", "etcd", 0), ("etcd-2", "etcd-2", "etcd", 1)]  # fmt: skip
     assert pods[2].claims == {"data": "data-etcd-0"}
+
+
+def test_a_checkout_a_volume_hides_is_bound_again_entry_by_entry(tmp_path):
+    """A checkout under /tmp (``mktemp -d``, mode 0700) is hidden by the pods' /tmp emptyDir:
+    its entries, .git aside, are bound again, read-only, into a folder made where it was; a
+    checkout no volume hides gets nothing."""
+    checkout = tmp_path / "clone"
+    (checkout / ".venv").mkdir(parents=True)
+    (checkout / ".git").mkdir()
+    (checkout / "Makefile").write_text("")
+    hiding = [Mount(tmp_path / "empty", str(tmp_path), False)]
+    lines = checkout_again(hiding, "/scratch/root", checkout)
+    assert lines[0] == f"mkdir -p /scratch/root{checkout}"
+    assert f"mount --bind {checkout / '.venv'} /scratch/root{checkout}/.venv" in lines
+    assert f"mount -o remount,bind,ro /scratch/root{checkout}/Makefile" in lines
+    assert not any(".git" in line for line in lines)
+    assert checkout_again([Mount(tmp_path / "empty", "/elsewhere", False)], "/scratch/root", checkout) == []
