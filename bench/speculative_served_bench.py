@@ -6,8 +6,12 @@ Workloads (``bench.speculative_workloads``): the repetitive one (SQL rewrite by 
 adapter, ticket summary by the bench's ``support`` adapter, a chat repeating an earlier answer) and the
 non-repetitive one (the quick profile's trace, random-token prompts drawn afresh for each use).
 Each round sends every workload at batch 1 (one request at a time) and at ``--concurrency``
-requests at once, first to one mesh then to the other, the order alternating per round so that
-load drift falls on both. The repetitive requests are the same in every round (and the warm-up):
+requests at once. At batch 1 each request goes to one mesh then to the other, the order alternating
+per round so that load drift falls on both. The concurrent groups go in the order A, B, B, A, each
+mesh's rate pooled over its two (their tokens ÷ their wall times): whichever mesh's group came
+first in a round ran 5-10% slower than when it came second (the second quiet runs of
+2026-12-07: `off` at 224-250 tok/s first and 240-274 second), so one group each, in alternating
+order, moved every round's ratio by that much. The repetitive requests are the same in every round (and the warm-up):
 with ``suffix`` a mesh drafts them from its adapters' earlier outputs, the case of an adapter
 repeating its own earlier answers.
 Greedy, end of sequence ignored, streamed; every figure is as the client sees it:
@@ -142,9 +146,23 @@ def concurrent(clients: list[httpx.Client], base_model: str, items: list[Workloa
     with ThreadPoolExecutor(len(items)) as pool:
         done = list(pool.map(lambda pair: request(pair[0], base_model, pair[1]), zip(clients, items)))
     total = sum(len(d["tokens"]) for d in done)
+    seconds = max(d["last"] for d in done) - start
     return {
-        "tok_s": total / (max(d["last"] for d in done) - start),
+        "tok_s": total / seconds,
+        "output_tokens": total,
+        "seconds": seconds,
         "tokens": {item.name: d["tokens"] for item, d in zip(items, done)},
+    }
+
+
+def pooled(first: dict, second: dict) -> dict:
+    """One mesh's two groups of a round as one: their tokens ÷ their wall times (the first
+    group's tokens kept for the comparison between meshes), each group's rate beside."""
+    tokens = first["output_tokens"] + second["output_tokens"]
+    return {
+        "tok_s": tokens / (first["seconds"] + second["seconds"]),
+        "group_tok_s": [first["tok_s"], second["tok_s"]],
+        "tokens": first["tokens"],
     }
 
 
@@ -246,8 +264,11 @@ def main(argv: list[str] | None = None) -> int:
                 by_system = row.setdefault(name, {})
                 for system in rotated:
                     by_system[system] = {"batch_one": batch_one(senders[system], items)}
-                for mode in order:
-                    by_system[mode]["concurrent"] = concurrent(clients[mode], base_model, groups[name])
+                runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+                for mode in (*order, *order[::-1]):
+                    runs[mode].append(concurrent(clients[mode], base_model, groups[name]))
+                for mode, (first, second) in runs.items():
+                    by_system[mode]["concurrent"] = pooled(first, second)
             rounds.append(summarise_round(row, modes))
             print(json.dumps(rounds[-1]), flush=True)
         load.append(os.getloadavg())
@@ -280,12 +301,14 @@ def summarise_round(row: dict, modes: tuple[str, str]) -> dict:
     for name, by_mode in row.items():
         one = {mode: by_mode[mode]["batch_one"]["decode_tok_s"] for mode in modes}
         group = {mode: by_mode[mode]["concurrent"]["tok_s"] for mode in modes}
+        groups = {mode: by_mode[mode]["concurrent"]["group_tok_s"] for mode in modes}
         if LLAMA in by_mode:
             one[LLAMA] = by_mode[LLAMA]["batch_one"]["decode_tok_s"]
         summary[name] = {
             "batch_one_tok_s": one,
             "batch_one_ratio": {item: one[on][item] / one[off][item] for item in one[off]},
             "concurrent_tok_s": group,
+            "concurrent_group_tok_s": groups,
             "concurrent_ratio": group[on] / group[off],
             # bf16 without --deterministic: a verifying row may round differently from a decode
             # row, and a concurrent group's batches differ between the meshes anyway.

@@ -6,14 +6,31 @@ from __future__ import annotations
 
 import pytest
 
-from bench.speculative_served_bench import LLAMA, fresh_trace, medians, summarise_round
+from bench.speculative_served_bench import LLAMA, fresh_trace, medians, pooled, summarise_round
+
+
+def a_group(tok_s: float, tokens: list[int], output_tokens: int = 100) -> dict:
+    return {
+        "tok_s": tok_s,
+        "output_tokens": output_tokens,
+        "seconds": output_tokens / tok_s,
+        "tokens": {"g": tokens},
+    }
 
 
 def measured(rates: dict[str, float], tokens: list[int], group: float) -> dict:
     return {
         "batch_one": {"decode_tok_s": rates, "tokens": {item: tokens for item in rates}},
-        "concurrent": {"tok_s": group, "tokens": {"g": tokens}},
+        "concurrent": pooled(a_group(group, tokens), a_group(group, tokens)),
     }
+
+
+def test_a_meshs_two_concurrent_groups_pool_their_tokens_over_their_wall_times():
+    first, second = a_group(100.0, [1], output_tokens=200), a_group(200.0, [2], output_tokens=200)
+    both = pooled(first, second)
+    assert both["tok_s"] == pytest.approx(400 / 3)  # 400 tokens in 2 s + 1 s, not the mean 150
+    assert both["group_tok_s"] == [100.0, 200.0]
+    assert both["tokens"] == {"g": [1]}
 
 
 def a_round(spec_rate: float, llama_rate: float) -> dict:

@@ -96,27 +96,34 @@ class Speculator:
             self._keep_finished_outputs()
         for request in batch:
             request.drafts = ()
-        # The step's decode rows are capped: the decoding requests' own first, then drafts, to
-        # the requests whose drafts were accepted most lately (the largest k) first.
+        # The step's decode rows are capped: the decoding requests' own first, then drafts, a
+        # row at a time to the draft token likeliest to be accepted (a request's j-th token is
+        # accepted with its chance to the j-th power): at batch 8, four requests drafting one
+        # token each save more than one request drafting four.
         decoding = sum(1 for request in batch if request.new_tokens == 1)
         room = self.settings.max_step_rows - decoding
         if self.max_prefill_tokens is not None:
             prefill = sum(r.new_tokens for r in batch if r.new_tokens > 1)
             room = min(room, self.max_prefill_tokens - prefill)
+        if room <= 0:
+            return 0
         adapters = len({r.spec.adapter_id for r in batch} - {None})
         settings = self.settings
         prices = draft_prices(
             self.cost.cost, decoding, adapters, settings.min_row_share, settings.verify_step_share
         )
+        proposed = {request.request_id: self._drafts(request, room, prices) for request in batch}
+        chances = {
+            request.request_id: self._chance(request) for request in batch if proposed[request.request_id]
+        }
+        shares = allot_rows({rid: (proposed[rid], chance) for rid, chance in chances.items()}, room)
         rows, saving = 0, 0.0
-        for request in sorted(batch, key=draft_priority):
-            if room - rows <= 0:
-                break
-            request.drafts = drafts = self._drafts(request, room - rows, prices)
-            if drafts:
-                assert request.drafter is not None
+        for request in batch:
+            drafts = proposed[request.request_id][: shares.get(request.request_id, 0)]
+            if drafts and self.kv.reserve_drafts(request, request.total_len + len(drafts)):
+                request.drafts = drafts
                 rows += len(drafts)
-                saving += prices.saving(request.drafter.rate(self.adapter_rate(request)), len(drafts))
+                saving += prices.saving(chances[request.request_id], len(drafts))
         if rows and saving <= prices.step_s:
             # Together not worth a verifying step: a plain step, but for the requests probing
             # (whose drafts never pay: a probe is what lets them draft again; alone at batch 1
@@ -144,6 +151,13 @@ class Speculator:
         key = adapter_key(request.spec.adapter_id)
         return self.adapter_acceptance.rate(key, settings.prior_acceptance, settings.prior_weight)
 
+    def _chance(self, request: EngineRequest) -> float:
+        """The chance each position of ``request``'s drafts this step is accepted; 1 for a probe
+        (its row is what lets the request draft again)."""
+        drafter = request.drafter
+        assert drafter is not None
+        return 1.0 if drafter.probing else drafter.rate(self.adapter_rate(request))
+
     def _drafts(self, request: EngineRequest, room: int, prices: DraftPrices) -> tuple[int, ...]:
         if (
             request.new_tokens != 1
@@ -162,10 +176,7 @@ class Speculator:
             return ()
         if request.drafter is None:
             request.drafter = RequestDrafter(self.settings, self._adapter_index(request))
-        drafts = request.drafter.propose(request.all_ids, limit, prices, self.adapter_rate(request))
-        if drafts and not self.kv.reserve_drafts(request, request.total_len + len(drafts)):
-            return ()
-        return drafts
+        return request.drafter.propose(request.all_ids, limit, prices, self.adapter_rate(request))
 
     def _adapter_index(self, request: EngineRequest) -> AdapterOutputIndex | None:
         if self.indexes is None:
@@ -209,6 +220,18 @@ def index_key(request: EngineRequest) -> IndexKey:
     return request.spec.adapter_id, request.spec.prefix_cache_namespace
 
 
-def draft_priority(request: EngineRequest) -> int:
-    """Sort key: requests with the largest current k first (a new request counts as k's ceiling)."""
-    return -(request.drafter.budget.k if request.drafter is not None else 1 << 16)
+def allot_rows(proposals: dict[str, tuple[tuple[int, ...], float]], room: int) -> dict[str, int]:
+    """How many of each request's proposed drafts the step verifies, ``room`` rows in all: by
+    request id, its drafts and the chance each position is accepted. A row goes to the draft
+    token likeliest to be accepted (the ``j``-th of a request at its chance to the ``j``-th
+    power), a probe's first (what lets its request draft again); each request's share is a
+    prefix of its drafts."""
+    candidates = sorted(
+        (-(chance**j), j, order, rid)
+        for order, (rid, (drafts, chance)) in enumerate(proposals.items())
+        for j in range(1, len(drafts) + 1)
+    )
+    shares: dict[str, int] = {}
+    for _, _, _, rid in candidates[:room]:
+        shares[rid] = shares.get(rid, 0) + 1
+    return shares

@@ -18,6 +18,7 @@ from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
 from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate, AdapterRates
 from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices, fixed_cost
+from services.gpu_worker.engine.speculation.speculator import allot_rows
 from services.gpu_worker.model.llama import LlamaModel
 from tests.support.draft_cost import pin_draft_cost
 
@@ -178,3 +179,16 @@ def test_a_request_whose_drafts_never_pay_still_probes_alone_in_its_steps(tiny_l
     while dear.has_work():
         dear.step()
     assert dear.speculator.counts.drafted == dear.speculator.counts.accepted == {"": 3}
+
+
+def test_a_steps_draft_rows_go_to_the_tokens_likeliest_to_be_accepted():
+    sure, likely, doubtful = (1, 2, 3, 4), (5, 6, 7), (8, 9)
+    proposals = {"sure": (sure, 0.9), "likely": (likely, 0.8), "doubtful": (doubtful, 0.3)}
+    # 0.9, 0.81, 0.8, 0.729 come first; 0.3 (the doubtful request's first) after 0.64 and 0.59.
+    assert allot_rows(proposals, room=4) == {"sure": 3, "likely": 1}
+    assert allot_rows(proposals, room=7) == {"sure": 4, "likely": 3}
+    assert allot_rows(proposals, room=20) == {"sure": 4, "likely": 3, "doubtful": 2}
+    assert allot_rows(proposals, room=0) == {}
+    # At equal chances the rows spread: each request's first token before anyone's second.
+    even = {f"r{i}": ((1, 2, 3, 4), 0.8) for i in range(8)}
+    assert allot_rows(even, room=4) == {"r0": 1, "r1": 1, "r2": 1, "r3": 1}
