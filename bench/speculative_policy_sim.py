@@ -4,8 +4,10 @@ the real drafter (``RequestDrafter``) step by step, with each step accepting the
 the output. A greedy output is the same with and without speculation, so tokens per step and draft
 rows per step are exact whatever the machine's load; the speed-up is then estimated from a step
 cost linear in its rows, in units of a plain batch-1 step: ``C(B) = 1 - r + r·B`` at batch 1
-(``r`` = ``--row-cost``, 0.068: a step verifying 5 drafts measured about 1.34 plain steps with
-Q4_1, docs/benchmarks.md) and ``C(B) = 1 + (B - 1)·r_B`` at ``--batch`` B > 1 (``r_B`` from
+(``r`` = ``--row-cost``, 0.17: the whole forward pass with the ``sql`` adapter, Q4_1 weights and
+bf16 activations, took 8.45 ms with 1 row and 1.4-1.6 ms more a row up to 6 rows on 2 EPYC cores,
+``bench.speculative_step_profile --adapter sql``; 0.068, the kernel's own price once used here,
+left out the rest of the pass) and ``C(B) = 1 + (B - 1)·r_B`` at ``--batch`` B > 1 (``r_B`` from
 ``--wide-step``, a plain batch-B step in batch-1 steps: 3.5 at 8, from the served 8-concurrent
 rate against batch 1). A request's share of a plain step is ``C(B)/B``, so
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +41,7 @@ from services.gpu_worker.engine.policies.linear_cost import LinearCost
 from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.engine.speculation.acceptance import AdapterRates
+from services.gpu_worker.engine.speculation.acceptance import DraftChances
 from services.gpu_worker.engine.speculation.adapter_indexes import AdapterIndexes
 from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
 from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices
@@ -48,7 +51,7 @@ from services.gpu_worker.engine.speculation.speculator import ADAPTER_DECAY, MAX
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.loading import load_model
 
-ROW_COST = 0.068
+ROW_COST = 0.17
 WIDE_STEP = 3.5
 
 
@@ -107,7 +110,8 @@ def replay(
     indexes = AdapterIndexes(
         settings.max_adapter_indexes, settings.adapter_index_tokens, settings.adapter_max_ngram
     )
-    rates = AdapterRates(ADAPTER_DECAY, MAX_ADAPTER_RATES)
+    chances = DraftChances(settings.prior_acceptance, settings.prior_weight, ADAPTER_DECAY, MAX_ADAPTER_RATES)
+
     for request in requests:
         key = (request["adapter"], "")
         if suffix and indexes.get(key) is None:
@@ -117,12 +121,16 @@ def replay(
         done = 1
         while done < len(output):
             limit = len(output) - done - 1
-            prior = rates.rate(request["adapter"], settings.prior_acceptance, settings.prior_weight)
-            drafts = drafter.propose(prompt + output[:done], limit, prices, prior) if limit > 0 else ()
+            adapter = request["adapter"]
+            drafts = (
+                drafter.propose(prompt + output[:done], limit, prices, partial(chances.match, adapter))
+                if limit > 0
+                else ()
+            )
             accepted = next((j for j, d in enumerate(drafts) if d != output[done + j]), len(drafts))
             if drafts:
                 drafter.verified(len(drafts), accepted)
-                rates.verified(request["adapter"], len(drafts), accepted)
+                chances.verified(adapter, drafter.match_length, len(drafts), accepted)
             total.steps += 1
             total.rows += len(drafts)
             total.accepted += accepted

@@ -1,8 +1,8 @@
 """How many tokens one request drafts next, from how many of its drafts were accepted.
 
 Whether those tokens are worth their rows in this step is the step-cost model's call
-(``draft_cost.py``, from the acceptance rate kept here). A request it declines would never be
-verified again, its rate frozen by its last misses though its output may turn repetitive later:
+(``draft_cost.py``, at the chance ``acceptance.py`` gives a draft of its match length). A request
+it declines would never be verified again, though its output may turn repetitive later:
 after ``backoff`` declined steps it drafts one token anyway (a probe), and each probe doubles the
 wait for the next, until a draft is accepted.
 
@@ -17,8 +17,6 @@ and reset as soon as a draft is accepted: its output may turn repetitive later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate
 
 
 @dataclass(frozen=True)
@@ -51,11 +49,9 @@ class DraftSettings:
     """``suffix``: adapter and tenant indexes kept, the least recently used dropped first."""
     prior_acceptance: float = 0.5
     """The chance a draft position is accepted, assumed for an adapter none of whose drafts was
-    verified yet (a request starts from its adapter's rate)."""
+    verified yet (``acceptance.DraftChances``)."""
     prior_weight: float = 2.0
-    """Draft positions the prior counts for, beside a request's (or an adapter's) own."""
-    acceptance_decay: float = 0.8
-    """Weight a request's earlier verifications keep at each new one (``acceptance.py``)."""
+    """Draft positions a prior counts for, beside an adapter's (or its match length's) own."""
     verify_step_share: float = 0.02
     """What a step that verifies any draft costs beyond its rows, as a share of a batch-1 step:
     its drafts must together save more. On 2 EPYC cores (Q4_1) the forward pass's first
@@ -100,15 +96,12 @@ class DraftBudget:
     """Steps left before it drafts again."""
     backoff: int = field(init=False)
     """The length of its next pause."""
-    acceptance: AcceptanceRate = field(init=False)
-    """The chance its next draft position is accepted."""
     declined_steps: int = 0
     """Steps since the cost model last let it draft."""
 
     def __post_init__(self) -> None:
         self.k = self.settings.max_draft_tokens
         self.backoff = self.settings.backoff_steps
-        self.acceptance = AcceptanceRate(self.settings.acceptance_decay)
 
     def allowed(self) -> int:
         """Tokens it may draft this step (0 while paused; a paused step counts down)."""
@@ -130,7 +123,6 @@ class DraftBudget:
     def verified(self, drafted: int, accepted: int) -> None:
         """``accepted`` of its ``drafted`` tokens (a prefix) were accepted this step."""
         settings = self.settings
-        self.acceptance.verified(drafted, accepted)
         if accepted == drafted:  # a short draft (its match ran out) does not lower k
             self.k = min(settings.max_draft_tokens, max(self.k, drafted + 1))
         else:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from services.gpu_worker.engine.kv_reservation import KvReservation
 from services.gpu_worker.engine.policies.batch_policy import StepOutcome
 from services.gpu_worker.engine.policies.linear_cost import OnlineFit
 from services.gpu_worker.engine.policies.step_cost_model import step_cost_model
 from services.gpu_worker.engine.request import EngineRequest, RequestState
-from services.gpu_worker.engine.speculation.acceptance import AdapterRates
+from services.gpu_worker.engine.speculation.acceptance import DraftChances
 from services.gpu_worker.engine.speculation.adapter_indexes import AdapterIndexes, IndexKey
 from services.gpu_worker.engine.speculation.adapter_output_index import AdapterOutputIndex
 from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
@@ -29,8 +30,8 @@ from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft
 from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
 
 ADAPTER_DECAY = 0.98
-"""Weight an adapter's earlier verifications keep at each new one: its rate, a new request's
-prior, follows its recent requests."""
+"""Weight an adapter's (and a match length's) earlier verifications keep at each new one: its
+rate follows its recent requests."""
 
 MAX_ADAPTER_RATES = 1024
 """Adapters whose acceptance is kept, the least recently verified forgotten first."""
@@ -75,8 +76,10 @@ class Speculator:
         self.cost = cost or step_cost_model()
         self.max_prefill_tokens = max_prefill_tokens
         self.counts = DraftCounts()
-        self.adapter_acceptance = AdapterRates(ADAPTER_DECAY, MAX_ADAPTER_RATES)
-        """Each adapter's draft acceptance (``BASE_MODEL``: the base model's), decayed."""
+        self.chances = DraftChances(
+            settings.prior_acceptance, settings.prior_weight, ADAPTER_DECAY, MAX_ADAPTER_RATES
+        )
+        """Draft acceptance per adapter (``BASE_MODEL``: the base model) and match length."""
         self.adapter_known = adapter_known
         self.indexes = (
             AdapterIndexes(
@@ -144,19 +147,12 @@ class Speculator:
         """What a step cost (its draft rows among its decode tokens): the cost model learns."""
         self.cost.observe(outcome)
 
-    def adapter_rate(self, request: EngineRequest) -> float:
-        """The chance a draft position of ``request``'s adapter is accepted (the settings' prior
-        before any was verified): its requests' prior."""
-        settings = self.settings
-        key = adapter_key(request.spec.adapter_id)
-        return self.adapter_acceptance.rate(key, settings.prior_acceptance, settings.prior_weight)
-
     def _chance(self, request: EngineRequest) -> float:
         """The chance each position of ``request``'s drafts this step is accepted; 1 for a probe
         (its row is what lets the request draft again)."""
         drafter = request.drafter
         assert drafter is not None
-        return 1.0 if drafter.probing else drafter.rate(self.adapter_rate(request))
+        return 1.0 if drafter.probing else drafter.chance
 
     def _drafts(self, request: EngineRequest, room: int, prices: DraftPrices) -> tuple[int, ...]:
         if (
@@ -176,7 +172,8 @@ class Speculator:
             return ()
         if request.drafter is None:
             request.drafter = RequestDrafter(self.settings, self._adapter_index(request))
-        return request.drafter.propose(request.all_ids, limit, prices, self.adapter_rate(request))
+        chance = partial(self.chances.match, adapter_key(request.spec.adapter_id))
+        return request.drafter.propose(request.all_ids, limit, prices, chance)
 
     def _adapter_index(self, request: EngineRequest) -> AdapterOutputIndex | None:
         if self.indexes is None:
@@ -207,7 +204,8 @@ class Speculator:
         if drafted and request.drafter is not None:
             request.drafter.verified(drafted, accepted)
             self.counts.add(request.spec.adapter_id, drafted, accepted)
-            self.adapter_acceptance.verified(adapter_key(request.spec.adapter_id), drafted, accepted)
+            key = adapter_key(request.spec.adapter_id)
+            self.chances.verified(key, request.drafter.match_length, drafted, accepted)
 
 
 def adapter_key(adapter_id: str | None) -> str:

@@ -16,8 +16,10 @@ from services.gpu_worker.engine.policies.linear_cost import FitConfig, LinearCos
 from services.gpu_worker.engine.policies.step_cost_model import STEP_TERMS, step_cost_model
 from services.gpu_worker.engine.request import GenerationRequest
 from services.gpu_worker.engine.sampling import SamplingParams
-from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate, AdapterRates
+from services.gpu_worker.engine.speculation.acceptance import AcceptanceRate, DraftChances, KeyedRates
+from services.gpu_worker.engine.speculation.draft_budget import DraftSettings
 from services.gpu_worker.engine.speculation.draft_cost import DraftPrices, draft_prices, fixed_cost
+from services.gpu_worker.engine.speculation.request_drafter import RequestDrafter
 from services.gpu_worker.engine.speculation.speculator import allot_rows
 from services.gpu_worker.model.llama import LlamaModel
 from tests.support.draft_cost import pin_draft_cost
@@ -70,8 +72,8 @@ def test_acceptance_counts_tried_positions_and_decays():
         AcceptanceRate(decay=0)
 
 
-def test_adapter_rates_are_a_new_requests_prior_and_bounded():
-    rates = AdapterRates(decay=1.0, max_adapters=2)
+def test_keyed_rates_start_from_the_prior_and_are_bounded():
+    rates = KeyedRates(decay=1.0, max_keys=2)
     assert rates.rate("sql", prior=0.5, prior_weight=2) == 0.5
     rates.verified("sql", drafted=4, accepted=4)
     rates.verified("chat", drafted=2, accepted=0)
@@ -79,6 +81,32 @@ def test_adapter_rates_are_a_new_requests_prior_and_bounded():
     assert rates.rate("chat", 0.5, 2) == pytest.approx(1 / 3)
     rates.verified("pirate", drafted=1, accepted=1)  # the least recently verified goes
     assert rates.keys() == ["chat", "pirate"]
+
+
+def test_a_drafts_chance_is_its_adapters_at_its_match_length():
+    chances = DraftChances(prior=0.5, prior_weight=2, decay=1.0, max_adapters=4)
+    assert chances.match("sql", 3) == 0.5  # nothing verified: the prior
+    chances.verified("sql", 3, drafted=4, accepted=4)
+    chances.verified("sql", 1, drafted=2, accepted=0)
+    # sql over all: 4 accepted of 5 tried, (4 + 1) / (5 + 2); each length starts from that.
+    assert chances.adapter("sql") == pytest.approx(5 / 7)
+    assert chances.match("sql", 3) == pytest.approx((4 + 2 * 5 / 7) / (4 + 2))
+    assert chances.match("sql", 1) == pytest.approx((0 + 2 * 5 / 7) / (1 + 2))
+    assert chances.match("sql", 2) == pytest.approx(5 / 7)
+    assert chances.match("chat", 3) == 0.5  # another adapter's drafts say nothing of these
+
+
+def test_a_drafter_prices_its_draft_at_its_match_lengths_chance():
+    drafter = RequestDrafter(DraftSettings())
+    sequence = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]  # the last 3 tokens occurred before: 4, 5, ... follow
+    prices = DraftPrices(token_s=1.0, row_s=0.17)
+    by_length = {3: 0.9, 2: 0.5, 1: 0.2}
+    assert drafter.propose(sequence, 5, prices, by_length.get) == (4, 5, 6, 7, 8)  # 0.9^5 = 0.59
+    assert (drafter.match_length, drafter.chance) == (3, 0.9)
+    by_length[3] = 0.5
+    assert drafter.propose(sequence, 5, prices, by_length.get) == (4, 5)  # 0.5, 0.25 > 0.17 > 0.125
+    by_length[3] = 0.1
+    assert drafter.propose(sequence, 5, prices, by_length.get) == ()  # declined, its probe not yet due
 
 
 def engine_with(tiny_llama, cost: OnlineFit) -> Engine:
