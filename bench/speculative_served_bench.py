@@ -32,6 +32,7 @@ by the base model's chat template, as the gateway renders it), the three systems
 per round; the bench reports each mesh's batch-1 rate against llama-server's.
 
     .venv/bin/python -m bench.speculative_served_bench --rounds 4
+    .venv/bin/python -m bench.speculative_served_bench --mode off   # A/A: how far two off meshes measure apart
     LORAMESH_LLAMA_SERVER=$LLAMA_CPP/build/bin/llama-server .venv/bin/python -m bench.speculative_served_bench
 """
 
@@ -72,13 +73,18 @@ LLAMA = "llama-server"
 DRAFT_COUNTER = re.compile(r"^loramesh_gpu_worker_(accepted_draft|draft)_tokens_total (\S+)$", re.MULTILINE)
 
 
+AGAIN = "off-again"
+"""With ``--mode off``, the second ``off`` mesh's key: an A/A run, whose ratios show how far two
+meshes that differ in nothing measure apart."""
+
+
 @contextmanager
 def mesh(mode: str, up_args: list[str]) -> Iterator[dict]:
-    """A detached ``loramesh up --speculative mode`` with the workloads' adapters uploaded; yields how
-    to reach its OpenAI API."""
+    """A detached ``loramesh up --speculative mode`` (``off`` for :data:`AGAIN`) with the
+    workloads' adapters uploaded; yields how to reach its OpenAI API."""
     with tempfile.TemporaryDirectory(prefix=f"loramesh-bench-spec-{mode}-") as state_dir:
         state = Path(state_dir)
-        _loramesh(state, "up", "--detach", "--speculative", mode, *up_args)
+        _loramesh(state, "up", "--detach", "--speculative", "off" if mode == AGAIN else mode, *up_args)
         try:
             info = MeshFile.read(state)
             with Client(info.services["gateway"].address, info.admin_api_key) as client:
@@ -190,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=96, help="tokens per repetitive request")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--mode", default="ngram", help="the speculative mode set against off")
+    parser.add_argument(
+        "--mode",
+        default="ngram",
+        help="the speculative mode set against off (off: an A/A run, off against off)",
+    )
     parser.add_argument("--up-args", default=LEAN_MESH, help="extra `loramesh up` flags for both meshes")
     parser.add_argument("--out", type=Path, default=Path("bench/out/speculative_served.json"))
     parser.add_argument(
@@ -203,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     # A killed bench still stops its meshes (the ExitStack unwinds on SystemExit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     up_args = shlex.split(args.up_args)
-    modes = ("off", args.mode)
+    modes = ("off", AGAIN if args.mode == "off" else args.mode)
     repeated = repetitive(args.tokens)
     # The repetitive concurrent group: its items cycled to fill the group.
     repeated_group = [
@@ -246,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in modes:
                 concurrent(clients[name], base_model, fresh_trace(args.concurrency, -1, True))
         load.append(os.getloadavg())
-        drafts_before = draft_counts(served[args.mode]["worker_metrics"])
+        drafts_before = draft_counts(served[modes[1]]["worker_metrics"])
         systems = list(senders)
         for index in range(args.rounds):
             order = modes if index % 2 == 0 else modes[::-1]
@@ -272,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(summarise_round(row, modes))
             print(json.dumps(rounds[-1]), flush=True)
         load.append(os.getloadavg())
-        drafts_after = draft_counts(served[args.mode]["worker_metrics"])
+        drafts_after = draft_counts(served[modes[1]]["worker_metrics"])
     drafts = {
         kind: drafts_after.get(kind, 0) - drafts_before.get(kind, 0) for kind in ("draft", "accepted_draft")
     }

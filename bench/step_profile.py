@@ -283,7 +283,11 @@ def start_engine(
     """An engine with one request per prompt (request i on ``adapters[i]``), prefilled."""
     engine = local_engine(
         model,
-        EngineConfig(pool_mib=_pool_mib(model, prompts, adapters, max_tokens), max_running=len(prompts)),
+        EngineConfig(
+            pool_mib=_pool_mib(model, prompts, adapters, max_tokens),
+            max_running=len(prompts),
+            speculative="off",  # the profile is of plain decode steps: one token a request each
+        ),
     )
     for adapter in {a.adapter_id: a for a in adapters if a is not None}.values():
         engine.add_adapter(adapter)

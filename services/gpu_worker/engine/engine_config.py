@@ -110,13 +110,15 @@ class EngineConfig:
     full, first: lru (least recently used), lfu (least frequently used, ties least recent) or
     fifo; pinned adapters never (docs/operations.md, "Eviction and pinning")."""
 
-    speculative: str = "off"
+    speculative: str = "ngram"
     """Speculative decoding: ``ngram`` drafts each decoding request's next tokens from its own
     prompt and output (prompt lookup, no draft model) and verifies them in the batched step,
     whatever its adapter; ``suffix`` drafts from the recent outputs of the request's adapter
     (per tenant namespace) too. Lossless: the same tokens as ``off``, greedy or seeded. Pays on
-    output that repeats its prompt, itself or its adapter's earlier outputs (docs/operations.md,
-    "Speculative decoding")."""
+    output that repeats its prompt, itself or its adapter's earlier outputs. ``ngram`` by
+    default: served on 2 cores it decoded one request at a time 1.64x (repetitive) and 1.41x
+    (the quick trace) faster than ``off``, and at 8 concurrent measured as far from ``off`` as
+    two ``off`` meshes measure from each other (docs/operations.md, "Speculative decoding")."""
 
     cuda_graphs: str = "off"
     """``on``: decode steps on a CUDA device replay a CUDA graph captured per batch-size bucket

@@ -70,6 +70,7 @@ def engine(tiny_llama, name: str, lenders: Lenders | None = None, **config) -> E
         "kv_block_tokens": BLOCK,
         "kv_overflow": "borrow",
         "loan_wait_s": 0.0,
+        "speculative": "off",  # the rounds are counted in steps: one token a step
     }
     settings = EngineConfig(worker_id=name, loan_wait_rounds=ROUNDS, **{**defaults, **config})
     if lenders is None:  # a creditor: it never borrows itself

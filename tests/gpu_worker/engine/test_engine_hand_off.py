@@ -20,7 +20,9 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 def new_engine(tiny_llama, max_running: int = 4) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    return local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=max_running))
+    # Tokens are counted in steps: one a step, without drafts.
+    config = EngineConfig(pool_mib=4, kv_block_tokens=4, max_running=max_running, speculative="off")
+    return local_engine(model, config)
 
 
 def run(engine: Engine) -> None:

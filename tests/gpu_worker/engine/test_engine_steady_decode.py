@@ -41,7 +41,9 @@ def adapter_dirs(tiny_llama, tmp_path_factory):
 
 def _engine(tiny_llama, adapter_dirs, backend: str) -> Engine:
     model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32)
-    engine = local_engine(model, EngineConfig(pool_mib=4, kv_block_tokens=4, lora_backend=backend))
+    # Plain decode steps are what the deltas apply to; a step verifying drafts is built whole.
+    config = EngineConfig(pool_mib=4, kv_block_tokens=4, lora_backend=backend, speculative="off")
+    engine = local_engine(model, config)
     for name, directory in adapter_dirs.items():
         engine.add_adapter(read_peft_directory(name, directory, torch.float32))
     return engine
