@@ -111,7 +111,6 @@ def replay(
         settings.max_adapter_indexes, settings.adapter_index_tokens, settings.adapter_max_ngram
     )
     chances = DraftChances(settings.prior_acceptance, settings.prior_weight, ADAPTER_DECAY, MAX_ADAPTER_RATES)
-
     for request in requests:
         key = (request["adapter"], "")
         if suffix and indexes.get(key) is None:

@@ -115,18 +115,20 @@ class Speculator:
         prices = draft_prices(
             self.cost.cost, decoding, adapters, settings.min_row_share, settings.verify_step_share
         )
-        proposed = {request.request_id: self._drafts(request, room, prices) for request in batch}
-        chances = {
-            request.request_id: self._chance(request) for request in batch if proposed[request.request_id]
+        proposals = {
+            request.request_id: (drafts, self._chance(request))
+            for request in batch
+            if (drafts := self._drafts(request, room, prices))
         }
-        shares = allot_rows({rid: (proposed[rid], chance) for rid, chance in chances.items()}, room)
+        shares = allot_rows(proposals, room)
         rows, saving = 0, 0.0
         for request in batch:
-            drafts = proposed[request.request_id][: shares.get(request.request_id, 0)]
+            proposed, chance = proposals.get(request.request_id, ((), 0.0))
+            drafts = proposed[: shares.get(request.request_id, 0)]
             if drafts and self.kv.reserve_drafts(request, request.total_len + len(drafts)):
                 request.drafts = drafts
                 rows += len(drafts)
-                saving += prices.saving(chances[request.request_id], len(drafts))
+                saving += prices.saving(chance, len(drafts))
         if rows and saving <= prices.step_s:
             # Together not worth a verifying step: a plain step, but for the requests probing
             # (whose drafts never pay: a probe is what lets them draft again; alone at batch 1
