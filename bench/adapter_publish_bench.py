@@ -3,7 +3,7 @@ serves the new version, on a local mesh of two workers, in one run.
 
     .venv/bin/python -m bench.adapter_publish_bench [--probes 30] [--publishes 40] [--rate 10]
         [--window-s 12] [--rounds 2] [--streams 4] [--max-tokens 24] [--pool 24] [--keep-versions 4]
-        [--dtype float32] [--prefetch-versions-s 60] [--store-nice N]
+        [--dtype float32] [--prefetch-versions-s 60] [--store-nice N] [--via upload|import]
 
 A mesh is started with ``loramesh up --workers 2`` (float32 workers as every side-by-side bench,
 or ``--dtype``; the workers' ``--prefetch-versions-s`` as given, 0 to pull a version only when
@@ -13,7 +13,9 @@ unreferenced blobs every second and at once (``--collect-interval-s 1 --collect-
 a pruned version's row and blob are gone by the time its content comes round again in the pool
 and every publish of new content is validated and writes its blob. The published adapter is rank 16 on
 all seven projections in float16: 9.8 MB of weights for SmolLM2-135M. Publishes go through the
-SDK, ``client.adapters.publish`` on the gateway, as a training loop's would.
+SDK, ``client.adapters.publish`` on the gateway (an upload), as a training loop's would; with
+``--via import``, ``client.adapters.import_uri`` of the directory the loop wrote (the store
+reads it, under the mesh's ``--adapter-load-dirs``), as a loop on the same machine would.
 
 Measured:
 
@@ -109,6 +111,14 @@ def arguments() -> argparse.Namespace:
     parser.add_argument(
         "--store-nice", default=None, help="the store replicas' --cpu-nice (default: the store's own)"
     )
+    parser.add_argument(
+        "--via",
+        choices=("upload", "import"),
+        default="upload",
+        help="how a version is published: uploaded through the SDK (client.adapters.publish), or "
+        "imported by the store from the directory the loop wrote (client.adapters.import_uri with a "
+        "file:// URI under --adapter-load-dirs, as a training loop beside the mesh loads into vLLM)",
+    )
     return parser.parse_args()
 
 
@@ -159,6 +169,21 @@ class RowWatch:
         await self._conn.close()
 
 
+class Publisher:
+    """One way of publishing a directory as the name's next version: ``--via``."""
+
+    def __init__(self, client: AsyncClient, via: str):
+        self._client, self._via = client, via
+
+    async def __call__(self, path: Path, name: str = NAME) -> tuple[str, int, bool]:
+        """The version's id and number, and whether this publish changed the name's content."""
+        if self._via == "import":
+            imported = await self._client.adapters.import_uri(path.resolve().as_uri(), name)
+            return imported.adapter.id, imported.adapter.version, imported.changed
+        published = await self._client.adapters.publish(path, name)
+        return published.id, published.version, published.changed
+
+
 async def first_token_s(stub, prompt_ids: list[int], adapter_id: str) -> float:
     request = worker_pb2.GenerateRequest(
         prompt_token_ids=prompt_ids, adapter_id=adapter_id, sampling=types_pb2.SamplingParams(max_tokens=1)
@@ -184,17 +209,17 @@ async def on_worker(stub, prompt_ids: list[int], adapter_id: str) -> dict:
     }
 
 
-async def probe(client: AsyncClient, stubs: list, watch: RowWatch, prompt_ids: list[int], path: Path) -> dict:
+async def probe(publish: Publisher, stubs: list, watch: RowWatch, prompt_ids: list[int], path: Path) -> dict:
     # The same first token without an adapter, before the publish: so it overlaps no pull.
     base = await asyncio.gather(*(first_token_s(stub, prompt_ids, "") for stub in stubs))
     started = time.perf_counter()
-    published = await client.adapters.publish(path, NAME)
+    adapter_id, version, changed = await publish(path)
     acknowledged = time.perf_counter()
-    assert published.changed, "a probe publishes new content"
-    workers = await asyncio.gather(*(on_worker(stub, prompt_ids, published.id) for stub in stubs))
-    seen = await watch.when(published.id)
+    assert changed, "a probe publishes new content"
+    workers = await asyncio.gather(*(on_worker(stub, prompt_ids, adapter_id) for stub in stubs))
+    seen = await watch.when(adapter_id)
     return {
-        "version": published.version,
+        "version": version,
         "store_s": acknowledged - started,
         "watch_s": (seen - started) if seen is not None else None,
         "row_to_acknowledgment_s": (acknowledged - seen) if seen is not None else None,
@@ -206,12 +231,12 @@ async def probe(client: AsyncClient, stubs: list, watch: RowWatch, prompt_ids: l
     }
 
 
-async def sustained(client: AsyncClient, paths: list[Path], count: int) -> dict:
+async def sustained(publish: Publisher, paths: list[Path], count: int) -> dict:
     durations = []
     started = time.perf_counter()
     for i in range(count):
         one = time.perf_counter()
-        await client.adapters.publish(paths[i % len(paths)], NAME)
+        await publish(paths[i % len(paths)])
         durations.append(time.perf_counter() - one)
     elapsed = time.perf_counter() - started
     return {"publishes": count, "per_s": round(count / elapsed, 2), **summary(durations, "publish")}
@@ -233,11 +258,11 @@ async def streams_window(client: AsyncClient, streams: int, max_tokens: int, win
 
 
 async def paced_publishes(
-    client: AsyncClient, paths: list[Path], rate: float, window_s: float, offset: int
+    publish: Publisher, paths: list[Path], rate: float, window_s: float, offset: int
 ) -> dict:
     interval, started, done = 1.0 / rate, time.perf_counter(), 0
     while time.perf_counter() - started < window_s:
-        await client.adapters.publish(paths[(offset + done) % len(paths)], NAME)
+        await publish(paths[(offset + done) % len(paths)])
         done += 1
         wait = started + done * interval - time.perf_counter()
         if wait > 0:
@@ -326,13 +351,14 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
     watch = RowWatch(mesh)
     result: dict = {"workers": len(workers), "autogroups": autogroups(pids)}
     async with AsyncClient(mesh.services["gateway"].address, mesh.admin_api_key) as client:
+        publish = Publisher(client, args.via)
         try:
             await watch.start()
             for name, path in zip(OTHERS, others, strict=True):
                 await client.adapters.upload(path, name)
             for i in range(2):  # warm-up: models, channels, the other adapters on both workers
                 await client.generate(PROMPT, adapter=OTHERS[i], max_tokens=2)
-                await probe(client, stubs, watch, prompt_ids, fresh[i])
+                await probe(publish, stubs, watch, prompt_ids, fresh[i])
 
             async def base_tokens() -> None:
                 for _ in range(args.probes):
@@ -340,7 +366,7 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
 
             async def probes_run() -> list[dict]:
                 return [
-                    await probe(client, stubs, watch, prompt_ids, fresh[(2 + i) % len(fresh)])
+                    await probe(publish, stubs, watch, prompt_ids, fresh[(2 + i) % len(fresh)])
                     for i in range(args.probes)
                 ]
 
@@ -369,10 +395,10 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
                          "base_first_token_s", "publish_to_every_worker_s"):  # fmt: skip
                 result.update(summary([p[part] for p in probes if p[part] is not None], part[:-2]))
 
-            result["sustained_new_content"] = await sustained(client, fresh, args.publishes)
+            result["sustained_new_content"] = await sustained(publish, fresh, args.publishes)
             for path in rollback:  # the contents rolled back to: kept versions of the name
-                await client.adapters.publish(path, NAME)
-            result["sustained_rollbacks"] = await sustained(client, rollback, args.publishes)
+                await publish(path)
+            result["sustained_rollbacks"] = await sustained(publish, rollback, args.publishes)
 
             quiet, loaded, publishing, extra_cpu, windows_cpu = [], [], [], [], []
             for round_index in range(args.rounds):
@@ -384,7 +410,7 @@ async def measure(mesh: MeshFile, args, fresh: list[Path], rollback: list[Path],
                     streams = asyncio.create_task(
                         streams_window(client, args.streams, args.max_tokens, args.window_s)
                     )
-                    paced = await paced_publishes(client, fresh, args.rate, args.window_s, offset)
+                    paced = await paced_publishes(publish, fresh, args.rate, args.window_s, offset)
                     return await streams, paced
 
                 loaded_run = await cpu_per(with_publishes(round_index * 7), pids, 1)
@@ -426,6 +452,8 @@ def main() -> None:
     flags += ["--prefetch-versions-s", args.prefetch_versions_s]
     if args.store_nice is not None:
         flags += ["--cpu-nice", args.store_nice]
+    if args.via == "import":
+        flags += ["--adapter-load-dirs", str(root)]
     with local_mesh(workers=2, flags=flags) as mesh:
         result = asyncio.run(measure(mesh, args, fresh, rollback, others))
     print(
@@ -437,6 +465,7 @@ def main() -> None:
                 "worker_dtype": args.dtype,
                 "prefetch_versions_s": float(args.prefetch_versions_s),
                 "store_nice": args.store_nice,
+                "via": args.via,
                 "cpus": os.cpu_count(),
                 "load_before": [round(v, 2) for v in load_before],
                 "load_after": [round(v, 2) for v in os.getloadavg()],

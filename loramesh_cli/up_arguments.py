@@ -20,7 +20,7 @@ from loramesh_cli.restart_policy import RestartPolicy
 from services.adapter_store.config import AdapterStoreConfig
 from services.gateway.auth import ApiKeys, is_hashed
 from services.gateway.config import GatewayConfig
-from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.config import STORE_FETCH_MODES, WorkerConfig
 from services.gpu_worker.distkv.transport.lane_modes import LANE_MODES
 from services.gpu_worker.engine.engine_config import CUDA_GRAPH_MODES, KV_OVERFLOW_POLICIES, SPECULATIVE_MODES
 from services.gpu_worker.engine.policies import BATCH_POLICIES
@@ -46,6 +46,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "pool_mib",
         "host_cache_mib",
         "prefetch_versions_s",
+        "store_fetch",
         "batch_policy",
         "early_abort_slo_s",
         "preemption_policy",
@@ -84,6 +85,7 @@ WORKER_SETTINGS = ForwardedSettings(
         "speculative": SPECULATIVE_MODES,
         "cluster_prefix_cache": ("on", "off"),
         "cuda_graphs": CUDA_GRAPH_MODES,
+        "store_fetch": STORE_FETCH_MODES,
     },
 )
 STORE_SETTINGS = ForwardedSettings(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 from grpc import aio
 
@@ -108,21 +109,37 @@ async def fetch_adapter(
     return info, data
 
 
+class BlobFileReader(Protocol):
+    """What a fetching process does with a blob file the store names instead of sending it."""
+
+    file_system: str
+    """The process's file system (``FetchAdapterRequest.file_system``)."""
+
+    async def read(self, path: str, size: int, sha256: str) -> memoryview | None:
+        """The file's bytes when they are ``size`` bytes whose sha256 is ``sha256``; None when it
+        cannot be read here or holds anything else."""
+        ...
+
+
 async def fetch_adapter_chunks(
     stub: adapter_store_pb2_grpc.AdapterStoreStub,
     ref: pb.AdapterRef,
     timeout: float | None = 120,
     first_answer: Callable[[Awaitable], Awaitable] | None = None,
-) -> tuple[types_pb2.AdapterInfo, list[bytes]]:
+    blob_files: BlobFileReader | None = None,
+) -> tuple[types_pb2.AdapterInfo, list[bytes | memoryview]]:
     """Download an adapter's weights and verify them against the announced sha256 (the
     ``AdapterInfo``'s ``sha256``), as the chunks they arrived in (a worker parses them where
     they are: ``services.gpu_worker.lora.safetensors_views``). ``first_answer(read)``: awaits the
     read of the first message (a caller bounds the wait there, cancelling the call when it gives
-    up).
+    up). ``blob_files``: offered to a replica on the same file system, which then names its blob
+    file instead of sending it; read and checked by ``blob_files``, else fetched again as chunks.
 
     Each chunk is hashed as it arrives, while the next is on its way: nothing is joined or
     hashed over the whole at the end."""
-    call = stub.FetchAdapter(pb.FetchAdapterRequest(ref=ref), timeout=timeout)
+    file_system = blob_files.file_system if blob_files is not None else ""
+    request = pb.FetchAdapterRequest(ref=ref, file_system=file_system)
+    call = stub.FetchAdapter(request, timeout=timeout)
     try:
         message = await (first_answer or _awaited)(call.read())
     except BaseException:
@@ -135,7 +152,13 @@ async def fetch_adapter_chunks(
     if header.adapter.sha256 not in ("", header.sha256):
         call.cancel()
         raise ChecksumMismatch(f"adapter {ref} announced two sha256s")
-    chunks: list[bytes] = []
+    if header.blob_path and blob_files is not None:
+        call.cancel()  # nothing follows a named file
+        data = await blob_files.read(header.blob_path, header.total_bytes, header.sha256)
+        if data is not None:
+            return header.adapter, [data]
+        return await fetch_adapter_chunks(stub, ref, timeout, first_answer)
+    chunks: list[bytes | memoryview] = []
     filled, digest = 0, hashlib.sha256()
     while (message := await call.read()) is not aio.EOF:
         chunk = message.chunk

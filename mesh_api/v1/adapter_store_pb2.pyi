@@ -134,22 +134,26 @@ class DeleteAdapterResponse(_message.Message):
     def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ...) -> None: ...
 
 class FetchAdapterRequest(_message.Message):
-    __slots__ = ("ref",)
+    __slots__ = ("ref", "file_system")
     REF_FIELD_NUMBER: _ClassVar[int]
+    FILE_SYSTEM_FIELD_NUMBER: _ClassVar[int]
     ref: AdapterRef
-    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
+    file_system: str
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., file_system: _Optional[str] = ...) -> None: ...
 
 class FetchAdapterResponse(_message.Message):
     __slots__ = ("header", "chunk")
     class Header(_message.Message):
-        __slots__ = ("adapter", "total_bytes", "sha256")
+        __slots__ = ("adapter", "total_bytes", "sha256", "blob_path")
         ADAPTER_FIELD_NUMBER: _ClassVar[int]
         TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
         SHA256_FIELD_NUMBER: _ClassVar[int]
+        BLOB_PATH_FIELD_NUMBER: _ClassVar[int]
         adapter: _types_pb2.AdapterInfo
         total_bytes: int
         sha256: str
-        def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+        blob_path: str
+        def __init__(self, adapter: _Optional[_Union[_types_pb2.AdapterInfo, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., blob_path: _Optional[str] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: FetchAdapterResponse.Header

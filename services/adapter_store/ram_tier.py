@@ -15,8 +15,8 @@ from __future__ import annotations
 import mmap
 import threading
 
-from services.adapter_store.blobs.page_aligned import populated_mapping
 from services.runtime.eviction import EvictionPolicy, LRUEviction
+from services.runtime.process.mapped_memory import populated_mapping
 
 
 def to_anonymous_mapping(data) -> memoryview:

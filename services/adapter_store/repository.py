@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from services.adapter_store.adapter_record import AdapterRecord
 from services.adapter_store.blob_collector import BlobCollector
@@ -369,6 +370,11 @@ class AdapterRepository:
             raise DataLoss(f"adapter {record.id!r}: its weights blob fails its sha256 check; quarantined")
         self.ram.put(record.sha256, data)
         return data
+
+    def weights_file(self, record: AdapterRecord) -> Path | None:
+        """The weights' blob as a file that a process sharing this machine's file system can read
+        (and check against ``record.sha256``); None where the blob tier keeps no such file."""
+        return self.blobs.file_path(record.sha256)
 
     def stats(self) -> RepositoryStats:
         records = self.catalog.all()

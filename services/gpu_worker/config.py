@@ -18,6 +18,10 @@ from services.runtime.config import (
     settings_of,
 )
 
+STORE_FETCH_MODES = ("auto", "stream")
+"""``--store-fetch``: read a version's blob file where a store replica shares this worker's file
+system (else streamed), or always stream it."""
+
 
 @dataclass
 @settings_of(EngineConfig)
@@ -38,6 +42,11 @@ class WorkerConfig(ServiceConfig):
     kernels are native CPU code, AVX-512 where the CPU has it, else AVX2 (docs/operations.md)."""
     adapter_store: str = ""
     """Adapter store address; empty: discovered in etcd, or standalone with --adapter-dir."""
+    store_fetch: str = "auto"
+    """How adapter versions come from the store: auto (a replica on this worker's own file system,
+    the same machine and mount namespace as under ``loramesh up``, names the version's blob file
+    and the worker reads it and checks its sha256; any other replica, or a file that cannot be
+    read, streams it over gRPC), or stream (always over gRPC)."""
     adapter_dir: str = ""
     """Standalone mode: serve adapters from this directory (one PEFT directory per adapter id)."""
     host_cache_mib: int = 4096
@@ -108,6 +117,7 @@ class WorkerConfig(ServiceConfig):
         require_choice(self, "quantization", QUANTIZATION_CHOICES)
         require_choice(self, "lending_lane", LANE_MODES)
         require_choice(self, "cluster_prefix_cache", ("on", "off"))
+        require_choice(self, "store_fetch", STORE_FETCH_MODES)
         require_positive(self, "prefix_fetch_mb_s", "prefill_gflops")
         # The engine's own checks (its policies' names, its shares), now rather than at start.
         self.engine_config(shared_pool=False)

@@ -157,7 +157,9 @@ class WorkerService:
         if cfg.adapter_dir:
             self.source = DirectorySource(cfg.adapter_dir)
         else:
-            self.source = StoreSource(cfg.adapter_store, cfg.etcd_endpoints, cfg.tls())
+            self.source = StoreSource(
+                cfg.adapter_store, cfg.etcd_endpoints, cfg.tls(), read_blob_files=cfg.store_fetch == "auto"
+            )
         loader = AdapterLoader(
             self.source,
             engine,

@@ -54,7 +54,9 @@ async def published_by_one_replica(
     async with store_replicas(tmp_path / "stores", etcd.endpoint) as replicas:
         info = await publish(replicas.addresses[1], files)
         monkeypatch.setattr(discovery, "random", Prefer(replicas.addresses[0]))
-        source = StoreSource(etcd_endpoints=etcd.endpoint)
+        # Streamed: on the replicas' own file system a source would read the blob file instead
+        # (test_adapter_source_blob_files.py).
+        source = StoreSource(etcd_endpoints=etcd.endpoint, read_blob_files=False)
         try:
             yield replicas, info.id, source
         finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 
@@ -72,6 +73,10 @@ class BlobBackend(Protocol):
         checks them against ``digest`` before trusting them."""
 
     def exists(self, digest: str) -> bool: ...
+
+    def file_path(self, digest: str) -> Path | None:
+        """The blob as a file of its own that a process sharing this machine's file system can
+        read, where the backend keeps it so; None otherwise (or when there is no such blob)."""
 
     def delete(self, digest: str) -> None:
         """Remove the blob (nothing when it is not there)."""

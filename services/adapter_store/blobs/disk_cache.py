@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from services.adapter_store.blobs.backend import BlobBackend, BlobEntry, StagedBlob
-from services.adapter_store.blobs.page_aligned import populated_mapping
+from services.runtime.process.mapped_memory import populated_mapping
 from services.runtime.security.private_files import PRIVATE_FILE_MODE, private_dir
 
 log = logging.getLogger("loramesh.adapter_store")
@@ -160,6 +160,10 @@ class DiskCachedBlobs:
 
     def put(self, digest: str, data) -> None:
         self.backend.put(digest, data)
+
+    def file_path(self, digest: str) -> Path | None:
+        """None: a cached file can be evicted while another process reads it."""
+        return None
 
     def exists(self, digest: str) -> bool:
         return self.backend.exists(digest)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from services.adapter_store.blobs.backend import BlobEntry, BlobMissing
-from services.adapter_store.blobs.page_aligned import populated_mapping
 from services.adapter_store.importers.s3 import _CHANGED, _DENIED, _MISSING_BUCKET, _MISSING_KEY, s3_client
 from services.runtime.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from services.runtime.process.mapped_memory import populated_mapping
 
 log = logging.getLogger("loramesh.adapter_store")
 
@@ -155,6 +156,9 @@ class S3Blobs:
                         raise Unavailable(f"S3 sent {filled} of the {size} bytes of s3://{self.bucket}/{key}")
                     filled += read
         return mapping[:size]
+
+    def file_path(self, digest: str) -> Path | None:
+        return None  # objects, not files
 
     def exists(self, digest: str) -> bool:
         try:
