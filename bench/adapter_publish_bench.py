@@ -4,6 +4,7 @@ serves the new version, on a local mesh of two workers, in one run.
     .venv/bin/python -m bench.adapter_publish_bench [--probes 30] [--publishes 40] [--rate 10]
         [--window-s 12] [--rounds 2] [--streams 4] [--max-tokens 24] [--pool 24] [--keep-versions 4]
         [--dtype float32] [--prefetch-versions-s 60] [--store-nice N] [--via upload|import]
+        [--store-fetch auto|stream]
 
 A mesh is started with ``loramesh up --workers 2`` (float32 workers as every side-by-side bench,
 or ``--dtype``; the workers' ``--prefetch-versions-s`` as given, 0 to pull a version only when
@@ -118,6 +119,12 @@ def arguments() -> argparse.Namespace:
         help="how a version is published: uploaded through the SDK (client.adapters.publish), or "
         "imported by the store from the directory the loop wrote (client.adapters.import_uri with a "
         "file:// URI under --adapter-load-dirs, as a training loop beside the mesh loads into vLLM)",
+    )
+    parser.add_argument(
+        "--store-fetch",
+        choices=("auto", "stream"),
+        default="auto",
+        help="the workers' --store-fetch (auto: read the store's blob file, as they share this machine)",
     )
     return parser.parse_args()
 
@@ -452,6 +459,7 @@ def main() -> None:
     flags += ["--prefetch-versions-s", args.prefetch_versions_s]
     if args.store_nice is not None:
         flags += ["--cpu-nice", args.store_nice]
+    flags += ["--store-fetch", args.store_fetch]
     if args.via == "import":
         flags += ["--adapter-load-dirs", str(root)]
     with local_mesh(workers=2, flags=flags) as mesh:
@@ -466,6 +474,7 @@ def main() -> None:
                 "prefetch_versions_s": float(args.prefetch_versions_s),
                 "store_nice": args.store_nice,
                 "via": args.via,
+                "store_fetch": args.store_fetch,
                 "cpus": os.cpu_count(),
                 "load_before": [round(v, 2) for v in load_before],
                 "load_after": [round(v, 2) for v in os.getloadavg()],
