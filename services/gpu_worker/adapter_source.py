@@ -28,6 +28,8 @@ from services.runtime.process.mapped_memory import read_file_mapped
 from services.runtime.rpc.fetch_hints import RAM_TIER_ONLY
 from services.runtime.security.tls import NO_TLS, TLSConfig
 
+log = logging.getLogger("loramesh.gpu_worker")
+
 
 @dataclass(frozen=True)
 class FetchedAdapter:
@@ -59,9 +61,6 @@ class AdapterSource(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-log = logging.getLogger("loramesh.gpu_worker")
 
 
 class LocalBlobFiles:
