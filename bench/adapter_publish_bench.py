@@ -61,6 +61,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -462,8 +463,11 @@ def main() -> None:
     flags += ["--store-fetch", args.store_fetch]
     if args.via == "import":
         flags += ["--adapter-load-dirs", str(root)]
-    with local_mesh(workers=2, flags=flags) as mesh:
-        result = asyncio.run(measure(mesh, args, fresh, rollback, others))
+    try:
+        with local_mesh(workers=2, flags=flags) as mesh:
+            result = asyncio.run(measure(mesh, args, fresh, rollback, others))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # 26 contents: 0.2 GB
     print(
         json.dumps(
             {
