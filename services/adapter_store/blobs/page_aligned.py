@@ -9,14 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from services.runtime.process.mapped_memory import populated_mapping
-
-PAGE = mmap.PAGESIZE
-
-
-def pages(size: int) -> int:
-    """``size`` rounded up to whole pages."""
-    return -(-size // PAGE) * PAGE
+from services.runtime.process.mapped_memory import PAGE, pages, populated_mapping
 
 
 def address(data) -> int:

@@ -21,6 +21,12 @@ _MADV_POPULATE_WRITE = 23
 now, huge ones where advised. An older kernel refuses it (EINVAL): the pages then fault in as
 they are first written."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+PAGE = mmap.PAGESIZE
+
+
+def pages(size: int) -> int:
+    """``size`` rounded up to whole pages."""
+    return -(-size // PAGE) * PAGE
 
 
 def populated_mapping(size: int) -> mmap.mmap:
@@ -45,7 +51,7 @@ def read_file_mapped(path: str | Path, direct: bool = True) -> memoryview:
     fd = _open_for_read(path, direct)
     try:
         size = os.fstat(fd).st_size
-        mapping = populated_mapping(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        mapping = populated_mapping(pages(size))
         view = memoryview(mapping)
         read = 0
         while read < size and (got := os.preadv(fd, [view[read:]], read)):
